@@ -1,0 +1,1 @@
+"""MLA attention math (absorbed form), per-step metadata, and the four layout executors."""

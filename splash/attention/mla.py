@@ -1,0 +1,70 @@
+"""Absorbed MLA building blocks shared by every layout (torch reference, fp32 math).
+
+Per head h: q̃_h = [q_nope_h · W_UK_h ; q_rope_h], score_h(t) = q̃_h · [c_kv(t) ; k_rope(t)] × scale,
+õ_h = Σ_t p_h(t) c_kv(t), LSE_h = log Σ_t exp(score_h(t)), o_h = õ_h · W_UV_hᵀ, then O.
+"""
+from __future__ import annotations
+
+import torch
+
+from splash.models.config import ModelConfig
+from splash.models.rope import Rope
+from splash.models.weights import AttnWeights
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads."""
+    n = x.shape[0]
+    qa = x if w.q_a is None else rms_norm(x @ w.q_a.T, w.q_a_norm, cfg.rms_norm_eps)
+    q = (qa @ w.q_b.T).view(n, len(w.heads), cfg.qk_head_dim)
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w.w_uk)
+    return torch.cat([q_lat, rope.apply(q_pe, cos, sin)], dim=-1)
+
+
+def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, hidden] -> (c_kv [n, d_c] normed latent, k_rope [n, d_r] rotated)."""
+    kv = x @ w.kv_a.T
+    c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rope.apply(k_pe, cos, sin)
+
+
+def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
+    """õ [n, H_local, d_c] -> this rank's partial O output [n, hidden] (sum over ranks for sharded heads)."""
+    n = o_lat.shape[0]
+    o = torch.einsum("nhc,hvc->nhv", o_lat.to(w.w_uv.dtype), w.w_uv).reshape(n, -1)
+    return o @ w.o.T
+
+
+def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched latent attention.
+
+    q [B, Q, H, D]; kv [B, S, D] (D = d_c + d_r, fp32); valid [B, Q, S] bool.
+    Returns õ [B, Q, H, d_c] and natural-log LSE [B, Q, H]; rows with no valid key give õ = 0, LSE = -inf.
+    """
+    scores = torch.einsum("bqhd,bsd->bqhs", q.float(), kv) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe[..., None])
+    o = torch.einsum("bqhs,bsc->bqhc", p, kv[..., :d_c])
+    return o, lse
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact combine of partial attention over disjoint key sets.
+
+    o [R, n, H, d_c], lse [R, n, H] (natural log, -inf where a part saw no key) -> (õ [n, H, d_c], LSE [n, H]).
+    """
+    total = torch.logsumexp(lse, dim=0)
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    w = torch.exp(lse - safe[None])
+    return (w[..., None] * o).sum(dim=0), total

@@ -1,0 +1,168 @@
+"""Command-line flags of ``splash-serve``: YAML config first, then the flags actually given override it.
+
+Every flag maps to one ServeConfig field (the table ``FLAGS``); flags default to ``argparse.SUPPRESS`` so
+the parsed namespace holds only what the user typed, which is exactly the override dict.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any, Callable, Sequence
+
+from splash.config.serve_config import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    FIELD_SECTION,
+    LAYOUTS,
+    ServeConfig,
+    apply_overrides,
+    load_serve_config,
+)
+from splash.config.yaml_loader import parse_size
+from splash.models.config import ConfigError
+
+_EPILOG = """\
+examples:
+  # 4 CPU ranks, tiny random-weight preset, settings from the shipped config:
+  mpirun -n 4 splash-serve --config configs/cpu.yaml
+  # a local HF model directory with default settings, no config file:
+  mpirun -n 2 splash-serve --model /models/tiny-glm --port 8001
+  # a config file, with a flag overriding one of its fields:
+  mpirun -n 8 splash-serve --config configs/h200.yaml --layout dp_attn --switch-mode blocking
+
+Flags override the YAML file field by field; see configs/*.yaml for every field with comments.
+Configuration errors print 'error: <message>' and exit with status 2.
+"""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _layout_list(text: str) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in items if s not in LAYOUTS]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated subset of {','.join(LAYOUTS)}")
+    return items
+
+
+_BOOL = argparse.BooleanOptionalAction
+# (flags, field, type or action, choices, metavar, help) — grouped by section for --help
+FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, str]] = [
+    (("--model",), "model", str, None, "DIR", "HF model directory (config.json, *.safetensors, tokenizer.json)"),
+    (("--preset",), "preset", str, None, "NAME", "random-weight preset used when no --model is given"),
+    (("--dtype",), "dtype", str, ("auto", "float32", "bfloat16"), None,
+     "compute dtype; auto = float32 on cpu, bfloat16 on GPUs"),
+    (("--seed",), "seed", int, None, "N", "random seed (preset weights, sampling)"),
+    (("--tokenizer",), "tokenizer", str, None, "DIR", "tokenizer directory if not the model directory"),
+    (("--max-model-len",), "max_model_len", int, None, "N", "longest prompt+output in tokens"),
+    (("--backend",), "backend", str, BACKENDS, None, "device backend: cpu (MPI), cuda (NCCL), hip (RCCL)"),
+    (("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS, None,
+     "MLA attention kernel; default torch on cpu, flashinfer on cuda, aiter on hip"),
+    (("--layout",), "layout", str, ("auto",) + LAYOUTS, None,
+     "attention layout; auto lets the cost model choose and switch while serving"),
+    (("--allowed-layouts",), "allowed_layouts", _layout_list, None, "L1,L2",
+     "layouts auto may choose from, comma-separated"),
+    (("--switch-mode",), "switch_mode", str, ("live", "blocking"), None,
+     "live: switch at a step boundary without draining; blocking: drain first"),
+    (("--switch-margin",), "switch_margin", float, None, "F",
+     "switch only if the new layout is predicted faster by this fraction"),
+    (("--hardware-profile",), "hardware_profile", str, None, "NAME|PATH",
+     "cost-model profile: cpu, h200, b200, bw1000, or a profile .yaml"),
+    (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str,
+     ("auto", "float32", "bfloat16", "fp8_e4m3", "int8"), None, "KV cache storage dtype; auto = compute dtype"),
+    (("--block-size",), "block_size", int, None, "N", "tokens per KV cache page"),
+    (("--gpu-memory-utilization",), "gpu_memory_utilization", float, None, "F",
+     "fraction of device memory for weights + KV cache"),
+    (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", _size, None, "BYTES",
+     "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
+    (("--num-kv-blocks",), "num_kv_blocks", int, None, "N", "exact number of KV pages per rank"),
+    (("--max-num-seqs",), "max_num_seqs", int, None, "N", "most requests in one batch"),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens", int, None, "N", "token budget of one step"),
+    (("--enable-chunked-prefill",), "enable_chunked_prefill", _BOOL, None, None,
+     "split long prompts across steps"),
+    (("--preemption-mode",), "preemption_mode", str, ("recompute", "queue"), None,
+     "what happens to a request evicted for lack of KV space"),
+    (("--host",), "host", str, None, "ADDR", "HTTP listen address (rank 0)"),
+    (("--port",), "port", int, None, "PORT", "HTTP listen port (0 = any free port)"),
+    (("--admin-token",), "admin_token", str, None, "TOKEN", "bearer token required by the admin endpoints"),
+    (("--served-model-name",), "served_model_name", str, None, "NAME", "model name reported by the API"),
+    (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only log lines"),
+    (("--collective-timeout-s",), "collective_timeout_s", float, None, "SECONDS",
+     "abort if a collective between ranks takes longer than this"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of exiting, so the caller decides how to report it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see '{self.prog} --help')")
+
+
+def _default_text(field_name: str) -> str:
+    value = getattr(getattr(ServeConfig(), FIELD_SECTION[field_name]), field_name)
+    if isinstance(value, tuple):
+        value = ",".join(value)
+    return "" if value is None else f" [default: {value}]"
+
+
+def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve an MLA model (DeepSeek-V3/V3.2, GLM-5.x) on the ranks started by mpirun, "
+                    "switching the attention layout while requests run. OpenAI-compatible HTTP API on rank 0.")
+    parser.add_argument("--config", metavar="YAML", default=None,
+                        help="serving config file (sections model/parallel/layout/cache/scheduler/server); "
+                             "without it every field has its default")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flags, name, kind, choices, metavar, text in FLAGS:
+        section = FIELD_SECTION[name]
+        group = groups.get(section) or groups.setdefault(
+            section, parser.add_argument_group(f"{section} (YAML section '{section}:')"))
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                              "help": (text + _default_text(name)).replace("%", "%%")}
+        if kind is _BOOL:
+            kw["action"] = _BOOL
+        else:
+            kw.update(type=kind, choices=choices, metavar=metavar)
+        group.add_argument(*flags, **kw)
+    return parser
+
+
+def build_config(argv: Sequence[str] | None = None) -> ServeConfig:
+    """Parse ``argv`` (default ``sys.argv[1:]``): load --config if given, then apply the flags given.
+
+    Raises ConfigError for any bad flag, file or value. ``--help`` prints and exits 0 (argparse).
+    """
+    args = vars(build_parser().parse_args(argv))
+    path = args.pop("config", None)
+    cfg = load_serve_config(path) if path is not None else ServeConfig()
+    return apply_overrides(cfg, args, source="command line") if args else cfg
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
+    """Alias of ``build_config`` (the name the server entry point uses)."""
+    return build_config(argv)
+
+
+def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:
+    """Decorator: run ``fn``; on ConfigError print 'error: <msg>' to stderr and return 2, else fn's code.
+
+    Usage: ``main = main_guard(_main)`` then ``sys.exit(main())``.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> int:
+        try:
+            rc = fn(*args, **kwargs)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0 if rc is None else int(rc)
+
+    return wrapper

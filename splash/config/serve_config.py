@@ -1,0 +1,271 @@
+"""Serving configuration: frozen dataclasses loaded from YAML, overridden by CLI flags (no torch).
+
+A YAML file has up to six sections, each a mapping (field names follow vLLM where vLLM has one)::
+
+    model:     {model, preset, dtype, seed, tokenizer, max_model_len}
+    parallel:  {world_size, backend, attention_backend}
+    layout:    {layout, allowed_layouts, switch_mode, switch_margin, hardware_profile}
+    cache:     {kv_cache_dtype, block_size, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks}
+    scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
+    server:    {host, port, admin_token, served_model_name, quiet, collective_timeout_s}
+
+Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the file and the field
+(``cache.block_size``). Every section validates itself in ``__post_init__``, so a config built in code is
+checked the same way as one read from a file; ``ServeConfig`` adds the cross-section checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from splash.config.yaml_loader import check_fields, read_yaml_mapping, unknown_key_error
+from splash.models.config import ConfigError
+
+LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+HARDWARE_PROFILES = ("cpu", "h200", "b200", "bw1000")
+BACKENDS = ("cpu", "cuda", "hip")
+ATTENTION_BACKENDS = ("torch", "flashinfer", "aiter", "triton")
+# which attention kernels each device backend can run (None = the backend's default)
+_ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashinfer", "triton"),
+                          "hip": ("torch", "aiter", "triton")}
+_DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter"}
+
+
+def _f(default: Any = None, **meta: Any) -> Any:
+    """A dataclass field with validation metadata (choices / min / max / gt / size)."""
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    SECTION: ClassVar[str] = "model"
+    model: str | None = None                     # HF model directory (config.json + safetensors)
+    preset: str = "tiny-mla"                     # random-weight preset used when model is None
+    dtype: str = _f("auto", choices=("auto", "float32", "bfloat16"))  # auto: float32 on cpu, else bf16
+    seed: int = _f(0, min=0)
+    tokenizer: str | None = None                 # None → the model directory (or a byte tokenizer)
+    max_model_len: int | None = _f(None, min=1)  # None → the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    SECTION: ClassVar[str] = "parallel"
+    world_size: int | None = _f(None, min=1)     # None → the number of ranks mpirun started
+    backend: str = _f("cpu", choices=BACKENDS)
+    attention_backend: str | None = _f(None, choices=ATTENTION_BACKENDS)  # None → backend default
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+
+
+@dataclass(frozen=True)
+class LayoutSection:
+    SECTION: ClassVar[str] = "layout"
+    layout: str = _f("auto", choices=("auto",) + LAYOUTS)  # auto: the cost model picks and switches
+    allowed_layouts: tuple[str, ...] = _f(LAYOUTS, choices=LAYOUTS)
+    switch_mode: str = _f("live", choices=("live", "blocking"))
+    switch_margin: float = _f(0.10, min=0.0)     # switch only when predicted >= 10% faster
+    hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → auto
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+        hp = self.hardware_profile
+        if hp is not None and hp not in HARDWARE_PROFILES and not _looks_like_path(hp):
+            raise ConfigError(f"field 'layout.hardware_profile' = {hp!r} is not one of "
+                              f"{', '.join(HARDWARE_PROFILES)} nor a path to a profile .yaml")
+        if not self.allowed_layouts:
+            raise ConfigError("field 'layout.allowed_layouts' must list at least one layout")
+        if len(set(self.allowed_layouts)) != len(self.allowed_layouts):
+            raise ConfigError(f"field 'layout.allowed_layouts' has duplicates: {list(self.allowed_layouts)}")
+        if self.layout != "auto" and self.layout not in self.allowed_layouts:
+            raise ConfigError(f"field 'layout.layout' = {self.layout!r} is not in layout.allowed_layouts "
+                              f"{list(self.allowed_layouts)}")
+
+
+@dataclass(frozen=True)
+class CacheSection:
+    SECTION: ClassVar[str] = "cache"
+    kv_cache_dtype: str = _f("auto", choices=("auto", "float32", "bfloat16", "fp8_e4m3", "int8"))
+    block_size: int = _f(16, min=1)              # tokens per KV page
+    gpu_memory_utilization: float = _f(0.85, gt=0.0, max=1.0)
+    kv_cache_memory_bytes: int | None = _f(None, min=1, size=True)  # explicit per-rank KV budget
+    num_kv_blocks: int | None = _f(None, min=1)  # overrides both budgets when set
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    SECTION: ClassVar[str] = "scheduler"
+    max_num_seqs: int = _f(256, min=1)
+    max_num_batched_tokens: int = _f(2048, min=1)
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = _f("recompute", choices=("recompute", "queue"))
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    SECTION: ClassVar[str] = "server"
+    host: str = "127.0.0.1"
+    port: int = _f(8000, min=0, max=65535)       # 0 → any free port (tests)
+    admin_token: str | None = None               # required by the admin endpoints when set
+    served_model_name: str | None = None         # None → model dir name or preset
+    quiet: bool = False
+    collective_timeout_s: float = _f(60.0, gt=0.0)
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+
+
+SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection, "layout": LayoutSection,
+                             "cache": CacheSection, "scheduler": SchedulerSection, "server": ServerSection}
+# field name → section name; field names are unique across sections, so overrides may use bare names
+FIELD_SECTION: dict[str, str] = {f.name: sec for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+assert len(FIELD_SECTION) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values()), "field names clash"
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.endswith((".yaml", ".yml")) or os.sep in s or "/" in s
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    layout: LayoutSection = field(default_factory=LayoutSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    server: ServerSection = field(default_factory=ServerSection)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"section {name!r} must be a {cls.__name__}")
+        backend, attn = self.parallel.backend, self.parallel.attention_backend
+        if attn is not None and attn not in _ATTENTION_FOR_BACKEND[backend]:
+            raise ConfigError(f"field 'parallel.attention_backend' = {attn!r} does not run on backend "
+                              f"{backend!r} (choose from {', '.join(_ATTENTION_FOR_BACKEND[backend])})")
+        s = self.scheduler
+        if s.max_num_batched_tokens < s.max_num_seqs:
+            raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "
+                              f">= scheduler.max_num_seqs ({s.max_num_seqs})")
+        mml = self.model.max_model_len
+        if not s.enable_chunked_prefill and mml is not None and s.max_num_batched_tokens < mml:
+            raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "
+                              f">= model.max_model_len ({mml}) when chunked prefill is disabled")
+
+    # ---- resolved values (the "auto"/None defaults that depend on other fields) ----
+    @property
+    def compute_dtype(self) -> str:
+        """'float32' or 'bfloat16': model.dtype, with auto = float32 on cpu, bfloat16 on GPUs."""
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return "float32" if self.parallel.backend == "cpu" else "bfloat16"
+
+    @property
+    def kv_dtype(self) -> str:
+        """cache.kv_cache_dtype with auto = the compute dtype."""
+        kv = self.cache.kv_cache_dtype
+        return self.compute_dtype if kv == "auto" else kv
+
+    @property
+    def attention_backend(self) -> str:
+        return self.parallel.attention_backend or _DEFAULT_ATTENTION[self.parallel.backend]
+
+    @property
+    def hardware_profile(self) -> str | None:
+        """layout.hardware_profile; None on GPUs means 'detect from the device name' (server's job)."""
+        hp = self.layout.hardware_profile
+        return "cpu" if hp is None and self.parallel.backend == "cpu" else hp
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.model.tokenizer or self.model.model
+
+    @property
+    def model_name(self) -> str:
+        """The name the API reports: served_model_name, else the model directory's name, else the preset."""
+        if self.server.served_model_name:
+            return self.server.served_model_name
+        if self.model.model:
+            return Path(self.model.model.rstrip("/\\")).name or self.model.model
+        return self.model.preset
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (tuples as lists), suitable for yaml.safe_dump / logging."""
+        out = dataclasses.asdict(self)
+        for sec in out.values():
+            for k, v in sec.items():
+                if isinstance(v, tuple):
+                    sec[k] = list(v)
+        return out
+
+
+def _elsewhere(section: str | None) -> dict[str, str]:
+    return {k: f"{s}.{k}" for k, s in FIELD_SECTION.items() if s != section}
+
+
+def _build_section(name: str, raw: Any) -> Any:
+    cls = SECTIONS[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section {name!r} must be a mapping of fields, got {type(raw).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            raise unknown_key_error(key, f"section {name!r}", names, _elsewhere(name))
+    return cls(**raw)
+
+
+def serve_config_from_dict(raw: dict[str, Any], where: str = "<config>") -> ServeConfig:
+    """Build a ServeConfig from a nested mapping; every ConfigError is prefixed with ``where``."""
+    try:
+        for key in raw:
+            if key not in SECTIONS:
+                raise unknown_key_error(key, "the top level (sections)", SECTIONS, _elsewhere(None))
+        return ServeConfig(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """Read a serving YAML; missing file, syntax error, bad key/type/value → ConfigError naming ``path``."""
+    return serve_config_from_dict(read_yaml_mapping(path), str(path))
+
+
+def _resolve_override_key(key: str) -> tuple[str, str]:
+    section, _, name = key.rpartition(".")
+    if section and section in SECTIONS and name in FIELD_SECTION and FIELD_SECTION[name] == section:
+        return section, name
+    if not section and key in FIELD_SECTION:
+        return FIELD_SECTION[key], key
+    raise unknown_key_error(key, "the overridable fields", list(FIELD_SECTION), {})
+
+
+def apply_overrides(cfg: ServeConfig, overrides: dict[str, Any], source: str = "overrides") -> ServeConfig:
+    """Return ``cfg`` with fields replaced; keys are field names ('port') or 'section.field' ('server.port').
+
+    Values are validated exactly as YAML values are; errors are prefixed with ``source``.
+    """
+    try:
+        per_section: dict[str, dict[str, Any]] = {}
+        for key, value in overrides.items():
+            section, name = _resolve_override_key(key)
+            per_section.setdefault(section, {})[name] = value
+        replaced = {s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in per_section.items()}
+        return dataclasses.replace(cfg, **replaced)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None

@@ -1,0 +1,346 @@
+"""Collective communication on tensors, passed explicitly to whoever needs it.
+
+`Communicator` is the interface; `MPICommunicator` implements it on CPU tensors with mpi4py
+(numpy views of contiguous tensors; dtypes MPI cannot reduce are summed in float32 and cast back;
+data-movement collectives always travel as bytes, so bf16/fp8 need no MPI type); and
+`SingleRankCommunicator` makes every op an identity so size-1 code paths make no MPI calls.
+
+Row convention: gathers and all-to-all move rows along dim 0; every rank passes the same trailing
+shape and dtype, even when it contributes zero rows.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+# dtypes that MPI sums natively on every implementation; others are reduced in float32.
+_NATIVE_REDUCE = frozenset(
+    {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
+)
+
+
+class Handle:
+    """An in-flight collective: `wait()` returns the result tensor, `test()` polls completion.
+
+    Holds the send/receive buffers until the collective completes.
+    """
+
+    def __init__(self, request: Any, finish: Callable[[], torch.Tensor], keep: Any = ()) -> None:
+        self._request = request
+        self._finish = finish
+        self._keep = keep
+        self._result: torch.Tensor | None = None
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> Handle:
+        """An already-completed handle."""
+        h = cls(None, lambda: result)
+        h._complete()
+        return h
+
+    def _complete(self) -> None:
+        self._result = self._finish()
+        self._request = self._finish = None
+        self._keep = ()
+
+    def test(self) -> bool:
+        """True once the collective has completed (never blocks)."""
+        if self._result is None and self._request.Test():
+            self._complete()
+        return self._result is not None
+
+    def wait(self) -> torch.Tensor:
+        """Block until complete; return the result (same tensor on repeated calls)."""
+        if self._result is None:
+            self._request.Wait()
+            self._complete()
+        return self._result
+
+
+class Communicator(abc.ABC):
+    """Collectives over a fixed group of ranks.
+
+    Tensor ops return the result as a tensor. On a group of size > 1 it is a new tensor and the
+    input is left untouched; on a size-1 group it may be the input itself, so do not modify the
+    input afterwards while keeping the result.
+    """
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks."""
+
+    @abc.abstractmethod
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Equal shapes on all ranks; concatenated along dim 0 in rank order (0-dim -> 1 row)."""
+
+    @abc.abstractmethod
+    def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
+        """Dim-0 sizes may differ (incl. 0); concatenated in rank order.
+
+        `counts` (rows per rank) skips the count exchange when the caller knows it.
+        """
+
+    @abc.abstractmethod
+    def all_to_allv(
+        self,
+        t: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """`t` holds rows for rank 0, then rank 1, ...; returns received rows in source-rank order.
+
+        `recv_counts=None` exchanges counts first (see `exchange_counts`).
+        """
+
+    @abc.abstractmethod
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Every rank passes a tensor of the same shape/dtype; returns root's values."""
+
+    @abc.abstractmethod
+    def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Pickled broadcast of a Python object."""
+
+    @abc.abstractmethod
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        """Pickled all-gather; list indexed by rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    # Async variants: default to running the blocking op (a completed handle).
+    def iall_reduce(self, t: torch.Tensor) -> Handle:
+        return Handle.done(self.all_reduce(t))
+
+    def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
+        return Handle.done(self.all_gatherv(t, counts))
+
+    def iall_to_allv(
+        self,
+        t: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int] | None = None,
+    ) -> Handle:
+        return Handle.done(self.all_to_allv(t, send_counts, recv_counts))
+
+    # Count helpers, built on the collectives above.
+    def gather_counts(self, n: int) -> list[int]:
+        """Every rank's `n`, in rank order (the counts `all_gatherv` would exchange)."""
+        return self.all_gather(torch.tensor([n], dtype=torch.int64)).tolist()
+
+    def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
+        """Rows each source rank will send here (the counts `all_to_allv` would exchange)."""
+        ones = [1] * self.size
+        sc = torch.tensor(list(send_counts), dtype=torch.int64)
+        return self.all_to_allv(sc, ones, ones).tolist()
+
+
+def _check_counts(name: str, counts: Sequence[int], size: int, total: int | None = None) -> None:
+    if len(counts) != size or any(c < 0 for c in counts):
+        raise ValueError(f"{name}={list(counts)} must hold {size} non-negative counts")
+    if total is not None and sum(counts) != total:
+        raise ValueError(f"{name}={list(counts)} sum to {sum(counts)}, tensor has {total} rows")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Detached, contiguous, at least 1-d."""
+    t = t.detach().contiguous()
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """Flat uint8 numpy view sharing memory with contiguous `t`."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+class SingleRankCommunicator(Communicator):
+    """A group of one: every op is the identity (no MPI calls)."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(1) if t.dim() == 0 else t
+
+    def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
+        if counts is not None:
+            _check_counts("counts", counts, 1, t.shape[0])
+        return t
+
+    def all_to_allv(self, t, send_counts, recv_counts=None) -> torch.Tensor:
+        _check_counts("send_counts", send_counts, 1, t.shape[0])
+        if recv_counts is not None:
+            _check_counts("recv_counts", recv_counts, 1, t.shape[0])
+        return t
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if root != 0:
+            raise ValueError(f"root={root} out of range for size 1")
+        return t
+
+    def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+# A planned collective: the MPI call's positional args and a function building the result.
+_Plan = tuple[tuple[Any, ...], Callable[[], torch.Tensor]]
+
+
+class MPICommunicator(Communicator):
+    """Collectives on CPU tensors over an mpi4py communicator (buffer interface, no pickling)."""
+
+    def __init__(self, mpi_comm: Any) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = mpi_comm
+        self._rank = mpi_comm.Get_rank()
+        self._size = mpi_comm.Get_size()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def mpi_comm(self) -> Any:
+        return self._comm
+
+    # --- plans: (args, finish) shared by blocking and nonblocking forms ---
+
+    def _plan_all_reduce(self, t: torch.Tensor) -> _Plan:
+        src = t.detach().contiguous()
+        work = src if src.dtype in _NATIVE_REDUCE else src.to(torch.float32)
+        out = torch.empty_like(work)
+        args = (work.reshape(-1).numpy(), out.reshape(-1).numpy(), self._MPI.SUM)
+        return args, (lambda: out if out.dtype == t.dtype else out.to(t.dtype))
+
+    def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
+        if t.dim() == 0:
+            raise ValueError("all_gatherv needs a tensor with a row dimension")
+        src = _rows(t)
+        if counts is None:
+            counts = self.gather_counts(src.shape[0])
+        _check_counts("counts", counts, self._size)
+        if counts[self._rank] != src.shape[0]:
+            raise ValueError(f"counts[{self._rank}]={counts[self._rank]} but tensor has {src.shape[0]} rows")
+        row = math.prod(src.shape[1:]) * src.element_size()
+        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype)
+        nbytes = [c * row for c in counts]
+        byte = self._MPI.BYTE
+        args = ([_bytes(src), byte], [_bytes(out), (nbytes, _displs(nbytes)), byte])
+        return args, (lambda: out)
+
+    def _plan_all_to_allv(
+        self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int] | None
+    ) -> _Plan:
+        if t.dim() == 0:
+            raise ValueError("all_to_allv needs a tensor with a row dimension")
+        src = _rows(t)
+        _check_counts("send_counts", send_counts, self._size, src.shape[0])
+        if recv_counts is None:
+            recv_counts = self.exchange_counts(send_counts)
+        _check_counts("recv_counts", recv_counts, self._size)
+        row = math.prod(src.shape[1:]) * src.element_size()
+        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype)
+        sb = [c * row for c in send_counts]
+        rb = [c * row for c in recv_counts]
+        byte = self._MPI.BYTE
+        args = ([_bytes(src), (sb, _displs(sb)), byte], [_bytes(out), (rb, _displs(rb)), byte])
+        return args, (lambda: out)
+
+    # --- blocking ---
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        args, finish = self._plan_all_reduce(t)
+        self._comm.Allreduce(*args)
+        return finish()
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        src = _rows(t)
+        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=src.dtype)
+        self._comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
+        return out
+
+    def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
+        args, finish = self._plan_all_gatherv(t, counts)
+        self._comm.Allgatherv(*args)
+        return finish()
+
+    def all_to_allv(self, t, send_counts, recv_counts=None) -> torch.Tensor:
+        args, finish = self._plan_all_to_allv(t, send_counts, recv_counts)
+        self._comm.Alltoallv(*args)
+        return finish()
+
+    def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
+        _check_counts("send_counts", send_counts, self._size)
+        recv = np.empty(self._size, dtype=np.int64)
+        self._comm.Alltoall(np.asarray(send_counts, dtype=np.int64), recv)
+        return recv.tolist()
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        src = t.detach().contiguous()
+        buf = src if self._rank == root else torch.empty_like(src)
+        self._comm.Bcast([_bytes(buf), self._MPI.BYTE], root=root)
+        return buf
+
+    def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
+        return self._comm.bcast(obj, root=root)
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        return self._comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    # --- nonblocking (count exchanges, when needed, are blocking) ---
+
+    def iall_reduce(self, t: torch.Tensor) -> Handle:
+        args, finish = self._plan_all_reduce(t)
+        return Handle(self._comm.Iallreduce(*args), finish, args)
+
+    def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
+        args, finish = self._plan_all_gatherv(t, counts)
+        return Handle(self._comm.Iallgatherv(*args), finish, args)
+
+    def iall_to_allv(self, t, send_counts, recv_counts=None) -> Handle:
+        args, finish = self._plan_all_to_allv(t, send_counts, recv_counts)
+        return Handle(self._comm.Ialltoallv(*args), finish, args)

@@ -1,0 +1,64 @@
+"""Process bootstrap: one process per rank under `mpiexec` (or a single rank without it)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from splash.distributed.communicator import Communicator, MPICommunicator, SingleRankCommunicator
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is. `comm` spans all `world_size` ranks."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    comm: Communicator
+
+
+def init_dist(mpi_comm: Any = None) -> DistContext:
+    """Learn rank, size and node-local rank from MPI (default `COMM_WORLD`).
+
+    Without `mpiexec`, mpi4py's singleton init gives one rank. A size-1 group gets a
+    `SingleRankCommunicator`; larger groups get an `MPICommunicator` on a duplicate of the
+    communicator, so our traffic never mixes with other users of it.
+    """
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    rank, size = world.Get_rank(), world.Get_size()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = local.Get_rank()
+    local.Free()
+    comm: Communicator = MPICommunicator(world.Dup()) if size > 1 else SingleRankCommunicator()
+    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm)
+
+
+def init_torch_distributed(ctx: DistContext, backend: str, host: str | None = None) -> None:
+    """Start a torch.distributed process group (e.g. "nccl", "gloo") over the MPI ranks.
+
+    Rank 0 opens a TCPStore on a free port and broadcasts the port over MPI. The store host is
+    `host`, else $MASTER_ADDR, else 127.0.0.1 when all ranks share a node, else rank 0's hostname.
+    """
+    import torch.distributed as dist
+
+    names = ctx.comm.all_gather_obj(socket.gethostname())
+    if host is None:
+        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(names)) == 1 else names[0])
+    store, port = None, None
+    if ctx.rank == 0:
+        try:
+            store = dist.TCPStore(host, 0, ctx.world_size, is_master=True, wait_for_workers=False)
+            port = store.port
+        finally:
+            port = ctx.comm.broadcast_obj(port, root=0)  # never leave the others waiting
+    else:
+        port = ctx.comm.broadcast_obj(None, root=0)
+        if port is None:
+            raise RuntimeError("rank 0 failed to open the TCPStore")
+        store = dist.TCPStore(host, port, ctx.world_size, is_master=False)
+    dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size)

@@ -1,0 +1,98 @@
+"""Rank 0's mirror of every rank's KV block usage under the current layout — pure Python, no torch.
+
+Which ranks hold a logical block follows the ownership model (`splash.layouts.ownership.kv_holders`), so the
+scheduler admits against exactly the blocks each rank's real pool will allocate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splash.layouts.ownership import cp_block_rank
+
+
+def _blocks(tokens: int, bs: int) -> int:
+    return -(-tokens // bs)
+
+
+@dataclass
+class KVLedger:
+    world: int
+    blocks_per_rank: int
+    block_size: int
+    layout: str
+    used: list[int] = field(default_factory=list)
+    reqs: dict[str, list[int]] = field(default_factory=dict)  # req -> [tokens, owner]
+
+    def __post_init__(self) -> None:
+        self.used = [0] * self.world
+
+    def holders(self, block: int, owner: int, layout: str | None = None) -> list[int]:
+        lay = layout or self.layout
+        if lay == "tp":
+            return list(range(self.world))
+        if lay == "cp":
+            return [cp_block_rank(block, self.world)]
+        return [owner]
+
+    def _need(self, owner: int, b0: int, b1: int, layout: str | None = None) -> list[int]:
+        need = [0] * self.world
+        for b in range(b0, b1):
+            for r in self.holders(b, owner, layout):
+                need[r] += 1
+        return need
+
+    def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
+        tokens, own = self.reqs.get(req, [0, owner])
+        return self._need(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
+
+    def can_grow(self, req: str, new_tokens: int, owner: int = 0) -> bool:
+        need = self.growth(req, new_tokens, owner)
+        return all(self.used[r] + need[r] <= self.blocks_per_rank for r in range(self.world))
+
+    def grow(self, req: str, new_tokens: int, owner: int = 0) -> None:
+        need = self.growth(req, new_tokens, owner)
+        entry = self.reqs.setdefault(req, [0, owner])
+        entry[0] = max(entry[0], new_tokens)
+        for r in range(self.world):
+            self.used[r] += need[r]
+
+    def release(self, req: str) -> None:
+        if req not in self.reqs:
+            return
+        tokens, owner = self.reqs.pop(req)
+        need = self._need(owner, 0, _blocks(tokens, self.block_size))
+        for r in range(self.world):
+            self.used[r] -= need[r]
+
+    def pick_owner(self) -> int:
+        """Least-loaded rank (by blocks, then by request count, then id)."""
+        counts = [0] * self.world
+        for _, o in self.reqs.values():
+            counts[o] += 1
+        return min(range(self.world), key=lambda r: (self.used[r], counts[r], r))
+
+    def owner(self, req: str) -> int:
+        return self.reqs[req][1]
+
+    def usage_under(self, layout: str, owners: dict[str, int] | None = None) -> list[int]:
+        """Per-rank blocks the live requests would use under `layout` (with optional new owners)."""
+        used = [0] * self.world
+        for req, (tokens, owner) in self.reqs.items():
+            o = owners.get(req, owner) if owners else owner
+            need = self._need(o, 0, _blocks(tokens, self.block_size), layout)
+            used = [a + b for a, b in zip(used, need)]
+        return used
+
+    def relayout(self, layout: str, owners: dict[str, int] | None = None) -> None:
+        self.used = self.usage_under(layout, owners)
+        if owners:
+            for req, o in owners.items():
+                self.reqs[req][1] = o
+        self.layout = layout
+
+    def free_tokens(self) -> int:
+        """Distinct tokens that could still be admitted (the binding rank under this layout)."""
+        free = [self.blocks_per_rank - u for u in self.used]
+        if self.layout == "tp":
+            return min(free) * self.block_size
+        return sum(free) * self.block_size

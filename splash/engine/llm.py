@@ -1,0 +1,83 @@
+"""`LLM`: the offline Python API, `LLM(model=PATH or preset=...).generate(prompt_token_ids, SamplingParams)`.
+
+Under `mpirun -n N` every rank constructs the LLM and calls generate with the same arguments; rank 0 drives,
+the others follow, and every rank returns the same outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splash.engine.engine import Engine
+from splash.engine.runner import ModelRunner
+from splash.engine.sampling import SamplingParams
+from splash.kv.paged_cache import PagedLatentCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: int = 0):
+    """(ModelConfig, getter) for a checkpoint directory or a preset name."""
+    if model:
+        from splash.models.loader import open_checkpoint
+        return open_checkpoint(model, dtype)
+    from splash.models.presets import preset_config, preset_getter
+    name = preset or "tiny-mla"
+    return preset_config(name), preset_getter(name, seed, dtype)
+
+
+def blocks_for_budget(cfg, kv_dtype: str, block_size: int, budget_bytes: int) -> int:
+    probe = PagedLatentCache(cfg.num_hidden_layers, 1, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype)
+    return max(0, budget_bytes // probe.nbytes())
+
+
+class LLM:
+    def __init__(self, model: str | None = None, preset: str | None = None, *, dtype: str = "float32",
+                 layout: str = "tp", kv_cache_dtype: str = "float32", block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 64 << 20,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
+                 max_model_len: int | None = None, seed: int = 0, comm=None):
+        if comm is None:
+            from splash.distributed import init_dist
+            comm = init_dist().comm
+        self.comm = comm
+        cfg, get = load_model(model, preset, DTYPES[dtype], seed)
+        if num_kv_blocks is None:
+            num_kv_blocks = blocks_for_budget(cfg, kv_cache_dtype, block_size, kv_cache_memory_bytes)
+        self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, num_kv_blocks, DTYPES[dtype])
+        self.engine = Engine(self.runner, comm, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                             preemption_mode, max_model_len)
+        self.cfg = cfg
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if self.comm.rank != 0:
+            self.engine.follow()
+            return self.comm.broadcast_obj(None)
+        outs: dict[str, RequestOutput] = {}
+        order = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            rid = self.engine.add_request(list(p), sp, f"gen-{i}")
+            outs[rid] = RequestOutput(rid, list(p), [], None)
+            order.append(rid)
+        try:
+            while self.engine.has_work():
+                for ev in self.engine.step():
+                    outs[ev.req_id].token_ids.append(ev.token)
+                    if ev.finish_reason:
+                        outs[ev.req_id].finish_reason = ev.finish_reason
+        finally:
+            self.engine.stop()
+        result = [outs[r] for r in order]
+        return self.comm.broadcast_obj(result)

@@ -1,0 +1,153 @@
+"""Continuous batching with chunked prefill and KV-aware admission — pure Python, no torch.
+
+Policy: every step first gives each running request its next piece (one decode token, or the next prefill
+chunk) in admission order, then admits waiting requests while the token budget, `max_num_seqs` and KV
+capacity allow. When a running request cannot grow because the pool is full, the most recently admitted
+running request is preempted and recomputed later (vLLM's default "recompute"); with `preemption_mode="queue"`
+the request that cannot grow simply waits for this step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splash.engine.ledger import KVLedger
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    max_len: int = 1 << 30
+    output: list[int] = field(default_factory=list)
+    num_cached: int = 0          # tokens whose KV is in the cache
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt) + len(self.output) - self.num_cached
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    req_id: str
+    start_pos: int
+    tokens: tuple[int, ...]
+    sample: bool
+    owner: int
+
+
+@dataclass
+class StepPlan:
+    items: list[Scheduled]
+    release: list[str]           # requests whose KV every rank frees before running the step
+
+
+class Scheduler:
+    def __init__(self, ledger: KVLedger, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 preemption_mode: str = "recompute"):
+        self.ledger = ledger
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._release: list[str] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+            self._free(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._release)
+
+    def _free(self, req: Request) -> None:
+        self.ledger.release(req.req_id)
+        self._release.append(req.req_id)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self._free(victim)
+        victim.num_cached = 0
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def _piece(self, req: Request, budget: int) -> Scheduled | None:
+        n = min(req.pending, budget)
+        if n <= 0:
+            return None
+        end = req.num_cached + n
+        if not self.ledger.can_grow(req.req_id, end, self.ledger.pick_owner()):
+            return None
+        owner = self.ledger.reqs[req.req_id][1] if req.req_id in self.ledger.reqs else self.ledger.pick_owner()
+        self.ledger.grow(req.req_id, end, owner)
+        toks = tuple(req.tokens[req.num_cached:end])
+        return Scheduled(req.req_id, req.num_cached, toks, end == len(req.prompt) + len(req.output), owner)
+
+    def schedule(self) -> StepPlan:
+        items: list[Scheduled] = []
+        budget = self.budget
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            item = self._piece(req, budget)
+            if item is None and req.pending > 0 and self.preemption_mode == "recompute":
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    continue
+                continue  # retry the same request with more room
+            if item is not None:
+                items.append(item)
+                budget -= len(item.tokens)
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            item = self._piece(self.waiting[0], budget)
+            if item is None:
+                break
+            self.running.append(self.waiting.popleft())
+            items.append(item)
+            budget -= len(item.tokens)
+        plan = StepPlan(items, self._release)
+        self._release = []
+        return plan
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results; returns requests that finished (their KV is released next step)."""
+        done = []
+        for it in plan.items:
+            req = self.requests.get(it.req_id)
+            if req is None:
+                continue
+            req.num_cached = it.start_pos + len(it.tokens)
+            if it.req_id not in sampled:
+                continue
+            tok = sampled[it.req_id]
+            req.output.append(tok)
+            if tok in req.stop_ids:
+                req.finish_reason = "stop"
+            elif len(req.output) >= req.max_tokens or len(req.tokens) >= req.max_len:
+                req.finish_reason = "length"
+            if req.finish_reason:
+                self.running.remove(req)
+                self._free(req)
+                del self.requests[req.req_id]
+                done.append(req)
+        return done

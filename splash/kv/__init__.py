@@ -1,0 +1,1 @@
+"""Paged latent KV cache: a pure block manager, quantisation and the per-layer torch pools."""

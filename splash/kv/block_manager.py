@@ -1,0 +1,87 @@
+"""Block manager for one rank's paged KV pool — pure Python, no torch.
+
+Physical block ids are rank-local. Each request maps logical block index -> physical block; under CP a rank
+holds only some logical blocks of a request, so the table is a dict, not a list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot provide the requested blocks; the caller queues, preempts or defers."""
+
+    def __init__(self, needed: int, free: int):
+        super().__init__(f"KV pool exhausted: need {needed} blocks, {free} free")
+        self.needed, self.free = needed, free
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    _free: list[int] = field(default_factory=list)
+    _tables: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 0 or self.block_size <= 0:
+            raise ValueError(f"bad pool shape: num_blocks={self.num_blocks}, block_size={self.block_size}")
+        # pop() from the end hands out low ids first
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def table(self, req: str) -> dict[int, int]:
+        return self._tables.get(req, {})
+
+    def has(self, req: str) -> bool:
+        return req in self._tables
+
+    def requests(self) -> list[str]:
+        return list(self._tables)
+
+    def missing(self, req: str, logical: list[int]) -> list[int]:
+        t = self._tables.get(req, {})
+        return [b for b in logical if b not in t]
+
+    def ensure(self, req: str, logical: list[int]) -> list[tuple[int, int]]:
+        """Make sure `req` holds every logical block in `logical`; returns newly allocated (logical, physical).
+        All-or-nothing: raises OutOfBlocks without allocating anything if the pool is short."""
+        need = [b for b in dict.fromkeys(logical) if b not in self._tables.get(req, {})]
+        if len(need) > len(self._free):
+            raise OutOfBlocks(len(need), len(self._free))
+        table = self._tables.setdefault(req, {})
+        new = []
+        for b in need:
+            phys = self._free.pop()
+            table[b] = phys
+            new.append((b, phys))
+        return new
+
+    def discard(self, req: str, logical: list[int]) -> list[int]:
+        """Free the given logical blocks of `req` (those it holds); returns the freed physical ids."""
+        table = self._tables.get(req)
+        if table is None:
+            return []
+        freed = [table.pop(b) for b in logical if b in table]
+        self._free.extend(freed)
+        if not table:
+            del self._tables[req]
+        return freed
+
+    def release(self, req: str) -> list[int]:
+        """Free every block of `req`."""
+        table = self._tables.pop(req, {})
+        freed = list(table.values())
+        self._free.extend(freed)
+        return freed
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

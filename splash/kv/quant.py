@@ -1,0 +1,60 @@
+"""KV quantisation: per-token, per-128-element-group scales for the latent; rope kept 16-bit.
+
+Why per token (not per block): decode appends one token at a time, so a per-block scale would either be fixed
+by the block's first token or force requantising the block on every append. Per-token scales make every append
+independent and let a switch move a block's bytes and scales verbatim (reuse is exact). This matches FlashMLA's
+FP8 KV layout (512 fp8 latent + 4 fp32 scales + 64 bf16 rope per token).
+"""
+from __future__ import annotations
+
+import torch
+
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+GROUP = 128
+_QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
+
+
+def is_quantized(kv_dtype: str) -> bool:
+    return kv_dtype in _QMAX
+
+
+def storage_dtypes(kv_dtype: str) -> tuple[torch.dtype, torch.dtype]:
+    """(latent storage dtype, rope storage dtype)."""
+    if kv_dtype == "float32":
+        return torch.float32, torch.float32
+    if kv_dtype == "bfloat16":
+        return torch.bfloat16, torch.bfloat16
+    if kv_dtype == "fp8_e4m3":
+        return torch.float8_e4m3fn, torch.bfloat16
+    if kv_dtype == "int8":
+        return torch.int8, torch.bfloat16
+    raise ValueError(f"kv_cache_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+
+
+def num_groups(dim: int) -> int:
+    return -(-dim // GROUP)
+
+
+def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, d] float -> (q [n, d] storage dtype, scales [n, groups] fp32)."""
+    n, d = x.shape
+    g = num_groups(d)
+    pad = g * GROUP - d
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(n, g, GROUP)
+    amax = xf.abs().amax(dim=-1).clamp_min(1e-12)
+    scale = amax / _QMAX[kv_dtype]
+    y = xf / scale[..., None]
+    if kv_dtype == "int8":
+        q = y.round().clamp(-127, 127).to(torch.int8)
+    else:
+        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(n, g * GROUP)[:, :d].contiguous(), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [..., d], scale [..., groups] -> fp32 [..., d]."""
+    d = q.shape[-1]
+    g = scale.shape[-1]
+    pad = g * GROUP - d
+    qf = torch.nn.functional.pad(q.float(), (0, pad)).view(*q.shape[:-1], g, GROUP)
+    return (qf * scale[..., None]).view(*q.shape[:-1], g * GROUP)[..., :d]

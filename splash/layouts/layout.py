@@ -1,0 +1,66 @@
+"""The four attention layouts as data: where projections live and who holds a request's KV history.
+
+A layout is two independent choices (the ownership model of the paper):
+- ``projections``: the shardable projections Q-B, KV-B, O are head-``sharded`` over the group or ``replicated``;
+- ``kv_ownership``: a request's latent KV history lives on ``all`` ranks (TP under MLA: every head reads the
+  whole latent), on its ``owner`` rank (DP-attn, DOP), or is split by ``position`` over all ranks (CP).
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+SHARDED = "sharded"
+REPLICATED = "replicated"
+KV_ALL = "all"
+KV_OWNER = "owner"
+KV_POSITION = "position"
+
+
+class Layout(str, Enum):
+    TP = "tp"
+    DP_ATTN = "dp_attn"
+    CP = "cp"
+    DOP = "dop"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def projections(self) -> str:
+        """"sharded" (TP, DOP) or "replicated" (DP-attn, CP)."""
+        return SHARDED if self in (Layout.TP, Layout.DOP) else REPLICATED
+
+    @property
+    def kv_ownership(self) -> str:
+        """"all" (TP), "owner" (DP-attn, DOP) or "position" (CP)."""
+        return _KV_OWNERSHIP[self]
+
+    @property
+    def shards_projections(self) -> bool:
+        return self.projections == SHARDED
+
+    @property
+    def owner_based(self) -> bool:
+        """True when every request's history lives on one owner rank (DP-attn, DOP)."""
+        return self.kv_ownership == KV_OWNER
+
+
+_KV_OWNERSHIP = {Layout.TP: KV_ALL, Layout.DP_ATTN: KV_OWNER, Layout.CP: KV_POSITION, Layout.DOP: KV_OWNER}
+
+_ALIASES = {"tp": Layout.TP, "dp_attn": Layout.DP_ATTN, "dp-attn": Layout.DP_ATTN, "dp": Layout.DP_ATTN,
+            "dpattn": Layout.DP_ATTN, "cp": Layout.CP, "dop": Layout.DOP}
+
+
+def parse_layout(name: str | Layout) -> Layout:
+    """Layout from a name ("tp", "dp_attn", "dp-attn", "dp", "cp", "dop"; case-insensitive).
+
+    Raises ValueError naming the bad value and the allowed names.
+    """
+    if isinstance(name, Layout):
+        return name
+    if isinstance(name, str):
+        found = _ALIASES.get(name.strip().lower())
+        if found is not None:
+            return found
+    allowed = ", ".join(sorted(_ALIASES))
+    raise ValueError(f"unknown attention layout {name!r} (allowed: {allowed})")

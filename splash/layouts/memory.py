@@ -1,0 +1,210 @@
+"""Per-rank memory model of the four layouts — analytic, usable at paper scale with no tensors.
+
+Per-rank memory = common + projections(layout) + KV(layout) + scratch + reserve, where
+- common: everything but Q-B/KV-B/O (embeddings, LM head, norms, Q-A, KV-A, DSA indexer, FFN/MoE). FFN/MoE is
+  TP-sharded over the group identically in every layout, so common is layout-independent;
+- projections: Q-B + KV-B + O per layer, divided by the group size when sharded (TP, DOP), whole when
+  replicated (DP-attn, CP);
+- KV: latent + rope (+ scales, + DSA indexer keys), in whole paged-cache blocks. TP keeps every token on
+  every rank (MLA heads all read the whole latent); DP-attn/DOP keep a request on its owner; CP keeps each
+  block on its round-robin home.
+Weight bytes are ``params × weight_bytes`` (quantisation scales of weights are not counted).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from splash.layouts.layout import Layout, parse_layout
+from splash.layouts.ownership import kv_holders, num_blocks
+from splash.models.config import ModelConfig
+
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+_PLAIN_BYTES = {"float32": 4, "bfloat16": 2}
+QUANT_GROUP = 128  # elements of the latent sharing one fp32 scale (per token)
+
+
+def _check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (allowed: {', '.join(KV_DTYPES)})")
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str) -> int:
+    """Bytes of KV history per token per MLA layer, including scales and DSA indexer keys.
+
+    float32/bfloat16: (d_c + d_r) × 4/2. fp8_e4m3/int8 (FlashMLA FP8 layout): d_c bytes of latent + one fp32
+    scale per 128-element group + d_r rope values kept in bf16. Indexer keys (when the model has DSA): in a
+    quantised cache 1 byte each + one fp32 scale, otherwise the cache's element size.
+    """
+    _check_kv_dtype(kv_dtype)
+    dc, dr, di = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    if kv_dtype in _PLAIN_BYTES:
+        elem = _PLAIN_BYTES[kv_dtype]
+        return elem * (dc + dr) + (elem * di if di > 0 else 0)
+    latent = dc + 4 * math.ceil(dc / QUANT_GROUP) + 2 * dr
+    return latent + (di + 4 if di > 0 else 0)
+
+
+def projection_params(cfg: ModelConfig) -> int:
+    """Parameters of the shardable projections of one layer: Q-B + KV-B + O."""
+    h = cfg.num_attention_heads
+    q_in = cfg.q_lora_rank if cfg.q_lora_rank else cfg.hidden_size
+    q_b = q_in * h * cfg.qk_head_dim
+    kv_b = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    o = h * cfg.v_head_dim * cfg.hidden_size
+    return q_b + kv_b + o
+
+
+def _indexer_params(cfg: ModelConfig) -> int:
+    if cfg.index_head_dim <= 0:
+        return 0
+    q_in = cfg.q_lora_rank if cfg.q_lora_rank else cfg.hidden_size
+    hid, ih, idim = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    return q_in * ih * idim + hid * idim + 2 * idim + hid * ih
+
+
+def _ffn_params(cfg: ModelConfig, layer: int) -> int:
+    hid = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return 3 * hid * cfg.intermediate_size
+    mi, nr = cfg.moe_intermediate_size, cfg.n_routed_experts
+    return 3 * hid * mi * nr + 3 * hid * mi * cfg.n_shared_experts + nr * hid + nr
+
+
+def _attn_common_params(cfg: ModelConfig) -> int:
+    """Per-layer non-shardable attention weights and norms: q_a (+norm), kv_a (+norm), 2 block norms."""
+    hid = cfg.hidden_size
+    q_a = hid * cfg.q_lora_rank + cfg.q_lora_rank if cfg.q_lora_rank else 0
+    kv_a = hid * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    return q_a + kv_a + 2 * hid
+
+
+def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
+    """Parameters per rank of the layout-independent state over the whole model.
+
+    Embeddings + LM head (unless tied) + final norm + per layer: norms, Q-A, KV-A, DSA indexer, and FFN/MoE
+    divided by ``ffn_shards`` (FFN/MoE is sharded over the group the same way in every layout).
+    """
+    if ffn_shards < 1:
+        raise ValueError(f"ffn_shards must be positive, got {ffn_shards}")
+    emb = cfg.vocab_size * cfg.hidden_size
+    total: float = emb + (0 if cfg.tie_word_embeddings else emb) + cfg.hidden_size
+    per_layer = _attn_common_params(cfg) + _indexer_params(cfg)
+    for layer in range(cfg.num_hidden_layers):
+        total += per_layer + _ffn_params(cfg, layer) / ffn_shards
+    return total
+
+
+def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float) -> float:
+    """Bytes of Q-B/KV-B/O over all layers held by one rank: /world when sharded, whole when replicated."""
+    layout = parse_layout(layout)
+    if layout.shards_projections and cfg.num_attention_heads % world:
+        raise ValueError(f"{layout.value}: world {world} does not divide num_heads {cfg.num_attention_heads}")
+    total = projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
+    return total / world if layout.shards_projections else total
+
+
+def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str, world: int,
+                         weight_bytes: float) -> float:
+    """Projection bytes one rank receives per layer on a src→dst switch.
+
+    sharded→replicated all-gathers the (world-1)/world of Q-B/KV-B/O it lacks; every other direction keeps or
+    discards and receives nothing.
+    """
+    src, dst = parse_layout(src), parse_layout(dst)
+    if src.shards_projections and not dst.shards_projections:
+        return projection_params(cfg) * weight_bytes * (world - 1) / world
+    return 0.0
+
+
+def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int) -> int:
+    """Bytes of one paged-cache block over all layers."""
+    return kv_bytes_per_token_layer(cfg, kv_dtype) * block_size * cfg.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """Per-rank memory of one layout (bytes). Common/projections/scratch/reserve are equal on every rank."""
+    layout: Layout
+    world: int
+    common: float
+    projections: float
+    kv_blocks: tuple[int, ...]
+    kv: tuple[int, ...]
+    scratch: int = 0
+    reserve: int = 0
+
+    def total(self, rank: int) -> float:
+        return self.common + self.projections + self.kv[rank] + self.scratch + self.reserve
+
+    @property
+    def peak(self) -> float:
+        """Largest per-rank total — what must fit the per-rank budget."""
+        return max(self.total(r) for r in range(self.world))
+
+
+def _kv_blocks_per_rank(layout: Layout, world: int, live_tokens: Mapping[str, tuple[int, int | None]] | None,
+                        block_size: int) -> list[int]:
+    blocks = [0] * world
+    for req, (tokens, owner) in (live_tokens or {}).items():
+        try:
+            holders = kv_holders(layout, num_blocks(tokens, block_size), owner, world)
+        except ValueError as e:
+            raise ValueError(f"request {req!r}: {e}") from None
+        for held in holders:
+            for r in held:
+                blocks[r] += 1
+    return blocks
+
+
+def per_rank_memory(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float, kv_dtype: str,
+                    live_tokens: Mapping[str, tuple[int, int | None]] | None, block_size: int,
+                    scratch_bytes: int = 0, reserve_bytes: int = 0,
+                    ffn_shards: int | None = None) -> LayoutMemory:
+    """Per-rank bytes of ``layout`` holding ``live_tokens`` (request -> (tokens, owner rank or None)).
+
+    Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``.
+    """
+    layout = parse_layout(layout)
+    common = common_params(cfg, ffn_shards or world) * weight_bytes
+    proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes)
+    blocks = _kv_blocks_per_rank(layout, world, live_tokens, block_size)
+    per_block = kv_block_bytes(cfg, kv_dtype, block_size)
+    return LayoutMemory(layout, world, common, proj, tuple(blocks), tuple(b * per_block for b in blocks),
+                        scratch_bytes, reserve_bytes)
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    """KV capacity of one layout under a per-rank budget."""
+    layout: Layout
+    world: int
+    block_size: int
+    block_bytes: int          # one block, all layers
+    room_bytes_per_rank: float  # budget left for KV (0 when negative)
+    blocks_per_rank: int
+    distinct_blocks: int      # distinct logical blocks the whole group can hold
+    distinct_tokens: int
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.blocks_per_rank * self.block_size
+
+
+def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budget_bytes_per_rank: float,
+                       weight_bytes: float, kv_dtype: str, block_size: int, scratch_bytes: int = 0,
+                       reserve_bytes: int = 0, ffn_shards: int | None = None) -> CapacityReport:
+    """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget.
+
+    TP stores every token on every rank, so its distinct capacity equals one rank's; DP-attn, CP and DOP store
+    each block once, so theirs is world × per-rank blocks.
+    """
+    layout = parse_layout(layout)
+    fixed = (common_params(cfg, ffn_shards or world) * weight_bytes
+             + projection_bytes_per_rank(cfg, layout, world, weight_bytes) + scratch_bytes + reserve_bytes)
+    room = max(0.0, budget_bytes_per_rank - fixed)
+    per_block = kv_block_bytes(cfg, kv_dtype, block_size)
+    per_rank = int(room // per_block) if per_block > 0 else 0
+    distinct = per_rank if layout == Layout.TP else world * per_rank
+    return CapacityReport(layout, world, block_size, per_block, room, per_rank, distinct, distinct * block_size)

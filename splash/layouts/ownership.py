@@ -1,0 +1,112 @@
+"""Who holds what: head shards, KV block holders and request owners — pure data, no torch."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, parse_layout
+
+
+class NoCapacity(RuntimeError):
+    """A request cannot be placed on any rank without exceeding the per-rank KV capacity."""
+
+    def __init__(self, request: str, tokens: int, capacity: int, loads: tuple[int, ...]):
+        self.request, self.tokens, self.capacity, self.loads = request, tokens, capacity, loads
+        super().__init__(f"request {request!r} ({tokens} KV tokens) fits on no rank: capacity "
+                         f"{capacity} tokens/rank, current loads {list(loads)}")
+
+
+def _check_world(world: int) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive integer, got {world!r}")
+
+
+def num_blocks(tokens: int, block_size: int) -> int:
+    """Whole paged-cache blocks needed for ``tokens`` tokens (last partial block counts whole)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if tokens < 0:
+        raise ValueError(f"token count must be non-negative, got {tokens}")
+    return -(-tokens // block_size)
+
+
+def head_range(num_heads: int, world: int, rank: int, layout: Layout | str) -> range:
+    """Attention heads whose projections ``rank`` holds: a contiguous slice when sharded, all when replicated."""
+    layout = parse_layout(layout)
+    _check_world(world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} out of range for world {world}")
+    if not layout.shards_projections:
+        return range(num_heads)
+    if num_heads % world:
+        raise ValueError(f"{layout.value}: world {world} does not divide num_heads {num_heads}")
+    per = num_heads // world
+    return range(rank * per, (rank + 1) * per)
+
+
+def cp_block_rank(block_idx: int, world: int) -> int:
+    """Home rank of logical KV block ``block_idx`` of a request under CP: block round-robin.
+
+    Round-robin over blocks (not contiguous position ranges) spreads every request's history evenly over the
+    ranks, including the growing tail that decode appends to, so per-rank attention work and KV memory stay
+    balanced at every length. The block is the unit of the paged cache, so a position's home rank depends only
+    on its block index and never changes while the request appends tokens — no re-sharding as it grows.
+    """
+    _check_world(world)
+    return block_idx % world
+
+
+def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: int) -> tuple[frozenset[int], ...]:
+    """Ranks holding each logical KV block of one request: TP all, DP-attn/DOP the owner, CP the block's home."""
+    layout = parse_layout(layout)
+    _check_world(world)
+    if layout.kv_ownership == KV_ALL:
+        every = frozenset(range(world))
+        return tuple(every for _ in range(num_blocks))
+    if layout.kv_ownership == KV_OWNER:
+        if owner is None or not 0 <= owner < world:
+            raise ValueError(f"{layout.value}: a request needs an owner rank in [0, {world}), got {owner!r}")
+        mine = frozenset((owner,))
+        return tuple(mine for _ in range(num_blocks))
+    homes = [frozenset((r,)) for r in range(world)]
+    return tuple(homes[cp_block_rank(b, world)] for b in range(num_blocks))
+
+
+def _placement_cost(tokens: int, block_size: int) -> int:
+    return num_blocks(tokens, block_size) * block_size
+
+
+def assign_owners(new_requests: Mapping[str, int], existing: Mapping[str, tuple[int, int]], world: int,
+                  capacity_tokens_per_rank: int | None, *, block_size: int = 1) -> dict[str, int]:
+    """Owner ranks for ``new_requests`` (request -> KV tokens), given ``existing`` (request -> (owner, tokens)).
+
+    Greedy, largest request first (ties by request id): each goes to the least-loaded rank by KV tokens, ties
+    broken by request count, then rank id, among ranks where it fits within ``capacity_tokens_per_rank``
+    (None: unbounded). Token counts are rounded up to whole ``block_size`` blocks. Deterministic. Raises
+    NoCapacity naming the first request that fits nowhere (greedy: a different packing might still exist).
+    """
+    _check_world(world)
+    loads = [0] * world
+    counts = [0] * world
+    for req, (owner, tokens) in existing.items():
+        if not 0 <= owner < world:
+            raise ValueError(f"existing request {req!r} has owner {owner} outside [0, {world})")
+        loads[owner] += _placement_cost(tokens, block_size)
+        counts[owner] += 1
+    placed: dict[str, int] = {}
+    for req, tokens in sorted(new_requests.items(), key=lambda kv: (-kv[1], kv[0])):
+        need = _placement_cost(tokens, block_size)
+        fits = [r for r in range(world)
+                if capacity_tokens_per_rank is None or loads[r] + need <= capacity_tokens_per_rank]
+        if not fits:
+            raise NoCapacity(req, tokens, capacity_tokens_per_rank or 0, tuple(loads))
+        best = min(fits, key=lambda r: (loads[r], counts[r], r))
+        placed[req] = best
+        loads[best] += need
+        counts[best] += 1
+    return placed
+
+
+def rebalance_owners(requests: Mapping[str, int], world: int, capacity_tokens_per_rank: int | None, *,
+                     block_size: int = 1) -> dict[str, int]:
+    """Owners for all ``requests`` placed fresh (entering DP-attn/DOP from TP or CP): balanced, deterministic."""
+    return assign_owners(requests, {}, world, capacity_tokens_per_rank, block_size=block_size)

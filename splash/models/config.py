@@ -1,0 +1,164 @@
+"""Model architecture description parsed from an HF ``config.json`` — pure data, no torch.
+
+The same ``ModelConfig`` feeds the torch model, the memory model and the simulator, so it imports
+nothing heavy. Errors name the file and the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+
+
+class ConfigError(ValueError):
+    """A configuration (model config.json or serving YAML) is invalid; the message names file and field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str = "default"  # "default" or "yarn"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    # DSA indexer (deepseek_v32 / glm_moe_dsa); 0 when the model has none
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times YaRN mscale(factor, mscale_all_dim)^2 when scaled (DeepSeek convention)."""
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if r.rope_type != "default" and r.mscale_all_dim:
+            m = yarn_mscale(r.factor, r.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def _rope_from_hf(raw: dict[str, Any], where: str) -> RopeConfig:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: field 'rope_parameters' must be an object, got {type(params).__name__}")
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"{where}: field 'rope_parameters.rope_type' = {rope_type!r} is not supported "
+                          "(supported: default, yarn)")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        rope_type="yarn", theta=theta, factor=float(params["factor"]),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                        raw.get("max_position_embeddings", 4096))),
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
+
+
+def model_config_from_dict(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Build a ModelConfig from an HF config dict; raise ConfigError naming the bad field."""
+    mt = raw.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}: field 'model_type' = {mt!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    for name in _REQUIRED:
+        if name not in raw:
+            raise ConfigError(f"{where}: required field {name!r} is missing")
+        if not isinstance(raw[name], int) or isinstance(raw[name], bool) or raw[name] < 0:
+            raise ConfigError(f"{where}: field {name!r} must be a non-negative integer, got {raw[name]!r}")
+    known = {f.name for f in fields(ModelConfig)} - {"rope", "model_type"}
+    kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw and raw[k] is not None}
+    if "n_routed_experts" not in raw and "num_local_experts" in raw:
+        kwargs["n_routed_experts"] = raw["num_local_experts"]
+    kwargs["q_lora_rank"] = raw.get("q_lora_rank")
+    if isinstance(kwargs.get("eos_token_id"), list):
+        kwargs["eos_token_id"] = tuple(kwargs["eos_token_id"])
+    heads = raw["num_attention_heads"]
+    if heads == 0:
+        raise ConfigError(f"{where}: field 'num_attention_heads' must be positive")
+    n_exp = kwargs.get("n_routed_experts", 0)
+    if n_exp and n_exp % max(1, kwargs.get("n_group", 1)):
+        raise ConfigError(f"{where}: field 'n_group' must divide n_routed_experts ({n_exp})")
+    return ModelConfig(model_type=mt, rope=_rope_from_hf(raw, where), **kwargs)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: config.json not found (is {model_dir} a model directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object")
+    return model_config_from_dict(raw, str(path))

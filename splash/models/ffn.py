@@ -1,0 +1,54 @@
+"""Dense MLP and DeepSeek MoE (sigmoid scores, e_score_correction_bias, group-limited top-k), TP-sharded.
+
+Each rank holds a slice of every expert's intermediate dimension, so a rank's output is a partial sum; the
+caller all-reduces it (FFN/MoE parallelism is independent of the attention layout)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splash.models.config import ModelConfig
+from splash.models.weights import MLPWeights, MoEWeights
+
+
+def mlp(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
+    return (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+
+
+def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (top-k expert ids [n, k], weights [n, k]) exactly as DeepSeek-V3 routes."""
+    scores = (x.float() @ w.router.T).sigmoid()
+    choice = scores + w.bias
+    n, E = choice.shape
+    g = cfg.n_group
+    group_scores = choice.view(n, g, E // g).topk(min(2, E // g), dim=-1)[0].sum(-1)
+    group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    mask = group_mask[:, :, None].expand(n, g, E // g).reshape(n, E).bool()
+    idx = choice.masked_fill(~mask, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, idx)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return idx, weights * cfg.routed_scaling_factor
+
+
+def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
+    idx, weights = route(cfg, w, x)
+    out = torch.zeros_like(x)
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=cfg.n_routed_experts).tolist()
+    tok = order // cfg.num_experts_per_tok
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start:start + c]
+        rows = tok[start:start + c]
+        start += c
+        gate, up = (x[rows] @ w.gate_up[e].T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w.down[e].T
+        out.index_add_(0, rows, y * weights.reshape(-1)[sel, None].to(y.dtype))
+    if w.shared is not None:
+        out = out + mlp(w.shared, x)
+    return out

@@ -1,0 +1,75 @@
+"""Seeded random-weight presets (no download needed). `tiny-mla` is the embedded default model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from splash.models.config import ModelConfig, model_config_from_dict
+from splash.models.weights import expected_shapes
+
+PRESETS: dict[str, dict] = {
+    "tiny-mla": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "q_lora_rank": 96, "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_interleave": True,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                            "mscale": 1.0, "mscale_all_dim": 1.0},
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 256, "eos_token_id": 257,
+    },
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (available: {', '.join(preset_names())})")
+    return model_config_from_dict(PRESETS[name], f"preset {name}")
+
+
+def preset_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random weights, scaled so activations stay O(1) and logits are well separated."""
+    cfg = preset_config(name)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, shape in sorted(expected_shapes(cfg).items()):
+        if key.endswith("norm.weight"):
+            out[key] = torch.ones(shape)
+        elif key.endswith("e_score_correction_bias"):
+            out[key] = 0.01 * torch.randn(shape, generator=g)
+        elif key == "model.embed_tokens.weight":
+            out[key] = torch.randn(shape, generator=g)
+        else:
+            out[key] = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+    return out
+
+
+def preset_getter(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    sd = preset_state_dict(name, seed)
+    return lambda key: sd[key].to(torch.float32 if key.endswith(("gate.weight", "bias")) else dtype)
+
+
+def save_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the preset as an HF checkpoint directory (config.json + model.safetensors + tokenizer.json)."""
+    from safetensors.torch import save_file
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
+    save_file(preset_state_dict(name, seed), str(d / "model.safetensors"))
+    try:
+        from splash.tokenizer import save_byte_tokenizer
+        save_byte_tokenizer(d)
+    except ImportError:
+        pass
+    return d

@@ -1,0 +1,217 @@
+"""Switch manifest planner: what each rank keeps, discards and receives on a src→dst layout switch. Pure.
+
+Every rank builds the same manifest at a step boundary from replicated metadata (request lengths and owners),
+so no rank needs to ask another what it holds. Per state kind the action is one of
+``keep`` / ``discard`` / ``all_gather`` / ``all_to_all`` (the paper's table, see ``WEIGHT_ACTION`` and
+``kv_action``); metadata kinds (block tables, owner map, positions) are ``rebuild``: derived locally from the
+destination layout and the new owners, never communicated (every rank already knows every request's length).
+DSA indexer keys move with the KV blocks they index (same action, same blocks); their bytes, like the FP8
+scales, are part of ``kv_bytes_per_token_layer``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from splash.layouts.layout import KV_ALL, Layout, parse_layout
+from splash.layouts.memory import kv_bytes_per_token_layer, projection_params, switch_receive_bytes
+from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, kv_holders, num_blocks,
+                                      rebalance_owners)
+from splash.models.config import ModelConfig
+
+KEEP, DISCARD, ALL_GATHER, ALL_TO_ALL, REBUILD = "keep", "discard", "all_gather", "all_to_all", "rebuild"
+TRANSFERS = (ALL_GATHER, ALL_TO_ALL)
+METADATA_KINDS = ("block_table", "owner_map", "positions")
+
+
+@dataclass(frozen=True)
+class ReqState:
+    """One live request: its KV length and its owner rank before and after the switch (None: not owner-based
+    / let the planner choose)."""
+    num_tokens: int
+    src_owner: int | None = None
+    dst_owner: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockMove:
+    """Logical KV block ``block_idx`` of ``req`` travels from ``src_rank`` to ``dst_rank`` (all layers)."""
+    req: str
+    block_idx: int
+    src_rank: int
+    dst_rank: int
+
+
+def weight_action(src: Layout | str, dst: Layout | str) -> str:
+    """Projections: sharded→replicated all-gathers, replicated→sharded discards, same placement keeps."""
+    src, dst = parse_layout(src), parse_layout(dst)
+    if src.projections == dst.projections:
+        return KEEP
+    return ALL_GATHER if src.shards_projections else DISCARD
+
+
+def kv_action(src: Layout | str, dst: Layout | str) -> str:
+    """Latent KV: into TP all-gathers; out of TP discards; owner↔owner keeps; owner↔position all-to-all."""
+    src, dst = parse_layout(src), parse_layout(dst)
+    if dst.kv_ownership == KV_ALL:
+        return ALL_GATHER
+    if src.kv_ownership == KV_ALL:
+        return DISCARD
+    return KEEP if src.kv_ownership == dst.kv_ownership else ALL_TO_ALL
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The plan of one switch; byte figures are per rank per layer unless named ``total_``.
+
+    Order of effect: ``moves`` are sent from the source layout's placement first; ``discard`` frees blocks only
+    after (a rank may send a block it then discards, e.g. CP→DP-attn). Moves, keep and discard are listed once
+    per logical block and apply identically to every layer.
+    """
+    src: Layout
+    dst: Layout
+    world: int
+    num_layers: int
+    actions: tuple[tuple[str, str], ...]          # (state kind, action)
+    dst_owners: tuple[tuple[str, int], ...]       # owner-based destinations only
+    moves: tuple[BlockMove, ...]
+    keep: tuple[tuple[tuple[str, int], ...], ...]     # per rank: (req, block) held and still needed
+    discard: tuple[tuple[tuple[str, int], ...], ...]  # per rank: (req, block) held and no longer needed
+    kv_block_bytes_layer: int
+    weight_recv_bytes: tuple[float, ...]
+    weight_sent_bytes: tuple[float, ...]
+    kv_recv_bytes: tuple[int, ...]
+    kv_sent_bytes: tuple[int, ...]
+
+    def action(self, kind: str) -> str:
+        for k, a in self.actions:
+            if k == kind:
+                return a
+        raise KeyError(f"state kind {kind!r} not in this manifest (kinds: {[k for k, _ in self.actions]})")
+
+    @property
+    def owners(self) -> dict[str, int]:
+        return dict(self.dst_owners)
+
+    @property
+    def total_weight_recv_bytes(self) -> tuple[float, ...]:
+        return tuple(b * self.num_layers for b in self.weight_recv_bytes)
+
+    @property
+    def total_kv_recv_bytes(self) -> tuple[int, ...]:
+        return tuple(b * self.num_layers for b in self.kv_recv_bytes)
+
+    @property
+    def total_recv_bytes(self) -> tuple[float, ...]:
+        return tuple((w + k) * self.num_layers for w, k in zip(self.weight_recv_bytes, self.kv_recv_bytes))
+
+    @property
+    def total_sent_bytes(self) -> tuple[float, ...]:
+        return tuple((w + k) * self.num_layers for w, k in zip(self.weight_sent_bytes, self.kv_sent_bytes))
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        acts = ", ".join(f"{k} {a}" for k, a in self.actions)
+        recv = max(self.total_recv_bytes, default=0.0) / mib
+        return (f"{self.src.value} -> {self.dst.value} on {self.world} ranks, {self.num_layers} layers: {acts}; "
+                f"{len(self.moves)} KV block moves, "
+                f"{sum(len(d) for d in self.discard)} block discards; max per-rank receive "
+                f"{max(self.weight_recv_bytes, default=0.0) / mib:.1f} MiB W + "
+                f"{max(self.kv_recv_bytes, default=0) / mib:.1f} MiB KV per layer, {recv:.1f} MiB total")
+
+
+def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
+                    capacity: int | None, block_size: int) -> dict[str, int]:
+    """Destination owners: given ones kept; else the source owner (DP-attn↔DOP); else balanced placement."""
+    if not dst.owner_based:
+        return {}
+    fixed = {r: s.dst_owner for r, s in requests.items() if s.dst_owner is not None}
+    if src.owner_based:
+        fixed.update({r: s.src_owner for r, s in requests.items()
+                      if s.dst_owner is None and s.src_owner is not None})
+    free = {r: s.num_tokens for r, s in requests.items() if r not in fixed}
+    if not fixed:
+        return rebalance_owners(free, world, capacity, block_size=block_size)
+    existing = {r: (o, requests[r].num_tokens) for r, o in fixed.items()}
+    return {**fixed, **assign_owners(free, existing, world, capacity, block_size=block_size)}
+
+
+def _pick_source(holders: frozenset[int], block_idx: int, world: int) -> int:
+    """Sender of a missing block: the block's CP home rank when it holds it (spreads senders round-robin when
+    every rank holds everything), else the lowest-numbered holder. Deterministic on every rank."""
+    home = cp_block_rank(block_idx, world)
+    return home if home in holders else min(holders)
+
+
+def _plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
+                 owners: Mapping[str, int], block_size: int):
+    moves: list[BlockMove] = []
+    keep: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+    discard: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+    for req in sorted(requests):
+        st = requests[req]
+        nb = num_blocks(st.num_tokens, block_size)
+        try:
+            before = kv_holders(src, nb, st.src_owner, world)
+            after = kv_holders(dst, nb, owners.get(req), world)
+        except ValueError as e:
+            raise ValueError(f"request {req!r}: {e}") from None
+        for b, (have, need) in enumerate(zip(before, after)):
+            for r in sorted(have):
+                (keep if r in need else discard)[r].append((req, b))
+            for r in sorted(need - have):
+                moves.append(BlockMove(req, b, _pick_source(have, b, world), r))
+    return moves, keep, discard
+
+
+def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int,
+                           weight_bytes: float) -> tuple[list[float], list[float]]:
+    recv = [switch_receive_bytes(cfg, src, dst, world, weight_bytes)] * world
+    if weight_action(src, dst) != ALL_GATHER:
+        return recv, [0.0] * world
+    heads = cfg.num_attention_heads
+    per_head = projection_params(cfg) * weight_bytes / heads
+    sent = [len(head_range(heads, world, r, src)) * per_head * (world - 1) for r in range(world)]
+    return recv, sent
+
+
+def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove]) -> tuple[tuple[str, str], ...]:
+    kv = kv_action(src, dst)
+    if kv in (KEEP, DISCARD) and moves:  # explicit re-ownership (dst_owner != src_owner) needs an exchange
+        kv = ALL_TO_ALL
+    acts = [("proj", weight_action(src, dst)), ("kv", kv)]
+    if cfg.index_head_dim > 0:
+        acts.append(("indexer_keys", kv))
+    acts += [(k, REBUILD) for k in METADATA_KINDS]
+    return tuple(acts)
+
+
+def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: int,
+                requests: Mapping[str, ReqState], block_size: int, weight_bytes: float, kv_dtype: str, *,
+                capacity_tokens_per_rank: int | None = None) -> Manifest:
+    """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
+
+    Destination owners (DP-attn/DOP) come from ``dst_owner``, else ``src_owner`` when the source is
+    owner-based, else balanced placement (``rebalance_owners``/``assign_owners``) within the optional capacity.
+    """
+    src, dst = parse_layout(src), parse_layout(dst)
+    if src == dst:
+        raise ValueError(f"switch from {src.value} to itself: nothing to plan")
+    for r, s in requests.items():
+        if s.num_tokens < 0:
+            raise ValueError(f"request {r!r}: num_tokens must be non-negative, got {s.num_tokens}")
+    for lay in (src, dst):
+        if lay.shards_projections:
+            head_range(cfg.num_attention_heads, world, 0, lay)  # validates world | num_heads
+    owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
+    moves, keep, discard = _plan_blocks(src, dst, world, requests, owners, block_size)
+    blk = kv_bytes_per_token_layer(cfg, kv_dtype) * block_size
+    kv_recv, kv_sent = [0] * world, [0] * world
+    for m in moves:
+        kv_recv[m.dst_rank] += blk
+        kv_sent[m.src_rank] += blk
+    w_recv, w_sent = _weight_bytes_per_rank(cfg, src, dst, world, weight_bytes)
+    return Manifest(src, dst, world, cfg.num_hidden_layers, _actions(cfg, src, dst, moves),
+                    tuple(sorted(owners.items())), tuple(moves),
+                    tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,
+                    tuple(w_recv), tuple(w_sent), tuple(kv_recv), tuple(kv_sent))

@@ -1,0 +1,245 @@
+"""Tokenizer wrapper over the HF ``tokenizers`` library (no torch, no transformers).
+
+* A model directory with ``tokenizer.json`` uses it; ``tokenizer_config.json`` (or ``chat_template.jinja``)
+  supplies the BOS/EOS tokens and the chat template.
+* Otherwise (presets, or a directory without ``tokenizer.json``) a **byte-level tokenizer** is built with the
+  ``tokenizers`` library: ids 0..255 are the 256 bytes (GPT-2 byte→unicode alphabet, no merges), then the
+  special tokens ``<|bos|>`` = 256, ``<|eos|>`` = 257, ``<|user|>`` = 258, ``<|assistant|>`` = 259. It
+  round-trips any UTF-8 text (text containing those four literal strings encodes them as the special ids).
+* ``decode`` tolerates ids outside the tokenizer's vocabulary (a random-weight model's vocab is often
+  larger): such ids, and negative ids, decode to ``""`` (they are dropped). Incomplete UTF-8 byte
+  sequences decode to U+FFFD, as in the ``tokenizers`` library.
+* Chat template: the model's Jinja ``chat_template`` when it has one and ``jinja2`` is importable, else
+  the simple template: for each message ``<|{role}|>\\n{content}\\n``, then ``<|assistant|>\\n``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from splash.models.config import ConfigError
+
+BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>")
+BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable unicode character map (what ByteLevel pre-tokenizers emit)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def build_byte_tokenizer() -> HFTokenizer:
+    """The 260-token byte-level tokenizer described in the module docstring."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    assert tok.get_vocab_size(with_added_tokens=True) == BYTE_VOCAB_SIZE
+    return tok
+
+
+def save_byte_tokenizer(directory: str | Path) -> Path:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (BOS/EOS) for the byte tokenizer; return the dir."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    build_byte_tokenizer().save(str(d / "tokenizer.json"))
+    cfg = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _pick_template(raw: Any) -> str | None:
+    """``chat_template`` is a string, or (older HF) a list of {"name", "template"}: take 'default'."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return None
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content: a string, or a list of parts of which the text parts are joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+class Tokenizer:
+    """encode/decode/chat template over a ``tokenizers.Tokenizer``; see the module docstring."""
+
+    def __init__(self, hf: HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 chat_template: str | None = None, eos_token_id: int | None = None) -> None:
+        self.hf = hf
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = hf.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = hf.token_to_id(eos_token) if eos_token else None
+        if self.eos_token_id is None:
+            self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special-token strings in the text map to their ids. With
+        ``add_special_tokens`` the tokenizer's post-processor runs (e.g. a BOS some models add)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; ids outside [0, vocab_size) are dropped (decode to "")."""
+        valid = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self.hf.decode(valid, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style ``messages`` ({"role", "content"}) into the prompt text.
+
+        Uses the model's Jinja template when it has one and jinja2 is installed; a template that raises
+        (e.g. roles must alternate) raises ValueError. Otherwise the simple template (module docstring).
+        """
+        if self.chat_template is not None:
+            rendered = _render_jinja(self.chat_template, messages, add_generation_prompt,
+                                     self.bos_token or "", self.eos_token or "")
+            if rendered is not None:
+                return rendered
+        parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+
+def _render_jinja(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
+                  bos_token: str, eos_token: str) -> str | None:
+    """Render an HF chat template the way transformers does; None when jinja2 is not installed."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token, eos_token=eos_token)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"chat template failed: {e}") from None
+
+
+def _eos_from_model_config(directory: Path) -> int | None:
+    """eos_token_id from generation_config.json / config.json (int, or the first of a list)."""
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(directory / name).get("eos_token_id")
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _load_from_dir(directory: Path) -> Tokenizer:
+    path = directory / "tokenizer.json"
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the Rust library raises plain Exception subclasses
+        raise ConfigError(f"{path}: cannot load tokenizer ({e})") from None
+    cfg = _read_json(directory / "tokenizer_config.json")
+    template = _pick_template(cfg.get("chat_template"))
+    jinja_file = directory / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    return Tokenizer(hf, bos_token=_token_content(cfg.get("bos_token")),
+                     eos_token=_token_content(cfg.get("eos_token")), chat_template=template,
+                     eos_token_id=_eos_from_model_config(directory))
+
+
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
+    """The tokenizer for a model whose embedding has ``vocab_size`` rows.
+
+    ``model_dir`` None, or a directory without ``tokenizer.json``, gives the byte tokenizer, which needs
+    ``vocab_size >= 260`` (else ConfigError). A directory that does not exist is a ConfigError.
+    """
+    if model_dir is not None:
+        directory = Path(model_dir)
+        if not directory.is_dir():
+            raise ConfigError(f"{directory}: tokenizer directory not found")
+        if (directory / "tokenizer.json").is_file():
+            return _load_from_dir(directory)
+    if vocab_size < BYTE_VOCAB_SIZE:
+        raise ConfigError(f"the byte tokenizer needs vocab_size >= {BYTE_VOCAB_SIZE}, the model has {vocab_size}")
+    return Tokenizer(build_byte_tokenizer(), bos_token="<|bos|>", eos_token="<|eos|>")
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenisation: ``push(id)`` returns the newly completed text, ``flush()`` the rest.
+
+    Text is only released once it no longer ends in U+FFFD (a multi-byte character split across tokens),
+    and is computed as the difference of two decodes of a short window, so tokenizers whose decoders
+    depend on context (leading-space handling) stream correctly. ``"".join(push(i) for i in ids) +
+    flush()`` equals ``tok.decode(ids)``.
+    """
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tok = tok
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0   # start of the decode window (text before it is already released)
+        self._read = 0     # end of the released part of the window
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        released = self._decode(self.ids[self._prefix:self._read])
+        window = self._decode(self.ids[self._prefix:])
+        if len(window) > len(released) and not window.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return window[len(released):]
+        return ""
+
+    def flush(self) -> str:
+        """Text held back at the end of the stream (e.g. an incomplete UTF-8 sequence, as U+FFFD)."""
+        released = self._decode(self.ids[self._prefix:self._read])
+        window = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return window[len(released):]

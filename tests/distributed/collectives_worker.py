@@ -1,0 +1,193 @@
+"""Run under `mpiexec -n N`: checks every collective against values every rank can rebuild.
+
+Usage: collectives_worker.py [collectives|gloo]. Exits non-zero (MPI Abort) on any mismatch.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import traceback
+
+import torch
+
+from splash.distributed import Communicator, DistContext, init_dist, init_torch_distributed
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64]
+TRAIL = (5, 3)
+
+
+def rand_bytes(shape: tuple[int, ...], dtype: torch.dtype, *seed: int) -> torch.Tensor:
+    """Deterministic random bit patterns (any dtype) from a seed tuple."""
+    g = torch.Generator().manual_seed(sum(s * 1_000_003**i for i, s in enumerate((7, *seed))))
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def small_ints(shape: tuple[int, ...], dtype: torch.dtype, *seed: int) -> torch.Tensor:
+    """Integers in [-3, 3]: sums over <= 4 ranks are exact in every tested dtype."""
+    g = torch.Generator().manual_seed(sum(s * 1_000_003**i for i, s in enumerate((11, *seed))))
+    return torch.randint(-3, 4, shape, generator=g).to(torch.float32).to(dtype)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Exact (bitwise) equality of dtype, shape and contents."""
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    u8 = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    assert torch.equal(u8(got), u8(want)), f"{what}: values differ"
+
+
+def gv_count(r: int) -> int:
+    return (3 * r) % 4  # rank 0 sends 0 rows
+
+
+def a2a_count(src: int, dst: int, n: int) -> int:
+    """Rows src sends to dst; the last rank sends and receives nothing."""
+    if src == n - 1 or dst == n - 1:
+        return 0
+    return (src + 2 * dst + 1) % 3
+
+
+def reduce_ref(shape, dtype, n: int, salt: int) -> torch.Tensor:
+    total = sum(small_ints(shape, dtype, r, salt).to(torch.float32) for r in range(n))
+    return total.to(torch.int64) if dtype == torch.int64 else total.to(dtype)
+
+
+def check_all_reduce(comm: Communicator, dt: torch.dtype) -> None:
+    r, n = comm.rank, comm.size
+    x = small_ints((4, *TRAIL), dt, r, 1)
+    before = x.clone()
+    check(comm.all_reduce(x), reduce_ref((4, *TRAIL), dt, n, 1), f"all_reduce {dt}")
+    check(x, before, f"all_reduce {dt} left input untouched")
+    xt = small_ints((6, 4), dt, r, 2).t()  # non-contiguous
+    check(comm.all_reduce(xt), reduce_ref((6, 4), dt, n, 2).t(), f"all_reduce non-contig {dt}")
+    check(comm.all_reduce(small_ints((), dt, r, 3)), reduce_ref((), dt, n, 3), f"all_reduce 0-d {dt}")
+    check(comm.all_reduce(small_ints((0, 3), dt, r, 4)), reduce_ref((0, 3), dt, n, 4), f"all_reduce empty {dt}")
+
+
+def check_all_gather(comm: Communicator, dt: torch.dtype) -> None:
+    r, n = comm.rank, comm.size
+    want = torch.cat([rand_bytes((2, *TRAIL), dt, q, 5) for q in range(n)])
+    check(comm.all_gather(rand_bytes((2, *TRAIL), dt, r, 5)), want, f"all_gather {dt}")
+    want0 = torch.stack([rand_bytes((), dt, q, 6) for q in range(n)])
+    check(comm.all_gather(rand_bytes((), dt, r, 6)), want0, f"all_gather 0-d {dt}")
+
+
+def check_all_gatherv(comm: Communicator, dt: torch.dtype) -> None:
+    r, n = comm.rank, comm.size
+    counts = [gv_count(q) for q in range(n)]
+    for trail, salt in ((TRAIL, 7), ((), 8)):
+        want = torch.cat([rand_bytes((c, *trail), dt, q, salt) for q, c in enumerate(counts)])
+        mine = rand_bytes((counts[r], *trail), dt, r, salt)
+        check(comm.all_gatherv(mine), want, f"all_gatherv {dt} trail={trail}")
+        check(comm.all_gatherv(mine, counts), want, f"all_gatherv counts {dt} trail={trail}")
+    empty = comm.all_gatherv(torch.empty((0, *TRAIL), dtype=dt))
+    check(empty, torch.empty((0, *TRAIL), dtype=dt), f"all_gatherv all-empty {dt}")
+    assert comm.gather_counts(counts[r]) == counts, "gather_counts"
+
+
+def a2a_case(comm: Communicator, dt: torch.dtype, salt: int):
+    """(input, send_counts, recv_counts, expected output) for this rank."""
+    r, n = comm.rank, comm.size
+    send = [a2a_count(r, d, n) for d in range(n)]
+    recv = [a2a_count(s, r, n) for s in range(n)]
+    x = torch.cat([rand_bytes((c, *TRAIL), dt, r, d, salt) for d, c in enumerate(send)])
+    want = torch.cat([rand_bytes((c, *TRAIL), dt, s, r, salt) for s, c in enumerate(recv)])
+    return x, send, recv, want
+
+
+def check_all_to_allv(comm: Communicator, dt: torch.dtype) -> None:
+    x, send, recv, want = a2a_case(comm, dt, 9)
+    assert comm.exchange_counts(send) == recv, "exchange_counts"
+    check(comm.all_to_allv(x, send), want, f"all_to_allv {dt}")
+    check(comm.all_to_allv(x, send, recv), want, f"all_to_allv recv_counts {dt}")
+
+
+def check_broadcast(comm: Communicator, dt: torch.dtype) -> None:
+    r, n = comm.rank, comm.size
+    root = n - 1
+    mine = rand_bytes((3, *TRAIL), dt, r, 10)
+    check(comm.broadcast(mine, root=root), rand_bytes((3, *TRAIL), dt, root, 10), f"broadcast {dt}")
+    check(mine, rand_bytes((3, *TRAIL), dt, r, 10), f"broadcast {dt} left input untouched")
+
+
+def check_async(comm: Communicator, dt: torch.dtype) -> None:
+    r, n = comm.rank, comm.size
+    counts = [gv_count(q) for q in range(n)]
+    x, send, recv, want_a2a = a2a_case(comm, dt, 12)
+    # Temporaries: the handles must keep their send buffers alive.
+    handles = [
+        comm.iall_reduce(small_ints((4, *TRAIL), dt, r, 11).clone()),
+        comm.iall_gatherv(rand_bytes((counts[r], *TRAIL), dt, r, 13).clone()),
+        comm.iall_to_allv(x.clone(), send, recv),
+        comm.iall_to_allv(x.clone(), send),
+    ]
+    del x
+    gc.collect()
+    for _ in range(1_000_000):
+        if all(h.test() for h in handles):
+            break
+    wants = [
+        reduce_ref((4, *TRAIL), dt, n, 11),
+        torch.cat([rand_bytes((c, *TRAIL), dt, q, 13) for q, c in enumerate(counts)]),
+        want_a2a,
+        want_a2a,
+    ]
+    for i, (h, want) in enumerate(zip(handles, wants)):
+        got = h.wait()
+        check(got, want, f"async #{i} {dt}")
+        assert h.test() and h.wait() is got, f"async #{i} {dt}: wait not idempotent"
+
+
+def check_objects(ctx: DistContext) -> None:
+    comm, r, n = ctx.comm, ctx.rank, ctx.world_size
+    from mpi4py import MPI
+
+    assert (r, n) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()), "init_dist rank/size"
+    assert ctx.local_rank == r, "local_rank (all ranks on one node)"
+    assert (comm.rank, comm.size) == (r, n), "comm rank/size"
+    got = comm.broadcast_obj({"from": r, "x": [r] * 3} if r == 1 else None, root=1)
+    assert got == {"from": 1, "x": [1, 1, 1]}, f"broadcast_obj: {got}"
+    assert comm.all_gather_obj(("r", r)) == [("r", q) for q in range(n)], "all_gather_obj"
+    comm.barrier()
+
+
+def run_collectives(ctx: DistContext) -> None:
+    check_objects(ctx)
+    for dt in DTYPES:
+        for fn in (check_all_reduce, check_all_gather, check_all_gatherv,
+                   check_all_to_allv, check_broadcast, check_async):
+            fn(ctx.comm, dt)
+    ctx.comm.barrier()
+
+
+def run_gloo(ctx: DistContext) -> None:
+    import torch.distributed as dist
+
+    init_torch_distributed(ctx, "gloo")
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    n = ctx.world_size
+    assert t.item() == n * (n + 1) / 2, f"gloo all_reduce: {t.item()}"
+    assert dist.get_rank() == ctx.rank and dist.get_world_size() == n
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    mode = sys.argv[1] if len(sys.argv) > 1 else "collectives"
+    ctx = init_dist()
+    try:
+        {"collectives": run_collectives, "gloo": run_gloo}[mode](ctx)
+    except BaseException:
+        traceback.print_exc()
+        print(f"rank {ctx.rank}: FAILED", file=sys.stderr, flush=True)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    print(f"rank {ctx.rank}/{ctx.world_size}: {mode} OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Collectives on real ranks (mpiexec -n 2|4), plus the single-rank paths in-process."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from mpi_util import mpiexec_path, run_mpi
+
+from splash.distributed import Handle, SingleRankCommunicator, init_dist
+
+WORKER = "tests/distributed/collectives_worker.py"
+needs_mpi = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
+
+
+def _assert_ok(proc, nprocs: int, mode: str) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    # Every rank reached the end (ranks' lines may interleave, so match anywhere).
+    done = {int(r) for r in re.findall(rf"rank (\d+)/{nprocs}: {mode} OK", proc.stdout)}
+    assert done == set(range(nprocs)), proc.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_collectives_real_ranks(nprocs):
+    _assert_ok(run_mpi(nprocs, WORKER, "collectives", timeout=120), nprocs, "collectives")
+
+
+@needs_mpi
+def test_init_torch_distributed_gloo():
+    _assert_ok(run_mpi(2, WORKER, "gloo", timeout=120), 2, "gloo")
+
+
+def test_init_dist_without_mpirun():
+    ctx = init_dist()
+    assert (ctx.rank, ctx.world_size, ctx.local_rank) == (0, 1, 0)
+    assert isinstance(ctx.comm, SingleRankCommunicator)
+
+
+def test_single_rank_communicator():
+    comm = SingleRankCommunicator()
+    assert (comm.rank, comm.size) == (0, 1)
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3).to(torch.bfloat16)
+    assert torch.equal(comm.all_reduce(x), x)
+    assert torch.equal(comm.all_gather(x), x)
+    assert comm.all_gather(torch.tensor(5)).tolist() == [5]
+    assert torch.equal(comm.all_gatherv(x), x)
+    assert torch.equal(comm.all_gatherv(x, [4]), x)
+    assert torch.equal(comm.all_to_allv(x, [4]), x)
+    assert torch.equal(comm.all_to_allv(x, [4], [4]), x)
+    assert torch.equal(comm.broadcast(x), x)
+    assert comm.broadcast_obj({"a": 1}) == {"a": 1}
+    assert comm.all_gather_obj("o") == ["o"]
+    assert comm.gather_counts(7) == [7] and comm.exchange_counts([3]) == [3]
+    comm.barrier()
+    for h in (comm.iall_reduce(x), comm.iall_gatherv(x), comm.iall_to_allv(x, [4])):
+        assert isinstance(h, Handle) and h.test()
+        assert torch.equal(h.wait(), x)
+    empty = torch.empty(0, 3, dtype=torch.float8_e4m3fn)
+    assert comm.all_to_allv(empty, [0]).shape == (0, 3)
+
+
+def test_single_rank_rejects_bad_counts():
+    comm = SingleRankCommunicator()
+    x = torch.zeros(4, 3)
+    with pytest.raises(ValueError):
+        comm.all_to_allv(x, [3])
+    with pytest.raises(ValueError):
+        comm.all_to_allv(x, [2, 2])
+    with pytest.raises(ValueError):
+        comm.all_gatherv(x, [5])

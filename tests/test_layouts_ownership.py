@@ -1,0 +1,99 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splash.layouts import (Layout, NoCapacity, assign_owners, cp_block_rank, head_range, kv_holders,
+                            num_blocks, rebalance_owners)
+
+
+def test_head_range_sharded_and_replicated():
+    assert head_range(128, 8, 0, Layout.TP) == range(0, 16)
+    assert head_range(128, 8, 7, "dop") == range(112, 128)
+    assert head_range(128, 8, 3, Layout.DP_ATTN) == range(128)
+    assert head_range(128, 8, 3, Layout.CP) == range(128)
+    shards = [h for r in range(4) for h in head_range(64, 4, r, Layout.DOP)]
+    assert shards == list(range(64))
+
+
+def test_head_range_errors():
+    with pytest.raises(ValueError, match="does not divide"):
+        head_range(6, 4, 0, Layout.TP)
+    assert head_range(6, 4, 0, Layout.CP) == range(6)  # replicated: any world
+    with pytest.raises(ValueError, match="out of range"):
+        head_range(8, 4, 4, Layout.TP)
+
+
+def test_cp_block_rank_round_robin():
+    assert [cp_block_rank(b, 4) for b in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert cp_block_rank(5, 1) == 0
+    assert "round-robin" in cp_block_rank.__doc__ and "never changes" in cp_block_rank.__doc__
+
+
+def test_num_blocks():
+    assert [num_blocks(t, 64) for t in (0, 1, 64, 65, 128)] == [0, 1, 1, 2, 2]
+
+
+def test_kv_holders_per_layout():
+    assert kv_holders(Layout.TP, 3, None, 4) == (frozenset(range(4)),) * 3
+    assert kv_holders(Layout.DP_ATTN, 2, 2, 4) == (frozenset({2}),) * 2
+    assert kv_holders(Layout.DOP, 2, 1, 4) == (frozenset({1}),) * 2
+    assert kv_holders(Layout.CP, 6, None, 4) == tuple(frozenset({b % 4}) for b in range(6))
+    assert kv_holders(Layout.CP, 0, None, 4) == ()
+
+
+@pytest.mark.parametrize("owner", [None, -1, 4])
+def test_kv_holders_owner_layouts_need_valid_owner(owner):
+    with pytest.raises(ValueError, match="owner"):
+        kv_holders(Layout.DOP, 1, owner, 4)
+
+
+def test_assign_owners_least_loaded_largest_first():
+    owners = assign_owners({"a": 100, "b": 300, "c": 200, "d": 50}, {}, 2, None)
+    # b(300)->0, c(200)->1, a(100)->1 (200<300), d(50)->0 (300 vs 300, count 1 vs 2)
+    assert owners == {"b": 0, "c": 1, "a": 1, "d": 0}
+
+
+def test_assign_owners_respects_existing_and_ties():
+    owners = assign_owners({"n": 10}, {"x": (0, 50), "y": (1, 50), "z": (2, 10)}, 3, None)
+    assert owners == {"n": 2}
+    # equal tokens: fewer requests wins, then lowest rank id
+    assert assign_owners({"n": 1}, {"x": (0, 10), "y": (1, 5), "z": (1, 5)}, 2, None) == {"n": 0}
+    assert assign_owners({"n": 1, "m": 1}, {}, 3, None) == {"m": 0, "n": 1}
+
+
+def test_assign_owners_capacity_and_no_capacity():
+    assert assign_owners({"a": 60}, {"x": (0, 10), "y": (1, 50)}, 2, 100) == {"a": 0}
+    assert assign_owners({"a": 60}, {"x": (0, 50), "y": (1, 30)}, 2, 100) == {"a": 1}
+    with pytest.raises(NoCapacity) as e:
+        assign_owners({"big": 80}, {"x": (0, 50), "y": (1, 30)}, 2, 100)
+    assert e.value.request == "big" and "big" in str(e.value)
+
+
+def test_assign_owners_rounds_to_blocks():
+    with pytest.raises(NoCapacity):
+        assign_owners({"a": 65}, {}, 1, 100, block_size=64)  # 2 blocks = 128 tokens > 100
+    assert assign_owners({"a": 64}, {}, 1, 100, block_size=64) == {"a": 0}
+
+
+def test_rebalance_owners_balances_and_is_deterministic():
+    reqs = {f"r{i}": 1000 for i in range(8)}
+    owners = rebalance_owners(reqs, 4, None)
+    assert sorted(owners.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rebalance_owners(dict(reversed(list(reqs.items()))), 4, None) == owners
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text("abcdef", min_size=1, max_size=4), st.integers(0, 5000), max_size=24),
+       st.sampled_from([1, 2, 4, 8]), st.one_of(st.none(), st.integers(0, 40000)))
+def test_assign_owners_properties(reqs, world, cap):
+    try:
+        owners = rebalance_owners(reqs, world, cap)
+    except NoCapacity as e:
+        assert cap is not None and e.request in reqs
+        return
+    assert set(owners) == set(reqs) and all(0 <= o < world for o in owners.values())
+    loads = [sum(t for r, t in reqs.items() if owners[r] == k) for k in range(world)]
+    if cap is not None:
+        assert max(loads) <= cap
+    else:  # greedy LPT bound: no rank exceeds the mean by more than the largest request
+        assert max(loads) <= sum(reqs.values()) / world + max(reqs.values(), default=0)

@@ -1,0 +1,231 @@
+"""Serving config: YAML loading errors, validation, CLI overrides, shipped configs."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from splash.cli.args import build_config, build_parser, main_guard
+from splash.config import (
+    CacheSection,
+    ConfigError,
+    ServeConfig,
+    apply_overrides,
+    load_serve_config,
+)
+from splash.config.yaml_loader import parse_size
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _write(tmp_path: Path, text: str, name: str = "serve.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_serve_config(path)
+    return str(ei.value)
+
+
+def test_defaults_resolve_for_cpu():
+    cfg = ServeConfig()
+    assert cfg.compute_dtype == "float32" and cfg.kv_dtype == "float32"
+    assert cfg.attention_backend == "torch" and cfg.hardware_profile == "cpu"
+    assert cfg.model_name == "tiny-mla" and cfg.layout.allowed_layouts == ("tp", "dp_attn", "cp", "dop")
+
+
+def test_gpu_backend_resolves_bf16():
+    cfg = apply_overrides(ServeConfig(), {"backend": "cuda"})
+    assert cfg.compute_dtype == "bfloat16" and cfg.attention_backend == "flashinfer"
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    p = _write(tmp_path, "cache:\n  blok_size: 32\n")
+    msg = _error(p)
+    assert "blok_size" in msg and str(p) in msg and "did you mean 'block_size'" in msg
+
+
+def test_misplaced_key_points_to_its_section(tmp_path):
+    msg = _error(_write(tmp_path, "scheduler:\n  block_size: 32\n"))
+    assert "'block_size'" in msg and "cache.block_size" in msg
+
+
+def test_unknown_section(tmp_path):
+    p = _write(tmp_path, "servr:\n  port: 1\n")
+    msg = _error(p)
+    assert "servr" in msg and "did you mean 'server'" in msg and str(p) in msg
+
+
+def test_wrong_type_names_field_type_and_file(tmp_path):
+    p = _write(tmp_path, "server:\n  port: '8000'\n")
+    msg = _error(p)
+    assert "server.port" in msg and "must be int" in msg and str(p) in msg
+
+
+def test_bool_is_not_an_int(tmp_path):
+    assert "cache.block_size" in _error(_write(tmp_path, "cache:\n  block_size: true\n"))
+
+
+def test_int_accepted_for_float(tmp_path):
+    cfg = load_serve_config(_write(tmp_path, "layout:\n  switch_margin: 0\n"))
+    assert cfg.layout.switch_margin == 0.0 and isinstance(cfg.layout.switch_margin, float)
+
+
+def test_bad_enum_value(tmp_path):
+    msg = _error(_write(tmp_path, "layout:\n  layout: dp-attn\n"))
+    assert "layout.layout" in msg and "'dp-attn'" in msg and "dp_attn" in msg
+
+
+@pytest.mark.parametrize("text, field", [
+    ("cache:\n  block_size: 0\n", "cache.block_size"),
+    ("cache:\n  gpu_memory_utilization: 1.5\n", "cache.gpu_memory_utilization"),
+    ("server:\n  port: 70000\n", "server.port"),
+    ("layout:\n  allowed_layouts: [tp, xx]\n", "layout.allowed_layouts"),
+    ("layout:\n  layout: cp\n  allowed_layouts: [tp]\n", "layout.layout"),
+    ("layout:\n  hardware_profile: h100\n", "layout.hardware_profile"),
+    ("parallel:\n  attention_backend: flashinfer\n", "parallel.attention_backend"),
+    ("scheduler:\n  max_num_seqs: 64\n  max_num_batched_tokens: 32\n", "scheduler.max_num_batched_tokens"),
+])
+def test_bad_values_name_the_field(tmp_path, text, field):
+    assert field in _error(_write(tmp_path, text))
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    p = _write(tmp_path, "server:\n  port: 8000\n  host: [unclosed\n")
+    msg = _error(p)
+    assert str(p) in msg and "YAML syntax error" in msg and f"{p}:" in msg
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    msg = _error(_write(tmp_path, "server:\n  port: 1\n  port: 2\n"))
+    assert "duplicate key 'port'" in msg and "line 3" in msg
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.yaml"
+    msg = _error(p)
+    assert str(p) in msg and "not found" in msg
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n"])
+def test_top_level_must_be_mapping(tmp_path, text):
+    assert "top level must be a mapping" in _error(_write(tmp_path, text))
+
+
+def test_empty_file_and_empty_section_are_defaults(tmp_path):
+    assert load_serve_config(_write(tmp_path, "")) == ServeConfig()
+    assert load_serve_config(_write(tmp_path, "cache:\n", "b.yaml")) == ServeConfig()
+
+
+def test_size_strings():
+    assert parse_size("64MiB") == 64 * 2**20 and parse_size("2GB") == 2 * 10**9 and parse_size("4096") == 4096
+    assert CacheSection(kv_cache_memory_bytes="1KiB").kv_cache_memory_bytes == 1024
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_apply_overrides_bare_and_qualified_names():
+    cfg = apply_overrides(ServeConfig(), {"port": 9000, "cache.block_size": 32})
+    assert cfg.server.port == 9000 and cfg.cache.block_size == 32
+    assert cfg.scheduler == ServeConfig().scheduler
+
+
+def test_apply_overrides_errors():
+    with pytest.raises(ConfigError, match="did you mean 'port'"):
+        apply_overrides(ServeConfig(), {"prot": 1})
+    with pytest.raises(ConfigError, match="server.port.*must be int"):
+        apply_overrides(ServeConfig(), {"port": "x"})
+
+
+def test_sections_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ServeConfig().server.port = 1  # type: ignore[misc]
+
+
+def test_cli_overrides_beat_yaml(tmp_path):
+    p = _write(tmp_path, "server:\n  port: 8100\n  host: 0.0.0.0\ncache:\n  block_size: 32\n")
+    cfg = build_config(["--config", str(p), "--port", "9001", "--kv-dtype", "bfloat16", "--quiet"])
+    assert cfg.server.port == 9001 and cfg.cache.kv_cache_dtype == "bfloat16" and cfg.server.quiet
+    # fields not given on the command line keep the YAML values
+    assert cfg.server.host == "0.0.0.0" and cfg.cache.block_size == 32
+
+
+def test_cli_flags_not_given_do_not_override(tmp_path):
+    p = _write(tmp_path, "scheduler:\n  enable_chunked_prefill: false\n  max_num_batched_tokens: 4096\n")
+    assert build_config(["--config", str(p)]) == load_serve_config(p)
+    assert build_config(["--config", str(p), "--enable-chunked-prefill"]).scheduler.enable_chunked_prefill
+
+
+def test_model_flag_without_config(tmp_path):
+    cfg = build_config(["--model", str(tmp_path)])
+    assert cfg.model.model == str(tmp_path) and cfg.tokenizer_path == str(tmp_path)
+    assert cfg.model_name == tmp_path.name
+    assert dataclasses.replace(cfg, model=ServeConfig().model) == ServeConfig()
+
+
+def test_cli_all_flags_parse():
+    cfg = build_config([
+        "--preset", "tiny-mla", "--layout", "tp", "--host", "0.0.0.0", "--kv-cache-dtype", "int8",
+        "--block-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--seed", "3",
+        "--admin-token", "s3cret", "--switch-mode", "blocking", "--dtype", "bfloat16", "--backend", "hip",
+        "--kv-cache-memory-bytes", "64MiB", "--allowed-layouts", "tp,cp"])
+    assert cfg.layout.layout == "tp" and cfg.layout.allowed_layouts == ("tp", "cp")
+    assert cfg.cache.kv_cache_memory_bytes == 64 * 2**20 and cfg.parallel.backend == "hip"
+    assert cfg.server.admin_token == "s3cret" and cfg.model.seed == 3 and cfg.compute_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--port", "eighty"], "--port"),
+    (["--bogus"], "--bogus"),
+    (["--layout", "tpp"], "--layout"),
+    (["--port", "-1"], "server.port"),
+    (["--config", "/nonexistent/x.yaml"], "/nonexistent/x.yaml"),
+])
+def test_cli_errors_are_config_errors(argv, needle):
+    with pytest.raises(ConfigError) as ei:
+        build_config(argv)
+    assert needle in str(ei.value)
+
+
+def test_help_shows_example(capsys):
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(["--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert "mpirun -n 4 splash-serve --config configs/cpu.yaml" in out and "--kv-dtype" in out
+
+
+def test_main_guard(capsys):
+    guarded = main_guard(lambda argv: build_config(argv) and 0)
+    assert guarded(["--port", "1"]) == 0
+    assert guarded(["--bogus"]) == 2
+    assert capsys.readouterr().err.startswith("error: unrecognized arguments: --bogus")
+
+
+@pytest.mark.parametrize("name", ["cpu", "dcu", "b200", "h200"])
+def test_shipped_configs_load(name):
+    cfg = load_serve_config(CONFIGS / f"{name}.yaml")
+    assert cfg.hardware_profile == ("bw1000" if name == "dcu" else name)
+    if name == "cpu":
+        assert cfg.model.model is None and cfg.model.preset == "tiny-mla"
+        assert cfg.kv_dtype == "float32" and cfg.cache.kv_cache_memory_bytes == 64 * 2**20
+        assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
+    else:
+        assert cfg.compute_dtype == "bfloat16" and cfg.kv_dtype == "fp8_e4m3"
+        assert cfg.parallel.backend == ("hip" if name == "dcu" else "cuda")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_parses_from_cli(path):
+    assert build_config(["--config", str(path)]) == load_serve_config(path)
+
+
+def test_to_dict_round_trips(tmp_path):
+    import yaml
+    cfg = load_serve_config(CONFIGS / "dcu.yaml")
+    p = _write(tmp_path, yaml.safe_dump(cfg.to_dict()))
+    assert load_serve_config(p) == cfg
