@@ -39,7 +39,7 @@ def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor,
 def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     """õ [n, H_local, d_c] -> this rank's partial O output [n, hidden] (sum over ranks for sharded heads)."""
     n = o_lat.shape[0]
-    o = torch.einsum("nhc,hvc->nhv", o_lat.to(w.w_uv.dtype), w.w_uv).reshape(n, -1)
+    o = torch.einsum("nhc,hvc->nhv", o_lat.to(w.w_uv.dtype), w.w_uv).reshape(n, w.o.shape[1])
     return o @ w.o.T
 
 

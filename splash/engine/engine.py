@@ -28,7 +28,10 @@ class Engine:
                  max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None):
         self.runner, self.comm = runner, comm
-        self.max_model_len = max_model_len or runner.cfg.max_position_embeddings
+        # A request must fit the KV pool on its own, or recompute-preemption would loop forever (it preempts
+        # itself and is re-admitted); cap the length at one request's share of the pool, as vLLM requires.
+        kv_tokens = blocks_per_rank * runner.block_size * (comm.size if runner.layout == "cp" else 1)
+        self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.ledger = KVLedger(comm.size, blocks_per_rank, runner.block_size, runner.layout)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.params: dict[str, SamplingParams] = {}
@@ -42,7 +45,8 @@ class Engine:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                             "(capped by the KV pool size)")
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= set(self.runner.cfg.eos_ids)
@@ -100,3 +104,31 @@ class Engine:
     def _forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)
         self.gens.pop(req_id, None)
+
+    # ==== BEGIN server accessors (issue 5) — thin read-only views for splash-serve's metrics/console/API. ====
+    # Temporary: replace with the switching engine's own attributes when live switching lands (its
+    # `layout`, `layout_mode`, `switch_counts`, `kv_capacity_tokens()`... supersede these; `request_layout`
+    # is deliberately NOT defined here, so POST /v1/layout answers 501 until the real switch exists).
+    @property
+    def layout(self) -> str:
+        return self.runner.layout
+
+    @property
+    def layout_mode(self) -> str:
+        return "pinned"  # no scheduler switches layouts yet
+
+    @property
+    def switch_counts(self) -> dict[tuple[str, str], int]:
+        return {}
+
+    def kv_capacity_tokens(self) -> dict[str, int]:
+        """Distinct KV tokens the pool could hold in each layout (TP replicates every token on every rank)."""
+        per_rank = self.ledger.blocks_per_rank * self.ledger.block_size
+        return {lay: per_rank * (1 if lay == "tp" else self.ledger.world) for lay in ("tp", "dp_attn", "cp", "dop")}
+
+    def kv_used_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.ledger.reqs.values())
+
+    def kv_used_blocks_per_rank(self) -> list[int]:
+        return list(self.ledger.used)
+    # ==== END server accessors (issue 5) ====

@@ -125,6 +125,10 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             items.append(item)
             budget -= len(item.tokens)
+        if not items and self.running and self.preemption_mode == "queue":
+            # every running request is blocked on KV and nothing can be admitted: waiting would deadlock,
+            # so fall back to recompute for the newest request (the oldest alone always fits the pool)
+            self._preempt(self.running[-1])
         plan = StepPlan(items, self._release)
         self._release = []
         return plan

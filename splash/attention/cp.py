@@ -1,0 +1,39 @@
+"""CP: replicated projections; each request's history is position-sharded block-round-robin over the ranks.
+Every rank attends all heads of all rows against its own position shard, giving a partial output and its
+log-sum-exp; the partials are merged exactly across ranks (LSE-weighted), then O runs on every rank."""
+from __future__ import annotations
+
+import torch
+
+from splash.attention import mla
+from splash.attention.batch import StepBatch, attend_plan, build_attn_plan
+from splash.layouts.ownership import cp_block_rank
+
+
+class CPAttention:
+    def __init__(self, runner):
+        self.r = runner
+
+    def _mine(self, block: int) -> bool:
+        return cp_block_rank(block, self.r.comm.size) == self.r.comm.rank
+
+    def prepare(self, batch: StepBatch) -> None:
+        r = self.r
+        for q in batch.reqs:
+            r.bm.ensure(q.req_id, [b for b in r.new_logical_blocks(q) if self._mine(b)])
+        self.plan = build_attn_plan(batch.reqs, r.bm.table, r.block_size, self._mine)
+
+    def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r, cfg, p = self.r, self.r.cfg, self.plan
+        w = r.weights.layers[layer].attn
+        q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)
+        wr = p.write_rows
+        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x[wr], cos[wr], sin[wr])
+        r.cache.write(layer, p.write_slots, c, kpe)
+        o, lse = attend_plan(r.cache, layer, p, q, cfg.kv_lora_rank, cfg.softmax_scale)
+        if r.comm.size > 1:
+            n, h, dc = o.shape
+            packed = torch.cat([o.reshape(n, h * dc), lse], dim=1).contiguous()
+            parts = r.comm.all_gather(packed).view(r.comm.size, n, h * dc + h)
+            o, _ = mla.merge_partials(parts[..., :h * dc].reshape(-1, n, h, dc), parts[..., h * dc:])
+        return mla.out_projection(w, o)

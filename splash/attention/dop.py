@@ -1,0 +1,46 @@
+"""DOP: head-sharded projections (as TP) with request-owned KV (as DP-attn).
+
+Each rank computes absorbed queries for its heads on all rows; a variable all-to-all sends each owner the rows
+of its requests (ranks with no rows still join); the owner attends all heads over its own cache; the reverse
+all-to-all returns per-head latent outputs to the head-shard ranks; O on local heads, then all-reduce. The
+exchange is one row per request in decode — it scales with queries, never with context."""
+from __future__ import annotations
+
+import torch
+
+from splash.attention import mla
+from splash.attention.batch import StepBatch, attend_plan, build_attn_plan
+from splash.attention.grouping import OwnerGroups
+
+
+class DOPAttention:
+    def __init__(self, runner):
+        self.r = runner
+
+    def prepare(self, batch: StepBatch) -> None:
+        r = self.r
+        self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
+        for q in self.g.mine:
+            r.bm.ensure(q.req_id, r.new_logical_blocks(q))
+        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda b: True)
+
+    def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r, cfg, g, p = self.r, self.r.cfg, self.g, self.plan
+        T, dc = r.comm.size, cfg.kv_lora_rank
+        w = r.weights.layers[layer].attn
+        q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)          # [N, H_l, D]
+        rows = g.rows_mine
+        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x[rows], cos[rows], sin[rows])
+        r.cache.write(layer, p.write_slots, c[p.write_rows], kpe[p.write_rows])
+        n, hl, d = len(rows), q.shape[1], q.shape[2]
+        if T == 1:
+            o_local, _ = attend_plan(r.cache, layer, p, q, dc, cfg.softmax_scale)
+            return mla.out_projection(w, o_local)
+        send = q[g.by_owner].reshape(-1, hl * d).contiguous()
+        recv = r.comm.all_to_allv(send, g.counts, [n] * T)               # [T * n, H_l * D], by source rank
+        q_own = recv.view(T, n, hl, d).permute(1, 0, 2, 3).reshape(n, T * hl, d)
+        o, _ = attend_plan(r.cache, layer, p, q_own, dc, cfg.softmax_scale)  # [n, H, dc]
+        back = o.view(n, T, hl, dc).permute(1, 0, 2, 3).reshape(T * n, hl * dc).contiguous()
+        o_local = r.comm.all_to_allv(back, [n] * T, g.counts).view(-1, hl, dc)  # rows grouped by owner
+        out = mla.out_projection(w, g.to_step_order(o_local))
+        return r.comm.all_reduce(out)

@@ -1,0 +1,35 @@
+"""DP-attn: replicated projections; each rank attends only the requests it owns, on its own cache, with all
+heads; a variable-size all-gather brings every rank's output rows back to all ranks."""
+from __future__ import annotations
+
+import torch
+
+from splash.attention import mla
+from splash.attention.batch import StepBatch, attend_plan, build_attn_plan
+from splash.attention.grouping import OwnerGroups
+
+
+class DPAttention:
+    def __init__(self, runner):
+        self.r = runner
+
+    def prepare(self, batch: StepBatch) -> None:
+        r = self.r
+        self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
+        for q in self.g.mine:
+            r.bm.ensure(q.req_id, r.new_logical_blocks(q))
+        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda b: True)
+
+    def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r, cfg, g, p = self.r, self.r.cfg, self.g, self.plan
+        w = r.weights.layers[layer].attn
+        rows = g.rows_mine
+        xm, cm, sm = x[rows], cos[rows], sin[rows]
+        q = mla.latent_query(cfg, r.model.rope, w, xm, cm, sm)
+        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, xm, cm, sm)
+        r.cache.write(layer, p.write_slots, c[p.write_rows], kpe[p.write_rows])
+        o, _ = attend_plan(r.cache, layer, p, q, cfg.kv_lora_rank, cfg.softmax_scale)
+        out = mla.out_projection(w, o)
+        if r.comm.size == 1:
+            return out
+        return g.to_step_order(r.comm.all_gatherv(out.contiguous(), g.counts))

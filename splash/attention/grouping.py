@@ -1,0 +1,34 @@
+"""Row bookkeeping for owner-based layouts (DP-attn, DOP): which step rows each owner rank attends."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splash.attention.batch import StepBatch, StepRequest
+
+
+@dataclass
+class OwnerGroups:
+    mine: list[StepRequest]     # this rank's requests, in step order
+    rows_mine: torch.Tensor     # their rows in the step
+    by_owner: torch.Tensor      # all step rows, grouped by owner rank (rank 0's rows first), step order inside
+    counts: list[int]           # rows per owner rank
+
+    @classmethod
+    def build(cls, batch: StepBatch, world: int, rank: int) -> "OwnerGroups":
+        rows: list[list[int]] = [[] for _ in range(world)]
+        mine = []
+        for q, rr in zip(batch.reqs, batch.row_ranges()):
+            rows[q.owner].extend(rr)
+            if q.owner == rank:
+                mine.append(q)
+        flat = [i for r in rows for i in r]
+        return cls(mine, torch.tensor(rows[rank], dtype=torch.long), torch.tensor(flat, dtype=torch.long),
+                   [len(r) for r in rows])
+
+    def to_step_order(self, grouped: torch.Tensor) -> torch.Tensor:
+        """Inverse of indexing with `by_owner`: rows grouped by owner -> rows in step order."""
+        out = torch.empty_like(grouped)
+        out[self.by_owner] = grouped
+        return out

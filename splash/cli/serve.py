@@ -1,0 +1,130 @@
+"""``splash-serve``: run under ``mpirun -n N``; rank 0 serves HTTP and drives the engine, the others follow.
+
+Startup is agreed between ranks phase by phase (``splash.server.startup``): a bad flag or YAML, a missing
+checkpoint or a busy port prints ``error: <message>`` once (rank 0) and every rank exits 2. Serving: rank 0
+runs the HTTP front end (``splash.server.frontend``) and the engine thread; ranks ≠ 0 run ``engine.follow()``
+until rank 0 broadcasts stop. SIGINT/SIGTERM on rank 0 drains and stops every rank (exit 0); followers ignore
+the signal and wait for rank 0's stop (and abort the job if it never comes). A stalled step trips the
+watchdog (``server.collective_timeout_s``), which aborts all ranks with a message naming the rank.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import traceback
+from contextlib import nullcontext, redirect_stdout
+from typing import Sequence
+
+from splash.cli.args import build_config, main_guard
+from splash.models.config import ConfigError
+
+
+class _QuietExit(Exception):
+    """Ranks ≠ 0 leave with status 2 after rank 0 reported the (agreed) error."""
+
+
+def _set_threads(local_size: int) -> None:
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
+
+
+def _load_config(argv: Sequence[str] | None, rank: int):
+    devnull = open(os.devnull, "w") if rank else None  # --help prints once
+    with redirect_stdout(devnull) if devnull else nullcontext():
+        try:
+            return build_config(argv)
+        finally:
+            if devnull:
+                devnull.close()
+
+
+def _follow(engine, step_comm, rank: int) -> int:
+    def on_signal(_signum, _frame) -> None:
+        if step_comm.signalled is None:
+            step_comm.signalled = time.monotonic()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        engine.follow()
+    except Exception:  # noqa: BLE001 — a follower that fails mid-step would leave the others hanging
+        from splash.server.watchdog import _mpi_abort
+        _mpi_abort(f"splash-serve: rank {rank}: executing a step failed:\n{traceback.format_exc()}")
+    return 0
+
+
+def _serve(argv: Sequence[str] | None = None) -> int:
+    from splash.distributed import init_dist
+    from splash.server import startup
+    from splash.server.console import Console
+    from splash.server.watchdog import StepChannel, Watchdog
+
+    ctx = init_dist()
+    comm, rank = ctx.comm, ctx.rank
+    try:
+        cfg = startup.run_agreed(comm, lambda: _load_config(argv, rank))
+        startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
+        sock = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else None)
+        console = Console(quiet=cfg.server.quiet) if rank == 0 else None
+        watchdog = Watchdog(rank, cfg.server.collective_timeout_s).start()
+        step_comm = StepChannel(comm, watchdog, on_signal_grace_s=cfg.server.collective_timeout_s + 30.0)
+        _set_threads(_local_size(comm))
+        built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, comm, step_comm, console))
+    except ConfigError:
+        if rank != 0:
+            raise _QuietExit() from None
+        raise
+    if rank != 0:
+        return _follow(built.engine, step_comm, rank)
+    return _serve_rank0(cfg, built, sock, console, watchdog, ctx.world_size)
+
+
+def _local_size(comm) -> int:
+    import socket
+    names = comm.all_gather_obj(socket.gethostname())
+    return names.count(names[comm.rank])
+
+
+def _rank0_checks(cfg):
+    from splash.server import startup
+    startup.validate_model(cfg)
+    return startup.bind_socket(cfg.server.host, cfg.server.port)
+
+
+def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int) -> int:
+    from splash.config.serve_config import LAYOUTS
+    from splash.server import startup
+    from splash.server.frontend import serve
+    from splash.tokenizer import load_tokenizer
+
+    engine = built.engine
+    pinned = cfg.layout.layout != "auto"
+    if hasattr(engine, "request_layout"):
+        engine.request_layout(startup.initial_layout(cfg) if pinned else "auto")
+    tokenizer = load_tokenizer(cfg.tokenizer_path, built.model_cfg.vocab_size)
+    allowed = tuple(x for x in LAYOUTS if x in cfg.layout.allowed_layouts)
+    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
+                    vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
+                    admin_token=cfg.server.admin_token, world_size=world_size)
+    title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
+    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, allowed, title))
+
+
+_guarded = main_guard(_serve)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``splash-serve`` (pyproject ``[project.scripts]``)."""
+    try:
+        return _guarded(argv)
+    except _QuietExit:
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

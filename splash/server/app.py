@@ -1,0 +1,307 @@
+"""The HTTP API on rank 0 (FastAPI): OpenAI-compatible completions/chat, models, health, metrics, layout control.
+
+Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
+JSON, wrong-typed or unknown fields, a prompt longer than the model's context, max_tokens <= 0, bad layout
+names), 401 for a missing/bad admin token, 404 for an unknown model or route, 501 when live switching is not
+available, 503 while shutting down. A bad request never disturbs the engine or other requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splash.engine.sampling import SamplingParams
+from splash.server import protocol as P
+from splash.server.engine_loop import EngineLoop
+from splash.server.generation import Generation
+from splash.server.metrics import Metrics
+from splash.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    tokenizer: Tokenizer
+    metrics: Metrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    allowed_layouts: tuple[str, ...]
+    host: str = "127.0.0.1"
+    admin_token: str | None = None
+    world_size: int = 1
+    created: int = field(default_factory=P.now)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_token_required(host: str, admin_token: str | None) -> bool:
+    """The admin rule: a configured token is always required; a non-loopback bind always requires one."""
+    return admin_token is not None or not is_loopback(host)
+
+
+def check_admin(state: ServerState, authorization: str | None) -> None:
+    if not admin_token_required(state.host, state.admin_token):
+        return
+    if state.admin_token is None:
+        raise P.APIError(403, f"layout control is disabled: the server listens on {state.host} (not loopback) "
+                              "and server.admin_token is not set", "permission_error")
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.admin_token.encode()):
+        raise P.APIError(401, "missing or invalid admin token: send 'Authorization: Bearer <server.admin_token>'",
+                         "authentication_error", code="invalid_token")
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise P.APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _CountRequests:
+    """ASGI middleware counting answered requests by endpoint and status (cheap; streaming-safe)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(scope.get("path", ""), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+
+class _Handlers:
+    """Route bodies, kept out of create_app so each stays short."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.s = state
+
+    # ---- shared -----------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.s.model_name:
+            raise P.APIError(404, f"the model '{model}' does not exist; this server serves '{self.s.model_name}'",
+                             param="model", code="model_not_found")
+
+    def check_prompt(self, ids: list[int], where: str) -> list[int]:
+        s = self.s
+        if not ids:
+            raise P.APIError(400, f"{where} is empty (it must contain at least one token)", param=where)
+        bad = next((t for t in ids if t < 0 or t >= s.vocab_size), None)
+        if bad is not None:
+            raise P.APIError(400, f"{where} contains token id {bad}, outside the vocabulary [0, {s.vocab_size})",
+                             param=where)
+        if len(ids) >= s.max_model_len:
+            raise P.APIError(400, f"{where} has {len(ids)} tokens, but the model's context (max_model_len) is "
+                                  f"{s.max_model_len} tokens, including at least one generated token",
+                             param=where, code="context_length_exceeded")
+        return ids
+
+    def params(self, req: P._Sampling, max_tokens: int, j: int) -> SamplingParams:
+        seed = None if req.seed is None else req.seed + j
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+
+    def generation(self, req: P._Sampling, prompts: list[list[int]], max_tokens: list[int],
+                   prefix: str) -> Generation:
+        flat_prompts, flat_params = [], []
+        for prompt, mt in zip(prompts, max_tokens):
+            for j in range(req.n):
+                flat_prompts.append(prompt)
+                flat_params.append(self.params(req, mt, j))
+        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix)
+        gen.start()
+        return gen
+
+    # ---- /v1/completions --------------------------------------------------------------------------------
+    def completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
+        p, tok = req.prompt, self.s.tokenizer
+        if isinstance(p, str):
+            return [self.check_prompt(tok.encode(p, add_special_tokens=True), "prompt")]
+        if not p:
+            raise P.APIError(400, "prompt is empty", param="prompt")
+        if isinstance(p[0], int):
+            return [self.check_prompt(list(p), "prompt")]
+        if isinstance(p[0], str):
+            return [self.check_prompt(tok.encode(x, add_special_tokens=True), f"prompt[{i}]") for i, x in enumerate(p)]
+        return [self.check_prompt(list(x), f"prompt[{i}]") for i, x in enumerate(p)]
+
+    async def completions(self, request: Request) -> Response:
+        req = P.parse_request(P.CompletionRequest, await read_json(request))
+        self.check_model(req.model)
+        req.check_neutral()
+        prompts = self.completion_prompts(req)
+        mt = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        rid = P.new_id("cmpl")
+        gen = self.generation(req, prompts, [mt] * len(prompts), rid)
+        if req.stream:
+            return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
+        return JSONResponse(await self.collect(gen, req, rid, "text_completion", sum(map(len, prompts)), False))
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+        self.check_model(req.model)
+        req.check_neutral()
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = self.s.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="messages") from None
+        prompt = self.check_prompt(self.s.tokenizer.encode(text, add_special_tokens=False), "messages")
+        mt = req.max_completion_tokens or req.max_tokens or (self.s.max_model_len - len(prompt))
+        rid = P.new_id("chatcmpl")
+        gen = self.generation(req, [prompt], [mt], rid)
+        if req.stream:
+            return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True)
+        return JSONResponse(await self.collect(gen, req, rid, "chat.completion", len(prompt), True))
+
+    # ---- response assembly ------------------------------------------------------------------------------
+    async def collect(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
+                      chat: bool) -> dict:
+        try:
+            await gen.run_to_end()
+        finally:
+            if not gen.done:
+                gen.cancel()
+        make = P.chat_choice if chat else P.completion_choice
+        choices = [make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids else None)
+                   for c in gen.choices]
+        completion_tokens = sum(len(c.token_ids) for c in gen.choices)
+        return P.envelope(rid, obj, P.now(), self.s.model_name, choices, P.usage(prompt_tokens, completion_tokens))
+
+    def stream(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
+               chat: bool) -> StreamingResponse:
+        created, model = P.now(), self.s.model_name
+        ids = req.return_token_ids
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict], usage_: dict | None = None) -> str:
+            body = P.envelope(rid, obj, created, model, choices)
+            if include_usage:
+                body["usage"] = usage_
+            return _sse(body)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    for c in gen.choices:
+                        yield chunk([P.chat_delta_choice(c.index, {"role": "assistant", "content": ""}, None,
+                                                         [] if ids else None)])
+                async for deltas in gen.deltas():
+                    for d in deltas:
+                        if not d.text and d.finish is None and not ids:
+                            continue  # tokens whose text is held back (partial UTF-8, possible stop string)
+                        tids = d.token_ids if ids else None
+                        if chat:
+                            delta = {"content": d.text} if d.text or d.finish is None else {}
+                            yield chunk([P.chat_delta_choice(d.choice.index, delta, d.finish, tids)])
+                        else:
+                            yield chunk([P.completion_choice(d.choice.index, d.text, d.finish, tids)])
+                if include_usage:
+                    n_out = sum(len(c.token_ids) for c in gen.choices)
+                    yield chunk([], P.usage(prompt_tokens, n_out))
+            except P.APIError as e:
+                yield _sse(e.body())
+            finally:
+                if not gen.done:
+                    gen.cancel()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- layout -----------------------------------------------------------------------------------------
+    def layout_body(self) -> dict:
+        snap = self.s.loop.snapshot
+        return {"layout": snap.layout, "mode": snap.mode, "allowed_layouts": list(snap.allowed_layouts),
+                "switch_count": snap.total_switches,
+                "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
+                "steps": snap.steps}
+
+    async def set_layout(self, request: Request) -> JSONResponse:
+        check_admin(self.s, request.headers.get("authorization"))
+        req = P.parse_request(P.LayoutRequest, await read_json(request))
+        req.check(self.s.allowed_layouts)
+        try:
+            await asyncio.wrap_future(self.s.loop.set_layout(req.layout))
+        except NotImplementedError as e:
+            raise P.APIError(501, str(e), "not_implemented", code="switching_not_implemented") from None
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="layout", code="invalid_layout") from None
+        return JSONResponse({**self.layout_body(), "requested": req.layout})
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="SPLASH", description="OpenAI-compatible API of splash-serve")
+    h = _Handlers(state)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(P.error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error"), 500)
+
+    app.add_api_route("/v1/completions", h.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", h.chat, methods=["POST"])
+    app.add_api_route("/v1/layout", h.set_layout, methods=["POST"])
+
+    @app.get("/v1/layout")
+    async def get_layout() -> dict:
+        return h.layout_body()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "splash",
+                "max_model_len": state.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.loop.alive
+        snap = state.loop.snapshot
+        return JSONResponse({"status": "ok" if ok else "stopping", "layout": snap.layout if snap else None,
+                             "world_size": state.world_size}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_CountRequests, metrics=state.metrics)
+    return app

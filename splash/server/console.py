@@ -1,0 +1,119 @@
+"""What rank 0 shows on the terminal: a progress bar while loading weights, then a live panel.
+
+The panel (refreshed twice a second, on stderr) shows the model and URL, the current layout and mode, the
+switches so far, tokens/s, running/waiting requests, and the KV pages in use on every rank. ``quiet`` (or a
+stderr that is not a terminal) replaces both with a few plain log lines, which is what scripts and tests see.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from rich.console import Console as RichConsole
+from rich.console import Group
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class Rate:
+    """Tokens/s over a sliding window of snapshots."""
+
+    def __init__(self, window_s: float = 3.0) -> None:
+        self.window_s = window_s
+        self._points: list[tuple[float, int]] = []
+
+    def update(self, t: float, total: int) -> float:
+        self._points.append((t, total))
+        while len(self._points) > 2 and t - self._points[0][0] > self.window_s:
+            self._points.pop(0)
+        (t0, n0), (t1, n1) = self._points[0], self._points[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def _bar(used: int, total: int, width: int = 20) -> str:
+    frac = used / total if total else 0.0
+    filled = int(round(frac * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {used}/{total} ({100 * frac:.0f}%)"
+
+
+def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float) -> Panel:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold cyan", no_wrap=True)
+    t.add_column()
+    t.add_row("layout", f"[bold]{snap.layout}[/bold] ({snap.mode}; allowed {', '.join(snap.allowed_layouts)})")
+    pairs = ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(snap.switch_counts.items())) or "none"
+    t.add_row("switches", f"{snap.total_switches} ({pairs})")
+    t.add_row("tokens/s", f"{tokens_per_s:,.1f}   (generated {snap.generated_tokens:,}, steps {snap.steps:,})")
+    t.add_row("requests", f"{snap.running} running, {snap.waiting} waiting")
+    cap = snap.kv_capacity.get(snap.layout)
+    t.add_row("KV tokens", f"{snap.kv_used_tokens:,} used" + (f" of {cap:,} in {snap.layout}" if cap else ""))
+    for r, used in enumerate(snap.kv_used_blocks):
+        t.add_row(f"KV rank {r}", _bar(used, snap.kv_blocks_per_rank))
+    return Panel(t, title=title, subtitle=f"up {uptime_s:,.0f}s · Ctrl-C to stop", border_style="green")
+
+
+class Console:
+    def __init__(self, quiet: bool = False) -> None:
+        self.rich = RichConsole(stderr=True)
+        self.quiet = quiet
+        self.live_ok = not quiet and self.rich.is_terminal
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def log(self, message: str) -> None:
+        """A plain line on stderr (also in quiet mode)."""
+        print(message, file=sys.stderr, flush=True)
+
+    @contextmanager
+    def loading(self, what: str, total: int) -> Iterator[Callable[[], None]]:
+        """Yields ``advance()``; draws a progress bar when the live console is on."""
+        if not self.live_ok:
+            if not self.quiet:
+                self.log(f"splash-serve: {what} ({total} tensors)")
+            yield lambda: None
+            return
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=self.rich, transient=False) as progress:
+            task = progress.add_task(what, total=total)
+            yield lambda: progress.advance(task)
+
+    def start_panel(self, snapshot: Callable[[], object], title: str) -> None:
+        if self.quiet:
+            return
+        self._thread = threading.Thread(target=self._run_panel, args=(snapshot, title), daemon=True,
+                                        name="splash-console")
+        self._thread.start()
+
+    def stop_panel(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    def _run_panel(self, snapshot: Callable[[], object], title: str) -> None:
+        rate, t0 = Rate(), time.monotonic()
+
+        def frame() -> Group | Panel:
+            snap = snapshot()
+            if snap is None:
+                return Panel("starting…", title=title)
+            return render_panel(snap, title, rate.update(time.monotonic(), snap.generated_tokens),
+                                time.monotonic() - t0)
+
+        if not self.live_ok:   # not a terminal: one status line every 10 s
+            while not self._stop.wait(10.0):
+                snap = snapshot()
+                if snap is not None:
+                    tps = rate.update(time.monotonic(), snap.generated_tokens)
+                    self.log(f"splash-serve: layout {snap.layout} ({snap.mode}), {snap.total_switches} switches, "
+                             f"{tps:.1f} tok/s, {snap.running} running, {snap.waiting} waiting, "
+                             f"KV blocks/rank {snap.kv_used_blocks}/{snap.kv_blocks_per_rank}")
+            return
+        from rich.live import Live
+        with Live(frame(), console=self.rich, refresh_per_second=2, transient=False,
+                  redirect_stdout=False, redirect_stderr=False) as live:
+            while not self._stop.wait(0.5):
+                live.update(frame())

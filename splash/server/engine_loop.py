@@ -1,0 +1,227 @@
+"""The engine thread on rank 0: the only thread that touches the Engine (and so makes MPI calls).
+
+The HTTP side talks to it through a command queue (add / abort / set layout / stop) guarded by a condition
+variable: when there is no work the thread sleeps on the condition (no spinning), and each step's token events
+are handed back to the asyncio loop in *one* ``post`` call (``loop.call_soon_threadsafe``), which feeds each
+request's sink. After every step the thread publishes an immutable ``EngineSnapshot`` that metrics, the
+console and ``GET /v1/layout`` read without locking.
+
+An unexpected exception inside a step is fatal for the whole job (the other ranks may be inside a collective
+of that step): the thread prints it, naming rank 0, and aborts every rank.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+Sink = Callable[[list[Any]], None]   # receives TokenEvents (or one Exception) in the asyncio thread
+
+
+class EngineStopped(RuntimeError):
+    """The engine stopped (server shutting down) before the request finished."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    layout: str
+    mode: str
+    allowed_layouts: tuple[str, ...]
+    switch_counts: dict[tuple[str, str], int]
+    kv_capacity: dict[str, int]
+    kv_used_tokens: int
+    kv_used_blocks: list[int]
+    kv_blocks_per_rank: int
+    running: int
+    waiting: int
+    steps: int
+    generated_tokens: int
+    time: float = field(default_factory=time.monotonic)
+
+    @property
+    def total_switches(self) -> int:
+        return sum(self.switch_counts.values())
+
+
+def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, int], steps: int,
+                  generated: int) -> EngineSnapshot:
+    sched = engine.scheduler
+    return EngineSnapshot(
+        layout=engine.layout, mode=engine.layout_mode, allowed_layouts=allowed,
+        switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
+        kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
+        kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
+        steps=steps, generated_tokens=generated)
+
+
+class EngineLoop:
+    """Owns ``engine`` on a dedicated thread; see the module docstring."""
+
+    CAPACITY_REFRESH_S = 1.0
+
+    def __init__(self, engine: Any, post: Callable[[Callable[[], None]], None], metrics: Any = None,
+                 watchdog: Any = None, allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        self.engine, self._post, self.metrics, self.watchdog = engine, post, metrics, watchdog
+        self.allowed_layouts = tuple(allowed_layouts)
+        self._on_fatal = on_fatal
+        self._cond = threading.Condition()
+        self._cmds: deque[tuple] = deque()
+        self._stopping = False
+        self._sinks: dict[str, Sink] = {}
+        self.steps = 0
+        self.generated = 0
+        self._capacity: dict[str, int] = {}
+        self._capacity_at = -1e9
+        self._capacity_layout: str | None = None
+        self.snapshot: EngineSnapshot | None = None
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="splash-engine", daemon=True)
+
+    # ---- called from any thread ----------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._publish()
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def add(self, reqs: list[tuple[str, list[int], Any]], sink: Sink) -> None:
+        """Queue requests ``(req_id, prompt_ids, SamplingParams)`` whose events all go to ``sink``."""
+        self._command(("add", reqs, sink))
+
+    def abort(self, req_ids: list[str]) -> None:
+        self._command(("abort", list(req_ids)))
+
+    def set_layout(self, name: str) -> Future:
+        """Ask the engine to pin ``name`` (or 'auto'); the future resolves once the engine accepted it."""
+        fut: Future = Future()
+        self._command(("layout", name, fut))
+        return fut
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is left, broadcast stop to the followers and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _command(self, cmd: tuple) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._cmds.append(cmd)
+            self._cond.notify()
+
+    # ---- the engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._cmds and not self._stopping and not self.engine.has_work():
+                        self._cond.wait()
+                    cmds = list(self._cmds)
+                    self._cmds.clear()
+                    stopping = self._stopping
+                for cmd in cmds:
+                    self._apply(cmd)
+                if stopping:
+                    break
+                if self.engine.has_work():
+                    self._step()
+                self._publish()
+            self._shutdown()
+        except BaseException:  # noqa: BLE001 — anything here leaves the followers inside a step
+            self.error = traceback.format_exc()
+            self._fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
+
+    def _fatal(self, message: str) -> None:
+        if self._on_fatal is not None:
+            self._on_fatal(message)
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, reqs, sink = cmd
+            for req_id, prompt, params in reqs:
+                try:
+                    self.engine.add_request(prompt, params, req_id)
+                except ValueError as e:
+                    self._deliver([(sink, [e])])
+                    continue
+                self._sinks[req_id] = sink
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(prompt))
+        elif kind == "abort":
+            for req_id in cmd[1]:
+                if self._sinks.pop(req_id, None) is not None:
+                    self.engine.abort(req_id)
+        elif kind == "layout":
+            _, name, fut = cmd
+            if not hasattr(self.engine, "request_layout"):
+                fut.set_exception(NotImplementedError("live layout switching is not implemented in this build"))
+                return
+            try:
+                self.engine.request_layout(name)
+            except ValueError as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
+    def _step(self) -> None:
+        wd = self.watchdog
+        if wd is not None:
+            wd.begin(f"engine step {self.steps + 1}")
+        t0 = time.perf_counter()
+        events = self.engine.step()
+        dt = time.perf_counter() - t0
+        if wd is not None:
+            wd.end()
+        self.steps += 1
+        self.generated += len(events)
+        if self.metrics is not None:
+            self.metrics.step_time.observe(dt)
+            self.metrics.steps.inc()
+            if events:
+                self.metrics.generated_tokens.inc(len(events))
+        groups: dict[int, tuple[Sink, list[Any]]] = {}
+        for ev in events:
+            sink = self._sinks.get(ev.req_id)
+            if sink is None:
+                continue
+            if ev.finish_reason is not None:
+                del self._sinks[ev.req_id]
+            groups.setdefault(id(sink), (sink, []))[1].append(ev)
+        if groups:
+            self._deliver(list(groups.values()))
+
+    def _deliver(self, batch: list[tuple[Sink, list[Any]]]) -> None:
+        def run() -> None:
+            for sink, items in batch:
+                sink(items)
+        self._post(run)
+
+    def _shutdown(self) -> None:
+        live = list(self._sinks.items())
+        for req_id, _ in live:
+            self.engine.abort(req_id)
+        self._sinks.clear()
+        if live:
+            err = EngineStopped("the server shut down before the request finished")
+            self._deliver([(sink, [err]) for _, sink in live])
+        self.engine.stop()
+        self._publish()
+
+    def _publish(self) -> None:
+        eng = self.engine
+        now = time.monotonic()
+        if now - self._capacity_at > self.CAPACITY_REFRESH_S or eng.layout != self._capacity_layout:
+            self._capacity = dict(eng.kv_capacity_tokens())
+            self._capacity_at, self._capacity_layout = now, eng.layout
+        self.snapshot = take_snapshot(eng, self.allowed_layouts, self._capacity, self.steps, self.generated)

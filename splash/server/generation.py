@@ -1,0 +1,145 @@
+"""One HTTP request's generations: its choices (prompts × n), fed by the engine thread, detokenised here.
+
+Each choice is one engine request. Token events arrive in the asyncio thread (see ``EngineLoop``); each is
+detokenised incrementally and checked against the stop strings. When a stop string appears the choice ends
+with finish_reason ``"stop"``, its text is cut before the stop string, and the engine request is aborted.
+While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to
+begin a stop string is never sent.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from splash.engine.sampling import SamplingParams
+from splash.server.engine_loop import EngineLoop, EngineStopped
+from splash.server.protocol import APIError
+from splash.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Choice:
+    index: int
+    req_id: str
+    prompt_len: int
+    detok: IncrementalDetokenizer
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    emitted_chars: int = 0
+    emitted_ids: int = 0
+    checked: int = 0        # stop strings were searched in text[:checked]
+
+
+@dataclass
+class Delta:
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    finish: str | None
+
+
+class Generation:
+    def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
+                 stops: list[str], req_prefix: str, skip_special_tokens: bool = True) -> None:
+        self.loop, self.stops = loop, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.choices: list[Choice] = []
+        self._params = params
+        self._prompts = prompts
+        for i, (prompt, _) in enumerate(zip(prompts, params)):
+            self.choices.append(Choice(i, f"{req_prefix}-{i}", len(prompt),
+                                       IncrementalDetokenizer(tok, skip_special_tokens)))
+        self._by_id = {c.req_id: c for c in self.choices}
+        self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    def start(self) -> None:
+        reqs = [(c.req_id, self._prompts[c.index], self._params[c.index]) for c in self.choices]
+        try:
+            self.loop.add(reqs, self._queue.put_nowait)
+        except EngineStopped as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+
+    def cancel(self) -> None:
+        """Abort the choices that have not finished (client went away, or a stop string ended them)."""
+        live = [c.req_id for c in self.choices if c.finish is None]
+        for c in self.choices:
+            c.finish = c.finish or "abort"
+        if live:
+            try:
+                self.loop.abort(live)
+            except EngineStopped:
+                pass
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """Yield, per batch of engine events, what each affected choice gained; ends when all finished."""
+        while not self.done:
+            items = await self._queue.get()
+            touched: dict[int, Choice] = {}
+            for ev in items:
+                if isinstance(ev, BaseException):
+                    self.cancel()
+                    raise _as_api_error(ev)
+                c = self._by_id.get(ev.req_id)
+                if c is None or c.finish is not None:
+                    continue
+                self._push(c, ev.token, ev.finish_reason)
+                touched[c.index] = c
+            out = [d for d in (self._delta(c) for c in touched.values()) if d is not None]
+            if out:
+                yield out
+
+    def _push(self, c: Choice, token: int, finish: str | None) -> None:
+        c.token_ids.append(token)
+        c.text += c.detok.push(token)
+        if finish is not None:
+            c.text += c.detok.flush()
+        if self._check_stop(c):
+            if finish is None:
+                try:
+                    self.loop.abort([c.req_id])
+                except EngineStopped:
+                    pass
+            return
+        if finish is not None:
+            c.finish = finish
+
+    def _check_stop(self, c: Choice) -> bool:
+        if not self.stops:
+            return False
+        start = max(0, c.checked - self.hold)
+        hits = [i for i in (c.text.find(s, start) for s in self.stops) if i >= 0]
+        c.checked = len(c.text)
+        if not hits:
+            return False
+        c.text = c.text[:min(hits)]
+        c.finish = "stop"
+        return True
+
+    def _delta(self, c: Choice) -> Delta | None:
+        end = len(c.text) if c.finish is not None else max(c.emitted_chars, len(c.text) - self.hold)
+        text = c.text[c.emitted_chars:end]
+        ids = c.token_ids[c.emitted_ids:]
+        if not text and not ids and c.finish is None:
+            return None
+        c.emitted_chars, c.emitted_ids = end, len(c.token_ids)
+        return Delta(c, text, ids, c.finish)
+
+    async def run_to_end(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+
+def _as_api_error(ev: BaseException) -> APIError:
+    if isinstance(ev, APIError):
+        return ev
+    if isinstance(ev, EngineStopped):
+        return APIError(503, str(ev), "service_unavailable")
+    if isinstance(ev, ValueError):
+        return APIError(400, str(ev))
+    return APIError(500, f"{type(ev).__name__}: {ev}", "internal_error")

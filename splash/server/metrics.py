@@ -1,0 +1,73 @@
+"""Prometheus metrics of the server (``GET /metrics``), on a registry of their own.
+
+Counters and the step-time histogram are updated by the engine thread as it runs; everything that describes
+the engine's *state* (current layout, switch counts, KV capacity and use, running/waiting requests) is read
+from the latest ``EngineSnapshot`` when the registry is scraped, so a scrape never touches the engine.
+
+Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the others),
+``splash_layout_switches_total{src,dst}``, ``splash_kv_capacity_tokens{layout}``, ``splash_kv_used_tokens``,
+``splash_kv_used_blocks{rank}``, ``splash_requests_running``, ``splash_requests_waiting``,
+``splash_generated_tokens_total``, ``splash_prompt_tokens_total``, ``splash_requests_total{endpoint,status}``,
+``splash_engine_steps_total``, ``splash_step_duration_seconds`` (histogram).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from splash.config.serve_config import LAYOUTS
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        if s is None:
+            return
+        cur = GaugeMetricFamily("splash_current_layout", "1 for the attention layout in use, 0 otherwise",
+                                labels=["layout"])
+        for lay in LAYOUTS:
+            cur.add_metric([lay], 1.0 if lay == s.layout else 0.0)
+        yield cur
+        sw = CounterMetricFamily("splash_layout_switches", "Layout switches executed, by source and destination",
+                                 labels=["src", "dst"])
+        for (src, dst), n in sorted(s.switch_counts.items()):
+            sw.add_metric([src, dst], float(n))
+        yield sw
+        cap = GaugeMetricFamily("splash_kv_capacity_tokens", "Distinct KV tokens the pool holds in each layout",
+                                labels=["layout"])
+        for lay, n in sorted(s.kv_capacity.items()):
+            cap.add_metric([lay], float(n))
+        yield cap
+        yield GaugeMetricFamily("splash_kv_used_tokens", "KV tokens held by live requests", value=s.kv_used_tokens)
+        blocks = GaugeMetricFamily("splash_kv_used_blocks", "KV pages in use on each rank", labels=["rank"])
+        for r, n in enumerate(s.kv_used_blocks):
+            blocks.add_metric([str(r)], float(n))
+        yield blocks
+        yield GaugeMetricFamily("splash_kv_blocks_per_rank", "KV pages per rank", value=s.kv_blocks_per_rank)
+        yield GaugeMetricFamily("splash_requests_running", "Requests in the running batch", value=s.running)
+        yield GaugeMetricFamily("splash_requests_waiting", "Requests queued for admission", value=s.waiting)
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.generated_tokens = Counter("splash_generated_tokens", "Tokens sampled by the engine", registry=r)
+        self.prompt_tokens = Counter("splash_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.steps = Counter("splash_engine_steps", "Engine steps executed", registry=r)
+        self.requests = Counter("splash_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.step_time = Histogram("splash_step_duration_seconds", "Wall time of one engine step (all ranks)",
+                                   buckets=STEP_BUCKETS, registry=r)
+        r.register(_StateCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

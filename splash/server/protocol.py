@@ -1,0 +1,200 @@
+"""OpenAI-compatible request models (pydantic, strict) and the JSON shapes of responses and errors.
+
+Requests are validated strictly: a field of the wrong type (``"max_tokens": "8"``), an out-of-range value or an
+unknown field is a 400 naming the field, as OpenAI's API answers. Known OpenAI parameters that SPLASH does
+not implement are accepted only at their neutral value (e.g. ``logprobs: null``, ``presence_penalty: 0``).
+vLLM extensions: ``return_token_ids``, ``stop_token_ids``, ``ignore_eos``.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from splash.config.serve_config import LAYOUTS
+
+MAX_N = 64
+MAX_STOP = 16
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # neutral-only OpenAI parameters
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM extensions
+    return_token_ids: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if len(stops) > MAX_STOP:
+            raise APIError(400, f"'stop' has {len(stops)} strings; at most {MAX_STOP} are allowed", param="stop")
+        return [s for s in stops if s]
+
+    def check_neutral(self) -> None:
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            if getattr(self, name) != neutral:
+                raise APIError(400, f"'{name}' is not supported by this server (only {neutral})", param=name)
+        if self.logit_bias:
+            raise APIError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        if self.echo:
+            raise APIError(400, "'echo' is not supported by this server", param="echo")
+        if self.logprobs is not None:
+            raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of")
+        if self.suffix:
+            raise APIError(400, "'suffix' is not supported by this server", param="suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
+
+
+class LayoutRequest(_Strict):
+    layout: str
+
+    def check(self, allowed: tuple[str, ...]) -> None:
+        if self.layout != "auto" and self.layout not in allowed:
+            known = "" if self.layout in LAYOUTS else " (not a layout)"
+            raise APIError(400, f"invalid layout {self.layout!r}{known}: choose one of "
+                                f"{', '.join(allowed + ('auto',))}", param="layout", code="invalid_layout")
+
+
+def validation_message(err: ValidationError) -> tuple[str, str | None]:
+    """('invalid value for field 'x': why (got ...)', 'x') from the first pydantic error."""
+    e = err.errors(include_url=False)[0]
+    loc = [str(p) for p in e.get("loc", ())]
+    # strip the union-member tags pydantic adds to the location (e.g. 'str', 'list[int]')
+    param = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float",
+                                                                                     "bool", "dict"))
+    kind = e.get("type", "")
+    if kind == "extra_forbidden":
+        return f"unknown field '{param}'", param or None
+    if kind == "missing":
+        return f"missing required field '{param}'", param or None
+    got = e.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return f"invalid value for '{param}': {e.get('msg', 'invalid')} (got {shown})", param or None
+
+
+def parse_request(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(400, msg, param=param) from None
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def chat_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
+    choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
+                              "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def chat_delta_choice(index: int, delta: dict, finish: str | None, token_ids: list[int] | None) -> dict:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def envelope(obj_id: str, obj: str, created: int, model: str, choices: list[dict],
+             usage_: dict | None = None) -> dict:
+    out: dict[str, Any] = {"id": obj_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out

@@ -1,0 +1,144 @@
+"""Starting ``splash-serve`` on every rank without ever leaving a rank behind.
+
+Each phase that can fail (reading the config, checking the model directory and the listen address, building
+the model) ends with ``agree``: an all-gather of every rank's error (or None). If any rank failed, every rank
+learns the first message and stops, so a bad YAML or a missing checkpoint exits 2 on all ranks with the
+message — no rank is left waiting in a collective that its peers never reach.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from splash.config.serve_config import ServeConfig
+from splash.models.config import ConfigError
+
+DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
+
+
+def agree(comm: Any, error: str | None) -> str | None:
+    """All-gather each rank's error; return the first one (by rank) or None on every rank."""
+    errors = comm.all_gather_obj(error)
+    return next((e for e in errors if e), None)
+
+
+def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on this rank; raise ConfigError on *every* rank if it raised ConfigError on any rank.
+
+    Returns ``fn()``'s value. Other exceptions are reported the same way (as a ConfigError naming the rank
+    and the exception) so startup never deadlocks on a crash.
+    """
+    result, error = None, None
+    try:
+        result = fn()
+    except ConfigError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 — turned into an agreed, reported error
+        error = f"rank {comm.rank}: {type(e).__name__}: {e}"
+    agreed = agree(comm, error)
+    if agreed is not None:
+        raise ConfigError(agreed)
+    return result
+
+
+def check_parallel(cfg: ServeConfig, world_size: int) -> None:
+    ws = cfg.parallel.world_size
+    if ws is not None and ws != world_size:
+        raise ConfigError(f"field 'parallel.world_size' = {ws} but mpirun started {world_size} rank(s)")
+    if cfg.parallel.backend != "cpu":
+        raise ConfigError(f"field 'parallel.backend' = {cfg.parallel.backend!r}: this build serves on the cpu "
+                          "backend only (the cuda/hip backends are not implemented yet)")
+
+
+def initial_layout(cfg: ServeConfig) -> str:
+    """The pinned layout, or for auto the first of tp (when allowed) / the first allowed layout."""
+    lay = cfg.layout.layout
+    if lay != "auto":
+        return lay
+    allowed = cfg.layout.allowed_layouts
+    return "tp" if "tp" in allowed else allowed[0]
+
+
+def validate_model(cfg: ServeConfig) -> None:
+    """Rank 0: the model directory has a readable config.json and safetensors, and a usable tokenizer."""
+    from splash.models.loader import CheckpointReader, load_model_config
+    from splash.models.presets import preset_config
+    from splash.tokenizer import load_tokenizer
+
+    if cfg.model.model:
+        mcfg = load_model_config(cfg.model.model)
+        CheckpointReader(cfg.model.model, mcfg)   # opens every safetensors header, checks the weight map
+    else:
+        try:
+            mcfg = preset_config(cfg.model.preset)
+        except ValueError as e:
+            raise ConfigError(f"field 'model.preset': {e}") from None
+    load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Rank 0 binds the HTTP socket early, so a busy port is a startup error like any other."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"field 'server.host'/'server.port': cannot listen on {host}:{port} ({e.strerror or e})")
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class Built:
+    engine: Any
+    model_cfg: Any
+    max_model_len: int
+    num_kv_blocks: int
+
+
+def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[str], Any]:
+    def counted(name: str) -> Any:
+        out = get(name)
+        tick()
+        return out
+    return counted
+
+
+def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None) -> Built:
+    """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``)."""
+    from splash.engine.engine import Engine
+    from splash.engine.llm import DTYPES, blocks_for_budget, load_model
+    from splash.engine.runner import ModelRunner
+    from splash.models.weights import expected_shapes
+
+    dtype = DTYPES[cfg.compute_dtype]
+    try:
+        mcfg, get = load_model(cfg.model.model, cfg.model.preset, dtype, cfg.model.seed)
+    except ValueError as e:
+        raise ConfigError(f"field 'model.preset': {e}") from None
+    c = cfg.cache
+    blocks = c.num_kv_blocks or blocks_for_budget(mcfg, cfg.kv_dtype, c.block_size,
+                                                  c.kv_cache_memory_bytes or DEFAULT_KV_BYTES)
+    if blocks < 1:
+        raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
+    layout = initial_layout(cfg)
+    name = cfg.model.model or f"preset {cfg.model.preset}"
+    ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else None
+    try:
+        advance = ticker.__enter__() if ticker else (lambda: None)
+        try:
+            runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, c.block_size, blocks,
+                                 dtype)
+        except ValueError as e:
+            raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
+    finally:
+        if ticker:
+            ticker.__exit__(None, None, None)
+    max_len = cfg.model.max_model_len or mcfg.max_position_embeddings
+    s = cfg.scheduler
+    engine = Engine(runner, step_comm, blocks, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode, max_len)
+    return Built(engine, mcfg, max_len, blocks)

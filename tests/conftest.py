@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random DeepSeek-V3 checkpoints (built once per session) and their HF reference models.
+
+    def test_x(tiny_ckpt, hf_ref):
+        path = tiny_ckpt("moe_yarn")          # Path to a checkpoint dir (VARIANTS in tests/hf_models.py)
+        path = tiny_ckpt("big", hidden_size=96)  # any name + DeepseekV3Config overrides (cached by name)
+        model = hf_ref("moe_yarn")            # DeepseekV3ForCausalLM loaded from that dir (cached)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from hf_models import VARIANTS, load_hf, make_tiny_deepseek
+
+# The tiny models are latency-bound: one thread avoids OpenMP spin-waits on this shared 2-core machine, where a
+# second thread that is descheduled by another process makes every small op wait (measured: 100x slower steps).
+torch.set_num_threads(1)
+
+try:  # keep test output clean of "Writing model shards" / "Loading weights" progress bars
+    from transformers.utils import logging as _hf_logging
+
+    _hf_logging.disable_progress_bar()
+    _hf_logging.set_verbosity_error()
+except ImportError:  # pragma: no cover - transformers is a test dependency
+    pass
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Callable[..., Path]:
+    """`tiny_ckpt(name, **overrides) -> Path`: a checkpoint written once per session under a tmp dir.
+
+    With no overrides, `name` must be one of `hf_models.VARIANTS`; with overrides, `name` just names the cache
+    entry (the same name must always come with the same overrides)."""
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    cache: dict[str, Path] = {}
+
+    def get(name: str, **overrides) -> Path:
+        if name not in cache:
+            kw = overrides if overrides else VARIANTS[name]
+            cache[name] = make_tiny_deepseek(root / name, **kw)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_ref(tiny_ckpt) -> Callable[[str], torch.nn.Module]:
+    """`hf_ref(name) -> DeepseekV3ForCausalLM` (fp32, eval) loaded from `tiny_ckpt(name)`; cached."""
+    cache: dict[str, torch.nn.Module] = {}
+
+    def get(name: str) -> torch.nn.Module:
+        if name not in cache:
+            cache[name] = load_hf(tiny_ckpt(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture
+def comm():
+    from splash.distributed.communicator import SingleRankCommunicator
+
+    return SingleRankCommunicator()
+

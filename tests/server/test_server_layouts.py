@@ -1,0 +1,116 @@
+"""Live layout control on the real server (``mpiexec -n 2``): pin each layout in turn through POST /v1/layout
+while streams are in flight; every stream must complete with the tokens of an unswitched run, and /metrics
+must count exactly those switches. Skipped until the Engine implements ``request_layout``."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from server_util import ServerProc, mpiexec_path, offline_reference, write_config
+
+from splash.engine.engine import Engine
+from splash.models.presets import save_preset
+
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+pytestmark = [pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found"),
+              pytest.mark.skipif(not hasattr(Engine, "request_layout"), reason="switching not implemented")]
+TOKEN = "layout-admin"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ORDER = ["dp_attn", "cp", "dop", "tp"]      # starting from tp: tp→dp_attn→cp→dop→tp
+N_STREAMS, MAX_TOKENS = 6, 48
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_preset("tiny-mla", tmp_path_factory.mktemp("ckpt") / "tiny-mla")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    work = tmp_path_factory.mktemp("server")
+    cfg = write_config(work / "serve.yaml", f"""
+model: {{model: {ckpt}}}
+layout: {{layout: tp}}
+cache: {{kv_cache_memory_bytes: 8MiB}}
+server: {{port: 0, quiet: true, admin_token: {TOKEN}}}
+""")
+    proc = ServerProc(2, "--config", cfg, workdir=work)
+    try:
+        proc.wait_ready(60)
+        yield proc
+    finally:
+        proc.kill()
+
+
+def _streams_with_switch(url: str, prompts: list[list[int]], target: str) -> tuple[list[list[int]], list[bool]]:
+    """Start one streaming request per prompt; once all have tokens, pin ``target``; return their tokens and
+    whether each was still running when the pin was accepted."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    got: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    started = threading.Barrier(len(prompts) + 1, timeout=60)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            stream = client.completions.create(model="tiny-mla", prompt=prompts[i], max_tokens=MAX_TOKENS,
+                                               temperature=0, stream=True,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True})
+            first = True
+            for chunk in stream:
+                for ch in chunk.choices:
+                    got[i] += ch.model_extra["token_ids"]
+                if first and got[i]:
+                    first = False
+                    started.wait()
+            done[i] = True
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            started.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    started.wait()
+    r = httpx.post(f"{url}/v1/layout", json={"layout": target}, headers=AUTH, timeout=30)
+    in_flight = [not d for d in done]
+    assert r.status_code == 200, r.text
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return got, in_flight
+
+
+def _switches(url: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            if s.name == "splash_layout_switches_total":
+                out[(s.labels["src"], s.labels["dst"])] = s.value
+    return out
+
+
+def test_pin_each_layout_while_streams_run(server, ckpt):
+    ref = offline_reference(ckpt)
+    url = server.url
+    assert httpx.get(f"{url}/v1/layout").json()["layout"] == "tp"
+    src = "tp"
+    for k, target in enumerate(ORDER):
+        prompts = [[(7 * k + 3 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(N_STREAMS)]
+        want = [ref(p, MAX_TOKENS) for p in prompts]  # ignore_eos is irrelevant unless EOS is sampled
+        got, in_flight = _streams_with_switch(url, prompts, target)
+        assert any(in_flight), "every stream finished before the switch was requested"
+        for g, w in zip(got, want):
+            assert g[:len(w)] == w
+        state = httpx.get(f"{url}/v1/layout").json()
+        assert state["layout"] == target and state["mode"] == "pinned"
+        assert _switches(url).get((src, target)) == 1.0
+        src = target
+    sw = _switches(url)
+    assert sum(sw.values()) == len(ORDER) and httpx.get(f"{url}/v1/layout").json()["switch_count"] == len(ORDER)
+    r = httpx.post(f"{url}/v1/layout", json={"layout": "auto"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["mode"] == "auto"

@@ -1,0 +1,171 @@
+"""Server pieces without MPI: stop strings, validation, the admin rule, the watchdog, and the whole app
+in-process (one rank, real Engine on the tiny preset, httpx's ASGI transport)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from splash.engine.engine import TokenEvent
+from splash.server.app import ServerState, admin_token_required, create_app, is_loopback
+from splash.server.generation import Generation
+from splash.server.protocol import APIError, CompletionRequest, LayoutRequest, parse_request
+from splash.server.watchdog import StepChannel, Watchdog
+from splash.tokenizer import load_tokenizer
+
+TOK = load_tokenizer(None, 320)
+
+
+class FakeLoop:
+    def __init__(self) -> None:
+        self.added, self.aborted = [], []
+
+    def add(self, reqs, sink) -> None:
+        self.added += reqs
+        self.sink = sink
+
+    def abort(self, ids) -> None:
+        self.aborted += ids
+
+
+def _drive(text: str, stops: list[str], finish_at_end: str = "length"):
+    """Feed ``text``'s byte tokens one event at a time; return (streamed text, choice, fake loop)."""
+    loop = FakeLoop()
+
+    async def main():
+        gen = Generation(loop, TOK, [[1]], [None], stops, "t")
+        gen.start()
+        ids = TOK.encode(text)
+        for i, t in enumerate(ids):
+            loop.sink([TokenEvent("t-0", t, finish_at_end if i == len(ids) - 1 else None)])
+        streamed = ""
+        async for deltas in gen.deltas():
+            streamed += "".join(d.text for d in deltas)
+        return streamed, gen.choices[0]
+
+    streamed, choice = asyncio.run(main())
+    return streamed, choice, loop
+
+
+def test_stop_string_cuts_text_and_aborts():
+    streamed, c, loop = _drive("hello world, bye", ["world"])
+    assert streamed == c.text == "hello " and c.finish == "stop"
+    assert loop.aborted == ["t-0"]
+    assert TOK.decode(c.token_ids) == "hello world"   # tokens up to the one completing the stop string
+
+
+def test_stop_string_prefix_is_held_back_then_released():
+    streamed, c, loop = _drive("abcwoXYZ", ["world"])
+    assert streamed == c.text == "abcwoXYZ" and c.finish == "length" and loop.aborted == []
+
+
+def test_multibyte_text_streams_whole_characters():
+    streamed, c, _ = _drive("naïve — ünïcode ✓", [])
+    assert streamed == "naïve — ünïcode ✓" and "\ufffd" not in streamed
+
+
+def test_validation_messages_name_the_field():
+    with pytest.raises(APIError) as e:
+        parse_request(CompletionRequest, {"prompt": "x", "max_tokens": "8"})
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    with pytest.raises(APIError, match="unknown field 'nope'"):
+        parse_request(CompletionRequest, {"prompt": "x", "nope": 1})
+    with pytest.raises(APIError, match="greater than or equal to 1"):
+        parse_request(CompletionRequest, {"prompt": "x", "max_tokens": 0})
+    with pytest.raises(APIError, match="must be a JSON object"):
+        parse_request(CompletionRequest, [1])
+    req = parse_request(CompletionRequest, {"prompt": [1, 2], "temperature": 0, "stop": "x"})
+    assert req.prompt == [1, 2] and req.stop_strings() == ["x"]
+    with pytest.raises(APIError, match="invalid layout"):
+        parse_request(LayoutRequest, {"layout": "diagonal"}).check(("tp", "dop"))
+    with pytest.raises(APIError, match="invalid layout"):
+        parse_request(LayoutRequest, {"layout": "cp"}).check(("tp", "dop"))   # a layout, but not allowed
+    parse_request(LayoutRequest, {"layout": "auto"}).check(("tp",))
+
+
+def test_admin_rule():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("myhost")
+    assert not admin_token_required("127.0.0.1", None)
+    assert admin_token_required("127.0.0.1", "t")
+    assert admin_token_required("0.0.0.0", None) and admin_token_required("0.0.0.0", "t")
+
+
+def test_watchdog_fires_only_on_a_stall():
+    fired: list[str] = []
+    wd = Watchdog(3, 0.2, abort=fired.append, poll_s=0.02).start()
+    wd.begin("quick step")
+    wd.end()
+    time.sleep(0.3)
+    assert fired == []
+    wd.begin("engine step 7")
+    time.sleep(0.5)
+    wd.stop()
+    assert len(fired) == 1 and "rank 3" in fired[0] and "engine step 7" in fired[0]
+
+
+def test_step_channel_single_rank_is_plain():
+    from splash.distributed import SingleRankCommunicator
+    ch = StepChannel(SingleRankCommunicator())
+    assert ch.broadcast_obj({"kind": "step"}) == {"kind": "step"} and ch.size == 1 and ch.rank == 0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
+
+
+def test_app_in_process(engine):
+    """Completions, streaming and layout control through the real app + engine thread, one rank."""
+    from splash.server.engine_loop import EngineLoop
+    from splash.server.metrics import Metrics
+
+    async def main():
+        aio = asyncio.get_running_loop()
+        holder = {}
+        metrics = Metrics(lambda: holder["loop"].snapshot)
+        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
+        state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=4096,
+                            vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"))
+        loop.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+                r1, r2 = await asyncio.gather(c.post("/v1/completions", json=body),
+                                              c.post("/v1/completions", json={**body, "stream": True}))
+                lay = await c.post("/v1/layout", json={"layout": "dop"})
+                metrics_text = (await c.get("/metrics")).text
+        finally:
+            await asyncio.to_thread(loop.stop)
+        return r1, r2, lay, metrics_text, loop
+
+    r1, r2, lay, metrics_text, loop = asyncio.run(main())
+    ids = r1.json()["choices"][0]["token_ids"]
+    assert len(ids) == 6
+    chunks = [json.loads(x[6:]) for x in r2.text.split("\n\n") if x.startswith("data: {")]
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == ids
+    assert r2.text.rstrip().endswith("data: [DONE]")
+    assert lay.status_code == (200 if hasattr(type(engine), "request_layout") else 501)
+    assert "splash_generated_tokens_total 12.0" in metrics_text
+    assert not loop._thread.is_alive() and loop.error is None
+
+
+def test_engine_thread_sleeps_when_idle(engine):
+    """No work: the engine thread waits on its condition instead of spinning."""
+    from splash.server.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine, lambda fn: fn()).start()
+    try:
+        steps, cpu0 = loop.steps, time.process_time()
+        time.sleep(0.5)
+        cpu = time.process_time() - cpu0
+        assert loop.steps == steps and loop.alive
+    finally:
+        loop.stop(5)
+    assert cpu < 0.1, f"idle engine thread used {cpu:.2f}s of CPU in 0.5s"
