@@ -6,6 +6,7 @@ stderr that is not a terminal) replaces both with a few plain log lines, which i
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -56,9 +57,22 @@ def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float)
     return Panel(t, title=title, subtitle=f"up {uptime_s:,.0f}s · Ctrl-C to stop", border_style="green")
 
 
+def _terminal_behind_mpiexec() -> bool:
+    """mpiexec relays a rank's output through pipes, so the rank never sees a TTY. Assume the user's terminal
+    is one when launched by mpiexec with a real TERM (``--quiet`` is the switch for scripts and files);
+    SPLASH_CONSOLE=plain|live overrides the guess."""
+    forced = os.environ.get("SPLASH_CONSOLE", "")
+    if forced in ("plain", "live"):
+        return forced == "live"
+    under_mpi = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+    return under_mpi and os.environ.get("TERM", "dumb") not in ("", "dumb")
+
+
 class Console:
     def __init__(self, quiet: bool = False) -> None:
         self.rich = RichConsole(stderr=True)
+        if not self.rich.is_terminal and _terminal_behind_mpiexec():
+            self.rich = RichConsole(stderr=True, force_terminal=True)
         self.quiet = quiet
         self.live_ok = not quiet and self.rich.is_terminal
         self._stop = threading.Event()

@@ -1,0 +1,48 @@
+"""Worker for test_layouts_dist: every layout on real ranks must reproduce the reference tokens and logits.
+
+argv: model_dir ref.pt kv_dtype layout[,layout...]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from splash.attention.batch import StepBatch, StepRequest
+from splash.engine.llm import LLM
+from splash.engine.sampling import SamplingParams
+
+
+def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str) -> None:
+    llm = LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
+              num_kv_blocks=256)
+    rank = llm.comm.rank
+    for phase in ("a", "b"):
+        prompts, max_tokens = ref[f"prompts_{phase}"], ref[f"max_tokens_{phase}"]
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate(prompts, params)
+        for i, (o, m) in enumerate(zip(outs, max_tokens)):
+            want = ref[f"tokens_{phase}"][i][:m]
+            assert o.token_ids == want, f"{layout} phase {phase} req {i}: {o.token_ids} != {want}"
+    bm = llm.runner.bm
+    assert bm.num_free == bm.num_blocks, f"{layout}: rank {rank} leaked {bm.num_used} blocks"
+    probe = ref["probe"]
+    batch = StepBatch.build([StepRequest("probe", 0, len(probe), owner=llm.comm.size - 1)], [probe], [True])
+    batch.sample_rows = list(range(len(probe)))
+    logits = llm.runner.step(batch)
+    llm.runner.release("probe")
+    want = ref["probe_logits"]
+    err = ((logits - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-4, f"{layout}: probe logits rel err {err}"
+    print(f"rank {rank}/{llm.comm.size} {layout} {kv_dtype} OK (logit rel err {err:.2e})", flush=True)
+
+
+def main() -> None:
+    model_dir, ref_path, kv_dtype, layouts = sys.argv[1:5]
+    ref = torch.load(ref_path)
+    for layout in layouts.split(","):
+        check_layout(model_dir, ref, kv_dtype, layout)
+
+
+if __name__ == "__main__":
+    main()
