@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
+from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.sampling import SamplingParams, make_generator, sample
 from splash.engine.scheduler import Request, Scheduler, StepPlan
@@ -26,7 +27,8 @@ class TokenEvent:
 class Engine:
     def __init__(self, runner, comm, blocks_per_rank: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, switch_mode: str = "live",
+                 allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop")):
         self.runner, self.comm = runner, comm
         # A request must fit the KV pool on its own, or recompute-preemption would loop forever (it preempts
         # itself and is re-admitted); cap the length at one request's share of the pool, as vLLM requires.
@@ -38,6 +40,9 @@ class Engine:
         self.gens: dict[str, torch.Generator | None] = {}
         self.num_steps = 0
         self._ids = itertools.count()
+        wbytes = torch.finfo(runner.dtype).bits // 8
+        self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes, runner.kv_dtype,
+                                        allowed_layouts, switch_mode)
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -62,17 +67,39 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def layout(self) -> str:
+        return self.runner.layout
+
+    def request_layout(self, name: str) -> None:
+        """Pin `name` (the switch happens live at the next step boundary) or 'auto'; ValueError on bad names."""
+        self.control.request(name)
+
+    def _switch_decision(self) -> dict | None:
+        s = self.scheduler
+        kv = {r.req_id: r.num_cached for r in s.running if r.num_cached > 0}
+        reserve = -(-s.budget // self.runner.block_size) + len(s.running) + 1
+        d = self.control.decide(self.layout, self.ledger, kv, reserve)
+        if d is None:
+            return None
+        self.ledger.relayout(d.dst, d.manifest.owners)
+        return {"dst": d.dst, "mode": self.control.mode, "reqs": d.reqs}
+
     def step(self) -> list[TokenEvent]:
+        switch = self._switch_decision()
         plan = self.scheduler.schedule()
         msg = {"kind": "step", "items": [(s.req_id, s.start_pos, s.tokens, s.sample, s.owner) for s in plan.items],
-               "release": plan.release}
+               "release": plan.release, "switch": switch}
         self.comm.broadcast_obj(msg)
         logits = self._execute(msg)
         sampled: dict[str, int] = {}
         rows = iter(range(logits.shape[0]))
+        greedy = logits.argmax(-1).tolist() if logits.numel() else []  # one op for every greedy row
         for s in plan.items:
             if s.sample:
-                sampled[s.req_id] = sample(logits[next(rows)], self.params[s.req_id], self.gens[s.req_id])
+                row, params = next(rows), self.params[s.req_id]
+                sampled[s.req_id] = (greedy[row] if params.greedy
+                                     else sample(logits[row], params, self.gens[s.req_id]))
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
         for rid in done:
             self._forget(rid)
@@ -95,31 +122,42 @@ class Engine:
             self.runner.release(rid)
         self.num_steps += 1
         items = msg["items"]
-        if not items:
-            return torch.empty(0)
+        switch = self._switch_executor(msg.get("switch"))
         reqs = [StepRequest(rid, start, len(toks), owner) for rid, start, toks, _, owner in items]
         batch = StepBatch.build(reqs, [list(t) for _, _, t, _, _ in items], [s for _, _, _, s, _ in items])
-        return self.runner.step(batch)
+        return self.runner.step(batch, switch)
+
+    def _switch_executor(self, sw: dict | None):
+        if sw is None:
+            return None
+        from splash.switching.executor import SwitchExecutor
+        from splash.switching.manifest import ReqState, plan_switch
+
+        r, src = self.runner, self.runner.layout
+        reqs = {rid: ReqState(*v) for rid, v in sw["reqs"].items()}
+        m = plan_switch(src, sw["dst"], r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
+                        r.kv_dtype)
+        self.control.record(src, sw["dst"])
+        return SwitchExecutor(r, m, sw["mode"])
 
     def _forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)
         self.gens.pop(req_id, None)
 
-    # ==== BEGIN server accessors (issue 5) — thin read-only views for splash-serve's metrics/console/API. ====
-    # Temporary: replace with the switching engine's own attributes when live switching lands (its
-    # `layout`, `layout_mode`, `switch_counts`, `kv_capacity_tokens()`... supersede these; `request_layout`
-    # is deliberately NOT defined here, so POST /v1/layout answers 501 until the real switch exists).
-    @property
-    def layout(self) -> str:
-        return self.runner.layout
-
+    # ==== BEGIN server accessors (issue 5) — read-only views for splash-serve's metrics, console and API. ====
     @property
     def layout_mode(self) -> str:
-        return "pinned"  # no scheduler switches layouts yet
+        """'auto' (the scheduler decides) or 'pinned' (POST /v1/layout or a pinned config layout)."""
+        return self.control.layout_mode
+
+    @property
+    def layout_target(self) -> str | None:
+        """The pinned layout (None in auto); differs from `layout` until the switch has happened."""
+        return self.control.target
 
     @property
     def switch_counts(self) -> dict[tuple[str, str], int]:
-        return {}
+        return self.control.switch_counts
 
     def kv_capacity_tokens(self) -> dict[str, int]:
         """Distinct KV tokens the pool could hold in each layout (TP replicates every token on every rank)."""

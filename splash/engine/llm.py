@@ -45,7 +45,7 @@ class LLM:
                  layout: str = "tp", kv_cache_dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 64 << 20,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
-                 max_model_len: int | None = None, seed: int = 0, comm=None):
+                 max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live", comm=None):
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm
@@ -55,7 +55,7 @@ class LLM:
             num_kv_blocks = blocks_for_budget(cfg, kv_cache_dtype, block_size, kv_cache_memory_bytes)
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, num_kv_blocks, DTYPES[dtype])
         self.engine = Engine(self.runner, comm, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                             preemption_mode, max_model_len)
+                             preemption_mode, max_model_len, switch_mode)
         self.cfg = cfg
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

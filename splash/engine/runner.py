@@ -33,10 +33,25 @@ class ModelRunner:
         return list(range(q.start_pos // self.block_size, (q.end_pos - 1) // self.block_size + 1))
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch) -> torch.Tensor:
-        """Execute one step on this rank; returns logits [len(sample_rows), vocab] (identical on all ranks)."""
+    def step(self, batch: StepBatch | None, switch=None) -> torch.Tensor:
+        """Execute one step on this rank; returns logits [len(sample_rows), vocab] (identical on all ranks).
+
+        `switch` (a SwitchExecutor) hands off to a new layout at this step boundary: the step runs in the
+        destination layout and each layer waits only for its own transferred state."""
+        before = None
+        if switch is not None:
+            switch.begin()
+            before = switch.before_layer
+        if batch is None or not batch.reqs:
+            if switch is not None:
+                for layer in range(self.cfg.num_hidden_layers):
+                    switch.before_layer(layer)
+                switch.end()
+            return torch.empty(0, self.cfg.vocab_size)
         self.executor.prepare(batch)
-        hidden = self.model.forward(batch, self.executor)
+        hidden = self.model.forward(batch, self.executor, before)
+        if switch is not None:
+            switch.end()
         return self.model.logits(hidden)
 
     def release(self, req_id: str) -> None:

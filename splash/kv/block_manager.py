@@ -75,6 +75,20 @@ class BlockManager:
             del self._tables[req]
         return freed
 
+    def detach(self, req: str, logical: list[int]) -> list[int]:
+        """Remove blocks from `req`'s table without freeing them (their data may still be sent); returns the
+        physical ids, to be given back with `free_physical` once nothing reads them."""
+        table = self._tables.get(req)
+        if table is None:
+            return []
+        out = [table.pop(b) for b in logical if b in table]
+        if not table:
+            del self._tables[req]
+        return out
+
+    def free_physical(self, phys: list[int]) -> None:
+        self._free.extend(phys)
+
     def release(self, req: str) -> list[int]:
         """Free every block of `req`."""
         table = self._tables.pop(req, {})

@@ -1,0 +1,111 @@
+"""Apply a switch manifest on this rank: reuse resident state, move the rest, hand off at a step boundary.
+
+Live mode: the step that follows the boundary already runs in the destination layout; layer l+1's missing
+state (KV blocks through a nonblocking all-to-all, projections through a nonblocking all-gather) is in flight
+while layer l computes, and layer l waits only for its own. Blocking mode moves every layer first, then runs —
+the baseline every overhead figure is compared with.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from splash.attention.executors import head_range_for, make_executor
+from splash.switching import weights_transfer as wt
+from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
+
+
+class SwitchExecutor:
+    def __init__(self, runner, manifest: Manifest, mode: str = "live"):
+        if mode not in ("live", "blocking"):
+            raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
+        self.r, self.m, self.mode = runner, manifest, mode
+        self.handles: dict[int, tuple] = {}
+        self.pending_free: list[int] = []
+
+    # ---- set-up at the step boundary ------------------------------------------------------------------
+    def begin(self) -> None:
+        r, m, me = self.r, self.m, self.r.comm.rank
+        bm = r.bm
+        self.send_phys, self.send_counts = self._sends(me)
+        self.recv_counts = [0] * m.world
+        incoming: dict[str, list[int]] = defaultdict(list)
+        for mv in m.moves:
+            if mv.dst_rank == me:
+                incoming[mv.req].append(mv.block_idx)
+                self.recv_counts[mv.src_rank] += 1
+        for req, blocks in incoming.items():
+            bm.ensure(req, blocks)
+        self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
+        by_req: dict[str, list[int]] = defaultdict(list)
+        for req, b in m.discard[me]:
+            by_req[req].append(b)
+        for req, blocks in by_req.items():
+            self.pending_free += bm.detach(req, blocks)
+        self.w_action = m.action("proj")
+        dst = m.dst.value
+        new_heads = head_range_for(dst, r.cfg.num_attention_heads, m.world, me)
+        if self.w_action == DISCARD:
+            for lw in r.weights.layers:
+                lw.attn = wt.slice_heads(lw.attn, new_heads, r.cfg.qk_head_dim)
+        r.layout, r.heads = dst, new_heads
+        r.executor = make_executor(dst, r)
+        if self.mode == "blocking":
+            for layer in range(m.num_layers):
+                self._start(layer)
+                self._finish(layer)
+
+    def _ordered(self, me: int, incoming: bool):
+        key = (lambda mv: mv.dst_rank == me) if incoming else (lambda mv: mv.src_rank == me)
+        peer = (lambda mv: mv.src_rank) if incoming else (lambda mv: mv.dst_rank)
+        return sorted((mv for mv in self.m.moves if key(mv)), key=peer)  # stable: manifest order per peer
+
+    def _sends(self, me: int) -> tuple[list[int], list[int]]:
+        counts = [0] * self.m.world
+        phys = []
+        for mv in self._ordered(me, incoming=False):
+            phys.append(self.r.bm.table(mv.req)[mv.block_idx])
+            counts[mv.dst_rank] += 1
+        return phys, counts
+
+    # ---- per layer ----------------------------------------------------------------------------------------
+    def _start(self, layer: int) -> None:
+        r = self.r
+        kv = None
+        if any(self.send_counts) or any(self.recv_counts):
+            data = r.cache.pack_blocks(layer, self.send_phys) if self.send_phys else \
+                torch.empty(0, r.cache.block_bytes(), dtype=torch.uint8)
+            kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
+        w = None
+        if self.w_action == ALL_GATHER:
+            w = r.comm.iall_gatherv(wt.pack_shard(r.weights.layers[layer].attn))
+        self.handles[layer] = (kv, w)
+
+    def _finish(self, layer: int) -> None:
+        kv, w = self.handles.pop(layer)
+        r = self.r
+        if kv is not None:
+            data = kv.wait()
+            if self.recv_phys:
+                r.cache.unpack_blocks(layer, self.recv_phys, data)
+        if w is not None:
+            lw = r.weights.layers[layer]
+            lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
+
+    def before_layer(self, layer: int) -> None:
+        """Called by the model before layer `layer` runs (live mode)."""
+        if self.mode != "live":
+            return
+        if layer == 0:
+            self._start(0)
+        self._finish(layer)
+        if layer + 1 < self.m.num_layers:
+            self._start(layer + 1)
+
+    def end(self) -> None:
+        """After the step: every transfer is complete; give discarded blocks back to the pool."""
+        for layer in sorted(self.handles):
+            self._finish(layer)
+        self.r.bm.free_physical(self.pending_free)
+        self.pending_free = []
