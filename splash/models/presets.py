@@ -25,6 +25,11 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 256, "eos_token_id": 257,
     },
 }
+# A larger random model for CPU benchmarks: per-token latent KV (256 + 32) like a scaled-down DeepSeek-V3.
+PRESETS["small-mla"] = {**PRESETS["tiny-mla"], "hidden_size": 512, "intermediate_size": 1024,
+                        "moe_intermediate_size": 256, "num_attention_heads": 16, "num_key_value_heads": 16,
+                        "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
+                        "v_head_dim": 64}
 
 
 def preset_names() -> list[str]:

@@ -1,0 +1,56 @@
+"""Shared set-up for the layout and switch benchmarks: a rank's ModelRunner whose paged KV already holds B
+requests of L tokens (random latent values written straight into the pool on the ranks the layout says hold
+them — decode-step cost does not depend on the values), and a timed decode step."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from splash.attention.batch import StepBatch, StepRequest
+from splash.engine.runner import ModelRunner
+from splash.layouts.ownership import kv_holders
+from splash.models.presets import preset_config, preset_getter
+
+
+class DecodeState:
+    def __init__(self, comm, preset: str, layout: str, batch: int, context: int, block_size: int = 16,
+                 kv_dtype: str = "float32", spare_blocks: int = 64):
+        self.comm, self.B, self.L = comm, batch, context
+        cfg = preset_config(preset)
+        nb = -(-(context + 64) // block_size)
+        blocks = batch * nb + spare_blocks  # enough for TP (every rank holds everything)
+        self.runner = ModelRunner(cfg, preset_getter(preset), comm, layout, kv_dtype, block_size, blocks)
+        self.owners = {f"r{i}": i % comm.size for i in range(batch)}
+        self.pos = {rid: context for rid in self.owners}
+        self._fill()
+
+    def _fill(self) -> None:
+        r, bs, me = self.runner, self.runner.block_size, self.comm.rank
+        g = torch.Generator().manual_seed(0)
+        nb = -(-self.L // bs)
+        for rid, owner in self.owners.items():
+            held = [b for b, h in enumerate(kv_holders(r.layout, nb, owner, self.comm.size)) if me in h]
+            r.bm.ensure(rid, held)
+            t = r.bm.table(rid)
+            for layer in range(r.cfg.num_hidden_layers):
+                for b in held:
+                    n = min(bs, self.L - b * bs)
+                    slots = torch.arange(t[b] * bs, t[b] * bs + n)
+                    r.cache.write(layer, slots, torch.randn(n, r.cfg.kv_lora_rank, generator=g),
+                                  torch.randn(n, r.cfg.qk_rope_head_dim, generator=g))
+
+    def batch(self) -> StepBatch:
+        reqs = [StepRequest(rid, self.pos[rid], 1, self.owners[rid]) for rid in self.owners]
+        return StepBatch.build(reqs, [[7] for _ in reqs], [True] * len(reqs))
+
+    def step(self, switch=None) -> float:
+        """One decode step (optionally carrying a switch); returns its wall time in seconds (max over ranks)."""
+        b = self.batch()
+        self.comm.barrier()
+        t0 = time.perf_counter()
+        self.runner.step(b, switch)
+        dt = time.perf_counter() - t0
+        for rid in self.pos:
+            self.pos[rid] += 1
+        return max(self.comm.all_gather_obj(dt))
