@@ -10,7 +10,7 @@ TP, DP, CP, DOP = Layout.TP, Layout.DP_ATTN, Layout.CP, Layout.DOP
 GLM = model_config_from_dict(dict(
     model_type="glm_moe_dsa", vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
     num_attention_heads=8, kv_lora_rank=128, q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64,
-    v_head_dim=64, index_n_heads=4, index_head_dim=32))
+    v_head_dim=64, index_n_heads=4, index_head_dim=32), allow_planned=True)
 DSV3 = model_config_from_dict(dict(
     model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
     num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,

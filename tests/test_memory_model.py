@@ -29,7 +29,7 @@ def dsv3():
 
 @pytest.fixture
 def glm():
-    return model_config_from_dict(GLM)
+    return model_config_from_dict(GLM, allow_planned=True)
 
 
 def test_deepseek_v3_projection_bytes_per_layer(dsv3):
@@ -132,7 +132,7 @@ cfg_strategy = st.builds(
         model_type="deepseek_v32", vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads_mult * world, kv_lora_rank=kv_lora,
         q_lora_rank=q_lora, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v,
-        index_n_heads=4 if idx else 0, index_head_dim=idx))),
+        index_n_heads=4 if idx else 0, index_head_dim=idx), allow_planned=True)),
     st.integers(1, 16), st.sampled_from([1, 2, 4, 8]), st.sampled_from([64, 256, 1024, 7168]),
     st.sampled_from([64, 128, 512]), st.sampled_from([0, 32, 64]), st.sampled_from([64, 128, 192]),
     st.sampled_from([64, 128, 256]), st.one_of(st.none(), st.sampled_from([128, 1536])), st.integers(1, 80),

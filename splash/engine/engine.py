@@ -25,16 +25,21 @@ class TokenEvent:
 
 
 class Engine:
-    def __init__(self, runner, comm, blocks_per_rank: int, max_num_seqs: int = 256,
+    def __init__(self, runner, comm, blocks_per_rank: int | dict[str, int], max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None, switch_mode: str = "live",
                  allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop")):
         self.runner, self.comm = runner, comm
         # A request must fit the KV pool on its own, or recompute-preemption would loop forever (it preempts
         # itself and is re-admitted); cap the length at one request's share of the pool, as vLLM requires.
-        kv_tokens = blocks_per_rank * runner.block_size * (comm.size if runner.layout == "cp" else 1)
+        # blocks_per_rank: the physical pool, or per-layout usable blocks (see splash.engine.llm.kv_capacity).
+        caps = blocks_per_rank if isinstance(blocks_per_rank, dict) else {}
+        physical = max(caps.values()) if caps else blocks_per_rank
+        self.ledger = KVLedger(comm.size, physical, runner.block_size, runner.layout, dict(caps))
+        # A request must fit the KV pool on its own in every allowed layout, or recompute-preemption would loop
+        # forever (it preempts itself and is re-admitted); cap the length as vLLM does.
+        kv_tokens = min(self.ledger.cap(a) for a in allowed_layouts) * runner.block_size
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
-        self.ledger = KVLedger(comm.size, blocks_per_rank, runner.block_size, runner.layout)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.params: dict[str, SamplingParams] = {}
         self.gens: dict[str, torch.Generator | None] = {}
@@ -161,8 +166,8 @@ class Engine:
 
     def kv_capacity_tokens(self) -> dict[str, int]:
         """Distinct KV tokens the pool could hold in each layout (TP replicates every token on every rank)."""
-        per_rank = self.ledger.blocks_per_rank * self.ledger.block_size
-        return {lay: per_rank * (1 if lay == "tp" else self.ledger.world) for lay in ("tp", "dp_attn", "cp", "dop")}
+        bs, w = self.ledger.block_size, self.ledger.world
+        return {lay: self.ledger.cap(lay) * bs * (1 if lay == "tp" else w) for lay in ("tp", "dp_attn", "cp", "dop")}
 
     def kv_used_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.ledger.reqs.values())

@@ -74,7 +74,7 @@ class LayoutController:
         return SwitchDecision(dst, full, m)
 
     def _headroom(self, m: Manifest, ledger, owners: dict[str, int], reserve: int) -> str | None:
-        cap = ledger.blocks_per_rank
+        cap, dst_cap = ledger.blocks_per_rank, ledger.cap(m.dst.value)
         block_all_layers = m.kv_block_bytes_layer * max(1, m.num_layers)
         incoming = [0] * self.world
         for mv in m.moves:
@@ -84,9 +84,9 @@ class LayoutController:
             buf_bytes = incoming[r] * m.kv_block_bytes_layer + m.weight_recv_bytes[r]
             buf_blocks = -(-int(buf_bytes) // block_all_layers) if block_all_layers else 0
             peak = ledger.used[r] + incoming[r] + buf_blocks + reserve
-            if dst_used[r] + reserve > cap:
+            if dst_used[r] + reserve > dst_cap:
                 return (f"rank {r}: destination {m.dst.value} needs {dst_used[r]} KV blocks (+{reserve} for the "
-                        f"step) but the pool has {cap}")
+                        f"step) but holds at most {dst_cap} there")
             if peak > cap:
                 return (f"rank {r}: handoff peak {peak} blocks (resident {ledger.used[r]} + incoming {incoming[r]}"
                         f" + one-layer buffers {buf_blocks} + step {reserve}) exceeds the pool of {cap}")

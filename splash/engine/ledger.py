@@ -20,11 +20,17 @@ class KVLedger:
     blocks_per_rank: int
     block_size: int
     layout: str
+    capacity: dict[str, int] = field(default_factory=dict)  # usable blocks per rank per layout (default: all)
     used: list[int] = field(default_factory=list)
     reqs: dict[str, list[int]] = field(default_factory=dict)  # req -> [tokens, owner]
 
     def __post_init__(self) -> None:
         self.used = [0] * self.world
+
+    def cap(self, layout: str | None = None) -> int:
+        """Blocks per rank the KV may use under `layout`: the physical pool less what that layout's
+        projections take beyond the most compact layout's (replicated projections eat KV room)."""
+        return self.capacity.get(layout or self.layout, self.blocks_per_rank)
 
     def holders(self, block: int, owner: int, layout: str | None = None) -> list[int]:
         lay = layout or self.layout
@@ -47,7 +53,8 @@ class KVLedger:
 
     def can_grow(self, req: str, new_tokens: int, owner: int = 0) -> bool:
         need = self.growth(req, new_tokens, owner)
-        return all(self.used[r] + need[r] <= self.blocks_per_rank for r in range(self.world))
+        cap = self.cap()
+        return all(self.used[r] + need[r] <= cap for r in range(self.world))
 
     def grow(self, req: str, new_tokens: int, owner: int = 0) -> None:
         need = self.growth(req, new_tokens, owner)
@@ -92,7 +99,7 @@ class KVLedger:
 
     def free_tokens(self) -> int:
         """Distinct tokens that could still be admitted (the binding rank under this layout)."""
-        free = [self.blocks_per_rank - u for u in self.used]
+        free = [self.cap() - u for u in self.used]
         if self.layout == "tp":
             return min(free) * self.block_size
         return sum(free) * self.block_size

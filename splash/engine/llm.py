@@ -35,9 +35,35 @@ def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: 
     return preset_config(name), preset_getter(name, seed, dtype)
 
 
-def blocks_for_budget(cfg, kv_dtype: str, block_size: int, budget_bytes: int) -> int:
+def block_bytes(cfg, kv_dtype: str, block_size: int) -> int:
+    """Bytes of one KV block over all layers, as the pool really allocates it."""
     probe = PagedLatentCache(cfg.num_hidden_layers, 1, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype)
-    return max(0, budget_bytes // probe.nbytes())
+    return probe.nbytes()
+
+
+def blocks_for_budget(cfg, kv_dtype: str, block_size: int, budget_bytes: int) -> int:
+    return max(0, budget_bytes // block_bytes(cfg, kv_dtype, block_size))
+
+
+def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
+                         weight_bytes: int, layouts=("tp", "dp_attn", "cp", "dop")) -> dict[str, int]:
+    """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
+
+    The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
+    the projections spends the difference on them, so it holds that many fewer blocks (memory model in
+    splash.layouts.memory). The physical pool is the largest entry."""
+    from splash.layouts.memory import projection_bytes_per_rank
+
+    block = block_bytes(cfg, kv_dtype, block_size)
+    proj = {}
+    for lay in layouts:
+        try:
+            proj[lay] = projection_bytes_per_rank(cfg, lay, world, weight_bytes)
+        except ValueError:
+            continue  # world does not divide the heads: this layout is not available
+    base = min(proj.values())
+    pool = budget_bytes // block
+    return {lay: max(0, pool - int(-(-(p - base) // block))) for lay, p in proj.items()}
 
 
 class LLM:
@@ -51,10 +77,11 @@ class LLM:
             comm = init_dist().comm
         self.comm = comm
         cfg, get = load_model(model, preset, DTYPES[dtype], seed)
-        if num_kv_blocks is None:
-            num_kv_blocks = blocks_for_budget(cfg, kv_cache_dtype, block_size, kv_cache_memory_bytes)
-        self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, num_kv_blocks, DTYPES[dtype])
-        self.engine = Engine(self.runner, comm, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+        blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
+            cfg, comm.size, kv_cache_dtype, block_size, kv_cache_memory_bytes, torch.finfo(DTYPES[dtype]).bits // 8)
+        physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
+        self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype])
+        self.engine = Engine(self.runner, comm, blocks, max_num_seqs, max_num_batched_tokens,
                              preemption_mode, max_model_len, switch_mode)
         self.cfg = cfg
 

@@ -111,9 +111,11 @@ def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[
 def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None) -> Built:
     """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``)."""
     from splash.engine.engine import Engine
-    from splash.engine.llm import DTYPES, blocks_for_budget, load_model
+    from splash.engine.llm import DTYPES, kv_blocks_per_layout, load_model
     from splash.engine.runner import ModelRunner
     from splash.models.weights import expected_shapes
+
+    import torch
 
     dtype = DTYPES[cfg.compute_dtype]
     try:
@@ -121,8 +123,10 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     except ValueError as e:
         raise ConfigError(f"field 'model.preset': {e}") from None
     c = cfg.cache
-    blocks = c.num_kv_blocks or blocks_for_budget(mcfg, cfg.kv_dtype, c.block_size,
-                                                  c.kv_cache_memory_bytes or DEFAULT_KV_BYTES)
+    per_layout = c.num_kv_blocks or kv_blocks_per_layout(
+        mcfg, comm.size, cfg.kv_dtype, c.block_size, c.kv_cache_memory_bytes or DEFAULT_KV_BYTES,
+        torch.finfo(dtype).bits // 8)
+    blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
     layout = initial_layout(cfg)
@@ -138,7 +142,10 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     finally:
         if ticker:
             ticker.__exit__(None, None, None)
-    max_len = cfg.model.max_model_len or mcfg.max_position_embeddings
     s = cfg.scheduler
-    engine = Engine(runner, step_comm, blocks, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode, max_len)
-    return Built(engine, mcfg, max_len, blocks)
+    try:
+        engine = Engine(runner, step_comm, per_layout, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode,
+                        cfg.model.max_model_len, cfg.layout.switch_mode, tuple(cfg.layout.allowed_layouts))
+    except ValueError as e:
+        raise ConfigError(f"field 'layout.allowed_layouts': {e}") from None
+    return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool

@@ -1,0 +1,42 @@
+"""The KV pool the engine really allocates agrees with the pure memory model, and capacity is per layout:
+replicated projections (DP-attn, CP) eat KV room that sharded ones (TP, DOP) leave free."""
+from __future__ import annotations
+
+import pytest
+
+from splash.distributed.communicator import SingleRankCommunicator
+from splash.engine.llm import LLM, block_bytes, kv_blocks_per_layout
+from splash.kv.paged_cache import PagedLatentCache
+from splash.layouts.memory import kv_block_bytes, projection_bytes_per_rank
+from splash.models.presets import preset_config
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
+def test_allocated_pool_matches_memory_model(kv_dtype):
+    cfg = preset_config("small-mla")
+    pool = PagedLatentCache(cfg.num_hidden_layers, 37, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype)
+    model = kv_block_bytes(cfg, kv_dtype, 16) * 37
+    assert abs(pool.nbytes() - model) <= 0.01 * model, (pool.nbytes(), model)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_capacity_per_layout(world):
+    cfg = preset_config("small-mla")
+    budget = 256 << 20
+    caps = kv_blocks_per_layout(cfg, world, "float32", 16, budget, 4)
+    blk = block_bytes(cfg, "float32", 16)
+    assert caps["tp"] == caps["dop"] == budget // blk
+    extra = projection_bytes_per_rank(cfg, "cp", world, 4) - projection_bytes_per_rank(cfg, "dop", world, 4)
+    assert caps["dp_attn"] == caps["cp"] == budget // blk - -(-int(extra) // blk)
+    distinct = {lay: c * (1 if lay == "tp" else world) for lay, c in caps.items()}
+    assert distinct["dop"] > distinct["dp_attn"] and distinct["dop"] > distinct["cp"]
+    assert distinct["dop"] > distinct["tp"]
+
+
+def test_engine_reports_and_enforces_layout_capacity():
+    llm = LLM(preset="tiny-mla", layout="tp", kv_cache_memory_bytes=1 << 20, comm=SingleRankCommunicator())
+    caps = llm.engine.kv_capacity_tokens()
+    assert set(caps) == {"tp", "dp_attn", "cp", "dop"}
+    assert caps["dop"] >= caps["dp_attn"] > 0
+    assert llm.engine.ledger.cap("tp") * llm.runner.block_size == caps["tp"]
+    assert llm.runner.bm.num_blocks == max(llm.engine.ledger.capacity.values())
