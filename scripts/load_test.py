@@ -159,7 +159,7 @@ async def run_load(args, url: str) -> dict:
         if sw is not None:
             await sw
         after = (await client.get("/v1/layout")).json()
-    return {"model": models["id"], "stats": stats, "wall": wall, "before": before, "after": after, "log": log}
+    return {"model": models["id"], "load": args.load_before, "stats": stats, "wall": wall, "before": before, "after": after, "log": log}
 
 
 def check_loopback(url: str) -> None:
@@ -212,7 +212,9 @@ def report(args, res: dict, command: str, server_rc: int | None) -> str:
     sw_before, sw_after = res["before"]["switch_count"], res["after"]["switch_count"]
     lines = [
         f"- command: `{command}`",
-        f"- server: {args.np if args.launch else '?'} ranks, model `{res['model']}`, config `{args.config}`",
+        f"- server: {args.np if args.launch else '?'} ranks, model `{res['model']}`, config `{args.config}`; "
+        f"host: {os.cpu_count()} CPU cores, load average {res['load']:.1f} before the run "
+        f"(ranks > cores means oversubscribed timings)",
         f"- load: {args.clients} concurrent streaming clients x {args.requests_per_client} requests = {total} "
         f"requests, prompts 8-128 tokens, max_tokens {args.max_tokens} (greedy, ignore_eos)",
         f"- forced switches: every {args.switch_every or '-'} engine steps over {args.layouts}; executed "
@@ -272,6 +274,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python scripts/load_test.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     proc, err = None, None
+    args.load_before = os.getloadavg()[0]
     if args.launch:
         proc, url, err = launch(args)
     else:

@@ -53,8 +53,8 @@ def _follow(engine, step_comm, rank: int) -> int:
     try:
         engine.follow()
     except Exception:  # noqa: BLE001 — a follower that fails mid-step would leave the others hanging
-        from splash.server.watchdog import _mpi_abort
-        _mpi_abort(f"splash-serve: rank {rank}: executing a step failed:\n{traceback.format_exc()}")
+        from splash.server.watchdog import abort_job
+        abort_job(f"splash-serve: rank {rank}: executing a step failed:\n{traceback.format_exc()}")
     return 0
 
 

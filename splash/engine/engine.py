@@ -70,7 +70,9 @@ class Engine:
         self._forget(req_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to run, KV to release, or a pinned layout still to switch to (an idle engine switches too)."""
+        pending_switch = self.control.layout_mode == "pinned" and self.control.target != self.layout
+        return self.scheduler.has_work() or pending_switch
 
     @property
     def layout(self) -> str:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.engine.sampling import SamplingParams
 from splash.server import protocol as P
-from splash.server.engine_loop import EngineLoop
+from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.generation import Generation
 from splash.server.metrics import Metrics
 from splash.tokenizer import Tokenizer
@@ -243,7 +243,8 @@ class _Handlers:
     # ---- layout -----------------------------------------------------------------------------------------
     def layout_body(self) -> dict:
         snap = self.s.loop.snapshot
-        return {"layout": snap.layout, "mode": snap.mode, "allowed_layouts": list(snap.allowed_layouts),
+        return {"layout": snap.layout, "mode": snap.mode, "target": snap.target,
+                "allowed_layouts": list(snap.allowed_layouts),
                 "switch_count": snap.total_switches,
                 "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
                 "steps": snap.steps}
@@ -254,6 +255,8 @@ class _Handlers:
         req.check(self.s.allowed_layouts)
         try:
             await asyncio.wrap_future(self.s.loop.set_layout(req.layout))
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "service_unavailable") from None
         except NotImplementedError as e:
             raise P.APIError(501, str(e), "not_implemented", code="switching_not_implemented") from None
         except ValueError as e:

@@ -18,6 +18,7 @@ from rich.console import Group
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 
 class Rate:
@@ -45,7 +46,9 @@ def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float)
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold cyan", no_wrap=True)
     t.add_column()
-    t.add_row("layout", f"[bold]{snap.layout}[/bold] ({snap.mode}; allowed {', '.join(snap.allowed_layouts)})")
+    pending = f" → {snap.target} at the next step" if snap.target and snap.target != snap.layout else ""
+    t.add_row("layout", f"[bold]{snap.layout}[/bold]{pending} ({snap.mode}; allowed "
+                        f"{', '.join(snap.allowed_layouts)})")
     pairs = ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(snap.switch_counts.items())) or "none"
     t.add_row("switches", f"{snap.total_switches} ({pairs})")
     t.add_row("tokens/s", f"{tokens_per_s:,.1f}   (generated {snap.generated_tokens:,}, steps {snap.steps:,})")
@@ -53,7 +56,7 @@ def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float)
     cap = snap.kv_capacity.get(snap.layout)
     t.add_row("KV tokens", f"{snap.kv_used_tokens:,} used" + (f" of {cap:,} in {snap.layout}" if cap else ""))
     for r, used in enumerate(snap.kv_used_blocks):
-        t.add_row(f"KV rank {r}", _bar(used, snap.kv_blocks_per_rank))
+        t.add_row(f"KV rank {r}", Text(_bar(used, snap.kv_blocks_per_rank)))
     return Panel(t, title=title, subtitle=f"up {uptime_s:,.0f}s · Ctrl-C to stop", border_style="green")
 
 

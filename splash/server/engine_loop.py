@@ -30,6 +30,7 @@ class EngineStopped(RuntimeError):
 class EngineSnapshot:
     layout: str
     mode: str
+    target: str | None
     allowed_layouts: tuple[str, ...]
     switch_counts: dict[tuple[str, str], int]
     kv_capacity: dict[str, int]
@@ -51,7 +52,8 @@ def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, 
                   generated: int) -> EngineSnapshot:
     sched = engine.scheduler
     return EngineSnapshot(
-        layout=engine.layout, mode=engine.layout_mode, allowed_layouts=allowed,
+        layout=engine.layout, mode=engine.layout_mode, target=getattr(engine, "layout_target", None),
+        allowed_layouts=allowed,
         switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
         kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
         kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
@@ -152,7 +154,7 @@ class EngineLoop:
             for req_id, prompt, params in reqs:
                 try:
                     self.engine.add_request(prompt, params, req_id)
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 — rejected before any collective: only this request fails
                     self._deliver([(sink, [e])])
                     continue
                 self._sinks[req_id] = sink
@@ -172,6 +174,7 @@ class EngineLoop:
             except ValueError as e:
                 fut.set_exception(e)
             else:
+                self._publish()   # the answer to POST /v1/layout already shows the new mode
                 fut.set_result(None)
 
     def _step(self) -> None:

@@ -18,7 +18,7 @@ from splash.server.app import ServerState, create_app
 from splash.server.console import Console
 from splash.server.engine_loop import EngineLoop
 from splash.server.metrics import Metrics
-from splash.server.watchdog import Watchdog, _mpi_abort
+from splash.server.watchdog import Watchdog, abort_job
 
 DRAIN_S = 10.0
 
@@ -52,7 +52,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
 
     holder: dict[str, EngineLoop] = {}
     metrics = Metrics(lambda: holder["loop"].snapshot if "loop" in holder else None)
-    loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=_mpi_abort)
+    loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
     holder["loop"] = loop
     state = ServerState(loop=loop, metrics=metrics, allowed_layouts=allowed_layouts, **state_kw)
     app = create_app(state)

@@ -51,7 +51,7 @@ class _Sampling(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1 - MAX_N)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

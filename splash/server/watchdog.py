@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
@@ -27,8 +28,15 @@ NAP_S = 0.0005          # sleep between polls for the next ~50 ms
 SLEEP_S = 0.002         # then sleep this long between polls (idle server)
 
 
-def _mpi_abort(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def abort_job(message: str) -> None:
+    """Print ``message`` and end every rank. The short pause lets mpiexec relay the message before the
+    abort tears the job down (otherwise it can be lost with the pipe)."""
+    try:
+        sys.stderr.flush()
+        os.write(2, (message.rstrip("\n") + "\n").encode())
+    except OSError:
+        pass
+    time.sleep(0.5)
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(1)
 
@@ -36,7 +44,7 @@ def _mpi_abort(message: str) -> None:
 class Watchdog:
     """Abort every rank when one piece of collective work on this rank takes longer than ``timeout_s``."""
 
-    def __init__(self, rank: int, timeout_s: float, abort: Callable[[str], None] = _mpi_abort,
+    def __init__(self, rank: int, timeout_s: float, abort: Callable[[str], None] = abort_job,
                  poll_s: float | None = None) -> None:
         self.rank, self.timeout_s, self._abort = rank, timeout_s, abort
         self._poll_s = poll_s if poll_s is not None else min(0.5, timeout_s / 4)
@@ -133,5 +141,5 @@ class StepChannel:
                 continue
             time.sleep(NAP_S if waited < 0.05 else SLEEP_S)
             if self.signalled is not None and now - self.signalled > self.on_signal_grace_s:
-                _mpi_abort(f"splash-serve: rank {self.rank}: got a stop signal but rank 0 sent no stop "
+                abort_job(f"splash-serve: rank {self.rank}: got a stop signal but rank 0 sent no stop "
                            f"message within {self.on_signal_grace_s:g}s; aborting all ranks")

@@ -4,7 +4,6 @@ must count exactly those switches. Skipped until the Engine implements ``request
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -75,13 +74,18 @@ def _streams_with_switch(url: str, prompts: list[list[int]], target: str) -> tup
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    started.wait()
+    try:
+        started.wait()
+    except threading.BrokenBarrierError:
+        for t in threads:
+            t.join(30)
+        raise AssertionError(f"a stream failed before the switch to {target}: {errors}") from None
     r = httpx.post(f"{url}/v1/layout", json={"layout": target}, headers=AUTH, timeout=30)
     in_flight = [not d for d in done]
     assert r.status_code == 200, r.text
     for t in threads:
         t.join(120)
-    assert not errors, errors
+    assert not errors, f"streams failed while switching to {target}: {errors}"
     return got, in_flight
 
 
@@ -102,7 +106,10 @@ def test_pin_each_layout_while_streams_run(server, ckpt):
     for k, target in enumerate(ORDER):
         prompts = [[(7 * k + 3 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(N_STREAMS)]
         want = [ref(p, MAX_TOKENS) for p in prompts]  # ignore_eos is irrelevant unless EOS is sampled
-        got, in_flight = _streams_with_switch(url, prompts, target)
+        try:
+            got, in_flight = _streams_with_switch(url, prompts, target)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- server output (tail) ---\n{server.output()[-3000:]}") from None
         assert any(in_flight), "every stream finished before the switch was requested"
         for g, w in zip(got, want):
             assert g[:len(w)] == w

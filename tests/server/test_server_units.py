@@ -169,3 +169,20 @@ def test_engine_thread_sleeps_when_idle(engine):
     finally:
         loop.stop(5)
     assert cpu < 0.1, f"idle engine thread used {cpu:.2f}s of CPU in 0.5s"
+
+
+def test_console_panel_shows_layout_switches_and_kv_bars():
+    from rich.console import Console as RichConsole
+
+    from splash.server.console import render_panel
+    from splash.server.engine_loop import EngineSnapshot
+
+    snap = EngineSnapshot(layout="tp", mode="pinned", target="dop", allowed_layouts=("tp", "dop"),
+                          switch_counts={("tp", "dop"): 2}, kv_capacity={"tp": 800, "dop": 1600}, kv_used_tokens=10,
+                          kv_used_blocks=[1, 20], kv_blocks_per_rank=50, running=3, waiting=4, steps=5,
+                          generated_tokens=6)
+    con = RichConsole(width=100, record=True, file=open("/dev/null", "w"))
+    con.print(render_panel(snap, "splash-serve", 12.5, 3))
+    text = con.export_text()
+    for needle in ("tp → dop", "pinned", "tp→dop: 2", "12.5", "3 running, 4 waiting", "[########............] 20/50"):
+        assert needle in text, (needle, text)
