@@ -1,17 +1,23 @@
 """Tiny random DeepSeek-V3 checkpoints written with transformers' ``save_pretrained`` — the reference models.
 
-Shared by the single-rank tests and the distributed tests (workers import this file), so it only depends on
-torch + transformers and takes every knob as a keyword:
+Shared by the single-rank tests, the distributed tests (workers import this file) and the benchmarks, so it only
+depends on torch + transformers (+ splash.tokenizer for the tokenizer) and takes every knob as a keyword:
 
-    from hf_models import make_tiny_deepseek, VARIANTS   # tests/ is on sys.path under pytest;
-                                                           # workers: `from tests.hf_models import ...`
-    path = make_tiny_deepseek(tmp_dir / "moe", **VARIANTS["moe"])        # -> Path with config.json + safetensors
-    hf = load_hf(path)                                                      # DeepseekV3ForCausalLM, eval, fp32
+    from hf_models import VARIANTS, make_tiny_deepseek, load_hf, hf_greedy, hf_logits, random_prompts
+    # (tests/ is on sys.path under pytest; elsewhere: sys.path.insert(0, "<repo>/tests"))
+    path = make_tiny_deepseek(tmp / "moe", **VARIANTS["moe_yarn"])   # -> Path: config.json, safetensors, tokenizer
+    path = make_tiny_deepseek(tmp / "big", hidden_size=256, num_hidden_layers=4, max_shard_size="200KB")
+    hf = load_hf(path)                                                 # DeepseekV3ForCausalLM, fp32, eval
+    ref_tokens = hf_greedy(hf, prompts, 32)                            # HF generate, greedy, EOS never stops
+    ref_logits = hf_logits(hf, prompt)                                 # [len, vocab] full forward, no cache
 
 Defaults (``BASE``): 8 heads (so 1/2/4/8 ranks divide them), 2 layers, intermediate sizes divisible by 8,
-``initializer_range=0.1`` so logits are well separated and greedy decoding is stable across reduction orders.
-Norm weights and ``e_score_correction_bias`` are perturbed after init (HF initialises them to 1 / 0) so a model
-that ignored them would fail the comparisons.
+vocab 260 (the byte tokenizer's), ``initializer_range=0.1`` so logits are well separated. The same `seed` gives
+the same weights whatever the config's non-shape fields (e.g. ``eos_token_id``). Norm weights and
+``e_score_correction_bias`` are perturbed after init (HF initialises them to 1 / 0) so a model that ignored them
+would fail the comparisons. Variants (``VARIANTS``): dense (no q-LoRA, no YaRN, half-split rope), moe_yarn
+(group-limited routing, YaRN, interleaved rope), moe_plain (all layers MoE, 2 shared experts), dense_yarn_tied
+(tied embeddings).
 """
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def build_attn_plan(reqs: list[StepRequest], table: Callable[[str], dict[int, in
                     write_here: Callable[[int], bool]) -> AttnPlan:
     """`table(req_id)` gives this rank's logical->physical blocks (already covering the new tokens it stores);
     `write_here(logical_block)` says whether this rank stores positions of that block."""
-    w_rows, w_slots, dec, pre = [], [], [], []
+    w_rows, w_slots, pre = [], [], []
+    d_rows, d_blocks, d_qpos = [], [], []  # decode requests: held (logical, physical) blocks, tensorised once
     r = 0
     for q in reqs:
         t = table(q.req_id)
@@ -77,18 +78,18 @@ def build_attn_plan(reqs: list[StepRequest], table: Callable[[str], dict[int, in
             if write_here(p // block_size):
                 w_rows.append(r + i)
                 w_slots.append(t[p // block_size] * block_size + p % block_size)
-        slots, spos = _visible(t, q.end_pos, block_size)
-        rows = torch.arange(r, r + q.num_new)
-        qpos = torch.arange(q.start_pos, q.end_pos)
-        valid = spos[None, :] <= qpos[:, None]
         if q.num_new == 1:
-            dec.append((r, slots, valid[0]))
+            d_rows.append(r)
+            d_blocks.append([(lb, t[lb]) for lb in sorted(t) if lb * block_size < q.end_pos])
+            d_qpos.append(q.start_pos)
         else:
-            pre.append((rows, slots, valid[None]))
+            slots, spos = _visible(t, q.end_pos, block_size)
+            valid = spos[None, :] <= torch.arange(q.start_pos, q.end_pos)[:, None]
+            pre.append((torch.arange(r, r + q.num_new), slots, valid[None]))
         r += q.num_new
-    d_rows, d_slots, d_valid = _pad_decode(dec)
+    dr, ds, dv = _pad_decode(d_rows, d_blocks, d_qpos, block_size)
     return AttnPlan(torch.tensor(w_rows, dtype=torch.long), torch.tensor(w_slots, dtype=torch.long),
-                    d_rows, d_slots, d_valid, pre, r)
+                    dr, ds, dv, pre, r)
 
 
 def _visible(table: dict[int, int], end_pos: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,16 +106,21 @@ def _visible(table: dict[int, int], end_pos: int, bs: int) -> tuple[torch.Tensor
     return torch.tensor(slots, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
 
 
-def _pad_decode(dec: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not dec:
+def _pad_decode(rows: list[int], blocks: list[list[tuple[int, int]]], qpos: list[int],
+                bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode requests as whole held blocks, padded to the most blocks: rows [Bd], slots [Bd, S], valid [Bd, 1, S]
+    with S = blocks × block_size. Keys past the query position (the unwritten tail of the last block, padding
+    blocks) are invalid; vectorised because this runs every step for every running request."""
+    if not rows:
         return torch.empty(0, dtype=torch.long), torch.empty(0, 0, dtype=torch.long), torch.empty(0, 1, 0, dtype=torch.bool)
-    s = max(x[1].numel() for x in dec)
-    slots = torch.zeros(len(dec), s, dtype=torch.long)
-    valid = torch.zeros(len(dec), 1, s, dtype=torch.bool)
-    for i, (_, sl, v) in enumerate(dec):
-        slots[i, :sl.numel()] = sl
-        valid[i, 0, :sl.numel()] = v
-    return torch.tensor([x[0] for x in dec], dtype=torch.long), slots, valid
+    nb = max(len(b) for b in blocks)
+    logical = torch.tensor([[lb for lb, _ in b] + [-1] * (nb - len(b)) for b in blocks], dtype=torch.long)
+    phys = torch.tensor([[p for _, p in b] + [0] * (nb - len(b)) for b in blocks], dtype=torch.long)
+    off = torch.arange(bs)
+    slots = (phys[:, :, None] * bs + off).view(len(rows), nb * bs)
+    pos = (logical[:, :, None] * bs + off).view(len(rows), nb * bs)
+    valid = (pos <= torch.tensor(qpos, dtype=torch.long)[:, None]) & (pos >= 0)
+    return torch.tensor(rows, dtype=torch.long), slots, valid[:, None, :]
 
 
 def attend_plan(cache, layer: int, plan: AttnPlan, q: torch.Tensor, d_c: int,
@@ -122,17 +128,24 @@ def attend_plan(cache, layer: int, plan: AttnPlan, q: torch.Tensor, d_c: int,
     """Run latent attention for every row of `plan` on this rank's cache.
 
     q [num_rows, H, D] -> (õ [num_rows, H, d_c], LSE [num_rows, H])."""
-    from splash.attention.mla import attend_dense
+    from splash.attention.mla import attend_latent
 
     n, H = q.shape[0], q.shape[1]
+    nd = plan.decode_rows.numel()
+    if nd == n and not plan.prefill:  # pure decode step: rows are 0..n-1 in order, no scatter needed
+        c, kpe = cache.read(layer, plan.decode_slots)
+        return attend_latent(q, c, kpe, plan.decode_valid, scale)
     o = q.new_zeros(n, H, d_c, dtype=torch.float32)
     lse = torch.full((n, H), float("-inf"), dtype=torch.float32)
-    if plan.decode_rows.numel():
+    if nd:
         c, kpe = cache.read(layer, plan.decode_slots)
-        oo, ll = attend_dense(q[plan.decode_rows][:, None], torch.cat([c, kpe], -1), plan.decode_valid, d_c, scale)
-        o[plan.decode_rows], lse[plan.decode_rows] = oo[:, 0], ll[:, 0]
+        o[plan.decode_rows], lse[plan.decode_rows] = attend_latent(q[plan.decode_rows], c, kpe, plan.decode_valid,
+                                                                   scale)
     for rows, slots, valid in plan.prefill:
         c, kpe = cache.read(layer, slots)
-        oo, ll = attend_dense(q[rows][None], torch.cat([c, kpe], -1)[None], valid, d_c, scale)
-        o[rows], lse[rows] = oo[0], ll[0]
+        # one query row per (token, head) against the request's keys: a batch of 1 (explicit sizes: S may be 0)
+        nr, s = rows.numel(), slots.numel()
+        per_head = valid[:, :, None, :].expand(1, nr, H, s).reshape(1, nr * H, s)
+        oo, ll = attend_latent(q[rows].reshape(1, nr * H, q.shape[-1]), c[None], kpe[None], per_head, scale)
+        o[rows], lse[rows] = oo.view(nr, H, d_c), ll.view(nr, H)
     return o, lse

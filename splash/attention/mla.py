@@ -24,7 +24,7 @@ def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, 
     qa = x if w.q_a is None else rms_norm(x @ w.q_a.T, w.q_a_norm, cfg.rms_norm_eps)
     q = (qa @ w.q_b.T).view(n, len(w.heads), cfg.qk_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w.w_uk)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
     return torch.cat([q_lat, rope.apply(q_pe, cos, sin)], dim=-1)
 
 
@@ -39,7 +39,8 @@ def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor,
 def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     """õ [n, H_local, d_c] -> this rank's partial O output [n, hidden] (sum over ranks for sharded heads)."""
     n = o_lat.shape[0]
-    o = torch.einsum("nhc,hvc->nhv", o_lat.to(w.w_uv.dtype), w.w_uv).reshape(n, w.o.shape[1])
+    o = torch.bmm(o_lat.to(w.w_uv.dtype).transpose(0, 1), w.w_uv.transpose(1, 2))  # [H, n, d_v]
+    o = o.transpose(0, 1).reshape(n, w.o.shape[1])
     return o @ w.o.T
 
 
@@ -57,6 +58,28 @@ def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: in
     p = torch.exp(scores - safe[..., None])
     o = torch.einsum("bqhs,bsc->bqhc", p, kv[..., :d_c])
     return o, lse
+
+
+def attend_latent(q: torch.Tensor, c: torch.Tensor, kpe: torch.Tensor, valid: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_dense` without materialising [c_kv ; k_rope]: the score is q_lat·c + q_rope·k_rope (two bmm).
+
+    q [B, M, d_c + d_r] (M query rows per batch entry, e.g. heads); c [B, S, d_c]; kpe [B, S, d_r] (fp32);
+    valid [B, M or 1, S] bool. Returns õ [B, M, d_c] and natural-log LSE [B, M] (õ = 0, LSE = -inf where no
+    key is valid). The softmax normalisation is applied after the value bmm (one division per output row)."""
+    d_c = c.shape[-1]
+    if c.shape[1] == 0:  # no keys at all (a CP rank holding none of these requests' blocks; an idle rank)
+        return q.new_zeros(*q.shape[:2], d_c, dtype=torch.float32), q.new_full(q.shape[:2], float("-inf"),
+                                                                               dtype=torch.float32)
+    qf = q.float()
+    scores = torch.baddbmm(torch.bmm(qf[..., d_c:], kpe.transpose(1, 2)), qf[..., :d_c], c.transpose(1, 2))
+    scores.mul_(scale).masked_fill_(~valid, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = scores.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    o = torch.bmm(p, c).div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
+    return o, (m + denom.log()).squeeze(-1)
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,8 +71,11 @@ class Engine:
 
     def has_work(self) -> bool:
         """Requests to run, KV to release, or a pinned layout still to switch to (an idle engine switches too)."""
-        pending_switch = self.control.layout_mode == "pinned" and self.control.target != self.layout
-        return self.scheduler.has_work() or pending_switch
+        if self.scheduler.has_work():
+            return True
+        # idle: a pinned switch still counts, unless it was just deferred (nothing would change until work comes)
+        pinned = self.control.layout_mode == "pinned" and self.control.target != self.layout
+        return pinned and self.control.last_deferral is None
 
     @property
     def layout(self) -> str:
@@ -85,7 +88,10 @@ class Engine:
     def _switch_decision(self) -> dict | None:
         s = self.scheduler
         kv = {r.req_id: r.num_cached for r in s.running if r.num_cached > 0}
-        reserve = -(-s.budget // self.runner.block_size) + len(s.running) + 1
+        # blocks the handoff step itself may append per rank: its tokens in whole blocks + one partial per request
+        pending = sum(r.pending for r in s.running) + sum(len(r.tokens) for r in s.waiting)
+        reserve = -(-min(s.budget, pending) // self.runner.block_size) + min(
+            len(s.running) + len(s.waiting), s.max_num_seqs)
         d = self.control.decide(self.layout, self.ledger, kv, reserve)
         if d is None:
             return None

@@ -5,7 +5,7 @@ the others follow, and every rank returns the same outputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,11 +18,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
 class RequestOutput:
+    """One prompt's result; `outputs` holds the n samples (vLLM's shape), `token_ids` the first."""
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
 
 def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: int = 0):
@@ -87,24 +102,40 @@ class LLM:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        """Every rank calls this with the same arguments; every rank returns the same outputs (or raises the
+        same error)."""
         if self.comm.rank != 0:
             self.engine.follow()
-            return self.comm.broadcast_obj(None)
-        outs: dict[str, RequestOutput] = {}
-        order = []
+            result = self.comm.broadcast_obj(None)
+        else:
+            try:
+                result = self._drive(prompts, params or SamplingParams())
+            except Exception as e:  # let the followers fail the same way instead of waiting forever
+                result = e
+            finally:
+                self.engine.stop()
+            result = self.comm.broadcast_obj(result)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _drive(self, prompts, params) -> list[RequestOutput]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        outs: list[RequestOutput] = []
+        index: dict[str, CompletionOutput] = {}
         for i, (p, sp) in enumerate(zip(prompts, plist)):
-            rid = self.engine.add_request(list(p), sp, f"gen-{i}")
-            outs[rid] = RequestOutput(rid, list(p), [], None)
-            order.append(rid)
-        try:
-            while self.engine.has_work():
-                for ev in self.engine.step():
-                    outs[ev.req_id].token_ids.append(ev.token)
-                    if ev.finish_reason:
-                        outs[ev.req_id].finish_reason = ev.finish_reason
-        finally:
-            self.engine.stop()
-        result = [outs[r] for r in order]
-        return self.comm.broadcast_obj(result)
+            out = RequestOutput(f"gen-{i}", list(p), [])
+            for j in range(sp.n):
+                seed = None if sp.seed is None else sp.seed + j
+                rid = self.engine.add_request(list(p), replace(sp, n=1, seed=seed), f"gen-{i}-{j}")
+                index[rid] = CompletionOutput(j, [])
+                out.outputs.append(index[rid])
+            outs.append(out)
+        while self.engine.has_work():
+            for ev in self.engine.step():
+                index[ev.req_id].token_ids.append(ev.token)
+                if ev.finish_reason:
+                    index[ev.req_id].finish_reason = ev.finish_reason
+        return outs

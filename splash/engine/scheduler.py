@@ -94,9 +94,10 @@ class Scheduler:
         if n <= 0:
             return None
         end = req.num_cached + n
-        if not self.ledger.can_grow(req.req_id, end, self.ledger.pick_owner()):
+        known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
+        owner = known[1] if known is not None else self.ledger.pick_owner()
+        if not self.ledger.can_grow(req.req_id, end, owner):
             return None
-        owner = self.ledger.reqs[req.req_id][1] if req.req_id in self.ledger.reqs else self.ledger.pick_owner()
         self.ledger.grow(req.req_id, end, owner)
         toks = tuple(req.tokens[req.num_cached:end])
         return Scheduled(req.req_id, req.num_cached, toks, end == len(req.prompt) + len(req.output), owner)

@@ -33,22 +33,29 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
+    """Token rows are grouped by expert once; each expert multiplies a contiguous slice (two mm per expert, the
+    activation runs once over all rows) and one index_add scatters the weighted results back."""
     idx, weights = route(cfg, w, x)
-    out = torch.zeros_like(x)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=cfg.n_routed_experts).tolist()
     tok = order // cfg.num_experts_per_tok
+    xs = x.index_select(0, tok)
+    inter = w.down.shape[-1]
+    h = xs.new_empty(xs.shape[0], 2 * inter)
+    spans = []
     start = 0
     for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start:start + c]
-        rows = tok[start:start + c]
-        start += c
-        gate, up = (x[rows] @ w.gate_up[e].T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w.down[e].T
-        out.index_add_(0, rows, y * weights.reshape(-1)[sel, None].to(y.dtype))
+        if c:
+            spans.append((e, start, start + c))
+            torch.mm(xs[start:start + c], w.gate_up[e].T, out=h[start:start + c])
+            start += c
+    act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+    ys = torch.empty_like(xs)
+    for e, s, t in spans:
+        torch.mm(act[s:t], w.down[e].T, out=ys[s:t])
+    ys.mul_(weights.reshape(-1).index_select(0, order)[:, None].to(ys.dtype))
+    out = torch.zeros_like(x).index_add_(0, tok, ys)
     if w.shared is not None:
         out = out + mlp(w.shared, x)
     return out
