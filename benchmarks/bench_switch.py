@@ -34,6 +34,7 @@ def switch_to(st: DecodeState, dst: str, mode: str) -> SwitchExecutor:
     reqs = {rid: ReqState(st.pos[rid], st.owners[rid] if src_owned else None, None) for rid in st.owners}
     m = plan_switch(r.layout, dst, r.cfg, st.comm.size, reqs, r.block_size, 4, r.kv_dtype)
     st.owners.update(m.owners)
+    st.last_recv_mb = max(m.total_recv_bytes) / 2**20
     return SwitchExecutor(r, m, mode)
 
 
@@ -45,10 +46,11 @@ def pct(xs: list[float], q: float) -> float:
 def direction(comm, a, src: str, dst: str) -> dict:
     st = DecodeState(comm, a.preset, src, a.batch, a.context)
     st.step()
-    res = {"live": [], "blocking": [], "ready": []}
+    res = {"live": [], "blocking": [], "ready": [], "mb": 0.0}
     for t in range(a.trials):
         for mode in ("live", "blocking"):
             t_sw = st.step(switch_to(st, dst, mode))
+            res["mb"] = st.last_recv_mb
             ready = statistics.median(st.step() for _ in range(3))
             res[mode].append(t_sw - ready)
             res["ready"].append(ready)
@@ -79,14 +81,14 @@ def table(rows, world, a) -> None:
 
     t = Table(title=f"switch added time over a ready destination step — {a.preset}, B={a.batch}, "
                     f"L={a.context}, {world} ranks on CPU, {a.trials} trials")
-    for col in ("direction", "ready ms", "live p50 ms", "live p95 ms", "live p50 %", "blocking p50 ms",
+    for col in ("direction", "MiB in (max rank)", "ready ms", "live p50 ms", "live p95 ms", "live p50 %", "blocking p50 ms",
                 "blocking p95 ms", "live/blocking p50"):
         t.add_column(col, justify="right")
     for src, dst, r in rows:
         ready = statistics.median(r["ready"])
         lp50, bp50 = pct(r["live"], 0.5), pct(r["blocking"], 0.5)
         ratio = f"{lp50 / bp50:.2f}" if bp50 > 0 else "n/a"
-        t.add_row(f"{src}->{dst}", f"{ready * 1e3:.2f}", f"{lp50 * 1e3:.2f}", f"{pct(r['live'], 0.95) * 1e3:.2f}",
+        t.add_row(f"{src}->{dst}", f"{r['mb']:.1f}", f"{ready * 1e3:.2f}", f"{lp50 * 1e3:.2f}", f"{pct(r['live'], 0.95) * 1e3:.2f}",
                   f"{100 * lp50 / ready:.1f}%", f"{bp50 * 1e3:.2f}", f"{pct(r['blocking'], 0.95) * 1e3:.2f}", ratio)
     Console(width=160).print(t)
 
