@@ -180,6 +180,66 @@ def test_paged_cache_write_read_and_pack_unpack(kv_dtype):
     assert a.block_bytes() == bs * per_token
 
 
+# ---- per-layer format conversion (switches between layouts of different KV dtype) ---------------------------
+def _filled(kv_dtype: str, L: int = 2, nb: int = 6, bs: int = 4, dc: int = 200, dr: int = 8):
+    cache = PagedLatentCache(L, nb, bs, dc, dr, kv_dtype)
+    c, k = _latents(nb * bs, dc, seed=3), torch.randn(nb * bs, dr, generator=torch.Generator().manual_seed(4))
+    slots = torch.arange(nb * bs)
+    for layer in range(L):
+        cache.write(layer, slots, c * (layer + 1), k)
+    return cache, slots, c, k
+
+
+@pytest.mark.parametrize("lossy", ["fp8_e4m3", "int8"])
+def test_convert_layer_is_exact_quantize_and_dequantize(lossy):
+    """fp32 -> fp8/int8 stores exactly quantize() of the same values; back to fp32 gives exactly dequantize();
+    block ids, the other layer and the block count are untouched."""
+    cache, slots, c, k = _filled("float32")
+    before_other = cache.pack_blocks(0, list(range(6)))
+    assert cache.convert_layer(1, lossy) and cache.kv_dtype_of(1) == lossy and cache.kv_dtype == "mixed"
+    q, s = quant.quantize(c * 2, lossy)
+    assert torch.equal(cache.ckv[1].view(-1, 200), q) and torch.equal(cache.scale[1].view(-1, s.shape[-1]), s)
+    rc, rk = cache.read(1, slots)
+    assert torch.equal(rc, quant.dequantize(q, s)) and torch.equal(rk, k.to(torch.bfloat16).float())
+    assert torch.equal(cache.pack_blocks(0, list(range(6))), before_other) and cache.kv_dtype_of(0) == "float32"
+    assert cache.block_bytes(1) == 4 * (200 + 2 * 8 + 4 * 2) and cache.block_bytes(0) == 4 * 4 * 208
+    assert cache.convert_layer(1, "float32")
+    rc2, rk2 = cache.read(1, slots)
+    assert torch.equal(rc2, quant.dequantize(q, s)) and torch.equal(rk2, rk)
+    assert cache.scale[1] is None and cache.kv_dtype == "float32" and cache.num_blocks == 6
+    assert not cache.convert_layer(1, "float32")  # already in that format: no-op
+    with pytest.raises(ValueError, match="not one of"):
+        cache.convert_layer(0, "fp4")
+
+
+def test_convert_bf16_to_fp32_is_lossless_and_subset_only():
+    cache, slots, c, k = _filled("bfloat16")
+    ref = [cache.read(layer, slots) for layer in range(2)]
+    for layer in range(2):
+        cache.convert_layer(layer, "float32", blocks=[1, 4])
+    for layer in range(2):
+        got = cache.read(layer, slots)
+        keep = torch.zeros(24, dtype=torch.bool)
+        keep[4:8] = keep[16:20] = True  # blocks 1 and 4 carried; the others start zeroed
+        for g, r in zip(got, ref[layer]):
+            assert torch.equal(g[keep], r[keep]) and not g[~keep].any()
+    assert cache.nbytes() == 2 * 6 * 4 * 4 * 208 and cache.kv_dtype == "float32"
+
+
+def test_pack_unpack_between_mixed_layers_uses_current_format():
+    """Moves happen before conversion: both sides hold the layer in the source format."""
+    a, slots, _, _ = _filled("fp8_e4m3")
+    b = PagedLatentCache(2, 6, 4, 200, 8, "fp8_e4m3")
+    b.convert_layer(0, "float32")  # layer 0 already converted, layer 1 not yet
+    a.convert_layer(0, "float32")
+    for layer in range(2):
+        data = a.pack_blocks(layer, [2, 5])
+        assert data.shape == (2, a.block_bytes(layer))
+        b.unpack_blocks(layer, [0, 3], data)
+        ra, rb = a.read(layer, slots.view(6, 4)[[2, 5]]), b.read(layer, slots.view(6, 4)[[0, 3]])
+        assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+
+
 # ---- quantised KV vs fp32 KV on a real model ------------------------------------------------------------
 # Measured on the dense 2-layer model below (kv_lora_rank 256 = two full scale groups), teacher-forced over 8
 # prompts + their 32 greedy tokens (~440 positions): max |Δlogit| / max |logit| = 0.004 (bf16), 0.019 (int8),

@@ -164,3 +164,61 @@ def test_applying_moves_reaches_destination_placement(pair, world, reqs):
     assert sum(m.kv_recv_bytes) == blk * len(m.moves)
     if world == 1:
         assert not m.moves
+
+
+# ---- KV format: reuse only when dtype/scales/positions match, else convert ---------------------------------
+def _fmt_plan(src, dst, src_kv, dst_kv, world=4):
+    return plan_switch(src, dst, GLM, world, requests_for(src, world), BS, 2, src_kv,
+                       src_kv_dtype=src_kv, dst_kv_dtype=dst_kv)
+
+
+def test_kv_format_keep_or_convert():
+    same = plan(TP, DOP)
+    assert same.action("kv_format") == "keep" and not same.converts_kv
+    assert "kv_format keep" in same.describe() and "KV kept as bfloat16" in same.describe()
+    m = _fmt_plan(TP, DOP, "float32", "fp8_e4m3")
+    assert m.action("kv_format") == "convert" and m.converts_kv
+    assert (m.src_kv_dtype, m.dst_kv_dtype) == ("float32", "fp8_e4m3")
+    assert "kv_format convert" in m.describe() and "float32 -> fp8_e4m3" in m.describe()
+    # every other action and the placement do not depend on the format
+    ref = plan(TP, DOP, kv_dtype="float32")
+    assert [a for a in m.actions if a[0] != "kv_format"] == [a for a in ref.actions if a[0] != "kv_format"]
+    assert (m.moves, m.keep, m.discard, m.dst_owners) == (ref.moves, ref.keep, ref.discard, ref.dst_owners)
+
+
+@pytest.mark.parametrize("dst,src", [(CP, DP), (TP, DOP), (DOP, CP)])
+def test_moved_blocks_are_counted_in_the_source_format(dst, src):
+    m = _fmt_plan(src, dst, "fp8_e4m3", "float32")
+    assert m.moves and m.kv_block_bytes_layer == kv_bytes_per_token_layer(GLM, "fp8_e4m3") * BS
+    assert m.dst_kv_block_bytes_layer == kv_bytes_per_token_layer(GLM, "float32") * BS
+    assert sum(m.kv_recv_bytes) == sum(m.kv_sent_bytes) == len(m.moves) * m.kv_block_bytes_layer
+    assert plan_switch(src, dst, GLM, 4, requests_for(src, 4), BS, 2, "int8").action("kv_format") == "keep"
+
+
+def test_conversion_needs_one_layer_of_headroom():
+    """Converting a layer keeps its old and new tensors at once: a switch that fits in the same format is
+    deferred when the conversion's transient does not fit, and the reason says so."""
+    from splash.engine.layout_control import LayoutController
+    from splash.engine.ledger import KVLedger
+    from splash.kv.paged_cache import CONVERT_CHUNK_SLOTS
+
+    fp8_dop = {"tp": "float32", "dp_attn": "float32", "cp": "float32", "dop": "fp8_e4m3"}
+    conv = LayoutController(GLM, 2, BS, 2, fp8_dop)
+    m = _fmt_plan(TP, DOP, "float32", "fp8_e4m3", world=2)
+    scratch = min(10 * BS, CONVERT_CHUNK_SLOTS) * (GLM.kv_lora_rank + GLM.qk_rope_head_dim) * 12
+    assert conv.convert_bytes(m, 100, 10) == 100 * m.dst_kv_block_bytes_layer + scratch
+    assert conv.convert_bytes(_fmt_plan(TP, DOP, "float32", "float32", world=2), 100, 10) == 0
+    # a pool sized for float32 has room for an fp8 <-> int8 conversion's new layer: only the scratch remains
+    q = LayoutController(GLM, 2, BS, 2, {**fp8_dop, "cp": "int8"})
+    assert q.convert_bytes(_fmt_plan(DOP, CP, "fp8_e4m3", "int8", world=2), 100, 10) == scratch
+
+    def decide(ctl: LayoutController, cap: int):
+        ledger = KVLedger(2, cap, BS, "tp")
+        for i in range(5):
+            ledger.grow(f"r{i}", 160)  # 10 blocks each, on both ranks (TP)
+        ctl.request("dop")
+        return ctl.decide("tp", ledger, {f"r{i}": 160 for i in range(5)}, 0)
+
+    assert decide(LayoutController(GLM, 2, BS, 2, "float32"), 80) is not None
+    assert decide(conv, 80) is None and "float32 -> fp8_e4m3 conversion included" in conv.last_deferral
+    assert decide(LayoutController(GLM, 2, BS, 2, fp8_dop), 200) is not None

@@ -40,3 +40,21 @@ def test_engine_reports_and_enforces_layout_capacity():
     assert caps["dop"] >= caps["dp_attn"] > 0
     assert llm.engine.ledger.cap("tp") * llm.runner.block_size == caps["tp"]
     assert llm.runner.bm.num_blocks == max(llm.engine.ledger.capacity.values())
+
+
+def test_pool_is_sized_in_the_widest_layout_kv_dtype():
+    """Per-layout KV dtypes share one pool: it is sized in the widest format and keeps its block count, so a
+    layout with a narrower format holds the same blocks with bytes spare."""
+    comm = SingleRankCommunicator()
+    kw = dict(preset="tiny-mla", layout="dop", kv_cache_memory_bytes=1 << 20, comm=comm)
+    mixed = LLM(kv_cache_dtype="fp8_e4m3", layout_kv_dtypes={"tp": "float32"}, **kw)
+    wide = LLM(kv_cache_dtype="float32", **kw)
+    narrow = LLM(kv_cache_dtype="fp8_e4m3", **kw)
+    assert mixed.runner.kv_dtype == "fp8_e4m3" and mixed.runner.layout_kv_dtypes["tp"] == "float32"
+    assert mixed.runner.cache.num_blocks == wide.runner.cache.num_blocks < narrow.runner.cache.num_blocks
+    assert mixed.runner.cache.nbytes() == narrow.runner.cache.nbytes() * mixed.runner.cache.num_blocks // (
+        narrow.runner.cache.num_blocks)
+    with pytest.raises(ValueError, match="layout_kv_dtypes: unknown layout 'dopp'"):
+        LLM(layout_kv_dtypes={"dopp": "int8"}, **kw)
+    with pytest.raises(ValueError, match=r"layout_kv_dtypes\['dop'\] = 'fp4'"):
+        LLM(layout_kv_dtypes={"dop": "fp4"}, **kw)

@@ -229,3 +229,33 @@ def test_to_dict_round_trips(tmp_path):
     cfg = load_serve_config(CONFIGS / "dcu.yaml")
     p = _write(tmp_path, yaml.safe_dump(cfg.to_dict()))
     assert load_serve_config(p) == cfg
+
+
+def test_layout_kv_dtypes(tmp_path):
+    import yaml
+
+    cfg = load_serve_config(_write(tmp_path, "cache:\n  layout_kv_dtypes: {dop: fp8_e4m3, tp: bfloat16}\n"))
+    assert cfg.cache.layout_kv_dtypes == {"dop": "fp8_e4m3", "tp": "bfloat16"}
+    assert load_serve_config(_write(tmp_path, yaml.safe_dump(cfg.to_dict()))) == cfg
+    assert ServeConfig().cache.layout_kv_dtypes is None
+    err = _error(_write(tmp_path, "cache:\n  layout_kv_dtypes: {dopp: int8}\n"))
+    assert "cache.layout_kv_dtypes" in err and "'dopp'" in err and "did you mean 'dop'" in err
+    err = _error(_write(tmp_path, "cache:\n  layout_kv_dtypes: {cp: fp4}\n"))
+    assert "cache.layout_kv_dtypes.cp" in err and "'fp4'" in err
+    assert "must be a mapping" in _error(_write(tmp_path, "cache:\n  layout_kv_dtypes: [int8]\n"))
+    with pytest.raises(ConfigError, match="cache.layout_kv_dtypes.dop"):
+        CacheSection(layout_kv_dtypes={"dop": "auto"})
+
+
+def test_build_engine_uses_layout_kv_dtypes():
+    from splash.config.serve_config import serve_config_from_dict
+    from splash.distributed.communicator import SingleRankCommunicator
+    from splash.server.startup import build_engine
+
+    cfg = serve_config_from_dict({"layout": {"layout": "dop"}, "cache": {
+        "layout_kv_dtypes": {"dop": "int8"}, "kv_cache_memory_bytes": "1MiB"}})
+    comm = SingleRankCommunicator()
+    built = build_engine(cfg, comm, comm)
+    runner = built.engine.runner
+    assert runner.kv_dtype == runner.cache.kv_dtype == "int8" and runner.layout_kv_dtypes["tp"] == "float32"
+    assert built.engine.control.kv_dtypes["dop"] == "int8"

@@ -5,7 +5,8 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
     model:     {model, preset, dtype, seed, tokenizer, max_model_len}
     parallel:  {world_size, backend, attention_backend}
     layout:    {layout, allowed_layouts, switch_mode, switch_margin, hardware_profile}
-    cache:     {kv_cache_dtype, block_size, gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks}
+    cache:     {kv_cache_dtype, layout_kv_dtypes, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
+                num_kv_blocks}
     scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
     server:    {host, port, admin_token, served_model_name, quiet, collective_timeout_s}
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from splash.config.yaml_loader import check_fields, read_yaml_mapping, unknown_key_error
+from splash.config.yaml_loader import check_fields, read_yaml_mapping, suggest, unknown_key_error
 from splash.models.config import ConfigError
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
@@ -32,6 +33,7 @@ ATTENTION_BACKENDS = ("torch", "flashinfer", "aiter", "triton")
 _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashinfer", "triton"),
                           "hip": ("torch", "aiter", "triton")}
 _DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter"}
+KV_CACHE_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 
 
 def _f(default: Any = None, **meta: Any) -> Any:
@@ -93,14 +95,36 @@ class LayoutSection:
 @dataclass(frozen=True)
 class CacheSection:
     SECTION: ClassVar[str] = "cache"
-    kv_cache_dtype: str = _f("auto", choices=("auto", "float32", "bfloat16", "fp8_e4m3", "int8"))
+    kv_cache_dtype: str = _f("auto", choices=("auto",) + KV_CACHE_DTYPES)
+    # per-layout KV dtype overrides, e.g. {dop: fp8_e4m3}; the pool is sized in the widest (see ModelRunner)
+    layout_kv_dtypes: dict[str, str] | None = None
     block_size: int = _f(16, min=1)              # tokens per KV page
     gpu_memory_utilization: float = _f(0.85, gt=0.0, max=1.0)
     kv_cache_memory_bytes: int | None = _f(None, min=1, size=True)  # explicit per-rank KV budget
     num_kv_blocks: int | None = _f(None, min=1)  # overrides both budgets when set
 
     def __post_init__(self) -> None:
+        per_layout = self.layout_kv_dtypes
+        object.__setattr__(self, "layout_kv_dtypes", None)  # a mapping: validated here, not by check_fields
         check_fields(self, self.SECTION)
+        object.__setattr__(self, "layout_kv_dtypes", _check_layout_kv_dtypes(per_layout))
+
+
+def _check_layout_kv_dtypes(raw: Any) -> dict[str, str] | None:
+    name = "cache.layout_kv_dtypes"
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"field {name!r} must be a mapping of layout to KV dtype, got {type(raw).__name__} "
+                          f"{raw!r}")
+    for lay, kv in raw.items():
+        if lay not in LAYOUTS:
+            raise ConfigError(f"field {name!r} has layout {lay!r}, which is not one of "
+                              f"{', '.join(map(repr, LAYOUTS))}" + suggest(str(lay), LAYOUTS))
+        if kv not in KV_CACHE_DTYPES:
+            raise ConfigError(f"field '{name}.{lay}' = {kv!r} is not one of {', '.join(map(repr, KV_CACHE_DTYPES))}"
+                              + suggest(str(kv), KV_CACHE_DTYPES))
+    return dict(raw)
 
 
 @dataclass(frozen=True)

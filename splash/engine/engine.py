@@ -46,8 +46,9 @@ class Engine:
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
-        self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes, runner.kv_dtype,
-                                        allowed_layouts, switch_mode)
+        self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes,
+                                        runner.layout_kv_dtypes, allowed_layouts,
+                                        switch_mode)
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -149,7 +150,7 @@ class Engine:
         r, src = self.runner, self.runner.layout
         reqs = {rid: ReqState(*v) for rid, v in sw["reqs"].items()}
         m = plan_switch(src, sw["dst"], r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
-                        r.kv_dtype)
+                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw["dst"]])
         self.control.record(src, sw["dst"])
         return SwitchExecutor(r, m, sw["mode"])
 

@@ -4,13 +4,21 @@ A switch needs, on every rank, room for the blocks it will receive (discarded bl
 handoff step, because they may still be sent), one layer's transfer buffers, and the blocks the handoff step
 itself may append. If a rank lacks it — or the destination cannot hold the live KV — the switch is deferred
 with a logged reason and retried at the next step boundary; the run continues in the current layout.
+
+Layouts may store KV in different dtypes (``kv_dtypes``); the pool is sized in the widest of them. Converting a
+layer allocates its new tensors before the old ones go, so a switch that converts also needs, on top of a pool
+in the wider of the two formats, one pool layer in the narrower one (less what a pool sized for a still wider
+format leaves spare) plus the conversion's fp32 scratch.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from splash.kv.paged_cache import CONVERT_CHUNK_SLOTS
 from splash.layouts.layout import Layout, parse_layout
+from splash.layouts.memory import kv_bytes_per_token_layer
 from splash.switching.manifest import Manifest, ReqState, plan_switch
 
 log = logging.getLogger("splash.switch")
@@ -25,10 +33,16 @@ class SwitchDecision:
 
 
 class LayoutController:
-    def __init__(self, cfg, world: int, block_size: int, weight_bytes: int, kv_dtype: str,
+    def __init__(self, cfg, world: int, block_size: int, weight_bytes: int, kv_dtype: str | Mapping[str, str],
                  allowed: tuple[str, ...] = ALL_LAYOUTS, mode: str = "live"):
+        """`kv_dtype`: one KV dtype for every layout, or layout → KV dtype (all four layouts)."""
         self.cfg, self.world, self.block_size = cfg, world, block_size
-        self.weight_bytes, self.kv_dtype, self.mode = weight_bytes, kv_dtype, mode
+        self.weight_bytes, self.mode = weight_bytes, mode
+        self.kv_dtypes = (dict.fromkeys(ALL_LAYOUTS, kv_dtype) if isinstance(kv_dtype, str)
+                          else {parse_layout(k).value: v for k, v in kv_dtype.items()})
+        # one block of one layer in the pool's (widest) format
+        self.pool_block_bytes_layer = max(kv_bytes_per_token_layer(cfg, d) for d in self.kv_dtypes.values()
+                                          ) * block_size
         self.allowed = tuple(parse_layout(a).value for a in allowed)
         self.target: str | None = None
         self.layout_mode = "auto"
@@ -60,7 +74,9 @@ class LayoutController:
             return None
         src_owned = Layout(current).owner_based
         reqs = {rid: ReqState(n, ledger.owner(rid) if src_owned else None, None) for rid, n in kv_tokens.items()}
-        m = plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes, self.kv_dtype)
+        m = plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
+                        self.kv_dtypes[current], src_kv_dtype=self.kv_dtypes[current],
+                        dst_kv_dtype=self.kv_dtypes[dst])
         owners = m.owners
         reason = self._headroom(m, ledger, owners, reserve_blocks)
         if reason:
@@ -73,15 +89,30 @@ class LayoutController:
         full = {rid: (s.num_tokens, s.src_owner, owners.get(rid)) for rid, s in reqs.items()}
         return SwitchDecision(dst, full, m)
 
+    def convert_bytes(self, m: Manifest, cap: int, held_blocks: int) -> int:
+        """Memory a KV format conversion needs beyond the pool on one rank (0 when the formats match): one pool
+        layer in the narrower format on top of a pool in the wider one (the peak, at the first layer going
+        narrower or the last going wider), less the spare of a pool sized for a wider format still, plus the
+        fp32 scratch of one conversion chunk (decoded rows and the requantiser's working copies)."""
+        if not m.converts_kv:
+            return 0
+        src_b, dst_b, pool_b = m.kv_block_bytes_layer, m.dst_kv_block_bytes_layer, self.pool_block_bytes_layer
+        layers = m.num_layers
+        extra = cap * (layers * max(src_b, dst_b) + min(src_b, dst_b)) - cap * layers * pool_b
+        rows = min(held_blocks * self.block_size, CONVERT_CHUNK_SLOTS)
+        scratch = rows * (self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim) * 4 * 3
+        return max(0, extra) + scratch
+
     def _headroom(self, m: Manifest, ledger, owners: dict[str, int], reserve: int) -> str | None:
         cap, dst_cap = ledger.blocks_per_rank, ledger.cap(m.dst.value)
-        block_all_layers = m.kv_block_bytes_layer * max(1, m.num_layers)
+        block_all_layers = self.pool_block_bytes_layer * max(1, m.num_layers)
         incoming = [0] * self.world
         for mv in m.moves:
             incoming[mv.dst_rank] += 1
         dst_used = ledger.usage_under(m.dst.value, owners)
         for r in range(self.world):
-            buf_bytes = incoming[r] * m.kv_block_bytes_layer + m.weight_recv_bytes[r]
+            buf_bytes = (incoming[r] * m.kv_block_bytes_layer + m.weight_recv_bytes[r]
+                         + self.convert_bytes(m, cap, ledger.used[r] + incoming[r]))
             buf_blocks = -(-int(buf_bytes) // block_all_layers) if block_all_layers else 0
             peak = ledger.used[r] + incoming[r] + buf_blocks + reserve
             if dst_used[r] + reserve > dst_cap:
@@ -89,7 +120,8 @@ class LayoutController:
                         f"step) but holds at most {dst_cap} there")
             if peak > cap:
                 return (f"rank {r}: handoff peak {peak} blocks (resident {ledger.used[r]} + incoming {incoming[r]}"
-                        f" + one-layer buffers {buf_blocks} + step {reserve}) exceeds the pool of {cap}")
+                        f" + one-layer buffers {buf_blocks} + step {reserve}) exceeds the pool of {cap}"
+                        + (f" ({m.src_kv_dtype} -> {m.dst_kv_dtype} conversion included)" if m.converts_kv else ""))
         return None
 
     def record(self, src: str, dst: str) -> None:

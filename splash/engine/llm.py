@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from splash.engine.engine import Engine
-from splash.engine.runner import ModelRunner
+from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampling import SamplingParams
 from splash.kv.paged_cache import PagedLatentCache
 
@@ -56,6 +56,12 @@ def block_bytes(cfg, kv_dtype: str, block_size: int) -> int:
     return probe.nbytes()
 
 
+def pool_kv_dtype(cfg, kv_dtypes) -> str:
+    """The widest of the layouts' KV dtypes: the pool is sized in it, so every layout's format fits the budget
+    with the same block count (a narrower layout leaves bytes spare)."""
+    return max(dict.fromkeys(kv_dtypes), key=lambda d: block_bytes(cfg, d, 1))
+
+
 def blocks_for_budget(cfg, kv_dtype: str, block_size: int, budget_bytes: int) -> int:
     return max(0, budget_bytes // block_bytes(cfg, kv_dtype, block_size))
 
@@ -86,16 +92,22 @@ class LLM:
                  layout: str = "tp", kv_cache_dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 64 << 20,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
-                 max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live", comm=None):
+                 max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live",
+                 layout_kv_dtypes: dict[str, str] | None = None, comm=None):
+        """`layout_kv_dtypes` gives a layout its own KV dtype (e.g. {"dop": "fp8_e4m3"}); the others use
+        `kv_cache_dtype`. The pool is sized in the widest of them and keeps its block count on a switch."""
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm
         self.comm = comm
         cfg, get = load_model(model, preset, DTYPES[dtype], seed)
+        kv_dtypes = resolve_layout_kv_dtypes(kv_cache_dtype, layout_kv_dtypes)
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
-            cfg, comm.size, kv_cache_dtype, block_size, kv_cache_memory_bytes, torch.finfo(DTYPES[dtype]).bits // 8)
+            cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
+            torch.finfo(DTYPES[dtype]).bits // 8)
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
-        self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype])
+        self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
+                                  layout_kv_dtypes)
         self.engine = Engine(self.runner, comm, blocks, max_num_seqs, max_num_batched_tokens,
                              preemption_mode, max_model_len, switch_mode)
         self.cfg = cfg

@@ -1,28 +1,63 @@
-"""ModelRunner: one rank's weights, paged KV pool, block manager and current layout executor."""
+"""ModelRunner: one rank's weights, paged KV pool, block manager and current layout executor.
+
+Each layout may store KV in its own dtype (`layout_kv_dtypes`, e.g. fp8 in DOP for capacity, bf16 in TP); a
+switch converts the pool (see splash.switching.executor). The pool keeps its block count across formats, so a
+layout with a narrower KV dtype leaves bytes spare: per-layout capacity stays counted in blocks.
+"""
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
+from splash.kv import quant
 from splash.kv.block_manager import BlockManager
 from splash.kv.paged_cache import PagedLatentCache
 from splash.models.build import build_weights
 from splash.models.config import ModelConfig
 from splash.models.deepseek import DeepseekV3Model
 
+LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+
+
+def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None,
+                             field: str = "layout_kv_dtypes") -> dict[str, str]:
+    """KV dtype of every layout: `default`, replaced per layout by `overrides` (layout name → KV dtype).
+    ValueError naming `field` on an unknown layout or dtype."""
+    from splash.layouts.layout import parse_layout
+
+    if default not in quant.KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype {default!r} is not one of {', '.join(quant.KV_DTYPES)}")
+    out = dict.fromkeys(LAYOUTS, default)
+    for name, kv in (overrides or {}).items():
+        try:
+            lay = parse_layout(name).value
+        except ValueError:
+            raise ValueError(f"{field}: unknown layout {name!r} (layouts: {', '.join(LAYOUTS)})") from None
+        if kv not in quant.KV_DTYPES:
+            raise ValueError(f"{field}[{name!r}] = {kv!r} is not one of {', '.join(quant.KV_DTYPES)}")
+        out[lay] = kv
+    return out
+
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, get, comm, layout: str = "tp", kv_dtype: str = "float32",
-                 block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32):
+                 block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
+                 layout_kv_dtypes: Mapping[str, str] | None = None):
         from splash.attention.executors import head_range_for, make_executor
+        from splash.layouts.layout import parse_layout
 
+        layout = parse_layout(layout).value
         self.cfg, self.comm, self.layout = cfg, comm, layout
-        self.block_size, self.kv_dtype, self.dtype = block_size, kv_dtype, dtype
+        self.layout_kv_dtypes = resolve_layout_kv_dtypes(kv_dtype, layout_kv_dtypes)
+        # the current layout's KV dtype (a switch sets the destination's)
+        self.block_size, self.kv_dtype, self.dtype = block_size, self.layout_kv_dtypes[layout], dtype
         self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
         self.weights = build_weights(cfg, get, self.heads, comm.rank, comm.size)
         self.model = DeepseekV3Model(cfg, self.weights, comm)
         self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
-                                      cfg.qk_rope_head_dim, kv_dtype)
+                                      cfg.qk_rope_head_dim, self.kv_dtype)
         self.bm = BlockManager(num_blocks, block_size)
         self.executor = make_executor(layout, self)
 

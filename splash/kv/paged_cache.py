@@ -2,38 +2,67 @@
 
 A slot is `physical_block * block_size + offset`. Blocks can be packed to raw bytes (data + scales, exactly as
 stored) so a layout switch moves them verbatim.
+
+Each layer has its own storage format (`kv_dtype_of(layer)`): a switch between layouts of different KV dtype
+converts the pool layer by layer (`convert_layer`: dequantise to fp32, requantise; physical block ids are
+unchanged), so during a live handoff the layers already converted are in the destination's format while later
+layers are still in the source's. `pack_blocks`/`unpack_blocks` always move a layer's bytes in its current format.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from splash.kv import quant
+
+CONVERT_CHUNK_SLOTS = 4096  # tokens dequantised at once by convert_layer (bounds its fp32 scratch)
 
 
 class PagedLatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                  kv_dtype: str = "float32", device: str | torch.device = "cpu"):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.kv_lora_rank, self.rope_dim, self.kv_dtype = kv_lora_rank, rope_dim, kv_dtype
+        self.kv_lora_rank, self.rope_dim, self.device = kv_lora_rank, rope_dim, device
+        self.layer_dtypes = [kv_dtype] * num_layers
+        parts = [self._alloc(kv_dtype) for _ in range(num_layers)]
+        self.ckv = [p[0] for p in parts]
+        self.kpe = [p[1] for p in parts]
+        self.scale: list[torch.Tensor | None] = [p[2] for p in parts]   # None for an unquantised layer
+
+    def _alloc(self, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         lat_dt, rope_dt = quant.storage_dtypes(kv_dtype)
-        self.quantized = quant.is_quantized(kv_dtype)
-        shape = (num_blocks, block_size)
-        self.ckv = [torch.zeros(*shape, kv_lora_rank, dtype=lat_dt, device=device) for _ in range(num_layers)]
-        self.kpe = [torch.zeros(*shape, rope_dim, dtype=rope_dt, device=device) for _ in range(num_layers)]
-        g = quant.num_groups(kv_lora_rank)
-        self.scale = ([torch.zeros(*shape, g, dtype=torch.float32, device=device) for _ in range(num_layers)]
-                      if self.quantized else None)
+        shape, dev = (self.num_blocks, self.block_size), self.device
+        ckv = torch.zeros(*shape, self.kv_lora_rank, dtype=lat_dt, device=dev)
+        kpe = torch.zeros(*shape, self.rope_dim, dtype=rope_dt, device=dev)
+        scale = (torch.zeros(*shape, quant.num_groups(self.kv_lora_rank), dtype=torch.float32, device=dev)
+                 if quant.is_quantized(kv_dtype) else None)
+        return ckv, kpe, scale
+
+    # ---- formats -----------------------------------------------------------------------------------------
+    def kv_dtype_of(self, layer: int) -> str:
+        return self.layer_dtypes[layer]
+
+    @property
+    def kv_dtype(self) -> str:
+        """The pool's KV dtype, or "mixed" while a handoff has converted only some layers."""
+        kinds = set(self.layer_dtypes)
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def quantized(self) -> bool:
+        return quant.is_quantized(self.kv_dtype)
 
     # ---- sizes -------------------------------------------------------------------------------------------
     def _parts(self, layer: int) -> list[torch.Tensor]:
         parts = [self.ckv[layer], self.kpe[layer]]
-        if self.scale is not None:
+        if self.scale[layer] is not None:
             parts.append(self.scale[layer])
         return parts
 
-    def block_bytes(self) -> int:
-        """Bytes of one block in one layer (data + scales)."""
-        return sum(p[0].numel() * p.element_size() for p in self._parts(0)) if self.num_layers else 0
+    def block_bytes(self, layer: int = 0) -> int:
+        """Bytes of one block in one layer (data + scales), in that layer's current format."""
+        return sum(p[0].numel() * p.element_size() for p in self._parts(layer)) if self.num_layers else 0
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for layer in range(self.num_layers) for p in self._parts(layer))
@@ -41,38 +70,46 @@ class PagedLatentCache:
     # ---- token access ------------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store new tokens' latent [n, dc] and rope key [n, dr] at the given slots."""
-        ckv = self.ckv[layer].view(-1, self.kv_lora_rank)
-        kpe = self.kpe[layer].view(-1, self.rope_dim)
-        if self.quantized:
-            q, s = quant.quantize(c_kv, self.kv_dtype)
-            ckv[slots] = q
-            self.scale[layer].view(-1, s.shape[-1])[slots] = s
-        else:
-            ckv[slots] = c_kv.to(ckv.dtype)
-        kpe[slots] = k_pe.to(kpe.dtype)
+        _encode(self._parts(layer), self.layer_dtypes[layer], slots, c_kv, k_pe)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 latent [..., dc] and rope key [..., dr] at `slots` (any shape)."""
-        flat = slots.reshape(-1)  # index_select on flat slots is several times faster than advanced indexing
+        return _decode(self._parts(layer), slots)
 
-        def take(t: torch.Tensor, width: int) -> torch.Tensor:
-            return t.view(-1, width).index_select(0, flat).view(*slots.shape, width)
+    # ---- format conversion -------------------------------------------------------------------------------
+    def convert_layer(self, layer: int, kv_dtype: str, blocks: Sequence[int] | None = None) -> bool:
+        """Re-store `layer` in `kv_dtype` (dequantise to fp32 → requantise / cast), keeping block ids.
 
-        ckv = take(self.ckv[layer], self.kv_lora_rank)
-        kpe = take(self.kpe[layer], self.rope_dim).float()
-        if self.quantized:
-            return quant.dequantize(ckv, take(self.scale[layer], self.scale[layer].shape[-1])), kpe
-        return ckv.float(), kpe
+        Only the contents of `blocks` (default: every block) are carried over; the others start zeroed. The old
+        and new tensors of this one layer coexist until it returns (the transient a switch must budget for).
+        Returns False (and does nothing) when the layer is already in `kv_dtype`."""
+        quant.storage_dtypes(kv_dtype)  # validates the name
+        if kv_dtype == self.layer_dtypes[layer]:
+            return False
+        old, new = self._parts(layer), self._alloc(kv_dtype)
+        new_parts = [p for p in new if p is not None]
+        dev = old[0].device
+        ids = (torch.arange(self.num_blocks, device=dev) if blocks is None
+               else torch.as_tensor(list(blocks), dtype=torch.long, device=dev))
+        per = max(1, CONVERT_CHUNK_SLOTS // self.block_size)
+        offs = torch.arange(self.block_size, device=dev)
+        for i in range(0, len(ids), per):
+            slots = (ids[i:i + per, None] * self.block_size + offs).reshape(-1)
+            c, k = _decode(old, slots)
+            _encode(new_parts, kv_dtype, slots, c, k)
+        self.ckv[layer], self.kpe[layer], self.scale[layer] = new
+        self.layer_dtypes[layer] = kv_dtype
+        return True
 
     # ---- block transfer ----------------------------------------------------------------------------------
     def pack_blocks(self, layer: int, phys: list[int]) -> torch.Tensor:
-        """Raw bytes of the given blocks: uint8 [len(phys), block_bytes]."""
+        """Raw bytes of the given blocks in the layer's current format: uint8 [len(phys), block_bytes(layer)]."""
         idx = torch.as_tensor(phys, dtype=torch.long)
         rows = [p[idx].reshape(len(phys), -1).contiguous().view(torch.uint8) for p in self._parts(layer)]
         return torch.cat(rows, dim=1) if rows else torch.empty(0, 0, dtype=torch.uint8)
 
     def unpack_blocks(self, layer: int, phys: list[int], data: torch.Tensor) -> None:
-        """Inverse of pack_blocks: write raw bytes into the given physical blocks."""
+        """Inverse of pack_blocks: write raw bytes (in the layer's current format) into the given blocks."""
         idx = torch.as_tensor(phys, dtype=torch.long)
         off = 0
         for p in self._parts(layer):
@@ -80,3 +117,31 @@ class PagedLatentCache:
             chunk = data[:, off:off + width].contiguous().view(p.dtype).view(len(phys), *p.shape[1:])
             p[idx] = chunk
             off += width
+
+
+def _encode(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, c_kv: torch.Tensor,
+            k_pe: torch.Tensor) -> None:
+    """Write fp latent/rope rows at `slots` of one layer's tensors [ckv, kpe(, scale)] stored as `kv_dtype`."""
+    ckv = parts[0].view(-1, parts[0].shape[-1])
+    kpe = parts[1].view(-1, parts[1].shape[-1])
+    if quant.is_quantized(kv_dtype):
+        q, s = quant.quantize(c_kv, kv_dtype)
+        ckv[slots] = q
+        parts[2].view(-1, s.shape[-1])[slots] = s
+    else:
+        ckv[slots] = c_kv.to(ckv.dtype)
+    kpe[slots] = k_pe.to(kpe.dtype)
+
+
+def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 latent and rope rows at `slots` (any shape) of one layer's tensors [ckv, kpe(, scale)]."""
+    flat = slots.reshape(-1)  # index_select on flat slots is several times faster than advanced indexing
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        width = t.shape[-1]
+        return t.view(-1, width).index_select(0, flat).view(*slots.shape, width)
+
+    ckv, kpe = take(parts[0]), take(parts[1]).float()
+    if len(parts) > 2:
+        return quant.dequantize(ckv, take(parts[2])), kpe
+    return ckv.float(), kpe

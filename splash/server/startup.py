@@ -111,8 +111,8 @@ def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[
 def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None) -> Built:
     """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``)."""
     from splash.engine.engine import Engine
-    from splash.engine.llm import DTYPES, kv_blocks_per_layout, load_model
-    from splash.engine.runner import ModelRunner
+    from splash.engine.llm import DTYPES, kv_blocks_per_layout, load_model, pool_kv_dtype
+    from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
     from splash.models.weights import expected_shapes
 
     import torch
@@ -123,9 +123,13 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     except ValueError as e:
         raise ConfigError(f"field 'model.preset': {e}") from None
     c = cfg.cache
-    per_layout = c.num_kv_blocks or kv_blocks_per_layout(
-        mcfg, comm.size, cfg.kv_dtype, c.block_size, c.kv_cache_memory_bytes or DEFAULT_KV_BYTES,
-        torch.finfo(dtype).bits // 8)
+    try:
+        kv_dtypes = resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes, "cache.layout_kv_dtypes")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
+        mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size,
+        c.kv_cache_memory_bytes or DEFAULT_KV_BYTES, torch.finfo(dtype).bits // 8)
     blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
@@ -136,7 +140,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         advance = ticker.__enter__() if ticker else (lambda: None)
         try:
             runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, c.block_size, blocks,
-                                 dtype)
+                                 dtype, kv_dtypes)
         except ValueError as e:
             raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
     finally:

@@ -4,6 +4,10 @@ Live mode: the step that follows the boundary already runs in the destination la
 state (KV blocks through a nonblocking all-to-all, projections through a nonblocking all-gather) is in flight
 while layer l computes, and layer l waits only for its own. Blocking mode moves every layer first, then runs —
 the baseline every overhead figure is compared with.
+
+KV format: when the destination stores KV in another dtype (manifest ``kv_format`` = ``convert``), each layer's
+blocks move in the source format (both sides still hold that layer in it) and the layer is then converted in
+place of its old tensors — live: right before the layer runs; blocking: every layer before the step.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ class SwitchExecutor:
         self.r, self.m, self.mode = runner, manifest, mode
         self.handles: dict[int, tuple] = {}
         self.pending_free: list[int] = []
+        self.to_convert: set[int] = set(range(manifest.num_layers)) if manifest.converts_kv else set()
+        self.held: list[int] = []
 
     # ---- set-up at the step boundary ------------------------------------------------------------------
     def begin(self) -> None:
@@ -49,12 +55,15 @@ class SwitchExecutor:
         if self.w_action == DISCARD:
             for lw in r.weights.layers:
                 lw.attn = wt.slice_heads(lw.attn, new_heads, r.cfg.qk_head_dim)
-        r.layout, r.heads = dst, new_heads
+        r.layout, r.heads, r.kv_dtype = dst, new_heads, m.dst_kv_dtype
         r.executor = make_executor(dst, r)
+        # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
+        self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
         if self.mode == "blocking":
             for layer in range(m.num_layers):
                 self._start(layer)
                 self._finish(layer)
+                self._convert(layer)
 
     def _ordered(self, me: int, incoming: bool):
         key = (lambda mv: mv.dst_rank == me) if incoming else (lambda mv: mv.src_rank == me)
@@ -75,7 +84,7 @@ class SwitchExecutor:
         kv = None
         if any(self.send_counts) or any(self.recv_counts):
             data = r.cache.pack_blocks(layer, self.send_phys) if self.send_phys else \
-                torch.empty(0, r.cache.block_bytes(), dtype=torch.uint8)
+                torch.empty(0, r.cache.block_bytes(layer), dtype=torch.uint8)
             kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
         w = None
         if self.w_action == ALL_GATHER:
@@ -93,6 +102,13 @@ class SwitchExecutor:
             lw = r.weights.layers[layer]
             lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
 
+    def _convert(self, layer: int) -> None:
+        """Re-store `layer`'s held blocks in the destination's KV dtype (after its moves landed; only this
+        layer's tensors change, so other layers' transfers may be in flight)."""
+        if layer in self.to_convert:
+            self.to_convert.discard(layer)
+            self.r.cache.convert_layer(layer, self.m.dst_kv_dtype, self.held)
+
     def before_layer(self, layer: int) -> None:
         """Called by the model before layer `layer` runs (live mode)."""
         if self.mode != "live":
@@ -101,11 +117,14 @@ class SwitchExecutor:
             self._start(0)
         self._finish(layer)
         if layer + 1 < self.m.num_layers:
-            self._start(layer + 1)
+            self._start(layer + 1)  # packs layer l+1, still in the source format
+        self._convert(layer)  # overlaps layer l+1's transfer
 
     def end(self) -> None:
         """After the step: every transfer is complete; give discarded blocks back to the pool."""
         for layer in sorted(self.handles):
             self._finish(layer)
+        for layer in sorted(self.to_convert):
+            self._convert(layer)
         self.r.bm.free_physical(self.pending_free)
         self.pending_free = []

@@ -7,6 +7,13 @@ so no rank needs to ask another what it holds. Per state kind the action is one 
 destination layout and the new owners, never communicated (every rank already knows every request's length).
 DSA indexer keys move with the KV blocks they index (same action, same blocks); their bytes, like the FP8
 scales, are part of ``kv_bytes_per_token_layer``.
+
+KV format (``kv_format``): resident and moved blocks are reused verbatim only when the destination stores KV
+in the same dtype with the same scales and position convention. Scales are per token and per 128-element
+group in every quantised format, and every layout caches the rope key already rotated at its absolute
+position, so the dtype decides: equal → ``keep``; different → ``convert`` (each layer is dequantised to fp32
+and requantised in the destination dtype after its moves, block ids unchanged). Moved blocks travel in the
+source format, so the byte figures use the source dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, 
 from splash.models.config import ModelConfig
 
 KEEP, DISCARD, ALL_GATHER, ALL_TO_ALL, REBUILD = "keep", "discard", "all_gather", "all_to_all", "rebuild"
+CONVERT = "convert"
 TRANSFERS = (ALL_GATHER, ALL_TO_ALL)
 METADATA_KINDS = ("block_table", "owner_map", "positions")
 
@@ -82,6 +90,13 @@ class Manifest:
     weight_sent_bytes: tuple[float, ...]
     kv_recv_bytes: tuple[int, ...]
     kv_sent_bytes: tuple[int, ...]
+    src_kv_dtype: str = "float32"
+    dst_kv_dtype: str = "float32"
+    dst_kv_block_bytes_layer: int = 0  # one block of one layer in the destination format
+
+    @property
+    def converts_kv(self) -> bool:
+        return self.src_kv_dtype != self.dst_kv_dtype
 
     def action(self, kind: str) -> str:
         for k, a in self.actions:
@@ -113,7 +128,10 @@ class Manifest:
         mib = 1 << 20
         acts = ", ".join(f"{k} {a}" for k, a in self.actions)
         recv = max(self.total_recv_bytes, default=0.0) / mib
+        conv = (f"KV converted {self.src_kv_dtype} -> {self.dst_kv_dtype} after the moves (moved blocks travel as "
+                f"{self.src_kv_dtype}); " if self.converts_kv else f"KV kept as {self.dst_kv_dtype}; ")
         return (f"{self.src.value} -> {self.dst.value} on {self.world} ranks, {self.num_layers} layers: {acts}; "
+                f"{conv}"
                 f"{len(self.moves)} KV block moves, "
                 f"{sum(len(d) for d in self.discard)} block discards; max per-rank receive "
                 f"{max(self.weight_recv_bytes, default=0.0) / mib:.1f} MiB W + "
@@ -175,11 +193,12 @@ def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: in
     return recv, sent
 
 
-def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove]) -> tuple[tuple[str, str], ...]:
+def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove],
+             convert: bool) -> tuple[tuple[str, str], ...]:
     kv = kv_action(src, dst)
     if kv in (KEEP, DISCARD) and moves:  # explicit re-ownership (dst_owner != src_owner) needs an exchange
         kv = ALL_TO_ALL
-    acts = [("proj", weight_action(src, dst)), ("kv", kv)]
+    acts = [("proj", weight_action(src, dst)), ("kv", kv), ("kv_format", CONVERT if convert else KEEP)]
     if cfg.index_head_dim > 0:
         acts.append(("indexer_keys", kv))
     acts += [(k, REBUILD) for k in METADATA_KINDS]
@@ -188,12 +207,15 @@ def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove])
 
 def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: int,
                 requests: Mapping[str, ReqState], block_size: int, weight_bytes: float, kv_dtype: str, *,
-                capacity_tokens_per_rank: int | None = None) -> Manifest:
+                capacity_tokens_per_rank: int | None = None, src_kv_dtype: str | None = None,
+                dst_kv_dtype: str | None = None) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
 
     Destination owners (DP-attn/DOP) come from ``dst_owner``, else ``src_owner`` when the source is
     owner-based, else balanced placement (``rebalance_owners``/``assign_owners``) within the optional capacity.
+    ``src_kv_dtype``/``dst_kv_dtype`` (default ``kv_dtype``) are the two layouts' KV storage formats.
     """
+    src_kv, dst_kv = src_kv_dtype or kv_dtype, dst_kv_dtype or kv_dtype
     src, dst = parse_layout(src), parse_layout(dst)
     if src == dst:
         raise ValueError(f"switch from {src.value} to itself: nothing to plan")
@@ -205,13 +227,14 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
             head_range(cfg.num_attention_heads, world, 0, lay)  # validates world | num_heads
     owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
     moves, keep, discard = _plan_blocks(src, dst, world, requests, owners, block_size)
-    blk = kv_bytes_per_token_layer(cfg, kv_dtype) * block_size
+    blk = kv_bytes_per_token_layer(cfg, src_kv) * block_size  # moves happen before conversion
     kv_recv, kv_sent = [0] * world, [0] * world
     for m in moves:
         kv_recv[m.dst_rank] += blk
         kv_sent[m.src_rank] += blk
     w_recv, w_sent = _weight_bytes_per_rank(cfg, src, dst, world, weight_bytes)
-    return Manifest(src, dst, world, cfg.num_hidden_layers, _actions(cfg, src, dst, moves),
+    return Manifest(src, dst, world, cfg.num_hidden_layers, _actions(cfg, src, dst, moves, src_kv != dst_kv),
                     tuple(sorted(owners.items())), tuple(moves),
                     tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,
-                    tuple(w_recv), tuple(w_sent), tuple(kv_recv), tuple(kv_sent))
+                    tuple(w_recv), tuple(w_sent), tuple(kv_recv), tuple(kv_sent), src_kv, dst_kv,
+                    kv_bytes_per_token_layer(cfg, dst_kv) * block_size)

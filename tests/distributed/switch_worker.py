@@ -6,6 +6,10 @@ argv: model_dir ref.pt mode [kv_dtype]
   mode "chain": random switches across all four layouts every few steps over a 64-step run, against the
       unswitched run with the same KV dtype.
   mode "defer": a switch into TP that the pool cannot hold is deferred; the run continues correctly.
+  mode "convert": layouts with different KV dtypes (tp float32, dop fp8_e4m3, cp int8, dp_attn bfloat16),
+      switched live and blocking (first at step 1, mid-prefill): every manifest says kv_format convert, and
+      tokens and logits equal those of an unswitched TP run whose pool is converted to the same dtype at the
+      same step boundaries (conversion is deterministic, so this is exact up to cross-layout float rounding).
 """
 from __future__ import annotations
 
@@ -45,9 +49,9 @@ def check_free(llm: LLM, what: str) -> None:
     assert bm.num_free == bm.num_blocks, f"{what}: rank {llm.comm.rank} leaked {bm.num_used} blocks"
 
 
-def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256) -> LLM:
+def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256, layout_kv_dtypes=None) -> LLM:
     return LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
-               num_kv_blocks=blocks, switch_mode=mode)
+               num_kv_blocks=blocks, switch_mode=mode, layout_kv_dtypes=layout_kv_dtypes)
 
 
 def directions(model_dir, ref, rank_print) -> None:
@@ -99,6 +103,72 @@ def defer(model_dir, ref, rank_print) -> None:
     check_free(llm, "defer")
 
 
+CONVERT_DTYPES = {"tp": "float32", "dop": "fp8_e4m3", "cp": "int8", "dp_attn": "bfloat16"}
+CONVERT_PLAN = {1: "dop", 4: "tp", 7: "cp", 10: "dp_attn", 13: "tp", 16: "dop", 19: "dp_attn"}
+
+
+def record_logits(llm: LLM, out: list, convert_at: dict[int, str] | None = None) -> None:
+    """Wrap runner.step on every rank: keep each step's logits; with `convert_at` (reference run), re-store
+    the whole pool in convert_at[k]'s dtype at the boundary of the step that drive() starts at iteration k."""
+    r, eng, step = llm.runner, llm.engine, llm.runner.step
+
+    def wrapped(batch, switch=None):
+        kv = (convert_at or {}).get(eng.num_steps - 1)  # _execute counts the step before running it
+        if kv is not None:
+            for layer in range(r.cfg.num_hidden_layers):
+                r.cache.convert_layer(layer, kv)
+            r.kv_dtype = kv
+        logits = step(batch, switch)
+        out.append(logits.clone())
+        return logits
+    r.step = wrapped
+
+
+def record_manifests(llm: LLM, out: list) -> None:
+    eng = llm.engine
+    make_ex = eng._switch_executor
+
+    def wrapped(sw):
+        ex = make_ex(sw)
+        if ex is not None:
+            m = ex.m
+            out.append((m.src.value, m.dst.value, m.action("kv_format"), m.src_kv_dtype, m.dst_kv_dtype))
+        return ex
+    eng._switch_executor = wrapped
+
+
+def convert(model_dir, ref, rank_print) -> None:
+    prompts, max_tokens = ref["prompts_a"], ref["max_tokens_a"]
+    base = make(model_dir, "tp", blocks=512)
+    base_logits: list = []
+    record_logits(base, base_logits, {k: CONVERT_DTYPES[lay] for k, lay in CONVERT_PLAN.items()})
+    want = drive(base, prompts, max_tokens, {})
+    want_path, cur = [], "tp"
+    for k in sorted(CONVERT_PLAN):
+        dst = CONVERT_PLAN[k]
+        want_path.append((cur, dst, "convert", CONVERT_DTYPES[cur], CONVERT_DTYPES[dst]))
+        cur = dst
+    for mode in ("live", "blocking"):
+        llm = make(model_dir, "tp", mode=mode, blocks=512, layout_kv_dtypes=CONVERT_DTYPES)
+        logits, path = [], []
+        record_logits(llm, logits)
+        record_manifests(llm, path)
+        got = drive(llm, prompts, max_tokens, CONVERT_PLAN)
+        assert path == want_path, f"convert {mode}: manifests {path} != {want_path}"
+        # measured: 7e-7 at 2 ranks, 4e-5 at 4 (a cross-layout rounding difference can flip one quantum of an
+        # fp8/int8 value); a switch that skips the conversion is off by ~1.7
+        worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, base_logits) if b.numel())
+        assert len(logits) == len(base_logits) and worst <= 1e-3, f"convert {mode}: logits off by {worst:.2e}"
+        if got is not None:
+            assert got == want, f"convert {mode}: {got} != {want}"
+            assert llm.engine.control.deferrals == 0
+        c = llm.runner.cache
+        assert llm.runner.kv_dtype == c.kv_dtype == CONVERT_DTYPES[cur], (llm.runner.kv_dtype, c.kv_dtype)
+        assert c.num_blocks == 512 and c.nbytes() == 512 * c.num_layers * c.block_bytes()
+        check_free(llm, f"convert {mode}")
+        rank_print(f"convert {mode} OK ({len(path)} conversions, max rel logit diff {worst:.1e})")
+
+
 def main() -> None:
     model_dir, ref_path, mode = sys.argv[1:4]
     kv_dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
@@ -113,6 +183,8 @@ def main() -> None:
         directions(model_dir, ref, rank_print)
     elif mode == "chain":
         chain(model_dir, ref, kv_dtype, rank_print)
+    elif mode == "convert":
+        convert(model_dir, ref, rank_print)
     else:
         defer(model_dir, ref, rank_print)
 

@@ -1,6 +1,7 @@
 """Live and blocking layout switches on real ranks (mpiexec -n 2 / -n 4) change no token and leak no block:
 all 12 directions at a random step (incl. mid-prefill), random chains over 64 steps (fp32, fp8, int8 KV),
-and a switch that does not fit the headroom is deferred while the run continues."""
+a switch that does not fit the headroom is deferred while the run continues, and switches between layouts
+of different KV dtypes (fp32/bf16/fp8/int8) convert the pool layer by layer."""
 from __future__ import annotations
 
 import sys
@@ -50,6 +51,15 @@ def test_random_switch_chain(reference, nprocs, kv_dtype):
     out = _run(nprocs, reference, "chain", kv_dtype)
     for mode in ("live", "blocking"):
         assert f"rank 0: chain {kv_dtype} {mode} OK" in out, out
+
+
+def test_switch_between_kv_dtypes_converts(reference):
+    """tp float32 -> dop fp8 -> tp -> cp int8 -> dp_attn bf16 -> tp -> dop -> dp_attn, live and blocking, from
+    mid-prefill: exact against an unswitched run converted at the same boundaries; no block leaks."""
+    out = _run(2, reference, "convert")
+    for mode in ("live", "blocking"):
+        for r in range(2):
+            assert f"rank {r}: convert {mode} OK" in out, out
 
 
 def test_switch_without_headroom_is_deferred(reference):
