@@ -5,6 +5,7 @@ argv: model_dir ref.pt kv_dtype layout[,layout...]
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -45,12 +46,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # one failing rank must not leave the others waiting in a collective
-        import traceback
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_util import run_worker
 
-        from mpi4py import MPI
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_worker(main)

@@ -50,3 +50,17 @@ def run_mpi(
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, 124, out, f"{err}\n[run_mpi] timed out after {timeout}s")
+
+
+def run_worker(main) -> None:
+    """Run a worker's `main()` on one rank; on any failure print it and abort the whole MPI job, so the other
+    ranks are not left waiting in a collective (the test then fails at once instead of timing out)."""
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        from mpi4py import MPI
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import sys
+from pathlib import Path
 
 import torch
 
@@ -190,12 +191,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # one failing rank must not leave the others waiting in a collective
-        import traceback
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_util import run_worker
 
-        from mpi4py import MPI
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_worker(main)
