@@ -31,7 +31,7 @@ class DOPAttention:
         q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)          # [N, H_l, D]
         rows = g.rows_mine
         c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x[rows], cos[rows], sin[rows])
-        r.cache.write(layer, p.write_slots, c[p.write_rows], kpe[p.write_rows])
+        r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
         n, hl, d = len(rows), q.shape[1], q.shape[2]
         if T == 1:
             o_local, _ = attend_plan(r.cache, layer, p, q, dc, cfg.softmax_scale)

@@ -25,9 +25,8 @@ class DPAttention:
         w = r.weights.layers[layer].attn
         rows = g.rows_mine
         xm, cm, sm = x[rows], cos[rows], sin[rows]
-        q = mla.latent_query(cfg, r.model.rope, w, xm, cm, sm)
-        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, xm, cm, sm)
-        r.cache.write(layer, p.write_slots, c[p.write_rows], kpe[p.write_rows])
+        q, c, kpe = mla.query_and_latent(cfg, r.model.rope, w, xm, cm, sm)
+        r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
         o, _ = attend_plan(r.cache, layer, p, q, cfg.kv_lora_rank, cfg.softmax_scale)
         out = mla.out_projection(w, o)
         if r.comm.size == 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from splash.models.config import ModelConfig
+from splash.models.linear import linear
 from splash.models.rope import Rope
 from splash.models.weights import AttnWeights
 
@@ -17,23 +18,46 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads."""
-    n = x.shape[0]
-    qa = x if w.q_a is None else rms_norm(x @ w.q_a.T, w.q_a_norm, cfg.rms_norm_eps)
-    q = (qa @ w.q_b.T).view(n, len(w.heads), cfg.qk_head_dim)
+def _absorb(cfg: ModelConfig, rope: Rope, w: AttnWeights, qa: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+    """Q-A output (normed; x itself without q_lora) [n, q_in] -> absorbed queries q̃ [n, H_local, d_c + d_r]."""
+    n = qa.shape[0]
+    q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
     return torch.cat([q_lat, rope.apply(q_pe, cos, sin)], dim=-1)
 
 
+def _latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, kv: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV-A output [n, d_c + d_r] -> (normed latent c_kv [n, d_c], rotated k_rope [n, d_r])."""
+    c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rope.apply(k_pe, cos, sin)
+
+
+def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads."""
+    qa = x if w.q_a is None else rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
+    return _absorb(cfg, rope, w, qa, cos, sin)
+
+
 def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, hidden] -> (c_kv [n, d_c] normed latent, k_rope [n, d_r] rotated)."""
-    kv = x @ w.kv_a.T
-    c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rope.apply(k_pe, cos, sin)
+    return _latent(cfg, rope, w, linear(x, w.kv_a), cos, sin)
+
+
+def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`latent_query` and `new_latent_kv` of the same rows, with Q-A and KV-A as one GEMM on [Q-A ; KV-A]."""
+    if w.q_a is None:
+        return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin)
+    if w.qkv_a is None:  # AttnWeights rebuilt elsewhere (layout switch): stack once, reuse afterwards
+        w.qkv_a = torch.cat([w.q_a, w.kv_a], dim=0)
+    qa, kv = linear(x, w.qkv_a).split([w.q_a.shape[0], w.kv_a.shape[0]], dim=-1)
+    q = _absorb(cfg, rope, w, rms_norm(qa, w.q_a_norm, cfg.rms_norm_eps), cos, sin)
+    return (q, *_latent(cfg, rope, w, kv, cos, sin))
 
 
 def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
@@ -41,7 +65,7 @@ def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     n = o_lat.shape[0]
     o = torch.bmm(o_lat.to(w.w_uv.dtype).transpose(0, 1), w.w_uv.transpose(1, 2))  # [H, n, d_v]
     o = o.transpose(0, 1).reshape(n, w.o.shape[1])
-    return o @ w.o.T
+    return linear(o, w.o)
 
 
 def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: int,

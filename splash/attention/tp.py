@@ -20,10 +20,10 @@ class TPAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg
         w = r.weights.layers[layer].attn
-        q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)
-        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x, cos, sin)
+        q, c, kpe = mla.query_and_latent(cfg, r.model.rope, w, x, cos, sin)
         p = self.plan
-        r.cache.write(layer, p.write_slots, c[p.write_rows], kpe[p.write_rows])
+        # TP stores every row's KV (write_rows is 0..n-1 in order): no gather needed
+        r.cache.write(layer, p.write_slots, c, kpe)
         o, _ = attend_plan(r.cache, layer, p, q, cfg.kv_lora_rank, cfg.softmax_scale)
         out = mla.out_projection(w, o)
         return r.comm.all_reduce(out) if r.comm.size > 1 else out

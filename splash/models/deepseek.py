@@ -9,6 +9,7 @@ from splash.attention.batch import StepBatch
 from splash.attention.mla import rms_norm
 from splash.models import ffn
 from splash.models.config import ModelConfig
+from splash.models.linear import linear
 from splash.models.rope import Rope
 from splash.models.weights import MLPWeights, ModelWeights
 
@@ -47,4 +48,4 @@ class DeepseekV3Model:
         return rms_norm(x[rows], self.w.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.w.lm_head.T).float()
+        return linear(hidden, self.w.lm_head).float()

@@ -8,11 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from splash.models.config import ModelConfig
+from splash.models.linear import expert_linear, linear
 from splash.models.weights import MLPWeights, MoEWeights
 
 
 def mlp(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+    """silu(x Gᵀ) * (x Uᵀ) then Dᵀ, with gate and up as one GEMM on [G ; U]."""
+    if w.gate_up is None:
+        w.gate_up = torch.cat([w.gate, w.up], dim=0)
+    inter = w.gate.shape[0]
+    h = linear(x, w.gate_up)
+    return linear(F.silu(h[:, :inter]).mul_(h[:, inter:]), w.down)
 
 
 def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,8 +39,8 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
-    """Token rows are grouped by expert once; each expert multiplies a contiguous slice (two mm per expert, the
-    activation runs once over all rows) and one index_add scatters the weighted results back."""
+    """Token rows are grouped by expert once; each expert multiplies a contiguous slice (two GEMMs per expert,
+    the activation runs once over all rows) and one index_add scatters the weighted results back."""
     idx, weights = route(cfg, w, x)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -42,18 +48,17 @@ def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
     tok = order // cfg.num_experts_per_tok
     xs = x.index_select(0, tok)
     inter = w.down.shape[-1]
-    h = xs.new_empty(xs.shape[0], 2 * inter)
     spans = []
     start = 0
     for e, c in enumerate(counts):
         if c:
             spans.append((e, start, start + c))
-            torch.mm(xs[start:start + c], w.gate_up[e].T, out=h[start:start + c])
             start += c
+    if not spans:  # no rows
+        return mlp(w.shared, x) if w.shared is not None else torch.zeros_like(x)
+    h = torch.cat([expert_linear(xs[s:t], w.gate_up, e) for e, s, t in spans])
     act = F.silu(h[:, :inter]).mul_(h[:, inter:])
-    ys = torch.empty_like(xs)
-    for e, s, t in spans:
-        torch.mm(act[s:t], w.down[e].T, out=ys[s:t])
+    ys = torch.cat([expert_linear(act[s:t], w.down, e) for e, s, t in spans])
     ys.mul_(weights.reshape(-1).index_select(0, order)[:, None].to(ys.dtype))
     out = torch.zeros_like(x).index_add_(0, tok, ys)
     if w.shared is not None:

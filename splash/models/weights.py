@@ -6,7 +6,7 @@ TP-sharded over the group along the intermediate dimension, identically in every
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class AttnWeights:
     w_uv: torch.Tensor             # [H_l, d_v, d_c]
     o: torch.Tensor                # [hidden, H_l * d_v]
     heads: range
+    # [Q-A ; KV-A] stacked [q_lora + d_c + d_r, hidden] for one GEMM (q_a / kv_a are views into it when built by
+    # attention_from_full); None -> built on first use (e.g. AttnWeights rebuilt by a layout switch)
+    qkv_a: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -31,6 +34,8 @@ class MLPWeights:
     gate: torch.Tensor  # [I_l, hidden]
     up: torch.Tensor    # [I_l, hidden]
     down: torch.Tensor  # [hidden, I_l]
+    # [gate ; up] stacked [2 * I_l, hidden] for one GEMM (gate / up are views into it); None -> built on first use
+    gate_up: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -73,31 +78,36 @@ def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> Att
     H, dn, dv, dc = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     qh = cfg.qk_head_dim
     h0, h1 = heads.start, heads.stop
+    kv_a, qkv_a = get(prefix + "kv_a_proj_with_mqa.weight"), None
     if cfg.q_lora_rank is None:
         q_a, q_a_norm, q_b = None, None, get(prefix + "q_proj.weight")
     else:
         q_a, q_a_norm = get(prefix + "q_a_proj.weight"), get(prefix + "q_a_layernorm.weight")
         q_b = get(prefix + "q_b_proj.weight")
+        if q_a.dtype == kv_a.dtype:  # one [Q-A ; KV-A] weight; the split weights are row views of it (no copy)
+            qkv_a = torch.cat([q_a, kv_a], dim=0)
+            q_a, kv_a = qkv_a[:q_a.shape[0]], qkv_a[q_a.shape[0]:]
     kv_b = get(prefix + "kv_b_proj.weight").view(H, dn + dv, dc)
     o = get(prefix + "o_proj.weight").view(cfg.hidden_size, H, dv)
     return AttnWeights(
         q_a=q_a, q_a_norm=q_a_norm, q_b=q_b.view(H, qh, -1)[h0:h1].reshape((h1 - h0) * qh, -1).contiguous(),
-        kv_a=get(prefix + "kv_a_proj_with_mqa.weight"), kv_a_norm=get(prefix + "kv_a_layernorm.weight"),
+        kv_a=kv_a, kv_a_norm=get(prefix + "kv_a_layernorm.weight"),
         w_uk=kv_b[h0:h1, :dn].contiguous(), w_uv=kv_b[h0:h1, dn:].contiguous(),
-        o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads)
+        o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads, qkv_a=qkv_a)
 
 
 def mlp_from_full(get, prefix: str, shard: int, shards: int) -> MLPWeights:
-    return MLPWeights(gate=shard_rows(get(prefix + "gate_proj.weight"), shard, shards),
-                      up=shard_rows(get(prefix + "up_proj.weight"), shard, shards),
-                      down=shard_cols(get(prefix + "down_proj.weight"), shard, shards))
+    gate = shard_rows(get(prefix + "gate_proj.weight"), shard, shards)
+    gate_up = torch.cat([gate, shard_rows(get(prefix + "up_proj.weight"), shard, shards)], dim=0)
+    return MLPWeights(gate=gate_up[:gate.shape[0]], up=gate_up[gate.shape[0]:],
+                      down=shard_cols(get(prefix + "down_proj.weight"), shard, shards), gate_up=gate_up)
 
 
 def moe_from_full(cfg: ModelConfig, get, prefix: str, shard: int, shards: int) -> MoEWeights:
     gate_up, down = [], []
     for e in range(cfg.n_routed_experts):
         m = mlp_from_full(get, f"{prefix}experts.{e}.", shard, shards)
-        gate_up.append(torch.cat([m.gate, m.up], dim=0))
+        gate_up.append(m.gate_up)
         down.append(m.down)
     shared = mlp_from_full(get, prefix + "shared_experts.", shard, shards) if cfg.n_shared_experts else None
     return MoEWeights(router=get(prefix + "gate.weight").float(),
