@@ -9,21 +9,11 @@ from __future__ import annotations
 import torch
 
 from splash.attention import mla
-from splash.attention.batch import StepBatch, attend_plan, build_attn_plan
-from splash.attention.grouping import OwnerGroups
+from splash.attention.batch import attend_plan
+from splash.attention.grouping import OwnedAttention
 
 
-class DOPAttention:
-    def __init__(self, runner):
-        self.r = runner
-
-    def prepare(self, batch: StepBatch) -> None:
-        r = self.r
-        self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
-        for q in self.g.mine:
-            r.bm.ensure(q.req_id, r.new_logical_blocks(q))
-        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda b: True)
-
+class DOPAttention(OwnedAttention):
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg, g, p = self.r, self.r.cfg, self.g, self.plan
         T, dc = r.comm.size, cfg.kv_lora_rank

@@ -32,3 +32,20 @@ class OwnerGroups:
         out = torch.empty_like(grouped)
         out[self.by_owner] = grouped
         return out
+
+
+class OwnedAttention:
+    """Shared step preparation of the request-owned layouts (DP-attn, DOP): this rank allocates blocks for the
+    new tokens of the requests it owns and plans attention over their rows (in step order)."""
+
+    def __init__(self, runner):
+        self.r = runner
+
+    def prepare(self, batch: StepBatch) -> None:
+        from splash.attention.batch import build_attn_plan
+
+        r = self.r
+        self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
+        for q in self.g.mine:
+            r.bm.ensure(q.req_id, r.new_logical_blocks(q))
+        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda b: True)

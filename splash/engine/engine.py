@@ -14,7 +14,7 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.sampling import SamplingParams, make_generator, sample
-from splash.engine.scheduler import Request, Scheduler, StepPlan
+from splash.engine.scheduler import Request, Scheduler
 
 
 @dataclass
