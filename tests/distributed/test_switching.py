@@ -53,12 +53,13 @@ def test_random_switch_chain(reference, nprocs, kv_dtype):
         assert f"rank 0: chain {kv_dtype} {mode} OK" in out, out
 
 
-def test_switch_between_kv_dtypes_converts(reference):
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_switch_between_kv_dtypes_converts(reference, nprocs):
     """tp float32 -> dop fp8 -> tp -> cp int8 -> dp_attn bf16 -> tp -> dop -> dp_attn, live and blocking, from
     mid-prefill: exact against an unswitched run converted at the same boundaries; no block leaks."""
-    out = _run(2, reference, "convert")
+    out = _run(nprocs, reference, "convert")
     for mode in ("live", "blocking"):
-        for r in range(2):
+        for r in range(nprocs):
             assert f"rank {r}: convert {mode} OK" in out, out
 
 
