@@ -151,3 +151,15 @@ def offline_reference(ckpt: Path):
 
     ref.many = many
     return ref
+
+
+def run_server(work: Path, yaml_text: str, nprocs: int = 2, ready_s: float = 60):
+    """Generator for module fixtures: write `yaml_text` as the config, start splash-serve, yield the running
+    ServerProc, kill it afterwards."""
+    cfg = write_config(work / "serve.yaml", yaml_text)
+    proc = ServerProc(nprocs, "--config", cfg, workdir=work)
+    try:
+        proc.wait_ready(ready_s)
+        yield proc
+    finally:
+        proc.kill()

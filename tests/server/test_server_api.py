@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_util import ServerProc, mpiexec_path, offline_reference, write_config
+from server_util import mpiexec_path, offline_reference, run_server
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -35,18 +35,11 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    work = tmp_path_factory.mktemp("server")
-    cfg = write_config(work / "serve.yaml", f"""
+    yield from run_server(tmp_path_factory.mktemp("server"), f"""
 model: {{model: {ckpt}}}
 cache: {{kv_cache_memory_bytes: 8MiB}}
 server: {{port: 0, quiet: true, admin_token: {TOKEN}}}
 """)
-    proc = ServerProc(2, "--config", cfg, workdir=work)
-    try:
-        proc.wait_ready(60)
-        yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

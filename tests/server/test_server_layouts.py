@@ -7,7 +7,7 @@ import threading
 
 import httpx
 import pytest
-from server_util import ServerProc, mpiexec_path, offline_reference, write_config
+from server_util import mpiexec_path, offline_reference, run_server
 
 from splash.engine.engine import Engine
 from splash.models.presets import save_preset
@@ -30,19 +30,12 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    work = tmp_path_factory.mktemp("server")
-    cfg = write_config(work / "serve.yaml", f"""
+    yield from run_server(tmp_path_factory.mktemp("server"), f"""
 model: {{model: {ckpt}}}
 layout: {{layout: tp}}
 cache: {{kv_cache_memory_bytes: 8MiB}}
 server: {{port: 0, quiet: true, admin_token: {TOKEN}}}
 """)
-    proc = ServerProc(2, "--config", cfg, workdir=work)
-    try:
-        proc.wait_ready(60)
-        yield proc
-    finally:
-        proc.kill()
 
 
 def _streams_with_switch(url: str, prompts: list[list[int]], target: str) -> tuple[list[list[int]], list[bool]]:
