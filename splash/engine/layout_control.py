@@ -53,7 +53,7 @@ class LayoutController:
     def request(self, name: str) -> None:
         """Pin a layout (switch at the next step boundary) or hand control back with 'auto'."""
         if str(name).lower() == "auto":
-            self.layout_mode, self.target = "auto", None
+            self.layout_mode, self.target, self.last_deferral = "auto", None, None
             return
         try:
             lay = parse_layout(name).value
@@ -64,6 +64,8 @@ class LayoutController:
         if lay in ("tp", "dop") and self.cfg.num_attention_heads % self.world:
             raise ValueError(f"layout {lay!r} needs the world size {self.world} to divide "
                              f"num_attention_heads={self.cfg.num_attention_heads}")
+        if lay != self.target:
+            self.last_deferral = None   # a deferral was for the old target: let an idle engine try the new one
         self.layout_mode, self.target = "pinned", lay
 
     def decide(self, current: str, ledger, kv_tokens: dict[str, int], reserve_blocks: int,

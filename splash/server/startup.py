@@ -51,12 +51,15 @@ def check_parallel(cfg: ServeConfig, world_size: int) -> None:
                           "backend only (the cuda/hip backends are not implemented yet)")
 
 
-def initial_layout(cfg: ServeConfig) -> str:
-    """The pinned layout, or for auto the first of tp (when allowed) / the first allowed layout."""
+def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = None) -> str:
+    """The pinned layout, or for auto the first of tp (when allowed) / the first allowed layout; with `num_heads`,
+    auto skips the head-sharded layouts (tp, dop) when `world` does not divide the heads."""
     lay = cfg.layout.layout
     if lay != "auto":
         return lay
     allowed = cfg.layout.allowed_layouts
+    usable = [a for a in allowed if num_heads is None or a not in ("tp", "dop") or num_heads % world == 0]
+    allowed = usable or allowed
     return "tp" if "tp" in allowed else allowed[0]
 
 
@@ -133,7 +136,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
-    layout = initial_layout(cfg)
+    layout = initial_layout(cfg, comm.size, mcfg.num_attention_heads)
     name = cfg.model.model or f"preset {cfg.model.preset}"
     ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else None
     try:
@@ -152,4 +155,11 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
                         cfg.model.max_model_len, cfg.layout.switch_mode, tuple(cfg.layout.allowed_layouts))
     except ValueError as e:
         raise ConfigError(f"field 'layout.allowed_layouts': {e}") from None
+    # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
+    # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
+    tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)
+    if engine.ledger.cap(tight) * c.block_size < 2:
+        raise ConfigError(f"field 'cache.kv_cache_memory_bytes': the KV budget holds {engine.ledger.cap(tight)} KV "
+                          f"page(s) per rank in layout {tight!r} (its attention projections take the rest), so no "
+                          f"request fits; raise it or remove {tight!r} from layout.allowed_layouts")
     return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool
