@@ -102,6 +102,10 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         switch = self._switch_decision()
         plan = self.scheduler.schedule()
+        if switch is not None and plan.release:
+            # a request preempted or aborted by this schedule drops its KV before the handoff runs
+            gone = set(plan.release)
+            switch["reqs"] = {rid: v for rid, v in switch["reqs"].items() if rid not in gone}
         msg = {"kind": "step", "items": [(s.req_id, s.start_pos, s.tokens, s.sample, s.owner) for s in plan.items],
                "release": plan.release, "switch": switch}
         self.comm.broadcast_obj(msg)
@@ -176,7 +180,7 @@ class Engine:
     def kv_capacity_tokens(self) -> dict[str, int]:
         """Distinct KV tokens the pool could hold in each layout (TP replicates every token on every rank)."""
         bs, w = self.ledger.block_size, self.ledger.world
-        return {lay: self.ledger.cap(lay) * bs * (1 if lay == "tp" else w) for lay in ("tp", "dp_attn", "cp", "dop")}
+        return {lay: self.ledger.cap(lay) * bs * (1 if lay == "tp" else w) for lay in self.control.allowed}
 
     def kv_used_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.ledger.reqs.values())

@@ -43,7 +43,9 @@ class LayoutController:
         # one block of one layer in the pool's (widest) format
         self.pool_block_bytes_layer = max(kv_bytes_per_token_layer(cfg, d) for d in self.kv_dtypes.values()
                                           ) * block_size
-        self.allowed = tuple(parse_layout(a).value for a in allowed)
+        # head-sharded layouts need the world size to divide the heads; where it does not they are not offered
+        self.allowed = tuple(a for a in (parse_layout(x).value for x in allowed)
+                             if a not in ("tp", "dop") or cfg.num_attention_heads % world == 0)
         self.target: str | None = None
         self.layout_mode = "auto"
         self.switch_counts: dict[tuple[str, str], int] = {}
@@ -59,11 +61,11 @@ class LayoutController:
             lay = parse_layout(name).value
         except ValueError as e:
             raise ValueError(f"layout: {e}") from None
-        if lay not in self.allowed:
-            raise ValueError(f"layout {lay!r} is not allowed here (allowed: {', '.join(self.allowed)})")
         if lay in ("tp", "dop") and self.cfg.num_attention_heads % self.world:
             raise ValueError(f"layout {lay!r} needs the world size {self.world} to divide "
                              f"num_attention_heads={self.cfg.num_attention_heads}")
+        if lay not in self.allowed:
+            raise ValueError(f"layout {lay!r} is not allowed here (allowed: {', '.join(self.allowed)})")
         if lay != self.target:
             self.last_deferral = None   # a deferral was for the old target: let an idle engine try the new one
         self.layout_mode, self.target = "pinned", lay

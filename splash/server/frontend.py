@@ -50,6 +50,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
         except RuntimeError:   # the loop already closed (only at the very end of shutdown)
             pass
 
+    allowed_layouts = tuple(getattr(getattr(engine, "control", None), "allowed", allowed_layouts))  # feasible here
     holder: dict[str, EngineLoop] = {}
     metrics = Metrics(lambda: holder["loop"].snapshot if "loop" in holder else None)
     loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
