@@ -1,7 +1,8 @@
 """The step loop shared by every rank: rank 0 schedules and samples, every rank executes the broadcast plan.
 
-Protocol: each step rank 0 broadcasts one small message — a step plan (`kind="step"`), a layout switch
-(`kind="switch"`) or `kind="stop"` — and all ranks act on it in the same order, so collectives always match.
+Protocol: each step rank 0 broadcasts one small message — a step plan (`kind="step"`: the scheduled pieces, the
+requests whose KV to release first, and optionally a layout switch to hand off at this boundary) or
+`kind="stop"` — and all ranks act on it in the same order, so collectives always match.
 """
 from __future__ import annotations
 
@@ -30,9 +31,7 @@ class Engine:
                  max_model_len: int | None = None, switch_mode: str = "live",
                  allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop")):
         self.runner, self.comm = runner, comm
-        # A request must fit the KV pool on its own, or recompute-preemption would loop forever (it preempts
-        # itself and is re-admitted); cap the length at one request's share of the pool, as vLLM requires.
-        # blocks_per_rank: the physical pool, or per-layout usable blocks (see splash.engine.llm.kv_capacity).
+        # blocks_per_rank: the physical pool, or per-layout usable blocks (splash.engine.llm.kv_blocks_per_layout).
         caps = blocks_per_rank if isinstance(blocks_per_rank, dict) else {}
         physical = max(caps.values()) if caps else blocks_per_rank
         self.ledger = KVLedger(comm.size, physical, runner.block_size, runner.layout, dict(caps))
