@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_state import DecodeState  # noqa: E402
 
 from splash.distributed import init_dist  # noqa: E402
-from splash.layouts.layout import Layout  # noqa: E402
 from splash.switching.executor import SwitchExecutor  # noqa: E402
 from splash.switching.manifest import ReqState, plan_switch  # noqa: E402
 
@@ -30,8 +29,7 @@ LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 def switch_to(st: DecodeState, dst: str, mode: str) -> SwitchExecutor:
     r = st.runner
-    src_owned = Layout(r.layout).owner_based
-    reqs = {rid: ReqState(st.pos[rid], st.owners[rid] if src_owned else None, None) for rid in st.owners}
+    reqs = {rid: ReqState(st.pos[rid], st.owners[rid], None) for rid in st.owners}
     m = plan_switch(r.layout, dst, r.cfg, st.comm.size, reqs, r.block_size, 4, r.kv_dtype)
     st.owners.update(m.owners)
     st.last_recv_mb = max(m.total_recv_bytes) / 2**20

@@ -88,7 +88,8 @@ def test_per_rank_memory_kv_placement(glm):
     dp = per_rank_memory(glm, Layout.DP_ATTN, 4, 1, "fp8_e4m3", live, 64)
     assert dp.kv_blocks == dop.kv_blocks
     cp = per_rank_memory(glm, Layout.CP, 4, 1, "fp8_e4m3", live, 64)
-    assert cp.kv_blocks == (4 + 1 + 1, 4 + 1, 4, 4)
+    # CP: block round-robin rotated by each request's anchor rank (its owner): a from 0, b and c from 1
+    assert cp.kv_blocks == (4, 4 + 1 + 1, 4 + 1, 4)
     assert sum(cp.kv_blocks) == sum(dop.kv_blocks) == tp.kv_blocks[0]
     assert dp.projections == pytest.approx(4 * dop.projections)
     assert tp.projections == dop.projections and dp.projections == cp.projections

@@ -66,16 +66,16 @@ class AttnPlan:
 
 
 def build_attn_plan(reqs: list[StepRequest], table: Callable[[str], dict[int, int]], block_size: int,
-                    write_here: Callable[[int], bool]) -> AttnPlan:
+                    write_here: Callable[[StepRequest, int], bool]) -> AttnPlan:
     """`table(req_id)` gives this rank's logical->physical blocks (already covering the new tokens it stores);
-    `write_here(logical_block)` says whether this rank stores positions of that block."""
+    `write_here(request, logical_block)` says whether this rank stores positions of that block."""
     w_rows, w_slots, pre = [], [], []
     d_rows, d_blocks, d_qpos = [], [], []  # decode requests: held (logical, physical) blocks, tensorised once
     r = 0
     for q in reqs:
         t = table(q.req_id)
         for i, p in enumerate(range(q.start_pos, q.end_pos)):
-            if write_here(p // block_size):
+            if write_here(q, p // block_size):
                 w_rows.append(r + i)
                 w_slots.append(t[p // block_size] * block_size + p % block_size)
         if q.num_new == 1:

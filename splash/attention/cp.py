@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention import mla
-from splash.attention.batch import StepBatch, attend_plan, build_attn_plan
+from splash.attention.batch import StepBatch, StepRequest, attend_plan, build_attn_plan
 from splash.layouts.ownership import cp_block_rank
 
 
@@ -14,13 +14,14 @@ class CPAttention:
     def __init__(self, runner):
         self.r = runner
 
-    def _mine(self, block: int) -> bool:
-        return cp_block_rank(block, self.r.comm.size) == self.r.comm.rank
+    def _mine(self, q: StepRequest, block: int) -> bool:
+        """Block `block` of request `q` lives here: round-robin rotated by the request's anchor rank."""
+        return cp_block_rank(block + q.owner, self.r.comm.size) == self.r.comm.rank
 
     def prepare(self, batch: StepBatch) -> None:
         r = self.r
         for q in batch.reqs:
-            r.bm.ensure(q.req_id, [b for b in r.new_logical_blocks(q) if self._mine(b)])
+            r.bm.ensure(q.req_id, [b for b in r.new_logical_blocks(q) if self._mine(q, b)])
         self.plan = build_attn_plan(batch.reqs, r.bm.table, r.block_size, self._mine)
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

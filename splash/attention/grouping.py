@@ -48,4 +48,4 @@ class OwnedAttention:
         self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
         for q in self.g.mine:
             r.bm.ensure(q.req_id, r.new_logical_blocks(q))
-        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda b: True)
+        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda q, b: True)

@@ -15,7 +15,7 @@ class TPAttention:
         r = self.r
         for q in batch.reqs:
             r.bm.ensure(q.req_id, r.new_logical_blocks(q))
-        self.plan = build_attn_plan(batch.reqs, r.bm.table, r.block_size, lambda b: True)
+        self.plan = build_attn_plan(batch.reqs, r.bm.table, r.block_size, lambda q, b: True)
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg

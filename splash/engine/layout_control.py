@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splash.kv.paged_cache import CONVERT_CHUNK_SLOTS
-from splash.layouts.layout import Layout, parse_layout
+from splash.layouts.layout import parse_layout
 from splash.layouts.memory import kv_bytes_per_token_layer
 from splash.switching.manifest import Manifest, ReqState, plan_switch
 
@@ -76,8 +76,8 @@ class LayoutController:
         dst = self.target if self.layout_mode == "pinned" else auto_choice
         if dst is None or dst == current:
             return None
-        src_owned = Layout(current).owner_based
-        reqs = {rid: ReqState(n, ledger.owner(rid) if src_owned else None, None) for rid, n in kv_tokens.items()}
+        # every request has a ledger owner in every layout: the owner for DP-attn/DOP, the CP anchor for CP
+        reqs = {rid: ReqState(n, ledger.owner(rid), None) for rid, n in kv_tokens.items()}
         m = plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
                         self.kv_dtypes[current], src_kv_dtype=self.kv_dtypes[current],
                         dst_kv_dtype=self.kv_dtypes[dst])

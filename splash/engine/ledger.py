@@ -37,7 +37,7 @@ class KVLedger:
         if lay == "tp":
             return list(range(self.world))
         if lay == "cp":
-            return [cp_block_rank(block, self.world)]
+            return [cp_block_rank(block + owner, self.world)]
         return [owner]
 
     def _need(self, owner: int, b0: int, b1: int, layout: str | None = None) -> list[int]:

@@ -50,6 +50,10 @@ def cp_block_rank(block_idx: int, world: int) -> int:
     ranks, including the growing tail that decode appends to, so per-rank attention work and KV memory stay
     balanced at every length. The block is the unit of the paged cache, so a position's home rank depends only
     on its block index and never changes while the request appends tokens — no re-sharding as it grows.
+
+    Callers pass ``block_idx + anchor``, where the anchor is the rank the scheduler assigned to the request at
+    admission (its owner in the ledger, least-loaded first), so the first blocks of many short requests do not
+    all land on rank 0.
     """
     _check_world(world)
     return block_idx % world
@@ -68,7 +72,8 @@ def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: 
         mine = frozenset((owner,))
         return tuple(mine for _ in range(num_blocks))
     homes = [frozenset((r,)) for r in range(world)]
-    return tuple(homes[cp_block_rank(b, world)] for b in range(num_blocks))
+    anchor = owner or 0  # CP rotates each request's round-robin by its anchor rank (see cp_block_rank)
+    return tuple(homes[cp_block_rank(b + anchor, world)] for b in range(num_blocks))
 
 
 def _placement_cost(tokens: int, block_size: int) -> int:

@@ -140,7 +140,11 @@ class Manifest:
 
 def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
                     capacity: int | None, block_size: int) -> dict[str, int]:
-    """Destination owners: given ones kept; else the source owner (DP-attn↔DOP); else balanced placement."""
+    """Destination owners: given ones kept; else the source owner (DP-attn↔DOP); else balanced placement.
+    For CP the 'owner' is the anchor rank that rotates the request's block round-robin: the given one, else
+    the source's (the scheduler keeps one per request in every layout), else 0."""
+    if dst == Layout.CP:
+        return {r: next((o for o in (s.dst_owner, s.src_owner) if o is not None), 0) for r, s in requests.items()}
     if not dst.owner_based:
         return {}
     fixed = {r: s.dst_owner for r, s in requests.items() if s.dst_owner is not None}
