@@ -2,8 +2,7 @@
 
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, wrong-typed or unknown fields, a prompt longer than the model's context, max_tokens <= 0, bad layout
-names), 401 for a missing/bad admin token, 404 for an unknown model or route, 501 when live switching is not
-available, 503 while shutting down. A bad request never disturbs the engine or other requests.
+names), 401 for a missing/bad admin token, 404 for an unknown model or route, 503 while shutting down. A bad request never disturbs the engine or other requests.
 """
 from __future__ import annotations
 
@@ -257,8 +256,6 @@ class _Handlers:
             await asyncio.wrap_future(self.s.loop.set_layout(req.layout))
         except EngineStopped as e:
             raise P.APIError(503, str(e), "service_unavailable") from None
-        except NotImplementedError as e:
-            raise P.APIError(501, str(e), "not_implemented", code="switching_not_implemented") from None
         except ValueError as e:
             raise P.APIError(400, str(e), param="layout", code="invalid_layout") from None
         return JSONResponse({**self.layout_body(), "requested": req.layout})

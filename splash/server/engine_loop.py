@@ -166,9 +166,6 @@ class EngineLoop:
                     self.engine.abort(req_id)
         elif kind == "layout":
             _, name, fut = cmd
-            if not hasattr(self.engine, "request_layout"):
-                fut.set_exception(NotImplementedError("live layout switching is not implemented in this build"))
-                return
             try:
                 self.engine.request_layout(name)
             except ValueError as e:

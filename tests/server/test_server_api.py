@@ -240,8 +240,7 @@ def test_layout_endpoints_and_auth(server):
     assert bad.status_code == 400 and "zigzag" in bad.json()["error"]["message"]
     assert httpx.post(url, json={"layout": 3}, headers=auth).status_code == 400
     ok = httpx.post(url, json={"layout": g["layout"]}, headers=auth)
-    from splash.engine.engine import Engine
-    assert ok.status_code == (200 if hasattr(Engine, "request_layout") else 501), ok.text
+    assert ok.status_code == 200, ok.text
 
 
 def test_client_disconnect_aborts_request(server):

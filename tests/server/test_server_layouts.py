@@ -9,14 +9,12 @@ import httpx
 import pytest
 from server_util import mpiexec_path, offline_reference, run_server
 
-from splash.engine.engine import Engine
 from splash.models.presets import save_preset
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found"),
-              pytest.mark.skipif(not hasattr(Engine, "request_layout"), reason="switching not implemented")]
+pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
 TOKEN = "layout-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ORDER = ["dp_attn", "cp", "dop", "tp"]      # starting from tp: tp→dp_attn→cp→dop→tp
