@@ -96,10 +96,3 @@ class KVLedger:
             for req, o in owners.items():
                 self.reqs[req][1] = o
         self.layout = layout
-
-    def free_tokens(self) -> int:
-        """Distinct tokens that could still be admitted (the binding rank under this layout)."""
-        free = [self.cap() - u for u in self.used]
-        if self.layout == "tp":
-            return min(free) * self.block_size
-        return sum(free) * self.block_size

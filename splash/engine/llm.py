@@ -62,10 +62,6 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
     return max(dict.fromkeys(kv_dtypes), key=lambda d: block_bytes(cfg, d, 1))
 
 
-def blocks_for_budget(cfg, kv_dtype: str, block_size: int, budget_bytes: int) -> int:
-    return max(0, budget_bytes // block_bytes(cfg, kv_dtype, block_size))
-
-
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
                          weight_bytes: int, layouts=("tp", "dp_attn", "cp", "dop")) -> dict[str, int]:
     """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
@@ -112,8 +108,8 @@ class LLM:
                              preemption_mode, max_model_len, switch_mode)
         self.cfg = cfg
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Every rank calls this with the same arguments; every rank returns the same outputs (or raises the
         same error)."""
         if self.comm.rank != 0:
