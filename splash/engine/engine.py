@@ -7,11 +7,13 @@ requests whose KV to release first, and optionally a layout switch to hand off a
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
+from splash.engine.auto_layout import make_auto_layout, request_views
 from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.sampling import SamplingParams, make_generator, sample
@@ -29,7 +31,10 @@ class Engine:
     def __init__(self, runner, comm, blocks_per_rank: int | dict[str, int], max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None, switch_mode: str = "live",
-                 allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop")):
+                 allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
+                 hardware_profile: str | None = None, switch_margin: float = 0.10):
+        """`hardware_profile` (a name under configs/hardware/ or a profile .yaml) turns on the cost-model
+        scheduler for `auto` mode; without one, auto stays in the start layout."""
         self.runner, self.comm = runner, comm
         # blocks_per_rank: the physical pool, or per-layout usable blocks (splash.engine.llm.kv_blocks_per_layout).
         caps = blocks_per_rank if isinstance(blocks_per_rank, dict) else {}
@@ -48,6 +53,9 @@ class Engine:
         self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes,
                                         runner.layout_kv_dtypes, allowed_layouts,
                                         switch_mode)
+        self.auto = None if hardware_profile is None or comm.rank != 0 else make_auto_layout(
+            runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, max_num_seqs,
+            max_num_batched_tokens)
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -92,11 +100,32 @@ class Engine:
         pending = sum(r.pending for r in s.running) + sum(len(r.tokens) for r in s.waiting)
         reserve = -(-min(s.budget, pending) // self.runner.block_size) + min(
             len(s.running) + len(s.waiting), s.max_num_seqs)
-        d = self.control.decide(self.layout, self.ledger, kv, reserve)
+        choice, vet = self._auto_proposal() if self.control.layout_mode == "auto" else (None, None)
+        d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice, vet=vet)
         if d is None:
             return None
         self.ledger.relayout(d.dst, d.manifest.owners)
         return {"dst": d.dst, "mode": self.control.mode, "reqs": d.reqs}
+
+    def _auto_proposal(self):
+        """(layout to switch to, its vetting callback) from the cost-model scheduler, or (None, None)."""
+        auto, s = self.auto, self.scheduler
+        if auto is None or not s.has_work():
+            return None, None
+        views = request_views(s, self.ledger)
+        if not auto.due(self.num_steps, views):
+            return None, None
+        usage = {lay: self.ledger.usage_under(lay) for lay in auto.allowed}
+        d = auto.propose(self.num_steps, self.layout, views, usage)
+        if d.verdict != "switch":
+            auto.record(d)
+            return None, None
+
+        def vet(manifest, deferral: str | None) -> str | None:
+            v = auto.vet(d, manifest)
+            auto.record(v, deferral if v.verdict == "switch" else None)
+            return None if v.verdict == "switch" else v.reason
+        return d.target, vet
 
     def step(self) -> list[TokenEvent]:
         switch = self._switch_decision()
@@ -108,7 +137,11 @@ class Engine:
         msg = {"kind": "step", "items": [(s.req_id, s.start_pos, s.tokens, s.sample, s.owner) for s in plan.items],
                "release": plan.release, "switch": switch}
         self.comm.broadcast_obj(msg)
+        t0 = time.perf_counter()
         logits = self._execute(msg)
+        if self.auto is not None and plan.items:
+            rows = [(len(s.tokens), s.start_pos, s.owner) for s in plan.items]
+            self.auto.observe(self.layout, rows, time.perf_counter() - t0, switched=switch is not None)
         sampled: dict[str, int] = {}
         rows = iter(range(logits.shape[0]))
         greedy = logits.argmax(-1).tolist() if logits.numel() else []  # one op for every greedy row

@@ -13,7 +13,7 @@ format leaves spare) plus the conversion's fp32 scratch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from splash.kv.paged_cache import CONVERT_CHUNK_SLOTS
@@ -71,8 +71,12 @@ class LayoutController:
         self.layout_mode, self.target = "pinned", lay
 
     def decide(self, current: str, ledger, kv_tokens: dict[str, int], reserve_blocks: int,
-               auto_choice: str | None = None) -> SwitchDecision | None:
-        """The switch to perform at this boundary, or None (no switch wanted, or deferred)."""
+               auto_choice: str | None = None,
+               vet: Callable[[Manifest, str | None], str | None] | None = None) -> SwitchDecision | None:
+        """The switch to perform at this boundary, or None (no switch wanted, or deferred).
+
+        In auto mode `auto_choice` is the scheduler's proposal and `vet(manifest, deferral)` its last word once the
+        manifest is planned: called with the headroom deferral reason (or None); it returns a reason to refuse."""
         dst = self.target if self.layout_mode == "pinned" else auto_choice
         if dst is None or dst == current:
             return None
@@ -83,6 +87,8 @@ class LayoutController:
                         dst_kv_dtype=self.kv_dtypes[dst])
         owners = m.owners
         reason = self._headroom(m, ledger, owners, reserve_blocks)
+        if vet is not None and vet(m, reason) is not None:
+            return None
         if reason:
             self.deferrals += 1
             if reason != self.last_deferral:

@@ -89,14 +89,23 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 64 << 20,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live",
-                 layout_kv_dtypes: dict[str, str] | None = None, comm=None):
-        """`layout_kv_dtypes` gives a layout its own KV dtype (e.g. {"dop": "fp8_e4m3"}); the others use
-        `kv_cache_dtype`. The pool is sized in the widest of them and keeps its block count on a switch."""
+                 layout_kv_dtypes: dict[str, str] | None = None, comm=None,
+                 allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
+                 hardware_profile: str | None = "cpu", switch_margin: float = 0.10):
+        """`layout` pins a layout (the engine stays there unless `engine.request_layout` moves it) or is
+        "auto": start in TP (DP-attn when the world does not divide the heads) and let the cost-model scheduler
+        on `hardware_profile` switch among `allowed_layouts`. `layout_kv_dtypes` gives a layout its own KV dtype
+        (e.g. {"dop": "fp8_e4m3"}); the others use `kv_cache_dtype`. The pool is sized in the widest of them and
+        keeps its block count on a switch."""
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm
         self.comm = comm
         cfg, get = load_model(model, preset, DTYPES[dtype], seed)
+        auto = layout == "auto"
+        if auto:
+            layout = "tp" if cfg.num_attention_heads % comm.size == 0 and "tp" in allowed_layouts else next(
+                a for a in allowed_layouts if a not in ("tp", "dop") or cfg.num_attention_heads % comm.size == 0)
         kv_dtypes = resolve_layout_kv_dtypes(kv_cache_dtype, layout_kv_dtypes)
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
@@ -105,7 +114,10 @@ class LLM:
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
                                   layout_kv_dtypes)
         self.engine = Engine(self.runner, comm, blocks, max_num_seqs, max_num_batched_tokens,
-                             preemption_mode, max_model_len, switch_mode)
+                             preemption_mode, max_model_len, switch_mode, tuple(allowed_layouts),
+                             hardware_profile=hardware_profile if auto else None, switch_margin=switch_margin)
+        if not auto:
+            self.engine.request_layout(layout)
         self.cfg = cfg
 
     def generate(self, prompts: list[list[int]],

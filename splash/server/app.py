@@ -246,7 +246,7 @@ class _Handlers:
                 "allowed_layouts": list(snap.allowed_layouts),
                 "switch_count": snap.total_switches,
                 "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
-                "steps": snap.steps}
+                "steps": snap.steps, "scheduler": snap.scheduler}
 
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))

@@ -42,6 +42,21 @@ def _bar(used: int, total: int, width: int = 20) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {used}/{total} ({100 * frac:.0f}%)"
 
 
+def _scheduler_line(layout: str, sch: dict) -> str:
+    """Predicted vs measured step time in the current layout, and the last decision."""
+    m = sch["model"].get(layout, {})
+    parts = []
+    if m.get("last_predicted_s") is not None:
+        err = m.get("median_error")
+        parts.append(f"step predicted {m['last_predicted_s'] * m['factor'] * 1e3:.1f} ms vs measured "
+                     f"{m['last_measured_s'] * 1e3:.1f} ms" + (f" (median error {err:.0%})" if err is not None else ""))
+    d = sch.get("last_decision")
+    if d:
+        parts.append(f"last decision: {d['verdict']}" + (f" → {d['target']}" if d.get("target") else "")
+                     + f" ({d['reason']})")
+    return "; ".join(parts) or "no prediction yet"
+
+
 def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float) -> Panel:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold cyan", no_wrap=True)
@@ -51,6 +66,8 @@ def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float)
                         f"{', '.join(snap.allowed_layouts)})")
     pairs = ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(snap.switch_counts.items())) or "none"
     t.add_row("switches", f"{snap.total_switches} ({pairs})")
+    if getattr(snap, "scheduler", None):
+        t.add_row("cost model", _scheduler_line(snap.layout, snap.scheduler))
     t.add_row("tokens/s", f"{tokens_per_s:,.1f}   (generated {snap.generated_tokens:,}, steps {snap.steps:,})")
     t.add_row("requests", f"{snap.running} running, {snap.waiting} waiting")
     cap = snap.kv_capacity.get(snap.layout)

@@ -41,6 +41,7 @@ class EngineSnapshot:
     waiting: int
     steps: int
     generated_tokens: int
+    scheduler: dict | None = None    # the cost-model scheduler's AutoLayout.summary() (None: no scheduler)
     time: float = field(default_factory=time.monotonic)
 
     @property
@@ -57,7 +58,8 @@ def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, 
         switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
         kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
         kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
-        steps=steps, generated_tokens=generated)
+        steps=steps, generated_tokens=generated,
+        scheduler=engine.auto.summary() if getattr(engine, "auto", None) is not None else None)
 
 
 class EngineLoop:

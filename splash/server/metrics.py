@@ -8,7 +8,10 @@ Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the ot
 ``splash_layout_switches_total{src,dst}``, ``splash_kv_capacity_tokens{layout}``, ``splash_kv_used_tokens``,
 ``splash_kv_used_blocks{rank}``, ``splash_requests_running``, ``splash_requests_waiting``,
 ``splash_generated_tokens_total``, ``splash_prompt_tokens_total``, ``splash_requests_total{endpoint,status}``,
-``splash_engine_steps_total``, ``splash_step_duration_seconds`` (histogram).
+``splash_engine_steps_total``, ``splash_step_duration_seconds`` (histogram); with the cost-model scheduler
+``splash_predicted_step_seconds{layout}``, ``splash_measured_step_seconds{layout}``,
+``splash_cost_model_factor{layout}``, ``splash_prediction_error_ratio{layout}``,
+``splash_layout_decisions_total{verdict}``.
 """
 from __future__ import annotations
 
@@ -54,6 +57,31 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("splash_kv_blocks_per_rank", "KV pages per rank", value=s.kv_blocks_per_rank)
         yield GaugeMetricFamily("splash_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("splash_requests_waiting", "Requests queued for admission", value=s.waiting)
+        if s.scheduler is not None:
+            yield from _scheduler_metrics(s.scheduler)
+
+
+def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
+    """The cost-model scheduler: predicted vs measured step time per layout, its correction, its decisions."""
+    names = {"predicted": ("splash_predicted_step_seconds", "Cost-model prediction (corrected) of the last "
+                           "executed step in each layout"),
+             "measured": ("splash_measured_step_seconds", "Measured time of the last executed step in each layout"),
+             "factor": ("splash_cost_model_factor", "Online correction factor (measured / predicted) per layout"),
+             "error": ("splash_prediction_error_ratio", "Median |predicted - measured| / measured per layout")}
+    fams = {k: GaugeMetricFamily(n, h, labels=["layout"]) for k, (n, h) in names.items()}
+    for lay, m in sorted(sch["model"].items()):
+        if m["last_predicted_s"] is not None:
+            fams["predicted"].add_metric([lay], m["last_predicted_s"] * m["factor"])
+            fams["measured"].add_metric([lay], m["last_measured_s"])
+        fams["factor"].add_metric([lay], m["factor"])
+        if m["median_error"] is not None:
+            fams["error"].add_metric([lay], m["median_error"])
+    yield from fams.values()
+    dec = CounterMetricFamily("splash_layout_decisions", "Scheduler decisions at step boundaries, by verdict",
+                              labels=["verdict"])
+    for verdict, n in sorted(sch["decisions"].items()):
+        dec.add_metric([verdict], float(n))
+    yield dec
 
 
 class Metrics:

@@ -1,0 +1,349 @@
+"""`splash-bench workload`: the shifting-workload experiment — the same requests served once with `auto` and once
+per fixed layout, each by a real splash-serve under mpiexec, driven by concurrent streaming HTTP clients.
+
+    splash-bench workload --np 2 [--workload FILE] [--modes auto,tp,dp_attn,cp,dop] [--json FILE]
+
+A workload is request groups ``{"groups": [{"at_s", "count", "input_len", "output_len"}]}`` (JSON or YAML): at
+``at_s`` seconds after the start, ``count`` requests with random token-id prompts of ``input_len`` tokens ask for
+``output_len`` greedy tokens with EOS ignored. The default workload has phases with different leaders, shaped
+like an RL rollout group: a few short interactive requests, then a burst of many requests that ends as a few long
+ones. Every mode serves identical prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT
+p50, switches, completed and lost requests, and whether each mode's tokens equal the first mode's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = ("auto", "tp", "dp_attn", "cp", "dop")
+DEFAULT_WORKLOAD = {"groups": [
+    {"at_s": 0.0, "count": 2, "input_len": 64, "output_len": 256},      # interactive: few, short
+    {"at_s": 2.0, "count": 30, "input_len": 512, "output_len": 64},     # rollout burst: many requests ...
+    {"at_s": 2.0, "count": 2, "input_len": 2048, "output_len": 768},    # ... that ends as a few long ones
+]}
+GROUP_KEYS = ("at_s", "count", "input_len", "output_len")
+TIMELINE_BIN_S = 0.5
+
+
+@dataclass
+class Outcome:
+    ids: list[int] = field(default_factory=list)
+    ok: bool = False
+    latency: float = 0.0
+    ttft: float = 0.0
+    arrivals: list[float] = field(default_factory=list)   # seconds since the run's start, one per token
+    end_s: float = 0.0                                      # completion, seconds since the run's start
+    error: str | None = None
+
+
+def load_workload(path: str | None) -> dict:
+    """The workload file (JSON or YAML), checked: every group has exactly GROUP_KEYS with sane values."""
+    if path is None:
+        return DEFAULT_WORKLOAD
+    import yaml
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: cannot read the workload: {e}") from None
+    groups = data.get("groups") if isinstance(data, dict) else None
+    if not isinstance(groups, list) or not groups:
+        raise ValueError(f"{path}: expected {{'groups': [{{{', '.join(GROUP_KEYS)}}}, ...]}}")
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or set(g) != set(GROUP_KEYS):
+            raise ValueError(f"{path}: groups[{i}] must have exactly the keys {', '.join(GROUP_KEYS)}")
+        if not (isinstance(g["at_s"], (int, float)) and g["at_s"] >= 0):
+            raise ValueError(f"{path}: groups[{i}].at_s must be a number >= 0")
+        for k in GROUP_KEYS[1:]:
+            if not (isinstance(g[k], int) and g[k] >= 1):
+                raise ValueError(f"{path}: groups[{i}].{k} must be an integer >= 1")
+    return {"groups": groups}
+
+
+def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
+    """(start offset, prompt ids, max_tokens) per request, identical for every mode."""
+    rng = random.Random(seed)
+    out = []
+    for g in workload["groups"]:
+        for _ in range(g["count"]):
+            out.append((float(g["at_s"]), [rng.randrange(vocab) for _ in range(g["input_len"])], g["output_len"]))
+    return out
+
+
+# ---- one server ---------------------------------------------------------------------------------------------
+def launch(np_: int, config: str, mode: str, server_args: str, log_path: Path):
+    """Start splash-serve under mpiexec in `mode` (auto or a pinned layout); (process, base url)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", "--config", config, "--port", "0",
+           "--host", "127.0.0.1", "--quiet", "--layout", mode, *shlex.split(server_args)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
+                            start_new_session=True)
+    import httpx
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {mode} server exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
+        m = re.search(r"serving \S+ on (http://\S+) ", log_path.read_text())
+        if m:
+            try:
+                if httpx.get(f"{m.group(1)}/health", timeout=2).status_code == 200:
+                    return proc, m.group(1)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError(f"the {mode} server did not become ready in 180 s")
+
+
+def stop(proc) -> int | None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None
+
+
+async def _one(client, t_start: float, at: float, prompt: list[int], max_tokens: int) -> Outcome:
+    await asyncio.sleep(max(0.0, t_start + at - time.perf_counter()))
+    out, t0 = Outcome(), time.perf_counter()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    out.ok = True
+                    break
+                if not line.startswith("data: "):
+                    continue
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    raise RuntimeError(msg["error"]["message"])
+                now = time.perf_counter()
+                for ch in msg["choices"]:
+                    new = ch.get("token_ids") or []
+                    if new and not out.ids:
+                        out.ttft = now - t0
+                    out.ids += new
+                    out.arrivals += [now - t_start] * len(new)
+    except Exception as e:  # noqa: BLE001 — counted as lost and reported
+        out.error = f"{type(e).__name__}: {e}"
+    out.latency = time.perf_counter() - t0
+    out.end_s = time.perf_counter() - t_start
+    out.ok = out.ok and len(out.ids) == max_tokens
+    return out
+
+
+async def _poll_layout(client, t_start: float, stop_ev: asyncio.Event, samples: list) -> None:
+    while not stop_ev.is_set():
+        try:
+            s = (await client.get("/v1/layout")).json()
+            samples.append((time.perf_counter() - t_start, s["steps"], s["layout"], s["switch_count"]))
+        except Exception:  # noqa: BLE001 — a missed sample only thins the timeline
+            pass
+        await asyncio.sleep(0.05)
+
+
+async def drive(url: str, requests: list, timeout_s: float) -> tuple[list[Outcome], float, list, dict]:
+    import httpx
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as c:
+        samples: list = []
+        stop_ev = asyncio.Event()
+        t_start = time.perf_counter()
+        poller = asyncio.create_task(_poll_layout(c, t_start, stop_ev, samples))
+        outs = await asyncio.gather(*(_one(c, t_start, at, p, n) for at, p, n in requests))
+        total = time.perf_counter() - t_start
+        stop_ev.set()
+        await poller
+        final = (await c.get("/v1/layout")).json()
+    return list(outs), total, samples, final
+
+
+def summarise(mode: str, outs: list[Outcome], total: float, samples: list, final: dict) -> dict:
+    lat = sorted(o.latency for o in outs if o.ok)
+    tokens = sum(len(o.ids) for o in outs)
+    arrivals = sorted(t for o in outs for t in o.arrivals)
+    bins: dict[int, int] = {}
+    for t in arrivals:
+        bins[int(t / TIMELINE_BIN_S)] = bins.get(int(t / TIMELINE_BIN_S), 0) + 1
+    timeline, events, prev = [], [], None
+    for t, step, lay, _ in samples:
+        timeline.append({"t_s": round(t, 3), "step": step, "layout": lay,
+                         "tokens_per_s": bins.get(int(t / TIMELINE_BIN_S), 0) / TIMELINE_BIN_S})
+        if prev is not None and lay != prev:
+            events.append({"t_s": round(t, 3), "src": prev, "dst": lay})
+        prev = lay
+    q = (lambda p: statistics.quantiles(lat, n=100)[p - 1] if len(lat) > 1 else (lat[0] if lat else 0.0))
+    ttft = [o.ttft for o in outs if o.ok]
+    return {"mode": mode, "output_tokens_per_s": tokens / total if total else 0.0, "total_s": total,
+            "completed": sum(o.ok for o in outs), "lost": sum(not o.ok for o in outs),
+            "switches": final.get("switch_count", 0), "latency_p50_s": q(50), "latency_p99_s": q(99),
+            "ttft_p50_s": statistics.median(ttft) if ttft else 0.0, "final_layout": final.get("layout"),
+            "switch_counts": final.get("switches", {}), "scheduler": final.get("scheduler"),
+            "timeline": timeline, "switch_events": events,
+            "errors": [o.error for o in outs if o.error][:3]}
+
+
+def run_mode(args, mode: str, requests: list, workdir: Path) -> tuple[dict, list[list[int]], dict]:
+    """Serve `requests` with a fresh server in `mode`: (result, token ids per request, phase rates)."""
+    log_path = workdir / f"server-{mode}.log"
+    proc, url = launch(args.np, args.config, mode, args.server_args, log_path)
+    rc = None
+    try:
+        outs, total, samples, final = asyncio.run(drive(url, requests, args.request_timeout))
+    finally:
+        rc = stop(proc)
+    res = summarise(mode, outs, total, samples, final)
+    res["server_exit"] = rc
+    res["server_log_tail"] = log_path.read_text()[-1500:] if rc not in (0, None) else ""
+    return res, [o.ids for o in outs], phase_rates(requests, outs)
+
+
+# ---- the per-phase oracle ---------------------------------------------------------------------------------------
+def phase_rates(requests: list, outs: list[Outcome]) -> dict[tuple[int, ...], tuple[int, float]]:
+    """Per phase (the set of request groups active: started and not all finished), (tokens, seconds) of one run."""
+    starts = sorted({at for at, _, _ in requests})
+    group_of = [starts.index(at) for at, _, _ in requests]
+    ends = {g: max(o.end_s for o, gg in zip(outs, group_of) if gg == g) for g in set(group_of)}
+    cuts = sorted(set(starts) | set(ends.values()))
+    out: dict[tuple[int, ...], list] = {}
+    arrivals = sorted(t for o in outs for t in o.arrivals)
+    for a, b in zip(cuts, cuts[1:]):
+        active = tuple(sorted(g for g in ends if starts[g] <= a and ends[g] >= b))
+        if not active or b <= a:
+            continue
+        n = sum(1 for t in arrivals if a <= t < b)
+        acc = out.setdefault(active, [0, 0.0])
+        acc[0] += n
+        acc[1] += b - a
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def oracle(fixed: dict[str, dict]) -> dict | None:
+    """Each phase served at its best fixed layout's measured rate (switch costs ignored): output tok/s, and the
+    leader per phase. Phase token counts: the median over the fixed runs."""
+    if not fixed:
+        return None
+    phases = set().union(*(set(p) for p in fixed.values()))
+    total_tok, total_s, leaders = 0.0, 0.0, {}
+    for ph in sorted(phases):
+        rates = {m: n / s for m, p in fixed.items() if ph in p for n, s in [p[ph]] if s > 0}
+        if not rates:
+            continue
+        tok = statistics.median(p[ph][0] for p in fixed.values() if ph in p)
+        best = max(rates, key=rates.get)
+        leaders["+".join(map(str, ph))] = best
+        if rates[best] > 0:
+            total_tok += tok
+            total_s += tok / rates[best]
+    return {"output_tokens_per_s": total_tok / total_s if total_s else 0.0, "phase_leaders": leaders}
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--np", type=int, default=2, help="ranks per server (mpiexec -n)")
+    p.add_argument("--config", default=str(REPO / "configs" / "cpu.yaml"), help="splash-serve config")
+    p.add_argument("--server-args", default="--preset small-mla",
+                   help="extra splash-serve flags for every mode (default: %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES), help="auto and/or fixed layouts, comma-separated")
+    p.add_argument("--workload", metavar="FILE", help="request groups (JSON or YAML); default: built in")
+    p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", metavar="FILE", help="write every run's result here")
+
+
+def print_table(runs: list[dict], orc: dict | None, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("mode", "output tok/s", "total s", "p50 lat s", "p99 lat s", "TTFT p50 s", "switches",
+                "completed", "lost", "tokens = first mode"):
+        t.add_column(col, justify="right")
+    best = max((r["output_tokens_per_s"] for r in runs), default=0)
+    for r in runs:
+        tps = f"{r['output_tokens_per_s']:.1f}"
+        t.add_row(r["mode"], f"[bold]{tps}[/bold]" if r["output_tokens_per_s"] == best else tps,
+                  f"{r['total_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
+                  f"{r['ttft_p50_s']:.2f}", str(r["switches"]), str(r["completed"]), str(r["lost"]),
+                  "yes" if r.get("same_tokens", True) else "NO")
+    con = Console(width=150)
+    con.print(t)
+    fixed = [r for r in runs if r["mode"] != "auto"]
+    auto = next((r for r in runs if r["mode"] == "auto"), None)
+    if auto and fixed:
+        tps = sorted(r["output_tokens_per_s"] for r in fixed)
+        con.print(f"auto vs best fixed: {auto['output_tokens_per_s'] / tps[-1]:.3f}x; vs median fixed: "
+                  f"{auto['output_tokens_per_s'] / statistics.median(tps):.3f}x"
+                  + (f"; vs per-phase oracle ({orc['output_tokens_per_s']:.1f} tok/s, leaders "
+                     f"{orc['phase_leaders']}): {auto['output_tokens_per_s'] / orc['output_tokens_per_s']:.3f}x"
+                     if orc and orc["output_tokens_per_s"] else ""))
+
+
+def run(args) -> int:
+    try:
+        workload = load_workload(args.workload)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        print(f"error: --modes: unknown {bad} (choose from {', '.join(MODES)})", file=sys.stderr)
+        return 2
+    requests = make_requests(workload, args.vocab, args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="splash-workload-"))
+    load = os.getloadavg()[0]
+    runs, first_ids, phases = [], None, {}
+    for mode in modes:
+        print(f"[workload] {mode}: {len(requests)} requests on {args.np} ranks ...", file=sys.stderr, flush=True)
+        res, ids, ph = run_mode(args, mode, requests, workdir)
+        first_ids = ids if first_ids is None else first_ids
+        res["same_tokens"] = ids == first_ids
+        res["phases"] = {"+".join(map(str, k)): {"tokens": n, "seconds": s} for k, (n, s) in ph.items()}
+        runs.append(res)
+        if mode != "auto":
+            phases[mode] = ph
+    orc = oracle({m: p for m, p in phases.items() if p})
+    title = (f"shifting workload — {args.np} ranks, {args.server_args or 'config defaults'}, "
+             f"{len(requests)} requests; load average {load:.1f} before")
+    print_table(runs, orc, title)
+    if args.json:
+        doc = {"workload": workload, "np": args.np, "config": args.config, "server_args": args.server_args,
+               "load_average_before": load, "runs": runs, "oracle": orc}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+    lost = sum(r["lost"] for r in runs)
+    return 0 if lost == 0 and all(r.get("same_tokens", True) for r in runs) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="splash-bench workload")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The transition-aware layout choice of `layout: auto` (paper §4.2) — pure Python, no torch.
+
+At a step boundary rank 0 describes what the engine holds (each running request's cached tokens, pending prefill
+and remaining output; the waiting queue) and asks a cost model how long each allowed layout would take to finish
+that work. Every layout gets the batch *it* would run: running requests plus the waiting ones its KV pool admits
+(joint admission — DOP's larger pool may admit requests another layout must queue), so layouts are compared by
+predicted seconds per output token of their own batch. The controller then switches only when
+
+1. the best feasible layout beats the current one by ``margin`` (no flapping at a crossover), and
+2. its gain over the batch's remaining work exceeds the predicted cost of the switch (``vet``, once the
+   switch manifest is planned: what a live switch cannot hide, or all of a blocking one).
+
+Predictions are corrected online: each executed step's measured time divided by its prediction feeds a
+per-layout factor (an exponential moving average in log space), so the model learns this machine and run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger("splash.scheduler")
+
+DECODE_SEGMENTS = 4      # a batch's remaining decode is predicted in this many pieces as requests finish
+FACTOR_ALPHA = 0.2       # weight of the newest measurement in the per-layout correction factor
+FACTOR_BOUNDS = (0.05, 20.0)
+# stay: current predicted fastest; below_margin: another leads by less than the margin; not_worth_it: the switch
+# costs more than its payoff; switch: taken; defer: wanted but no memory headroom yet; idle: nothing to predict
+VERDICTS = ("stay", "below_margin", "not_worth_it", "switch", "defer", "idle")
+
+
+class CostModelLike(Protocol):
+    """What the controller needs of `splash.costmodel.CostModel` (kept as a protocol so this module is pure)."""
+
+    def step(self, layout: str, rows: Sequence[Any]) -> Any: ...       # -> object with .seconds
+
+    def switch(self, manifest: Any, mode: str) -> Any: ...             # -> object with .exposed_seconds
+
+
+@dataclass(frozen=True)
+class ReqView:
+    """One request as the scheduler sees it at a boundary."""
+    req_id: str
+    cached: int           # tokens whose KV is resident
+    pending: int          # tokens still to prefill before the next sample (1 in decode)
+    remaining: int        # output tokens still to generate (max_tokens / max_model_len bound)
+    owner: int | None     # ledger owner (DP-attn/DOP owner, CP anchor); None for waiting requests
+    running: bool = True
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One evaluated boundary: what each layout was predicted to cost and what the controller did."""
+    step: int
+    current: str
+    verdict: str                      # one of VERDICTS
+    target: str | None
+    reason: str
+    seconds_per_token: dict[str, float] = field(default_factory=dict)   # corrected prediction per layout
+    batch_seconds: dict[str, float] = field(default_factory=dict)       # time to finish its batch
+    admitted: dict[str, int] = field(default_factory=dict)              # requests in each layout's batch
+    infeasible: dict[str, str] = field(default_factory=dict)            # layout -> why not
+    margin: float = 0.0
+    payoff_s: float = 0.0
+    switch_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        r6 = lambda d: {k: round(v, 6) for k, v in d.items()}  # noqa: E731
+        return {"step": self.step, "current": self.current, "verdict": self.verdict, "target": self.target,
+                "reason": self.reason, "seconds_per_token": r6(self.seconds_per_token),
+                "batch_seconds": r6(self.batch_seconds), "admitted": dict(self.admitted),
+                "infeasible": dict(self.infeasible), "margin": self.margin,
+                "payoff_s": round(self.payoff_s, 6), "switch_s": round(self.switch_s, 6)}
+
+
+@dataclass
+class LayoutStats:
+    """Online correction and prediction error of one layout."""
+    factor: float = 1.0
+    last_predicted: float | None = None   # raw model seconds of the last executed step in this layout
+    last_measured: float | None = None
+    errors: deque = field(default_factory=lambda: deque(maxlen=64))   # |corrected − measured| / measured
+
+    @property
+    def median_error(self) -> float | None:
+        return statistics.median(self.errors) if self.errors else None
+
+
+def _row(new_tokens: int, context: int, owner: int | None):
+    from splash.costmodel import RowLoad   # torch-free
+    return RowLoad(new_tokens=new_tokens, context=context, owner=owner)
+
+
+class AutoLayout:
+    """Chooses the layout for `layout: auto`; see the module docstring. One instance on rank 0."""
+
+    def __init__(self, model: CostModelLike, allowed: Sequence[str], margin: float, *, block_size: int,
+                 world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
+                 max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
+                 row=_row):
+        self.model, self.allowed, self.margin = model, tuple(allowed), float(margin)
+        self.block_size, self.world = block_size, world
+        self.capacity_blocks = dict(capacity_blocks)
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.switch_mode, self.reeval_steps = switch_mode, reeval_steps
+        self.row = row
+        self.stats = {lay: LayoutStats() for lay in self.allowed}
+        self.last: Decision | None = None
+        self.verdicts: dict[str, int] = {}
+        self.switches: deque = deque(maxlen=32)    # predicted vs measured cost of the auto switches taken
+        self._sig: tuple | None = None
+        self._sig_step = -1 << 30
+
+    # ---- online learning ---------------------------------------------------------------------------------
+    def observe(self, layout: str, rows: Sequence[tuple[int, int, int | None]], measured_s: float,
+                switched: bool = False) -> None:
+        """An executed step in `layout`: rows are (new_tokens, context, owner). A step that carried a switch does
+        not train the factor; it records the switch's measured added time against its prediction."""
+        if layout not in self.stats or not rows or measured_s <= 0:
+            return
+        pred = self.model.step(layout, [self.row(n, c, o) for n, c, o in rows]).seconds
+        if pred <= 0:
+            return
+        st = self.stats[layout]
+        if switched:
+            last = self.last
+            self.switches.append({"step": self.last.step if last else None, "dst": layout,
+                                  "src": last.current if last else None,
+                                  "predicted_s": last.switch_s if last and last.target == layout else None,
+                                  "measured_added_s": measured_s - pred * st.factor})
+            return
+        st.errors.append(abs(pred * st.factor - measured_s) / measured_s)
+        st.last_predicted, st.last_measured = pred, measured_s
+        lo, hi = FACTOR_BOUNDS
+        ratio = min(hi, max(lo, measured_s / pred))
+        st.factor = math.exp((1 - FACTOR_ALPHA) * math.log(st.factor) + FACTOR_ALPHA * math.log(ratio))
+
+    # ---- the choice ------------------------------------------------------------------------------------------
+    def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
+        """Re-evaluate when the set of requests changed or every `reeval_steps` steps (contexts grow)."""
+        sig = (tuple(sorted(r.req_id for r in reqs if r.running)), sum(1 for r in reqs if not r.running))
+        if sig != self._sig or step - self._sig_step >= self.reeval_steps:
+            self._sig, self._sig_step = sig, step
+            return True
+        return False
+
+    def propose(self, step: int, current: str, reqs: Sequence[ReqView],
+                usage: Mapping[str, Sequence[int]]) -> Decision:
+        """The best layout for this boundary before its switch cost is known (`vet` adds that).
+
+        `usage`: per allowed layout, the blocks per rank the running requests would use there."""
+        per_tok, total, admitted, infeasible = {}, {}, {}, {}
+        for lay in self.allowed:
+            used = usage.get(lay)
+            cap = self.capacity_blocks.get(lay, 0)
+            if used is None or any(u > cap for u in used):
+                infeasible[lay] = f"live KV needs {max(used or [0])} blocks on a rank, holds {cap}"
+                continue
+            batch = self._batch_for(lay, reqs, used, cap)
+            work = sum(r.remaining for r in batch)
+            if not batch or work <= 0:
+                continue
+            secs = self._finish_seconds(lay, batch) * self.stats[lay].factor
+            total[lay], per_tok[lay], admitted[lay] = secs, secs / work, len(batch)
+        base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
+                    infeasible=infeasible, margin=self.margin)
+        if current not in per_tok:
+            if not per_tok:
+                return Decision(verdict="idle", target=None, reason="no work to predict", **base)
+            best = min(per_tok, key=per_tok.get)
+            return Decision(verdict="switch", target=best, reason=f"current {current} cannot run this batch",
+                            payoff_s=math.inf, **base)
+        best = min(per_tok, key=per_tok.get)
+        if best == current:
+            return Decision(verdict="stay", target=None, reason=f"{current} is predicted fastest", **base)
+        lead = 1.0 - per_tok[best] / per_tok[current]
+        if lead < self.margin:
+            return Decision(verdict="below_margin", target=best, reason=(
+                f"{best} leads by {lead:.1%} < margin {self.margin:.0%}"), **base)
+        payoff = (per_tok[current] - per_tok[best]) * sum(r.remaining for r in self._batch_for(
+            best, reqs, usage[best], self.capacity_blocks[best]))
+        return Decision(verdict="switch", target=best, reason=f"{best} leads by {lead:.1%}", payoff_s=payoff,
+                        **base)
+
+    def vet(self, d: Decision, manifest: Any) -> Decision:
+        """Add the planned switch's predicted cost: keep the switch only when its payoff exceeds it."""
+        cost = self.model.switch(manifest, self.switch_mode).exposed_seconds
+        if cost >= d.payoff_s:
+            return _replace(d, verdict="not_worth_it", switch_s=cost, reason=(
+                f"{d.reason}, but the switch costs {cost * 1e3:.1f} ms >= payoff {d.payoff_s * 1e3:.1f} ms"))
+        return _replace(d, switch_s=cost, reason=f"{d.reason}; switch {cost * 1e3:.1f} ms < payoff "
+                                                   f"{d.payoff_s * 1e3:.1f} ms")
+
+    def record(self, d: Decision, deferred: str | None = None) -> Decision:
+        """Remember (and log when it changed) the decision actually taken at this boundary."""
+        if deferred:
+            d = _replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
+        prev, self.last = self.last, d
+        self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
+        if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
+            log.info("layout decision %s", json.dumps(d.as_dict(), sort_keys=True))
+        return d
+
+    # ---- prediction pieces --------------------------------------------------------------------------------
+    def _batch_for(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> list[ReqView]:
+        """Running requests plus the waiting ones (FIFO) whose prompts this layout's free KV blocks admit."""
+        batch = [r for r in reqs if r.running]
+        free = [cap - u for u in used]
+        for r in reqs:
+            if r.running:
+                continue
+            if len(batch) >= self.max_num_seqs:
+                break
+            need = -(-(r.cached + r.pending) // self.block_size)
+            if lay == "tp":          # every rank holds every block
+                if min(free) < need:
+                    break
+                free = [f - need for f in free]
+            elif lay == "cp":        # blocks spread round-robin
+                per = -(-need // self.world)
+                if min(free) < per:
+                    break
+                free = [f - per for f in free]
+            else:                    # one owner: the least loaded rank
+                i = max(range(self.world), key=lambda k: free[k])
+                if free[i] < need:
+                    break
+                free[i] -= need
+            batch.append(r)
+        return batch
+
+    def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> float:
+        """Predicted time to finish `batch` in `lay`: its prefill, then its decode in DECODE_SEGMENTS pieces as
+        the requests with the least output left finish."""
+        secs = 0.0
+        prefill = [(r.pending, r.cached, r.owner) for r in batch if r.pending > 1]
+        if prefill:
+            # predicted as one step: chunking changes the number of steps, not the work they hold
+            secs += self.model.step(lay, [self.row(n, c, o) for n, c, o in prefill]).seconds
+        left = sorted(r.remaining for r in batch if r.remaining > 0)
+        if not left:
+            return secs
+        cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
+                      | {left[-1]})
+        done = 0
+        for cut in cuts:
+            alive = [r for r in batch if r.remaining > done]
+            if not alive or cut <= done:
+                continue
+            mid = (done + cut) / 2
+            rows = [self.row(1, r.cached + r.pending - 1 + int(mid), r.owner) for r in alive]
+            secs += (cut - done) * self.model.step(lay, rows).seconds
+            done = cut
+        return secs
+
+    # ---- views for metrics / API ----------------------------------------------------------------------------
+    def summary(self) -> dict:
+        return {"last_decision": self.last.as_dict() if self.last else None,
+                "decisions": dict(self.verdicts),
+                "model": {lay: {"factor": round(s.factor, 4), "last_predicted_s": s.last_predicted,
+                                "last_measured_s": s.last_measured, "median_error": s.median_error}
+                          for lay, s in self.stats.items()},
+                "switches": list(self.switches)}
+
+
+def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
+    """The scheduler's running and waiting requests (the first `max_num_seqs` waiting) as ReqViews."""
+    def left(r) -> int:
+        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
+    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.reqs.get(r.req_id, (0, None))[1])
+           for r in scheduler.running]
+    for i, r in enumerate(scheduler.waiting):
+        if i >= scheduler.max_num_seqs:
+            break
+        out.append(ReqView(r.req_id, 0, r.pending, left(r), None, running=False))
+    return out
+
+
+def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardware_profile: str, margin: float,
+                     max_num_seqs: int, max_num_batched_tokens: int) -> AutoLayout:
+    """The scheduler for an engine: a cost model of its model, dtypes and world on `hardware_profile`."""
+    from splash.costmodel import CostModel, load_profile
+
+    weight_dtype = str(runner.dtype).removeprefix("torch.")
+    model = CostModel(runner.cfg, world, load_profile(hardware_profile), weight_dtype, dict(control.kv_dtypes),
+                      runner.block_size)
+    return AutoLayout(model, control.allowed, margin, block_size=runner.block_size, world=world,
+                      capacity_blocks={lay: ledger.cap(lay) for lay in control.allowed},
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      switch_mode=control.mode)
+
+
+def _replace(d: Decision, **kw) -> Decision:
+    from dataclasses import replace
+    return replace(d, **kw)
