@@ -1,0 +1,62 @@
+"""The switching rule of the transition-aware scheduler (paper §4.2), as one pure function. No torch.
+
+Used by ``splash-sim --trace`` and by the engine's live scheduler alike.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+
+def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[str], margin: float,
+                  remaining_steps: float, switch_seconds: Mapping[str, float]) -> tuple[str, str]:
+    """(layout to run next, reason).
+
+    ``predicted``: step seconds per layout; ``feasible``: layouts whose memory (and switch headroom) allow them;
+    ``margin``: a candidate must be at least this fraction faster than ``current`` (0.1 = 10%);
+    ``remaining_steps``: steps the gain is expected to last; ``switch_seconds``: exposed cost of switching from
+    ``current`` to each layout (missing = unknown = not taken).
+
+    Rules: an infeasible layout is never chosen. If ``current`` is infeasible (or unpredicted), the fastest
+    feasible layout is taken whatever the margin and cost (staying is not an option). Otherwise a candidate
+    qualifies when ``predicted[c] <= (1 - margin) * predicted[current]`` and its payoff
+    ``(predicted[current] - predicted[c]) * remaining_steps`` exceeds its switch cost; among those the largest
+    net payoff wins (ties: faster, then name). The margin makes the rule hysteretic: at a crossover neither
+    layout beats the other by the margin, so it never flaps.
+    """
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    cands = {k: v for k, v in predicted.items() if k in feasible and math.isfinite(v)}
+    if not cands:
+        return current, "stay: no feasible layout with a prediction"
+    if current not in cands:
+        best = min(cands, key=lambda k: (cands[k], k))
+        why = "infeasible" if current not in feasible else "unpredicted"
+        return best, f"switch: current {current} is {why}; {best} is the fastest feasible ({cands[best]:.4g}s)"
+    cur = cands[current]
+    scored = []
+    for k, t in cands.items():
+        if k == current:
+            continue
+        if t > (1.0 - margin) * cur:
+            continue
+        cost = switch_seconds.get(k)
+        if cost is None or not math.isfinite(cost):
+            continue
+        payoff = (cur - t) * max(0.0, remaining_steps)
+        if payoff > cost:
+            scored.append((payoff - cost, -t, k, payoff, cost))
+    if not scored:
+        best = min(cands, key=lambda k: (cands[k], k))
+        if best == current:
+            return current, f"stay: {current} is the fastest feasible ({cur:.4g}s)"
+        gain = 1.0 - cands[best] / cur
+        if gain < margin:
+            return current, f"stay: {best} is {gain:.1%} faster, below the {margin:.0%} margin"
+        cost = switch_seconds.get(best)
+        payoff = (cur - cands[best]) * max(0.0, remaining_steps)
+        return current, (f"stay: {best} pays {payoff:.4g}s over {remaining_steps:.4g} steps, not more than "
+                         f"its switch cost {cost if cost is not None else 'unknown'}s")
+    net, _, k, payoff, cost = max(scored)
+    return k, (f"switch: {k} {1.0 - cands[k] / cur:.1%} faster than {current}; payoff {payoff:.4g}s over "
+               f"{remaining_steps:.4g} steps > switch cost {cost:.4g}s")

@@ -1,0 +1,199 @@
+"""Hardware profiles of the cost model: the rates a step's work is divided by. Pure data, no torch.
+
+A profile is a YAML file (configs/hardware/<name>.yaml, or any path). Every key is required except those
+with a default below; an unknown key is an error naming it. Names ("cpu", "h200", "b200", "bw1000") resolve
+to ``configs/hardware`` of this checkout (found relative to this file — the package is installed editable from
+the checkout, ``make install``), or to ``$SPLASH_HARDWARE_DIR`` when set.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from splash.config.yaml_loader import read_yaml_mapping, unknown_key_error
+from splash.models.config import ConfigError
+
+GEMM_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "broadcast")
+COMBINES = ("max", "sum")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Time of one collective = ``alpha_s + bytes / bytes_per_s``.
+
+    ``bytes`` is what the cost model and ``splash-bench calibrate`` both use: all_reduce and broadcast the
+    buffer, all_gather the gathered output (all ranks' parts), all_to_all the larger of one rank's send and
+    receive totals."""
+    alpha_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + max(0.0, nbytes) / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    source: str                          # where the numbers come from (datasheet, calibrate run)
+    gemm_flops_per_s: Mapping[str, float]  # dense GEMM rate per weight dtype
+    memory_bytes_per_s: float            # weight / activation streaming bandwidth
+    attention_flops_per_s: float         # MLA attention (score + value) rate
+    kv_read_bytes_per_s: float           # KV history read rate
+    collectives: Mapping[str, Collective]
+    attention_combine: str = "max"       # max: the kernel streams KV while computing; sum: gather, then compute
+    overlap_fraction: float = 0.0        # share of attention time that may hide the layer's exchanges
+    op_overhead_s: float = 0.0           # fixed host cost per kernel / eager op
+    plan_block_s: float = 0.0            # host cost per KV block entry of the per-step attention plan
+    plan_request_s: float = 0.0          # host cost per request of the per-step attention plan
+    step_overhead_s: float = 0.0         # fixed cost per step (scheduling, sampling)
+    memory_bytes: float = 0.0            # device memory per rank (0: not modelled, e.g. CPU)
+    ops_scale: float = 1.0               # eager op counts × this (0.0 ≈ graphs / fused kernels)
+    moe_grouped: bool = False            # MoE runs as grouped GEMM kernels (no per-expert op cost)
+    attention_call_s: float = 0.0        # fixed host cost of one attention call (replaces its op count)
+    alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
+    alloc_bytes_per_s: float = 0.0       # rate of first-touching fresh pages (glibc mmap'd temporaries)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
+
+    def gemm_rate(self, dtype: str) -> float:
+        if dtype not in self.gemm_flops_per_s:
+            raise ValueError(f"hardware profile {self.name!r} has no GEMM rate for {dtype!r} "
+                             f"(has: {', '.join(self.gemm_flops_per_s)})")
+        return self.gemm_flops_per_s[dtype]
+
+    def collective(self, kind: str) -> Collective:
+        return self.collectives[kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "collectives":
+                v = {k: {"alpha_s": c.alpha_s, "bytes_per_s": c.bytes_per_s} for k, c in v.items()}
+            elif isinstance(v, Mapping):
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+
+_REQUIRED = ("name", "source", "gemm_flops_per_s", "memory_bytes_per_s", "attention_flops_per_s",
+             "kv_read_bytes_per_s", "collectives")
+
+
+def _positive(where: str, key: str, v: Any, allow_zero: bool = False) -> float:
+    if isinstance(v, str):  # PyYAML (YAML 1.1) reads 1.1e15 without a sign in the exponent as a string
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{where}: field {key!r} must be a number, got {v!r}")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise ConfigError(f"{where}: field {key!r} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+    return float(v)
+
+
+def _mapping(where: str, key: str, v: Any) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where}: field {key!r} must be a mapping, got {type(v).__name__}")
+    return v
+
+
+def _gemm(where: str, raw: Any) -> dict[str, float]:
+    raw = _mapping(where, "gemm_flops_per_s", raw)
+    out = {}
+    for k, v in raw.items():
+        if k not in GEMM_DTYPES:
+            raise unknown_key_error(k, f"{where}: gemm_flops_per_s", GEMM_DTYPES, {})
+        out[k] = _positive(where, f"gemm_flops_per_s.{k}", v)
+    if "float32" not in out and "bfloat16" not in out:
+        raise ConfigError(f"{where}: gemm_flops_per_s needs at least float32 or bfloat16")
+    return out
+
+
+def _collectives(where: str, raw: Any) -> dict[str, Collective]:
+    raw = _mapping(where, "collectives", raw)
+    out = {}
+    for k, v in raw.items():
+        if k not in COLLECTIVES:
+            raise unknown_key_error(k, f"{where}: collectives", COLLECTIVES, {})
+        v = _mapping(where, f"collectives.{k}", v)
+        for sub in v:
+            if sub not in ("alpha_s", "bytes_per_s"):
+                raise unknown_key_error(sub, f"{where}: collectives.{k}", ("alpha_s", "bytes_per_s"), {})
+        if "alpha_s" not in v or "bytes_per_s" not in v:
+            raise ConfigError(f"{where}: collectives.{k} needs alpha_s and bytes_per_s")
+        out[k] = Collective(_positive(where, f"collectives.{k}.alpha_s", v["alpha_s"], allow_zero=True),
+                            _positive(where, f"collectives.{k}.bytes_per_s", v["bytes_per_s"]))
+    missing = [c for c in COLLECTIVES if c not in out]
+    if missing:
+        raise ConfigError(f"{where}: collectives is missing {', '.join(missing)}")
+    return out
+
+
+def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -> HardwareProfile:
+    """Validate a profile mapping; ConfigError names ``where`` and the bad key."""
+    names = [f.name for f in fields(HardwareProfile)]
+    for k in raw:
+        if k not in names:
+            raise unknown_key_error(k, where, names, {})
+    for k in _REQUIRED:
+        if k not in raw:
+            raise ConfigError(f"{where}: required field {k!r} is missing")
+    kw: dict[str, Any] = {"name": str(raw["name"]), "source": str(raw["source"]),
+                          "gemm_flops_per_s": _gemm(where, raw["gemm_flops_per_s"]),
+                          "collectives": _collectives(where, raw["collectives"])}
+    for k in ("memory_bytes_per_s", "attention_flops_per_s", "kv_read_bytes_per_s"):
+        kw[k] = _positive(where, k, raw[k])
+    for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
+              "memory_bytes", "ops_scale", "attention_call_s", "alloc_threshold_bytes", "alloc_bytes_per_s"):
+        if k in raw:
+            kw[k] = _positive(where, k, raw[k], allow_zero=True)
+    if kw.get("overlap_fraction", 0.0) > 1.0:
+        raise ConfigError(f"{where}: field 'overlap_fraction' must be <= 1, got {kw['overlap_fraction']}")
+    if "attention_combine" in raw:
+        if raw["attention_combine"] not in COMBINES:
+            raise ConfigError(f"{where}: field 'attention_combine' = {raw['attention_combine']!r} is not one of "
+                              f"{', '.join(COMBINES)}")
+        kw["attention_combine"] = raw["attention_combine"]
+    if "moe_grouped" in raw:
+        if not isinstance(raw["moe_grouped"], bool):
+            raise ConfigError(f"{where}: field 'moe_grouped' must be true or false, got {raw['moe_grouped']!r}")
+        kw["moe_grouped"] = raw["moe_grouped"]
+    if "extra" in raw:
+        kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
+    return HardwareProfile(**kw)
+
+
+def hardware_dir() -> Path:
+    env = os.environ.get("SPLASH_HARDWARE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "configs" / "hardware"
+
+
+def profile_names() -> list[str]:
+    d = hardware_dir()
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name ("cpu", "h200", "b200", "bw1000") or a YAML file by path."""
+    p = Path(name_or_path)
+    if p.suffix not in (".yaml", ".yml") and os.sep not in name_or_path:
+        p = hardware_dir() / f"{name_or_path}.yaml"
+        if not p.is_file():
+            raise ConfigError(f"unknown hardware profile {name_or_path!r} (shipped: {', '.join(profile_names())}; "
+                              f"or give a path to a profile YAML)")
+    return profile_from_dict(read_yaml_mapping(p), str(p))
+
+
+def save_profile(profile: HardwareProfile, path: str | Path, header: str = "") -> Path:
+    import yaml
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(profile.to_dict(), sort_keys=False)
+    p.write_text((header.rstrip() + "\n" if header else "") + text)
+    return p

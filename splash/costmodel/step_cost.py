@@ -1,0 +1,200 @@
+"""Predicted time of one step per layout, and of a switch — the cost model of App. B. Pure, no torch.
+
+Stage time on a rank = roofline max(compute, memory) of its GEMMs (or attention: max, or sum when the profile
+says the kernel gathers first) + its collectives (α + bytes/β each) + eager ops × per-op overhead. Stages of a
+layer depend on each other and add; the layer's exchanges may hide behind attention only up to the profile's
+``overlap_fraction`` of the attention time. Ranks meet at every layer's collectives, so the busiest rank sets
+the step.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from splash.costmodel.profile import HardwareProfile
+from splash.costmodel.work import STAGES, Piece, Shapes, Work, layer_work, step_extra
+from splash.layouts.layout import parse_layout
+from splash.layouts.memory import kv_bytes_per_token_layer
+from splash.layouts.ownership import assign_owners
+from splash.models.config import ModelConfig
+
+LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+ELEM_BYTES = {"float32": 4.0, "bfloat16": 2.0, "fp8_e4m3": 1.0, "int8": 1.0}
+EXCHANGE_STAGES = ("exchange", "ffn_all_reduce")
+
+
+@dataclass(frozen=True)
+class RowLoad:
+    """One request's piece of a step: ``new_tokens`` query rows (1 in decode, a chunk in prefill) over
+    ``context`` tokens already in its KV; ``owner`` its owner rank (DP-attn/DOP) or CP anchor, None = let the
+    model place it balanced; ``samples``: the piece's last row is sampled (LM head)."""
+    new_tokens: int
+    context: int
+    owner: int | None = None
+    samples: bool = True
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    layout: str
+    seconds: float
+    per_rank: tuple[float, ...]
+    stages: dict[str, float]                       # stage -> seconds on the busiest rank
+    work: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> counted work, busiest rank
+
+
+@dataclass(frozen=True)
+class SwitchPrediction:
+    src: str
+    dst: str
+    mode: str
+    seconds: float                # all transfer (and conversion) time of the switch
+    exposed_seconds: float        # what the handoff step pays on top of its own compute
+    per_layer_seconds: float      # transfer time of one layer on the busiest rank
+    recv_bytes: float             # busiest rank, all layers
+
+
+def _elem(dtype: str, what: str) -> float:
+    if dtype not in ELEM_BYTES:
+        raise ValueError(f"unknown {what} {dtype!r} (allowed: {', '.join(ELEM_BYTES)})")
+    return ELEM_BYTES[dtype]
+
+
+class CostModel:
+    def __init__(self, cfg: ModelConfig, world: int, profile: HardwareProfile, weight_dtype: str,
+                 kv_dtype: str | Mapping[str, str], block_size: int = 16, act_dtype: str | None = None):
+        if world < 1:
+            raise ValueError(f"world must be positive, got {world}")
+        self.cfg, self.world, self.profile, self.block_size = cfg, world, profile, block_size
+        self.weight_dtype = weight_dtype
+        self.act_dtype = act_dtype or ("float32" if weight_dtype == "float32" else "bfloat16")
+        kvs = dict.fromkeys(LAYOUTS, kv_dtype) if isinstance(kv_dtype, str) else dict(kv_dtype)
+        self.kv_dtypes = {parse_layout(k).value: v for k, v in kvs.items()}
+        self._shapes = {}
+        for lay in LAYOUTS:
+            kvd = self.kv_dtypes.get(lay, next(iter(self.kv_dtypes.values())))
+            with_idx = kv_bytes_per_token_layer(cfg, kvd)
+            attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd)
+            self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
+                                       _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
+                                       block_size)
+        self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+        self.n_dense = cfg.num_hidden_layers - self.n_moe
+
+    # ---- owners ---------------------------------------------------------------------------------------
+    def pieces(self, rows: Sequence[RowLoad]) -> list[Piece]:
+        """Resolve owners: given ones kept, the rest placed balanced by KV tokens (splash.layouts.ownership)."""
+        given = {str(i): (r.owner, r.context + r.new_tokens) for i, r in enumerate(rows) if r.owner is not None}
+        for i, (o, _) in given.items():
+            if not 0 <= o < self.world:
+                raise ValueError(f"row {i}: owner {o} outside [0, {self.world})")
+        free = {str(i): r.context + r.new_tokens for i, r in enumerate(rows) if r.owner is None}
+        placed = assign_owners(free, given, self.world, None, block_size=self.block_size) if free else {}
+        return [Piece(r.new_tokens, r.context, r.owner if r.owner is not None else placed[str(i)], r.samples)
+                for i, r in enumerate(rows)]
+
+    # ---- timing ---------------------------------------------------------------------------------------
+    def stage_seconds(self, stage: str, w: Work) -> float:
+        p = self.profile
+        t = 0.0
+        if w.gemm_flops or w.weight_bytes or w.act_bytes:
+            t += max(w.gemm_flops / p.gemm_rate(self.weight_dtype), (w.weight_bytes + w.act_bytes)
+                     / p.memory_bytes_per_s)
+        if w.attn_flops or w.kv_bytes:
+            c, m = w.attn_flops / p.attention_flops_per_s, w.kv_bytes / p.kv_read_bytes_per_s
+            t += c + m if p.attention_combine == "sum" else max(c, m)
+        t += sum(p.collective(kind).seconds(b) for kind, b in w.exch)
+        t += (w.ops + (0.0 if p.moe_grouped else w.expert_ops)) * p.op_overhead_s * p.ops_scale
+        t += w.plan_blocks * p.plan_block_s + w.plan_requests * p.plan_request_s
+        t += w.attn_calls * (p.attention_call_s if p.attention_call_s else 14 * p.op_overhead_s * p.ops_scale)
+        if p.alloc_bytes_per_s > 0:
+            t += sum(b for b in w.temps if b >= p.alloc_threshold_bytes) / p.alloc_bytes_per_s
+        return t
+
+    def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict]:
+        s = self._shapes[layout]
+        per_layer = []
+        if self.n_dense:
+            per_layer.append((layer_work(s, layout, pieces, rank, moe=False), self.n_dense))
+        if self.n_moe:
+            per_layer.append((layer_work(s, layout, pieces, rank, moe=True), self.n_moe))
+        total = {k: Work() for k in STAGES}
+        for i, (st, count) in enumerate(per_layer):
+            att = st["attention"]  # the attention plan is built once per step, not per layer
+            if i == 0:
+                total["plan"].add(Work(plan_blocks=att.plan_blocks, plan_requests=att.plan_requests))
+            att.plan_blocks = att.plan_requests = 0.0
+            for k, w in st.items():
+                total[k].add(w, count)
+        for k, w in step_extra(s, pieces).items():
+            total[k].add(w)
+        secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
+        secs["plan"] += self.profile.step_overhead_s
+        hide = min(sum(secs[k] for k in EXCHANGE_STAGES),
+                   self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
+        secs["overlap"] = -hide
+        work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,
+                    "kv_bytes": w.kv_bytes, "exch_bytes": w.exch_bytes, "collectives": float(len(w.exch)),
+                    "ops": w.ops} for k, w in total.items()}
+        return secs, work
+
+    def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
+        layout = parse_layout(layout).value
+        if layout in ("tp", "dop") and self.cfg.num_attention_heads % self.world:
+            raise ValueError(f"{layout}: world {self.world} does not divide {self.cfg.num_attention_heads} heads")
+        pieces = self.pieces(rows)
+        per = [self._rank_stages(layout, pieces, r) for r in range(self.world)]
+        totals = tuple(sum(s.values()) for s, _ in per)
+        busiest = max(range(self.world), key=lambda r: totals[r])
+        return StepPrediction(layout, totals[busiest], totals, per[busiest][0], per[busiest][1])
+
+    def predict(self, rows: Sequence[RowLoad], layouts: Sequence[str] = LAYOUTS) -> dict[str, float]:
+        """Predicted step seconds per layout (layouts whose head sharding does not divide are left out)."""
+        out = {}
+        for lay in layouts:
+            try:
+                out[parse_layout(lay).value] = self.step(lay, rows).seconds
+            except ValueError:
+                continue
+        return out
+
+    # ---- switching ------------------------------------------------------------------------------------
+    def switch(self, manifest, mode: str, step_seconds: float | None = None) -> SwitchPrediction:
+        """Predicted cost of executing ``manifest`` (splash.switching.manifest.Manifest).
+
+        Per layer: the KV moves travel in one all-to-all(v) and the projections in one all-gather(v), as the
+        switch executor does; a conversion re-stores the held KV (read + write). ``blocking`` pays all of it.
+        ``live`` starts layer l+1's transfer while layer l computes: layer 0 waits for its own, later layers
+        expose what ``overlap_fraction`` × one layer of the destination step (``step_seconds`` / layers)
+        cannot hide."""
+        if mode not in ("live", "blocking"):
+            raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
+        p, L, T = self.profile, manifest.num_layers, manifest.world
+        per_layer = []
+        for r in range(T):
+            t = 0.0
+            kv = max(manifest.kv_recv_bytes[r], manifest.kv_sent_bytes[r])
+            if any(kv2 for kv2 in manifest.kv_recv_bytes):
+                t += p.collective("all_to_all").seconds(kv)
+            if any(manifest.weight_recv_bytes):
+                shard = manifest.weight_sent_bytes[r] / max(1, T - 1)
+                t += p.collective("all_gather").seconds(manifest.weight_recv_bytes[r] + shard)
+            if manifest.converts_kv:
+                held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
+                t += held * (manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer) \
+                    / p.memory_bytes_per_s
+            per_layer.append(t)
+        t_layer = max(per_layer)
+        total = t_layer * L
+        if mode == "blocking" or L == 0:
+            exposed = total
+        else:
+            hide = p.overlap_fraction * (step_seconds / L if step_seconds else 0.0)
+            exposed = t_layer + (L - 1) * max(0.0, t_layer - hide)
+        recv = max(manifest.total_recv_bytes, default=0.0)
+        return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv)
+
+
+def _no_indexer(cfg: ModelConfig) -> ModelConfig:
+    import dataclasses
+    return dataclasses.replace(cfg, index_head_dim=0, index_n_heads=0, index_topk=0)

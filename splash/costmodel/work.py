@@ -1,0 +1,299 @@
+"""What one step asks of each rank, per stage and layout (FLOPs, bytes, collectives, ops) — counted, not timed.
+
+The counts follow what splash/attention/*.py and splash/models/*.py execute (App. B stages):
+- ``qkv_a``: Q-A and KV-A GEMMs (TP: all rows, fused; DP-attn: owned rows, fused; CP: Q-A on all rows, KV-A on
+  the rows whose position block is home here; DOP: Q-A on all rows, KV-A on owned rows);
+- ``q_b_absorb``: Q-B and the W_UK absorb (TP/DOP: local heads, all rows; DP-attn: all heads, owned rows;
+  CP: all heads, all rows);
+- ``indexer``: DSA indexer scoring (models with ``index_topk``; where the indexer keys live);
+- ``attention``: latent attention over the histories held here (decode rows padded to the longest held
+  history, as ``_pad_decode`` does; prefill rows see every visible key);
+- ``uv_o``: W_UV and O (TP/DOP: local heads, all rows; DP-attn: owned rows; CP: all rows, all heads);
+- ``exchange``: TP all-reduce; DP-attn all-gather(v); CP all-gather of partials (+ their merge);
+  DOP two all-to-all(v) + all-reduce;
+- ``ffn`` / ``ffn_all_reduce``: FFN/MoE slice on all rows (sharded /T in every layout) and its all-reduce;
+- ``lm_head``: replicated LM head on the sampled rows; ``plan``: per-step host work (block tables);
+  ``other``: norms and residuals.
+Pure Python, no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splash.models.config import ModelConfig
+
+STAGES = ("plan", "qkv_a", "q_b_absorb", "indexer", "attention", "uv_o", "exchange", "ffn", "ffn_all_reduce",
+          "lm_head", "other")
+
+# Eager torch ops per layer and stage, counted from the code (splash/attention/mla.py, the executors,
+# splash/models/ffn.py): rms_norm ≈ 8, rope.apply ≈ 8, attend_latent ≈ 14, a cache read/write ≈ 4.
+OPS = {
+    "qkv_a": {"tp": 12, "dp_attn": 15, "cp": 14, "dop": 17},
+    "q_b_absorb": {"tp": 16, "dp_attn": 16, "cp": 16, "dop": 16},
+    "attention": {"tp": 22, "dp_attn": 22, "cp": 22, "dop": 22},
+    "uv_o": {"tp": 7, "dp_attn": 7, "cp": 7, "dop": 9},
+    "exchange": {"tp": 1, "dp_attn": 4, "cp": 12, "dop": 14},
+    "ffn_dense": 6, "moe_fixed": 40, "moe_per_expert": 2, "other": 20, "indexer": 12,
+}
+
+
+@dataclass
+class Work:
+    gemm_flops: float = 0.0
+    weight_bytes: float = 0.0
+    act_bytes: float = 0.0
+    attn_flops: float = 0.0
+    kv_bytes: float = 0.0
+    exch: list[tuple[str, float]] = field(default_factory=list)  # (collective, bytes)
+    ops: float = 0.0
+    plan_blocks: float = 0.0
+    plan_requests: float = 0.0
+    temps: list[float] = field(default_factory=list)  # sizes of large temporaries allocated (bytes)
+    attn_calls: float = 0.0
+    expert_ops: float = 0.0   # eager ops that run once per active expert (none with a grouped-GEMM MoE kernel)
+
+    def add(self, other: "Work", times: float = 1.0) -> None:
+        for k in ("gemm_flops", "weight_bytes", "act_bytes", "attn_flops", "kv_bytes", "ops", "plan_blocks",
+                  "plan_requests", "attn_calls", "expert_ops"):
+            setattr(self, k, getattr(self, k) + times * getattr(other, k))
+        self.exch += [(c, b) for c, b in other.exch for _ in range(int(times))]
+        self.temps += [b for b in other.temps for _ in range(int(times))]
+
+    @property
+    def exch_bytes(self) -> float:
+        return sum(b for _, b in self.exch)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One request's share of a step as the counter sees it (owner resolved)."""
+    new: int
+    context: int
+    owner: int
+    samples: bool = True
+
+    @property
+    def end(self) -> int:
+        return self.context + self.new
+
+
+def _gemm(w: Work, rows: float, k: int, n: float, wb: float, ab: float) -> None:
+    if rows <= 0 or n <= 0:
+        return
+    w.gemm_flops += 2.0 * rows * k * n
+    w.weight_bytes += k * n * wb
+    w.act_bytes += rows * (k + n) * ab
+
+
+def cp_keys_here(end: int, anchor: int, rank: int, world: int, bs: int) -> tuple[int, int]:
+    """(positions < end, blocks) of one request held on ``rank`` under CP (block round-robin from ``anchor``)."""
+    nb = -(-end // bs)
+    full, rem = divmod(nb, world)
+    first = (rank - anchor) % world  # first block index homed here
+    blocks = full + (1 if first < rem else 0)
+    if blocks == 0:
+        return 0, 0
+    last_block = first + (blocks - 1) * world
+    tail = end - last_block * bs  # tokens of the last held block
+    return (blocks - 1) * bs + min(bs, tail), blocks
+
+
+def cp_new_rows_here(p: Piece, rank: int, world: int, bs: int) -> int:
+    """New positions of ``p`` whose block is homed on ``rank`` (where CP writes their KV)."""
+    if p.new <= 0:
+        return 0
+    lo, hi = p.context, p.end
+    n = 0
+    for b in range(lo // bs, (hi - 1) // bs + 1):
+        if (b + p.owner) % world == rank:
+            n += min(hi, (b + 1) * bs) - max(lo, b * bs)
+    return n
+
+
+@dataclass(frozen=True)
+class Shapes:
+    cfg: ModelConfig
+    world: int
+    wb: float         # weight bytes per element
+    ab: float         # activation bytes per element
+    kv_tok: float     # attention KV bytes per token per layer (latent + rope + scales)
+    idx_tok: float    # DSA indexer key bytes per token per layer (0 without DSA)
+    bs: int
+
+    @property
+    def heads_local(self) -> int:
+        return self.cfg.num_attention_heads // self.world
+
+
+def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int) -> None:
+    """pieces: (piece, visible keys here, held blocks here). Decode rows pad to the most held blocks."""
+    cfg = s.cfg
+    dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    per_key = 2.0 * (2 * dc + dr) * heads
+    topk = cfg.index_topk
+    dec = [(p, k, b) for p, k, b in pieces if p.new == 1]
+    if dec:
+        nb = max(b for _, _, b in dec)
+        keys = nb * s.bs
+        if topk:
+            keys = min(keys, topk)
+        w.attn_flops += len(dec) * keys * per_key
+        w.kv_bytes += len(dec) * keys * s.kv_tok
+        w.temps += _attn_temps(len(dec), 1, keys, heads, dc, dr)
+    for p, k, _ in pieces:
+        if p.new != 1 and p.new > 0:
+            keys = min(k, topk) if topk else k
+            w.attn_flops += p.new * keys * per_key
+            w.kv_bytes += (k if not topk else min(k, p.new * topk)) * s.kv_tok
+            w.temps += _attn_temps(1, p.new, keys, heads, dc, dr)
+    w.plan_requests += len(pieces)
+    w.plan_blocks += sum(b for _, _, b in pieces)
+    w.ops += OPS["attention"]["tp"] - 14  # plan tensors, cache read and write; attend_latent is a call
+    w.attn_calls += (1 if dec else 0) + (len(pieces) - len(dec))
+
+
+def _attn_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
+    """The big fp32 temporaries of one attend call: the gathered latent and rope keys, two score tensors."""
+    return [4.0 * batch * keys * dc, 4.0 * batch * keys * dr, 8.0 * batch * rows * heads * keys / 2,
+            8.0 * batch * rows * heads * keys / 2]
+
+
+def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: float) -> None:
+    cfg = s.cfg
+    if not cfg.index_topk:
+        return
+    q_in = cfg.q_lora_rank or cfg.hidden_size
+    ih, idim = cfg.index_n_heads, cfg.index_head_dim
+    _gemm(w, rows, q_in, ih * idim, s.wb, s.ab)         # wq_b
+    _gemm(w, rows, cfg.hidden_size, idim + ih, s.wb, s.ab)  # wk + weights_proj
+    for p, k, _ in pieces:
+        w.attn_flops += 2.0 * p.new * k * ih * idim
+        w.kv_bytes += k * s.idx_tok
+    w.ops += OPS["indexer"]
+
+
+def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
+    """Per-stage work of one layer on ``rank``."""
+    cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
+    H, Hl = cfg.num_attention_heads, s.heads_local
+    hid, dc, dr, dn, dv = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                           cfg.v_head_dim)
+    q_in = cfg.q_lora_rank or hid
+    N = sum(p.new for p in pieces)
+    mine = [p for p in pieces if p.owner == rank]
+    n_own = sum(p.new for p in mine)
+    st = {k: Work() for k in STAGES}
+    q_rows = n_own if layout == "dp_attn" else N
+    heads = Hl if layout in ("tp", "dop") else H
+    if layout == "cp":
+        kv_rows = sum(cp_new_rows_here(p, rank, T, s.bs) for p in pieces)
+    else:
+        kv_rows = N if layout == "tp" else n_own
+    if cfg.q_lora_rank:
+        _gemm(st["qkv_a"], q_rows, hid, q_in, wb, ab)
+    _gemm(st["qkv_a"], kv_rows, hid, dc + dr, wb, ab)
+    st["qkv_a"].ops += OPS["qkv_a"][layout]
+    _gemm(st["q_b_absorb"], q_rows, q_in, heads * (dn + dr), wb, ab)
+    _gemm(st["q_b_absorb"], q_rows, dn, heads * dc, wb, ab)   # W_UK absorb (bmm per head)
+    st["q_b_absorb"].ops += OPS["q_b_absorb"][layout]
+    if layout == "tp":
+        held = [(p, p.end, -(-p.end // s.bs)) for p in pieces]
+    elif layout == "cp":
+        held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
+    else:
+        held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
+    att_rows = sum(p.new for p, _, _ in held)
+    _attention(s, st["attention"], held, heads)
+    _indexer(s, st["indexer"], held, q_rows)
+    o_rows = n_own if layout == "dp_attn" else N
+    _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
+    _gemm(st["uv_o"], o_rows, heads * dv, hid, wb, ab)       # O
+    st["uv_o"].ops += OPS["uv_o"][layout]
+    _exchange(s, st["exchange"], layout, N, n_own, att_rows, pieces, rank)
+    _ffn(s, st, N, moe)
+    if T > 1:
+        st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
+        st["ffn_all_reduce"].ops += 1
+    st["other"].ops += OPS["other"]
+    st["other"].act_bytes += 6 * N * hid * ab
+    return st
+
+
+def _exchange(s: Shapes, w: Work, layout: str, N: int, n_own: int, att_rows: int, pieces: list[Piece],
+              rank: int) -> None:
+    cfg, T, ab = s.cfg, s.world, s.ab
+    hid, dc, dr, H, Hl = cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads, \
+        s.heads_local
+    if T == 1:
+        return
+    w.ops += OPS["exchange"][layout]
+    if layout == "tp":
+        w.exch.append(("all_reduce", N * hid * ab))
+    elif layout == "dp_attn":
+        w.exch.append(("all_gather", N * hid * ab))
+        w.act_bytes += 2 * N * hid * ab
+    elif layout == "cp":
+        part = N * (H * dc * ab + H * 4.0)  # partial output + fp32 LSE
+        w.exch.append(("all_gather", T * part))
+        w.act_bytes += 4 * T * part  # pack, logsumexp weights, weighted sum
+        if cfg.index_topk:
+            w.exch.append(("all_gather", T * N * cfg.index_topk * 8.0))
+    else:  # dop
+        d = dc + dr
+        send_q = N * Hl * d * ab
+        recv_q = n_own * T * Hl * d * ab
+        w.exch.append(("all_to_all", max(send_q, recv_q)))
+        send_o, recv_o = n_own * T * Hl * dc * ab, N * Hl * dc * ab
+        w.exch.append(("all_to_all", max(send_o, recv_o)))
+        w.exch.append(("all_reduce", N * hid * ab))
+        w.act_bytes += 2 * (send_q + recv_q + send_o + recv_o)
+
+
+def expected_active_experts(n_experts: int, k: int, rows: float) -> float:
+    """Expected distinct experts hit by ``rows`` tokens each routing to ``k`` of ``n_experts`` (uniform)."""
+    if rows <= 0 or n_experts <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** rows)
+
+
+def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
+    cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
+    hid, w = cfg.hidden_size, st["ffn"]
+    if N <= 0:
+        return
+    if not moe:
+        inter = cfg.intermediate_size / T
+        _gemm(w, N, hid, 2 * inter, wb, ab)
+        _gemm(w, N, int(inter), hid, wb, ab)
+        w.ops += OPS["ffn_dense"]
+        return
+    mi, E, k = cfg.moe_intermediate_size / T, cfg.n_routed_experts, cfg.num_experts_per_tok
+    active = expected_active_experts(E, k, N)
+    w.gemm_flops += 2.0 * N * hid * E * 4  # router (fp32, replicated)
+    w.weight_bytes += hid * E * 4
+    tok = N * k
+    w.gemm_flops += 2.0 * tok * hid * 3 * mi
+    w.weight_bytes += active * 3 * hid * mi * wb
+    w.act_bytes += tok * (3 * hid + 3 * mi) * ab
+    w.ops += OPS["moe_fixed"]
+    w.expert_ops += OPS["moe_per_expert"] * active
+    if cfg.n_shared_experts:
+        inter = mi * cfg.n_shared_experts
+        _gemm(w, N, hid, 2 * inter, wb, ab)
+        _gemm(w, N, int(inter), hid, wb, ab)
+        w.ops += OPS["ffn_dense"]
+
+
+def step_extra(s: Shapes, pieces: list[Piece]) -> dict[str, Work]:
+    """Per-step (not per-layer) work: the LM head on sampled rows, embeddings, final norm."""
+    cfg = s.cfg
+    out = {"lm_head": Work(), "other": Work()}
+    rows = sum(1 for p in pieces if p.samples)
+    _gemm(out["lm_head"], rows, cfg.hidden_size, cfg.vocab_size, s.wb, s.ab)
+    out["lm_head"].ops += 4
+    n = sum(p.new for p in pieces)
+    out["other"].act_bytes += n * cfg.hidden_size * s.ab * 2
+    out["other"].ops += 12
+    return out
+
+

@@ -1,0 +1,159 @@
+"""splash-sim: predicted throughput per attention layout at paper scale, from the cost model. No torch, no MPI.
+
+    splash-sim --model glm-5.3 --hardware b200 --ranks 8 --batch-sizes 16 --input-lens 1K,4K,16K,64K,128K,256K,512K
+    splash-sim --model glm-5.3-flash --hardware bw1000 --ranks 8 --trace workload.json
+
+Models: the presets glm-5.3, glm-5.3-flash, deepseek-v3.2, deepseek-v3 (public configs) or a model directory /
+config.json. Hardware: a profile name (configs/hardware: b200, h200, bw1000, cpu) or a profile YAML.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from splash.costmodel.step_cost import LAYOUTS
+
+LAYOUT_NAMES = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
+
+
+def parse_len(text: str) -> int:
+    """'1K' → 1024, '512K' → 524288, '2M' → 2097152, '3000' → 3000."""
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    num = t[:-1] if mult > 1 else t
+    try:
+        v = int(num) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a length: {text!r} (examples: 1024, 1K, 512K)") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"length must be non-negative: {text!r}")
+    return v
+
+
+def _lens(text: str) -> list[int]:
+    return [parse_len(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="splash-sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="glm-5.3", help="preset name or model directory / config.json")
+    ap.add_argument("--hardware", default="b200", help="hardware profile name or YAML path")
+    ap.add_argument("--ranks", type=int, default=8, help="T, ranks in the group")
+    ap.add_argument("--batch-sizes", type=_lens, default=[16], help="comma list, e.g. 1,16,128")
+    ap.add_argument("--input-lens", type=_lens, default=_lens("1K,4K,16K,64K,128K,256K,512K"),
+                    help="comma list; K/M suffixes accepted (1K, 512K)")
+    ap.add_argument("--output-len", type=parse_len, default=1024, help="output tokens per request")
+    ap.add_argument("--kv-dtype", default=None, help="KV dtype (default: the preset's)")
+    ap.add_argument("--weight-dtype", default=None, help="weight dtype (default: the preset's)")
+    ap.add_argument("--mem-fraction", type=float, default=0.85, help="share of device memory for weights + KV")
+    ap.add_argument("--block-size", type=int, default=64, help="KV page size in tokens")
+    ap.add_argument("--chunk", type=parse_len, default=16384, help="prefill tokens per step")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
+                         "scheduler policy and compare with each fixed layout")
+    ap.add_argument("--margin", type=float, default=0.10, help="switch margin of the --trace policy")
+    return ap
+
+
+def run_points(cm, setup, caps, batches, input_lens, output_len) -> list[dict]:
+    from splash.sim.serving import throughput
+    points = []
+    for b in batches:
+        for n in input_lens:
+            lay = {k: throughput(cm, setup, caps, k, b, n, output_len) for k in LAYOUTS}
+            feas = {k: v for k, v in lay.items() if v["feasible"]}
+            leader = max(feas, key=lambda k: feas[k]["tokens_per_s"]) if feas else None
+            points.append({"batch_size": b, "input_len": n, "output_len": output_len,
+                           "layouts": {k: {"tokens_per_s": v["tokens_per_s"], "feasible": v["feasible"]}
+                                       for k, v in lay.items()},
+                           "leader": leader, "_concurrency": {k: v["concurrency"] for k, v in lay.items()}})
+    return points
+
+
+def _fmt_len(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else (f"{n >> 10}K" if n % 1024 == 0 else str(n))
+
+
+def print_points(console, points, title: str) -> None:
+    from rich.table import Table
+    for b in sorted({p["batch_size"] for p in points}):
+        t = Table(title=f"{title} — B={b}: predicted tokens/s (input + output)")
+        t.add_column("input", justify="right")
+        for k in LAYOUTS:
+            t.add_column(LAYOUT_NAMES[k], justify="right")
+        t.add_column("leader (lead over runner-up)", justify="left")
+        for p in (p for p in points if p["batch_size"] == b):
+            lay, lead = p["layouts"], p["leader"]
+            cells = []
+            for k in LAYOUTS:
+                v = lay[k]
+                txt = f"{v['tokens_per_s']:,.0f}" if v["feasible"] else "—"
+                conc = p["_concurrency"][k]
+                if v["feasible"] and conc < b:
+                    txt += f" ({conc} at once)"
+                cells.append(f"[bold]{txt}[/]" if k == lead else txt)
+            rest = sorted((v["tokens_per_s"] for k, v in lay.items() if k != lead and v["feasible"]), reverse=True)
+            gain = f"+{lay[lead]['tokens_per_s'] / rest[0] - 1:.1%}" if lead and rest and rest[0] > 0 else ""
+            t.add_row(_fmt_len(p["input_len"]), *cells, f"{LAYOUT_NAMES.get(lead, 'none')} {gain}")
+        console.print(t)
+
+
+def print_capacity(console, caps) -> None:
+    from rich.table import Table
+    t = Table(title="KV capacity (MLA layers' KV, whole blocks)")
+    for col in ("layout", "distinct tokens", "tokens per rank", "vs DOP"):
+        t.add_column(col, justify="right")
+    dop = caps["dop"].distinct_tokens
+    for k in LAYOUTS:
+        c = caps[k]
+        t.add_row(LAYOUT_NAMES[k], f"{c.distinct_tokens:,}", f"{c.tokens_per_rank:,}",
+                  f"{c.distinct_tokens / dop - 1:+.1%}" if dop else "—")
+    console.print(t)
+    if dop:
+        console.print(f"DOP holds {dop / max(1, caps['dp_attn'].distinct_tokens) - 1:+.1%} vs DP-attn and "
+                      f"{dop / max(1, caps['cp'].distinct_tokens) - 1:+.1%} vs CP.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    from rich.console import Console
+
+    from splash.costmodel.profile import load_profile
+    from splash.costmodel.step_cost import CostModel
+    from splash.models.config import ConfigError
+    from splash.sim.presets import load_sim_model
+    from splash.sim.serving import SimSetup, capacities
+    from splash.sim.switch_table import print_switch_costs
+
+    console = Console(width=150)
+    try:
+        model = load_sim_model(a.model, a.weight_dtype, a.kv_dtype)
+        prof = load_profile(a.hardware)
+        cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size)
+        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk)
+        caps = capacities(setup)
+    except (ConfigError, ValueError) as e:
+        print(f"splash-sim: {e}", file=sys.stderr)
+        return 2
+    title = (f"{model.name} on {a.ranks}× {prof.name} ({model.weight_dtype} weights, {model.kv_dtype} KV, "
+             f"memory fraction {a.mem_fraction})")
+    if a.trace:
+        from splash.sim.trace import replay_cli
+        return replay_cli(console, cm, setup, caps, a.trace, a.margin)
+    points = run_points(cm, setup, caps, a.batch_sizes, a.input_lens, a.output_len)
+    print_points(console, points, title)
+    print_capacity(console, caps)
+    print_switch_costs(console, cm, setup, max(a.batch_sizes), a.input_lens[len(a.input_lens) // 2])
+    if a.json:
+        out = {"points": [{k: v for k, v in p.items() if not k.startswith("_")} for p in points],
+               "kv_capacity_tokens": {k: caps[k].distinct_tokens for k in LAYOUTS}}
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

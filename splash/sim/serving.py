@@ -1,0 +1,159 @@
+"""Predicted serving of B requests of (input, output) tokens per layout, KV capacity and switch cost. No torch.
+
+The serving model (stated, not measured):
+- every layout holds the whole request (input + output tokens) in KV from admission; requests that do not
+  fit wait for the previous wave (the requests are identical, so continuous batching runs them in waves);
+  TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
+  one rank), CP's is the group's pool (position-sharded);
+- prefill is chunked as the engine's scheduler does: each step takes up to ``chunk`` prompt tokens from the
+  admitted requests in admission order; decode then runs one row per request per step;
+- throughput counts input + output tokens over the whole run (the paper's total throughput);
+- the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splash.costmodel.profile import HardwareProfile
+from splash.costmodel.step_cost import ELEM_BYTES, LAYOUTS, CostModel, RowLoad
+from splash.costmodel.work import Shapes, Work, expected_active_experts
+from splash.layouts.memory import common_params, kv_capacity_tokens
+from splash.sim.presets import SimModel
+
+DECODE_SAMPLES = 6
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    model: SimModel
+    profile: HardwareProfile
+    world: int
+    mem_fraction: float = 0.85
+    block_size: int = 64
+    chunk: int = 16384
+    reserve_bytes: float = float(1 << 30)
+
+    @property
+    def budget(self) -> float:
+        if self.profile.memory_bytes <= 0:
+            raise ValueError(f"hardware profile {self.profile.name!r} has no memory_bytes: capacity is unknown")
+        return self.mem_fraction * self.profile.memory_bytes
+
+
+def linear_common_bytes(m: SimModel, world: int) -> float:
+    """Per-rank weight bytes of the linear layers (their FFN/MoE and attention weights, sharded /T)."""
+    if not m.linear_layers:
+        return 0.0
+    import dataclasses
+    lin = dataclasses.replace(m.full, num_hidden_layers=m.linear_layers, first_k_dense_replace=m.linear_dense_layers,
+                              index_head_dim=0, index_n_heads=0, q_lora_rank=None, kv_lora_rank=0,
+                              qk_rope_head_dim=0)
+    ffn_and_norms = common_params(lin, world) - common_params(dataclasses.replace(lin, num_hidden_layers=0), world)
+    return (ffn_and_norms + m.linear_layers * m.linear_params / world) * ELEM_BYTES[m.weight_dtype]
+
+
+def capacities(s: SimSetup) -> dict[str, object]:
+    """CapacityReport per layout (splash.layouts.memory.kv_capacity_tokens) for the MLA layers' KV."""
+    m = s.model
+    extra = linear_common_bytes(m, s.world) + s.reserve_bytes
+    out = {}
+    for lay in LAYOUTS:
+        out[lay] = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, ELEM_BYTES[m.weight_dtype], m.kv_dtype,
+                                      s.block_size, reserve_bytes=int(extra))
+    return out
+
+
+def concurrency(s: SimSetup, caps: dict, layout: str, tokens: int) -> int:
+    """Requests of ``tokens`` KV tokens the layout holds at once."""
+    c = caps[layout]
+    blocks = -(-tokens // s.block_size)
+    if layout in ("dp_attn", "dop"):
+        return s.world * (c.blocks_per_rank // blocks)
+    if layout == "cp":
+        per_rank = -(-blocks // s.world)  # block round-robin: a request takes ceil(blocks / T) on a rank
+        return c.blocks_per_rank // per_rank * s.world if per_rank else 0
+    return c.blocks_per_rank // blocks
+
+
+def linear_seconds(cm: CostModel, m: SimModel, rows: list[RowLoad]) -> float:
+    """Step seconds of the linear-attention layers (same in every layout), via the cost model's stage timing."""
+    if not m.linear_layers:
+        return 0.0
+    T, hid = cm.world, m.full.hidden_size
+    wb, ab = ELEM_BYTES[m.weight_dtype], ELEM_BYTES[cm.act_dtype]
+    n = sum(r.new_tokens for r in rows)
+    state = m.linear_heads * m.linear_head_dim ** 2 * 4.0
+    w = Work()
+    w.gemm_flops = 2.0 * n * m.linear_params / T
+    w.weight_bytes = m.linear_params / T * wb
+    w.act_bytes = n * hid * 4 * ab
+    w.attn_flops = 4.0 * n * state / 4.0 / T   # state update + readout per token, 2 FLOPs per element each
+    w.kv_bytes = 2.0 * len(rows) * state / T   # each request's state read and written once per step
+    w.ops = 30
+    if T > 1:
+        w.exch += [("all_reduce", n * hid * ab)] * 2
+    per = cm.stage_seconds("attention", w)
+    ffn = Work()
+    sh = Shapes(m.full, T, wb, ab, 0.0, 0.0, cm.block_size)
+    from splash.costmodel.work import _ffn  # the MLA layers' FFN counting, reused for the linear layers' FFN
+    st = {"ffn": ffn}
+    _ffn(sh, st, n, moe=True)
+    dense = Work()
+    _ffn(sh, {"ffn": dense}, n, moe=False)
+    moe_layers = m.linear_layers - m.linear_dense_layers
+    return (m.linear_layers * per + moe_layers * cm.stage_seconds("ffn", ffn)
+            + m.linear_dense_layers * cm.stage_seconds("ffn", dense))
+
+
+def step_seconds(cm: CostModel, m: SimModel, layout: str, rows: list[RowLoad]) -> float:
+    return cm.step(layout, rows).seconds + linear_seconds(cm, m, rows)
+
+
+def _prefill_steps(k: int, input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
+    """Chunked prefill of k requests (owners / anchors round-robin), admission order, ``chunk`` tokens a step."""
+    done = [0] * k
+    steps, i = [], 0
+    while i < k:
+        budget, rows = chunk, []
+        j = i
+        while budget > 0 and j < k:
+            take = min(budget, input_len - done[j])
+            rows.append(RowLoad(take, done[j], j % world, samples=done[j] + take == input_len))
+            done[j] += take
+            budget -= take
+            if done[j] == input_len:
+                j += 1
+            else:
+                break
+        i = j
+        steps.append(rows)
+    return steps
+
+
+def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int, output_len: int) -> float:
+    t = sum(step_seconds(cm, s.model, layout, rows) for rows in _prefill_steps(k, input_len, s.chunk, s.world))
+    if output_len > 0:
+        # decode: the step cost grows linearly with context; sample it and integrate (midpoints)
+        n = min(DECODE_SAMPLES, output_len)
+        per = output_len / n
+        for i in range(n):
+            ctx = input_len + int((i + 0.5) * per)
+            t += per * step_seconds(cm, s.model, layout, [RowLoad(1, ctx, j % s.world) for j in range(k)])
+    return t
+
+
+def throughput(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, input_len: int,
+               output_len: int) -> dict[str, object]:
+    """{"tokens_per_s", "feasible", "concurrency"} of serving ``batch`` requests in ``layout``."""
+    try:
+        cm.step(layout, [RowLoad(1, 1, 0)])
+    except ValueError:
+        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+    k = min(batch, concurrency(s, caps, layout, input_len + output_len))
+    if k == 0:
+        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+    full, rest = divmod(batch, k)
+    total = full * wave_seconds(cm, s, layout, k, input_len, output_len)
+    if rest:
+        total += wave_seconds(cm, s, layout, rest, input_len, output_len)
+    return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}

@@ -1,0 +1,215 @@
+"""splash-sim --trace: replay a workload through the scheduler policy, against each fixed layout. No torch.
+
+Workload file (JSON or YAML): {"groups": [{"at_s", "count", "input_len", "output_len"}]}. The replay is an
+event-stepped model of the engine: requests arrive at ``at_s``, are admitted in order while the current
+layout's KV holds their whole length (input + output), each step gives every running request its next piece
+(prefill chunk from the budget, or one decode row), and the step takes the cost model's predicted time.
+``auto`` asks ``splash.costmodel.policy.choose_layout`` at every step boundary (feasible = the live KV fits
+the layout; remaining steps = the running requests' mean remaining steps; switch cost = the live exposed
+cost of the manifest planned for the live requests) and pays the switch's exposed time when it switches.
+Decode-only stretches are advanced a few steps at a time at one predicted cost.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splash.costmodel.policy import choose_layout
+from splash.costmodel.step_cost import LAYOUTS, RowLoad
+from splash.sim.serving import step_seconds
+
+FAST_FORWARD = 16
+
+
+@dataclass
+class Req:
+    rid: str
+    arrive: float
+    input_len: int
+    output_len: int
+    owner: int = 0
+    cached: int = 0
+    generated: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.input_len + self.output_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < self.input_len
+
+    @property
+    def remaining_steps(self) -> int:
+        return self.output_len - self.generated + (1 if self.prefilling else 0)
+
+
+@dataclass
+class Result:
+    mode: str
+    total_s: float = 0.0
+    output_tokens: int = 0
+    switches: int = 0
+    timeline: list[tuple[float, str, str]] = field(default_factory=list)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.total_s if self.total_s > 0 else 0.0
+
+
+def load_workload(path: str) -> list[Req]:
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+        raw = yaml.safe_load(text)
+    else:
+        raw = json.loads(text)
+    if not isinstance(raw, dict) or not isinstance(raw.get("groups"), list):
+        raise ValueError(f"{path}: expected {{'groups': [{{at_s, count, input_len, output_len}}, ...]}}")
+    reqs = []
+    for gi, g in enumerate(raw["groups"]):
+        for k in ("at_s", "count", "input_len", "output_len"):
+            if k not in g:
+                raise ValueError(f"{path}: groups[{gi}] is missing {k!r}")
+        for i in range(int(g["count"])):
+            reqs.append(Req(f"g{gi}r{i}", float(g["at_s"]), int(g["input_len"]), int(g["output_len"])))
+    reqs.sort(key=lambda r: (r.arrive, r.rid))
+    return reqs
+
+
+class Pool:
+    """Per-rank KV blocks in use, by the layout's placement (whole requests reserved at admission)."""
+
+    def __init__(self, setup, caps):
+        self.s, self.caps = setup, caps
+
+    def per_rank(self, layout: str, reqs: list[Req]) -> list[int]:
+        T, bs = self.s.world, self.s.block_size
+        use = [0] * T
+        for r in reqs:
+            nb = -(-r.total // bs)
+            if layout == "tp":
+                use = [u + nb for u in use]
+            elif layout == "cp":
+                use = [u + -(-nb // T) for u in use]
+            else:
+                use[r.owner] += nb
+        return use
+
+    def fits(self, layout: str, reqs: list[Req]) -> bool:
+        cap = self.caps[layout].blocks_per_rank
+        return all(u <= cap for u in self.per_rank(layout, reqs))
+
+    def place(self, layout: str, running: list[Req], new: Req) -> bool:
+        """Pick ``new``'s owner (least-loaded rank) and admit it if the layout still fits."""
+        use = self.per_rank("dop", running)
+        new.owner = min(range(self.s.world), key=lambda r: (use[r], r))
+        return self.fits(layout, running + [new])
+
+
+def _rows(running: list[Req], chunk: int) -> list[tuple[Req, RowLoad]]:
+    out, budget = [], chunk
+    for r in running:
+        if r.prefilling:
+            if budget <= 0:
+                continue
+            take = min(budget, r.input_len - r.cached)
+            budget -= take
+            out.append((r, RowLoad(take, r.cached, r.owner, samples=r.cached + take == r.input_len)))
+        else:
+            out.append((r, RowLoad(1, r.cached, r.owner)))
+    return out
+
+
+def _switch_cost(cm, setup, src: str, dst: str, running: list[Req], step: float) -> float:
+    from splash.switching.manifest import ReqState, plan_switch
+    from splash.costmodel.step_cost import ELEM_BYTES
+    reqs = {r.rid: ReqState(max(r.cached, 1), r.owner) for r in running}
+    m = setup.model
+    man = plan_switch(src, dst, m.cfg, setup.world, reqs, setup.block_size, ELEM_BYTES[m.weight_dtype], m.kv_dtype)
+    return cm.switch(man, "live", step).exposed_seconds
+
+
+def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1) -> Result:
+    import copy
+    pending = copy.deepcopy(workload)
+    pool, res = Pool(setup, caps), Result(mode)
+    layout = "tp" if mode == "auto" else mode
+    running: list[Req] = []
+    t = 0.0
+    while pending or running:
+        while pending and pending[0].arrive <= t and pool.place(layout, running, pending[0]):
+            running.append(pending.pop(0))
+        if not running:
+            if pending[0].arrive <= t:  # nothing runs and it still did not fit
+                raise ValueError(f"request {pending[0].rid} ({pending[0].total} tokens) fits no rank in {layout}")
+            t = pending[0].arrive
+            continue
+        rows = _rows(running, setup.chunk)
+        loads = [rl for _, rl in rows]
+        if mode == "auto":
+            pred = {k: step_seconds(cm, setup.model, k, loads) for k in LAYOUTS if k in cm.predict(loads[:1])}
+            feas = {k for k in pred if pool.fits(k, running)}
+            remaining = sum(r.remaining_steps for r in running) / len(running)
+            costs = {k: _switch_cost(cm, setup, layout, k, running, pred[k]) for k in feas
+                     if k != layout and layout in pred and pred[k] <= (1 - margin) * pred[layout]}
+            new, why = choose_layout(layout, pred, feas, margin, remaining, costs)
+            if new != layout:
+                t += costs.get(new, 0.0) if new in costs else _switch_cost(cm, setup, layout, new, running, pred[new])
+                res.switches += 1
+                res.timeline.append((t, f"{layout}→{new}", why))
+                layout = new
+            dt = pred[layout]
+        else:
+            dt = step_seconds(cm, setup.model, layout, loads)
+        n = 1
+        if all(not r.prefilling for r in running) and not (pending and pending[0].arrive <= t + dt):
+            n = max(1, min(FAST_FORWARD, min(r.output_len - r.generated for r in running)))
+            if pending:
+                n = max(1, min(n, int((pending[0].arrive - t) / dt)))
+        t += n * dt
+        for r, rl in rows:
+            if r.prefilling:
+                r.cached += rl.new_tokens
+                if not r.prefilling:
+                    r.generated += 1
+            else:
+                r.cached += n
+                r.generated += n
+        done = [r for r in running if r.generated >= r.output_len]
+        res.output_tokens += sum(r.output_len for r in done)
+        running = [r for r in running if r.generated < r.output_len]
+    res.total_s = t
+    return res
+
+
+def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
+    from rich.table import Table
+    try:
+        work = load_workload(path)
+    except (OSError, ValueError) as e:
+        print(f"splash-sim: {e}")
+        return 2
+    results = [replay(cm, setup, caps, work, "auto", margin)]
+    for lay in LAYOUTS:
+        try:
+            results.append(replay(cm, setup, caps, work, lay, margin))
+        except ValueError as e:
+            console.print(f"{lay}: cannot serve this workload ({e})")
+    auto = results[0]
+    tl = Table(title=f"auto: layout timeline ({auto.switches} switches, margin {margin:.0%})")
+    for col in ("t (s)", "switch", "why"):
+        tl.add_column(col)
+    for when, what, why in auto.timeline:
+        tl.add_row(f"{when:.2f}", what, why)
+    console.print(tl)
+    t = Table(title=f"{path}: {len(work)} requests, predicted")
+    for col in ("mode", "output tok/s", "total s", "switches", "auto vs this"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r.mode, f"{r.output_tokens_per_s:,.1f}", f"{r.total_s:.2f}", str(r.switches),
+                  f"{auto.output_tokens_per_s / r.output_tokens_per_s:.2f}x" if r.output_tokens_per_s else "—")
+    console.print(t)
+    return 0
