@@ -26,14 +26,14 @@ class LinearCost:
         return SimpleNamespace(seconds=self.fixed[layout] + self.per_kv[layout] * ctx
                                + self.per_row[layout] * len(rows))
 
-    def switch(self, manifest, mode):
+    def switch(self, manifest, mode, step_seconds=None):
         return SimpleNamespace(exposed_seconds=self.switch_s)
 
 
-def make(model, margin=0.10, caps=None, world=2, max_num_seqs=64):
+def make(model, margin=0.10, caps=None, world=2, max_num_seqs=64, **kw):
     return AutoLayout(model, LAYOUTS, margin, block_size=16, world=world,
                       capacity_blocks=caps or dict.fromkeys(LAYOUTS, 10_000), max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=2048, row=lambda n, c, o: (n, c, o))
+                      max_num_batched_tokens=2048, row=lambda n, c, o: (n, c, o), **kw)
 
 
 def decode_batch(n, ctx, remaining=100):
@@ -86,7 +86,7 @@ def test_a_switch_costing_more_than_its_payoff_is_not_taken():
     d = a.propose(0, "dop", reqs, usage(reqs))
     assert d.verdict == "switch"
     v = a.vet(d, manifest=None)
-    assert v.verdict == "not_worth_it" and v.switch_s == 10.0 and "payoff" in v.reason
+    assert v.verdict == "not_worth_it" and v.switch_s == 10.0 and "switch cost" in v.reason
     m.switch_s = 1e-6
     assert a.vet(d, manifest=None).verdict == "switch"
 
@@ -119,7 +119,7 @@ def test_joint_admission_prefers_the_layout_that_admits_blocked_requests():
 
 def test_online_factor_learns_measured_over_predicted():
     m = LinearCost()
-    a = make(m)
+    a = make(m, observe_every=1)
     rows = [(1, 100, 0)] * 4
     pred = m.step("tp", rows).seconds
     for _ in range(40):
@@ -135,8 +135,20 @@ def test_reevaluation_only_when_the_batch_changes_or_periodically():
     a = make(LinearCost())
     reqs = decode_batch(3, 10)
     assert a.due(0, reqs) and not a.due(1, reqs)
-    assert a.due(2, reqs[:2])
-    assert not a.due(5, reqs[:2]) and a.due(2 + a.reeval_steps, reqs[:2])
+    assert not a.due(2, reqs[:2])                    # changed, but within the minimum interval
+    assert a.due(a.min_interval, reqs[:2])           # changed, interval passed
+    assert not a.due(a.min_interval + 1, reqs[:2])
+    assert a.due(a.min_interval + a.reeval_steps, reqs[:2])       # periodic: contexts grow
+    waiting = [ReqView("w", 0, 8, 8, None, running=False)]
+    assert a.due(a.min_interval + a.reeval_steps + 1, waiting)  # idle boundary: at once
+
+
+def test_observe_feeds_every_nth_step():
+    m = LinearCost()
+    a = make(m)
+    for _ in range(8):
+        a.observe("tp", [(1, 10, 0)], 1.0)
+    assert len(a.stats["tp"].errors) == 8 // a.observe_every
 
 
 def test_auto_layout_imports_no_torch():

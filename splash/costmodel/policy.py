@@ -9,12 +9,14 @@ from collections.abc import Mapping
 
 
 def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[str], margin: float,
-                  remaining_steps: float, switch_seconds: Mapping[str, float]) -> tuple[str, str]:
+                  remaining_steps: float, switch_seconds: Mapping[str, float],
+                  unit: str = "steps") -> tuple[str, str]:
     """(layout to run next, reason).
 
     ``predicted``: step seconds per layout; ``feasible``: layouts whose memory (and switch headroom) allow them;
     ``margin``: a candidate must be at least this fraction faster than ``current`` (0.1 = 10%);
-    ``remaining_steps``: steps the gain is expected to last; ``switch_seconds``: exposed cost of switching from
+    ``remaining_steps``: steps the gain is expected to last (or, with ``predicted`` per output token and
+    ``unit="tokens"``, the output tokens it lasts for); ``switch_seconds``: exposed cost of switching from
     ``current`` to each layout (missing = unknown = not taken).
 
     Rules: an infeasible layout is never chosen. If ``current`` is infeasible (or unpredicted), the fastest
@@ -55,8 +57,8 @@ def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[st
             return current, f"stay: {best} is {gain:.1%} faster, below the {margin:.0%} margin"
         cost = switch_seconds.get(best)
         payoff = (cur - cands[best]) * max(0.0, remaining_steps)
-        return current, (f"stay: {best} pays {payoff:.4g}s over {remaining_steps:.4g} steps, not more than "
+        return current, (f"stay: {best} pays {payoff:.4g}s over {remaining_steps:.4g} {unit}, not more than "
                          f"its switch cost {cost if cost is not None else 'unknown'}s")
     net, _, k, payoff, cost = max(scored)
     return k, (f"switch: {k} {1.0 - cands[k] / cur:.1%} faster than {current}; payoff {payoff:.4g}s over "
-               f"{remaining_steps:.4g} steps > switch cost {cost:.4g}s")
+               f"{remaining_steps:.4g} {unit} > switch cost {cost:.4g}s")

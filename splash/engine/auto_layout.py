@@ -24,9 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from splash.costmodel.policy import choose_layout
+
 log = logging.getLogger("splash.scheduler")
 
-DECODE_SEGMENTS = 4      # a batch's remaining decode is predicted in this many pieces as requests finish
+DECODE_SEGMENTS = 2      # a batch's remaining decode is predicted in up to this many + 1 pieces as requests finish
+MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
+OBSERVE_EVERY = 4        # feed every this-many-th executed step to the online correction
 FACTOR_ALPHA = 0.2       # weight of the newest measurement in the per-layout correction factor
 FACTOR_BOUNDS = (0.05, 20.0)
 # stay: current predicted fastest; below_margin: another leads by less than the margin; not_worth_it: the switch
@@ -68,6 +72,8 @@ class Decision:
     margin: float = 0.0
     payoff_s: float = 0.0
     switch_s: float = 0.0
+    work_tokens: int = 0                                                # output tokens the payoff is over
+    step_s: dict[str, float] = field(default_factory=dict)              # one decode step of the batch now
 
     def as_dict(self) -> dict:
         r6 = lambda d: {k: round(v, 6) for k, v in d.items()}  # noqa: E731
@@ -75,7 +81,9 @@ class Decision:
                 "reason": self.reason, "seconds_per_token": r6(self.seconds_per_token),
                 "batch_seconds": r6(self.batch_seconds), "admitted": dict(self.admitted),
                 "infeasible": dict(self.infeasible), "margin": self.margin,
-                "payoff_s": round(self.payoff_s, 6), "switch_s": round(self.switch_s, 6)}
+                "payoff_s": round(self.payoff_s, 6) if math.isfinite(self.payoff_s) else None,
+                "switch_s": round(self.switch_s, 6), "work_tokens": self.work_tokens,
+                "step_s": r6(self.step_s)}
 
 
 @dataclass
@@ -102,12 +110,14 @@ class AutoLayout:
     def __init__(self, model: CostModelLike, allowed: Sequence[str], margin: float, *, block_size: int,
                  world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
                  max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
-                 row=_row):
+                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row):
         self.model, self.allowed, self.margin = model, tuple(allowed), float(margin)
         self.block_size, self.world = block_size, world
         self.capacity_blocks = dict(capacity_blocks)
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.switch_mode, self.reeval_steps = switch_mode, reeval_steps
+        self.min_interval, self.observe_every = min_interval, observe_every
+        self._observed = 0
         self.row = row
         self.stats = {lay: LayoutStats() for lay in self.allowed}
         self.last: Decision | None = None
@@ -122,6 +132,9 @@ class AutoLayout:
         """An executed step in `layout`: rows are (new_tokens, context, owner). A step that carried a switch does
         not train the factor; it records the switch's measured added time against its prediction."""
         if layout not in self.stats or not rows or measured_s <= 0:
+            return
+        self._observed += 1
+        if not switched and self._observed % self.observe_every:
             return
         pred = self.model.step(layout, [self.row(n, c, o) for n, c, o in rows]).seconds
         if pred <= 0:
@@ -142,9 +155,12 @@ class AutoLayout:
 
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
-        """Re-evaluate when the set of requests changed or every `reeval_steps` steps (contexts grow)."""
+        """Re-evaluate when the set of requests changed (at most every `min_interval` steps while requests run;
+        at once at an idle boundary, where a switch moves no KV) or every `reeval_steps` steps (contexts grow)."""
         sig = (tuple(sorted(r.req_id for r in reqs if r.running)), sum(1 for r in reqs if not r.running))
-        if sig != self._sig or step - self._sig_step >= self.reeval_steps:
+        since = step - self._sig_step
+        idle = not any(r.running for r in reqs)
+        if since >= self.reeval_steps or (sig != self._sig and (idle or since >= self.min_interval)):
             self._sig, self._sig_step = sig, step
             return True
         return False
@@ -154,7 +170,7 @@ class AutoLayout:
         """The best layout for this boundary before its switch cost is known (`vet` adds that).
 
         `usage`: per allowed layout, the blocks per rank the running requests would use there."""
-        per_tok, total, admitted, infeasible = {}, {}, {}, {}
+        per_tok, total, admitted, infeasible, work_of, step_s = {}, {}, {}, {}, {}, {}
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -165,36 +181,34 @@ class AutoLayout:
             work = sum(r.remaining for r in batch)
             if not batch or work <= 0:
                 continue
-            secs = self._finish_seconds(lay, batch) * self.stats[lay].factor
-            total[lay], per_tok[lay], admitted[lay] = secs, secs / work, len(batch)
+            f = self.stats[lay].factor
+            secs, first = self._finish_seconds(lay, batch)
+            total[lay], per_tok[lay], admitted[lay] = secs * f, secs * f / work, len(batch)
+            work_of[lay], step_s[lay] = work, first * f
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
-                    infeasible=infeasible, margin=self.margin)
-        if current not in per_tok:
-            if not per_tok:
-                return Decision(verdict="idle", target=None, reason="no work to predict", **base)
+                    infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
+                    step_s=step_s)
+        if not per_tok:
+            return Decision(verdict="idle", target=None, reason="no work to predict", **base)
+        # the switching rule, with the switch cost not known yet (0): which layout would the margin let us take?
+        lay, why = choose_layout(current, per_tok, set(per_tok), self.margin, base["work_tokens"],
+                                 dict.fromkeys(per_tok, 0.0), unit="output tokens")
+        if lay == current:
             best = min(per_tok, key=per_tok.get)
-            return Decision(verdict="switch", target=best, reason=f"current {current} cannot run this batch",
-                            payoff_s=math.inf, **base)
-        best = min(per_tok, key=per_tok.get)
-        if best == current:
-            return Decision(verdict="stay", target=None, reason=f"{current} is predicted fastest", **base)
-        lead = 1.0 - per_tok[best] / per_tok[current]
-        if lead < self.margin:
-            return Decision(verdict="below_margin", target=best, reason=(
-                f"{best} leads by {lead:.1%} < margin {self.margin:.0%}"), **base)
-        payoff = (per_tok[current] - per_tok[best]) * sum(r.remaining for r in self._batch_for(
-            best, reqs, usage[best], self.capacity_blocks[best]))
-        return Decision(verdict="switch", target=best, reason=f"{best} leads by {lead:.1%}", payoff_s=payoff,
-                        **base)
+            return Decision(verdict="stay" if best == current else "below_margin",
+                            target=None if best == current else best, reason=why, **base)
+        payoff = (math.inf if current not in per_tok
+                  else (per_tok[current] - per_tok[lay]) * base["work_tokens"])
+        return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
 
     def vet(self, d: Decision, manifest: Any) -> Decision:
-        """Add the planned switch's predicted cost: keep the switch only when its payoff exceeds it."""
-        cost = self.model.switch(manifest, self.switch_mode).exposed_seconds
-        if cost >= d.payoff_s:
-            return _replace(d, verdict="not_worth_it", switch_s=cost, reason=(
-                f"{d.reason}, but the switch costs {cost * 1e3:.1f} ms >= payoff {d.payoff_s * 1e3:.1f} ms"))
-        return _replace(d, switch_s=cost, reason=f"{d.reason}; switch {cost * 1e3:.1f} ms < payoff "
-                                                   f"{d.payoff_s * 1e3:.1f} ms")
+        """The same rule with the planned switch's predicted exposed cost: switch only when the payoff exceeds it
+        (or when the current layout cannot run the batch at all)."""
+        cost = self.model.switch(manifest, self.switch_mode, step_seconds=d.step_s.get(d.target)).exposed_seconds
+        per_tok = d.seconds_per_token
+        lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens, {d.target: cost},
+                                 unit="output tokens")
+        return _replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost, reason=why)
 
     def record(self, d: Decision, deferred: str | None = None) -> Decision:
         """Remember (and log when it changed) the decision actually taken at this boundary."""
@@ -234,17 +248,17 @@ class AutoLayout:
             batch.append(r)
         return batch
 
-    def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> float:
-        """Predicted time to finish `batch` in `lay`: its prefill, then its decode in DECODE_SEGMENTS pieces as
-        the requests with the least output left finish."""
-        secs = 0.0
+    def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float]:
+        """(predicted time to finish `batch` in `lay`, its first decode step): its prefill, then its decode in up
+        to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish."""
+        secs, first = 0.0, 0.0
         prefill = [(r.pending, r.cached, r.owner) for r in batch if r.pending > 1]
         if prefill:
             # predicted as one step: chunking changes the number of steps, not the work they hold
             secs += self.model.step(lay, [self.row(n, c, o) for n, c, o in prefill]).seconds
         left = sorted(r.remaining for r in batch if r.remaining > 0)
         if not left:
-            return secs
+            return secs, first
         cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
                       | {left[-1]})
         done = 0
@@ -254,9 +268,11 @@ class AutoLayout:
                 continue
             mid = (done + cut) / 2
             rows = [self.row(1, r.cached + r.pending - 1 + int(mid), r.owner) for r in alive]
-            secs += (cut - done) * self.model.step(lay, rows).seconds
+            one = self.model.step(lay, rows).seconds
+            first = first or one
+            secs += (cut - done) * one
             done = cut
-        return secs
+        return secs, first
 
     # ---- views for metrics / API ----------------------------------------------------------------------------
     def summary(self) -> dict:
