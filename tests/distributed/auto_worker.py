@@ -34,7 +34,7 @@ class Regimes:
             best = "tp"
         return SimpleNamespace(seconds=1e-3 * n * (1.0 if layout == best else 2.0))
 
-    def switch(self, manifest, mode):
+    def switch(self, manifest, mode, step_seconds=None):
         return SimpleNamespace(exposed_seconds=1e-6)
 
 
