@@ -124,11 +124,17 @@ def test_online_factor_learns_measured_over_predicted():
     pred = m.step("tp", rows).seconds
     for _ in range(40):
         a.observe("tp", rows, 2.0 * pred)
-    assert abs(a.stats["tp"].factor - 2.0) < 0.01
+    assert abs(a.factor("tp") - 2.0) < 0.01
     assert a.stats["tp"].median_error is not None and a.stats["tp"].median_error < 0.05
-    assert a.stats["dop"].factor == 1.0
-    a.observe("dop", rows, 5.0, switched=True)       # a switch step records, does not train
-    assert a.stats["dop"].factor == 1.0 and len(a.switches) == 1
+    # a layout not visited yet takes the visited layouts' correction: it is not made to look cheaper
+    assert abs(a.factor("dop") - 2.0) < 0.01
+    for _ in range(40):
+        a.observe("dop", rows, 4.0 * pred)           # DOP is slower still: its own residual learns that
+    assert abs(a.factor("dop") - 4.0) < 0.01 and abs(a.factor("tp") - 2.0) < 0.01
+    assert abs(a.factor("cp") - 8 ** 0.5) < 0.05     # geometric mean of the visited ones
+    before = a.factor("cp")
+    a.observe("cp", rows, 50.0, switched=True)       # a switch step records, does not train
+    assert a.factor("cp") == before and len(a.switches) == 1
 
 
 def test_reevaluation_only_when_the_batch_changes_or_periodically():

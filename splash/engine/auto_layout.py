@@ -10,8 +10,10 @@ predicted seconds per output token of their own batch. The controller then switc
 2. its gain over the batch's remaining work exceeds the predicted cost of the switch (``vet``, once the
    switch manifest is planned: what a live switch cannot hide, or all of a blocking one).
 
-Predictions are corrected online: each executed step's measured time divided by its prediction feeds a
-per-layout factor (an exponential moving average in log space), so the model learns this machine and run.
+Predictions are corrected online: each executed step's measured time over its prediction feeds the factor of
+the layout it ran in (an exponential moving average in log space). A layout not visited yet gets the mean
+correction of those that were (this host being slower or busier than its profile applies to all of them), so it
+does not look cheaper than the visited ones merely for lack of measurements.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ log = logging.getLogger("splash.scheduler")
 DECODE_SEGMENTS = 2      # a batch's remaining decode is predicted in up to this many + 1 pieces as requests finish
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
 OBSERVE_EVERY = 4        # feed every this-many-th executed step to the online correction
-FACTOR_ALPHA = 0.2       # weight of the newest measurement in the per-layout correction factor
+FACTOR_ALPHA = 0.2       # weight of the newest measurement in the correction factors
 FACTOR_BOUNDS = (0.05, 20.0)
 # stay: current predicted fastest; below_margin: another leads by less than the margin; not_worth_it: the switch
 # costs more than its payoff; switch: taken; defer: wanted but no memory headroom yet; idle: nothing to predict
@@ -89,7 +91,7 @@ class Decision:
 @dataclass
 class LayoutStats:
     """Online correction and prediction error of one layout."""
-    factor: float = 1.0
+    level: float | None = None            # log(measured / predicted), EMA; None until a step ran here
     last_predicted: float | None = None   # raw model seconds of the last executed step in this layout
     last_measured: float | None = None
     errors: deque = field(default_factory=lambda: deque(maxlen=64))   # |corrected − measured| / measured
@@ -145,13 +147,21 @@ class AutoLayout:
             self.switches.append({"step": self.last.step if last else None, "dst": layout,
                                   "src": last.current if last else None,
                                   "predicted_s": last.switch_s if last and last.target == layout else None,
-                                  "measured_added_s": measured_s - pred * st.factor})
+                                  "measured_added_s": measured_s - pred * self.factor(layout)})
             return
-        st.errors.append(abs(pred * st.factor - measured_s) / measured_s)
+        st.errors.append(abs(pred * self.factor(layout) - measured_s) / measured_s)
         st.last_predicted, st.last_measured = pred, measured_s
         lo, hi = FACTOR_BOUNDS
-        ratio = min(hi, max(lo, measured_s / pred))
-        st.factor = math.exp((1 - FACTOR_ALPHA) * math.log(st.factor) + FACTOR_ALPHA * math.log(ratio))
+        x = math.log(min(hi, max(lo, measured_s / pred)))
+        st.level = x if st.level is None else (1 - FACTOR_ALPHA) * st.level + FACTOR_ALPHA * x
+
+    def factor(self, layout: str) -> float:
+        """measured / predicted as learnt so far for `layout`; the visited layouts' mean when not visited yet."""
+        lvl = self.stats[layout].level
+        if lvl is None:
+            seen = [s.level for s in self.stats.values() if s.level is not None]
+            lvl = sum(seen) / len(seen) if seen else 0.0
+        return math.exp(lvl)
 
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
@@ -181,7 +191,7 @@ class AutoLayout:
             work = sum(r.remaining for r in batch)
             if not batch or work <= 0:
                 continue
-            f = self.stats[lay].factor
+            f = self.factor(lay)
             secs, first = self._finish_seconds(lay, batch)
             total[lay], per_tok[lay], admitted[lay] = secs * f, secs * f / work, len(batch)
             work_of[lay], step_s[lay] = work, first * f
@@ -278,7 +288,7 @@ class AutoLayout:
     def summary(self) -> dict:
         return {"last_decision": self.last.as_dict() if self.last else None,
                 "decisions": dict(self.verdicts),
-                "model": {lay: {"factor": round(s.factor, 4), "last_predicted_s": s.last_predicted,
+                "model": {lay: {"factor": round(self.factor(lay), 4), "last_predicted_s": s.last_predicted,
                                 "last_measured_s": s.last_measured, "median_error": s.median_error}
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches)}

@@ -110,7 +110,7 @@ class Engine:
     def _auto_proposal(self):
         """(layout to switch to, its vetting callback) from the cost-model scheduler, or (None, None)."""
         auto, s = self.auto, self.scheduler
-        if auto is None or not s.has_work():
+        if auto is None or not (s.running or s.waiting):
             return None, None
         views = request_views(s, self.ledger)
         if not auto.due(self.num_steps, views):
