@@ -30,9 +30,9 @@ from splash.costmodel.policy import choose_layout
 
 log = logging.getLogger("splash.scheduler")
 
-DECODE_SEGMENTS = 2      # a batch's remaining decode is predicted in up to this many + 1 pieces as requests finish
+DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
-OBSERVE_EVERY = 4        # feed every this-many-th executed step to the online correction
+OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 FACTOR_ALPHA = 0.2       # weight of the newest measurement in the correction factors
 FACTOR_BOUNDS = (0.05, 20.0)
 # stay: current predicted fastest; below_margin: another leads by less than the margin; not_worth_it: the switch
