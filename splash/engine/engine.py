@@ -48,6 +48,7 @@ class Engine:
         self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes,
                                         runner.layout_kv_dtypes, allowed_layouts,
                                         switch_mode)
+        self.control.weight_quant = runner.weight_quant
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -153,7 +154,8 @@ class Engine:
         r, src = self.runner, self.runner.layout
         reqs = {rid: ReqState(*v) for rid, v in sw["reqs"].items()}
         m = plan_switch(src, sw["dst"], r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
-                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw["dst"]])
+                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw["dst"]],
+                        weight_quant=self.control.weight_quant)
         self.control.record(src, sw["dst"])
         return SwitchExecutor(r, m, sw["mode"])
 
