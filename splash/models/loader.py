@@ -110,9 +110,12 @@ class CheckpointReader:
 
     def _quantized(self, name: str, t: torch.Tensor) -> QuantWeight:
         base = name[: -len("weight")]
+        if not is_linear_weight(name) or t.dim() != 2:
+            raise self._fail(name, f"is stored as {t.dtype}, but only linear projection weights may be stored "
+                                   f"quantised ({SUPPORTED})")
         if t.dtype == torch.float8_e4m3fn and base + "weight_scale_inv" in self.map:
             fmt, scale = FP8, self._raw(base + "weight_scale_inv")
-            want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK)) if t.dim() == 2 else None
+            want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
             if tuple(scale.shape) != want:
                 raise self._fail(name, f"is FP8 with weight_scale_inv of shape {tuple(scale.shape)}, not the "
                                        f"{want} of 128×128 blocks ({SUPPORTED})")
@@ -129,8 +132,6 @@ class CheckpointReader:
         else:
             raise self._fail(name, f"is stored as {t.dtype}, which is not a weight format this loader knows "
                                    f"({SUPPORTED})")
-        if not is_linear_weight(name) or t.dim() != 2:
-            raise self._fail(name, f"is stored quantised ({fmt}), but only linear projection weights may be")
         if self.quantize and self.quantize != fmt:
             raise self._fail(name, f"is stored as {fmt}; re-quantising it to {self.quantize} is not supported")
         if base + "weight_zero_point" in self.map and self._raw(base + "weight_zero_point").any():
@@ -141,7 +142,7 @@ class CheckpointReader:
         """compressed-tensors scale: [out, 1] per channel, or one value per tensor (broadcast to every row)."""
         if scale.numel() == 1:
             return scale.float().reshape(1, 1).expand(t.shape[0], 1)
-        if t.dim() == 2 and tuple(scale.shape) == (t.shape[0], 1):
+        if tuple(scale.shape) == (t.shape[0], 1):
             return scale
         raise self._fail(name, f"is INT8 with weight_scale of shape {tuple(scale.shape)}; only per-output-channel "
                                f"[{t.shape[0]}, 1] or per-tensor scales are supported (group-wise is not)")
