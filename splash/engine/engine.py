@@ -49,6 +49,7 @@ class Engine:
                                         runner.layout_kv_dtypes, allowed_layouts,
                                         switch_mode)
         self.control.weight_quant = runner.weight_quant
+        self.weight_bytes_per_rank = self._measure_weights()  # refreshed after every switch
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -143,7 +144,15 @@ class Engine:
         switch = self._switch_executor(msg.get("switch"))
         reqs = [StepRequest(rid, start, len(toks), owner) for rid, start, toks, _, owner in items]
         batch = StepBatch.build(reqs, [list(t) for _, _, t, _, _ in items], [s for _, _, _, s, _ in items])
-        return self.runner.step(batch, switch)
+        logits = self.runner.step(batch, switch)
+        if switch is not None:
+            self.weight_bytes_per_rank = self._measure_weights()
+        return logits
+
+    def _measure_weights(self) -> list[int]:
+        """Every rank's resident weight bytes, measured from its tensors (every rank calls this together)."""
+        from splash.models.weights import resident_bytes
+        return self.comm.all_gather_obj(resident_bytes(self.runner.weights))
 
     def _switch_executor(self, sw: dict | None):
         if sw is None:
