@@ -65,7 +65,8 @@ def main() -> None:
     r.step = measured
     rows.append((r.layout, resident(r.weights), model_bytes(llm)))
     if comm.rank == 0:
-        ids = [eng.add_request(list(range(1, 9)), SamplingParams(max_tokens=16, ignore_eos=True)) for _ in range(2)]
+        for _ in range(2):
+            eng.add_request(list(range(1, 9)), SamplingParams(max_tokens=16, ignore_eos=True))
         k = 0
         while eng.has_work():
             if k < len(CIRCUIT):
@@ -73,7 +74,6 @@ def main() -> None:
             eng.step()
             k += 1
         eng.stop()
-        del ids
     else:
         eng.follow()
     allrows = comm.all_gather_obj(rows)

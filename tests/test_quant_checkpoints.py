@@ -52,8 +52,8 @@ def rel_err(a, b) -> float:
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_checkpoint_stays_quantized(qckpts, comm, scheme):
-    """Weights stay in stored form (1 byte per value + scales: resident bytes equal the memory model); logits equal the engine's on the dequantised checkpoint and are within 1e-4 of HF there;
-    greedy tokens are the same."""
+    """Weights stay in stored form (1 byte per value + scales: resident bytes equal the memory model); logits
+    equal the engine's on the dequantised checkpoint and are within 1e-4 of HF there; greedy tokens are the same."""
     qdir, ddir = qckpts[scheme]
     runner, logits = prefill(qdir, comm)
     fmt = "fp8" if scheme == "fp8" else "int8"
@@ -106,7 +106,8 @@ def test_quantization_at_load(qckpts, comm, tmp_path, fmt, dtype):
     save_file(sd, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
     assert torch.allclose(logits, prefill(ref_dir, comm)[1], rtol=0, atol=1e-6)
     assert resident_bytes(runner.weights) == rank_weight_bytes(cfg, "tp", 1, 0, 4, fmt)
-    out = LLM(str(src), comm=comm, quantization=fmt).generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = LLM(str(src), comm=comm, quantization=fmt).generate([PROMPT], sp)[0]
     assert len(out.token_ids) == 3
 
 
@@ -168,7 +169,8 @@ def test_unknown_quantized_tensor_is_an_error(qckpts, comm, tmp_path, case):
 
 
 CONFIG_ERRORS = {
-    "gptq": ("w8a8", lambda qc: qc.__setitem__("quant_method", "gptq"), r"'quantization_config\.quant_method' = 'gptq'"),
+    "gptq": ("w8a8", lambda qc: qc.__setitem__("quant_method", "gptq"),
+             r"'quantization_config\.quant_method' = 'gptq'"),
     "fp8 per-tensor": ("fp8", lambda qc: qc.pop("weight_block_size"), r"weight_block_size' = None"),
     "fp8 64 blocks": ("fp8", lambda qc: qc.__setitem__("weight_block_size", [64, 64]), r"\[64, 64\]"),
     "int4": ("w8a8", lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("num_bits", 4),

@@ -1,14 +1,15 @@
 """Worker for test_quant_dist: FP8 / INT8 weights on real ranks, in every layout and through every switch.
 
 argv: ref.pt mode runs   (runs: comma-separated; "layouts": schemes, "switch": scheme:live|blocking)
-  mode "layouts": the quantised checkpoint of each scheme in each of the four layouts gives transformers' greedy
-      tokens on the dequantised checkpoint; every rank's resident weight bytes equal the memory model.
-  mode "switch": one run whose layout walks all 12 directions (tp→dp_attn→tp→cp→tp→dop→dp_attn→cp→dp_attn→dop→
-      cp→dop→tp; a switch at every step from step 1), live or blocking; tokens unchanged; after every step each rank's projections equal, bit for bit,
-      a fresh load of the checkpoint in the current layout (all-gathers reassemble the stored values and scales);
-      resident weight bytes equal the memory model before, between and after the switches (no hidden copy);
-      the bytes each all-gather delivers equal the manifest's weight_recv_bytes. scheme "plain" runs the same on
-      the fp32 checkpoint (issue 14: a switch used to leave [Q-A ; KV-A] and its views both alive).
+  mode "layouts": the quantised checkpoint of each scheme in each of the four layouts gives transformers'
+      greedy tokens on the dequantised checkpoint; every rank's resident weight bytes equal the memory model.
+  mode "switch": one run whose layout walks all 12 directions (tp→dp_attn→tp→cp→tp→dop→dp_attn→cp→
+      dp_attn→dop→cp→dop→tp; a switch at every step from step 1), live or blocking; tokens unchanged; after
+      every switch each rank's projections equal, bit for bit, a fresh load of the checkpoint in the current
+      layout (all-gathers reassemble the stored values and scales); resident weight bytes equal the memory
+      model before, between and after the switches (no hidden copy); the bytes each all-gather delivers equal
+      the manifest's weight_recv_bytes. Scheme "plain" runs the same on the fp32 checkpoint (issue 14: a
+      switch used to leave [Q-A ; KV-A] and its views both alive).
 """
 from __future__ import annotations
 
