@@ -27,9 +27,10 @@ def _same(a: QuantWeight, b: QuantWeight) -> bool:
             and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale))
 
 
-# (heads, rows per head, columns, world, unaligned): GLM-5.x KV-B (192 + 256 rows per head; one 128-column block
-# here, rows are what is sharded) is aligned at T = 8 (28 blocks per rank) but not at 64 ranks (3.5 blocks); DeepSeek-V3 Q-B (192 rows per head) not at 128
-# ranks; the tiny test model's KV-B (56 rows per head) at 2 and 4 ranks
+# (heads, rows per head, columns, world, unaligned). GLM-5.x KV-B (192 + 256 rows per head; one 128-column block
+# here, rows are what is sharded) is aligned at T = 8 (28 blocks per rank) but not at 64 ranks (3.5 blocks);
+# DeepSeek-V3 Q-B (192 rows per head) is not at 128 ranks; the tiny test model's KV-B (56 rows per head) is not
+# at 2 and 4 ranks.
 SHARDINGS = [(64, 448, 128, 8, False), (64, 448, 128, 64, True), (128, 192, 128, 128, True),
              (8, 56, 160, 2, True), (8, 56, 160, 4, True)]
 
