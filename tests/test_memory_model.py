@@ -3,7 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splash.layouts import (Layout, common_params, kv_bytes_per_token_layer, kv_capacity_tokens,
-                            per_rank_memory, projection_params, switch_receive_bytes)
+                            per_rank_memory, projection_bytes_per_rank, projection_params, switch_receive_bytes)
+from splash.layouts.memory import matrix_bytes, projection_recv_bytes, projection_shard_bytes, rank_weight_bytes
 from splash.models.config import model_config_from_dict
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -150,3 +151,50 @@ def test_dop_capacity_is_largest(world_cfg, budget, wbytes, kv_dtype, block):
     for c in caps.values():
         used = c.blocks_per_rank * c.block_bytes
         assert used <= c.room_bytes_per_rank < used + c.block_bytes or c.room_bytes_per_rank == 0
+
+
+# ---- quantised weights in real bytes (values + scales) -----------------------------------------------------
+def test_app_a_fp8_payload_with_scales(dsv3):
+    """App. A: 143.5 MiB per rank per layer on sharded→replicated at T=8 in FP8 "before scales"; with the 128×128
+    block scales each of the 7 other shards carries (Q-B 24×12 + KV-B 32×4 + O 56×16 blocks, fp32) it is 36,736 B
+    more: 143.535 MiB. INT8 per-channel carries one fp32 scale per output row (O's column shard: all 7168)."""
+    plain = switch_receive_bytes(dsv3, Layout.TP, Layout.DP_ATTN, 8, 1)
+    assert plain == 143.5 * MiB
+    fp8 = switch_receive_bytes(dsv3, Layout.TP, Layout.DP_ATTN, 8, 1, weight_quant="fp8")
+    assert fp8 - plain == 7 * 4 * (24 * 12 + 32 * 4 + 56 * 16) == 36736
+    assert fp8 / MiB == pytest.approx(143.535, abs=5e-4)
+    int8 = switch_receive_bytes(dsv3, Layout.DOP, Layout.CP, 8, 1, weight_quant="int8")
+    assert int8 - plain == 7 * 4 * (16 * 192 + 16 * 256 + 7168)
+    assert switch_receive_bytes(dsv3, Layout.DP_ATTN, Layout.TP, 8, 1, weight_quant="fp8") == 0
+
+
+def test_unaligned_shards_carry_shared_blocks():
+    """GLM-5.x KV-B at 64 ranks: one head = 448 rows = 3.5 blocks, so every shard touches 4 blocks and each pair
+    of neighbours shares one; the replicated weight counts each block once (224), the shards 256."""
+    cfg = model_config_from_dict(GLM, allow_planned=True)
+    per_rank = [projection_shard_bytes(cfg, range(r, r + 1), 1, "fp8") for r in range(64)]
+    full = projection_shard_bytes(cfg, range(64), 1, "fp8")
+    kv_b_blocks = [-(-(448 * (r + 1)) // 128) - 448 * r // 128 for r in range(64)]
+    assert set(kv_b_blocks) == {4} and sum(kv_b_blocks) == 224 + 32
+    assert sum(per_rank) - full == 32 * 4 * 4  # 32 shared KV-B row blocks × 4 column blocks × 4 bytes
+    assert projection_bytes_per_rank(cfg, Layout.DOP, 64, 1, "fp8") == max(per_rank) * 78
+    recv = [projection_recv_bytes(cfg, Layout.DOP, Layout.DP_ATTN, 64, r, 1, "fp8") for r in range(64)]
+    assert recv == [sum(per_rank) - per_rank[r] for r in range(64)]
+
+
+def test_capacity_with_quantised_weights(glm):
+    """Capacity with FP8/INT8 weights counts their scales (less room than params × 1 byte) and DOP still holds
+    the most: the room it gains over DP-attn is exactly the stored projection bytes it does not replicate."""
+    budget = 0.85 * 180 * GiB
+    for q in ("fp8", "int8"):
+        caps = {lay: kv_capacity_tokens(glm, lay, 8, budget, 2, "fp8_e4m3", 64, weight_quant=q) for lay in Layout}
+        raw = kv_capacity_tokens(glm, Layout.DOP, 8, budget, 1, "fp8_e4m3", 64)
+        assert caps[Layout.DOP].room_bytes_per_rank < raw.room_bytes_per_rank
+        assert all(caps[Layout.DOP].distinct_tokens >= c.distinct_tokens for c in caps.values())
+        freed = caps[Layout.DOP].room_bytes_per_rank - caps[Layout.DP_ATTN].room_bytes_per_rank
+        assert freed == (projection_shard_bytes(glm, range(64), 2, q)
+                         - projection_shard_bytes(glm, range(8), 2, q)) * 78
+        mem = per_rank_memory(glm, Layout.DOP, 8, 2, "fp8_e4m3", None, 64, weight_quant=q)
+        assert mem.common + mem.projections == max(rank_weight_bytes(glm, Layout.DOP, 8, r, 2, q) for r in range(8))
+    with pytest.raises(ValueError, match="nf4"):
+        matrix_bytes(4, 4, 1, "nf4")

@@ -61,6 +61,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
     (("--seed",), "seed", int, None, "N", "random seed (preset weights, sampling)"),
     (("--tokenizer",), "tokenizer", str, None, "DIR", "tokenizer directory if not the model directory"),
     (("--max-model-len",), "max_model_len", int, None, "N", "longest prompt+output in tokens"),
+    (("--quantization",), "quantization", str, ("fp8", "int8"), None,
+     "quantise a BF16/FP32 checkpoint's linear weights at load (fp8: 128x128 blocks, int8: per channel); "
+     "FP8/INT8 checkpoints stay quantised without it"),
     (("--backend",), "backend", str, BACKENDS, None, "device backend: cpu (MPI), cuda (NCCL), hip (RCCL)"),
     (("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS, None,
      "MLA attention kernel; default torch on cpu, flashinfer on cuda, aiter on hip"),

@@ -52,6 +52,9 @@ class ModelSection:
     seed: int = _f(0, min=0)
     tokenizer: str | None = None                 # None → the model directory (or a byte tokenizer)
     max_model_len: int | None = _f(None, min=1)  # None → the model's max_position_embeddings
+    # quantise a BF16/FP32 checkpoint's linear weights at load: fp8 (128×128 blocks) or int8 (per channel);
+    # None → keep the checkpoint as stored (FP8 / INT8 checkpoints stay quantised either way)
+    quantization: str | None = _f(None, choices=("fp8", "int8"))
 
     def __post_init__(self) -> None:
         check_fields(self, self.SECTION)

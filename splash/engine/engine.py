@@ -56,6 +56,8 @@ class Engine:
         self.auto = None if hardware_profile is None or comm.rank != 0 else make_auto_layout(
             runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, max_num_seqs,
             max_num_batched_tokens)
+        self.control.weight_quant = runner.weight_quant
+        self.weight_bytes_per_rank = self._measure_weights()  # refreshed after every switch
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -175,7 +177,15 @@ class Engine:
         switch = self._switch_executor(msg.get("switch"))
         reqs = [StepRequest(rid, start, len(toks), owner) for rid, start, toks, _, owner in items]
         batch = StepBatch.build(reqs, [list(t) for _, _, t, _, _ in items], [s for _, _, _, s, _ in items])
-        return self.runner.step(batch, switch)
+        logits = self.runner.step(batch, switch)
+        if switch is not None:
+            self.weight_bytes_per_rank = self._measure_weights()
+        return logits
+
+    def _measure_weights(self) -> list[int]:
+        """Every rank's resident weight bytes, measured from its tensors (every rank calls this together)."""
+        from splash.models.weights import resident_bytes
+        return self.comm.all_gather_obj(resident_bytes(self.runner.weights))
 
     def _switch_executor(self, sw: dict | None):
         if sw is None:
@@ -186,7 +196,8 @@ class Engine:
         r, src = self.runner, self.runner.layout
         reqs = {rid: ReqState(*v) for rid, v in sw["reqs"].items()}
         m = plan_switch(src, sw["dst"], r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
-                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw["dst"]])
+                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw["dst"]],
+                        weight_quant=self.control.weight_quant)
         self.control.record(src, sw["dst"])
         return SwitchExecutor(r, m, sw["mode"])
 

@@ -38,6 +38,7 @@ class LayoutController:
         """`kv_dtype`: one KV dtype for every layout, or layout → KV dtype (all four layouts)."""
         self.cfg, self.world, self.block_size = cfg, world, block_size
         self.weight_bytes, self.mode = weight_bytes, mode
+        self.weight_quant: str | None = None  # "fp8"/"int8" when the projections are stored quantised
         self.kv_dtypes = (dict.fromkeys(ALL_LAYOUTS, kv_dtype) if isinstance(kv_dtype, str)
                           else {parse_layout(k).value: v for k, v in kv_dtype.items()})
         # one block of one layer in the pool's (widest) format
@@ -84,7 +85,7 @@ class LayoutController:
         reqs = {rid: ReqState(n, ledger.owner(rid), None) for rid, n in kv_tokens.items()}
         m = plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
                         self.kv_dtypes[current], src_kv_dtype=self.kv_dtypes[current],
-                        dst_kv_dtype=self.kv_dtypes[dst])
+                        dst_kv_dtype=self.kv_dtypes[dst], weight_quant=self.weight_quant)
         owners = m.owners
         reason = self._headroom(m, ledger, owners, reserve_blocks)
         if vet is not None and vet(m, reason) is not None:

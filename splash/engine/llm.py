@@ -40,14 +40,16 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: int = 0):
-    """(ModelConfig, getter) for a checkpoint directory or a preset name."""
+def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: int = 0,
+               quantization: str | None = None):
+    """(ModelConfig, getter) for a checkpoint directory or a preset name; `quantization` ("fp8"/"int8")
+    quantises plain linear weights at load (a quantised checkpoint is kept as stored without it)."""
+    from splash.models.loader import open_checkpoint, quantizing_getter
     if model:
-        from splash.models.loader import open_checkpoint
-        return open_checkpoint(model, dtype)
+        return open_checkpoint(model, dtype, quantization)
     from splash.models.presets import preset_config, preset_getter
     name = preset or "tiny-mla"
-    return preset_config(name), preset_getter(name, seed, dtype)
+    return preset_config(name), quantizing_getter(preset_getter(name, seed, dtype), quantization, dtype)
 
 
 def block_bytes(cfg, kv_dtype: str, block_size: int) -> int:
@@ -63,7 +65,8 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 
 
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
-                         weight_bytes: int, layouts=("tp", "dp_attn", "cp", "dop")) -> dict[str, int]:
+                         weight_bytes: int, layouts=("tp", "dp_attn", "cp", "dop"),
+                         weight_quant: str | None = None) -> dict[str, int]:
     """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
 
     The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
@@ -75,7 +78,7 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     proj = {}
     for lay in layouts:
         try:
-            proj[lay] = projection_bytes_per_rank(cfg, lay, world, weight_bytes)
+            proj[lay] = projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant)
         except ValueError:
             continue  # world does not divide the heads: this layout is not available
     base = min(proj.values())
@@ -89,19 +92,21 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 64 << 20,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live",
-                 layout_kv_dtypes: dict[str, str] | None = None, comm=None,
+                 layout_kv_dtypes: dict[str, str] | None = None, comm=None, quantization: str | None = None,
                  allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
                  hardware_profile: str | None = "cpu", switch_margin: float = 0.10):
         """`layout` pins a layout (the engine stays there unless `engine.request_layout` moves it) or is
         "auto": start in TP (DP-attn when the world does not divide the heads) and let the cost-model scheduler
         on `hardware_profile` switch among `allowed_layouts`. `layout_kv_dtypes` gives a layout its own KV dtype
         (e.g. {"dop": "fp8_e4m3"}); the others use `kv_cache_dtype`. The pool is sized in the widest of them and
-        keeps its block count on a switch."""
+        keeps its block count on a switch. `quantization` ("fp8" | "int8", vLLM's name) quantises a plain
+        checkpoint's linear weights at load; FP8 and INT8 checkpoints stay quantised without it
+        (splash.models.qweight)."""
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm
         self.comm = comm
-        cfg, get = load_model(model, preset, DTYPES[dtype], seed)
+        cfg, get = load_model(model, preset, DTYPES[dtype], seed, quantization)
         auto = layout == "auto"
         if auto:
             layout = "tp" if cfg.num_attention_heads % comm.size == 0 and "tp" in allowed_layouts else next(
@@ -109,7 +114,7 @@ class LLM:
         kv_dtypes = resolve_layout_kv_dtypes(kv_cache_dtype, layout_kv_dtypes)
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
-            torch.finfo(DTYPES[dtype]).bits // 8)
+            torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization)
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
                                   layout_kv_dtypes)

@@ -55,6 +55,8 @@ class ModelRunner:
         self.block_size, self.kv_dtype, self.dtype = block_size, self.layout_kv_dtypes[layout], dtype
         self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
         self.weights = build_weights(cfg, get, self.heads, comm.rank, comm.size)
+        q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
+        self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
         self.model = DeepseekV3Model(cfg, self.weights, comm)
         self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
                                       cfg.qk_rope_head_dim, self.kv_dtype)

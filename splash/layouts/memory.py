@@ -8,7 +8,13 @@ Per-rank memory = common + projections(layout) + KV(layout) + scratch + reserve,
 - KV: latent + rope (+ scales, + DSA indexer keys), in whole paged-cache blocks. TP keeps every token on
   every rank (MLA heads all read the whole latent); DP-attn/DOP keep a request on its owner; CP keeps each
   block on its round-robin home.
-Weight bytes are ``params × weight_bytes`` (quantisation scales of weights are not counted).
+Weight bytes are ``params × weight_bytes`` by default (no quantisation). With ``weight_quant`` ("fp8": FP8 E4M3 +
+an fp32 scale per 128×128 block, "int8": INT8 + an fp32 scale per output row) every linear weight (Q-A, KV-A,
+Q-B, KV-B, O, FFN/MoE projections, indexer wq_b/wk) is counted in real stored bytes — 1 byte per element plus the
+scales each rank's shard carries, including the partial blocks a shard shares with its neighbour when a head or
+FFN shard does not start on a 128-row/column boundary (GLM-5.x KV-B: 448 rows per head); embeddings, LM head,
+norms and the MoE router stay in the compute dtype (router and its bias in fp32). ``rank_weight_bytes`` gives one
+rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures.
 """
 from __future__ import annotations
 
@@ -17,12 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splash.layouts.layout import Layout, parse_layout
-from splash.layouts.ownership import kv_holders, num_blocks
+from splash.layouts.ownership import head_range, kv_holders, num_blocks
 from splash.models.config import ModelConfig
 
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 _PLAIN_BYTES = {"float32": 4, "bfloat16": 2}
 QUANT_GROUP = 128  # elements of the latent sharing one fp32 scale (per token)
+WEIGHT_QUANTS = ("fp8", "int8")
+WEIGHT_BLOCK = 128  # fp8 weights: one fp32 scale per 128×128 block
+SCALE_BYTES = 4
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:
@@ -96,22 +105,38 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
     return total
 
 
-def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float) -> float:
-    """Bytes of Q-B/KV-B/O over all layers held by one rank: /world when sharded, whole when replicated."""
+def _common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quant: str | None) -> float:
+    """Common state per rank: params × weight_bytes, or (quantised) the largest rank's exact stored bytes."""
+    if weight_quant is None:
+        return common_params(cfg, shards) * weight_bytes
+    return max(common_bytes_per_rank(cfg, r, shards, weight_bytes, weight_quant) for r in range(shards))
+
+
+def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float,
+                              weight_quant: str | None = None) -> float:
+    """Bytes of Q-B/KV-B/O over all layers held by one rank: /world when sharded, whole when replicated.
+    With ``weight_quant``: stored bytes incl. scales, of the rank holding the most (shards can differ by a
+    shared partial scale block)."""
     layout = parse_layout(layout)
     if layout.shards_projections and cfg.num_attention_heads % world:
         raise ValueError(f"{layout.value}: world {world} does not divide num_heads {cfg.num_attention_heads}")
+    if weight_quant is not None:
+        return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
+                                          weight_quant) for r in range(world)) * cfg.num_hidden_layers
     total = projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
     return total / world if layout.shards_projections else total
 
 
 def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str, world: int,
-                         weight_bytes: float) -> float:
+                         weight_bytes: float, weight_quant: str | None = None) -> float:
     """Projection bytes one rank receives per layer on a src→dst switch.
 
     sharded→replicated all-gathers the (world-1)/world of Q-B/KV-B/O it lacks; every other direction keeps or
-    discards and receives nothing.
+    discards and receives nothing. With ``weight_quant``: stored bytes incl. the scales, for the rank that
+    receives the most (``projection_recv_bytes`` gives each rank's).
     """
+    if weight_quant is not None:
+        return max(projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world))
     src, dst = parse_layout(src), parse_layout(dst)
     if src.shards_projections and not dst.shards_projections:
         return projection_params(cfg) * weight_bytes * (world - 1) / world
@@ -161,14 +186,14 @@ def _kv_blocks_per_rank(layout: Layout, world: int, live_tokens: Mapping[str, tu
 def per_rank_memory(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float, kv_dtype: str,
                     live_tokens: Mapping[str, tuple[int, int | None]] | None, block_size: int,
                     scratch_bytes: int = 0, reserve_bytes: int = 0,
-                    ffn_shards: int | None = None) -> LayoutMemory:
+                    ffn_shards: int | None = None, weight_quant: str | None = None) -> LayoutMemory:
     """Per-rank bytes of ``layout`` holding ``live_tokens`` (request -> (tokens, owner rank or None)).
 
     Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``.
     """
     layout = parse_layout(layout)
-    common = common_params(cfg, ffn_shards or world) * weight_bytes
-    proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes)
+    common = _common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
+    proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant)
     blocks = _kv_blocks_per_rank(layout, world, live_tokens, block_size)
     per_block = kv_block_bytes(cfg, kv_dtype, block_size)
     return LayoutMemory(layout, world, common, proj, tuple(blocks), tuple(b * per_block for b in blocks),
@@ -194,17 +219,101 @@ class CapacityReport:
 
 def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budget_bytes_per_rank: float,
                        weight_bytes: float, kv_dtype: str, block_size: int, scratch_bytes: int = 0,
-                       reserve_bytes: int = 0, ffn_shards: int | None = None) -> CapacityReport:
+                       reserve_bytes: int = 0, ffn_shards: int | None = None,
+                       weight_quant: str | None = None) -> CapacityReport:
     """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget.
 
     TP stores every token on every rank, so its distinct capacity equals one rank's; DP-attn, CP and DOP store
     each block once, so theirs is world × per-rank blocks.
     """
     layout = parse_layout(layout)
-    fixed = (common_params(cfg, ffn_shards or world) * weight_bytes
-             + projection_bytes_per_rank(cfg, layout, world, weight_bytes) + scratch_bytes + reserve_bytes)
+    fixed = (_common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
+             + projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant) + scratch_bytes
+             + reserve_bytes)
     room = max(0.0, budget_bytes_per_rank - fixed)
     per_block = kv_block_bytes(cfg, kv_dtype, block_size)
     per_rank = int(room // per_block) if per_block > 0 else 0
     distinct = per_rank if layout == Layout.TP else world * per_rank
     return CapacityReport(layout, world, block_size, per_block, room, per_rank, distinct, distinct * block_size)
+
+
+# ---- exact stored bytes (quantised weights + their scales) -------------------------------------------------
+def _touched(start: int, n: int) -> int:
+    """128-blocks touched by elements [start, start + n)."""
+    return -(-(start + n) // WEIGHT_BLOCK) - start // WEIGHT_BLOCK if n else 0
+
+
+def matrix_bytes(rows: int, cols: int, elem_bytes: float, weight_quant: str | None = None, row0: int = 0,
+                 col0: int = 0) -> float:
+    """Stored bytes of rows [row0, row0 + rows) × columns [col0, col0 + cols) of one linear weight.
+
+    Plain: elements × elem_bytes. fp8: 1 byte per element + 4 per scale block the range touches. int8: 1 byte per
+    element + 4 per row (a column range keeps every row's scale)."""
+    if weight_quant is None:
+        return rows * cols * elem_bytes
+    if weight_quant == "fp8":
+        return rows * cols + SCALE_BYTES * _touched(row0, rows) * _touched(col0, cols)
+    if weight_quant == "int8":
+        return rows * cols + SCALE_BYTES * rows
+    raise ValueError(f"unknown weight_quant {weight_quant!r} (allowed: {', '.join(WEIGHT_QUANTS)})")
+
+
+def projection_shard_bytes(cfg: ModelConfig, heads: range, elem_bytes: float,
+                           weight_quant: str | None = None) -> float:
+    """Stored bytes of one layer's Q-B/KV-B/O for a contiguous range of heads (a rank's shard, or all heads)."""
+    q_in = cfg.q_lora_rank if cfg.q_lora_rank else cfg.hidden_size
+    qh, kvh, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
+    h0, n = heads.start, len(heads)
+    return (matrix_bytes(n * qh, q_in, elem_bytes, weight_quant, row0=h0 * qh)
+            + matrix_bytes(n * kvh, cfg.kv_lora_rank, elem_bytes, weight_quant, row0=h0 * kvh)
+            + matrix_bytes(cfg.hidden_size, n * dv, elem_bytes, weight_quant, col0=h0 * dv))
+
+
+def _ffn_bytes(cfg: ModelConfig, layer: int, shard: int, shards: int, e: float, wq: str | None) -> float:
+    h = cfg.hidden_size
+
+    def mlp(inter: int) -> float:
+        n = inter // shards
+        return (2 * matrix_bytes(n, h, e, wq, row0=shard * n)
+                + matrix_bytes(h, n, e, wq, col0=shard * n))
+
+    if not cfg.is_moe_layer(layer):
+        return mlp(cfg.intermediate_size)
+    E = cfg.n_routed_experts
+    shared = mlp(cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else 0
+    return 4 * (E * h + E) + E * mlp(cfg.moe_intermediate_size) + shared
+
+
+def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: float,
+                          weight_quant: str | None = None) -> float:
+    """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`)."""
+    h, e, wq = cfg.hidden_size, elem_bytes, weight_quant
+    emb = cfg.vocab_size * h * e
+    total = emb + (0 if cfg.tie_word_embeddings else emb) + h * e
+    per_layer = 2 * h * e + matrix_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, e, wq) + cfg.kv_lora_rank * e
+    if cfg.q_lora_rank:
+        per_layer += matrix_bytes(cfg.q_lora_rank, h, e, wq) + cfg.q_lora_rank * e
+    if cfg.index_head_dim > 0:
+        q_in, ih, idim = cfg.q_lora_rank or h, cfg.index_n_heads, cfg.index_head_dim
+        per_layer += (matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq)
+                      + (2 * idim + h * ih) * e)
+    return total + sum(per_layer + _ffn_bytes(cfg, i, rank, world, e, wq) for i in range(cfg.num_hidden_layers))
+
+
+def rank_weight_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: int, elem_bytes: float,
+                      weight_quant: str | None = None) -> float:
+    """Every weight byte `rank` holds in `layout` as stored (common + projections of all layers)."""
+    heads = head_range(cfg.num_attention_heads, world, rank, layout)
+    return (common_bytes_per_rank(cfg, rank, world, elem_bytes, weight_quant)
+            + projection_shard_bytes(cfg, heads, elem_bytes, weight_quant) * cfg.num_hidden_layers)
+
+
+def projection_recv_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str, world: int, rank: int,
+                          elem_bytes: float, weight_quant: str | None = None) -> float:
+    """Projection bytes `rank` receives per layer on src→dst: the other ranks' shards as stored (scales and
+    shared partial blocks included) on sharded→replicated, else nothing."""
+    src, dst = parse_layout(src), parse_layout(dst)
+    if not (src.shards_projections and not dst.shards_projections):
+        return 0.0
+    return sum(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, s, src), elem_bytes,
+                                      weight_quant) for s in range(world) if s != rank)

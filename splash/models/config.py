@@ -69,6 +69,9 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # weights stored quantised (config.json quantization_config): "fp8" (FP8 E4M3, fp32 scale per 128×128 block,
+    # DeepSeek/GLM weight_scale_inv) or "int8" (compressed-tensors INT8, per-output-channel scale); None: plain
+    quantization: str | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -126,6 +129,47 @@ def _rope_from_hf(raw: dict[str, Any], where: str) -> RopeConfig:
         attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
 
 
+def _quantization_from_hf(raw: dict[str, Any], where: str) -> str | None:
+    """The weight format a checkpoint declares in ``quantization_config``; ConfigError naming the field for any
+    format the loader cannot keep in stored form."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    f = "quantization_config"
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{where}: field {f!r} must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    supported = "supported: fp8 with weight_block_size [128, 128], compressed-tensors INT8 per-channel"
+    if method == "fp8":
+        if qc.get("weight_block_size") != [128, 128]:
+            raise ConfigError(f"{where}: field '{f}.weight_block_size' = {qc.get('weight_block_size')!r}: only "
+                              f"FP8 block-scaled weights with 128×128 blocks are supported ({supported})")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"{where}: field '{f}.fmt' = {qc.get('fmt')!r} is not supported (only e4m3)")
+        return "fp8"
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc, where, supported)
+        return "int8"
+    raise ConfigError(f"{where}: field '{f}.quant_method' = {method!r} is not supported ({supported})")
+
+
+def _check_compressed_tensors(qc: dict[str, Any], where: str, supported: str) -> None:
+    f = "quantization_config"
+    fmt = qc.get("format")
+    if fmt not in ("int-quantized", "naive-quantized"):
+        raise ConfigError(f"{where}: field '{f}.format' = {fmt!r} is not supported (compressed-tensors formats "
+                          f"int-quantized and naive-quantized store INT8 values as they are; {supported})")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where}: field '{f}.config_groups' must be a non-empty object")
+    for gname, g in groups.items():
+        w = (g or {}).get("weights") or {}
+        got = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"))
+        if got[:3] != (8, "int", True) or got[3] not in ("channel", "tensor"):
+            raise ConfigError(f"{where}: field '{f}.config_groups.{gname}.weights' = (num_bits, type, symmetric, "
+                              f"strategy) {got} is not supported (only 8-bit symmetric int, channel or tensor)")
+
+
 def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allow_planned: bool = False) -> ModelConfig:
     """Build a ModelConfig from an HF config dict; raise ConfigError naming the bad field."""
     mt = raw.get("model_type")
@@ -153,6 +197,7 @@ def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allo
     n_exp = kwargs.get("n_routed_experts", 0)
     if n_exp and n_exp % max(1, kwargs.get("n_group", 1)):
         raise ConfigError(f"{where}: field 'n_group' must divide n_routed_experts ({n_exp})")
+    kwargs["quantization"] = _quantization_from_hf(raw, where)
     return ModelConfig(model_type=mt, rope=_rope_from_hf(raw, where), **kwargs)
 
 

@@ -1,7 +1,10 @@
 """Load an HF checkpoint (config.json + safetensors, single or sharded with an index) into a rank's weights.
 
-Handles BF16/F16/F32 tensors and DeepSeek-style FP8 block-scaled weights (`weight_scale_inv`, 128×128 blocks),
-dequantised at load. Every error names the file and the tensor or field.
+Handles BF16/F16/F32 tensors, DeepSeek/GLM FP8 block-scaled weights (`weight_scale_inv`, 128×128 blocks) and
+compressed-tensors INT8 weights (`weight_scale` per output channel, symmetric: W8A8 or weight-only), both kept in
+their stored form (splash.models.qweight). `quantization="fp8"|"int8"` quantises a plain checkpoint's linear
+weights at load into the same forms. A tensor in any other quantised or integer form is an error naming the
+tensor and its format, never a cast. Every error names the file and the tensor or field.
 """
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from splash.models.config import ConfigError, ModelConfig, load_model_config
+from splash.models.qweight import FP8, INT8, WEIGHT_QUANTS, QuantWeight, is_linear_weight, quantize
 from splash.models.weights import expected_shapes
 
 FP8_BLOCK = 128
+SUPPORTED = ("supported: BF16/F16/F32; FP8 E4M3 + weight_scale_inv per 128×128 block; "
+             "INT8 + weight_scale per output channel (compressed-tensors int-quantized)")
 
 
 class CheckpointError(ConfigError):
@@ -59,9 +65,10 @@ def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor
 class CheckpointReader:
     """Reads tensors by name from a model dir, checking shapes against config.json."""
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 quantization: str | None = None):
         self.dir = Path(model_dir)
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.quantize = cfg, dtype, check_quantization(quantization, cfg)
         self.map = _weight_map(self.dir)
         self.shapes = expected_shapes(cfg)
         self._handles: dict[Path, object] = {}
@@ -80,25 +87,92 @@ class CheckpointReader:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str):
+        """A tensor in the compute dtype, or a QuantWeight for a linear weight stored (or asked for) quantised."""
+        if name not in self.map and name + "_packed" in self.map:
+            raise CheckpointError(f"{self.map[name + '_packed']}: tensor {name!r} is stored as {name + '_packed'!r} "
+                                  f"(compressed-tensors pack-quantized), which is not supported ({SUPPORTED})")
         t = self._raw(name)
         want = self.shapes.get(name)
         if want is not None and tuple(t.shape) != want:
             raise CheckpointError(f"{self.map[name]}: tensor {name!r} has shape {tuple(t.shape)} but config.json "
                                   f"implies {want}")
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            sname = name[: -len("weight")] + "weight_scale_inv"
-            if sname not in self.map:
-                raise CheckpointError(f"{self.map[name]}: FP8 tensor {name!r} has no {sname!r}")
-            t = dequant_fp8_blocks(t, self._raw(sname))
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8) or not t.is_floating_point():
+            return self._quantized(name, t)
         keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias")) and ".mlp." in name
-        return t.to(torch.float32 if keep_fp32 else self.dtype)
+        t = t.to(torch.float32 if keep_fp32 else self.dtype)
+        if self.quantize and is_linear_weight(name):
+            return quantize(t, self.quantize, self.dtype)
+        return t
+
+    def _fail(self, name: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.map[name]}: tensor {name!r} {what}")
+
+    def _quantized(self, name: str, t: torch.Tensor) -> QuantWeight:
+        base = name[: -len("weight")]
+        if not is_linear_weight(name) or t.dim() != 2:
+            raise self._fail(name, f"is stored as {t.dtype}, but only linear projection weights may be stored "
+                                   f"quantised ({SUPPORTED})")
+        if t.dtype == torch.float8_e4m3fn and base + "weight_scale_inv" in self.map:
+            fmt, scale = FP8, self._raw(base + "weight_scale_inv")
+            want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
+            if tuple(scale.shape) != want:
+                raise self._fail(name, f"is FP8 with weight_scale_inv of shape {tuple(scale.shape)}, not the "
+                                       f"{want} of 128×128 blocks ({SUPPORTED})")
+        elif t.dtype == torch.int8 and base + "weight_scale" in self.map:
+            fmt, scale = INT8, self._int8_scale(name, t, self._raw(base + "weight_scale"))
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            other = " (compressed-tensors float-quantized)" if base + "weight_scale" in self.map else ""
+            if t.dtype == torch.float8_e5m2 or other:
+                raise self._fail(name, f"is {t.dtype} with weight_scale{other}: not a supported format ({SUPPORTED})")
+            raise CheckpointError(f"{self.map[name]}: FP8 tensor {name!r} has no {base + 'weight_scale_inv'!r}")
+        elif t.dtype == torch.int8:
+            raise self._fail(name, f"is INT8 with no {base + 'weight_scale'!r}: an unscaled integer weight cannot be "
+                                   f"used ({SUPPORTED})")
+        else:
+            raise self._fail(name, f"is stored as {t.dtype}, which is not a weight format this loader knows "
+                                   f"({SUPPORTED})")
+        if self.quantize and self.quantize != fmt:
+            raise self._fail(name, f"is stored as {fmt}; re-quantising it to {self.quantize} is not supported")
+        if base + "weight_zero_point" in self.map and self._raw(base + "weight_zero_point").any():
+            raise self._fail(name, "has a non-zero weight_zero_point (asymmetric INT8), which is not supported")
+        return QuantWeight(t, scale.float().contiguous(), fmt, self.dtype)
+
+    def _int8_scale(self, name: str, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """compressed-tensors scale: [out, 1] per channel, or one value per tensor (broadcast to every row)."""
+        if scale.numel() == 1:
+            return scale.float().reshape(1, 1).expand(t.shape[0], 1)
+        if tuple(scale.shape) == (t.shape[0], 1):
+            return scale
+        raise self._fail(name, f"is INT8 with weight_scale of shape {tuple(scale.shape)}; only per-output-channel "
+                               f"[{t.shape[0]}, 1] or per-tensor scales are supported (group-wise is not)")
 
 
-def open_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, Callable]:
+def check_quantization(quantization: str | None, cfg: ModelConfig | None = None) -> str | None:
+    """Validate a requested `quantization` (vLLM's name) against the checkpoint's own; None = keep as stored."""
+    if quantization is None:
+        return None
+    if quantization not in WEIGHT_QUANTS:
+        raise ConfigError(f"quantization {quantization!r} is not one of {', '.join(WEIGHT_QUANTS)}")
+    if cfg is not None and cfg.quantization not in (None, quantization):
+        raise ConfigError(f"quantization {quantization!r} was asked for, but the checkpoint is already quantised "
+                          f"as {cfg.quantization} (config.json quantization_config); re-quantising is not supported")
+    return quantization
+
+
+def quantizing_getter(get: Callable, quantization: str | None, dtype: torch.dtype) -> Callable:
+    """`get` with linear weights quantised at load (for presets; checkpoints do it in CheckpointReader)."""
+    fmt = check_quantization(quantization)
+    if fmt is None:
+        return get
+    return lambda name: quantize(get(name), fmt, dtype) if is_linear_weight(name) else get(name)
+
+
+def open_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                    quantization: str | None = None) -> tuple[ModelConfig, Callable]:
     """(config, getter) for a model directory; errors name the file/field."""
     cfg = load_model_config(model_dir)
     if cfg.attention_bias:
         raise ConfigError(f"{Path(model_dir) / 'config.json'}: field 'attention_bias' = true is not supported")
-    reader = CheckpointReader(model_dir, cfg, dtype)
+    reader = CheckpointReader(model_dir, cfg, dtype, quantization)
     return cfg, reader.get

@@ -3,6 +3,11 @@
 Attention projections (Q-B, KV-B, O) are held for a range of heads (all heads when replicated); KV-B is kept
 split into W_UK [H, d_nope, d_c] and W_UV [H, d_v, d_c] for the absorbed MLA form. FFN/MoE weights are
 TP-sharded over the group along the intermediate dimension, identically in every layout.
+
+Quantised checkpoints (splash.models.qweight) stay in stored form: every projection is a QuantWeight (or a
+RowStack of them), sharded by row/column ranges that carry their scale blocks; KV-B is kept whole as the local
+heads' rows (``kv_b``) and W_UK / W_UV are taken from it per use (``uk()`` / ``uv()``).
+`resident_bytes` measures what a rank's weights really occupy (every distinct storage once).
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splash.models.config import ModelConfig
+from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
 
 
 @dataclass
@@ -20,13 +26,27 @@ class AttnWeights:
     q_b: torch.Tensor              # [H_l * qk_head_dim, q_lora or hidden]  (local heads)
     kv_a: torch.Tensor             # [d_c + d_r, hidden]
     kv_a_norm: torch.Tensor        # [d_c]
-    w_uk: torch.Tensor             # [H_l, d_nope, d_c]
-    w_uv: torch.Tensor             # [H_l, d_v, d_c]
+    w_uk: torch.Tensor | None      # [H_l, d_nope, d_c] (None when KV-B is quantised: see kv_b)
+    w_uv: torch.Tensor | None      # [H_l, d_v, d_c]
     o: torch.Tensor                # [hidden, H_l * d_v]
     heads: range
     # [Q-A ; KV-A] stacked [q_lora + d_c + d_r, hidden] for one GEMM (q_a / kv_a are views into it when built by
-    # attention_from_full); None -> built on first use (e.g. AttnWeights rebuilt by a layout switch)
+    # attention_from_full, a RowStack when quantised); a switch carries it over (never a second copy)
     qkv_a: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    kv_b: QuantWeight | None = None  # quantised KV-B rows of the local heads [H_l * (d_nope + d_v), d_c]
+    d_nope: int = 0                  # qk_nope_head_dim, to split kv_b into W_UK / W_UV
+
+    def uk(self) -> torch.Tensor:
+        """W_UK [H_l, d_nope, d_c] in the compute dtype."""
+        if self.kv_b is None:
+            return self.w_uk
+        return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, :self.d_nope]
+
+    def uv(self) -> torch.Tensor:
+        """W_UV [H_l, d_v, d_c] in the compute dtype."""
+        if self.kv_b is None:
+            return self.w_uv
+        return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, self.d_nope:]
 
 
 @dataclass
@@ -63,18 +83,47 @@ class ModelWeights:
     layers: list[LayerWeights]
 
 
-def shard_rows(w: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+def shard_rows(w, shard: int, shards: int):
     n = w.shape[0] // shards
-    return w[shard * n:(shard + 1) * n].contiguous()
+    if isinstance(w, QuantWeight):
+        return w.rows(shard * n, (shard + 1) * n)
+    return owned(w[shard * n:(shard + 1) * n])
 
 
-def shard_cols(w: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+def shard_cols(w, shard: int, shards: int):
     n = w.shape[-1] // shards
+    if isinstance(w, QuantWeight):
+        return w.cols(shard * n, (shard + 1) * n)
     return w[..., shard * n:(shard + 1) * n].contiguous()
+
+
+def _quant_attention(cfg: ModelConfig, get, prefix: str, heads: range, kv_b: QuantWeight) -> AttnWeights:
+    """attention_from_full for quantised projections: row/column ranges of the stored form."""
+    qh, dn, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    h0, h1 = heads.start, heads.stop
+    kv_a, q_a, q_a_norm, qkv_a = get(prefix + "kv_a_proj_with_mqa.weight"), None, None, None
+    if cfg.q_lora_rank is None:
+        q_b = get(prefix + "q_proj.weight")
+    else:
+        q_a, q_a_norm = get(prefix + "q_a_proj.weight"), get(prefix + "q_a_layernorm.weight")
+        q_b = get(prefix + "q_b_proj.weight")
+        qkv_a = RowStack([q_a, kv_a])
+    o = get(prefix + "o_proj.weight")
+    for name, w in (("kv_b_proj", kv_b), ("o_proj", o), ("q_b_proj", q_b)):
+        if not isinstance(w, QuantWeight):
+            raise ValueError(f"{prefix}{name}.weight: the attention projections must all be quantised or none "
+                             f"(got {type(w).__name__} beside quantised ones)")
+    return AttnWeights(q_a=q_a, q_a_norm=q_a_norm, q_b=q_b.rows(h0 * qh, h1 * qh), kv_a=kv_a,
+                       kv_a_norm=get(prefix + "kv_a_layernorm.weight"), w_uk=None, w_uv=None,
+                       o=o.cols(h0 * dv, h1 * dv), heads=heads, qkv_a=qkv_a,
+                       kv_b=kv_b.rows(h0 * (dn + dv), h1 * (dn + dv)), d_nope=dn)
 
 
 def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> AttnWeights:
     """Build a rank's attention weights for `heads` from a tensor getter `get(name) -> full tensor`."""
+    kv_b = get(prefix + "kv_b_proj.weight")
+    if isinstance(kv_b, QuantWeight):
+        return _quant_attention(cfg, get, prefix, heads, kv_b)
     H, dn, dv, dc = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     qh = cfg.qk_head_dim
     h0, h1 = heads.start, heads.stop
@@ -84,13 +133,15 @@ def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> Att
     else:
         q_a, q_a_norm = get(prefix + "q_a_proj.weight"), get(prefix + "q_a_layernorm.weight")
         q_b = get(prefix + "q_b_proj.weight")
-        if q_a.dtype == kv_a.dtype:  # one [Q-A ; KV-A] weight; the split weights are row views of it (no copy)
+        if is_quantized(q_a) or is_quantized(kv_a):
+            qkv_a = RowStack([q_a, kv_a])
+        elif q_a.dtype == kv_a.dtype:  # one [Q-A ; KV-A] weight; the split weights are row views of it (no copy)
             qkv_a = torch.cat([q_a, kv_a], dim=0)
             q_a, kv_a = qkv_a[:q_a.shape[0]], qkv_a[q_a.shape[0]:]
-    kv_b = get(prefix + "kv_b_proj.weight").view(H, dn + dv, dc)
+    kv_b = kv_b.view(H, dn + dv, dc)
     o = get(prefix + "o_proj.weight").view(cfg.hidden_size, H, dv)
     return AttnWeights(
-        q_a=q_a, q_a_norm=q_a_norm, q_b=q_b.view(H, qh, -1)[h0:h1].reshape((h1 - h0) * qh, -1).contiguous(),
+        q_a=q_a, q_a_norm=q_a_norm, q_b=owned(q_b.view(H, qh, -1)[h0:h1].reshape((h1 - h0) * qh, -1)),
         kv_a=kv_a, kv_a_norm=get(prefix + "kv_a_layernorm.weight"),
         w_uk=kv_b[h0:h1, :dn].contiguous(), w_uv=kv_b[h0:h1, dn:].contiguous(),
         o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads, qkv_a=qkv_a)
@@ -98,7 +149,11 @@ def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> Att
 
 def mlp_from_full(get, prefix: str, shard: int, shards: int) -> MLPWeights:
     gate = shard_rows(get(prefix + "gate_proj.weight"), shard, shards)
-    gate_up = torch.cat([gate, shard_rows(get(prefix + "up_proj.weight"), shard, shards)], dim=0)
+    up = shard_rows(get(prefix + "up_proj.weight"), shard, shards)
+    if is_quantized(gate) or is_quantized(up):
+        return MLPWeights(gate=gate, up=up, down=shard_cols(get(prefix + "down_proj.weight"), shard, shards),
+                          gate_up=RowStack([gate, up]))
+    gate_up = torch.cat([gate, up], dim=0)
     return MLPWeights(gate=gate_up[:gate.shape[0]], up=gate_up[gate.shape[0]:],
                       down=shard_cols(get(prefix + "down_proj.weight"), shard, shards), gate_up=gate_up)
 
@@ -110,9 +165,37 @@ def moe_from_full(cfg: ModelConfig, get, prefix: str, shard: int, shards: int) -
         gate_up.append(m.gate_up)
         down.append(m.down)
     shared = mlp_from_full(get, prefix + "shared_experts.", shard, shards) if cfg.n_shared_experts else None
+    quant = any(is_quantized(w) for w in gate_up + down)
     return MoEWeights(router=get(prefix + "gate.weight").float(),
                       bias=get(prefix + "gate.e_score_correction_bias").float(),
-                      gate_up=torch.stack(gate_up), down=torch.stack(down), shared=shared)
+                      gate_up=ExpertStack(gate_up) if quant else torch.stack(gate_up),
+                      down=ExpertStack(down) if quant else torch.stack(down), shared=shared)
+
+
+def _leaves(obj):
+    """Every tensor reachable from a weight container (QuantWeight data + scales, stacks, dataclass fields)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, QuantWeight):
+        yield from obj.tensors()
+    elif isinstance(obj, RowStack):
+        for p in obj.parts:
+            yield from _leaves(p)
+    elif isinstance(obj, (ExpertStack, list, tuple)):
+        for p in obj:
+            yield from _leaves(p)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _leaves(getattr(obj, name))
+
+
+def resident_bytes(weights) -> int:
+    """Bytes of memory a rank's weights hold: each distinct storage once, whole (a view keeps its base alive)."""
+    seen: dict[int, int] = {}
+    for t in _leaves(weights):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

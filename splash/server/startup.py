@@ -122,7 +122,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
 
     dtype = DTYPES[cfg.compute_dtype]
     try:
-        mcfg, get = load_model(cfg.model.model, cfg.model.preset, dtype, cfg.model.seed)
+        mcfg, get = load_model(cfg.model.model, cfg.model.preset, dtype, cfg.model.seed, cfg.model.quantization)
     except ValueError as e:
         raise ConfigError(f"field 'model.preset': {e}") from None
     c = cfg.cache
@@ -132,7 +132,8 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError(str(e)) from None
     per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
         mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size,
-        c.kv_cache_memory_bytes or DEFAULT_KV_BYTES, torch.finfo(dtype).bits // 8)
+        c.kv_cache_memory_bytes or DEFAULT_KV_BYTES, torch.finfo(dtype).bits // 8,
+        weight_quant=cfg.model.quantization or mcfg.quantization)
     blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")

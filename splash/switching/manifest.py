@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.memory import kv_bytes_per_token_layer, projection_params, switch_receive_bytes
+from splash.layouts.memory import (kv_bytes_per_token_layer, projection_params, projection_recv_bytes,
+                                   projection_shard_bytes, switch_receive_bytes)
 from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, kv_holders, num_blocks,
                                       rebalance_owners)
 from splash.models.config import ModelConfig
@@ -186,8 +187,17 @@ def _plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping[str, Re
     return moves, keep, discard
 
 
-def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int,
-                           weight_bytes: float) -> tuple[list[float], list[float]]:
+def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
+                           weight_quant: str | None = None) -> tuple[list[float], list[float]]:
+    """Per-layer projection bytes each rank receives / sends; quantised weights travel in stored form (values +
+    the scale blocks of each shard), so their figures are exact per rank."""
+    if weight_quant is not None:
+        recv = [projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world)]
+        if weight_action(src, dst) != ALL_GATHER:
+            return recv, [0.0] * world
+        sent = [projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, src), weight_bytes,
+                                       weight_quant) * (world - 1) for r in range(world)]
+        return recv, sent
     recv = [switch_receive_bytes(cfg, src, dst, world, weight_bytes)] * world
     if weight_action(src, dst) != ALL_GATHER:
         return recv, [0.0] * world
@@ -212,12 +222,13 @@ def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove],
 def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: int,
                 requests: Mapping[str, ReqState], block_size: int, weight_bytes: float, kv_dtype: str, *,
                 capacity_tokens_per_rank: int | None = None, src_kv_dtype: str | None = None,
-                dst_kv_dtype: str | None = None) -> Manifest:
+                dst_kv_dtype: str | None = None, weight_quant: str | None = None) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
 
     Destination owners (DP-attn/DOP) come from ``dst_owner``, else ``src_owner`` when the source is
     owner-based, else balanced placement (``rebalance_owners``/``assign_owners``) within the optional capacity.
     ``src_kv_dtype``/``dst_kv_dtype`` (default ``kv_dtype``) are the two layouts' KV storage formats.
+    ``weight_quant`` ("fp8"/"int8", None = plain ``weight_bytes`` per element) is how the projections are stored.
     """
     src_kv, dst_kv = src_kv_dtype or kv_dtype, dst_kv_dtype or kv_dtype
     src, dst = parse_layout(src), parse_layout(dst)
@@ -236,7 +247,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
     for m in moves:
         kv_recv[m.dst_rank] += blk
         kv_sent[m.src_rank] += blk
-    w_recv, w_sent = _weight_bytes_per_rank(cfg, src, dst, world, weight_bytes)
+    w_recv, w_sent = _weight_bytes_per_rank(cfg, src, dst, world, weight_bytes, weight_quant)
     return Manifest(src, dst, world, cfg.num_hidden_layers, _actions(cfg, src, dst, moves, src_kv != dst_kv),
                     tuple(sorted(owners.items())), tuple(moves),
                     tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,

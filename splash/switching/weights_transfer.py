@@ -1,8 +1,17 @@
-"""Moving attention projections between head-sharded and replicated placement (one layer at a time)."""
+"""Moving attention projections between head-sharded and replicated placement (one layer at a time).
+
+Weights travel in their stored form: plain weights as compute-dtype values, quantised ones (FP8/INT8) as their
+bytes plus exactly the scale blocks of the sender's shard (splash.models.qweight), never dequantised; the
+receiver reassembles the original weight and scales bit for bit. Common state (Q-A, KV-A and their stacked
+[Q-A ; KV-A]) is carried over as is — the same tensors, never a second copy.
+"""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
+from splash.models.qweight import BLOCK, FP8, QuantWeight, _blocks, cat_cols, cat_rows, owned
 from splash.models.weights import AttnWeights
 
 
@@ -10,13 +19,69 @@ def _parts(w: AttnWeights) -> list[torch.Tensor]:
     return [w.q_b, w.w_uk, w.w_uv, w.o.T.contiguous()]  # O is column-sharded: gather its transpose by rows
 
 
+def _quant_parts(w: AttnWeights) -> list[QuantWeight]:
+    return [w.q_b, w.kv_b, w.o]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def pack_shard(w: AttnWeights) -> torch.Tensor:
-    """This rank's head shard of Q-B, W_UK, W_UV and O as one flat tensor."""
+    """This rank's head shard of Q-B, KV-B (W_UK, W_UV) and O as one flat tensor (uint8 bytes when quantised)."""
+    if w.kv_b is not None:
+        return torch.cat([_as_bytes(t) for q in _quant_parts(w) for t in q.tensors()])
     return torch.cat([p.reshape(-1) for p in _parts(w)])
+
+
+def _shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -> tuple[tuple, tuple, int]:
+    """(data shape, scale shape, offset in first block) of the shard for `heads` of the full weight that the
+    local shard `q` (rows/cols of `per_head` per head) belongs to."""
+    a0, n = heads.start * per_head, len(heads) * per_head
+    other = q.shape[1] if by_rows else q.shape[0]
+    data = (n, other) if by_rows else (other, n)
+    if q.fmt != FP8:
+        return data, ((n, 1) if by_rows else (other, 1)), 0
+    nb, nother = _blocks(a0, n)[1], -(-other // BLOCK)
+    return data, ((nb, nother) if by_rows else (nother, nb)), a0 % BLOCK
+
+
+def shard_nbytes(w: AttnWeights, heads: range) -> int:
+    """Bytes `pack_shard` produces for a rank holding `heads` (same format and model as `w`)."""
+    if w.kv_b is None:
+        return sum(p.numel() * p.element_size() for p in _parts(w)) // len(w.heads) * len(heads)
+    total = 0
+    for q, rows in zip(_quant_parts(w), (True, True, False)):
+        per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
+        d, s, _ = _shard_geometry(q, heads, per, rows)
+        total += d[0] * d[1] * q.data.element_size() + s[0] * s[1] * 4
+    return total
+
+
+def _unpack_quant(w: AttnWeights, gathered: torch.Tensor, ranks: list[range], num_heads: int) -> AttnWeights:
+    local = _quant_parts(w)
+    pieces: list[list[QuantWeight]] = [[] for _ in local]
+    off = 0
+    for heads in ranks:
+        for i, (q, rows) in enumerate(zip(local, (True, True, False))):
+            per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
+            dshape, sshape, a_off = _shard_geometry(q, heads, per, rows)
+            nd = dshape[0] * dshape[1] * q.data.element_size()
+            data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)
+            off += nd
+            scale = gathered[off:off + sshape[0] * sshape[1] * 4].clone().view(torch.float32).view(sshape)
+            off += sshape[0] * sshape[1] * 4
+            r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)
+            pieces[i].append(QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off))
+    q_b, kv_b = cat_rows(pieces[0]), cat_rows(pieces[1])
+    return replace(w, q_b=q_b, kv_b=kv_b, o=cat_cols(pieces[2]), heads=range(num_heads))
 
 
 def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: int) -> AttnWeights:
     """Rebuild replicated (all-head) weights from every rank's packed shard, concatenated in rank order."""
+    if w.kv_b is not None:
+        per = num_heads // world
+        return _unpack_quant(w, gathered, [range(r * per, (r + 1) * per) for r in range(world)], num_heads)
     shapes = [p.shape for p in _parts(w)]
     per_rank = gathered.view(world, -1)
     pieces: list[list[torch.Tensor]] = [[] for _ in shapes]
@@ -27,16 +92,29 @@ def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: i
             pieces[i].append(per_rank[r, off:off + n].view(s))
             off += n
     q_b, w_uk, w_uv, o_t = (torch.cat(p, dim=0) for p in pieces)
-    return AttnWeights(q_a=w.q_a, q_a_norm=w.q_a_norm, q_b=q_b, kv_a=w.kv_a, kv_a_norm=w.kv_a_norm,
-                       w_uk=w_uk, w_uv=w_uv, o=o_t.T.contiguous(), heads=range(num_heads))
+    return replace(w, q_b=q_b, w_uk=w_uk, w_uv=w_uv, o=o_t.T.contiguous(), heads=range(num_heads))
+
+
+def gather_counts(w: AttnWeights, world: int, num_heads: int) -> list[int]:
+    """Elements each rank contributes to the all-gather (known locally: no count exchange)."""
+    per = num_heads // world
+    n = [shard_nbytes(w, range(r * per, (r + 1) * per)) for r in range(world)]
+    if w.kv_b is None:
+        return [b // w.q_b.element_size() for b in n]
+    return n
 
 
 def slice_heads(w: AttnWeights, heads: range, qk_head_dim: int) -> AttnWeights:
     """Keep only `heads` of replicated weights (the 'discard' of a replicated→sharded switch)."""
     h0, h1 = heads.start, heads.stop
+    if w.kv_b is not None:
+        rows_kv = w.kv_b.shape[0] // len(w.heads)
+        dv = w.o.shape[1] // len(w.heads)
+        return replace(w, q_b=w.q_b.rows(h0 * qk_head_dim, h1 * qk_head_dim),
+                       kv_b=w.kv_b.rows(h0 * rows_kv, h1 * rows_kv), o=w.o.cols(h0 * dv, h1 * dv), heads=heads)
     v = w.w_uv.shape[1]
     q_in = w.q_b.shape[1]
-    q_b = w.q_b.view(-1, qk_head_dim, q_in)[h0:h1].reshape(-1, q_in).contiguous()
+    q_b = owned(w.q_b.view(-1, qk_head_dim, q_in)[h0:h1].reshape(-1, q_in))
     o = w.o.view(w.o.shape[0], -1, v)[:, h0:h1].reshape(w.o.shape[0], -1).contiguous()
-    return AttnWeights(q_a=w.q_a, q_a_norm=w.q_a_norm, q_b=q_b, kv_a=w.kv_a, kv_a_norm=w.kv_a_norm,
-                       w_uk=w.w_uk[h0:h1].contiguous(), w_uv=w.w_uv[h0:h1].contiguous(), o=o, heads=heads)
+    return replace(w, q_b=q_b, w_uk=owned(w.w_uk[h0:h1]), w_uv=owned(w.w_uv[h0:h1]), o=o,
+                   heads=heads)

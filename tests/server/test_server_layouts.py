@@ -9,7 +9,8 @@ import httpx
 import pytest
 from server_util import mpiexec_path, offline_reference, run_server
 
-from splash.models.presets import save_preset
+from splash.layouts.memory import rank_weight_bytes
+from splash.models.presets import preset_config, save_preset
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -89,6 +90,12 @@ def _switches(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def _weight_bytes(url: str) -> dict[int, float]:
+    """splash_weight_bytes{rank}: what each rank's weight tensors occupy, measured by the ranks themselves."""
+    return {int(s.labels["rank"]): s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+            for s in fam.samples if s.name == "splash_weight_bytes"}
+
+
 def test_pin_each_layout_while_streams_run(server, ckpt):
     ref = offline_reference(ckpt)
     url = server.url
@@ -107,6 +114,8 @@ def test_pin_each_layout_while_streams_run(server, ckpt):
         state = httpx.get(f"{url}/v1/layout").json()
         assert state["layout"] == target and state["mode"] == "pinned"
         assert _switches(url).get((src, target)) == 1.0
+        mcfg = preset_config("tiny-mla")  # fp32 on cpu: the memory model's bytes for this layout, per rank
+        assert _weight_bytes(url) == {r: rank_weight_bytes(mcfg, target, 2, r, 4) for r in range(2)}
         src = target
     sw = _switches(url)
     assert sum(sw.values()) == len(ORDER) and httpx.get(f"{url}/v1/layout").json()["switch_count"] == len(ORDER)
