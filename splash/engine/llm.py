@@ -89,9 +89,10 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 64 << 20,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live",
-                 layout_kv_dtypes: dict[str, str] | None = None, comm=None):
+                 layout_kv_dtypes: dict[str, str] | None = None, attention_backend: str = "torch", comm=None):
         """`layout_kv_dtypes` gives a layout its own KV dtype (e.g. {"dop": "fp8_e4m3"}); the others use
-        `kv_cache_dtype`. The pool is sized in the widest of them and keeps its block count on a switch."""
+        `kv_cache_dtype`. The pool is sized in the widest of them and keeps its block count on a switch.
+        `attention_backend` names the MLA attention kernel (splash.attention.kernels: torch or triton)."""
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm
@@ -103,7 +104,7 @@ class LLM:
             torch.finfo(DTYPES[dtype]).bits // 8)
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
-                                  layout_kv_dtypes)
+                                  layout_kv_dtypes, attention_backend)
         self.engine = Engine(self.runner, comm, blocks, max_num_seqs, max_num_batched_tokens,
                              preemption_mode, max_model_len, switch_mode)
         self.cfg = cfg
