@@ -34,11 +34,13 @@ def cpu_has_bf16() -> bool:
 
 @dataclass
 class _Group:
-    reqs: torch.Tensor        # [G] request indices (decode: sorted by page count, descending)
+    reqs: torch.Tensor        # [G] request indices, in step order
     rows: torch.Tensor        # [G * Q] query rows, request-major
     q: int                    # query rows per request
+    order: torch.Tensor       # [G] permutation sorting `reqs` by page count, descending (multi-chunk walks)
     npages: list[int]         # page counts, ascending (for bisect: how many requests reach a page)
     max_pages: int
+    all_rows: bool = False    # the group is every row of the step, in order
 
 
 class TorchMLAKernel:
@@ -64,13 +66,14 @@ class TorchMLAKernel:
             idx = torch.tensor(dec, dtype=torch.long)
             npg = meta.num_pages[idx]
             order = torch.sort(npg, descending=True, stable=True).indices
-            idx = idx[order]
             counts = npg[order].tolist()
-            self.groups.append(_Group(idx, meta.qo_indptr[idx].long(), 1, counts[::-1], counts[0] if counts else 0))
+            self.groups.append(_Group(idx, meta.qo_indptr[idx].long(), 1, order, counts[::-1], counts[0],
+                                      len(dec) == len(lens)))
         for i, n in enumerate(lens):
             if n > 1:
                 np_i = int(meta.num_pages[i])
-                self.groups.append(_Group(torch.tensor([i]), torch.arange(qo[i], qo[i + 1]), n, [np_i], np_i))
+                self.groups.append(_Group(torch.tensor([i]), torch.arange(qo[i], qo[i + 1]), n, torch.zeros(1, dtype=torch.long),
+                                          [np_i], np_i, len(lens) == 1))
 
     def _dtype(self, cache, layer: int) -> torch.dtype:
         if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and cache.kv_dtype_of(layer) != "float32"
@@ -99,23 +102,29 @@ class TorchMLAKernel:
         o = torch.zeros(n, h, d_c, dtype=torch.float32)
         lse = torch.full((n, h), float("-inf"), dtype=torch.float32)
         for gi, g in enumerate(self.groups):
-            og, lg = self._attend(gi, g, layer, q_latent[g.rows], q_rope[g.rows], cache)
-            o[g.rows], lse[g.rows] = og, lg
+            C = self.chunk_pages(g, h, d_c, q_rope.shape[2], self.meta.block_size)
+            single = C >= g.max_pages        # one chunk: step order, plain softmax
+            rows = g.rows if single else g.rows.view(len(g.reqs), g.q)[g.order].reshape(-1)
+            if single and g.all_rows:
+                return self._attend(gi, g, layer, q_latent, q_rope, cache, C, single)
+            o[rows], lse[rows] = self._attend(gi, g, layer, q_latent[rows], q_rope[rows], cache, C, single)
         return o, lse
 
-    def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache):
-        meta, bs = self.meta, self.meta.block_size
+    def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, C: int,
+                single: bool):
+        """Rows of group `g` (step order if `single`, else sorted by page count) -> (õ, LSE) in that order."""
         G, h, d_c, d_r = len(g.reqs), ql.shape[1], ql.shape[2], qr.shape[2]
         dt = self._dtype(cache, layer)
         ql = ql.reshape(G, g.q * h, d_c).to(dt)
         qr = qr.reshape(G, g.q * h, d_r).to(dt)
+        if single:
+            return self._attend_once(gi, g, layer, ql, qr, cache, dt)
         m = torch.full((G, g.q * h, 1), float("-inf"))
         s = torch.zeros(G, g.q * h, 1)
         acc = torch.zeros(G, g.q * h, d_c)
-        C = self.chunk_pages(g, h, d_c, d_r, bs)
         for j in range(0, g.max_pages, C):
             a = G - bisect_left(g.npages, j + 1)   # requests holding more than j pages: a prefix
-            pid, valid = self._chunk_index(gi, g, j, C, a)
+            pid, valid = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
             c, kpe, raw = _read_pages(cache, layer, pid, dt)
             sc = torch.baddbmm(torch.bmm(qr[:a], kpe.transpose(1, 2)), ql[:a], c.transpose(1, 2)).float()
             sc.mul_(self.scale).view(a, g.q, h, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
@@ -133,22 +142,41 @@ class TorchMLAKernel:
         lse = (m_safe + s.log()).squeeze(-1)
         return o.view(G * g.q, h, d_c), lse.view(G * g.q, h)
 
-    def _chunk_index(self, gi: int, g: _Group, j: int, C: int, a: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page ids [a, c] of pages j..j+C of the group's first `a` requests, and the mask [a, Q, c × bs] of keys
-        each query row sees (page held, position <= the query's); cached across layers within the budget."""
+    def _attend_once(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, dt):
+        """Every page of the group in one chunk (short histories: most decode steps): a plain masked softmax."""
+        G, h, d_c = len(g.reqs), ql.shape[1] // g.q, ql.shape[2]
+        pid, valid = self._chunk_index(gi, g, g.reqs, 0, g.max_pages, G)
+        if pid.shape[1] == 0:  # no page of these requests here (a CP rank holding none of them)
+            return (torch.zeros(G * g.q, h, d_c), torch.full((G * g.q, h), float("-inf")))
+        c, kpe, raw = _read_pages(cache, layer, pid, dt)
+        sc = torch.baddbmm(torch.bmm(qr, kpe.transpose(1, 2)), ql, c.transpose(1, 2)).float()
+        sc.mul_(self.scale).view(G, g.q, h, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
+        m = sc.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = sc.sub_(m).exp_()
+        den = p.sum(dim=-1, keepdim=True)
+        o = torch.bmm(p.to(dt), c).float().div_(den.clamp_min(torch.finfo(torch.float32).tiny))
+        self._track(c, kpe, raw, sc, pid, valid)
+        return o.view(G * g.q, h, d_c), (m + den.log()).view(G * g.q, h)
+
+    def _chunk_index(self, gi: int, g: _Group, reqs_all: torch.Tensor, j: int, C: int,
+                     a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids [a, c] of pages j..j+C of the first `a` of `reqs_all` (the group's requests in the order
+        walked), and the mask [a, Q, c × bs] of keys each query row sees (page held, position <= the query's);
+        cached across layers within the budget."""
         key = (gi, j, C)
         hit = self._index.get(key)
         if hit is not None:
             return hit
         meta, bs = self.meta, self.meta.block_size
-        reqs = g.reqs[:a]
+        reqs = reqs_all[:a]
         rows = meta.req_rows[reqs]
         cols = slice(j, min(j + C, meta.pages.shape[1]))
         pid = meta.pages[rows, cols].long()
         held = (torch.arange(cols.start, cols.stop)[None, :] < meta.num_pages[reqs].long()[:, None])
         pid = pid * held
         kpos = (meta.logical[rows, cols].long()[:, :, None] * bs + torch.arange(bs)).view(a, -1)
-        qpos = meta.q_pos[g.rows.view(len(g.reqs), g.q)[:a]]                   # [a, Q]
+        qpos = meta.q_pos[(meta.qo_indptr[reqs].long()[:, None] + torch.arange(g.q))]   # [a, Q]
         valid = (held[:, :, None].expand(-1, -1, bs).reshape(a, -1)[:, None, :]
                  & (kpos[:, None, :] <= qpos[:, :, None]))
         size = pid.numel() * 8 + valid.numel()
