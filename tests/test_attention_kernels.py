@@ -155,6 +155,14 @@ def test_page_table_and_csr():
     assert tables.pages[row, :2].tolist() == [3, 9] and tables.logical[row, :2].tolist() == [1, 5]
     tables.append("new", [(2, 7)])  # out of order: the row is rebuilt sorted
     assert tables.logical[row, :3].tolist() == [1, 2, 5] and int(tables.npages[row]) == 3
+    with torch.inference_mode():  # grown inside a step (inference mode), updated outside it
+        for i in range(40):
+            tables.append(f"x{i}", [(0, i)])
+        tables.flush()
+    tables.release("x3")
+    tables.append("x4", [(1, 2)])
+    tables.flush()
+    assert int(tables.npages[tables.row("x4")]) == 2
 
 
 def test_unknown_kernel_is_an_error():

@@ -46,6 +46,7 @@ class PageTable:
         return list(self._row)
 
     # ---- updates -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def append(self, req: str, new: Iterable[tuple[int, int]]) -> None:
         """Add (logical, physical) pages to `req`, queued until `flush`: O(new pages) python, no tensor op."""
         new = sorted(new)
@@ -61,6 +62,7 @@ class PageTable:
         self._pending.extend((r, n + i, b, p) for i, (b, p) in enumerate(new))
         self._count[req], self._last[req] = n + len(new), new[-1][0]
 
+    @torch.inference_mode()
     def flush(self) -> None:
         """Write the queued pages and the changed page counts: three scatters, whatever the number of pages."""
         if not self._pending:
@@ -73,6 +75,7 @@ class PageTable:
         self.npages[torch.tensor(list(counts))] = torch.tensor(list(counts.values()), dtype=torch.int32)
         self._pending = []
 
+    @torch.inference_mode()
     def rewrite(self, req: str, table: Mapping[int, int]) -> None:
         """Replace `req`'s row with `table` (logical -> physical): O(its pages); an empty table releases it."""
         if not table:
@@ -86,6 +89,7 @@ class PageTable:
         self.pages[r, :len(items)] = torch.tensor([p for _, p in items], dtype=torch.int32)
         self._set_count(req, r, len(items), items[-1][0])
 
+    @torch.inference_mode()
     def release(self, req: str) -> None:
         r = self._row.pop(req, None)
         if r is None:
@@ -102,6 +106,7 @@ class PageTable:
         self.npages[r] = n
         self._count[req], self._last[req] = n, last
 
+    @torch.inference_mode()
     def _new_row(self, req: str) -> int:
         if not self._free:
             self.flush()
@@ -117,6 +122,7 @@ class PageTable:
         self.npages[r] = 0
         return r
 
+    @torch.inference_mode()
     def _fit_cols(self, n: int) -> None:
         cols = self.pages.shape[1]
         if n <= cols:
