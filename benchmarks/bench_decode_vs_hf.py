@@ -1,10 +1,12 @@
 """Single-rank greedy decode throughput: SPLASH's LLM vs transformers' generate, same tiny weights, same batch.
 
     .venv/bin/python benchmarks/bench_decode_vs_hf.py [--threads 1] [--batch 32] [--prompt-len 32] [--new 64]
+        [--dtype float32|bfloat16] [--attention-backend torch|triton] [--json FILE]
 
 A tiny random DeepSeek-V3 (hidden 256, 4 layers, 8 heads, MoE with 16 routed experts, top-4 of 2-of-4 groups)
-is written with `save_pretrained` to a temp dir and loaded by both. Both run `batch` prompts of equal length
-(so transformers needs no padding) for `new` greedy tokens with EOS disabled.
+is written with `save_pretrained` to a temp dir and loaded by both, in `--dtype` (bfloat16: weights, activations
+and SPLASH's KV cache in bf16; transformers' cache follows its model dtype). Both run `batch` prompts of equal
+length (so transformers needs no padding) for `new` greedy tokens with EOS disabled.
 
 Decode tokens/s = batch x (new - 1) / (time(new tokens) - time(1 token)): the prefill and the first token are
 timed separately (max_tokens = 1) and subtracted. The engines run interleaved (HF, SPLASH, HF, ...) and each
@@ -41,8 +43,8 @@ BENCH_MODEL = dict(
 )
 
 
-def hf_runner(path: Path, prompts: list[list[int]]):
-    model = load_hf(path)
+def hf_runner(path: Path, prompts: list[list[int]], dtype: str = "float32"):
+    model = load_hf(path, getattr(torch, dtype))
     ids = torch.tensor(prompts, dtype=torch.long)
     gen_cfg = copy.deepcopy(model.generation_config)
     gen_cfg.eos_token_id = []  # never stop early (None would fall back to config.json's EOS)
@@ -57,8 +59,10 @@ def hf_runner(path: Path, prompts: list[list[int]]):
     return run
 
 
-def splash_runner(path: Path, prompts: list[list[int]], block_size: int):
+def splash_runner(path: Path, prompts: list[list[int]], block_size: int, dtype: str = "float32",
+                  attention_backend: str = "torch"):
     llm = LLM(str(path), block_size=block_size, max_num_batched_tokens=4096, max_num_seqs=len(prompts),
+              dtype=dtype, kv_cache_dtype=dtype, attention_backend=attention_backend,
               kv_cache_memory_bytes=256 << 20, comm=SingleRankCommunicator())
 
     def run(new: int) -> list[list[int]]:
@@ -108,6 +112,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (greedy, EOS ignored)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
+    ap.add_argument("--json", help="append a summary record (ratios, tok/s, token agreement) to this JSON file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -119,7 +126,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_deepseek(Path(tmp) / "bench", tokenizer=False, **BENCH_MODEL)
         prompts = random_prompts([args.prompt_len] * args.batch, seed=0, vocab=BENCH_MODEL["vocab_size"])
-        res = measure({"hf": hf_runner(path, prompts), "splash": splash_runner(path, prompts, args.block_size)},
+        res = measure({"hf": hf_runner(path, prompts, args.dtype),
+                       "splash": splash_runner(path, prompts, args.block_size, args.dtype, args.attention_backend)},
                       args.batch, args.new, args.repeats)
         hf, ours = res["hf"], res["splash"]
         same = [a == b for a, b in zip(ours["tokens"], hf["tokens"])]
@@ -128,7 +136,7 @@ def main() -> None:
         gaps = [near_tie_gap(path, prompts[i], hf["tokens"][i][:j]) for i, j in diverged]
 
     table = Table(title=f"Single-rank greedy decode: batch {args.batch} x prompt {args.prompt_len} -> "
-                        f"{args.new} new tokens, fp32, {args.threads} thread(s), torch {torch.__version__}, "
+                        f"{args.new} new tokens, {args.dtype}, {args.threads} thread(s), torch {torch.__version__}, "
                         f"best of {args.repeats} interleaved runs")
     for col in ("engine", "clock", "prefill + 1st token (s)", "total (s)", "decode tok/s", "end-to-end tok/s"):
         table.add_column(col, justify="right")
@@ -144,9 +152,24 @@ def main() -> None:
     console = Console(width=130)
     console.print(table)
     console.print(f"identical greedy tokens: {sum(same)}/{args.batch} requests")
+    if args.json:
+        write_json(args, hf, ours, sum(same))
     for (i, j), gap in zip(diverged, gaps):
         console.print(f"  request {i} diverges at new token {j} (HF's top-2 logit gap there: {gap:.2e}); with "
                       "MoE an fp32-level near-tie in expert routing upstream can also flip a token")
+
+
+def write_json(args, hf: dict, ours: dict, same: int) -> None:
+    import json
+
+    path = Path(args.json)
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rec = {"prompt_len": args.prompt_len, "batch": args.batch, "new": args.new, "dtype": args.dtype,
+           "attention_backend": args.attention_backend, "identical_requests": same}
+    for kind in ("wall", "cpu"):
+        rec[f"decode_ratio_{kind}"] = ours[kind]["decode_tps"] / hf[kind]["decode_tps"]
+        rec[f"hf_decode_tps_{kind}"], rec[f"splash_decode_tps_{kind}"] = hf[kind]["decode_tps"], ours[kind]["decode_tps"]
+    path.write_text(json.dumps(rows + [rec], indent=1) + "\n")
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ class DecodeState:
         nb = -(-self.L // bs)
         for rid, owner in self.owners.items():
             held = [b for b, h in enumerate(kv_holders(r.layout, nb, owner, self.comm.size)) if me in h]
-            r.bm.ensure(rid, held)
+            r.ensure_blocks(rid, held)
             t = r.bm.table(rid)
             for layer in range(r.cfg.num_hidden_layers):
                 for b in held:

@@ -7,12 +7,17 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
+# The Triton attention kernel runs in Triton's interpreter on a machine without a GPU; the switch must be set
+# before anything imports triton (transformers' DeepSeek-V3 module does), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hf_models import VARIANTS, load_hf, make_tiny_deepseek
 
 # The tiny models are latency-bound: one thread avoids OpenMP spin-waits on this shared 2-core machine, where a

@@ -102,23 +102,3 @@ def test_config_eos_ends_request(tiny_ckpt, hf_ref, comm):
                                                  SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])
     assert stop.token_ids == ref[:ref.index(eos) + 1] and stop.finish_reason == "stop"
     assert full.token_ids == ref and full.finish_reason == "length"
-
-
-def test_attend_latent_matches_dense_reference():
-    """The split-score attention used by every layout equals the concatenated-KV reference, including rows that
-    see no key (õ = 0, LSE = -inf) and an empty key set."""
-    from splash.attention.mla import attend_dense, attend_latent
-
-    g = torch.Generator().manual_seed(0)
-    B, H, S, dc, dr = 3, 4, 9, 16, 4
-    q = torch.randn(B, H, dc + dr, generator=g)
-    c, k = torch.randn(B, S, dc, generator=g), torch.randn(B, S, dr, generator=g)
-    valid = torch.rand(B, 1, S, generator=g) > 0.3
-    valid[1] = False
-    o, lse = attend_latent(q, c, k, valid, 0.3)
-    o_ref, lse_ref = attend_dense(q[:, None], torch.cat([c, k], -1), valid, dc, 0.3)
-    assert torch.allclose(o, o_ref[:, 0], atol=1e-5) and torch.equal(o[1], torch.zeros(H, dc))
-    assert torch.equal(lse.isinf(), lse_ref[:, 0].isinf()) and lse[1].eq(float("-inf")).all()
-    assert torch.allclose(lse[0], lse_ref[0, 0], atol=1e-5)
-    o0, l0 = attend_latent(q, c[:, :0], k[:, :0], valid[..., :0], 0.3)
-    assert torch.equal(o0, torch.zeros(B, H, dc)) and l0.eq(float("-inf")).all()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from splash.attention import mla
-from splash.attention.batch import StepBatch, StepRequest, attend_plan, build_attn_plan
+from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.metadata import build_metadata
 from splash.layouts.ownership import cp_block_rank
 
 
@@ -21,17 +22,18 @@ class CPAttention:
     def prepare(self, batch: StepBatch) -> None:
         r = self.r
         for q in batch.reqs:
-            r.bm.ensure(q.req_id, [b for b in r.new_logical_blocks(q) if self._mine(q, b)])
-        self.plan = build_attn_plan(batch.reqs, r.bm.table, r.block_size, self._mine)
+            r.ensure_blocks(q.req_id, [b for b in r.new_logical_blocks(q) if self._mine(q, b)])
+        self.meta = build_metadata(batch.reqs, r.tables, cp=(r.comm.size, r.comm.rank))
+        r.attn.plan(self.meta)
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r, cfg, p = self.r, self.r.cfg, self.plan
+        r, cfg, p = self.r, self.r.cfg, self.meta
         w = r.weights.layers[layer].attn
         q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)
         wr = p.write_rows
         c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x[wr], cos[wr], sin[wr])
         r.cache.write(layer, p.write_slots, c, kpe)
-        o, lse = attend_plan(r.cache, layer, p, q, cfg.kv_lora_rank, cfg.softmax_scale)
+        o, lse = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)  # partial over this rank's positions
         if r.comm.size > 1:
             n, h, dc = o.shape
             packed = torch.cat([o.reshape(n, h * dc), lse], dim=1).contiguous()

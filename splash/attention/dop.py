@@ -9,13 +9,12 @@ from __future__ import annotations
 import torch
 
 from splash.attention import mla
-from splash.attention.batch import attend_plan
 from splash.attention.grouping import OwnedAttention
 
 
 class DOPAttention(OwnedAttention):
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r, cfg, g, p = self.r, self.r.cfg, self.g, self.plan
+        r, cfg, g, p = self.r, self.r.cfg, self.g, self.meta
         T, dc = r.comm.size, cfg.kv_lora_rank
         w = r.weights.layers[layer].attn
         q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)          # [N, H_l, D]
@@ -24,12 +23,12 @@ class DOPAttention(OwnedAttention):
         r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
         n, hl, d = len(rows), q.shape[1], q.shape[2]
         if T == 1:
-            o_local, _ = attend_plan(r.cache, layer, p, q, dc, cfg.softmax_scale)
+            o_local, _ = mla.attend(r.attn, layer, q, r.cache, dc)
             return mla.out_projection(w, o_local)
         send = q[g.by_owner].reshape(-1, hl * d).contiguous()
         recv = r.comm.all_to_allv(send, g.counts, [n] * T)               # [T * n, H_l * D], by source rank
         q_own = recv.view(T, n, hl, d).permute(1, 0, 2, 3).reshape(n, T * hl, d)
-        o, _ = attend_plan(r.cache, layer, p, q_own, dc, cfg.softmax_scale)  # [n, H, dc]
+        o, _ = mla.attend(r.attn, layer, q_own, r.cache, dc)  # [n, H, dc]
         back = o.view(n, T, hl, dc).permute(1, 0, 2, 3).reshape(T * n, hl * dc).contiguous()
         o_local = r.comm.all_to_allv(back, [n] * T, g.counts).view(-1, hl, dc)  # rows grouped by owner
         out = mla.out_projection(w, g.to_step_order(o_local))

@@ -5,19 +5,18 @@ from __future__ import annotations
 import torch
 
 from splash.attention import mla
-from splash.attention.batch import attend_plan
 from splash.attention.grouping import OwnedAttention
 
 
 class DPAttention(OwnedAttention):
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r, cfg, g, p = self.r, self.r.cfg, self.g, self.plan
+        r, cfg, g, p = self.r, self.r.cfg, self.g, self.meta
         w = r.weights.layers[layer].attn
         rows = g.rows_mine
         xm, cm, sm = x[rows], cos[rows], sin[rows]
         q, c, kpe = mla.query_and_latent(cfg, r.model.rope, w, xm, cm, sm)
         r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
-        o, _ = attend_plan(r.cache, layer, p, q, cfg.kv_lora_rank, cfg.softmax_scale)
+        o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
         out = mla.out_projection(w, o)
         if r.comm.size == 1:
             return out

@@ -42,10 +42,11 @@ class OwnedAttention:
         self.r = runner
 
     def prepare(self, batch: StepBatch) -> None:
-        from splash.attention.batch import build_attn_plan
+        from splash.attention.metadata import build_metadata
 
         r = self.r
         self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
         for q in self.g.mine:
-            r.bm.ensure(q.req_id, r.new_logical_blocks(q))
-        self.plan = build_attn_plan(self.g.mine, r.bm.table, r.block_size, lambda q, b: True)
+            r.ensure_blocks(q.req_id, r.new_logical_blocks(q))
+        self.meta = build_metadata(self.g.mine, r.tables)
+        r.attn.plan(self.meta)

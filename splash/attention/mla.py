@@ -71,7 +71,7 @@ def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
 
 def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: int,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched latent attention.
+    """Dense latent attention over explicit keys (the reference the paged kernels are tested against).
 
     q [B, Q, H, D]; kv [B, S, D] (D = d_c + d_r, fp32); valid [B, Q, S] bool.
     Returns õ [B, Q, H, d_c] and natural-log LSE [B, Q, H]; rows with no valid key give õ = 0, LSE = -inf.
@@ -85,26 +85,10 @@ def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: in
     return o, lse
 
 
-def attend_latent(q: torch.Tensor, c: torch.Tensor, kpe: torch.Tensor, valid: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_dense` without materialising [c_kv ; k_rope]: the score is q_lat·c + q_rope·k_rope (two bmm).
-
-    q [B, M, d_c + d_r] (M query rows per batch entry, e.g. heads); c [B, S, d_c]; kpe [B, S, d_r] (fp32);
-    valid [B, M or 1, S] bool. Returns õ [B, M, d_c] and natural-log LSE [B, M] (õ = 0, LSE = -inf where no
-    key is valid). The softmax normalisation is applied after the value bmm (one division per output row)."""
-    d_c = c.shape[-1]
-    if c.shape[1] == 0:  # no keys at all (a CP rank holding none of these requests' blocks; an idle rank)
-        return q.new_zeros(*q.shape[:2], d_c, dtype=torch.float32), q.new_full(q.shape[:2], float("-inf"),
-                                                                               dtype=torch.float32)
-    qf = q.float()
-    scores = torch.baddbmm(torch.bmm(qf[..., d_c:], kpe.transpose(1, 2)), qf[..., :d_c], c.transpose(1, 2))
-    scores.mul_(scale).masked_fill_(~valid, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = scores.sub_(m).exp_()
-    denom = p.sum(dim=-1, keepdim=True)
-    o = torch.bmm(p, c).div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
-    return o, (m + denom.log()).squeeze(-1)
+def attend(kernel, layer: int, q: torch.Tensor, cache, d_c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed queries q̃ [n, H, d_c + d_r] of the planned rows -> (õ [n, H, d_c], natural-log LSE [n, H]) over
+    this rank's paged cache, through the step's attention kernel (splash.attention.kernels)."""
+    return kernel.run(layer, q[..., :d_c], q[..., d_c:], cache)
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

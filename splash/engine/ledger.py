@@ -41,10 +41,16 @@ class KVLedger:
         return [owner]
 
     def _need(self, owner: int, b0: int, b1: int, layout: str | None = None) -> list[int]:
-        need = [0] * self.world
-        for b in range(b0, b1):
-            for r in self.holders(b, owner, layout):
-                need[r] += 1
+        """Blocks each rank holds of logical blocks [b0, b1) of a request: closed form, O(world) (not O(blocks)),
+        so rank 0 does no per-step work proportional to context."""
+        lay, n, w = layout or self.layout, max(0, b1 - b0), self.world
+        if lay == "tp":
+            return [n] * w
+        if lay == "cp":  # block b lives on rank (b + owner) % w: count x in [b0 + owner, b1 + owner), x ≡ r (mod w)
+            lo, hi = b0 + owner, b0 + owner + n
+            return [-(-(hi - r) // w) - -(-(lo - r) // w) for r in range(w)]
+        need = [0] * w
+        need[owner] = n
         return need
 
     def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:

@@ -13,6 +13,7 @@ import torch
 from splash.attention.batch import StepBatch, StepRequest
 from splash.kv import quant
 from splash.kv.block_manager import BlockManager
+from splash.kv.page_table import PageTable
 from splash.kv.paged_cache import PagedLatentCache
 from splash.models.build import build_weights
 from splash.models.config import ModelConfig
@@ -44,8 +45,9 @@ def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None =
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, get, comm, layout: str = "tp", kv_dtype: str = "float32",
                  block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
-                 layout_kv_dtypes: Mapping[str, str] | None = None):
+                 layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch"):
         from splash.attention.executors import head_range_for, make_executor
+        from splash.attention.kernels import make_kernel
         from splash.layouts.layout import parse_layout
 
         layout = parse_layout(layout).value
@@ -61,12 +63,26 @@ class ModelRunner:
         self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
                                       cfg.qk_rope_head_dim, self.kv_dtype)
         self.bm = BlockManager(num_blocks, block_size)
+        self.tables = PageTable(block_size)   # the block manager's tables as tensors, for the attention kernel
+        self.attention_backend = attention_backend
+        self.attn = make_kernel(attention_backend, cfg.softmax_scale)
         self.executor = make_executor(layout, self)
+
+    def ensure_blocks(self, req: str, logical: list[int]) -> None:
+        """Allocate `req`'s missing blocks among `logical` and append them to its page-table row."""
+        new = self.bm.ensure(req, logical)
+        if new:
+            self.tables.append(req, new)
+
+    def sync_tables(self, reqs) -> None:
+        """Rewrite the page-table rows of `reqs` from the block manager (after a switch moved their blocks)."""
+        for req in reqs:
+            self.tables.rewrite(req, self.bm.table(req))
 
     def new_logical_blocks(self, q: StepRequest) -> list[int]:
         """Logical blocks touched by the new tokens of `q`."""
-        if q.num_new == 0:
-            return []
+        if q.num_new == 0 or (q.num_new == 1 and q.start_pos % self.block_size):
+            return []  # a decode token inside a page: its page holds the previous position, so is held already
         return list(range(q.start_pos // self.block_size, (q.end_pos - 1) // self.block_size + 1))
 
     @torch.inference_mode()
@@ -93,3 +109,4 @@ class ModelRunner:
 
     def release(self, req_id: str) -> None:
         self.bm.release(req_id)
+        self.tables.release(req_id)

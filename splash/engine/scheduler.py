@@ -33,6 +33,19 @@ class Request:
     def pending(self) -> int:
         return len(self.prompt) + len(self.output) - self.num_cached
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, a: int, b: int) -> tuple[int, ...]:
+        """tokens[a:b] without building prompt + output (O(b - a), not O(context))."""
+        p = len(self.prompt)
+        if b <= p:
+            return tuple(self.prompt[a:b])
+        if a >= p:
+            return tuple(self.output[a - p:b - p])
+        return tuple(self.prompt[a:]) + tuple(self.output[:b - p])
+
 
 @dataclass(frozen=True)
 class Scheduled:
@@ -99,8 +112,8 @@ class Scheduler:
         if not self.ledger.can_grow(req.req_id, end, owner):
             return None
         self.ledger.grow(req.req_id, end, owner)
-        toks = tuple(req.tokens[req.num_cached:end])
-        return Scheduled(req.req_id, req.num_cached, toks, end == len(req.prompt) + len(req.output), owner)
+        toks = req.token_slice(req.num_cached, end)
+        return Scheduled(req.req_id, req.num_cached, toks, end == req.num_tokens, owner)
 
     def schedule(self) -> StepPlan:
         items: list[Scheduled] = []
@@ -148,7 +161,7 @@ class Scheduler:
             req.output.append(tok)
             if tok in req.stop_ids:
                 req.finish_reason = "stop"
-            elif len(req.output) >= req.max_tokens or len(req.tokens) >= req.max_len:
+            elif len(req.output) >= req.max_tokens or req.num_tokens >= req.max_len:
                 req.finish_reason = "length"
             if req.finish_reason:
                 self.running.remove(req)

@@ -144,7 +144,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         advance = ticker.__enter__() if ticker else (lambda: None)
         try:
             runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, c.block_size, blocks,
-                                 dtype, kv_dtypes)
+                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend)
         except ValueError as e:
             raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
     finally:

@@ -49,6 +49,7 @@ class SwitchExecutor:
             by_req[req].append(b)
         for req, blocks in by_req.items():
             self.pending_free += bm.detach(req, blocks)
+        r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
         self.w_action = m.action("proj")
         dst = m.dst.value
         new_heads = head_range_for(dst, r.cfg.num_attention_heads, m.world, me)

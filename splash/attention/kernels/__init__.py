@@ -1,0 +1,39 @@
+"""The MLA attention-kernel interface every layout uses, and the implementations behind it (chosen by name).
+
+    kernel = make_kernel(name, softmax_scale)       # "torch" (CPU reference) or "triton" (our Triton kernels)
+    kernel.plan(metadata)                           # once per step (splash.attention.metadata.AttnMetadata)
+    o_latent, lse = kernel.run(layer, q_latent, q_rope, cache)   # per layer
+
+`q_latent` [N, H, d_c] and `q_rope` [N, H, d_r] are the absorbed queries of the metadata's rows (any number of
+heads H); `cache` is the rank's `PagedLatentCache`, read in place through the page table in any of its formats
+(fp32, bf16, fp8_e4m3 and int8 with per-token per-128-group scales, dequantised inside the kernel). Returns the
+latent output õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, õ = 0 for a row that sees no key
+here), so CP's and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode
+rows go in one call. A kernel whose native LSE is base 2 converts inside its wrapper.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+KERNELS = ("torch", "triton")
+
+
+class AttentionKernel(Protocol):
+    name: str
+
+    def plan(self, meta) -> None: ...
+
+    def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
+            cache) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def make_kernel(name: str, softmax_scale: float) -> AttentionKernel:
+    if name == "torch":
+        from splash.attention.kernels.torch_mla import TorchMLAKernel
+        return TorchMLAKernel(softmax_scale)
+    if name == "triton":
+        from splash.attention.kernels.triton_mla import TritonMLAKernel
+        return TritonMLAKernel(softmax_scale)
+    raise ValueError(f"attention_backend {name!r} is not available here (built: {', '.join(KERNELS)})")

@@ -1,0 +1,205 @@
+"""`torch` MLA attention (the CPU backend's kernel): split-KV online softmax over the paged cache, read in place.
+
+Requests are grouped — all decode requests (one query row each) form one group, sorted by page count so the
+requests still active in a chunk are a prefix; each prefill request is a group of its query rows. A group walks
+its pages in chunks of `C` pages: it gathers just those pages of the pool (`index_select` on page ids from the
+page table), dequantises them (fp8/int8 × their per-token per-128-group scales), scores the chunk, masks keys
+past each query's position, and folds the chunk into a running (max, sum, õ) in fp32. `C` is chosen so one
+chunk's buffers stay under `scratch_bytes` whatever the batch and context (at least one page per request), so
+the working set is bounded. Page ids and masks of a chunk depend only on the step, not the layer: they are
+computed on the first layer and reused by later ones while they fit `index_cache_bytes`.
+
+Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the
+two score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16
+units (AVX2 only, like this host) torch's bf16 bmm is 7–27x slower than fp32, so "auto" keeps fp32 there.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from splash.kv import quant
+
+SCRATCH_BYTES = 32 << 20      # bound on one chunk's working buffers
+INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
+
+
+def cpu_has_bf16() -> bool:
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@dataclass
+class _Group:
+    reqs: torch.Tensor        # [G] request indices, in step order
+    rows: torch.Tensor        # [G * Q] query rows, request-major
+    q: int                    # query rows per request
+    order: torch.Tensor       # [G] permutation sorting `reqs` by page count, descending (multi-chunk walks)
+    npages: list[int]         # page counts, ascending (for bisect: how many requests reach a page)
+    max_pages: int
+    all_rows: bool = False    # the group is every row of the step, in order
+
+
+class TorchMLAKernel:
+    name = "torch"
+
+    def __init__(self, softmax_scale: float, scratch_bytes: int = SCRATCH_BYTES,
+                 index_cache_bytes: int = INDEX_CACHE_BYTES, compute_dtype: str = "auto"):
+        if compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be auto, float32 or bfloat16, got {compute_dtype!r}")
+        self.scale, self.scratch_budget, self.index_budget = softmax_scale, scratch_bytes, index_cache_bytes
+        self.compute_dtype = compute_dtype
+        self.peak_scratch_bytes = 0   # largest chunk working set seen (bytes of the tensors it allocated)
+        self.meta = None
+
+    # ---- per step -----------------------------------------------------------------------------------------
+    def plan(self, meta) -> None:
+        """Group the step's requests: O(requests)."""
+        self.meta, self.groups, self._index, self._index_bytes = meta, [], {}, 0
+        lens = meta.q_lens
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        qo = meta.qo_indptr.tolist()
+        if dec:
+            idx = torch.tensor(dec, dtype=torch.long)
+            npg = meta.num_pages[idx]
+            order = torch.sort(npg, descending=True, stable=True).indices
+            counts = npg[order].tolist()
+            self.groups.append(_Group(idx, meta.qo_indptr[idx].long(), 1, order, counts[::-1], counts[0],
+                                      len(dec) == len(lens)))
+        for i, n in enumerate(lens):
+            if n > 1:
+                np_i = int(meta.num_pages[i])
+                self.groups.append(_Group(torch.tensor([i]), torch.arange(qo[i], qo[i + 1]), n, torch.zeros(1, dtype=torch.long),
+                                          [np_i], np_i, len(lens) == 1))
+
+    def _dtype(self, cache, layer: int) -> torch.dtype:
+        if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and cache.kv_dtype_of(layer) != "float32"
+                                                and cpu_has_bf16()):
+            return torch.bfloat16
+        return torch.float32
+
+    def chunk_pages(self, g: _Group, heads: int, d_c: int, d_r: int, bs: int) -> int:
+        """Pages per chunk so one chunk's buffers (dequantised KV, raw pages, scores + probabilities, mask, page
+        ids) stay within the scratch budget; at least one page."""
+        per_page = bs * (8 * (d_c + d_r) + g.q * (8 * heads + 1)) + 16
+        return max(1, min(g.max_pages, self.scratch_budget // max(1, len(g.reqs) * per_page)))
+
+    def scratch_bound(self, heads: int, d_c: int, d_r: int) -> int:
+        """The most bytes one chunk of this step's plan may allocate (what `chunk_pages` bounds)."""
+        bs, worst = self.meta.block_size, 0
+        for g in self.groups:
+            c = self.chunk_pages(g, heads, d_c, d_r, bs)
+            worst = max(worst, len(g.reqs) * c * (bs * (8 * (d_c + d_r) + g.q * (8 * heads + 1)) + 16))
+        return worst
+
+    # ---- per layer ----------------------------------------------------------------------------------------
+    def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
+            cache) -> tuple[torch.Tensor, torch.Tensor]:
+        n, h, d_c = q_latent.shape
+        o = torch.zeros(n, h, d_c, dtype=torch.float32)
+        lse = torch.full((n, h), float("-inf"), dtype=torch.float32)
+        for gi, g in enumerate(self.groups):
+            C = self.chunk_pages(g, h, d_c, q_rope.shape[2], self.meta.block_size)
+            single = C >= g.max_pages        # one chunk: step order, plain softmax
+            rows = g.rows if single else g.rows.view(len(g.reqs), g.q)[g.order].reshape(-1)
+            if single and g.all_rows:
+                return self._attend(gi, g, layer, q_latent, q_rope, cache, C, single)
+            o[rows], lse[rows] = self._attend(gi, g, layer, q_latent[rows], q_rope[rows], cache, C, single)
+        return o, lse
+
+    def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, C: int,
+                single: bool):
+        """Rows of group `g` (step order if `single`, else sorted by page count) -> (õ, LSE) in that order."""
+        G, h, d_c, d_r = len(g.reqs), ql.shape[1], ql.shape[2], qr.shape[2]
+        dt = self._dtype(cache, layer)
+        ql = ql.reshape(G, g.q * h, d_c).to(dt)
+        qr = qr.reshape(G, g.q * h, d_r).to(dt)
+        if single:
+            return self._attend_once(gi, g, layer, ql, qr, cache, dt)
+        m = torch.full((G, g.q * h, 1), float("-inf"))
+        s = torch.zeros(G, g.q * h, 1)
+        acc = torch.zeros(G, g.q * h, d_c)
+        for j in range(0, g.max_pages, C):
+            a = G - bisect_left(g.npages, j + 1)   # requests holding more than j pages: a prefix
+            pid, valid = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
+            c, kpe, raw = _read_pages(cache, layer, pid, dt)
+            sc = torch.baddbmm(torch.bmm(qr[:a], kpe.transpose(1, 2)), ql[:a], c.transpose(1, 2)).float()
+            sc.mul_(self.scale).view(a, g.q, h, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
+            cm = sc.amax(dim=-1, keepdim=True)
+            m_new = torch.maximum(m[:a], cm)
+            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            alpha = torch.exp(m[:a] - m_safe)
+            p = sc.sub_(m_safe).exp_()
+            s[:a] = s[:a] * alpha + p.sum(dim=-1, keepdim=True)
+            acc[:a] = acc[:a] * alpha + torch.bmm(p.to(dt), c).float()
+            m[:a] = m_new
+            self._track(c, kpe, raw, sc, pid, valid)
+        o = acc / s.clamp_min(torch.finfo(torch.float32).tiny)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        lse = (m_safe + s.log()).squeeze(-1)
+        return o.view(G * g.q, h, d_c), lse.view(G * g.q, h)
+
+    def _attend_once(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, dt):
+        """Every page of the group in one chunk (short histories: most decode steps): a plain masked softmax."""
+        G, h, d_c = len(g.reqs), ql.shape[1] // g.q, ql.shape[2]
+        pid, valid = self._chunk_index(gi, g, g.reqs, 0, g.max_pages, G)
+        if pid.shape[1] == 0:  # no page of these requests here (a CP rank holding none of them)
+            return (torch.zeros(G * g.q, h, d_c), torch.full((G * g.q, h), float("-inf")))
+        c, kpe, raw = _read_pages(cache, layer, pid, dt)
+        sc = torch.baddbmm(torch.bmm(qr, kpe.transpose(1, 2)), ql, c.transpose(1, 2)).float()
+        sc.mul_(self.scale).view(G, g.q, h, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
+        m = sc.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = sc.sub_(m).exp_()
+        den = p.sum(dim=-1, keepdim=True)
+        o = torch.bmm(p.to(dt), c).float().div_(den.clamp_min(torch.finfo(torch.float32).tiny))
+        self._track(c, kpe, raw, sc, pid, valid)
+        return o.view(G * g.q, h, d_c), (m + den.log()).view(G * g.q, h)
+
+    def _chunk_index(self, gi: int, g: _Group, reqs_all: torch.Tensor, j: int, C: int,
+                     a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids [a, c] of pages j..j+C of the first `a` of `reqs_all` (the group's requests in the order
+        walked), and the mask [a, Q, c × bs] of keys each query row sees (page held, position <= the query's);
+        cached across layers within the budget."""
+        key = (gi, j, C)
+        hit = self._index.get(key)
+        if hit is not None:
+            return hit
+        meta, bs = self.meta, self.meta.block_size
+        reqs = reqs_all[:a]
+        rows = meta.req_rows[reqs]
+        cols = slice(j, min(j + C, meta.pages.shape[1]))
+        pid = meta.pages[rows, cols].long()
+        held = (torch.arange(cols.start, cols.stop)[None, :] < meta.num_pages[reqs].long()[:, None])
+        pid = pid * held
+        kpos = (meta.logical[rows, cols].long()[:, :, None] * bs + torch.arange(bs)).view(a, -1)
+        qpos = meta.q_pos[(meta.qo_indptr[reqs].long()[:, None] + torch.arange(g.q))]   # [a, Q]
+        valid = (held[:, :, None].expand(-1, -1, bs).reshape(a, -1)[:, None, :]
+                 & (kpos[:, None, :] <= qpos[:, :, None]))
+        size = pid.numel() * 8 + valid.numel()
+        if self._index_bytes + size <= self.index_budget:
+            self._index[key] = (pid, valid)
+            self._index_bytes += size
+        return pid, valid
+
+    def _track(self, *tensors) -> None:
+        used = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        self.peak_scratch_bytes = max(self.peak_scratch_bytes, used)
+
+
+def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype):
+    """Pages `pid` [a, c] of one layer -> (c_kv [a, c × bs, d_c], k_rope [a, c × bs, d_r]) in `dt`, dequantised
+    here for fp8/int8 (per-token per-128-group scales); also returns the raw quantised gather (for accounting)."""
+    a, c = pid.shape
+    flat = pid.reshape(-1)
+    ckv = cache.ckv[layer].index_select(0, flat)              # [a*c, bs, d_c] in storage dtype
+    kpe = cache.kpe[layer].index_select(0, flat)
+    raw = None
+    if cache.scale[layer] is not None:
+        raw = ckv
+        ckv = quant.dequantize(ckv, cache.scale[layer].index_select(0, flat))
+    bs = ckv.shape[1]
+    return (ckv.reshape(a, c * bs, -1).to(dt), kpe.reshape(a, c * bs, -1).to(dt), raw)

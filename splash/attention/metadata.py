@@ -1,0 +1,93 @@
+"""A step's attention metadata on one rank: built in O(requests + new tokens), never O(context).
+
+Query rows are CSR over the step's local requests (`qo_indptr`); each request points at its row of the rank's
+page table (`splash.kv.page_table.PageTable`, read in place: `pages`, and `logical` for the positions of CP's
+non-contiguous pages) with `num_pages`, `kv_len` (held tokens visible to its last query) and
+`kv_last_page_len`. A key at position t is visible to a query row at position p when t <= p (causal within a
+prefill chunk and over the history; the unwritten tail of a last page lies past every query). New KV goes to
+`write_slots` (slot = physical page × block_size + offset), from rows `write_rows`.
+
+Kernels that want FlashInfer-style CSR pages (`kv_indptr`, `kv_indices`) get them from `csr()`: one vectorised
+gather over the held pages, computed on demand and cached for the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splash.attention.batch import StepRequest
+from splash.kv.page_table import PageTable
+
+
+@dataclass
+class AttnMetadata:
+    block_size: int
+    q_lens: list[int]            # query rows per request (python, for kernels that group requests)
+    qo_indptr: torch.Tensor      # [B + 1] int32
+    q_pos: torch.Tensor          # [N] int64: absolute position of each query row
+    row_req: torch.Tensor        # [N] int64: request index of each query row
+    req_rows: torch.Tensor       # [B] int64: page-table row of each request
+    num_pages: torch.Tensor      # [B] int32: pages held here
+    kv_len: torch.Tensor         # [B] int32: held tokens at positions < the request's end
+    kv_last_page_len: torch.Tensor  # [B] int32 (0 when no page is held)
+    pages: torch.Tensor          # [R, P] int32: the page table, physical pages (read in place)
+    logical: torch.Tensor        # [R, P] int32: logical block of each page
+    write_rows: torch.Tensor     # [W] int64
+    write_slots: torch.Tensor    # [W] int64
+    _csr: tuple | None = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.q_pos.numel())
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.q_lens)
+
+    def csr(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv_indptr [B + 1] int32, kv_indices [P] int32 physical pages, kv_logical [P] int32 logical blocks)."""
+        if self._csr is None:
+            n = self.num_pages.long()
+            width = int(n.max()) if n.numel() else 0
+            take = torch.arange(width)[None, :] < n[:, None]
+            indptr = torch.zeros(len(n) + 1, dtype=torch.int32)
+            torch.cumsum(n, 0, out=indptr[1:])
+            self._csr = (indptr, self.pages[self.req_rows, :width][take], self.logical[self.req_rows, :width][take])
+        return self._csr
+
+
+def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, int] | None = None) -> AttnMetadata:
+    """Metadata for `reqs` (this rank's requests of the step, in row order), whose new tokens' pages are already
+    in `tables`. `cp=(world, rank)`: CP placement — block b of a request anchored at rank a lives on rank
+    (b + a) % world (`splash.layouts.ownership.cp_block_rank`), where it is the request's (b // world)-th page;
+    None: this rank holds every block of `reqs`. Python work is one pass over the requests; the rest is a few
+    tensor ops over the requests and the new tokens."""
+    bs = tables.block_size
+    tables.flush()
+    known = tables._row
+    rows = [known[i] if i in known else tables.row(i) for i in (q.req_id for q in reqs)]
+    q_lens = [q.num_new for q in reqs]
+    starts = torch.tensor([q.start_pos for q in reqs], dtype=torch.long)
+    lens = torch.tensor(q_lens, dtype=torch.long)
+    req_rows = torch.tensor(rows, dtype=torch.long)
+    qo = torch.zeros(len(reqs) + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=qo[1:])
+    n = int(qo[-1])
+    row_req = torch.repeat_interleave(torch.arange(len(reqs)), lens, output_size=n)
+    q_pos = starts[row_req] + torch.arange(n) - qo[:-1][row_req]
+    blk = q_pos // bs
+    if cp is None:
+        w_rows, col = torch.arange(n), blk
+    else:
+        world, rank = cp
+        anchors = torch.tensor([q.owner for q in reqs], dtype=torch.long)
+        w_rows = torch.nonzero((blk + anchors[row_req]) % world == rank).squeeze(1)
+        col = blk[w_rows] // world
+    w_slots = tables.pages[req_rows[row_req[w_rows]], col].long() * bs + q_pos[w_rows] % bs
+    npages = tables.npages[req_rows]
+    last = tables.logical[req_rows, (npages.long() - 1).clamp_min(0)].long()
+    last_len = ((starts + lens) - last * bs).clamp(0, bs) * (npages > 0)
+    kv_len = ((npages.long() - 1).clamp_min(0) * bs + last_len).to(torch.int32)
+    return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, npages, kv_len,
+                        last_len.to(torch.int32), tables.pages, tables.logical, w_rows, w_slots)
