@@ -16,7 +16,8 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.auto_layout import make_auto_layout, request_views
 from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.sampling import SamplingParams, make_generator, sample
+from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 
 
@@ -25,6 +26,8 @@ class TokenEvent:
     req_id: str
     token: int
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None                  # when the request asked for `logprobs`
+    prompt_logprobs: list[TokenLogprobs] | None = None     # prompt tokens 1.. (first event, `prompt_logprobs`)
 
 
 class Engine:
@@ -46,7 +49,8 @@ class Engine:
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.params: dict[str, SamplingParams] = {}
-        self.gens: dict[str, torch.Generator | None] = {}
+        self.sampler = Sampler(runner.cfg.vocab_size)
+        self._plp: dict[str, list] = {}   # req_id -> [prompt TokenLogprobs so far, delivered]
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
@@ -70,9 +74,11 @@ class Engine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= set(self.runner.cfg.eos_ids)
+        self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
         self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len))
         self.params[req_id] = params
-        self.gens[req_id] = make_generator(params)
+        if params.prompt_logprobs is not None:
+            self._plp[req_id] = [[], False]
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -137,25 +143,55 @@ class Engine:
             gone = set(plan.release)
             switch["reqs"] = {rid: v for rid, v in switch["reqs"].items() if rid not in gone}
         msg = {"kind": "step", "items": [(s.req_id, s.start_pos, s.tokens, s.sample, s.owner) for s in plan.items],
-               "release": plan.release, "switch": switch}
+               "release": plan.release, "switch": switch, "logits": self._prompt_logit_items(plan)}
         self.comm.broadcast_obj(msg)
         t0 = time.perf_counter()
         logits = self._execute(msg)
         if self.auto is not None and plan.items:
             rows = [(len(s.tokens), s.start_pos, s.owner) for s in plan.items]
             self.auto.observe(self.layout, rows, time.perf_counter() - t0, switched=switch is not None)
-        sampled: dict[str, int] = {}
-        rows = iter(range(logits.shape[0]))
-        greedy = logits.argmax(-1).tolist() if logits.numel() else []  # one op for every greedy row
-        for s in plan.items:
-            if s.sample:
-                row, params = next(rows), self.params[s.req_id]
-                sampled[s.req_id] = (greedy[row] if params.greedy
-                                     else sample(logits[row], params, self.gens[s.req_id]))
+        rids = [s.req_id for s in plan.items if s.sample]
+        toks, lps = self.sampler.sample(logits[:len(rids)], rids)   # every row at once (splash.engine.sampler)
+        self._take_prompt_logprobs(plan, msg["logits"], logits[len(rids):])
+        sampled = dict(zip(rids, toks))
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
+        events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid))
+                  for rid, tok, lp in zip(rids, toks, lps)]
         for rid in done:
             self._forget(rid)
-        return [TokenEvent(rid, tok, done.get(rid)) for rid, tok in sampled.items()]
+        return events
+
+    # ---- prompt logprobs: the logits of prompt rows, only for requests that ask --------------------------
+    def _prompt_logit_items(self, plan) -> list[int]:
+        """Items whose rows' logits every rank returns besides the sampled rows (the step message names them)."""
+        out = []
+        for i, s in enumerate(plan.items):
+            acc = self._plp.get(s.req_id)
+            if acc is not None and not acc[1] and s.start_pos < len(self.scheduler.requests[s.req_id].prompt) - 1:
+                out.append(i)
+        return out
+
+    def _take_prompt_logprobs(self, plan, items: list[int], logits: torch.Tensor) -> None:
+        """Row p of a piece predicts token p + 1: keep the prompt tokens 1..P-1 not yet recorded."""
+        row = 0
+        for i in items:
+            s = plan.items[i]
+            n = len(s.tokens) - (1 if s.sample else 0)
+            acc, req = self._plp[s.req_id][0], self.scheduler.requests[s.req_id]
+            first = len(acc) - s.start_pos   # rows before this one were recorded by an earlier piece
+            stop = min(n, len(req.prompt) - 1 - s.start_pos)
+            if stop > max(first, 0):
+                lo = max(first, 0)
+                targets = req.prompt[s.start_pos + lo + 1:s.start_pos + stop + 1]
+                acc += prompt_logprobs(logits[row + lo:row + stop], targets, self.params[s.req_id].prompt_logprobs)
+            row += n
+
+    def _deliver_prompt_logprobs(self, req_id: str) -> list[TokenLogprobs] | None:
+        acc = self._plp.get(req_id)
+        if acc is None or acc[1]:
+            return None
+        acc[1] = True
+        return acc[0]
 
     def stop(self) -> None:
         self.comm.broadcast_obj({"kind": "stop"})
@@ -177,6 +213,10 @@ class Engine:
         switch = self._switch_executor(msg.get("switch"))
         reqs = [StepRequest(rid, start, len(toks), owner) for rid, start, toks, _, owner in items]
         batch = StepBatch.build(reqs, [list(t) for _, _, t, _, _ in items], [s for _, _, _, s, _ in items])
+        if msg.get("logits"):   # prompt-logprob rows: logits of these items' rows follow the sampled rows
+            ranges = batch.row_ranges()
+            batch.sample_rows = batch.sample_rows + [r for i in msg["logits"]
+                                                     for r in ranges[i][:len(ranges[i]) - int(items[i][3])]]
         logits = self.runner.step(batch, switch)
         if switch is not None:
             self.weight_bytes_per_rank = self._measure_weights()
@@ -203,7 +243,8 @@ class Engine:
 
     def _forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)
-        self.gens.pop(req_id, None)
+        self.sampler.remove(req_id)
+        self._plp.pop(req_id, None)
 
     # ==== BEGIN server accessors (issue 5) — read-only views for splash-serve's metrics, console and API. ====
     @property

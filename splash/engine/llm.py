@@ -11,6 +11,7 @@ import torch
 
 from splash.engine.engine import Engine
 from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
+from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
 from splash.kv.paged_cache import PagedLatentCache
 
@@ -22,6 +23,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None   # one per token, with `SamplingParams.logprobs`
 
 
 @dataclass
@@ -30,6 +32,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # None first (vLLM's shape), with prompt_logprobs
 
     @property
     def token_ids(self) -> list[int]:
@@ -150,18 +153,23 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         outs: list[RequestOutput] = []
-        index: dict[str, CompletionOutput] = {}
+        index: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             out = RequestOutput(f"gen-{i}", list(p), [])
             for j in range(sp.n):
                 seed = None if sp.seed is None else sp.seed + j
                 rid = self.engine.add_request(list(p), replace(sp, n=1, seed=seed), f"gen-{i}-{j}")
-                index[rid] = CompletionOutput(j, [])
-                out.outputs.append(index[rid])
+                index[rid] = out, CompletionOutput(j, [], logprobs=None if sp.logprobs is None else [])
+                out.outputs.append(index[rid][1])
             outs.append(out)
         while self.engine.has_work():
             for ev in self.engine.step():
-                index[ev.req_id].token_ids.append(ev.token)
+                out, c = index[ev.req_id]
+                c.token_ids.append(ev.token)
+                if ev.logprobs is not None:
+                    c.logprobs.append(ev.logprobs)
+                if ev.prompt_logprobs is not None and out.prompt_logprobs is None:
+                    out.prompt_logprobs = [None, *ev.prompt_logprobs]
                 if ev.finish_reason:
-                    index[ev.req_id].finish_reason = ev.finish_reason
+                    c.finish_reason = ev.finish_reason
         return outs

@@ -1,9 +1,15 @@
-"""Sampling parameters (vLLM-style names) and the sampler (greedy, temperature, top-p, seeded)."""
+"""Sampling parameters (vLLM's names and semantics) and the one-row `sample` helper.
+
+The batch sampler that applies them to every row of a step is `splash.engine.sampler.Sampler`.
+"""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_LOGPROBS = 20        # OpenAI's limit for top_logprobs / completions logprobs
 
 
 @dataclass(frozen=True)
@@ -15,6 +21,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    # vLLM sampling parameters (neutral defaults: a request that sets none samples exactly as before)
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0     # > 0; on prompt and output tokens (divides positive logits)
+    presence_penalty: float = 0.0       # [-2, 2]; on output tokens
+    frequency_penalty: float = 0.0      # [-2, 2]; on output tokens, times their count
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)   # (token id, bias in [-100, 100])
+    logprobs: int | None = None         # None: none; k >= 0: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
+    # detokenisation (used by the server; the engine ignores them)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -25,32 +45,53 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        bias = tuple((int(t), float(b)) for t, b in bias)
+        if any(not -100 <= b <= 100 for _, b in bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
-    if params.greedy:
+    """A private generator for a seeded random request; None for greedy and unseeded requests (those draw from
+    the sampler's shared generator)."""
+    if params.greedy or params.seed is None:
         return None
     g = torch.Generator()
-    if params.seed is not None:
-        g.manual_seed(params.seed)
-    else:
-        g.seed()
+    g.manual_seed(params.seed)
     return g
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from logits [V] (fp32)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    """One token from logits [V] (no penalties: there is no history): the batch sampler on one row."""
+    from splash.engine.sampler import Sampler
+
+    s = Sampler(logits.shape[-1], shared=gen)
+    s.add("r", [], params, ())
+    if gen is not None:
+        s.states["r"].gen = gen
+    return s.sample(logits[None], ["r"])[0][0]
