@@ -42,6 +42,7 @@ class Engine:
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.params: dict[str, SamplingParams] = {}
         self.gens: dict[str, torch.Generator | None] = {}
+        self.failed: list[tuple[str, Exception]] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
@@ -115,12 +116,22 @@ class Engine:
         for s in plan.items:
             if s.sample:
                 row, params = next(rows), self.params[s.req_id]
-                sampled[s.req_id] = (greedy[row] if params.greedy
-                                     else sample(logits[row], params, self.gens[s.req_id]))
+                try:
+                    sampled[s.req_id] = (greedy[row] if params.greedy
+                                         else sample(logits[row], params, self.gens[s.req_id]))
+                except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
+                    self.failed.append((s.req_id, e))
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
         for rid in done:
             self._forget(rid)
+        for rid, _ in self.failed:
+            self.abort(rid)   # its KV is released at the next step, like any abort
         return [TokenEvent(rid, tok, done.get(rid)) for rid, tok in sampled.items()]
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(req_id, error) of the requests whose sampling failed since the last call; they are already aborted."""
+        out, self.failed = self.failed, []
+        return out
 
     def stop(self) -> None:
         self.comm.broadcast_obj({"kind": "stop"})

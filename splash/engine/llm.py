@@ -13,6 +13,7 @@ from splash.engine.engine import Engine
 from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampling import SamplingParams
 from splash.kv.paged_cache import PagedLatentCache
+from splash.layouts.layout import LAYOUT_NAMES, heads_fit
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,7 +64,7 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 
 
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
-                         weight_bytes: int, layouts=("tp", "dp_attn", "cp", "dop")) -> dict[str, int]:
+                         weight_bytes: int, layouts=LAYOUT_NAMES) -> dict[str, int]:
     """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
 
     The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
@@ -72,12 +73,8 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     from splash.layouts.memory import projection_bytes_per_rank
 
     block = block_bytes(cfg, kv_dtype, block_size)
-    proj = {}
-    for lay in layouts:
-        try:
-            proj[lay] = projection_bytes_per_rank(cfg, lay, world, weight_bytes)
-        except ValueError:
-            continue  # world does not divide the heads: this layout is not available
+    proj = {lay: projection_bytes_per_rank(cfg, lay, world, weight_bytes) for lay in layouts
+            if heads_fit(lay, cfg.num_attention_heads, world)}   # the others are not available at this world
     base = min(proj.values())
     pool = budget_bytes // block
     return {lay: max(0, pool - int(-(-(p - base) // block))) for lay, p in proj.items()}
@@ -146,4 +143,6 @@ class LLM:
                 index[ev.req_id].token_ids.append(ev.token)
                 if ev.finish_reason:
                     index[ev.req_id].finish_reason = ev.finish_reason
+            for rid, _ in self.engine.take_failures():
+                index[rid].finish_reason = "error"   # sampling failed for this request alone
         return outs

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
+
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,7 +32,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

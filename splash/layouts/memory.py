@@ -16,13 +16,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from splash.layouts.layout import Layout, parse_layout
+from splash.layouts.layout import Layout, check_heads, parse_layout
 from splash.layouts.ownership import kv_holders, num_blocks
 from splash.models.config import ModelConfig
 
-KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")   # the one list of KV storage dtypes
 _PLAIN_BYTES = {"float32": 4, "bfloat16": 2}
 QUANT_GROUP = 128  # elements of the latent sharing one fp32 scale (per token)
+CONVERT_CHUNK_SLOTS = 4096  # tokens a KV format conversion dequantises at once (bounds its fp32 scratch)
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:
@@ -99,8 +100,7 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
 def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float) -> float:
     """Bytes of Q-B/KV-B/O over all layers held by one rank: /world when sharded, whole when replicated."""
     layout = parse_layout(layout)
-    if layout.shards_projections and cfg.num_attention_heads % world:
-        raise ValueError(f"{layout.value}: world {world} does not divide num_heads {cfg.num_attention_heads}")
+    check_heads(layout, cfg.num_attention_heads, world)
     total = projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
     return total / world if layout.shards_projections else total
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
+from splash.layouts.layout import heads_fit
 from splash.models.config import ConfigError
 
 DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
@@ -58,7 +59,7 @@ def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = Non
     if lay != "auto":
         return lay
     allowed = cfg.layout.allowed_layouts
-    usable = [a for a in allowed if num_heads is None or a not in ("tp", "dop") or num_heads % world == 0]
+    usable = [a for a in allowed if num_heads is None or heads_fit(a, num_heads, world)]
     allowed = usable or allowed
     return "tp" if "tp" in allowed else allowed[0]
 
@@ -78,6 +79,51 @@ def validate_model(cfg: ServeConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"field 'model.preset': {e}") from None
     load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
+
+
+ADMIN_TOKEN_ENV = "SPLASH_ADMIN_TOKEN"
+
+
+def resolve_admin_token(server: Any, environ: Any) -> str | None:
+    """The admin token: ``server.admin_token``, else the file ``server.admin_token_file``, else the environment
+    variable SPLASH_ADMIN_TOKEN (the last two keep it out of ``ps``). An empty token is refused."""
+    if server.admin_token is not None:
+        return server.admin_token
+    if server.admin_token_file is not None:
+        try:
+            token = open(server.admin_token_file, encoding="utf-8").read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"field 'server.admin_token_file': cannot read {server.admin_token_file!r} ({e})")
+        if not token:
+            raise ConfigError(f"field 'server.admin_token_file': {server.admin_token_file!r} is empty")
+        return token
+    token = environ.get(ADMIN_TOKEN_ENV)
+    if token is not None and not token.strip():
+        raise ConfigError(f"environment variable {ADMIN_TOKEN_ENV} is set but empty; unset it or give a token")
+    return token.strip() if token else None
+
+
+def start_watchdog(comm: Any, watchdog: Any, hosts: list[str]) -> Any:
+    """Rank 0 listens (on loopback when every rank shares its host), broadcasts the address, followers connect."""
+    address = None
+    if comm.rank == 0:
+        one_host = len(set(hosts)) == 1
+        address = watchdog.serve(tuple(range(1, comm.size)), "127.0.0.1" if one_host else "0.0.0.0")
+        if not one_host:
+            address = (socket.gethostbyname(hosts[0]), address[1])
+    address = comm.broadcast_obj(address)
+    if comm.rank != 0:
+        watchdog.connect(address)
+    return watchdog
+
+
+def limits(cfg: ServeConfig) -> dict[str, Any]:
+    """The request limits of the HTTP front end (ServerState.limits)."""
+    s = cfg.server
+    return {"max_body_bytes": s.max_request_body_bytes, "read_timeout_s": s.read_timeout_s,
+            "max_seqs_per_request": s.max_seqs_per_request,
+            "max_outstanding_seqs": cfg.scheduler.max_num_seqs + s.max_waiting_seqs,
+            "stall_s": s.collective_timeout_s}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
