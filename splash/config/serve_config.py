@@ -9,7 +9,7 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
                 num_kv_blocks}
     scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
     server:    {host, port, admin_token, admin_token_file, served_model_name, quiet, collective_timeout_s,
-                max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs}
+                max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s}
 
 Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the file and the field
 (``cache.block_size``). Every section validates itself in ``__post_init__``, so a config built in code is
@@ -156,6 +156,7 @@ class ServerSection:
     read_timeout_s: float = _f(30.0, gt=0.0)     # a request's headers and body must arrive within this (408)
     max_seqs_per_request: int = _f(256, min=1)   # prompts × n of one request (400 beyond)
     max_waiting_seqs: int = _f(1024, min=0)      # sequences queued beyond scheduler.max_num_seqs (429 beyond)
+    drain_timeout_s: float = _f(10.0, min=0.0)   # on SIGTERM: how long running requests may still finish
 
     def __post_init__(self) -> None:
         check_fields(self, self.SECTION)
@@ -200,6 +201,11 @@ class ServeConfig:
         if s.max_num_batched_tokens < s.max_num_seqs:
             raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "
                               f">= scheduler.max_num_seqs ({s.max_num_seqs})")
+        queue = s.max_num_seqs + self.server.max_waiting_seqs
+        if self.server.max_seqs_per_request > queue:
+            raise ConfigError(f"field 'server.max_seqs_per_request' ({self.server.max_seqs_per_request}) must be <= "
+                              f"scheduler.max_num_seqs + server.max_waiting_seqs ({queue}), or a request that "
+                              "large could never be queued")
         mml = self.model.max_model_len
         if not s.enable_chunked_prefill and mml is not None and s.max_num_batched_tokens < mml:
             raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "

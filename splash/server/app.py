@@ -32,7 +32,7 @@ from splash.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 DEFAULT_LIMITS = {"max_body_bytes": 8 << 20, "read_timeout_s": 30.0, "max_seqs_per_request": 256,
-                  "max_outstanding_seqs": None, "stall_s": 60.0}
+                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0}
 
 
 @dataclass
