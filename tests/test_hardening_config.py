@@ -108,3 +108,26 @@ def test_one_list_per_fact():
     assert heads_fit("dp_attn", 8, 3) and not heads_fit("dop", 8, 3) and heads_fit("tp", 8, 4)
     with pytest.raises(ValueError, match="does not divide"):
         check_heads("tp", 8, 3)
+
+
+def test_chunked_prefill_off_never_splits_a_prompt():
+    """Item 13: --enable-chunked-prefill used to be parsed and ignored."""
+    from splash.engine.ledger import KVLedger
+    from splash.engine.scheduler import Request, Scheduler
+
+    def run(chunked: bool) -> list[list[tuple[str, int]]]:
+        sched = Scheduler(KVLedger(1, 100, 16, "tp"), max_num_seqs=8, max_num_batched_tokens=64)
+        sched.chunked_prefill = chunked
+        for i, n in enumerate((40, 50, 10)):
+            sched.add(Request(f"r{i}", list(range(n)), max_tokens=1))
+        steps = []
+        while sched.has_work():
+            plan = sched.schedule()
+            steps.append([(it.req_id, len(it.tokens)) for it in plan.items])
+            sched.update(plan, {it.req_id: 1 for it in plan.items if it.sample})
+        return steps
+
+    assert run(True)[0] == [("r0", 40), ("r1", 24)]            # r1 split across steps
+    off = run(False)
+    assert off[0] == [("r0", 40)] and off[1] == [("r1", 50), ("r2", 10)]   # r1 waits for a step it fits whole
+    assert all(n in (40, 50, 10) for step in off for _, n in step)

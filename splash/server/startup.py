@@ -201,6 +201,10 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
                         cfg.model.max_model_len, cfg.layout.switch_mode, tuple(cfg.layout.allowed_layouts))
     except ValueError as e:
         raise ConfigError(f"field 'layout.allowed_layouts': {e}") from None
+    engine.scheduler.chunked_prefill = s.enable_chunked_prefill
+    if engine.max_model_len < 2:
+        raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
+                          "request (capped by the KV pool), so no request fits; raise the KV budget")
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)
