@@ -202,9 +202,6 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     except ValueError as e:
         raise ConfigError(f"field 'layout.allowed_layouts': {e}") from None
     engine.scheduler.chunked_prefill = s.enable_chunked_prefill
-    if engine.max_model_len < 2:
-        raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
-                          "request (capped by the KV pool), so no request fits; raise the KV budget")
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)
@@ -212,4 +209,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError(f"field 'cache.kv_cache_memory_bytes': the KV budget holds {engine.ledger.cap(tight)} KV "
                           f"page(s) per rank in layout {tight!r} (its attention projections take the rest), so no "
                           f"request fits; raise it or remove {tight!r} from layout.allowed_layouts")
+    if engine.max_model_len < 2:
+        raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
+                          "request (capped by the KV pool), so no request fits; raise the KV budget")
     return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool
