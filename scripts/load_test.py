@@ -12,6 +12,18 @@ if the HTTP call errors or the stream has no ``[DONE]``, as *lost* if it deliver
 ``max_tokens``, and as a *mismatch* if its tokens differ from the same prompt's tokens in an unswitched
 reference pass run first. Exit status 0 only when all three counts are 0. ``--update-doc`` writes the result
 into docs/benchmarks.md under "## Server load test (issue 5)".
+
+Abuse (issue 14), next to the well-behaved clients:
+
+  # 16 clients that abandon long non-streaming requests after 0.5 s, 4 that send 9 MiB bodies, and a probe
+  python scripts/load_test.py --launch --np 2 --clients 16 --abandon 16 --oversized 4 --probe-every 0.25
+
+``--abandon N``: N clients loop sending non-streaming requests of ``--abandon-tokens`` tokens and hang up after
+``--abandon-after`` s (the server must cancel them). ``--oversized N``: N clients loop sending bodies of
+``--oversized-bytes`` (the server must answer 413 without reading them). ``--probe-every S``: a short request
+(4 tokens, non-streaming) every S seconds; its latency p50/p99 is the cost of the abuse. After the load, the
+KV in use must return to 0 (read from /metrics) within ``--drain-wait`` s; that is checked and reported, and
+the result goes under "## Server load test under abuse (issue 14)".
 """
 from __future__ import annotations
 
@@ -37,6 +49,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Server load test (issue 5)"
+SECTION_ABUSE = "## Server load test under abuse (issue 14)"
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 
@@ -127,6 +140,80 @@ async def switcher(client, every_steps: int, layouts: list[str], token: str | No
         last, k = state["steps"], k + 1
 
 
+@dataclass
+class Abuse:
+    abandoned: int = 0
+    oversized: int = 0
+    oversized_status: dict = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    probe: list[float] = field(default_factory=list)
+    probe_failed: int = 0
+    drained_s: float | None = None
+
+
+async def abandoner(url: str, args, stop: asyncio.Event, ab: Abuse) -> None:
+    body = {"prompt": [7, 8, 9], "max_tokens": args.abandon_tokens, "ignore_eos": True}
+    while not stop.is_set():
+        async with httpx.AsyncClient(base_url=url, timeout=args.abandon_after) as c:   # closing it hangs up
+            try:
+                r = await c.post("/v1/completions", json=body)
+                ab.unexpected.append(f"abandoned request answered {r.status_code}")
+            except httpx.TimeoutException:
+                ab.abandoned += 1
+            except httpx.HTTPError as e:
+                ab.unexpected.append(f"abandoner: {type(e).__name__}: {e}")
+
+
+async def oversizer(url: str, args, stop: asyncio.Event, ab: Abuse) -> None:
+    blob = b'{"prompt": "' + b"x" * args.oversized_bytes + b'"}'
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        while not stop.is_set():
+            try:
+                r = await c.post("/v1/completions", content=blob, headers={"content-type": "application/json"})
+                key = str(r.status_code)
+            except httpx.HTTPError as e:   # the server may close while the client still writes the body
+                key = type(e).__name__
+            ab.oversized += 1
+            ab.oversized_status[key] = ab.oversized_status.get(key, 0) + 1
+            if key not in ("413", "WriteError", "RemoteProtocolError", "ReadError"):
+                ab.unexpected.append(f"oversized body answered {key}")
+            await asyncio.sleep(0.05)
+
+
+async def prober(client, every: float, stop: asyncio.Event, ab: Abuse) -> None:
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            r = await client.post("/v1/completions", json=body)
+            if r.status_code == 200:
+                ab.probe.append(time.perf_counter() - t0)
+            else:
+                ab.probe_failed += 1
+        except httpx.HTTPError:
+            ab.probe_failed += 1
+        await asyncio.sleep(every)
+
+
+async def metric(client, name: str) -> float:
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+async def wait_drained(client, limit_s: float) -> float | None:
+    """Seconds until no request runs or waits and no KV is in use (None if not within limit_s)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        busy = sum([await metric(client, n) for n in ("splash_requests_running", "splash_requests_waiting",
+                                                     "splash_kv_used_tokens")])
+        if busy == 0:
+            return time.perf_counter() - t0
+        await asyncio.sleep(0.2)
+    return None
+
+
 def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randrange(8, 129))] for _ in range(n)]
@@ -150,16 +237,25 @@ async def run_load(args, url: str) -> dict:
         if args.switch_every:
             sw = asyncio.create_task(switcher(client, args.switch_every, args.layouts.split(","), args.admin_token,
                                               stop, log))
+        ab, abuse_stop = Abuse(), asyncio.Event()
+        abusers = [asyncio.create_task(abandoner(url, args, abuse_stop, ab)) for _ in range(args.abandon)]
+        abusers += [asyncio.create_task(oversizer(url, args, abuse_stop, ab)) for _ in range(args.oversized)]
+        if args.probe_every:
+            abusers.append(asyncio.create_task(prober(client, args.probe_every, abuse_stop, ab)))
         t0 = time.perf_counter()
         tasks = [client_task(client, prompts, ref, args.max_tokens, args.requests_per_client,
                              random.Random(args.seed + c), stats) for c in range(args.clients)]
         await asyncio.wait_for(asyncio.gather(*tasks), args.max_duration)
         wall = time.perf_counter() - t0
         stop.set()
+        abuse_stop.set()
+        await asyncio.gather(*abusers)
         if sw is not None:
             await sw
+        ab.drained_s = await wait_drained(client, args.drain_wait)
         after = (await client.get("/v1/layout")).json()
-    return {"model": models["id"], "load": args.load_before, "stats": stats, "wall": wall, "before": before, "after": after, "log": log}
+    return {"model": models["id"], "load": args.load_before, "stats": stats, "wall": wall, "before": before,
+            "after": after, "log": log, "abuse": ab}
 
 
 def check_loopback(url: str) -> None:
@@ -226,6 +322,20 @@ def report(args, res: dict, command: str, server_rc: int | None) -> str:
         f"request latency p50 {pct(s.latencies, 50):.2f} s / p99 {pct(s.latencies, 99):.2f} s; "
         f"TTFT p50 {pct(s.ttfts, 50):.2f} s",
     ]
+    ab: Abuse = res["abuse"]
+    if args.abandon or args.oversized or args.probe_every:
+        lines += [
+            f"- abuse alongside: {args.abandon} clients abandoning non-streaming {args.abandon_tokens}-token "
+            f"requests after {args.abandon_after} s ({ab.abandoned} abandoned), {args.oversized} clients sending "
+            f"{args.oversized_bytes / 2**20:.1f} MiB bodies ({ab.oversized} sent, outcomes {ab.oversized_status}); "
+            f"unexpected answers: {len(ab.unexpected)}" + (f" {ab.unexpected[:3]}" if ab.unexpected else ""),
+            f"- short probe (4 tokens, non-streaming, every {args.probe_every} s) during the load: "
+            f"{len(ab.probe)} ok, {ab.probe_failed} failed, latency p50 {pct(ab.probe, 50):.2f} s / "
+            f"**p99 {pct(ab.probe, 99):.2f} s**",
+            "- after the load: " + (f"no request running or waiting and **KV in use 0** after {ab.drained_s:.1f} s"
+                                    if ab.drained_s is not None else
+                                    f"**KV or requests still in use after {args.drain_wait} s**"),
+        ]
     if server_rc is not None:
         lines.append(f"- shutdown: SIGTERM -> every rank exited, mpiexec status {server_rc}")
     if s.errors:
@@ -233,12 +343,12 @@ def report(args, res: dict, command: str, server_rc: int | None) -> str:
     return "\n".join(lines)
 
 
-def update_doc(path: Path, body: str) -> None:
+def update_doc(path: Path, body: str, section: str = SECTION) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{SECTION}\n\n{body}\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
+    block = f"{section}\n\n{body}\n"
+    if section in text:
+        start = text.index(section)
+        nxt = text.find("\n## ", start + len(section))
         text = text[:start] + block + (text[nxt + 1:] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block
@@ -264,6 +374,13 @@ def parse_args(argv=None):
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-duration", type=float, default=600.0, help="bound on the whole load phase (s)")
     p.add_argument("--update-doc", metavar="MD", help="write the result into this markdown file's section")
+    p.add_argument("--abandon", type=int, default=0, help="clients abandoning non-streaming requests")
+    p.add_argument("--abandon-tokens", type=int, default=3000)
+    p.add_argument("--abandon-after", type=float, default=0.5, help="seconds before an abandoner hangs up")
+    p.add_argument("--oversized", type=int, default=0, help="clients sending bodies over the server's limit")
+    p.add_argument("--oversized-bytes", type=int, default=9 << 20)
+    p.add_argument("--probe-every", type=float, default=0.0, help="seconds between short probe requests")
+    p.add_argument("--drain-wait", type=float, default=60.0, help="seconds the KV may take to return to 0")
     args = p.parse_args(argv)
     if bool(args.url) == bool(args.launch):
         p.error("give exactly one of --url or --launch")
@@ -292,10 +409,12 @@ def main(argv=None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
     body = report(args, res, command, server_rc)
     print(body)
+    abused = bool(args.abandon or args.oversized or args.probe_every)
     if args.update_doc:
-        update_doc(Path(args.update_doc), body)
-    s = res["stats"]
-    return 0 if s.failed == s.lost == s.mismatched == 0 and server_rc in (None, 0) else 1
+        update_doc(Path(args.update_doc), body, SECTION_ABUSE if abused else SECTION)
+    s, ab = res["stats"], res["abuse"]
+    clean = not abused or (ab.drained_s is not None and not ab.unexpected and ab.probe_failed == 0)
+    return 0 if s.failed == s.lost == s.mismatched == 0 and server_rc in (None, 0) and clean else 1
 
 
 if __name__ == "__main__":

@@ -120,6 +120,11 @@ class Tokenizer:
         ``add_special_tokens`` the tokenizer's post-processor runs (e.g. a BOS some models add)."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """``encode`` of each text; the tokenizers library releases the GIL while it works, so a worker thread
+        running this does not stall the other threads (``encode`` holds the GIL throughout)."""
+        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; ids outside [0, vocab_size) are dropped (decode to "")."""
         valid = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]

@@ -14,6 +14,7 @@ from splash.config.serve_config import (
     ATTENTION_BACKENDS,
     BACKENDS,
     FIELD_SECTION,
+    KV_CACHE_DTYPES,
     LAYOUTS,
     ServeConfig,
     apply_overrides,
@@ -64,40 +65,57 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
     (("--quantization",), "quantization", str, ("fp8", "int8"), None,
      "quantise a BF16/FP32 checkpoint's linear weights at load (fp8: 128x128 blocks, int8: per channel); "
      "FP8/INT8 checkpoints stay quantised without it"),
-    (("--backend",), "backend", str, BACKENDS, None, "device backend: cpu (MPI), cuda (NCCL), hip (RCCL)"),
+    (("--backend",), "backend", str, BACKENDS, None,
+     "device backend; only cpu (MPI) is implemented: cuda and hip are refused at startup"),
     (("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS, None,
-     "MLA attention kernel; default torch on cpu, flashinfer on cuda, aiter on hip"),
+     "MLA attention kernel: torch (reference, CPU) or triton (our paged split-KV kernels); "
+     "flashinfer and aiter are not built yet"),
     (("--layout",), "layout", str, ("auto",) + LAYOUTS, None,
      "attention layout; auto lets the cost model choose and switch while serving"),
     (("--allowed-layouts",), "allowed_layouts", _layout_list, None, "L1,L2",
      "layouts auto may choose from, comma-separated"),
     (("--switch-mode",), "switch_mode", str, ("live", "blocking"), None,
-     "live: switch at a step boundary without draining; blocking: drain first"),
+     "live: per-layer transfers behind compute; blocking: move all state, then run (neither drains requests)"),
     (("--switch-margin",), "switch_margin", float, None, "F",
      "switch only if the new layout is predicted faster by this fraction"),
     (("--hardware-profile",), "hardware_profile", str, None, "NAME|PATH",
      "cost-model profile: cpu, h200, b200, bw1000, or a profile .yaml"),
     (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str,
-     ("auto", "float32", "bfloat16", "fp8_e4m3", "int8"), None, "KV cache storage dtype; auto = compute dtype"),
+     ("auto",) + KV_CACHE_DTYPES, None, "KV cache storage dtype; auto = compute dtype"),
     (("--block-size",), "block_size", int, None, "N", "tokens per KV cache page"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, None, "F",
-     "fraction of device memory for weights + KV cache"),
+     "GPU backends (not implemented yet); unused on cpu, where --kv-cache-memory-bytes sets the KV budget"),
     (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", _size, None, "BYTES",
      "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
     (("--num-kv-blocks",), "num_kv_blocks", int, None, "N", "exact number of KV pages per rank"),
     (("--max-num-seqs",), "max_num_seqs", int, None, "N", "most requests in one batch"),
     (("--max-num-batched-tokens",), "max_num_batched_tokens", int, None, "N", "token budget of one step"),
     (("--enable-chunked-prefill",), "enable_chunked_prefill", _BOOL, None, None,
-     "split long prompts across steps"),
+     "split long prompts across steps; off: a prompt runs whole in one step (needs max_num_batched_tokens >= "
+     "max_model_len)"),
     (("--preemption-mode",), "preemption_mode", str, ("recompute", "queue"), None,
      "what happens to a request evicted for lack of KV space"),
     (("--host",), "host", str, None, "ADDR", "HTTP listen address (rank 0)"),
     (("--port",), "port", int, None, "PORT", "HTTP listen port (0 = any free port)"),
-    (("--admin-token",), "admin_token", str, None, "TOKEN", "bearer token required by the admin endpoints"),
+    (("--admin-token",), "admin_token", str, None, "TOKEN",
+     "bearer token required by the admin endpoints (visible in ps: prefer --admin-token-file or the "
+     "SPLASH_ADMIN_TOKEN environment variable)"),
+    (("--admin-token-file",), "admin_token_file", str, None, "PATH", "read the admin token from this file"),
     (("--served-model-name",), "served_model_name", str, None, "NAME", "model name reported by the API"),
     (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only log lines"),
     (("--collective-timeout-s",), "collective_timeout_s", float, None, "SECONDS",
-     "abort if a collective between ranks takes longer than this"),
+     "abort all ranks when a rank dies or sends no heartbeat for this long (a slow step is not a fault); "
+     "/health reports 'stalled' while one step runs longer"),
+    (("--max-request-body-bytes",), "max_request_body_bytes", _size, None, "BYTES",
+     "larger request bodies are answered 413"),
+    (("--read-timeout-s",), "read_timeout_s", float, None, "SECONDS",
+     "a request's headers and body must arrive within this (408)"),
+    (("--max-seqs-per-request",), "max_seqs_per_request", int, None, "N",
+     "most sequences (prompts x n) in one request (400 beyond)"),
+    (("--max-waiting-seqs",), "max_waiting_seqs", int, None, "N",
+     "sequences that may wait beyond max_num_seqs; more are answered 429 with Retry-After"),
+    (("--drain-timeout-s",), "drain_timeout_s", float, None, "SECONDS",
+     "on SIGTERM/SIGINT, how long running requests may finish before they get an error"),
 ]
 
 
@@ -118,7 +136,7 @@ def _default_text(field_name: str) -> str:
 def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve an MLA model (DeepSeek-V3/V3.2, GLM-5.x) on the ranks started by mpirun, "
+        description="Serve an MLA model (model_type deepseek_v3 loads today) on the ranks started by mpirun, "
                     "switching the attention layout while requests run. OpenAI-compatible HTTP API on rank 0.")
     parser.add_argument("--config", metavar="YAML", default=None,
                         help="serving config file (sections model/parallel/layout/cache/scheduler/server); "

@@ -3,17 +3,18 @@
 Startup is agreed between ranks phase by phase (``splash.server.startup``): a bad flag or YAML, a missing
 checkpoint or a busy port prints ``error: <message>`` once (rank 0) and every rank exits 2. Serving: rank 0
 runs the HTTP front end (``splash.server.frontend``) and the engine thread; ranks ≠ 0 run ``engine.follow()``
-until rank 0 broadcasts stop. SIGINT/SIGTERM on rank 0 drains and stops every rank (exit 0); followers ignore
-the signal and wait for rank 0's stop (and abort the job if it never comes). A stalled step trips the
-watchdog (``server.collective_timeout_s``), which aborts all ranks with a message naming the rank.
+until rank 0 broadcasts stop. SIGINT/SIGTERM on rank 0 (or on mpiexec, which forwards it) drains and stops
+every rank (exit 0); a follower that gets SIGINT/SIGTERM alone says so once and keeps serving (stop the job
+through rank 0 or mpiexec). The heartbeat watchdog (``server.collective_timeout_s``) aborts all ranks, naming
+the rank, when a rank dies or stops answering; a slow step is not a fault.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import socket
 import sys
-import time
 import traceback
 from contextlib import nullcontext, redirect_stdout
 from typing import Sequence
@@ -43,18 +44,27 @@ def _load_config(argv: Sequence[str] | None, rank: int):
                 devnull.close()
 
 
-def _follow(engine, step_comm, rank: int) -> int:
-    def on_signal(_signum, _frame) -> None:
-        if step_comm.signalled is None:
-            step_comm.signalled = time.monotonic()
+def _ignore_stop_signals(rank: int) -> None:
+    """Followers are stopped by rank 0's stop message only; a signal sent to one of them is reported once."""
+    told: list[bool] = []
+
+    def on_signal(signum, _frame) -> None:
+        if not told:
+            told.append(True)
+            os.write(2, f"splash-serve: rank {rank}: ignoring {signal.Signals(signum).name}; stop the job by "
+                        f"signalling rank 0 or mpiexec\n".encode())
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+
+
+def _follow(engine, watchdog, rank: int) -> int:
     try:
         engine.follow()
     except Exception:  # noqa: BLE001 — a follower that fails mid-step would leave the others hanging
         from splash.server.watchdog import abort_job
         abort_job(f"splash-serve: rank {rank}: executing a step failed:\n{traceback.format_exc()}")
+    watchdog.stop()
     return 0
 
 
@@ -66,37 +76,35 @@ def _serve(argv: Sequence[str] | None = None) -> int:
 
     ctx = init_dist()
     comm, rank = ctx.comm, ctx.rank
+    if rank != 0:
+        _ignore_stop_signals(rank)
     try:
         cfg = startup.run_agreed(comm, lambda: _load_config(argv, rank))
         startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
-        sock = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else None)
+        sock, token = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
-        watchdog = Watchdog(rank, cfg.server.collective_timeout_s).start()
-        step_comm = StepChannel(comm, watchdog, on_signal_grace_s=cfg.server.collective_timeout_s + 30.0)
-        _set_threads(_local_size(comm))
+        hosts = comm.all_gather_obj(socket.gethostname())
+        watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
+        step_comm = StepChannel(comm)
+        _set_threads(hosts.count(hosts[rank]))
         built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, comm, step_comm, console))
     except ConfigError:
         if rank != 0:
             raise _QuietExit() from None
         raise
     if rank != 0:
-        return _follow(built.engine, step_comm, rank)
-    return _serve_rank0(cfg, built, sock, console, watchdog, ctx.world_size)
-
-
-def _local_size(comm) -> int:
-    import socket
-    names = comm.all_gather_obj(socket.gethostname())
-    return names.count(names[comm.rank])
+        return _follow(built.engine, watchdog, rank)
+    return _serve_rank0(cfg, built, sock, console, watchdog, ctx.world_size, token)
 
 
 def _rank0_checks(cfg):
     from splash.server import startup
     startup.validate_model(cfg)
-    return startup.bind_socket(cfg.server.host, cfg.server.port)
+    token = startup.resolve_admin_token(cfg.server, os.environ)
+    return startup.bind_socket(cfg.server.host, cfg.server.port), token
 
 
-def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int) -> int:
+def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_token: str | None) -> int:
     from splash.config.serve_config import LAYOUTS
     from splash.server import startup
     from splash.server.frontend import serve
@@ -110,7 +118,7 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int) -> int:
     allowed = tuple(x for x in LAYOUTS if x in cfg.layout.allowed_layouts)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
-                    admin_token=cfg.server.admin_token, world_size=world_size)
+                    admin_token=admin_token, world_size=world_size, limits=startup.limits(cfg))
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
     return asyncio.run(serve(state_kw, engine, sock, console, watchdog, allowed, title))
 

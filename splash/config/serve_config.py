@@ -8,7 +8,8 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
     cache:     {kv_cache_dtype, layout_kv_dtypes, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
                 num_kv_blocks}
     scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
-    server:    {host, port, admin_token, served_model_name, quiet, collective_timeout_s}
+    server:    {host, port, admin_token, admin_token_file, served_model_name, quiet, collective_timeout_s,
+                max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s}
 
 Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the file and the field
 (``cache.block_size``). Every section validates itself in ``__post_init__``, so a config built in code is
@@ -23,9 +24,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from splash.config.yaml_loader import check_fields, read_yaml_mapping, suggest, unknown_key_error
+from splash.layouts.layout import LAYOUT_NAMES
+from splash.layouts.memory import KV_DTYPES
 from splash.models.config import ConfigError
 
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+LAYOUTS = LAYOUT_NAMES
 HARDWARE_PROFILES = ("cpu", "h200", "b200", "bw1000")
 BACKENDS = ("cpu", "cuda", "hip")
 ATTENTION_BACKENDS = ("torch", "flashinfer", "aiter", "triton")
@@ -33,7 +36,7 @@ ATTENTION_BACKENDS = ("torch", "flashinfer", "aiter", "triton")
 _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashinfer", "triton"),
                           "hip": ("torch", "aiter", "triton")}
 _DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter"}
-KV_CACHE_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+KV_CACHE_DTYPES = KV_DTYPES
 
 
 def _f(default: Any = None, **meta: Any) -> Any:
@@ -51,7 +54,7 @@ class ModelSection:
     dtype: str = _f("auto", choices=("auto", "float32", "bfloat16"))  # auto: float32 on cpu, else bf16
     seed: int = _f(0, min=0)
     tokenizer: str | None = None                 # None → the model directory (or a byte tokenizer)
-    max_model_len: int | None = _f(None, min=1)  # None → the model's max_position_embeddings
+    max_model_len: int | None = _f(None, min=2)  # None → max_position_embeddings; >= 2 (1 prompt + 1 output)
     # quantise a BF16/FP32 checkpoint's linear weights at load: fp8 (128×128 blocks) or int8 (per channel);
     # None → keep the checkpoint as stored (FP8 / INT8 checkpoints stay quantised either way)
     quantization: str | None = _f(None, choices=("fp8", "int8"))
@@ -147,13 +150,26 @@ class ServerSection:
     SECTION: ClassVar[str] = "server"
     host: str = "127.0.0.1"
     port: int = _f(8000, min=0, max=65535)       # 0 → any free port (tests)
-    admin_token: str | None = None               # required by the admin endpoints when set
+    admin_token: str | None = None               # required by the admin endpoints when set (see below)
+    admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
-    collective_timeout_s: float = _f(60.0, gt=0.0)
+    collective_timeout_s: float = _f(60.0, gt=0.0)   # a peer silent this long (no heartbeat) is dead or hung
+    max_request_body_bytes: int = _f(8 << 20, min=1, size=True)  # larger bodies get 413
+    read_timeout_s: float = _f(30.0, gt=0.0)     # a request's headers and body must arrive within this (408)
+    max_seqs_per_request: int = _f(256, min=1)   # prompts × n of one request (400 beyond)
+    max_waiting_seqs: int = _f(1024, min=0)      # sequences queued beyond scheduler.max_num_seqs (429 beyond)
+    drain_timeout_s: float = _f(10.0, min=0.0)   # on SIGTERM: how long running requests may still finish
 
     def __post_init__(self) -> None:
         check_fields(self, self.SECTION)
+        for name in ("admin_token", "admin_token_file"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(f"field 'server.{name}' is empty: an empty token would let anyone in; set a "
+                                  f"non-empty one or leave it null")
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise ConfigError("fields 'server.admin_token' and 'server.admin_token_file' are both set; give one")
 
 
 SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection, "layout": LayoutSection,
@@ -188,6 +204,11 @@ class ServeConfig:
         if s.max_num_batched_tokens < s.max_num_seqs:
             raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "
                               f">= scheduler.max_num_seqs ({s.max_num_seqs})")
+        queue = s.max_num_seqs + self.server.max_waiting_seqs
+        if self.server.max_seqs_per_request > queue:
+            raise ConfigError(f"field 'server.max_seqs_per_request' ({self.server.max_seqs_per_request}) must be <= "
+                              f"scheduler.max_num_seqs + server.max_waiting_seqs ({queue}), or a request that "
+                              "large could never be queued")
         mml = self.model.max_model_len
         if not s.enable_chunked_prefill and mml is not None and s.max_num_batched_tokens < mml:
             raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -55,6 +56,7 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: cannot read ({e})") from None
     try:
+        _check_keys(yaml.compose(text, Loader=_StrictLoader), ())
         data = yaml.load(text, Loader=_StrictLoader)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
@@ -68,6 +70,20 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _check_keys(node: Any, path: tuple[str, ...]) -> None:
+    """Every mapping key must be a scalar: a list or mapping as a key is an error naming the field it is under."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                where = f"field {'.'.join(path)!r}" if path else "the top level"
+                raise ConfigError(f"line {key.start_mark.line + 1}: {where} has a key that is a "
+                                  f"{'list' if isinstance(key, yaml.SequenceNode) else 'mapping'}, not a name")
+            _check_keys(value, path + (str(key.value),))
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_keys(item, path)
 
 
 def parse_size(value: str) -> int:
@@ -143,7 +159,7 @@ def coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
             except ValueError:
                 raise TypeError from None
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -180,6 +196,8 @@ def check_fields(obj: Any, section: str) -> None:
             value = coerce(raw, hints[f.name], dict(f.metadata))
         except TypeError:
             extra = " (or a size such as '64MiB')" if f.metadata.get("size") else ""
+            if isinstance(raw, float) and not math.isfinite(raw):
+                extra = " (a finite number)"
             raise ConfigError(f"field {name!r} must be {_type_name(hints[f.name])}{extra}, "
                               f"got {_describe(raw)}") from None
         if value is not raw:

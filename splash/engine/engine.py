@@ -51,6 +51,7 @@ class Engine:
         self.params: dict[str, SamplingParams] = {}
         self.sampler = Sampler(runner.cfg.vocab_size)
         self._plp: dict[str, list] = {}   # req_id -> [prompt TokenLogprobs so far, delivered]
+        self.failed: list[tuple[str, Exception]] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
@@ -151,15 +152,39 @@ class Engine:
             rows = [(len(s.tokens), s.start_pos, s.owner) for s in plan.items]
             self.auto.observe(self.layout, rows, time.perf_counter() - t0, switched=switch is not None)
         rids = [s.req_id for s in plan.items if s.sample]
-        toks, lps = self.sampler.sample(logits[:len(rids)], rids)   # every row at once (splash.engine.sampler)
-        self._take_prompt_logprobs(plan, msg["logits"], logits[len(rids):])
+        n_sampled = len(rids)
+        rids, toks, lps = self._sample(logits[:n_sampled], rids)
+        self._take_prompt_logprobs(plan, msg["logits"], logits[n_sampled:])
         sampled = dict(zip(rids, toks))
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
         events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid))
                   for rid, tok, lp in zip(rids, toks, lps)]
         for rid in done:
             self._forget(rid)
+        for rid, _ in self.failed:
+            self.abort(rid)   # its KV is released at the next step, like any abort
         return events
+
+    def _sample(self, logits: torch.Tensor, rids: list[str]):
+        """(req ids, tokens, logprobs) of the rows that could be sampled: all rows at once
+        (splash.engine.sampler); if that raises, row by row, and a request whose row cannot be sampled fails alone
+        (recorded in `failed`, aborted after this step)."""
+        try:
+            toks, lps = self.sampler.sample(logits, rids)
+            return rids, toks, lps
+        except Exception:  # noqa: BLE001 — find the row(s) at fault below
+            pass
+        ok, toks, lps = [], [], []
+        for i, rid in enumerate(rids):
+            try:
+                t, lp = self.sampler.sample(logits[i:i + 1], [rid])
+            except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
+                self.failed.append((rid, e))
+                continue
+            ok.append(rid)
+            toks += t
+            lps += lp
+        return ok, toks, lps
 
     # ---- prompt logprobs: the logits of prompt rows, only for requests that ask --------------------------
     def _prompt_logit_items(self, plan) -> list[int]:
@@ -192,6 +217,11 @@ class Engine:
             return None
         acc[1] = True
         return acc[0]
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(req_id, error) of the requests whose sampling failed since the last call; they are already aborted."""
+        out, self.failed = self.failed, []
+        return out
 
     def stop(self) -> None:
         self.comm.broadcast_obj({"kind": "stop"})

@@ -16,13 +16,12 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from splash.kv.paged_cache import CONVERT_CHUNK_SLOTS
-from splash.layouts.layout import parse_layout
-from splash.layouts.memory import kv_bytes_per_token_layer
+from splash.layouts.layout import LAYOUT_NAMES, check_heads, heads_fit, parse_layout
+from splash.layouts.memory import CONVERT_CHUNK_SLOTS, kv_bytes_per_token_layer
 from splash.switching.manifest import Manifest, ReqState, plan_switch
 
 log = logging.getLogger("splash.switch")
-ALL_LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+ALL_LAYOUTS = LAYOUT_NAMES
 
 
 @dataclass
@@ -46,7 +45,7 @@ class LayoutController:
                                           ) * block_size
         # head-sharded layouts need the world size to divide the heads; where it does not they are not offered
         self.allowed = tuple(a for a in (parse_layout(x).value for x in allowed)
-                             if a not in ("tp", "dop") or cfg.num_attention_heads % world == 0)
+                             if heads_fit(a, cfg.num_attention_heads, world))
         self.target: str | None = None
         self.layout_mode = "auto"
         self.switch_counts: dict[tuple[str, str], int] = {}
@@ -62,9 +61,7 @@ class LayoutController:
             lay = parse_layout(name).value
         except ValueError as e:
             raise ValueError(f"layout: {e}") from None
-        if lay in ("tp", "dop") and self.cfg.num_attention_heads % self.world:
-            raise ValueError(f"layout {lay!r} needs the world size {self.world} to divide "
-                             f"num_attention_heads={self.cfg.num_attention_heads}")
+        check_heads(lay, self.cfg.num_attention_heads, self.world)
         if lay not in self.allowed:
             raise ValueError(f"layout {lay!r} is not allowed here (allowed: {', '.join(self.allowed)})")
         if lay != self.target:

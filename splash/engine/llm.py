@@ -13,7 +13,7 @@ from splash.engine.engine import Engine
 from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
-from splash.kv.paged_cache import PagedLatentCache
+from splash.layouts.layout import LAYOUT_NAMES, heads_fit
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,9 +56,10 @@ def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: 
 
 
 def block_bytes(cfg, kv_dtype: str, block_size: int) -> int:
-    """Bytes of one KV block over all layers, as the pool really allocates it."""
-    probe = PagedLatentCache(cfg.num_hidden_layers, 1, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype)
-    return probe.nbytes()
+    """Bytes of one KV block over all layers: the memory model's (tests/test_pool_capacity.py checks that the
+    pool really allocates that)."""
+    from splash.layouts.memory import kv_block_bytes
+    return kv_block_bytes(cfg, kv_dtype, block_size)
 
 
 def pool_kv_dtype(cfg, kv_dtypes) -> str:
@@ -68,25 +69,23 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 
 
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
-                         weight_bytes: int, layouts=("tp", "dp_attn", "cp", "dop"),
-                         weight_quant: str | None = None) -> dict[str, int]:
+                         weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None) -> dict[str, int]:
     """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
 
     The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
-    the projections spends the difference on them, so it holds that many fewer blocks (memory model in
-    splash.layouts.memory). The physical pool is the largest entry."""
-    from splash.layouts.memory import projection_bytes_per_rank
+    the projections spends the difference on them, so it holds that many fewer blocks. The count comes from
+    the one capacity model, ``splash.layouts.memory.kv_capacity_tokens``, given the memory of a rank holding
+    that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
+    pool is the largest entry."""
+    from splash.layouts.memory import _common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
     block = block_bytes(cfg, kv_dtype, block_size)
-    proj = {}
-    for lay in layouts:
-        try:
-            proj[lay] = projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant)
-        except ValueError:
-            continue  # world does not divide the heads: this layout is not available
-    base = min(proj.values())
-    pool = budget_bytes // block
-    return {lay: max(0, pool - int(-(-(p - base) // block))) for lay, p in proj.items()}
+    usable = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]  # others: not at this world
+    base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
+    rank_bytes = (budget_bytes // block) * block + base + _common_bytes(cfg, world, weight_bytes, weight_quant)
+    return {lay: kv_capacity_tokens(cfg, lay, world, rank_bytes, weight_bytes, kv_dtype, block_size,
+                                    weight_quant=weight_quant).blocks_per_rank
+            for lay in usable}
 
 
 class LLM:
@@ -172,4 +171,6 @@ class LLM:
                     out.prompt_logprobs = [None, *ev.prompt_logprobs]
                 if ev.finish_reason:
                     c.finish_reason = ev.finish_reason
+            for rid, _ in self.engine.take_failures():
+                index[rid][1].finish_reason = "error"   # sampling failed for this request alone
         return outs

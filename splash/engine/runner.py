@@ -15,11 +15,10 @@ from splash.kv import quant
 from splash.kv.block_manager import BlockManager
 from splash.kv.page_table import PageTable
 from splash.kv.paged_cache import PagedLatentCache
+from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
 from splash.models.build import build_weights
 from splash.models.config import ModelConfig
 from splash.models.deepseek import DeepseekV3Model
-
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 
 def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20        # OpenAI's limit for top_logprobs / completions logprobs
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
+
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalised(self) -> bool:

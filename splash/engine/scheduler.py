@@ -4,7 +4,9 @@ Policy: every step first gives each running request its next piece (one decode t
 chunk) in admission order, then admits waiting requests while the token budget, `max_num_seqs` and KV
 capacity allow. When a running request cannot grow because the pool is full, the most recently admitted
 running request is preempted and recomputed later (vLLM's default "recompute"); with `preemption_mode="queue"`
-the request that cannot grow simply waits for this step.
+the request that cannot grow simply waits for this step. With ``chunked_prefill`` off, a prompt is never
+split: it is scheduled only in a step whose remaining token budget holds all of it (the serving config then
+requires ``max_num_batched_tokens >= max_model_len``, so every prompt fits an empty step).
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class Scheduler:
         self.ledger = ledger
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.chunked_prefill = True
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -104,7 +107,7 @@ class Scheduler:
 
     def _piece(self, req: Request, budget: int) -> Scheduled | None:
         n = min(req.pending, budget)
-        if n <= 0:
+        if n <= 0 or (n < req.pending and not self.chunked_prefill):
             return None
         end = req.num_cached + n
         known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
@@ -122,7 +125,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             item = self._piece(req, budget)
-            if item is None and req.pending > 0 and self.preemption_mode == "recompute":
+            fits = self.chunked_prefill or req.pending <= budget   # else it waits for a step with room
+            if item is None and req.pending > 0 and fits and self.preemption_mode == "recompute":
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from splash.kv import quant
-
-CONVERT_CHUNK_SLOTS = 4096  # tokens dequantised at once by convert_layer (bounds its fp32 scratch)
+from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens convert_layer dequantises at once
 
 
 class PagedLatentCache:

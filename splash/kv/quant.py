@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+from splash.layouts.memory import KV_DTYPES  # noqa: F401 — re-exported: the one list of KV dtypes
 GROUP = 128
 _QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
 

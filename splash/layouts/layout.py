@@ -64,3 +64,19 @@ def parse_layout(name: str | Layout) -> Layout:
             return found
     allowed = ", ".join(sorted(_ALIASES))
     raise ValueError(f"unknown attention layout {name!r} (allowed: {allowed})")
+
+
+# The layout names in their canonical order: the one list every other module uses.
+LAYOUT_NAMES: tuple[str, ...] = tuple(lay.value for lay in Layout)
+
+
+def heads_fit(layout: str | Layout, num_heads: int, world: int) -> bool:
+    """A head-sharded layout (TP, DOP) needs the world size to divide the attention heads; the others always fit."""
+    return not parse_layout(layout).shards_projections or num_heads % world == 0
+
+
+def check_heads(layout: str | Layout, num_heads: int, world: int) -> None:
+    """ValueError when ``layout`` shards the heads and ``world`` does not divide ``num_heads``."""
+    if not heads_fit(layout, num_heads, world):
+        raise ValueError(f"{parse_layout(layout).value}: world {world} does not divide num_heads {num_heads} "
+                         "(a head-sharded layout needs the world size to divide num_attention_heads)")

@@ -22,16 +22,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from splash.layouts.layout import Layout, parse_layout
+from splash.layouts.layout import Layout, check_heads, parse_layout
 from splash.layouts.ownership import head_range, kv_holders, num_blocks
 from splash.models.config import ModelConfig
 
-KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")   # the one list of KV storage dtypes
 _PLAIN_BYTES = {"float32": 4, "bfloat16": 2}
 QUANT_GROUP = 128  # elements of the latent sharing one fp32 scale (per token)
 WEIGHT_QUANTS = ("fp8", "int8")
 WEIGHT_BLOCK = 128  # fp8 weights: one fp32 scale per 128×128 block
 SCALE_BYTES = 4
+CONVERT_CHUNK_SLOTS = 4096  # tokens a KV format conversion dequantises at once (bounds its fp32 scratch)
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:
@@ -118,8 +119,7 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
     With ``weight_quant``: stored bytes incl. scales, of the rank holding the most (shards can differ by a
     shared partial scale block)."""
     layout = parse_layout(layout)
-    if layout.shards_projections and cfg.num_attention_heads % world:
-        raise ValueError(f"{layout.value}: world {world} does not divide num_heads {cfg.num_attention_heads}")
+    check_heads(layout, cfg.num_attention_heads, world)
     if weight_quant is not None:
         return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
                                           weight_quant) for r in range(world)) * cfg.num_hidden_layers

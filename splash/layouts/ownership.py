@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, parse_layout
+from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, check_heads, parse_layout
 
 
 class NoCapacity(RuntimeError):
@@ -37,8 +37,7 @@ def head_range(num_heads: int, world: int, rank: int, layout: Layout | str) -> r
         raise ValueError(f"rank {rank} out of range for world {world}")
     if not layout.shards_projections:
         return range(num_heads)
-    if num_heads % world:
-        raise ValueError(f"{layout.value}: world {world} does not divide num_heads {num_heads}")
+    check_heads(layout, num_heads, world)
     per = num_heads // world
     return range(rank * per, (rank + 1) * per)
 

@@ -1,8 +1,11 @@
 """The HTTP API on rank 0 (FastAPI): OpenAI-compatible completions/chat, models, health, metrics, layout control.
 
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
-JSON, wrong-typed or unknown fields, a prompt longer than the model's context, max_tokens <= 0, bad layout
-names), 401 for a missing/bad admin token, 404 for an unknown model or route, 503 while shutting down. A bad request never disturbs the engine or other requests.
+JSON, wrong-typed or unknown fields, a prompt plus max_tokens longer than the model's context, max_tokens <= 0,
+too many sequences, bad layout names), 401 for a missing/bad admin token, 404 for an unknown model or route,
+408/413/415 for a body too slow, too large or not JSON (``body``), 429 with ``Retry-After`` when the queue is
+full, 503 while shutting down. A bad request never disturbs the engine or other requests; a request whose
+client disconnects is cancelled, streaming or not.
 """
 from __future__ import annotations
 
@@ -20,12 +23,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.engine.sampling import SamplingParams
 from splash.server import protocol as P
+from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.generation import Generation
 from splash.server.metrics import Metrics
+from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+DEFAULT_LIMITS = {"max_body_bytes": 8 << 20, "read_timeout_s": 30.0, "max_seqs_per_request": 256,
+                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0}
 
 
 @dataclass
@@ -41,6 +48,11 @@ class ServerState:
     admin_token: str | None = None
     world_size: int = 1
     created: int = field(default_factory=P.now)
+    limits: dict = field(default_factory=dict)   # keys of DEFAULT_LIMITS (startup.limits builds them)
+
+    def __post_init__(self) -> None:
+        self.limits = {**DEFAULT_LIMITS, **self.limits}
+        self.loop.max_outstanding = self.limits["max_outstanding_seqs"]
 
 
 def is_loopback(host: str) -> bool:
@@ -60,21 +72,15 @@ def admin_token_required(host: str, admin_token: str | None) -> bool:
 def check_admin(state: ServerState, authorization: str | None) -> None:
     if not admin_token_required(state.host, state.admin_token):
         return
-    if state.admin_token is None:
+    if not state.admin_token:   # None, or an empty token (refused at startup; never a key that anyone holds)
         raise P.APIError(403, f"layout control is disabled: the server listens on {state.host} (not loopback) "
                               "and server.admin_token is not set", "permission_error")
     scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.admin_token.encode()):
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode(),
+                                                                          state.admin_token.encode()):
         raise P.APIError(401, "missing or invalid admin token: send 'Authorization: Bearer <server.admin_token>'",
                          "authentication_error", code="invalid_token")
-
-
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise P.APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
 
 
 def _sse(obj: Any) -> str:
@@ -82,18 +88,22 @@ def _sse(obj: Any) -> str:
 
 
 class _CountRequests:
-    """ASGI middleware counting answered requests by endpoint and status (cheap; streaming-safe)."""
+    """ASGI middleware counting answered requests by route and status (cheap; streaming-safe). The endpoint
+    label is the route's path for the server's routes and ``other`` for every unknown path, so random paths
+    cannot grow /metrics."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in self.routes else "other"
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(scope.get("path", ""), str(message["status"])).inc()
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, send_wrapper)
@@ -102,28 +112,38 @@ class _CountRequests:
 class _Handlers:
     """Route bodies, kept out of create_app so each stays short."""
 
+    # ---- shared -----------------------------------------------------------------------------------------
     def __init__(self, state: ServerState) -> None:
         self.s = state
+        self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
 
-    # ---- shared -----------------------------------------------------------------------------------------
+    async def body(self, request: Request, model: type) -> Any:
+        lim = self.s.limits
+        return P.parse_request(model, await read_json(request, lim["max_body_bytes"], lim["read_timeout_s"]))
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.s.model_name:
             raise P.APIError(404, f"the model '{model}' does not exist; this server serves '{self.s.model_name}'",
                              param="model", code="model_not_found")
 
-    def check_prompt(self, ids: list[int], where: str) -> list[int]:
-        s = self.s
-        if not ids:
-            raise P.APIError(400, f"{where} is empty (it must contain at least one token)", param=where)
-        bad = next((t for t in ids if t < 0 or t >= s.vocab_size), None)
-        if bad is not None:
-            raise P.APIError(400, f"{where} contains token id {bad}, outside the vocabulary [0, {s.vocab_size})",
-                             param=where)
-        if len(ids) >= s.max_model_len:
-            raise P.APIError(400, f"{where} has {len(ids)} tokens, but the model's context (max_model_len) is "
-                                  f"{s.max_model_len} tokens, including at least one generated token",
-                             param=where, code="context_length_exceeded")
-        return ids
+    def check_seqs(self, num_prompts: int, n: int) -> None:
+        limit = self.s.limits["max_seqs_per_request"]
+        if num_prompts * n > limit:
+            raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                                  f"sequences; at most {limit} are allowed (server.max_seqs_per_request)",
+                             param="n" if num_prompts == 1 else "prompt", code="too_many_sequences")
+
+    def max_tokens(self, requested: int | None, default: int, prompts: list[list[int]], param: str) -> int:
+        """``requested`` if every prompt has room for it (else 400, as vLLM and OpenAI answer); the default
+        is capped at the room of the longest prompt."""
+        room = self.s.max_model_len - max(map(len, prompts))
+        if requested is None:
+            return max(1, min(default, room))
+        if requested > room:
+            raise P.APIError(400, f"'{param}' is {requested}, but the prompt has {self.s.max_model_len - room} "
+                                  f"tokens and the model's context (max_model_len) is {self.s.max_model_len}: at "
+                                  f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
+        return requested
 
     def params(self, req: P._Sampling, max_tokens: int, j: int) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
@@ -142,54 +162,49 @@ class _Handlers:
         return gen
 
     # ---- /v1/completions --------------------------------------------------------------------------------
-    def completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
-        p, tok = req.prompt, self.s.tokenizer
-        if isinstance(p, str):
-            return [self.check_prompt(tok.encode(p, add_special_tokens=True), "prompt")]
-        if not p:
-            raise P.APIError(400, "prompt is empty", param="prompt")
-        if isinstance(p[0], int):
-            return [self.check_prompt(list(p), "prompt")]
-        if isinstance(p[0], str):
-            return [self.check_prompt(tok.encode(x, add_special_tokens=True), f"prompt[{i}]") for i, x in enumerate(p)]
-        return [self.check_prompt(list(x), f"prompt[{i}]") for i, x in enumerate(p)]
-
     async def completions(self, request: Request) -> Response:
-        req = P.parse_request(P.CompletionRequest, await read_json(request))
+        req = await self.body(request, P.CompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
-        prompts = self.completion_prompts(req)
-        mt = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        p = req.prompt
+        self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
+        prompts = await self.prompts.completion(p)
+        mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
         rid = P.new_id("cmpl")
         gen = self.generation(req, prompts, [mt] * len(prompts), rid)
         if req.stream:
             return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
-        return JSONResponse(await self.collect(gen, req, rid, "text_completion", sum(map(len, prompts)), False))
+        return JSONResponse(await self.collect(request, gen, req, rid, "text_completion",
+                                               sum(map(len, prompts)), False))
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
+        req = await self.body(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            text = self.s.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise P.APIError(400, str(e), param="messages") from None
-        prompt = self.check_prompt(self.s.tokenizer.encode(text, add_special_tokens=False), "messages")
-        mt = req.max_completion_tokens or req.max_tokens or (self.s.max_model_len - len(prompt))
+        self.check_seqs(1, req.n)
+        prompt = await self.prompts.chat([m.model_dump(exclude_none=True) for m in req.messages])
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
         rid = P.new_id("chatcmpl")
         gen = self.generation(req, [prompt], [mt], rid)
         if req.stream:
             return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True)
-        return JSONResponse(await self.collect(gen, req, rid, "chat.completion", len(prompt), True))
+        return JSONResponse(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True))
 
     # ---- response assembly ------------------------------------------------------------------------------
-    async def collect(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
-                      chat: bool) -> dict:
+    async def collect(self, request: Request, gen: Generation, req: P._Sampling, rid: str, obj: str,
+                      prompt_tokens: int, chat: bool) -> dict:
+        run = asyncio.ensure_future(gen.run_to_end())
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
-            await gen.run_to_end()
+            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                raise ClientGone()     # nobody is waiting for the answer: stop generating it
+            run.result()
         finally:
+            for task in (run, gone):
+                task.cancel()
             if not gen.done:
                 gen.cancel()
         make = P.chat_choice if chat else P.completion_choice
@@ -231,6 +246,8 @@ class _Handlers:
                     yield chunk([], P.usage(prompt_tokens, n_out))
             except P.APIError as e:
                 yield _sse(e.body())
+            except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
+                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error"))
             finally:
                 if not gen.done:
                     gen.cancel()
@@ -250,7 +267,7 @@ class _Handlers:
 
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
-        req = P.parse_request(P.LayoutRequest, await read_json(request))
+        req = await self.body(request, P.LayoutRequest)
         req.check(self.s.allowed_layouts)
         try:
             await asyncio.wrap_future(self.s.loop.set_layout(req.layout))
@@ -267,7 +284,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(P.APIError)
     async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)   # never delivered: the client closed the connection
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -294,14 +315,21 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.loop.alive
-        snap = state.loop.snapshot
-        return JSONResponse({"status": "ok" if ok else "stopping", "layout": snap.layout if snap else None,
-                             "world_size": state.world_size}, status_code=200 if ok else 503)
+        """200 while serving; 503 while stopping, or when the step in flight has run longer than
+        server.collective_timeout_s (``stalled``: nothing has moved for that long)."""
+        loop, snap = state.loop, state.loop.snapshot
+        running_s = loop.stalled_s()
+        status = "ok" if loop.alive else "stopping"
+        if status == "ok" and running_s > state.limits["stall_s"]:
+            status = "stalled"
+        return JSONResponse({"status": status, "layout": snap.layout if snap else None,
+                             "world_size": state.world_size, "step_running_s": round(running_s, 3)},
+                            status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(_CountRequests, metrics=state.metrics)
+    routes = frozenset(getattr(r, "path", "") for r in app.routes)
+    app.add_middleware(_CountRequests, metrics=state.metrics, routes=routes)
     return app

@@ -6,8 +6,12 @@ are handed back to the asyncio loop in *one* ``post`` call (``loop.call_soon_thr
 request's sink. After every step the thread publishes an immutable ``EngineSnapshot`` that metrics, the
 console and ``GET /v1/layout`` read without locking.
 
-An unexpected exception inside a step is fatal for the whole job (the other ranks may be inside a collective
-of that step): the thread prints it, naming rank 0, and aborts every rank.
+A request that fails on its own (its prompt is rejected, or sampling it raises) fails alone: its sink gets
+the exception. An unexpected exception inside a step is fatal for the whole job (the other ranks may be inside
+a collective of that step): the thread prints it, naming rank 0, and aborts every rank.
+
+Back-pressure: ``add`` refuses (``Overloaded``) a request that would take the sequences accepted and not yet
+finished past ``max_outstanding``; while draining (``begin_drain``) it refuses new requests (``EngineStopped``).
 """
 from __future__ import annotations
 
@@ -19,11 +23,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from splash.layouts.layout import LAYOUT_NAMES
+
 Sink = Callable[[list[Any]], None]   # receives TokenEvents (or one Exception) in the asyncio thread
 
 
 class EngineStopped(RuntimeError):
     """The engine stopped (server shutting down) before the request finished."""
+
+
+class Overloaded(RuntimeError):
+    """Too many sequences are queued; the client should retry later."""
 
 
 @dataclass(frozen=True)
@@ -69,14 +79,18 @@ class EngineLoop:
     CAPACITY_REFRESH_S = 1.0
 
     def __init__(self, engine: Any, post: Callable[[Callable[[], None]], None], metrics: Any = None,
-                 watchdog: Any = None, allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
-                 on_fatal: Callable[[str], None] | None = None) -> None:
+                 watchdog: Any = None, allowed_layouts: tuple[str, ...] = LAYOUT_NAMES,
+                 on_fatal: Callable[[str], None] | None = None, max_outstanding: int | None = None) -> None:
         self.engine, self._post, self.metrics, self.watchdog = engine, post, metrics, watchdog
         self.allowed_layouts = tuple(allowed_layouts)
         self._on_fatal = on_fatal
+        self.max_outstanding = max_outstanding
         self._cond = threading.Condition()
         self._cmds: deque[tuple] = deque()
         self._stopping = False
+        self._draining = False
+        self.outstanding = 0            # sequences accepted by add() and not yet finished, failed or aborted
+        self.step_started: float | None = None   # monotonic start of the step in flight (None between steps)
         self._sinks: dict[str, Sink] = {}
         self.steps = 0
         self.generated = 0
@@ -98,8 +112,35 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stopping
 
     def add(self, reqs: list[tuple[str, list[int], Any]], sink: Sink) -> None:
-        """Queue requests ``(req_id, prompt_ids, SamplingParams)`` whose events all go to ``sink``."""
-        self._command(("add", reqs, sink))
+        """Queue requests ``(req_id, prompt_ids, SamplingParams)`` whose events all go to ``sink``.
+        Raises EngineStopped while draining or stopped, Overloaded when the queue is full."""
+        with self._cond:
+            if self._draining:
+                raise EngineStopped("the server is shutting down")
+            limit = self.max_outstanding
+            if limit is not None and self.outstanding + len(reqs) > limit:
+                raise Overloaded(f"the server is busy: {self.outstanding} sequences are queued or running, and "
+                                 f"this request adds {len(reqs)} (limit {limit}); retry later")
+            self.outstanding += len(reqs)
+        try:
+            self._command(("add", reqs, sink))
+        except EngineStopped:
+            self._done(len(reqs))
+            raise
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; the ones already accepted keep running."""
+        with self._cond:
+            self._draining = True
+
+    def stalled_s(self) -> float:
+        """How long the step in flight has been running (0 between steps)."""
+        started = self.step_started
+        return time.monotonic() - started if started is not None else 0.0
+
+    def _done(self, n: int) -> None:
+        with self._cond:
+            self.outstanding -= n
 
     def abort(self, req_ids: list[str]) -> None:
         self._command(("abort", list(req_ids)))
@@ -158,6 +199,7 @@ class EngineLoop:
                 try:
                     self.engine.add_request(prompt, params, req_id)
                 except Exception as e:  # noqa: BLE001 — rejected before any collective: only this request fails
+                    self._done(1)
                     self._deliver([(sink, [e])])
                     continue
                 self._sinks[req_id] = sink
@@ -167,6 +209,7 @@ class EngineLoop:
             for req_id in cmd[1]:
                 if self._sinks.pop(req_id, None) is not None:
                     self.engine.abort(req_id)
+                    self._done(1)
         elif kind == "layout":
             _, name, fut = cmd
             try:
@@ -178,14 +221,11 @@ class EngineLoop:
                 fut.set_result(None)
 
     def _step(self) -> None:
-        wd = self.watchdog
-        if wd is not None:
-            wd.begin(f"engine step {self.steps + 1}")
+        self.step_started = time.monotonic()
         t0 = time.perf_counter()
         events = self.engine.step()
         dt = time.perf_counter() - t0
-        if wd is not None:
-            wd.end()
+        self.step_started = None
         self.steps += 1
         self.generated += len(events)
         if self.metrics is not None:
@@ -194,13 +234,23 @@ class EngineLoop:
             if events:
                 self.metrics.generated_tokens.inc(len(events))
         groups: dict[int, tuple[Sink, list[Any]]] = {}
+        finished = 0
         for ev in events:
             sink = self._sinks.get(ev.req_id)
             if sink is None:
                 continue
             if ev.finish_reason is not None:
                 del self._sinks[ev.req_id]
+                finished += 1
             groups.setdefault(id(sink), (sink, []))[1].append(ev)
+        for req_id, err in self.engine.take_failures():   # already aborted by the engine
+            sink = self._sinks.pop(req_id, None)
+            if sink is not None:
+                finished += 1
+                groups.setdefault(id(sink), (sink, []))[1].append(
+                    RuntimeError(f"sampling request {req_id} failed: {type(err).__name__}: {err}"))
+        if finished:
+            self._done(finished)
         if groups:
             self._deliver(list(groups.values()))
 
@@ -215,9 +265,12 @@ class EngineLoop:
         for req_id, _ in live:
             self.engine.abort(req_id)
         self._sinks.clear()
+        self._done(len(live))
         if live:
             err = EngineStopped("the server shut down before the request finished")
-            self._deliver([(sink, [err]) for _, sink in live])
+            self._deliver([(sink, [err]) for _, sink in {id(s): (r, s) for r, s in live}.values()])
+        if self.watchdog is not None:
+            self.watchdog.stop()   # say goodbye first: the followers leave once they get the stop message
         self.engine.stop()
         self._publish()
 

@@ -1,8 +1,10 @@
 """Rank 0's front end: the asyncio event loop in the main thread runs uvicorn; the engine thread runs steps.
 
-Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections and lets running requests finish (drain, up to
-``DRAIN_S``; a second signal cuts the drain short), then the engine thread aborts whatever is left and
-broadcasts ``stop`` to the followers, and rank 0 returns 0.
+Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, new requests on open connections get 503,
+and running requests may finish (the drain, ``server.drain_timeout_s``; a second signal cuts it short). Then the engine
+thread fails whatever is left — each unfinished stream gets an error event and ``[DONE]``, each waiting
+non-streaming request a 503 body — and broadcasts ``stop`` to the followers; uvicorn gets ``FLUSH_S`` more
+to deliver those answers, and rank 0 returns 0.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import uvicorn
 from splash.server.app import ServerState, create_app
 from splash.server.console import Console
 from splash.server.engine_loop import EngineLoop
+from splash.server.http import install_log_limits, protocol_class
 from splash.server.metrics import Metrics
 from splash.server.watchdog import Watchdog, abort_job
 
-DRAIN_S = 10.0
+FLUSH_S = 3.0           # after the drain: time for the error events and 503 bodies to reach the clients
+MAX_HEADER_BYTES = 32 * 1024
 
 
 class _Server(uvicorn.Server):
@@ -38,6 +42,18 @@ def _install_signals(server: _Server) -> list[tuple[int, Any]]:
         server.should_exit = True
 
     return [(sig, signal.signal(sig, on_signal)) for sig in (signal.SIGINT, signal.SIGTERM)]
+
+
+async def _drain(server: _Server, loop: EngineLoop, drain_s: float) -> None:
+    """On the first stop signal: refuse new requests, let the running ones finish for up to ``drain_s``, then
+    stop the engine, which fails what is left with a proper answer (see the module docstring)."""
+    while not server.should_exit:
+        await asyncio.sleep(0.05)
+    loop.begin_drain()
+    deadline = asyncio.get_running_loop().time() + drain_s
+    while loop.outstanding and not server.force_exit and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.to_thread(loop.stop)
 
 
 async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Console, watchdog: Watchdog | None,
@@ -58,11 +74,17 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     state = ServerState(loop=loop, metrics=metrics, allowed_layouts=allowed_layouts, **state_kw)
     app = create_app(state)
     quiet = console.quiet or console.live_ok
+    read_s = state.limits["read_timeout_s"]
     config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet,
-                            timeout_graceful_shutdown=int(DRAIN_S), lifespan="off", ws="none")
+                            timeout_graceful_shutdown=int(state.limits["drain_s"] + FLUSH_S) + 1, lifespan="off",
+                            ws="none",
+                            http=protocol_class(MAX_HEADER_BYTES, read_s),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES + 1024)
     server = _Server(config)
     old = _install_signals(server)
+    install_log_limits()
     loop.start()
+    drain = asyncio.ensure_future(_drain(server, loop, state.limits["drain_s"]))
     host, port = sock.getsockname()[:2]
     console.log(f"splash-serve: serving {state.model_name} on http://{host}:{port} "
                 f"({state.world_size} rank(s), layout {loop.snapshot.layout})")
@@ -70,6 +92,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     try:
         await server.serve(sockets=[sock])
     finally:
+        drain.cancel()
         console.stop_panel()
         await asyncio.to_thread(loop.stop)
         for sig, handler in old:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from splash.engine.sampling import SamplingParams
-from splash.server.engine_loop import EngineLoop, EngineStopped
+from splash.server.engine_loop import EngineLoop, EngineStopped, Overloaded
 from splash.server.protocol import APIError
 from splash.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -63,7 +63,9 @@ class Generation:
         try:
             self.loop.add(reqs, self._queue.put_nowait)
         except EngineStopped as e:
-            raise APIError(503, str(e), "service_unavailable") from None
+            raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
+        except Overloaded as e:
+            raise APIError(429, str(e), "rate_limit_error", code="overloaded", headers={"Retry-After": "1"}) from None
 
     def cancel(self) -> None:
         """Abort the choices that have not finished (client went away, or a stop string ended them)."""
@@ -88,7 +90,11 @@ class Generation:
                 c = self._by_id.get(ev.req_id)
                 if c is None or c.finish is not None:
                     continue
-                self._push(c, ev.token, ev.finish_reason)
+                try:
+                    self._push(c, ev.token, ev.finish_reason)
+                except Exception as e:  # noqa: BLE001 — a choice that cannot be detokenised fails this request
+                    self.cancel()
+                    raise APIError(500, f"detokenising failed: {type(e).__name__}: {e}", "internal_error") from None
                 touched[c.index] = c
             out = [d for d in (self._delta(c) for c in touched.values()) if d is not None]
             if out:

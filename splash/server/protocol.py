@@ -23,9 +23,10 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -117,6 +118,19 @@ class ChatCompletionRequest(_Sampling):
         super().check_neutral()
         if self.logprobs or self.top_logprobs:
             raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
+        self.check_content()
+
+    def check_content(self) -> None:
+        """Content given as parts must be text parts with string text (images and other parts: 400)."""
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                where = f"messages[{i}].content[{j}]"
+                if part.get("type") != "text":
+                    raise APIError(400, f"{where}: only text parts (type 'text') are supported, got type "
+                                        f"{str(part.get('type'))[:40]!r}", param=where)
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}.text must be a string, got {type(part.get('text')).__name__}",
+                                   param=where)
 
 
 class LayoutRequest(_Strict):
@@ -154,6 +168,8 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
     except ValidationError as e:
         msg, param = validation_message(e)
         raise APIError(400, msg, param=param) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 # ---- responses ---------------------------------------------------------------------------------------

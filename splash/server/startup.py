@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
+from splash.layouts.layout import heads_fit
 from splash.models.config import ConfigError
 
 DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
@@ -58,7 +59,7 @@ def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = Non
     if lay != "auto":
         return lay
     allowed = cfg.layout.allowed_layouts
-    usable = [a for a in allowed if num_heads is None or a not in ("tp", "dop") or num_heads % world == 0]
+    usable = [a for a in allowed if num_heads is None or heads_fit(a, num_heads, world)]
     allowed = usable or allowed
     return "tp" if "tp" in allowed else allowed[0]
 
@@ -78,6 +79,51 @@ def validate_model(cfg: ServeConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"field 'model.preset': {e}") from None
     load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
+
+
+ADMIN_TOKEN_ENV = "SPLASH_ADMIN_TOKEN"
+
+
+def resolve_admin_token(server: Any, environ: Any) -> str | None:
+    """The admin token: ``server.admin_token``, else the file ``server.admin_token_file``, else the environment
+    variable SPLASH_ADMIN_TOKEN (the last two keep it out of ``ps``). An empty token is refused."""
+    if server.admin_token is not None:
+        return server.admin_token
+    if server.admin_token_file is not None:
+        try:
+            token = open(server.admin_token_file, encoding="utf-8").read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"field 'server.admin_token_file': cannot read {server.admin_token_file!r} ({e})")
+        if not token:
+            raise ConfigError(f"field 'server.admin_token_file': {server.admin_token_file!r} is empty")
+        return token
+    token = environ.get(ADMIN_TOKEN_ENV)
+    if token is not None and not token.strip():
+        raise ConfigError(f"environment variable {ADMIN_TOKEN_ENV} is set but empty; unset it or give a token")
+    return token.strip() if token else None
+
+
+def start_watchdog(comm: Any, watchdog: Any, hosts: list[str]) -> Any:
+    """Rank 0 listens (on loopback when every rank shares its host), broadcasts the address, followers connect."""
+    address = None
+    if comm.rank == 0:
+        one_host = len(set(hosts)) == 1
+        address = watchdog.serve(tuple(range(1, comm.size)), "127.0.0.1" if one_host else "0.0.0.0")
+        if not one_host:
+            address = (socket.gethostbyname(hosts[0]), address[1])
+    address = comm.broadcast_obj(address)
+    if comm.rank != 0:
+        watchdog.connect(address)
+    return watchdog
+
+
+def limits(cfg: ServeConfig) -> dict[str, Any]:
+    """The request limits of the HTTP front end (ServerState.limits)."""
+    s = cfg.server
+    return {"max_body_bytes": s.max_request_body_bytes, "read_timeout_s": s.read_timeout_s,
+            "max_seqs_per_request": s.max_seqs_per_request,
+            "max_outstanding_seqs": cfg.scheduler.max_num_seqs + s.max_waiting_seqs,
+            "stall_s": s.collective_timeout_s, "drain_s": s.drain_timeout_s}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -158,6 +204,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     except ValueError as e:
         field = "layout.hardware_profile" if "profile" in str(e) else "layout.allowed_layouts"
         raise ConfigError(f"field {field!r}: {e}") from None
+    engine.scheduler.chunked_prefill = s.enable_chunked_prefill
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)
@@ -165,4 +212,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError(f"field 'cache.kv_cache_memory_bytes': the KV budget holds {engine.ledger.cap(tight)} KV "
                           f"page(s) per rank in layout {tight!r} (its attention projections take the rest), so no "
                           f"request fits; raise it or remove {tight!r} from layout.allowed_layouts")
+    if engine.max_model_len < 2:
+        raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
+                          "request (capped by the KV pool), so no request fits; raise the KV budget")
     return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool

@@ -1,21 +1,25 @@
-"""Fault handling between ranks: a step watchdog, and the step-message channel the followers wait on.
+"""Fault handling between ranks: a heartbeat watchdog, and the step-message channel the followers wait on.
 
-* ``Watchdog``: a daemon thread per rank. Code marks ``begin(what)`` / ``end()`` around work that involves
-  the other ranks (an engine step); if one piece of work runs past ``timeout_s`` the rank prints a message
-  naming itself and the stalled work, and calls ``MPI.COMM_WORLD.Abort(1)`` — which ends every rank, so a
-  dead or hung peer never leaves the others waiting forever. (A rank that *dies* is also reported by
-  ``mpiexec``, which then ends the job; the watchdog covers the ranks that are still alive but stuck.)
+* ``Watchdog``: every rank keeps a TCP link to rank 0 on which both ends send a heartbeat byte every
+  ``interval`` (a daemon thread per rank; no MPI involved, so it runs while the main thread sits in a
+  collective or computes). It detects a *dead or stuck peer*, not a slow step: a step may take as long as it
+  needs while every rank's heartbeat thread keeps beating. Rank 0 aborts the job (``MPI.COMM_WORLD.Abort``,
+  which ends every rank) when a follower's link closes without a goodbye (the process died) or its
+  heartbeats stop for ``timeout_s`` (``server.collective_timeout_s``: SIGSTOP, a hung host); a follower does
+  the same about rank 0. The message names the rank. On a clean stop each end says goodbye first.
 * ``StepChannel``: wraps the engine's communicator so that ``broadcast_obj`` — the one call per step that
   carries rank 0's step message — waits *politely* on the followers: a nonblocking broadcast of the message
   length, polled with short sleeps once it has spun for ~2 ms. An idle server therefore costs no CPU on
-  ranks ≠ 0 (a blocking MPICH broadcast busy-polls a whole core), Python signal handlers run while a
-  follower waits, and each received message arms the follower's watchdog until the next one arrives.
-  Every other attribute is delegated to the wrapped communicator.
+  ranks ≠ 0 (a blocking MPICH broadcast busy-polls a whole core) and Python signal handlers run while a
+  follower waits. Every other attribute is delegated to the wrapped communicator.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import select
+import socket
+import struct
 import sys
 import threading
 import time
@@ -42,58 +46,158 @@ def abort_job(message: str) -> None:
 
 
 class Watchdog:
-    """Abort every rank when one piece of collective work on this rank takes longer than ``timeout_s``."""
+    """Heartbeats between rank 0 (``serve``) and each follower (``connect``); see the module docstring."""
+
+    BEAT, BYE = b".", b"B"
 
     def __init__(self, rank: int, timeout_s: float, abort: Callable[[str], None] = abort_job,
-                 poll_s: float | None = None) -> None:
+                 interval_s: float | None = None) -> None:
         self.rank, self.timeout_s, self._abort = rank, timeout_s, abort
-        self._poll_s = poll_s if poll_s is not None else min(0.5, timeout_s / 4)
-        self._lock = threading.Lock()
-        self._what: str | None = None
-        self._since = 0.0
+        self.interval_s = interval_s if interval_s is not None else min(1.0, timeout_s / 5)
         self._stop = threading.Event()
+        self._listen: socket.socket | None = None
+        self._peers: dict[int, socket.socket] = {}     # rank -> socket (rank 0: followers; follower: {0: ...})
+        self._seen: dict[int, float] = {}
+        self._expected: tuple[int, ...] = ()
         self.fired: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"splash-watchdog-{rank}", daemon=True)
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> "Watchdog":
+    # ---- setup --------------------------------------------------------------------------------------
+    def serve(self, followers: tuple[int, ...], host: str = "127.0.0.1") -> tuple[str, int]:
+        """Rank 0: listen for the followers' links; returns the address they connect to."""
+        self._listen = socket.create_server((host, 0))
+        self._listen.setblocking(False)
+        self._expected = tuple(followers)
+        now = time.monotonic()
+        self._seen = dict.fromkeys(self._expected, now)   # a follower must connect within timeout_s too
+        self._start()
+        return host, self._listen.getsockname()[1]
+
+    def connect(self, address: tuple[str, int]) -> None:
+        """A follower: open the link to rank 0 and say who we are."""
+        sock = socket.create_connection(address, timeout=max(5.0, self.timeout_s))
+        sock.sendall(struct.pack("!i", self.rank))
+        sock.setblocking(False)
+        self._peers, self._expected, self._seen = {0: sock}, (0,), {0: time.monotonic()}
+        self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"splash-watchdog-{self.rank}", daemon=True)
         self._thread.start()
-        return self
 
     def stop(self) -> None:
+        """Clean stop: say goodbye to every peer (so they do not take our exit for a death) and close."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        for sock in list(self._peers.values()):
+            try:
+                sock.setblocking(True)
+                sock.sendall(self.BYE)
+            except OSError:
+                pass
+            sock.close()
+        self._peers.clear()
+        if self._listen is not None:
+            self._listen.close()
 
-    def begin(self, what: str) -> None:
-        with self._lock:
-            self._what, self._since = what, time.monotonic()
-
-    def end(self) -> None:
-        with self._lock:
-            self._what = None
-
+    # ---- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            with self._lock:
-                what, since = self._what, self._since
-            if what is not None and time.monotonic() - since > self.timeout_s:
-                self.fired = (f"splash-serve: rank {self.rank}: {what} has not finished after "
-                              f"{self.timeout_s:g}s (server.collective_timeout_s) — a peer rank died or hung "
-                              f"in a collective; aborting all ranks")
-                self._abort(self.fired)
+        pending: dict[socket.socket, bytes] = {}       # accepted, rank not yet read
+        next_beat = 0.0
+        while not self._stop.is_set():
+            socks = list(self._peers.values()) + list(pending) + ([self._listen] if self._listen else [])
+            try:
+                readable, _, _ = select.select(socks, [], [], self.interval_s / 2)
+            except (OSError, ValueError):
+                if self._stop.is_set():
+                    return
+                raise
+            now = time.monotonic()
+            for sock in readable:
+                if sock is self._listen:
+                    self._accept(pending)
+                elif sock in pending:
+                    self._identify(sock, pending, now)
+                elif self._receive(sock, now):
+                    return
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + self.interval_s
+            if self._check(now):
                 return
+
+    def _accept(self, pending: dict[socket.socket, bytes]) -> None:
+        try:
+            conn, _ = self._listen.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        pending[conn] = b""
+
+    def _identify(self, sock: socket.socket, pending: dict[socket.socket, bytes], now: float) -> None:
+        try:
+            data = pending[sock] + sock.recv(4 - len(pending[sock]))
+        except OSError:
+            data = b""
+        if not data:
+            pending.pop(sock).close()
+            return
+        pending[sock] = data
+        if len(data) == 4:
+            del pending[sock]
+            rank = struct.unpack("!i", data)[0]
+            self._peers[rank], self._seen[rank] = sock, now
+
+    def _receive(self, sock: socket.socket, now: float) -> bool:
+        """Read what a peer sent; True when the watchdog is done (the peer died, or everyone said goodbye)."""
+        rank = next(r for r, s in self._peers.items() if s is sock)
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if self.BYE in data:
+            self._peers.pop(rank).close()
+            self._expected = tuple(r for r in self._expected if r != rank)
+            return not self._expected
+        if not data:
+            return self._fire(f"rank {rank} died (its heartbeat link to rank {self.rank} closed without a goodbye)")
+        self._seen[rank] = now
+        return False
+
+    def _beat(self) -> None:
+        for sock in list(self._peers.values()):
+            try:
+                sock.send(self.BEAT)
+            except (BlockingIOError, InterruptedError):
+                pass   # the peer is not reading (stopped): its silence is what _check measures
+            except OSError:
+                pass
+
+    def _check(self, now: float) -> bool:
+        for rank in self._expected:
+            silent = now - self._seen.get(rank, now)
+            if silent > self.timeout_s:
+                what = "connected" if rank not in self._peers else "sent a heartbeat"
+                return self._fire(f"rank {rank} has not {what} for {silent:.1f}s (server.collective_timeout_s = "
+                                  f"{self.timeout_s:g}): it is stopped, hung or unreachable")
+        return False
+
+    def _fire(self, why: str) -> bool:
+        if self._stop.is_set():
+            return True
+        self.fired = f"splash-serve: rank {self.rank}: {why}; aborting all ranks"
+        self._abort(self.fired)
+        return True
 
 
 class StepChannel:
-    """The engine's communicator with a polite, watched ``broadcast_obj`` (see the module docstring).
+    """The engine's communicator with a polite ``broadcast_obj`` (see the module docstring)."""
 
-    ``on_signal_grace_s``: once ``signalled`` is set (a follower got SIGINT/SIGTERM), a follower that still
-    receives no message from rank 0 within this many seconds aborts the job instead of waiting forever.
-    """
-
-    def __init__(self, comm: Any, watchdog: Watchdog | None = None, on_signal_grace_s: float = 30.0) -> None:
+    def __init__(self, comm: Any) -> None:
         self._comm = comm
-        self._watchdog = watchdog
-        self.signalled: float | None = None
-        self.on_signal_grace_s = on_signal_grace_s
         self.messages = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -111,8 +215,6 @@ class StepChannel:
         mpi = getattr(self._comm, "mpi_comm", None)
         if mpi is None or self._comm.size == 1:
             return self._comm.broadcast_obj(obj, root)
-        if self._watchdog is not None and self.rank != root:
-            self._watchdog.end()
         from mpi4py import MPI
 
         header = np.zeros(1, dtype=np.int64)
@@ -128,18 +230,13 @@ class StepChannel:
         mpi.Bcast([buf, MPI.BYTE], root=root)
         msg = pickle.loads(buf.tobytes())
         self.messages += 1
-        if self._watchdog is not None and not (isinstance(msg, dict) and msg.get("kind") == "stop"):
-            self._watchdog.begin(f"step message {self.messages} from rank {root}")
         return msg
 
-    def _wait(self, req: Any) -> None:
+    @staticmethod
+    def _wait(req: Any) -> None:
         t0 = time.monotonic()
         while not req.Test():
-            now = time.monotonic()
-            waited = now - t0
+            waited = time.monotonic() - t0
             if waited < SPIN_S:
                 continue
             time.sleep(NAP_S if waited < 0.05 else SLEEP_S)
-            if self.signalled is not None and now - self.signalled > self.on_signal_grace_s:
-                abort_job(f"splash-serve: rank {self.rank}: got a stop signal but rank 0 sent no stop "
-                           f"message within {self.on_signal_grace_s:g}s; aborting all ranks")

@@ -1,0 +1,71 @@
+"""Turning a request's prompt (text, token ids, lists of either, chat messages) into checked token ids.
+
+Cheap checks come first and tokenising happens off the event loop and off the engine's critical path:
+* token-id prompts: length before vocabulary (a 1M-id list is rejected by its length alone);
+* text prompts: tokenised in a worker thread with ``encode_batch`` (the tokenizers library releases the GIL
+  there, so the engine thread and the event loop keep running). A text longer than ``CHARS_PER_TOKEN`` ×
+  ``max_model_len`` characters is first tokenised only up to that many characters: if that prefix alone
+  does not fit the context, the prompt is rejected without tokenising the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from splash.server import protocol as P
+from splash.tokenizer import Tokenizer
+
+CHARS_PER_TOKEN = 8   # no real text averages more characters per token than this
+
+
+def context_error(where: str, n: int | str, max_model_len: int) -> P.APIError:
+    return P.APIError(400, f"{where} has {n} tokens, but the model's context (max_model_len) is {max_model_len} "
+                           "tokens, including at least one generated token",
+                      param=where, code="context_length_exceeded")
+
+
+class PromptReader:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tok, self.max_model_len, self.vocab_size = tokenizer, max_model_len, vocab_size
+
+    def check_ids(self, ids: list[int], where: str) -> list[int]:
+        if not ids:
+            raise P.APIError(400, f"{where} is empty (it must contain at least one token)", param=where)
+        if len(ids) >= self.max_model_len:
+            raise context_error(where, len(ids), self.max_model_len)
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            raise P.APIError(400, f"{where} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                             param=where)
+        return ids
+
+    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
+        return self.tok.encode_batch(texts, add_special_tokens=special)
+
+    async def encode(self, text: str, where: str, special: bool) -> list[int]:
+        """Token ids of ``text``, checked; see the module docstring for the bounded work."""
+        cap = CHARS_PER_TOKEN * self.max_model_len
+        if len(text) > cap:
+            head = (await asyncio.to_thread(self._encode, [text[:cap]], special))[0]
+            if len(head) >= self.max_model_len:
+                raise context_error(where, f"more than {len(head) - 1}", self.max_model_len)
+        ids = (await asyncio.to_thread(self._encode, [text], special))[0]
+        return self.check_ids(ids, where)
+
+    async def completion(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [await self.encode(prompt, "prompt", True)]
+        if not prompt:
+            raise P.APIError(400, "prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [self.check_ids(list(prompt), "prompt")]
+        if isinstance(prompt[0], str):
+            return [await self.encode(x, f"prompt[{i}]", True) for i, x in enumerate(prompt)]
+        return [self.check_ids(list(x), f"prompt[{i}]") for i, x in enumerate(prompt)]
+
+    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="messages") from None
+        return await self.encode(text, "messages", False)
