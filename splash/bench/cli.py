@@ -19,7 +19,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "show": ("splash.bench.show", "print a result's tables again (rich or markdown)"),
     "grid": ("splash.bench.grid", "decode step time per layout over batch x context, KV resident (mpirun)"),
     "switch": ("splash.bench.switch", "added time of live and blocking switches per direction (mpirun)"),
-    "vs-hf": ("splash.bench.vs_hf", "single-rank greedy decode: SPLASH LLM vs transformers generate"),
     "load": ("splash.bench.load", "bounded loopback load test of splash-serve (streaming clients)"),
     "calibrate": ("splash.bench.calibrate", "measure this machine and write a cost-model hardware profile"),
     "workload": ("splash.bench.workload", "serving workload through the engine, auto vs fixed layouts"),
@@ -69,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         parser, mods = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line, as results record it
     if args.command is None:
         parser.print_help()
         return 2

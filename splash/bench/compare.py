@@ -1,5 +1,5 @@
 """Compare two results point by point (same kind: sweep points by layout, input length, batch size, output
-length; serving runs by mode) and flag regressions — for CI between versions and across machines:
+length; `grid` points by layout, batch and context, as decode steps/s; serving runs by mode) and flag regressions — for CI between versions and across machines:
 
     splash-bench compare OLD.json NEW.json [--tolerance 0.05] [--metric output_tokens_per_s]
 
@@ -28,11 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def figures(doc: dict, metric: str) -> dict[tuple, float]:
-    """point key -> figure: sweep points by SWEEP_KEY, serving runs by ('run', mode)."""
+    """point key -> figure (higher is better): sweep points by SWEEP_KEY, grid points by ('grid', layout,
+    batch, context) as decode steps/s, serving runs by ('run', mode)."""
     out: dict[tuple, float] = {}
     for pt in doc.get("points") or []:
         if all(k in pt for k in R.SWEEP_KEY) and isinstance(pt.get(metric), (int, float)):
             out[R.sweep_key(pt)] = float(pt[metric])
+        elif doc["kind"] == "grid" and isinstance(pt.get("step_ms"), (int, float)) and pt["step_ms"] > 0:
+            out[("grid", pt["layout"], pt["batch_size"], pt["context"])] = 1e3 / pt["step_ms"]
     for run in doc.get("runs") or []:
         out[("run", run["mode"])] = float(run["output_tokens_per_s"])
     return out
@@ -41,6 +44,8 @@ def figures(doc: dict, metric: str) -> dict[tuple, float]:
 def key_text(key: tuple) -> str:
     if key[0] == "run":
         return f"run {key[1]}"
+    if key[0] == "grid":
+        return f"{layout_label(key[1])} B={key[2]} L={key[3]} (decode steps/s)"
     lay, n, b, o = key
     return f"{layout_label(lay)} in={n} B={b} out={o}"
 

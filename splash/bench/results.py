@@ -139,6 +139,7 @@ def env_differences(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
 
 # ---- documents ----------------------------------------------------------------------------------------
 def new_result(kind: str, environment: dict, config: dict, argv: Iterable[str] | None = None) -> dict:
+    """A result with no points yet; `argv`: the splash-bench arguments (default: this process's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     return {"schema": SCHEMA, "kind": kind,
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),

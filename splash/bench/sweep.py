@@ -108,7 +108,7 @@ def prior_doc(args, config: dict) -> dict | None:
     for axis in ("layouts", "input_lens", "batch_sizes"):
         old[axis] = list(dict.fromkeys([*old.get(axis, []), *config[axis]]))
     doc["complete"] = False
-    doc.setdefault("resumed", []).append({"command": R.new_result("sweep", {}, {})["command"],
+    doc.setdefault("resumed", []).append({"command": R.new_result("sweep", {}, {}, getattr(args, "argv", None))["command"],
                                           "load_average": R.load_average()})
     return doc
 
@@ -185,7 +185,7 @@ def _sweep(args, cfg, comm) -> int:
     if comm.rank == 0 and doc is None:
         env = R.environment(backend=st.backend, ranks=comm.size, model=st.describe_model(llm.cfg))
         env["threads_per_rank"] = threads
-        doc = R.new_result("sweep", env, config)
+        doc = R.new_result("sweep", env, config, getattr(args, "argv", None))
     done = comm.broadcast_obj({R.sweep_key(p) for p in doc["points"]} if doc else None)
     skipped = {lay: why for lay in args.layouts if (why := layout_unavailable(llm, lay))}
     too_long = max(args.input_lens) + args.output_len > llm.engine.max_model_len
