@@ -77,3 +77,15 @@ def test_killed_sweep_keeps_points_and_resumes(tmp_path):
     assert done["complete"] and len(done["points"]) == 16
     assert len({R.sweep_key(p) for p in done["points"]}) == 16
     assert done["points"][:len(kept["points"])] == kept["points"]
+
+
+def test_grid_subcommand_writes_a_comparable_result(tmp_path):
+    """The layout grid (a former script) on the shared result format: valid JSON that compare reads."""
+    out_json = tmp_path / "grid.json"
+    res = run_mpi(2, CLI, "grid", "--preset", "tiny-mla", "--layouts", "tp,dop", "--batches", "2", "--contexts",
+                  "16", "--steps", "1", "--json", str(out_json), timeout=180)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = R.read_json(out_json)
+    assert doc["kind"] == "grid" and doc["complete"] and len(doc["points"]) == 2
+    assert all(p["step_ms"] > 0 for p in doc["points"]) and "decode step ms" in res.stdout
+    assert cli.main(["compare", str(out_json), str(out_json)]) == 0
