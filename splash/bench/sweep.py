@@ -4,7 +4,7 @@
         --input-lens 128,512,2048 --batch-sizes 1,8 --output-len 16 --repeats 3 --json results/sweep.json
 
 Every rank builds the same engine from the serving config; at each point (input length x batch size) the
-layouts run side by side: the engine is pinned to the layout (the idle engine switches, untimed), warm-up runs,
+layouts run side by side (their order rotated from point to point): the engine is pinned to the layout (the idle engine switches, untimed), warm-up runs,
 then each repeat adds `batch` random prompts of `input_len` tokens at once and steps the engine until all
 `output_len` greedy tokens (EOS ignored) are out — queueing, chunked prefill and decode included — timed on
 rank 0. Figures: output tokens/s = batch x output_len / wall, total tokens/s = batch x (input_len +
@@ -125,8 +125,11 @@ def _agreed(comm, fn):
 
 
 def plan(args, done: set) -> list[tuple[int, int, str]]:
-    """(input_len, batch, layout) in measuring order: layouts side by side at each point."""
-    return [(n, b, lay) for b in args.batch_sizes for n in args.input_lens for lay in args.layouts
+    """(input_len, batch, layout) in measuring order: layouts side by side at each point, the order rotated
+    from point to point so that no layout always runs first (a drifting machine load biases none)."""
+    k = len(args.layouts)
+    points = [(n, b) for b in args.batch_sizes for n in args.input_lens]
+    return [(n, b, lay) for i, (n, b) in enumerate(points) for lay in args.layouts[i % k:] + args.layouts[:i % k]
             if (lay, n, b, args.output_len) not in done]
 
 
