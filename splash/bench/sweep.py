@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", help="override cache.kv_cache_dtype")
     p.add_argument("--max-num-batched-tokens", type=int, help="override scheduler.max_num_batched_tokens "
                    "(the prefill chunk budget of a step)")
-    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS), help="comma-separated [tp,dp_attn,cp,dop]")
+    p.add_argument("--layouts", type=_layouts, help="comma-separated subset of tp,dp_attn,cp,dop "
+                   "[the config's layout.allowed_layouts]")
     p.add_argument("--input-lens", type=_ints, default=[128, 512], metavar="N,N", help="[128,512]")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8], metavar="N,N", help="[1,8]")
     p.add_argument("--output-len", type=int, default=16, metavar="N", help="generated tokens per request [16]")
@@ -160,6 +161,7 @@ def run(args) -> int:
     try:
         _check_args(args)
         cfg = serve_config(args)
+        args.layouts = args.layouts or list(cfg.layout.allowed_layouts)
     except (ValueError, ConfigError) as e:  # every rank sees the same error; rank 0 says it
         if comm.rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -168,7 +170,7 @@ def run(args) -> int:
 
 
 def _sweep(args, cfg, comm) -> int:
-    from splash.bench.driver import EngineSettings, layout_unavailable, pool_blocks, set_threads
+    from splash.bench.driver import EngineSettings, pool_blocks, set_threads
 
     threads = set_threads(comm)
     st = EngineSettings.from_config(cfg)
@@ -189,14 +191,7 @@ def _sweep(args, cfg, comm) -> int:
         env = R.environment(backend=st.backend, ranks=comm.size, model=st.describe_model(llm.cfg))
         env["threads_per_rank"] = threads
         doc = R.new_result("sweep", env, config, getattr(args, "argv", None))
-    done = comm.broadcast_obj({R.sweep_key(p) for p in doc["points"]} if doc else None)
-    skipped = {lay: why for lay in args.layouts if (why := layout_unavailable(llm, lay))}
-    too_long = max(args.input_lens) + args.output_len > llm.engine.max_model_len
-    todo = [p for p in plan(args, done) if p[2] not in skipped and p[0] + args.output_len <= llm.engine.max_model_len]
-    if comm.rank == 0:
-        doc.setdefault("skipped", {}).update(skipped)
-        if too_long:
-            doc["skipped"]["long_points"] = f"input_len + output_len > max_model_len {llm.engine.max_model_len}"
+    todo = _todo(llm, comm, args, doc)
     try:
         _loop(llm, comm, args, todo, doc)
     except KeyboardInterrupt:
@@ -211,6 +206,21 @@ def _sweep(args, cfg, comm) -> int:
             R.write_json(args.json, doc)
         _report(args, doc)
     return 0
+
+
+def _todo(llm, comm, args, doc) -> list[tuple[int, int, str]]:
+    """The points still to measure; layouts this engine cannot run and points longer than max_model_len are
+    left out and named in the result's "skipped"."""
+    from splash.bench.driver import layout_unavailable
+
+    done = comm.broadcast_obj({R.sweep_key(p) for p in doc["points"]} if doc else None)
+    skipped = {lay: why for lay in args.layouts if (why := layout_unavailable(llm, lay))}
+    limit = llm.engine.max_model_len
+    if comm.rank == 0:
+        doc.setdefault("skipped", {}).update(skipped)
+        if max(args.input_lens) + args.output_len > limit:
+            doc["skipped"]["long_points"] = f"input_len + output_len > max_model_len {limit}"
+    return [p for p in plan(args, done) if p[2] not in skipped and p[0] + args.output_len <= limit]
 
 
 def _build(st, comm, first: str, blocks: int):
