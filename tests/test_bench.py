@@ -132,7 +132,8 @@ def test_leader_table_bolds_best_and_states_lead():
 
 def test_sweep_tables_one_per_axis():
     specs = sweep_tables(_sweep())
-    assert [s.title.split(" — ")[0] for s in specs] == ["total tokens/s vs input length", "total tokens/s vs batch size"]
+    titles = [s.title.split(" — ")[0] for s in specs]
+    assert titles == ["total tokens/s vs input length", "total tokens/s vs batch size"]
     one = _sweep()
     one["points"] = [p for p in one["points"] if p["batch_size"] == 1]
     assert len(sweep_tables(one)) == 1

@@ -1,5 +1,6 @@
 """Compare two results point by point (same kind: sweep points by layout, input length, batch size, output
-length; `grid` points by layout, batch and context, as decode steps/s; serving runs by mode) and flag regressions — for CI between versions and across machines:
+length; `grid` points by layout, batch and context, as decode steps/s; serving runs by mode) and flag
+regressions — for CI between versions and across machines:
 
     splash-bench compare OLD.json NEW.json [--tolerance 0.05] [--metric output_tokens_per_s]
 

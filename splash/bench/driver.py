@@ -51,7 +51,8 @@ class EngineSettings:
     def from_config(cls, cfg) -> "EngineSettings":
         c, s = cfg.cache, cfg.scheduler
         return cls(cfg.model.model, cfg.model.preset, cfg.compute_dtype, cfg.kv_dtype, c.layout_kv_dtypes,
-                   c.block_size, c.num_kv_blocks, cfg.model.max_model_len, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode,
+                   c.block_size, c.num_kv_blocks, cfg.model.max_model_len, s.max_num_seqs,
+                   s.max_num_batched_tokens, s.preemption_mode,
                    cfg.layout.switch_mode, cfg.model.seed, cfg.parallel.backend)
 
     def model_name(self) -> str:
@@ -79,7 +80,8 @@ def build_llm(st: EngineSettings, comm, layout: str, blocks: int):
     llm = LLM(st.model, st.preset, dtype=st.dtype, layout=layout, kv_cache_dtype=st.kv_cache_dtype,
               block_size=st.block_size, num_kv_blocks=st.num_kv_blocks or blocks,
               max_num_seqs=st.max_num_seqs, max_num_batched_tokens=st.max_num_batched_tokens,
-              preemption_mode=st.preemption_mode, max_model_len=st.max_model_len, seed=st.seed, switch_mode=st.switch_mode,
+              preemption_mode=st.preemption_mode, max_model_len=st.max_model_len, seed=st.seed,
+              switch_mode=st.switch_mode,
               layout_kv_dtypes=st.layout_kv_dtypes, comm=comm)
     llm.engine.request_layout(layout)
     return llm

@@ -159,7 +159,8 @@ async def run_load(args, url: str) -> dict:
         if sw is not None:
             await sw
         after = (await client.get("/v1/layout")).json()
-    return {"model": models["id"], "load": args.load_before, "stats": stats, "wall": wall, "before": before, "after": after, "log": log}
+    return {"model": models["id"], "load": args.load_before, "stats": stats, "wall": wall, "before": before,
+            "after": after, "log": log}
 
 
 def check_loopback(url: str) -> None:

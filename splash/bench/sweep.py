@@ -3,14 +3,15 @@
     mpiexec -n 2 splash-bench sweep --config configs/cpu.yaml --layouts tp,dp_attn,cp,dop \\
         --input-lens 128,512,2048 --batch-sizes 1,8 --output-len 16 --repeats 3 --json results/sweep.json
 
-Every rank builds the same engine from the serving config; at each point (input length x batch size) the
-layouts run side by side (their order rotated from point to point): the engine is pinned to the layout (the idle engine switches, untimed), warm-up runs,
-then each repeat adds `batch` random prompts of `input_len` tokens at once and steps the engine until all
-`output_len` greedy tokens (EOS ignored) are out — queueing, chunked prefill and decode included — timed on
-rank 0. Figures: output tokens/s = batch x output_len / wall, total tokens/s = batch x (input_len +
-output_len) / wall; the JSON keeps every repeat and their medians. The KV pool is sized so the largest point
-fits in every layout (unless the config sets cache.num_kv_blocks). The JSON is rewritten after every point, so
-an interrupted sweep keeps what it measured; --resume skips the points already in the file.
+Every rank builds the same engine from the serving config. At each point (input length x batch size) the
+layouts run side by side, their order rotated from point to point: the engine is pinned to the layout (the
+idle engine switches, untimed), warm-up runs, then each repeat adds `batch` random prompts of `input_len`
+tokens at once and steps the engine until all `output_len` greedy tokens (EOS ignored) are out — queueing,
+chunked prefill and decode included — timed on rank 0. Figures: output tokens/s = batch x output_len / wall,
+total tokens/s = batch x (input_len + output_len) / wall; the JSON keeps every repeat and their medians. The KV
+pool is sized so the largest point fits in every layout (unless the config sets cache.num_kv_blocks). The JSON
+is rewritten after every point, so an interrupted sweep keeps what it measured; --resume skips the points
+already in the file.
 """
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ def prior_doc(args, config: dict) -> dict | None:
     for axis in ("layouts", "input_lens", "batch_sizes"):
         old[axis] = list(dict.fromkeys([*old.get(axis, []), *config[axis]]))
     doc["complete"] = False
-    doc.setdefault("resumed", []).append({"command": R.new_result("sweep", {}, {}, getattr(args, "argv", None))["command"],
-                                          "load_average": R.load_average()})
+    command = R.new_result("sweep", {}, {}, getattr(args, "argv", None))["command"]
+    doc.setdefault("resumed", []).append({"command": command, "load_average": R.load_average()})
     return doc
 
 

@@ -53,8 +53,8 @@ def test_killed_sweep_keeps_points_and_resumes(tmp_path):
     out_json = tmp_path / "killed.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    args = ["sweep", "--input-lens", "8,16,24,32", "--batch-sizes", "1,2", "--layouts", "tp,dop", "--output-len", "2", "--warmup", "0",
-            "--repeats", "1", "--json", str(out_json)]
+    args = ["sweep", "--input-lens", "8,16,24,32", "--batch-sizes", "1,2", "--layouts", "tp,dop", "--output-len", "2",
+            "--warmup", "0", "--repeats", "1", "--json", str(out_json)]
     proc = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, str(REPO_ROOT / CLI), *args], env=env,
                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
