@@ -44,11 +44,11 @@ class Work:
     act_bytes: float = 0.0
     attn_flops: float = 0.0
     kv_bytes: float = 0.0
-    exch: list[tuple[str, float]] = field(default_factory=list)  # (collective, bytes)
+    exch: list[tuple] = field(default_factory=list)  # (collective, bytes) or (collective, bytes, count)
     ops: float = 0.0
     plan_blocks: float = 0.0
     plan_requests: float = 0.0
-    temps: list[float] = field(default_factory=list)  # sizes of large temporaries allocated (bytes)
+    temps: list = field(default_factory=list)  # large temporaries: bytes or (bytes, count)
     attn_calls: float = 0.0
     expert_ops: float = 0.0   # eager ops that run once per active expert (none with a grouped-GEMM MoE kernel)
 
@@ -56,12 +56,25 @@ class Work:
         for k in ("gemm_flops", "weight_bytes", "act_bytes", "attn_flops", "kv_bytes", "ops", "plan_blocks",
                   "plan_requests", "attn_calls", "expert_ops"):
             setattr(self, k, getattr(self, k) + times * getattr(other, k))
-        self.exch += [(c, b) for c, b in other.exch for _ in range(int(times))]
-        self.temps += [b for b in other.temps for _ in range(int(times))]
+        self.exch += [(e[0], e[1], (e[2] if len(e) > 2 else 1) * times) for e in other.exch]
+        self.temps += [(t if isinstance(t, tuple) else (t, 1))[0:1] + ((t[1] if isinstance(t, tuple) else 1) * times,)
+                       for t in other.temps]
+
+    def collectives(self):
+        """(kind, bytes, count) of every collective (entries added as (kind, bytes) count once)."""
+        return [(e[0], e[1], e[2] if len(e) > 2 else 1) for e in self.exch]
+
+    def temporaries(self):
+        """(bytes, count) of every large temporary."""
+        return [t if isinstance(t, tuple) else (t, 1) for t in self.temps]
 
     @property
     def exch_bytes(self) -> float:
-        return sum(b for _, b in self.exch)
+        return sum(b * n for _, b, n in self.collectives())
+
+    @property
+    def num_collectives(self) -> float:
+        return sum(n for _, _, n in self.collectives())
 
 
 @dataclass(frozen=True)
@@ -282,6 +295,12 @@ def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
         _gemm(w, N, hid, 2 * inter, wb, ab)
         _gemm(w, N, int(inter), hid, wb, ab)
         w.ops += OPS["ffn_dense"]
+
+
+def dense_ffn_work(s: Shapes, rows: int) -> Work:
+    st = {"ffn": Work()}
+    _ffn(s, st, rows, moe=False)
+    return st["ffn"]
 
 
 def step_extra(s: Shapes, pieces: list[Piece]) -> dict[str, Work]:
