@@ -5,7 +5,8 @@
 Run under mpiexec at the world size the profile is for (collective α/β depend on it). Measures, with the
 project's own code paths: GEMM rate over the shapes of the model's layers (float32 and bfloat16), weight
 streaming bandwidth (the same GEMMs at decode row counts over more weights than the caches hold), the per-op
-host overhead, MLA attention (paged-cache read + `attend_latent`) fitted as KV bytes + FLOPs, the per-step
+host overhead (the real model's one-rank B=1 decode step minus its predicted compute, per counted eager op),
+MLA attention (paged-cache read + `attend_latent`) fitted as KV bytes + FLOPs, the per-step
 attention plan (`build_attn_plan`) per request and per block, and α + bytes/β of all-reduce, all-gather(v),
 all-to-all(v) and broadcast through the MPI communicator. Every rank measures; rank 0 writes the median of
 the ranks. About a minute on 2 ranks here.
@@ -207,6 +208,41 @@ def collective_fits(comm, reps: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def model_step_seconds(preset: str, batch: int, context: int, block_size: int, reps: int) -> float:
+    """Median decode step of the real model code on one rank (no collectives): B requests at ``context``."""
+    from splash.attention.batch import StepBatch, StepRequest
+    from splash.distributed.communicator import SingleRankCommunicator
+    from splash.engine.runner import ModelRunner
+    from splash.models.presets import preset_config, preset_getter
+    cfg = preset_config(preset)
+    nb = -(-(context + 64) // block_size)
+    r = ModelRunner(cfg, preset_getter(preset), SingleRankCommunicator(), "tp", "float32", block_size,
+                    batch * nb + 8)
+    pre = [StepRequest(f"r{i}", 0, context, 0) for i in range(batch)]
+    r.step(StepBatch.build(pre, [[7] * context for _ in pre], [True] * batch))
+    pos = [context]
+
+    def one():
+        reqs = [StepRequest(f"r{i}", pos[0], 1, 0) for i in range(batch)]
+        r.step(StepBatch.build(reqs, [[7] for _ in reqs], [True] * batch))
+        pos[0] += 1
+    return _timeit(one, reps)
+
+
+def fixed_cost_fit(preset: str, partial: dict, block_size: int, reps: int) -> float:
+    """Per-op host overhead: the real layer code's decode step at B=1 (one rank, short context), minus what the
+    cost model predicts for it with zero op overhead, divided by the eager ops the model counts for it."""
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.models.presets import preset_config
+    cfg = preset_config(preset)
+    meas = model_step_seconds(preset, 1, 64, block_size, reps)
+    prof = profile_from_dict({**partial, "op_overhead_s": 0.0, "attention_call_s": 0.0}, "calibrate (partial)")
+    pred = CostModel(cfg, 1, prof, "float32", "float32", block_size).step("tp", [RowLoad(1, 64 + reps, 0)])
+    ops = sum(w["ops"] + w.get("expert_ops", 0.0) + 14 * w.get("attn_calls", 0.0) for w in pred.work.values())
+    return max(meas - pred.seconds, 0.0) / ops
+
+
 def measure(comm, args) -> dict:
     from splash.models.presets import preset_config
     cfg = preset_config(args.preset)
@@ -239,7 +275,7 @@ def build_profile(comm, args) -> dict:
     colls = collective_fits(comm, 3 if args.quick else 7)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return {
+    raw = {
         "name": args.name,
         "source": (f"splash-bench calibrate, {comm.size} ranks, preset {args.preset}, {stamp}, "
                    f"load average {load:.2f} at the end"),
@@ -257,11 +293,16 @@ def build_profile(comm, args) -> dict:
         "step_overhead_s": 0.0,
         "memory_bytes": 0.0,
         "ops_scale": 1.0,
-        "attention_call_s": float(f"{m['call']:.4g}"),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
         "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),
-        "extra": {"world": comm.size, **m["fit"]},
+        "extra": {"world": comm.size, "tiny_op_s": float(f"{m['op']:.4g}"),
+                  "attention_fit_call_s": float(f"{m['call']:.4g}"), **m["fit"]},
     }
+    # the per-op overhead that matters is the real layer code's: fit it on a one-rank B=1 decode step
+    op = statistics.median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size,
+                                                               3 if args.quick else 9)))
+    raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
+    return raw
 
 
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):

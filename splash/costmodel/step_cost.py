@@ -132,7 +132,8 @@ class CostModel:
         secs["overlap"] = -hide
         work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,
                     "kv_bytes": w.kv_bytes, "exch_bytes": w.exch_bytes, "collectives": w.num_collectives,
-                    "ops": w.ops} for k, w in total.items()}
+                    "ops": w.ops, "expert_ops": w.expert_ops, "attn_calls": w.attn_calls}
+                for k, w in total.items()}
         return secs, work
 
     def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:

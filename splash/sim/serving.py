@@ -73,8 +73,8 @@ def concurrency(s: SimSetup, caps: dict, layout: str, tokens: int) -> int:
     if layout in ("dp_attn", "dop"):
         return s.world * (c.blocks_per_rank // blocks)
     if layout == "cp":
-        per_rank = -(-blocks // s.world)  # block round-robin: a request takes ceil(blocks / T) on a rank
-        return c.blocks_per_rank // per_rank * s.world if per_rank else 0
+        per_rank = -(-blocks // s.world)  # block round-robin: a request takes up to ceil(blocks / T) on every rank
+        return c.blocks_per_rank // per_rank if per_rank else 0
     return c.blocks_per_rank // blocks
 
 
