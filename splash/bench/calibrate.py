@@ -301,6 +301,7 @@ def build_profile(comm, args) -> dict:
     # the per-op overhead that matters is the real layer code's: fit it on a one-rank B=1 decode step
     op = statistics.median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size,
                                                                3 if args.quick else 9)))
+    op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
     return raw
 
