@@ -118,35 +118,58 @@ def _temps_seconds(temps: list[float], rate: float) -> float:
     return sum(b for b in temps if b >= ALLOC_THRESHOLD) / rate
 
 
-def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, dict]:
-    """Time paged-cache read + attend_latent over shapes; nonnegative least squares (relative error) of
-    t - fresh-page cost = kv_bytes/BW + flops/R + per-call seconds."""
+def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
+    """A callable running this checkout's attention for B decode rows over ``s`` resident keys with ``h`` heads,
+    and the kernel's scratch bound (0: the gather-based path, whose temporaries are unbounded)."""
     import torch
-    from splash.attention.mla import attend_latent
-    from splash.costmodel.work import _attn_temps
+    dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nb = -(-s // block_size)
     from splash.kv.paged_cache import PagedLatentCache
+    cache = PagedLatentCache(1, b * nb + 1, block_size, dc, dr, "float32")
+    q = torch.randn(b, h, dc + dr)
+    try:
+        from splash.attention.kernels import make_kernel  # paged attention, reads the cache in place
+    except ImportError:
+        from splash.attention.mla import attend_latent
+        slots = torch.arange(b * nb * block_size).view(b, nb * block_size)[:, :s]
+        valid = torch.ones(b, 1, s, dtype=torch.bool)
+
+        def gather_run():
+            c, kpe = cache.read(0, slots)
+            attend_latent(q, c, kpe, valid, 0.1)
+        return gather_run, 0
+    from splash.attention.batch import StepRequest
+    from splash.attention.kernels import torch_mla
+    from splash.attention.metadata import build_metadata
+    from splash.kv.page_table import PageTable
+    tables = PageTable(block_size)
+    for i in range(b):
+        tables.append(f"r{i}", [(j, i * nb + j) for j in range(nb)])
+    kernel = make_kernel("torch", 0.1)
+    kernel.plan(build_metadata([StepRequest(f"r{i}", s - 1, 1, 0) for i in range(b)], tables))
+    return (lambda: kernel.run(0, q[..., :dc], q[..., dc:], cache)), torch_mla.SCRATCH_BYTES
+
+
+def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, dict]:
+    """Time this checkout's attention over shapes; nonnegative least squares (weighted) of
+    t - fresh-page cost = kv_bytes/BW + flops/R + per-call seconds. Returns also the kernel's scratch bound."""
+    from splash.costmodel.work import _attn_temps
     dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
     points = [(b, s, h) for b in (1, 4, 16, 32) for s in (256, 1024, 4096) for h in (max(1, H // 2), H)
               if b * s <= 65536]
-    cache = PagedLatentCache(1, 65536 // block_size + 8, block_size, dc, dr, "float32")
-    rows, ys = [], []
+    rows, ys, scratch = [], [], 0
     for b, s, h in points:
-        slots = torch.arange(b * s).view(b, s)
-        valid = torch.ones(b, 1, s, dtype=torch.bool)
-        q = torch.randn(b, h, dc + dr)
-
-        def run():
-            c, kpe = cache.read(0, slots)
-            attend_latent(q, c, kpe, valid, 0.1)
+        run, scratch = _attention_call(cfg, block_size, b, s, h)
         t = _timeit(run, reps if b * s < 32768 else 3)
-        t -= _temps_seconds(_attn_temps(b, 1, s, h, dc, dr), alloc)
+        if not scratch:
+            t -= _temps_seconds(_attn_temps(b, 1, s, h, dc, dr), alloc)
         rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), 1.0])
         ys.append(max(t, 1e-7))
     a, y = np.array(rows), np.array(ys)
     sol = nonneg_rel_lstsq(a, y)
     err = float(np.median(np.abs(a @ sol - y) / y))
     inv_bw, inv_r, call = (float(v) for v in sol)
-    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call,
+    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch,
             {"attention_fit_median_rel_err": round(err, 4)})
 
 
@@ -166,8 +189,12 @@ def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def plan_fit(cfg, block_size: int, reps: int) -> tuple[float, float]:
-    """build_attn_plan (decode) over B requests × nb blocks: t = B·per_request + B·nb·per_block."""
-    from splash.attention.batch import StepRequest, build_attn_plan
+    """build_attn_plan (decode) over B requests × nb blocks: t = B·per_request + B·nb·per_block. A checkout with
+    paged-attention metadata (built in O(requests)) has no per-block plan: (0, 0), its cost is in the ops."""
+    try:
+        from splash.attention.batch import StepRequest, build_attn_plan
+    except ImportError:
+        return 0.0, 0.0
     rows, ys = [], []
     for b, nb in ((1, 16), (4, 64), (16, 64), (16, 256), (32, 128)):
         tables = {f"r{i}": {j: i * nb + j for j in range(nb + 1)} for i in range(b)}
@@ -251,9 +278,10 @@ def measure(comm, args) -> dict:
     gemm = gemm_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, fit = attention_fit(cfg, alloc, args.block_size, reps)
+    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, alloc, args.block_size, reps)
     per_req, per_block = plan_fit(cfg, args.block_size, reps)
-    return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "attn": attn_rate,
+    return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
+            "attn": attn_rate,
             "fit": fit,
             "plan_request": per_req, "plan_block": per_block}
 
@@ -261,7 +289,7 @@ def measure(comm, args) -> dict:
 def _median_over_ranks(comm, local: dict) -> dict:
     every = comm.all_gather_obj(local)
     med = lambda key: statistics.median(e[key] for e in every)  # noqa: E731
-    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call")}
+    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call", "scratch")}
     out["gemm"] = {d: statistics.median(e["gemm"][d] for e in every) for d in every[0]["gemm"]}
     out["fit"] = every[0]["fit"]
     return out
@@ -293,6 +321,7 @@ def build_profile(comm, args) -> dict:
         "step_overhead_s": 0.0,
         "memory_bytes": 0.0,
         "ops_scale": 1.0,
+        "attention_scratch_bytes": float(m["scratch"]),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
         "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),
         "extra": {"world": comm.size, "tiny_op_s": float(f"{m['op']:.4g}"),

@@ -77,7 +77,7 @@ class CostModel:
             attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd)
             self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
                                        _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
-                                       block_size)
+                                       block_size, profile.attention_scratch_bytes)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
 

@@ -132,6 +132,7 @@ class Shapes:
     kv_tok: float     # attention KV bytes per token per layer (latent + rope + scales)
     idx_tok: float    # DSA indexer key bytes per token per layer (0 without DSA)
     bs: int
+    scratch: float = 0.0  # split-KV attention kernel chunk budget (0: gather whole histories, one call)
 
     @property
     def heads_local(self) -> int:
@@ -152,17 +153,31 @@ def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: 
             keys = min(keys, topk)
         w.attn_flops += len(dec) * keys * per_key
         w.kv_bytes += len(dec) * keys * s.kv_tok
-        w.temps += _attn_temps(len(dec), 1, keys, heads, dc, dr)
-    for p, k, _ in pieces:
+        _group(s, w, len(dec), 1, nb, keys, heads)
+    for p, k, b in pieces:
         if p.new != 1 and p.new > 0:
             keys = min(k, topk) if topk else k
             w.attn_flops += p.new * keys * per_key
             w.kv_bytes += (k if not topk else min(k, p.new * topk)) * s.kv_tok
-            w.temps += _attn_temps(1, p.new, keys, heads, dc, dr)
+            _group(s, w, 1, p.new, b, keys, heads)
     w.plan_requests += len(pieces)
     w.plan_blocks += sum(b for _, _, b in pieces)
-    w.ops += OPS["attention"]["tp"] - 14  # plan tensors, cache read and write; attend_latent is a call
-    w.attn_calls += (1 if dec else 0) + (len(pieces) - len(dec))
+    w.ops += OPS["attention"]["tp"] - 14  # plan tensors, cache read and write; the kernel's ops per group below
+
+
+def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, heads: int) -> None:
+    """One attention group (all decode rows, or one prefill request). Gather path (scratch 0): one call with
+    big temporaries. Split-KV kernel: chunks of pages bounded by the scratch budget, ≈ 18 eager ops each (the
+    formula of splash.attention.kernels.torch_mla.chunk_pages)."""
+    dc, dr = s.cfg.kv_lora_rank, s.cfg.qk_rope_head_dim
+    if s.scratch <= 0:
+        w.temps += _attn_temps(reqs, rows, keys, heads, dc, dr)
+        w.attn_calls += 1
+        return
+    per_page = s.bs * (8 * (dc + dr) + rows * (8 * heads + 1)) + 16
+    chunk = max(1, min(pages, int(s.scratch // max(1, reqs * per_page))))
+    chunks = -(-pages // chunk) if pages else 0
+    w.ops += 14 if chunks <= 1 else 6 + 18 * chunks
 
 
 def _attn_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
