@@ -69,18 +69,3 @@ def test_properties(cur, pred, feasible, margin, remaining, costs):
             # and the rule is stable: from the new layout it does not want to go straight back
             assert choose_layout(lay, pred, feasible, margin, remaining, costs)[0] != cur or margin == 0
 
-
-def test_online_correction():
-    from splash.costmodel.correction import LayoutCorrection
-    c = LayoutCorrection(alpha=0.5)
-    assert c.corrected({"tp": 1.0}) == {"tp": 1.0}
-    c.update("tp", 1.0, 2.0)
-    assert c.factor("tp") == 2.0 and c.factor("dop") == 2.0  # unseen layouts take the mean factor
-    assert c.abs_rel_error["tp"] == 0.5
-    c.update("tp", 1.0, 1.0)
-    assert c.factor("tp") == 1.5
-    c.update("dop", 1.0, 100.0)  # clamped
-    assert c.factor("dop") == 5.0
-    assert c.corrected({"tp": 2.0, "dop": 1.0}) == {"tp": 3.0, "dop": 5.0}
-    c.update("cp", 0.0, 1.0)  # ignored
-    assert "cp" not in c.samples
