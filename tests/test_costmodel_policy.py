@@ -68,3 +68,4 @@ def test_properties(cur, pred, feasible, margin, remaining, costs):
             assert (pred[cur] - pred[lay]) * remaining > costs[lay]
             # and the rule is stable: from the new layout it does not want to go straight back
             assert choose_layout(lay, pred, feasible, margin, remaining, costs)[0] != cur or margin == 0
+

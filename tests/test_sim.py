@@ -99,3 +99,30 @@ def test_packages_import_without_torch():
     r = subprocess.run([sys.executable, "-c", TORCH_FREE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("ok")
+
+
+def test_trace_replay(tmp_path):
+    from splash.costmodel.step_cost import CostModel
+    from splash.sim.trace import load_workload, replay
+    wl = tmp_path / "w.yaml"
+    wl.write_text("groups:\n  - {at_s: 0, count: 2, input_len: 256, output_len: 8}\n"
+                  "  - {at_s: 0.5, count: 6, input_len: 8192, output_len: 40}\n")
+    work = load_workload(str(wl))
+    assert len(work) == 8
+    m = load_sim_model("glm-5.3")
+    prof = load_profile("b200")
+    s = SimSetup(m, prof, 8)
+    caps = capacities(s)
+    cm = CostModel(m.cfg, 8, prof, m.weight_dtype, m.kv_dtype, s.block_size)
+    results = {mode: replay(cm, s, caps, work, mode) for mode in ("auto", *LAYOUTS)}
+    for r in results.values():
+        assert r.output_tokens == 2 * 8 + 6 * 40 and r.total_s > 0.5
+    auto = results["auto"]
+    assert auto.switches == len(auto.timeline)
+    for _, what, why in auto.timeline:
+        assert why.startswith("switch") and what.split("→")[1] in LAYOUTS
+    # auto follows the predictions, so it is not slower than the layout it starts in
+    assert auto.total_s <= results["tp"].total_s * 1.001
+    (tmp_path / "bad.json").write_text('{"groups": [{"at_s": 0, "count": 1}]}')
+    with pytest.raises(ValueError, match="input_len"):
+        load_workload(str(tmp_path / "bad.json"))

@@ -54,6 +54,7 @@ class HardwareProfile:
     ops_scale: float = 1.0               # eager op counts × this (0.0 ≈ graphs / fused kernels)
     moe_grouped: bool = False            # MoE runs as grouped GEMM kernels (no per-expert op cost)
     attention_call_s: float = 0.0        # fixed host cost of one attention call (replaces its op count)
+    attention_scratch_bytes: float = 0.0  # split-KV kernel chunk budget (0: attention gathers whole histories)
     alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
     alloc_bytes_per_s: float = 0.0       # rate of first-touching fresh pages (glibc mmap'd temporaries)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
@@ -149,7 +150,7 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     for k in ("memory_bytes_per_s", "attention_flops_per_s", "kv_read_bytes_per_s"):
         kw[k] = _positive(where, k, raw[k])
     for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
-              "memory_bytes", "ops_scale", "attention_call_s", "alloc_threshold_bytes", "alloc_bytes_per_s"):
+              "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes", "alloc_bytes_per_s"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
     if kw.get("overlap_fraction", 0.0) > 1.0:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splash.costmodel.profile import HardwareProfile
-from splash.costmodel.work import STAGES, Piece, Shapes, Work, layer_work, step_extra
+from splash.costmodel.work import STAGES, Piece, Shapes, Work, dense_ffn_work, layer_work, step_extra
 from splash.layouts.layout import parse_layout
 from splash.layouts.memory import kv_bytes_per_token_layer
 from splash.layouts.ownership import assign_owners
@@ -77,7 +77,7 @@ class CostModel:
             attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd)
             self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
                                        _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
-                                       block_size)
+                                       block_size, profile.attention_scratch_bytes)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
 
@@ -103,29 +103,26 @@ class CostModel:
         if w.attn_flops or w.kv_bytes:
             c, m = w.attn_flops / p.attention_flops_per_s, w.kv_bytes / p.kv_read_bytes_per_s
             t += c + m if p.attention_combine == "sum" else max(c, m)
-        t += sum(p.collective(kind).seconds(b) for kind, b in w.exch)
+        t += sum(n * p.collective(kind).seconds(b) for kind, b, n in w.collectives())
         t += (w.ops + (0.0 if p.moe_grouped else w.expert_ops)) * p.op_overhead_s * p.ops_scale
         t += w.plan_blocks * p.plan_block_s + w.plan_requests * p.plan_request_s
         t += w.attn_calls * (p.attention_call_s if p.attention_call_s else 14 * p.op_overhead_s * p.ops_scale)
         if p.alloc_bytes_per_s > 0:
-            t += sum(b for b in w.temps if b >= p.alloc_threshold_bytes) / p.alloc_bytes_per_s
+            t += sum(b * n for b, n in w.temporaries() if b >= p.alloc_threshold_bytes) / p.alloc_bytes_per_s
         return t
 
     def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict]:
         s = self._shapes[layout]
-        per_layer = []
-        if self.n_dense:
-            per_layer.append((layer_work(s, layout, pieces, rank, moe=False), self.n_dense))
-        if self.n_moe:
-            per_layer.append((layer_work(s, layout, pieces, rank, moe=True), self.n_moe))
+        st = layer_work(s, layout, pieces, rank, moe=self.n_moe > 0)
+        att = st["attention"]  # the attention plan is built once per step, not per layer
         total = {k: Work() for k in STAGES}
-        for i, (st, count) in enumerate(per_layer):
-            att = st["attention"]  # the attention plan is built once per step, not per layer
-            if i == 0:
-                total["plan"].add(Work(plan_blocks=att.plan_blocks, plan_requests=att.plan_requests))
-            att.plan_blocks = att.plan_requests = 0.0
-            for k, w in st.items():
-                total[k].add(w, count)
+        total["plan"].add(Work(plan_blocks=att.plan_blocks, plan_requests=att.plan_requests))
+        att.plan_blocks = att.plan_requests = 0.0
+        L = self.cfg.num_hidden_layers
+        for k, w in st.items():
+            total[k].add(w, L if k != "ffn" or not self.n_moe else self.n_moe)
+        if self.n_moe and self.n_dense:  # dense FFN layers (first_k_dense_replace)
+            total["ffn"].add(dense_ffn_work(s, sum(p.new for p in pieces)), self.n_dense)
         for k, w in step_extra(s, pieces).items():
             total[k].add(w)
         secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
@@ -134,8 +131,9 @@ class CostModel:
                    self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
         secs["overlap"] = -hide
         work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,
-                    "kv_bytes": w.kv_bytes, "exch_bytes": w.exch_bytes, "collectives": float(len(w.exch)),
-                    "ops": w.ops} for k, w in total.items()}
+                    "kv_bytes": w.kv_bytes, "exch_bytes": w.exch_bytes, "collectives": w.num_collectives,
+                    "ops": w.ops, "expert_ops": w.expert_ops, "attn_calls": w.attn_calls}
+                for k, w in total.items()}
         return secs, work
 
     def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:

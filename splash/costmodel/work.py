@@ -44,11 +44,11 @@ class Work:
     act_bytes: float = 0.0
     attn_flops: float = 0.0
     kv_bytes: float = 0.0
-    exch: list[tuple[str, float]] = field(default_factory=list)  # (collective, bytes)
+    exch: list[tuple] = field(default_factory=list)  # (collective, bytes) or (collective, bytes, count)
     ops: float = 0.0
     plan_blocks: float = 0.0
     plan_requests: float = 0.0
-    temps: list[float] = field(default_factory=list)  # sizes of large temporaries allocated (bytes)
+    temps: list = field(default_factory=list)  # large temporaries: bytes or (bytes, count)
     attn_calls: float = 0.0
     expert_ops: float = 0.0   # eager ops that run once per active expert (none with a grouped-GEMM MoE kernel)
 
@@ -56,12 +56,25 @@ class Work:
         for k in ("gemm_flops", "weight_bytes", "act_bytes", "attn_flops", "kv_bytes", "ops", "plan_blocks",
                   "plan_requests", "attn_calls", "expert_ops"):
             setattr(self, k, getattr(self, k) + times * getattr(other, k))
-        self.exch += [(c, b) for c, b in other.exch for _ in range(int(times))]
-        self.temps += [b for b in other.temps for _ in range(int(times))]
+        self.exch += [(e[0], e[1], (e[2] if len(e) > 2 else 1) * times) for e in other.exch]
+        self.temps += [(t if isinstance(t, tuple) else (t, 1))[0:1] + ((t[1] if isinstance(t, tuple) else 1) * times,)
+                       for t in other.temps]
+
+    def collectives(self):
+        """(kind, bytes, count) of every collective (entries added as (kind, bytes) count once)."""
+        return [(e[0], e[1], e[2] if len(e) > 2 else 1) for e in self.exch]
+
+    def temporaries(self):
+        """(bytes, count) of every large temporary."""
+        return [t if isinstance(t, tuple) else (t, 1) for t in self.temps]
 
     @property
     def exch_bytes(self) -> float:
-        return sum(b for _, b in self.exch)
+        return sum(b * n for _, b, n in self.collectives())
+
+    @property
+    def num_collectives(self) -> float:
+        return sum(n for _, _, n in self.collectives())
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,7 @@ class Shapes:
     kv_tok: float     # attention KV bytes per token per layer (latent + rope + scales)
     idx_tok: float    # DSA indexer key bytes per token per layer (0 without DSA)
     bs: int
+    scratch: float = 0.0  # split-KV attention kernel chunk budget (0: gather whole histories, one call)
 
     @property
     def heads_local(self) -> int:
@@ -139,17 +153,31 @@ def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: 
             keys = min(keys, topk)
         w.attn_flops += len(dec) * keys * per_key
         w.kv_bytes += len(dec) * keys * s.kv_tok
-        w.temps += _attn_temps(len(dec), 1, keys, heads, dc, dr)
-    for p, k, _ in pieces:
+        _group(s, w, len(dec), 1, nb, keys, heads)
+    for p, k, b in pieces:
         if p.new != 1 and p.new > 0:
             keys = min(k, topk) if topk else k
             w.attn_flops += p.new * keys * per_key
             w.kv_bytes += (k if not topk else min(k, p.new * topk)) * s.kv_tok
-            w.temps += _attn_temps(1, p.new, keys, heads, dc, dr)
+            _group(s, w, 1, p.new, b, keys, heads)
     w.plan_requests += len(pieces)
     w.plan_blocks += sum(b for _, _, b in pieces)
-    w.ops += OPS["attention"]["tp"] - 14  # plan tensors, cache read and write; attend_latent is a call
-    w.attn_calls += (1 if dec else 0) + (len(pieces) - len(dec))
+    w.ops += OPS["attention"]["tp"] - 14  # plan tensors, cache read and write; the kernel's ops per group below
+
+
+def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, heads: int) -> None:
+    """One attention group (all decode rows, or one prefill request). Gather path (scratch 0): one call with
+    big temporaries. Split-KV kernel: chunks of pages bounded by the scratch budget, ≈ 18 eager ops each (the
+    formula of splash.attention.kernels.torch_mla.chunk_pages)."""
+    dc, dr = s.cfg.kv_lora_rank, s.cfg.qk_rope_head_dim
+    if s.scratch <= 0:
+        w.temps += _attn_temps(reqs, rows, keys, heads, dc, dr)
+        w.attn_calls += 1
+        return
+    per_page = s.bs * (8 * (dc + dr) + rows * (8 * heads + 1)) + 16
+    chunk = max(1, min(pages, int(s.scratch // max(1, reqs * per_page))))
+    chunks = -(-pages // chunk) if pages else 0
+    w.ops += 14 if chunks <= 1 else 6 + 18 * chunks
 
 
 def _attn_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
@@ -282,6 +310,12 @@ def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
         _gemm(w, N, hid, 2 * inter, wb, ab)
         _gemm(w, N, int(inter), hid, wb, ab)
         w.ops += OPS["ffn_dense"]
+
+
+def dense_ffn_work(s: Shapes, rows: int) -> Work:
+    st = {"ffn": Work()}
+    _ffn(s, st, rows, moe=False)
+    return st["ffn"]
 
 
 def step_extra(s: Shapes, pieces: list[Piece]) -> dict[str, Work]:

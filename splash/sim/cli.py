@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="share of device memory for weights + KV")
     ap.add_argument("--block-size", type=int, default=64, help="KV page size in tokens")
     ap.add_argument("--chunk", type=parse_len, default=16384, help="prefill tokens per step")
+    ap.add_argument("--owner-prefill", action="store_true",
+                    help="DP-attn/DOP owners each prefill their own requests with a full --chunk budget per step "
+                         "(default: one budget per step for the group, as the engine's scheduler does)")
+    ap.add_argument("--reserve", type=parse_len, default=1 << 30, help="bytes per rank kept free (default 1 GiB)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_sim_model(a.model, a.weight_dtype, a.kv_dtype)
         prof = load_profile(a.hardware)
         cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size)
-        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk)
+        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, float(a.reserve),
+                         a.owner_prefill)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:
         print(f"splash-sim: {e}", file=sys.stderr)

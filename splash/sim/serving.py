@@ -6,7 +6,9 @@ The serving model (stated, not measured):
   TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
   one rank), CP's is the group's pool (position-sharded);
 - prefill is chunked as the engine's scheduler does: each step takes up to ``chunk`` prompt tokens from the
-  admitted requests in admission order; decode then runs one row per request per step;
+  admitted requests in admission order (``owner_prefill``: the request-owned layouts' owners each take their
+  own ``chunk`` budget in the same step, as DP-attention deployments schedule them — not what SPLASH's
+  scheduler does today); decode then runs one row per request per step;
 - throughput counts input + output tokens over the whole run (the paper's total throughput);
 - the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
 """
@@ -32,6 +34,7 @@ class SimSetup:
     block_size: int = 64
     chunk: int = 16384
     reserve_bytes: float = float(1 << 30)
+    owner_prefill: bool = False  # DP-attn/DOP owners each prefill with their own chunk budget per step
 
     @property
     def budget(self) -> float:
@@ -70,8 +73,8 @@ def concurrency(s: SimSetup, caps: dict, layout: str, tokens: int) -> int:
     if layout in ("dp_attn", "dop"):
         return s.world * (c.blocks_per_rank // blocks)
     if layout == "cp":
-        per_rank = -(-blocks // s.world)  # block round-robin: a request takes ceil(blocks / T) on a rank
-        return c.blocks_per_rank // per_rank * s.world if per_rank else 0
+        per_rank = -(-blocks // s.world)  # block round-robin: a request takes up to ceil(blocks / T) on every rank
+        return c.blocks_per_rank // per_rank if per_rank else 0
     return c.blocks_per_rank // blocks
 
 
@@ -109,29 +112,38 @@ def step_seconds(cm: CostModel, m: SimModel, layout: str, rows: list[RowLoad]) -
     return cm.step(layout, rows).seconds + linear_seconds(cm, m, rows)
 
 
-def _prefill_steps(k: int, input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
-    """Chunked prefill of k requests (owners / anchors round-robin), admission order, ``chunk`` tokens a step."""
-    done = [0] * k
+def _chunks(reqs: list[int], input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
+    """Chunked prefill of requests ``reqs`` (request j has owner / anchor j % world) in admission order,
+    ``chunk`` prompt tokens a step."""
+    done = dict.fromkeys(reqs, 0)
     steps, i = [], 0
-    while i < k:
+    while i < len(reqs):
         budget, rows = chunk, []
-        j = i
-        while budget > 0 and j < k:
+        while budget > 0 and i < len(reqs):
+            j = reqs[i]
             take = min(budget, input_len - done[j])
             rows.append(RowLoad(take, done[j], j % world, samples=done[j] + take == input_len))
             done[j] += take
             budget -= take
             if done[j] == input_len:
-                j += 1
-            else:
-                break
-        i = j
+                i += 1
         steps.append(rows)
     return steps
 
 
+def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bool) -> list[list[RowLoad]]:
+    """Prefill steps of k requests. ``per_owner``: every owner rank prefills its own requests with its own
+    ``chunk`` budget in the same step (request-owned layouts schedule each owner's queue, as DP-attention
+    deployments do); otherwise one ``chunk`` budget per step for the group."""
+    if not per_owner:
+        return _chunks(list(range(k)), input_len, chunk, world)
+    per = [_chunks([j for j in range(k) if j % world == r], input_len, chunk, world) for r in range(world)]
+    return [[row for steps in per if n < len(steps) for row in steps[n]] for n in range(max(map(len, per)))]
+
+
 def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int, output_len: int) -> float:
-    t = sum(step_seconds(cm, s.model, layout, rows) for rows in _prefill_steps(k, input_len, s.chunk, s.world))
+    steps = _prefill_steps(k, input_len, s.chunk, s.world, s.owner_prefill and layout in ("dp_attn", "dop"))
+    t = sum(step_seconds(cm, s.model, layout, rows) for rows in steps)
     if output_len > 0:
         # decode: the step cost grows linearly with context; sample it and integrate (midpoints)
         n = min(DECODE_SAMPLES, output_len)
