@@ -25,7 +25,8 @@ from splash.engine.sampling import SamplingParams
 from splash.server import protocol as P
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
-from splash.server.generation import Generation
+from splash.server.choice_extras import ResponseExtras, chat_messages
+from splash.server.generation import Delta, Generation
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
@@ -145,23 +146,46 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
-    def params(self, req: P._Sampling, max_tokens: int, j: int) -> SamplingParams:
+    def params(self, req: P._Sampling, max_tokens: int, j: int, prompt_logprobs: int | None = None) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+        bias = req.logit_bias_ids()
+        bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
+        if bad is not None:
+            raise P.APIError(400, f"'logit_bias' token id {bad} is outside the vocabulary [0, {self.s.vocab_size})",
+                             param="logit_bias")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, top_k=req.top_k or 0,
+                min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, logit_bias=bias,
+                logprobs=req.sample_logprobs(), prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:  # combinations pydantic does not see (e.g. min_tokens > max_tokens)
+            raise P.APIError(400, str(e), param=str(e).split()[0]) from None
 
     def generation(self, req: P._Sampling, prompts: list[list[int]], max_tokens: list[int],
-                   prefix: str) -> Generation:
+                   prefix: str, prompt_logprobs: int | None = None) -> Generation:
         flat_prompts, flat_params = [], []
         for prompt, mt in zip(prompts, max_tokens):
             for j in range(req.n):
                 flat_prompts.append(prompt)
-                flat_params.append(self.params(req, mt, j))
+                flat_params.append(self.params(req, mt, j, prompt_logprobs))
         gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix)
         gen.start()
         return gen
 
     # ---- /v1/completions --------------------------------------------------------------------------------
+    def echo_texts(self, req: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The prompt as echoed: the string sent, or the decoded token ids."""
+        if isinstance(req.prompt, str):
+            return [req.prompt]
+        if isinstance(req.prompt[0], str):
+            return list(req.prompt)
+        return [self.s.tokenizer.decode(p) for p in prompts]
+
     async def completions(self, request: Request) -> Response:
         req = await self.body(request, P.CompletionRequest)
         self.check_model(req.model)
@@ -171,7 +195,11 @@ class _Handlers:
         prompts = await self.prompts.completion(p)
         mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
         rid = P.new_id("cmpl")
-        gen = self.generation(req, prompts, [mt] * len(prompts), rid)
+        plp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
+            plp = max(plp or 0, req.logprobs)
+        gen = self.generation(req, prompts, [mt] * len(prompts), rid, plp)
+        gen.echo = self.echo_texts(req, prompts) if req.echo else None
         if req.stream:
             return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
         return JSONResponse(await self.collect(request, gen, req, rid, "text_completion",
@@ -183,11 +211,11 @@ class _Handlers:
         self.check_model(req.model)
         req.check_neutral()
         self.check_seqs(1, req.n)
-        prompt = await self.prompts.chat([m.model_dump(exclude_none=True) for m in req.messages])
+        prompt = await self.prompts.chat(chat_messages(req))
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
         rid = P.new_id("chatcmpl")
-        gen = self.generation(req, [prompt], [mt], rid)
+        gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs)
         if req.stream:
             return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True)
         return JSONResponse(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True))
@@ -208,15 +236,23 @@ class _Handlers:
             if not gen.done:
                 gen.cancel()
         make = P.chat_choice if chat else P.completion_choice
-        choices = [make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids else None)
-                   for c in gen.choices]
+        extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
+        choices = []
+        for c in gen.choices:
+            d = Delta(c, c.text, c.token_ids, c.finish, c.logprobs)
+            choices.append(extras.decorate(make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids
+                                                else None), d))
         completion_tokens = sum(len(c.token_ids) for c in gen.choices)
-        return P.envelope(rid, obj, P.now(), self.s.model_name, choices, P.usage(prompt_tokens, completion_tokens))
+        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices, P.usage(prompt_tokens, completion_tokens))
+        if chat and req.prompt_logprobs is not None:   # vLLM: chat's prompt_logprobs are on the response
+            body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
+        return body
 
     def stream(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
                chat: bool) -> StreamingResponse:
         created, model = P.now(), self.s.model_name
         ids = req.return_token_ids
+        extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[dict], usage_: dict | None = None) -> str:
@@ -233,14 +269,16 @@ class _Handlers:
                                                          [] if ids else None)])
                 async for deltas in gen.deltas():
                     for d in deltas:
-                        if not d.text and d.finish is None and not ids:
+                        if not d.text and d.finish is None and not ids and not extras.pending(d):
                             continue  # tokens whose text is held back (partial UTF-8, possible stop string)
                         tids = d.token_ids if ids else None
                         if chat:
                             delta = {"content": d.text} if d.text or d.finish is None else {}
-                            yield chunk([P.chat_delta_choice(d.choice.index, delta, d.finish, tids)])
+                            yield chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish,
+                                                                             tids), d)])
                         else:
-                            yield chunk([P.completion_choice(d.choice.index, d.text, d.finish, tids)])
+                            yield chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish,
+                                                                             tids), d)])
                 if include_usage:
                     n_out = sum(len(c.token_ids) for c in gen.choices)
                     yield chunk([], P.usage(prompt_tokens, n_out))

@@ -2,7 +2,9 @@
 
 Each choice is one engine request. Token events arrive in the asyncio thread (see ``EngineLoop``); each is
 detokenised incrementally and checked against the stop strings. When a stop string appears the choice ends
-with finish_reason ``"stop"``, its text is cut before the stop string, and the engine request is aborted.
+with finish_reason ``"stop"``, its text is cut before the stop string (after it with
+``include_stop_str_in_output``), and the engine request is aborted; no stop string ends a choice before
+``min_tokens`` tokens (as vLLM).
 While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to
 begin a stop string is never sent.
 """
@@ -30,6 +32,10 @@ class Choice:
     emitted_chars: int = 0
     emitted_ids: int = 0
     checked: int = 0        # stop strings were searched in text[:checked]
+    logprobs: list = field(default_factory=list)      # TokenLogprobs per token id (when the request asked)
+    prompt_logprobs: list | None = None               # TokenLogprobs of prompt tokens 1.. (prompt_logprobs)
+    min_tokens: int = 0                               # no stop string ends the choice before this many tokens
+    include_stop: bool = False                        # include_stop_str_in_output
 
 
 @dataclass
@@ -38,19 +44,24 @@ class Delta:
     text: str
     token_ids: list[int]
     finish: str | None
+    logprobs: list = field(default_factory=list)      # aligned with token_ids
 
 
 class Generation:
     def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
                  stops: list[str], req_prefix: str, skip_special_tokens: bool = True) -> None:
         self.loop, self.stops = loop, stops
+        self.echo: list[str] | None = None     # completions echo: the prompt text per prompt (set by the app)
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.choices: list[Choice] = []
         self._params = params
         self._prompts = prompts
-        for i, (prompt, _) in enumerate(zip(prompts, params)):
-            self.choices.append(Choice(i, f"{req_prefix}-{i}", len(prompt),
-                                       IncrementalDetokenizer(tok, skip_special_tokens)))
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            skip = skip_special_tokens if p is None else p.skip_special_tokens
+            c = Choice(i, f"{req_prefix}-{i}", len(prompt), IncrementalDetokenizer(tok, skip))
+            if p is not None:
+                c.min_tokens, c.include_stop = p.min_tokens, p.include_stop_str_in_output
+            self.choices.append(c)
         self._by_id = {c.req_id: c for c in self.choices}
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
 
@@ -90,6 +101,10 @@ class Generation:
                 c = self._by_id.get(ev.req_id)
                 if c is None or c.finish is not None:
                     continue
+                if ev.logprobs is not None:
+                    c.logprobs.append(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    c.prompt_logprobs = ev.prompt_logprobs
                 try:
                     self._push(c, ev.token, ev.finish_reason)
                 except Exception as e:  # noqa: BLE001 — a choice that cannot be detokenised fails this request
@@ -118,12 +133,16 @@ class Generation:
     def _check_stop(self, c: Choice) -> bool:
         if not self.stops:
             return False
+        if len(c.token_ids) < c.min_tokens:   # text before min_tokens is never searched again (as vLLM)
+            c.checked = len(c.text)
+            return False
         start = max(0, c.checked - self.hold)
-        hits = [i for i in (c.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((c.text.find(s, start), s) for s in self.stops) if i >= 0]
         c.checked = len(c.text)
         if not hits:
             return False
-        c.text = c.text[:min(hits)]
+        i, n = min(hits)
+        c.text = c.text[:i + n if c.include_stop else i]
         c.finish = "stop"
         return True
 
@@ -133,8 +152,9 @@ class Generation:
         ids = c.token_ids[c.emitted_ids:]
         if not text and not ids and c.finish is None:
             return None
+        lps = c.logprobs[c.emitted_ids:]
         c.emitted_chars, c.emitted_ids = end, len(c.token_ids)
-        return Delta(c, text, ids, c.finish)
+        return Delta(c, text, ids, c.finish, lps)
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():

@@ -1,9 +1,16 @@
 """OpenAI-compatible request models (pydantic, strict) and the JSON shapes of responses and errors.
 
 Requests are validated strictly: a field of the wrong type (``"max_tokens": "8"``), an out-of-range value or an
-unknown field is a 400 naming the field, as OpenAI's API answers. Known OpenAI parameters that SPLASH does
-not implement are accepted only at their neutral value (e.g. ``logprobs: null``, ``presence_penalty: 0``).
-vLLM extensions: ``return_token_ids``, ``stop_token_ids``, ``ignore_eos``.
+unknown field is a 400 naming the field, as OpenAI's API answers. Sampling parameters have vLLM's names and
+semantics (splash.engine.sampling): OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``logprobs``
+(completions: top-k int; chat: ``logprobs: true`` + ``top_logprobs``), ``echo``; vLLM's ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``return_token_ids``,
+``return_tokens_as_token_ids``. Inert OpenAI fields (``user``; chat ``metadata``, ``store``, ``service_tier``,
+``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls``) are accepted and ignored. What is not
+implemented is a 400 naming the field: a non-empty ``suffix``, ``best_of`` other than n, chat ``tools`` /
+``tool_choice`` other than "none" / ``functions`` / ``function_call``, ``response_format`` other than text,
+non-text content parts.
 """
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from splash.config.serve_config import LAYOUTS
 
 MAX_N = 64
 MAX_STOP = 16
+MAX_LOGPROBS = 20        # top-k logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
+MAX_PENALTY = 100.0      # repetition_penalty upper bound (a finite cap; vLLM only requires > 0)
 
 
 class APIError(Exception):
@@ -57,14 +67,22 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # neutral-only OpenAI parameters
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extensions
     return_token_ids: bool = False
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_PENALTY)
+    min_tokens: int = Field(0, ge=0)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -75,26 +93,43 @@ class _Sampling(_Strict):
         return [s for s in stops if s]
 
     def check_neutral(self) -> None:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            if getattr(self, name) != neutral:
-                raise APIError(400, f"'{name}' is not supported by this server (only {neutral})", param=name)
-        if self.logit_bias:
-            raise APIError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+        """400 for what is not implemented, or combinations that make no sense (named by field)."""
+        self.logit_bias_ids()
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with int keys (OpenAI sends token ids as strings); 400 naming the bad key."""
+        out: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise APIError(400, f"'logit_bias' key {k!r} is not a token id", param="logit_bias") from None
+            if not -100 <= v <= 100:
+                raise APIError(400, f"'logit_bias' value for {k!r} must be in [-100, 100], got {v}",
+                               param="logit_bias")
+            out[tid] = v
+        if len(out) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"'logit_bias' has {len(out)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                           param="logit_bias")
+        return out
+
+    def sample_logprobs(self) -> int | None:
+        """Top-k logprobs per generated token the engine computes (None: none)."""
+        return None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
     def check_neutral(self) -> None:
         super().check_neutral()
-        if self.echo:
-            raise APIError(400, "'echo' is not supported by this server", param="echo")
-        if self.logprobs is not None:
-            raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of")
         if self.suffix:
@@ -112,12 +147,36 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # inert OpenAI fields: accepted, ignored (as OpenAI ignores them for generation)
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    # not implemented: rejected with a 400 naming the field unless at their neutral value
+    tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    functions: Optional[list[Any]] = None
+    function_call: Union[str, dict[str, Any], None] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def sample_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        unsupported = [("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
+                       ("functions", bool(self.functions)), ("function_call", self.function_call not in (None, "none")),
+                       ("response_format", self.response_format not in (None, {"type": "text"}))]
+        for name, used in unsupported:
+            if used:
+                what = "structured output" if name == "response_format" else "tool and function calling"
+                raise APIError(400, f"'{name}' is not supported by this server ({what} is not implemented)",
+                               param=name)
         self.check_content()
 
     def check_content(self) -> None:

@@ -1,0 +1,69 @@
+"""What a choice (or a stream chunk) carries besides its text: the echoed prompt, logprobs in OpenAI's shapes
+and vLLM's prompt_logprobs; and the chat messages as the template sees them."""
+from __future__ import annotations
+
+from splash.server import protocol as P
+from splash.server.generation import Choice, Delta, Generation
+from splash.server.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_body
+from splash.tokenizer import Tokenizer
+
+
+def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
+    """Messages for the chat template: multi-part text content joined (with newlines, as vLLM), ``developer``
+    rendered as ``system``; a non-text part is a 400 naming it."""
+    out = []
+    for i, m in enumerate(req.messages):
+        d = m.model_dump(exclude_none=True)
+        if d.get("role") == "developer":
+            d["role"] = "system"
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise P.APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
+                                          f"(got type {part.get('type')!r})", param=f"messages.{i}.content.{j}")
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
+        out.append(d)
+    return out
+
+
+class ResponseExtras:
+    """What a choice (or stream chunk) adds for echo, logprobs and prompt_logprobs (splash.server.logprobs)."""
+
+    def __init__(self, tok: Tokenizer, req: P._Sampling, gen: Generation, chat: bool) -> None:
+        self.req, self.gen, self.chat = req, gen, chat
+        self.k = req.sample_logprobs()
+        self.text = TokenText(tok, req.return_tokens_as_token_ids)
+        self.echo = gen.echo
+        self.offset: dict[int, int] = {}      # text length already sent per choice (completions text_offset)
+        self.started: set[int] = set()
+
+    def pending(self, d: Delta) -> bool:
+        """A chunk must go out even without text: its logprobs, or the first chunk of an echo."""
+        return bool(d.logprobs) or (self.echo is not None and d.choice.index not in self.started)
+
+    def prompt_body(self, c: Choice) -> list | None:
+        if c.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_body(self.text, [None, *c.prompt_logprobs], self.req.prompt_logprobs or 0)
+
+    def decorate(self, choice: dict, d: Delta) -> dict:
+        c, first = d.choice, d.choice.index not in self.started
+        self.started.add(c.index)
+        entries = [(e.token, e) for e in d.logprobs]
+        if first and self.echo is not None:
+            prompt = self.gen._prompts[c.index]
+            choice["text"] = self.echo[c.index // self.req.n] + choice["text"]
+            if self.k is not None:
+                entries = [(prompt[0], None), *zip(prompt[1:], c.prompt_logprobs or ()), *entries]
+        if self.k is not None:
+            if self.chat:
+                choice["logprobs"] = chat_logprobs(self.text, [e for _, e in entries], self.k)
+            else:
+                lp = completion_logprobs(self.text, entries, self.k, self.offset.get(c.index, 0))
+                self.offset[c.index] = self.offset.get(c.index, 0) + sum(map(len, lp["tokens"]))
+                choice["logprobs"] = lp
+        if first and not self.chat and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_body(c)
+        return choice
