@@ -48,8 +48,10 @@ class Engine:
         self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes,
                                         runner.layout_kv_dtypes, allowed_layouts,
                                         switch_mode)
-        self.control.weight_quant = runner.weight_quant
-        self.weight_bytes_per_rank = self._measure_weights()  # refreshed after every switch
+        self.control.weight_quant = getattr(runner, "weight_quant", None)
+        # rank -> resident weight bytes, measured from the tensors: this rank's now, every rank's from the first
+        # step on and after every switch (a collective only inside a step, where every rank is in lockstep)
+        self.weight_bytes_per_rank = {comm.rank: self._local_weight_bytes()}
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -145,14 +147,13 @@ class Engine:
         reqs = [StepRequest(rid, start, len(toks), owner) for rid, start, toks, _, owner in items]
         batch = StepBatch.build(reqs, [list(t) for _, _, t, _, _ in items], [s for _, _, _, s, _ in items])
         logits = self.runner.step(batch, switch)
-        if switch is not None:
-            self.weight_bytes_per_rank = self._measure_weights()
+        if switch is not None or len(self.weight_bytes_per_rank) < self.comm.size:
+            self.weight_bytes_per_rank = dict(enumerate(self.comm.all_gather_obj(self._local_weight_bytes())))
         return logits
 
-    def _measure_weights(self) -> list[int]:
-        """Every rank's resident weight bytes, measured from its tensors (every rank calls this together)."""
+    def _local_weight_bytes(self) -> int:
         from splash.models.weights import resident_bytes
-        return self.comm.all_gather_obj(resident_bytes(self.runner.weights))
+        return resident_bytes(getattr(self.runner, "weights", None))
 
     def _switch_executor(self, sw: dict | None):
         if sw is None:

@@ -42,7 +42,7 @@ class EngineSnapshot:
     steps: int
     generated_tokens: int
     time: float = field(default_factory=time.monotonic)
-    weight_bytes: list[int] = field(default_factory=list)  # resident weight bytes per rank (measured)
+    weight_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident weight bytes (measured)
 
     @property
     def total_switches(self) -> int:
@@ -58,7 +58,7 @@ def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, 
         switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
         kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
         kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
-        steps=steps, generated_tokens=generated, weight_bytes=list(getattr(engine, "weight_bytes_per_rank", [])))
+        steps=steps, generated_tokens=generated, weight_bytes=dict(getattr(engine, "weight_bytes_per_rank", {})))
 
 
 class EngineLoop:
