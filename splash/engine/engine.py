@@ -61,8 +61,10 @@ class Engine:
         self.auto = None if hardware_profile is None or comm.rank != 0 else make_auto_layout(
             runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, max_num_seqs,
             max_num_batched_tokens)
-        self.control.weight_quant = runner.weight_quant
-        self.weight_bytes_per_rank = self._measure_weights()  # refreshed after every switch
+        self.control.weight_quant = getattr(runner, "weight_quant", None)
+        # rank -> resident weight bytes, measured from the tensors: this rank's now, every rank's from the first
+        # step on and after every switch (a collective only inside a step, where every rank is in lockstep)
+        self.weight_bytes_per_rank = {comm.rank: self._local_weight_bytes()}
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -248,14 +250,13 @@ class Engine:
             batch.sample_rows = batch.sample_rows + [r for i in msg["logits"]
                                                      for r in ranges[i][:len(ranges[i]) - int(items[i][3])]]
         logits = self.runner.step(batch, switch)
-        if switch is not None:
-            self.weight_bytes_per_rank = self._measure_weights()
+        if switch is not None or len(self.weight_bytes_per_rank) < self.comm.size:
+            self.weight_bytes_per_rank = dict(enumerate(self.comm.all_gather_obj(self._local_weight_bytes())))
         return logits
 
-    def _measure_weights(self) -> list[int]:
-        """Every rank's resident weight bytes, measured from its tensors (every rank calls this together)."""
+    def _local_weight_bytes(self) -> int:
         from splash.models.weights import resident_bytes
-        return self.comm.all_gather_obj(resident_bytes(self.runner.weights))
+        return resident_bytes(getattr(self.runner, "weights", None))
 
     def _switch_executor(self, sw: dict | None):
         if sw is None:

@@ -53,7 +53,7 @@ class EngineSnapshot:
     generated_tokens: int
     scheduler: dict | None = None    # the cost-model scheduler's AutoLayout.summary() (None: no scheduler)
     time: float = field(default_factory=time.monotonic)
-    weight_bytes: list[int] = field(default_factory=list)  # resident weight bytes per rank (measured)
+    weight_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident weight bytes (measured)
 
     @property
     def total_switches(self) -> int:
@@ -69,7 +69,7 @@ def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, 
         switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
         kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
         kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
-        steps=steps, generated_tokens=generated, weight_bytes=list(getattr(engine, "weight_bytes_per_rank", [])),
+        steps=steps, generated_tokens=generated, weight_bytes=dict(getattr(engine, "weight_bytes_per_rank", {})),
         scheduler=engine.auto.summary() if getattr(engine, "auto", None) is not None else None)
 
 

@@ -9,10 +9,10 @@ Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the ot
 ``splash_kv_used_blocks{rank}``, ``splash_requests_running``, ``splash_requests_waiting``,
 ``splash_generated_tokens_total``, ``splash_prompt_tokens_total``, ``splash_requests_total{endpoint,status}``,
 ``splash_engine_steps_total``, ``splash_step_duration_seconds`` (histogram), ``splash_weight_bytes{rank}`` (bytes of
-the weight tensors each rank holds, measured from the tensors at start and after every switch); with the cost-model
-scheduler ``splash_predicted_step_seconds{layout}``, ``splash_measured_step_seconds{layout}``,
-``splash_cost_model_factor{layout}``, ``splash_prediction_error_ratio{layout}``,
-``splash_layout_decisions_total{verdict}``.
+the weight tensors each rank holds, measured from the tensors: rank 0's from start, every rank's from the first
+step on, refreshed after every switch); with the cost-model scheduler ``splash_predicted_step_seconds{layout}``,
+``splash_measured_step_seconds{layout}``, ``splash_cost_model_factor{layout}``,
+``splash_prediction_error_ratio{layout}``, ``splash_layout_decisions_total{verdict}``.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("splash_kv_blocks_per_rank", "KV pages per rank", value=s.kv_blocks_per_rank)
         wb = GaugeMetricFamily("splash_weight_bytes", "Bytes of weight tensors held by each rank (measured)",
                                labels=["rank"])
-        for r, n in enumerate(s.weight_bytes):
+        for r, n in sorted(s.weight_bytes.items()):
             wb.add_metric([str(r)], float(n))
         yield wb
         yield GaugeMetricFamily("splash_requests_running", "Requests in the running batch", value=s.running)
