@@ -111,7 +111,7 @@ class Sampler:
         self._bias(x, st)
         self._min_tokens(x, st)
         self._penalties(x, st)
-        rand = [i for i, s in enumerate(st) if s.params.temperature > 0]
+        rand = [i for i, s in enumerate(st) if not s.params.greedy]   # temperature < SAMPLING_EPS: greedy
         if rand:
             rows = torch.tensor(rand, dtype=torch.long)
             temps = torch.tensor([st[i].params.temperature for i in rand], dtype=torch.float32)
@@ -125,7 +125,7 @@ class Sampler:
         st = [self.states[r] for r in req_ids]
         x = self.processed(logits, req_ids)
         tokens = x.argmax(-1)
-        rand = [i for i, s in enumerate(st) if s.params.temperature > 0]
+        rand = [i for i, s in enumerate(st) if not s.params.greedy]   # temperature < SAMPLING_EPS: greedy
         if rand:
             rows = torch.tensor(rand, dtype=torch.long)
             tokens[rows] = self._race(torch.softmax(x[rows], -1), [st[i] for i in rand])

@@ -57,16 +57,14 @@ def _ids(r: httpx.Response) -> list[int]:
 
 def test_tiny_temperature_is_greedy_and_a_sampling_failure_fails_one_request(engine, monkeypatch):
     """Item 1: temperature 1e-40 used to overflow the logits to NaN and abort every rank."""
-    import splash.engine.engine as eng
+    real = engine.sampler.sample
 
-    real = eng.sample
-
-    def sample(logits, params, gen):   # a request whose sampling raises (seed 666 marks it)
-        if params.seed == 666:
+    def sample(logits, req_ids):   # a batch holding a request whose sampling raises (seed 666 marks it)
+        if any(engine.params[r].seed == 666 for r in req_ids):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, gen)
+        return real(logits, req_ids)
 
-    monkeypatch.setattr(eng, "sample", sample)
+    monkeypatch.setattr(engine.sampler, "sample", sample)
 
     async def checks(c, loop):
         greedy = await c.post("/v1/completions", json=GOOD)
