@@ -10,20 +10,14 @@ from splash.tokenizer import Tokenizer
 
 def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
     """Messages for the chat template: multi-part text content joined (with newlines, as vLLM), ``developer``
-    rendered as ``system``; a non-text part is a 400 naming it."""
+    rendered as ``system``. The parts were checked to be text (``ChatCompletionRequest.check_content``)."""
     out = []
-    for i, m in enumerate(req.messages):
+    for m in req.messages:
         d = m.model_dump(exclude_none=True)
         if d.get("role") == "developer":
             d["role"] = "system"
         if isinstance(m.content, list):
-            texts = []
-            for j, part in enumerate(m.content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise P.APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
-                                          f"(got type {part.get('type')!r})", param=f"messages.{i}.content.{j}")
-                texts.append(part["text"])
-            d["content"] = "\n".join(texts)
+            d["content"] = "\n".join(part["text"] for part in m.content)
         out.append(d)
     return out
 

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from splash.config.serve_config import LAYOUTS
+from splash.engine.auto_layout import VERDICTS
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -75,18 +76,18 @@ def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
              "factor": ("splash_cost_model_factor", "Online correction factor (measured / predicted) per layout"),
              "error": ("splash_prediction_error_ratio", "Median |predicted - measured| / measured per layout")}
     fams = {k: GaugeMetricFamily(n, h, labels=["layout"]) for k, (n, h) in names.items()}
+    nan = float("nan")   # every series exists from the start (NaN until measured): scrapes do not grow
     for lay, m in sorted(sch["model"].items()):
-        if m["last_predicted_s"] is not None:
-            fams["predicted"].add_metric([lay], m["last_predicted_s"] * m["factor"])
-            fams["measured"].add_metric([lay], m["last_measured_s"])
+        seen = m["last_predicted_s"] is not None
+        fams["predicted"].add_metric([lay], m["last_predicted_s"] * m["factor"] if seen else nan)
+        fams["measured"].add_metric([lay], m["last_measured_s"] if seen else nan)
         fams["factor"].add_metric([lay], m["factor"])
-        if m["median_error"] is not None:
-            fams["error"].add_metric([lay], m["median_error"])
+        fams["error"].add_metric([lay], nan if m["median_error"] is None else m["median_error"])
     yield from fams.values()
     dec = CounterMetricFamily("splash_layout_decisions", "Scheduler decisions at step boundaries, by verdict",
                               labels=["verdict"])
-    for verdict, n in sorted(sch["decisions"].items()):
-        dec.add_metric([verdict], float(n))
+    for verdict in VERDICTS:
+        dec.add_metric([verdict], float(sch["decisions"].get(verdict, 0)))
     yield dec
 
 

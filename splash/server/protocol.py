@@ -183,13 +183,13 @@ class ChatCompletionRequest(_Sampling):
         """Content given as parts must be text parts with string text (images and other parts: 400)."""
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-                where = f"messages[{i}].content[{j}]"
+                where, param = f"messages[{i}].content[{j}]", f"messages.{i}.content.{j}"
                 if part.get("type") != "text":
                     raise APIError(400, f"{where}: only text parts (type 'text') are supported, got type "
-                                        f"{str(part.get('type'))[:40]!r}", param=where)
+                                        f"{str(part.get('type'))[:40]!r}", param=param)
                 if not isinstance(part.get("text"), str):
                     raise APIError(400, f"{where}.text must be a string, got {type(part.get('text')).__name__}",
-                                   param=where)
+                                   param=param)
 
 
 class LayoutRequest(_Strict):

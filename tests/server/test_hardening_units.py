@@ -105,7 +105,7 @@ def test_statuses_of_bad_bodies(engine):
 
     deep_r, chat_r, img_r, mt_r, mct_r, plain_r, bare_r, good_r = _serve(engine, checks)
     assert deep_r.status_code == 400 and "nested too deep" in deep_r.json()["error"]["message"]
-    assert chat_r.status_code == 400 and chat_r.json()["error"]["param"] == "messages[0].content[0]"
+    assert chat_r.status_code == 400 and chat_r.json()["error"]["param"] == "messages.0.content.0"
     assert img_r.status_code == 400 and "only text parts" in img_r.json()["error"]["message"]
     assert mt_r.status_code == 400 and mt_r.json()["error"]["code"] == "context_length_exceeded"
     assert mct_r.status_code == 400 and mct_r.json()["error"]["param"] == "max_completion_tokens"
