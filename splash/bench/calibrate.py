@@ -119,10 +119,6 @@ def alloc_rate(reps: int) -> float:
     return 1.0 / max(t_big - t_small, t_big * 0.05)
 
 
-def _temps_seconds(temps: list[float], rate: float) -> float:
-    return sum(b for b in temps if b >= ALLOC_THRESHOLD) / rate
-
-
 def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
     """A callable running this checkout's attention for B decode rows over ``s`` resident keys with ``h`` heads,
     and the kernel's scratch bound (0: the gather-based path, whose temporaries are unbounded)."""
@@ -155,9 +151,10 @@ def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
     return (lambda: kernel.run(0, q[..., :dc], q[..., dc:], cache)), torch_mla.SCRATCH_BYTES
 
 
-def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, dict]:
+def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, float, dict]:
     """Time this checkout's attention over shapes; nonnegative least squares (weighted) of
-    t - fresh-page cost = kv_bytes/BW + flops/R + per-call seconds. Returns also the kernel's scratch bound."""
+    t = kv_bytes/BW + flops/R + big-temporary bytes/alloc rate + per-call seconds. Returns (BW, R, per-call,
+    the kernel's scratch bound, alloc rate (the probe's ``alloc`` when the fit drops that term), notes)."""
     from splash.costmodel.work import _attn_temps
     dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
     points = [(b, s, h) for b in (1, 4, 16, 32) for s in (256, 1024, 4096) for h in (max(1, H // 2), H)
@@ -166,15 +163,16 @@ def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float,
     for b, s, h in points:
         run, scratch = _attention_call(cfg, block_size, b, s, h)
         t = _timeit(run, reps if b * s < 32768 else 3)
-        if not scratch:
-            t -= _temps_seconds(_attn_temps(b, 1, s, h, dc, dr), alloc)
-        rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), 1.0])
+        big = 0.0 if scratch else sum(x for x in _attn_temps(b, 1, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
+        rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), big, 1.0])
         ys.append(max(t, 1e-7))
     a, y = np.array(rows), np.array(ys)
-    sol = nonneg_rel_lstsq(a, y)
+    sol = nonneg_rel_lstsq(a, y)  # fresh-page cost fitted with the rest: its own probe is noisy under load
     err = float(np.median(np.abs(a @ sol - y) / y))
-    inv_bw, inv_r, call = (float(v) for v in sol)
-    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch,
+    inv_bw, inv_r, inv_alloc, call = (float(v) for v in sol)
+    if inv_alloc > 0:
+        alloc = 1.0 / inv_alloc
+    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch, alloc,
             {"attention_fit_median_rel_err": round(err, 4)})
 
 
@@ -283,7 +281,7 @@ def measure(comm, args) -> dict:
     gemm = gemm_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, alloc, args.block_size, reps)
+    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps)
     per_req, per_block = plan_fit(cfg, args.block_size, reps)
     return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
             "attn": attn_rate,
