@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="cpu", help="profile name written into the file")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (tests)")
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="statistic of the repetitions (min: robust to other processes on a shared host)")
+
+
+STAT = {"fn": statistics.median}
 
 
 def _timeit(fn, reps: int, warm: int = 2, pre=None) -> float:
@@ -40,7 +45,7 @@ def _timeit(fn, reps: int, warm: int = 2, pre=None) -> float:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return STAT["fn"](ts)
 
 
 def op_overhead(reps: int) -> float:
@@ -114,10 +119,6 @@ def alloc_rate(reps: int) -> float:
     return 1.0 / max(t_big - t_small, t_big * 0.05)
 
 
-def _temps_seconds(temps: list[float], rate: float) -> float:
-    return sum(b for b in temps if b >= ALLOC_THRESHOLD) / rate
-
-
 def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
     """A callable running this checkout's attention for B decode rows over ``s`` resident keys with ``h`` heads,
     and the kernel's scratch bound (0: the gather-based path, whose temporaries are unbounded)."""
@@ -150,9 +151,10 @@ def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
     return (lambda: kernel.run(0, q[..., :dc], q[..., dc:], cache)), torch_mla.SCRATCH_BYTES
 
 
-def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, dict]:
+def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, float, dict]:
     """Time this checkout's attention over shapes; nonnegative least squares (weighted) of
-    t - fresh-page cost = kv_bytes/BW + flops/R + per-call seconds. Returns also the kernel's scratch bound."""
+    t = kv_bytes/BW + flops/R + big-temporary bytes/alloc rate + per-call seconds. Returns (BW, R, per-call,
+    the kernel's scratch bound, alloc rate (the probe's ``alloc`` when the fit drops that term), notes)."""
     from splash.costmodel.work import _attn_temps
     dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
     points = [(b, s, h) for b in (1, 4, 16, 32) for s in (256, 1024, 4096) for h in (max(1, H // 2), H)
@@ -161,15 +163,16 @@ def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float,
     for b, s, h in points:
         run, scratch = _attention_call(cfg, block_size, b, s, h)
         t = _timeit(run, reps if b * s < 32768 else 3)
-        if not scratch:
-            t -= _temps_seconds(_attn_temps(b, 1, s, h, dc, dr), alloc)
-        rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), 1.0])
+        big = 0.0 if scratch else sum(x for x in _attn_temps(b, 1, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
+        rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), big, 1.0])
         ys.append(max(t, 1e-7))
     a, y = np.array(rows), np.array(ys)
-    sol = nonneg_rel_lstsq(a, y)
+    sol = nonneg_rel_lstsq(a, y)  # fresh-page cost fitted with the rest: its own probe is noisy under load
     err = float(np.median(np.abs(a @ sol - y) / y))
-    inv_bw, inv_r, call = (float(v) for v in sol)
-    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch,
+    inv_bw, inv_r, inv_alloc, call = (float(v) for v in sol)
+    if inv_alloc > 0:
+        alloc = 1.0 / inv_alloc
+    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch, alloc,
             {"attention_fit_median_rel_err": round(err, 4)})
 
 
@@ -278,7 +281,7 @@ def measure(comm, args) -> dict:
     gemm = gemm_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, alloc, args.block_size, reps)
+    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps)
     per_req, per_block = plan_fit(cfg, args.block_size, reps)
     return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
             "attn": attn_rate,
@@ -305,7 +308,7 @@ def build_profile(comm, args) -> dict:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     raw = {
         "name": args.name,
-        "source": (f"splash-bench calibrate, {comm.size} ranks, preset {args.preset}, {stamp}, "
+        "source": (f"splash-bench calibrate, {comm.size} ranks, preset {args.preset}, {args.stat}, {stamp}, "
                    f"load average {load:.2f} at the end"),
         "gemm_flops_per_s": {k: float(f"{v:.4g}") for k, v in m["gemm"].items()},
         "memory_bytes_per_s": float(f"{m['bw']:.4g}"),
@@ -351,6 +354,7 @@ def run(args) -> int:
     from splash.costmodel.profile import profile_from_dict, save_profile
     from splash.distributed import init_dist
 
+    STAT["fn"] = min if args.stat == "min" else statistics.median
     comm = init_dist().comm
     raw = build_profile(comm, args)
     if comm.rank == 0:

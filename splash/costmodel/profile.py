@@ -150,7 +150,8 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     for k in ("memory_bytes_per_s", "attention_flops_per_s", "kv_read_bytes_per_s"):
         kw[k] = _positive(where, k, raw[k])
     for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
-              "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes", "alloc_bytes_per_s"):
+              "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes",
+              "alloc_bytes_per_s"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
     if kw.get("overlap_fraction", 0.0) > 1.0:
