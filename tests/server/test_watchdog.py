@@ -15,6 +15,7 @@ def _group(n_followers: int, timeout: float = 0.4):
         f = Watchdog(r, timeout, abort=fired.append, interval_s=0.05)
         f.connect(addr)
         followers.append(f)
+    assert _wait(lambda: len(hub._peers) == n_followers, 5.0)   # every link identified
     return hub, followers, fired
 
 
