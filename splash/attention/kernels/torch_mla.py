@@ -11,7 +11,7 @@ computed on the first layer and reused by later ones while they fit `index_cache
 
 Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the
 two score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16
-units (AVX2 only, like this host) torch's bf16 bmm is 7–27x slower than fp32, so "auto" keeps fp32 there.
+units (AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
 
