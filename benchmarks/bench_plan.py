@@ -8,9 +8,9 @@ new pages, appends them to its tensor page table, builds the step's attention me
 kernel, as a layout executor's `prepare` does (TP placement: every block is local). metadata_ms is the median
 wall time per step, metadata_max_ms the slowest step (one that appends a page to every request), and the
 metadata_cpu_* pair the same in process CPU time (what the process got; robust when other jobs share the cores);
-the first step (which also grows the page table) is a warm-up and not timed. scratch_bytes is what the torch kernel may allocate per layer
-beyond its inputs and outputs for that plan (`TorchMLAKernel.scratch_bound`: one chunk's buffers, plus the page
-ids and masks it keeps across layers, `index_cache_bytes`), at the latent width given (default GLM-5.3 /
+the first step (which also grows the page table) is a warm-up and not timed. scratch_bytes is what the torch
+kernel may allocate per layer beyond its inputs and outputs for that plan (`TorchMLAKernel.scratch_bound`: one
+chunk's buffers, plus the page ids and masks it keeps across layers, `index_cache_bytes`), at the latent width given (default GLM-5.3 /
 DeepSeek-V3: d_c 512 + d_r 64, 16 local heads); tests/test_attention_kernels.py checks the bytes of the
 tensors a chunk really allocates against that bound.
 
@@ -83,7 +83,8 @@ def main() -> None:
     ap.add_argument("--kv-lora-rank", type=int, default=512)
     ap.add_argument("--rope-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the engine's decode runs use 1)")
-    ap.add_argument("--json", help="write [{batch, context, metadata_ms, metadata_max_ms, scratch_bytes}] here")
+    ap.add_argument("--json", help="write [{batch, context, metadata_ms, scratch_bytes, metadata_max_ms, "
+                                   "metadata_cpu_ms, metadata_cpu_max_ms}] here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows = []

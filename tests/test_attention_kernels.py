@@ -185,7 +185,7 @@ def test_triton_kernel_matches_dense(kv_dtype):
     check(_triton(), make_state(kv_dtype, 4, TINY, dc=16, dr=4), atol=2e-4)
 
 
-@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("bs", [1, 16, 64])
 def test_triton_kernel_page_sizes_and_cp(bs):
     check(_triton(), make_state("float32", bs, TINY + [(20, 1)], dc=16, dr=4), atol=2e-4)
     check(_triton(), make_state("bfloat16", bs, TINY, world=2, rank=1, dc=16, dr=4), atol=2e-4)

@@ -29,13 +29,13 @@ class AttnMetadata:
     row_req: torch.Tensor        # [N] int64: request index of each query row
     req_rows: torch.Tensor       # [B] int64: page-table row of each request
     num_pages: torch.Tensor      # [B] int32: pages held here
-    kv_len: torch.Tensor         # [B] int32: held tokens at positions < the request's end
-    kv_last_page_len: torch.Tensor  # [B] int32 (0 when no page is held)
+    ends: torch.Tensor           # [B] int64: each request's end position (start + new tokens)
     pages: torch.Tensor          # [R, P] int32: the page table, physical pages (read in place)
     logical: torch.Tensor        # [R, P] int32: logical block of each page
     write_rows: torch.Tensor     # [W] int64
     write_slots: torch.Tensor    # [W] int64
     _csr: tuple | None = field(default=None, repr=False)
+    _lens: tuple | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -44,6 +44,24 @@ class AttnMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.q_lens)
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        """[B] int32: tokens of the last held page at positions < the request's end (0 when none is held)."""
+        return self._kv_lens()[1]
+
+    @property
+    def kv_len(self) -> torch.Tensor:
+        """[B] int32: held tokens at positions < the request's end (every held page but the last is full)."""
+        return self._kv_lens()[0]
+
+    def _kv_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._lens is None:
+            bs, n = self.block_size, self.num_pages.long()
+            last = self.logical[self.req_rows, (n - 1).clamp_min(0)].long()
+            last_len = (self.ends - last * bs).clamp(0, bs) * (n > 0)
+            self._lens = (((n - 1).clamp_min(0) * bs + last_len).to(torch.int32), last_len.to(torch.int32))
+        return self._lens
 
     def csr(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kv_indptr [B + 1] int32, kv_indices [P] int32 physical pages, kv_logical [P] int32 logical blocks)."""
@@ -69,25 +87,26 @@ def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, in
     rows = [known[i] if i in known else tables.row(i) for i in (q.req_id for q in reqs)]
     q_lens = [q.num_new for q in reqs]
     starts = torch.tensor([q.start_pos for q in reqs], dtype=torch.long)
-    lens = torch.tensor(q_lens, dtype=torch.long)
     req_rows = torch.tensor(rows, dtype=torch.long)
-    qo = torch.zeros(len(reqs) + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=qo[1:])
-    n = int(qo[-1])
-    row_req = torch.repeat_interleave(torch.arange(len(reqs)), lens, output_size=n)
-    q_pos = starts[row_req] + torch.arange(n) - qo[:-1][row_req]
+    b = len(reqs)
+    if sum(q_lens) == b:  # pure decode: one row per request
+        qo, row_req, q_pos, ends = torch.arange(b + 1), torch.arange(b), starts, starts + 1
+    else:
+        lens = torch.tensor(q_lens, dtype=torch.long)
+        qo = torch.zeros(b + 1, dtype=torch.long)
+        torch.cumsum(lens, 0, out=qo[1:])
+        n = int(qo[-1])
+        row_req = torch.repeat_interleave(torch.arange(b), lens, output_size=n)
+        q_pos = starts[row_req] + torch.arange(n) - qo[:-1][row_req]
+        ends = starts + lens
     blk = q_pos // bs
     if cp is None:
-        w_rows, col = torch.arange(n), blk
+        w_rows, col, w_req = torch.arange(len(q_pos)), blk, row_req   # every row's KV is stored here
     else:
         world, rank = cp
         anchors = torch.tensor([q.owner for q in reqs], dtype=torch.long)
         w_rows = torch.nonzero((blk + anchors[row_req]) % world == rank).squeeze(1)
-        col = blk[w_rows] // world
-    w_slots = tables.pages[req_rows[row_req[w_rows]], col].long() * bs + q_pos[w_rows] % bs
-    npages = tables.npages[req_rows]
-    last = tables.logical[req_rows, (npages.long() - 1).clamp_min(0)].long()
-    last_len = ((starts + lens) - last * bs).clamp(0, bs) * (npages > 0)
-    kv_len = ((npages.long() - 1).clamp_min(0) * bs + last_len).to(torch.int32)
-    return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, npages, kv_len,
-                        last_len.to(torch.int32), tables.pages, tables.logical, w_rows, w_slots)
+        col, w_req = blk[w_rows] // world, row_req[w_rows]
+    w_slots = tables.pages[req_rows[w_req], col].long() * bs + q_pos[w_rows] % bs
+    return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, tables.npages[req_rows], ends,
+                        tables.pages, tables.logical, w_rows, w_slots)

@@ -11,7 +11,7 @@ computed on the first layer and reused by later ones while they fit `index_cache
 
 Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the
 two score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16
-units (AVX2 only, like this host) torch's bf16 bmm is 7–27x slower than fp32, so "auto" keeps fp32 there.
+units (AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class _Group:
     reqs: torch.Tensor        # [G] request indices, in step order
     rows: torch.Tensor        # [G * Q] query rows, request-major
     q: int                    # query rows per request
-    order: torch.Tensor       # [G] permutation sorting `reqs` by page count, descending (multi-chunk walks)
+    order: torch.Tensor | None  # [G] permutation sorting `reqs` by page count, descending (multi-chunk walks)
     npages: list[int]         # page counts, ascending (for bisect: how many requests reach a page)
     max_pages: int
     all_rows: bool = False    # the group is every row of the step, in order
@@ -60,20 +60,19 @@ class TorchMLAKernel:
         """Group the step's requests: O(requests)."""
         self.meta, self.groups, self._index, self._index_bytes = meta, [], {}, 0
         lens = meta.q_lens
+        npg = meta.num_pages.tolist()
         dec = [i for i, n in enumerate(lens) if n == 1]
-        qo = meta.qo_indptr.tolist()
         if dec:
-            idx = torch.tensor(dec, dtype=torch.long)
-            npg = meta.num_pages[idx]
-            order = torch.sort(npg, descending=True, stable=True).indices
-            counts = npg[order].tolist()
-            self.groups.append(_Group(idx, meta.qo_indptr[idx].long(), 1, order, counts[::-1], counts[0],
-                                      len(dec) == len(lens)))
+            everyone = len(dec) == len(lens)
+            idx = torch.arange(len(dec)) if everyone else torch.tensor(dec, dtype=torch.long)
+            counts = [npg[i] for i in dec]
+            self.groups.append(_Group(idx, idx if everyone else meta.qo_indptr[idx].long(), 1, None,
+                                      sorted(counts), max(counts), everyone))
+        qo = meta.qo_indptr.tolist() if len(dec) < len(lens) else None
         for i, n in enumerate(lens):
             if n > 1:
-                np_i = int(meta.num_pages[i])
-                self.groups.append(_Group(torch.tensor([i]), torch.arange(qo[i], qo[i + 1]), n, torch.zeros(1, dtype=torch.long),
-                                          [np_i], np_i, len(lens) == 1))
+                self.groups.append(_Group(torch.tensor([i]), torch.arange(qo[i], qo[i + 1]), n,
+                                          torch.zeros(1, dtype=torch.long), [npg[i]], npg[i], len(lens) == 1))
 
     def _dtype(self, cache, layer: int) -> torch.dtype:
         if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and cache.kv_dtype_of(layer) != "float32"
@@ -99,15 +98,21 @@ class TorchMLAKernel:
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
             cache) -> tuple[torch.Tensor, torch.Tensor]:
         n, h, d_c = q_latent.shape
-        o = torch.zeros(n, h, d_c, dtype=torch.float32)
-        lse = torch.full((n, h), float("-inf"), dtype=torch.float32)
+        o = lse = None
         for gi, g in enumerate(self.groups):
             C = self.chunk_pages(g, h, d_c, q_rope.shape[2], self.meta.block_size)
             single = C >= g.max_pages        # one chunk: step order, plain softmax
-            rows = g.rows if single else g.rows.view(len(g.reqs), g.q)[g.order].reshape(-1)
             if single and g.all_rows:
                 return self._attend(gi, g, layer, q_latent, q_rope, cache, C, single)
+            if not single and g.order is None:
+                g.order = torch.sort(self.meta.num_pages[g.reqs], descending=True, stable=True).indices
+            rows = g.rows if single else g.rows.view(len(g.reqs), g.q)[g.order].reshape(-1)
+            if o is None:
+                o = torch.zeros(n, h, d_c, dtype=torch.float32)
+                lse = torch.full((n, h), float("-inf"), dtype=torch.float32)
             o[rows], lse[rows] = self._attend(gi, g, layer, q_latent[rows], q_rope[rows], cache, C, single)
+        if o is None:  # no request at all
+            return torch.zeros(n, h, d_c), torch.full((n, h), float("-inf"))
         return o, lse
 
     def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, C: int,
@@ -124,10 +129,10 @@ class TorchMLAKernel:
         acc = torch.zeros(G, g.q * h, d_c)
         for j in range(0, g.max_pages, C):
             a = G - bisect_left(g.npages, j + 1)   # requests holding more than j pages: a prefix
-            pid, valid = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
+            pid, hidden = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
             c, kpe, raw = _read_pages(cache, layer, pid, dt)
             sc = torch.baddbmm(torch.bmm(qr[:a], kpe.transpose(1, 2)), ql[:a], c.transpose(1, 2)).float()
-            sc.mul_(self.scale).view(a, g.q, h, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
+            sc.mul_(self.scale).view(a, g.q, h, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
             cm = sc.amax(dim=-1, keepdim=True)
             m_new = torch.maximum(m[:a], cm)
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
@@ -136,7 +141,7 @@ class TorchMLAKernel:
             s[:a] = s[:a] * alpha + p.sum(dim=-1, keepdim=True)
             acc[:a] = acc[:a] * alpha + torch.bmm(p.to(dt), c).float()
             m[:a] = m_new
-            self._track(c, kpe, raw, sc, pid, valid)
+            self._track(c, kpe, raw, sc, pid, hidden)
         o = acc / s.clamp_min(torch.finfo(torch.float32).tiny)
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         lse = (m_safe + s.log()).squeeze(-1)
@@ -145,25 +150,25 @@ class TorchMLAKernel:
     def _attend_once(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, dt):
         """Every page of the group in one chunk (short histories: most decode steps): a plain masked softmax."""
         G, h, d_c = len(g.reqs), ql.shape[1] // g.q, ql.shape[2]
-        pid, valid = self._chunk_index(gi, g, g.reqs, 0, g.max_pages, G)
+        pid, hidden = self._chunk_index(gi, g, g.reqs, 0, g.max_pages, G)
         if pid.shape[1] == 0:  # no page of these requests here (a CP rank holding none of them)
             return (torch.zeros(G * g.q, h, d_c), torch.full((G * g.q, h), float("-inf")))
         c, kpe, raw = _read_pages(cache, layer, pid, dt)
         sc = torch.baddbmm(torch.bmm(qr, kpe.transpose(1, 2)), ql, c.transpose(1, 2)).float()
-        sc.mul_(self.scale).view(G, g.q, h, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
+        sc.mul_(self.scale).view(G, g.q, h, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
         m = sc.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = sc.sub_(m).exp_()
         den = p.sum(dim=-1, keepdim=True)
         o = torch.bmm(p.to(dt), c).float().div_(den.clamp_min(torch.finfo(torch.float32).tiny))
-        self._track(c, kpe, raw, sc, pid, valid)
+        self._track(c, kpe, raw, sc, pid, hidden)
         return o.view(G * g.q, h, d_c), (m + den.log()).view(G * g.q, h)
 
     def _chunk_index(self, gi: int, g: _Group, reqs_all: torch.Tensor, j: int, C: int,
                      a: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Page ids [a, c] of pages j..j+C of the first `a` of `reqs_all` (the group's requests in the order
-        walked), and the mask [a, Q, c × bs] of keys each query row sees (page held, position <= the query's);
-        cached across layers within the budget."""
+        walked), and the mask [a, Q, c × bs] of keys each query row must not see (page not held, or position
+        past the query's); cached across layers within the budget."""
         key = (gi, j, C)
         hit = self._index.get(key)
         if hit is not None:
@@ -177,13 +182,13 @@ class TorchMLAKernel:
         pid = pid * held
         kpos = (meta.logical[rows, cols].long()[:, :, None] * bs + torch.arange(bs)).view(a, -1)
         qpos = meta.q_pos[(meta.qo_indptr[reqs].long()[:, None] + torch.arange(g.q))]   # [a, Q]
-        valid = (held[:, :, None].expand(-1, -1, bs).reshape(a, -1)[:, None, :]
-                 & (kpos[:, None, :] <= qpos[:, :, None]))
-        size = pid.numel() * 8 + valid.numel()
+        hidden = (~held[:, :, None].expand(-1, -1, bs).reshape(a, -1)[:, None, :]
+                  | (kpos[:, None, :] > qpos[:, :, None]))        # keys a query row must not see
+        size = pid.numel() * 8 + hidden.numel()
         if self._index_bytes + size <= self.index_budget:
-            self._index[key] = (pid, valid)
+            self._index[key] = (pid, hidden)
             self._index_bytes += size
-        return pid, valid
+        return pid, hidden
 
     def _track(self, *tensors) -> None:
         used = sum(t.numel() * t.element_size() for t in tensors if t is not None)
