@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[cpu,test]"
+	$(BIN)/pip install -q -e ".[cpu,test,bench]"
 	touch $@
 
 install: $(BIN)/.installed

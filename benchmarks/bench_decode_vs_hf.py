@@ -1,6 +1,7 @@
 """Single-rank greedy decode throughput: SPLASH's LLM vs transformers' generate, same tiny weights, same batch.
 
     .venv/bin/python benchmarks/bench_decode_vs_hf.py [--threads 1] [--batch 32] [--prompt-len 32] [--new 64]
+        [--json FILE]
 
 A tiny random DeepSeek-V3 (hidden 256, 4 layers, 8 heads, MoE with 16 routed experts, top-4 of 2-of-4 groups)
 is written with `save_pretrained` to a temp dir and loaded by both. Both run `batch` prompts of equal length
@@ -26,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_models import load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
 
+from splash.bench import results as R  # noqa: E402
+from splash.bench.tables import TableSpec, print_tables  # noqa: E402
 from splash.distributed.communicator import SingleRankCommunicator  # noqa: E402
 from splash.engine.llm import LLM  # noqa: E402
 from splash.engine.sampling import SamplingParams  # noqa: E402
@@ -108,13 +111,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (greedy, EOS ignored)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", metavar="FILE", help="write the result as a splash-bench JSON (kind 'vs-hf')")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     from rich.console import Console
-    from rich.table import Table
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_deepseek(Path(tmp) / "bench", tokenizer=False, **BENCH_MODEL)
@@ -127,26 +130,40 @@ def main() -> None:
                     for i, (a, b) in enumerate(zip(ours["tokens"], hf["tokens"])) if a != b]
         gaps = [near_tie_gap(path, prompts[i], hf["tokens"][i][:j]) for i, j in diverged]
 
-    table = Table(title=f"Single-rank greedy decode: batch {args.batch} x prompt {args.prompt_len} -> "
-                        f"{args.new} new tokens, fp32, {args.threads} thread(s), torch {torch.__version__}, "
-                        f"best of {args.repeats} interleaved runs")
-    for col in ("engine", "clock", "prefill + 1st token (s)", "total (s)", "decode tok/s", "end-to-end tok/s"):
-        table.add_column(col, justify="right")
+    table = TableSpec(f"Single-rank greedy decode: batch {args.batch} x prompt {args.prompt_len} -> "
+                      f"{args.new} new tokens, fp32, {args.threads} thread(s), torch {torch.__version__}, "
+                      f"best of {args.repeats} interleaved runs",
+                      ["engine", "clock", "prefill + 1st token (s)", "total (s)", "decode tok/s", "end-to-end tok/s"])
     for kind in ("wall", "cpu"):
         for name, r in (("transformers generate", hf), ("SPLASH LLM", ours)):
             x = r[kind]
-            table.add_row(name, kind, f"{x['prefill_s']:.3f}", f"{x['total_s']:.3f}", f"{x['decode_tps']:.0f}",
-                          f"{x['e2e_tps']:.0f}")
+            table.add_row([name, kind, f"{x['prefill_s']:.3f}", f"{x['total_s']:.3f}", f"{x['decode_tps']:.0f}",
+                           f"{x['e2e_tps']:.0f}"])
         a, b = hf[kind], ours[kind]
-        table.add_row("[bold]SPLASH / transformers", kind, f"{a['prefill_s'] / b['prefill_s']:.2f}x",
-                      f"{a['total_s'] / b['total_s']:.2f}x", f"[bold]{b['decode_tps'] / a['decode_tps']:.2f}x",
-                      f"{b['e2e_tps'] / a['e2e_tps']:.2f}x", end_section=True)
+        table.add_row(["SPLASH / transformers", kind, f"{a['prefill_s'] / b['prefill_s']:.2f}x",
+                       f"{a['total_s'] / b['total_s']:.2f}x", f"{b['decode_tps'] / a['decode_tps']:.2f}x",
+                       f"{b['e2e_tps'] / a['e2e_tps']:.2f}x"], bold_cols=(0, 4), end_section=True)
+    if args.json:
+        write_result(args, res, sum(same))
     console = Console(width=130)
-    console.print(table)
+    print_tables([table], console)
     console.print(f"identical greedy tokens: {sum(same)}/{args.batch} requests")
     for (i, j), gap in zip(diverged, gaps):
         console.print(f"  request {i} diverges at new token {j} (HF's top-2 logit gap there: {gap:.2e}); with "
                       "MoE an fp32-level near-tie in expert routing upstream can also flip a token")
+
+
+def write_result(args, res: dict, identical: int) -> None:
+    """One run per engine (mode 'hf' / 'splash'), decode tokens/s on the CPU clock as output_tokens_per_s."""
+    env = R.environment(backend="cpu", ranks=1, model={"name": "bench tiny deepseek_v3", "dtype": "float32",
+                                                       "kv_cache_dtype": "float32", **BENCH_MODEL})
+    doc = R.new_result("vs-hf", env, {k: getattr(args, k) for k in ("threads", "batch", "prompt_len", "new",
+                                                                     "block_size", "repeats")})
+    doc.pop("points")
+    doc["runs"] = [{"mode": name, "output_tokens_per_s": r["cpu"]["decode_tps"], "clocks": {
+        k: r[k] for k in ("wall", "cpu")}} for name, r in res.items()]
+    doc["identical_requests"], doc["complete"] = identical, True
+    R.write_json(args.json, doc)
 
 
 @torch.no_grad()

@@ -1,0 +1,167 @@
+"""Drive the engine in-process under mpirun for benchmarks: every rank builds the same `LLM`; rank 0 adds the
+requests and steps the engine (queueing, chunked prefill, decode), the other ranks follow its step plans.
+
+`run_point` times one batch of requests end to end on rank 0 and returns the same figures on every rank.
+"""
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from splash.engine.sampling import SamplingParams
+
+
+def set_threads(comm) -> int:
+    """torch intra-op threads per rank: OMP_NUM_THREADS if set, else the cores shared among this node's ranks."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        from mpi4py import MPI
+        local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED) if comm.size > 1 else None
+        n = local.Get_size() if local is not None else 1
+        if local is not None:
+            local.Free()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    return torch.get_num_threads()
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the sweep takes from a serving config (splash.config.serve_config.ServeConfig)."""
+    model: str | None
+    preset: str
+    dtype: str
+    kv_cache_dtype: str
+    layout_kv_dtypes: dict | None
+    block_size: int
+    num_kv_blocks: int | None
+    max_model_len: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    preemption_mode: str
+    switch_mode: str
+    seed: int
+    backend: str
+
+    @classmethod
+    def from_config(cls, cfg) -> "EngineSettings":
+        c, s = cfg.cache, cfg.scheduler
+        return cls(cfg.model.model, cfg.model.preset, cfg.compute_dtype, cfg.kv_dtype, c.layout_kv_dtypes,
+                   c.block_size, c.num_kv_blocks, cfg.model.max_model_len, s.max_num_seqs,
+                   s.max_num_batched_tokens, s.preemption_mode,
+                   cfg.layout.switch_mode, cfg.model.seed, cfg.parallel.backend)
+
+    def model_name(self) -> str:
+        return os.path.basename(self.model.rstrip("/")) if self.model else self.preset
+
+    def describe_model(self, mcfg) -> dict[str, Any]:
+        return {"name": self.model_name(), "source": self.model or f"preset {self.preset}",
+                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
+                "layout_kv_dtypes": self.layout_kv_dtypes, "block_size": self.block_size,
+                "num_hidden_layers": mcfg.num_hidden_layers, "hidden_size": mcfg.hidden_size,
+                "num_attention_heads": mcfg.num_attention_heads, "kv_lora_rank": mcfg.kv_lora_rank,
+                "qk_rope_head_dim": mcfg.qk_rope_head_dim, "vocab_size": mcfg.vocab_size}
+
+
+def pool_blocks(max_batch: int, max_tokens: int, block_size: int) -> int:
+    """KV pages per rank that hold `max_batch` requests of `max_tokens` in every layout (TP holds all of them
+    on every rank), with one spare page per request for the step that appends."""
+    return max_batch * (-(-max_tokens // block_size) + 1) + 8
+
+
+def build_llm(st: EngineSettings, comm, layout: str, blocks: int):
+    """The LLM on this rank, started in `layout` and pinned there (no automatic switching)."""
+    from splash.engine.llm import LLM
+
+    llm = LLM(st.model, st.preset, dtype=st.dtype, layout=layout, kv_cache_dtype=st.kv_cache_dtype,
+              block_size=st.block_size, num_kv_blocks=st.num_kv_blocks or blocks,
+              max_num_seqs=st.max_num_seqs, max_num_batched_tokens=st.max_num_batched_tokens,
+              preemption_mode=st.preemption_mode, max_model_len=st.max_model_len, seed=st.seed,
+              switch_mode=st.switch_mode,
+              layout_kv_dtypes=st.layout_kv_dtypes, comm=comm)
+    llm.engine.request_layout(layout)
+    return llm
+
+
+def layout_unavailable(llm, layout: str) -> str | None:
+    """Why `layout` cannot run on this engine (e.g. the heads do not divide over the ranks), or None."""
+    try:
+        llm.engine.control.request(layout)
+    except ValueError as e:
+        return str(e)
+    finally:
+        llm.engine.control.request(llm.engine.layout)
+    return None
+
+
+def on_rank0(comm, engine, fn):
+    """Run `fn()` on rank 0 while the other ranks follow `engine`; every rank returns its result (or raises
+    its exception). `fn` drives `engine.step()`; the engine is stopped on rank 0 whatever happens."""
+    if comm.rank != 0:
+        engine.follow()
+        res = comm.broadcast_obj(None)
+    else:
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 — the followers fail the same way instead of waiting forever
+            res = e
+        finally:
+            engine.stop()
+        res = comm.broadcast_obj(res)
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def switch_to(llm, comm, layout: str) -> None:
+    """Pin `layout` and let the idle engine switch to it (untimed; nothing is resident)."""
+    eng = llm.engine
+    eng.request_layout(layout)
+
+    def go():
+        while eng.has_work():
+            eng.step()
+        return eng.layout
+
+    got = on_rank0(comm, eng, go)
+    if got != layout:
+        raise RuntimeError(f"switch to {layout} did not happen (engine is in {got}; "
+                           f"{eng.control.last_deferral or 'no reason logged'})")
+
+
+def make_prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(batch)]
+
+
+def run_point(llm, comm, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """One timed batch: add every prompt at once, step until all finish (greedy, EOS ignored)."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+    def drive():
+        t0 = time.perf_counter()
+        steps0 = eng.num_steps
+        for i, p in enumerate(prompts):
+            eng.add_request(p, params, f"bench-{i}")
+        first: dict[str, float] = {}
+        tokens = 0
+        while eng.has_work():
+            events = eng.step()
+            now = time.perf_counter() - t0
+            tokens += len(events)
+            for ev in events:
+                first.setdefault(ev.req_id, now)
+        wall = time.perf_counter() - t0
+        n_in = sum(map(len, prompts))
+        return {"wall_s": wall, "output_tokens": tokens, "steps": eng.num_steps - steps0,
+                "output_tokens_per_s": tokens / wall, "total_tokens_per_s": (tokens + n_in) / wall,
+                "ttft_median_s": statistics.median(first.values()) if first else None,
+                "ttft_max_s": max(first.values()) if first else None}
+
+    comm.barrier()
+    return on_rank0(comm, eng, drive)

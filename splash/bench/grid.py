@@ -1,0 +1,93 @@
+"""Decode step time per layout over a grid of batch size x context length, KV resident (run under mpirun):
+
+    mpiexec -n 2 splash-bench grid [--preset small-mla] [--batches 1,4,16] [--contexts 256,1024,4096]
+        [--steps 8] [--json FILE]
+
+Every layout runs the same decode batch on the same weights with the KV already resident (written straight into
+each rank's pool where the layout places it); rank 0 prints the median step time (max over ranks) per layout,
+the fastest in bold with its lead over the runner-up. Unlike `sweep` this isolates one decode step (no
+prefill, no scheduling).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from splash.bench import results as R
+from splash.bench.sweep import LAYOUTS, _ints, _layouts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small-mla")
+    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS))
+    p.add_argument("--batches", type=_ints, default=[1, 4, 16])
+    p.add_argument("--contexts", type=_ints, default=[256, 1024, 4096])
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per point (after 2 warm-ups)")
+    p.add_argument("--json", metavar="FILE", help="write the result (kind 'grid') here")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+
+
+def measure(comm, preset: str, layout: str, batch: int, ctx: int, steps: int) -> list[float]:
+    from splash.bench.decode_state import DecodeState
+
+    st = DecodeState(comm, preset, layout, batch, ctx)
+    for _ in range(2):
+        st.step()
+    return [st.step() for _ in range(steps)]
+
+
+def grid_table(doc: dict):
+    from splash.bench.show import _subtitle
+    from splash.bench.tables import leader_table
+
+    pts = doc["points"]
+    layouts = doc["config"]["layouts"]
+    keys = sorted({(p["batch_size"], p["context"]) for p in pts})
+    ms = {(p["layout"], p["batch_size"], p["context"]): p["step_ms"] for p in pts}
+    rows = [([str(b), str(c)], {lay: ms.get((lay, b, c)) for lay in layouts}) for b, c in keys]
+    ncols = len({c for _, c in keys})
+    return leader_table(f"decode step ms (median, max over ranks) — {_subtitle(doc)}", ["batch", "context"], rows,
+                        layouts, fmt=lambda v: f"{v:.2f}", higher_is_better=False, section_every=ncols)
+
+
+def run(args) -> int:
+    from splash.distributed import init_dist
+    from splash.models.presets import preset_config
+
+    comm = init_dist().comm
+    cfg = preset_config(args.preset)
+    doc = None
+    if comm.rank == 0:
+        env = R.environment(backend="cpu", ranks=comm.size,
+                            model={"name": args.preset, "dtype": "float32", "kv_cache_dtype": "float32",
+                                   "num_hidden_layers": cfg.num_hidden_layers})
+        doc = R.new_result("grid", env, {"layouts": args.layouts, "batches": args.batches,
+                                         "contexts": args.contexts, "steps": args.steps}, getattr(args, "argv", None))
+    for b in args.batches:
+        for c in args.contexts:
+            for lay in args.layouts:
+                times = measure(comm, args.preset, lay, b, c, args.steps)
+                if comm.rank == 0:
+                    doc["points"].append({"layout": lay, "batch_size": b, "context": c,
+                                          "step_ms": 1e3 * statistics.median(times),
+                                          "steps_ms": [1e3 * t for t in times], "load_average": R.load_average()})
+                    print(f"{lay:>7} B={b} L={c} {doc['points'][-1]['step_ms']:.2f} ms", flush=True)
+                    if args.json:
+                        R.write_json(args.json, doc)
+    if comm.rank == 0:
+        _finish(args, doc)
+    return 0
+
+
+def _finish(args, doc: dict) -> None:
+    from splash.bench.tables import print_tables, to_markdown
+
+    doc["complete"] = True
+    doc["load_average_end"] = R.load_average()
+    if args.json:
+        R.write_json(args.json, doc)
+    spec = grid_table(doc)
+    print_tables([spec])
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(to_markdown(spec) + "\n")

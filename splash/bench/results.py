@@ -1,0 +1,226 @@
+"""The result JSON of every splash-bench command: one schema, the environment it ran in, safe writes, checks.
+
+A result file is one JSON object::
+
+    {"schema": "splash-bench/1", "kind": "sweep" | "workload" | "grid" | ...,
+     "created": ISO-8601 UTC, "command": the command line, "complete": bool,
+     "environment": environment(...),          # hardware, backend, ranks, versions, git revision, model, dtypes
+     "config": {...},                          # the command's own parameters
+     "points": [...] (sweep-like kinds) and/or "runs": [...] (serving runs, as `workload` writes)}
+
+Sweep points: {"layout", "input_len", "batch_size", "output_len", "repeats": [{...per repeat...}],
+"output_tokens_per_s", "total_tokens_per_s", "wall_s"} — the three figures are medians over the repeats.
+No torch import here: the environment asks torch only if it is already imported or importable.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA = "splash-bench/1"
+SWEEP_KEY = ("layout", "input_len", "batch_size", "output_len")
+METRICS = ("output_tokens_per_s", "total_tokens_per_s")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ResultError(ValueError):
+    """A result file that is missing, not JSON, or not in this schema (message names the file)."""
+
+
+# ---- environment ----------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _accelerators(backend: str) -> list[str]:
+    if backend == "cpu":
+        return []
+    try:
+        import torch
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 — the description is best effort
+        return []
+
+
+def hardware(backend: str = "cpu") -> dict[str, Any]:
+    """What the numbers ran on; `description` is the one-line label tables and compare print."""
+    cores = os.cpu_count()
+    cpu = _cpu_model()
+    acc = _accelerators(backend)
+    desc = f"{len(acc)}x {acc[0]}" if acc else f"CPU: {cpu}, {cores} cores"
+    return {"description": desc, "device": backend if acc else "cpu", "cpu": cpu, "cpu_cores": cores,
+            "memory_gib": _memory_gib(), "accelerators": acc, "hostname": platform.node()}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    out = {"python": platform.python_version(), "splash": _version("splash"), "torch": _version("torch"),
+           "mpi4py": _version("mpi4py"), "transformers": _version("transformers")}
+    try:
+        from mpi4py import MPI
+        out["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+    except Exception:  # noqa: BLE001
+        out["mpi"] = None
+    return out
+
+
+def git_revision(repo: Path = REPO) -> dict[str, Any]:
+    """{"revision": sha or None, "dirty": bool or None} of the source tree this code runs from."""
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    rev = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if rev else None
+    return {"revision": rev, "dirty": None if status is None else bool(status)}
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def environment(*, backend: str, ranks: int, model: dict[str, Any]) -> dict[str, Any]:
+    """The environment block of a result. `model`: name, source (preset/path), dtype, kv_cache_dtype, ..."""
+    return {"hardware": hardware(backend), "backend": backend, "ranks": ranks, "versions": versions(),
+            "git": git_revision(), "model": dict(model), "load_average_start": load_average()}
+
+
+# fields compare names when they differ (dotted paths into the environment)
+ENV_FIELDS = ("hardware.description", "backend", "ranks", "versions.torch", "versions.splash", "versions.mpi",
+              "git.revision", "model.name", "model.dtype", "model.kv_cache_dtype")
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def env_differences(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    """(field, old, new) for every ENV_FIELDS entry that differs between two environments."""
+    return [(f, _get(a, f), _get(b, f)) for f in ENV_FIELDS if _get(a, f) != _get(b, f)]
+
+
+# ---- documents ----------------------------------------------------------------------------------------
+def new_result(kind: str, environment: dict, config: dict, argv: Iterable[str] | None = None) -> dict:
+    """A result with no points yet; `argv`: the splash-bench arguments (default: this process's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return {"schema": SCHEMA, "kind": kind,
+            "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+            "command": "splash-bench " + " ".join(shlex.quote(a) for a in argv), "complete": False,
+            "environment": environment, "config": config, "points": []}
+
+
+def write_json(path: str | os.PathLike, doc: dict) -> None:
+    """Write atomically (temp file + rename): an interrupted run never leaves a half-written file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, p)
+
+
+def _fail(path, msg: str):
+    raise ResultError(f"{path}: {msg}")
+
+
+def _check_sweep_point(path, i: int, pt: Any) -> None:
+    if not isinstance(pt, dict):
+        _fail(path, f"points[{i}] is not an object")
+    for k in SWEEP_KEY:
+        if k not in pt:
+            _fail(path, f"points[{i}] has no {k!r}")
+    for m in METRICS:
+        if not isinstance(pt.get(m), (int, float)) or isinstance(pt.get(m), bool):
+            _fail(path, f"points[{i}].{m} must be a number")
+    if not isinstance(pt.get("repeats"), list) or not pt["repeats"]:
+        _fail(path, f"points[{i}].repeats must be a non-empty list")
+
+
+def _check_run(path, i: int, run: Any) -> None:
+    if not isinstance(run, dict) or "mode" not in run:
+        _fail(path, f"runs[{i}] must be an object with a 'mode'")
+    v = run.get("output_tokens_per_s")
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        _fail(path, f"runs[{i}].output_tokens_per_s must be a number")
+    for j, row in enumerate(run.get("timeline") or []):
+        if not isinstance(row, dict) or not {"t_s", "step", "layout", "tokens_per_s"} <= set(row):
+            _fail(path, f"runs[{i}].timeline[{j}] needs t_s, step, layout, tokens_per_s")
+
+
+def validate(doc: Any, path: str = "<result>") -> dict:
+    """Check a result's shape; returns it, or raises ResultError naming what is wrong."""
+    if not isinstance(doc, dict):
+        _fail(path, "not a JSON object")
+    if doc.get("schema") != SCHEMA:
+        _fail(path, f"schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
+    if not isinstance(doc.get("kind"), str):
+        _fail(path, "no 'kind'")
+    if not isinstance(doc.get("environment"), dict):
+        _fail(path, "no 'environment' object")
+    points, runs = doc.get("points"), doc.get("runs")
+    if points is None and runs is None:
+        _fail(path, "has neither 'points' nor 'runs'")
+    if points is not None and not isinstance(points, list):
+        _fail(path, "'points' is not a list")
+    if runs is not None and not isinstance(runs, list):
+        _fail(path, "'runs' is not a list")
+    if doc["kind"] == "sweep":
+        for i, pt in enumerate(points or []):
+            _check_sweep_point(path, i, pt)
+    for i, run in enumerate(runs or []):
+        _check_run(path, i, run)
+    return doc
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """Load and validate a result file; ResultError on a missing file, bad JSON or a wrong shape."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ResultError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ResultError(f"{path}: not valid JSON: {e}") from None
+    return validate(doc, str(path))
+
+
+def sweep_key(pt: dict) -> tuple:
+    return tuple(pt[k] for k in SWEEP_KEY)

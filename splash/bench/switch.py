@@ -1,0 +1,111 @@
+"""Added time of a live and of a blocking layout switch over a ready destination step, per direction (mpirun):
+
+    mpiexec -n 2 splash-bench switch [--preset small-mla] [--batch 8] [--context 1024] [--trials 8] [--json FILE]
+
+For each of the 12 directions: B requests of L tokens are resident in the source layout; a decode step that
+carries the switch (live: the step runs in the destination layout while layer l+1's state moves behind layer
+l; blocking: all state moves, then the step runs) is timed, followed by ready destination steps; the added
+time is switch step - median ready step. The state is switched back (blocking, untimed) between trials.
+Rank 0 prints p50/p95 of the added time per mode, as % of the ready destination step, and live/blocking.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from splash.bench import results as R
+from splash.bench.sweep import LAYOUTS, _layouts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small-mla")
+    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS), help="every direction between these")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--trials", type=int, default=8)
+    p.add_argument("--json", metavar="FILE", help="write the result (kind 'switch') here")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+
+
+def switch_to(st, dst: str, mode: str):
+    from splash.switching.executor import SwitchExecutor
+    from splash.switching.manifest import ReqState, plan_switch
+
+    r = st.runner
+    reqs = {rid: ReqState(st.pos[rid], st.owners[rid], None) for rid in st.owners}
+    m = plan_switch(r.layout, dst, r.cfg, st.comm.size, reqs, r.block_size, 4, r.kv_dtype)
+    st.owners.update(m.owners)
+    st.last_recv_mb = max(m.total_recv_bytes) / 2**20
+    return SwitchExecutor(r, m, mode)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def direction(comm, a, src: str, dst: str) -> dict:
+    from splash.bench.decode_state import DecodeState
+
+    st = DecodeState(comm, a.preset, src, a.batch, a.context)
+    st.step()
+    res = {"src": src, "dst": dst, "live_s": [], "blocking_s": [], "ready_s": [], "recv_mib": 0.0}
+    for _ in range(a.trials):
+        for mode in ("live", "blocking"):
+            t_sw = st.step(switch_to(st, dst, mode))
+            res["recv_mib"] = st.last_recv_mb
+            ready = statistics.median(st.step() for _ in range(3))
+            res[f"{mode}_s"].append(t_sw - ready)
+            res["ready_s"].append(ready)
+            st.step(switch_to(st, src, "blocking"))
+    return res
+
+
+def switch_table(doc: dict):
+    from splash.bench.show import _subtitle
+    from splash.bench.tables import TableSpec
+
+    c = doc["config"]
+    t = TableSpec(f"switch added time over a ready destination step — B={c['batch']}, L={c['context']}, "
+                  f"{c['trials']} trials, {_subtitle(doc)}",
+                  ["direction", "MiB in (max rank)", "ready ms", "live p50 ms", "live p95 ms", "live p50 / step",
+                   "blocking p50 ms", "blocking p95 ms", "live / blocking p50"])
+    for r in doc["points"]:
+        ready = statistics.median(r["ready_s"])
+        lp50, bp50 = pct(r["live_s"], 0.5), pct(r["blocking_s"], 0.5)
+        ratio = f"{lp50 / bp50:.2f}" if bp50 > 0 else "n/a"
+        t.add_row([f"{r['src']}->{r['dst']}", f"{r['recv_mib']:.1f}", f"{ready * 1e3:.2f}", f"{lp50 * 1e3:.2f}",
+                   f"{pct(r['live_s'], 0.95) * 1e3:.2f}", f"{100 * lp50 / ready:.1f}%", f"{bp50 * 1e3:.2f}",
+                   f"{pct(r['blocking_s'], 0.95) * 1e3:.2f}", ratio])
+    return t
+
+
+def run(args) -> int:
+    from splash.bench.tables import print_tables, to_markdown
+    from splash.distributed import init_dist
+
+    comm = init_dist().comm
+    doc = None
+    if comm.rank == 0:
+        env = R.environment(backend="cpu", ranks=comm.size,
+                            model={"name": args.preset, "dtype": "float32", "kv_cache_dtype": "float32"})
+        doc = R.new_result("switch", env, {"layouts": args.layouts, "batch": args.batch, "context": args.context,
+                                           "trials": args.trials}, getattr(args, "argv", None))
+    for src in args.layouts:
+        for dst in args.layouts:
+            if src != dst:
+                res = direction(comm, args, src, dst)
+                if comm.rank == 0:
+                    doc["points"].append(res)
+                    if args.json:
+                        R.write_json(args.json, doc)
+    if comm.rank == 0:
+        doc["complete"], doc["load_average_end"] = True, R.load_average()
+        if args.json:
+            R.write_json(args.json, doc)
+        spec = switch_table(doc)
+        print_tables([spec])
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(to_markdown(spec) + "\n")
+    return 0
