@@ -302,6 +302,20 @@ def print_table(runs: list[dict], orc: dict | None, title: str) -> None:
                      if orc and orc["output_tokens_per_s"] else ""))
 
 
+def write_result(args, workload: dict, runs: list[dict], orc: dict | None, load: float) -> None:
+    """The splash-bench result JSON (kind 'workload': `runs`, no `points`), with the environment block."""
+    from splash.bench import results as R
+
+    model = {"name": args.server_args or "config default", "source": args.config}
+    doc = R.new_result("workload", R.environment(backend="cpu", ranks=args.np, model=model),
+                       {"workload": workload, "modes": args.modes, "server_args": args.server_args,
+                        "config": args.config, "seed": args.seed}, getattr(args, "argv", None))
+    doc.pop("points")
+    doc.update(runs=json.loads(json.dumps(runs, default=str)), oracle=orc, load_average_before=load,
+               complete=True)
+    R.write_json(args.json, doc)
+
+
 def run(args) -> int:
     try:
         workload = load_workload(args.workload)
@@ -331,10 +345,7 @@ def run(args) -> int:
              f"{len(requests)} requests; load average {load:.1f} before")
     print_table(runs, orc, title)
     if args.json:
-        doc = {"workload": workload, "np": args.np, "config": args.config, "server_args": args.server_args,
-               "load_average_before": load, "runs": runs, "oracle": orc}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+        write_result(args, workload, runs, orc, load)
     lost = sum(r["lost"] for r in runs)
     return 0 if lost == 0 and all(r.get("same_tokens", True) for r in runs) else 1
 
