@@ -63,7 +63,7 @@ def print_table(points: list[dict], world: int, meta: str) -> None:
 def measure_min(comm, preset, layout, batch, ctx, steps) -> float:
     """bench_layouts.measure with the minimum of the timed steps instead of the median: on a shared host the
     least-preempted step is the closest to the step itself (calibrate --stat min measures the same way)."""
-    from decode_state import DecodeState
+    from splash.bench.decode_state import DecodeState
     st = DecodeState(comm, preset, layout, batch, ctx)
     for _ in range(2):
         st.step()
@@ -73,9 +73,13 @@ def measure_min(comm, preset, layout, batch, ctx, steps) -> float:
 def measure_grid(a) -> tuple[list[dict], int, str]:
     import os
 
-    from bench_layouts import measure as measure_median
+    import statistics
 
+    from splash.bench.grid import measure as measure_steps
     from splash.distributed import init_dist
+    def measure_median(comm, preset, layout, b, c, steps):   # splash-bench grid's measurement, its median
+        return statistics.median(measure_steps(comm, preset, layout, b, c, steps))
+
     measure = measure_min if a.stat == "min" else measure_median
     comm = init_dist().comm
     load0 = os.getloadavg()[0]
