@@ -36,7 +36,7 @@ def test_repin_after_a_deferred_pin_switches_an_idle_engine():
     eng.request_layout("tp")           # DOP -> TP keeps the projections and there is no KV: it fits
     assert eng.has_work(), "the idle engine must try the new pin, not stay parked on the old deferral"
     d = eng._switch_decision()
-    assert d is not None and d["dst"] == "tp"
+    assert d is not None and d.dst == "tp"
 
 
 def test_repin_after_deferral_then_auto_then_pin():
@@ -46,7 +46,7 @@ def test_repin_after_deferral_then_auto_then_pin():
     eng.request_layout("auto")
     assert not eng.has_work()
     eng.request_layout("tp")
-    assert eng.has_work() and eng._switch_decision()["dst"] == "tp"
+    assert eng.has_work() and eng._switch_decision().dst == "tp"
 
 
 def test_auto_initial_layout_skips_head_sharded_layouts_that_do_not_divide():

@@ -1,14 +1,15 @@
 """The step loop shared by every rank: rank 0 schedules and samples, every rank executes the broadcast plan.
 
-Protocol: each step rank 0 broadcasts one small message — a step plan (`kind="step"`: the scheduled pieces, the
-requests whose KV to release first, and optionally a layout switch to hand off at this boundary) or
-`kind="stop"` — and all ranks act on it in the same order, so collectives always match.
+Protocol: each step rank 0 broadcasts one small message (splash.engine.messages) — a `StepMessage` (the
+scheduled pieces, the requests whose KV to release first, optionally a layout switch to hand off at this
+boundary, and the pieces whose prompt logits come back) or a `StopMessage` — and all ranks act on it in the same
+order, so collectives always match.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +17,7 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.auto_layout import make_auto_layout, request_views
 from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
+from splash.engine.messages import StepItem, StepMessage, StopMessage, SwitchPlan
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
@@ -104,7 +106,7 @@ class Engine:
         """Pin `name` (the switch happens live at the next step boundary) or 'auto'; ValueError on bad names."""
         self.control.request(name)
 
-    def _switch_decision(self) -> dict | None:
+    def _switch_decision(self) -> SwitchPlan | None:
         s = self.scheduler
         kv = {r.req_id: r.num_cached for r in s.running if r.num_cached > 0}
         # blocks the handoff step itself may append per rank: its tokens in whole blocks + one partial per request
@@ -116,7 +118,7 @@ class Engine:
         if d is None:
             return None
         self.ledger.relayout(d.dst, d.manifest.owners)
-        return {"dst": d.dst, "mode": self.control.mode, "reqs": d.reqs}
+        return SwitchPlan(d.dst, self.control.mode, d.reqs)
 
     def _auto_proposal(self):
         """(layout to switch to, its vetting callback) from the cost-model scheduler, or (None, None)."""
@@ -144,9 +146,10 @@ class Engine:
         if switch is not None and plan.release:
             # a request preempted or aborted by this schedule drops its KV before the handoff runs
             gone = set(plan.release)
-            switch["reqs"] = {rid: v for rid, v in switch["reqs"].items() if rid not in gone}
-        msg = {"kind": "step", "items": [(s.req_id, s.start_pos, s.tokens, s.sample, s.owner) for s in plan.items],
-               "release": plan.release, "switch": switch, "logits": self._prompt_logit_items(plan)}
+            switch = replace(switch, reqs={rid: v for rid, v in switch.reqs.items() if rid not in gone})
+        msg = StepMessage(tuple(StepItem(s.req_id, s.start_pos, tuple(s.tokens), s.sample, s.owner)
+                                for s in plan.items), tuple(plan.release), switch,
+                          tuple(self._prompt_logit_items(plan)))
         self.comm.broadcast_obj(msg)
         t0 = time.perf_counter()
         logits = self._execute(msg)
@@ -156,7 +159,7 @@ class Engine:
         rids = [s.req_id for s in plan.items if s.sample]
         n_sampled = len(rids)
         rids, toks, lps = self._sample(logits[:n_sampled], rids)
-        self._take_prompt_logprobs(plan, msg["logits"], logits[n_sampled:])
+        self._take_prompt_logprobs(plan, msg.logits, logits[n_sampled:])
         sampled = dict(zip(rids, toks))
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
         events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid))
@@ -226,29 +229,29 @@ class Engine:
         return out
 
     def stop(self) -> None:
-        self.comm.broadcast_obj({"kind": "stop"})
+        self.comm.broadcast_obj(StopMessage())
 
     # ---- every rank --------------------------------------------------------------------------------------
     def follow(self) -> None:
         """Non-zero ranks: execute broadcast messages until told to stop."""
         while True:
             msg = self.comm.broadcast_obj(None)
-            if msg["kind"] == "stop":
+            if isinstance(msg, StopMessage):
                 return
             self._execute(msg)
 
-    def _execute(self, msg: dict) -> torch.Tensor:
-        for rid in msg["release"]:
+    def _execute(self, msg: StepMessage) -> torch.Tensor:
+        for rid in msg.release:
             self.runner.release(rid)
         self.num_steps += 1
-        items = msg["items"]
-        switch = self._switch_executor(msg.get("switch"))
-        reqs = [StepRequest(rid, start, len(toks), owner) for rid, start, toks, _, owner in items]
-        batch = StepBatch.build(reqs, [list(t) for _, _, t, _, _ in items], [s for _, _, _, s, _ in items])
-        if msg.get("logits"):   # prompt-logprob rows: logits of these items' rows follow the sampled rows
+        items = msg.items
+        switch = self._switch_executor(msg.switch)
+        reqs = [StepRequest(it.req_id, it.start_pos, len(it.tokens), it.owner) for it in items]
+        batch = StepBatch.build(reqs, [list(it.tokens) for it in items], [it.sample for it in items])
+        if msg.logits:   # prompt-logprob rows: logits of these items' rows follow the sampled rows
             ranges = batch.row_ranges()
-            batch.sample_rows = batch.sample_rows + [r for i in msg["logits"]
-                                                     for r in ranges[i][:len(ranges[i]) - int(items[i][3])]]
+            batch.sample_rows = batch.sample_rows + [r for i in msg.logits
+                                                     for r in ranges[i][:len(ranges[i]) - int(items[i].sample)]]
         logits = self.runner.step(batch, switch)
         if switch is not None or len(self.weight_bytes_per_rank) < self.comm.size:
             self.weight_bytes_per_rank = dict(enumerate(self.comm.all_gather_obj(self._local_weight_bytes())))
@@ -258,19 +261,19 @@ class Engine:
         from splash.models.weights import resident_bytes
         return resident_bytes(getattr(self.runner, "weights", None))
 
-    def _switch_executor(self, sw: dict | None):
+    def _switch_executor(self, sw: SwitchPlan | None):
         if sw is None:
             return None
         from splash.switching.executor import SwitchExecutor
         from splash.switching.manifest import ReqState, plan_switch
 
         r, src = self.runner, self.runner.layout
-        reqs = {rid: ReqState(*v) for rid, v in sw["reqs"].items()}
-        m = plan_switch(src, sw["dst"], r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
-                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw["dst"]],
+        reqs = {rid: ReqState(*v) for rid, v in sw.reqs.items()}
+        m = plan_switch(src, sw.dst, r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
+                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw.dst],
                         weight_quant=self.control.weight_quant)
-        self.control.record(src, sw["dst"])
-        return SwitchExecutor(r, m, sw["mode"])
+        self.control.record(src, sw.dst)
+        return SwitchExecutor(r, m, sw.mode)
 
     def _forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)
