@@ -162,3 +162,26 @@ def test_auto_layout_imports_no_torch():
             "print(m.AutoLayout.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_failing_cost_model_keeps_the_layout_and_the_requests():
+    """The scheduler only advises: a prediction that raises must not fail a step (no request can take the job down)."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    from splash.engine.sampling import SamplingParams
+
+    class Broken:
+        def step(self, layout, rows):
+            raise RuntimeError("broken cost model")
+
+        def switch(self, manifest, mode, step_seconds=None):
+            raise RuntimeError("broken cost model")
+
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator(), layout="auto", num_kv_blocks=64)
+    want = LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).generate(
+        [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert llm.engine.auto is not None and llm.engine.layout_mode == "auto"
+    llm.engine.auto.model = Broken()
+    got = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.layout == "tp" and not llm.engine.switch_counts

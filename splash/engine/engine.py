@@ -8,6 +8,7 @@ order, so collectives always match.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,8 @@ from splash.engine.messages import StepItem, StepMessage, StopMessage, SwitchPla
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
+
+_log = logging.getLogger("splash.scheduler")
 
 
 @dataclass
@@ -113,7 +116,12 @@ class Engine:
         pending = sum(r.pending for r in s.running) + sum(r.num_tokens for r in s.waiting)
         reserve = -(-min(s.budget, pending) // self.runner.block_size) + min(
             len(s.running) + len(s.waiting), s.max_num_seqs)
-        choice, vet = self._auto_proposal() if self.control.layout_mode == "auto" else (None, None)
+        choice, vet = None, None
+        if self.control.layout_mode == "auto":
+            try:
+                choice, vet = self._auto_proposal()
+            except Exception:  # noqa: BLE001 — the scheduler only advises: a failed prediction keeps the layout
+                _log.exception("auto layout: prediction failed; staying in %s", self.layout)
         d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice, vet=vet)
         if d is None:
             return None
@@ -135,7 +143,11 @@ class Engine:
             return None, None
 
         def vet(manifest, deferral: str | None) -> str | None:
-            v = auto.vet(d, manifest)
+            try:
+                v = auto.vet(d, manifest)
+            except Exception:  # noqa: BLE001 — see _switch_decision: no prediction, no switch
+                _log.exception("auto layout: switch-cost prediction failed; staying in %s", self.layout)
+                return "switch-cost prediction failed"
             auto.record(v, deferral if v.verdict == "switch" else None)
             return None if v.verdict == "switch" else v.reason
         return d.target, vet
@@ -155,7 +167,10 @@ class Engine:
         logits = self._execute(msg)
         if self.auto is not None and plan.items:
             rows = [(len(s.tokens), s.start_pos, s.owner) for s in plan.items]
-            self.auto.observe(self.layout, rows, time.perf_counter() - t0, switched=switch is not None)
+            try:
+                self.auto.observe(self.layout, rows, time.perf_counter() - t0, switched=switch is not None)
+            except Exception:  # noqa: BLE001 — learning is best effort; the step's results stand
+                _log.exception("auto layout: online correction failed")
         rids = [s.req_id for s in plan.items if s.sample]
         n_sampled = len(rids)
         rids, toks, lps = self._sample(logits[:n_sampled], rids)
