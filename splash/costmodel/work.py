@@ -231,7 +231,8 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     else:
         held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     att_rows = sum(p.new for p, _, _ in held)
-    _attention(s, st["attention"], held, heads)
+    # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
+    _attention(s, st["attention"], held, H if layout == "dop" else heads)
     _indexer(s, st["indexer"], held, q_rows)
     o_rows = n_own if layout == "dp_attn" else N
     _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
