@@ -1,0 +1,137 @@
+"""The DSA lightning indexer (DeepSeek-V3.2, GLM-5.x): its weights, per-token keys, scores and top-k selection.
+
+Per layer with an indexer (``indexer_types[l] == "full"``; a "shared" layer reuses the previous full layer's
+selection and has no indexer weights), with H_i = index_n_heads, d_i = index_head_dim, d_r = the rotated part:
+
+- key of token t:    k(t) = rope(LayerNorm(W_k · x_t)) [d_i]   — one key per token, stored in the paged cache
+- queries of row s:  q_h(s) = rope(W_qb · q_resid_s) [H_i, d_i] (q_resid = normed Q-A output, as MLA's Q-B input)
+- head weights:      w_h(s) = (W_w · x_s)_h · H_i^-1/2   (W_w kept in fp32, as the checkpoints do)
+- score:             I(s, t) = Σ_h w_h(s) · ReLU(q_h(s) · k(t) · d_i^-1/2)
+- selection:         the top-k positions t ≤ s by I(s, t) (every visible position when fewer than k)
+
+The rope is applied to the first d_r dims of q and k (the rest pass), non-interleaved (half-split) for
+DeepSeek-V3.2 and interleaved for GLM-5.x (transformers' DeepseekV32Indexer / GlmMoeDsaIndexer); d_r = 0 is a
+NoPE indexer. ``cos``/``sin`` are the half-width tables of splash.models.rope.Rope (YaRN factor included).
+All math is fp32. The reference's Hadamard rotation and FP8 scoring kernel are dropped (the rotation is
+orthogonal, so dot products are unchanged; FP8 is storage precision): the keys are stored in the KV cache's
+dtype by the cache, not here.
+
+The functions take plain tensors so every layout (and other model files) can call them on the rows it holds:
+
+    w = load_indexer(get, "model.layers.3.self_attn.indexer.", rope_dim=cfg.qk_rope_head_dim, interleave=True)
+    k = indexer_keys(w, x, cos, sin)                        # [n, d_i]  (store these in the paged cache)
+    q, hw = indexer_queries(w, q_resid, x, cos, sin)        # [n, H_i, d_i], [n, H_i]
+    s = index_scores(q, hw, keys)                           # keys [G, T, d_i], q [G, Q, H_i, d_i] -> [G, Q, T]
+    idx, ok = select_topk(s, visible, k_top)                # [..., min(k, T)] positions into T, and validity
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splash.models.linear import linear
+
+K_NORM_EPS = 1e-6  # the indexer's k LayerNorm epsilon (fixed in the reference implementations)
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: torch.Tensor          # [H_i * d_i, q_lora_rank]  (or a quantised weight: splash.models.qweight)
+    wk: torch.Tensor            # [d_i, hidden]
+    k_norm: torch.Tensor        # [d_i] LayerNorm weight
+    k_norm_bias: torch.Tensor   # [d_i] LayerNorm bias
+    weights_proj: torch.Tensor  # [H_i, hidden] fp32
+    n_heads: int
+    head_dim: int
+    rope_dim: int               # leading dims of q and k that are rotated (0: NoPE indexer)
+    interleave: bool            # rope pairs (x0, x1), (x2, x3)... (GLM) or halves (DeepSeek-V3.2)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+def indexer_names(prefix: str) -> dict[str, str]:
+    """Checkpoint tensor names of one layer's indexer (prefix e.g. "model.layers.0.self_attn.indexer.")."""
+    return {"wq_b": prefix + "wq_b.weight", "wk": prefix + "wk.weight", "k_norm": prefix + "k_norm.weight",
+            "k_norm_bias": prefix + "k_norm.bias", "weights_proj": prefix + "weights_proj.weight"}
+
+
+def indexer_shapes(prefix: str, hidden: int, q_in: int, n_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape the config implies, for the loader's shape checks."""
+    n = indexer_names(prefix)
+    return {n["wq_b"]: (n_heads * head_dim, q_in), n["wk"]: (head_dim, hidden), n["k_norm"]: (head_dim,),
+            n["k_norm_bias"]: (head_dim,), n["weights_proj"]: (n_heads, hidden)}
+
+
+def load_indexer(get, prefix: str, n_heads: int, head_dim: int, rope_dim: int, interleave: bool) -> IndexerWeights:
+    """One layer's indexer weights from a tensor getter ``get(name) -> tensor`` (common state: every rank holds
+    all of it in every layout)."""
+    n = indexer_names(prefix)
+    wp = get(n["weights_proj"])
+    wp = wp.float() if isinstance(wp, torch.Tensor) else wp.dequant().float()
+    return IndexerWeights(wq_b=get(n["wq_b"]), wk=get(n["wk"]), k_norm=get(n["k_norm"]).float(),
+                          k_norm_bias=get(n["k_norm_bias"]).float(), weights_proj=wp, n_heads=n_heads,
+                          head_dim=head_dim, rope_dim=rope_dim, interleave=interleave)
+
+
+def _rotate(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope on the first `rope_dim` dims of x [n, ..., d_i]; cos/sin [n, rope_dim / 2]."""
+    if w.rope_dim == 0:
+        return x
+    rot, rest = x[..., :w.rope_dim], x[..., w.rope_dim:]
+    extra = x.dim() - 2
+    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
+    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)
+    if w.interleave:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        half = w.rope_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+
+def indexer_keys(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hidden states x [n, hidden] (the layer's normed input) -> indexer keys [n, d_i] fp32."""
+    k = torch.nn.functional.layer_norm(linear(x, w.wk).float(), (w.head_dim,), w.k_norm, w.k_norm_bias,
+                                       K_NORM_EPS)
+    return _rotate(w, k, cos, sin)
+
+
+def indexer_queries(w: IndexerWeights, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_resid [n, q_lora] (normed Q-A output) and x [n, hidden] -> (queries [n, H_i, d_i] fp32,
+    head weights [n, H_i] fp32 including the H_i^-1/2 factor)."""
+    n = x.shape[0]
+    q = linear(q_resid, w.wq_b).float().view(n, w.n_heads, w.head_dim)
+    hw = (x.float() @ w.weights_proj.T) * (w.n_heads ** -0.5)
+    return _rotate(w, q, cos, sin), hw
+
+
+def index_scores(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """I(s, t) = Σ_h w_h(s) ReLU(q_h(s) · k(t) × scale) for groups of query rows against their keys.
+
+    q [G, Q, H, d], head_w [G, Q, H], keys [G, T, d] -> scores [G, Q, T] fp32 (scale: ``softmax_scale``)."""
+    G, Q, H, d = q.shape
+    s = torch.bmm(q.reshape(G, Q * H, d).float(), keys.float().transpose(1, 2)).mul_(scale).relu_()
+    return torch.bmm(head_w.reshape(G * Q, 1, H).float(), s.view(G * Q, H, -1)).view(G, Q, -1)
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of `scores` [..., T] among `visible` [..., T] (bool) -> (indices [..., min(k, T)] long into T,
+    valid [..., min(k, T)] bool). A row with fewer than k visible positions gets all of them (valid) and
+    padding (invalid). Ties break as torch.topk does on the order of T (the reference's order is positional)."""
+    kk = min(k, scores.shape[-1])
+    masked = scores.masked_fill(~visible, float("-inf"))
+    vals, idx = masked.topk(kk, dim=-1)
+    return idx, visible.gather(-1, idx)
+
+
+def select_topk_values(scores: torch.Tensor, visible: torch.Tensor,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As select_topk, also returning the selected scores (−inf where invalid): what a CP rank sends as its
+    candidates for the global top-k."""
+    kk = min(k, scores.shape[-1])
+    vals, idx = scores.masked_fill(~visible, float("-inf")).topk(kk, dim=-1)
+    return idx, visible.gather(-1, idx), vals
