@@ -18,7 +18,7 @@ import torch
 # before anything imports triton (transformers' DeepSeek-V3 module does), so it is set here, first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from hf_models import VARIANTS, load_hf, make_tiny_deepseek
+from hf_models import DSA_VARIANTS, VARIANTS, load_hf, make_tiny_deepseek
 
 # The tiny models are latency-bound: one thread avoids OpenMP spin-waits on this shared 2-core machine, where a
 # second thread that is descheduled by another process makes every small op wait (measured: 100x slower steps).
@@ -44,7 +44,7 @@ def tiny_ckpt(tmp_path_factory) -> Callable[..., Path]:
 
     def get(name: str, **overrides) -> Path:
         if name not in cache:
-            kw = overrides if overrides else VARIANTS[name]
+            kw = overrides if overrides else {**VARIANTS, **DSA_VARIANTS}[name]
             cache[name] = make_tiny_deepseek(root / name, **kw)
         return cache[name]
 

@@ -77,12 +77,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_config(**overrides: Any):
-    """A ``DeepseekV3Config`` from BASE + overrides (``rope_parameters`` defaults to no scaling)."""
-    from transformers import DeepseekV3Config
+# DSA architectures (model_type -> transformers config / model class names). Their variants (DSA_VARIANTS) set
+# `arch`; 16 indexer heads keep exact index-score ties (all heads' ReLU zero) out of the tiny models.
+ARCHS = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+         "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+         "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
+DSA = dict(index_n_heads=16, index_head_dim=16, num_hidden_layers=3, rope_parameters=NO_ROPE_SCALING)
+DSA_VARIANTS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3.2: an indexer in every layer (half-split indexer rope); top-k 8 < context: sparse
+    "v32_sparse": dict(arch="deepseek_v32", index_topk=8, **DSA),
+    # GLM-5.x: indexer_types full/shared/full (layer 1 reuses layer 0's top-k), interleaved indexer rope, YaRN
+    "glm_sparse": dict(arch="glm_moe_dsa", index_topk=8, **{**DSA, "rope_parameters": YARN},
+                       indexer_types=["full", "shared", "full"]),
+    # top-k above every context the tests reach: the selection is everything visible (dense)
+    "glm_dense": dict(arch="glm_moe_dsa", index_topk=4096, indexer_types=["full", "shared", "full"], **DSA),
+}
+
+
+def hf_config(arch: str = "deepseek_v3", **overrides: Any):
+    """A transformers config of `arch` (DeepseekV3Config by default) from BASE + overrides (``rope_parameters``
+    defaults to no scaling)."""
+    import transformers
 
     kw = {**BASE, "rope_parameters": dict(NO_ROPE_SCALING), **overrides}
-    return DeepseekV3Config(**kw)
+    return getattr(transformers, ARCHS[arch][0])(**kw)
 
 
 def _perturb(model, seed: int) -> None:
@@ -98,14 +116,17 @@ def _perturb(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        for name, p in model.named_parameters():
+            if name.endswith("k_norm.bias"):  # the DSA indexer's LayerNorm bias
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def build_hf_model(seed: int = 0, **overrides: Any):
-    """A random ``DeepseekV3ForCausalLM`` (fp32, eval mode) — seeded, so the same call gives the same weights."""
-    from transformers import DeepseekV3ForCausalLM
+def build_hf_model(seed: int = 0, arch: str = "deepseek_v3", **overrides: Any):
+    """A random model of `arch` (fp32, eval mode) — seeded, so the same call gives the same weights."""
+    import transformers
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(hf_config(**overrides)).eval()
+    model = getattr(transformers, ARCHS[arch][1])(hf_config(arch, **overrides)).eval()
     _perturb(model, seed)
     return model
 
@@ -139,10 +160,14 @@ def save_tokenizer(directory: str | Path) -> Path:
 
 
 def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a checkpoint back with transformers (the reference implementation), in eval mode."""
-    from transformers import DeepseekV3ForCausalLM
+    """Load a checkpoint back with transformers (the reference implementation, its class from config.json's
+    model_type), in eval mode."""
+    import json
 
-    return DeepseekV3ForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    import transformers
+
+    arch = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+    return getattr(transformers, ARCHS[arch][1]).from_pretrained(directory, dtype=dtype).eval()
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention import mla
+from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch, StepRequest
 from splash.attention.metadata import build_metadata
 from splash.layouts.ownership import cp_block_rank
@@ -29,10 +29,12 @@ class CPAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg, p = self.r, self.r.cfg, self.meta
         w = r.weights.layers[layer].attn
-        q = mla.latent_query(cfg, r.model.rope, w, x, cos, sin)
+        q, qa = mla.latent_query(cfg, r.model.rope, w, x, cos, sin, want_qa=True)
         wr = p.write_rows
         c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x[wr], cos[wr], sin[wr])
         r.cache.write(layer, p.write_slots, c, kpe)
+        if cfg.has_dsa:  # keys stored with their positions; global top-k over every rank's candidates
+            dsa.select_layer(r, layer, p, (x[wr], cos[wr], sin[wr]), (x, qa, cos, sin), cp_comm=r.comm)
         o, lse = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)  # partial over this rank's positions
         if r.comm.size > 1:
             n, h, dc = o.shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention import mla
+from splash.attention import dsa, mla
 from splash.attention.grouping import OwnedAttention
 
 
@@ -14,8 +14,10 @@ class DPAttention(OwnedAttention):
         w = r.weights.layers[layer].attn
         rows = g.rows_mine
         xm, cm, sm = x[rows], cos[rows], sin[rows]
-        q, c, kpe = mla.query_and_latent(cfg, r.model.rope, w, xm, cm, sm)
+        q, c, kpe, *qa = mla.query_and_latent(cfg, r.model.rope, w, xm, cm, sm, want_qa=cfg.has_dsa)
         r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
+        if cfg.has_dsa:  # the owner stores its requests' indexer keys and selects for their rows
+            dsa.select_layer(r, layer, p, (xm, cm, sm), (xm, *qa, cm, sm))
         o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
         out = mla.out_projection(w, o)
         if r.comm.size == 1:

@@ -5,7 +5,8 @@ page table (`splash.kv.page_table.PageTable`, read in place: `pages`, and `logic
 non-contiguous pages) with `num_pages`, `kv_len` (held tokens visible to its last query) and
 `kv_last_page_len`. A key at position t is visible to a query row at position p when t <= p (causal within a
 prefill chunk and over the history; the unwritten tail of a last page lies past every query). New KV goes to
-`write_slots` (slot = physical page × block_size + offset), from rows `write_rows`.
+`write_slots` (slot = physical page × block_size + offset), from rows `write_rows`. DSA layers add their
+per-layer subset of keys per row, `sparse[layer]` (set by splash.attention.dsa as each layer runs).
 
 Kernels that want FlashInfer-style CSR pages (`kv_indptr`, `kv_indices`) get them from `csr()`: one vectorised
 gather over the held pages, computed on demand and cached for the step.
@@ -34,6 +35,8 @@ class AttnMetadata:
     logical: torch.Tensor        # [R, P] int32: logical block of each page
     write_rows: torch.Tensor     # [W] int64
     write_slots: torch.Tensor    # [W] int64
+    # DSA: per layer, the top-k selection of each row (splash.attention.dsa.SparseSelection; None: dense)
+    sparse: dict = field(default_factory=dict)
     _csr: tuple | None = field(default=None, repr=False)
     _lens: tuple | None = field(default=None, repr=False)
 

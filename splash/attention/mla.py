@@ -36,10 +36,12 @@ def _latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, kv: torch.Tensor, cos:
 
 
 def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads."""
+                 sin: torch.Tensor, want_qa: bool = False):
+    """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads (and, with `want_qa`,
+    the normed Q-A output [n, q_lora] the DSA indexer reads, as a pair)."""
     qa = x if w.q_a is None else rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
-    return _absorb(cfg, rope, w, qa, cos, sin)
+    q = _absorb(cfg, rope, w, qa, cos, sin)
+    return (q, qa) if want_qa else q
 
 
 def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
@@ -49,15 +51,18 @@ def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor,
 
 
 def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`latent_query` and `new_latent_kv` of the same rows, with Q-A and KV-A as one GEMM on [Q-A ; KV-A]."""
+                     sin: torch.Tensor, want_qa: bool = False) -> tuple[torch.Tensor, ...]:
+    """`latent_query` and `new_latent_kv` of the same rows, with Q-A and KV-A as one GEMM on [Q-A ; KV-A]
+    -> (q̃, c_kv, k_rope), plus the normed Q-A output as a fourth item with `want_qa` (DSA)."""
     if w.q_a is None:
-        return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin)
+        qa = (x,) if want_qa else ()
+        return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin), *qa
     if w.qkv_a is None:  # AttnWeights rebuilt elsewhere (layout switch): stack once, reuse afterwards
         w.qkv_a = torch.cat([w.q_a, w.kv_a], dim=0)
     qa, kv = linear(x, w.qkv_a).split([w.q_a.shape[0], w.kv_a.shape[0]], dim=-1)
-    q = _absorb(cfg, rope, w, rms_norm(qa, w.q_a_norm, cfg.rms_norm_eps), cos, sin)
-    return (q, *_latent(cfg, rope, w, kv, cos, sin))
+    qa = rms_norm(qa, w.q_a_norm, cfg.rms_norm_eps)
+    q = _absorb(cfg, rope, w, qa, cos, sin)
+    return (q, *_latent(cfg, rope, w, kv, cos, sin), *((qa,) if want_qa else ()))
 
 
 def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention import mla
+from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch
 from splash.attention.metadata import build_metadata
 
@@ -22,9 +22,11 @@ class TPAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg
         w = r.weights.layers[layer].attn
-        q, c, kpe = mla.query_and_latent(cfg, r.model.rope, w, x, cos, sin)
+        q, c, kpe, *qa = mla.query_and_latent(cfg, r.model.rope, w, x, cos, sin, want_qa=cfg.has_dsa)
         # TP stores every row's KV (write_rows is 0..n-1 in order): no gather needed
         r.cache.write(layer, self.meta.write_slots, c, kpe)
+        if cfg.has_dsa:  # every rank stores every indexer key and selects the same top-k
+            dsa.select_layer(r, layer, self.meta, (x, cos, sin), (x, *qa, cos, sin))
         o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
         out = mla.out_projection(w, o)
         return r.comm.all_reduce(out) if r.comm.size > 1 else out

@@ -60,7 +60,8 @@ class ModelRunner:
         self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
         self.model = DeepseekV3Model(cfg, self.weights, comm)
         self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
-                                      cfg.qk_rope_head_dim, self.kv_dtype)
+                                      cfg.qk_rope_head_dim, self.kv_dtype, index_dim=cfg.index_head_dim,
+                                      index_layers=[i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)])
         self.bm = BlockManager(num_blocks, block_size)
         self.tables = PageTable(block_size)   # the block manager's tables as tensors, for the attention kernel
         self.attention_backend = attention_backend

@@ -7,6 +7,11 @@ Each layer has its own storage format (`kv_dtype_of(layer)`): a switch between l
 converts the pool layer by layer (`convert_layer`: dequantise to fp32, requantise; physical block ids are
 unchanged), so during a live handoff the layers already converted are in the destination's format while later
 layers are still in the source's. `pack_blocks`/`unpack_blocks` always move a layer's bytes in its current format.
+
+DSA models keep one indexer key per token (index_dim values) in the layers that run an indexer
+(`index_layers`), in the same blocks and the same format family: fp32/bf16 as the latent, or FP8/INT8 with one
+fp32 scale per 128 values under a quantised KV dtype (DeepSeek-V3.2's FP8 indexer cache). They are part of the
+layer's block bytes, so a switch packs, moves and converts them with the KV blocks they index.
 """
 from __future__ import annotations
 
@@ -20,23 +25,31 @@ from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens c
 
 class PagedLatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-                 kv_dtype: str = "float32", device: str | torch.device = "cpu"):
+                 kv_dtype: str = "float32", device: str | torch.device = "cpu", index_dim: int = 0,
+                 index_layers: Sequence[int] = ()):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_lora_rank, self.rope_dim, self.device = kv_lora_rank, rope_dim, device
+        self.index_dim, self.index_layers = index_dim, frozenset(index_layers) if index_dim else frozenset()
         self.layer_dtypes = [kv_dtype] * num_layers
-        parts = [self._alloc(kv_dtype) for _ in range(num_layers)]
+        parts = [self._alloc(kv_dtype, layer) for layer in range(num_layers)]
         self.ckv = [p[0] for p in parts]
         self.kpe = [p[1] for p in parts]
         self.scale: list[torch.Tensor | None] = [p[2] for p in parts]   # None for an unquantised layer
+        self.ikey: list[torch.Tensor | None] = [p[3] for p in parts]    # None for a layer without an indexer
+        self.iscale: list[torch.Tensor | None] = [p[4] for p in parts]  # indexer key scales (quantised only)
 
-    def _alloc(self, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _alloc(self, kv_dtype: str, layer: int) -> tuple[torch.Tensor | None, ...]:
         lat_dt, rope_dt = quant.storage_dtypes(kv_dtype)
-        shape, dev = (self.num_blocks, self.block_size), self.device
+        shape, dev, q = (self.num_blocks, self.block_size), self.device, quant.is_quantized(kv_dtype)
         ckv = torch.zeros(*shape, self.kv_lora_rank, dtype=lat_dt, device=dev)
         kpe = torch.zeros(*shape, self.rope_dim, dtype=rope_dt, device=dev)
-        scale = (torch.zeros(*shape, quant.num_groups(self.kv_lora_rank), dtype=torch.float32, device=dev)
-                 if quant.is_quantized(kv_dtype) else None)
-        return ckv, kpe, scale
+        scale = torch.zeros(*shape, quant.num_groups(self.kv_lora_rank), dtype=torch.float32, device=dev) if q else None
+        ikey = iscale = None
+        if layer in self.index_layers:
+            ikey = torch.zeros(*shape, self.index_dim, dtype=lat_dt, device=dev)
+            if q:
+                iscale = torch.zeros(*shape, quant.num_groups(self.index_dim), dtype=torch.float32, device=dev)
+        return ckv, kpe, scale, ikey, iscale
 
     # ---- formats -----------------------------------------------------------------------------------------
     def kv_dtype_of(self, layer: int) -> str:
@@ -53,11 +66,18 @@ class PagedLatentCache:
         return quant.is_quantized(self.kv_dtype)
 
     # ---- sizes -------------------------------------------------------------------------------------------
-    def _parts(self, layer: int) -> list[torch.Tensor]:
+    def _latent(self, layer: int) -> list[torch.Tensor]:
         parts = [self.ckv[layer], self.kpe[layer]]
         if self.scale[layer] is not None:
             parts.append(self.scale[layer])
         return parts
+
+    def _index(self, layer: int) -> list[torch.Tensor]:
+        return [t for t in (self.ikey[layer], self.iscale[layer]) if t is not None]
+
+    def _parts(self, layer: int) -> list[torch.Tensor]:
+        """Every tensor of the layer's blocks: latent, rope (, scales) (, indexer keys (, their scales))."""
+        return self._latent(layer) + self._index(layer)
 
     def block_bytes(self, layer: int = 0) -> int:
         """Bytes of one block in one layer (data + scales), in that layer's current format."""
@@ -69,11 +89,19 @@ class PagedLatentCache:
     # ---- token access ------------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store new tokens' latent [n, dc] and rope key [n, dr] at the given slots."""
-        _encode(self._parts(layer), self.layer_dtypes[layer], slots, c_kv, k_pe)
+        _encode(self._latent(layer), self.layer_dtypes[layer], slots, c_kv, k_pe)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 latent [..., dc] and rope key [..., dr] at `slots` (any shape)."""
-        return _decode(self._parts(layer), slots)
+        return _decode(self._latent(layer), slots)
+
+    def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Store new tokens' indexer keys [n, index_dim] at `slots` (a layer that runs an indexer)."""
+        _encode_keys(self._index(layer), self.layer_dtypes[layer], slots, keys)
+
+    def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 indexer keys [..., index_dim] at `slots` (any shape)."""
+        return _decode_keys(self._index(layer), slots)
 
     # ---- format conversion -------------------------------------------------------------------------------
     def convert_layer(self, layer: int, kv_dtype: str, blocks: Sequence[int] | None = None) -> bool:
@@ -85,8 +113,9 @@ class PagedLatentCache:
         quant.storage_dtypes(kv_dtype)  # validates the name
         if kv_dtype == self.layer_dtypes[layer]:
             return False
-        old, new = self._parts(layer), self._alloc(kv_dtype)
-        new_parts = [p for p in new if p is not None]
+        old, new = self._latent(layer), self._alloc(kv_dtype, layer)
+        old_idx, new_idx = self._index(layer), [p for p in new[3:] if p is not None]
+        new_parts = [p for p in new[:3] if p is not None]
         dev = old[0].device
         ids = (torch.arange(self.num_blocks, device=dev) if blocks is None
                else torch.as_tensor(list(blocks), dtype=torch.long, device=dev))
@@ -96,7 +125,9 @@ class PagedLatentCache:
             slots = (ids[i:i + per, None] * self.block_size + offs).reshape(-1)
             c, k = _decode(old, slots)
             _encode(new_parts, kv_dtype, slots, c, k)
-        self.ckv[layer], self.kpe[layer], self.scale[layer] = new
+            if old_idx:
+                _encode_keys(new_idx, kv_dtype, slots, _decode_keys(old_idx, slots))
+        self.ckv[layer], self.kpe[layer], self.scale[layer], self.ikey[layer], self.iscale[layer] = new
         self.layer_dtypes[layer] = kv_dtype
         return True
 
@@ -144,3 +175,22 @@ def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tenso
     if len(parts) > 2:
         return quant.dequantize(ckv, take(parts[2])), kpe
     return ckv.float(), kpe
+
+
+def _encode_keys(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Write fp indexer keys at `slots` of one layer's [ikey(, iscale)] stored as `kv_dtype`."""
+    ik = parts[0].view(-1, parts[0].shape[-1])
+    if quant.is_quantized(kv_dtype):
+        q, s = quant.quantize(keys, kv_dtype)
+        ik[slots] = q
+        parts[1].view(-1, s.shape[-1])[slots] = s
+    else:
+        ik[slots] = keys.to(ik.dtype)
+
+
+def _decode_keys(parts: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    flat = slots.reshape(-1)
+    ik = parts[0].view(-1, parts[0].shape[-1]).index_select(0, flat).view(*slots.shape, -1)
+    if len(parts) > 1:
+        return quant.dequantize(ik, parts[1].view(-1, parts[1].shape[-1]).index_select(0, flat).view(*slots.shape, -1))
+    return ik.float()

@@ -6,6 +6,7 @@ from typing import Callable
 import torch
 
 from splash.models.config import ConfigError, ModelConfig
+from splash.models.indexer import load_indexer
 from splash.models.weights import (LayerWeights, ModelWeights, attention_from_full, mlp_from_full,
                                    moe_from_full)
 
@@ -29,9 +30,12 @@ def build_weights(cfg: ModelConfig, get: Getter, heads: range, shard: int, shard
         p = f"model.layers.{i}."
         ffn = (moe_from_full(cfg, get, p + "mlp.", shard, shards) if cfg.is_moe_layer(i)
                else mlp_from_full(get, p + "mlp.", shard, shards))
+        idx = (load_indexer(get, p + "self_attn.indexer.", cfg.index_n_heads, cfg.index_head_dim,
+                            cfg.qk_rope_head_dim, cfg.index_rope_interleave) if cfg.has_indexer(i) else None)
         layers.append(LayerWeights(input_norm=get(p + "input_layernorm.weight"),
                                    post_norm=get(p + "post_attention_layernorm.weight"),
-                                   attn=attention_from_full(cfg, get, p + "self_attn.", heads), ffn=ffn))
+                                   attn=attention_from_full(cfg, get, p + "self_attn.", heads), ffn=ffn,
+                                   indexer=idx))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
     return ModelWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers)

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
-# Parsed but not yet executable: DSA indexer (deepseek_v32, glm_moe_dsa) and KDA hybrid (glm5_next) layers.
-PLANNED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa", "glm5_next")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+# Parsed but not yet executable: KDA hybrid (glm5_next) layers.
+PLANNED_MODEL_TYPES = ("glm5_next",)
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")  # MLA + DSA lightning indexer (splash.models.indexer)
+INDEXER_TYPES = ("full", "shared")
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,10 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # per layer "full" (runs its indexer) or "shared" (reuses the previous full layer's top-k); () without DSA
+    indexer_types: tuple[str, ...] = ()
+    index_rope_interleave: bool = False  # indexer rope: interleaved pairs (GLM-5.x) or halves (DeepSeek-V3.2)
+    mlp_layer_types: tuple[str, ...] | None = None  # per layer "dense" / "sparse" (MoE); None: first_k_dense_replace
     # weights stored quantised (config.json quantization_config): "fp8" (FP8 E4M3, fp32 scale per 128×128 block,
     # DeepSeek/GLM weight_scale_inv) or "int8" (compressed-tensors INT8, per-output-channel scale); None: plain
     quantization: str | None = None
@@ -88,7 +94,28 @@ class ModelConfig:
         return scale
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.n_routed_experts > 0 and self.mlp_layer_types[layer] == "sparse"
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    @property
+    def has_dsa(self) -> bool:
+        """The model's MLA layers select their keys with a DSA lightning indexer."""
+        return bool(self.indexer_types)
+
+    def has_indexer(self, layer: int) -> bool:
+        """Layer `layer` runs its own indexer (holds indexer weights and a per-token indexer key cache)."""
+        return bool(self.indexer_types) and self.indexer_types[layer] == "full"
+
+    def indexer_source(self, layer: int) -> int:
+        """The layer whose top-k selection `layer` uses: itself when full, else the previous full layer."""
+        while self.indexer_types[layer] != "full":
+            layer -= 1
+        return layer
+
+    @property
+    def num_indexer_layers(self) -> int:
+        return sum(t == "full" for t in self.indexer_types)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -184,7 +211,8 @@ def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allo
             raise ConfigError(f"{where}: required field {name!r} is missing")
         if not isinstance(raw[name], int) or isinstance(raw[name], bool) or raw[name] < 0:
             raise ConfigError(f"{where}: field {name!r} must be a non-negative integer, got {raw[name]!r}")
-    known = {f.name for f in fields(ModelConfig)} - {"rope", "model_type"}
+    known = {f.name for f in fields(ModelConfig)} - {"rope", "model_type", "indexer_types", "index_rope_interleave",
+                                                     "mlp_layer_types"}
     kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if "n_routed_experts" not in raw and "num_local_experts" in raw:
         kwargs["n_routed_experts"] = raw["num_local_experts"]
@@ -198,7 +226,59 @@ def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allo
     if n_exp and n_exp % max(1, kwargs.get("n_group", 1)):
         raise ConfigError(f"{where}: field 'n_group' must divide n_routed_experts ({n_exp})")
     kwargs["quantization"] = _quantization_from_hf(raw, where)
+    try:
+        kwargs.update(_dsa_from_hf(raw, mt, where))
+    except ConfigError:
+        if not allow_planned:
+            raise
+        # analysis-only shapes (memory model, simulator) may leave the indexer out: keep their fields as given
     return ModelConfig(model_type=mt, rope=_rope_from_hf(raw, where), **kwargs)
+
+
+def _layer_list(raw: dict[str, Any], name: str, allowed: tuple[str, ...], where: str) -> tuple[str, ...] | None:
+    v = raw.get(name)
+    if v is None:
+        return None
+    n = raw["num_hidden_layers"]
+    if not isinstance(v, list) or len(v) != n or any(t not in allowed for t in v):
+        raise ConfigError(f"{where}: field {name!r} must be a list of {n} values among {', '.join(allowed)}, "
+                          f"got {v!r}")
+    return tuple(v)
+
+
+_DSA_DEFAULTS = {"deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+                 "glm_moe_dsa": {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048}}
+
+
+def _dsa_from_hf(raw: dict[str, Any], mt: str, where: str) -> dict[str, Any]:
+    """DSA fields: indexer_types (GLM-5.x's own, or its index_topk_freq / index_skip_topk_offset pattern, as
+    transformers derives it; every layer "full" for DeepSeek-V3.2), the indexer's rope convention, and the MLP
+    layer pattern. DSA models always use interleaved rope in MLA (transformers ignores rope_interleave there)."""
+    out: dict[str, Any] = {}
+    mlp = _layer_list(raw, "mlp_layer_types", ("dense", "sparse"), where)
+    if mlp is not None:
+        out["mlp_layer_types"] = mlp
+    if mt not in DSA_MODEL_TYPES:
+        return out
+    n = raw["num_hidden_layers"]
+    for name, default in _DSA_DEFAULTS[mt].items():  # transformers' defaults when config.json leaves them out
+        v = out[name] = raw.get(name, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{where}: field {name!r} must be a positive integer for {mt}, got {v!r}")
+    if raw.get("q_lora_rank") is None:
+        raise ConfigError(f"{where}: field 'q_lora_rank' is required for {mt} (the indexer reads the Q-A output)")
+    if out["index_head_dim"] < raw["qk_rope_head_dim"]:
+        raise ConfigError(f"{where}: field 'index_head_dim' must be at least qk_rope_head_dim")
+    types = _layer_list(raw, "indexer_types", INDEXER_TYPES, where) if mt == "glm_moe_dsa" else None
+    if types is None and mt == "glm_moe_dsa":
+        freq, off = max(int(raw.get("index_topk_freq", 1)), 1), int(raw.get("index_skip_topk_offset", 2))
+        types = tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n))
+    types = types or ("full",) * n
+    if n and types[0] != "full":
+        raise ConfigError(f"{where}: field 'indexer_types' must start with 'full' (a shared layer reuses the "
+                          f"previous full layer's selection)")
+    out.update(indexer_types=types, index_rope_interleave=(mt == "glm_moe_dsa"), rope_interleave=True)
+    return out
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

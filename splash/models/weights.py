@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splash.models.config import ModelConfig
+from splash.models.indexer import IndexerWeights, indexer_shapes
 from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
 
 
@@ -73,6 +74,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     attn: AttnWeights
     ffn: MLPWeights | MoEWeights
+    indexer: IndexerWeights | None = None  # DSA lightning indexer (common state); None: no DSA or a shared layer
 
 
 @dataclass
@@ -217,6 +219,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         s.update({a + "kv_a_proj_with_mqa.weight": (dc + dr, h), a + "kv_a_layernorm.weight": (dc,),
                   a + "kv_b_proj.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dc),
                   a + "o_proj.weight": (h, H * cfg.v_head_dim)})
+        if cfg.has_indexer(i):
+            s.update(indexer_shapes(a + "indexer.", h, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim))
         s.update(_ffn_shapes(cfg, i, p + "mlp."))
     return s
 

@@ -9,7 +9,8 @@ heads H); `cache` is the rank's `PagedLatentCache`, read in place through the pa
 (fp32, bf16, fp8_e4m3 and int8 with per-token per-128-group scales, dequantised inside the kernel). Returns the
 latent output õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, õ = 0 for a row that sees no key
 here), so CP's and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode
-rows go in one call. A kernel whose native LSE is base 2 converts inside its wrapper.
+rows go in one call. A kernel whose native LSE is base 2 converts inside its wrapper. A DSA layer whose rows
+have a top-k selection (`meta.sparse[layer]`, splash.attention.dsa) attends only the selected slots.
 """
 from __future__ import annotations
 

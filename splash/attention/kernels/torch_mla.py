@@ -97,6 +97,10 @@ class TorchMLAKernel:
     # ---- per layer ----------------------------------------------------------------------------------------
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
             cache) -> tuple[torch.Tensor, torch.Tensor]:
+        sel = self.meta.sparse.get(layer)
+        if sel is not None:  # DSA layer with a top-k selection (splash.attention.dsa): only the selected slots
+            from splash.attention.dsa import sparse_attend
+            return sparse_attend(q_latent, q_rope, cache, layer, sel, self.scale)
         n, h, d_c = q_latent.shape
         o = lse = None
         for gi, g in enumerate(self.groups):

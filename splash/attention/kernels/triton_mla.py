@@ -156,6 +156,10 @@ class TritonMLAKernel:
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
             cache) -> tuple[torch.Tensor, torch.Tensor]:
         meta = self.meta
+        sel = meta.sparse.get(layer)
+        if sel is not None:  # DSA layer with a top-k selection: the torch reference's sparse path (no Triton one yet)
+            from splash.attention.dsa import sparse_attend
+            return sparse_attend(q_latent, q_rope, cache, layer, sel, self.scale)
         n, h, dc = q_latent.shape
         dr = q_rope.shape[-1]
         dev = q_latent.device
