@@ -46,8 +46,12 @@ def drive(llm: LLM, prompts, max_tokens, switches: dict[int, str]) -> list[list[
 
 
 def check_free(llm: LLM, what: str) -> None:
-    bm = llm.runner.bm
+    """Every KV block (latent, rope, scales and the DSA indexer keys stored in the same blocks) is free again."""
+    bm, r = llm.runner.bm, llm.runner
     assert bm.num_free == bm.num_blocks, f"{what}: rank {llm.comm.rank} leaked {bm.num_used} blocks"
+    assert not r.tables._row, f"{what}: rank {llm.comm.rank} still has page-table rows {list(r.tables._row)}"
+    if r.cfg.has_dsa:
+        assert all((r.cache.ikey[i] is not None) == r.cfg.has_indexer(i) for i in range(r.cfg.num_hidden_layers))
 
 
 def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256, layout_kv_dtypes=None) -> LLM:
@@ -165,7 +169,7 @@ def convert(model_dir, ref, rank_print) -> None:
             assert llm.engine.control.deferrals == 0
         c = llm.runner.cache
         assert llm.runner.kv_dtype == c.kv_dtype == CONVERT_DTYPES[cur], (llm.runner.kv_dtype, c.kv_dtype)
-        assert c.num_blocks == 512 and c.nbytes() == 512 * c.num_layers * c.block_bytes()
+        assert c.num_blocks == 512 and c.nbytes() == 512 * sum(c.block_bytes(i) for i in range(c.num_layers))
         check_free(llm, f"convert {mode}")
         rank_print(f"convert {mode} OK ({len(path)} conversions, max rel logit diff {worst:.1e})")
 

@@ -1,6 +1,10 @@
 """Each of TP, DP-attn, CP and DOP on real ranks (mpiexec -n 1/2/4) gives the tokens of transformers'
 DeepseekV3ForCausalLM and of one rank, for a mixed batch: prompts of different lengths (several KV blocks),
-chunked prefill mixed with decode, requests finishing mid-batch, and ranks that own zero requests."""
+chunked prefill mixed with decode, requests finishing mid-batch, and ranks that own zero requests.
+
+Parametrised by architecture: the DSA models (DeepSeek-V3.2, GLM-5.x with a shared indexer layer, top-k 8 below
+the context) run a lighter batch, 32 greedy tokens, under -n 2 and -n 4 (one rank: tests/test_dsa_vs_hf.py).
+Tokens are compared with transformers' cached generate (see test_dsa_vs_hf for why that is like with like)."""
 from __future__ import annotations
 
 import sys
@@ -10,31 +14,42 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import VARIANTS, hf_greedy, hf_logits, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
+from hf_models import DSA_VARIANTS, VARIANTS, hf_greedy, hf_logits, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 LAYOUTS = "tp,dp_attn,cp,dop"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("layouts")
-    model_dir = make_tiny_deepseek(d / "model", **VARIANTS["moe_yarn"])
+# architecture -> (checkpoint variant, (prompt lengths, max tokens) of phases a and b, greedy steps, rank counts)
+ARCH_CASES = {
+    "deepseek_v3": ("moe_yarn", ([3, 17, 9, 30, 1, 12], [24, 5, 24, 24, 13, 24]), ([7, 21], [24, 24]), 24, [1, 2, 4]),
+    "deepseek_v32": ("v32_sparse", ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
+    "glm_moe_dsa": ("glm_sparse", ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCH_CASES))
+def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    arch = request.param
+    variant, (len_a, max_a), (len_b, max_b), steps, _ = ARCH_CASES[arch]
+    d = tmp_path_factory.mktemp(f"layouts_{arch}")
+    model_dir = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
     hf = load_hf(model_dir)
-    prompts_a = random_prompts([3, 17, 9, 30, 1, 12], seed=1)
-    max_a = [24, 5, 24, 24, 13, 24]
-    prompts_b = random_prompts([7, 21], seed=2)
+    prompts_a = random_prompts(len_a, seed=1)
+    prompts_b = random_prompts(len_b, seed=2)
     probe = random_prompts([13], seed=3)[0]
-    ref = {"prompts_a": prompts_a, "max_tokens_a": max_a, "tokens_a": hf_greedy(hf, prompts_a, 24),
-           "prompts_b": prompts_b, "max_tokens_b": [24, 24], "tokens_b": hf_greedy(hf, prompts_b, 24),
+    ref = {"prompts_a": prompts_a, "max_tokens_a": max_a, "tokens_a": hf_greedy(hf, prompts_a, steps),
+           "prompts_b": prompts_b, "max_tokens_b": max_b, "tokens_b": hf_greedy(hf, prompts_b, steps),
            "probe": probe, "probe_logits": hf_logits(hf, probe)}
     torch.save(ref, d / "ref.pt")
-    return model_dir, d / "ref.pt"
+    return arch, model_dir, d / "ref.pt"
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
 def test_every_layout_matches_transformers(reference, nprocs):
-    model_dir, ref = reference
+    arch, model_dir, ref = reference
+    if nprocs not in ARCH_CASES[arch][4]:
+        pytest.skip(f"{arch} on {nprocs} rank(s) is covered elsewhere")
     res = run_mpi(nprocs, "tests/distributed/layouts_worker.py", str(model_dir), str(ref), "float32", LAYOUTS,
                   timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr

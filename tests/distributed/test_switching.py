@@ -1,7 +1,11 @@
 """Live and blocking layout switches on real ranks (mpiexec -n 2 / -n 4) change no token and leak no block:
 all 12 directions at a random step (incl. mid-prefill), random chains over 64 steps (fp32, fp8, int8 KV),
 a switch that does not fit the headroom is deferred while the run continues, and switches between layouts
-of different KV dtypes (fp32/bf16/fp8/int8) convert the pool layer by layer."""
+of different KV dtypes (fp32/bf16/fp8/int8) convert the pool layer by layer.
+
+Parametrised by architecture: the DSA models (DeepSeek-V3.2; GLM-5.x with a shared indexer layer; top-k 8 below
+the context) run the 12 directions (their indexer keys move with their KV blocks) and the KV-dtype conversions
+(indexer keys re-stored as FP8/INT8 + scale) on a lighter batch of 32 greedy tokens."""
 from __future__ import annotations
 
 import sys
@@ -11,22 +15,44 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
+from hf_models import DSA_VARIANTS, VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 WORKER = "tests/distributed/switch_worker.py"
 DIRECTIONS = [f"{s}->{d}" for s in ("tp", "dp_attn", "cp", "dop") for d in ("tp", "dp_attn", "cp", "dop") if s != d]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("switching")
-    model_dir = make_tiny_deepseek(d / "model", **VARIANTS["moe_yarn"])
-    prompts = random_prompts([3, 17, 9, 30, 1, 12], seed=1)
-    ref = {"prompts_a": prompts, "max_tokens_a": [24, 5, 24, 24, 13, 24],
-           "tokens_a": hf_greedy(load_hf(model_dir), prompts, 24)}
+# checkpoint variant -> (prompt lengths, max tokens, greedy steps)
+CASES = {"moe_yarn": ([3, 17, 9, 30, 1, 12], [24, 5, 24, 24, 13, 24], 24),
+         "v32_sparse": ([5, 19, 1], [32, 7, 32], 32), "glm_sparse": ([5, 19, 1], [32, 7, 32], 32)}
+
+
+def _reference(tmp_path_factory, variant: str) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp(f"switching_{variant}")
+    model_dir = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
+    lengths, max_tokens, steps = CASES[variant]
+    prompts = random_prompts(lengths, seed=1)
+    ref = {"prompts_a": prompts, "max_tokens_a": max_tokens,
+           "tokens_a": hf_greedy(load_hf(model_dir), prompts, steps)}
     torch.save(ref, d / "ref.pt")
     return model_dir, d / "ref.pt"
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    """`refs(variant) -> (model_dir, ref.pt)`, built once per module."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(variant: str) -> tuple[Path, Path]:
+        if variant not in cache:
+            cache[variant] = _reference(tmp_path_factory, variant)
+        return cache[variant]
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(refs) -> tuple[Path, Path]:
+    return refs("moe_yarn")
 
 
 def _run(nprocs: int, reference, *args: str):
@@ -36,9 +62,10 @@ def _run(nprocs: int, reference, *args: str):
     return res.stdout
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_all_directions_live_and_blocking(reference, nprocs):
-    out = _run(nprocs, reference, "directions")
+# DSA cases are spread over the rank counts to keep the suite short (both layouts tests run each at -n 2 and -n 4)
+@pytest.mark.parametrize("variant,nprocs", [("moe_yarn", 2), ("moe_yarn", 4), ("v32_sparse", 2), ("glm_sparse", 4)])
+def test_all_directions_live_and_blocking(refs, variant, nprocs):
+    out = _run(nprocs, refs(variant), "directions")
     for d in DIRECTIONS:
         for mode in ("live", "blocking"):
             for r in range(nprocs):
@@ -53,11 +80,11 @@ def test_random_switch_chain(reference, nprocs, kv_dtype):
         assert f"rank 0: chain {kv_dtype} {mode} OK" in out, out
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_switch_between_kv_dtypes_converts(reference, nprocs):
+@pytest.mark.parametrize("variant,nprocs", [("moe_yarn", 2), ("moe_yarn", 4), ("glm_sparse", 2)])
+def test_switch_between_kv_dtypes_converts(refs, variant, nprocs):
     """tp float32 -> dop fp8 -> tp -> cp int8 -> dp_attn bf16 -> tp -> dop -> dp_attn, live and blocking, from
     mid-prefill: exact against an unswitched run converted at the same boundaries; no block leaks."""
-    out = _run(nprocs, reference, "convert")
+    out = _run(nprocs, refs(variant), "convert")
     for mode in ("live", "blocking"):
         for r in range(nprocs):
             assert f"rank {r}: convert {mode} OK" in out, out
