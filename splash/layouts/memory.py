@@ -40,20 +40,33 @@ def _check_kv_dtype(kv_dtype: str) -> None:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r} (allowed: {', '.join(KV_DTYPES)})")
 
 
-def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str) -> int:
-    """Bytes of KV history per token per MLA layer, including scales and DSA indexer keys.
+def layer_has_indexer_keys(cfg: ModelConfig, layer: int | None) -> bool:
+    """Layer `layer` keeps DSA indexer keys: it runs its own indexer (indexer_types "full"; a "shared" layer
+    reuses another's selection and stores none). None: the widest layer. A config with an index_head_dim but no
+    indexer_types (analysis-only shapes) counts keys in every layer."""
+    if cfg.index_head_dim <= 0:
+        return False
+    if layer is None or not cfg.indexer_types:
+        return True
+    return cfg.has_indexer(layer)
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None = None) -> int:
+    """Bytes of KV history per token of one MLA layer (default: the widest), including scales and DSA indexer
+    keys (only in layers that run an indexer).
 
     float32/bfloat16: (d_c + d_r) × 4/2. fp8_e4m3/int8 (FlashMLA FP8 layout): d_c bytes of latent + one fp32
-    scale per 128-element group + d_r rope values kept in bf16. Indexer keys (when the model has DSA): in a
-    quantised cache 1 byte each + one fp32 scale, otherwise the cache's element size.
+    scale per 128-element group + d_r rope values kept in bf16. Indexer keys (when the layer has them): in a
+    quantised cache 1 byte each + one fp32 scale per 128, otherwise the cache's element size.
     """
     _check_kv_dtype(kv_dtype)
     dc, dr, di = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    keys = layer_has_indexer_keys(cfg, layer)
     if kv_dtype in _PLAIN_BYTES:
         elem = _PLAIN_BYTES[kv_dtype]
-        return elem * (dc + dr) + (elem * di if di > 0 else 0)
+        return elem * (dc + dr) + (elem * di if keys else 0)
     latent = dc + 4 * math.ceil(dc / QUANT_GROUP) + 2 * dr
-    return latent + (di + 4 if di > 0 else 0)
+    return latent + (di + 4 * math.ceil(di / QUANT_GROUP) if keys else 0)
 
 
 def projection_params(cfg: ModelConfig) -> int:
@@ -100,9 +113,9 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
         raise ValueError(f"ffn_shards must be positive, got {ffn_shards}")
     emb = cfg.vocab_size * cfg.hidden_size
     total: float = emb + (0 if cfg.tie_word_embeddings else emb) + cfg.hidden_size
-    per_layer = _attn_common_params(cfg) + _indexer_params(cfg)
     for layer in range(cfg.num_hidden_layers):
-        total += per_layer + _ffn_params(cfg, layer) / ffn_shards
+        idx = _indexer_params(cfg) if layer_has_indexer_keys(cfg, layer) else 0
+        total += _attn_common_params(cfg) + idx + _ffn_params(cfg, layer) / ffn_shards
     return total
 
 
@@ -145,7 +158,7 @@ def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str,
 
 def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int) -> int:
     """Bytes of one paged-cache block over all layers."""
-    return kv_bytes_per_token_layer(cfg, kv_dtype) * block_size * cfg.num_hidden_layers
+    return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i) for i in range(cfg.num_hidden_layers))
 
 
 @dataclass(frozen=True)
@@ -293,11 +306,12 @@ def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: f
     per_layer = 2 * h * e + matrix_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, e, wq) + cfg.kv_lora_rank * e
     if cfg.q_lora_rank:
         per_layer += matrix_bytes(cfg.q_lora_rank, h, e, wq) + cfg.q_lora_rank * e
-    if cfg.index_head_dim > 0:
+    idx = 0.0
+    if cfg.index_head_dim > 0:  # wq_b, wk in the compute dtype; k_norm (+ bias) and weights_proj kept in fp32
         q_in, ih, idim = cfg.q_lora_rank or h, cfg.index_n_heads, cfg.index_head_dim
-        per_layer += (matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq)
-                      + (2 * idim + h * ih) * e)
-    return total + sum(per_layer + _ffn_bytes(cfg, i, rank, world, e, wq) for i in range(cfg.num_hidden_layers))
+        idx = matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq) + 4 * (2 * idim + h * ih)
+    return total + sum(per_layer + (idx if layer_has_indexer_keys(cfg, i) else 0)
+                       + _ffn_bytes(cfg, i, rank, world, e, wq) for i in range(cfg.num_hidden_layers))
 
 
 def rank_weight_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: int, elem_bytes: float,
