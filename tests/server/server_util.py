@@ -153,11 +153,11 @@ def offline_reference(ckpt: Path):
     return ref
 
 
-def run_server(work: Path, yaml_text: str, nprocs: int = 2, ready_s: float = 60):
-    """Generator for module fixtures: write `yaml_text` as the config, start splash-serve, yield the running
-    ServerProc, kill it afterwards."""
+def run_server(work: Path, yaml_text: str, nprocs: int = 2, ready_s: float = 60, extra_args: tuple[str, ...] = ()):
+    """Generator for module fixtures: write `yaml_text` as the config, start splash-serve (with `extra_args`
+    after --config, e.g. ("--model", DIR)), yield the running ServerProc, kill it afterwards."""
     cfg = write_config(work / "serve.yaml", yaml_text)
-    proc = ServerProc(nprocs, "--config", cfg, workdir=work)
+    proc = ServerProc(nprocs, "--config", cfg, *extra_args, workdir=work)
     try:
         proc.wait_ready(ready_s)
         yield proc

@@ -1,6 +1,10 @@
 """Live layout control on the real server (``mpiexec -n 2``): pin each layout in turn through POST /v1/layout
 while streams are in flight; every stream must complete with the tokens of an unswitched run, and /metrics
-must count exactly those switches. Skipped until the Engine implements ``request_layout``."""
+must count exactly those switches. Skipped until the Engine implements ``request_layout``.
+
+Parametrised by architecture: the tiny-mla preset (DeepSeek-V3 shapes, served from a YAML config) and a tiny
+GLM-5.x DSA checkpoint written by transformers (shared indexer layer, top-k 8 below the context) served with
+``splash-serve --model DIR``; for both, /metrics' per-layout KV capacity is the memory model's."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +13,10 @@ import httpx
 import pytest
 from server_util import mpiexec_path, offline_reference, run_server
 
+from splash.engine.llm import kv_blocks_per_layout
 from splash.layouts.memory import rank_weight_bytes
-from splash.models.presets import preset_config, save_preset
+from splash.models.config import load_model_config
+from splash.models.presets import save_preset
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -22,22 +28,30 @@ ORDER = ["dp_attn", "cp", "dop", "tp"]      # starting from tp: tp→dp_attn→c
 N_STREAMS, MAX_TOKENS = 6, 48
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_preset("tiny-mla", tmp_path_factory.mktemp("ckpt") / "tiny-mla")
+KV_BYTES = 8 << 20
+
+
+@pytest.fixture(scope="module", params=["tiny-mla", "glm_sparse"])
+def ckpt(request, tmp_path_factory):
+    if request.param == "tiny-mla":
+        return save_preset("tiny-mla", tmp_path_factory.mktemp("ckpt") / "tiny-mla")
+    from hf_models import DSA_VARIANTS, make_tiny_deepseek
+    return make_tiny_deepseek(tmp_path_factory.mktemp("ckpt") / request.param, **DSA_VARIANTS[request.param])
 
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
+    dsa = ckpt.name != "tiny-mla"  # the DSA checkpoint comes in through --model (CLI), the preset through YAML
     yield from run_server(tmp_path_factory.mktemp("server"), f"""
-model: {{model: {ckpt}}}
+{"" if dsa else f"model: {{model: {ckpt}}}"}
 layout: {{layout: tp}}
-cache: {{kv_cache_memory_bytes: 8MiB}}
+cache: {{kv_cache_memory_bytes: {KV_BYTES}}}
 server: {{port: 0, quiet: true, admin_token: {TOKEN}}}
-""")
+""", extra_args=("--model", str(ckpt)) if dsa else ())
 
 
-def _streams_with_switch(url: str, prompts: list[list[int]], target: str) -> tuple[list[list[int]], list[bool]]:
+def _streams_with_switch(url: str, prompts: list[list[int]], target: str,
+                         model: str) -> tuple[list[list[int]], list[bool]]:
     """Start one streaming request per prompt; once all have tokens, pin ``target``; return their tokens and
     whether each was still running when the pin was accepted."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
@@ -48,7 +62,7 @@ def _streams_with_switch(url: str, prompts: list[list[int]], target: str) -> tup
 
     def run(i: int) -> None:
         try:
-            stream = client.completions.create(model="tiny-mla", prompt=prompts[i], max_tokens=MAX_TOKENS,
+            stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=MAX_TOKENS,
                                                temperature=0, stream=True,
                                                extra_body={"return_token_ids": True, "ignore_eos": True})
             first = True
@@ -90,6 +104,11 @@ def _switches(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def _capacity(url: str) -> dict[str, float]:
+    return {s.labels["layout"]: s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+            for s in fam.samples if s.name == "splash_kv_capacity_tokens"}
+
+
 def _weight_bytes(url: str) -> dict[int, float]:
     """splash_weight_bytes{rank}: what each rank's weight tensors occupy, measured by the ranks themselves."""
     return {int(s.labels["rank"]): s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
@@ -105,7 +124,7 @@ def test_pin_each_layout_while_streams_run(server, ckpt):
         prompts = [[(7 * k + 3 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(N_STREAMS)]
         want = [ref(p, MAX_TOKENS) for p in prompts]  # ignore_eos is irrelevant unless EOS is sampled
         try:
-            got, in_flight = _streams_with_switch(url, prompts, target)
+            got, in_flight = _streams_with_switch(url, prompts, target, ckpt.name)
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- server output (tail) ---\n{server.output()[-3000:]}") from None
         assert any(in_flight), "every stream finished before the switch was requested"
@@ -114,9 +133,11 @@ def test_pin_each_layout_while_streams_run(server, ckpt):
         state = httpx.get(f"{url}/v1/layout").json()
         assert state["layout"] == target and state["mode"] == "pinned"
         assert _switches(url).get((src, target)) == 1.0
-        mcfg = preset_config("tiny-mla")  # fp32 on cpu: the memory model's bytes for this layout, per rank
+        mcfg = load_model_config(ckpt)  # fp32 on cpu: the memory model's bytes for this layout, per rank
         assert _weight_bytes(url) == {r: rank_weight_bytes(mcfg, target, 2, r, 4) for r in range(2)}
         src = target
+    blocks = kv_blocks_per_layout(mcfg, 2, "float32", 16, KV_BYTES, 4)
+    assert _capacity(url) == {lay: n * 16 * (1 if lay == "tp" else 2) for lay, n in blocks.items()}
     sw = _switches(url)
     assert sum(sw.values()) == len(ORDER) and httpx.get(f"{url}/v1/layout").json()["switch_count"] == len(ORDER)
     r = httpx.post(f"{url}/v1/layout", json={"layout": "auto"}, headers=AUTH)
