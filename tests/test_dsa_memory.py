@@ -46,3 +46,23 @@ def test_dsa_engine_capacity_counts_indexer_keys(tiny_ckpt):
     blk = block_bytes(llm.runner.cfg, "float32", 4)
     assert blk == llm.runner.cache.nbytes() // llm.runner.cache.num_blocks
     assert llm.runner.cache.num_blocks == (1 << 20) // blk
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_dsa_quantized_weights_match_memory_model(quant, tiny_ckpt):
+    """--quantization keeps the indexer's wq_b / wk quantised (as DeepSeek-V3.2's FP8 checkpoint stores them);
+    weights_proj stays fp32. The rank's resident bytes equal the memory model's, and the model runs (its logits
+    are not compared with full precision here: the top-k selection is discrete, so weight rounding moves it)."""
+    import torch
+    from hf_models import random_prompts
+
+    from splash.attention.batch import StepBatch, StepRequest
+    cfg, get = open_checkpoint(tiny_ckpt("v32_sparse"), quantization=quant)
+    r = ModelRunner(cfg, get, SingleRankCommunicator(), "tp", "float32", 4, 32)
+    assert type(r.weights.layers[0].indexer.wq_b).__name__ == "QuantWeight"
+    assert r.weights.layers[0].indexer.weights_proj.dtype == torch.float32
+    assert resident_bytes(r.weights) == rank_weight_bytes(cfg, "tp", 1, 0, 4, quant)
+    prompt = random_prompts([6], seed=9)[0]
+    n = len(prompt)
+    ours = r.step(StepBatch([StepRequest("a", 0, n)], torch.tensor(prompt), torch.arange(n), list(range(n))))
+    assert ours.shape == (n, cfg.vocab_size) and torch.isfinite(ours).all()

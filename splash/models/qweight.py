@@ -187,6 +187,7 @@ def quantize(w: torch.Tensor, fmt: str, dtype: torch.dtype) -> QuantWeight:
 
 
 def is_linear_weight(name: str) -> bool:
-    """Weights of linear layers that a quantised checkpoint stores quantised (attention and FFN/MoE projections;
-    not embeddings, LM head, norms or the MoE router)."""
-    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.startswith("lm_head")
+    """Weights of linear layers that a quantised checkpoint stores quantised (attention, DSA indexer and FFN/MoE
+    projections; not embeddings, LM head, norms or the MoE router)."""
+    return (name.endswith(("_proj.weight", "_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
+            and not name.startswith("lm_head"))
