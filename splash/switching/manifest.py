@@ -86,7 +86,8 @@ class Manifest:
     moves: tuple[BlockMove, ...]
     keep: tuple[tuple[tuple[str, int], ...], ...]     # per rank: (req, block) held and still needed
     discard: tuple[tuple[tuple[str, int], ...], ...]  # per rank: (req, block) held and no longer needed
-    kv_block_bytes_layer: int
+    kv_block_bytes_layer: int  # one block of the widest layer (DSA: a GLM "shared" layer has no indexer keys, so
+    # per-layer KV bytes and their totals are exact when every layer runs its indexer, else an upper bound)
     weight_recv_bytes: tuple[float, ...]
     weight_sent_bytes: tuple[float, ...]
     kv_recv_bytes: tuple[int, ...]
