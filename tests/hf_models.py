@@ -17,7 +17,8 @@ the same weights whatever the config's non-shape fields (e.g. ``eos_token_id``).
 ``e_score_correction_bias`` are perturbed after init (HF initialises them to 1 / 0) so a model that ignored them
 would fail the comparisons. Variants (``VARIANTS``): dense (no q-LoRA, no YaRN, half-split rope), moe_yarn
 (group-limited routing, YaRN, interleaved rope), moe_plain (all layers MoE, 2 shared experts), dense_yarn_tied
-(tied embeddings).
+(tied embeddings). DSA variants (``DSA_VARIANTS``, with ``arch``): v32_sparse (DeepSeek-V3.2, top-k 8),
+glm_sparse (GLM-5.x, shared indexer layer, YaRN, top-k 8), glm_dense (top-k above every test context).
 """
 from __future__ import annotations
 
