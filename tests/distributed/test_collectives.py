@@ -8,7 +8,7 @@ import pytest
 import torch
 from mpi_util import mpiexec_path, run_mpi
 
-from splash.distributed import Handle, SingleRankCommunicator, init_dist
+from splash.distributed import DistContext, Handle, SingleRankCommunicator, init_dist, make_communicator
 
 WORKER = "tests/distributed/collectives_worker.py"
 needs_mpi = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
@@ -22,14 +22,11 @@ def _assert_ok(proc, nprocs: int, mode: str) -> None:
 
 
 @needs_mpi
+@pytest.mark.parametrize("kind", ["mpi", "torch"])
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_collectives_real_ranks(nprocs):
-    _assert_ok(run_mpi(nprocs, WORKER, "collectives", timeout=120), nprocs, "collectives")
-
-
-@needs_mpi
-def test_init_torch_distributed_gloo():
-    _assert_ok(run_mpi(2, WORKER, "gloo", timeout=120), 2, "gloo")
+def test_collectives_real_ranks(nprocs, kind):
+    """The same checks on the MPI communicator and on the torch.distributed one (gloo on CPU)."""
+    _assert_ok(run_mpi(nprocs, WORKER, "collectives", kind, timeout=120), nprocs, f"collectives {kind}")
 
 
 def test_init_dist_without_mpirun():
@@ -70,3 +67,14 @@ def test_single_rank_rejects_bad_counts():
         comm.all_to_allv(x, [2, 2])
     with pytest.raises(ValueError):
         comm.all_gatherv(x, [5])
+
+
+def test_make_communicator_single_rank_and_errors():
+    ctx = init_dist()
+    assert make_communicator("mpi", ctx) is ctx.comm and make_communicator("torch", ctx) is ctx.comm
+    with pytest.raises(ValueError, match="'nccl2' is not one of mpi, torch"):
+        make_communicator("nccl2", ctx)
+    two = DistContext(rank=0, world_size=2, local_rank=0, comm=SingleRankCommunicator())
+    if not torch.cuda.is_available():  # asks for NCCL before any rendezvous
+        with pytest.raises(RuntimeError, match="needs NCCL/RCCL"):
+            make_communicator("torch", two, "cuda")
