@@ -32,12 +32,15 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, d / "ref.pt"
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 4])
-def test_every_layout_matches_transformers(reference, nprocs):
+@pytest.mark.parametrize("nprocs,communicator", [(1, "mpi"), (2, "mpi"), (4, "mpi"), (4, "torch")])
+def test_every_layout_matches_transformers(reference, nprocs, communicator):
+    """communicator torch: the data plane on torch.distributed (gloo here), the control plane on MPI."""
     model_dir, ref = reference
     res = run_mpi(nprocs, "tests/distributed/layouts_worker.py", str(model_dir), str(ref), "float32", LAYOUTS,
-                  timeout=240)
+                  communicator, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
+    kind = {"mpi": "MPICommunicator" if nprocs > 1 else "SingleRankCommunicator", "torch": "TorchCommunicator"}
     for layout in LAYOUTS.split(","):
         for r in range(nprocs):
-            assert f"rank {r}/{nprocs} {layout} float32 OK" in res.stdout, res.stdout + res.stderr
+            want = f"rank {r}/{nprocs} {layout} float32 OK ({kind[communicator]}"
+            assert want in res.stdout, res.stdout + res.stderr

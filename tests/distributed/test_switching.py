@@ -36,13 +36,17 @@ def _run(nprocs: int, reference, *args: str):
     return res.stdout
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_all_directions_live_and_blocking(reference, nprocs):
-    out = _run(nprocs, reference, "directions")
-    for d in DIRECTIONS:
-        for mode in ("live", "blocking"):
+@pytest.mark.parametrize("nprocs,communicator", [(2, "mpi"), (4, "mpi"), (2, "torch")])
+def test_all_directions_live_and_blocking(reference, nprocs, communicator):
+    """communicator torch: the layers' and switches' collectives on torch.distributed (gloo), control on MPI;
+    to keep it short each direction runs in one mode there (live and blocking alternate)."""
+    torch_run = communicator == "torch"
+    out = _run(nprocs, reference, "directions", "float32", communicator, *(["alternate"] if torch_run else []))
+    kind = {"mpi": "MPICommunicator", "torch": "TorchCommunicator"}[communicator]
+    for i, d in enumerate(DIRECTIONS):
+        for mode in (("live", "blocking")[i % 2],) if torch_run else ("live", "blocking"):
             for r in range(nprocs):
-                assert f"rank {r}: {d} {mode} OK" in out, out
+                assert f"rank {r}: {d} {mode} OK ({kind})" in out, out
 
 
 @pytest.mark.parametrize("nprocs,kv_dtype", [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"),
