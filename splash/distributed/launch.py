@@ -73,6 +73,20 @@ def torch_dist_backend(device_backend: str) -> str:
     return "gloo" if device_backend == "cpu" else "nccl"
 
 
+def check_communicator(kind: str, device_backend: str = "cpu") -> None:
+    """Raise ValueError / RuntimeError (before any collective) if `kind` cannot run on `device_backend` here."""
+    if kind not in COMMUNICATORS:
+        raise ValueError(f"communicator {kind!r} is not one of {', '.join(COMMUNICATORS)}")
+    if kind == "mpi" or torch_dist_backend(device_backend) != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise RuntimeError(f"communicator 'torch' on backend {device_backend!r} needs NCCL/RCCL: this torch "
+                           f"({torch.__version__}) has no NCCL or sees no GPU")
+
+
 def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", device: Any = None) -> Communicator:
     """The data-plane communicator of `kind` ("mpi" | "torch") over `ctx`'s ranks.
 
@@ -82,8 +96,7 @@ def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", 
     give `ctx.comm` (a `SingleRankCommunicator`). `device` is where the communicator's own tensors live (default:
     cpu for gloo, cuda:<local_rank mod visible GPUs> for nccl).
     """
-    if kind not in COMMUNICATORS:
-        raise ValueError(f"communicator {kind!r} is not one of {', '.join(COMMUNICATORS)}")
+    check_communicator(kind, device_backend)
     if kind == "mpi" or ctx.world_size == 1:
         return ctx.comm
     import torch
@@ -93,9 +106,6 @@ def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", 
 
     backend = torch_dist_backend(device_backend)
     if backend == "nccl":
-        if not (dist.is_nccl_available() and torch.cuda.is_available()):
-            raise RuntimeError(f"communicator 'torch' on backend {device_backend!r} needs NCCL/RCCL: this torch "
-                               f"({torch.__version__}) has no NCCL or sees no GPU")
         device = device or torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -103,3 +113,13 @@ def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", 
     elif dist.get_backend() != backend:
         raise RuntimeError(f"torch.distributed already runs {dist.get_backend()!r}, not {backend!r}")
     return TorchCommunicator(ctx.comm, device or "cpu")
+
+
+def describe_communicator(comm: Communicator) -> str:
+    """One line naming what carries `comm`'s tensor collectives (for startup logs)."""
+    backend = getattr(comm, "backend", None)
+    if backend is not None:
+        return f"torch.distributed {backend} ({comm.size} ranks; objects and counts over MPI)"
+    if isinstance(comm, MPICommunicator):
+        return f"MPI (mpi4py, {comm.size} ranks)"
+    return "none (a single rank)"
