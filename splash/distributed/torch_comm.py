@@ -34,6 +34,8 @@ from splash.distributed.communicator import (
 )
 
 _NCCL_REDUCE = _NATIVE_REDUCE | {torch.float16, torch.bfloat16}
+# equal-block all-gather into one tensor: torch 2.13 renamed all_gather_into_tensor (older GPU builds lack the new name)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Work:
@@ -112,7 +114,7 @@ class TorchCommunicator(Communicator):
             block = torch.empty((most, *trail), dtype=src.dtype, device=src.device)
             block[: src.shape[0]] = src
         out = torch.empty((self.size * most, *trail), dtype=src.dtype, device=src.device)
-        run = lambda a: dist.all_gather_into_tensor(_u8(out), _u8(block), async_op=a)  # noqa: E731
+        run = lambda a: _all_gather_single(_u8(out), _u8(block), async_op=a)  # noqa: E731
 
         def finish() -> torch.Tensor:
             if all(c == most for c in counts):
@@ -155,7 +157,7 @@ class TorchCommunicator(Communicator):
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = _rows(t)
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
-        dist.all_gather_into_tensor(_u8(out), _u8(src))
+        _all_gather_single(_u8(out), _u8(src))
         return out
 
     def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:

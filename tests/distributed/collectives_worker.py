@@ -163,14 +163,17 @@ def check_objects(ctx: DistContext) -> None:
     comm.barrier()
 
 
+TENSOR_CHECKS = (check_all_reduce, check_all_gather, check_all_gatherv, check_all_to_allv, check_broadcast,
+                 check_async)
+
+
 def run_collectives(ctx: DistContext, kind: str = "mpi") -> None:
     ctx = dataclasses.replace(ctx, comm=make_communicator(kind, ctx))
     want = {"mpi": MPICommunicator, "torch": TorchCommunicator}[kind]
     assert isinstance(ctx.comm, want), f"{kind}: got {type(ctx.comm).__name__}"
     check_objects(ctx)
     for dt in DTYPES:
-        for fn in (check_all_reduce, check_all_gather, check_all_gatherv,
-                   check_all_to_allv, check_broadcast, check_async):
+        for fn in TENSOR_CHECKS:
             fn(ctx.comm, dt)
     ctx.comm.barrier()
     if kind == "torch":

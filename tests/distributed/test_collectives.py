@@ -78,3 +78,25 @@ def test_make_communicator_single_rank_and_errors():
     if not torch.cuda.is_available():  # asks for NCCL before any rendezvous
         with pytest.raises(RuntimeError, match="needs NCCL/RCCL"):
             make_communicator("torch", two, "cuda")
+
+
+def test_torch_communicator_one_rank_in_process():
+    """A TorchCommunicator over a one-rank gloo group (what a one-GPU check builds on nccl) passes the same
+    tensor checks as the real-rank runs."""
+    import torch.distributed as dist
+    from collectives_worker import DTYPES, TENSOR_CHECKS
+    from mpi4py import MPI
+
+    from splash.distributed import MPICommunicator, TorchCommunicator, init_torch_distributed
+
+    ctx = init_dist()
+    init_torch_distributed(ctx, "gloo")
+    try:
+        comm = TorchCommunicator(MPICommunicator(MPI.COMM_WORLD.Dup()))
+        assert (comm.rank, comm.size, comm.backend) == (0, 1, "gloo")
+        for dt in DTYPES:
+            for check in TENSOR_CHECKS:
+                check(comm, dt)
+        comm.barrier()
+    finally:
+        dist.destroy_process_group()
