@@ -1,6 +1,9 @@
-"""Latency of the CPU (mpi4py) collectives.
+"""Latency of the collectives: the MPI communicator (mpi4py) and/or the torch.distributed one (gloo on CPU).
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_collectives.py [--iters 200]
+    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_collectives.py [--iters 200] \
+        [--communicator mpi|torch|both]
+
+`both` times each case on MPI, then on gloo, in one job, so the two see about the same machine load.
 
 Sizes are bytes each rank contributes (bf16 rows of 1 KiB). Reported time is the mean per call,
 taken as the max over ranks. Time at 2 ranks; label any 4-rank figures (oversubscribed here).
@@ -14,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from splash.distributed import Communicator, init_dist
+from splash.distributed import Communicator, init_dist, make_communicator
 
 ROW = 512  # bf16 elements per row = 1 KiB
 
@@ -52,24 +55,33 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--sizes", type=int, nargs="+", default=[32 << 10, 1 << 20])
+    ap.add_argument("--communicator", choices=("mpi", "torch", "both"), default="mpi",
+                    help="torch = torch.distributed with gloo (the CPU backend); both = side by side")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ctx = init_dist()
+    kinds = ("mpi", "torch") if args.communicator == "both" else (args.communicator,)
+    comms = {k: make_communicator(k, ctx) for k in kinds}
     rows = []
     for nbytes in args.sizes:
         iters = args.iters if nbytes <= (64 << 10) else max(10, args.iters // 8)
-        for name, op in cases(ctx.comm, nbytes).items():
-            rows.append((name, nbytes, time_op(ctx.comm, op, iters)))
+        ops = {k: cases(c, nbytes) for k, c in comms.items()}
+        for name in ops[kinds[0]]:
+            rows.append((name, nbytes, {k: time_op(comms[k], ops[k][name], iters) for k in kinds}))
     if ctx.rank == 0:
         from rich.console import Console
         from rich.table import Table
 
+        names = {"mpi": "MPI", "torch": "gloo"}
         table = Table(title=f"CPU collectives, {ctx.world_size} ranks (bf16)")
-        for col in ("op", "bytes/rank", "µs/call", "GB/s (bytes/rank ÷ time)"):
+        for col in ("op", "bytes/rank", *(f"{names[k]} µs/call" for k in kinds),
+                    *(f"{names[k]} GB/s" for k in kinds), *(["gloo/MPI time"] if len(kinds) == 2 else [])):
             table.add_column(col, justify="right")
         for name, nbytes, sec in rows:
-            table.add_row(name, f"{nbytes >> 10} KiB", f"{sec * 1e6:.1f}", f"{nbytes / sec / 1e9:.2f}")
-        Console().print(table)
+            ratio = [f"{sec['torch'] / sec['mpi']:.2f}x"] if len(kinds) == 2 else []
+            table.add_row(name, f"{nbytes >> 10} KiB", *(f"{sec[k] * 1e6:.1f}" for k in kinds),
+                          *(f"{nbytes / sec[k] / 1e9:.2f}" for k in kinds), *ratio)
+        Console(width=160).print(table)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def _follow(engine, watchdog, rank: int) -> int:
 
 def _serve(argv: Sequence[str] | None = None) -> int:
     from splash.distributed import init_dist
+    from splash.distributed.launch import describe_communicator
     from splash.server import startup
     from splash.server.console import Console
     from splash.server.watchdog import StepChannel, Watchdog
@@ -81,13 +82,17 @@ def _serve(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = startup.run_agreed(comm, lambda: _load_config(argv, rank))
         startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
+        startup.run_agreed(comm, lambda: startup.check_communicator(cfg))
+        data_comm = startup.run_agreed(comm, lambda: startup.data_communicator(cfg, ctx))  # MPI or torch
         sock, token = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
+        if console:
+            console.log(f"splash-serve: tensor collectives on {describe_communicator(data_comm)}")
         hosts = comm.all_gather_obj(socket.gethostname())
         watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
         step_comm = StepChannel(comm)
         _set_threads(hosts.count(hosts[rank]))
-        built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, comm, step_comm, console))
+        built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, data_comm, step_comm, console))
     except ConfigError:
         if rank != 0:
             raise _QuietExit() from None

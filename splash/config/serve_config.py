@@ -3,7 +3,7 @@
 A YAML file has up to six sections, each a mapping (field names follow vLLM where vLLM has one)::
 
     model:     {model, preset, dtype, seed, tokenizer, max_model_len}
-    parallel:  {world_size, backend, attention_backend}
+    parallel:  {world_size, backend, attention_backend, communicator}
     layout:    {layout, allowed_layouts, switch_mode, switch_margin, hardware_profile}
     cache:     {kv_cache_dtype, layout_kv_dtypes, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
                 num_kv_blocks}
@@ -31,6 +31,7 @@ from splash.models.config import ConfigError
 LAYOUTS = LAYOUT_NAMES
 HARDWARE_PROFILES = ("cpu", "h200", "b200", "bw1000")
 BACKENDS = ("cpu", "cuda", "hip")
+COMMUNICATORS = ("mpi", "torch")  # data plane: mpi4py, or torch.distributed (gloo on cpu, NCCL / RCCL on GPUs)
 ATTENTION_BACKENDS = ("torch", "flashinfer", "aiter", "triton")
 # which attention kernels each device backend can run (None = the backend's default)
 _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashinfer", "triton"),
@@ -69,9 +70,17 @@ class ParallelSection:
     world_size: int | None = _f(None, min=1)     # None → the number of ranks mpirun started
     backend: str = _f("cpu", choices=BACKENDS)
     attention_backend: str | None = _f(None, choices=ATTENTION_BACKENDS)  # None → backend default
+    # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → default_communicator(backend)
+    communicator: str | None = _f(None, choices=COMMUNICATORS)
 
     def __post_init__(self) -> None:
         check_fields(self, self.SECTION)
+
+
+def default_communicator(backend: str) -> str:
+    """The data-plane communicator a device backend gets when the config names none: mpi on cpu (mpi4py is
+    faster than gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on the GPU backends."""
+    return "mpi" if backend == "cpu" else "torch"
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,11 @@ class ServeConfig:
         """cache.kv_cache_dtype with auto = the compute dtype."""
         kv = self.cache.kv_cache_dtype
         return self.compute_dtype if kv == "auto" else kv
+
+    @property
+    def communicator(self) -> str:
+        """parallel.communicator, None resolved by the backend (default_communicator)."""
+        return self.parallel.communicator or default_communicator(self.parallel.backend)
 
     @property
     def attention_backend(self) -> str:

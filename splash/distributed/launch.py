@@ -62,3 +62,64 @@ def init_torch_distributed(ctx: DistContext, backend: str, host: str | None = No
             raise RuntimeError("rank 0 failed to open the TCPStore")
         store = dist.TCPStore(host, port, ctx.world_size, is_master=False)
     dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size)
+
+
+COMMUNICATORS = ("mpi", "torch")
+
+
+def torch_dist_backend(device_backend: str) -> str:
+    """The torch.distributed backend for a device backend: gloo on cpu, "nccl" on cuda and hip (torch's
+    "nccl" backend is NCCL on CUDA builds and RCCL on ROCm builds)."""
+    return "gloo" if device_backend == "cpu" else "nccl"
+
+
+def check_communicator(kind: str, device_backend: str = "cpu") -> None:
+    """Raise ValueError / RuntimeError (before any collective) if `kind` cannot run on `device_backend` here."""
+    if kind not in COMMUNICATORS:
+        raise ValueError(f"communicator {kind!r} is not one of {', '.join(COMMUNICATORS)}")
+    if kind == "mpi" or torch_dist_backend(device_backend) != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise RuntimeError(f"communicator 'torch' on backend {device_backend!r} needs NCCL/RCCL: this torch "
+                           f"({torch.__version__}) has no NCCL or sees no GPU")
+
+
+def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", device: Any = None) -> Communicator:
+    """The data-plane communicator of `kind` ("mpi" | "torch") over `ctx`'s ranks.
+
+    "mpi" is `ctx.comm`. "torch" starts torch.distributed once per process (rendezvous over MPI, see
+    `init_torch_distributed`) with `torch_dist_backend(device_backend)` and wraps it in a `TorchCommunicator`
+    whose objects, counts and barriers still go over `ctx.comm`. A group of one needs no collectives: both kinds
+    give `ctx.comm` (a `SingleRankCommunicator`). `device` is where the communicator's own tensors live (default:
+    cpu for gloo, cuda:<local_rank mod visible GPUs> for nccl).
+    """
+    check_communicator(kind, device_backend)
+    if kind == "mpi" or ctx.world_size == 1:
+        return ctx.comm
+    import torch
+    import torch.distributed as dist
+
+    from splash.distributed.torch_comm import TorchCommunicator
+
+    backend = torch_dist_backend(device_backend)
+    if backend == "nccl":
+        device = device or torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        init_torch_distributed(ctx, backend)
+    elif dist.get_backend() != backend:
+        raise RuntimeError(f"torch.distributed already runs {dist.get_backend()!r}, not {backend!r}")
+    return TorchCommunicator(ctx.comm, device or "cpu")
+
+
+def describe_communicator(comm: Communicator) -> str:
+    """One line naming what carries `comm`'s tensor collectives (for startup logs)."""
+    backend = getattr(comm, "backend", None)
+    if backend is not None:
+        return f"torch.distributed {backend} ({comm.size} ranks; objects and counts over MPI)"
+    if isinstance(comm, MPICommunicator):
+        return f"MPI (mpi4py, {comm.size} ranks)"
+    return "none (a single rank)"

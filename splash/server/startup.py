@@ -216,3 +216,21 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
                           "request (capped by the KV pool), so no request fits; raise the KV budget")
     return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool
+
+
+def data_communicator(cfg: ServeConfig, ctx: Any) -> Any:
+    """The communicator the model's collectives use (``cfg.communicator``), started on every rank; the control
+    plane (step plans, aborts, heartbeats) stays on ``ctx.comm`` (MPI). Call it under ``run_agreed`` after
+    ``check_communicator`` agreed, so no rank enters the rendezvous alone."""
+    from splash.distributed import make_communicator
+    return make_communicator(cfg.communicator, ctx, cfg.parallel.backend)
+
+
+def check_communicator(cfg: ServeConfig) -> None:
+    """ConfigError naming ``parallel.communicator`` when this machine cannot run it (checked before any
+    collective)."""
+    from splash.distributed.launch import check_communicator as check
+    try:
+        check(cfg.communicator, cfg.parallel.backend)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"field 'parallel.communicator' = {cfg.communicator!r}: {e}") from None

@@ -1,10 +1,12 @@
 """Run under `mpiexec -n N`: checks every collective against values every rank can rebuild.
 
-Usage: collectives_worker.py [collectives|gloo]. Exits non-zero (MPI Abort) on any mismatch.
+Usage: collectives_worker.py collectives [mpi|torch]: every check on the MPI communicator or on the
+torch.distributed one (gloo here, started by init_torch_distributed's MPI rendezvous). Exits non-zero (MPI Abort) on any mismatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import sys
@@ -12,9 +14,16 @@ import traceback
 
 import torch
 
-from splash.distributed import Communicator, DistContext, init_dist, init_torch_distributed
+from splash.distributed import (
+    Communicator,
+    DistContext,
+    MPICommunicator,
+    TorchCommunicator,
+    init_dist,
+    make_communicator,
+)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64]
+DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.int64]
 TRAIL = (5, 3)
 
 
@@ -154,39 +163,38 @@ def check_objects(ctx: DistContext) -> None:
     comm.barrier()
 
 
-def run_collectives(ctx: DistContext) -> None:
+TENSOR_CHECKS = (check_all_reduce, check_all_gather, check_all_gatherv, check_all_to_allv, check_broadcast,
+                 check_async)
+
+
+def run_collectives(ctx: DistContext, kind: str = "mpi") -> None:
+    ctx = dataclasses.replace(ctx, comm=make_communicator(kind, ctx))
+    want = {"mpi": MPICommunicator, "torch": TorchCommunicator}[kind]
+    assert isinstance(ctx.comm, want), f"{kind}: got {type(ctx.comm).__name__}"
     check_objects(ctx)
     for dt in DTYPES:
-        for fn in (check_all_reduce, check_all_gather, check_all_gatherv,
-                   check_all_to_allv, check_broadcast, check_async):
+        for fn in TENSOR_CHECKS:
             fn(ctx.comm, dt)
     ctx.comm.barrier()
+    if kind == "torch":
+        import torch.distributed as dist
 
-
-def run_gloo(ctx: DistContext) -> None:
-    import torch.distributed as dist
-
-    init_torch_distributed(ctx, "gloo")
-    t = torch.tensor([float(ctx.rank + 1)])
-    dist.all_reduce(t)
-    n = ctx.world_size
-    assert t.item() == n * (n + 1) / 2, f"gloo all_reduce: {t.item()}"
-    assert dist.get_rank() == ctx.rank and dist.get_world_size() == n
-    dist.destroy_process_group()
+        assert dist.get_backend() == "gloo", dist.get_backend()
+        dist.destroy_process_group()
 
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "collectives"
     ctx = init_dist()
     try:
-        {"collectives": run_collectives, "gloo": run_gloo}[mode](ctx)
+        {"collectives": run_collectives}[mode](ctx, *sys.argv[2:])
     except BaseException:
         traceback.print_exc()
         print(f"rank {ctx.rank}: FAILED", file=sys.stderr, flush=True)
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
-    print(f"rank {ctx.rank}/{ctx.world_size}: {mode} OK", flush=True)
+    print(f"rank {ctx.rank}/{ctx.world_size}: {' '.join([mode, *sys.argv[2:]])} OK", flush=True)
 
 
 if __name__ == "__main__":

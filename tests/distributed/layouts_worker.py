@@ -1,6 +1,6 @@
 """Worker for test_layouts_dist: every layout on real ranks must reproduce the reference tokens and logits.
 
-argv: model_dir ref.pt kv_dtype layout[,layout...]
+argv: model_dir ref.pt kv_dtype layout[,layout...] [communicator: mpi (default) | torch]
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from splash.engine.llm import LLM
 from splash.engine.sampling import SamplingParams
 
 
-def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str) -> None:
+def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str, comm=None) -> None:
     llm = LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
-              num_kv_blocks=256)
+              num_kv_blocks=256, comm=comm)
     rank = llm.comm.rank
     for phase in ("a", "b"):
         prompts, max_tokens = ref[f"prompts_{phase}"], ref[f"max_tokens_{phase}"]
@@ -35,18 +35,20 @@ def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str) -> None:
     want = ref["probe_logits"]
     err = ((logits - want).abs().max() / want.abs().max()).item()
     assert err < 1e-4, f"{layout}: probe logits rel err {err}"
-    print(f"rank {rank}/{llm.comm.size} {layout} {kv_dtype} OK (logit rel err {err:.2e})", flush=True)
+    kind = type(llm.comm).__name__
+    print(f"rank {rank}/{llm.comm.size} {layout} {kv_dtype} OK ({kind}, logit rel err {err:.2e})", flush=True)
 
 
 def main() -> None:
     model_dir, ref_path, kv_dtype, layouts = sys.argv[1:5]
     ref = torch.load(ref_path)
+    comm = comm_from_argv(sys.argv[5:6])
     for layout in layouts.split(","):
-        check_layout(model_dir, ref, kv_dtype, layout)
+        check_layout(model_dir, ref, kv_dtype, layout, comm)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from mpi_util import run_worker
+    from mpi_util import comm_from_argv, run_worker
 
     run_worker(main)

@@ -64,3 +64,17 @@ def run_worker(main) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+
+
+def comm_from_argv(args: list[str]):
+    """A worker's data-plane communicator from an optional argv entry: "mpi" (or nothing) gives None, so each
+    LLM builds its own MPI communicator as it does by default; "torch" starts torch.distributed (gloo) once and
+    returns its TorchCommunicator, shared by every LLM the worker builds."""
+    kind = args[0] if args else "mpi"
+    if kind == "mpi":
+        return None
+    from splash.distributed import TorchCommunicator, init_dist, make_communicator
+
+    comm = make_communicator(kind, init_dist())
+    assert isinstance(comm, TorchCommunicator) or comm.size == 1, type(comm).__name__
+    return comm

@@ -1,8 +1,10 @@
 """Worker for test_switching: live/blocking layout switches mid-generation on real ranks change no token.
 
-argv: model_dir ref.pt mode [kv_dtype]
+argv: model_dir ref.pt mode [kv_dtype] [communicator: mpi (default) | torch] [alternate]
   mode "directions": all 12 src->dst directions, live and blocking, switched at a random step (step 1 is
-      mid-prefill of the chunked 30-token prompt), against transformers' tokens; pools end fully free.
+      mid-prefill of the chunked 30-token prompt), against transformers' tokens; pools end fully free. With
+      communicator torch the layers' and the switches' collectives run on torch.distributed (gloo here);
+      with "alternate" each direction runs in one mode (live, blocking, live, ...).
   mode "chain": random switches across all four layouts every few steps over a 64-step run, against the
       unswitched run with the same KV dtype.
   mode "defer": a switch into TP that the pool cannot hold is deferred; the run continues correctly.
@@ -54,27 +56,26 @@ def check_free(llm: LLM, what: str) -> None:
         assert all((r.cache.ikey[i] is not None) == r.cfg.has_indexer(i) for i in range(r.cfg.num_hidden_layers))
 
 
-def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256, layout_kv_dtypes=None) -> LLM:
+def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256, layout_kv_dtypes=None, comm=None) -> LLM:
     return LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
-               num_kv_blocks=blocks, switch_mode=mode, layout_kv_dtypes=layout_kv_dtypes)
+               num_kv_blocks=blocks, switch_mode=mode, layout_kv_dtypes=layout_kv_dtypes, comm=comm)
 
 
-def directions(model_dir, ref, rank_print) -> None:
+def directions(model_dir, ref, rank_print, comm=None, alternate=False) -> None:
+    """`alternate`: direction i runs in one mode only, live for even i, blocking for odd i (half the time)."""
     rng = random.Random(1234)
     want = [t[:m] for t, m in zip(ref["tokens_a"], ref["max_tokens_a"])]
-    for src in LAYOUTS:
-        for dst in LAYOUTS:
-            if src == dst:
-                continue
-            for mode in ("live", "blocking"):
-                at = rng.choice([1, 2, 5, 9, 14])
-                llm = make(model_dir, src, mode=mode)
-                got = drive(llm, ref["prompts_a"], ref["max_tokens_a"], {at: dst})
-                if got is not None:
-                    assert got == want, f"{src}->{dst} {mode} at step {at}: {got} != {want}"
-                assert llm.runner.layout == dst, f"{src}->{dst}: still {llm.runner.layout}"
-                check_free(llm, f"{src}->{dst} {mode}")
-                rank_print(f"{src}->{dst} {mode} OK")
+    pairs = [(s, d) for s in LAYOUTS for d in LAYOUTS if s != d]
+    for i, (src, dst) in enumerate(pairs):
+        for mode in (("live", "blocking")[i % 2],) if alternate else ("live", "blocking"):
+            at = rng.choice([1, 2, 5, 9, 14])
+            llm = make(model_dir, src, mode=mode, comm=comm)
+            got = drive(llm, ref["prompts_a"], ref["max_tokens_a"], {at: dst})
+            if got is not None:
+                assert got == want, f"{src}->{dst} {mode} at step {at}: {got} != {want}"
+            assert llm.runner.layout == dst, f"{src}->{dst}: still {llm.runner.layout}"
+            check_free(llm, f"{src}->{dst} {mode}")
+            rank_print(f"{src}->{dst} {mode} OK ({type(llm.comm).__name__})")
 
 
 def chain(model_dir, ref, kv_dtype, rank_print) -> None:
@@ -175,6 +176,8 @@ def convert(model_dir, ref, rank_print) -> None:
 
 
 def main() -> None:
+    from mpi_util import comm_from_argv
+
     model_dir, ref_path, mode = sys.argv[1:4]
     kv_dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
     ref = torch.load(ref_path)
@@ -185,7 +188,7 @@ def main() -> None:
         print(f"rank {rank}: {msg}", flush=True)
 
     if mode == "directions":
-        directions(model_dir, ref, rank_print)
+        directions(model_dir, ref, rank_print, comm_from_argv(sys.argv[5:6]), sys.argv[6:7] == ["alternate"])
     elif mode == "chain":
         chain(model_dir, ref, kv_dtype, rank_print)
     elif mode == "convert":

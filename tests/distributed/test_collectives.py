@@ -8,7 +8,7 @@ import pytest
 import torch
 from mpi_util import mpiexec_path, run_mpi
 
-from splash.distributed import Handle, SingleRankCommunicator, init_dist
+from splash.distributed import DistContext, Handle, SingleRankCommunicator, init_dist, make_communicator
 
 WORKER = "tests/distributed/collectives_worker.py"
 needs_mpi = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
@@ -22,14 +22,11 @@ def _assert_ok(proc, nprocs: int, mode: str) -> None:
 
 
 @needs_mpi
+@pytest.mark.parametrize("kind", ["mpi", "torch"])
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_collectives_real_ranks(nprocs):
-    _assert_ok(run_mpi(nprocs, WORKER, "collectives", timeout=120), nprocs, "collectives")
-
-
-@needs_mpi
-def test_init_torch_distributed_gloo():
-    _assert_ok(run_mpi(2, WORKER, "gloo", timeout=120), 2, "gloo")
+def test_collectives_real_ranks(nprocs, kind):
+    """The same checks on the MPI communicator and on the torch.distributed one (gloo on CPU)."""
+    _assert_ok(run_mpi(nprocs, WORKER, "collectives", kind, timeout=120), nprocs, f"collectives {kind}")
 
 
 def test_init_dist_without_mpirun():
@@ -70,3 +67,36 @@ def test_single_rank_rejects_bad_counts():
         comm.all_to_allv(x, [2, 2])
     with pytest.raises(ValueError):
         comm.all_gatherv(x, [5])
+
+
+def test_make_communicator_single_rank_and_errors():
+    ctx = init_dist()
+    assert make_communicator("mpi", ctx) is ctx.comm and make_communicator("torch", ctx) is ctx.comm
+    with pytest.raises(ValueError, match="'nccl2' is not one of mpi, torch"):
+        make_communicator("nccl2", ctx)
+    two = DistContext(rank=0, world_size=2, local_rank=0, comm=SingleRankCommunicator())
+    if not torch.cuda.is_available():  # asks for NCCL before any rendezvous
+        with pytest.raises(RuntimeError, match="needs NCCL/RCCL"):
+            make_communicator("torch", two, "cuda")
+
+
+def test_torch_communicator_one_rank_in_process():
+    """A TorchCommunicator over a one-rank gloo group (what a one-GPU check builds on nccl) passes the same
+    tensor checks as the real-rank runs."""
+    import torch.distributed as dist
+    from collectives_worker import DTYPES, TENSOR_CHECKS
+    from mpi4py import MPI
+
+    from splash.distributed import MPICommunicator, TorchCommunicator, init_torch_distributed
+
+    ctx = init_dist()
+    init_torch_distributed(ctx, "gloo")
+    try:
+        comm = TorchCommunicator(MPICommunicator(MPI.COMM_WORLD.Dup()))
+        assert (comm.rank, comm.size, comm.backend) == (0, 1, "gloo")
+        for dt in DTYPES:
+            for check in TENSOR_CHECKS:
+                check(comm, dt)
+        comm.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -45,14 +45,19 @@ def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
     return arch, model_dir, d / "ref.pt"
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 4])
-def test_every_layout_matches_transformers(reference, nprocs):
+@pytest.mark.parametrize("nprocs,communicator", [(1, "mpi"), (2, "mpi"), (4, "mpi"), (4, "torch")])
+def test_every_layout_matches_transformers(reference, nprocs, communicator):
+    """communicator torch: the data plane on torch.distributed (gloo here), the control plane on MPI."""
     arch, model_dir, ref = reference
     if nprocs not in ARCH_CASES[arch][4]:
         pytest.skip(f"{arch} on {nprocs} rank(s) is covered elsewhere")
+    if communicator == "torch" and arch != "deepseek_v3":
+        pytest.skip("the torch communicator is checked on one architecture")
     res = run_mpi(nprocs, "tests/distributed/layouts_worker.py", str(model_dir), str(ref), "float32", LAYOUTS,
-                  timeout=240)
+                  communicator, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
+    kind = {"mpi": "MPICommunicator" if nprocs > 1 else "SingleRankCommunicator", "torch": "TorchCommunicator"}
     for layout in LAYOUTS.split(","):
         for r in range(nprocs):
-            assert f"rank {r}/{nprocs} {layout} float32 OK" in res.stdout, res.stdout + res.stderr
+            want = f"rank {r}/{nprocs} {layout} float32 OK ({kind[communicator]}"
+            assert want in res.stdout, res.stdout + res.stderr

@@ -62,14 +62,20 @@ def _run(nprocs: int, reference, *args: str):
     return res.stdout
 
 
-# DSA cases are spread over the rank counts to keep the suite short (both layouts tests run each at -n 2 and -n 4)
-@pytest.mark.parametrize("variant,nprocs", [("moe_yarn", 2), ("moe_yarn", 4), ("v32_sparse", 2), ("glm_sparse", 4)])
-def test_all_directions_live_and_blocking(refs, variant, nprocs):
-    out = _run(nprocs, refs(variant), "directions")
-    for d in DIRECTIONS:
-        for mode in ("live", "blocking"):
+# DSA cases are spread over the rank counts to keep the suite short (both layouts tests run each at -n 2 and -n 4).
+# communicator torch: the layers' and switches' collectives on torch.distributed (gloo), control on MPI; to keep it
+# short each direction runs in one mode there (live and blocking alternate).
+@pytest.mark.parametrize("variant,nprocs,communicator", [("moe_yarn", 2, "mpi"), ("moe_yarn", 4, "mpi"),
+                                                         ("v32_sparse", 2, "mpi"), ("glm_sparse", 4, "mpi"),
+                                                         ("moe_yarn", 2, "torch")])
+def test_all_directions_live_and_blocking(refs, variant, nprocs, communicator):
+    torch_run = communicator == "torch"
+    out = _run(nprocs, refs(variant), "directions", "float32", communicator, *(["alternate"] if torch_run else []))
+    kind = {"mpi": "MPICommunicator", "torch": "TorchCommunicator"}[communicator]
+    for i, d in enumerate(DIRECTIONS):
+        for mode in (("live", "blocking")[i % 2],) if torch_run else ("live", "blocking"):
             for r in range(nprocs):
-                assert f"rank {r}: {d} {mode} OK" in out, out
+                assert f"rank {r}: {d} {mode} OK ({kind})" in out, out
 
 
 @pytest.mark.parametrize("nprocs,kv_dtype", [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"),

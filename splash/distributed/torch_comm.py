@@ -1,0 +1,206 @@
+"""Collectives over a torch.distributed process group: NCCL on CUDA torch, RCCL on ROCm torch, gloo on CPU.
+
+`TorchCommunicator` implements the `Communicator` interface on the tensor data plane and keeps MPI as the
+control plane: pickled objects (step plans, errors), row counts and barriers go over the MPI communicator the
+process group was rendezvoused on, so a count exchange never costs a device round trip and the watchdog /
+`StepChannel` still find an MPI communicator (`mpi_comm`) to poll and abort.
+
+What travels how (checked against torch 2.13's gloo, see tests/distributed):
+- every data-movement collective moves flat uint8 bytes, so bf16 / fp8 / int8 need no backend type
+  (gloo has no fp8 type at all);
+- all-gatherv pads each rank's rows to the largest count and all-gathers equal blocks (gloo's list
+  all-gather refuses uneven sizes); all-to-allv is `all_to_all_single` with byte split sizes;
+- all-reduce sums natively the dtypes MPI sums natively, plus fp16/bf16 on NCCL (its usual wire format);
+  anything else (fp8; bf16/fp16 on gloo, to match the MPI communicator bit for bit) is summed in float32
+  and cast back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from splash.distributed.communicator import (
+    _NATIVE_REDUCE,
+    Communicator,
+    Handle,
+    MPICommunicator,
+    _check_counts,
+    _rows,
+)
+
+_NCCL_REDUCE = _NATIVE_REDUCE | {torch.float16, torch.bfloat16}
+# equal-block all-gather into one tensor: torch 2.13 renamed all_gather_into_tensor (older GPU builds lack the new name)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Work:
+    """A torch.distributed `Work` seen through the Test()/Wait() protocol `Handle` polls."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def Test(self) -> bool:  # noqa: N802 — the mpi4py request protocol
+        return self._work.is_completed()
+
+    def Wait(self) -> None:  # noqa: N802
+        self._work.wait()
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view sharing memory with contiguous `t`."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+# A planned collective: run(async_op) issues it and returns the torch Work (or None); finish builds the result.
+_Plan = tuple[Callable[[bool], Any], Callable[[], torch.Tensor], tuple[Any, ...]]
+
+
+class TorchCommunicator(Communicator):
+    """Tensor collectives over the default torch.distributed group; objects, counts and barriers over `mpi`.
+
+    The group must span the same ranks in the same order as `mpi` (``init_torch_distributed`` builds it so).
+    """
+
+    def __init__(self, mpi: MPICommunicator, device: torch.device | str = "cpu") -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs torch.distributed initialised (init_torch_distributed)")
+        if (dist.get_rank(), dist.get_world_size()) != (mpi.rank, mpi.size):
+            raise RuntimeError(f"torch.distributed rank {dist.get_rank()}/{dist.get_world_size()} does not match "
+                               f"MPI rank {mpi.rank}/{mpi.size}")
+        self._mpi = mpi
+        self.device = torch.device(device)
+        self.backend = dist.get_backend()
+        self._reduce_native = _NCCL_REDUCE if self.backend == "nccl" else _NATIVE_REDUCE
+
+    @property
+    def rank(self) -> int:
+        return self._mpi.rank
+
+    @property
+    def size(self) -> int:
+        return self._mpi.size
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The MPI communicator of the control plane (StepChannel and the watchdog use it)."""
+        return self._mpi.mpi_comm
+
+    # --- plans shared by the blocking and nonblocking forms ---
+
+    def _plan_all_reduce(self, t: torch.Tensor) -> _Plan:
+        src = t.detach().contiguous()
+        work = src.clone() if src.dtype in self._reduce_native else src.to(torch.float32)
+        run = lambda a: dist.all_reduce(work, async_op=a)  # noqa: E731
+        return run, (lambda: work if work.dtype == t.dtype else work.to(t.dtype)), (work,)
+
+    def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
+        if t.dim() == 0:
+            raise ValueError("all_gatherv needs a tensor with a row dimension")
+        src = _rows(t)
+        if counts is None:
+            counts = self.gather_counts(src.shape[0])
+        _check_counts("counts", counts, self.size)
+        if counts[self.rank] != src.shape[0]:
+            raise ValueError(f"counts[{self.rank}]={counts[self.rank]} but tensor has {src.shape[0]} rows")
+        trail, most = src.shape[1:], max(counts)
+        if most == src.shape[0]:
+            block = src
+        else:  # pad to the largest count: every rank then contributes an equal block
+            block = torch.empty((most, *trail), dtype=src.dtype, device=src.device)
+            block[: src.shape[0]] = src
+        out = torch.empty((self.size * most, *trail), dtype=src.dtype, device=src.device)
+        run = lambda a: _all_gather_single(_u8(out), _u8(block), async_op=a)  # noqa: E731
+
+        def finish() -> torch.Tensor:
+            if all(c == most for c in counts):
+                return out
+            return torch.cat([out[q * most: q * most + c] for q, c in enumerate(counts)])
+
+        return run, finish, (block, out)
+
+    def _plan_all_to_allv(self, t: torch.Tensor, send_counts: Sequence[int],
+                          recv_counts: Sequence[int] | None) -> _Plan:
+        if t.dim() == 0:
+            raise ValueError("all_to_allv needs a tensor with a row dimension")
+        src = _rows(t)
+        _check_counts("send_counts", send_counts, self.size, src.shape[0])
+        if recv_counts is None:
+            recv_counts = self.exchange_counts(send_counts)
+        _check_counts("recv_counts", recv_counts, self.size)
+        row = math.prod(src.shape[1:]) * src.element_size()
+        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
+        sb, rb = [c * row for c in send_counts], [c * row for c in recv_counts]
+        run = lambda a: dist.all_to_all_single(_u8(out), _u8(src), rb, sb, async_op=a)  # noqa: E731
+        return run, (lambda: out), (src, out)
+
+    @staticmethod
+    def _blocking(plan: _Plan) -> torch.Tensor:
+        run, finish, _ = plan
+        run(False)
+        return finish()
+
+    @staticmethod
+    def _async(plan: _Plan) -> Handle:
+        run, finish, keep = plan
+        return Handle(_Work(run(True)), finish, keep)
+
+    # --- blocking ---
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return self._blocking(self._plan_all_reduce(t))
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        src = _rows(t)
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        _all_gather_single(_u8(out), _u8(src))
+        return out
+
+    def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
+        return self._blocking(self._plan_all_gatherv(t, counts))
+
+    def all_to_allv(self, t, send_counts, recv_counts=None) -> torch.Tensor:
+        return self._blocking(self._plan_all_to_allv(t, send_counts, recv_counts))
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root} out of range for size {self.size}")
+        src = t.detach().contiguous()
+        buf = src if self.rank == root else torch.empty_like(src)
+        dist.broadcast(_u8(buf), src=root)
+        return buf
+
+    # --- nonblocking (count exchanges, when needed, are blocking and go over MPI) ---
+
+    def iall_reduce(self, t: torch.Tensor) -> Handle:
+        return self._async(self._plan_all_reduce(t))
+
+    def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
+        return self._async(self._plan_all_gatherv(t, counts))
+
+    def iall_to_allv(self, t, send_counts, recv_counts=None) -> Handle:
+        return self._async(self._plan_all_to_allv(t, send_counts, recv_counts))
+
+    # --- control plane: MPI ---
+
+    def gather_counts(self, n: int) -> list[int]:
+        return self._mpi.gather_counts(n)
+
+    def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
+        return self._mpi.exchange_counts(send_counts)
+
+    def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
+        return self._mpi.broadcast_obj(obj, root)
+
+    def all_gather_obj(self, obj: Any) -> list[Any]:
+        return self._mpi.all_gather_obj(obj)
+
+    def barrier(self) -> None:
+        """Every rank has reached this point and this rank's issued collectives have finished on its device."""
+        if self.device.type == "cuda":  # ROCm torch reports its GPUs as "cuda" too
+            torch.cuda.synchronize(self.device)
+        self._mpi.barrier()
