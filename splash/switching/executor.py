@@ -85,7 +85,7 @@ class SwitchExecutor:
         kv = None
         if any(self.send_counts) or any(self.recv_counts):
             data = r.cache.pack_blocks(layer, self.send_phys) if self.send_phys else \
-                torch.empty(0, r.cache.block_bytes(layer), dtype=torch.uint8)
+                torch.empty(0, r.cache.block_bytes(layer), dtype=torch.uint8, device=r.cache.device)
             kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
         w = None
         if self.w_action == ALL_GATHER:
