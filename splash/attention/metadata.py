@@ -34,6 +34,7 @@ class AttnMetadata:
     logical: torch.Tensor        # [R, P] int32: logical block of each page
     write_rows: torch.Tensor     # [W] int64
     write_slots: torch.Tensor    # [W] int64
+    cp: bool = False             # CP placement: a request's pages here are every T-th block (not contiguous)
     _csr: tuple | None = field(default=None, repr=False)
     _lens: tuple | None = field(default=None, repr=False)
 
@@ -112,4 +113,4 @@ def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, in
         col, w_req = blk[w_rows] // world, row_req[w_rows]
     w_slots = tables.pages[req_rows[w_req], col].long() * bs + q_pos[w_rows] % bs
     return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, tables.npages[req_rows], ends,
-                        tables.pages, tables.logical, w_rows, w_slots)
+                        tables.pages, tables.logical, w_rows, w_slots, cp is not None)

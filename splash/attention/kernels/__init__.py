@@ -1,6 +1,7 @@
 """The MLA attention-kernel interface every layout uses, and the implementations behind it (chosen by name).
 
-    kernel = make_kernel(name, softmax_scale)       # "torch" (CPU reference) or "triton" (our Triton kernels)
+    kernel = make_kernel(name, softmax_scale)       # "torch" (CPU reference), "triton" (our Triton kernels),
+                                                    # "flashinfer" (CUDA) or "aiter" (ROCm): backends/cuda, hip
     kernel.plan(metadata)                           # once per step (splash.attention.metadata.AttnMetadata)
     o_latent, lse = kernel.run(layer, q_latent, q_rope, cache)   # per layer
 
@@ -10,6 +11,10 @@ heads H); `cache` is the rank's `PagedLatentCache`, read in place through the pa
 latent output õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, õ = 0 for a row that sees no key
 here), so CP's and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode
 rows go in one call. A kernel whose native LSE is base 2 converts inside its wrapper.
+
+The vendor kernels (flashinfer, aiter) live with their backends (backends/cuda, backends/hip) and are imported
+only when named; where a layer or step is outside their limits they run our Triton kernel instead
+(splash.attention.kernels.external lists the conversions at the boundary and the fallbacks).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-KERNELS = ("torch", "triton")
+KERNELS = ("torch", "triton", "flashinfer", "aiter")
 
 
 class AttentionKernel(Protocol):
@@ -36,4 +41,16 @@ def make_kernel(name: str, softmax_scale: float) -> AttentionKernel:
     if name == "triton":
         from splash.attention.kernels.triton_mla import TritonMLAKernel
         return TritonMLAKernel(softmax_scale)
+    if name in ("flashinfer", "aiter"):
+        from backends import INSTALL_HINT, missing_packages
+        missing = missing_packages(name)
+        if missing:
+            raise ValueError(f"attention_backend {name!r} is not available here: it needs {', '.join(missing)} ("
+                             + "; ".join(INSTALL_HINT.get(p, p) for p in missing) + ")")
+    if name == "flashinfer":
+        from backends.cuda.flashinfer_mla import FlashInferMLAKernel
+        return FlashInferMLAKernel(softmax_scale)
+    if name == "aiter":
+        from backends.hip.aiter_mla import AiterMLAKernel
+        return AiterMLAKernel(softmax_scale)
     raise ValueError(f"attention_backend {name!r} is not available here (built: {', '.join(KERNELS)})")
