@@ -36,6 +36,9 @@ class NullStreams:
     def wait(self, event: Any) -> None:
         return None
 
+    def hand_over(self, obj: Any) -> None:
+        return None
+
     def synchronize(self) -> None:
         return None
 
@@ -66,6 +69,14 @@ class DeviceStreams:
     def wait(self, event: Any) -> None:
         if event is not None:
             self.compute.wait_event(event)
+
+    def hand_over(self, obj: Any) -> None:
+        """Tensors made on the side stream that the compute stream keeps using (received weights): tell the
+        caching allocator, so their memory is not reused before the compute stream is done with them."""
+        from splash.models.weights import _leaves
+        for t in _leaves(obj):
+            if t.is_cuda:
+                t.record_stream(self.compute)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -30,6 +30,10 @@ PRESETS["small-mla"] = {**PRESETS["tiny-mla"], "hidden_size": 512, "intermediate
                         "moe_intermediate_size": 256, "num_attention_heads": 16, "num_key_value_heads": 16,
                         "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
                         "v_head_dim": 64}
+# the vendor kernels' shapes (512 latent + 64 rope, 16 heads) in a small model: scripts/gpu-check.sh's serve smoke
+PRESETS["gpu-smoke-mla"] = {**PRESETS["tiny-mla"], "hidden_size": 256, "num_hidden_layers": 2,
+                            "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 192,
+                            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
 
 
 def preset_names() -> list[str]:
