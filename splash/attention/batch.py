@@ -26,7 +26,8 @@ class StepBatch:
     sample_rows: list[int]    # rows whose logits are needed (last row of each request that samples)
 
     @classmethod
-    def build(cls, reqs: list[StepRequest], tokens: list[list[int]], sample: list[bool]) -> "StepBatch":
+    def build(cls, reqs: list[StepRequest], tokens: list[list[int]], sample: list[bool],
+              device="cpu") -> "StepBatch":
         ids, pos, rows, r = [], [], [], 0
         for q, t, s in zip(reqs, tokens, sample):
             assert len(t) == q.num_new, (q, len(t))
@@ -35,7 +36,8 @@ class StepBatch:
             r += q.num_new
             if s:
                 rows.append(r - 1)
-        return cls(reqs, torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), rows)
+        return cls(reqs, torch.tensor(ids, dtype=torch.long, device=device),
+                   torch.tensor(pos, dtype=torch.long, device=device), rows)
 
     @property
     def num_rows(self) -> int:

@@ -24,7 +24,9 @@ class OwnerGroups:
             if q.owner == rank:
                 mine.append(q)
         flat = [i for r in rows for i in r]
-        return cls(mine, torch.tensor(rows[rank], dtype=torch.long), torch.tensor(flat, dtype=torch.long),
+        dev = batch.token_ids.device
+        return cls(mine, torch.tensor(rows[rank], dtype=torch.long, device=dev),
+                   torch.tensor(flat, dtype=torch.long, device=dev),
                    [len(r) for r in rows])
 
     def to_step_order(self, grouped: torch.Tensor) -> torch.Tensor:

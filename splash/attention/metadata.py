@@ -37,6 +37,7 @@ class AttnMetadata:
     write_slots: torch.Tensor    # [W] int64
     # DSA: per layer, the top-k selection of each row (splash.attention.dsa.SparseSelection; None: dense)
     sparse: dict = field(default_factory=dict)
+    cp: bool = False             # CP placement: a request's pages here are every T-th block (not contiguous)
     _csr: tuple | None = field(default=None, repr=False)
     _lens: tuple | None = field(default=None, repr=False)
 
@@ -71,8 +72,9 @@ class AttnMetadata:
         if self._csr is None:
             n = self.num_pages.long()
             width = int(n.max()) if n.numel() else 0
-            take = torch.arange(width)[None, :] < n[:, None]
-            indptr = torch.zeros(len(n) + 1, dtype=torch.int32)
+            dev = n.device
+            take = torch.arange(width, device=dev)[None, :] < n[:, None]
+            indptr = torch.zeros(len(n) + 1, dtype=torch.int32, device=dev)
             torch.cumsum(n, 0, out=indptr[1:])
             self._csr = (indptr, self.pages[self.req_rows, :width][take], self.logical[self.req_rows, :width][take])
         return self._csr
@@ -89,27 +91,29 @@ def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, in
     known = tables._row
     rows = [known[i] if i in known else tables.row(i) for i in (q.req_id for q in reqs)]
     q_lens = [q.num_new for q in reqs]
-    starts = torch.tensor([q.start_pos for q in reqs], dtype=torch.long)
-    req_rows = torch.tensor(rows, dtype=torch.long)
+    dev = tables.pages.device
+    starts = torch.tensor([q.start_pos for q in reqs], dtype=torch.long, device=dev)
+    req_rows = torch.tensor(rows, dtype=torch.long, device=dev)
     b = len(reqs)
     if sum(q_lens) == b:  # pure decode: one row per request
-        qo, row_req, q_pos, ends = torch.arange(b + 1), torch.arange(b), starts, starts + 1
+        qo, row_req, q_pos, ends = (torch.arange(b + 1, device=dev), torch.arange(b, device=dev), starts,
+                                    starts + 1)
     else:
-        lens = torch.tensor(q_lens, dtype=torch.long)
-        qo = torch.zeros(b + 1, dtype=torch.long)
+        lens = torch.tensor(q_lens, dtype=torch.long, device=dev)
+        qo = torch.zeros(b + 1, dtype=torch.long, device=dev)
         torch.cumsum(lens, 0, out=qo[1:])
         n = int(qo[-1])
-        row_req = torch.repeat_interleave(torch.arange(b), lens, output_size=n)
-        q_pos = starts[row_req] + torch.arange(n) - qo[:-1][row_req]
+        row_req = torch.repeat_interleave(torch.arange(b, device=dev), lens, output_size=n)
+        q_pos = starts[row_req] + torch.arange(n, device=dev) - qo[:-1][row_req]
         ends = starts + lens
     blk = q_pos // bs
     if cp is None:
-        w_rows, col, w_req = torch.arange(len(q_pos)), blk, row_req   # every row's KV is stored here
+        w_rows, col, w_req = torch.arange(len(q_pos), device=dev), blk, row_req   # every row's KV is stored here
     else:
         world, rank = cp
-        anchors = torch.tensor([q.owner for q in reqs], dtype=torch.long)
+        anchors = torch.tensor([q.owner for q in reqs], dtype=torch.long, device=dev)
         w_rows = torch.nonzero((blk + anchors[row_req]) % world == rank).squeeze(1)
         col, w_req = blk[w_rows] // world, row_req[w_rows]
     w_slots = tables.pages[req_rows[w_req], col].long() * bs + q_pos[w_rows] % bs
     return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, tables.npages[req_rows], ends,
-                        tables.pages, tables.logical, w_rows, w_slots)
+                        tables.pages, tables.logical, w_rows, w_slots, cp is not None)

@@ -67,10 +67,12 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      "quantise a BF16/FP32 checkpoint's linear weights at load (fp8: 128x128 blocks, int8: per channel); "
      "FP8/INT8 checkpoints stay quantised without it"),
     (("--backend",), "backend", str, BACKENDS, None,
-     "device backend; only cpu (MPI) is implemented: cuda and hip are refused at startup"),
+     "device backend: cpu, cuda (NVIDIA), hip (AMD/DCU) or auto (what this machine has); start fails (exit 2) "
+     "naming what is missing; cuda/hip are not verified on hardware yet (docs/backends.md)"),
     (("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS, None,
-     "MLA attention kernel: torch (reference, CPU) or triton (our paged split-KV kernels); "
-     "flashinfer and aiter are not built yet"),
+     "MLA attention kernel: torch (reference), triton (our paged split-KV kernel), flashinfer (cuda) or aiter "
+     "(hip); flashinfer/aiter fall back to triton where their constraints fail (GPU kernels not yet verified on "
+     "hardware, docs/backends.md)"),
     (("--communicator",), "communicator", str, COMMUNICATORS, None,
      "tensor collectives: mpi (mpi4py) or torch (torch.distributed: gloo on cpu; NCCL/RCCL on GPU builds of "
      "torch); step plans and aborts stay on MPI; default: mpi on cpu, torch on cuda/hip"),
@@ -88,7 +90,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      ("auto",) + KV_CACHE_DTYPES, None, "KV cache storage dtype; auto = compute dtype"),
     (("--block-size",), "block_size", int, None, "N", "tokens per KV cache page"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, None, "F",
-     "GPU backends (not implemented yet); unused on cpu, where --kv-cache-memory-bytes sets the KV budget"),
+     "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
+     "(splash.layouts.device_budget); unused on cpu, where --kv-cache-memory-bytes sets the KV budget"),
     (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", _size, None, "BYTES",
      "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
     (("--num-kv-blocks",), "num_kv_blocks", int, None, "N", "exact number of KV pages per rank"),
@@ -146,6 +149,9 @@ def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="YAML", default=None,
                         help="serving config file (sections model/parallel/layout/cache/scheduler/server); "
                              "without it every field has its default")
+    parser.add_argument("--check", action="store_true", default=argparse.SUPPRESS,
+                        help="validate the config on this machine and print what would run (model, ranks, "
+                             "layouts, backend, memory budget), then exit; run it without mpirun")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flags, name, kind, choices, metavar, text in FLAGS:
         section = FIELD_SECTION[name]
@@ -168,6 +174,7 @@ def build_config(argv: Sequence[str] | None = None) -> ServeConfig:
     """
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config", None)
+    args.pop("check", None)
     cfg = load_serve_config(path) if path is not None else ServeConfig()
     return apply_overrides(cfg, args, source="command line") if args else cfg
 

@@ -82,6 +82,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = startup.run_agreed(comm, lambda: _load_config(argv, rank))
         startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
+        cfg, backend = startup.run_agreed(comm, lambda: startup.resolve_backend(cfg, ctx.local_rank))
         startup.run_agreed(comm, lambda: startup.check_communicator(cfg))
         data_comm = startup.run_agreed(comm, lambda: startup.data_communicator(cfg, ctx))  # MPI or torch
         sock, token = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
@@ -92,7 +93,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
         step_comm = StepChannel(comm)
         _set_threads(hosts.count(hosts[rank]))
-        built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, data_comm, step_comm, console))
+        built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, data_comm, step_comm, console, backend))
     except ConfigError:
         if rank != 0:
             raise _QuietExit() from None
@@ -133,6 +134,10 @@ _guarded = main_guard(_serve)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``splash-serve`` (pyproject ``[project.scripts]``)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--check" in args and "--help" not in args and "-h" not in args:
+        from splash.cli.check import run_check
+        return main_guard(run_check)(args)
     try:
         return _guarded(argv)
     except _QuietExit:

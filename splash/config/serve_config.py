@@ -30,13 +30,13 @@ from splash.models.config import ConfigError
 
 LAYOUTS = LAYOUT_NAMES
 HARDWARE_PROFILES = ("cpu", "h200", "b200", "bw1000")
-BACKENDS = ("cpu", "cuda", "hip")
+BACKENDS = ("cpu", "cuda", "hip", "auto")   # auto: what the machine has (backends.detect), resolved at start
 COMMUNICATORS = ("mpi", "torch")  # data plane: mpi4py, or torch.distributed (gloo on cpu, NCCL / RCCL on GPUs)
 ATTENTION_BACKENDS = ("torch", "flashinfer", "aiter", "triton")
 # which attention kernels each device backend can run (None = the backend's default)
 _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashinfer", "triton"),
-                          "hip": ("torch", "aiter", "triton")}
-_DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter"}
+                          "hip": ("torch", "aiter", "triton"), "auto": ATTENTION_BACKENDS}
+_DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter", "auto": "torch"}
 KV_CACHE_DTYPES = KV_DTYPES
 
 

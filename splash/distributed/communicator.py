@@ -139,12 +139,12 @@ class Communicator(abc.ABC):
     # Count helpers, built on the collectives above.
     def gather_counts(self, n: int) -> list[int]:
         """Every rank's `n`, in rank order (the counts `all_gatherv` would exchange)."""
-        return self.all_gather(torch.tensor([n], dtype=torch.int64)).tolist()
+        return self.all_gather(torch.tensor([n], dtype=torch.int64, device="cpu")).tolist()
 
     def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
         """Rows each source rank will send here (the counts `all_to_allv` would exchange)."""
         ones = [1] * self.size
-        sc = torch.tensor(list(send_counts), dtype=torch.int64)
+        sc = torch.tensor(list(send_counts), dtype=torch.int64, device="cpu")
         return self.all_to_allv(sc, ones, ones).tolist()
 
 
@@ -263,7 +263,7 @@ class MPICommunicator(Communicator):
         if counts[self._rank] != src.shape[0]:
             raise ValueError(f"counts[{self._rank}]={counts[self._rank]} but tensor has {src.shape[0]} rows")
         row = math.prod(src.shape[1:]) * src.element_size()
-        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype)
+        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
         nbytes = [c * row for c in counts]
         byte = self._MPI.BYTE
         args = ([_bytes(src), byte], [_bytes(out), (nbytes, _displs(nbytes)), byte])
@@ -280,7 +280,7 @@ class MPICommunicator(Communicator):
             recv_counts = self.exchange_counts(send_counts)
         _check_counts("recv_counts", recv_counts, self._size)
         row = math.prod(src.shape[1:]) * src.element_size()
-        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype)
+        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
         sb = [c * row for c in send_counts]
         rb = [c * row for c in recv_counts]
         byte = self._MPI.BYTE
@@ -296,7 +296,7 @@ class MPICommunicator(Communicator):
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = _rows(t)
-        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=src.dtype)
+        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
         self._comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
         return out
 

@@ -54,7 +54,7 @@ class Engine:
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.params: dict[str, SamplingParams] = {}
-        self.sampler = Sampler(runner.cfg.vocab_size)
+        self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, list] = {}   # req_id -> [prompt TokenLogprobs so far, delivered]
         self.failed: list[tuple[str, Exception]] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
@@ -262,7 +262,8 @@ class Engine:
         items = msg.items
         switch = self._switch_executor(msg.switch)
         reqs = [StepRequest(it.req_id, it.start_pos, len(it.tokens), it.owner) for it in items]
-        batch = StepBatch.build(reqs, [list(it.tokens) for it in items], [it.sample for it in items])
+        batch = StepBatch.build(reqs, [list(it.tokens) for it in items], [it.sample for it in items],
+                                getattr(self.runner, "device", "cpu"))
         if msg.logits:   # prompt-logprob rows: logits of these items' rows follow the sampled rows
             ranges = batch.row_ranges()
             batch.sample_rows = batch.sample_rows + [r for i in msg.logits

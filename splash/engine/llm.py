@@ -96,7 +96,7 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live",
                  layout_kv_dtypes: dict[str, str] | None = None, comm=None, quantization: str | None = None,
                  attention_backend: str = "torch", allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
-                 hardware_profile: str | None = "cpu", switch_margin: float = 0.10):
+                 hardware_profile: str | None = "cpu", switch_margin: float = 0.10, device: str = "cpu"):
         """`layout` pins a layout (the engine stays there unless `engine.request_layout` moves it) or is
         "auto": start in TP (DP-attn when the world does not divide the heads) and let the cost-model scheduler
         on `hardware_profile` switch among `allowed_layouts`. `layout_kv_dtypes` gives a layout its own KV dtype
@@ -104,7 +104,7 @@ class LLM:
         keeps its block count on a switch. `quantization` ("fp8" | "int8", vLLM's name) quantises a plain
         checkpoint's linear weights at load; FP8 and INT8 checkpoints stay quantised without it
         (splash.models.qweight). `attention_backend` names the MLA attention kernel (splash.attention.kernels:
-        torch or triton)."""
+        torch or triton). `device` is where every tensor of the engine lives (a backend's device, e.g. "cuda:0")."""
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm
@@ -120,7 +120,7 @@ class LLM:
             torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization)
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
-                                  layout_kv_dtypes, attention_backend)
+                                  layout_kv_dtypes, attention_backend, device=device)
         self.engine = Engine(self.runner, comm, blocks, max_num_seqs, max_num_batched_tokens,
                              preemption_mode, max_model_len, switch_mode, tuple(allowed_layouts),
                              hardware_profile=hardware_profile if auto else None, switch_margin=switch_margin)

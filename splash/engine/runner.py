@@ -16,7 +16,7 @@ from splash.kv.block_manager import BlockManager
 from splash.kv.page_table import PageTable
 from splash.kv.paged_cache import PagedLatentCache
 from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
-from splash.models.build import build_weights
+from splash.models.build import build_weights, on_device
 from splash.models.config import ModelConfig
 from splash.models.deepseek import DeepseekV3Model
 
@@ -44,26 +44,32 @@ def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None =
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, get, comm, layout: str = "tp", kv_dtype: str = "float32",
                  block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
-                 layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch"):
+                 layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch",
+                 device: str | torch.device = "cpu", streams=None):
         from splash.attention.executors import head_range_for, make_executor
         from splash.attention.kernels import make_kernel
         from splash.layouts.layout import parse_layout
 
         layout = parse_layout(layout).value
         self.cfg, self.comm, self.layout = cfg, comm, layout
+        # every tensor of this rank lives on `device`; `streams` (backends.base) runs switch transfers on a side
+        # stream (None: inline, as on CPU)
+        self.device, self.streams = torch.device(device), streams
         self.layout_kv_dtypes = resolve_layout_kv_dtypes(kv_dtype, layout_kv_dtypes)
         # the current layout's KV dtype (a switch sets the destination's)
         self.block_size, self.kv_dtype, self.dtype = block_size, self.layout_kv_dtypes[layout], dtype
         self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
-        self.weights = build_weights(cfg, get, self.heads, comm.rank, comm.size)
+        self.weights = build_weights(cfg, on_device(get, self.device), self.heads, comm.rank, comm.size)
         q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
         self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
-        self.model = DeepseekV3Model(cfg, self.weights, comm)
+        self.model = DeepseekV3Model(cfg, self.weights, comm, self.device)
         self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
                                       cfg.qk_rope_head_dim, self.kv_dtype, index_dim=cfg.index_head_dim,
-                                      index_layers=[i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)])
+                                      index_layers=[i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)],
+                                      device=self.device)
         self.bm = BlockManager(num_blocks, block_size)
-        self.tables = PageTable(block_size)   # the block manager's tables as tensors, for the attention kernel
+        # the block manager's tables as tensors, for the attention kernel
+        self.tables = PageTable(block_size, device=self.device)
         self.attention_backend = attention_backend
         self.attn = make_kernel(attention_backend, cfg.softmax_scale)
         self.executor = make_executor(layout, self)
@@ -100,7 +106,7 @@ class ModelRunner:
                 for layer in range(self.cfg.num_hidden_layers):
                     switch.before_layer(layer)
                 switch.end()
-            return torch.empty(0, self.cfg.vocab_size)
+            return torch.empty(0, self.cfg.vocab_size, device=self.device)
         self.executor.prepare(batch)
         hidden = self.model.forward(batch, self.executor, before)
         if switch is not None:

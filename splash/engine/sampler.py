@@ -70,35 +70,37 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     if not targets:
         return []
     lp = torch.log_softmax(logits.float(), -1)
-    return logprob_rows(lp, torch.tensor(targets, dtype=torch.long), [k] * len(targets))
+    return logprob_rows(lp, torch.tensor(targets, dtype=torch.long, device=lp.device), [k] * len(targets))
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, shared: torch.Generator | None = None) -> None:
-        self.vocab = vocab_size
+    def __init__(self, vocab_size: int, shared: torch.Generator | None = None, device="cpu") -> None:
+        """`device`: where the logits arrive (the engine's device); per-request state and generators live there."""
+        self.vocab, self.device = vocab_size, torch.device(device)
         self.states: dict[str, _State] = {}
         if shared is None:
-            shared = torch.Generator()
+            shared = torch.Generator(device=self.device)
             shared.seed()
         self.shared = shared
 
     def add(self, req_id: str, prompt: list[int], params: SamplingParams, stop_ids) -> None:
         """Register a request (ValueError for a logit_bias token outside the vocabulary)."""
-        V = self.vocab
+        V, dev = self.vocab, self.device
         bad = next((t for t, _ in params.logit_bias if not 0 <= t < V), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {V})")
         bias_ids = bias_vals = prompt_mask = counts = None
         if params.logit_bias:
-            bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
-            bias_vals = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+            bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=dev)
+            bias_vals = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=dev)
         if params.repetition_penalty != 1:
-            prompt_mask = torch.zeros(V, dtype=torch.bool)
-            prompt_mask[torch.tensor([t for t in prompt if 0 <= t < V], dtype=torch.long)] = True
+            prompt_mask = torch.zeros(V, dtype=torch.bool, device=dev)
+            prompt_mask[torch.tensor([t for t in prompt if 0 <= t < V], dtype=torch.long, device=dev)] = True
         if params.penalised:
-            counts = torch.zeros(V, dtype=torch.float32)
-        stops = torch.tensor(sorted(t for t in stop_ids if 0 <= t < V), dtype=torch.long)
-        self.states[req_id] = _State(params, make_generator(params), stops, bias_ids, bias_vals, prompt_mask, counts)
+            counts = torch.zeros(V, dtype=torch.float32, device=dev)
+        stops = torch.tensor(sorted(t for t in stop_ids if 0 <= t < V), dtype=torch.long, device=dev)
+        self.states[req_id] = _State(params, make_generator(params, dev), stops, bias_ids, bias_vals, prompt_mask,
+                                     counts)
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -113,8 +115,8 @@ class Sampler:
         self._penalties(x, st)
         rand = [i for i, s in enumerate(st) if not s.params.greedy]   # temperature < SAMPLING_EPS: greedy
         if rand:
-            rows = torch.tensor(rand, dtype=torch.long)
-            temps = torch.tensor([st[i].params.temperature for i in rand], dtype=torch.float32)
+            rows = torch.tensor(rand, dtype=torch.long, device=x.device)
+            temps = torch.tensor([st[i].params.temperature for i in rand], dtype=torch.float32, device=x.device)
             x[rows] = self._truncate(x[rows] / temps[:, None], [st[i] for i in rand])
         return x
 
@@ -127,12 +129,12 @@ class Sampler:
         tokens = x.argmax(-1)
         rand = [i for i, s in enumerate(st) if not s.params.greedy]   # temperature < SAMPLING_EPS: greedy
         if rand:
-            rows = torch.tensor(rand, dtype=torch.long)
+            rows = torch.tensor(rand, dtype=torch.long, device=x.device)
             tokens[rows] = self._race(torch.softmax(x[rows], -1), [st[i] for i in rand])
         want = [i for i, s in enumerate(st) if s.params.logprobs is not None]
         lps: list[TokenLogprobs | None] = [None] * len(st)
         if want:
-            rows = torch.tensor(want, dtype=torch.long)
+            rows = torch.tensor(want, dtype=torch.long, device=x.device)
             got = logprob_rows(torch.log_softmax(x[rows], -1), tokens[rows], [st[i].params.logprobs for i in want])
             for i, t in zip(want, got):
                 lps[i] = t
@@ -164,35 +166,35 @@ class Sampler:
         idx = [i for i, s in enumerate(st) if s.counts is not None]
         if not idx:
             return
-        rows = torch.tensor(idx, dtype=torch.long)
+        rows = torch.tensor(idx, dtype=torch.long, device=x.device)
         ps = [st[i].params for i in idx]
         counts = torch.stack([st[i].counts for i in idx])
         seen = counts > 0
         xs = x[rows]
         if any(p.repetition_penalty != 1 for p in ps):
-            none = torch.zeros(self.vocab, dtype=torch.bool)
+            none = torch.zeros(self.vocab, dtype=torch.bool, device=x.device)
             prompt = torch.stack([st[i].prompt_mask if st[i].prompt_mask is not None else none for i in idx])
-            rep = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32)[:, None]
-            pen = torch.where(prompt | seen, rep, torch.ones(()))
+            rep = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=x.device)[:, None]
+            pen = torch.where(prompt | seen, rep, torch.ones((), device=x.device))
             xs = torch.where(xs > 0, xs / pen, xs * pen)
-        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=x.device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=x.device)[:, None]
         x[rows] = xs - freq * counts - pres * seen
 
     @staticmethod
     def _truncate(x: torch.Tensor, st: list[_State]) -> torch.Tensor:
         """min_p, then top_k, then top_p (renormalised after top_k): masked logits become -inf."""
         n, V = x.shape
-        min_p = torch.tensor([s.params.min_p for s in st], dtype=torch.float32)
+        min_p = torch.tensor([s.params.min_p for s in st], dtype=torch.float32, device=x.device)
         if bool((min_p > 0).any()):
             probs = torch.softmax(x, -1)
             x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
-        k = torch.tensor([s.params.top_k if s.params.top_k > 0 else V for s in st], dtype=torch.long)
-        top_p = torch.tensor([s.params.top_p for s in st], dtype=torch.float32)
+        k = torch.tensor([s.params.top_k if s.params.top_k > 0 else V for s in st], dtype=torch.long, device=x.device)
+        top_p = torch.tensor([s.params.top_p for s in st], dtype=torch.float32, device=x.device)
         if not bool((k < V).any() or (top_p < 1).any()):
             return x
         sx, idx = x.sort(-1, descending=True)
-        sx = sx.masked_fill(torch.arange(V)[None, :] >= k[:, None], float("-inf"))
+        sx = sx.masked_fill(torch.arange(V, device=x.device)[None, :] >= k[:, None], float("-inf"))
         sp = torch.softmax(sx, -1)
         before = sp.cumsum(-1) - sp           # mass of the better tokens: the first token always stays
         sx = sx.masked_fill((before >= top_p[:, None]) & (top_p < 1)[:, None], float("-inf"))

@@ -78,12 +78,12 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
     """A private generator for a seeded random request; None for greedy and unseeded requests (those draw from
     the sampler's shared generator)."""
     if params.greedy or params.seed is None:
         return None
-    g = torch.Generator()
+    g = torch.Generator(device=device)
     g.manual_seed(params.seed)
     return g
 
@@ -92,7 +92,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     """One token from logits [V] (no penalties: there is no history): the batch sampler on one row."""
     from splash.engine.sampler import Sampler
 
-    s = Sampler(logits.shape[-1], shared=gen)
+    s = Sampler(logits.shape[-1], shared=gen, device=logits.device)
     s.add("r", [], params, ())
     if gen is not None:
         s.states["r"].gen = gen

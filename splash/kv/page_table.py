@@ -68,11 +68,13 @@ class PageTable:
         if not self._pending:
             return
         self._fit_cols(max(c for _, c, _, _ in self._pending) + 1)
-        rows, cols, logical, phys = (torch.tensor(x, dtype=torch.long) for x in zip(*self._pending))
+        rows, cols, logical, phys = (torch.tensor(x, dtype=torch.long, device=self.device)
+                                     for x in zip(*self._pending))
         self.logical[rows, cols] = logical.to(torch.int32)
         self.pages[rows, cols] = phys.to(torch.int32)
         counts = {r: c + 1 for r, c, _, _ in self._pending}   # a row's last queued column is its largest
-        self.npages[torch.tensor(list(counts))] = torch.tensor(list(counts.values()), dtype=torch.int32)
+        self.npages[torch.tensor(list(counts), device=self.device)] = torch.tensor(
+            list(counts.values()), dtype=torch.int32, device=self.device)
         self._pending = []
 
     @torch.inference_mode()
@@ -85,8 +87,8 @@ class PageTable:
         self.flush()
         r = self.row(req)
         self._fit_cols(len(items))
-        self.logical[r, :len(items)] = torch.tensor([b for b, _ in items], dtype=torch.int32)
-        self.pages[r, :len(items)] = torch.tensor([p for _, p in items], dtype=torch.int32)
+        self.logical[r, :len(items)] = torch.tensor([b for b, _ in items], dtype=torch.int32, device=self.device)
+        self.pages[r, :len(items)] = torch.tensor([p for _, p in items], dtype=torch.int32, device=self.device)
         self._set_count(req, r, len(items), items[-1][0])
 
     @torch.inference_mode()

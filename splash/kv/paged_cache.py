@@ -134,13 +134,13 @@ class PagedLatentCache:
     # ---- block transfer ----------------------------------------------------------------------------------
     def pack_blocks(self, layer: int, phys: list[int]) -> torch.Tensor:
         """Raw bytes of the given blocks in the layer's current format: uint8 [len(phys), block_bytes(layer)]."""
-        idx = torch.as_tensor(phys, dtype=torch.long)
+        idx = torch.as_tensor(phys, dtype=torch.long, device=self.device)
         rows = [p[idx].reshape(len(phys), -1).contiguous().view(torch.uint8) for p in self._parts(layer)]
-        return torch.cat(rows, dim=1) if rows else torch.empty(0, 0, dtype=torch.uint8)
+        return torch.cat(rows, dim=1) if rows else torch.empty(0, 0, dtype=torch.uint8, device=self.device)
 
     def unpack_blocks(self, layer: int, phys: list[int], data: torch.Tensor) -> None:
         """Inverse of pack_blocks: write raw bytes (in the layer's current format) into the given blocks."""
-        idx = torch.as_tensor(phys, dtype=torch.long)
+        idx = torch.as_tensor(phys, dtype=torch.long, device=self.device)
         off = 0
         for p in self._parts(layer):
             width = p[0].numel() * p.element_size()

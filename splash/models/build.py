@@ -1,16 +1,31 @@
 """Assemble a rank's ModelWeights from a tensor getter (checkpoint or preset)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
 from splash.models.config import ConfigError, ModelConfig
 from splash.models.indexer import load_indexer
+from splash.models.qweight import QuantWeight
 from splash.models.weights import (LayerWeights, ModelWeights, attention_from_full, mlp_from_full,
                                    moe_from_full)
 
 Getter = Callable[[str], torch.Tensor]
+
+
+def on_device(get: Getter, device) -> Getter:
+    """`get` whose tensors (and quantised weights' data + scales) are moved to `device` as they are read, so
+    sharding, stacking and quantised-weight slicing all happen there (one full tensor at a time)."""
+    def moved(name: str):
+        w = get(name)
+        if isinstance(w, torch.Tensor):
+            return w.to(device)
+        if isinstance(w, QuantWeight):
+            return dataclasses.replace(w, data=w.data.to(device), scale=w.scale.to(device))
+        return w
+    return moved
 
 
 def check_ffn_shardable(cfg: ModelConfig, shards: int) -> None:

@@ -20,11 +20,12 @@ class AttentionExecutor(Protocol):
 
 
 class DeepseekV3Model:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, comm):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, comm, device=None):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         self.cfg, self.w, self.comm = cfg, weights, comm
-        self.rope = Rope(cfg)
+        self.device = device if device is not None else weights.embed.device
+        self.rope = Rope(cfg, self.device)
 
     def _ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         fw = self.w.layers[layer].ffn
@@ -44,7 +45,7 @@ class DeepseekV3Model:
                 before_layer(i)
             x = x + attn.attention(i, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), cos, sin)
             x = x + self._ffn(i, rms_norm(x, lw.post_norm, cfg.rms_norm_eps))
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long)
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=x.device)
         return rms_norm(x[rows], self.w.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

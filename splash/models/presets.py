@@ -30,6 +30,10 @@ PRESETS["small-mla"] = {**PRESETS["tiny-mla"], "hidden_size": 512, "intermediate
                         "moe_intermediate_size": 256, "num_attention_heads": 16, "num_key_value_heads": 16,
                         "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64,
                         "v_head_dim": 64}
+# the vendor kernels' shapes (512 latent + 64 rope, 16 heads) in a small model: scripts/gpu-check.sh's serve smoke
+PRESETS["gpu-smoke-mla"] = {**PRESETS["tiny-mla"], "hidden_size": 256, "num_hidden_layers": 2,
+                            "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 192,
+                            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
 
 
 def preset_names() -> list[str]:
@@ -45,17 +49,18 @@ def preset_config(name: str) -> ModelConfig:
 def preset_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random weights, scaled so activations stay O(1) and logits are well separated."""
     cfg = preset_config(name)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)   # made on the host (the runner moves weights to its device)
+    cpu = dict(device="cpu")
     out = {}
     for key, shape in sorted(expected_shapes(cfg).items()):
         if key.endswith("norm.weight"):
-            out[key] = torch.ones(shape)
+            out[key] = torch.ones(shape, **cpu)
         elif key.endswith("e_score_correction_bias"):
-            out[key] = 0.01 * torch.randn(shape, generator=g)
+            out[key] = 0.01 * torch.randn(shape, generator=g, **cpu)
         elif key == "model.embed_tokens.weight":
-            out[key] = torch.randn(shape, generator=g)
+            out[key] = torch.randn(shape, generator=g, **cpu)
         else:
-            out[key] = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+            out[key] = torch.randn(shape, generator=g, **cpu) / shape[-1] ** 0.5
     return out
 
 

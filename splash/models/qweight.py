@@ -95,7 +95,7 @@ def _merge_scales(parts: list[QuantWeight], dim: int) -> torch.Tensor:
     total = sum(p.data.shape[dim] for p in parts)
     other = parts[0].scale.shape[1 - dim]
     n = _blocks(off, total)[1]
-    out = torch.empty((n, other) if dim == 0 else (other, n), dtype=torch.float32)
+    out = torch.empty((n, other) if dim == 0 else (other, n), dtype=torch.float32, device=parts[0].scale.device)
     g = off
     for p in parts:
         b0 = g // BLOCK - off // BLOCK
@@ -165,7 +165,7 @@ def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, inn = w.shape
     bo, bi = -(-out // BLOCK), -(-inn // BLOCK)
     wf = w.float()
-    padded = torch.zeros(bo * BLOCK, bi * BLOCK)
+    padded = torch.zeros(bo * BLOCK, bi * BLOCK, device=w.device)
     padded[:out, :inn] = wf.abs()
     amax = padded.view(bo, BLOCK, bi, BLOCK).amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))

@@ -8,7 +8,7 @@ import torch
 from splash.models.config import ModelConfig, RopeConfig, yarn_mscale
 
 
-def _yarn_inv_freq(r: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(r: RopeConfig, dim: int, device) -> tuple[torch.Tensor, float]:
     def corr_dim(rot: float) -> float:
         return dim * math.log(r.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(r.theta))
 
@@ -18,8 +18,8 @@ def _yarn_inv_freq(r: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = r.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = r.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     extra = 1.0 - ramp  # share of the extrapolated (unscaled) frequency
     inv_freq = (1.0 / (r.factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     if r.attention_factor is not None:
@@ -34,14 +34,15 @@ def _yarn_inv_freq(r: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 class Rope:
     """Computes cos/sin per position and rotates the rope part of queries and keys."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device="cpu"):
         dim = cfg.qk_rope_head_dim
         self.dim = dim
         self.interleave = cfg.rope_interleave
         if cfg.rope.rope_type == "yarn":
-            self.inv_freq, self.scale = _yarn_inv_freq(cfg.rope, dim)
+            self.inv_freq, self.scale = _yarn_inv_freq(cfg.rope, dim, device)
         else:
-            self.inv_freq = 1.0 / (cfg.rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            self.inv_freq = 1.0 / (cfg.rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device)
+                                                      / dim))
             self.scale = 1.0
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

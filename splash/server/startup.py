@@ -47,9 +47,22 @@ def check_parallel(cfg: ServeConfig, world_size: int) -> None:
     ws = cfg.parallel.world_size
     if ws is not None and ws != world_size:
         raise ConfigError(f"field 'parallel.world_size' = {ws} but mpirun started {world_size} rank(s)")
-    if cfg.parallel.backend != "cpu":
-        raise ConfigError(f"field 'parallel.backend' = {cfg.parallel.backend!r}: this build serves on the cpu "
-                          "backend only (the cuda/hip backends are not implemented yet)")
+
+
+def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any]:
+    """(cfg with `parallel.backend: auto` resolved, the rank's Backend): a backend, attention kernel or package
+    this machine lacks is a ConfigError naming it (splash-serve exits 2 with it) — before any model is read."""
+    import backends
+    from splash.config.serve_config import apply_overrides
+
+    backend = backends.get_backend(cfg.parallel.backend, local_rank)
+    if backend.name != cfg.parallel.backend:
+        cfg = apply_overrides(cfg, {"backend": backend.name}, source="parallel.backend: auto")
+    try:
+        backends.check_attention(backend.name, cfg.attention_backend)
+    except backends.BackendUnavailable as e:
+        raise backends.BackendUnavailable(f"field 'parallel.attention_backend': {e}") from None
+    return cfg, backend
 
 
 def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = None) -> str:
@@ -157,8 +170,33 @@ def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[
     return counted
 
 
-def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None) -> Built:
-    """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``)."""
+def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int:
+    """Per-rank KV budget: cache.kv_cache_memory_bytes when given; else on a GPU the device memory budget from
+    cache.gpu_memory_utilization (splash.layouts.device_budget, measured free/total memory); else the cpu default."""
+    c = cfg.cache
+    info = backend.memory_info() if backend is not None else None
+    if c.kv_cache_memory_bytes or info is None:
+        return c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+    from splash.engine.llm import pool_kv_dtype
+    from splash.engine.runner import resolve_layout_kv_dtypes
+    from splash.layouts.device_budget import device_memory_budget
+
+    free, total = info
+    kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
+    s = cfg.scheduler
+    try:
+        b = device_memory_budget(mcfg, world, total, c.gpu_memory_utilization, weight_bytes, kv, c.block_size,
+                                 s.max_num_batched_tokens, s.max_num_seqs, in_use_bytes=total - free,
+                                 layouts=tuple(cfg.layout.allowed_layouts),
+                                 weight_quant=cfg.model.quantization or mcfg.quantization)
+    except ValueError as e:
+        raise ConfigError(f"field 'cache.gpu_memory_utilization': {e}") from None
+    return b.kv_pool_bytes
+
+
+def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None, backend: Any = None) -> Built:
+    """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``); tensors live on
+    `backend`'s device (cpu without one)."""
     from splash.engine.engine import Engine
     from splash.engine.llm import DTYPES, kv_blocks_per_layout, load_model, pool_kv_dtype
     from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
@@ -178,7 +216,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError(str(e)) from None
     per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
         mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size,
-        c.kv_cache_memory_bytes or DEFAULT_KV_BYTES, torch.finfo(dtype).bits // 8,
+        kv_budget_bytes(cfg, mcfg, comm.size, backend, torch.finfo(dtype).bits // 8), torch.finfo(dtype).bits // 8,
         weight_quant=cfg.model.quantization or mcfg.quantization)
     blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
@@ -190,7 +228,9 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         advance = ticker.__enter__() if ticker else (lambda: None)
         try:
             runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, c.block_size, blocks,
-                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend)
+                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend,
+                                 device=backend.device if backend is not None else "cpu",
+                                 streams=backend.streams() if backend is not None else None)
         except ValueError as e:
             raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
     finally:

@@ -5,6 +5,11 @@ state (KV blocks through a nonblocking all-to-all, projections through a nonbloc
 while layer l computes, and layer l waits only for its own. Blocking mode moves every layer first, then runs —
 the baseline every overhead figure is compared with.
 
+Streams (GPU): each layer's transfer — packing, the collectives, unpacking into the pool / weights — is issued on
+the backend's side stream (`runner.streams`, backends.base.DeviceStreams) and ends with an event; the compute
+stream waits on that event right before the layer runs, so layer l+1's transfer overlaps layer l's compute and
+is ordered before layer l+1. On CPU (`NullStreams`, or no `runner.streams`) every stream call is a no-op.
+
 KV format: when the destination stores KV in another dtype (manifest ``kv_format`` = ``convert``), each layer's
 blocks move in the source format (both sides still hold that layer in it) and the layer is then converted in
 place of its old tensors — live: right before the layer runs; blocking: every layer before the step.
@@ -15,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from backends.base import NullStreams
 from splash.attention.executors import head_range_for, make_executor
 from splash.switching import weights_transfer as wt
 from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
@@ -29,6 +35,7 @@ class SwitchExecutor:
         self.pending_free: list[int] = []
         self.to_convert: set[int] = set(range(manifest.num_layers)) if manifest.converts_kv else set()
         self.held: list[int] = []
+        self.streams = getattr(runner, "streams", None) or NullStreams()
 
     # ---- set-up at the step boundary ------------------------------------------------------------------
     def begin(self) -> None:
@@ -81,27 +88,33 @@ class SwitchExecutor:
 
     # ---- per layer ----------------------------------------------------------------------------------------
     def _start(self, layer: int) -> None:
+        """Issue `layer`'s transfer on the side stream (packing reads the layer as the compute stream left it)."""
         r = self.r
-        kv = None
-        if any(self.send_counts) or any(self.recv_counts):
-            data = r.cache.pack_blocks(layer, self.send_phys) if self.send_phys else \
-                torch.empty(0, r.cache.block_bytes(layer), dtype=torch.uint8)
-            kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
-        w = None
-        if self.w_action == ALL_GATHER:
-            w = r.comm.iall_gatherv(wt.pack_shard(r.weights.layers[layer].attn))
+        kv = w = None
+        with self.streams.side():
+            if any(self.send_counts) or any(self.recv_counts):
+                data = r.cache.pack_blocks(layer, self.send_phys) if self.send_phys else \
+                    torch.empty(0, r.cache.block_bytes(layer), dtype=torch.uint8, device=r.cache.device)
+                kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
+            if self.w_action == ALL_GATHER:
+                w = r.comm.iall_gatherv(wt.pack_shard(r.weights.layers[layer].attn))
         self.handles[layer] = (kv, w)
 
     def _finish(self, layer: int) -> None:
+        """Land `layer`'s state (on the side stream) and make the compute stream wait for it."""
         kv, w = self.handles.pop(layer)
         r = self.r
-        if kv is not None:
-            data = kv.wait()
-            if self.recv_phys:
-                r.cache.unpack_blocks(layer, self.recv_phys, data)
-        if w is not None:
-            lw = r.weights.layers[layer]
-            lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
+        with self.streams.side():
+            if kv is not None:
+                data = kv.wait()
+                if self.recv_phys:
+                    r.cache.unpack_blocks(layer, self.recv_phys, data)
+            if w is not None:
+                lw = r.weights.layers[layer]
+                lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
+                self.streams.hand_over(lw.attn)
+            event = self.streams.record()
+        self.streams.wait(event)
 
     def _convert(self, layer: int) -> None:
         """Re-store `layer`'s held blocks in the destination's KV dtype (after its moves landed; only this

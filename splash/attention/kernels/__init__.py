@@ -1,6 +1,7 @@
 """The MLA attention-kernel interface every layout uses, and the implementations behind it (chosen by name).
 
-    kernel = make_kernel(name, softmax_scale)       # "torch" (CPU reference) or "triton" (our Triton kernels)
+    kernel = make_kernel(name, softmax_scale)       # "torch" (CPU reference), "triton" (our Triton kernels),
+                                                    # "flashinfer" (CUDA) or "aiter" (ROCm): backends/cuda, hip
     kernel.plan(metadata)                           # once per step (splash.attention.metadata.AttnMetadata)
     o_latent, lse = kernel.run(layer, q_latent, q_rope, cache)   # per layer
 
@@ -11,6 +12,10 @@ latent output õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, �
 here), so CP's and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode
 rows go in one call. A kernel whose native LSE is base 2 converts inside its wrapper. A DSA layer whose rows
 have a top-k selection (`meta.sparse[layer]`, splash.attention.dsa) attends only the selected slots.
+
+The vendor kernels (flashinfer, aiter) live with their backends (backends/cuda, backends/hip) and are imported
+only when named; where a layer or step is outside their limits they run our Triton kernel instead
+(splash.attention.kernels.external lists the conversions at the boundary and the fallbacks).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-KERNELS = ("torch", "triton")
+KERNELS = ("torch", "triton", "flashinfer", "aiter")
 
 
 class AttentionKernel(Protocol):
@@ -37,4 +42,16 @@ def make_kernel(name: str, softmax_scale: float) -> AttentionKernel:
     if name == "triton":
         from splash.attention.kernels.triton_mla import TritonMLAKernel
         return TritonMLAKernel(softmax_scale)
+    if name in ("flashinfer", "aiter"):
+        from backends import INSTALL_HINT, missing_packages
+        missing = missing_packages(name)
+        if missing:
+            raise ValueError(f"attention_backend {name!r} is not available here: it needs {', '.join(missing)} ("
+                             + "; ".join(INSTALL_HINT.get(p, p) for p in missing) + ")")
+    if name == "flashinfer":
+        from backends.cuda.flashinfer_mla import FlashInferMLAKernel
+        return FlashInferMLAKernel(softmax_scale)
+    if name == "aiter":
+        from backends.hip.aiter_mla import AiterMLAKernel
+        return AiterMLAKernel(softmax_scale)
     raise ValueError(f"attention_backend {name!r} is not available here (built: {', '.join(KERNELS)})")

@@ -61,18 +61,20 @@ class TorchMLAKernel:
         self.meta, self.groups, self._index, self._index_bytes = meta, [], {}, 0
         lens = meta.q_lens
         npg = meta.num_pages.tolist()
+        dev = meta.num_pages.device
         dec = [i for i, n in enumerate(lens) if n == 1]
         if dec:
             everyone = len(dec) == len(lens)
-            idx = torch.arange(len(dec)) if everyone else torch.tensor(dec, dtype=torch.long)
+            idx = torch.arange(len(dec), device=dev) if everyone else torch.tensor(dec, dtype=torch.long, device=dev)
             counts = [npg[i] for i in dec]
             self.groups.append(_Group(idx, idx if everyone else meta.qo_indptr[idx].long(), 1, None,
                                       sorted(counts), max(counts), everyone))
         qo = meta.qo_indptr.tolist() if len(dec) < len(lens) else None
         for i, n in enumerate(lens):
             if n > 1:
-                self.groups.append(_Group(torch.tensor([i]), torch.arange(qo[i], qo[i + 1]), n,
-                                          torch.zeros(1, dtype=torch.long), [npg[i]], npg[i], len(lens) == 1))
+                self.groups.append(_Group(torch.tensor([i], device=dev), torch.arange(qo[i], qo[i + 1], device=dev), n,
+                                          torch.zeros(1, dtype=torch.long, device=dev), [npg[i]], npg[i],
+                                          len(lens) == 1))
 
     def _dtype(self, cache, layer: int) -> torch.dtype:
         if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and cache.kv_dtype_of(layer) != "float32"
@@ -112,11 +114,12 @@ class TorchMLAKernel:
                 g.order = torch.sort(self.meta.num_pages[g.reqs], descending=True, stable=True).indices
             rows = g.rows if single else g.rows.view(len(g.reqs), g.q)[g.order].reshape(-1)
             if o is None:
-                o = torch.zeros(n, h, d_c, dtype=torch.float32)
-                lse = torch.full((n, h), float("-inf"), dtype=torch.float32)
+                o = torch.zeros(n, h, d_c, dtype=torch.float32, device=q_latent.device)
+                lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
             o[rows], lse[rows] = self._attend(gi, g, layer, q_latent[rows], q_rope[rows], cache, C, single)
         if o is None:  # no request at all
-            return torch.zeros(n, h, d_c), torch.full((n, h), float("-inf"))
+            dev = q_latent.device
+            return torch.zeros(n, h, d_c, device=dev), torch.full((n, h), float("-inf"), device=dev)
         return o, lse
 
     def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, C: int,
@@ -128,9 +131,10 @@ class TorchMLAKernel:
         qr = qr.reshape(G, g.q * h, d_r).to(dt)
         if single:
             return self._attend_once(gi, g, layer, ql, qr, cache, dt)
-        m = torch.full((G, g.q * h, 1), float("-inf"))
-        s = torch.zeros(G, g.q * h, 1)
-        acc = torch.zeros(G, g.q * h, d_c)
+        dev = ql.device
+        m = torch.full((G, g.q * h, 1), float("-inf"), device=dev)
+        s = torch.zeros(G, g.q * h, 1, device=dev)
+        acc = torch.zeros(G, g.q * h, d_c, device=dev)
         for j in range(0, g.max_pages, C):
             a = G - bisect_left(g.npages, j + 1)   # requests holding more than j pages: a prefix
             pid, hidden = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
@@ -156,7 +160,8 @@ class TorchMLAKernel:
         G, h, d_c = len(g.reqs), ql.shape[1] // g.q, ql.shape[2]
         pid, hidden = self._chunk_index(gi, g, g.reqs, 0, g.max_pages, G)
         if pid.shape[1] == 0:  # no page of these requests here (a CP rank holding none of them)
-            return (torch.zeros(G * g.q, h, d_c), torch.full((G * g.q, h), float("-inf")))
+            dev = ql.device
+            return (torch.zeros(G * g.q, h, d_c, device=dev), torch.full((G * g.q, h), float("-inf"), device=dev))
         c, kpe, raw = _read_pages(cache, layer, pid, dt)
         sc = torch.baddbmm(torch.bmm(qr, kpe.transpose(1, 2)), ql, c.transpose(1, 2)).float()
         sc.mul_(self.scale).view(G, g.q, h, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
@@ -182,10 +187,11 @@ class TorchMLAKernel:
         rows = meta.req_rows[reqs]
         cols = slice(j, min(j + C, meta.pages.shape[1]))
         pid = meta.pages[rows, cols].long()
-        held = (torch.arange(cols.start, cols.stop)[None, :] < meta.num_pages[reqs].long()[:, None])
+        dev = pid.device
+        held = (torch.arange(cols.start, cols.stop, device=dev)[None, :] < meta.num_pages[reqs].long()[:, None])
         pid = pid * held
-        kpos = (meta.logical[rows, cols].long()[:, :, None] * bs + torch.arange(bs)).view(a, -1)
-        qpos = meta.q_pos[(meta.qo_indptr[reqs].long()[:, None] + torch.arange(g.q))]   # [a, Q]
+        kpos = (meta.logical[rows, cols].long()[:, :, None] * bs + torch.arange(bs, device=dev)).view(a, -1)
+        qpos = meta.q_pos[(meta.qo_indptr[reqs].long()[:, None] + torch.arange(g.q, device=dev))]   # [a, Q]
         hidden = (~held[:, :, None].expand(-1, -1, bs).reshape(a, -1)[:, None, :]
                   | (kpos[:, None, :] > qpos[:, :, None]))        # keys a query row must not see
         size = pid.numel() * 8 + hidden.numel()

@@ -1,0 +1,91 @@
+"""Device backends by name: ``cpu``, ``cuda`` (NVIDIA), ``hip`` (AMD ROCm / Hygon DCU) and ``auto``.
+
+    backend = get_backend("auto", local_rank)   # a Backend: device, streams, memory, attention kernels
+
+Imports are lazy: this module and ``backends.base`` import only the standard library and torch; the GPU
+packages (flashinfer, aiter, triton) are imported by the attention kernel that needs them, never here, so a CPU
+install never imports them. Asking for a backend the machine cannot run raises ``BackendUnavailable`` (a
+``ConfigError``: splash-serve prints it and exits 2) naming the missing piece: the GPU, a CUDA/ROCm build of
+torch, or the extra to install (``pip install 'splash[cuda]'`` / ``'splash[hip]'``).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from backends.base import Backend, BackendUnavailable
+
+NAMES = ("cpu", "cuda", "hip", "auto")
+# the attention kernels each backend can run, its default, and the Python packages each kernel needs
+ATTENTION = {"cpu": ("torch", "triton"), "cuda": ("flashinfer", "triton", "torch"),
+             "hip": ("aiter", "triton", "torch")}
+KERNEL_PACKAGES = {"torch": (), "triton": ("triton",), "flashinfer": ("flashinfer", "triton"),
+                   "aiter": ("aiter", "triton")}
+INSTALL_HINT = {"triton": "pip install 'splash[cuda]' (or 'splash[hip]'): triton",
+                "flashinfer": "pip install 'splash[cuda]': flashinfer-python",
+                "aiter": "AITER is not on PyPI: build it from https://github.com/ROCm/aiter (see docs/backends.md)"}
+
+__all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "detect", "get_backend", "missing_packages"]
+
+
+def _torch_gpu() -> tuple[str | None, int]:
+    """('cuda' | 'hip' | None, visible device count) of the installed torch build."""
+    import torch
+    vendor = "hip" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else None
+    count = torch.cuda.device_count() if vendor and torch.cuda.is_available() else 0
+    return vendor, count
+
+
+def detect() -> str:
+    """What `auto` means here: 'cuda' or 'hip' when torch sees a GPU of that vendor, else 'cpu'."""
+    vendor, count = _torch_gpu()
+    return vendor if vendor and count else "cpu"
+
+
+def missing_packages(kernel: str) -> list[str]:
+    """Packages `kernel` needs that are not installed (found without importing them)."""
+    return [p for p in KERNEL_PACKAGES.get(kernel, ()) if importlib.util.find_spec(p) is None]
+
+
+def _check_gpu(name: str) -> int:
+    import torch
+    vendor, count = _torch_gpu()
+    label = {"cuda": "an NVIDIA GPU and a CUDA build of torch", "hip": "an AMD/Hygon GPU and a ROCm build of torch"}
+    if vendor != name:
+        build = "a CPU-only build" if vendor is None else f"a {'ROCm' if vendor == 'hip' else 'CUDA'} build"
+        raise BackendUnavailable(f"backend {name!r} needs {label[name]}; this torch {torch.__version__} is {build} "
+                                 f"(install the {'ROCm' if name == 'hip' else 'CUDA'} build of torch)")
+    if count == 0:
+        raise BackendUnavailable(f"backend {name!r} needs {label[name]}; torch {torch.__version__} is a "
+                                 f"{'ROCm' if name == 'hip' else 'CUDA'} build but sees no GPU here "
+                                 "(check the driver and CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+    return count
+
+
+def get_backend(name: str, local_rank: int = 0, attention: str | None = None) -> Backend:
+    """The backend `name` for the rank with node-local index `local_rank` (its GPU is local_rank % GPUs).
+
+    `attention` (a kernel name) is checked too: BackendUnavailable when the backend cannot run it or a package
+    it needs is missing."""
+    if name not in NAMES:
+        raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(NAMES)})")
+    if name == "auto":
+        name = detect()
+    if name == "cpu":
+        backend = Backend("cpu", "cpu")
+    else:
+        count = _check_gpu(name)
+        backend = Backend(name, f"cuda:{local_rank % count}")
+    if attention is not None:
+        check_attention(backend.name, attention)
+    return backend
+
+
+def check_attention(backend: str, attention: str) -> None:
+    if attention not in ATTENTION[backend]:
+        raise BackendUnavailable(f"attention backend {attention!r} does not run on backend {backend!r} "
+                                 f"(choose from {', '.join(ATTENTION[backend])})")
+    missing = missing_packages(attention)
+    if missing:
+        hints = "; ".join(INSTALL_HINT.get(p, f"pip install {p}") for p in missing)
+        raise BackendUnavailable(f"attention backend {attention!r} needs {', '.join(missing)}, which is not "
+                                 f"installed ({hints})")

@@ -1,0 +1,123 @@
+"""The Backend object: a device, its streams and its memory (no GPU package imported here).
+
+`Backend.streams()` gives the switch executor a side stream for layer l+1's transfer while layer l computes:
+
+    s = backend.streams()
+    with s.side():              # work issued here goes to the side stream (CUDA/HIP), inline on CPU
+        ... start layer l+1's transfer ...
+        ev = s.record()         # an event at the end of that work
+    s.wait(ev)                  # the compute stream waits for it before layer l+1 reads the state
+
+On CPU every call is a no-op (there is one stream), so the same code runs everywhere.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from splash.models.config import ConfigError
+
+
+class BackendUnavailable(ConfigError):
+    """The backend (or an attention kernel, or a package it needs) cannot run on this machine."""
+
+
+class NullStreams:
+    """CPU: one stream; recording and waiting do nothing."""
+    device = None
+
+    def side(self):
+        return nullcontext()
+
+    def record(self) -> None:
+        return None
+
+    def wait(self, event: Any) -> None:
+        return None
+
+    def hand_over(self, obj: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class DeviceStreams:
+    """CUDA/HIP: one side stream for transfers; events order it before the layer that reads what it moved.
+
+    Tensors allocated on the side stream and used on the compute stream must be `record_stream`-ed (or kept
+    alive until the event is waited on); the switch executor keeps its handles until `_finish`."""
+
+    def __init__(self, device: Any):
+        import torch
+        self.torch, self.device = torch, device
+        self.compute = torch.cuda.current_stream(device)
+        self.stream = torch.cuda.Stream(device=device)
+
+    @contextmanager
+    def side(self):
+        self.stream.wait_stream(self.compute)   # the transfer reads state the compute stream wrote before
+        with self.torch.cuda.stream(self.stream):
+            yield self.stream
+
+    def record(self) -> Any:
+        ev = self.torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            self.compute.wait_event(event)
+
+    def hand_over(self, obj: Any) -> None:
+        """Tensors made on the side stream that the compute stream keeps using (received weights): tell the
+        caching allocator, so their memory is not reused before the compute stream is done with them."""
+        from splash.models.weights import _leaves
+        for t in _leaves(obj):
+            if t.is_cuda:
+                t.record_stream(self.compute)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str                  # cpu | cuda | hip
+    device_name: str           # "cpu" or "cuda:N" (ROCm devices are torch "cuda" devices too)
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def device(self):
+        import torch
+        return torch.device(self.device_name)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name != "cpu"
+
+    def streams(self):
+        """Side-stream helper for switch transfers (one per backend object)."""
+        if "streams" not in self._cache:
+            self._cache["streams"] = DeviceStreams(self.device) if self.is_gpu else NullStreams()
+        return self._cache["streams"]
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) device bytes; None on CPU (no device memory to measure: budgets come from the config)."""
+        if not self.is_gpu:
+            return None
+        import torch
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def describe(self) -> str:
+        if not self.is_gpu:
+            return "cpu"
+        import torch
+        return f"{self.name} {self.device_name} ({torch.cuda.get_device_name(self.device)})"
+
+    def synchronize(self) -> None:
+        if self.is_gpu:
+            import torch
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,81 @@
+"""What the vendor attention kernels (FlashInfer, AITER) share behind our kernel interface: the boundary.
+
+Our interface (splash.attention.kernels): `plan(meta)` once per step, `run(layer, q_latent, q_rope, cache)` per
+layer → (õ fp32 [N, H, d_c], natural-log LSE fp32 [N, H]) over the paged latent cache with ckv [blocks, page,
+d_c] and kpe [blocks, page, d_r] in separate tensors. Where a vendor kernel differs, the wrapper converts here:
+- LSE base: FlashInfer returns log2(Σ 2^x) unless asked for base e → `lse_to_natural` multiplies by ln 2.
+- page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer → `fused_pages` gathers
+  the step's pages of one layer into it (a copy of the KV read per layer: it doubles KV traffic; a fused pool
+  layout would remove it, not done) and `remap_tables` renumbers the requests' pages into that buffer.
+- FP8 / INT8 KV: our quantised pool stores the latent as fp8/int8 with one fp32 scale per token per 128 values
+  and the rope key in bf16; neither vendor path reads that (FlashInfer's FP8 wants fp8 rope keys with a
+  per-tensor scale, SM90 only; AITER a per-tensor scale), so quantised layers run our Triton kernel, which
+  dequantises in place. So do CP steps (a rank's pages are every T-th block: the vendors' causal masks assume
+  contiguous positions) and shapes outside a vendor's limits (`Fallback` records why, once per reason).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+LN2 = math.log(2.0)
+_log = logging.getLogger("splash.attention")
+
+
+def lse_to_natural(lse: torch.Tensor, base2: bool) -> torch.Tensor:
+    """fp32 natural-log LSE from a kernel's LSE (base 2 when `base2`): ln Σ e^s = ln 2 · log2 Σ 2^(s / ln 2)."""
+    lse = lse.float()
+    return lse * LN2 if base2 else lse
+
+
+def fused_pages(cache, layer: int, kv_indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[P, page, d_c + d_r] in `dtype`: the pages `kv_indices` of one layer with latent and rope key side by side
+    (an unquantised layer only)."""
+    idx = kv_indices.long()
+    ckv, kpe = cache.ckv[layer].index_select(0, idx), cache.kpe[layer].index_select(0, idx)
+    return torch.cat([ckv.to(dtype), kpe.to(dtype)], dim=-1)
+
+
+def remap_tables(kv_indptr: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """Block tables [B, max pages] into the fused buffer: request b's j-th page is row kv_indptr[b] + j (padding
+    columns repeat the request's first page; kernels read only up to its length)."""
+    ptr = kv_indptr.long()
+    n = ptr[1:] - ptr[:-1]
+    width = max(1, int(n.max())) if num_reqs else 1
+    cols = torch.arange(width, device=ptr.device)[None, :]
+    return (ptr[:-1, None] + torch.where(cols < n[:, None], cols, torch.zeros_like(cols))).to(torch.int32)
+
+
+def pad_heads(q: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """q [N, H, D] with H padded (zeros) up to a multiple of `multiple`; returns (padded, H)."""
+    h = q.shape[1]
+    want = -(-h // multiple) * multiple
+    if want == h:
+        return q, h
+    pad = torch.zeros(q.shape[0], want - h, q.shape[2], dtype=q.dtype, device=q.device)
+    return torch.cat([q, pad], dim=1), h
+
+
+class Fallback:
+    """Our Triton kernel for what a vendor kernel cannot run (created and planned only when first needed)."""
+
+    def __init__(self, softmax_scale: float, owner: str):
+        self.scale, self.owner, self.kernel, self.meta, self.planned = softmax_scale, owner, None, None, False
+        self.reasons: dict[str, int] = {}
+
+    def plan(self, meta) -> None:
+        self.meta, self.planned = meta, False
+
+    def run(self, reason: str, layer: int, q_latent, q_rope, cache):
+        if reason not in self.reasons:
+            _log.info("%s attention: %s; using the triton kernel there", self.owner, reason)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if self.kernel is None:
+            from splash.attention.kernels.triton_mla import TritonMLAKernel
+            self.kernel = TritonMLAKernel(self.scale)
+        if not self.planned:
+            self.kernel.plan(self.meta)
+            self.planned = True
+        return self.kernel.run(layer, q_latent, q_rope, cache)

@@ -1,0 +1,100 @@
+"""Backend registry (backends/): names, lazy imports, clear errors for missing hardware or packages, and the
+GPU configs validating on CPU (`splash-serve --config X --check`) while start fails only for the hardware."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import backends
+from splash.sim.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = torch.cuda.is_available()
+BIN = Path(sys.executable).parent
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([str(BIN / "splash-serve"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_names_and_auto():
+    assert backends.NAMES == ("cpu", "cuda", "hip", "auto")
+    assert backends.get_backend("cpu").device == torch.device("cpu")
+    if not GPU:
+        assert backends.detect() == "cpu" and backends.get_backend("auto").name == "cpu"
+    with pytest.raises(backends.BackendUnavailable, match="unknown backend 'tpu'"):
+        backends.get_backend("tpu")
+
+
+@pytest.mark.skipif(GPU, reason="this machine has a GPU")
+@pytest.mark.parametrize("name,needs", [("cuda", "CUDA build of torch"), ("hip", "ROCm build of torch")])
+def test_gpu_backend_without_gpu_names_the_missing_piece(name, needs):
+    with pytest.raises(backends.BackendUnavailable, match=needs):
+        backends.get_backend(name)
+
+
+def test_attention_kernel_checks(monkeypatch):
+    with pytest.raises(backends.BackendUnavailable, match="does not run on backend 'cpu'"):
+        backends.check_attention("cpu", "flashinfer")
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda n: None if n == "triton" else real(n))
+    with pytest.raises(backends.BackendUnavailable, match=r"needs triton.*splash\[cuda\]"):
+        backends.check_attention("cpu", "triton")
+    assert backends.missing_packages("aiter")[0] == "aiter" and "not on PyPI" in backends.INSTALL_HINT["aiter"]
+
+
+def test_cpu_run_imports_no_gpu_package():
+    code = ("import sys, backends, backends.cuda, backends.hip, splash.cli.serve, splash.server.startup\n"
+            "from splash.engine.llm import LLM\n"
+            "from splash.engine.sampling import SamplingParams\n"
+            "llm = LLM(preset='tiny-mla', layout='tp', num_kv_blocks=16)\n"
+            "assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('flashinfer', 'aiter', 'triton'))\n"
+            "assert not bad, bad\nprint('clean')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(GPU, reason="this machine has a GPU")
+def test_serve_with_cuda_on_cpu_exits_2_naming_it():
+    r = _serve("--backend", "cuda", "--port", "0")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error: backend 'cuda' needs an NVIDIA GPU and a CUDA build of torch" in r.stderr
+
+
+@pytest.mark.parametrize("name,model_type,backend", [("b200", "glm_moe_dsa", "cuda"), ("h200", "deepseek_v32", "cuda"),
+                                                     ("dcu", "glm5_next", "hip")])
+def test_gpu_configs_check_on_cpu_and_start_fails_for_hardware_only(name, model_type, backend):
+    r = _serve("--config", f"configs/{name}.yaml", "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    for part in ("config    valid", f": {model_type},", "ranks     8", f"backend   {backend}", "layouts   auto over",
+                 "KV pool", "distinct tokens the group holds: tp"):
+        assert part in out, out
+    if not GPU:
+        assert "start would fail here" in out and f"backend {backend!r} needs" in out, out
+        r = _serve("--config", f"configs/{name}.yaml")
+        assert r.returncode == 2 and f"error: backend {backend!r} needs" in r.stderr, r.stdout + r.stderr
+
+
+def test_check_with_a_model_type_not_loadable_yet(tmp_path):
+    raw = dict(PRESETS["glm-5.3"][0])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    r = _serve("--model", str(tmp_path), "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ": glm_moe_dsa, 78 MLA layers" in r.stdout and "start would fail here" in r.stdout
+    assert "'model_type' = 'glm_moe_dsa' is not supported yet" in r.stdout or "nothing missing" in r.stdout
+
+
+def test_check_rejects_a_bad_config():
+    r = _serve("--config", "configs/cpu.yaml", "--block-size", "0", "--check")
+    assert r.returncode == 2 and r.stderr.startswith("error: "), r.stdout + r.stderr
