@@ -116,4 +116,4 @@ def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, in
         col, w_req = blk[w_rows] // world, row_req[w_rows]
     w_slots = tables.pages[req_rows[w_req], col].long() * bs + q_pos[w_rows] % bs
     return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, tables.npages[req_rows], ends,
-                        tables.pages, tables.logical, w_rows, w_slots, cp is not None)
+                        tables.pages, tables.logical, w_rows, w_slots, cp=cp is not None)
