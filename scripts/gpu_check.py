@@ -9,9 +9,8 @@
   tiny dims) — max |LSE| error, relative |õ| error, and which path ran (vendor kernel or Triton fallback);
 - timing: decode attention of B requests × C tokens per kernel against the HBM floor, bytes of KV read /
   the hardware profile's kv_read_bytes_per_s (b200/h200/bw1000 by device name, or --hbm-gbs);
-- comm: the torch.distributed communicator (splash.distributed.torch_comm.TorchCommunicator when present, else
-  torch.distributed directly) on this device: all-reduce, all-gather(v), all-to-all(v) with uneven splits,
-  broadcast, fp8/int8 as bytes, against the values every rank can compute;
+- comm: the torch.distributed communicator (splash.distributed.torch_comm.TorchCommunicator) on this device:
+  all-reduce, all-gather(v), all-to-all(v) with uneven splits, broadcast, fp8/int8 as bytes, against the values every rank can compute;
 - serve: splash-serve on `--ranks` ranks of this machine (preset gpu-smoke-mla: 512 + 64 dims, so the vendor
   kernel runs; --dry-run: tiny-mla on cpu) — the same greedy completion pinned in each layout, and a long one
   while POST /v1/layout switches live through every layout: every answer must equal TP's.
@@ -159,41 +158,30 @@ def time_decode(args, backend, dims, scale) -> None:
 
 def check_comm(args, backend) -> None:
     import torch
+    import torch.distributed as dist
 
     from splash.distributed import init_dist
+    from splash.distributed.launch import init_torch_distributed
+    from splash.distributed.torch_comm import TorchCommunicator
     ctx = init_dist()
-    try:
-        from splash.distributed.launch import make_communicator
-        from splash.distributed.torch_comm import TorchCommunicator
-    except ImportError:
-        TorchCommunicator = make_communicator = None
-    import torch.distributed as dist
     if not dist.is_initialized():
-        from splash.distributed.launch import init_torch_distributed
         init_torch_distributed(ctx, "nccl" if backend.is_gpu else "gloo")
     dev, T, r = backend.device, ctx.world_size, ctx.rank
-    comm = TorchCommunicator(ctx.comm, dev) if TorchCommunicator is not None else None
-    what = "TorchCommunicator" if comm is not None else "torch.distributed"
+    comm = TorchCommunicator(ctx.comm, dev)
     x = torch.arange(6, dtype=torch.float32, device=dev).view(3, 2) + r
-    ok = {}
-    if comm is not None:
-        ok["all_reduce"] = torch.equal(comm.all_reduce(x).cpu(), sum(torch.arange(6.).view(3, 2) + i for i in range(T)))
-        rows = comm.all_gatherv(x[:r % 3 + 1], [i % 3 + 1 for i in range(T)]).cpu()
-        ok["all_gatherv"] = torch.equal(rows, torch.cat([(torch.arange(6.).view(3, 2) + i)[:i % 3 + 1] for i in range(T)]))
-        send = [(i + r) % 2 + 1 for i in range(T)]
-        src = torch.full((sum(send), 4), float(r), device=dev)
-        got = comm.all_to_allv(src, send, [(r + i) % 2 + 1 for i in range(T)]).cpu()
-        ok["all_to_allv"] = torch.equal(got[:, 0], torch.cat([torch.full(((r + i) % 2 + 1,), float(i)) for i in range(T)]))
-        f8 = torch.tensor([[0.5, -2.0]], device=dev).to(torch.float8_e4m3fn)
-        ok["fp8 bytes"] = torch.equal(comm.all_gather(f8).float().cpu(), torch.tensor([[0.5, -2.0]] * T))
-        i8 = torch.tensor([[-7, 9]], dtype=torch.int8, device=dev)
-        ok["int8 bcast"] = torch.equal(comm.broadcast(i8 + r, root=0).cpu(), torch.tensor([[-7, 9]], dtype=torch.int8))
-    else:
-        y = x.clone()
-        dist.all_reduce(y)
-        ok["all_reduce"] = torch.equal(y.cpu(), sum(torch.arange(6.).view(3, 2) + i for i in range(T)))
-    row(f"comm {what}", f"{T} rank(s) on {backend.device}: " + ", ".join(f"{k} {'ok' if v else 'WRONG'}"
-                                                                        for k, v in ok.items()), all(ok.values()))
+    ok = {"all_reduce": torch.equal(comm.all_reduce(x).cpu(), sum(torch.arange(6.).view(3, 2) + i for i in range(T)))}
+    rows = comm.all_gatherv(x[:r % 3 + 1], [i % 3 + 1 for i in range(T)]).cpu()
+    ok["all_gatherv"] = torch.equal(rows, torch.cat([(torch.arange(6.).view(3, 2) + i)[:i % 3 + 1] for i in range(T)]))
+    send = [(i + r) % 2 + 1 for i in range(T)]
+    src = torch.full((sum(send), 4), float(r), device=dev)
+    got = comm.all_to_allv(src, send, [(r + i) % 2 + 1 for i in range(T)]).cpu()
+    ok["all_to_allv"] = torch.equal(got[:, 0], torch.cat([torch.full(((r + i) % 2 + 1,), float(i)) for i in range(T)]))
+    f8 = torch.tensor([[0.5, -2.0]], device=dev).to(torch.float8_e4m3fn)
+    ok["fp8 bytes"] = torch.equal(comm.all_gather(f8).float().cpu(), torch.tensor([[0.5, -2.0]] * T))
+    i8 = torch.tensor([[-7, 9]], dtype=torch.int8, device=dev)
+    ok["int8 bcast"] = torch.equal(comm.broadcast(i8 + r, root=0).cpu(), torch.tensor([[-7, 9]], dtype=torch.int8))
+    row("comm TorchCommunicator", f"{T} rank(s) on {backend.device}: " + ", ".join(
+        f"{k} {'ok' if v else 'WRONG'}" for k, v in ok.items()), all(ok.values()))
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,7 @@ def test_dry_run_passes_end_to_end():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     for part in ("attention triton        PASS  decode via triton", "mixed via triton", "decode time torch",
-                 "comm torch.distributed", "PASS  1 rank(s) on cpu", "serve tp ", "serve dop ",
+                 "comm TorchCommunicator  PASS", "PASS  1 rank(s) on cpu", "serve tp ", "serve dop ",
                  "serve live switches  PASS", "== gpu-check: PASS"):
         assert part in out, out
 
