@@ -74,8 +74,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      "(hip); flashinfer/aiter fall back to triton where their constraints fail (GPU kernels not yet verified on "
      "hardware, docs/backends.md)"),
     (("--communicator",), "communicator", str, COMMUNICATORS, None,
-     "tensor collectives: mpi (mpi4py) or torch (torch.distributed: gloo on cpu; NCCL/RCCL on GPU builds of "
-     "torch); step plans and aborts stay on MPI; default: mpi on cpu, torch on cuda/hip"),
+     "tensor collectives: mpi (mpi4py) or torch (torch.distributed, gloo on cpu); step plans and aborts stay "
+     "on MPI; default: mpi on cpu, torch on cuda/hip"),
     (("--layout",), "layout", str, ("auto",) + LAYOUTS, None,
      "attention layout; auto lets the cost model choose and switch while serving"),
     (("--allowed-layouts",), "allowed_layouts", _layout_list, None, "L1,L2",

@@ -78,8 +78,8 @@ class ParallelSection:
 
 
 def default_communicator(backend: str) -> str:
-    """The data-plane communicator a device backend gets when the config names none: mpi on cpu (mpi4py is
-    faster than gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on the GPU backends."""
+    """The data-plane communicator a device backend gets when the config names none: mpi on cpu (the engine
+    ran slower on gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on the GPU backends."""
     return "mpi" if backend == "cpu" else "torch"
 
 

@@ -1,7 +1,8 @@
 """Run under `mpiexec -n N`: checks every collective against values every rank can rebuild.
 
 Usage: collectives_worker.py collectives [mpi|torch]: every check on the MPI communicator or on the
-torch.distributed one (gloo here, started by init_torch_distributed's MPI rendezvous). Exits non-zero (MPI Abort) on any mismatch.
+torch.distributed one (gloo here, started by init_torch_distributed's MPI rendezvous).
+Exits non-zero (MPI Abort) on any mismatch.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def run_collectives(ctx: DistContext, kind: str = "mpi") -> None:
     want = {"mpi": MPICommunicator, "torch": TorchCommunicator}[kind]
     assert isinstance(ctx.comm, want), f"{kind}: got {type(ctx.comm).__name__}"
     check_objects(ctx)
+    seq = _torch_collectives() if kind == "torch" else 0
     for dt in DTYPES:
         for fn in TENSOR_CHECKS:
             fn(ctx.comm, dt)
@@ -180,7 +182,16 @@ def run_collectives(ctx: DistContext, kind: str = "mpi") -> None:
         import torch.distributed as dist
 
         assert dist.get_backend() == "gloo", dist.get_backend()
+        ran = _torch_collectives() - seq  # the tensors really went through gloo, not MPI
+        assert ran >= 15 * len(DTYPES), f"only {ran} collectives on the torch group"
         dist.destroy_process_group()
+
+
+def _torch_collectives() -> int:
+    """How many collectives the default torch.distributed group has run."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
 
 
 def main() -> None:
