@@ -2,7 +2,8 @@
 
     backend = get_backend("auto", local_rank)   # a Backend: device, streams, memory, attention kernels
 
-Imports are lazy: this module and ``backends.base`` import only the standard library and torch; the GPU
+Imports are lazy: this module and ``backends.base`` import only the standard library, torch (inside functions)
+and splash's ConfigError; the GPU
 packages (flashinfer, aiter, triton) are imported by the attention kernel that needs them, never here, so a CPU
 install never imports them. Asking for a backend the machine cannot run raises ``BackendUnavailable`` (a
 ``ConfigError``: splash-serve prints it and exits 2) naming the missing piece: the GPU, a CUDA/ROCm build of

@@ -27,15 +27,14 @@ done
 if [ -n "$ranks" ] && ! [[ "$ranks" =~ ^[1-9][0-9]*$ ]]; then
   echo "gpu-check: --ranks must be a positive integer, got '$ranks'" >&2; exit 2
 fi
-if [ -z "$ranks" ]; then
-  if [ "$dry" = 1 ]; then ranks=1
-  else ranks=$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)
+if [ "$dry" = 0 ]; then
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0, torch.__version__)')
+  if [ "${gpus%% *}" = 0 ]; then
+    echo "gpu-check: no GPU visible to torch (${gpus#* }); use --dry-run on CPU" >&2; exit 2
   fi
+  [ -z "$ranks" ] && ranks=${gpus%% *}
 fi
-if [ "$dry" = 0 ] && ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu-check: no GPU visible to torch ($("$PY" -c 'import torch; print(torch.__version__)')); use --dry-run on CPU" >&2
-  exit 2
-fi
+[ -z "$ranks" ] && ranks=1
 if [ "$ranks" -gt 1 ] && [ -z "$MPIRUN" ]; then
   echo "gpu-check: $ranks GPUs but no mpirun/mpiexec on PATH (set MPIRUN)" >&2; exit 2
 fi

@@ -71,30 +71,37 @@ def test_serve_with_cuda_on_cpu_exits_2_naming_it():
     assert "error: backend 'cuda' needs an NVIDIA GPU and a CUDA build of torch" in r.stderr
 
 
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """splash-serve's entry point in this process (no subprocess: --check and startup errors need no ranks)."""
+    from splash.cli.serve import main
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.mark.parametrize("name,model_type,backend", [("b200", "glm_moe_dsa", "cuda"), ("h200", "deepseek_v32", "cuda"),
                                                      ("dcu", "glm5_next", "hip")])
-def test_gpu_configs_check_on_cpu_and_start_fails_for_hardware_only(name, model_type, backend):
-    r = _serve("--config", f"configs/{name}.yaml", "--check")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = r.stdout
+def test_gpu_configs_check_on_cpu_and_start_fails_for_hardware_only(capsys, name, model_type, backend):
+    rc, out, err = _main(capsys, "--config", f"configs/{name}.yaml", "--check")
+    assert rc == 0, out + err
     for part in ("config    valid", f": {model_type},", "ranks     8", f"backend   {backend}", "layouts   auto over",
                  "KV pool", "distinct tokens the group holds: tp"):
         assert part in out, out
     if not GPU:
         assert "start would fail here" in out and f"backend {backend!r} needs" in out, out
-        r = _serve("--config", f"configs/{name}.yaml")
-        assert r.returncode == 2 and f"error: backend {backend!r} needs" in r.stderr, r.stdout + r.stderr
+        rc, out, err = _main(capsys, "--config", f"configs/{name}.yaml")
+        assert rc == 2 and f"error: backend {backend!r} needs" in err, out + err
 
 
-def test_check_with_a_model_type_not_loadable_yet(tmp_path):
+def test_check_with_a_model_type_not_loadable_yet(capsys, tmp_path):
     raw = dict(PRESETS["glm-5.3"][0], model_type="kimi_linear")   # an architecture SPLASH does not implement
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    r = _serve("--model", str(tmp_path), "--check")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "start would fail here" in r.stdout, r.stdout
-    assert "field 'model_type' = 'kimi_linear' is not supported" in r.stdout, r.stdout
+    rc, out, err = _main(capsys, "--model", str(tmp_path), "--check")
+    assert rc == 0, out + err
+    assert "start would fail here" in out, out
+    assert "field 'model_type' = 'kimi_linear' is not supported" in out, out
 
 
-def test_check_rejects_a_bad_config():
-    r = _serve("--config", "configs/cpu.yaml", "--block-size", "0", "--check")
-    assert r.returncode == 2 and r.stderr.startswith("error: "), r.stdout + r.stderr
+def test_check_rejects_a_bad_config(capsys):
+    rc, out, err = _main(capsys, "--config", "configs/cpu.yaml", "--block-size", "0", "--check")
+    assert rc == 2 and err.startswith("error: "), out + err

@@ -92,9 +92,13 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
     kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
     wq = cfg.model.quantization or mcfg.quantization
     wbytes = 1 if wq else _WEIGHT_BYTES[cfg.compute_dtype]
-    if c.kv_cache_memory_bytes or cfg.parallel.backend == "cpu" or not (profile and profile.memory_bytes):
+    if c.kv_cache_memory_bytes or cfg.parallel.backend == "cpu":
         pool = c.kv_cache_memory_bytes or (64 << 20)
         out.append(f"memory    KV budget {pool / GIB:.3f} GiB per rank (cache.kv_cache_memory_bytes)")
+    elif not (profile and profile.memory_bytes):
+        out.append(f"memory    device memory unknown here (no hardware profile with memory_bytes); at start: "
+                   f"{c.gpu_memory_utilization:g} x the measured device memory (splash.layouts.device_budget)")
+        return
     else:
         try:
             b = device_memory_budget(mcfg, world, int(profile.memory_bytes), c.gpu_memory_utilization, wbytes, kv,
