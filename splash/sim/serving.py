@@ -55,14 +55,27 @@ def linear_common_bytes(m: SimModel, world: int) -> float:
     return (ffn_and_norms + m.linear_layers * m.linear_params / world) * ELEM_BYTES[m.weight_dtype]
 
 
+# A quantised checkpoint stores its linear weights in 1 byte + scales and everything else (embeddings, LM head,
+# norms, router) in the compute dtype: capacity counts those stored bytes (splash.layouts.memory weight_quant).
+WEIGHT_QUANT = {"fp8_e4m3": "fp8", "int8": "int8"}
+
+
+def stored_weights(weight_dtype: str) -> tuple[float, str | None]:
+    """(element bytes of the unquantised weights, weight_quant) for a weight dtype."""
+    q = WEIGHT_QUANT.get(weight_dtype)
+    return (ELEM_BYTES["bfloat16"], q) if q else (ELEM_BYTES[weight_dtype], None)
+
+
 def capacities(s: SimSetup) -> dict[str, object]:
-    """CapacityReport per layout (splash.layouts.memory.kv_capacity_tokens) for the MLA layers' KV."""
+    """CapacityReport per layout (splash.layouts.memory.kv_capacity_tokens) for the MLA layers' KV, with the
+    weights counted as stored (FP8/INT8 linears + scales; embeddings, LM head, norms in BF16)."""
     m = s.model
     extra = linear_common_bytes(m, s.world) + s.reserve_bytes
+    elem, quant = stored_weights(m.weight_dtype)
     out = {}
     for lay in LAYOUTS:
-        out[lay] = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, ELEM_BYTES[m.weight_dtype], m.kv_dtype,
-                                      s.block_size, reserve_bytes=int(extra))
+        out[lay] = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, elem, m.kv_dtype, s.block_size,
+                                      reserve_bytes=int(extra), weight_quant=quant)
     return out
 
 
