@@ -131,3 +131,21 @@ def test_trace_replay(tmp_path):
     (tmp_path / "bad.json").write_text('{"groups": [{"at_s": 0, "count": 1}]}')
     with pytest.raises(ValueError, match="input_len"):
         load_workload(str(tmp_path / "bad.json"))
+
+
+def test_owner_prefill_splits_the_budget_evenly():
+    """--owner-prefill: each step's chunk budget is split over the owners with prompt left (no step exceeds the
+    group's budget, every owner gets an equal share, every prompt token is prefilled once)."""
+    from splash.sim.serving import _prefill_steps
+    steps = _prefill_steps(16, 5000, 16384, 8, per_owner=True)
+    for rows in steps:
+        assert sum(r.new_tokens for r in rows) <= 16384
+        per_owner = {}
+        for r in rows:
+            per_owner[r.owner] = per_owner.get(r.owner, 0) + r.new_tokens
+        assert max(per_owner.values()) - min(per_owner.values()) <= 1 or len(rows) < 8
+    assert sum(r.new_tokens for rows in steps for r in rows) == 16 * 5000
+    first = steps[0]
+    assert {r.owner for r in first} == set(range(8)) and all(r.new_tokens == 2048 for r in first)
+    plain = _prefill_steps(16, 5000, 16384, 8, per_owner=False)
+    assert {r.owner for r in plain[0]} == {0, 1, 2, 3}  # admission order: requests 0-3 (4 owners) fill the budget
