@@ -203,3 +203,13 @@ def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
                        per_row=dict.fromkeys(LAYOUTS, 0.0))
     secs, first = make(fixed)._finish_seconds("dp_attn", reqs)
     assert secs == 3 + 9 and first == 1.0   # 3 prefill steps, then the 9 decode steps left of each request
+
+
+def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():
+    a = AutoLayout(LinearCost(), LAYOUTS, 0.1, block_size=16, world=2, capacity_blocks=dict.fromkeys(LAYOUTS, 10**6),
+                   max_num_seqs=64, max_num_batched_tokens=8, row=lambda n, c, o: (n, c, o))
+    reqs = [ReqView(f"d{i}", 100, 1, 10**6, i % 2) for i in range(16)] + [ReqView("p", 0, 100_000, 4, None, False)]
+    steps, made = a._prefill_plan(reqs, a._place(reqs))
+    assert len(steps) == 4097 and all(len(rows) == 17 for rows in steps[:-1])   # 16 decode rows + 1 prompt token
+    assert sum(n for rows in steps for n, _, _ in rows) - 16 * 4096 == 100_000      # every prompt token once
+    assert made["p"] == 1 and made["d0"] == 4096

@@ -34,6 +34,7 @@ log = logging.getLogger("splash.scheduler")
 
 DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
 MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see _steps_seconds)
+MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 FACTOR_ALPHA = 0.2       # weight of the newest measurement in the correction factors
@@ -314,6 +315,11 @@ class AutoLayout:
         decoding = [r for r in batch if r.pending <= 1]
         steps = []
         while todo:
+            if len(steps) >= MAX_PLAN_STEPS:   # (a budget far below the decode rows) the rest as one step
+                steps.append([(ent[1], ent[2], owners[ent[0].req_id]) for ent in todo])
+                for ent in todo:
+                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
+                break
             rows = []
             for r in decoding:
                 if made[r.req_id] < r.remaining:
