@@ -185,3 +185,31 @@ def test_a_failing_cost_model_keeps_the_layout_and_the_requests():
     got = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.layout == "tp" and not llm.engine.switch_counts
+
+
+def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
+    """A 5000-token prompt with a 2048-token budget is three steps (each paying its fixed cost), running decoders
+    add a row to every step, and a waiting request is placed on the least loaded rank."""
+    a = make(LinearCost())
+    reqs = [ReqView("d0", 3000, 1, 10, 0), ReqView("p", 0, 5000, 10, None, running=False)]
+    owners = a._place(reqs)
+    assert owners == {"d0": 0, "p": 1}
+    steps, made = a._prefill_plan(reqs, owners)
+    assert len(steps) == 3 and all(sum(n for n, _, _ in rows) <= 2048 for rows in steps)
+    assert sum(n for rows in steps for n, _, o in rows if o == 1) == 5000
+    assert [rows[0] for rows in steps] == [(1, 3000, 0), (1, 3001, 0), (1, 3002, 0)]
+    assert made == {"d0": 3, "p": 1}
+    fixed = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
+                       per_row=dict.fromkeys(LAYOUTS, 0.0))
+    secs, first = make(fixed)._finish_seconds("dp_attn", reqs)
+    assert secs == 3 + 9 and first == 1.0   # 3 prefill steps, then the 9 decode steps left of each request
+
+
+def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():
+    a = AutoLayout(LinearCost(), LAYOUTS, 0.1, block_size=16, world=2, capacity_blocks=dict.fromkeys(LAYOUTS, 10**6),
+                   max_num_seqs=64, max_num_batched_tokens=8, row=lambda n, c, o: (n, c, o))
+    reqs = [ReqView(f"d{i}", 100, 1, 10**6, i % 2) for i in range(16)] + [ReqView("p", 0, 100_000, 4, None, False)]
+    steps, made = a._prefill_plan(reqs, a._place(reqs))
+    assert len(steps) == 4097 and all(len(rows) == 17 for rows in steps[:-1])   # 16 decode rows + 1 prompt token
+    assert sum(n for rows in steps for n, _, _ in rows) - 16 * 4096 == 100_000      # every prompt token once
+    assert made["p"] == 1 and made["d0"] == 4096

@@ -4,7 +4,9 @@ At a step boundary rank 0 describes what the engine holds (each running request'
 and remaining output; the waiting queue) and asks a cost model how long each allowed layout would take to finish
 that work. Every layout gets the batch *it* would run: running requests plus the waiting ones its KV pool admits
 (joint admission — DOP's larger pool may admit requests another layout must queue), so layouts are compared by
-predicted seconds per output token of their own batch. The controller then switches only when
+predicted seconds per output token of their own batch. A batch's prefill is predicted as the chunked steps the
+engine's scheduler will run (token budget per step, admission order, decode rows included), so a long prompt
+whose chunks land on one DP-attn/DOP owner is charged as such. The controller then switches only when
 
 1. the best feasible layout beats the current one by ``margin`` (no flapping at a crossover), and
 2. its gain over the batch's remaining work exceeds the predicted cost of the switch (``vet``, once the
@@ -31,6 +33,8 @@ from splash.costmodel.policy import choose_layout
 log = logging.getLogger("splash.scheduler")
 
 DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
+MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see _steps_seconds)
+MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 FACTOR_ALPHA = 0.2       # weight of the newest measurement in the correction factors
@@ -259,30 +263,90 @@ class AutoLayout:
         return batch
 
     def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float]:
-        """(predicted time to finish `batch` in `lay`, its first decode step): its prefill, then its decode in up
-        to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish."""
-        secs, first = 0.0, 0.0
-        prefill = [(r.pending, r.cached, r.owner) for r in batch if r.pending > 1]
-        if prefill:
-            # predicted as one step: chunking changes the number of steps, not the work they hold
-            secs += self.model.step(lay, [self.row(n, c, o) for n, c, o in prefill]).seconds
-        left = sorted(r.remaining for r in batch if r.remaining > 0)
+        """(predicted time to finish `batch` in `lay`, its first decode step): the chunked prefill steps the
+        engine's scheduler will run (decode rows included), then the decode in up to DECODE_SEGMENTS + 1 pieces
+        as the requests with the least output left finish."""
+        owners = self._place(batch)
+        steps, made = self._prefill_plan(batch, owners)
+        secs, first = self._steps_seconds(lay, steps), 0.0
+        left_of = {r.req_id: r.remaining - made[r.req_id] for r in batch}
+        left = sorted(v for v in left_of.values() if v > 0)
         if not left:
             return secs, first
         cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
                       | {left[-1]})
         done = 0
         for cut in cuts:
-            alive = [r for r in batch if r.remaining > done]
+            alive = [r for r in batch if left_of[r.req_id] > done]
             if not alive or cut <= done:
                 continue
             mid = (done + cut) / 2
-            rows = [self.row(1, r.cached + r.pending - 1 + int(mid), r.owner) for r in alive]
+            rows = [self.row(1, r.cached + r.pending - 1 + made[r.req_id] + int(mid), owners[r.req_id])
+                    for r in alive]
             one = self.model.step(lay, rows).seconds
             first = first or one
             secs += (cut - done) * one
             done = cut
         return secs, first
+
+    def _place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
+        """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
+        holding the fewest tokens, as the ledger will place it."""
+        load = [0] * self.world
+        for r in batch:
+            if r.owner is not None and 0 <= r.owner < self.world:
+                load[r.owner] += r.cached + r.pending
+        out: dict[str, int | None] = {}
+        for r in batch:
+            o = r.owner
+            if o is None:
+                o = min(range(self.world), key=lambda k: load[k])
+                load[o] += r.cached + r.pending
+            out[r.req_id] = o
+        return out
+
+    def _prefill_plan(self, batch: Sequence[ReqView], owners: Mapping[str, int | None]):
+        """The steps the engine's scheduler runs until every prompt of `batch` is prefilled: each step gives each
+        decoding request its next token, then fills the token budget with prompt chunks in admission order (so in
+        DP-attn/DOP a long prompt's chunks land on one owner). -> (steps as (new, context, owner) rows, output
+        tokens each request makes meanwhile)."""
+        made = {r.req_id: 0 for r in batch}
+        todo = [[r, r.pending, r.cached] for r in batch if r.pending > 1]
+        decoding = [r for r in batch if r.pending <= 1]
+        steps = []
+        while todo:
+            if len(steps) >= MAX_PLAN_STEPS:   # (a budget far below the decode rows) the rest as one step
+                steps.append([(ent[1], ent[2], owners[ent[0].req_id]) for ent in todo])
+                for ent in todo:
+                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
+                break
+            rows = []
+            for r in decoding:
+                if made[r.req_id] < r.remaining:
+                    rows.append((1, r.cached + r.pending - 1 + made[r.req_id], owners[r.req_id]))
+                    made[r.req_id] += 1
+            budget = max(1, self.budget - len(rows))
+            while todo and budget > 0:
+                ent = todo[0]
+                take = min(budget, ent[1])
+                rows.append((take, ent[2], owners[ent[0].req_id]))
+                ent[1], ent[2], budget = ent[1] - take, ent[2] + take, budget - take
+                if ent[1] == 0:
+                    todo.pop(0)
+                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
+                    decoding.append(ent[0])
+            steps.append(rows)
+        return steps, made
+
+    def _steps_seconds(self, lay: str, steps: Sequence[Sequence[tuple]]) -> float:
+        """Predicted seconds of `steps`: each one when few, else MAX_PREFILL_SAMPLES evenly spaced samples, each
+        standing for its share of the steps (a prediction costs ~1 ms)."""
+        n = len(steps)
+        if n == 0:
+            return 0.0
+        k = min(n, MAX_PREFILL_SAMPLES)
+        picks = [round(i * (n - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
+        return sum(self.model.step(lay, [self.row(*row) for row in steps[i]]).seconds for i in picks) * n / k
 
     # ---- views for metrics / API ----------------------------------------------------------------------------
     def summary(self) -> dict:

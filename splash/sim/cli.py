@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=64, help="KV page size in tokens")
     ap.add_argument("--chunk", type=parse_len, default=16384, help="prefill tokens per step")
     ap.add_argument("--owner-prefill", action="store_true",
-                    help="DP-attn/DOP owners each prefill their own requests with a full --chunk budget per step "
-                         "(default: one budget per step for the group, as the engine's scheduler does)")
+                    help="DP-attn/DOP split each step's --chunk budget evenly over the owners with prompt tokens "
+                         "left, as SGLang's DP-attention does (default: one budget per step taken in admission "
+                         "order, as the engine's scheduler does)")
     ap.add_argument("--reserve", type=parse_len, default=1 << 30, help="bytes per rank kept free (default 1 GiB)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",

@@ -6,9 +6,10 @@ The serving model (stated, not measured):
   TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
   one rank), CP's is the group's pool (position-sharded);
 - prefill is chunked as the engine's scheduler does: each step takes up to ``chunk`` prompt tokens from the
-  admitted requests in admission order (``owner_prefill``: the request-owned layouts' owners each take their
-  own ``chunk`` budget in the same step, as DP-attention deployments schedule them — not what SPLASH's
-  scheduler does today); decode then runs one row per request per step;
+  admitted requests in admission order (``owner_prefill``: in the request-owned layouts the step's ``chunk``
+  budget is split evenly over the owners with prompt tokens left, as SGLang's DP-attention gives each DP rank
+  ``chunked_prefill_size // dp_size`` — not what SPLASH's scheduler does today); decode then runs one row per
+  request per step;
 - throughput counts input + output tokens over the whole run (the paper's total throughput);
 - the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
 """
@@ -55,14 +56,27 @@ def linear_common_bytes(m: SimModel, world: int) -> float:
     return (ffn_and_norms + m.linear_layers * m.linear_params / world) * ELEM_BYTES[m.weight_dtype]
 
 
+# A quantised checkpoint stores its linear weights in 1 byte + scales and everything else (embeddings, LM head,
+# norms, router) in the compute dtype: capacity counts those stored bytes (splash.layouts.memory weight_quant).
+WEIGHT_QUANT = {"fp8_e4m3": "fp8", "int8": "int8"}
+
+
+def stored_weights(weight_dtype: str) -> tuple[float, str | None]:
+    """(element bytes of the unquantised weights, weight_quant) for a weight dtype."""
+    q = WEIGHT_QUANT.get(weight_dtype)
+    return (ELEM_BYTES["bfloat16"], q) if q else (ELEM_BYTES[weight_dtype], None)
+
+
 def capacities(s: SimSetup) -> dict[str, object]:
-    """CapacityReport per layout (splash.layouts.memory.kv_capacity_tokens) for the MLA layers' KV."""
+    """CapacityReport per layout (splash.layouts.memory.kv_capacity_tokens) for the MLA layers' KV, with the
+    weights counted as stored (FP8/INT8 linears + scales; embeddings, LM head, norms in BF16)."""
     m = s.model
     extra = linear_common_bytes(m, s.world) + s.reserve_bytes
+    elem, quant = stored_weights(m.weight_dtype)
     out = {}
     for lay in LAYOUTS:
-        out[lay] = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, ELEM_BYTES[m.weight_dtype], m.kv_dtype,
-                                      s.block_size, reserve_bytes=int(extra))
+        out[lay] = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, elem, m.kv_dtype, s.block_size,
+                                      reserve_bytes=int(extra), weight_quant=quant)
     return out
 
 
@@ -131,14 +145,39 @@ def _chunks(reqs: list[int], input_len: int, chunk: int, world: int) -> list[lis
     return steps
 
 
+def _balanced_steps(k: int, input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
+    """Prefill steps of k requests with the group's ``chunk`` budget split evenly over the owners that still
+    have prompt tokens to prefill (each takes its share from its own requests in admission order). One budget
+    per step for the group, as in TP/CP, placed so no owner runs the chunk while the others wait — what SGLang's
+    DP-attention does by giving each DP rank ``chunked_prefill_size // dp_size``."""
+    done = dict.fromkeys(range(k), 0)
+    steps = []
+    while any(d < input_len for d in done.values()):
+        pending: dict[int, list[int]] = {}
+        for j, d in done.items():
+            if d < input_len:
+                pending.setdefault(j % world, []).append(j)
+        share, extra = divmod(chunk, len(pending))
+        rows = []
+        for n, (owner, reqs) in enumerate(sorted(pending.items())):
+            budget = share + (1 if n < extra else 0)
+            for j in reqs:
+                if budget <= 0:
+                    break
+                take = min(budget, input_len - done[j])
+                rows.append(RowLoad(take, done[j], owner, samples=done[j] + take == input_len))
+                done[j] += take
+                budget -= take
+        steps.append(rows)
+    return steps
+
+
 def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bool) -> list[list[RowLoad]]:
-    """Prefill steps of k requests. ``per_owner``: every owner rank prefills its own requests with its own
-    ``chunk`` budget in the same step (request-owned layouts schedule each owner's queue, as DP-attention
-    deployments do); otherwise one ``chunk`` budget per step for the group."""
+    """Prefill steps of k requests: one ``chunk`` budget per step for the group, taken in admission order (what
+    the engine's scheduler does), or with ``per_owner`` split evenly over the owners (``_balanced_steps``)."""
     if not per_owner:
         return _chunks(list(range(k)), input_len, chunk, world)
-    per = [_chunks([j for j in range(k) if j % world == r], input_len, chunk, world) for r in range(world)]
-    return [[row for steps in per if n < len(steps) for row in steps[n]] for n in range(max(map(len, per)))]
+    return _balanced_steps(k, input_len, chunk, world)
 
 
 def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int, output_len: int) -> float:
