@@ -61,13 +61,14 @@ class TorchMLAKernel:
         self.meta, self.groups, self._index, self._index_bytes = meta, [], {}, 0
         lens = meta.q_lens
         npg = meta.num_pages.tolist()
-        dec = [i for i, n in enumerate(lens) if n == 1]
+        everyone = lens.count(1) == len(lens)
+        dec = range(len(lens)) if everyone else [i for i, n in enumerate(lens) if n == 1]
         if dec:
-            everyone = len(dec) == len(lens)
-            idx = torch.arange(len(dec)) if everyone else torch.tensor(dec, dtype=torch.long)
-            counts = [npg[i] for i in dec]
+            idx = meta.row_req if everyone else torch.tensor(dec, dtype=torch.long)
+            counts = npg if everyone else [npg[i] for i in dec]
+            counts = sorted(counts)
             self.groups.append(_Group(idx, idx if everyone else meta.qo_indptr[idx].long(), 1, None,
-                                      sorted(counts), max(counts), everyone))
+                                      counts, counts[-1], everyone))
         qo = meta.qo_indptr.tolist() if len(dec) < len(lens) else None
         for i, n in enumerate(lens):
             if n > 1:
