@@ -21,15 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from splash.kv import quant
+from splash.models.linear import bf16_units
 
 SCRATCH_BYTES = 32 << 20      # bound on one chunk's working buffers
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
 
 def cpu_has_bf16() -> bool:
-    cpu = torch.cpu
-    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return bf16_units()
 
 
 @dataclass
