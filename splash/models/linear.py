@@ -6,7 +6,11 @@ FP8 block-scaled, INT8 per-channel, or a row stack of them), which is dequantise
 
 A oneDNN path with prepacked weights was measured (1.3–2× faster per projection in isolation on this AMD host,
 ≈ 3% per decode step, within noise) and left out: it keeps a second, packed copy of every weight, which the
-memory model and the per-layout KV capacity do not budget for."""
+memory model and the per-layout KV capacity do not budget for.
+
+bf16 weights and activations on a CPU without bf16 units (`bf16_units`: no AVX512-BF16 / AMX, e.g. this AVX2
+host) are multiplied in fp32 (operands upcast per use, result rounded to bf16), like the quantised weights'
+dequantise-per-use: no second copy of any weight is kept."""
 from __future__ import annotations
 
 import functools
