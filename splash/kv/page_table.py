@@ -6,8 +6,9 @@ its j-th held page and `logical[row, j]` that page's logical block index (its po
 block of its requests (logical[row, j] = j); under CP it holds every T-th one (round-robin from the request's
 anchor), and the logical column says which. `npages[row]` counts the held pages.
 
-Updates cost O(pages changed): appending pages queues them for the row's end and `flush` writes every queued
-page of the step in one scatter (the step's metadata flushes); releasing a request frees its row; a switch
+Updates cost O(pages changed): appending pages queues them for the row's end (as `array` columns; a decode
+step's one-page-per-request appends go through `append_pages` in C loops, see `ensure_step_pages`) and `flush`
+writes every queued page of the step in one scatter (the step's metadata flushes); releasing a request frees its row; a switch
 rewrites the rows of the requests whose pages it changed. Rows and columns grow by doubling (amortised
 O(1) per page). Attention reads the tables in place through each step's request rows
 (`splash.attention.metadata`), so nothing per step walks a request's history.
