@@ -1,11 +1,12 @@
 """Single-rank greedy decode throughput: SPLASH's LLM vs transformers' generate, same tiny weights, same batch.
 
     .venv/bin/python benchmarks/bench_decode_vs_hf.py [--threads 1] [--batch 32] [--prompt-len 32] [--new 64]
-        [--dtype float32|bfloat16] [--attention-backend torch|triton] [--json FILE]
+        [--dtype float32|bfloat16|fp32|bf16] [--attention-backend torch|triton] [--json FILE]
 
 A tiny random DeepSeek-V3 (hidden 256, 4 layers, 8 heads, MoE with 16 routed experts, top-4 of 2-of-4 groups)
 is written with `save_pretrained` to a temp dir and loaded by both, in `--dtype` (bfloat16: weights, activations
-and SPLASH's KV cache in bf16; transformers' cache follows its model dtype). Both run `batch` prompts of equal
+and SPLASH's KV cache in bf16; transformers' cache follows its model dtype; on a CPU without bf16 units SPLASH
+multiplies bf16 operands in fp32, see splash.models.linear.bf16_units). Both run `batch` prompts of equal
 length (so transformers needs no padding) for `new` greedy tokens with EOS disabled.
 
 Decode tokens/s = batch x (new - 1) / (time(new tokens) - time(1 token)): the prefill and the first token are
@@ -114,10 +115,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (greedy, EOS ignored)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "fp32", "bf16"),
+                    help="weights, activations and KV cache of both engines (fp32 / bf16: the same)")
     ap.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
     ap.add_argument("--json", metavar="FILE", help="write the result as a splash-bench JSON (kind 'vs-hf')")
     args = ap.parse_args()
+    args.dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

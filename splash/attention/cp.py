@@ -21,8 +21,7 @@ class CPAttention:
 
     def prepare(self, batch: StepBatch) -> None:
         r = self.r
-        for q in batch.reqs:
-            r.ensure_blocks(q.req_id, [b for b in r.new_logical_blocks(q) if self._mine(q, b)])
+        r.ensure_step_blocks(batch.reqs, keep=self._mine)
         self.meta = build_metadata(batch.reqs, r.tables, cp=(r.comm.size, r.comm.rank))
         r.attn.plan(self.meta)
 

@@ -48,7 +48,6 @@ class OwnedAttention:
 
         r = self.r
         self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
-        for q in self.g.mine:
-            r.ensure_blocks(q.req_id, r.new_logical_blocks(q))
+        r.ensure_step_blocks(self.g.mine)
         self.meta = build_metadata(self.g.mine, r.tables)
         r.attn.plan(self.meta)

@@ -14,11 +14,12 @@ gather over the held pages, computed on demand and cached for the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
 from splash.attention.batch import StepRequest
-from splash.kv.page_table import PageTable
+from splash.kv.page_table import PageTable, int_tensor
 
 
 @dataclass
@@ -79,6 +80,8 @@ class AttnMetadata:
             self._csr = (indptr, self.pages[self.req_rows, :width][take], self.logical[self.req_rows, :width][take])
         return self._csr
 
+_req_id, _num_new, _start_pos = attrgetter("req_id"), attrgetter("num_new"), attrgetter("start_pos")
+
 
 def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, int] | None = None) -> AttnMetadata:
     """Metadata for `reqs` (this rank's requests of the step, in row order), whose new tokens' pages are already
@@ -88,32 +91,35 @@ def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, in
     tensor ops over the requests and the new tokens."""
     bs = tables.block_size
     tables.flush()
-    known = tables._row
-    rows = [known[i] if i in known else tables.row(i) for i in (q.req_id for q in reqs)]
-    q_lens = [q.num_new for q in reqs]
+    rows = list(map(tables._row.get, map(_req_id, reqs)))
+    if None in rows:  # a request holding no page here yet gets an (empty) row
+        rows = [r if r is not None else tables.row(q.req_id) for r, q in zip(rows, reqs)]
+    q_lens = list(map(_num_new, reqs))
     dev = tables.pages.device
-    starts = torch.tensor([q.start_pos for q in reqs], dtype=torch.long, device=dev)
-    req_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+    starts = int_tensor(list(map(_start_pos, reqs)), device=dev)
+    req_rows = int_tensor(rows, device=dev)
     b = len(reqs)
-    if sum(q_lens) == b:  # pure decode: one row per request
-        qo, row_req, q_pos, ends = (torch.arange(b + 1, device=dev), torch.arange(b, device=dev), starts,
-                                    starts + 1)
+    if q_lens.count(1) == b:  # pure decode: one row per request
+        qo, row_req, q_pos, ends = (torch.arange(b + 1, dtype=torch.int32, device=dev),
+                                    torch.arange(b, device=dev), starts, starts + 1)
     else:
-        lens = torch.tensor(q_lens, dtype=torch.long, device=dev)
+        lens = int_tensor(q_lens, device=dev)
         qo = torch.zeros(b + 1, dtype=torch.long, device=dev)
         torch.cumsum(lens, 0, out=qo[1:])
         n = int(qo[-1])
         row_req = torch.repeat_interleave(torch.arange(b, device=dev), lens, output_size=n)
         q_pos = starts[row_req] + torch.arange(n, device=dev) - qo[:-1][row_req]
         ends = starts + lens
+        qo = qo.to(torch.int32)
     blk = q_pos // bs
-    if cp is None:
-        w_rows, col, w_req = torch.arange(len(q_pos), device=dev), blk, row_req   # every row's KV is stored here
+    if cp is None:   # every row's KV is stored here
+        w_rows = torch.arange(len(q_pos), device=dev) if len(q_pos) != b else row_req
+        w_slots = tables.pages[req_rows[row_req] if len(q_pos) != b else req_rows, blk].long() * bs + q_pos % bs
     else:
         world, rank = cp
-        anchors = torch.tensor([q.owner for q in reqs], dtype=torch.long, device=dev)
+        anchors = int_tensor([q.owner for q in reqs], device=dev)
         w_rows = torch.nonzero((blk + anchors[row_req]) % world == rank).squeeze(1)
         col, w_req = blk[w_rows] // world, row_req[w_rows]
-    w_slots = tables.pages[req_rows[w_req], col].long() * bs + q_pos[w_rows] % bs
-    return AttnMetadata(bs, q_lens, qo.to(torch.int32), q_pos, row_req, req_rows, tables.npages[req_rows], ends,
+        w_slots = tables.pages[req_rows[w_req], col].long() * bs + q_pos[w_rows] % bs
+    return AttnMetadata(bs, q_lens, qo, q_pos, row_req, req_rows, tables.npages[req_rows], ends,
                         tables.pages, tables.logical, w_rows, w_slots, cp=cp is not None)

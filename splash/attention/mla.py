@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from splash.models.config import ModelConfig
-from splash.models.linear import linear
+from splash.models.linear import bmm, linear
 from splash.models.rope import Rope
 from splash.models.weights import AttnWeights
 
@@ -24,7 +24,7 @@ def _absorb(cfg: ModelConfig, rope: Rope, w: AttnWeights, qa: torch.Tensor, cos:
     n = qa.shape[0]
     q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w.uk()).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
+    q_lat = bmm(q_nope.transpose(0, 1), w.uk()).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
     return torch.cat([q_lat, rope.apply(q_pe, cos, sin)], dim=-1)
 
 
@@ -69,7 +69,7 @@ def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     """õ [n, H_local, d_c] -> this rank's partial O output [n, hidden] (sum over ranks for sharded heads)."""
     n = o_lat.shape[0]
     uv = w.uv()
-    o = torch.bmm(o_lat.to(uv.dtype).transpose(0, 1), uv.transpose(1, 2))  # [H, n, d_v]
+    o = bmm(o_lat.to(uv.dtype).transpose(0, 1), uv.transpose(1, 2))  # [H, n, d_v]
     o = o.transpose(0, 1).reshape(n, w.o.shape[1])
     return linear(o, w.o)
 

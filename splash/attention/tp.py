@@ -14,8 +14,7 @@ class TPAttention:
 
     def prepare(self, batch: StepBatch) -> None:
         r = self.r
-        for q in batch.reqs:
-            r.ensure_blocks(q.req_id, r.new_logical_blocks(q))
+        r.ensure_step_blocks(batch.reqs)
         self.meta = build_metadata(batch.reqs, r.tables)
         r.attn.plan(self.meta)
 

@@ -12,6 +12,15 @@ if the HTTP call errors or the stream has no ``[DONE]``, as *lost* if it deliver
 reference pass run first. Exit status 0 only when all three counts are 0. ``--update-doc`` writes the result
 into docs/benchmarks.md under "## Server load test (issue 5)"; ``--json FILE`` writes it as a splash-bench
 result (kind "load", one run), which ``splash-bench compare`` can compare with another.
+
+Abuse (issue 14, `splash.bench.load_abuse`), next to the well-behaved clients:
+
+  # 16 clients that abandon long non-streaming requests after 0.5 s, 4 that send 9 MiB bodies, and a probe
+  splash-bench load --launch --np 2 --clients 16 --abandon 16 --oversized 4 --probe-every 0.25
+
+With any of ``--abandon`` / ``--oversized`` / ``--probe-every``, the KV in use must also return to 0 (from
+/metrics) within ``--drain-wait`` s, every abuser must get the expected answer and every probe must succeed
+for exit status 0; ``--update-doc`` then writes under "## Server load test under abuse (issue 14)".
 """
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+
+from splash.bench import load_abuse
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION = "## Server load test (issue 5)"
@@ -150,17 +161,23 @@ async def run_load(args, url: str) -> dict:
         if args.switch_every:
             sw = asyncio.create_task(switcher(client, args.switch_every, args.layouts.split(","), args.admin_token,
                                               stop, log))
+        ab, abuse_stop = load_abuse.Abuse(), asyncio.Event()
+        abusers = load_abuse.start(url, client, args, abuse_stop, ab)
         t0 = time.perf_counter()
         tasks = [client_task(client, prompts, ref, args.max_tokens, args.requests_per_client,
                              random.Random(args.seed + c), stats) for c in range(args.clients)]
         await asyncio.wait_for(asyncio.gather(*tasks), args.max_duration)
         wall = time.perf_counter() - t0
         stop.set()
+        abuse_stop.set()
+        await asyncio.gather(*abusers)
         if sw is not None:
             await sw
+        if load_abuse.enabled(args):
+            ab.drained_s = await load_abuse.wait_drained(client, args.drain_wait)
         after = (await client.get("/v1/layout")).json()
     return {"model": models["id"], "load": args.load_before, "stats": stats, "wall": wall, "before": before,
-            "after": after, "log": log}
+            "after": after, "log": log, "abuse": ab}
 
 
 def check_loopback(url: str) -> None:
@@ -227,6 +244,8 @@ def report(args, res: dict, command: str, server_rc: int | None) -> str:
         f"request latency p50 {pct(s.latencies, 50):.2f} s / p99 {pct(s.latencies, 99):.2f} s; "
         f"TTFT p50 {pct(s.ttfts, 50):.2f} s",
     ]
+    if load_abuse.enabled(args):
+        lines += load_abuse.report_lines(args, res["abuse"], pct)
     if server_rc is not None:
         lines.append(f"- shutdown: SIGTERM -> every rank exited, mpiexec status {server_rc}")
     if s.errors:
@@ -234,12 +253,12 @@ def report(args, res: dict, command: str, server_rc: int | None) -> str:
     return "\n".join(lines)
 
 
-def update_doc(path: Path, body: str) -> None:
+def update_doc(path: Path, body: str, section: str = SECTION) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{SECTION}\n\n{body}\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
+    block = f"{section}\n\n{body}\n"
+    if section in text:
+        start = text.index(section)
+        nxt = text.find("\n## ", start + len(section))
         text = text[:start] + block + (text[nxt + 1:] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block
@@ -265,13 +284,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-duration", type=float, default=600.0, help="bound on the whole load phase (s)")
     p.add_argument("--update-doc", metavar="MD", help="write the result into this markdown file's section")
     p.add_argument("--json", metavar="FILE", help="write the result as a splash-bench JSON (kind 'load')")
+    load_abuse.add_arguments(p)
 
 
 def run(args) -> int:
     if bool(args.url) == bool(args.launch):
         print("error: give exactly one of --url or --launch", file=sys.stderr)
         return 2
-    command = "splash-bench " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    command = getattr(args, "prog", "splash-bench") + " " + " ".join(
+        shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     proc, err = None, None
     args.load_before = os.getloadavg()[0]
     if args.launch:
@@ -292,11 +313,13 @@ def run(args) -> int:
     body = report(args, res, command, server_rc)
     print(body)
     if args.update_doc:
-        update_doc(Path(args.update_doc), body)
+        update_doc(Path(args.update_doc), body,
+                   load_abuse.SECTION_ABUSE if load_abuse.enabled(args) else SECTION)
     if args.json:
         write_result(args, res)
     s = res["stats"]
-    return 0 if s.failed == s.lost == s.mismatched == 0 and server_rc in (None, 0) else 1
+    ok = s.failed == s.lost == s.mismatched == 0 and server_rc in (None, 0)
+    return 0 if ok and load_abuse.clean(args, res["abuse"]) else 1
 
 
 def write_result(args, res: dict) -> None:

@@ -13,7 +13,7 @@ import torch
 from splash.attention.batch import StepBatch, StepRequest
 from splash.kv import quant
 from splash.kv.block_manager import BlockManager
-from splash.kv.page_table import PageTable
+from splash.kv.page_table import PageTable, ensure_step_pages
 from splash.kv.paged_cache import PagedLatentCache
 from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
 from splash.models.build import build_weights, on_device
@@ -79,6 +79,11 @@ class ModelRunner:
         new = self.bm.ensure(req, logical)
         if new:
             self.tables.append(req, new)
+
+    def ensure_step_blocks(self, reqs, keep=None) -> None:
+        """Allocate the blocks the new tokens of `reqs` touch (those `keep(q, block)` accepts, if given) and append
+        them to the page table (`splash.kv.page_table.ensure_step_pages`)."""
+        ensure_step_pages(self.bm, self.tables, reqs, keep)
 
     def sync_tables(self, reqs) -> None:
         """Rewrite the page-table rows of `reqs` from the block manager (after a switch moved their blocks)."""

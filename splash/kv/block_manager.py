@@ -5,6 +5,7 @@ holds only some logical blocks of a request, so the table is a dict, not a list.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -63,6 +64,54 @@ class BlockManager:
             table[b] = phys
             new.append((b, phys))
         return new
+
+    def ensure_many(self, needs: list[tuple[str, list[int]]]) -> list[tuple[str, list[tuple[int, int]]]]:
+        """`ensure` for one step's requests at once: [(req, logical blocks)] -> [(req, new (logical, physical))]
+        for the requests that got blocks, handing out the ids `ensure` would in turn. All-or-nothing over the
+        whole list (OutOfBlocks allocates nothing). O(requests + blocks), one pass."""
+        tables, free, out = self._tables, self._free, []
+        for req, logical in needs:
+            t = tables.get(req)
+            if t is None:
+                t = tables[req] = {}
+            new = []
+            for b in logical:
+                if b not in t:
+                    if not free:
+                        self._undo(out + [(req, new)])
+                        raise OutOfBlocks(sum(len(self.missing(r, list(dict.fromkeys(lg)))) for r, lg in needs),
+                                          len(free))
+                    t[b] = p = free.pop()
+                    new.append((b, p))
+            if new:
+                out.append((req, new))
+        return out
+
+    def append_blocks(self, reqs: list[str], blocks: list[int]) -> list[int] | None:
+        """The decode case of `ensure_many`: request reqs[i] (distinct requests) gets logical block blocks[i],
+        which it does not hold yet; returns the physical ids (those `ensure` would hand out in turn), or None
+        (nothing allocated) when the case does not apply — a repeated request or an already held block: use
+        `ensure_many`. O(requests) in C loops (map over the tables), no per-request python."""
+        tables, free, k = self._tables, self._free, len(reqs)
+        tabs = list(map(tables.get, reqs))
+        if None in tabs or len(set(reqs)) != k or any(map(dict.__contains__, tabs, blocks)):
+            return None
+        if k > len(free):
+            raise OutOfBlocks(k, len(free))
+        phys = free[len(free) - k:][::-1]
+        del free[len(free) - k:]
+        deque(map(dict.__setitem__, tabs, blocks, phys), maxlen=0)
+        return phys
+
+    def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]]) -> None:
+        """Give back what a failed `ensure_many` handed out, restoring the free list's order."""
+        for req, new in reversed(allocated):
+            t = self._tables[req]
+            for b, p in reversed(new):
+                del t[b]
+                self._free.append(p)
+        for req in [r for r, t in self._tables.items() if not t]:
+            del self._tables[req]
 
     def discard(self, req: str, logical: list[int]) -> list[int]:
         """Free the given logical blocks of `req` (those it holds); returns the freed physical ids."""

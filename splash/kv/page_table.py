@@ -6,17 +6,30 @@ its j-th held page and `logical[row, j]` that page's logical block index (its po
 block of its requests (logical[row, j] = j); under CP it holds every T-th one (round-robin from the request's
 anchor), and the logical column says which. `npages[row]` counts the held pages.
 
-Updates cost O(pages changed): appending pages queues them for the row's end and `flush` writes every queued
-page of the step in one scatter (the step's metadata flushes); releasing a request frees its row; a switch
+Updates cost O(pages changed): appending pages queues them for the row's end (as `array` columns; a decode
+step's one-page-per-request appends go through `append_pages` in C loops, see `ensure_step_pages`) and `flush`
+writes every queued page of the step in one scatter (the step's metadata flushes); releasing a request frees its row; a switch
 rewrites the rows of the requests whose pages it changed. Rows and columns grow by doubling (amortised
 O(1) per page). Attention reads the tables in place through each step's request rows
 (`splash.attention.metadata`), so nothing per step walks a request's history.
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Mapping
+from itertools import repeat
+from operator import add, gt
 
 import torch
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A 1-D int64/int32 tensor on `device` from python ints, through an `array` buffer (several times faster
+    than `torch.tensor(list)`, which converts element by element); one copy when `device` is not the CPU."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array("q" if dtype == torch.long else "i", values), dtype=dtype)
+    return t if t.device == torch.device(device) else t.to(device)
 
 
 class PageTable:
@@ -29,7 +42,7 @@ class PageTable:
         self._count: dict[str, int] = {}     # held pages per request (python mirror of npages)
         self._last: dict[str, int] = {}      # last held logical block per request
         self._free = list(range(rows - 1, -1, -1))
-        self._pending: list[tuple[int, int, int, int]] = []   # queued (row, column, logical, physical)
+        self._clear_pending()   # queued pages, as flat columns: row, column, logical block, physical page
 
     # ---- lookup ------------------------------------------------------------------------------------------
     def row(self, req: str) -> int:
@@ -46,36 +59,81 @@ class PageTable:
         return list(self._row)
 
     # ---- updates -----------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def append(self, req: str, new: Iterable[tuple[int, int]]) -> None:
         """Add (logical, physical) pages to `req`, queued until `flush`: O(new pages) python, no tensor op."""
         new = sorted(new)
         if not new:
             return
-        r, n = self.row(req), self._count[req]
+        r = self._row.get(req)
+        if r is None:
+            r = self._new_row(req)
+        n = self._count[req]
         if new[0][0] <= self._last.get(req, -1):   # not past the end (e.g. a re-fill after a switch): rewrite
             self.flush()
             held = dict(zip(self.logical[r, :n].tolist(), self.pages[r, :n].tolist()))
             held.update(new)
             self.rewrite(req, held)
             return
-        self._pending.extend((r, n + i, b, p) for i, (b, p) in enumerate(new))
-        self._count[req], self._last[req] = n + len(new), new[-1][0]
+        k = len(new)
+        self._p_rows.extend([r] * k)
+        self._p_cols.extend(range(n, n + k))
+        for b, p in new:
+            self._p_logical.append(b)
+            self._p_phys.append(p)
+        self._count[req], self._last[req] = n + k, new[-1][0]
 
-    @torch.inference_mode()
+    def append_many(self, items: Iterable[tuple[str, list[tuple[int, int]]]]) -> None:
+        """`append` for several requests (one step's new pages): O(requests + new pages) python, no tensor op."""
+        rows, cols, logical, phys = self._p_rows, self._p_cols, self._p_logical, self._p_phys
+        known, count, last = self._row, self._count, self._last
+        for req, new in items:
+            r = known.get(req)
+            if r is None or len(new) != 1 or new[0][0] <= last.get(req, -1):
+                self.append(req, new)    # a new row, several pages, or a rewrite (which may flush)
+                rows, cols, logical, phys = self._p_rows, self._p_cols, self._p_logical, self._p_phys
+                continue
+            (b, p), n = new[0], count[req]   # the decode case: one page past the row's end
+            rows.append(r)
+            cols.append(n)
+            logical.append(b)
+            phys.append(p)
+            count[req], last[req] = n + 1, b
+
+    def append_pages(self, reqs: list[str], logical: list[int], phys: list[int]) -> None:
+        """The decode case of `append_many`: request reqs[i] (distinct, each with a row) gets one page (logical[i],
+        phys[i]) past its row's end. O(requests) in C loops; falls back to `append` when the case does not apply."""
+        rows = list(map(self._row.get, reqs))
+        last = list(map(self._last.get, reqs, repeat(-1)))
+        if None in rows or not all(map(gt, logical, last)):
+            self.append_many((q, [(b, p)]) for q, b, p in zip(reqs, logical, phys))
+            return
+        counts = list(map(self._count.__getitem__, reqs))
+        self._p_rows.extend(rows)
+        self._p_cols.extend(counts)
+        self._p_logical.extend(logical)
+        self._p_phys.extend(phys)
+        self._count.update(zip(reqs, map(add, counts, repeat(1))))
+        self._last.update(zip(reqs, logical))
+
     def flush(self) -> None:
         """Write the queued pages and the changed page counts: three scatters, whatever the number of pages."""
-        if not self._pending:
-            return
-        self._fit_cols(max(c for _, c, _, _ in self._pending) + 1)
-        rows, cols, logical, phys = (torch.tensor(x, dtype=torch.long, device=self.device)
-                                     for x in zip(*self._pending))
-        self.logical[rows, cols] = logical.to(torch.int32)
-        self.pages[rows, cols] = phys.to(torch.int32)
-        counts = {r: c + 1 for r, c, _, _ in self._pending}   # a row's last queued column is its largest
-        self.npages[torch.tensor(list(counts), device=self.device)] = torch.tensor(
-            list(counts.values()), dtype=torch.int32, device=self.device)
-        self._pending = []
+        if self._p_rows:
+            self._write_pending()
+
+    @torch.inference_mode()
+    def _write_pending(self) -> None:
+        rows, cols = (torch.frombuffer(x, dtype=torch.long).to(self.device)
+                      for x in (self._p_rows, self._p_cols))
+        self._fit_cols(max(self._p_cols) + 1)
+        self.logical[rows, cols] = torch.frombuffer(self._p_logical, dtype=torch.int32).to(self.device)
+        self.pages[rows, cols] = torch.frombuffer(self._p_phys, dtype=torch.int32).to(self.device)
+        # a row's count is one past its largest queued column (counts only grow between flushes)
+        self.npages.scatter_reduce_(0, rows, (cols + 1).to(torch.int32), "amax")
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        self._p_rows, self._p_cols = array("q"), array("q")
+        self._p_logical, self._p_phys = array("i"), array("i")
 
     @torch.inference_mode()
     def rewrite(self, req: str, table: Mapping[int, int]) -> None:
@@ -96,8 +154,11 @@ class PageTable:
         r = self._row.pop(req, None)
         if r is None:
             return
-        if self._pending:
-            self._pending = [x for x in self._pending if x[0] != r]
+        if r in self._p_rows:
+            keep = [i for i, x in enumerate(self._p_rows) if x != r]
+            self._p_rows, self._p_cols, self._p_logical, self._p_phys = (
+                array(col.typecode, [col[i] for i in keep])
+                for col in (self._p_rows, self._p_cols, self._p_logical, self._p_phys))
         self.npages[r] = 0
         self._count.pop(req, None)
         self._last.pop(req, None)
@@ -135,3 +196,34 @@ class PageTable:
         z = torch.zeros(self.pages.shape[0], pad, dtype=torch.int32, device=self.device)
         self.pages = torch.cat([self.pages, z], dim=1)
         self.logical = torch.cat([self.logical, z], dim=1)
+
+
+def ensure_step_pages(bm, tables: PageTable, reqs, keep=None) -> None:
+    """Allocate in `bm` (a `BlockManager`) the blocks the new tokens of the step requests `reqs` touch — those
+    `keep(q, block)` accepts, if given (CP: the blocks this rank holds) — and append them to `tables`, handing
+    out the physical ids a per-request `bm.ensure` in step order would. O(requests + new pages): in a decode
+    step the tokens that start a page take one block each in one block-manager call and one page-table call
+    (C loops, no per-request python beyond selecting them); a step with prefill chunks goes per request."""
+    bs = tables.block_size
+    if any(q.num_new > 1 for q in reqs):
+        needs = []
+        for q in reqs:
+            if q.num_new == 0 or (q.num_new == 1 and q.start_pos % bs):
+                continue  # a decode token inside a page: its page holds the previous position, so is held
+            blocks = range(q.start_pos // bs, (q.end_pos - 1) // bs + 1)
+            blocks = [b for b in blocks if keep is None or keep(q, b)]
+            if blocks:
+                needs.append((q.req_id, blocks))
+        if needs:
+            tables.append_many(bm.ensure_many(needs))
+        return
+    cross = [q for q in reqs if q.num_new == 1 and not q.start_pos % bs]  # other decode tokens' pages are held
+    if keep is not None:
+        cross = [q for q in cross if keep(q, q.start_pos // bs)]
+    if cross:
+        ids, blocks = [q.req_id for q in cross], [q.start_pos // bs for q in cross]
+        phys = bm.append_blocks(ids, blocks)
+        if phys is not None:
+            tables.append_pages(ids, blocks, phys)
+        else:  # a request repeated or a block already held (e.g. refilled by a switch): the general path
+            tables.append_many(bm.ensure_many(list(zip(ids, ([b] for b in blocks)))))

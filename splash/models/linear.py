@@ -6,10 +6,39 @@ FP8 block-scaled, INT8 per-channel, or a row stack of them), which is dequantise
 
 A oneDNN path with prepacked weights was measured (1.3–2× faster per projection in isolation on this AMD host,
 ≈ 3% per decode step, within noise) and left out: it keeps a second, packed copy of every weight, which the
-memory model and the per-layout KV capacity do not budget for."""
+memory model and the per-layout KV capacity do not budget for.
+
+bf16 weights and activations on a CPU without bf16 units (`bf16_units`: no AVX512-BF16 / AMX, e.g. this AVX2
+host) are multiplied in fp32 (operands upcast per use, result rounded to bf16), like the quantised weights'
+dequantise-per-use: no second copy of any weight is kept."""
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.cache
+def bf16_units() -> bool:
+    """The CPU has bf16 GEMM units (AVX512-BF16 or AMX). Without them (AVX2 hosts) torch's bf16 GEMMs measured
+    3-7x slower than upcasting both operands and multiplying in fp32, so bf16 products are computed that way
+    (bf16 storage and results, fp32 products: at least as accurate as a bf16 GEMM)."""
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def _mm(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_units():
+        return (x.float() @ wt.float()).to(torch.bfloat16)
+    return x @ wt
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, with bf16 operands multiplied in fp32 on a CPU without bf16 units (see `bf16_units`)."""
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and not bf16_units():
+        return torch.bmm(a.float(), b.float()).to(torch.bfloat16)
+    return torch.bmm(a, b)
 
 
 def dense(w) -> torch.Tensor:
@@ -20,12 +49,12 @@ def dense(w) -> torch.Tensor:
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [n, in] @ w [out, in]ᵀ -> [n, out]."""
     if isinstance(w, torch.Tensor):
-        return x @ w.T
-    return x @ w.dequant().T
+        return _mm(x, w.T)
+    return _mm(x, w.dequant().T)
 
 
 def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
     """x @ stack[e]ᵀ for one expert of a stacked weight [E, out, in]."""
     if isinstance(stack, torch.Tensor):
-        return x @ stack[e].T
-    return x @ stack[e].dequant().T
+        return _mm(x, stack[e].T)
+    return _mm(x, stack[e].dequant().T)

@@ -21,15 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from splash.kv import quant
+from splash.models.linear import bf16_units
 
 SCRATCH_BYTES = 32 << 20      # bound on one chunk's working buffers
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
 
 def cpu_has_bf16() -> bool:
-    cpu = torch.cpu
-    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return bf16_units()
 
 
 @dataclass
@@ -62,13 +61,14 @@ class TorchMLAKernel:
         lens = meta.q_lens
         npg = meta.num_pages.tolist()
         dev = meta.num_pages.device
-        dec = [i for i, n in enumerate(lens) if n == 1]
+        everyone = lens.count(1) == len(lens)
+        dec = range(len(lens)) if everyone else [i for i, n in enumerate(lens) if n == 1]
         if dec:
-            everyone = len(dec) == len(lens)
-            idx = torch.arange(len(dec), device=dev) if everyone else torch.tensor(dec, dtype=torch.long, device=dev)
-            counts = [npg[i] for i in dec]
+            idx = meta.row_req if everyone else torch.tensor(dec, dtype=torch.long, device=dev)
+            counts = npg if everyone else [npg[i] for i in dec]
+            counts = sorted(counts)
             self.groups.append(_Group(idx, idx if everyone else meta.qo_indptr[idx].long(), 1, None,
-                                      sorted(counts), max(counts), everyone))
+                                      counts, counts[-1], everyone))
         qo = meta.qo_indptr.tolist() if len(dec) < len(lens) else None
         for i, n in enumerate(lens):
             if n > 1:
