@@ -55,12 +55,17 @@ class ModelRunner:
         # the current layout's KV dtype (a switch sets the destination's)
         self.block_size, self.kv_dtype, self.dtype = block_size, self.layout_kv_dtypes[layout], dtype
         self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
-        self.weights = build_weights(cfg, get, self.heads, comm.rank, comm.size)
-        q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
-        self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
-        self.model = DeepseekV3Model(cfg, self.weights, comm)
-        self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
-                                      cfg.qk_rope_head_dim, self.kv_dtype)
+        self.states = None  # per-request recurrent state (KDA layers of glm5_next), see splash.kv.recurrent
+        if cfg.hybrid is not None:
+            from splash.models.hybrid_setup import setup_hybrid
+            setup_hybrid(self, get, num_blocks)
+        else:
+            self.weights = build_weights(cfg, get, self.heads, comm.rank, comm.size)
+            q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
+            self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections quantised
+            self.model = DeepseekV3Model(cfg, self.weights, comm)
+            self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
+                                          cfg.qk_rope_head_dim, self.kv_dtype)
         self.bm = BlockManager(num_blocks, block_size)
         self.tables = PageTable(block_size)   # the block manager's tables as tensors, for the attention kernel
         self.attention_backend = attention_backend
@@ -109,3 +114,5 @@ class ModelRunner:
     def release(self, req_id: str) -> None:
         self.bm.release(req_id)
         self.tables.release(req_id)
+        if self.states is not None:
+            self.states.release(req_id)
