@@ -54,14 +54,22 @@ class HybridAttention:
         for q in reqs:
             spans.append(range(at, at + q.num_new))
             at += q.num_new
+        self.reqs, self.spans = reqs, spans
+        self.rows = None if sharded else self.g.rows_mine
+        self.sel: dict[str, torch.Tensor] = {}
+        self.states_ready = False
+
+    def _ensure_states(self) -> None:
+        """New requests get a zero state; the others must hold theirs. Checked at the first KDA layer, not in
+        prepare: during a live handoff the state lands just before that layer runs."""
+        r = self.r
+        for q in self.reqs:
             if q.start_pos == 0 and q.num_new:
                 r.states.create(q.req_id, len(r.linear_heads))
             elif not r.states.has(q.req_id):
                 raise RuntimeError(f"request {q.req_id!r} at position {q.start_pos} has no KDA state on rank "
                                    f"{r.comm.rank} in layout {self.layout}")
-        self.reqs, self.spans = reqs, spans
-        self.rows = None if sharded else self.g.rows_mine
-        self.sel: dict[str, torch.Tensor] = {}
+        self.states_ready = True
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.r.cfg.is_linear_layer(layer):
@@ -81,6 +89,8 @@ class HybridAttention:
     def _kda(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg
         li = r.linear_index[layer]
+        if not self.states_ready:
+            self._ensure_states()
         xs = x if self.rows is None else x[self.rows]
         states = [r.states.get(q.req_id)[li] for q in self.reqs]
         out, new = kda_forward(r.weights.layers[layer].attn, xs, self.spans, states, cfg.rms_norm_eps,
