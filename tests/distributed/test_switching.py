@@ -12,28 +12,60 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
+from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
+from hf_glm5_next import load_hf_glm5_next, make_tiny_glm5_next  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 WORKER = "tests/distributed/switch_worker.py"
 DIRECTIONS = [f"{s}->{d}" for s in ("tp", "dp_attn", "cp", "dop") for d in ("tp", "dp_attn", "cp", "dop") if s != d]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("switching")
-    model_dir = make_tiny_deepseek(d / "model", **VARIANTS["moe_yarn"])
+def _make_reference(d: Path, make, load) -> tuple[Path, Path]:
+    model_dir = make(d / "model")
     prompts = random_prompts([3, 17, 9, 30, 1, 12], seed=1)
     ref = {"prompts_a": prompts, "max_tokens_a": [24, 5, 24, 24, 13, 24],
-           "tokens_a": hf_greedy(load_hf(model_dir), prompts, 24)}
+           "tokens_a": hf_greedy(load(model_dir), prompts, 24)}
     torch.save(ref, d / "ref.pt")
     return model_dir, d / "ref.pt"
 
 
-def _run(nprocs: int, reference, *args: str):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    return _make_reference(tmp_path_factory.mktemp("switching"),
+                           lambda d: make_tiny_deepseek(d, **VARIANTS["moe_yarn"]), load_hf)
+
+
+@pytest.fixture(scope="module")
+def glm5_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """GLM-5.3-Flash (KDA + NoPE MLA-DSA + mHC), index_topk below the contexts; it runs in TP, DP-attn, DOP."""
+    return _make_reference(tmp_path_factory.mktemp("switching_glm5"),
+                           lambda d: make_tiny_glm5_next(d, **GLM_VARIANTS["topk_low"]), load_hf_glm5_next)
+
+
+GLM5_LAYOUTS = ("tp", "dp_attn", "dop")
+
+
+def _run(nprocs: int, reference, *args: str, layouts: tuple[str, ...] | None = None):
     model_dir, ref = reference
-    res = run_mpi(nprocs, WORKER, str(model_dir), str(ref), *args, timeout=400)
+    env = {"SPLASH_TEST_LAYOUTS": ",".join(layouts)} if layouts else None
+    res = run_mpi(nprocs, WORKER, str(model_dir), str(ref), *args, timeout=400, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_glm5_next_directions_and_state(glm5_reference, nprocs):
+    """glm5_next: every direction among its layouts, live and blocking, keeps HF's tokens and frees the pools;
+    the per-request KDA state is byte-exact across each switch and lands where the destination puts it."""
+    out = _run(nprocs, glm5_reference, "directions", layouts=GLM5_LAYOUTS)
+    out += _run(nprocs, glm5_reference, "states", layouts=GLM5_LAYOUTS)
+    for s in GLM5_LAYOUTS:
+        for d in GLM5_LAYOUTS:
+            if s != d:
+                for mode in ("live", "blocking"):
+                    for r in range(nprocs):
+                        assert f"rank {r}: {s}->{d} {mode} OK" in out, out
+                        assert f"rank {r}: state {s}->{d} {mode} OK" in out, out
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
