@@ -101,3 +101,29 @@ def test_manifest_moves_recurrent_state(glm5):
     assert {(mv.req, mv.h0, mv.src_rank, mv.dst_rank) for mv in m.state_moves} == {("a", 4, 0, 1), ("b", 0, 1, 0)}
     m = plan_switch("tp", "dop", cfg, 2, dp, 4, 4, "float32")
     assert m.state_moves == () and m.action("recurrent_state") == "keep"
+
+
+def test_memory_model_counts_pools_and_state(glm5, comm):
+    """The MLA pools (latent + indexer keys/gates) allocate exactly the analytic block bytes of the MLA layers;
+    the KDA state the runner holds per request equals the memory model's, per layout; capacity reserves it."""
+    from splash.layouts.memory import kv_block_bytes, kv_capacity_tokens, recurrent_state_bytes, state_bytes_per_rank
+
+    path = glm5("topk_low")[0]
+    cfg, get = open_checkpoint(path)
+    runner = ModelRunner(cfg, get, comm, "tp", "float32", 4, 37)
+    assert runner.cache.num_layers == 2 and runner.index_cache.num_layers == 2
+    assert runner.cache.nbytes() + runner.index_cache.nbytes() == kv_block_bytes(cfg, "float32", 4) * 37
+    prompts = random_prompts([5, 9], seed=5)
+    reqs = [StepRequest(f"r{i}", 0, len(p)) for i, p in enumerate(prompts)]
+    runner.step(StepBatch.build(reqs, prompts, [True, True]))
+    assert runner.states.nbytes() == sum(state_bytes_per_rank(cfg, "tp", 1, {"r0": 0, "r1": 0}))
+    # 2 KDA layers x 8 heads x (8*8 + 3*8*3) fp32
+    assert recurrent_state_bytes(cfg, "tp", 1) == 2 * 8 * (64 + 72) * 4
+    assert recurrent_state_bytes(cfg, "tp", 2) * 2 == recurrent_state_bytes(cfg, "dp_attn", 2)
+    assert state_bytes_per_rank(cfg, "dp_attn", 2, {"a": 0, "b": 0}) == (2 * recurrent_state_bytes(cfg, "cp", 2), 0)
+    budget = 1 << 20
+    plain = kv_capacity_tokens(cfg, "dop", 2, budget, 4, "float32", 4)
+    held = kv_capacity_tokens(cfg, "dop", 2, budget, 4, "float32", 4, state_requests=16)
+    blk = kv_block_bytes(cfg, "float32", 4)
+    assert plain.blocks_per_rank - held.blocks_per_rank == -(-16 * recurrent_state_bytes(cfg, "dop", 2) // blk) \
+        or plain.blocks_per_rank - held.blocks_per_rank == 16 * recurrent_state_bytes(cfg, "dop", 2) // blk

@@ -12,7 +12,7 @@ KDA placement (its state is per request; the recurrence is per head and sequenti
 MLA-DSA placement: the rank that attends a request holds its whole latent history and its indexer keys (TP:
 every rank, heads sharded; DP-attn: owner, all heads; DOP: owner, queries of all heads arrive by all-to-all)
 and computes the KPool selection itself from replicated hidden states — identical on every rank that computes
-it. CP (position-sharded history) needs a global top-k over pools held by different ranks: not implemented.
+it. CP (position-sharded history): a global top-k over the pools each rank holds (splash.attention.hybrid_cp).
 """
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ class HybridAttention:
     """Wraps the MLA executor of a layout (its block allocation and metadata) and runs both layer kinds."""
 
     def __init__(self, layout: str, base):
-        if layout == "cp":
-            raise ValueError("glm5_next under CP: the KPool selection needs a global top-k over position shards, "
-                             "which is not implemented (layouts: tp, dp_attn, dop)")
         self.layout, self.base, self.r = layout, base, base.r
+        P, bs = self.r.cfg.hybrid.index_kpool, self.r.block_size
+        if layout == "cp" and bs % P:
+            raise ValueError(f"glm5_next under CP needs index_kpool ({P}) to divide block_size ({bs}): each rank "
+                             "scores the KPool pools of the blocks it holds")
 
     # ---- step set-up ---------------------------------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:
@@ -55,6 +56,7 @@ class HybridAttention:
             spans.append(range(at, at + q.num_new))
             at += q.num_new
         self.reqs, self.spans = reqs, spans
+        self.all_reqs, self.all_spans = batch.reqs, batch.row_ranges()
         self.rows = None if sharded else self.g.rows_mine
         self.sel: dict[str, torch.Tensor] = {}
         self.states_ready = False
@@ -74,6 +76,9 @@ class HybridAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.r.cfg.is_linear_layer(layer):
             return self._kda(layer, x)
+        if self.layout == "cp":
+            from splash.attention.hybrid_cp import mla_cp
+            return mla_cp(self, layer, x)
         return {"tp": self._mla_tp, "dp_attn": self._mla_dp, "dop": self._mla_dop}[self.layout](layer, x)
 
     def _gather(self, out: torch.Tensor) -> torch.Tensor:

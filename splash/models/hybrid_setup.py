@@ -1,7 +1,7 @@
 """Set up a ModelRunner for a hybrid (glm5_next) model: weights, MLA + indexer pools, per-request KDA state.
 
-Only MLA layers own paged KV: the latent pool and the indexer-key pool (keys + pool gate logits, fp32, same
-slots as the latent) have one layer per MLA layer (``mla_index`` maps a model layer to it); KDA layers keep
+Only MLA layers own paged KV: the latent pool (in the layout's KV dtype) and the indexer-key pool (keys + pool
+gate logits, fp32 in every layout, same slots as the latent) have one layer per MLA layer (``mla_index`` maps a model layer to it); KDA layers keep
 per-request state (``linear_index`` maps a model layer to its row in splash.kv.recurrent.RecurrentStates).
 """
 from __future__ import annotations
@@ -22,8 +22,6 @@ def layer_maps(cfg) -> tuple[dict[int, int], dict[int, int]]:
 
 def setup_hybrid(r, get, num_blocks: int) -> None:
     cfg, hy = r.cfg, r.cfg.hybrid
-    if r.kv_dtype != "float32" or any(v != "float32" for v in r.layout_kv_dtypes.values()):
-        raise ValueError("glm5_next: only kv_cache_dtype float32 is supported for its NoPE MLA-DSA layers")
     r.linear_heads = linear_heads_for(r.layout, hy.linear_num_heads, r.comm.size, r.comm.rank)
     r.weights = build_hybrid_weights(cfg, get, r.heads, r.linear_heads, r.comm.rank, r.comm.size)
     r.weight_quant = None

@@ -155,7 +155,8 @@ class SwitchExecutor:
         layer's tensors change, so other layers' transfers may be in flight)."""
         if layer in self.to_convert:
             self.to_convert.discard(layer)
-            self.r.cache.convert_layer(layer, self.m.dst_kv_dtype, self.held)
+            for pool, cl in self._pools(layer)[:1]:  # the latent pool (hybrid indexer keys stay fp32)
+                pool.convert_layer(cl, self.m.dst_kv_dtype, self.held)
 
     def before_layer(self, layer: int) -> None:
         """Called by the model before layer `layer` runs (live mode)."""

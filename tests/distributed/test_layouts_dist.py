@@ -1,5 +1,6 @@
 """Each of TP, DP-attn, CP and DOP on real ranks (mpiexec -n 1/2/4) gives the tokens of transformers'
-DeepseekV3ForCausalLM and of one rank, for a mixed batch: prompts of different lengths (several KV blocks),
+DeepseekV3ForCausalLM / Glm5NextForConditionalGeneration (text model, index_topk below the contexts) and of one
+rank, for a mixed batch: prompts of different lengths (several KV blocks),
 chunked prefill mixed with decode, requests finishing mid-batch, and ranks that own zero requests."""
 from __future__ import annotations
 
@@ -18,28 +19,29 @@ from mpi_util import run_mpi  # noqa: E402
 LAYOUTS = "tp,dp_attn,cp,dop"
 
 
-# architecture -> (tiny checkpoint maker, HF loader, layouts it runs in); glm5_next's KPool selection is not
-# implemented under CP (see splash.attention.hybrid)
-ARCHS = {"deepseek_v3": (lambda d: make_tiny_deepseek(d, **VARIANTS["moe_yarn"]), load_hf, LAYOUTS),
+# architecture -> (tiny checkpoint maker, HF loader, (prompt lengths, max tokens) of phases a and b); glm5_next
+# runs a smaller batch (transformers' KDA fallback makes its reference slow), still with several KV blocks,
+# chunked prefill mixed with decode, a request finishing early and ranks owning none
+ARCHS = {"deepseek_v3": (lambda d: make_tiny_deepseek(d, **VARIANTS["moe_yarn"]), load_hf,
+                         (([3, 17, 9, 30, 1, 12], [24, 5, 24, 24, 13, 24]), ([7, 21], [24, 24]))),
          "glm5_next": (lambda d: make_tiny_glm5_next(d, **GLM_VARIANTS["topk_low"]), load_hf_glm5_next,
-                       "tp,dp_attn,dop")}
+                       (([3, 17, 30, 1], [16, 5, 16, 9]), ([21], [16])))}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def reference(request, tmp_path_factory) -> tuple[Path, Path, str]:
-    make, load, layouts = ARCHS[request.param]
+    make, load, ((len_a, max_a), (len_b, max_b)) = ARCHS[request.param]
     d = tmp_path_factory.mktemp(f"layouts_{request.param}")
     model_dir = make(d / "model")
     hf = load(model_dir)
-    prompts_a = random_prompts([3, 17, 9, 30, 1, 12], seed=1)
-    max_a = [24, 5, 24, 24, 13, 24]
-    prompts_b = random_prompts([7, 21], seed=2)
+    prompts_a = random_prompts(len_a, seed=1)
+    prompts_b = random_prompts(len_b, seed=2)
     probe = random_prompts([13], seed=3)[0]
-    ref = {"prompts_a": prompts_a, "max_tokens_a": max_a, "tokens_a": hf_greedy(hf, prompts_a, 24),
-           "prompts_b": prompts_b, "max_tokens_b": [24, 24], "tokens_b": hf_greedy(hf, prompts_b, 24),
+    ref = {"prompts_a": prompts_a, "max_tokens_a": max_a, "tokens_a": hf_greedy(hf, prompts_a, max(max_a)),
+           "prompts_b": prompts_b, "max_tokens_b": max_b, "tokens_b": hf_greedy(hf, prompts_b, max(max_b)),
            "probe": probe, "probe_logits": hf_logits(hf, probe)}
     torch.save(ref, d / "ref.pt")
-    return model_dir, d / "ref.pt", layouts
+    return model_dir, d / "ref.pt", LAYOUTS
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 4])

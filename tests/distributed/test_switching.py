@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
 from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
-from hf_glm5_next import load_hf_glm5_next, make_tiny_glm5_next  # noqa: E402
+from hf_glm5_next import make_tiny_glm5_next  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 WORKER = "tests/distributed/switch_worker.py"
@@ -37,12 +37,24 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def glm5_reference(tmp_path_factory) -> tuple[Path, Path]:
-    """GLM-5.3-Flash (KDA + NoPE MLA-DSA + mHC), index_topk below the contexts; it runs in TP, DP-attn, DOP."""
-    return _make_reference(tmp_path_factory.mktemp("switching_glm5"),
-                           lambda d: make_tiny_glm5_next(d, **GLM_VARIANTS["topk_low"]), load_hf_glm5_next)
+    """GLM-5.3-Flash (KDA + NoPE MLA-DSA + mHC), index_topk below the contexts. The reference is the unswitched
+    one-rank engine (test_layouts_dist and test_glm5_next check that equals transformers; transformers' KDA
+    fallback would make this fixture slow); a smaller batch that still runs past the latest switch step."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    from splash.engine.sampling import SamplingParams
+
+    d = tmp_path_factory.mktemp("switching_glm5")
+    model_dir = make_tiny_glm5_next(d / "model", **GLM_VARIANTS["topk_low"])
+    prompts, max_tokens = random_prompts([3, 17, 30, 1], seed=1), [16, 5, 16, 9]
+    llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=16, comm=SingleRankCommunicator())
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
+    torch.save({"prompts_a": prompts, "max_tokens_a": max_tokens, "tokens_a": [o.token_ids for o in outs]},
+               d / "ref.pt")
+    return model_dir, d / "ref.pt"
 
 
-GLM5_LAYOUTS = ("tp", "dp_attn", "dop")
+GLM5_LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 
 def _run(nprocs: int, reference, *args: str, layouts: tuple[str, ...] | None = None):
@@ -53,19 +65,21 @@ def _run(nprocs: int, reference, *args: str, layouts: tuple[str, ...] | None = N
     return res.stdout
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_glm5_next_directions_and_state(glm5_reference, nprocs):
-    """glm5_next: every direction among its layouts, live and blocking, keeps HF's tokens and frees the pools;
-    the per-request KDA state is byte-exact across each switch and lands where the destination puts it."""
-    out = _run(nprocs, glm5_reference, "directions", layouts=GLM5_LAYOUTS)
-    out += _run(nprocs, glm5_reference, "states", layouts=GLM5_LAYOUTS)
+@pytest.mark.parametrize("nprocs,modes", [(2, ("directions", "states")), (4, ("states",))])
+def test_glm5_next_directions_and_state(glm5_reference, nprocs, modes):
+    """glm5_next: all 12 directions, live and blocking, keep the unswitched tokens and free the pools (2 ranks;
+    4-rank tokens in every layout are test_layouts_dist's, kept short for the suite's time); the per-request KDA
+    state is byte-exact across each switch and lands where the destination puts it (2 and 4 ranks)."""
+    out = "".join(_run(nprocs, glm5_reference, mode, layouts=GLM5_LAYOUTS) for mode in modes)
     for s in GLM5_LAYOUTS:
         for d in GLM5_LAYOUTS:
             if s != d:
                 for mode in ("live", "blocking"):
                     for r in range(nprocs):
-                        assert f"rank {r}: {s}->{d} {mode} OK" in out, out
-                        assert f"rank {r}: state {s}->{d} {mode} OK" in out, out
+                        for what in modes:
+                            line = f"rank {r}: {s}->{d} {mode} OK" if what == "directions" else \
+                                f"rank {r}: state {s}->{d} {mode} OK"
+                            assert line in out, out
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
