@@ -127,3 +127,9 @@ def test_memory_model_counts_pools_and_state(glm5, comm):
     blk = kv_block_bytes(cfg, "float32", 4)
     assert plain.blocks_per_rank - held.blocks_per_rank == -(-16 * recurrent_state_bytes(cfg, "dop", 2) // blk) \
         or plain.blocks_per_rank - held.blocks_per_rank == 16 * recurrent_state_bytes(cfg, "dop", 2) // blk
+
+
+def test_quantised_weights_rejected_by_name(glm5, comm):
+    cfg, get = open_checkpoint(glm5("topk_low")[0], quantization="int8")
+    with pytest.raises(ConfigError, match="glm5_next: quantised"):
+        ModelRunner(cfg, get, comm, "tp", "float32", 4, 16)
