@@ -181,7 +181,7 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
 
     gen_cfg = copy.deepcopy(model.generation_config)
     gen_cfg.eos_token_id = []  # None would fall back to config.json's EOS
-    gen_cfg.pad_token_id = model.config.pad_token_id
+    gen_cfg.pad_token_id = model.config.get_text_config().pad_token_id
     outs = []
     for p in prompts:
         ids = torch.tensor([p], dtype=torch.long)

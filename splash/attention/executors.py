@@ -16,4 +16,8 @@ def make_executor(layout: str, runner):
     table = {"tp": TPAttention, "dp_attn": DPAttention, "cp": CPAttention, "dop": DOPAttention}
     if layout not in table:
         raise ValueError(f"layout {layout!r} not available")
-    return table[layout](runner)
+    base = table[layout](runner)
+    if runner.cfg.hybrid is not None:  # glm5_next: KDA + MLA-DSA layers (splash.attention.hybrid)
+        from splash.attention.hybrid import HybridAttention
+        return HybridAttention(layout, base)
+    return base

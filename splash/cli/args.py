@@ -143,8 +143,8 @@ def _default_text(field_name: str) -> str:
 def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve an MLA model (model_type deepseek_v3, deepseek_v32 or glm_moe_dsa loads today) on the "
-                    "ranks started by mpirun, "
+        description="Serve an MLA model (model_type deepseek_v3, deepseek_v32, glm_moe_dsa or glm5_next loads "
+                    "today) on the ranks started by mpirun, "
                     "switching the attention layout while requests run. OpenAI-compatible HTTP API on rank 0.")
     parser.add_argument("--config", metavar="YAML", default=None,
                         help="serving config file (sections model/parallel/layout/cache/scheduler/server); "

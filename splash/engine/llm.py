@@ -69,14 +69,16 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 
 
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
-                         weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None) -> dict[str, int]:
+                         weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None,
+                         state_requests: int = 0) -> dict[str, int]:
     """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
 
     The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
     the projections spends the difference on them, so it holds that many fewer blocks. The count comes from
     the one capacity model, ``splash.layouts.memory.kv_capacity_tokens``, given the memory of a rank holding
     that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
-    pool is the largest entry."""
+    pool is the largest entry. Hybrid (glm5_next) models also keep KDA state for `state_requests` requests
+    (max_num_seqs) inside the same budget (splash.layouts.memory.recurrent_state_bytes)."""
     from splash.layouts.memory import _common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
     block = block_bytes(cfg, kv_dtype, block_size)
@@ -84,7 +86,7 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
     rank_bytes = (budget_bytes // block) * block + base + _common_bytes(cfg, world, weight_bytes, weight_quant)
     return {lay: kv_capacity_tokens(cfg, lay, world, rank_bytes, weight_bytes, kv_dtype, block_size,
-                                    weight_quant=weight_quant).blocks_per_rank
+                                    weight_quant=weight_quant, state_requests=state_requests).blocks_per_rank
             for lay in usable}
 
 
@@ -117,7 +119,8 @@ class LLM:
         kv_dtypes = resolve_layout_kv_dtypes(kv_cache_dtype, layout_kv_dtypes)
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
-            torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization)
+            torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization,
+            state_requests=max_num_seqs if cfg.hybrid is not None else 0)
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
                                   layout_kv_dtypes, attention_backend, device=device)

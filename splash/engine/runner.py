@@ -59,14 +59,19 @@ class ModelRunner:
         # the current layout's KV dtype (a switch sets the destination's)
         self.block_size, self.kv_dtype, self.dtype = block_size, self.layout_kv_dtypes[layout], dtype
         self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
-        self.weights = build_weights(cfg, on_device(get, self.device), self.heads, comm.rank, comm.size)
-        q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
-        self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
-        self.model = DeepseekV3Model(cfg, self.weights, comm, self.device)
-        self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
-                                      cfg.qk_rope_head_dim, self.kv_dtype, index_dim=cfg.index_head_dim,
-                                      index_layers=[i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)],
-                                      device=self.device)
+        self.states = None  # per-request recurrent state (KDA layers of glm5_next), see splash.kv.recurrent
+        if cfg.hybrid is not None:
+            from splash.models.hybrid_setup import setup_hybrid
+            setup_hybrid(self, get, num_blocks)
+        else:
+            self.weights = build_weights(cfg, on_device(get, self.device), self.heads, comm.rank, comm.size)
+            q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
+            self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
+            self.model = DeepseekV3Model(cfg, self.weights, comm, self.device)
+            indexed = [i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)]
+            self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
+                                          cfg.qk_rope_head_dim, self.kv_dtype, index_dim=cfg.index_head_dim,
+                                          index_layers=indexed, device=self.device)
         self.bm = BlockManager(num_blocks, block_size)
         # the block manager's tables as tensors, for the attention kernel
         self.tables = PageTable(block_size, device=self.device)
@@ -121,3 +126,5 @@ class ModelRunner:
     def release(self, req_id: str) -> None:
         self.bm.release(req_id)
         self.tables.release(req_id)
+        if self.states is not None:
+            self.states.release(req_id)

@@ -152,15 +152,19 @@ class PagedLatentCache:
 def _encode(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, c_kv: torch.Tensor,
             k_pe: torch.Tensor) -> None:
     """Write fp latent/rope rows at `slots` of one layer's tensors [ckv, kpe(, scale)] stored as `kv_dtype`."""
-    ckv = parts[0].view(-1, parts[0].shape[-1])
-    kpe = parts[1].view(-1, parts[1].shape[-1])
+    ckv, kpe = _flat(parts[0]), _flat(parts[1])
     if quant.is_quantized(kv_dtype):
         q, s = quant.quantize(c_kv, kv_dtype)
         ckv[slots] = q
-        parts[2].view(-1, s.shape[-1])[slots] = s
+        _flat(parts[2])[slots] = s
     else:
         ckv[slots] = c_kv.to(ckv.dtype)
     kpe[slots] = k_pe.to(kpe.dtype)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[blocks, block_size, width] -> [slots, width] (explicit sizes: width may be 0, e.g. NoPE's rope key)."""
+    return t.view(t.shape[0] * t.shape[1], t.shape[-1])
 
 
 def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +172,7 @@ def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tenso
     flat = slots.reshape(-1)  # index_select on flat slots is several times faster than advanced indexing
 
     def take(t: torch.Tensor) -> torch.Tensor:
-        width = t.shape[-1]
-        return t.view(-1, width).index_select(0, flat).view(*slots.shape, width)
+        return _flat(t).index_select(0, flat).view(*slots.shape, t.shape[-1])
 
     ckv, kpe = take(parts[0]), take(parts[1]).float()
     if len(parts) > 2:

@@ -61,6 +61,10 @@ def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None 
     """
     _check_kv_dtype(kv_dtype)
     dc, dr, di = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    if cfg.hybrid is not None:  # glm5_next: fp32 indexer key + KPool gate logit per token (splash.models.kpool)
+        latent = _PLAIN_BYTES[kv_dtype] * (dc + dr) if kv_dtype in _PLAIN_BYTES else (
+            dc + 4 * math.ceil(dc / QUANT_GROUP) + 2 * dr)
+        return latent + 8 * di
     keys = layer_has_indexer_keys(cfg, layer)
     if kv_dtype in _PLAIN_BYTES:
         elem = _PLAIN_BYTES[kv_dtype]
@@ -77,6 +81,52 @@ def projection_params(cfg: ModelConfig) -> int:
     kv_b = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     o = h * cfg.v_head_dim * cfg.hidden_size
     return q_b + kv_b + o
+
+
+def paged_layers(cfg: ModelConfig) -> int:
+    """Layers holding paged KV: every layer, except a hybrid model's KDA layers (per-request state instead)."""
+    if cfg.hybrid is None:
+        return cfg.num_hidden_layers
+    return cfg.num_hidden_layers - len(cfg.hybrid.linear_layers())
+
+
+def linear_projection_params(cfg: ModelConfig) -> int:
+    """Head-shardable parameters of one KDA layer: q/k/v, conv taps, f_b, dt_bias, A_log, b, g_b, O."""
+    hy = cfg.hybrid
+    H, d, hid = hy.linear_num_heads, hy.linear_head_dim, cfg.hidden_size
+    return H * d * (3 * hid + 3 * hy.linear_conv_kernel_dim + 2 * d + 1 + hid) + H * (1 + hid)
+
+
+def _projection_total(cfg: ModelConfig) -> float:
+    """Shardable parameters over all layers: Q-B/KV-B/O of MLA layers (+ KDA projections of KDA layers)."""
+    if cfg.hybrid is None:
+        return projection_params(cfg) * cfg.num_hidden_layers
+    n_lin = len(cfg.hybrid.linear_layers())
+    return projection_params(cfg) * (cfg.num_hidden_layers - n_lin) + linear_projection_params(cfg) * n_lin
+
+
+def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) -> int:
+    """Bytes of one request's KDA state (every KDA layer) on a rank holding it in `layout`: its head slice
+    where projections are sharded (TP, DOP: on every rank), all heads where it is owner-run (DP-attn, CP: on
+    the owner). 0 for models without KDA layers. fp32, as splash.kv.recurrent stores it."""
+    if cfg.hybrid is None:
+        return 0
+    hy, layout = cfg.hybrid, parse_layout(layout)
+    heads = hy.linear_num_heads // world if layout.shards_projections else hy.linear_num_heads
+    return 4 * heads * hy.state_floats_per_head() * len(hy.linear_layers())
+
+
+def state_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int,
+                         owners: Mapping[str, int | None]) -> tuple[int, ...]:
+    """Per-rank KDA state of the requests `owners` (request -> owner / CP anchor rank) in `layout`."""
+    layout = parse_layout(layout)
+    per = recurrent_state_bytes(cfg, layout, world)
+    if layout.shards_projections:
+        return tuple([per * len(owners)] * world)
+    out = [0] * world
+    for o in owners.values():
+        out[o or 0] += per
+    return tuple(out)
 
 
 def _indexer_params(cfg: ModelConfig) -> int:
@@ -136,7 +186,7 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
     if weight_quant is not None:
         return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
                                           weight_quant) for r in range(world)) * cfg.num_hidden_layers
-    total = projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
+    total = _projection_total(cfg) * weight_bytes
     return total / world if layout.shards_projections else total
 
 
@@ -158,6 +208,8 @@ def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str,
 
 def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int) -> int:
     """Bytes of one paged-cache block over all layers."""
+    if cfg.hybrid is not None:   # KDA layers hold per-request state, not paged KV
+        return kv_bytes_per_token_layer(cfg, kv_dtype) * block_size * paged_layers(cfg)
     return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i) for i in range(cfg.num_hidden_layers))
 
 
@@ -233,16 +285,19 @@ class CapacityReport:
 def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budget_bytes_per_rank: float,
                        weight_bytes: float, kv_dtype: str, block_size: int, scratch_bytes: int = 0,
                        reserve_bytes: int = 0, ffn_shards: int | None = None,
-                       weight_quant: str | None = None) -> CapacityReport:
+                       weight_quant: str | None = None, state_requests: int = 0) -> CapacityReport:
     """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget.
 
     TP stores every token on every rank, so its distinct capacity equals one rank's; DP-attn, CP and DOP store
-    each block once, so theirs is world × per-rank blocks.
+    each block once, so theirs is world × per-rank blocks. ``state_requests``: KDA state kept for that many
+    requests in the group (hybrid models): a head slice of each on every rank (TP, DOP), or each in full on
+    its owner, ⌈state_requests / world⌉ per rank when balanced (DP-attn, CP).
     """
     layout = parse_layout(layout)
+    per_rank_reqs = state_requests if layout.shards_projections else -(-state_requests // world)
     fixed = (_common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
              + projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant) + scratch_bytes
-             + reserve_bytes)
+             + reserve_bytes + per_rank_reqs * recurrent_state_bytes(cfg, layout, world))
     room = max(0.0, budget_bytes_per_rank - fixed)
     per_block = kv_block_bytes(cfg, kv_dtype, block_size)
     per_rank = int(room // per_block) if per_block > 0 else 0

@@ -9,11 +9,13 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
-# Parsed but not yet executable: KDA hybrid (glm5_next) layers.
-PLANNED_MODEL_TYPES = ("glm5_next",)
+if TYPE_CHECKING:
+    from splash.models.hybrid_config import HybridConfig
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm5_next")
+PLANNED_MODEL_TYPES: tuple[str, ...] = ()   # parsed for analysis (memory model, simulator) but not executable
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")  # MLA + DSA lightning indexer (splash.models.indexer)
 INDEXER_TYPES = ("full", "shared")
 
@@ -75,6 +77,8 @@ class ModelConfig:
     indexer_types: tuple[str, ...] = ()
     index_rope_interleave: bool = False  # indexer rope: interleaved pairs (GLM-5.x) or halves (DeepSeek-V3.2)
     mlp_layer_types: tuple[str, ...] | None = None  # per layer "dense" / "sparse" (MoE); None: first_k_dense_replace
+    # GLM-5.3-Flash (glm5_next): KDA / NoPE MLA-DSA hybrid with mHC (splash.models.hybrid_config); None otherwise
+    hybrid: "HybridConfig | None" = None
     # weights stored quantised (config.json quantization_config): "fp8" (FP8 E4M3, fp32 scale per 128×128 block,
     # DeepSeek/GLM weight_scale_inv) or "int8" (compressed-tensors INT8, per-output-channel scale); None: plain
     quantization: str | None = None
@@ -96,7 +100,13 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         if self.mlp_layer_types is not None:
             return self.n_routed_experts > 0 and self.mlp_layer_types[layer] == "sparse"
+        if self.hybrid is not None:
+            return self.n_routed_experts > 0 and self.hybrid.mlp_layer_types[layer] == "sparse"
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """A KDA linear-attention layer (glm5_next): per-request recurrent + conv state, no KV blocks."""
+        return self.hybrid is not None and self.hybrid.layer_types[layer] == "linear_attention"
 
     @property
     def has_dsa(self) -> bool:
@@ -200,6 +210,9 @@ def _check_compressed_tensors(qc: dict[str, Any], where: str, supported: str) ->
 def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allow_planned: bool = False) -> ModelConfig:
     """Build a ModelConfig from an HF config dict; raise ConfigError naming the bad field."""
     mt = raw.get("model_type")
+    if mt == "glm5_next":
+        from splash.models.hybrid_config import flatten_glm5_next
+        raw = flatten_glm5_next(raw, where)
     if mt in PLANNED_MODEL_TYPES and not allow_planned:
         raise ConfigError(f"{where}: field 'model_type' = {mt!r} is not supported yet (its DSA indexer / linear "
                           f"attention layers are not implemented; supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -212,7 +225,7 @@ def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allo
         if not isinstance(raw[name], int) or isinstance(raw[name], bool) or raw[name] < 0:
             raise ConfigError(f"{where}: field {name!r} must be a non-negative integer, got {raw[name]!r}")
     known = {f.name for f in fields(ModelConfig)} - {"rope", "model_type", "indexer_types", "index_rope_interleave",
-                                                     "mlp_layer_types"}
+                                                     "mlp_layer_types", "hybrid"}
     kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw and raw[k] is not None}
     if "n_routed_experts" not in raw and "num_local_experts" in raw:
         kwargs["n_routed_experts"] = raw["num_local_experts"]
@@ -232,6 +245,9 @@ def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allo
         if not allow_planned:
             raise
         # analysis-only shapes (memory model, simulator) may leave the indexer out: keep their fields as given
+    if mt == "glm5_next":
+        from splash.models.hybrid_config import hybrid_from_hf
+        kwargs["hybrid"] = hybrid_from_hf(raw, where)
     return ModelConfig(model_type=mt, rope=_rope_from_hf(raw, where), **kwargs)
 
 

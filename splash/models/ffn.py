@@ -12,13 +12,22 @@ from splash.models.linear import expert_linear, linear
 from splash.models.weights import MLPWeights, MoEWeights
 
 
-def mlp(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
+def _swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] row block; `limit` (GLM-5.3-Flash swiglu_limit) clamps gate from above
+    and up to [-limit, limit] first."""
+    gate, up = h[:, :inter], h[:, inter:]
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate).mul_(up)
+
+
+def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(x Gᵀ) * (x Uᵀ) then Dᵀ, with gate and up as one GEMM on [G ; U]."""
     if w.gate_up is None:
         w.gate_up = torch.cat([w.gate, w.up], dim=0)
     inter = w.gate.shape[0]
     h = linear(x, w.gate_up)
-    return linear(F.silu(h[:, :inter]).mul_(h[:, inter:]), w.down)
+    return linear(_swiglu(h, inter, limit), w.down)
 
 
 def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +47,7 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
     return idx, weights * cfg.routed_scaling_factor
 
 
-def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
+def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """Token rows are grouped by expert once; each expert multiplies a contiguous slice (two GEMMs per expert,
     the activation runs once over all rows) and one index_add scatters the weighted results back."""
     idx, weights = route(cfg, w, x)
@@ -55,12 +64,12 @@ def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
             spans.append((e, start, start + c))
             start += c
     if not spans:  # no rows
-        return mlp(w.shared, x) if w.shared is not None else torch.zeros_like(x)
+        return mlp(w.shared, x, limit) if w.shared is not None else torch.zeros_like(x)
     h = torch.cat([expert_linear(xs[s:t], w.gate_up, e) for e, s, t in spans])
-    act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+    act = _swiglu(h, inter, limit)
     ys = torch.cat([expert_linear(act[s:t], w.down, e) for e, s, t in spans])
     ys.mul_(weights.reshape(-1).index_select(0, order)[:, None].to(ys.dtype))
     out = torch.zeros_like(x).index_add_(0, tok, ys)
     if w.shared is not None:
-        out = out + mlp(w.shared, x)
+        out = out + mlp(w.shared, x, limit)
     return out

@@ -82,7 +82,9 @@ def _hybrid(raw: dict[str, Any], cfg: ModelConfig) -> tuple[ModelConfig, int, in
     mla = [i for i, t in enumerate(types) if t != "linear_attention"]
     linear = [i for i in range(n) if i not in mla]
     dense_mla = sum(1 for i in mla if i < cfg.first_k_dense_replace)
-    view = dataclasses.replace(cfg, num_hidden_layers=len(mla), first_k_dense_replace=dense_mla)
+    # the view is a plain MLA(-DSA) model of the MLA layers: no hybrid fields (their per-layer lists are the
+    # full model's)
+    view = dataclasses.replace(cfg, num_hidden_layers=len(mla), first_k_dense_replace=dense_mla, hybrid=None)
     return view, len(linear), sum(1 for i in linear if i < cfg.first_k_dense_replace)
 
 

@@ -60,14 +60,21 @@ class SwitchExecutor:
         self.w_action = m.action("proj")
         dst = m.dst.value
         new_heads = head_range_for(dst, r.cfg.num_attention_heads, m.world, me)
+        self.state = None
+        if r.cfg.hybrid is not None:  # per-request KDA state: moved now, after the source's last update
+            from splash.switching.state_transfer import StateHandoff
+            r.linear_heads = head_range_for(dst, r.cfg.hybrid.linear_num_heads, m.world, me)
+            self.state = StateHandoff(r, m, r.linear_heads)
+            self.state.start()
         if self.w_action == DISCARD:
-            for lw in r.weights.layers:
-                lw.attn = wt.slice_heads(lw.attn, new_heads, r.cfg.qk_head_dim)
+            for i, lw in enumerate(r.weights.layers):
+                lw.attn = self._slice(i, lw.attn, new_heads)
         r.layout, r.heads, r.kv_dtype = dst, new_heads, m.dst_kv_dtype
         r.executor = make_executor(dst, r)
         # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
         self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
         if self.mode == "blocking":
+            self._finish_state()
             for layer in range(m.num_layers):
                 self._start(layer)
                 self._finish(layer)
@@ -86,18 +93,51 @@ class SwitchExecutor:
             counts[mv.dst_rank] += 1
         return phys, counts
 
+    # ---- hybrid (glm5_next) models ------------------------------------------------------------------------
+    def _linear(self, layer: int) -> bool:
+        return self.r.cfg.is_linear_layer(layer)
+
+    def _pools(self, layer: int) -> list[tuple]:
+        """(pool, pool layer) pairs holding `layer`'s per-block state: the latent KV (and, for hybrid models,
+        the indexer keys beside it, same blocks); none for a KDA layer."""
+        r = self.r
+        if r.cfg.hybrid is None:
+            return [(r.cache, layer)]
+        if self._linear(layer):
+            return []
+        cl = r.mla_index[layer]
+        return [(r.cache, cl), (r.index_cache, cl)]
+
+    def _slice(self, layer: int, w, heads: range):
+        if self._linear(layer):
+            from splash.switching.state_transfer import slice_kda
+            return slice_kda(w, self.r.linear_heads)
+        return wt.slice_heads(w, heads, self.r.cfg.qk_head_dim)
+
+    def _finish_state(self) -> None:
+        if self.state is not None:
+            self.state.finish()
+            self.state = None
+
     # ---- per layer ----------------------------------------------------------------------------------------
     def _start(self, layer: int) -> None:
         """Issue `layer`'s transfer on the side stream (packing reads the layer as the compute stream left it)."""
         r = self.r
         kv = w = None
+        pools = self._pools(layer)
         with self.streams.side():
-            if any(self.send_counts) or any(self.recv_counts):
-                data = r.cache.pack_blocks(layer, self.send_phys) if self.send_phys else \
-                    torch.empty(0, r.cache.block_bytes(layer), dtype=torch.uint8, device=r.cache.device)
+            if pools and (any(self.send_counts) or any(self.recv_counts)):
+                data = torch.cat([c.pack_blocks(cl, self.send_phys) if self.send_phys else
+                                  torch.empty(0, c.block_bytes(cl), dtype=torch.uint8, device=c.device)
+                                  for c, cl in pools], dim=1)
                 kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
             if self.w_action == ALL_GATHER:
-                w = r.comm.iall_gatherv(wt.pack_shard(r.weights.layers[layer].attn))
+                attn = r.weights.layers[layer].attn
+                if self._linear(layer):
+                    from splash.switching.state_transfer import pack_kda
+                    w = r.comm.iall_gatherv(pack_kda(attn))
+                else:
+                    w = r.comm.iall_gatherv(wt.pack_shard(attn))
         self.handles[layer] = (kv, w)
 
     def _finish(self, layer: int) -> None:
@@ -108,10 +148,18 @@ class SwitchExecutor:
             if kv is not None:
                 data = kv.wait()
                 if self.recv_phys:
-                    r.cache.unpack_blocks(layer, self.recv_phys, data)
+                    off = 0
+                    for c, cl in self._pools(layer):
+                        width = c.block_bytes(cl)
+                        c.unpack_blocks(cl, self.recv_phys, data[:, off:off + width])
+                        off += width
             if w is not None:
                 lw = r.weights.layers[layer]
-                lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
+                if self._linear(layer):
+                    from splash.switching.state_transfer import unpack_kda
+                    lw.attn = unpack_kda(lw.attn, w.wait(), self.m.world, r.cfg.hybrid.linear_num_heads)
+                else:
+                    lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
                 self.streams.hand_over(lw.attn)
             event = self.streams.record()
         self.streams.wait(event)
@@ -121,12 +169,15 @@ class SwitchExecutor:
         layer's tensors change, so other layers' transfers may be in flight)."""
         if layer in self.to_convert:
             self.to_convert.discard(layer)
-            self.r.cache.convert_layer(layer, self.m.dst_kv_dtype, self.held)
+            for pool, cl in self._pools(layer)[:1]:  # the latent pool (hybrid indexer keys stay fp32)
+                pool.convert_layer(cl, self.m.dst_kv_dtype, self.held)
 
     def before_layer(self, layer: int) -> None:
         """Called by the model before layer `layer` runs (live mode)."""
         if self.mode != "live":
             return
+        if self._linear(layer):
+            self._finish_state()  # the first KDA layer waits for the state (in flight since begin)
         if layer == 0:
             self._start(0)
         self._finish(layer)
@@ -136,6 +187,7 @@ class SwitchExecutor:
 
     def end(self) -> None:
         """After the step: every transfer is complete; give discarded blocks back to the pool."""
+        self._finish_state()
         for layer in sorted(self.handles):
             self._finish(layer)
         for layer in sorted(self.to_convert):

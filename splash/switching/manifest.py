@@ -51,6 +51,16 @@ class BlockMove:
     dst_rank: int
 
 
+@dataclass(frozen=True)
+class StateMove:
+    """KDA heads [h0, h1) of request ``req``'s per-request state (every KDA layer) travel src → dst rank."""
+    req: str
+    h0: int
+    h1: int
+    src_rank: int
+    dst_rank: int
+
+
 def weight_action(src: Layout | str, dst: Layout | str) -> str:
     """Projections: sharded→replicated all-gathers, replicated→sharded discards, same placement keeps."""
     src, dst = parse_layout(src), parse_layout(dst)
@@ -95,6 +105,20 @@ class Manifest:
     src_kv_dtype: str = "float32"
     dst_kv_dtype: str = "float32"
     dst_kv_block_bytes_layer: int = 0  # one block of one layer in the destination format
+    # hybrid (glm5_next) models: per-request KDA state, moved after the source's last update (state_moves)
+    linear_heads: int = 0
+    src_owners: tuple[tuple[str, int], ...] = ()
+    state_moves: tuple[StateMove, ...] = ()
+    state_bytes_per_head: int = 0     # one head of one request over every KDA layer
+
+    def src_heads_of(self, req: str, rank: int, held: int | None = None) -> range:
+        """KDA heads of `req` that `rank` holds in the source layout."""
+        return _state_heads(self.src, self.linear_heads, self.world, rank, dict(self.src_owners).get(req)) \
+            or range(self.linear_heads if held is None else held)
+
+    def dst_heads_of(self, req: str, rank: int, _heads: range | None = None) -> range | None:
+        """KDA heads of `req` that `rank` holds after the switch (None: none)."""
+        return _state_heads(self.dst, self.linear_heads, self.world, rank, self.owners.get(req))
 
     @property
     def converts_kv(self) -> bool:
@@ -160,6 +184,41 @@ def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str,
     return {**fixed, **assign_owners(free, existing, world, capacity, block_size=block_size)}
 
 
+def _state_heads(lay: Layout, heads: int, world: int, rank: int, owner: int | None) -> range | None:
+    """KDA heads of a request that `rank` holds in `lay`: a head slice of every request where projections are
+    sharded (TP, DOP); all heads on the owner (DP-attn; CP: the anchor rank) otherwise."""
+    if lay.shards_projections:
+        return head_range(heads, world, rank, lay)
+    return range(heads) if owner == rank or (owner is None and rank == 0) else None
+
+
+def plan_state_moves(src: Layout, dst: Layout, world: int, heads: int, requests: Mapping[str, ReqState],
+                     owners: Mapping[str, int]) -> list[StateMove]:
+    """Per-request KDA state: for every rank, the heads the destination gives it that it does not hold yet,
+    from the rank that holds them in the source. Requests with no KV yet have no state."""
+    moves: list[StateMove] = []
+    for req in sorted(requests):
+        st = requests[req]
+        if st.num_tokens == 0:
+            continue
+        for r in range(world):
+            need = _state_heads(dst, heads, world, r, owners.get(req))
+            if need is None:
+                continue
+            for s in range(world):
+                have = _state_heads(src, heads, world, s, st.src_owner)
+                if have is None or s == r:
+                    continue
+                lo, hi = max(need.start, have.start), min(need.stop, have.stop)
+                mine = _state_heads(src, heads, world, r, st.src_owner)
+                if mine is not None:  # heads r already holds are kept
+                    if mine.start <= lo and hi <= mine.stop:
+                        continue
+                if lo < hi:
+                    moves.append(StateMove(req, lo, hi, s, r))
+    return moves
+
+
 def _pick_source(holders: frozenset[int], block_idx: int, world: int) -> int:
     """Sender of a missing block: the block's CP home rank when it holds it (spreads senders round-robin when
     every rank holds everything), else the lowest-numbered holder. Deterministic on every rank."""
@@ -216,6 +275,8 @@ def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove],
     acts = [("proj", weight_action(src, dst)), ("kv", kv), ("kv_format", CONVERT if convert else KEEP)]
     if cfg.index_head_dim > 0:
         acts.append(("indexer_keys", kv))
+    if cfg.hybrid is not None:  # KDA layers: projections follow Q-B/KV-B/O; state moves per request
+        acts.append(("linear_proj", weight_action(src, dst)))
     acts += [(k, REBUILD) for k in METADATA_KINDS]
     return tuple(acts)
 
@@ -249,8 +310,27 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
         kv_recv[m.dst_rank] += blk
         kv_sent[m.src_rank] += blk
     w_recv, w_sent = _weight_bytes_per_rank(cfg, src, dst, world, weight_bytes, weight_quant)
-    return Manifest(src, dst, world, cfg.num_hidden_layers, _actions(cfg, src, dst, moves, src_kv != dst_kv),
+    hybrid = _hybrid_fields(cfg, src, dst, world, requests, owners)
+    acts = _actions(cfg, src, dst, moves, src_kv != dst_kv)
+    if hybrid:
+        acts += (("recurrent_state", ALL_TO_ALL if hybrid["state_moves"] else KEEP),)
+    return Manifest(src, dst, world, cfg.num_hidden_layers, acts,
                     tuple(sorted(owners.items())), tuple(moves),
                     tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,
                     tuple(w_recv), tuple(w_sent), tuple(kv_recv), tuple(kv_sent), src_kv, dst_kv,
-                    kv_bytes_per_token_layer(cfg, dst_kv) * block_size)
+                    kv_bytes_per_token_layer(cfg, dst_kv) * block_size, **hybrid)
+
+
+def _hybrid_fields(cfg: ModelConfig, src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
+                   owners: Mapping[str, int]) -> dict:
+    if cfg.hybrid is None:
+        return {}
+    hy = cfg.hybrid
+    heads = hy.linear_num_heads
+    for lay in (src, dst):
+        if lay.shards_projections:
+            head_range(heads, world, 0, lay)  # validates world | linear_num_heads
+    src_owners = tuple(sorted((r, s.src_owner) for r, s in requests.items() if s.src_owner is not None))
+    return dict(linear_heads=heads, src_owners=src_owners,
+                state_moves=tuple(plan_state_moves(src, dst, world, heads, requests, owners)),
+                state_bytes_per_head=4 * hy.state_floats_per_head() * len(hy.linear_layers()))

@@ -15,6 +15,7 @@ argv: model_dir ref.pt mode [kv_dtype] [communicator: mpi (default) | torch] [al
 """
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ import torch
 from splash.engine.llm import LLM
 from splash.engine.sampling import SamplingParams
 
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+# the layouts to switch between (test_switching passes fewer for architectures that do not run in every one)
+LAYOUTS = tuple(os.environ.get("SPLASH_TEST_LAYOUTS", "tp,dp_attn,cp,dop").split(","))
 
 
 def drive(llm: LLM, prompts, max_tokens, switches: dict[int, str]) -> list[list[int]] | None:
@@ -76,6 +78,55 @@ def directions(model_dir, ref, rank_print, comm=None, alternate=False) -> None:
             assert llm.runner.layout == dst, f"{src}->{dst}: still {llm.runner.layout}"
             check_free(llm, f"{src}->{dst} {mode}")
             rank_print(f"{src}->{dst} {mode} OK ({type(llm.comm).__name__})")
+
+
+def full_states(llm: LLM) -> dict[str, torch.Tensor]:
+    """Every request's whole KDA state [L, H, W], assembled from the head slices / owners of all ranks."""
+    r = llm.runner
+    mine = [(req, r.states.get(req)) for req in r.states.requests()]
+    mine = [(req, r.linear_heads.start if st.shape[1] < r.cfg.hybrid.linear_num_heads else 0, st) for req, st in mine]
+    pieces: dict[str, list] = {}
+    for part in llm.comm.all_gather_obj(mine):
+        for req, h0, st in part:
+            pieces.setdefault(req, []).append((h0, st))
+    out = {}
+    for req, ps in pieces.items():
+        ps.sort(key=lambda p: p[0])
+        full = torch.cat([st for _, st in ps], dim=1)
+        assert full.shape[1] == r.cfg.hybrid.linear_num_heads, (req, [(h, st.shape) for h, st in ps])
+        out[req] = full
+    return out
+
+
+def states(model_dir, ref, rank_print) -> None:
+    """Per-request KDA state after a switch (no step in between) equals the state before it, byte for byte;
+    it is held where the destination layout says; the switch leaves no block behind."""
+    from splash.attention.batch import StepBatch, StepRequest
+    from splash.switching.executor import SwitchExecutor
+    from splash.switching.manifest import ReqState, plan_switch
+
+    prompts = ref["prompts_a"][:4]
+    for src in LAYOUTS:
+        for dst in LAYOUTS:
+            if src == dst:
+                continue
+            for mode in ("live", "blocking"):
+                llm = make(model_dir, src, mode=mode)
+                r, world = llm.runner, llm.comm.size
+                reqs = [StepRequest(f"q{i}", 0, len(p), owner=i % world) for i, p in enumerate(prompts)]
+                r.step(StepBatch.build(reqs, prompts, [True] * len(reqs)))
+                before = full_states(llm)
+                m = plan_switch(src, dst, r.cfg, world, {q.req_id: ReqState(q.num_new, q.owner, None) for q in reqs},
+                                r.block_size, 4, r.kv_dtype)
+                r.step(None, SwitchExecutor(r, m, mode))
+                after = full_states(llm)
+                assert before.keys() == after.keys()
+                for k in before:
+                    assert torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)), f"{src}->{dst} {k}"
+                for q in reqs:
+                    r.release(q.req_id)
+                check_free(llm, f"state {src}->{dst}")
+                rank_print(f"state {src}->{dst} {mode} OK")
 
 
 def chain(model_dir, ref, kv_dtype, rank_print) -> None:
@@ -191,6 +242,8 @@ def main() -> None:
         directions(model_dir, ref, rank_print, comm_from_argv(sys.argv[5:6]), sys.argv[6:7] == ["alternate"])
     elif mode == "chain":
         chain(model_dir, ref, kv_dtype, rank_print)
+    elif mode == "states":
+        states(model_dir, ref, rank_print)
     elif mode == "convert":
         convert(model_dir, ref, rank_print)
     else:

@@ -3,8 +3,10 @@ DeepseekV3ForCausalLM and of one rank, for a mixed batch: prompts of different l
 chunked prefill mixed with decode, requests finishing mid-batch, and ranks that own zero requests.
 
 Parametrised by architecture: the DSA models (DeepSeek-V3.2, GLM-5.x with a shared indexer layer, top-k 8 below
-the context) run a lighter batch, 32 greedy tokens, under -n 2 and -n 4 (one rank: tests/test_dsa_vs_hf.py).
-Tokens are compared with transformers' cached generate (see test_dsa_vs_hf for why that is like with like)."""
+the context) run a lighter batch, 32 greedy tokens, under -n 2 and -n 4 (one rank: tests/test_dsa_vs_hf.py);
+GLM-5.3-Flash (Glm5NextForConditionalGeneration's text model, index_topk below the contexts) a smaller batch
+(transformers' KDA fallback makes its reference slow) under -n 1/2/4. Tokens are compared with transformers'
+cached generate (see test_dsa_vs_hf for why that is like with like)."""
 from __future__ import annotations
 
 import sys
@@ -14,27 +16,37 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
+from hf_glm5_next import load_hf_glm5_next, make_tiny_glm5_next  # noqa: E402
 from hf_models import DSA_VARIANTS, VARIANTS, hf_greedy, hf_logits, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 LAYOUTS = "tp,dp_attn,cp,dop"
 
 
-# architecture -> (checkpoint variant, (prompt lengths, max tokens) of phases a and b, greedy steps, rank counts)
+def _deepseek(variant: str):
+    return lambda d: make_tiny_deepseek(d, **{**VARIANTS, **DSA_VARIANTS}[variant])
+
+
+# architecture -> (checkpoint maker, HF loader, (prompt lengths, max tokens) of phases a and b, greedy steps,
+# rank counts)
 ARCH_CASES = {
-    "deepseek_v3": ("moe_yarn", ([3, 17, 9, 30, 1, 12], [24, 5, 24, 24, 13, 24]), ([7, 21], [24, 24]), 24, [1, 2, 4]),
-    "deepseek_v32": ("v32_sparse", ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
-    "glm_moe_dsa": ("glm_sparse", ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
+    "deepseek_v3": (_deepseek("moe_yarn"), load_hf, ([3, 17, 9, 30, 1, 12], [24, 5, 24, 24, 13, 24]),
+                    ([7, 21], [24, 24]), 24, [1, 2, 4]),
+    "deepseek_v32": (_deepseek("v32_sparse"), load_hf, ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
+    "glm_moe_dsa": (_deepseek("glm_sparse"), load_hf, ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
+    "glm5_next": (lambda d: make_tiny_glm5_next(d, **GLM_VARIANTS["topk_low"]), load_hf_glm5_next,
+                  ([3, 17, 30, 1], [16, 5, 16, 9]), ([21], [16]), 16, [1, 2, 4]),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(ARCH_CASES))
 def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
     arch = request.param
-    variant, (len_a, max_a), (len_b, max_b), steps, _ = ARCH_CASES[arch]
+    make, load, (len_a, max_a), (len_b, max_b), steps, _ = ARCH_CASES[arch]
     d = tmp_path_factory.mktemp(f"layouts_{arch}")
-    model_dir = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
-    hf = load_hf(model_dir)
+    model_dir = make(d / "model")
+    hf = load(model_dir)
     prompts_a = random_prompts(len_a, seed=1)
     prompts_b = random_prompts(len_b, seed=2)
     probe = random_prompts([13], seed=3)[0]
@@ -49,7 +61,7 @@ def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
 def test_every_layout_matches_transformers(reference, nprocs, communicator):
     """communicator torch: the data plane on torch.distributed (gloo here), the control plane on MPI."""
     arch, model_dir, ref = reference
-    if nprocs not in ARCH_CASES[arch][4]:
+    if nprocs not in ARCH_CASES[arch][5]:
         pytest.skip(f"{arch} on {nprocs} rank(s) is covered elsewhere")
     if communicator == "torch" and arch != "deepseek_v3":
         pytest.skip("the torch communicator is checked on one architecture")

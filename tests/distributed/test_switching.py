@@ -5,7 +5,8 @@ of different KV dtypes (fp32/bf16/fp8/int8) convert the pool layer by layer.
 
 Parametrised by architecture: the DSA models (DeepSeek-V3.2; GLM-5.x with a shared indexer layer; top-k 8 below
 the context) run the 12 directions (their indexer keys move with their KV blocks) and the KV-dtype conversions
-(indexer keys re-stored as FP8/INT8 + scale) on a lighter batch of 24 greedy tokens (32 in the layouts test)."""
+(indexer keys re-stored as FP8/INT8 + scale) on a lighter batch of 24 greedy tokens (32 in the layouts test); GLM-5.3-Flash runs the 12 directions against
+its unswitched one-rank engine and checks its per-request KDA state byte-exact across each switch."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import DSA_VARIANTS, VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
+from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
+from hf_glm5_next import make_tiny_glm5_next  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 WORKER = "tests/distributed/switch_worker.py"
@@ -55,11 +58,51 @@ def reference(refs) -> tuple[Path, Path]:
     return refs("moe_yarn")
 
 
-def _run(nprocs: int, reference, *args: str):
+@pytest.fixture(scope="module")
+def glm5_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """GLM-5.3-Flash (KDA + NoPE MLA-DSA + mHC), index_topk below the contexts. The reference is the unswitched
+    one-rank engine (test_layouts_dist and test_glm5_next check that equals transformers; transformers' KDA
+    fallback would make this fixture slow); a smaller batch that still runs past the latest switch step."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    from splash.engine.sampling import SamplingParams
+
+    d = tmp_path_factory.mktemp("switching_glm5")
+    model_dir = make_tiny_glm5_next(d / "model", **GLM_VARIANTS["topk_low"])
+    prompts, max_tokens = random_prompts([3, 17, 30, 1], seed=1), [16, 5, 16, 9]
+    llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=16, comm=SingleRankCommunicator())
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
+    torch.save({"prompts_a": prompts, "max_tokens_a": max_tokens, "tokens_a": [o.token_ids for o in outs]},
+               d / "ref.pt")
+    return model_dir, d / "ref.pt"
+
+
+GLM5_LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+
+
+def _run(nprocs: int, reference, *args: str, layouts: tuple[str, ...] | None = None):
     model_dir, ref = reference
-    res = run_mpi(nprocs, WORKER, str(model_dir), str(ref), *args, timeout=400)
+    env = {"SPLASH_TEST_LAYOUTS": ",".join(layouts)} if layouts else None
+    res = run_mpi(nprocs, WORKER, str(model_dir), str(ref), *args, timeout=400, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
+
+
+@pytest.mark.parametrize("nprocs,modes", [(2, ("directions", "states")), (4, ("states",))])
+def test_glm5_next_directions_and_state(glm5_reference, nprocs, modes):
+    """glm5_next: all 12 directions, live and blocking, keep the unswitched tokens and free the pools (2 ranks;
+    4-rank tokens in every layout are test_layouts_dist's, kept short for the suite's time); the per-request KDA
+    state is byte-exact across each switch and lands where the destination puts it (2 and 4 ranks)."""
+    out = "".join(_run(nprocs, glm5_reference, mode, layouts=GLM5_LAYOUTS) for mode in modes)
+    for s in GLM5_LAYOUTS:
+        for d in GLM5_LAYOUTS:
+            if s != d:
+                for mode in ("live", "blocking"):
+                    for r in range(nprocs):
+                        for what in modes:
+                            line = f"rank {r}: {s}->{d} {mode} OK" if what == "directions" else \
+                                f"rank {r}: state {s}->{d} {mode} OK"
+                            assert line in out, out
 
 
 # DSA cases are spread over the rank counts to keep the suite short (both layouts tests run each at -n 2 and -n 4).

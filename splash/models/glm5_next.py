@@ -1,0 +1,151 @@
+"""GLM-5.3-Flash (``glm5_next`` text model): weights of one rank and the forward pass over one step batch.
+
+Layers alternate KDA linear attention (splash.models.kda) and NoPE MLA with the KPool DSA indexer
+(splash.models.kpool); every block sits inside mHC residual streams: the hidden state of a token is
+``hc_mult`` streams; before a block they are collapsed with weights ``pre``, the block's output is expanded with
+``post`` and added to the streams mixed by a doubly-stochastic ``comb`` (Sinkhorn). All of that is per token
+and common state (replicated), so only the attention block depends on the layout (splash.attention.hybrid).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splash.attention.batch import StepBatch
+from splash.attention.mla import rms_norm
+from splash.models import ffn
+from splash.models.build import check_ffn_shardable
+from splash.models.config import ConfigError, ModelConfig
+from splash.models.kda import KDAWeights, kda_from_full
+from splash.models.kpool import IndexerWeights, indexer_from_full
+from splash.models.linear import linear
+from splash.models.qweight import is_quantized
+from splash.models.weights import AttnWeights, MLPWeights, MoEWeights, attention_from_full, mlp_from_full, \
+    moe_from_full
+
+
+@dataclass
+class HyperWeights:
+    fn: torch.Tensor     # [(2 + N) N, N · hidden] fp32
+    base: torch.Tensor   # [(2 + N) N] fp32
+    scale: torch.Tensor  # [3] fp32
+
+
+@dataclass
+class HybridLayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: AttnWeights | KDAWeights            # head-shardable part (layout-dependent)
+    ffn: MLPWeights | MoEWeights
+    hc_attn: HyperWeights
+    hc_ffn: HyperWeights
+    indexer: IndexerWeights | None = None     # full indexer layers only
+
+
+@dataclass
+class HybridWeights:
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[HybridLayerWeights]
+
+
+def text_prefix(get) -> str:
+    """Disk prefix of the text model: ``model.language_model.`` (Glm5NextForConditionalGeneration) or ``model.``."""
+    try:
+        get("model.language_model.norm.weight")
+        return "model.language_model."
+    except (KeyError, ValueError):
+        return "model."
+
+
+def build_hybrid_weights(cfg: ModelConfig, get, heads: range, linear_heads: range, shard: int,
+                         shards: int) -> HybridWeights:
+    """One rank's weights: MLA projections for `heads`, KDA projections for `linear_heads`, FFN slice `shard`."""
+    check_ffn_shardable(cfg, shards)
+    hy, pre = cfg.hybrid, text_prefix(get)
+    if cfg.quantization is not None or is_quantized(get(f"{pre}layers.0.self_attn.o_proj.weight")):
+        raise ConfigError("glm5_next: quantised (FP8/INT8) weights are not supported yet; use a BF16/F32 "
+                          "checkpoint without --quantization")
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"{pre}layers.{i}."
+        a = p + "self_attn."
+        if cfg.is_linear_layer(i):
+            attn, idx = kda_from_full(get, a, linear_heads, hy.linear_head_dim), None
+        else:
+            attn = attention_from_full(cfg, _ungrouped(get, pre), a.replace(pre, "model.", 1), heads)
+            idx = indexer_from_full(get, a) if hy.indexer_types[i] == "full" else None
+        f = (moe_from_full(cfg, get, p + "mlp.", shard, shards) if cfg.is_moe_layer(i)
+             else mlp_from_full(get, p + "mlp.", shard, shards))
+        hc = [HyperWeights(get(p + f"hc_{k}_fn").float(), get(p + f"hc_{k}_base").float(),
+                           get(p + f"hc_{k}_scale").float()) for k in ("attn", "ffn")]
+        layers.append(HybridLayerWeights(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"),
+                                         attn, f, hc[0], hc[1], idx))
+    embed = get(pre + "embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+    return HybridWeights(embed=embed, norm=get(pre + "norm.weight"), lm_head=lm_head, layers=layers)
+
+
+def _ungrouped(get, pre: str):
+    """attention_from_full reads ``model.layers.*``; map that to the checkpoint's text prefix."""
+    return lambda name: get(name.replace("model.", pre, 1))
+
+
+def hyper_weights(cfg: ModelConfig, w: HyperWeights, streams: torch.Tensor):
+    """mHC routing of streams [n, N, hidden] -> (post [n, N], comb [n, N, N], collapsed block input [n, hidden])."""
+    hy, n = cfg.hybrid, streams.shape[0]
+    N = hy.hc_mult
+    flat = streams.reshape(n, -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    mixed = F.linear(flat, w.fn)
+    pre_w, post_w, comb_w = mixed.split([N, N, N * N], dim=-1)
+    pre_b, post_b, comb_b = w.base.split([N, N, N * N])
+    pre = torch.sigmoid(pre_w * w.scale[0] + pre_b) + hy.hc_eps
+    post = 2 * torch.sigmoid(post_w * w.scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(n, N, N) * w.scale[2] + comb_b.view(N, N), dim=-1) + hy.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hy.hc_eps)
+    for _ in range(hy.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hy.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hy.hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hyper_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """New streams: post ⊗ block output + combᵀ · old streams."""
+    dt = streams.dtype
+    return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+
+
+class Glm5NextModel:
+    def __init__(self, cfg: ModelConfig, weights: HybridWeights, comm):
+        self.cfg, self.w, self.comm = cfg, weights, comm
+        self.rope = None  # NoPE: positions enter only through causality
+
+    def _ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        fw, limit = self.w.layers[layer].ffn, self.cfg.hybrid.swiglu_limit
+        y = ffn.mlp(fw, x, limit) if isinstance(fw, MLPWeights) else ffn.moe(self.cfg, fw, x, limit)
+        return self.comm.all_reduce(y) if self.comm.size > 1 else y
+
+    def forward(self, batch: StepBatch, attn, before_layer=None) -> torch.Tensor:
+        """Every layer over the step's rows; -> final-normed hidden states of `batch.sample_rows` [S, hidden]."""
+        cfg = self.cfg
+        x = self.w.embed[batch.token_ids]
+        streams = x.unsqueeze(1).expand(-1, cfg.hybrid.hc_mult, -1).contiguous()
+        empty = torch.empty(x.shape[0], 0)
+        for i, lw in enumerate(self.w.layers):
+            if before_layer is not None:
+                before_layer(i)
+            post, comb, h = hyper_weights(cfg, lw.hc_attn, streams)
+            out = attn.attention(i, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), empty, empty)
+            streams = hyper_merge(post, comb, out, streams)
+            post, comb, h = hyper_weights(cfg, lw.hc_ffn, streams)
+            streams = hyper_merge(post, comb, self._ffn(i, rms_norm(h, lw.post_norm, cfg.rms_norm_eps)), streams)
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long)
+        return rms_norm(streams[rows].mean(dim=1), self.w.norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.w.lm_head).float()

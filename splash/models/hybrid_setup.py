@@ -1,0 +1,34 @@
+"""Set up a ModelRunner for a hybrid (glm5_next) model: weights, MLA + indexer pools, per-request KDA state.
+
+Only MLA layers own paged KV: the latent pool (in the layout's KV dtype) and the indexer-key pool (keys + pool
+gate logits, fp32 in every layout, same slots as the latent) have one layer per MLA layer (``mla_index`` maps a model layer to it); KDA layers keep
+per-request state (``linear_index`` maps a model layer to its row in splash.kv.recurrent.RecurrentStates).
+"""
+from __future__ import annotations
+
+from splash.attention.hybrid import linear_heads_for
+from splash.kv.paged_cache import PagedLatentCache
+from splash.kv.recurrent import RecurrentStates
+from splash.models.glm5_next import Glm5NextModel, build_hybrid_weights
+from splash.models.kda import state_width
+
+
+def layer_maps(cfg) -> tuple[dict[int, int], dict[int, int]]:
+    """(model layer -> MLA pool layer, model layer -> KDA state row)."""
+    mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i)]
+    lin = [i for i in range(cfg.num_hidden_layers) if cfg.is_linear_layer(i)]
+    return {l: j for j, l in enumerate(mla)}, {l: j for j, l in enumerate(lin)}
+
+
+def setup_hybrid(r, get, num_blocks: int) -> None:
+    cfg, hy = r.cfg, r.cfg.hybrid
+    r.linear_heads = linear_heads_for(r.layout, hy.linear_num_heads, r.comm.size, r.comm.rank)
+    r.weights = build_hybrid_weights(cfg, get, r.heads, r.linear_heads, r.comm.rank, r.comm.size)
+    r.weight_quant = None
+    r.model = Glm5NextModel(cfg, r.weights, r.comm)
+    r.mla_index, r.linear_index = layer_maps(cfg)
+    n_mla = len(r.mla_index)
+    r.cache = PagedLatentCache(n_mla, num_blocks, r.block_size, cfg.kv_lora_rank, 0, r.kv_dtype, device=r.device)
+    r.index_cache = PagedLatentCache(n_mla, num_blocks, r.block_size, cfg.index_head_dim, cfg.index_head_dim,
+                                     "float32", device=r.device)
+    r.states = RecurrentStates(len(r.linear_index), state_width(hy.linear_head_dim, hy.linear_conv_kernel_dim))

@@ -1,0 +1,135 @@
+"""GLM-5.3-Flash (glm5_next text model) on one rank against transformers' Glm5NextForConditionalGeneration.
+
+Variants: index_topk below the contexts (KPool selection matters) and above them (every complete pool is
+selected). Comparison: prefill logits against HF's full no-cache forward; greedy tokens against HF's cached
+``generate`` — the same way our engine runs (chunked prefill + one-token decode, each query selecting over the
+history ≤ its position), so ties in the top-k, were there any, would be broken over the same candidates.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_glm5_next import VARIANTS, load_hf_glm5_next, make_tiny_glm5_next
+from hf_models import hf_greedy, hf_logits, random_prompts
+
+from splash.attention.batch import StepBatch, StepRequest
+from splash.engine.llm import LLM
+from splash.engine.runner import ModelRunner
+from splash.engine.sampling import SamplingParams
+from splash.models.config import ConfigError, load_model_config, model_config_from_dict
+from splash.models.loader import open_checkpoint
+from splash.switching.manifest import ReqState, plan_switch
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm5")
+    cache: dict[str, tuple] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            d = make_tiny_glm5_next(root / variant, **VARIANTS[variant])
+            cache[variant] = (d, load_hf_glm5_next(d))
+        return cache[variant]
+    return get
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefill_logits_match_hf(variant, glm5, comm):
+    path, hf = glm5(variant)
+    prompt = random_prompts([37], seed=1)[0]
+    cfg, get = open_checkpoint(path)
+    runner = ModelRunner(cfg, get, comm, "tp", "float32", 4, 64)
+    n = len(prompt)
+    ours = runner.step(StepBatch([StepRequest("a", 0, n)], torch.tensor(prompt), torch.arange(n), list(range(n))))
+    assert rel_err(ours, hf_logits(hf, prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_matches_hf_generate(variant, glm5, comm):
+    """32 greedy tokens, chunked prefill (16-token budget), up to 4 running requests, blocks of 4."""
+    path, hf = glm5(variant)
+    prompts = random_prompts([3, 40, 17], seed=3)
+    ref = hf_greedy(hf, prompts, 32)
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=4, comm=comm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    bm = llm.runner.bm
+    assert bm.num_free == bm.num_blocks and not llm.runner.states.requests()
+
+
+def test_config_fields(glm5):
+    cfg = load_model_config(glm5("topk_low")[0])
+    hy = cfg.hybrid
+    assert cfg.model_type == "glm5_next" and cfg.qk_rope_head_dim == 0 and cfg.index_topk == 8
+    assert [cfg.is_linear_layer(i) for i in range(4)] == [True, False, False, True]
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    assert hy.indexer_types == ("full", "full", "shared", "full") and hy.index_kpool == 4 and hy.hc_mult == 4
+
+
+def test_config_errors():
+    base = dict(model_type="glm5_next", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                num_attention_heads=2, kv_lora_rank=4, q_lora_rank=4, qk_rope_head_dim=0, qk_nope_head_dim=4,
+                v_head_dim=4, index_topk=8, index_kpool=4)
+    model_config_from_dict({"text_config": base, "model_type": "glm5_next"})
+    with pytest.raises(ConfigError, match="index_topk"):
+        model_config_from_dict({**base, "index_topk": 6})
+    with pytest.raises(ConfigError, match="indexer_types"):
+        model_config_from_dict({**base, "layer_types": ["linear_attention", "indexed_attention"],
+                                "indexer_types": ["full", "shared"]})
+    with pytest.raises(ConfigError, match="qk_rope_head_dim"):
+        model_config_from_dict({**base, "qk_rope_head_dim": 8})
+
+
+def test_manifest_moves_recurrent_state(glm5):
+    """TP → DP-attn on 2 ranks: each owner gathers the other rank's KDA head half of its requests; DP-attn →
+    DOP scatters halves; TP ↔ DOP keeps (both head-sharded)."""
+    cfg = load_model_config(glm5("topk_low")[0])
+    reqs = {"a": ReqState(10, 0), "b": ReqState(5, 1), "new": ReqState(0, 0)}
+    m = plan_switch("tp", "dp_attn", cfg, 2, reqs, 4, 4, "float32")
+    owners = m.owners
+    moves = {(mv.req, mv.h0, mv.h1, mv.src_rank, mv.dst_rank) for mv in m.state_moves}
+    assert moves == {(r, h, h + 4, 1 - owners[r], owners[r]) for r in ("a", "b")
+                     for h in ((4,) if owners[r] == 0 else (0,))}
+    assert m.action("recurrent_state") == "all_to_all" and m.action("linear_proj") == "all_gather"
+    dp = {"a": ReqState(10, 0), "b": ReqState(5, 1)}
+    m = plan_switch("dp_attn", "dop", cfg, 2, dp, 4, 4, "float32")
+    assert {(mv.req, mv.h0, mv.src_rank, mv.dst_rank) for mv in m.state_moves} == {("a", 4, 0, 1), ("b", 0, 1, 0)}
+    m = plan_switch("tp", "dop", cfg, 2, dp, 4, 4, "float32")
+    assert m.state_moves == () and m.action("recurrent_state") == "keep"
+
+
+def test_memory_model_counts_pools_and_state(glm5, comm):
+    """The MLA pools (latent + indexer keys/gates) allocate exactly the analytic block bytes of the MLA layers;
+    the KDA state the runner holds per request equals the memory model's, per layout; capacity reserves it."""
+    from splash.layouts.memory import kv_block_bytes, kv_capacity_tokens, recurrent_state_bytes, state_bytes_per_rank
+
+    path = glm5("topk_low")[0]
+    cfg, get = open_checkpoint(path)
+    runner = ModelRunner(cfg, get, comm, "tp", "float32", 4, 37)
+    assert runner.cache.num_layers == 2 and runner.index_cache.num_layers == 2
+    assert runner.cache.nbytes() + runner.index_cache.nbytes() == kv_block_bytes(cfg, "float32", 4) * 37
+    prompts = random_prompts([5, 9], seed=5)
+    reqs = [StepRequest(f"r{i}", 0, len(p)) for i, p in enumerate(prompts)]
+    runner.step(StepBatch.build(reqs, prompts, [True, True]))
+    assert runner.states.nbytes() == sum(state_bytes_per_rank(cfg, "tp", 1, {"r0": 0, "r1": 0}))
+    # 2 KDA layers x 8 heads x (8*8 + 3*8*3) fp32
+    assert recurrent_state_bytes(cfg, "tp", 1) == 2 * 8 * (64 + 72) * 4
+    assert recurrent_state_bytes(cfg, "tp", 2) * 2 == recurrent_state_bytes(cfg, "dp_attn", 2)
+    assert state_bytes_per_rank(cfg, "dp_attn", 2, {"a": 0, "b": 0}) == (2 * recurrent_state_bytes(cfg, "cp", 2), 0)
+    budget = 1 << 20
+    plain = kv_capacity_tokens(cfg, "dop", 2, budget, 4, "float32", 4)
+    held = kv_capacity_tokens(cfg, "dop", 2, budget, 4, "float32", 4, state_requests=16)
+    blk = kv_block_bytes(cfg, "float32", 4)
+    assert plain.blocks_per_rank - held.blocks_per_rank == -(-16 * recurrent_state_bytes(cfg, "dop", 2) // blk) \
+        or plain.blocks_per_rank - held.blocks_per_rank == 16 * recurrent_state_bytes(cfg, "dop", 2) // blk
+
+
+def test_quantised_weights_rejected_by_name(glm5, comm):
+    cfg, get = open_checkpoint(glm5("topk_low")[0], quantization="int8")
+    with pytest.raises(ConfigError, match="glm5_next: quantised"):
+        ModelRunner(cfg, get, comm, "tp", "float32", 4, 16)
