@@ -39,10 +39,10 @@ def needs_selection(meta, topk: int) -> bool:
 
 def _groups(meta) -> list[tuple[torch.Tensor, int]]:
     """(request indices, query rows per request): every decode request together, each prefill alone."""
-    lens = meta.q_lens
+    lens, dev = meta.q_lens, meta.q_pos.device
     dec = [i for i, n in enumerate(lens) if n == 1]
-    out = [(torch.tensor(dec, dtype=torch.long), 1)] if dec else []
-    return out + [(torch.tensor([i]), n) for i, n in enumerate(lens) if n > 1]
+    out = [(torch.tensor(dec, dtype=torch.long, device=dev), 1)] if dec else []
+    return out + [(torch.tensor([i], device=dev), n) for i, n in enumerate(lens) if n > 1]
 
 
 def _held(meta, reqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,9 +50,9 @@ def _held(meta, reqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     bs = meta.block_size
     rows, npg = meta.req_rows[reqs], meta.num_pages[reqs].long()
     P = int(npg.max()) if npg.numel() else 0
-    held = torch.arange(P)[None, :] < npg[:, None]
+    held = torch.arange(P, device=npg.device)[None, :] < npg[:, None]
     pid = meta.pages[rows, :P].long() * held
-    offs = torch.arange(bs)
+    offs = torch.arange(bs, device=npg.device)
     slots = (pid[:, :, None] * bs + offs).reshape(len(reqs), -1)
     kpos = (meta.logical[rows, :P].long()[:, :, None] * bs + offs).reshape(len(reqs), -1)
     return slots, kpos, held[:, :, None].expand(-1, -1, bs).reshape(len(reqs), -1)
@@ -62,15 +62,15 @@ def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor,
                      width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k of the positions held here for every row of `meta`: (slots, valid, scores), each [N, width]
     (scores −inf where invalid). q [N, H_i, d_i] and hw [N, H_i] are the rows' indexer queries / head weights."""
-    n = meta.num_rows
-    slots = torch.zeros(n, width, dtype=torch.long)
-    valid = torch.zeros(n, width, dtype=torch.bool)
-    vals = torch.full((n, width), float("-inf"))
+    n, dev = meta.num_rows, q.device
+    slots = torch.zeros(n, width, dtype=torch.long, device=dev)
+    valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
+    vals = torch.full((n, width), float("-inf"), device=dev)
     for reqs, nq in _groups(meta):
         ks, kpos, held = _held(meta, reqs)
         if ks.shape[1] == 0:
             continue
-        rows = (meta.qo_indptr[reqs].long()[:, None] + torch.arange(nq)).reshape(-1)
+        rows = (meta.qo_indptr[reqs].long()[:, None] + torch.arange(nq, device=dev)).reshape(-1)
         G = len(reqs)
         scores = index_scores(q[rows].view(G, nq, *q.shape[1:]), hw[rows].view(G, nq, -1),
                               cache.read_index(layer, ks), scale)                       # [G, Q, T]
@@ -90,7 +90,7 @@ def global_topk(vals: torch.Tensor, comm, k: int) -> torch.Tensor:
     R = comm.size
     every = comm.all_gather(vals.contiguous()).view(R, n, K).permute(1, 0, 2).reshape(n, R * K)
     top = every.topk(min(k, R * K), dim=-1).indices
-    chosen = torch.zeros(n, R * K, dtype=torch.bool).scatter_(1, top, True) & torch.isfinite(every)
+    chosen = torch.zeros(n, R * K, dtype=torch.bool, device=vals.device).scatter_(1, top, True) & torch.isfinite(every)
     return chosen.view(n, R, K)[:, comm.rank]
 
 
@@ -126,8 +126,8 @@ def sparse_attend(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, layer: in
     gathered (dequantised) keys stay under `scratch_bytes`."""
     n, h, dc = q_latent.shape
     K = sel.slots.shape[1]
-    o = torch.zeros(n, h, dc)
-    lse = torch.full((n, h), float("-inf"))
+    o = torch.zeros(n, h, dc, device=q_latent.device)
+    lse = torch.full((n, h), float("-inf"), device=q_latent.device)
     if K == 0 or n == 0:
         return o, lse
     per_row = K * (dc + q_rope.shape[2] + 2 * h) * 4

@@ -1,6 +1,7 @@
 """No tensor on the engine's path is created without the backend's device: generation with torch's default device
 set to `meta` while the engine's device is `cpu` gives transformers' tokens (tests/distributed/device_worker.py), on
-one rank and on two ranks through a layout and live switches."""
+one rank and on two ranks through a layout and live switches; for a DSA model (GLM-5.x, top-k 8 below the
+contexts) too, through CP's global top-k."""
 from __future__ import annotations
 
 import sys
@@ -10,14 +11,24 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
+from hf_models import DSA_VARIANTS, VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("device")
-    model_dir = make_tiny_deepseek(d / "model", **VARIANTS["moe_yarn"])
+def refs(tmp_path_factory):
+    """`refs(variant) -> (model_dir, ref.pt)`, built once per module."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(variant: str) -> tuple[Path, Path]:
+        if variant not in cache:
+            cache[variant] = _reference(tmp_path_factory.mktemp(f"device_{variant}"), variant)
+        return cache[variant]
+    return get
+
+
+def _reference(d: Path, variant: str) -> tuple[Path, Path]:
+    model_dir = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
     hf = load_hf(model_dir)
     prompts = random_prompts([3, 17, 9], seed=5)
     max_tokens = [12, 6, 12]
@@ -25,9 +36,11 @@ def reference(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, d / "ref.pt"
 
 
-@pytest.mark.parametrize("nprocs,layout,switches", [(1, "tp", "dop,cp"), (2, "tp", "dp_attn,cp,dop,tp")])
-def test_meta_default_device_gives_transformers_tokens(reference, nprocs, layout, switches):
-    model_dir, ref = reference
+@pytest.mark.parametrize("variant,nprocs,layout,switches", [("moe_yarn", 1, "tp", "dop,cp"),
+                                                            ("moe_yarn", 2, "tp", "dp_attn,cp,dop,tp"),
+                                                            ("glm_sparse", 2, "tp", "cp,dop")])
+def test_meta_default_device_gives_transformers_tokens(refs, variant, nprocs, layout, switches):
+    model_dir, ref = refs(variant)
     res = run_mpi(nprocs, "tests/distributed/device_worker.py", str(model_dir), str(ref), layout, switches,
                   timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
