@@ -128,7 +128,7 @@ class HybridAttention:
         """Sparse attention of `reqs` (rows in order: x_rows / qa / q̃ [n, H, d_c]) over this rank's full history."""
         r, cfg = self.r, self.r.cfg
         cl, lw = r.mla_index[layer], r.weights.layers[layer]
-        out = torch.empty(q.shape[0], q.shape[1], cfg.kv_lora_rank)
+        out = torch.empty(q.shape[0], q.shape[1], cfg.kv_lora_rank, device=q.device)
         at = 0
         for req in reqs:
             rr = slice(at, at + req.num_new)
@@ -138,7 +138,7 @@ class HybridAttention:
             if lw.indexer is not None:
                 keys, gates = r.index_cache.read(cl, slots)
                 iq, hw = indexer_queries(lw.indexer, x_rows[rr], qa[rr])
-                pos = torch.arange(req.start_pos, req.end_pos)
+                pos = torch.arange(req.start_pos, req.end_pos, device=q.device)
                 self.sel[req.req_id] = select(iq, hw, pos, keys, gates, lw.indexer.ape, cfg.index_topk,
                                               cfg.hybrid.index_kpool_always_select_tail)
             out[rr] = sparse_latent_attention(q[rr], c_kv, self.sel[req.req_id], cfg.softmax_scale)
@@ -185,5 +185,5 @@ def history_slots(r, req: str, end: int) -> torch.Tensor:
     """Slots of positions 0..end−1 of a request whose every block this rank holds."""
     bs, table = r.block_size, r.bm.table(req)
     nb = -(-end // bs)
-    pages = torch.tensor([table[b] for b in range(nb)], dtype=torch.long)
-    return (pages[:, None] * bs + torch.arange(bs)).reshape(-1)[:end]
+    pages = torch.tensor([table[b] for b in range(nb)], dtype=torch.long, device=r.device)
+    return (pages[:, None] * bs + torch.arange(bs, device=r.device)).reshape(-1)[:end]

@@ -20,12 +20,12 @@ from splash.models.kpool import indexer_keys, indexer_queries
 def local_history(r, req: str, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, slots) of the request's tokens < end that this rank holds, in position order."""
     bs, table = r.block_size, r.bm.table(req)
-    blocks = sorted(b for b in table if b * bs < end)
+    blocks, dev = sorted(b for b in table if b * bs < end), r.device
     if not blocks:
-        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-    offs = torch.arange(bs)
-    pos = (torch.tensor(blocks)[:, None] * bs + offs).reshape(-1)
-    slots = (torch.tensor([table[b] for b in blocks])[:, None] * bs + offs).reshape(-1)
+        return torch.empty(0, dtype=torch.long, device=dev), torch.empty(0, dtype=torch.long, device=dev)
+    offs = torch.arange(bs, device=dev)
+    pos = (torch.tensor(blocks, device=dev)[:, None] * bs + offs).reshape(-1)
+    slots = (torch.tensor([table[b] for b in blocks], device=dev)[:, None] * bs + offs).reshape(-1)
     keep = pos < end
     return pos[keep], slots[keep]
 
@@ -35,7 +35,7 @@ def _local_pools(r, layer_w, cl: int, pos: torch.Tensor, slots: torch.Tensor, en
     full = pos[(pos // P + 1) * P <= end]
     ids = torch.unique(full // P)
     if ids.numel() == 0:
-        return ids, torch.empty(0, r.cfg.index_head_dim)
+        return ids, torch.empty(0, r.cfg.index_head_dim, device=pos.device)
     sel = torch.isin(pos // P, ids)
     keys, gates = r.index_cache.read(cl, slots[sel])
     k = keys.view(len(ids), P, -1)
@@ -49,13 +49,13 @@ def local_candidates(r, lw, cl, req, x_rows, qa_rows, end: int, K: int) -> tuple
     pos, slots = local_history(r, req.req_id, end)
     ids, pool_keys = _local_pools(r, lw.indexer, cl, pos, slots, end, P)
     n = x_rows.shape[0]
-    vals = torch.full((n, K), float("-inf"))
-    out_ids = torch.full((n, K), -1.0)
+    vals = torch.full((n, K), float("-inf"), device=x_rows.device)
+    out_ids = torch.full((n, K), -1.0, device=x_rows.device)
     if ids.numel():
         q, hw = indexer_queries(lw.indexer, x_rows, qa_rows)
         s = F.relu(torch.einsum("nhd,pd->nhp", q, pool_keys) * q.shape[-1] ** -0.5)
         score = torch.einsum("nh,nhp->np", hw, s)
-        qpos = torch.arange(req.start_pos, req.end_pos)
+        qpos = torch.arange(req.start_pos, req.end_pos, device=x_rows.device)
         score = score.masked_fill((ids[None, :] + 1) * P - 1 > qpos[:, None], float("-inf"))
         k = min(K, ids.numel())
         top = score.topk(k, dim=-1)
@@ -74,7 +74,7 @@ def global_selection(comm, vals: torch.Tensor, ids: torch.Tensor, ks: torch.Tens
     K = int(ks.max()) if ks.numel() else 0
     top = vals.topk(min(K, vals.shape[1]), dim=-1)
     chosen = ids.gather(1, top.indices)
-    rank_in_row = torch.arange(chosen.shape[1])[None, :]
+    rank_in_row = torch.arange(chosen.shape[1], device=chosen.device)[None, :]
     ok = torch.isfinite(top.values) & (rank_in_row < ks[:, None])
     return torch.where(ok, chosen, torch.full_like(chosen, -1.0))
 
@@ -109,22 +109,24 @@ def mla_cp(ex, layer: int, x: torch.Tensor) -> torch.Tensor:
     if lw.indexer is not None:
         k, gate = indexer_keys(lw.indexer, x[wr])
         r.index_cache.write(cl, meta.write_slots, k, gate)
-        ks = torch.cat([torch.full((q_.num_new,), min(cfg.index_topk // P, q_.end_pos // P), dtype=torch.long)
-                        for q_ in ex.all_reqs]) if ex.all_reqs else torch.empty(0, dtype=torch.long)
+        ks = torch.cat([torch.full((q_.num_new,), min(cfg.index_topk // P, q_.end_pos // P), dtype=torch.long,
+                                   device=x.device)
+                        for q_ in ex.all_reqs]) if ex.all_reqs else torch.empty(0, dtype=torch.long, device=x.device)
         K = max(1, int(ks.max()) if ks.numel() else 1)
-        vals, ids = torch.full((x.shape[0], K), float("-inf")), torch.full((x.shape[0], K), -1.0)
+        vals = torch.full((x.shape[0], K), float("-inf"), device=x.device)
+        ids = torch.full((x.shape[0], K), -1.0, device=x.device)
         for req, rr in zip(ex.all_reqs, ex.all_spans):
             vals[rr.start:rr.stop], ids[rr.start:rr.stop] = local_candidates(
                 r, lw, cl, req, x[rr.start:rr.stop], qa[rr.start:rr.stop], req.end_pos, K)
         ex.sel_pools = global_selection(r.comm, vals, ids, ks)
-    o = torch.zeros(x.shape[0], q.shape[1], cfg.kv_lora_rank)
-    lse = torch.full((x.shape[0], q.shape[1]), float("-inf"))
+    o = torch.zeros(x.shape[0], q.shape[1], cfg.kv_lora_rank, device=x.device)
+    lse = torch.full((x.shape[0], q.shape[1]), float("-inf"), device=x.device)
     for req, rr in zip(ex.all_reqs, ex.all_spans):
         pos, slots = local_history(r, req.req_id, req.end_pos)
         if pos.numel() == 0:
             continue
         c_kv, _ = r.cache.read(cl, slots)
-        qpos = torch.arange(req.start_pos, req.end_pos)
+        qpos = torch.arange(req.start_pos, req.end_pos, device=x.device)
         mask = local_mask(pos, qpos, ex.sel_pools[rr.start:rr.stop], P, cfg.hybrid.index_kpool_always_select_tail)
         o[rr.start:rr.stop], lse[rr.start:rr.stop] = partial_attention(q[rr.start:rr.stop], c_kv, mask,
                                                                         cfg.softmax_scale)

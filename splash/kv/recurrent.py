@@ -12,8 +12,8 @@ import torch
 
 
 class RecurrentStates:
-    def __init__(self, num_layers: int, width: int):
-        self.num_layers, self.width = num_layers, width
+    def __init__(self, num_layers: int, width: int, device: str | torch.device = "cpu"):
+        self.num_layers, self.width, self.device = num_layers, width, device
         self.states: dict[str, torch.Tensor] = {}
 
     def has(self, req: str) -> bool:
@@ -24,7 +24,8 @@ class RecurrentStates:
 
     def create(self, req: str, heads: int) -> torch.Tensor:
         """A new request's zero state for `heads` heads (replacing any stale one)."""
-        self.states[req] = torch.zeros(self.num_layers, heads, self.width, dtype=torch.float32)
+        self.states[req] = torch.zeros(self.num_layers, heads, self.width, dtype=torch.float32,
+                                       device=self.device)
         return self.states[req]
 
     def put(self, req: str, state: torch.Tensor) -> None:

@@ -135,7 +135,7 @@ class Glm5NextModel:
         cfg = self.cfg
         x = self.w.embed[batch.token_ids]
         streams = x.unsqueeze(1).expand(-1, cfg.hybrid.hc_mult, -1).contiguous()
-        empty = torch.empty(x.shape[0], 0)
+        empty = torch.empty(x.shape[0], 0, device=x.device)
         for i, lw in enumerate(self.w.layers):
             if before_layer is not None:
                 before_layer(i)
@@ -144,7 +144,7 @@ class Glm5NextModel:
             streams = hyper_merge(post, comb, out, streams)
             post, comb, h = hyper_weights(cfg, lw.hc_ffn, streams)
             streams = hyper_merge(post, comb, self._ffn(i, rms_norm(h, lw.post_norm, cfg.rms_norm_eps)), streams)
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long)
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=x.device)
         return rms_norm(streams[rows].mean(dim=1), self.w.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

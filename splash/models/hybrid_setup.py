@@ -31,4 +31,5 @@ def setup_hybrid(r, get, num_blocks: int) -> None:
     r.cache = PagedLatentCache(n_mla, num_blocks, r.block_size, cfg.kv_lora_rank, 0, r.kv_dtype, device=r.device)
     r.index_cache = PagedLatentCache(n_mla, num_blocks, r.block_size, cfg.index_head_dim, cfg.index_head_dim,
                                      "float32", device=r.device)
-    r.states = RecurrentStates(len(r.linear_index), state_width(hy.linear_head_dim, hy.linear_conv_kernel_dim))
+    r.states = RecurrentStates(len(r.linear_index), state_width(hy.linear_head_dim, hy.linear_conv_kernel_dim),
+                               r.device)

@@ -126,7 +126,7 @@ def kda_forward(w: KDAWeights, x: torch.Tensor, spans: list[range], states: list
                 lower_bound: float | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Rows x [N, hidden] grouped into per-request `spans` with their states -> (this rank's partial O output
     [N, hidden], new states in span order)."""
-    pre = torch.empty(x.shape[0], w.num_heads * w.head_dim, dtype=x.dtype)
+    pre = torch.empty(x.shape[0], w.num_heads * w.head_dim, dtype=x.dtype, device=x.device)
     new = []
     for rr, st in zip(spans, states):
         pre[rr.start:rr.stop], s = kda_rows(w, x[rr.start:rr.stop], st, eps, lower_bound)

@@ -54,23 +54,23 @@ def select(q: torch.Tensor, hw: torch.Tensor, pos: torch.Tensor, keys: torch.Ten
     positions 0..T−1 (T > max(pos)) -> visible mask [n, T] bool."""
     P, T = ape.shape[0], keys.shape[0]
     npool = T // P
-    mask = torch.zeros(q.shape[0], T, dtype=torch.bool)
+    mask = torch.zeros(q.shape[0], T, dtype=torch.bool, device=q.device)
     if npool:
         k = keys[:npool * P].float().view(npool, P, -1)
         prob = (gates[:npool * P].float().view(npool, P, -1) + ape.float()).softmax(dim=1)
         pool_keys = (prob * k).sum(1)                                            # [npool, d_I]
         scores = F.relu(torch.einsum("nhd,pd->nhp", q, pool_keys) * q.shape[-1] ** -0.5)
         idx = torch.einsum("nh,nhp->np", hw, scores)
-        valid = (torch.arange(npool) + 1)[None, :] * P - 1 <= pos[:, None]
+        valid = (torch.arange(npool, device=q.device) + 1)[None, :] * P - 1 <= pos[:, None]
         idx = idx.masked_fill(~valid, torch.finfo(idx.dtype).min)
         k_sel = min(topk // P, npool)
         chosen = idx.topk(k_sel, dim=-1).indices                                # [n, k_sel]
         ok = valid.gather(1, chosen)
-        pool_mask = torch.zeros(q.shape[0], npool, dtype=torch.bool)
+        pool_mask = torch.zeros(q.shape[0], npool, dtype=torch.bool, device=q.device)
         pool_mask.scatter_(1, chosen, ok)
         mask[:, :npool * P] = pool_mask.repeat_interleave(P, dim=1)
     if tail:
-        t = torch.arange(T)[None, :]
+        t = torch.arange(T, device=q.device)[None, :]
         start = pos[:, None] + 1 - (pos[:, None] + 1) % P
         mask |= (t >= start) & (t <= pos[:, None])
     return mask

@@ -84,7 +84,7 @@ class StateHandoff:
         rcounts = [0] * m.world
         for mv in self.recv:
             rcounts[mv.src_rank] += r.states.num_layers * (mv.h1 - mv.h0) * r.states.width
-        data = torch.cat(rows) if rows else torch.empty(0, dtype=torch.float32)
+        data = torch.cat(rows) if rows else torch.empty(0, dtype=torch.float32, device=r.states.device)
         if r.comm.size > 1:
             self.handle = r.comm.iall_to_allv(data, counts, rcounts)
         self.local = data

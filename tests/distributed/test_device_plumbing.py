@@ -1,7 +1,8 @@
 """No tensor on the engine's path is created without the backend's device: generation with torch's default device
 set to `meta` while the engine's device is `cpu` gives transformers' tokens (tests/distributed/device_worker.py), on
 one rank and on two ranks through a layout and live switches; for a DSA model (GLM-5.x, top-k 8 below the
-contexts) too, through CP's global top-k."""
+contexts) too, through CP's global top-k, and for GLM-5.3-Flash (KDA state + KPool; its reference is the one-rank
+engine without the meta default, which test_glm5_next checks against transformers)."""
 from __future__ import annotations
 
 import sys
@@ -12,6 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import DSA_VARIANTS, VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
+from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
+from hf_glm5_next import make_tiny_glm5_next  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 
@@ -28,17 +31,27 @@ def refs(tmp_path_factory):
 
 
 def _reference(d: Path, variant: str) -> tuple[Path, Path]:
-    model_dir = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
-    hf = load_hf(model_dir)
     prompts = random_prompts([3, 17, 9], seed=5)
     max_tokens = [12, 6, 12]
-    torch.save({"prompts": prompts, "max_tokens": max_tokens, "tokens": hf_greedy(hf, prompts, 12)}, d / "ref.pt")
+    if variant == "glm5_next":
+        from splash.distributed import SingleRankCommunicator
+        from splash.engine.llm import LLM
+        from splash.engine.sampling import SamplingParams
+        model_dir = make_tiny_glm5_next(d / "model", **GLM_VARIANTS["topk_low"])
+        llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=16, comm=SingleRankCommunicator())
+        tokens = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0,
+                                                                             ignore_eos=True) for m in max_tokens])]
+    else:
+        model_dir = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
+        tokens = hf_greedy(load_hf(model_dir), prompts, 12)
+    torch.save({"prompts": prompts, "max_tokens": max_tokens, "tokens": tokens}, d / "ref.pt")
     return model_dir, d / "ref.pt"
 
 
 @pytest.mark.parametrize("variant,nprocs,layout,switches", [("moe_yarn", 1, "tp", "dop,cp"),
                                                             ("moe_yarn", 2, "tp", "dp_attn,cp,dop,tp"),
-                                                            ("glm_sparse", 2, "tp", "cp,dop")])
+                                                            ("glm_sparse", 2, "tp", "cp,dop"),
+                                                            ("glm5_next", 2, "tp", "dp_attn,cp,dop,tp")])
 def test_meta_default_device_gives_transformers_tokens(refs, variant, nprocs, layout, switches):
     model_dir, ref = refs(variant)
     res = run_mpi(nprocs, "tests/distributed/device_worker.py", str(model_dir), str(ref), layout, switches,
