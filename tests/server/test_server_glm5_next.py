@@ -22,7 +22,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     proc = ServerProc(2, "--model", str(ckpt), "--port", "0", "--block-size", "4", "--admin-token", TOKEN,
-                      "--quiet", "--served-model-name", "tiny-mla",  # the name _streams_with_switch asks for
+                      "--quiet", "--served-model-name", "tiny-mla",  # the model name the streams ask for
                       workdir=tmp_path_factory.mktemp("server"))
     try:
         proc.wait_ready(90)
@@ -50,7 +50,7 @@ def test_serves_and_switches_live(server, ckpt):
     assert out.choices[0].model_extra["token_ids"] == ref(prompt, MAX_TOKENS)
     for k, target in enumerate(["cp", "dop", "dp_attn"]):
         prompts = [[(11 * k + 3 * i + j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(4)]
-        got, in_flight = _streams_with_switch(server.url, prompts, target)
+        got, in_flight = _streams_with_switch(server.url, prompts, target, "tiny-mla")
         assert any(in_flight), "every stream finished before the switch"
         for g, p in zip(got, prompts):
             w = ref(p, 48)
