@@ -161,6 +161,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
+def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[torch.Tensor, Sequence[int]]:
+    """An all-gatherv's checked inputs on `comm`: (t as contiguous rows, the per-rank row counts — all-gathered
+    when None); ValueError when t has no row dimension or the counts do not fit."""
+    if t.dim() == 0:
+        raise ValueError("all_gatherv needs a tensor with a row dimension")
+    src = _rows(t)
+    if counts is None:
+        counts = comm.gather_counts(src.shape[0])
+    _check_counts("counts", counts, comm.size)
+    if counts[comm.rank] != src.shape[0]:
+        raise ValueError(f"counts[{comm.rank}]={counts[comm.rank]} but tensor has {src.shape[0]} rows")
+    return src, counts
+
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """Flat uint8 numpy view sharing memory with contiguous `t`."""
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -254,14 +269,7 @@ class MPICommunicator(Communicator):
         return args, (lambda: out if out.dtype == t.dtype else out.to(t.dtype))
 
     def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
-        if t.dim() == 0:
-            raise ValueError("all_gatherv needs a tensor with a row dimension")
-        src = _rows(t)
-        if counts is None:
-            counts = self.gather_counts(src.shape[0])
-        _check_counts("counts", counts, self._size)
-        if counts[self._rank] != src.shape[0]:
-            raise ValueError(f"counts[{self._rank}]={counts[self._rank]} but tensor has {src.shape[0]} rows")
+        src, counts = gatherv_rows(self, t, counts)
         row = math.prod(src.shape[1:]) * src.element_size()
         out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
         nbytes = [c * row for c in counts]

@@ -31,6 +31,7 @@ from splash.distributed.communicator import (
     MPICommunicator,
     _check_counts,
     _rows,
+    gatherv_rows,
 )
 
 _NCCL_REDUCE = _NATIVE_REDUCE | {torch.float16, torch.bfloat16}
@@ -99,14 +100,7 @@ class TorchCommunicator(Communicator):
         return run, (lambda: work if work.dtype == t.dtype else work.to(t.dtype)), (work,)
 
     def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
-        if t.dim() == 0:
-            raise ValueError("all_gatherv needs a tensor with a row dimension")
-        src = _rows(t)
-        if counts is None:
-            counts = self.gather_counts(src.shape[0])
-        _check_counts("counts", counts, self.size)
-        if counts[self.rank] != src.shape[0]:
-            raise ValueError(f"counts[{self.rank}]={counts[self.rank]} but tensor has {src.shape[0]} rows")
+        src, counts = gatherv_rows(self, t, counts)
         trail, most = src.shape[1:], max(counts)
         if most == src.shape[0]:
             block = src
