@@ -72,7 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(mods[args.command].run(args) or 0)
+    from splash.bench.results import ResultError
+
+    try:
+        return int(mods[args.command].run(args) or 0)
+    except ResultError as e:  # a result file that cannot be read or has the wrong shape
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

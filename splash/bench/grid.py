@@ -80,14 +80,10 @@ def run(args) -> int:
 
 
 def _finish(args, doc: dict) -> None:
-    from splash.bench.tables import print_tables, to_markdown
+    from splash.bench.tables import report_tables
 
     doc["complete"] = True
     doc["load_average_end"] = R.load_average()
     if args.json:
         R.write_json(args.json, doc)
-    spec = grid_table(doc)
-    print_tables([spec])
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(to_markdown(spec) + "\n")
+    report_tables([grid_table(doc)], args.markdown)

@@ -125,11 +125,7 @@ def plot_runs(doc: dict, out: Path, dpi: int = 120) -> list[Path]:
 
 
 def run(args) -> int:
-    try:
-        doc = R.read_json(args.result)
-    except R.ResultError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    doc = R.read_json(args.result)
     try:
         _pyplot()
     except ImportError:

@@ -260,10 +260,6 @@ def _loop(llm, comm, args, todo, doc) -> None:
 
 def _report(args, doc) -> None:
     from splash.bench.show import sweep_tables
-    from splash.bench.tables import print_tables, to_markdown
+    from splash.bench.tables import report_tables
 
-    specs = sweep_tables(doc, args.metric)
-    print_tables(specs)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n\n".join(to_markdown(s) for s in specs) + "\n")
+    report_tables(sweep_tables(doc, args.metric), args.markdown)

@@ -81,7 +81,7 @@ def switch_table(doc: dict):
 
 
 def run(args) -> int:
-    from splash.bench.tables import print_tables, to_markdown
+    from splash.bench.tables import report_tables
     from splash.distributed import init_dist
 
     comm = init_dist().comm
@@ -103,9 +103,5 @@ def run(args) -> int:
         doc["complete"], doc["load_average_end"] = True, R.load_average()
         if args.json:
             R.write_json(args.json, doc)
-        spec = switch_table(doc)
-        print_tables([spec])
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(to_markdown(spec) + "\n")
+        report_tables([switch_table(doc)], args.markdown)
     return 0

@@ -65,6 +65,14 @@ def print_tables(specs: Iterable[TableSpec], console=None, width: int = 160) -> 
         console.print(to_rich(s))
 
 
+def report_tables(specs: Sequence[TableSpec], markdown_path: str | None = None) -> None:
+    """Print `specs` to the console and, when `markdown_path` is given, write them there as markdown."""
+    print_tables(specs)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write("\n\n".join(to_markdown(s) for s in specs) + "\n")
+
+
 def lead_text(best: float, second: float | None, higher_is_better: bool = True) -> str:
     """The leader's margin over the runner-up, e.g. '+12.3%' ('—' with no runner-up)."""
     if second is None or not second or math.isnan(second):

@@ -175,6 +175,22 @@ def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[t
     return src, counts
 
 
+def alltoallv_rows(comm, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """An all-to-allv's checked inputs on `comm`: (t as contiguous rows, the empty output, send and receive sizes
+    in bytes per rank); the receive counts are exchanged when None. ValueError when t has no row dimension or the
+    counts do not fit."""
+    if t.dim() == 0:
+        raise ValueError("all_to_allv needs a tensor with a row dimension")
+    src = _rows(t)
+    _check_counts("send_counts", send_counts, comm.size, src.shape[0])
+    if recv_counts is None:
+        recv_counts = comm.exchange_counts(send_counts)
+    _check_counts("recv_counts", recv_counts, comm.size)
+    row = math.prod(src.shape[1:]) * src.element_size()
+    out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
+    return src, out, [c * row for c in send_counts], [c * row for c in recv_counts]
+
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """Flat uint8 numpy view sharing memory with contiguous `t`."""
@@ -280,17 +296,7 @@ class MPICommunicator(Communicator):
     def _plan_all_to_allv(
         self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int] | None
     ) -> _Plan:
-        if t.dim() == 0:
-            raise ValueError("all_to_allv needs a tensor with a row dimension")
-        src = _rows(t)
-        _check_counts("send_counts", send_counts, self._size, src.shape[0])
-        if recv_counts is None:
-            recv_counts = self.exchange_counts(send_counts)
-        _check_counts("recv_counts", recv_counts, self._size)
-        row = math.prod(src.shape[1:]) * src.element_size()
-        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
-        sb = [c * row for c in send_counts]
-        rb = [c * row for c in recv_counts]
+        src, out, sb, rb = alltoallv_rows(self, t, send_counts, recv_counts)
         byte = self._MPI.BYTE
         args = ([_bytes(src), (sb, _displs(sb)), byte], [_bytes(out), (rb, _displs(rb)), byte])
         return args, (lambda: out)

@@ -17,7 +17,6 @@ What travels how (checked against torch 2.13's gloo, see tests/distributed):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +28,8 @@ from splash.distributed.communicator import (
     Communicator,
     Handle,
     MPICommunicator,
-    _check_counts,
     _rows,
+    alltoallv_rows,
     gatherv_rows,
 )
 
@@ -119,16 +118,7 @@ class TorchCommunicator(Communicator):
 
     def _plan_all_to_allv(self, t: torch.Tensor, send_counts: Sequence[int],
                           recv_counts: Sequence[int] | None) -> _Plan:
-        if t.dim() == 0:
-            raise ValueError("all_to_allv needs a tensor with a row dimension")
-        src = _rows(t)
-        _check_counts("send_counts", send_counts, self.size, src.shape[0])
-        if recv_counts is None:
-            recv_counts = self.exchange_counts(send_counts)
-        _check_counts("recv_counts", recv_counts, self.size)
-        row = math.prod(src.shape[1:]) * src.element_size()
-        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
-        sb, rb = [c * row for c in send_counts], [c * row for c in recv_counts]
+        src, out, sb, rb = alltoallv_rows(self, t, send_counts, recv_counts)
         run = lambda a: dist.all_to_all_single(_u8(out), _u8(src), rb, sb, async_op=a)  # noqa: E731
         return run, (lambda: out), (src, out)
 
