@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from splash.costmodel.step_cost import LAYOUTS
+from splash.sim.storage import RUNTIME_RESERVE_BYTES, STORAGES
 
 LAYOUT_NAMES = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
 
@@ -55,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DP-attn/DOP split each step's --chunk budget evenly over the owners with prompt tokens "
                          "left, as SGLang's DP-attention does (default: one budget per step taken in admission "
                          "order, as the engine's scheduler does)")
-    ap.add_argument("--reserve", type=parse_len, default=1 << 30, help="bytes per rank kept free (default 1 GiB)")
+    ap.add_argument("--reserve", type=parse_len, default=None,
+                    help="bytes per rank the runtime holds besides weights and KV (default 3.2 GiB, derived from "
+                         "the paper's B200 DOP pool: splash/sim/storage.py)")
+    ap.add_argument("--storage", choices=STORAGES, default="sglang",
+                    help="how the deployment stores weights and state: sglang (the stack of the paper's figures: "
+                         "vocabulary-parallel embedding/LM head, replicated embedding under DP-attn, BF16 W_UK/W_UV "
+                         "copies, hybrid state pool) or engine (what this engine stores)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
@@ -139,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         model = load_sim_model(a.model, a.weight_dtype, a.kv_dtype)
         prof = load_profile(a.hardware)
         cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size)
-        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, float(a.reserve),
-                         a.owner_prefill)
+        reserve = RUNTIME_RESERVE_BYTES if a.reserve is None else float(a.reserve)
+        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve, a.owner_prefill,
+                         a.storage)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:
         print(f"splash-sim: {e}", file=sys.stderr)
         return 2
     title = (f"{model.name} on {a.ranks}× {prof.name} ({model.weight_dtype} weights, {model.kv_dtype} KV, "
-             f"memory fraction {a.mem_fraction})")
+             f"memory fraction {a.mem_fraction}, {a.storage} storage)")
     if a.trace:
         from splash.sim.trace import replay_cli
         return replay_cli(console, cm, setup, caps, a.trace, a.margin)
