@@ -15,8 +15,9 @@ LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 
 def test_parse_len():
-    assert parse_len("1K") == 1024 and parse_len("512K") == 524288 and parse_len("3000") == 3000
-    assert parse_len("2m") == 2 << 20
+    assert parse_len("1K") == 1000 and parse_len("512K") == 512000 and parse_len("3000") == 3000
+    assert parse_len("1Ki") == 1024 and parse_len("512ki") == 524288 and parse_len("2Mi") == 2 << 20
+    assert parse_len("2m") == 2_000_000
     with pytest.raises(Exception):
         parse_len("abc")
 
@@ -66,11 +67,15 @@ def test_flash_bw1000_capacity_per_owner():
 
 
 def test_concurrency_per_layout():
+    """The paper's "at 512K, DOP keeps 16 requests resident": two 512K (decimal) requests + 1K output fit one
+    owner's 1,034,048 tokens; DP-attn's owners hold one each."""
     m = load_sim_model("glm-5.3")
     s = SimSetup(m, load_profile("b200"), 8)
     caps = capacities(s)
-    tok = 512 * 1024 + 1024
-    assert concurrency(s, caps, "dop", tok) >= concurrency(s, caps, "dp_attn", tok) > concurrency(s, caps, "tp", tok)
+    tok = parse_len("512K") + 1024
+    assert concurrency(s, caps, "dop", tok) == 16
+    assert concurrency(s, caps, "dp_attn", tok) == 8 > concurrency(s, caps, "tp", tok)
+    assert concurrency(s, caps, "dop", parse_len("512Ki") + 1024) == 8  # binary K would not fit two
 
 
 def test_cli_json_schema(tmp_path, capsys):
@@ -92,7 +97,7 @@ def test_cli_json_schema(tmp_path, capsys):
             assert set(v) == {"tokens_per_s", "feasible"}
         best = max((k for k, v in p["layouts"].items() if v["feasible"]), key=lambda k: p["layouts"][k]["tokens_per_s"])
         assert p["leader"] == best
-    assert {p["input_len"] for p in data["points"]} == {1024, 4096}
+    assert {p["input_len"] for p in data["points"]} == {1000, 4000}
 
 
 def test_cli_errors(capsys):
