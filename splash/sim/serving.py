@@ -5,10 +5,11 @@ The serving model (stated, not measured):
   fit wait for the previous wave (the requests are identical, so continuous batching runs them in waves);
   TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
   one rank), CP's is the group's pool (position-sharded);
-- prefill is chunked as the engine's scheduler does: each step takes up to ``chunk`` prompt tokens from the
-  admitted requests in admission order (``owner_prefill``: in the request-owned layouts the step's ``chunk``
-  budget is split evenly over the owners with prompt tokens left, as SGLang's DP-attention gives each DP rank
-  ``chunked_prefill_size // dp_size`` — not what SPLASH's scheduler does today); decode then runs one row per
+- prefill is chunked: each step takes up to ``chunk`` prompt tokens; in the request-owned layouts
+  (``owner_prefill``, the default) the budget is split evenly over the owners with prompt tokens left, as SGLang's
+  DP-attention gives each DP rank ``chunked_prefill_size // dp_size``; ``owner_prefill=False`` takes it in
+  admission order, as this engine's scheduler does (one owner runs most of a step's chunk). TP and CP spend it
+  in admission order; how CP splits a chunk is the cost model's ``cp_prefill``. Decode then runs one row per
   request per step;
 - throughput counts input + output tokens over the whole run (the paper's total throughput);
 - the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
@@ -36,7 +37,7 @@ class SimSetup:
     block_size: int = 64
     chunk: int = 16384
     reserve_bytes: float = RUNTIME_RESERVE_BYTES
-    owner_prefill: bool = False  # DP-attn/DOP owners each prefill with their own chunk budget per step
+    owner_prefill: bool = True   # DP-attn/DOP split the step's chunk budget over the owners (SGLang DP-attention)
     storage: str = "sglang"      # how the deployment stores weights and state (splash.sim.storage)
 
     @property
