@@ -150,3 +150,26 @@ def test_switch_cost(cfg, cpu):
     assert lv.exposed_seconds == pytest.approx(lv.per_layer_seconds)  # only layer 0 waits
     with pytest.raises(ValueError, match="mode"):
         cm.switch(moved, "drain")
+
+
+def test_cp_split_prefill_exchanges_the_history_not_the_partials(cfg):
+    """cp_prefill="split": a prefill chunk's rows are split over the ranks and the history all-gathered, so CP's
+    exchange scales with the context, not with rows × heads; the attention work is TP's, spread by rows; decode
+    steps are the same in both modes; an unknown mode is an error."""
+    prof = load_profile("b200")
+    part, split = (CostModel(cfg, 4, prof, "bfloat16", "bfloat16", 16, cp_prefill=m) for m in ("partials", "split"))
+    rows = [RowLoad(4096, 8192, 0, samples=False)]
+    a, b = part.step("cp", rows), split.step("cp", rows)
+    s = split._shapes["cp"]
+    L = cfg.num_hidden_layers
+    hist = (8192 + 4096) * (s.kv_tok + s.idx_tok) * L
+    assert b.work["exchange"]["exch_bytes"] == pytest.approx(hist + 4096 * cfg.hidden_size * 2 * L)
+    assert a.work["exchange"]["exch_bytes"] > 10 * b.work["exchange"]["exch_bytes"]
+    assert b.seconds < a.seconds
+    # every rank does a quarter of the rows for all heads: TP's per-rank attention FLOPs (a quarter of the heads)
+    tp = split.step("tp", rows)
+    assert b.work["attention"]["attn_flops"] == pytest.approx(tp.work["attention"]["attn_flops"])
+    dec = [RowLoad(1, 5000, i % 4) for i in range(8)]
+    assert part.step("cp", dec).seconds == split.step("cp", dec).seconds
+    with pytest.raises(ValueError, match="cp_prefill"):
+        CostModel(cfg, 4, prof, "bfloat16", "bfloat16", 16, cp_prefill="ring")

@@ -21,6 +21,10 @@ from splash.models.config import ModelConfig
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 ELEM_BYTES = {"float32": 4.0, "bfloat16": 2.0, "fp8_e4m3": 1.0, "int8": 1.0}
 EXCHANGE_STAGES = ("exchange", "ffn_all_reduce")
+# CP prefill: "partials" = every rank attends all rows over its position shard, partial outputs + LSE all-gathered
+# (splash/attention/cp.py, the default); "split" = rows split over ranks, each piece's history all-gathered
+# (splash.costmodel.work._cp_split_layer; what splash-sim assumes for the paper's deployment)
+CP_PREFILL = ("partials", "split")
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,12 @@ def _elem(dtype: str, what: str) -> float:
 
 class CostModel:
     def __init__(self, cfg: ModelConfig, world: int, profile: HardwareProfile, weight_dtype: str,
-                 kv_dtype: str | Mapping[str, str], block_size: int = 16, act_dtype: str | None = None):
+                 kv_dtype: str | Mapping[str, str], block_size: int = 16, act_dtype: str | None = None,
+                 cp_prefill: str = "partials"):
         if world < 1:
             raise ValueError(f"world must be positive, got {world}")
+        if cp_prefill not in CP_PREFILL:
+            raise ValueError(f"cp_prefill must be one of {', '.join(CP_PREFILL)}, got {cp_prefill!r}")
         self.cfg, self.world, self.profile, self.block_size = cfg, world, profile, block_size
         self.weight_dtype = weight_dtype
         self.act_dtype = act_dtype or ("float32" if weight_dtype == "float32" else "bfloat16")
@@ -77,7 +84,7 @@ class CostModel:
             attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd)
             self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
                                        _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
-                                       block_size, profile.attention_scratch_bytes)
+                                       block_size, profile.attention_scratch_bytes, cp_prefill)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
 

@@ -133,6 +133,7 @@ class Shapes:
     idx_tok: float    # DSA indexer key bytes per token per layer (0 without DSA)
     bs: int
     scratch: float = 0.0  # split-KV attention kernel chunk budget (0: gather whole histories, one call)
+    cp_prefill: str = "partials"  # CP prefill: "partials" (what splash/attention/cp.py runs) or "split" (below)
 
     @property
     def heads_local(self) -> int:
@@ -202,6 +203,8 @@ def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: flo
 
 def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
     """Per-stage work of one layer on ``rank``."""
+    if layout == "cp" and s.cp_prefill == "split" and s.world > 1 and any(p.new > 1 for p in pieces):
+        return _cp_split_layer(s, pieces, rank, moe)
     cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
     H, Hl = cfg.num_attention_heads, s.heads_local
     hid, dc, dr, dn, dv = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
@@ -243,6 +246,57 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     if T > 1:
         st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
         st["ffn_all_reduce"].ops += 1
+    st["other"].ops += OPS["other"]
+    st["other"].act_bytes += 6 * N * hid * ab
+    return st
+
+
+def _cp_split_layer(s: Shapes, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
+    """CP with ``cp_prefill="split"`` (context-parallel prefill as SGLang's NSA prefill CP runs it): every prefill
+    piece's new rows are split evenly over the ranks; each rank gathers the piece's whole history (its latent KV and
+    indexer keys: one all-gather per layer), runs Q-A/KV-A, Q-B, indexer, attention (all heads) and O for its rows
+    only, and the step's outputs are all-gathered back to every row (as DP-attn's). The KV stays position-sharded
+    (each rank keeps its home blocks of the gathered history). Decode rows still attend by partial outputs + LSE,
+    which is cheaper for one row per request."""
+    cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
+    hid, dc, dr, dn, dv, H = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                              cfg.v_head_dim, cfg.num_attention_heads)
+    q_in = cfg.q_lora_rank or hid
+    N = sum(p.new for p in pieces)
+    dec = [p for p in pieces if p.new == 1]
+    pre = [p for p in pieces if p.new > 1]
+    mine = []  # this rank's share of each prefill piece: rows [lo, hi) of the chunk, as a Piece of its own
+    for p in pre:
+        lo, hi = rank * p.new // T, (rank + 1) * p.new // T
+        if hi > lo:
+            mine.append(Piece(hi - lo, p.context + lo, p.owner, p.samples))
+    rows = sum(p.new for p in mine) + len(dec)
+    st = {k: Work() for k in STAGES}
+    if cfg.q_lora_rank:
+        _gemm(st["qkv_a"], rows, hid, q_in, wb, ab)
+    _gemm(st["qkv_a"], rows, hid, dc + dr, wb, ab)
+    st["qkv_a"].ops += OPS["qkv_a"]["cp"]
+    _gemm(st["q_b_absorb"], rows, q_in, H * (dn + dr), wb, ab)
+    _gemm(st["q_b_absorb"], rows, dn, H * dc, wb, ab)
+    st["q_b_absorb"].ops += OPS["q_b_absorb"]["cp"]
+    held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
+    held += [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in dec]
+    _attention(s, st["attention"], held, H)
+    _indexer(s, st["indexer"], held, rows)
+    _gemm(st["uv_o"], rows, dc, H * dv, wb, ab)
+    _gemm(st["uv_o"], rows, H * dv, hid, wb, ab)
+    st["uv_o"].ops += OPS["uv_o"]["cp"]
+    ex = st["exchange"]
+    ex.ops += OPS["exchange"]["cp"]
+    ex.exch.append(("all_gather", sum(p.end for p in pre) * (s.kv_tok + s.idx_tok)))  # the pieces' histories
+    ex.exch.append(("all_gather", N * hid * ab))                                     # outputs back to all rows
+    if dec:
+        part = len(dec) * (H * dc * ab + H * 4.0)
+        ex.exch.append(("all_gather", T * part))
+        ex.act_bytes += 4 * T * part
+    _ffn(s, st, N, moe)
+    st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
+    st["ffn_all_reduce"].ops += 1
     st["other"].ops += OPS["other"]
     st["other"].act_bytes += 6 * N * hid * ab
     return st

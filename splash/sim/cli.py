@@ -14,19 +14,22 @@ import sys
 from pathlib import Path
 
 from splash.costmodel.step_cost import LAYOUTS
+from splash.sim.storage import RUNTIME_RESERVE_BYTES, STORAGES
 
 LAYOUT_NAMES = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
 
 
 def parse_len(text: str) -> int:
-    """'1K' → 1024, '512K' → 524288, '2M' → 2097152, '3000' → 3000."""
+    """'1K' → 1000, '512K' → 512000, '2M' → 2000000 (decimal, as the paper counts: its 512K requests fit two
+    per owner in DOP's 1,033,920 tokens per rank, "16 resident"); '1Ki' → 1024, '512Ki' → 524288; '3000' → 3000."""
     t = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
-    num = t[:-1] if mult > 1 else t
+    units = {"KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
+    suffix = next((u for u in units if t.endswith(u)), "")
+    num = t[:len(t) - len(suffix)] if suffix else t
     try:
-        v = int(num) * mult
+        v = int(num) * units.get(suffix, 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a length: {text!r} (examples: 1024, 1K, 512K)") from None
+        raise argparse.ArgumentTypeError(f"not a length: {text!r} (examples: 1024, 1K, 512K, 512Ki)") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"length must be non-negative: {text!r}")
     return v
@@ -44,18 +47,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=int, default=8, help="T, ranks in the group")
     ap.add_argument("--batch-sizes", type=_lens, default=[16], help="comma list, e.g. 1,16,128")
     ap.add_argument("--input-lens", type=_lens, default=_lens("1K,4K,16K,64K,128K,256K,512K"),
-                    help="comma list; K/M suffixes accepted (1K, 512K)")
-    ap.add_argument("--output-len", type=parse_len, default=1024, help="output tokens per request")
+                    help="comma list; K/M suffixes are decimal (1K = 1000, as the paper counts), Ki/Mi binary")
+    ap.add_argument("--output-len", type=parse_len, default=1024, help="output tokens per request (default 1024)")
     ap.add_argument("--kv-dtype", default=None, help="KV dtype (default: the preset's)")
     ap.add_argument("--weight-dtype", default=None, help="weight dtype (default: the preset's)")
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="share of device memory for weights + KV")
     ap.add_argument("--block-size", type=int, default=64, help="KV page size in tokens")
     ap.add_argument("--chunk", type=parse_len, default=16384, help="prefill tokens per step")
-    ap.add_argument("--owner-prefill", action="store_true",
-                    help="DP-attn/DOP split each step's --chunk budget evenly over the owners with prompt tokens "
-                         "left, as SGLang's DP-attention does (default: one budget per step taken in admission "
-                         "order, as the engine's scheduler does)")
-    ap.add_argument("--reserve", type=parse_len, default=1 << 30, help="bytes per rank kept free (default 1 GiB)")
+    ap.add_argument("--prefill-split", choices=("owner", "admission"), default="owner",
+                    help="how DP-attn/DOP spend a step's --chunk prefill budget: owner (default) splits it evenly "
+                         "over the owners with prompt tokens left, as SGLang's DP-attention gives each DP rank "
+                         "chunked_prefill_size // dp_size; admission takes it in admission order, as this "
+                         "engine's scheduler does")
+    ap.add_argument("--cp-prefill", choices=("split", "partials"), default="split",
+                    help="CP prefill: split (default) splits each chunk's rows over the ranks and all-gathers the "
+                         "history's latent KV + indexer keys per layer (SGLang's NSA context-parallel prefill); "
+                         "partials attends every row on every rank over its position shard and all-gathers the "
+                         "partial outputs + LSE, as this engine's CP does (decode rows always use partials)")
+    ap.add_argument("--owner-prefill", action="store_true", help="same as --prefill-split owner (kept for old scripts)")
+    ap.add_argument("--reserve", type=parse_len, default=None,
+                    help="bytes per rank the runtime holds besides weights and KV (default 3.2 GiB, derived from "
+                         "the paper's B200 DOP pool: splash/sim/storage.py)")
+    ap.add_argument("--storage", choices=STORAGES, default="sglang",
+                    help="how the deployment stores weights and state: sglang (the stack of the paper's figures: "
+                         "vocabulary-parallel embedding/LM head, replicated embedding under DP-attn, BF16 W_UK/W_UV "
+                         "copies, hybrid state pool) or engine (what this engine stores)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
@@ -80,7 +96,11 @@ def run_points(cm, setup, caps, batches, input_lens, output_len) -> list[dict]:
 
 
 def _fmt_len(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else (f"{n >> 10}K" if n % 1024 == 0 else str(n))
+    """The inverse of parse_len where it is exact (512000 → 512K, 524288 → 512Ki)."""
+    for div, suf in ((10 ** 6, "M"), (1 << 20, "Mi"), (10 ** 3, "K"), (1 << 10, "Ki")):
+        if n >= div and n % div == 0:
+            return f"{n // div}{suf}"
+    return str(n)
 
 
 def print_points(console, points, title: str) -> None:
@@ -138,15 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load_sim_model(a.model, a.weight_dtype, a.kv_dtype)
         prof = load_profile(a.hardware)
-        cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size)
-        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, float(a.reserve),
-                         a.owner_prefill)
+        cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size,
+                       cp_prefill=a.cp_prefill)
+        reserve = RUNTIME_RESERVE_BYTES if a.reserve is None else float(a.reserve)
+        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve, a.owner_prefill or a.prefill_split == "owner",
+                         a.storage)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:
         print(f"splash-sim: {e}", file=sys.stderr)
         return 2
     title = (f"{model.name} on {a.ranks}× {prof.name} ({model.weight_dtype} weights, {model.kv_dtype} KV, "
-             f"memory fraction {a.mem_fraction})")
+             f"memory fraction {a.mem_fraction}, {a.storage} storage)")
     if a.trace:
         from splash.sim.trace import replay_cli
         return replay_cli(console, cm, setup, caps, a.trace, a.margin)

@@ -5,10 +5,11 @@ The serving model (stated, not measured):
   fit wait for the previous wave (the requests are identical, so continuous batching runs them in waves);
   TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
   one rank), CP's is the group's pool (position-sharded);
-- prefill is chunked as the engine's scheduler does: each step takes up to ``chunk`` prompt tokens from the
-  admitted requests in admission order (``owner_prefill``: in the request-owned layouts the step's ``chunk``
-  budget is split evenly over the owners with prompt tokens left, as SGLang's DP-attention gives each DP rank
-  ``chunked_prefill_size // dp_size`` — not what SPLASH's scheduler does today); decode then runs one row per
+- prefill is chunked: each step takes up to ``chunk`` prompt tokens; in the request-owned layouts
+  (``owner_prefill``, the default) the budget is split evenly over the owners with prompt tokens left, as SGLang's
+  DP-attention gives each DP rank ``chunked_prefill_size // dp_size``; ``owner_prefill=False`` takes it in
+  admission order, as this engine's scheduler does (one owner runs most of a step's chunk). TP and CP spend it
+  in admission order; how CP splits a chunk is the cost model's ``cp_prefill``. Decode then runs one row per
   request per step;
 - throughput counts input + output tokens over the whole run (the paper's total throughput);
 - the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
@@ -22,6 +23,7 @@ from splash.costmodel.step_cost import ELEM_BYTES, LAYOUTS, CostModel, RowLoad
 from splash.costmodel.work import Shapes, Work, expected_active_experts
 from splash.layouts.memory import common_params, kv_capacity_tokens
 from splash.sim.presets import SimModel
+from splash.sim.storage import RUNTIME_RESERVE_BYTES, kv_share, storage_delta_bytes
 
 DECODE_SAMPLES = 6
 
@@ -34,8 +36,9 @@ class SimSetup:
     mem_fraction: float = 0.85
     block_size: int = 64
     chunk: int = 16384
-    reserve_bytes: float = float(1 << 30)
-    owner_prefill: bool = False  # DP-attn/DOP owners each prefill with their own chunk budget per step
+    reserve_bytes: float = RUNTIME_RESERVE_BYTES
+    owner_prefill: bool = True   # DP-attn/DOP split the step's chunk budget over the owners (SGLang DP-attention)
+    storage: str = "sglang"      # how the deployment stores weights and state (splash.sim.storage)
 
     @property
     def budget(self) -> float:
@@ -69,14 +72,26 @@ def stored_weights(weight_dtype: str) -> tuple[float, str | None]:
 
 def capacities(s: SimSetup) -> dict[str, object]:
     """CapacityReport per layout (splash.layouts.memory.kv_capacity_tokens) for the MLA layers' KV, with the
-    weights counted as stored (FP8/INT8 linears + scales; embeddings, LM head, norms in BF16)."""
+    weights counted as stored (FP8/INT8 linears + scales; embeddings, LM head, norms in BF16), as the
+    deployment's ``storage`` keeps them (splash.sim.storage), and — for a hybrid model under SGLang storage —
+    the recurrent-state pool's share of the room taken out."""
+    import dataclasses
     m = s.model
     extra = linear_common_bytes(m, s.world) + s.reserve_bytes
     elem, quant = stored_weights(m.weight_dtype)
+    share = kv_share(s.storage, m.linear_layers > 0)
     out = {}
     for lay in LAYOUTS:
-        out[lay] = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, elem, m.kv_dtype, s.block_size,
-                                      reserve_bytes=int(extra), weight_quant=quant)
+        fixed = extra + storage_delta_bytes(m.cfg, lay, s.world, s.storage)
+        c = kv_capacity_tokens(m.cfg, lay, s.world, s.budget, elem, m.kv_dtype, s.block_size,
+                               reserve_bytes=int(fixed), weight_quant=quant)
+        if share < 1.0:
+            room = c.room_bytes_per_rank * share
+            per_rank = int(room // c.block_bytes)
+            distinct = per_rank if lay == "tp" else s.world * per_rank
+            c = dataclasses.replace(c, room_bytes_per_rank=room, blocks_per_rank=per_rank, distinct_blocks=distinct,
+                                    distinct_tokens=distinct * s.block_size)
+        out[lay] = c
     return out
 
 
