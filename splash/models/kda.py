@@ -6,6 +6,8 @@ Per head h (d = linear_head_dim), for the tokens of one request in order:
   β = sigmoid(x b_projᵀ)_h;  q ← l2norm(q)/√d,  k ← l2norm(k)
   S ← S · exp(g)[:, None];  S ← S + k (β (v − kᵀS))ᵀ;  o = qᵀ S          (recurrent state S [d, d])
   out = (RMSNorm(o) · sigmoid(g_b(g_a(x)))) Woᵀ.
+A prefill (several rows of a request) runs the recurrence chunk-parallel (`chunk_recurrence`, UT transform),
+a decode row token by token (`_recurrence`, also the chunked form's test reference).
 Every quantity is per head, so a rank holding heads H_r computes exactly their part; O over H_r is a partial
 sum (all-reduced by the caller). A request's state — S for its heads and the conv inputs of its channels —
 is one fp32 tensor [H_r, d·d + 3·d·(K−1)] per layer (splash.kv.recurrent), the same bytes in every layout.
@@ -18,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from splash.models.linear import linear
+
+CHUNK = 16  # tokens per chunk of the chunk-parallel prefill (`chunk_recurrence`); 1: prefill token by token too
 
 
 @dataclass
@@ -80,7 +84,8 @@ def _conv(w: KDAWeights, mixed: torch.Tensor, conv_state: torch.Tensor) -> tuple
 
 
 def _recurrence(q, k, v, g, beta, s):
-    """Gated delta rule, token by token. q,k,v,g [n, H, d]; beta [n, H]; s [H, d, d] -> (o [n, H, d], s)."""
+    """Gated delta rule, token by token (decode, and the reference of `chunk_recurrence`).
+    q,k,v,g [n, H, d]; beta [n, H]; s [H, d, d] -> (o [n, H, d], s)."""
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
         s = s * g[t].exp()[..., None]
@@ -89,6 +94,44 @@ def _recurrence(q, k, v, g, beta, s):
         s = s + k[t][..., None] * delta[..., None, :]
         out[t] = (s * q[t][..., None]).sum(-2)
     return out, s
+
+
+def chunk_recurrence(q, k, v, g, beta, s, chunk: int = CHUNK):
+    """Gated delta rule over chunks of `chunk` tokens (prefill): the same contract and results as
+    `_recurrence`, within fp32 rounding. Within a chunk (per head; G_t = Σ_{j≤t} g_j per channel, D_ti =
+    exp(G_t − G_i) for i ≤ t), writing S_t = diag(e^{G_t}) S_0 + Σ_{i≤t} diag(D_ti) k_i u_iᵀ turns the delta
+    rule into one unit lower-triangular system for all the chunk's updates u (the UT transform):
+      (I + diag(β) A) U = diag(β) (V − (K ⊙ e^G) S_0),   A_ti = Σ_c k_t k_i D_ti (i < t)
+      O = (Q ⊙ e^G) S_0 + B U,                           B_ti = Σ_c q_t k_i D_ti (i ≤ t)
+      S_C = diag(e^{G_C}) S_0 + (K ⊙ D_C·)ᵀ U.
+    G_t − G_i is formed in float64 (no cancellation at fp32) and exponentiated only for i ≤ t (never
+    e^{G_t} / e^{G_i}), so no term over- or underflows however strong the decay."""
+    out = torch.empty_like(v)
+    for c0 in range(0, q.shape[0], chunk):
+        sl = slice(c0, c0 + chunk)
+        out[sl], s = _chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
+    return out, s
+
+
+def _chunk(q, k, v, g, beta, s):
+    q, k, v, g = (t.transpose(0, 1) for t in (q, k, v, g))                    # [H, C, d]
+    beta = beta.T.unsqueeze(-1)                                                 # [H, C, 1]
+    C = q.shape[1]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()          # i <= t
+    strict = incl.tril(-1)                                                      # i < t
+    cum = g.double().cumsum(1)                                                  # G_t, exact to fp32's rounding
+    diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).float()                        # [H, t, i, d]: G_t − G_i
+    decay = diff.masked_fill_(~incl[None, :, :, None], float("-inf")).exp_()    # D_ti, zero above the diagonal
+    kd = k.unsqueeze(1) * decay                                                 # [H, t, i, d]: k_i ⊙ D_ti
+    a = (kd * k.unsqueeze(2)).sum(-1) * strict                                  # [H, t, i]
+    b = (kd * q.unsqueeze(2)).sum(-1)
+    gam = cum.exp().float()                                                     # e^{G_t}
+    rhs = beta * (v - torch.matmul(k * gam, s))
+    lower = torch.eye(C, device=q.device) + beta * a
+    u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    o = torch.matmul(q * gam, s) + torch.matmul(b, u)
+    s = gam[:, -1, :, None] * s + torch.matmul(kd[:, -1].transpose(1, 2), u)
+    return o.transpose(0, 1), s
 
 
 def forget_gate(w: KDAWeights, x: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
@@ -115,7 +158,10 @@ def kda_rows(w: KDAWeights, x: torch.Tensor, state: torch.Tensor, eps: float,
     q, k = _l2norm(q) * d ** -0.5, _l2norm(k)
     g = forget_gate(w, x, lower_bound)
     beta = torch.sigmoid(linear(x, w.b).float())
-    o, rec = _recurrence(q, k, v, g, beta, rec)
+    if n == 1 or CHUNK == 1:
+        o, rec = _recurrence(q, k, v, g, beta, rec)
+    else:
+        o, rec = chunk_recurrence(q, k, v, g, beta, rec, CHUNK)
     gate = linear(linear(x, w.g_a), w.g_b).float().view(n, H, d)
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * w.o_norm.float() * torch.sigmoid(gate)
     new_state = torch.cat([rec.reshape(H, d * d), conv_new.transpose(0, 1).reshape(H, -1)], dim=1)
