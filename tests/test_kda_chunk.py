@@ -45,3 +45,16 @@ def test_chunked_prefill_then_decode():
         o_t, s = _recurrence(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
         outs.append(o_t)
     assert close(torch.cat(outs), o_ref) < 2e-6 and close(s, s_ref) < 2e-6
+
+
+def test_factored_and_pairwise_forms_agree(monkeypatch):
+    """A chunk whose decay spans ≤ SPAN uses two matmuls around its mid decay, a wider one the pairwise form:
+    both give the token-by-token result (forced here on the same inputs)."""
+    from splash.models import kda
+
+    q, k, v, g, beta, s0 = inputs(48, 4, 16, "lower_bound", seed=2)
+    o_ref, s_ref = _recurrence(q, k, v, g, beta, s0)
+    for span in (kda.SPAN, 0.0):
+        monkeypatch.setattr(kda, "SPAN", span)
+        o, s = chunk_recurrence(q, k, v, g, beta, s0, 16)
+        assert close(o, o_ref) < 2e-6 and close(s, s_ref) < 2e-6, span
