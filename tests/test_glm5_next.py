@@ -144,28 +144,30 @@ def _prefill(path, comm, quantization=None, layout="tp"):
                                          list(range(n)))), prompt
 
 
-def _check_stored_forms(runner, fmt: str) -> None:
-    """KDA q/k/v/o, MLA, indexer and FFN/MoE projections quantised; KDA gates, router and mHC plain."""
+def _check_stored_forms(runner, fmt: str, dense_gates: bool = True) -> None:
+    """KDA q/k/v/o, MLA, indexer and FFN/MoE projections quantised; KDA gates (`dense_gates`: else quantised
+    too), router and mHC plain."""
     kda_w, mla = runner.weights.layers[0].attn, runner.weights.layers[1]
     assert isinstance(kda_w.qkv, RowStack) and all(isinstance(p, QuantWeight) for p in kda_w.qkv.parts)
     for w in (kda_w.o, mla.attn.q_b, mla.attn.kv_b, mla.attn.o, mla.indexer.wq_b, mla.indexer.wk,
               runner.weights.layers[0].ffn.down):
         assert isinstance(w, QuantWeight) and w.fmt == fmt
     assert is_quantized(mla.ffn.gate_up) and mla.ffn.router.dtype == torch.float32
-    for w in (kda_w.f_a, kda_w.f_b, kda_w.g_a, kda_w.g_b, kda_w.b, mla.hc_attn.fn):
-        assert isinstance(w, torch.Tensor)
+    for w in (kda_w.f_a, kda_w.f_b, kda_w.g_a, kda_w.g_b, kda_w.b):
+        assert isinstance(w, torch.Tensor) == dense_gates
+    assert isinstance(mla.hc_attn.fn, torch.Tensor)
     assert runner.weight_quant == fmt
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w8a8"])
-def test_quantized_checkpoint(scheme, glm5, comm, tmp_path):
-    """FP8 block-scaled / compressed-tensors INT8 checkpoints (tests/quant_ckpt.py, KDA gates and the vision
-    tower kept dense as QUANT_KEEP says) stay quantised; logits equal the engine on the dequantised checkpoint
-    (1e-6) and transformers there (1e-4)."""
+@pytest.mark.parametrize("scheme,keep", [("fp8", QUANT_KEEP), ("w8a8", QUANT_KEEP), ("w8a8", QUANT_KEEP[:1])])
+def test_quantized_checkpoint(scheme, keep, glm5, comm, tmp_path):
+    """FP8 block-scaled / compressed-tensors INT8 checkpoints (tests/quant_ckpt.py; KDA gates and the vision
+    tower kept dense as QUANT_KEEP says, or the gates quantised too) stay quantised; logits equal the engine on
+    the dequantised checkpoint (1e-6) and transformers there (1e-4)."""
     src = glm5("topk_low")[0]
-    qdir, ddir = write_quantized(src, tmp_path, scheme, spread_seed=3 if scheme == "fp8" else None, keep=QUANT_KEEP)
+    qdir, ddir = write_quantized(src, tmp_path, scheme, spread_seed=3 if scheme == "fp8" else None, keep=keep)
     runner, logits, prompt = _prefill(qdir, comm)
-    _check_stored_forms(runner, "fp8" if scheme == "fp8" else "int8")
+    _check_stored_forms(runner, "fp8" if scheme == "fp8" else "int8", dense_gates=keep == QUANT_KEEP)
     ref_runner, ref, _ = _prefill(ddir, comm)
     assert torch.allclose(logits, ref, rtol=0, atol=1e-6)
     assert rel_err(logits, hf_logits(load_hf_glm5_next(ddir), prompt)) < 1e-4

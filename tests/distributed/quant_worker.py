@@ -9,7 +9,9 @@ argv: ref.pt mode runs   (runs: comma-separated; "layouts": schemes, "switch": s
       layout (all-gathers reassemble the stored values and scales); resident weight bytes equal the memory
       model before, between and after the switches (no hidden copy); the bytes each all-gather delivers equal
       the manifest's weight_recv_bytes. Scheme "plain" runs the same on the fp32 checkpoint (issue 14: a
-      switch used to leave [Q-A ; KV-A] and its views both alive).
+      switch used to leave [Q-A ; KV-A] and its views both alive). Hybrid (glm5_next) schemes: KDA and MLA
+      projections equal a fresh load, resident bytes a fresh load's; the manifest's weight bytes are not
+      checked (they count KDA layers as MLA layers).
 """
 from __future__ import annotations
 
