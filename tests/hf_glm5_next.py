@@ -27,6 +27,9 @@ TEXT: dict[str, Any] = dict(
 VISION: dict[str, Any] = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
                               projection_intermediate_size=32)
 VARIANTS: dict[str, dict[str, Any]] = {"topk_low": dict(index_topk=8), "topk_high": dict(index_topk=256)}
+# modules a quantised checkpoint leaves unquantised (tests/quant_ckpt.py `keep`), beside lm_head, embeddings, norms,
+# the router and the non-linear KDA / mHC parameters: the vision tower and KDA's gate projections
+QUANT_KEEP = (r"model\.visual\..*", r".*\.self_attn\.(f_a|f_b|g_a|g_b|b)_proj")
 
 
 def build_hf_glm5_next(seed: int = 0, **overrides: Any):

@@ -16,21 +16,27 @@ Formats (as the tools that make them write them):
 - compressed-tensors INT8: ``<name>.weight`` int8 [out, in] + ``<name>.weight_scale`` [out, 1] (bf16 here, as
   llm-compressor stores it for a bf16 model), symmetric, channel strategy; format ``int-quantized``; W8A8 adds
   dynamic per-token ``input_activations``, weight-only has none; ``ignore: ["lm_head"]``.
+`keep` (regular expressions of module names) leaves more modules unquantised and lists them in the config
+(compressed-tensors ``ignore`` as ``re:`` entries, fp8 ``modules_to_not_convert``), as hybrid-model releases do
+(tests/hf_glm5_next.py QUANT_KEEP: the vision tower and KDA's gate projections).
 """
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight")
+LINEAR_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight")
 
 
-def is_linear(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and name.endswith(LINEAR_SUFFIXES) and not name.startswith("lm_head")
+def is_linear(name: str, t: torch.Tensor, keep: tuple[str, ...] = ()) -> bool:
+    module = name[:-len(".weight")]
+    return (t.dim() == 2 and name.endswith(LINEAR_SUFFIXES) and not name.startswith("lm_head")
+            and not any(re.fullmatch(k, module) for k in keep))
 
 
 def fp8_blocks(w: torch.Tensor, spread: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,13 +84,24 @@ QUANT_CONFIGS = {
 }
 
 
-def write_quantized(src: Path, out: Path, scheme: str, spread_seed: int | None = None) -> tuple[Path, Path]:
-    """Quantise every linear weight of the checkpoint at `src`; returns (quantised dir, dequantised dir)."""
+def _config(scheme: str, keep: tuple[str, ...]) -> dict:
+    qc = json.loads(json.dumps(QUANT_CONFIGS[scheme]))
+    if keep and scheme == "fp8":
+        qc["modules_to_not_convert"] = list(keep)
+    elif keep:
+        qc["ignore"] += [f"re:{k}" for k in keep]
+    return qc
+
+
+def write_quantized(src: Path, out: Path, scheme: str, spread_seed: int | None = None,
+                    keep: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """Quantise every linear weight of the checkpoint at `src` but the `keep` modules; returns (quantised dir,
+    dequantised dir)."""
     sd = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(spread_seed) if spread_seed is not None else None
     qsd, deq = {}, {}
     for name, t in sd.items():
-        if not is_linear(name, t):
+        if not is_linear(name, t, keep):
             qsd[name] = deq[name] = t
             continue
         base = name[:-len("weight")]
@@ -98,7 +115,7 @@ def write_quantized(src: Path, out: Path, scheme: str, spread_seed: int | None =
             deq[name] = q.float() * s.float()
     cfg = json.loads((src / "config.json").read_text())
     qdir, ddir = out / scheme, out / f"{scheme}-dequantized"
-    for d, tensors, qc in ((qdir, qsd, QUANT_CONFIGS[scheme]), (ddir, deq, None)):
+    for d, tensors, qc in ((qdir, qsd, _config(scheme, keep)), (ddir, deq, None)):
         d.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
             if f.name not in ("config.json", "model.safetensors") and f.is_file():

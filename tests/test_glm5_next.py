@@ -7,10 +7,14 @@ history ≤ its position), so ties in the top-k, were there any, would be broken
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from hf_glm5_next import VARIANTS, load_hf_glm5_next, make_tiny_glm5_next
+from hf_glm5_next import QUANT_KEEP, VARIANTS, load_hf_glm5_next, make_tiny_glm5_next
 from hf_models import hf_greedy, hf_logits, random_prompts
+from quant_ckpt import write_quantized
+from safetensors.torch import load_file, save_file
 
 from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.llm import LLM
@@ -18,6 +22,8 @@ from splash.engine.runner import ModelRunner
 from splash.engine.sampling import SamplingParams
 from splash.models.config import ConfigError, load_model_config, model_config_from_dict
 from splash.models.loader import open_checkpoint
+from splash.models.qweight import QuantWeight, RowStack, is_quantized
+from splash.models.weights import resident_bytes
 from splash.switching.manifest import ReqState, plan_switch
 
 
@@ -129,7 +135,55 @@ def test_memory_model_counts_pools_and_state(glm5, comm):
         or plain.blocks_per_rank - held.blocks_per_rank == 16 * recurrent_state_bytes(cfg, "dop", 2) // blk
 
 
-def test_quantised_weights_rejected_by_name(glm5, comm):
-    cfg, get = open_checkpoint(glm5("topk_low")[0], quantization="int8")
-    with pytest.raises(ConfigError, match="glm5_next: quantised"):
-        ModelRunner(cfg, get, comm, "tp", "float32", 4, 16)
+def _prefill(path, comm, quantization=None, layout="tp"):
+    cfg, get = open_checkpoint(path, quantization=quantization)
+    runner = ModelRunner(cfg, get, comm, layout, "float32", 4, 64)
+    prompt = random_prompts([37], seed=1)[0]
+    n = len(prompt)
+    return runner, runner.step(StepBatch([StepRequest("a", 0, n)], torch.tensor(prompt), torch.arange(n),
+                                         list(range(n)))), prompt
+
+
+def _check_stored_forms(runner, fmt: str, dense_gates: bool = True) -> None:
+    """KDA q/k/v/o, MLA, indexer and FFN/MoE projections quantised; KDA gates (`dense_gates`: else quantised
+    too), router and mHC plain."""
+    kda_w, mla = runner.weights.layers[0].attn, runner.weights.layers[1]
+    assert isinstance(kda_w.qkv, RowStack) and all(isinstance(p, QuantWeight) for p in kda_w.qkv.parts)
+    for w in (kda_w.o, mla.attn.q_b, mla.attn.kv_b, mla.attn.o, mla.indexer.wq_b, mla.indexer.wk,
+              runner.weights.layers[0].ffn.down):
+        assert isinstance(w, QuantWeight) and w.fmt == fmt
+    assert is_quantized(mla.ffn.gate_up) and mla.ffn.router.dtype == torch.float32
+    for w in (kda_w.f_a, kda_w.f_b, kda_w.g_a, kda_w.g_b, kda_w.b):
+        assert isinstance(w, torch.Tensor) == dense_gates
+    assert isinstance(mla.hc_attn.fn, torch.Tensor)
+    assert runner.weight_quant == fmt
+
+
+@pytest.mark.parametrize("scheme,keep", [("fp8", QUANT_KEEP), ("w8a8", QUANT_KEEP), ("w8a8", QUANT_KEEP[:1])])
+def test_quantized_checkpoint(scheme, keep, glm5, comm, tmp_path):
+    """FP8 block-scaled / compressed-tensors INT8 checkpoints (tests/quant_ckpt.py; KDA gates and the vision
+    tower kept dense as QUANT_KEEP says, or the gates quantised too) stay quantised; logits equal the engine on
+    the dequantised checkpoint (1e-6) and transformers there (1e-4)."""
+    src = glm5("topk_low")[0]
+    qdir, ddir = write_quantized(src, tmp_path, scheme, spread_seed=3 if scheme == "fp8" else None, keep=keep)
+    runner, logits, prompt = _prefill(qdir, comm)
+    _check_stored_forms(runner, "fp8" if scheme == "fp8" else "int8", dense_gates=keep == QUANT_KEEP)
+    ref_runner, ref, _ = _prefill(ddir, comm)
+    assert torch.allclose(logits, ref, rtol=0, atol=1e-6)
+    assert rel_err(logits, hf_logits(load_hf_glm5_next(ddir), prompt)) < 1e-4
+    assert resident_bytes(runner.weights) < resident_bytes(ref_runner.weights) / 2
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantization_at_load(fmt, glm5, comm, tmp_path):
+    """`quantization=` quantises the plain checkpoint's projections (not KDA's gates); the logits equal the
+    engine on exactly those weights dequantised, written as a plain checkpoint."""
+    src = glm5("topk_low")[0]
+    runner, logits, _ = _prefill(src, comm, fmt)
+    _check_stored_forms(runner, fmt)
+    _, get = open_checkpoint(src, quantization=fmt)
+    sd = {n: (get(n).dequant() if isinstance(get(n), QuantWeight) else t)
+          for n, t in load_file(str(src / "model.safetensors")).items()}
+    shutil.copytree(src, tmp_path / "ref")
+    save_file(sd, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.allclose(logits, _prefill(tmp_path / "ref", comm)[1], rtol=0, atol=1e-6)

@@ -17,11 +17,10 @@ from splash.attention.batch import StepBatch
 from splash.attention.mla import rms_norm
 from splash.models import ffn
 from splash.models.build import check_ffn_shardable
-from splash.models.config import ConfigError, ModelConfig
+from splash.models.config import ModelConfig
 from splash.models.kda import KDAWeights, kda_from_full
 from splash.models.kpool import IndexerWeights, indexer_from_full
 from splash.models.linear import linear
-from splash.models.qweight import is_quantized
 from splash.models.weights import AttnWeights, MLPWeights, MoEWeights, attention_from_full, mlp_from_full, \
     moe_from_full
 
@@ -63,12 +62,10 @@ def text_prefix(get) -> str:
 
 def build_hybrid_weights(cfg: ModelConfig, get, heads: range, linear_heads: range, shard: int,
                          shards: int) -> HybridWeights:
-    """One rank's weights: MLA projections for `heads`, KDA projections for `linear_heads`, FFN slice `shard`."""
+    """One rank's weights: MLA projections for `heads`, KDA projections for `linear_heads`, FFN slice `shard`.
+    Quantised (FP8/INT8) weights stay in stored form (splash.models.qweight.quantized_at_load says which)."""
     check_ffn_shardable(cfg, shards)
     hy, pre = cfg.hybrid, text_prefix(get)
-    if cfg.quantization is not None or is_quantized(get(f"{pre}layers.0.self_attn.o_proj.weight")):
-        raise ConfigError("glm5_next: quantised (FP8/INT8) weights are not supported yet; use a BF16/F32 "
-                          "checkpoint without --quantization")
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"{pre}layers.{i}."

@@ -24,7 +24,8 @@ def setup_hybrid(r, get, num_blocks: int) -> None:
     cfg, hy = r.cfg, r.cfg.hybrid
     r.linear_heads = linear_heads_for(r.layout, hy.linear_num_heads, r.comm.size, r.comm.rank)
     r.weights = build_hybrid_weights(cfg, get, r.heads, r.linear_heads, r.comm.rank, r.comm.size)
-    r.weight_quant = None
+    mla = [lw.attn for i, lw in enumerate(r.weights.layers) if not cfg.is_linear_layer(i)]
+    r.weight_quant = getattr(mla[0].q_b, "fmt", None) if mla else None  # "fp8"/"int8": stored quantised
     r.model = Glm5NextModel(cfg, r.weights, r.comm)
     r.mla_index, r.linear_index = layer_maps(cfg)
     n_mla = len(r.mla_index)

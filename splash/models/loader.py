@@ -16,7 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from splash.models.config import ConfigError, ModelConfig, load_model_config
-from splash.models.qweight import FP8, INT8, WEIGHT_QUANTS, QuantWeight, is_linear_weight, quantize
+from splash.models.qweight import FP8, INT8, WEIGHT_QUANTS, QuantWeight, is_linear_weight, quantize, \
+    quantized_at_load
 from splash.models.weights import expected_shapes
 
 FP8_BLOCK = 128
@@ -101,7 +102,7 @@ class CheckpointReader:
             return self._quantized(name, t)
         keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias")) and ".mlp." in name
         t = t.to(torch.float32 if keep_fp32 else self.dtype)
-        if self.quantize and is_linear_weight(name):
+        if self.quantize and quantized_at_load(name):
             return quantize(t, self.quantize, self.dtype)
         return t
 
@@ -165,7 +166,7 @@ def quantizing_getter(get: Callable, quantization: str | None, dtype: torch.dtyp
     fmt = check_quantization(quantization)
     if fmt is None:
         return get
-    return lambda name: quantize(get(name), fmt, dtype) if is_linear_weight(name) else get(name)
+    return lambda name: quantize(get(name), fmt, dtype) if quantized_at_load(name) else get(name)
 
 
 def open_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,

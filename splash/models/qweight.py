@@ -186,6 +186,18 @@ def quantize(w: torch.Tensor, fmt: str, dtype: torch.dtype) -> QuantWeight:
     return QuantWeight(q, s, fmt, dtype)
 
 
+# Linear weights `--quantization` leaves in the compute dtype, as quantised hybrid-model checkpoints keep them
+# (cf. Qwen3-Next FP8's modules_to_not_convert: the linear-attention gate projections in_proj_a/b, A_log, conv1d,
+# dt_bias, norm): KDA's low-rank forget/output-gate projections and its beta projection. A checkpoint that stores
+# them quantised all the same loads (splash.models.kda shards either form).
+KEPT_DENSE = ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj")
+
+
+def quantized_at_load(name: str) -> bool:
+    """`--quantization` quantises this weight: a linear weight other than the ``KEPT_DENSE`` ones."""
+    return is_linear_weight(name) and name.rsplit(".", 2)[-2] not in KEPT_DENSE
+
+
 def is_linear_weight(name: str) -> bool:
     """Weights of linear layers that a quantised checkpoint stores quantised (attention, DSA indexer and FFN/MoE
     projections; not embeddings, LM head, norms or the MoE router)."""

@@ -61,11 +61,11 @@ class SwitchExecutor:
         dst = m.dst.value
         new_heads = head_range_for(dst, r.cfg.num_attention_heads, m.world, me)
         self.state = None
-        if r.cfg.hybrid is not None:  # per-request KDA state: moved now, after the source's last update
+        if r.cfg.hybrid is not None:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
             from splash.switching.state_transfer import StateHandoff
             r.linear_heads = head_range_for(dst, r.cfg.hybrid.linear_num_heads, m.world, me)
             self.state = StateHandoff(r, m, r.linear_heads)
-            self.state.start()
+            self.state.begin()
         if self.w_action == DISCARD:
             for i, lw in enumerate(r.weights.layers):
                 lw.attn = self._slice(i, lw.attn, new_heads)
@@ -74,7 +74,6 @@ class SwitchExecutor:
         # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
         self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
         if self.mode == "blocking":
-            self._finish_state()
             for layer in range(m.num_layers):
                 self._start(layer)
                 self._finish(layer)
@@ -119,6 +118,10 @@ class SwitchExecutor:
             self.state.finish()
             self.state = None
 
+    def _kda_row(self, layer: int) -> int | None:
+        """KDA layer `layer`'s row in the per-request state (None: not a KDA layer or no state handoff)."""
+        return self.r.linear_index[layer] if self.state is not None and self._linear(layer) else None
+
     # ---- per layer ----------------------------------------------------------------------------------------
     def _start(self, layer: int) -> None:
         """Issue `layer`'s transfer on the side stream (packing reads the layer as the compute stream left it)."""
@@ -126,6 +129,8 @@ class SwitchExecutor:
         kv = w = None
         pools = self._pools(layer)
         with self.streams.side():
+            if self._kda_row(layer) is not None:  # the layer's KDA state, final since the step boundary
+                self.state.start_layer(self._kda_row(layer))
             if pools and (any(self.send_counts) or any(self.recv_counts)):
                 data = torch.cat([c.pack_blocks(cl, self.send_phys) if self.send_phys else
                                   torch.empty(0, c.block_bytes(cl), dtype=torch.uint8, device=c.device)
@@ -145,6 +150,8 @@ class SwitchExecutor:
         kv, w = self.handles.pop(layer)
         r = self.r
         with self.streams.side():
+            if self._kda_row(layer) is not None:
+                self.state.finish_layer(self._kda_row(layer))
             if kv is not None:
                 data = kv.wait()
                 if self.recv_phys:
@@ -176,8 +183,6 @@ class SwitchExecutor:
         """Called by the model before layer `layer` runs (live mode)."""
         if self.mode != "live":
             return
-        if self._linear(layer):
-            self._finish_state()  # the first KDA layer waits for the state (in flight since begin)
         if layer == 0:
             self._start(0)
         self._finish(layer)

@@ -2,7 +2,9 @@
 
 KDA projections follow the MLA projections' placement (head-sharded in TP/DOP, replicated in DP-attn/CP), so
 they are all-gathered / sliced exactly when Q-B/KV-B/O are; every head-indexed part travels as raw bytes
-(head dimension first), so the receiver rebuilds the weights bit for bit. The recurrent + conv state moves
+(head dimension first) and quantised ones (FP8/INT8: q, k, v, o, and the gate projections where a checkpoint
+stores them quantised) as their values plus exactly the scale blocks of the shard, so the receiver rebuilds the
+weights and scales bit for bit. The recurrent + conv state moves
 per request and per head range as raw fp32 rows (splash.kv.recurrent), so it survives byte-exact.
 """
 from __future__ import annotations
@@ -12,82 +14,149 @@ from dataclasses import replace
 import torch
 
 from splash.models.kda import KDAWeights
+from splash.models.qweight import QuantWeight, RowStack, cat_cols, cat_rows
+from splash.switching.weights_transfer import _shard_geometry
 
 
-def _head_parts(w: KDAWeights) -> list[torch.Tensor]:
-    """Every head-indexed tensor of `w` with heads as dim 0."""
+# head-indexed fields that may be stored quantised: (by rows, rows/columns per head in units of head_dim, or 1)
+_QUANT = {"f_b": (True, True), "b": (True, False), "g_b": (True, True), "o": (False, True)}
+
+
+def _split(w: KDAWeights) -> tuple[dict[str, torch.Tensor], dict[str, tuple[QuantWeight, bool, int]]]:
+    """Every head-indexed part of `w`: plain ones as tensors with heads as dim 0, quantised ones as
+    (QuantWeight, by rows, rows/columns per head); q, k, v of a RowStack are parts qkv0..2."""
     H, d = w.num_heads, w.head_dim
-    hid = w.qkv.shape[1]
-    return [w.qkv.view(3, H, d, hid).transpose(0, 1), w.conv.view(3, H, d, -1).transpose(0, 1),
-            w.f_b.view(H, d, -1), w.dt_bias.view(H, d), w.a_log.view(H, 1), w.b, w.g_b.view(H, d, -1),
-            w.o.view(hid, H, d).permute(1, 0, 2)]
+    hid = w.f_a.shape[1]
+    plain = {"conv": w.conv.view(3, H, d, -1).transpose(0, 1), "dt_bias": w.dt_bias.view(H, d),
+             "a_log": w.a_log.view(H, 1)}
+    quant: dict[str, tuple[QuantWeight, bool, int]] = {}
+    if isinstance(w.qkv, RowStack):
+        for i, p in enumerate(w.qkv.parts):
+            if isinstance(p, QuantWeight):
+                quant[f"qkv{i}"] = (p, True, d)
+            else:
+                plain[f"qkv{i}"] = p.view(H, d, hid)
+    else:
+        plain["qkv"] = w.qkv.view(3, H, d, hid).transpose(0, 1)
+    for name, (rows, per_dim) in _QUANT.items():
+        t = getattr(w, name)
+        if isinstance(t, QuantWeight):
+            quant[name] = (t, rows, d if per_dim else 1)
+        elif name == "o":
+            plain[name] = t.view(hid, H, d).permute(1, 0, 2)
+        else:
+            plain[name] = t.view(H, -1, t.shape[1])
+    return plain, quant
 
 
-def _rebuild(w: KDAWeights, parts: list[torch.Tensor], heads: range) -> KDAWeights:
+def _join(w: KDAWeights, plain: dict, quant: dict, heads: range) -> KDAWeights:
+    """KDAWeights for `heads` from parts shaped as `_split` gives them (quant: QuantWeights)."""
     H, d = len(heads), w.head_dim
-    qkv, conv, f_b, dt, a_log, b, g_b, o = parts
-    hid = qkv.shape[-1]
-    return replace(w, qkv=qkv.transpose(0, 1).reshape(3 * H * d, hid).contiguous(),
-                   conv=conv.transpose(0, 1).reshape(3, H * d, -1).contiguous(), f_b=f_b.reshape(H * d, -1).contiguous(),
-                   dt_bias=dt.reshape(H * d).contiguous(), a_log=a_log.reshape(H).contiguous(), b=b.contiguous(),
-                   g_b=g_b.reshape(H * d, -1).contiguous(), o=o.permute(1, 0, 2).reshape(hid, H * d).contiguous(),
-                   heads=heads)
+    hid = w.f_a.shape[1]
+    if "qkv" in plain:
+        qkv = plain["qkv"].transpose(0, 1).reshape(3 * H * d, hid).contiguous()
+    else:
+        qkv = RowStack([quant[f"qkv{i}"] if f"qkv{i}" in quant else plain[f"qkv{i}"].reshape(H * d, hid).contiguous()
+                        for i in range(3)])
+    out = {}
+    for name in _QUANT:
+        if name in quant:
+            out[name] = quant[name]
+        elif name == "o":
+            out[name] = plain[name].permute(1, 0, 2).reshape(hid, H * d).contiguous()
+        else:
+            out[name] = plain[name].reshape(-1, plain[name].shape[-1]).contiguous()
+    return replace(w, qkv=qkv, conv=plain["conv"].transpose(0, 1).reshape(3, H * d, -1).contiguous(),
+                   dt_bias=plain["dt_bias"].reshape(H * d).contiguous(), a_log=plain["a_log"].reshape(H).contiguous(),
+                   heads=heads, **out)
+
+
+def _q_range(q: QuantWeight, rows: bool, a0: int, a1: int) -> QuantWeight:
+    return q.rows(a0, a1) if rows else q.cols(a0, a1)
 
 
 def slice_kda(w: KDAWeights, heads: range) -> KDAWeights:
     """Keep `heads` (absolute ids) of replicated KDA weights (replicated → sharded 'discard')."""
     h0 = w.heads.start
-    sl = slice(heads.start - h0, heads.stop - h0)
-    return _rebuild(w, [p[sl].clone() for p in _head_parts(w)], heads)
+    a, b = heads.start - h0, heads.stop - h0
+    plain, quant = _split(w)
+    return _join(w, {k: p[a:b].clone() for k, p in plain.items()},
+                 {k: _q_range(q, rows, a * per, b * per) for k, (q, rows, per) in quant.items()}, heads)
 
 
 def pack_kda(w: KDAWeights) -> torch.Tensor:
-    """This rank's KDA head shard as uint8 bytes."""
-    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in _head_parts(w)])
+    """This rank's KDA head shard as uint8 bytes: plain parts, then each quantised part's values and scales."""
+    plain, quant = _split(w)
+    parts = [p for _, p in sorted(plain.items())] + [t for _, (q, _, _) in sorted(quant.items()) for t in q.tensors()]
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
 
 
 def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int) -> KDAWeights:
-    """All heads from every rank's packed shard (rank order; equal shards of `w`'s shapes)."""
-    local = _head_parts(w)
-    per_rank = gathered.view(world, -1)
-    pieces: list[list[torch.Tensor]] = [[] for _ in local]
+    """All heads from every rank's packed shard (rank order; equal head shards of `w`'s shapes). Quantised parts
+    are reassembled with their scale blocks bit for bit (qweight.cat_rows / cat_cols)."""
+    plain, quant = _split(w)
+    per = num_heads // world
+    pieces: dict[str, list] = {k: [] for k in list(plain) + list(quant)}
+    off = 0
+
+    def take(nbytes: int) -> torch.Tensor:
+        nonlocal off
+        off += nbytes
+        return gathered[off - nbytes:off].clone()
     for r in range(world):
-        off = 0
-        for i, p in enumerate(local):
-            n = p.numel() * p.element_size()
-            pieces[i].append(per_rank[r, off:off + n].clone().view(p.dtype).view(p.shape))
-            off += n
-    return _rebuild(w, [torch.cat(ps, dim=0) for ps in pieces], range(num_heads))
+        for k, p in sorted(plain.items()):
+            pieces[k].append(take(p.numel() * p.element_size()).view(p.dtype).view(p.shape))
+        for k, (q, rows, n) in sorted(quant.items()):
+            dshape, sshape, a_off = _shard_geometry(q, range(r * per, (r + 1) * per), n, rows)
+            data = take(dshape[0] * dshape[1] * q.data.element_size()).view(q.data.dtype).view(dshape)
+            scale = take(sshape[0] * sshape[1] * 4).view(torch.float32).view(sshape)
+            r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)
+            pieces[k].append(QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off))
+    return _join(w, {k: torch.cat(pieces[k], dim=0) for k in plain},
+                 {k: (cat_rows if rows else cat_cols)(pieces[k]) for k, (_, rows, _) in quant.items()},
+                 range(num_heads))
 
 
 class StateHandoff:
-    """Moves per-request KDA state for a manifest's ``state_moves`` (one all-to-all, raw fp32 rows).
+    """Moves per-request KDA state for a manifest's ``state_moves``: one all-to-all of raw fp32 rows per KDA
+    layer, issued beside that layer's KV transfer and landed right before the layer runs.
 
-    Started at the step boundary (after the source's last update) and finished before the first KDA layer
-    runs; afterwards every rank holds, per request, exactly the heads the destination layout assigns it."""
+    Sound per layer because every request's state is final at the step boundary (the source's last update was
+    the previous step) and the step that follows reads and writes layer j's state only when KDA layer j runs.
+    `begin` puts each request's destination tensor [L, H_dst, W] in the store at once (rows this rank keeps are
+    copied in for every layer; the source tensors are kept aside, unchanged, for sending), so a KDA layer finds
+    every request it runs; `start_layer(j)` sends layer j's rows, `finish_layer(j)` writes the received ones."""
 
     def __init__(self, runner, manifest, dst_heads: range):
         self.r, self.m, self.dst_heads = runner, manifest, dst_heads
-        self.handle = None
+        self.handles: dict[int, object] = {}
 
-    def start(self) -> None:
+    def begin(self) -> None:
         r, m, me = self.r, self.m, self.r.comm.rank
         self.old = {req: (r.states.get(req), heads) for req, heads in self._held_before(me).items()}
-        sends = sorted((mv for mv in m.state_moves if mv.src_rank == me), key=lambda mv: mv.dst_rank)
-        counts = [0] * m.world
-        rows = []
-        for mv in sends:
-            st, held = self.old[mv.req]
-            rows.append(st[:, mv.h0 - held.start:mv.h1 - held.start].contiguous().reshape(-1))
-            counts[mv.dst_rank] += rows[-1].numel()
+        self.sends = sorted((mv for mv in m.state_moves if mv.src_rank == me), key=lambda mv: mv.dst_rank)
         self.recv = sorted((mv for mv in m.state_moves if mv.dst_rank == me), key=lambda mv: mv.src_rank)
-        rcounts = [0] * m.world
+        self.counts, self.rcounts = [0] * m.world, [0] * m.world
+        for mv in self.sends:
+            self.counts[mv.dst_rank] += (mv.h1 - mv.h0) * r.states.width
         for mv in self.recv:
-            rcounts[mv.src_rank] += r.states.num_layers * (mv.h1 - mv.h0) * r.states.width
-        data = torch.cat(rows) if rows else torch.empty(0, dtype=torch.float32, device=r.states.device)
-        if r.comm.size > 1:
-            self.handle = r.comm.iall_to_allv(data, counts, rcounts)
-        self.local = data
+            self.rcounts[mv.src_rank] += (mv.h1 - mv.h0) * r.states.width
+        self.new: dict[str, tuple[torch.Tensor, range]] = {}
+        for req in set(self.old) | {mv.req for mv in self.recv}:
+            need = m.dst_heads_of(req, me, self.dst_heads)
+            if need is None:
+                r.states.release(req)
+                continue
+            st = torch.empty(r.states.num_layers, len(need), r.states.width, dtype=torch.float32,
+                             device=r.states.device)
+            if req in self.old:
+                old, held = self.old[req]
+                lo, hi = max(need.start, held.start), min(need.stop, held.stop)
+                if lo < hi:
+                    st[:, lo - need.start:hi - need.start] = old[:, lo - held.start:hi - held.start]
+            r.states.put(req, st)
+            self.new[req] = (st, need)
+        self.pending = set(range(r.states.num_layers)) if m.state_moves else set()
 
     def _held_before(self, me: int) -> dict[str, range]:
         """Heads of each request this rank holds in the source layout (from the store: its state's width)."""
@@ -97,29 +166,34 @@ class StateHandoff:
             out[req] = self.m.src_heads_of(req, me, n)
         return out
 
-    def finish(self) -> None:
-        r, m, me = self.r, self.m, self.r.comm.rank
-        if self.handle is None and not self.recv and not self.old:
+    def start_layer(self, j: int) -> None:
+        """Issue KDA layer j's all-to-all (every rank issues it whenever the manifest moves any state)."""
+        if j not in self.pending or j in self.handles:
             return
-        data = self.handle.wait() if self.handle is not None else self.local
-        L, W = r.states.num_layers, r.states.width
-        got: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        off = 0
+        rows = []
+        for mv in self.sends:
+            old, held = self.old[mv.req]
+            rows.append(old[j, mv.h0 - held.start:mv.h1 - held.start].reshape(-1))
+        data = torch.cat(rows) if rows else torch.empty(0, dtype=torch.float32, device=self.r.states.device)
+        self.handles[j] = self.r.comm.iall_to_allv(data, self.counts, self.rcounts)
+
+    def finish_layer(self, j: int) -> None:
+        """Land KDA layer j's received rows in the destination tensors."""
+        if j not in self.pending:
+            return
+        self.start_layer(j)
+        data = self.handles.pop(j).wait()
+        self.pending.discard(j)
+        off, W = 0, self.r.states.width
         for mv in self.recv:
-            n = L * (mv.h1 - mv.h0) * W
-            got.setdefault(mv.req, []).append((mv.h0, data[off:off + n].view(L, mv.h1 - mv.h0, W)))
+            n = (mv.h1 - mv.h0) * W
+            st, need = self.new[mv.req]
+            st[j, mv.h0 - need.start:mv.h1 - need.start] = data[off:off + n].view(mv.h1 - mv.h0, W)
             off += n
-        for req in set(self.old) | set(got):
-            need = m.dst_heads_of(req, me, self.dst_heads)
-            if need is None:
-                r.states.release(req)
-                continue
-            parts = list(got.get(req, []))
-            if req in self.old:
-                st, held = self.old[req]
-                lo, hi = max(need.start, held.start), min(need.stop, held.stop)
-                if lo < hi:
-                    parts.append((lo, st[:, lo - held.start:hi - held.start]))
-            parts.sort(key=lambda p: p[0])
-            r.states.put(req, torch.cat([p for _, p in parts], dim=1).clone())
-        self.handle = None
+
+    def finish(self) -> None:
+        """Every layer landed; the source tensors are dropped."""
+        for j in sorted(self.pending):
+            self.finish_layer(j)
+        self.old = {}
+

