@@ -2,9 +2,13 @@
 while streams are in flight; every stream must complete with the tokens of an unswitched run, and /metrics
 must count exactly those switches. Skipped until the Engine implements ``request_layout``.
 
-Parametrised by architecture: the tiny-mla preset (DeepSeek-V3 shapes, served from a YAML config) and a tiny
-GLM-5.x DSA checkpoint written by transformers (shared indexer layer, top-k 8 below the context) served with
-``splash-serve --model DIR``; for both, /metrics' per-layout KV capacity is the memory model's."""
+Parametrised by architecture: the tiny-mla preset (DeepSeek-V3 shapes, served from a YAML config) and tiny
+DeepSeek-V3.2 and GLM-5.x DSA checkpoints written by transformers (top-k 8 below the context; GLM with a shared
+indexer layer) served with ``splash-serve --model DIR``; for all, /metrics' per-layout KV capacity is the memory
+model's. The reference is splash's one-rank offline engine. On v32_sparse stream 0 of the second round generates
+the zero-embedding pad token (258) at position 22, where layer 0 scores every key exactly 0 (23 positions, top-k
+8): the selection there is the tie rule's alone, and it is decoded under CP after the dp_attn->cp pin, so this
+checks that CP breaks exact ties as one rank does (splash.models.indexer.order_keys)."""
 from __future__ import annotations
 
 import threading
@@ -31,7 +35,7 @@ N_STREAMS, MAX_TOKENS = 6, 48
 KV_BYTES = 8 << 20
 
 
-@pytest.fixture(scope="module", params=["tiny-mla", "glm_sparse"])
+@pytest.fixture(scope="module", params=["tiny-mla", "glm_sparse", "v32_sparse"])
 def ckpt(request, tmp_path_factory):
     if request.param == "tiny-mla":
         return save_preset("tiny-mla", tmp_path_factory.mktemp("ckpt") / "tiny-mla")
