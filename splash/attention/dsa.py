@@ -67,7 +67,7 @@ def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor,
     n, dev = meta.num_rows, q.device
     slots = torch.zeros(n, width, dtype=torch.long, device=dev)
     valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    vals = torch.full((n, width), NO_KEY, dtype=torch.long, device=dev)
+    keys = torch.full((n, width), NO_KEY, dtype=torch.long, device=dev)
     for reqs, nq in _groups(meta):
         ks, kpos, held = _held(meta, reqs)
         if ks.shape[1] == 0:
@@ -81,19 +81,19 @@ def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor,
         kk = idx.shape[-1]
         slots[rows, :kk] = ks[:, None, :].expand(-1, nq, -1).gather(2, idx).reshape(G * nq, kk)
         valid[rows, :kk] = ok.reshape(G * nq, kk)
-        vals[rows, :kk] = v.reshape(G * nq, kk)
-    return slots, valid, vals
+        keys[rows, :kk] = v.reshape(G * nq, kk)
+    return slots, valid, keys
 
 
-def global_topk(vals: torch.Tensor, comm, k: int) -> torch.Tensor:
+def global_topk(keys: torch.Tensor, comm, k: int) -> torch.Tensor:
     """CP: which of this rank's candidates [N, K] (int64 order keys, NO_KEY = none) are in the global top-k of
     the rows over every rank's candidates -> bool [N, K]. Every rank computes the same global choice; the keys
     are distinct per row (they carry the position), so it is the one-rank choice, ties included."""
-    n, K = vals.shape
+    n, K = keys.shape
     R = comm.size
-    every = comm.all_gather(vals.contiguous()).view(R, n, K).permute(1, 0, 2).reshape(n, R * K)
+    every = comm.all_gather(keys.contiguous()).view(R, n, K).permute(1, 0, 2).reshape(n, R * K)
     top = every.topk(min(k, R * K), dim=-1).indices
-    chosen = torch.zeros(n, R * K, dtype=torch.bool, device=vals.device).scatter_(1, top, True) & (every != NO_KEY)
+    chosen = torch.zeros(n, R * K, dtype=torch.bool, device=keys.device).scatter_(1, top, True) & (every != NO_KEY)
     return chosen.view(n, R, K)[:, comm.rank]
 
 
@@ -116,9 +116,9 @@ def select_layer(r, layer: int, meta, key_in: tuple, q_in: tuple, cp_comm=None) 
     x, qa, cos, sin = q_in
     q, hw = indexer_queries(w, qa, x, cos, sin)
     width = min(k, int(meta.q_pos.max()) + 1)
-    slots, valid, vals = local_candidates(r.cache, layer, meta, q, hw, k, w.softmax_scale, width)
+    slots, valid, keys = local_candidates(r.cache, layer, meta, q, hw, k, w.softmax_scale, width)
     if cp_comm is not None and cp_comm.size > 1:
-        valid = valid & global_topk(vals, cp_comm, k)
+        valid = valid & global_topk(keys, cp_comm, k)
     meta.sparse[layer] = SparseSelection(slots * valid, valid)
 
 
