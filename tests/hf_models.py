@@ -79,7 +79,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 # DSA architectures (model_type -> transformers config / model class names). Their variants (DSA_VARIANTS) set
-# `arch`; 16 indexer heads keep exact index-score ties (all heads' ReLU zero) out of the tiny models.
+# `arch`; 16 indexer heads keep exact index-score ties (all heads' ReLU zero) out of the tiny models, except at
+# the pad token (258), whose zero embedding row makes layer 0 score every key exactly 0 (test_switching feeds it).
 ARCHS = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
          "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
          "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}

@@ -1,5 +1,6 @@
 """splash.attention.dsa alone: sparse MLA over selected slots equals dense masked attention over the same keys
-(every KV format), and CP's global top-k over per-rank candidates picks exactly the single-rank top-k."""
+(every KV format), and CP's global top-k over per-rank candidates picks exactly the single-rank top-k (exact
+ties included: they break towards the earlier position in both)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from splash.attention.dsa import SparseSelection, global_topk, sparse_attend
 from splash.attention.mla import attend_dense
 from splash.kv.paged_cache import PagedLatentCache
+from splash.models.indexer import select_topk, select_topk_keys
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
@@ -44,21 +46,31 @@ class _FakeGroup:
         return torch.stack(self.parts)
 
 
-def test_global_topk_is_the_single_rank_topk():
+@pytest.mark.parametrize("ties", [False, True])
+def test_global_topk_is_the_single_rank_topk(ties):
+    """Also with exact ties (rows of all-zero scores, as a zero query gives, and few distinct values): the
+    candidates carry their positions, so the global choice is the one-rank choice, not an artefact of the
+    order in which the ranks' candidates are concatenated."""
     torch.manual_seed(1)
     n, T, k = 7, 30, 5
     scores = torch.randn(n, T)
-    owner = torch.arange(T) % 2                      # positions split over two ranks
-    want = torch.zeros(n, T, dtype=torch.bool).scatter_(1, scores.topk(k, dim=-1).indices, True)
+    if ties:
+        scores[:3] = 0.0
+        scores[3:] = torch.randint(-2, 2, (n - 3, T)).float()
+    owner = (torch.arange(T) // 4) % 2               # positions split over two ranks, block round-robin
+    vis = torch.ones(n, T, dtype=torch.bool)
+    idx, _ = select_topk(scores, vis, k)
+    want = torch.zeros(n, T, dtype=torch.bool).scatter_(1, idx, True)
     got = torch.zeros(n, T, dtype=torch.bool)
     local = []
+    for r in (1, 0):                                  # each rank sees its shard in its own order
+        pos = torch.nonzero(owner == r).squeeze(1).flip(0)
+        i, _, keys = select_topk_keys(scores[:, pos], vis[:, pos], k, positions=pos)
+        local.append((pos[i], keys))
+    local.reverse()
+    keys = [kk for _, kk in local]
     for r in range(2):
-        pos = torch.nonzero(owner == r).squeeze(1)
-        v, i = scores[:, pos].topk(k, dim=-1)
-        local.append((pos[i], v))
-    vals = [v for _, v in local]
-    for r in range(2):
-        mine = global_topk(vals[r], _FakeGroup(vals, r), k)
+        mine = global_topk(keys[r], _FakeGroup(keys, r), k)
         for row in range(n):
             got[row, local[r][0][row][mine[row]]] = True
     assert torch.equal(got, want)

@@ -7,7 +7,10 @@ select, for each row s, the top-k of the positions t <= s. Greedy tokens are com
 cached `generate`, whose decode step scores the new token against the cached indexer keys exactly as ours does;
 its full forward over the generated sequence would compute the same sets except at exact score ties (where
 torch.topk's order over a different layout of the scores may break them differently). The tiny models use 16
-indexer heads, so a tie (which needs every head's ReLU to vanish, or a coincidence) does not occur in them.
+indexer heads, so a tie (which needs every head's ReLU to vanish, or a coincidence) does not occur in them
+unless the zero-embedding pad token (258) is fed or generated: its layer-0 indexer query is 0, every key scores 0,
+and splash then takes the earliest positions (splash.models.indexer.order_keys) where transformers' torch.topk
+picks its own; these prompts never reach it (checked; test_switching's block-16 case covers ties, against one rank).
 """
 from __future__ import annotations
 

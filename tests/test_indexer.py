@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.models.indexer import (index_scores, indexer_keys, indexer_queries, load_indexer, select_topk,
-                                   select_topk_values)
+from splash.models.indexer import (NO_KEY, index_scores, indexer_keys, indexer_queries, load_indexer, select_topk,
+                                   select_topk_keys)
 from splash.models.rope import Rope
 
 ARCHS = {"deepseek_v32": False, "glm_moe_dsa": True}  # model_type -> indexer rope interleaved
@@ -66,9 +66,9 @@ def test_topk_matches_hf(model_type, topk):
         want = {int(t) for t in ref[s] if t <= s}
         assert {int(t) for t, v in zip(idx[s], ok[s]) if v} == want, s
         assert len(want) == min(topk, s + 1)
-    i2, ok2, vals = select_topk_values(scores, causal, topk)
+    i2, ok2, keys = select_topk_keys(scores, causal, topk)
     assert torch.equal(i2, idx) and torch.equal(ok2, ok)
-    assert torch.isinf(vals[~ok]).all() and torch.isfinite(vals[ok]).all()
+    assert (keys[~ok] == NO_KEY).all() and (keys[ok] != NO_KEY).all()
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
@@ -102,3 +102,19 @@ def test_nope_indexer_passes_keys_unrotated():
     x = torch.randn(3, 12)
     k = indexer_keys(w, x, torch.empty(3, 0), torch.empty(3, 0))
     assert torch.allclose(k, torch.nn.functional.layer_norm(x @ w.wk.T, (d,), eps=1e-6), atol=1e-6)
+
+
+def test_ties_break_by_position_in_any_order():
+    """Exact ties (a zero query scores every key 0; -0.0 equals 0.0) go to the earlier position whatever order
+    the positions come in; distinct scores keep their order, negatives included."""
+    scores = torch.tensor([[0.0, -0.0, 0.0, 0.0, -1.5, 2.0, 0.0, -0.0],
+                           [-3.0, -1.0, -2.0, -1.0, -0.5, -7.0, -1.0, -4.0]])
+    visible = torch.ones_like(scores, dtype=torch.bool)
+    visible[0, 0] = False
+    want = [{5, 1, 2, 3}, {4, 1, 3, 6}]
+    shuffled = torch.randperm(8, generator=torch.Generator().manual_seed(3))
+    for perm in (torch.arange(8), shuffled, torch.arange(7, -1, -1)):
+        idx, ok = select_topk(scores[:, perm], visible[:, perm], 4, positions=perm)
+        assert [set(perm[i[o]].tolist()) for i, o in zip(idx, ok)] == want, perm
+    assert torch.equal(select_topk(torch.zeros(1, 23), torch.ones(1, 23, dtype=torch.bool), 8)[0].sort().values,
+                       torch.arange(8)[None])

@@ -12,8 +12,10 @@ row of the step can see more than top-k positions the selection is everything vi
 
 Placement per layout (the caller passes its rows): TP — every rank stores every key and selects the same top-k
 (same inputs, same math); DP-attn / DOP — the owner stores its requests' keys and selects for their rows; CP —
-each rank scores the positions it holds, the per-rank top-k candidates (scores) are all-gathered, the global
+each rank scores the positions it holds, the per-rank top-k candidates are all-gathered, the global
 top-k over them decides which local positions each rank attends, and the partial outputs merge exactly by LSE.
+Candidates travel as order keys (splash.models.indexer.order_keys: score, then the earlier position on an exact
+tie), so the global top-k is the one-rank top-k even when scores tie (e.g. a zero query scores every key 0).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splash.models.indexer import index_scores, indexer_keys, indexer_queries, select_topk_values
+from splash.models.indexer import NO_KEY, index_scores, indexer_keys, indexer_queries, select_topk_keys
 
 SPARSE_SCRATCH_BYTES = 32 << 20  # bound on the gathered keys of one chunk of rows in sparse_attend
 
@@ -60,12 +62,12 @@ def _held(meta, reqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor, k: int, scale: float,
                      width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k of the positions held here for every row of `meta`: (slots, valid, scores), each [N, width]
-    (scores −inf where invalid). q [N, H_i, d_i] and hw [N, H_i] are the rows' indexer queries / head weights."""
+    """Top-k of the positions held here for every row of `meta`: (slots, valid, order keys), each [N, width]
+    (keys NO_KEY where invalid). q [N, H_i, d_i] and hw [N, H_i] are the rows' indexer queries / head weights."""
     n, dev = meta.num_rows, q.device
     slots = torch.zeros(n, width, dtype=torch.long, device=dev)
     valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    vals = torch.full((n, width), float("-inf"), device=dev)
+    keys = torch.full((n, width), NO_KEY, dtype=torch.long, device=dev)
     for reqs, nq in _groups(meta):
         ks, kpos, held = _held(meta, reqs)
         if ks.shape[1] == 0:
@@ -75,22 +77,23 @@ def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor,
         scores = index_scores(q[rows].view(G, nq, *q.shape[1:]), hw[rows].view(G, nq, -1),
                               cache.read_index(layer, ks), scale)                       # [G, Q, T]
         vis = held[:, None, :] & (kpos[:, None, :] <= meta.q_pos[rows].view(G, nq, 1))
-        idx, ok, v = select_topk_values(scores, vis, min(k, width))
+        idx, ok, v = select_topk_keys(scores, vis, min(k, width), kpos[:, None, :])
         kk = idx.shape[-1]
         slots[rows, :kk] = ks[:, None, :].expand(-1, nq, -1).gather(2, idx).reshape(G * nq, kk)
         valid[rows, :kk] = ok.reshape(G * nq, kk)
-        vals[rows, :kk] = v.reshape(G * nq, kk)
-    return slots, valid, vals
+        keys[rows, :kk] = v.reshape(G * nq, kk)
+    return slots, valid, keys
 
 
-def global_topk(vals: torch.Tensor, comm, k: int) -> torch.Tensor:
-    """CP: which of this rank's candidates [N, K] (scores, −inf = none) are in the global top-k of the rows
-    over every rank's candidates -> bool [N, K]. Every rank computes the same global choice."""
-    n, K = vals.shape
+def global_topk(keys: torch.Tensor, comm, k: int) -> torch.Tensor:
+    """CP: which of this rank's candidates [N, K] (int64 order keys, NO_KEY = none) are in the global top-k of
+    the rows over every rank's candidates -> bool [N, K]. Every rank computes the same global choice; the keys
+    are distinct per row (they carry the position), so it is the one-rank choice, ties included."""
+    n, K = keys.shape
     R = comm.size
-    every = comm.all_gather(vals.contiguous()).view(R, n, K).permute(1, 0, 2).reshape(n, R * K)
+    every = comm.all_gather(keys.contiguous()).view(R, n, K).permute(1, 0, 2).reshape(n, R * K)
     top = every.topk(min(k, R * K), dim=-1).indices
-    chosen = torch.zeros(n, R * K, dtype=torch.bool, device=vals.device).scatter_(1, top, True) & torch.isfinite(every)
+    chosen = torch.zeros(n, R * K, dtype=torch.bool, device=keys.device).scatter_(1, top, True) & (every != NO_KEY)
     return chosen.view(n, R, K)[:, comm.rank]
 
 
@@ -113,9 +116,9 @@ def select_layer(r, layer: int, meta, key_in: tuple, q_in: tuple, cp_comm=None) 
     x, qa, cos, sin = q_in
     q, hw = indexer_queries(w, qa, x, cos, sin)
     width = min(k, int(meta.q_pos.max()) + 1)
-    slots, valid, vals = local_candidates(r.cache, layer, meta, q, hw, k, w.softmax_scale, width)
+    slots, valid, keys = local_candidates(r.cache, layer, meta, q, hw, k, w.softmax_scale, width)
     if cp_comm is not None and cp_comm.size > 1:
-        valid = valid & global_topk(vals, cp_comm, k)
+        valid = valid & global_topk(keys, cp_comm, k)
     meta.sparse[layer] = SparseSelection(slots * valid, valid)
 
 

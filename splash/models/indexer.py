@@ -23,6 +23,7 @@ The functions take plain tensors so every layout (and other model files) can cal
     q, hw = indexer_queries(w, q_resid, x, cos, sin)        # [n, H_i, d_i], [n, H_i]
     s = index_scores(q, hw, keys)                           # keys [G, T, d_i], q [G, Q, H_i, d_i] -> [G, Q, T]
     idx, ok = select_topk(s, visible, k_top)                # [..., min(k, T)] positions into T, and validity
+                                                            # (exact ties: the earlier position, see order_keys)
 """
 from __future__ import annotations
 
@@ -118,20 +119,37 @@ def index_scores(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, scal
     return torch.bmm(head_w.reshape(G * Q, 1, H).float(), s.view(G * Q, H, -1)).view(G, Q, -1)
 
 
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+_LOW = 1 << 32                              # positions go in the low 32 bits of an order key
+NO_KEY = torch.iinfo(torch.int64).min       # the order key of an invisible position
+
+
+def order_keys(scores: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """int64 keys of the selection's total order: higher score first, the earlier position among exactly equal
+    scores (so a tie breaks the same way whatever order the positions come in: one rank's history, a CP rank's
+    shard, the all-gathered candidates). Invisible positions get NO_KEY. scores fp32, positions < 2^32."""
+    s = scores.float() + 0.0                                    # -0.0 -> +0.0: equal scores, equal keys
+    b = s.view(torch.int32)
+    ordered = (b ^ ((b >> 31) & 0x7FFFFFFF)).long()             # monotonic in the float's value
+    key = ordered * _LOW + (_LOW - 1 - positions.long())
+    return key.masked_fill(~visible, NO_KEY)
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of `scores` [..., T] among `visible` [..., T] (bool) -> (indices [..., min(k, T)] long into T,
     valid [..., min(k, T)] bool). A row with fewer than k visible positions gets all of them (valid) and
-    padding (invalid). Ties break as torch.topk does on the order of T (the reference's order is positional)."""
-    kk = min(k, scores.shape[-1])
-    masked = scores.masked_fill(~visible, float("-inf"))
-    vals, idx = masked.topk(kk, dim=-1)
-    return idx, visible.gather(-1, idx)
+    padding (invalid). Exact ties break towards the earlier position (`positions` [..., T], broadcastable;
+    default: the order of T), by order_keys — not as torch.topk happens to (transformers' indexer uses it)."""
+    idx, ok, _ = select_topk_keys(scores, visible, k, positions)
+    return idx, ok
 
 
-def select_topk_values(scores: torch.Tensor, visible: torch.Tensor,
-                       k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As select_topk, also returning the selected scores (−inf where invalid): what a CP rank sends as its
-    candidates for the global top-k."""
+def select_topk_keys(scores: torch.Tensor, visible: torch.Tensor, k: int,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As select_topk, also returning the selected order keys (NO_KEY where invalid): what a CP rank sends as
+    its candidates for the global top-k (splash.attention.dsa.global_topk)."""
     kk = min(k, scores.shape[-1])
-    vals, idx = scores.masked_fill(~visible, float("-inf")).topk(kk, dim=-1)
-    return idx, visible.gather(-1, idx), vals
+    if positions is None:
+        positions = torch.arange(scores.shape[-1], device=scores.device)
+    keys, idx = order_keys(scores, positions.expand_as(scores), visible).topk(kk, dim=-1)
+    return idx, visible.gather(-1, idx), keys

@@ -1,6 +1,8 @@
 """Worker for test_switching: live/blocking layout switches mid-generation on real ranks change no token.
 
 argv: model_dir ref.pt mode [kv_dtype] [communicator: mpi (default) | torch] [alternate]
+env: SPLASH_TEST_LAYOUTS (layouts to switch between), SPLASH_TEST_DIRECTIONS ("src->dst,..." for "directions"),
+  SPLASH_TEST_BLOCK_SIZE (KV block size, default 4)
   mode "directions": all 12 src->dst directions, live and blocking, switched at a random step (step 1 is
       mid-prefill of the chunked 30-token prompt), against transformers' tokens; pools end fully free. With
       communicator torch the layers' and the switches' collectives run on torch.distributed (gloo here);
@@ -27,6 +29,9 @@ from splash.engine.sampling import SamplingParams
 
 # the layouts to switch between (test_switching passes fewer for architectures that do not run in every one)
 LAYOUTS = tuple(os.environ.get("SPLASH_TEST_LAYOUTS", "tp,dp_attn,cp,dop").split(","))
+# "directions" mode: only these "src->dst" (default: every pair of LAYOUTS); the KV block size of every engine
+PAIRS = os.environ.get("SPLASH_TEST_DIRECTIONS")
+BLOCK_SIZE = int(os.environ.get("SPLASH_TEST_BLOCK_SIZE", "4"))
 
 
 def drive(llm: LLM, prompts, max_tokens, switches: dict[int, str]) -> list[list[int]] | None:
@@ -59,7 +64,7 @@ def check_free(llm: LLM, what: str) -> None:
 
 
 def make(model_dir, layout, kv_dtype="float32", mode="live", blocks=256, layout_kv_dtypes=None, comm=None) -> LLM:
-    return LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
+    return LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
                num_kv_blocks=blocks, switch_mode=mode, layout_kv_dtypes=layout_kv_dtypes, comm=comm)
 
 
@@ -109,6 +114,8 @@ def directions(model_dir, ref, rank_print, comm=None, alternate=False) -> None:
     rng = random.Random(1234)
     want = [t[:m] for t, m in zip(ref["tokens_a"], ref["max_tokens_a"])]
     pairs = [(s, d) for s in LAYOUTS for d in LAYOUTS if s != d]
+    if PAIRS:
+        pairs = [tuple(p.split("->")) for p in PAIRS.split(",")]
     for i, (src, dst) in enumerate(pairs):
         for mode in (("live", "blocking")[i % 2],) if alternate else ("live", "blocking"):
             at = rng.choice([1, 2, 5, 9, 14])

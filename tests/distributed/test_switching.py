@@ -6,7 +6,8 @@ of different KV dtypes (fp32/bf16/fp8/int8) convert the pool layer by layer.
 Parametrised by architecture: the DSA models (DeepSeek-V3.2; GLM-5.x with a shared indexer layer; top-k 8 below
 the context) run the 12 directions (their indexer keys move with their KV blocks) and the KV-dtype conversions
 (indexer keys re-stored as FP8/INT8 + scale) on a lighter batch of 24 greedy tokens (32 in the layouts test); GLM-5.3-Flash runs the 12 directions against
-its unswitched one-rank engine and checks its per-request KDA state byte-exact across each switch."""
+its unswitched one-rank engine and checks its per-request KDA state byte-exact across each switch. At block size
+16 (the server's default) both DSA models switch into and out of CP with exact index-score ties in the batch."""
 from __future__ import annotations
 
 import sys
@@ -119,6 +120,54 @@ def test_all_directions_live_and_blocking(refs, variant, nprocs, communicator):
         for mode in (("live", "blocking")[i % 2],) if torch_run else ("live", "blocking"):
             for r in range(nprocs):
                 assert f"rank {r}: {d} {mode} OK ({kind})" in out, out
+
+
+# Block size 16 (the server's default) with exact index-score ties under CP. Token 258 (<|user|>, the tiny
+# models' pad_token_id) has a zero embedding row, so at its rows layer 0's indexer query is 0 and every key scores
+# exactly 0: the top-k is decided by the tie rule alone. Prompt 0 is the one that diverged on the server (it
+# generates 258 at position 22 on v32_sparse: 23 positions, top-k 8, the second block's rank holds only 7 of
+# them: decoded under CP after dp_attn->cp); prompt 3 ends in 258 at position 20 (the tie decides its first
+# token; prefilled under CP before cp->dop: glm_sparse diverged there), prompt 1 has it mid-prompt. The reference
+# is the unswitched one-rank engine at the same block size, not transformers: splash breaks exact ties towards
+# the earlier position in every layout, transformers' torch.topk its own way (test_dsa_vs_hf checks one rank
+# against transformers on tie-free prompts).
+TIE_PROMPTS = [[8, 9, 10, 11, 12], [*range(40, 51), 258, *range(60, 67)], [97], [*range(60, 80), 258]]
+TIE_MAX_TOKENS, TIE_DIRECTIONS = [24, 16, 16, 16], "cp->dop,dp_attn->cp"  # live at step 9, blocking at 1
+
+
+@pytest.fixture(scope="module")
+def tie_refs(tmp_path_factory):
+    """`tie_refs(variant) -> (model_dir, ref.pt)`: TIE_PROMPTS' tokens from one rank at block size 16."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    from splash.engine.sampling import SamplingParams
+
+    def get(variant: str) -> tuple[Path, Path]:
+        d = tmp_path_factory.mktemp(f"ties_{variant}")
+        model_dir = make_tiny_deepseek(d / "model", **DSA_VARIANTS[variant])
+        llm = LLM(str(model_dir), block_size=16, max_num_batched_tokens=16, comm=SingleRankCommunicator())
+        outs = llm.generate(TIE_PROMPTS, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                                          for m in TIE_MAX_TOKENS])
+        torch.save({"prompts_a": TIE_PROMPTS, "max_tokens_a": TIE_MAX_TOKENS,
+                    "tokens_a": [o.token_ids for o in outs]}, d / "ref.pt")
+        return model_dir, d / "ref.pt"
+    return get
+
+
+@pytest.mark.parametrize("variant", ["v32_sparse", "glm_sparse"])
+def test_cp_directions_at_block_16_with_exact_ties(tie_refs, variant):
+    """Into and out of CP at block size 16 (2 ranks; each direction in one mode, for the suite's time), with
+    exact index-score ties: CP's global top-k picks the one-rank positions (order keys carry the position)."""
+    model_dir, ref = tie_refs(variant)
+    if variant == "v32_sparse":
+        assert 258 in torch.load(ref)["tokens_a"][0], "prompt 0 no longer generates the zero-embedding token"
+    env = {"SPLASH_TEST_DIRECTIONS": TIE_DIRECTIONS, "SPLASH_TEST_BLOCK_SIZE": "16"}
+    res = run_mpi(2, WORKER, str(model_dir), str(ref), "directions", "float32", "mpi", "alternate", timeout=400,
+                  env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for i, d in enumerate(TIE_DIRECTIONS.split(",")):
+        for r in range(2):
+            assert f"rank {r}: {d} {('live', 'blocking')[i % 2]} OK" in res.stdout, res.stdout
 
 
 @pytest.mark.parametrize("nprocs,kv_dtype", [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"),
