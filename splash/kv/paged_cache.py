@@ -207,5 +207,6 @@ def _decode_keys(parts: list[torch.Tensor], slots: torch.Tensor, n_vec: int = 1)
     if len(parts) > 1:
         sc = parts[1].view(-1, parts[1].shape[-1]).index_select(0, flat)
         m = flat.numel() * n_vec
-        return quant.dequantize(ik.view(m, width // n_vec), sc.view(m, sc.shape[-1] // n_vec)).view(*slots.shape, width)
+        keys = quant.dequantize(ik.view(m, width // n_vec), sc.view(m, sc.shape[-1] // n_vec))
+        return keys.reshape(*slots.shape, width)
     return ik.float().view(*slots.shape, width)
