@@ -102,6 +102,17 @@ def test_manifest_moves_recurrent_state(glm5):
     assert {(mv.req, mv.h0, mv.src_rank, mv.dst_rank) for mv in m.state_moves} == {("a", 4, 0, 1), ("b", 0, 1, 0)}
     m = plan_switch("tp", "dop", cfg, 2, dp, 4, 4, "float32")
     assert m.state_moves == () and m.action("recurrent_state") == "keep"
+    # totals count only what moves: KV blocks × the 2 MLA layers' block bytes (keys in the full-indexer one only),
+    # not the per-layer figure × all 4 layers; plus the KDA state heads (bytes really sent: switch_worker states)
+    from splash.layouts.memory import kv_block_bytes
+    m = plan_switch("dp_attn", "tp", cfg, 2, dp, 4, 4, "float32")
+    blk = kv_block_bytes(cfg, "float32", 4)
+    assert blk < m.kv_block_bytes_layer * 2
+    for r in range(2):
+        n = sum(mv.dst_rank == r for mv in m.moves)
+        heads = sum(mv.h1 - mv.h0 for mv in m.state_moves if mv.dst_rank == r)
+        assert n and m.total_kv_recv_bytes[r] == n * blk and m.total_weight_recv_bytes[r] == 0
+        assert m.total_recv_bytes[r] == n * blk + heads * m.state_bytes_per_head > n * blk
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
