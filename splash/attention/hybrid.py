@@ -140,12 +140,7 @@ class HybridAttention:
         qa, q = self._query(layer, x)
         cl = self._store_select(layer, x[self.base.meta.write_rows], (x, qa), cp=True)
         o, lse = self._attend(cl, q)                     # partial over this rank's positions (and selection)
-        if r.comm.size > 1:
-            n, h, dc = o.shape
-            parts = r.comm.all_gather(torch.cat([o.reshape(n, h * dc), lse], dim=1).contiguous())
-            parts = parts.view(r.comm.size, n, h * dc + h)
-            o, _ = mla.merge_partials(parts[..., :h * dc].reshape(-1, n, h, dc), parts[..., h * dc:])
-        return mla.out_projection(r.weights.layers[layer].attn, o)
+        return mla.out_projection(r.weights.layers[layer].attn, mla.merge_over_ranks(r.comm, o, lse))
 
     def _mla_dop(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r, g = self.r, self.g
