@@ -129,6 +129,16 @@ def test_chunked_split_kv_is_exact_and_bounded():
     assert big.peak_scratch_bytes <= big.scratch_bound(2, 32, 8)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_nope_rope_width_zero(kv_dtype):
+    """NoPE (GLM-5.3-Flash's MLA layers): q_rope [N, H, 0] over a pool whose rope key is zero-width, one chunk
+    and many chunks; the Triton kernel's is below."""
+    state = make_state(kv_dtype, 4, RAGGED, dc=16, dr=0)
+    assert state[0].kpe[0].shape[-1] == 0 and state[5].shape[-1] == 16
+    check(TorchMLAKernel(SCALE), state)
+    check(TorchMLAKernel(SCALE, scratch_bytes=1, index_cache_bytes=0), state)
+
+
 def test_bf16_compute_within_tolerance():
     """bf16 GEMM inputs (the path used on CPUs with bf16 units), fp32 softmax and accumulation. Measured over 5
     seeds: max |Δõ| / max |õ| 0.0067-0.0082, max |ΔLSE| 0.029-0.039; bounds ~1.5x that."""
@@ -189,6 +199,13 @@ def test_triton_kernel_matches_dense(kv_dtype):
 def test_triton_kernel_page_sizes_and_cp(bs):
     check(_triton(), make_state("float32", bs, TINY + [(20, 1)], dc=16, dr=4), atol=2e-4)
     check(_triton(), make_state("bfloat16", bs, TINY, world=2, rank=1, dc=16, dr=4), atol=2e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+def test_triton_kernel_nope(kv_dtype):
+    """Rope width 0 (GLM-5.3-Flash): the kernel skips the rope term; CP pages too."""
+    check(_triton(), make_state(kv_dtype, 4, TINY, dc=16, dr=0), atol=2e-4)
+    check(_triton(), make_state(kv_dtype, 4, TINY, world=2, rank=0, dc=16, dr=0), atol=2e-4)
 
 
 def test_engine_with_triton_matches_transformers(tiny_ckpt, hf_ref, comm):

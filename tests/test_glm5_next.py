@@ -20,6 +20,7 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.llm import LLM
 from splash.engine.runner import ModelRunner
 from splash.engine.sampling import SamplingParams
+from splash.kv import quant
 from splash.models.config import ConfigError, load_model_config, model_config_from_dict
 from splash.models.loader import open_checkpoint
 from splash.models.qweight import QuantWeight, RowStack, is_quantized
@@ -107,18 +108,54 @@ def test_manifest_moves_recurrent_state(glm5):
     assert {(mv.req, mv.h0, mv.src_rank, mv.dst_rank) for mv in m.state_moves} == {("a", 4, 0, 1), ("b", 0, 1, 0)}
     m = plan_switch("tp", "dop", cfg, 2, dp, 4, 4, "float32")
     assert m.state_moves == () and m.action("recurrent_state") == "keep"
+    # totals count only what moves: KV blocks × the 2 MLA layers' block bytes (keys in the full-indexer one only),
+    # not the per-layer figure × all 4 layers; plus the KDA state heads (bytes really sent: switch_worker states)
+    from splash.layouts.memory import kv_block_bytes
+    m = plan_switch("dp_attn", "tp", cfg, 2, dp, 4, 4, "float32")
+    blk = kv_block_bytes(cfg, "float32", 4)
+    assert blk < m.kv_block_bytes_layer * 2
+    for r in range(2):
+        n = sum(mv.dst_rank == r for mv in m.moves)
+        heads = sum(mv.h1 - mv.h0 for mv in m.state_moves if mv.dst_rank == r)
+        assert n and m.total_kv_recv_bytes[r] == n * blk and m.total_weight_recv_bytes[r] == 0
+        assert m.total_recv_bytes[r] == n * blk + heads * m.state_bytes_per_head > n * blk
 
 
-def test_memory_model_counts_pools_and_state(glm5, comm):
-    """The MLA pools (latent + indexer keys/gates) allocate exactly the analytic block bytes of the MLA layers;
-    the KDA state the runner holds per request equals the memory model's, per layout; capacity reserves it."""
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
+def test_pool_equals_memory_model(kv_dtype, glm5, comm):
+    """One pool layer per MLA layer: the latent (no rope key) and, in the full-indexer layer only, the KPool
+    key + pool gate logits per token in the KV dtype's form (FP8/INT8 + an fp32 scale per 128, as DSA's keys);
+    the allocated bytes equal the memory model's per layer and per block, and the engine's capacity uses them."""
+    from splash.engine.llm import LLM, block_bytes
+    from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
+
+    path = glm5("topk_low")[0]
+    cfg, get = open_checkpoint(path)
+    runner = ModelRunner(cfg, get, comm, "tp", kv_dtype, 4, 37)
+    c = runner.cache
+    assert c.num_layers == 2 and [c.ikey[j] is not None for j in range(2)] == [True, False]  # layer 2 is shared
+    assert c.nbytes() == kv_block_bytes(cfg, kv_dtype, 4) * 37
+    for layer, j in runner.mla_index.items():
+        assert c.block_bytes(j) == kv_bytes_per_token_layer(cfg, kv_dtype, layer) * 4
+    assert kv_bytes_per_token_layer(cfg, kv_dtype, 0) == 0  # KDA layer: per-request state instead
+    keys = {"float32": 2 * 16 * 4, "bfloat16": 2 * 16 * 2, "fp8_e4m3": 2 * (16 + 4), "int8": 2 * (16 + 4)}[kv_dtype]
+    assert kv_bytes_per_token_layer(cfg, kv_dtype, 1) - kv_bytes_per_token_layer(cfg, kv_dtype, 2) == keys
+    if quant.is_quantized(kv_dtype):
+        assert c.ikey[0].dtype == c.ckv[0].dtype and c.iscale[0].shape[-1] == 2  # key and gates scaled apart
+        llm = LLM(str(path), kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=1 << 18, block_size=4, max_num_seqs=4,
+                  comm=comm)
+        blk = block_bytes(cfg, kv_dtype, 4)
+        assert blk == llm.runner.cache.nbytes() // llm.runner.cache.num_blocks
+        assert llm.runner.cache.num_blocks == max(llm.engine.ledger.capacity.values())
+
+
+def test_memory_model_counts_state(glm5, comm):
+    """The KDA state the runner holds per request equals the memory model's, per layout; capacity reserves it."""
     from splash.layouts.memory import kv_block_bytes, kv_capacity_tokens, recurrent_state_bytes, state_bytes_per_rank
 
     path = glm5("topk_low")[0]
     cfg, get = open_checkpoint(path)
     runner = ModelRunner(cfg, get, comm, "tp", "float32", 4, 37)
-    assert runner.cache.num_layers == 2 and runner.index_cache.num_layers == 2
-    assert runner.cache.nbytes() + runner.index_cache.nbytes() == kv_block_bytes(cfg, "float32", 4) * 37
     prompts = random_prompts([5, 9], seed=5)
     reqs = [StepRequest(f"r{i}", 0, len(p)) for i, p in enumerate(prompts)]
     runner.step(StepBatch.build(reqs, prompts, [True, True]))

@@ -129,3 +129,23 @@ def test_vendor_kernel_matches_torch_on_gpu(name, pkg, specs):
     qd = q.to(dev)
     o, lse = kernel.run(0, qd[..., :512], qd[..., 512:], cache)
     assert torch.allclose(lse.cpu(), lse_ref, atol=2e-2) and (o.cpu() - o_ref).abs().max() < 3e-2 * o_ref.abs().max()
+
+
+@pytest.mark.parametrize("cls,pkg", [(fi.FlashInferMLAKernel, "flashinfer"), (ai.AiterMLAKernel, "aiter")])
+def test_wrappers_send_sparse_layers_to_the_sparse_path(monkeypatch, cls, pkg):
+    """A layer with a top-k selection (DSA / KPool, `meta.sparse[layer]`) attends only the selected slots behind
+    every kernel: the vendor wrappers hand it to the fallback, whatever the shape (NoPE here)."""
+    from splash.attention.dsa import SparseSelection, sparse_attend
+    from splash.attention.kernels.external import SPARSE_REASON
+
+    pytest.importorskip("triton")
+    _stub(monkeypatch, pkg)
+    cache, bm, _, reqs, meta, q = make_state("bfloat16", 4, DECODE, dc=16, dr=0)
+    slots = torch.stack([torch.tensor([bm.table(r.req_id)[0] * 4 + i for i in (0, 1, 0)]) for r in reqs])
+    meta.sparse[0] = SparseSelection(slots, torch.tensor([[True, True, False]] * len(reqs)))
+    kernel = cls(SCALE)
+    kernel.plan(meta)
+    o, lse = kernel.run(0, q, q[..., :0], cache)
+    want = sparse_attend(q, q[..., :0], cache, 0, meta.sparse[0], SCALE)
+    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
+    assert list(kernel.fallback.reasons) == [SPARSE_REASON]

@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-from splash.attention.kernels.external import Fallback, fused_pages, lse_to_natural, remap_tables
+from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, lse_to_natural, remap_tables
 
 WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace
 WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper is built for (DeepSeek/GLM; NoPE)
@@ -65,6 +65,8 @@ class FlashInferMLAKernel:
         sm = torch.cuda.get_device_capability(q_latent.device)[0] if q_latent.is_cuda else 0
         path, why = choose_path(sm, cache.kv_dtype_of(layer), dc, q_rope.shape[-1], self.meta.block_size,
                                 self.meta.cp, self.decode_only)
+        if self.meta.sparse.get(layer) is not None:
+            path, why = None, SPARSE_REASON
         self.paths[path or "triton"] = self.paths.get(path or "triton", 0) + 1
         if path is None:
             return self.fallback.run(why, layer, q_latent, q_rope, cache)

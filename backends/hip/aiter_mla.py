@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention.kernels.external import Fallback, fused_pages, lse_to_natural, pad_heads
+from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, lse_to_natural, pad_heads
 
 HEAD_MULTIPLE, MAX_HEADS = 16, 128
 PAGE_SIZES = (1, 64)
@@ -62,6 +62,8 @@ class AiterMLAKernel:
             return (torch.zeros(n, h, dc, device=q_latent.device),
                     torch.full((n, h), float("-inf"), device=q_latent.device))
         why = choose_path(cache.kv_dtype_of(layer), dc, dr, h, meta.block_size, meta.cp, self.decode_only)
+        if meta.sparse.get(layer) is not None:
+            why = SPARSE_REASON
         if why is None and not q_latent.is_cuda:
             why = "tensors not on a GPU"
         self.paths["triton" if why else "aiter"] = self.paths.get("triton" if why else "aiter", 0) + 1

@@ -35,9 +35,4 @@ class CPAttention:
         if cfg.has_dsa:  # keys stored with their positions; global top-k over every rank's candidates
             dsa.select_layer(r, layer, p, (x[wr], cos[wr], sin[wr]), (x, qa, cos, sin), cp_comm=r.comm)
         o, lse = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)  # partial over this rank's positions
-        if r.comm.size > 1:
-            n, h, dc = o.shape
-            packed = torch.cat([o.reshape(n, h * dc), lse], dim=1).contiguous()
-            parts = r.comm.all_gather(packed).view(r.comm.size, n, h * dc + h)
-            o, _ = mla.merge_partials(parts[..., :h * dc].reshape(-1, n, h, dc), parts[..., h * dc:])
-        return mla.out_projection(w, o)
+        return mla.out_projection(w, mla.merge_over_ranks(r.comm, o, lse))

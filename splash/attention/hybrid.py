@@ -9,20 +9,21 @@ KDA placement (its state is per request; the recurrence is per head and sequenti
   summary of every past position), and splitting the scan over ranks would serialise them; so under CP the
   KDA layers run owner-run while the MLA layers are position-sharded.
 
-MLA-DSA placement: the rank that attends a request holds its whole latent history and its indexer keys (TP:
-every rank, heads sharded; DP-attn: owner, all heads; DOP: owner, queries of all heads arrive by all-to-all)
-and computes the KPool selection itself from replicated hidden states — identical on every rank that computes
-it. CP (position-sharded history): a global top-k over the pools each rank holds (splash.attention.hybrid_cp).
+MLA-DSA placement (as deepseek_v3 / DSA layers: each layout's executor plans the step's metadata, the kernel
+reads the pages in place): the rank that attends a request holds its whole latent history and its KPool
+vectors (TP: every rank, heads sharded; DP-attn: owner, all heads; DOP: owner, queries of all heads arrive by
+all-to-all), stores the new tokens' vectors and selects the pools itself (splash.attention.kpool) into the
+metadata's per-layer subset, then runs the attention kernel with a rope width of 0 (NoPE). CP (position-sharded
+history): a global top-k over the pools each rank holds, partial outputs merged exactly by LSE.
 """
 from __future__ import annotations
 
 import torch
 
-from splash.attention import mla
+from splash.attention import kpool, mla
 from splash.attention.batch import StepBatch
 from splash.attention.grouping import OwnerGroups
 from splash.models.kda import kda_forward
-from splash.models.kpool import indexer_keys, indexer_queries, select, sparse_latent_attention
 from splash.models.linear import linear
 
 HEAD_SHARDED = ("tp", "dop")
@@ -56,9 +57,7 @@ class HybridAttention:
             spans.append(range(at, at + q.num_new))
             at += q.num_new
         self.reqs, self.spans = reqs, spans
-        self.all_reqs, self.all_spans = batch.reqs, batch.row_ranges()
         self.rows = None if sharded else self.g.rows_mine
-        self.sel: dict[str, torch.Tensor] = {}
         self.states_ready = False
 
     def _ensure_states(self) -> None:
@@ -76,10 +75,8 @@ class HybridAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.r.cfg.is_linear_layer(layer):
             return self._kda(layer, x)
-        if self.layout == "cp":
-            from splash.attention.hybrid_cp import mla_cp
-            return mla_cp(self, layer, x)
-        return {"tp": self._mla_tp, "dp_attn": self._mla_dp, "dop": self._mla_dop}[self.layout](layer, x)
+        return {"tp": self._mla_tp, "dp_attn": self._mla_dp, "cp": self._mla_cp, "dop": self._mla_dop}[
+            self.layout](layer, x)
 
     def _gather(self, out: torch.Tensor) -> torch.Tensor:
         r = self.r
@@ -105,85 +102,59 @@ class HybridAttention:
         return self._reduce(out) if self.rows is None else self._gather(out)
 
     # ---- MLA-DSA ---------------------------------------------------------------------------------------------
-    def _inputs(self, layer: int, x: torch.Tensor):
-        """x [n, hidden] -> (Q-A output [n, q_lora], absorbed queries q̃ [n, H_l, d_c], normed latent [n, d_c])."""
+    def _query(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (Q-A output [n, q_lora], absorbed queries q̃ [n, H_l, d_c]) for this rank's heads."""
         cfg, w = self.r.cfg, self.r.weights.layers[layer].attn
         n = x.shape[0]
-        qa = rms_norm_(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
+        qa = mla.rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
         q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_nope_head_dim)
-        q_lat = torch.bmm(q.transpose(0, 1), w.uk()).transpose(0, 1)
-        return qa, q_lat, rms_norm_(linear(x, w.kv_a), w.kv_a_norm, cfg.rms_norm_eps)
+        return qa, torch.bmm(q.transpose(0, 1), w.uk()).transpose(0, 1)
 
-    def _store(self, layer: int, x_rows: torch.Tensor, c: torch.Tensor) -> None:
-        """Write the attended requests' new latent (and indexer keys) at the step's write slots (rows in order)."""
+    def _store_select(self, layer: int, xw: torch.Tensor, q_in: tuple, cp: bool = False) -> int:
+        """Store the latent of rows `xw` (meta.write_rows order) and their KPool vectors, and set the layer's
+        selection for the rows q_in = (x, Q-A output) this rank attends; -> the pool layer."""
         r, meta = self.r, self.base.meta
-        cl, lw = r.mla_index[layer], r.weights.layers[layer]
-        empty = c.new_empty(c.shape[0], 0)
-        r.cache.write(cl, meta.write_slots, c, empty)
-        if lw.indexer is not None:
-            k, gate = indexer_keys(lw.indexer, x_rows)
-            r.index_cache.write(cl, meta.write_slots, k, gate)
+        cl, w = r.mla_index[layer], r.weights.layers[layer].attn
+        c = mla.rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
+        r.cache.write(cl, meta.write_slots, c, c.new_empty(c.shape[0], 0))
+        kpool.select_layer(r, layer, cl, meta, xw, q_in, cp_comm=r.comm if cp else None)
+        return cl
 
-    def _attend(self, layer: int, reqs, x_rows: torch.Tensor, qa: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Sparse attention of `reqs` (rows in order: x_rows / qa / q̃ [n, H, d_c]) over this rank's full history."""
-        r, cfg = self.r, self.r.cfg
-        cl, lw = r.mla_index[layer], r.weights.layers[layer]
-        out = torch.empty(q.shape[0], q.shape[1], cfg.kv_lora_rank, device=q.device)
-        at = 0
-        for req in reqs:
-            rr = slice(at, at + req.num_new)
-            at += req.num_new
-            slots = history_slots(r, req.req_id, req.end_pos)
-            c_kv, _ = r.cache.read(cl, slots)
-            if lw.indexer is not None:
-                keys, gates = r.index_cache.read(cl, slots)
-                iq, hw = indexer_queries(lw.indexer, x_rows[rr], qa[rr])
-                pos = torch.arange(req.start_pos, req.end_pos, device=q.device)
-                self.sel[req.req_id] = select(iq, hw, pos, keys, gates, lw.indexer.ape, cfg.index_topk,
-                                              cfg.hybrid.index_kpool_always_select_tail)
-            out[rr] = sparse_latent_attention(q[rr], c_kv, self.sel[req.req_id], cfg.softmax_scale)
-        return out
+    def _attend(self, cl: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step kernel over the paged cache (and the layer's selection): NoPE, so a rope width of 0."""
+        return self.r.attn.run(cl, q, q.new_empty(*q.shape[:2], 0), self.r.cache)
 
     def _mla_tp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        qa, q, c = self._inputs(layer, x)
-        self._store(layer, x, c)
-        o = self._attend(layer, self.reqs, x, qa, q)
+        qa, q = self._query(layer, x)
+        o, _ = self._attend(self._store_select(layer, x, (x, qa)), q)
         return self._reduce(mla.out_projection(self.r.weights.layers[layer].attn, o))
 
     def _mla_dp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         xm = x[self.rows]
-        qa, q, c = self._inputs(layer, xm)
-        self._store(layer, xm, c)
-        o = self._attend(layer, self.reqs, xm, qa, q)
+        qa, q = self._query(layer, xm)
+        o, _ = self._attend(self._store_select(layer, xm, (xm, qa)), q)
         return self._gather(mla.out_projection(self.r.weights.layers[layer].attn, o))
+
+    def _mla_cp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        r = self.r
+        qa, q = self._query(layer, x)
+        cl = self._store_select(layer, x[self.base.meta.write_rows], (x, qa), cp=True)
+        o, lse = self._attend(cl, q)                     # partial over this rank's positions (and selection)
+        return mla.out_projection(r.weights.layers[layer].attn, mla.merge_over_ranks(r.comm, o, lse))
 
     def _mla_dop(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r, g = self.r, self.g
         T, dc, w = r.comm.size, r.cfg.kv_lora_rank, r.weights.layers[layer].attn
-        qa_all, q, _ = self._inputs(layer, x)                            # q̃ of local heads, all rows
+        qa, q = self._query(layer, x)                                    # q̃ of local heads, all rows
         rows = g.rows_mine
         xm = x[rows]
-        c = rms_norm_(linear(xm, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
-        self._store(layer, xm, c)
-        mine = self.g.mine
+        cl = self._store_select(layer, xm, (xm, qa[rows]))
         if T == 1:
-            return mla.out_projection(w, self._attend(layer, mine, xm, qa_all, q))
+            return mla.out_projection(w, self._attend(cl, q)[0])
         n, hl = len(rows), q.shape[1]
         recv = r.comm.all_to_allv(q[g.by_owner].reshape(-1, hl * dc).contiguous(), g.counts, [n] * T)
         q_own = recv.view(T, n, hl, dc).permute(1, 0, 2, 3).reshape(n, T * hl, dc)
-        o = self._attend(layer, mine, xm, qa_all[rows], q_own)
+        o, _ = self._attend(cl, q_own)
         back = o.view(n, T, hl, dc).permute(1, 0, 2, 3).reshape(T * n, hl * dc).contiguous()
         o_local = r.comm.all_to_allv(back, [n] * T, g.counts).view(-1, hl, dc)
         return self._reduce(mla.out_projection(w, g.to_step_order(o_local)))
-
-
-def rms_norm_(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return mla.rms_norm(x, w, eps)
-
-
-def history_slots(r, req: str, end: int) -> torch.Tensor:
-    """Slots of positions 0..end−1 of a request whose every block this rank holds."""
-    bs, table = r.block_size, r.bm.table(req)
-    nb = -(-end // bs)
-    pages = torch.tensor([table[b] for b in range(nb)], dtype=torch.long, device=r.device)
-    return (pages[:, None] * bs + torch.arange(bs, device=r.device)).reshape(-1)[:end]

@@ -105,3 +105,13 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     w = torch.exp(lse - safe[None])
     return (w[..., None] * o).sum(dim=0), total
+
+
+def merge_over_ranks(comm, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """CP: every rank's partial õ [n, H, d_c] / LSE [n, H] over its own positions -> the exact õ over all of them
+    (one all-gather of [õ ; LSE] per row, then `merge_partials`)."""
+    if comm.size == 1:
+        return o
+    n, h, dc = o.shape
+    parts = comm.all_gather(torch.cat([o.reshape(n, h * dc), lse], dim=1).contiguous()).view(comm.size, n, h * dc + h)
+    return merge_partials(parts[..., :h * dc].reshape(-1, n, h, dc), parts[..., h * dc:])[0]

@@ -11,7 +11,9 @@ layers are still in the source's. `pack_blocks`/`unpack_blocks` always move a la
 DSA models keep one indexer key per token (index_dim values) in the layers that run an indexer
 (`index_layers`), in the same blocks and the same format family: fp32/bf16 as the latent, or FP8/INT8 with one
 fp32 scale per 128 values under a quantised KV dtype (DeepSeek-V3.2's FP8 indexer cache). They are part of the
-layer's block bytes, so a switch packs, moves and converts them with the KV blocks they index.
+layer's block bytes, so a switch packs, moves and converts them with the KV blocks they index. `index_parts` > 1
+stores that many index_dim vectors per token side by side, each quantised on its own (GLM-5.3-Flash's KPool:
+the key and the pool gate logits, splash.models.kpool).
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens c
 class PagedLatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                  kv_dtype: str = "float32", device: str | torch.device = "cpu", index_dim: int = 0,
-                 index_layers: Sequence[int] = ()):
+                 index_layers: Sequence[int] = (), index_parts: int = 1):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_lora_rank, self.rope_dim, self.device = kv_lora_rank, rope_dim, device
         self.index_dim, self.index_layers = index_dim, frozenset(index_layers) if index_dim else frozenset()
+        self.index_parts = index_parts
         self.layer_dtypes = [kv_dtype] * num_layers
         parts = [self._alloc(kv_dtype, layer) for layer in range(num_layers)]
         self.ckv = [p[0] for p in parts]
@@ -46,9 +49,11 @@ class PagedLatentCache:
         scale = torch.zeros(*shape, quant.num_groups(self.kv_lora_rank), dtype=torch.float32, device=dev) if q else None
         ikey = iscale = None
         if layer in self.index_layers:
-            ikey = torch.zeros(*shape, self.index_dim, dtype=lat_dt, device=dev)
+            parts = self.index_parts
+            ikey = torch.zeros(*shape, parts * self.index_dim, dtype=lat_dt, device=dev)
             if q:
-                iscale = torch.zeros(*shape, quant.num_groups(self.index_dim), dtype=torch.float32, device=dev)
+                iscale = torch.zeros(*shape, parts * quant.num_groups(self.index_dim), dtype=torch.float32,
+                                     device=dev)
         return ckv, kpe, scale, ikey, iscale
 
     # ---- formats -----------------------------------------------------------------------------------------
@@ -96,12 +101,12 @@ class PagedLatentCache:
         return _decode(self._latent(layer), slots)
 
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Store new tokens' indexer keys [n, index_dim] at `slots` (a layer that runs an indexer)."""
-        _encode_keys(self._index(layer), self.layer_dtypes[layer], slots, keys)
+        """Store new tokens' indexer keys [n, index_parts × index_dim] at `slots` (a layer that runs an indexer)."""
+        _encode_keys(self._index(layer), self.layer_dtypes[layer], slots, keys, self.index_parts)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 indexer keys [..., index_dim] at `slots` (any shape)."""
-        return _decode_keys(self._index(layer), slots)
+        """fp32 indexer keys [..., index_parts × index_dim] at `slots` (any shape)."""
+        return _decode_keys(self._index(layer), slots, self.index_parts)
 
     # ---- format conversion -------------------------------------------------------------------------------
     def convert_layer(self, layer: int, kv_dtype: str, blocks: Sequence[int] | None = None) -> bool:
@@ -126,7 +131,8 @@ class PagedLatentCache:
             c, k = _decode(old, slots)
             _encode(new_parts, kv_dtype, slots, c, k)
             if old_idx:
-                _encode_keys(new_idx, kv_dtype, slots, _decode_keys(old_idx, slots))
+                _encode_keys(new_idx, kv_dtype, slots, _decode_keys(old_idx, slots, self.index_parts),
+                             self.index_parts)
         self.ckv[layer], self.kpe[layer], self.scale[layer], self.ikey[layer], self.iscale[layer] = new
         self.layer_dtypes[layer] = kv_dtype
         return True
@@ -180,20 +186,27 @@ def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tenso
     return ckv.float(), kpe
 
 
-def _encode_keys(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, keys: torch.Tensor) -> None:
-    """Write fp indexer keys at `slots` of one layer's [ikey(, iscale)] stored as `kv_dtype`."""
+def _encode_keys(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, keys: torch.Tensor,
+                 n_vec: int = 1) -> None:
+    """Write fp indexer keys [n, n_vec × d] at `slots` of one layer's [ikey(, iscale)] stored as `kv_dtype`
+    (each of the n_vec vectors of a token quantised on its own)."""
     ik = parts[0].view(-1, parts[0].shape[-1])
     if quant.is_quantized(kv_dtype):
-        q, s = quant.quantize(keys, kv_dtype)
-        ik[slots] = q
-        parts[1].view(-1, s.shape[-1])[slots] = s
+        n = keys.shape[0]
+        q, s = quant.quantize(keys.reshape(n * n_vec, keys.shape[-1] // n_vec), kv_dtype)
+        sc = parts[1].view(-1, parts[1].shape[-1])
+        ik[slots] = q.view(n, ik.shape[-1])
+        sc[slots] = s.view(n, sc.shape[-1])
     else:
         ik[slots] = keys.to(ik.dtype)
 
 
-def _decode_keys(parts: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-    flat = slots.reshape(-1)
-    ik = parts[0].view(-1, parts[0].shape[-1]).index_select(0, flat).view(*slots.shape, -1)
+def _decode_keys(parts: list[torch.Tensor], slots: torch.Tensor, n_vec: int = 1) -> torch.Tensor:
+    flat, width = slots.reshape(-1), parts[0].shape[-1]
+    ik = parts[0].view(-1, width).index_select(0, flat)
     if len(parts) > 1:
-        return quant.dequantize(ik, parts[1].view(-1, parts[1].shape[-1]).index_select(0, flat).view(*slots.shape, -1))
-    return ik.float()
+        sc = parts[1].view(-1, parts[1].shape[-1]).index_select(0, flat)
+        m = flat.numel() * n_vec
+        keys = quant.dequantize(ik.view(m, width // n_vec), sc.view(m, sc.shape[-1] // n_vec))
+        return keys.reshape(*slots.shape, width)
+    return ik.float().view(*slots.shape, width)

@@ -42,35 +42,45 @@ def _check_kv_dtype(kv_dtype: str) -> None:
 
 def layer_has_indexer_keys(cfg: ModelConfig, layer: int | None) -> bool:
     """Layer `layer` keeps DSA indexer keys: it runs its own indexer (indexer_types "full"; a "shared" layer
-    reuses another's selection and stores none). None: the widest layer. A config with an index_head_dim but no
-    indexer_types (analysis-only shapes) counts keys in every layer."""
+    reuses another's selection and stores none; glm5_next: its MLA layers with a full KPool indexer). None: the
+    widest layer. A config with an index_head_dim but no indexer_types (analysis-only shapes) counts keys in
+    every layer."""
     if cfg.index_head_dim <= 0:
         return False
-    if layer is None or not cfg.indexer_types:
+    if layer is None:
+        return True
+    if cfg.hybrid is not None:
+        return not cfg.is_linear_layer(layer) and cfg.hybrid.indexer_types[layer] == "full"
+    if not cfg.indexer_types:
         return True
     return cfg.has_indexer(layer)
 
 
+def index_vectors(cfg: ModelConfig) -> int:
+    """index_head_dim vectors stored per token in an indexer layer: the key (DSA); key + pool gate logits
+    (glm5_next's KPool, splash.models.kpool)."""
+    return 2 if cfg.hybrid is not None else 1
+
+
 def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None = None) -> int:
-    """Bytes of KV history per token of one MLA layer (default: the widest), including scales and DSA indexer
-    keys (only in layers that run an indexer).
+    """Bytes of KV history per token of one layer (default: the widest MLA layer), including scales and DSA
+    indexer keys (only in layers that run an indexer); 0 for a hybrid model's KDA layer (per-request state).
 
     float32/bfloat16: (d_c + d_r) × 4/2. fp8_e4m3/int8 (FlashMLA FP8 layout): d_c bytes of latent + one fp32
-    scale per 128-element group + d_r rope values kept in bf16. Indexer keys (when the layer has them): in a
-    quantised cache 1 byte each + one fp32 scale per 128, otherwise the cache's element size.
+    scale per 128-element group + d_r rope values kept in bf16. Indexer keys (when the layer has them; glm5_next
+    keeps two vectors, key and pool gate logits, each quantised on its own): in a quantised cache 1 byte each +
+    one fp32 scale per 128, otherwise the cache's element size.
     """
     _check_kv_dtype(kv_dtype)
+    if layer is not None and cfg.is_linear_layer(layer):
+        return 0
     dc, dr, di = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-    if cfg.hybrid is not None:  # glm5_next: fp32 indexer key + KPool gate logit per token (splash.models.kpool)
-        latent = _PLAIN_BYTES[kv_dtype] * (dc + dr) if kv_dtype in _PLAIN_BYTES else (
-            dc + 4 * math.ceil(dc / QUANT_GROUP) + 2 * dr)
-        return latent + 8 * di
-    keys = layer_has_indexer_keys(cfg, layer)
+    keys = index_vectors(cfg) if layer_has_indexer_keys(cfg, layer) else 0
     if kv_dtype in _PLAIN_BYTES:
         elem = _PLAIN_BYTES[kv_dtype]
-        return elem * (dc + dr) + (elem * di if keys else 0)
+        return elem * (dc + dr) + keys * elem * di
     latent = dc + 4 * math.ceil(dc / QUANT_GROUP) + 2 * dr
-    return latent + (di + 4 * math.ceil(di / QUANT_GROUP) if keys else 0)
+    return latent + keys * (di + 4 * math.ceil(di / QUANT_GROUP))
 
 
 def projection_params(cfg: ModelConfig) -> int:
@@ -83,13 +93,6 @@ def projection_params(cfg: ModelConfig) -> int:
     return q_b + kv_b + o
 
 
-def paged_layers(cfg: ModelConfig) -> int:
-    """Layers holding paged KV: every layer, except a hybrid model's KDA layers (per-request state instead)."""
-    if cfg.hybrid is None:
-        return cfg.num_hidden_layers
-    return cfg.num_hidden_layers - len(cfg.hybrid.linear_layers())
-
-
 def linear_projection_params(cfg: ModelConfig) -> int:
     """Head-shardable parameters of one KDA layer: q/k/v, conv taps, f_b, dt_bias, A_log, b, g_b, O."""
     hy = cfg.hybrid
@@ -97,12 +100,23 @@ def linear_projection_params(cfg: ModelConfig) -> int:
     return H * d * (3 * hid + 3 * hy.linear_conv_kernel_dim + 2 * d + 1 + hid) + H * (1 + hid)
 
 
-def _projection_total(cfg: ModelConfig) -> float:
-    """Shardable parameters over all layers: Q-B/KV-B/O of MLA layers (+ KDA projections of KDA layers)."""
+def linear_projection_bytes(cfg: ModelConfig, weight_bytes: float) -> float:
+    """Stored bytes of one KDA layer's head-shardable weights, all heads (what a sharded→replicated switch
+    gathers, splash.switching.state_transfer): conv taps, dt_bias and A_log in fp32, the rest (q/k/v, f_b, b,
+    g_b, O) at `weight_bytes` per element (splash.models.kda)."""
+    hy = cfg.hybrid
+    H, d = hy.linear_num_heads, hy.linear_head_dim
+    fp32 = H * d * (3 * hy.linear_conv_kernel_dim + 1) + H
+    return (linear_projection_params(cfg) - fp32) * weight_bytes + 4 * fp32
+
+
+def _projection_total(cfg: ModelConfig, weight_bytes: float) -> float:
+    """Shardable bytes over all layers: Q-B/KV-B/O of MLA layers (+ KDA projections of KDA layers)."""
     if cfg.hybrid is None:
-        return projection_params(cfg) * cfg.num_hidden_layers
+        return projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
     n_lin = len(cfg.hybrid.linear_layers())
-    return projection_params(cfg) * (cfg.num_hidden_layers - n_lin) + linear_projection_params(cfg) * n_lin
+    return (projection_params(cfg) * weight_bytes * (cfg.num_hidden_layers - n_lin)
+            + linear_projection_bytes(cfg, weight_bytes) * n_lin)
 
 
 def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) -> int:
@@ -134,7 +148,8 @@ def _indexer_params(cfg: ModelConfig) -> int:
         return 0
     q_in = cfg.q_lora_rank if cfg.q_lora_rank else cfg.hidden_size
     hid, ih, idim = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
-    return q_in * ih * idim + hid * idim + 2 * idim + hid * ih
+    kpool = cfg.hybrid.index_kpool * idim + idim * hid if cfg.hybrid is not None else 0  # KPool ape + gate
+    return q_in * ih * idim + hid * idim + 2 * idim + hid * ih + kpool
 
 
 def _ffn_params(cfg: ModelConfig, layer: int) -> int:
@@ -186,7 +201,7 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
     if weight_quant is not None:
         return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
                                           weight_quant) for r in range(world)) * cfg.num_hidden_layers
-    total = _projection_total(cfg) * weight_bytes
+    total = _projection_total(cfg, weight_bytes)
     return total / world if layout.shards_projections else total
 
 
@@ -207,9 +222,7 @@ def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str,
 
 
 def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int) -> int:
-    """Bytes of one paged-cache block over all layers."""
-    if cfg.hybrid is not None:   # KDA layers hold per-request state, not paged KV
-        return kv_bytes_per_token_layer(cfg, kv_dtype) * block_size * paged_layers(cfg)
+    """Bytes of one paged-cache block over all layers (a hybrid model's KDA layers hold none)."""
     return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i) for i in range(cfg.num_hidden_layers))
 
 

@@ -1,8 +1,10 @@
 """Set up a ModelRunner for a hybrid (glm5_next) model: weights, MLA + indexer pools, per-request KDA state.
 
-Only MLA layers own paged KV: the latent pool (in the layout's KV dtype) and the indexer-key pool (keys + pool
-gate logits, fp32 in every layout, same slots as the latent) have one layer per MLA layer (``mla_index`` maps a model layer to it); KDA layers keep
-per-request state (``linear_index`` maps a model layer to its row in splash.kv.recurrent.RecurrentStates).
+Only MLA layers own paged KV: one pool layer per MLA layer (``mla_index`` maps a model layer to it) holding the
+latent (no rope key: NoPE) and, in layers with a full indexer, the KPool vectors per token (indexer key + pool
+gate logits, ``index_parts`` = 2), all in the layout's KV dtype form (FP8/INT8 + an fp32 scale per 128 under a
+quantised KV dtype, as DSA's indexer keys); KDA layers keep per-request state (``linear_index`` maps a model
+layer to its row in splash.kv.recurrent.RecurrentStates).
 """
 from __future__ import annotations
 
@@ -28,9 +30,8 @@ def setup_hybrid(r, get, num_blocks: int) -> None:
     r.weight_quant = getattr(mla[0].q_b, "fmt", None) if mla else None  # "fp8"/"int8": stored quantised
     r.model = Glm5NextModel(cfg, r.weights, r.comm)
     r.mla_index, r.linear_index = layer_maps(cfg)
-    n_mla = len(r.mla_index)
-    r.cache = PagedLatentCache(n_mla, num_blocks, r.block_size, cfg.kv_lora_rank, 0, r.kv_dtype, device=r.device)
-    r.index_cache = PagedLatentCache(n_mla, num_blocks, r.block_size, cfg.index_head_dim, cfg.index_head_dim,
-                                     "float32", device=r.device)
+    indexed = [j for layer, j in r.mla_index.items() if hy.indexer_types[layer] == "full"]
+    r.cache = PagedLatentCache(len(r.mla_index), num_blocks, r.block_size, cfg.kv_lora_rank, 0, r.kv_dtype,
+                               device=r.device, index_dim=cfg.index_head_dim, index_layers=indexed, index_parts=2)
     r.states = RecurrentStates(len(r.linear_index), state_width(hy.linear_head_dim, hy.linear_conv_kernel_dim),
                                r.device)

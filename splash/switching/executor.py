@@ -97,15 +97,12 @@ class SwitchExecutor:
         return self.r.cfg.is_linear_layer(layer)
 
     def _pools(self, layer: int) -> list[tuple]:
-        """(pool, pool layer) pairs holding `layer`'s per-block state: the latent KV (and, for hybrid models,
-        the indexer keys beside it, same blocks); none for a KDA layer."""
+        """(pool, pool layer) pairs holding `layer`'s per-block state (latent KV, scales and indexer keys in the
+        same blocks); none for a hybrid model's KDA layer."""
         r = self.r
         if r.cfg.hybrid is None:
             return [(r.cache, layer)]
-        if self._linear(layer):
-            return []
-        cl = r.mla_index[layer]
-        return [(r.cache, cl), (r.index_cache, cl)]
+        return [] if self._linear(layer) else [(r.cache, r.mla_index[layer])]
 
     def _slice(self, layer: int, w, heads: range):
         if self._linear(layer):
@@ -176,7 +173,7 @@ class SwitchExecutor:
         layer's tensors change, so other layers' transfers may be in flight)."""
         if layer in self.to_convert:
             self.to_convert.discard(layer)
-            for pool, cl in self._pools(layer)[:1]:  # the latent pool (hybrid indexer keys stay fp32)
+            for pool, cl in self._pools(layer):
                 pool.convert_layer(cl, self.m.dst_kv_dtype, self.held)
 
     def before_layer(self, layer: int) -> None:

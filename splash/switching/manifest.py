@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.memory import (kv_bytes_per_token_layer, projection_params, projection_recv_bytes,
-                                   projection_shard_bytes, switch_receive_bytes)
+from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_projection_bytes,
+                                   projection_params, projection_recv_bytes, projection_shard_bytes,
+                                   switch_receive_bytes)
 from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, kv_holders, num_blocks,
                                       rebalance_owners)
 from splash.models.config import ModelConfig
@@ -97,7 +98,7 @@ class Manifest:
     keep: tuple[tuple[tuple[str, int], ...], ...]     # per rank: (req, block) held and still needed
     discard: tuple[tuple[tuple[str, int], ...], ...]  # per rank: (req, block) held and no longer needed
     kv_block_bytes_layer: int  # one block of the widest layer (DSA: a GLM "shared" layer has no indexer keys, so
-    # per-layer KV bytes and their totals are exact when every layer runs its indexer, else an upper bound)
+    # the per-layer KV bytes are exact when every layer runs its indexer, else an upper bound; totals are exact)
     weight_recv_bytes: tuple[float, ...]
     weight_sent_bytes: tuple[float, ...]
     kv_recv_bytes: tuple[int, ...]
@@ -110,6 +111,13 @@ class Manifest:
     src_owners: tuple[tuple[str, int], ...] = ()
     state_moves: tuple[StateMove, ...] = ()
     state_bytes_per_head: int = 0     # one head of one request over every KDA layer
+    # totals over every layer, exact per rank (the ``total_`` figures): KV only in the layers holding paged KV (a
+    # hybrid model's MLA layers; indexer keys only where an indexer runs), projections per layer kind (hybrid:
+    # Q-B/KV-B/O of MLA layers, KDA projections of KDA layers); the KDA state moved is ``state_recv_bytes``
+    kv_recv_total: tuple[int, ...] = ()
+    kv_sent_total: tuple[int, ...] = ()
+    weight_recv_total: tuple[float, ...] = ()
+    weight_sent_total: tuple[float, ...] = ()
 
     def src_heads_of(self, req: str, rank: int, held: int | None = None) -> range:
         """KDA heads of `req` that `rank` holds in the source layout."""
@@ -134,21 +142,37 @@ class Manifest:
     def owners(self) -> dict[str, int]:
         return dict(self.dst_owners)
 
+    def _state_bytes(self, recv: bool) -> tuple[int, ...]:
+        out = [0] * self.world
+        for mv in self.state_moves:
+            out[mv.dst_rank if recv else mv.src_rank] += (mv.h1 - mv.h0) * self.state_bytes_per_head
+        return tuple(out)
+
+    @property
+    def state_recv_bytes(self) -> tuple[int, ...]:
+        """Per-request KDA state each rank receives (hybrid models; every KDA layer)."""
+        return self._state_bytes(recv=True)
+
+    @property
+    def state_sent_bytes(self) -> tuple[int, ...]:
+        return self._state_bytes(recv=False)
+
     @property
     def total_weight_recv_bytes(self) -> tuple[float, ...]:
-        return tuple(b * self.num_layers for b in self.weight_recv_bytes)
+        return self.weight_recv_total
 
     @property
     def total_kv_recv_bytes(self) -> tuple[int, ...]:
-        return tuple(b * self.num_layers for b in self.kv_recv_bytes)
+        return self.kv_recv_total
 
     @property
     def total_recv_bytes(self) -> tuple[float, ...]:
-        return tuple((w + k) * self.num_layers for w, k in zip(self.weight_recv_bytes, self.kv_recv_bytes))
+        """Every byte each rank receives in the switch: projections + KV blocks + KDA state, all layers."""
+        return tuple(w + k + s for w, k, s in zip(self.weight_recv_total, self.kv_recv_total, self.state_recv_bytes))
 
     @property
     def total_sent_bytes(self) -> tuple[float, ...]:
-        return tuple((w + k) * self.num_layers for w, k in zip(self.weight_sent_bytes, self.kv_sent_bytes))
+        return tuple(w + k + s for w, k, s in zip(self.weight_sent_total, self.kv_sent_total, self.state_sent_bytes))
 
     def describe(self) -> str:
         mib = 1 << 20
@@ -305,20 +329,41 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
     owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
     moves, keep, discard = _plan_blocks(src, dst, world, requests, owners, block_size)
     blk = kv_bytes_per_token_layer(cfg, src_kv) * block_size  # moves happen before conversion
-    kv_recv, kv_sent = [0] * world, [0] * world
+    blk_all = kv_block_bytes(cfg, src_kv, block_size)         # every layer holding paged KV
+    n_recv, n_sent = [0] * world, [0] * world
     for m in moves:
-        kv_recv[m.dst_rank] += blk
-        kv_sent[m.src_rank] += blk
+        n_recv[m.dst_rank] += 1
+        n_sent[m.src_rank] += 1
     w_recv, w_sent = _weight_bytes_per_rank(cfg, src, dst, world, weight_bytes, weight_quant)
     hybrid = _hybrid_fields(cfg, src, dst, world, requests, owners)
     acts = _actions(cfg, src, dst, moves, src_kv != dst_kv)
     if hybrid:
         acts += (("recurrent_state", ALL_TO_ALL if hybrid["state_moves"] else KEEP),)
+    w_recv_all, w_sent_all = _weight_totals(cfg, src, dst, world, weight_bytes, w_recv, w_sent)
     return Manifest(src, dst, world, cfg.num_hidden_layers, acts,
                     tuple(sorted(owners.items())), tuple(moves),
                     tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,
-                    tuple(w_recv), tuple(w_sent), tuple(kv_recv), tuple(kv_sent), src_kv, dst_kv,
-                    kv_bytes_per_token_layer(cfg, dst_kv) * block_size, **hybrid)
+                    tuple(w_recv), tuple(w_sent), tuple(n * blk for n in n_recv), tuple(n * blk for n in n_sent),
+                    src_kv, dst_kv, kv_bytes_per_token_layer(cfg, dst_kv) * block_size, **hybrid,
+                    kv_recv_total=tuple(n * blk_all for n in n_recv), kv_sent_total=tuple(n * blk_all for n in n_sent),
+                    weight_recv_total=w_recv_all, weight_sent_total=w_sent_all)
+
+
+def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
+                   w_recv: list[float], w_sent: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Projection bytes per rank over every layer: the per-layer MLA figures × the MLA layers, plus (hybrid
+    models) the KDA projections gathered in the same directions, each rank's head shard as stored."""
+    if cfg.hybrid is None:
+        L = cfg.num_hidden_layers
+        return tuple(w * L for w in w_recv), tuple(w * L for w in w_sent)
+    n_lin = len(cfg.hybrid.linear_layers())
+    n_mla = cfg.num_hidden_layers - n_lin
+    recv, sent = [w * n_mla for w in w_recv], [w * n_mla for w in w_sent]
+    if weight_action(src, dst) == ALL_GATHER:  # every rank sends its shard to the others, receives theirs
+        shard = linear_projection_bytes(cfg, weight_bytes) / world * n_lin
+        recv = [w + shard * (world - 1) for w in recv]
+        sent = [w + shard * (world - 1) for w in sent]
+    return tuple(recv), tuple(sent)
 
 
 def _hybrid_fields(cfg: ModelConfig, src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],

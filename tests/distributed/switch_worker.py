@@ -17,6 +17,8 @@ env: SPLASH_TEST_LAYOUTS (layouts to switch between), SPLASH_TEST_DIRECTIONS ("s
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import random
 import sys
@@ -151,9 +153,41 @@ def full_states(llm: LLM) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def count_bytes(comm):
+    """Within the block, count the bytes this rank sends to and receives from the other ranks through `comm`'s
+    nonblocking collectives (what a switch moves state with)."""
+    seen = {"sent": 0, "recv": 0}
+    to_all, gather, me = comm.iall_to_allv, comm.iall_gatherv, comm.rank
+
+    def counted_to_all(t, send_counts, recv_counts=None):
+        row = t.element_size() * math.prod(t.shape[1:])
+        seen["sent"] += row * (sum(send_counts) - send_counts[me])
+        seen["recv"] += row * (sum(recv_counts) - recv_counts[me])
+        return to_all(t, send_counts, recv_counts)
+
+    def counted_gather(t, counts=None):
+        h = gather(t, counts)
+        seen["sent"] += t.numel() * t.element_size() * (comm.size - 1)
+        wait = h.wait
+
+        def waited():
+            out = wait()
+            seen["recv"] += (out.numel() - t.numel()) * out.element_size()
+            return out
+        h.wait = waited
+        return h
+    comm.iall_to_allv, comm.iall_gatherv = counted_to_all, counted_gather
+    try:
+        yield seen
+    finally:
+        comm.iall_to_allv, comm.iall_gatherv = to_all, gather
+
+
 def states(model_dir, ref, rank_print) -> None:
     """Per-request KDA state after a switch (no step in between) equals the state before it, byte for byte;
-    it is held where the destination layout says; the switch leaves no block behind."""
+    it is held where the destination layout says; the switch leaves no block behind; the bytes it sends and
+    receives on each rank (KV blocks of the MLA layers, projections, KDA state) are the manifest's totals."""
     from splash.attention.batch import StepBatch, StepRequest
     from splash.switching.executor import SwitchExecutor
     from splash.switching.manifest import ReqState, plan_switch
@@ -171,7 +205,11 @@ def states(model_dir, ref, rank_print) -> None:
                 before = full_states(llm)
                 m = plan_switch(src, dst, r.cfg, world, {q.req_id: ReqState(q.num_new, q.owner, None) for q in reqs},
                                 r.block_size, 4, r.kv_dtype)
-                r.step(None, SwitchExecutor(r, m, mode))
+                with count_bytes(r.comm) as seen:
+                    r.step(None, SwitchExecutor(r, m, mode))
+                me = r.comm.rank  # KDA projection shares are float figures: compare whole bytes
+                want = {"sent": round(m.total_sent_bytes[me]), "recv": round(m.total_recv_bytes[me])}
+                assert seen == want, f"{src}->{dst} {mode}: rank {me} moved {seen}, manifest {want}"
                 after = full_states(llm)
                 assert before.keys() == after.keys()
                 for k in before:
@@ -179,7 +217,7 @@ def states(model_dir, ref, rank_print) -> None:
                 for q in reqs:
                     r.release(q.req_id)
                 check_free(llm, f"state {src}->{dst}")
-                rank_print(f"state {src}->{dst} {mode} OK")
+                rank_print(f"state {src}->{dst} {mode} OK ({seen['recv']} B received)")
 
 
 def chain(model_dir, ref, kv_dtype, rank_print) -> None:

@@ -4,9 +4,11 @@ chunked prefill mixed with decode, requests finishing mid-batch, and ranks that 
 
 Parametrised by architecture: the DSA models (DeepSeek-V3.2, GLM-5.x with a shared indexer layer, top-k 8 below
 the context) run a lighter batch, 32 greedy tokens, under -n 2 and -n 4 (one rank: tests/test_dsa_vs_hf.py);
-GLM-5.3-Flash (Glm5NextForConditionalGeneration's text model, index_topk below the contexts) a smaller batch
-(transformers' KDA fallback makes its reference slow) under -n 1/2/4. Tokens are compared with transformers'
-cached generate (see test_dsa_vs_hf for why that is like with like)."""
+GLM-5.3-Flash (Glm5NextForConditionalGeneration's text model, index_topk below the contexts, the KPool selection
+active from the third pool on) a smaller batch, 32 greedy tokens, under -n 2 and -n 4 (one rank:
+tests/test_glm5_next.py; transformers' KDA fallback makes its reference slow, so each prompt is generated only
+as far as the engine runs it). Tokens are compared with transformers' cached generate (see test_dsa_vs_hf for
+why that is like with like)."""
 from __future__ import annotations
 
 import sys
@@ -36,8 +38,13 @@ ARCH_CASES = {
     "deepseek_v32": (_deepseek("v32_sparse"), load_hf, ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
     "glm_moe_dsa": (_deepseek("glm_sparse"), load_hf, ([5, 19, 1], [32, 7, 32]), ([9], [32]), 32, [2, 4]),
     "glm5_next": (lambda d: make_tiny_glm5_next(d, **GLM_VARIANTS["topk_low"]), load_hf_glm5_next,
-                  ([3, 17, 30, 1], [16, 5, 16, 9]), ([21], [16]), 16, [1, 2, 4]),
+                  ([3, 17, 30, 1], [32, 5, 32, 9]), ([21], [8]), 32, [2, 4]),
 }
+
+
+def _greedy(hf, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """transformers' greedy tokens, each prompt as many as the engine generates for it (its max_tokens)."""
+    return [hf_greedy(hf, [p], m)[0] for p, m in zip(prompts, max_tokens)]
 
 
 @pytest.fixture(scope="module", params=sorted(ARCH_CASES))
@@ -50,8 +57,9 @@ def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
     prompts_a = random_prompts(len_a, seed=1)
     prompts_b = random_prompts(len_b, seed=2)
     probe = random_prompts([13], seed=3)[0]
-    ref = {"prompts_a": prompts_a, "max_tokens_a": max_a, "tokens_a": hf_greedy(hf, prompts_a, steps),
-           "prompts_b": prompts_b, "max_tokens_b": max_b, "tokens_b": hf_greedy(hf, prompts_b, steps),
+    assert max(max_a) == steps  # the longest request runs `steps` greedy steps; each prompt only its own max_tokens
+    ref = {"prompts_a": prompts_a, "max_tokens_a": max_a, "tokens_a": _greedy(hf, prompts_a, max_a),
+           "prompts_b": prompts_b, "max_tokens_b": max_b, "tokens_b": _greedy(hf, prompts_b, max_b),
            "probe": probe, "probe_logits": hf_logits(hf, probe)}
     torch.save(ref, d / "ref.pt")
     return arch, model_dir, d / "ref.pt"

@@ -6,12 +6,14 @@
     o_latent, lse = kernel.run(layer, q_latent, q_rope, cache)   # per layer
 
 `q_latent` [N, H, d_c] and `q_rope` [N, H, d_r] are the absorbed queries of the metadata's rows (any number of
-heads H); `cache` is the rank's `PagedLatentCache`, read in place through the page table in any of its formats
-(fp32, bf16, fp8_e4m3 and int8 with per-token per-128-group scales, dequantised inside the kernel). Returns the
-latent output õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, õ = 0 for a row that sees no key
-here), so CP's and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode
-rows go in one call. A kernel whose native LSE is base 2 converts inside its wrapper. A DSA layer whose rows
-have a top-k selection (`meta.sparse[layer]`, splash.attention.dsa) attends only the selected slots.
+heads H; d_r = 0 for a NoPE model such as GLM-5.3-Flash, whose pool stores a zero-width rope key); `cache` is
+the rank's `PagedLatentCache`, read in place through the page table in any of its formats (fp32, bf16, fp8_e4m3
+and int8 with per-token per-128-group scales, dequantised inside the kernel). Returns the latent output
+õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, õ = 0 for a row that sees no key here), so CP's
+and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode rows go in one
+call. A kernel whose native LSE is base 2 converts inside its wrapper. A DSA layer whose rows have a top-k
+selection (`meta.sparse[layer]`: DeepSeek-V3.2 / GLM-5.x by splash.attention.dsa, GLM-5.3-Flash's KPool pools
+by splash.attention.kpool) attends only the selected slots, in every kernel.
 
 The vendor kernels (flashinfer, aiter) live with their backends (backends/cuda, backends/hip) and are imported
 only when named; where a layer or step is outside their limits they run our Triton kernel instead

@@ -12,6 +12,8 @@ d_c] and kpe [blocks, page, d_r] in separate tensors. Where a vendor kernel diff
   per-tensor scale, SM90 only; AITER a per-tensor scale), so quantised layers run our Triton kernel, which
   dequantises in place. So do CP steps (a rank's pages are every T-th block: the vendors' causal masks assume
   contiguous positions) and shapes outside a vendor's limits (`Fallback` records why, once per reason).
+- Sparse layers (a top-k selection in `meta.sparse[layer]`: DSA, KPool): neither vendor path takes our selection
+  of slots, so such a layer runs our Triton kernel's sparse path too.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import math
 import torch
 
 LN2 = math.log(2.0)
+SPARSE_REASON = "a top-k selection of slots (DSA / KPool layer): the vendor path attends every page"
 _log = logging.getLogger("splash.attention")
 
 

@@ -217,4 +217,4 @@ def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype):
         raw = ckv
         ckv = quant.dequantize(ckv, cache.scale[layer].index_select(0, flat))
     bs = ckv.shape[1]
-    return (ckv.reshape(a, c * bs, -1).to(dt), kpe.reshape(a, c * bs, -1).to(dt), raw)
+    return (ckv.reshape(a, c * bs, -1).to(dt), kpe.reshape(a, c * bs, kpe.shape[-1]).to(dt), raw)  # d_r may be 0
