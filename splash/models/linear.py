@@ -65,14 +65,12 @@ def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor
     -> each group @ stack[e]ᵀ, [n, out], experts without rows skipped.
 
     A plain stack on CPU goes through one `torch._grouped_mm` call (one C++ loop of the same GEMMs: results
-    identical to per-expert matmuls, without a Python call, slice and transpose per expert); bf16 without bf16
-    units multiplies in fp32 as `_mm` does. Quantised stacks (dequantised per used expert) and other devices
-    loop over the experts that have rows."""
-    if isinstance(stack, torch.Tensor) and x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
-        offs = counts.cumsum(0).to(torch.int32)
-        if x.dtype == torch.bfloat16 and not bf16_units():
-            return torch._grouped_mm(x.float(), stack.float().transpose(1, 2), offs=offs).to(torch.bfloat16)
-        return torch._grouped_mm(x, stack.transpose(1, 2), offs=offs)
+    identical to per-expert matmuls, without a Python call, slice and transpose per expert). Quantised stacks
+    (dequantised per used expert), bf16 on a CPU without bf16 units (upcast per used expert, as `_mm` does) and
+    other devices loop over the experts that have rows."""
+    upcast = x.dtype == torch.bfloat16 and not bf16_units()
+    if isinstance(stack, torch.Tensor) and x.device.type == "cpu" and not upcast and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, stack.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
     out, start = [], 0
     for e, c in enumerate(counts.tolist()):
         if c:
