@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from splash.models.config import ModelConfig
-from splash.models.linear import expert_linear, linear
+from splash.models.linear import grouped_linear, linear
 from splash.models.weights import MLPWeights, MoEWeights
 
 
@@ -48,26 +48,18 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """Token rows are grouped by expert once; each expert multiplies a contiguous slice (two GEMMs per expert,
-    the activation runs once over all rows) and one index_add scatters the weighted results back."""
+    """Token rows are sorted by expert once; the experts' two GEMMs each run as one grouped call over the sorted
+    rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
+    index_add scatters the weighted results back."""
     idx, weights = route(cfg, w, x)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=cfg.n_routed_experts).tolist()
+    counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
     tok = order // cfg.num_experts_per_tok
     xs = x.index_select(0, tok)
     inter = w.down.shape[-1]
-    spans = []
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            spans.append((e, start, start + c))
-            start += c
-    if not spans:  # no rows
-        return mlp(w.shared, x, limit) if w.shared is not None else torch.zeros_like(x)
-    h = torch.cat([expert_linear(xs[s:t], w.gate_up, e) for e, s, t in spans])
-    act = _swiglu(h, inter, limit)
-    ys = torch.cat([expert_linear(act[s:t], w.down, e) for e, s, t in spans])
+    act = _swiglu(grouped_linear(xs, w.gate_up, counts), inter, limit)
+    ys = grouped_linear(act, w.down, counts)
     ys.mul_(weights.reshape(-1).index_select(0, order)[:, None].to(ys.dtype))
     out = torch.zeros_like(x).index_add_(0, tok, ys)
     if w.shared is not None:
