@@ -30,22 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (tests)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="statistic of the repetitions (min: robust to other processes on a shared host)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="wall",
+                        help="clock of the one-rank microbenchmarks (GEMM, bandwidth, attention, ops): cpu = the "
+                             "thread's CPU time, which time spent descheduled by other processes does not inflate "
+                             "(a loaded shared host); collectives are always timed by the wall clock")
 
 
-STAT = {"fn": statistics.median}
+STAT = {"fn": statistics.median, "clock": time.perf_counter}
 
 
-def _timeit(fn, reps: int, warm: int = 2, pre=None) -> float:
+def _timeit(fn, reps: int, warm: int = 2, pre=None, clock=None, stat=None) -> float:
+    clock, stat = clock or STAT["clock"], stat or STAT["fn"]
     for _ in range(warm):
         fn()
     ts = []
     for _ in range(reps):
         if pre is not None:
             pre()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        ts.append(time.perf_counter() - t0)
-    return STAT["fn"](ts)
+        ts.append(clock() - t0)
+    return stat(ts)
 
 
 def op_overhead(reps: int) -> float:
@@ -71,6 +76,29 @@ def gemm_rates(cfg, reps: int) -> dict[str, float]:
             rates.append(2.0 * 1024 * k * n / t)
         out[name] = statistics.median(rates)
     return out
+
+
+GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 2048)  # decode batches and prefill chunk sizes a step runs
+
+
+def gemm_row_rates(cfg, reps: int) -> dict[str, dict[int, float]]:
+    """float32 GEMM rate per row count over the model's shapes (median over shapes): decode steps run B rows,
+    prefill steps a chunk's; the weights stay hot here, so this is the compute side of the roofline."""
+    import torch
+    shapes = _model_shapes(cfg)
+    out = {}
+    for rows in GEMM_ROWS:
+        rates = []
+        for k, n in shapes:
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            inner = max(1, 2048 // rows)   # enough work per timing for the clock
+
+            def run():
+                for _ in range(inner):
+                    x @ w.T
+            rates.append(2.0 * rows * k * n * inner / _timeit(run, reps))
+        out[rows] = statistics.median(rates)
+    return {"float32": out}
 
 
 def _model_shapes(cfg) -> list[tuple[int, int]]:
@@ -119,15 +147,19 @@ def alloc_rate(reps: int) -> float:
     return 1.0 / max(t_big - t_small, t_big * 0.05)
 
 
-def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
-    """A callable running this checkout's attention for B decode rows over ``s`` resident keys with ``h`` heads,
-    and the kernel's scratch bound (0: the gather-based path, whose temporaries are unbounded)."""
+def _attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, layers: int = 2):
+    """A callable running this checkout's attention for B requests with ``q`` query rows each (1: decode; more: a
+    prefill chunk ending at position ``s``) over ``s`` resident keys with ``h`` heads, over ``layers`` layers
+    (distinct caches, as a step walks them), and the kernel's scratch bound (0: the gather-based path)."""
     import torch
     dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nb = -(-s // block_size)
     from splash.kv.paged_cache import PagedLatentCache
-    cache = PagedLatentCache(1, b * nb + 1, block_size, dc, dr, "float32")
-    q = torch.randn(b, h, dc + dr)
+    cache = PagedLatentCache(layers, b * nb + 1, block_size, dc, dr, "float32")
+    for layer in range(layers):
+        cache.ckv[layer].normal_()
+        cache.kpe[layer].normal_()
+    qs = torch.randn(b * q, h, dc + dr)
     try:
         from splash.attention.kernels import make_kernel  # paged attention, reads the cache in place
     except ImportError:
@@ -136,8 +168,9 @@ def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
         valid = torch.ones(b, 1, s, dtype=torch.bool)
 
         def gather_run():
-            c, kpe = cache.read(0, slots)
-            attend_latent(q, c, kpe, valid, 0.1)
+            for layer in range(layers):
+                c, kpe = cache.read(layer, slots)
+                attend_latent(qs, c, kpe, valid, 0.1)
         return gather_run, 0
     from splash.attention.batch import StepRequest
     from splash.attention.kernels import torch_mla
@@ -147,33 +180,82 @@ def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
     for i in range(b):
         tables.append(f"r{i}", [(j, i * nb + j) for j in range(nb)])
     kernel = make_kernel("torch", 0.1)
-    kernel.plan(build_metadata([StepRequest(f"r{i}", s - 1, 1, 0) for i in range(b)], tables))
-    return (lambda: kernel.run(0, q[..., :dc], q[..., dc:], cache)), torch_mla.SCRATCH_BYTES
+    meta = build_metadata([StepRequest(f"r{i}", s - q, q, 0) for i in range(b)], tables)
+
+    def run():
+        kernel.plan(meta)
+        for layer in range(layers):
+            kernel.run(layer, qs[..., :dc], qs[..., dc:], cache)
+    return run, torch_mla.SCRATCH_BYTES
 
 
-def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, float, dict]:
-    """Time this checkout's attention over shapes; nonnegative least squares (weighted) of
-    t = kv_bytes/BW + flops/R + big-temporary bytes/alloc rate + per-call seconds. Returns (BW, R, per-call,
-    the kernel's scratch bound, alloc rate (the probe's ``alloc`` when the fit drops that term), notes)."""
+def cache_share_bytes(world: int) -> float:
+    """The last-level cache of this CPU (sysfs) divided among the ``world`` ranks that share it (one host)."""
+    from pathlib import Path
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+            level = int((d / "level").read_text())
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        n = int(size.rstrip("KMG")) * mult
+        if level >= 3 or best == 0:
+            best = max(best, n) if level >= 3 else n
+    return float(best) / max(1, world)
+
+
+ATTN_POINTS = ([(b, s, 1) for b in (1, 4, 16, 32) for s in (256, 1024, 2048, 4096) if b * s <= 65536]
+               + [(1, s, q) for q in (128, 512) for s in (1024, 2048) if q < s])
+
+
+def attention_features(cfg, block_size: int, scratch: float, cache: float, b: int, s: int, q: int, h: int):
+    """What the cost model counts for this attention call (splash.costmodel.work): [KV bytes, FLOPs, spilled
+    re-read bytes, multi-chunk merge bytes, ops] for the layers timed together."""
+    from splash.costmodel.work import Piece, Shapes, Work, _attention
+    s_ = Shapes(cfg, 1, 4.0, 4.0, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4.0, 0.0, block_size, scratch, cache)
+    w = Work()
+    nb = -(-s // block_size)
+    _attention(s_, w, [(Piece(q, s - q, 0), s, nb) for _ in range(b)], h)
+    return [w.kv_bytes, w.attn_flops, w.attn_spill_bytes, w.attn_merge_bytes, w.ops]
+
+
+def attention_fit(cfg, alloc: float, block_size: int, reps: int, world: int, op_s: float
+                  ) -> tuple[float, float, float, int, float, dict]:
+    """Time this checkout's attention over decode and prefill shapes (2 layers a call, plan included); fit
+    t − ops × op cost = kv_bytes/BW + flops/R + spilled bytes/spill rate + merge bytes/merge rate + per call
+    (nonnegative, weighted least squares), the features counted by the cost model itself. Returns (BW, R,
+    per-call, the kernel's scratch bound, alloc rate, notes with the spill and merge rates and cache share)."""
     from splash.costmodel.work import _attn_temps
     dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
-    points = [(b, s, h) for b in (1, 4, 16, 32) for s in (256, 1024, 4096) for h in (max(1, H // 2), H)
-              if b * s <= 65536]
+    layers = 2
+    cache = cache_share_bytes(world)
     rows, ys, scratch = [], [], 0
-    for b, s, h in points:
-        run, scratch = _attention_call(cfg, block_size, b, s, h)
-        t = _timeit(run, reps if b * s < 32768 else 3)
-        big = 0.0 if scratch else sum(x for x in _attn_temps(b, 1, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
-        rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), big, 1.0])
-        ys.append(max(t, 1e-7))
+    for b, s, q in ATTN_POINTS:
+        for h in (max(1, H // 2), H):
+            run, scratch = _attention_call(cfg, block_size, b, s, h, q, layers)
+            t = _timeit(run, reps if b * s * q < 32768 else 3, warm=1)
+            if scratch:
+                kv, fl, spill, merge, ops = attention_features(cfg, block_size, scratch, cache, b, s, q, h)
+                rows.append([layers * kv, layers * fl, layers * spill, layers * merge, 0.0, 1.0])
+                t -= layers * ops * op_s
+            else:
+                big = sum(x for x in _attn_temps(b, q, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
+                rows.append([layers * b * s * (dc + dr) * 4.0, layers * 2.0 * b * q * h * s * (2 * dc + dr), 0.0, 0.0,
+                             layers * big, 1.0])
+            ys.append(max(t, 1e-7))
     a, y = np.array(rows), np.array(ys)
-    sol = nonneg_rel_lstsq(a, y)  # fresh-page cost fitted with the rest: its own probe is noisy under load
+    sol = nonneg_rel_lstsq(a, y)
     err = float(np.median(np.abs(a @ sol - y) / y))
-    inv_bw, inv_r, inv_alloc, call = (float(v) for v in sol)
+    inv_bw, inv_r, inv_spill, inv_merge, inv_alloc, call = (float(v) for v in sol)
     if inv_alloc > 0:
         alloc = 1.0 / inv_alloc
-    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch, alloc,
-            {"attention_fit_median_rel_err": round(err, 4)})
+    rate = lambda inv: 1.0 / inv if inv > 0 else 1e15  # noqa: E731  (a term the fit drops costs nothing)
+    notes = {"attention_fit_median_rel_err": round(err, 4),
+             "spill": rate(inv_spill), "merge": rate(inv_merge), "cache": cache if scratch else 0.0,
+             "rows": [list(map(float, r[:4])) + [float(v)] for r, v in zip(rows, ys)] if scratch else []}
+    return rate(inv_bw), rate(inv_r), call, scratch, alloc, notes
 
 
 def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -210,8 +292,9 @@ def plan_fit(cfg, block_size: int, reps: int) -> tuple[float, float]:
     return float(sol[0]), float(sol[1])
 
 
-def collective_fits(comm, reps: int) -> dict[str, dict[str, float]]:
-    """α, β per collective at this world size; bytes as the cost model counts them (see profile.Collective)."""
+def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, float]]:
+    """α, β per collective at this world size; bytes as the cost model counts them (see profile.Collective).
+    Wall clock (a collective waits for its peers); ``coll_stat`` of the repetitions (default: ``--stat``'s)."""
     import torch
     T = comm.size
     sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22]
@@ -230,7 +313,7 @@ def collective_fits(comm, reps: int) -> dict[str, dict[str, float]]:
             else:
                 t_in, f, counted = torch.ones(n), comm.broadcast, n * 4
 
-            ts = [_timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier)]
+            ts = [_timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier, clock=time.perf_counter, stat=coll_stat)]
             xs.append(counted)
             ys.append(max(comm.all_gather_obj(ts[0])))
         slope, alpha = np.polyfit(np.array(xs, dtype=float), np.array(ys), 1, w=1.0 / np.array(ys))
@@ -279,22 +362,30 @@ def measure(comm, args) -> dict:
     reps = 3 if args.quick else 9
     ov = op_overhead(reps)
     gemm = gemm_rates(cfg, reps)
+    gemm_rows = gemm_row_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps)
+    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps, args.world, ov)
     per_req, per_block = plan_fit(cfg, args.block_size, reps)
     return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
             "attn": attn_rate,
-            "fit": fit,
+            "fit": {"attention_fit_median_rel_err": fit["attention_fit_median_rel_err"]},
+            "spill": fit["spill"], "merge": fit["merge"], "cache": fit["cache"], "gemm_rows": gemm_rows,
+            "attn_rows": fit["rows"],
             "plan_request": per_req, "plan_block": per_block}
 
 
 def _median_over_ranks(comm, local: dict) -> dict:
     every = comm.all_gather_obj(local)
     med = lambda key: statistics.median(e[key] for e in every)  # noqa: E731
-    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call", "scratch")}
+    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call", "scratch",
+                               "spill", "merge", "cache")}
+    out["gemm_rows"] = {d: {r: statistics.median(e["gemm_rows"][d][r] for e in every) for r in t}
+                        for d, t in every[0]["gemm_rows"].items()}
     out["gemm"] = {d: statistics.median(e["gemm"][d] for e in every) for d in every[0]["gemm"]}
     out["fit"] = every[0]["fit"]
+    out["attn_rows"] = [[statistics.median(e["attn_rows"][i][j] for e in every) for j in range(5)]
+                        for i in range(len(every[0]["attn_rows"]))]
     return out
 
 
@@ -303,7 +394,8 @@ def build_profile(comm, args) -> dict:
     args.world = comm.size
     local = measure(comm, args)
     m = _median_over_ranks(comm, local)
-    colls = collective_fits(comm, 3 if args.quick else 7)
+    # on a loaded host (--clock cpu) the least-preempted repetition is the collective's own time: take the min
+    colls = collective_fits(comm, 3 if args.quick else 9, min if args.clock == "cpu" else None)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     raw = {
@@ -327,6 +419,10 @@ def build_profile(comm, args) -> dict:
         "attention_scratch_bytes": float(m["scratch"]),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
         "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),
+        "attention_merge_bytes_per_s": float(f"{m['merge']:.4g}"),
+        "attention_cache_bytes": float(m["cache"]),
+        "attention_spill_bytes_per_s": float(f"{m['spill']:.4g}"),
+        "gemm_rows_flops_per_s": {d: {r: float(f"{v:.4g}") for r, v in t.items()} for d, t in m["gemm_rows"].items()},
         "extra": {"world": comm.size, "tiny_op_s": float(f"{m['op']:.4g}"),
                   "attention_fit_call_s": float(f"{m['call']:.4g}"), **m["fit"]},
     }
@@ -335,7 +431,85 @@ def build_profile(comm, args) -> dict:
                                                                3 if args.quick else 9)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
+    if m["attn_rows"]:  # the split-KV kernel: refit its rates with the attention inside real steps
+        step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
+        every = comm.all_gather_obj(step_rows)
+        med = [[statistics.median(e[i][j] for e in every) for j in range(5)] for i in range(len(step_rows))]
+        raw = refit_attention(raw, m["attn_rows"] + med)
+    per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
+    raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
     return raw
+
+
+STEP_POINTS = ((1, 1024), (1, 4096), (4, 1024), (4, 4096), (8, 1024), (8, 2048), (16, 1024), (16, 2048),
+               (16, 4096), (32, 1024), (32, 2048))  # (B, context) of the in-step attention fit: both kernel modes
+
+
+def attention_step_rows(preset: str, partial: dict, block_size: int, reps: int) -> list[list[float]]:
+    """The attention as the real decode step runs it (one rank, all heads, KV resident; every rank measures at
+    once, as a step's ranks do): per point the step's measured time minus the cost model's prediction of all
+    its other stages, with the attention features the model counts — [KV bytes, FLOPs, spill, merge, seconds]."""
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.distributed.communicator import SingleRankCommunicator
+    from splash.models.presets import preset_config
+    cfg = preset_config(preset)
+    prof = profile_from_dict(partial, "calibrate (partial)")
+    cm = CostModel(cfg, 1, prof, "float32", "float32", block_size)
+    out = []
+    for b, ctx in STEP_POINTS:
+        st = DecodeState(SingleRankCommunicator(), preset, "tp", b, ctx, block_size)
+        for _ in range(2):
+            st.step(clock=STAT["clock"])
+        t = STAT["fn"]([st.step(clock=STAT["clock"]) for _ in range(reps)])
+        p = cm.step("tp", [RowLoad(1, ctx + 2 + reps // 2, 0) for _ in range(b)])
+        other = p.seconds - p.stages["attention"]
+        w = p.work["attention"]
+        L = cfg.num_hidden_layers
+        kv, fl, spill, merge = attention_features(cfg, block_size, prof.attention_scratch_bytes,
+                                                  prof.attention_cache_bytes, b, ctx + 2 + reps // 2, 1,
+                                                  cfg.num_attention_heads)[:4]
+        ops_s = (w["ops"] + 14 * w["attn_calls"]) * prof.op_overhead_s
+        out.append([L * kv, L * fl, L * spill, L * merge, max(t - other - ops_s, 1e-7)])
+    return out
+
+
+def refit_attention(raw: dict, rows: list[list[float]]) -> dict:
+    """KV rate, FLOP rate, spill and merge rates from the isolated kernel calls and the in-step points together."""
+    a = np.array([r[:4] + [1.0] for r in rows])
+    y = np.array([r[4] for r in rows])
+    sol = nonneg_rel_lstsq(a, y)
+    rate = lambda inv: float(f"{1.0 / inv:.4g}") if inv > 0 else 1e15  # noqa: E731
+    raw = dict(raw)
+    raw["kv_read_bytes_per_s"], raw["attention_flops_per_s"] = rate(sol[0]), rate(sol[1])
+    raw["attention_spill_bytes_per_s"], raw["attention_merge_bytes_per_s"] = rate(sol[2]), rate(sol[3])
+    raw["extra"] = {**raw["extra"], "attention_fit_call_s": float(f"{sol[4]:.4g}"),
+                    "attention_fit_median_rel_err": round(float(np.median(np.abs(a @ sol - y) / y)), 4),
+                    "attention_fit_points": len(rows)}
+    return raw
+
+
+def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
+    """Fixed cost per step of each layout at this world size: a real decode step of one request per rank at a
+    short context (64 tokens) minus what the cost model predicts for it without this term (never below 0)."""
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.models.presets import preset_config
+    cfg = preset_config(preset)
+    prof = profile_from_dict(partial, "calibrate (partial)")
+    cm = CostModel(cfg, comm.size, prof, "float32", "float32", block_size)
+    out = {}
+    for lay in ("tp", "dp_attn", "cp", "dop"):
+        st = DecodeState(comm, preset, lay, comm.size, 64, block_size)
+        for _ in range(2):
+            st.step(clock=STAT["clock"])
+        ts = [st.step(clock=STAT["clock"]) for _ in range(reps)]
+        pred = cm.step(lay, [RowLoad(1, 64 + 2 + reps // 2, i) for i in range(comm.size)]).seconds
+        # a step of all ranks: on a loaded host (--clock cpu) its least-preempted repetition, as for collectives
+        out[lay] = max(0.0, (min(ts) if STAT["clock"] is time.thread_time else STAT["fn"](ts)) - pred)
+    return out
 
 
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
@@ -355,6 +529,7 @@ def run(args) -> int:
     from splash.distributed import init_dist
 
     STAT["fn"] = min if args.stat == "min" else statistics.median
+    STAT["clock"] = time.thread_time if args.clock == "cpu" else time.perf_counter
     comm = init_dist().comm
     raw = build_profile(comm, args)
     if comm.rank == 0:
