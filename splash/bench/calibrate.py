@@ -513,12 +513,17 @@ def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: in
 
 
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
-#   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --out configs/hardware/cpu.yaml
-# attention_combine: sum — the torch reference gathers the paged KV into a copy, then runs the bmm's.
+#   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
+# --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
+# jobs); collectives and the per-layout step overheads by the wall clock, least-preempted repetition.
+# attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
+# attention_merge/cache/spill: the split-KV kernel's per-chunk fold of the running output and the part of a
+# chunk's working set beyond this rank's share of the last-level cache (sysfs size / ranks), fitted on isolated
+# kernel calls and on the attention inside real one-rank decode steps together.
+# gemm_rows_flops_per_s: float32 GEMM rate at the row counts steps run (decode B rows, prefill chunks).
+# step_overhead_layout_s: a real 2-rank decode step (1 request per rank, 64 tokens) minus its prediction.
 # overlap_fraction: 0 — on this machine nonblocking MPI does not progress during compute (docs/benchmarks.md,
 # switch overhead), so no exchange hides behind attention.
-# alloc_*: temporaries of 32 MiB or more (glibc's largest mmap threshold) are fresh pages on every call; their
-# first touch is measured separately and charged to the attention gathers that large.
 """
 
 
