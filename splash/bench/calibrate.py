@@ -515,7 +515,8 @@ def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: in
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
 #   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
 # --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
-# jobs); collectives and the per-layout step overheads by the wall clock, least-preempted repetition.
+# jobs); collectives by the wall clock; collectives and the per-layout step overheads (real 2-rank steps, same
+# clock as the microbenchmarks) take the least-preempted (min) repetition.
 # attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
 # attention_merge/cache/spill: the split-KV kernel's per-chunk fold of the running output and the part of a
 # chunk's working set beyond this rank's share of the last-level cache (sysfs size / ranks), fitted on isolated
