@@ -6,10 +6,13 @@ Run under mpiexec at the world size the profile is for (collective α/β depend 
 project's own code paths: GEMM rate over the shapes of the model's layers (float32 and bfloat16), weight
 streaming bandwidth (the same GEMMs at decode row counts over more weights than the caches hold), the per-op
 host overhead (the real model's one-rank B=1 decode step minus its predicted compute, per counted eager op),
-MLA attention (paged-cache read + `attend_latent`) fitted as KV bytes + FLOPs, the per-step
-attention plan (`build_attn_plan`) per request and per block, and α + bytes/β of all-reduce, all-gather(v),
-all-to-all(v) and broadcast through the MPI communicator. Every rank measures; rank 0 writes the median of
-the ranks. About a minute on 2 ranks here.
+MLA attention fitted as KV bytes + FLOPs (+ for the split-KV `torch` kernel: the multi-chunk merge traffic and
+the chunk bytes beyond this rank's last-level-cache share, on isolated kernel calls and inside real one-rank
+decode steps), the GEMM rate at the row counts steps run, the per-step attention plan (`build_attn_plan`, older
+checkouts) per request and per block, α + bytes/β of all-reduce, all-gather(v), all-to-all(v) and broadcast
+through the MPI communicator, and each layout's fixed cost per step (a real decode step at this world size minus
+its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a loaded host.
+About 1 minute on 2 quiet ranks here, 4–5 minutes at load 7–10.
 """
 from __future__ import annotations
 
