@@ -60,14 +60,25 @@ def print_table(points: list[dict], world: int, meta: str) -> None:
           f"{len(points) * len(LAYOUTS)} (point, layout) pairs; {world} ranks")
 
 
+CLOCK = {"fn": None}
+
+
 def measure_min(comm, preset, layout, batch, ctx, steps) -> float:
     """bench_layouts.measure with the minimum of the timed steps instead of the median: on a shared host the
     least-preempted step is the closest to the step itself (calibrate --stat min measures the same way)."""
+    return min(_steps(comm, preset, layout, batch, ctx, steps))
+
+
+def _steps(comm, preset, layout, batch, ctx, steps) -> list[float]:
+    """bench_layouts' measurement (2 warm-up steps, then ``steps`` timed, max over ranks), by --clock."""
+    import time
+
     from splash.bench.decode_state import DecodeState
+    clock = time.thread_time if CLOCK["fn"] == "cpu" else time.perf_counter
     st = DecodeState(comm, preset, layout, batch, ctx)
     for _ in range(2):
-        st.step()
-    return min(st.step() for _ in range(steps))
+        st.step(clock=clock)
+    return [st.step(clock=clock) for _ in range(steps)]
 
 
 def measure_grid(a) -> tuple[list[dict], int, str]:
@@ -75,10 +86,9 @@ def measure_grid(a) -> tuple[list[dict], int, str]:
 
     import statistics
 
-    from splash.bench.grid import measure as measure_steps
     from splash.distributed import init_dist
     def measure_median(comm, preset, layout, b, c, steps):   # splash-bench grid's measurement, its median
-        return statistics.median(measure_steps(comm, preset, layout, b, c, steps))
+        return statistics.median(_steps(comm, preset, layout, b, c, steps))
 
     measure = measure_min if a.stat == "min" else measure_median
     comm = init_dist().comm
@@ -90,7 +100,7 @@ def measure_grid(a) -> tuple[list[dict], int, str]:
             points.append({"batch": b, "context": c, "steps": a.steps, "measured": times})
             if comm.rank == 0:
                 print(f"B={b} L={c} " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in times.items()), flush=True)
-    meta = (f"{a.preset}, {comm.size} ranks on CPU, {a.stat} of {a.steps} steps, load average {load0:.2f} before / "
+    meta = (f"{a.preset}, {comm.size} ranks on CPU, {a.stat} of {a.steps} steps ({a.clock} clock), load average {load0:.2f} before / "
             f"{os.getloadavg()[0]:.2f} after")
     return (points if comm.rank == 0 else []), comm.size, meta
 
@@ -104,9 +114,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic of the timed steps (median: bench_layouts'; min: robust to a loaded host)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="step time by the wall clock (bench_layouts') or each rank's CPU time (max over ranks; "
+                         "not inflated by time spent descheduled on a loaded host)")
     ap.add_argument("--json", default=None, help="write the points (measured and predicted) here")
     ap.add_argument("--from-json", default=None, help="skip measuring: re-predict the points of this file")
     a = ap.parse_args()
+    CLOCK["fn"] = a.clock
     if a.from_json:
         saved = json.loads(Path(a.from_json).read_text())
         points, world, meta = saved["points"], saved["world"], saved["meta"] + f" (re-predicted, {a.profile})"

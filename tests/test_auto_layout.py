@@ -137,6 +137,26 @@ def test_online_factor_learns_measured_over_predicted():
     assert a.factor("cp") == before and len(a.switches) == 1
 
 
+def test_prefill_and_decode_steps_train_separate_factors():
+    m = LinearCost()
+    a = make(m, observe_every=1)
+    dec, pre = [(1, 100, 0)] * 4, [(512, 0, 0), (1, 100, 1)]
+    assert a.factor("tp", "prefill") == 1.0                        # nothing seen: no correction
+    for _ in range(40):
+        a.observe("tp", dec, 1.5 * m.step("tp", dec).seconds)
+    assert abs(a.factor("tp", "prefill") - 1.5) < 0.01             # no prefill step yet: borrows decode's
+    for _ in range(40):
+        a.observe("tp", pre, 3.0 * m.step("tp", pre).seconds)
+    assert abs(a.factor("tp", "prefill") - 3.0) < 0.01 and abs(a.factor("tp") - 1.5) < 0.01
+    assert abs(a.factor("dop", "prefill") - 3.0) < 0.01            # unvisited: the visited prefill mean
+    # the prediction of a batch with a pending prompt charges its prefill steps at the prefill factor
+    waiting = [ReqView("w", 0, 512, 4, None, running=False)]
+    use = dict.fromkeys(LAYOUTS, [0, 0])
+    d = a.propose(0, "tp", waiting, use)
+    p, dcd, _ = a._finish_seconds("tp", waiting)
+    assert abs(d.batch_seconds["tp"] - (3.0 * p + 1.5 * dcd)) < 1e-9
+
+
 def test_reevaluation_only_when_the_batch_changes_or_periodically():
     a = make(LinearCost())
     reqs = decode_batch(3, 10)
@@ -201,8 +221,8 @@ def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
     assert made == {"d0": 3, "p": 1}
     fixed = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
                        per_row=dict.fromkeys(LAYOUTS, 0.0))
-    secs, first = make(fixed)._finish_seconds("dp_attn", reqs)
-    assert secs == 3 + 9 and first == 1.0   # 3 prefill steps, then the 9 decode steps left of each request
+    pre, dec, first = make(fixed)._finish_seconds("dp_attn", reqs)
+    assert (pre, dec) == (3, 9) and first == 1.0   # 3 prefill steps, then the 9 decode steps left of each request
 
 
 def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():

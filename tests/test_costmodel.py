@@ -173,3 +173,60 @@ def test_cp_split_prefill_exchanges_the_history_not_the_partials(cfg):
     assert part.step("cp", dec).seconds == split.step("cp", dec).seconds
     with pytest.raises(ValueError, match="cp_prefill"):
         CostModel(cfg, 4, prof, "bfloat16", "bfloat16", 16, cp_prefill="ring")
+
+
+def _bare(cpu, **kw):
+    """The cpu profile without the split-KV, row-rate and per-layout terms (what a profile lacking them means)."""
+    raw = dict(cpu.to_dict(), attention_merge_bytes_per_s=0.0, attention_cache_bytes=0.0,
+               attention_spill_bytes_per_s=0.0, gemm_rows_flops_per_s={}, step_overhead_layout_s={})
+    return profile_from_dict({**raw, **kw})
+
+
+def test_kernel_structure_terms_default_off(cfg, cpu):
+    """Profiles without the new keys predict as before; each key only adds its own term."""
+    bare = _bare(cpu)
+    rows = [RowLoad(512, 1536, 0)]   # a prefill chunk whose all-head attention runs in several chunks
+    base = CostModel(cfg, 2, bare, "float32", "float32").step("dp_attn", rows)
+    merged = CostModel(cfg, 2, _bare(cpu, attention_merge_bytes_per_s=1e9), "float32", "float32").step("dp_attn", rows)
+    assert merged.stages["attention"] > base.stages["attention"]
+    for k in base.stages:   # nothing else moves
+        if k != "attention":
+            assert merged.stages[k] == pytest.approx(base.stages[k])
+    # one decode row over a short history runs in one chunk: no merge to pay
+    short = [RowLoad(1, 64, 0)]
+    assert (CostModel(cfg, 2, _bare(cpu, attention_merge_bytes_per_s=1e9), "float32", "float32")
+            .step("dp_attn", short).seconds == pytest.approx(CostModel(cfg, 2, bare, "float32", "float32")
+                                                             .step("dp_attn", short).seconds))
+
+
+def test_spill_only_beyond_the_cache_share(cfg, cpu):
+    big = [RowLoad(1, 2048, i % 2) for i in range(16)]
+    small = [RowLoad(1, 64, i % 2) for i in range(2)]
+    kw = dict(attention_cache_bytes=float(4 << 20), attention_spill_bytes_per_s=1e9)
+    for rows, grows in ((big, True), (small, False)):
+        a = CostModel(cfg, 2, _bare(cpu), "float32", "float32").step("dp_attn", rows).seconds
+        b = CostModel(cfg, 2, _bare(cpu, **kw), "float32", "float32").step("dp_attn", rows).seconds
+        assert (b > a) if grows else b == pytest.approx(a)
+
+
+def test_gemm_rate_by_rows(cfg, cpu):
+    p = _bare(cpu, gemm_rows_flops_per_s={"float32": {1: 1e9, 100: 1e11}})
+    assert p.gemm_rate_at("float32", 1) == 1e9 and p.gemm_rate_at("float32", 1000) == 1e11
+    assert p.gemm_rate_at("float32", 10) == pytest.approx(1e10)          # log-linear in rows
+    assert p.gemm_rate_at("bfloat16", 10) == p.gemm_rate("bfloat16")     # no table: the flat rate
+    slow = CostModel(cfg, 2, p, "float32", "float32").step("tp", [RowLoad(1, 64, 0)])
+    flat = CostModel(cfg, 2, _bare(cpu), "float32", "float32").step("tp", [RowLoad(1, 64, 0)])
+    assert slow.stages["q_b_absorb"] >= flat.stages["q_b_absorb"]
+    with pytest.raises(ConfigError, match="row count"):
+        _bare(cpu, gemm_rows_flops_per_s={"float32": {0: 1e9}})
+
+
+def test_layout_step_overhead(cfg, cpu):
+    rows = [RowLoad(1, 64, 0)]
+    a = CostModel(cfg, 2, _bare(cpu), "float32", "float32").step("dop", rows).seconds
+    b = CostModel(cfg, 2, _bare(cpu, step_overhead_layout_s={"dop": 0.01}), "float32", "float32")
+    assert b.step("dop", rows).seconds == pytest.approx(a + 0.01)
+    assert b.step("tp", rows).seconds == pytest.approx(CostModel(cfg, 2, _bare(cpu), "float32", "float32")
+                                                       .step("tp", rows).seconds)
+    with pytest.raises(ConfigError, match="'pp'"):
+        _bare(cpu, step_overhead_layout_s={"pp": 0.1})

@@ -6,10 +6,13 @@ Run under mpiexec at the world size the profile is for (collective α/β depend 
 project's own code paths: GEMM rate over the shapes of the model's layers (float32 and bfloat16), weight
 streaming bandwidth (the same GEMMs at decode row counts over more weights than the caches hold), the per-op
 host overhead (the real model's one-rank B=1 decode step minus its predicted compute, per counted eager op),
-MLA attention (paged-cache read + `attend_latent`) fitted as KV bytes + FLOPs, the per-step
-attention plan (`build_attn_plan`) per request and per block, and α + bytes/β of all-reduce, all-gather(v),
-all-to-all(v) and broadcast through the MPI communicator. Every rank measures; rank 0 writes the median of
-the ranks. About a minute on 2 ranks here.
+MLA attention fitted as KV bytes + FLOPs (+ for the split-KV `torch` kernel: the multi-chunk merge traffic and
+the chunk bytes beyond this rank's last-level-cache share, on isolated kernel calls and inside real one-rank
+decode steps), the GEMM rate at the row counts steps run, the per-step attention plan (`build_attn_plan`, older
+checkouts) per request and per block, α + bytes/β of all-reduce, all-gather(v), all-to-all(v) and broadcast
+through the MPI communicator, and each layout's fixed cost per step (a real decode step at this world size minus
+its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a loaded host.
+About 1 minute on 2 quiet ranks here, 4–5 minutes at load 7–10.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention
+from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, _timeit, nonneg_rel_lstsq
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small-mla", help="model preset whose shapes are measured")
@@ -30,22 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (tests)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="statistic of the repetitions (min: robust to other processes on a shared host)")
-
-
-STAT = {"fn": statistics.median}
-
-
-def _timeit(fn, reps: int, warm: int = 2, pre=None) -> float:
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(reps):
-        if pre is not None:
-            pre()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return STAT["fn"](ts)
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="wall",
+                        help="clock of the one-rank microbenchmarks (GEMM, bandwidth, attention, ops): cpu = the "
+                             "thread's CPU time, which time spent descheduled by other processes does not inflate "
+                             "(a loaded shared host); collectives are always timed by the wall clock")
 
 
 def op_overhead(reps: int) -> float:
@@ -71,6 +65,29 @@ def gemm_rates(cfg, reps: int) -> dict[str, float]:
             rates.append(2.0 * 1024 * k * n / t)
         out[name] = statistics.median(rates)
     return out
+
+
+GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 2048)  # decode batches and prefill chunk sizes a step runs
+
+
+def gemm_row_rates(cfg, reps: int) -> dict[str, dict[int, float]]:
+    """float32 GEMM rate per row count over the model's shapes (median over shapes): decode steps run B rows,
+    prefill steps a chunk's; the weights stay hot here, so this is the compute side of the roofline."""
+    import torch
+    shapes = _model_shapes(cfg)
+    out = {}
+    for rows in GEMM_ROWS:
+        rates = []
+        for k, n in shapes:
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            inner = max(1, 2048 // rows)   # enough work per timing for the clock
+
+            def run():
+                for _ in range(inner):
+                    x @ w.T
+            rates.append(2.0 * rows * k * n * inner / _timeit(run, reps))
+        out[rows] = statistics.median(rates)
+    return {"float32": out}
 
 
 def _model_shapes(cfg) -> list[tuple[int, int]]:
@@ -107,9 +124,6 @@ def stream_bandwidth(cfg, overhead: float, reps: int, total_bytes: float) -> flo
     return size / max(t - len(ws) * overhead, t * 0.1)
 
 
-ALLOC_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold on 64-bit: bigger blocks are always mmap'd
-
-
 def alloc_rate(reps: int) -> float:
     """Bytes/s of writing a fresh temporary above the mmap threshold, beyond what a reused one costs."""
     import torch
@@ -117,78 +131,6 @@ def alloc_rate(reps: int) -> float:
     t_big = _timeit(lambda: torch.empty(big // 4).fill_(1.0), reps) / big
     t_small = _timeit(lambda: torch.empty(small // 4).fill_(1.0), reps) / small
     return 1.0 / max(t_big - t_small, t_big * 0.05)
-
-
-def _attention_call(cfg, block_size: int, b: int, s: int, h: int):
-    """A callable running this checkout's attention for B decode rows over ``s`` resident keys with ``h`` heads,
-    and the kernel's scratch bound (0: the gather-based path, whose temporaries are unbounded)."""
-    import torch
-    dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    nb = -(-s // block_size)
-    from splash.kv.paged_cache import PagedLatentCache
-    cache = PagedLatentCache(1, b * nb + 1, block_size, dc, dr, "float32")
-    q = torch.randn(b, h, dc + dr)
-    try:
-        from splash.attention.kernels import make_kernel  # paged attention, reads the cache in place
-    except ImportError:
-        from splash.attention.mla import attend_latent
-        slots = torch.arange(b * nb * block_size).view(b, nb * block_size)[:, :s]
-        valid = torch.ones(b, 1, s, dtype=torch.bool)
-
-        def gather_run():
-            c, kpe = cache.read(0, slots)
-            attend_latent(q, c, kpe, valid, 0.1)
-        return gather_run, 0
-    from splash.attention.batch import StepRequest
-    from splash.attention.kernels import torch_mla
-    from splash.attention.metadata import build_metadata
-    from splash.kv.page_table import PageTable
-    tables = PageTable(block_size)
-    for i in range(b):
-        tables.append(f"r{i}", [(j, i * nb + j) for j in range(nb)])
-    kernel = make_kernel("torch", 0.1)
-    kernel.plan(build_metadata([StepRequest(f"r{i}", s - 1, 1, 0) for i in range(b)], tables))
-    return (lambda: kernel.run(0, q[..., :dc], q[..., dc:], cache)), torch_mla.SCRATCH_BYTES
-
-
-def attention_fit(cfg, alloc: float, block_size: int, reps: int) -> tuple[float, float, float, int, float, dict]:
-    """Time this checkout's attention over shapes; nonnegative least squares (weighted) of
-    t = kv_bytes/BW + flops/R + big-temporary bytes/alloc rate + per-call seconds. Returns (BW, R, per-call,
-    the kernel's scratch bound, alloc rate (the probe's ``alloc`` when the fit drops that term), notes)."""
-    from splash.costmodel.work import _attn_temps
-    dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
-    points = [(b, s, h) for b in (1, 4, 16, 32) for s in (256, 1024, 4096) for h in (max(1, H // 2), H)
-              if b * s <= 65536]
-    rows, ys, scratch = [], [], 0
-    for b, s, h in points:
-        run, scratch = _attention_call(cfg, block_size, b, s, h)
-        t = _timeit(run, reps if b * s < 32768 else 3)
-        big = 0.0 if scratch else sum(x for x in _attn_temps(b, 1, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
-        rows.append([b * s * (dc + dr) * 4.0, 2.0 * b * h * s * (2 * dc + dr), big, 1.0])
-        ys.append(max(t, 1e-7))
-    a, y = np.array(rows), np.array(ys)
-    sol = nonneg_rel_lstsq(a, y)  # fresh-page cost fitted with the rest: its own probe is noisy under load
-    err = float(np.median(np.abs(a @ sol - y) / y))
-    inv_bw, inv_r, inv_alloc, call = (float(v) for v in sol)
-    if inv_alloc > 0:
-        alloc = 1.0 / inv_alloc
-    return (1.0 / inv_bw if inv_bw > 0 else 1e15, 1.0 / inv_r if inv_r > 0 else 1e15, call, scratch, alloc,
-            {"attention_fit_median_rel_err": round(err, 4)})
-
-
-def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min Σ (a·x - y)² / y with x >= 0 (between absolute and relative error, so neither the cache-resident
-    small shapes nor the largest alone decide): least squares, dropping columns that go negative."""
-    keep = list(range(a.shape[1]))
-    x = np.zeros(a.shape[1])
-    sw = np.sqrt(y)
-    while keep:
-        sol, *_ = np.linalg.lstsq(a[:, keep] / sw[:, None], y / sw, rcond=None)
-        if (sol >= 0).all():
-            x[keep] = sol
-            return x
-        keep = [k for k, v in zip(keep, sol) if v > 0] if (sol > 0).any() else []
-    return x
 
 
 def plan_fit(cfg, block_size: int, reps: int) -> tuple[float, float]:
@@ -210,8 +152,9 @@ def plan_fit(cfg, block_size: int, reps: int) -> tuple[float, float]:
     return float(sol[0]), float(sol[1])
 
 
-def collective_fits(comm, reps: int) -> dict[str, dict[str, float]]:
-    """α, β per collective at this world size; bytes as the cost model counts them (see profile.Collective)."""
+def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, float]]:
+    """α, β per collective at this world size; bytes as the cost model counts them (see profile.Collective).
+    Wall clock (a collective waits for its peers); ``coll_stat`` of the repetitions (default: ``--stat``'s)."""
     import torch
     T = comm.size
     sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22]
@@ -230,7 +173,7 @@ def collective_fits(comm, reps: int) -> dict[str, dict[str, float]]:
             else:
                 t_in, f, counted = torch.ones(n), comm.broadcast, n * 4
 
-            ts = [_timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier)]
+            ts = [_timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier, clock=time.perf_counter, stat=coll_stat)]
             xs.append(counted)
             ys.append(max(comm.all_gather_obj(ts[0])))
         slope, alpha = np.polyfit(np.array(xs, dtype=float), np.array(ys), 1, w=1.0 / np.array(ys))
@@ -279,22 +222,30 @@ def measure(comm, args) -> dict:
     reps = 3 if args.quick else 9
     ov = op_overhead(reps)
     gemm = gemm_rates(cfg, reps)
+    gemm_rows = gemm_row_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps)
+    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps, args.world, ov)
     per_req, per_block = plan_fit(cfg, args.block_size, reps)
     return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
             "attn": attn_rate,
-            "fit": fit,
+            "fit": {"attention_fit_median_rel_err": fit["attention_fit_median_rel_err"]},
+            "spill": fit["spill"], "merge": fit["merge"], "cache": fit["cache"], "gemm_rows": gemm_rows,
+            "attn_rows": fit["rows"],
             "plan_request": per_req, "plan_block": per_block}
 
 
 def _median_over_ranks(comm, local: dict) -> dict:
     every = comm.all_gather_obj(local)
     med = lambda key: statistics.median(e[key] for e in every)  # noqa: E731
-    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call", "scratch")}
+    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call", "scratch",
+                               "spill", "merge", "cache")}
+    out["gemm_rows"] = {d: {r: statistics.median(e["gemm_rows"][d][r] for e in every) for r in t}
+                        for d, t in every[0]["gemm_rows"].items()}
     out["gemm"] = {d: statistics.median(e["gemm"][d] for e in every) for d in every[0]["gemm"]}
     out["fit"] = every[0]["fit"]
+    out["attn_rows"] = [[statistics.median(e["attn_rows"][i][j] for e in every) for j in range(5)]
+                        for i in range(len(every[0]["attn_rows"]))]
     return out
 
 
@@ -303,7 +254,8 @@ def build_profile(comm, args) -> dict:
     args.world = comm.size
     local = measure(comm, args)
     m = _median_over_ranks(comm, local)
-    colls = collective_fits(comm, 3 if args.quick else 7)
+    # on a loaded host (--clock cpu) the least-preempted repetition is the collective's own time: take the min
+    colls = collective_fits(comm, 3 if args.quick else 9, min if args.clock == "cpu" else None)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     raw = {
@@ -327,6 +279,10 @@ def build_profile(comm, args) -> dict:
         "attention_scratch_bytes": float(m["scratch"]),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
         "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),
+        "attention_merge_bytes_per_s": float(f"{m['merge']:.4g}"),
+        "attention_cache_bytes": float(m["cache"]),
+        "attention_spill_bytes_per_s": float(f"{m['spill']:.4g}"),
+        "gemm_rows_flops_per_s": {d: {r: float(f"{v:.4g}") for r, v in t.items()} for d, t in m["gemm_rows"].items()},
         "extra": {"world": comm.size, "tiny_op_s": float(f"{m['op']:.4g}"),
                   "attention_fit_call_s": float(f"{m['call']:.4g}"), **m["fit"]},
     }
@@ -335,16 +291,51 @@ def build_profile(comm, args) -> dict:
                                                                3 if args.quick else 9)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
+    if m["attn_rows"]:  # the split-KV kernel: refit its rates with the attention inside real steps
+        step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
+        every = comm.all_gather_obj(step_rows)
+        med = [[statistics.median(e[i][j] for e in every) for j in range(5)] for i in range(len(step_rows))]
+        raw = refit_attention(raw, m["attn_rows"] + med)
+    per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
+    raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
     return raw
 
 
+def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
+    """Fixed cost per step of each layout at this world size: a real decode step of one request per rank at a
+    short context (64 tokens) minus what the cost model predicts for it without this term (never below 0)."""
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.models.presets import preset_config
+    cfg = preset_config(preset)
+    prof = profile_from_dict(partial, "calibrate (partial)")
+    cm = CostModel(cfg, comm.size, prof, "float32", "float32", block_size)
+    out = {}
+    for lay in ("tp", "dp_attn", "cp", "dop"):
+        st = DecodeState(comm, preset, lay, comm.size, 64, block_size)
+        for _ in range(2):
+            st.step(clock=STAT["clock"])
+        ts = [st.step(clock=STAT["clock"]) for _ in range(reps)]
+        pred = cm.step(lay, [RowLoad(1, 64 + 2 + reps // 2, i) for i in range(comm.size)]).seconds
+        # a step of all ranks: on a loaded host (--clock cpu) its least-preempted repetition, as for collectives
+        out[lay] = max(0.0, (min(ts) if STAT["clock"] is time.thread_time else STAT["fn"](ts)) - pred)
+    return out
+
+
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
-#   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --out configs/hardware/cpu.yaml
-# attention_combine: sum — the torch reference gathers the paged KV into a copy, then runs the bmm's.
+#   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
+# --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
+# jobs); collectives by the wall clock; collectives and the per-layout step overheads (real 2-rank steps, same
+# clock as the microbenchmarks) take the least-preempted (min) repetition.
+# attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
+# attention_merge/cache/spill: the split-KV kernel's per-chunk fold of the running output and the part of a
+# chunk's working set beyond this rank's share of the last-level cache (sysfs size / ranks), fitted on isolated
+# kernel calls and on the attention inside real one-rank decode steps together.
+# gemm_rows_flops_per_s: float32 GEMM rate at the row counts steps run (decode B rows, prefill chunks).
+# step_overhead_layout_s: a real 2-rank decode step (1 request per rank, 64 tokens) minus its prediction.
 # overlap_fraction: 0 — on this machine nonblocking MPI does not progress during compute (docs/benchmarks.md,
 # switch overhead), so no exchange hides behind attention.
-# alloc_*: temporaries of 32 MiB or more (glibc's largest mmap threshold) are fresh pages on every call; their
-# first touch is measured separately and charged to the attention gathers that large.
 """
 
 
@@ -355,6 +346,7 @@ def run(args) -> int:
     from splash.distributed import init_dist
 
     STAT["fn"] = min if args.stat == "min" else statistics.median
+    STAT["clock"] = time.thread_time if args.clock == "cpu" else time.perf_counter
     comm = init_dist().comm
     raw = build_profile(comm, args)
     if comm.rank == 0:

@@ -7,6 +7,7 @@ the checkout, ``make install``), or to ``$SPLASH_HARDWARE_DIR`` when set.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -57,6 +58,16 @@ class HardwareProfile:
     attention_scratch_bytes: float = 0.0  # split-KV kernel chunk budget (0: attention gathers whole histories)
     alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
     alloc_bytes_per_s: float = 0.0       # rate of first-touching fresh pages (glibc mmap'd temporaries)
+    # split-KV kernel structure (0 = not modelled, the behaviour before these keys existed):
+    attention_merge_bytes_per_s: float = 0.0  # rate of a multi-chunk group's running-output merge traffic
+    attention_cache_bytes: float = 0.0        # cache share of one rank: a chunk working set above it spills
+    attention_spill_bytes_per_s: float = 0.0  # rate of re-reading the spilled part of a gathered chunk
+    # GEMM rate by row count per weight dtype ({dtype: {rows: FLOP/s}}, interpolated in log rows; empty: the
+    # flat gemm_flops_per_s at every row count)
+    gemm_rows_flops_per_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    # fixed cost per step of each layout on top of step_overhead_s (its Python, metadata and exchange set-up at
+    # this world size; empty: none)
+    step_overhead_layout_s: Mapping[str, float] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
 
     def gemm_rate(self, dtype: str) -> float:
@@ -64,6 +75,21 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {self.name!r} has no GEMM rate for {dtype!r} "
                              f"(has: {', '.join(self.gemm_flops_per_s)})")
         return self.gemm_flops_per_s[dtype]
+
+    def gemm_rate_at(self, dtype: str, rows: float) -> float:
+        """GEMM rate for ``rows`` query rows: the row-count table when the profile has one for ``dtype``
+        (log-linear between measured row counts, flat beyond them), else the flat rate."""
+        table = self.gemm_rows_flops_per_s.get(dtype)
+        if not table:
+            return self.gemm_rate(dtype)
+        pts = sorted(table.items())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, v0), (r1, v1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                f = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return math.exp(math.log(v0) + f * (math.log(v1) - math.log(v0)))
+        return pts[-1][1]
 
     def collective(self, kind: str) -> Collective:
         return self.collectives[kind]
@@ -74,6 +100,8 @@ class HardwareProfile:
             v = getattr(self, f.name)
             if f.name == "collectives":
                 v = {k: {"alpha_s": c.alpha_s, "bytes_per_s": c.bytes_per_s} for k, c in v.items()}
+            elif f.name == "gemm_rows_flops_per_s":
+                v = {d: {int(r): float(x) for r, x in t.items()} for d, t in v.items()}
             elif isinstance(v, Mapping):
                 v = dict(v)
             out[f.name] = v
@@ -115,6 +143,22 @@ def _gemm(where: str, raw: Any) -> dict[str, float]:
     return out
 
 
+def _gemm_rows(where: str, raw: Any) -> dict[str, dict[int, float]]:
+    raw = _mapping(where, "gemm_rows_flops_per_s", raw)
+    out = {}
+    for d, table in raw.items():
+        if d not in GEMM_DTYPES:
+            raise unknown_key_error(d, f"{where}: gemm_rows_flops_per_s", GEMM_DTYPES, {})
+        table = _mapping(where, f"gemm_rows_flops_per_s.{d}", table)
+        rows = {}
+        for r, v in table.items():
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ConfigError(f"{where}: gemm_rows_flops_per_s.{d}: row count {r!r} must be an integer >= 1")
+            rows[r] = _positive(where, f"gemm_rows_flops_per_s.{d}.{r}", v)
+        out[d] = rows
+    return out
+
+
 def _collectives(where: str, raw: Any) -> dict[str, Collective]:
     raw = _mapping(where, "collectives", raw)
     out = {}
@@ -151,7 +195,8 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
         kw[k] = _positive(where, k, raw[k])
     for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
               "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes",
-              "alloc_bytes_per_s"):
+              "alloc_bytes_per_s", "attention_merge_bytes_per_s", "attention_cache_bytes",
+              "attention_spill_bytes_per_s"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
     if kw.get("overlap_fraction", 0.0) > 1.0:
@@ -165,6 +210,15 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
         if not isinstance(raw["moe_grouped"], bool):
             raise ConfigError(f"{where}: field 'moe_grouped' must be true or false, got {raw['moe_grouped']!r}")
         kw["moe_grouped"] = raw["moe_grouped"]
+    if "gemm_rows_flops_per_s" in raw:
+        kw["gemm_rows_flops_per_s"] = _gemm_rows(where, raw["gemm_rows_flops_per_s"])
+    if "step_overhead_layout_s" in raw:
+        v = _mapping(where, "step_overhead_layout_s", raw["step_overhead_layout_s"])
+        for lay in v:
+            if lay not in ("tp", "dp_attn", "cp", "dop"):
+                raise unknown_key_error(lay, f"{where}: step_overhead_layout_s", ("tp", "dp_attn", "cp", "dop"), {})
+        kw["step_overhead_layout_s"] = {k: _positive(where, f"step_overhead_layout_s.{k}", x, allow_zero=True)
+                                        for k, x in v.items()}
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
     return HardwareProfile(**kw)

@@ -84,7 +84,8 @@ class CostModel:
             attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd)
             self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
                                        _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
-                                       block_size, profile.attention_scratch_bytes, cp_prefill)
+                                       block_size, profile.attention_scratch_bytes,
+                                       cp_prefill=cp_prefill, cache=profile.attention_cache_bytes)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
 
@@ -105,11 +106,18 @@ class CostModel:
         p = self.profile
         t = 0.0
         if w.gemm_flops or w.weight_bytes or w.act_bytes:
-            t += max(w.gemm_flops / p.gemm_rate(self.weight_dtype), (w.weight_bytes + w.act_bytes)
-                     / p.memory_bytes_per_s)
+            if p.gemm_rows_flops_per_s.get(self.weight_dtype) and w.gemm_rows:
+                compute = sum(f / p.gemm_rate_at(self.weight_dtype, r) for r, f in w.gemm_rows.items())
+            else:
+                compute = w.gemm_flops / p.gemm_rate(self.weight_dtype)
+            t += max(compute, (w.weight_bytes + w.act_bytes) / p.memory_bytes_per_s)
         if w.attn_flops or w.kv_bytes:
             c, m = w.attn_flops / p.attention_flops_per_s, w.kv_bytes / p.kv_read_bytes_per_s
             t += c + m if p.attention_combine == "sum" else max(c, m)
+        if w.attn_merge_bytes and p.attention_merge_bytes_per_s:
+            t += w.attn_merge_bytes / p.attention_merge_bytes_per_s
+        if w.attn_spill_bytes and p.attention_spill_bytes_per_s:
+            t += w.attn_spill_bytes / p.attention_spill_bytes_per_s
         t += sum(n * p.collective(kind).seconds(b) for kind, b, n in w.collectives())
         t += (w.ops + (0.0 if p.moe_grouped else w.expert_ops)) * p.op_overhead_s * p.ops_scale
         t += w.plan_blocks * p.plan_block_s + w.plan_requests * p.plan_request_s
@@ -133,7 +141,7 @@ class CostModel:
         for k, w in step_extra(s, pieces).items():
             total[k].add(w)
         secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
-        secs["plan"] += self.profile.step_overhead_s
+        secs["plan"] += self.profile.step_overhead_s + self.profile.step_overhead_layout_s.get(layout, 0.0)
         hide = min(sum(secs[k] for k in EXCHANGE_STAGES),
                    self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
         secs["overlap"] = -hide

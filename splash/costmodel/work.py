@@ -51,11 +51,16 @@ class Work:
     temps: list = field(default_factory=list)  # large temporaries: bytes or (bytes, count)
     attn_calls: float = 0.0
     expert_ops: float = 0.0   # eager ops that run once per active expert (none with a grouped-GEMM MoE kernel)
+    gemm_rows: dict = field(default_factory=dict)  # rows -> GEMM FLOPs at that row count (row-dependent rates)
+    attn_merge_bytes: float = 0.0  # split-KV: running-output (max, sum, õ) traffic of multi-chunk groups
+    attn_spill_bytes: float = 0.0  # split-KV: re-reads of the part of a gathered chunk beyond the cache share
 
     def add(self, other: "Work", times: float = 1.0) -> None:
         for k in ("gemm_flops", "weight_bytes", "act_bytes", "attn_flops", "kv_bytes", "ops", "plan_blocks",
-                  "plan_requests", "attn_calls", "expert_ops"):
+                  "plan_requests", "attn_calls", "expert_ops", "attn_merge_bytes", "attn_spill_bytes"):
             setattr(self, k, getattr(self, k) + times * getattr(other, k))
+        for r, f in other.gemm_rows.items():
+            self.gemm_rows[r] = self.gemm_rows.get(r, 0.0) + times * f
         self.exch += [(e[0], e[1], (e[2] if len(e) > 2 else 1) * times) for e in other.exch]
         self.temps += [(t if isinstance(t, tuple) else (t, 1))[0:1] + ((t[1] if isinstance(t, tuple) else 1) * times,)
                        for t in other.temps]
@@ -94,6 +99,7 @@ def _gemm(w: Work, rows: float, k: int, n: float, wb: float, ab: float) -> None:
     if rows <= 0 or n <= 0:
         return
     w.gemm_flops += 2.0 * rows * k * n
+    w.gemm_rows[rows] = w.gemm_rows.get(rows, 0.0) + 2.0 * rows * k * n
     w.weight_bytes += k * n * wb
     w.act_bytes += rows * (k + n) * ab
 
@@ -134,6 +140,7 @@ class Shapes:
     bs: int
     scratch: float = 0.0  # split-KV attention kernel chunk budget (0: gather whole histories, one call)
     cp_prefill: str = "partials"  # CP prefill: "partials" (what splash/attention/cp.py runs) or "split" (below)
+    cache: float = 0.0    # a rank's cache share: the part of a chunk's working set above it spills (0: none)
 
     @property
     def heads_local(self) -> int:
@@ -179,6 +186,16 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
     chunk = max(1, min(pages, int(s.scratch // max(1, reqs * per_page))))
     chunks = -(-pages // chunk) if pages else 0
     w.ops += 14 if chunks <= 1 else 6 + 18 * chunks
+    if chunks > 1:  # each chunk folds into the running (max, sum, õ): ≈ 7 passes over õ [reqs, rows×heads, d_c]
+        w.attn_merge_bytes += chunks * MERGE_PASSES * reqs * rows * heads * (dc + 2) * 4.0
+    if s.cache > 0:  # the gathered chunk is re-read by the score and value GEMMs; beyond the cache from memory
+        for c, n in ((chunk, pages // chunk), (pages % chunk, 1)):
+            ws = reqs * c * per_page
+            if c and ws > s.cache:
+                w.attn_spill_bytes += n * 2.0 * (1.0 - s.cache / ws) * reqs * c * s.bs * (dc + dr) * 4.0
+
+
+MERGE_PASSES = 7  # acc·α (read, write), the chunk's p·V (write), their sum (read 2, write), the store (write)
 
 
 def _attn_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:

@@ -13,9 +13,12 @@ whose chunks land on one DP-attn/DOP owner is charged as such. The controller th
    switch manifest is planned: what a live switch cannot hide, or all of a blocking one).
 
 Predictions are corrected online: each executed step's measured time over its prediction feeds the factor of
-the layout it ran in (an exponential moving average in log space). A layout not visited yet gets the mean
-correction of those that were (this host being slower or busier than its profile applies to all of them), so it
-does not look cheaper than the visited ones merely for lack of measurements.
+the layout it ran in (an exponential moving average in log space), one factor per regime — steps that carry
+prefill chunks and decode-only steps — since the model's error differs between them (a long prompt's attention
+runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not rescale the other. A
+layout not visited yet in a regime gets the mean correction of those that were (this host being slower or busier
+than its profile applies to all of them), so it does not look cheaper than the visited ones merely for lack of
+measurements; a regime nothing has run in yet borrows the other regime's factor.
 """
 from __future__ import annotations
 
@@ -125,7 +128,8 @@ class AutoLayout:
         self.min_interval, self.observe_every = min_interval, observe_every
         self._observed = 0
         self.row = row
-        self.stats = {lay: LayoutStats() for lay in self.allowed}
+        self.stats = {lay: LayoutStats() for lay in self.allowed}          # decode-only steps
+        self.prefill_stats = {lay: LayoutStats() for lay in self.allowed}  # steps carrying prefill chunks
         self.last: Decision | None = None
         self.verdicts: dict[str, int] = {}
         self.switches: deque = deque(maxlen=32)    # predicted vs measured cost of the auto switches taken
@@ -139,13 +143,15 @@ class AutoLayout:
         not train the factor; it records the switch's measured added time against its prediction."""
         if layout not in self.stats or not rows or measured_s <= 0:
             return
+        regime = "prefill" if any(n > 1 for n, _, _ in rows) else "decode"
         self._observed += 1
-        if not switched and self._observed % self.observe_every:
+        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th
+        if not switched and regime == "decode" and self._observed % self.observe_every:
             return
         pred = self.model.step(layout, [self.row(n, c, o) for n, c, o in rows]).seconds
         if pred <= 0:
             return
-        st = self.stats[layout]
+        st = (self.prefill_stats if regime == "prefill" else self.stats)[layout]
         if switched:
             last = self.last
             self.switches.append({"step": self.last.step if last else None, "dst": layout,
@@ -153,19 +159,24 @@ class AutoLayout:
                                   "predicted_s": last.switch_s if last and last.target == layout else None,
                                   "measured_added_s": measured_s - pred * self.factor(layout)})
             return
-        st.errors.append(abs(pred * self.factor(layout) - measured_s) / measured_s)
+        st.errors.append(abs(pred * self.factor(layout, regime) - measured_s) / measured_s)
         st.last_predicted, st.last_measured = pred, measured_s
         lo, hi = FACTOR_BOUNDS
         x = math.log(min(hi, max(lo, measured_s / pred)))
         st.level = x if st.level is None else (1 - FACTOR_ALPHA) * st.level + FACTOR_ALPHA * x
 
-    def factor(self, layout: str) -> float:
-        """measured / predicted as learnt so far for `layout`; the visited layouts' mean when not visited yet."""
-        lvl = self.stats[layout].level
-        if lvl is None:
-            seen = [s.level for s in self.stats.values() if s.level is not None]
-            lvl = sum(seen) / len(seen) if seen else 0.0
-        return math.exp(lvl)
+    def factor(self, layout: str, regime: str = "decode") -> float:
+        """measured / predicted as learnt so far for `layout` in `regime` ("decode" or "prefill"); the visited
+        layouts' mean when not visited yet; the other regime's factor when no layout has run in this one."""
+        own, other = ((self.prefill_stats, self.stats) if regime == "prefill" else (self.stats, self.prefill_stats))
+        for stats in (own, other):
+            lvl = stats[layout].level
+            if lvl is None:
+                seen = [s.level for s in stats.values() if s.level is not None]
+                lvl = sum(seen) / len(seen) if seen else None
+            if lvl is not None:
+                return math.exp(lvl)
+        return 1.0
 
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
@@ -195,9 +206,10 @@ class AutoLayout:
             work = sum(r.remaining for r in batch)
             if not batch or work <= 0:
                 continue
-            f = self.factor(lay)
-            secs, first = self._finish_seconds(lay, batch)
-            total[lay], per_tok[lay], admitted[lay] = secs * f, secs * f / work, len(batch)
+            f, fp = self.factor(lay), self.factor(lay, "prefill")
+            pre, dec, first = self._finish_seconds(lay, batch)
+            secs = pre * fp + dec * f
+            total[lay], per_tok[lay], admitted[lay] = secs, secs / work, len(batch)
             work_of[lay], step_s[lay] = work, first * f
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
@@ -262,17 +274,17 @@ class AutoLayout:
             batch.append(r)
         return batch
 
-    def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float]:
-        """(predicted time to finish `batch` in `lay`, its first decode step): the chunked prefill steps the
-        engine's scheduler will run (decode rows included), then the decode in up to DECODE_SEGMENTS + 1 pieces
-        as the requests with the least output left finish."""
+    def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float, float]:
+        """(predicted seconds of `batch`'s prefill steps in `lay`, of its decode after them, its first decode
+        step): the chunked prefill steps the engine's scheduler will run (decode rows included), then the decode
+        in up to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish."""
         owners = self._place(batch)
         steps, made = self._prefill_plan(batch, owners)
-        secs, first = self._steps_seconds(lay, steps), 0.0
+        pre, secs, first = self._steps_seconds(lay, steps), 0.0, 0.0
         left_of = {r.req_id: r.remaining - made[r.req_id] for r in batch}
         left = sorted(v for v in left_of.values() if v > 0)
         if not left:
-            return secs, first
+            return pre, secs, first
         cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
                       | {left[-1]})
         done = 0
@@ -287,7 +299,7 @@ class AutoLayout:
             first = first or one
             secs += (cut - done) * one
             done = cut
-        return secs, first
+        return pre, secs, first
 
     def _place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
         """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
@@ -353,7 +365,9 @@ class AutoLayout:
         return {"last_decision": self.last.as_dict() if self.last else None,
                 "decisions": dict(self.verdicts),
                 "model": {lay: {"factor": round(self.factor(lay), 4), "last_predicted_s": s.last_predicted,
-                                "last_measured_s": s.last_measured, "median_error": s.median_error}
+                                "last_measured_s": s.last_measured, "median_error": s.median_error,
+                                "prefill_factor": round(self.factor(lay, "prefill"), 4),
+                                "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches)}
 
