@@ -134,3 +134,27 @@ def test_selection_matches_brute_force(bs, P, world, kv_dtype):
             got[i] |= sel
     for g_row, (req, p, scores) in zip(got, want):
         check_row(g_row, req, p, scores, P, topk // P)
+
+
+@pytest.mark.parametrize("bs,P,world", [(4, 2, 1), (4, 2, 3), (8, 4, 2)])
+def test_exact_ties_pick_the_earliest_pools_in_every_layout(bs, P, world):
+    """A zero indexer query (e.g. a zero-embedding token) scores every pool exactly 0: one rank and CP's global
+    top-k over position shards must both take the earliest pools (indexer.order_keys), not whatever torch.topk
+    leaves at a tie — otherwise a switch into or out of CP changes the tokens."""
+    g = torch.Generator().manual_seed(7 + world)
+    w = weights(P, g)
+    vecs = {f"r{i}": torch.randn(s + n, 2 * D, generator=g) for i, (s, n) in enumerate(SPECS)}
+    states = [rank_state(vecs, "float32", bs, world, r, seed=bs) for r in range(world)]
+    n = states[0][2].num_rows
+    q, hw = torch.zeros(n, H, D), torch.randn(n, H, generator=g)
+    topk = 2 * P
+    run_select(states, w, q, hw, topk, world)
+    got = [set() for _ in range(n)]
+    for _, _, meta, where in states:
+        for i, sel in enumerate(selected(meta, where)):
+            got[i] |= sel
+    rows = [(q.req_id, p) for q in states[0][1] for p in range(q.start_pos, q.end_pos)]
+    for (req, p), sel in zip(rows, got):
+        pools = (p + 1) // P
+        want = set(range(min(topk // P, pools) * P)) | set(range(pools * P, p + 1))
+        assert {t for _, t in sel} == want, (req, p, sorted(t for _, t in sel))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention.dsa import SparseSelection, _groups, _held, global_topk
-from splash.models.indexer import index_scores, indexer_queries, select_topk_values
+from splash.models.indexer import NO_KEY, index_scores, indexer_queries, select_topk_keys
 from splash.models.kpool import KPoolWeights, kpool_keys, pool_keys
 
 
@@ -46,13 +46,15 @@ def _pools(meta, reqs: torch.Tensor, P: int):
 
 def local_candidates(cache, layer: int, meta, w: KPoolWeights, q: torch.Tensor, hw: torch.Tensor, K: int,
                      tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For every row of `meta`: (slots [N, K·P (+ P)], valid [N, K·P (+ P)], pool scores [N, K], −inf where
-    none) — its best K pools held here, each expanded to its P slots, then its tail pool's slots (`tail`)."""
+    """For every row of `meta`: (slots [N, K·P (+ P)], valid [N, K·P (+ P)], pool order keys [N, K], NO_KEY
+    where none) — its best K pools held here, each expanded to its P slots, then its tail pool's slots (`tail`).
+    Exact score ties break towards the earlier pool (indexer.order_keys, keyed by the pool's first position), so
+    CP's global top-k over these keys is the one-rank choice, ties included."""
     n, dev, P = meta.num_rows, q.device, w.pool
     width = (K + int(tail)) * P
     slots = torch.zeros(n, width, dtype=torch.long, device=dev)
     valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    vals = torch.full((n, K), float("-inf"), device=dev)
+    vals = torch.full((n, K), NO_KEY, dtype=torch.long, device=dev)
     offs = torch.arange(P, device=dev)
     for reqs, nq in _groups(meta):
         ks, kpos, held = _pools(meta, reqs, P)
@@ -71,7 +73,7 @@ def local_candidates(cache, layer: int, meta, w: KPoolWeights, q: torch.Tensor, 
             scores = index_scores(q[rows].view(G, nq, *q.shape[1:]), hw[rows].view(G, nq, -1), keys,
                                   w.softmax_scale)                                            # [G, nq, NP]
             vis = held.all(-1)[:, None, :] & (kpos[..., -1][:, None, :] <= qpos[..., None])
-            idx, ok, v = select_topk_values(scores, vis, min(K, NP))
+            idx, ok, v = select_topk_keys(scores, vis, min(K, NP), kpos[..., 0][:, None, :] // P)
             kk = idx.shape[-1]
             cols = (idx[..., None] * P + offs).reshape(G, nq, kk * P)
             slots[rows, :kk * P] = take(flat_s, cols).reshape(G * nq, -1)
