@@ -17,6 +17,7 @@ from splash.layouts.ownership import head_range
 from splash.models.glm5_next import build_hybrid_weights
 from splash.models.loader import open_checkpoint
 from splash.models.weights import resident_bytes
+from splash.switching.manifest import ReqState, plan_switch
 
 CASES = {"plain": (None, None), "fp8": (None, "fp8"), "int8": (None, "int8"), "int8_gates": ("w8a16", None)}
 
@@ -47,3 +48,14 @@ def test_resident_weight_bytes_equal_memory_model(case, ckpts):
             assert held == [rank_weight_bytes(cfg, layout, world, k, 4, wq) for k in range(world)], (layout, world)
             mem = per_rank_memory(cfg, layout, world, 4, "float32", {}, 4, weight_quant=wq)
             assert mem.common + mem.projections >= max(held)
+
+
+@pytest.mark.parametrize("src,dst", [("tp", "dp_attn"), ("dop", "cp"), ("dp_attn", "tp")])
+def test_manifest_weight_totals_plain(src, dst, ckpts):
+    """Plain weights have no shared scale blocks: what a sharded→replicated switch gathers on each rank is the
+    replicated rank's weights minus its own shard (KDA and MLA projections; common weights stay), else nothing."""
+    cfg, _ = open_checkpoint(ckpts[None])
+    m = plan_switch(src, dst, cfg, 2, {"a": ReqState(10, 0)}, 4, 4, "float32")
+    gathered = [rank_weight_bytes(cfg, dst, 2, r, 4) - rank_weight_bytes(cfg, src, 2, r, 4) for r in range(2)]
+    assert m.total_weight_recv_bytes == tuple(max(0, g) for g in gathered)
+    assert m.weight_sent_total == m.total_weight_recv_bytes
