@@ -14,7 +14,9 @@ Q-B, KV-B, O, FFN/MoE projections, indexer wq_b/wk) is counted in real stored by
 scales each rank's shard carries, including the partial blocks a shard shares with its neighbour when a head or
 FFN shard does not start on a 128-row/column boundary (GLM-5.x KV-B: 448 rows per head); embeddings, LM head,
 norms and the MoE router stay in the compute dtype (router and its bias in fp32). ``rank_weight_bytes`` gives one
-rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures.
+rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures. Hybrid
+(glm5_next) models are always counted exactly, plain or quantised (splash.layouts.hybrid_memory): KDA layers hold
+no Q-A/KV-A; their head-shardable projections count with the projections, and mHC weights with common.
 """
 from __future__ import annotations
 
@@ -93,32 +95,6 @@ def projection_params(cfg: ModelConfig) -> int:
     return q_b + kv_b + o
 
 
-def linear_projection_params(cfg: ModelConfig) -> int:
-    """Head-shardable parameters of one KDA layer: q/k/v, conv taps, f_b, dt_bias, A_log, b, g_b, O."""
-    hy = cfg.hybrid
-    H, d, hid = hy.linear_num_heads, hy.linear_head_dim, cfg.hidden_size
-    return H * d * (3 * hid + 3 * hy.linear_conv_kernel_dim + 2 * d + 1 + hid) + H * (1 + hid)
-
-
-def linear_projection_bytes(cfg: ModelConfig, weight_bytes: float) -> float:
-    """Stored bytes of one KDA layer's head-shardable weights, all heads (what a sharded→replicated switch
-    gathers, splash.switching.state_transfer): conv taps, dt_bias and A_log in fp32, the rest (q/k/v, f_b, b,
-    g_b, O) at `weight_bytes` per element (splash.models.kda)."""
-    hy = cfg.hybrid
-    H, d = hy.linear_num_heads, hy.linear_head_dim
-    fp32 = H * d * (3 * hy.linear_conv_kernel_dim + 1) + H
-    return (linear_projection_params(cfg) - fp32) * weight_bytes + 4 * fp32
-
-
-def _projection_total(cfg: ModelConfig, weight_bytes: float) -> float:
-    """Shardable bytes over all layers: Q-B/KV-B/O of MLA layers (+ KDA projections of KDA layers)."""
-    if cfg.hybrid is None:
-        return projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
-    n_lin = len(cfg.hybrid.linear_layers())
-    return (projection_params(cfg) * weight_bytes * (cfg.num_hidden_layers - n_lin)
-            + linear_projection_bytes(cfg, weight_bytes) * n_lin)
-
-
 def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) -> int:
     """Bytes of one request's KDA state (every KDA layer) on a rank holding it in `layout`: its head slice
     where projections are sharded (TP, DOP: on every rank), all heads where it is owner-run (DP-attn, CP: on
@@ -180,13 +156,18 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
     total: float = emb + (0 if cfg.tie_word_embeddings else emb) + cfg.hidden_size
     for layer in range(cfg.num_hidden_layers):
         idx = _indexer_params(cfg) if layer_has_indexer_keys(cfg, layer) else 0
-        total += _attn_common_params(cfg) + idx + _ffn_params(cfg, layer) / ffn_shards
+        attn = _attn_common_params(cfg) + idx
+        if cfg.hybrid is not None:  # KDA layers: no Q-A/KV-A, their common gates instead; mHC in every layer
+            from splash.layouts import hybrid_memory as hm
+            attn = (hm.kda_common_params(cfg) + 2 * cfg.hidden_size if cfg.is_linear_layer(layer) else attn)
+            attn += hm.mhc_params(cfg)
+        total += attn + _ffn_params(cfg, layer) / ffn_shards
     return total
 
 
 def _common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quant: str | None) -> float:
     """Common state per rank: params × weight_bytes, or (quantised) the largest rank's exact stored bytes."""
-    if weight_quant is None:
+    if weight_quant is None and cfg.hybrid is None:
         return common_params(cfg, shards) * weight_bytes
     return max(common_bytes_per_rank(cfg, r, shards, weight_bytes, weight_quant) for r in range(shards))
 
@@ -198,10 +179,13 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
     shared partial scale block)."""
     layout = parse_layout(layout)
     check_heads(layout, cfg.num_attention_heads, world)
+    if cfg.hybrid is not None:
+        from splash.layouts.hybrid_memory import hybrid_projection_bytes
+        return max(hybrid_projection_bytes(cfg, layout, world, r, weight_bytes, weight_quant) for r in range(world))
     if weight_quant is not None:
         return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
                                           weight_quant) for r in range(world)) * cfg.num_hidden_layers
-    total = _projection_total(cfg, weight_bytes)
+    total = projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
     return total / world if layout.shards_projections else total
 
 
@@ -368,6 +352,9 @@ def _ffn_bytes(cfg: ModelConfig, layer: int, shard: int, shards: int, e: float, 
 def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: float,
                           weight_quant: str | None = None) -> float:
     """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`)."""
+    if cfg.hybrid is not None:
+        from splash.layouts.hybrid_memory import hybrid_common_bytes
+        return hybrid_common_bytes(cfg, rank, world, elem_bytes, weight_quant)
     h, e, wq = cfg.hidden_size, elem_bytes, weight_quant
     emb = cfg.vocab_size * h * e
     total = emb + (0 if cfg.tie_word_embeddings else emb) + h * e
@@ -385,6 +372,10 @@ def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: f
 def rank_weight_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: int, elem_bytes: float,
                       weight_quant: str | None = None) -> float:
     """Every weight byte `rank` holds in `layout` as stored (common + projections of all layers)."""
+    if cfg.hybrid is not None:
+        from splash.layouts.hybrid_memory import hybrid_projection_bytes
+        return (common_bytes_per_rank(cfg, rank, world, elem_bytes, weight_quant)
+                + hybrid_projection_bytes(cfg, layout, world, rank, elem_bytes, weight_quant))
     heads = head_range(cfg.num_attention_heads, world, rank, layout)
     return (common_bytes_per_rank(cfg, rank, world, elem_bytes, weight_quant)
             + projection_shard_bytes(cfg, heads, elem_bytes, weight_quant) * cfg.num_hidden_layers)

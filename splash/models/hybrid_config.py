@@ -8,6 +8,7 @@ in mHC residual streams (``hc_mult`` streams, Sinkhorn-normalised mixing) and cl
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,9 @@ class HybridConfig:
     hc_sinkhorn_iters: int = 20
     index_kpool: int = 16
     index_kpool_always_select_tail: bool = True
+    # a quantised checkpoint stores KDA's gate projections (f_a/f_b/g_a/g_b/b_proj) quantised too: its
+    # quantization_config does not exclude them (`--quantization` and most releases keep them dense)
+    quantized_gates: bool = False
 
     @property
     def linear_dim(self) -> int:
@@ -75,6 +79,27 @@ def _per_layer(raw: dict[str, Any], name: str, n: int, allowed: tuple[str, ...],
     return tuple(vals)
 
 
+def _quantizes_gates(qc: Any, layer_types: tuple[str, ...]) -> bool:
+    """A quantization_config whose exclusions (fp8 ``modules_to_not_convert``, compressed-tensors ``ignore``; exact
+    names, ``re:`` patterns or name fragments) leave the first KDA layer's f_a_proj quantised."""
+    if not isinstance(qc, dict) or LINEAR not in layer_types:
+        return False
+    i = layer_types.index(LINEAR)
+    names = [f"{pre}layers.{i}.self_attn.f_a_proj" for pre in ("model.language_model.", "model.")]
+    for entry in (qc.get("modules_to_not_convert") or []) + (qc.get("ignore") or []):
+        pat = str(entry)[3:] if str(entry).startswith("re:") else str(entry)
+        if any(pat in n or _fullmatch(pat, n) for n in names):
+            return False
+    return True
+
+
+def _fullmatch(pattern: str, name: str) -> bool:
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:
+        return False
+
+
 def hybrid_from_hf(raw: dict[str, Any], where: str) -> HybridConfig:
     """HybridConfig from the (flattened) text config; ConfigError naming the field when it cannot run."""
     from splash.models.config import ConfigError
@@ -97,7 +122,8 @@ def hybrid_from_hf(raw: dict[str, Any], where: str) -> HybridConfig:
     kw = {k: raw[k] for k in ("swiglu_limit", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
                               "linear_lower_bound", "hc_mult", "hc_eps", "hc_sinkhorn_iters", "index_kpool",
                               "index_kpool_always_select_tail") if k in raw}
-    h = HybridConfig(layer_types=layer_types, indexer_types=idx, mlp_layer_types=mlp, **kw)
+    h = HybridConfig(layer_types=layer_types, indexer_types=idx, mlp_layer_types=mlp,
+                     quantized_gates=_quantizes_gates(raw.get("quantization_config"), layer_types), **kw)
     if raw.get("qk_rope_head_dim", 0):
         raise ConfigError(f"{where}: field 'qk_rope_head_dim' must be 0 for glm5_next (NoPE MLA layers)")
     if raw.get("q_lora_rank") is None:

@@ -54,7 +54,7 @@ def linear_common_bytes(m: SimModel, world: int) -> float:
     import dataclasses
     lin = dataclasses.replace(m.full, num_hidden_layers=m.linear_layers, first_k_dense_replace=m.linear_dense_layers,
                               index_head_dim=0, index_n_heads=0, q_lora_rank=None, kv_lora_rank=0,
-                              qk_rope_head_dim=0)
+                              qk_rope_head_dim=0, hybrid=None)  # plain FFN + norms view
     ffn_and_norms = common_params(lin, world) - common_params(dataclasses.replace(lin, num_hidden_layers=0), world)
     return (ffn_and_norms + m.linear_layers * m.linear_params / world) * ELEM_BYTES[m.weight_dtype]
 

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_projection_bytes,
-                                   projection_params, projection_recv_bytes, projection_shard_bytes,
-                                   switch_receive_bytes)
+from splash.layouts.hybrid_memory import linear_shard_bytes
+from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, projection_params,
+                                   projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
 from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, kv_holders, num_blocks,
                                       rebalance_owners)
 from splash.models.config import ModelConfig
@@ -339,7 +339,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
     acts = _actions(cfg, src, dst, moves, src_kv != dst_kv)
     if hybrid:
         acts += (("recurrent_state", ALL_TO_ALL if hybrid["state_moves"] else KEEP),)
-    w_recv_all, w_sent_all = _weight_totals(cfg, src, dst, world, weight_bytes, w_recv, w_sent)
+    w_recv_all, w_sent_all = _weight_totals(cfg, src, dst, world, weight_bytes, weight_quant, w_recv, w_sent)
     return Manifest(src, dst, world, cfg.num_hidden_layers, acts,
                     tuple(sorted(owners.items())), tuple(moves),
                     tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,
@@ -350,9 +350,11 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
 
 
 def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
-                   w_recv: list[float], w_sent: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+                   weight_quant: str | None, w_recv: list[float],
+                   w_sent: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Projection bytes per rank over every layer: the per-layer MLA figures × the MLA layers, plus (hybrid
-    models) the KDA projections gathered in the same directions, each rank's head shard as stored."""
+    models) the KDA projections gathered in the same directions, each rank's head shard as stored (values +
+    the scale blocks it touches when quantised)."""
     if cfg.hybrid is None:
         L = cfg.num_hidden_layers
         return tuple(w * L for w in w_recv), tuple(w * L for w in w_sent)
@@ -360,9 +362,10 @@ def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weigh
     n_mla = cfg.num_hidden_layers - n_lin
     recv, sent = [w * n_mla for w in w_recv], [w * n_mla for w in w_sent]
     if weight_action(src, dst) == ALL_GATHER:  # every rank sends its shard to the others, receives theirs
-        shard = linear_projection_bytes(cfg, weight_bytes) / world * n_lin
-        recv = [w + shard * (world - 1) for w in recv]
-        sent = [w + shard * (world - 1) for w in sent]
+        shard = [linear_shard_bytes(cfg, head_range(cfg.hybrid.linear_num_heads, world, r, src), weight_bytes,
+                                    weight_quant) * n_lin for r in range(world)]
+        recv = [w + sum(shard) - shard[r] for r, w in enumerate(recv)]
+        sent = [w + shard[r] * (world - 1) for r, w in enumerate(sent)]
     return tuple(recv), tuple(sent)
 
 

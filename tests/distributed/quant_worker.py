@@ -9,9 +9,9 @@ argv: ref.pt mode runs   (runs: comma-separated; "layouts": schemes, "switch": s
       layout (all-gathers reassemble the stored values and scales); resident weight bytes equal the memory
       model before, between and after the switches (no hidden copy); the bytes each all-gather delivers equal
       the manifest's weight_recv_bytes. Scheme "plain" runs the same on the fp32 checkpoint (issue 14: a
-      switch used to leave [Q-A ; KV-A] and its views both alive). Hybrid (glm5_next) schemes: KDA and MLA
-      projections equal a fresh load, resident bytes a fresh load's; the manifest's weight bytes are not
-      checked (they count KDA layers as MLA layers).
+      switch used to leave [Q-A ; KV-A] and its views both alive). Hybrid (glm5_next) schemes: the same checks,
+      KDA projections included (resident bytes and the manifest's weight bytes count KDA and MLA layers each
+      as stored).
 """
 from __future__ import annotations
 
@@ -57,8 +57,7 @@ def _same(a, b) -> bool:
 
 def check_weights(llm: LLM, model_dir, what: str) -> None:
     """Projections equal a fresh load in the current layout bit for bit; resident weight bytes equal the memory
-    model (hybrid models: a fresh load's, KDA heads included — the memory model does not count glm5_next's
-    weights exactly)."""
+    model (hybrid models: KDA heads included)."""
     r = llm.runner
     cfg, get = open_checkpoint(model_dir, r.dtype)
     hybrid = cfg.hybrid is not None
@@ -69,8 +68,7 @@ def check_weights(llm: LLM, model_dir, what: str) -> None:
         for name in KDA_FIELDS if linear else MLA_FIELDS:
             assert _same(getattr(a.attn, name), getattr(b.attn, name)), f"{what}: layer {i} {name} differs"
         assert a.attn.heads == (r.linear_heads if linear else r.heads), (what, i, a.attn.heads)
-    want = (resident_bytes(fresh) if hybrid
-            else rank_weight_bytes(cfg, r.layout, r.comm.size, r.comm.rank, r.dtype.itemsize, r.weight_quant))
+    want = rank_weight_bytes(cfg, r.layout, r.comm.size, r.comm.rank, r.dtype.itemsize, r.weight_quant)
     got = resident_bytes(r.weights)
     assert got == want, f"{what}: rank {r.comm.rank} holds {got} weight bytes, expected {want}"
 
@@ -110,8 +108,7 @@ def instrument(llm: LLM, model_dir, log: list) -> None:
         logits = step(batch, switch)
         if switch is not None:
             want = switch.m.total_weight_recv_bytes[r.comm.rank]
-            # glm5_next: the manifest's weight bytes count every layer as MLA (not KDA layers), so not checked
-            assert r.cfg.hybrid is not None or received[0] == want, \
+            assert received[0] == want, \
                 f"{src}->{r.layout}: received {received[0]} weight bytes, manifest {want}"
             log.append(f"{src}->{r.layout}")
             check_weights(llm, model_dir, f"after {src}->{r.layout}")
