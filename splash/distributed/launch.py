@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -62,6 +63,19 @@ def init_torch_distributed(ctx: DistContext, backend: str, host: str | None = No
             raise RuntimeError("rank 0 failed to open the TCPStore")
         store = dist.TCPStore(host, port, ctx.world_size, is_master=False)
     dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size)
+    atexit.register(_destroy_torch_group)
+
+
+def _destroy_torch_group() -> None:
+    """At exit: end the process group before the interpreter tears down (left to static destructors, gloo's
+    threads can abort a rank after its work is done: "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # exiting anyway; nothing to report to
+        pass
 
 
 COMMUNICATORS = ("mpi", "torch")
