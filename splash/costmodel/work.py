@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splash.costmodel.cp_placement import cp_keys_here, cp_new_rows_here  # noqa: F401 (re-exported)
 from splash.models.config import ModelConfig
 
 STAGES = ("plan", "qkv_a", "q_b_absorb", "indexer", "attention", "uv_o", "exchange", "ffn", "ffn_all_reduce",
@@ -102,31 +103,6 @@ def _gemm(w: Work, rows: float, k: int, n: float, wb: float, ab: float) -> None:
     w.gemm_rows[rows] = w.gemm_rows.get(rows, 0.0) + 2.0 * rows * k * n
     w.weight_bytes += k * n * wb
     w.act_bytes += rows * (k + n) * ab
-
-
-def cp_keys_here(end: int, anchor: int, rank: int, world: int, bs: int) -> tuple[int, int]:
-    """(positions < end, blocks) of one request held on ``rank`` under CP (block round-robin from ``anchor``)."""
-    nb = -(-end // bs)
-    full, rem = divmod(nb, world)
-    first = (rank - anchor) % world  # first block index homed here
-    blocks = full + (1 if first < rem else 0)
-    if blocks == 0:
-        return 0, 0
-    last_block = first + (blocks - 1) * world
-    tail = end - last_block * bs  # tokens of the last held block
-    return (blocks - 1) * bs + min(bs, tail), blocks
-
-
-def cp_new_rows_here(p: Piece, rank: int, world: int, bs: int) -> int:
-    """New positions of ``p`` whose block is homed on ``rank`` (where CP writes their KV)."""
-    if p.new <= 0:
-        return 0
-    lo, hi = p.context, p.end
-    n = 0
-    for b in range(lo // bs, (hi - 1) // bs + 1):
-        if (b + p.owner) % world == rank:
-            n += min(hi, (b + 1) * bs) - max(lo, b * bs)
-    return n
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from splash.costmodel.policy import choose_layout
@@ -234,12 +234,12 @@ class AutoLayout:
         per_tok = d.seconds_per_token
         lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens, {d.target: cost},
                                  unit="output tokens")
-        return _replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost, reason=why)
+        return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost, reason=why)
 
     def record(self, d: Decision, deferred: str | None = None) -> Decision:
         """Remember (and log when it changed) the decision actually taken at this boundary."""
         if deferred:
-            d = _replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
+            d = replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
         prev, self.last = self.last, d
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
@@ -370,35 +370,3 @@ class AutoLayout:
                                 "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches)}
-
-
-def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
-    """The scheduler's running and waiting requests (the first `max_num_seqs` waiting) as ReqViews."""
-    def left(r) -> int:
-        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.reqs.get(r.req_id, (0, None))[1])
-           for r in scheduler.running]
-    for i, r in enumerate(scheduler.waiting):
-        if i >= scheduler.max_num_seqs:
-            break
-        out.append(ReqView(r.req_id, 0, r.pending, left(r), None, running=False))
-    return out
-
-
-def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardware_profile: str, margin: float,
-                     max_num_seqs: int, max_num_batched_tokens: int) -> AutoLayout:
-    """The scheduler for an engine: a cost model of its model, dtypes and world on `hardware_profile`."""
-    from splash.costmodel import CostModel, load_profile
-
-    weight_dtype = str(runner.dtype).removeprefix("torch.")
-    model = CostModel(runner.cfg, world, load_profile(hardware_profile), weight_dtype, dict(control.kv_dtypes),
-                      runner.block_size)
-    return AutoLayout(model, control.allowed, margin, block_size=runner.block_size, world=world,
-                      capacity_blocks={lay: ledger.cap(lay) for lay in control.allowed},
-                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      switch_mode=control.mode)
-
-
-def _replace(d: Decision, **kw) -> Decision:
-    from dataclasses import replace
-    return replace(d, **kw)

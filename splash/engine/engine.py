@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
-from splash.engine.auto_layout import make_auto_layout, request_views
+from splash.engine.auto_layout_setup import make_auto_layout, request_views
 from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.messages import StepItem, StepMessage, StopMessage, SwitchPlan
