@@ -253,7 +253,15 @@ def test_a_layout_on_a_borrowed_factor_is_entered_only_when_its_lead_survives():
     _visit(a, m, "tp", 3.0)
     reqs = decode_batch(4, 100)
     d = a.propose(100, "tp", reqs, usage(reqs))
-    assert (d.verdict, d.target) == ("uncertain", "dop") and d.uncertainty["dop"] > d.uncertainty["tp"]
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and d.uncertainty["dop"] > d.uncertainty["tp"]
+    # a probe is bounded: its round trip (2 x 0.05 s, the conservative prior) must be within 5% of the work left
+    assert a.vet(d, manifest=None).verdict == "not_worth_it"                  # 0.3 s left in TP
+    long = decode_batch(4, 100, remaining=10_000)
+    v = a.vet(a.propose(100, "tp", long, usage(long)), manifest=None)
+    assert v.verdict == "switch" and v.probe and "probe" in v.reason
+    a.record(v)                                               # taken: DOP's one probe is spent
+    d = a.propose(100, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("uncertain", "dop", False)
     m.fixed["dop"] = 0.6e-3                                   # a lead that survives it: taken
     assert a.propose(101, "tp", reqs, usage(reqs)).verdict == "switch"
     m.fixed["dop"] = 0.85e-3                                  # once DOP has its own measurements, 15% suffices
@@ -315,3 +323,13 @@ def test_a_bounded_history_of_decisions_is_kept_for_the_api():
     a.observe("tp", [(1, 100, 0)], 0.5, switched=True)
     names = {mf.name for mf in _scheduler_metrics(a.summary())}
     assert {"splash_switch_measured_seconds", "splash_switch_cost_factor", "splash_cost_model_factor"} <= names
+
+
+def test_the_steps_after_a_switch_all_train_the_new_layout():
+    m = LinearCost()
+    a = make(m)
+    rows = [(1, 10, 0)]
+    a.observe("dop", rows, 1.0, switched=True)
+    for _ in range(16):
+        a.observe("dop", rows, 1.0)
+    assert a.stats["dop"].n == 8 + 8 // a.observe_every       # LEARN_AFTER_SWITCH steps, then every 8th

@@ -24,6 +24,11 @@ entered only when its lead survives. The switch-cost prediction is corrected onl
 measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch the
 controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
 unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
+
+A layout that leads by the margin on its point prediction but not with its uncertainty may be *probed* — entered
+to measure it — at most MAX_PROBES times per layout and only when twice the switch's corrected cost (there and
+back) is within PROBE_BUDGET of the current layout's predicted time for the work left; the LEARN_AFTER_SWITCH
+steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
 """
 from __future__ import annotations
 
@@ -33,11 +38,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from splash.costmodel.policy import choose_layout
 from splash.engine.auto_correction import LayoutStats, StepCorrection, SwitchCorrection
+from splash.engine.auto_types import VERDICTS, CostModelLike, Decision, ReqView
+
+__all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
 log = logging.getLogger("splash.scheduler")
 
@@ -48,64 +56,9 @@ MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a 
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 DWELL_RATIO = 4.0        # after a switch, stay this many times the round trip's measured cost (2 x the switch's)
 HISTORY = 64             # decisions kept for GET /v1/layout (those that changed verdict, target or layout)
-# stay: current predicted fastest; below_margin: another leads by less than the margin; not_worth_it: the switch
-# costs more than its payoff; switch: taken; defer: wanted but no memory headroom yet; idle: nothing to predict;
-# uncertain: leads by the margin only on a borrowed correction factor; dwell: too soon after the last switch
-VERDICTS = ("stay", "below_margin", "not_worth_it", "switch", "defer", "idle", "uncertain", "dwell")
-
-
-class CostModelLike(Protocol):
-    """What the controller needs of `splash.costmodel.CostModel` (kept as a protocol so this module is pure)."""
-
-    def step(self, layout: str, rows: Sequence[Any]) -> Any: ...       # -> object with .seconds
-
-    def switch(self, manifest: Any, mode: str) -> Any: ...             # -> object with .exposed_seconds
-
-
-@dataclass(frozen=True)
-class ReqView:
-    """One request as the scheduler sees it at a boundary."""
-    req_id: str
-    cached: int           # tokens whose KV is resident
-    pending: int          # tokens still to prefill before the next sample (1 in decode)
-    remaining: int        # output tokens still to generate (max_tokens / max_model_len bound)
-    owner: int | None     # ledger owner (DP-attn/DOP owner, CP anchor); None for waiting requests
-    running: bool = True
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One evaluated boundary: what each layout was predicted to cost and what the controller did."""
-    step: int
-    current: str
-    verdict: str                      # one of VERDICTS
-    target: str | None
-    reason: str
-    seconds_per_token: dict[str, float] = field(default_factory=dict)   # corrected prediction per layout
-    batch_seconds: dict[str, float] = field(default_factory=dict)       # time to finish its batch
-    admitted: dict[str, int] = field(default_factory=dict)              # requests in each layout's batch
-    infeasible: dict[str, str] = field(default_factory=dict)            # layout -> why not
-    margin: float = 0.0
-    payoff_s: float = 0.0
-    switch_s: float = 0.0
-    work_tokens: int = 0                                                # output tokens the payoff is over
-    step_s: dict[str, float] = field(default_factory=dict)              # one decode step of the batch now
-    uncertainty: dict[str, float] = field(default_factory=dict)         # log-space, beyond the current layout's
-    switch_raw_s: float = 0.0                                           # the model's switch cost before correction
-    t_s: float = 0.0                                                    # seconds since the scheduler started
-
-    def as_dict(self) -> dict:
-        r6 = lambda d: {k: round(v, 6) for k, v in d.items()}  # noqa: E731
-        return {"step": self.step, "current": self.current, "verdict": self.verdict, "target": self.target,
-                "reason": self.reason, "seconds_per_token": r6(self.seconds_per_token),
-                "batch_seconds": r6(self.batch_seconds), "admitted": dict(self.admitted),
-                "infeasible": dict(self.infeasible), "margin": self.margin,
-                "payoff_s": round(self.payoff_s, 6) if math.isfinite(self.payoff_s) else None,
-                "switch_s": round(self.switch_s, 6), "work_tokens": self.work_tokens,
-                "step_s": r6(self.step_s), "uncertainty": r6(self.uncertainty),
-                "switch_raw_s": round(self.switch_raw_s, 6), "t_s": round(self.t_s, 3)}
-
-
+MAX_PROBES = 1           # probes per layout: entering it on its point prediction when only that leads by the margin
+PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
+LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
 def _row(new_tokens: int, context: int, owner: int | None):
     from splash.costmodel import RowLoad   # torch-free
     return RowLoad(new_tokens=new_tokens, context=context, owner=owner)
@@ -135,6 +88,8 @@ class AutoLayout:
         self.clock, self._t0 = clock, clock()
         self._since_switch_s = math.inf   # measured step seconds since the last switch
         self._dwell_s = 0.0               # ... that must pass before the next voluntary one
+        self._learn_until = 0             # observed-step count up to which every step trains
+        self.probes: dict[str, int] = {}
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
 
@@ -161,7 +116,8 @@ class AutoLayout:
         self._observed += 1
         self._since_switch_s += measured_s
         # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th
-        if not switched and regime == "decode" and self._observed % self.observe_every:
+        if (not switched and regime == "decode" and self._observed % self.observe_every
+                and self._observed > self._learn_until):
             return
         pred = self.model.step(layout, [self.row(n, c, o) for n, c, o in rows]).seconds
         if pred <= 0:
@@ -173,6 +129,7 @@ class AutoLayout:
             self.switch_cost.learn(last.step if last else None, last.current if last else None, layout,
                                    last.switch_raw_s if vetted else None, added)
             self._since_switch_s, self._dwell_s = 0.0, DWELL_RATIO * 2 * added
+            self._learn_until = self._observed + LEARN_AFTER_SWITCH
             return
         self.steps.learn(layout, regime, pred, measured_s)
 
@@ -231,6 +188,9 @@ class AutoLayout:
         if lay == current:
             best = min(per_tok, key=per_tok.get)
             point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
+            if point and self.probes.get(best, 0) < MAX_PROBES and self._since_switch_s >= self._dwell_s:
+                return Decision(verdict="switch", target=best, probe=True, reason=f"{why}; probe {best}",
+                                payoff_s=(per_tok[current] - per_tok[best]) * base["work_tokens"], **base)
             verdict = "stay" if best == current else "uncertain" if point else "below_margin"
             return Decision(verdict=verdict, target=None if best == current else best, reason=why, **base)
         if current in per_tok and self._since_switch_s < self._dwell_s:
@@ -247,8 +207,15 @@ class AutoLayout:
         raw = self.model.switch(manifest, self.switch_mode, step_seconds=d.step_s.get(d.target)).exposed_seconds
         cost = self.switch_cost.corrected(d.current, d.target, raw)
         per_tok = d.seconds_per_token
-        lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens, {d.target: cost},
-                                 unit="output tokens", uncertainty=d.uncertainty)
+        if d.probe:
+            left = d.batch_seconds.get(d.current, 0.0)
+            ok = 2 * cost <= PROBE_BUDGET * left
+            lay, why = (d.target if ok else d.current), (
+                f"{d.reason}: round trip 2 x {cost:.4g}s {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
+                f"{left:.4g}s left in {d.current}")
+        else:
+            lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens,
+                                     {d.target: cost}, unit="output tokens", uncertainty=d.uncertainty)
         ratio, seen = self.switch_cost.ratio(d.current, d.target)
         why += f" (switch cost: model {raw:.4g}s x {ratio:.3g} {'learnt' if seen else 'borrowed/default'})"
         return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost,
@@ -260,6 +227,8 @@ class AutoLayout:
             d = replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
         prev, self.last = self.last, d
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
+        if d.probe and d.verdict == "switch":
+            self.probes[d.target] = self.probes.get(d.target, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
             self.history.append(d.as_dict())
             log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))
@@ -392,4 +361,5 @@ class AutoLayout:
                                 "prefill_uncertainty": round(self.steps.uncertainty(lay, "prefill"), 4),
                                 "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
-                "switches": list(self.switches), "switch_cost": sw, "history": list(self.history)}
+                "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
+                "history": list(self.history)}
