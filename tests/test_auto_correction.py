@@ -63,3 +63,11 @@ def test_auto_correction_imports_no_torch():
     code = "import sys; sys.modules['torch'] = None; import splash.engine.auto_correction"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_step_counts_by_its_predicted_time():
+    c = StepCorrection(L)
+    c.learn("tp", "prefill", 0.01, 0.08)         # a 64-token prompt: 8x its (tiny) prediction
+    for _ in range(3):
+        c.learn("tp", "prefill", 0.3, 0.6)       # full 2048-token chunks: 2x
+    assert c.factor("tp", "prefill") < 2.2       # a per-step log average would give 2.8

@@ -266,7 +266,8 @@ def test_a_layout_on_a_borrowed_factor_is_entered_only_when_its_lead_survives():
     assert a.propose(101, "tp", reqs, usage(reqs)).verdict == "switch"
     m.fixed["dop"] = 0.85e-3                                  # once DOP has its own measurements, 15% suffices
     _visit(a, m, "dop", 3.0, n=40)
-    assert a.propose(102, "tp", reqs, usage(reqs)).verdict == "switch"
+    d = a.propose(102, "tp", reqs, usage(reqs))
+    assert d.verdict == "switch" and not d.probe
 
 
 def test_the_payoff_test_uses_the_learnt_switch_cost():
@@ -333,3 +334,15 @@ def test_the_steps_after_a_switch_all_train_the_new_layout():
     for _ in range(16):
         a.observe("dop", rows, 1.0)
     assert a.stats["dop"].n == 8 + 8 // a.observe_every       # LEARN_AFTER_SWITCH steps, then every 8th
+
+
+
+def test_a_measured_layout_is_not_probed_on_a_small_residual_uncertainty():
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.85e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 3.0, n=200)
+    _visit(a, m, "dop", 3.0, n=2)                  # measured twice: uncertainty 0.25 / 3 beyond TP's
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.probe) == ("uncertain", False)

@@ -2,10 +2,12 @@
 
 Two things are learnt from the run:
 
-- **Step time** (`StepCorrection`): measured / predicted seconds of the executed steps, per layout and per regime
-  (steps that carry prefill chunks, decode-only steps), as an exponential moving average in log space. The first
-  measurements are blended with the prior (the factor it borrowed) with weight 1/(n + 1), so one noisy step —
-  e.g. the first one after a switch — does not set a layout's factor by itself. A layout not visited yet in a
+- **Step time** (`StepCorrection`): measured over predicted seconds of the executed steps, per layout and per
+  regime (steps that carry prefill chunks, decode-only steps), as a ratio of exponentially weighted *sums* — so a
+  step counts in proportion to its predicted time, and a few short steps (a 64-token prompt, whose fixed costs the
+  model misses most) do not set the factor that scales a batch's long ones. The first measurements are blended
+  with the prior (the factor it borrowed, as one pseudo-step) with weight 1/(n + 1), so one noisy step — e.g. the
+  first one after a switch — does not set a layout's factor by itself. A layout not visited yet in a
   regime borrows the visited layouts' mean, and with it an *uncertainty* (log-space): the spread of the visited
   layouts' factors around that mean, at least BORROW_UNCERTAINTY, shrinking as 1/(1 + n) with the layout's own
   measurements. The scheduler inflates a candidate's prediction by exp(uncertainty), so a layout is entered on a
@@ -43,8 +45,10 @@ def _ema(level: float | None, prior: float, x: float, n: int) -> float:
 @dataclass
 class LayoutStats:
     """Online correction and prediction error of one layout in one regime."""
-    level: float | None = None            # log(measured / predicted), EMA; None until a step ran here
+    level: float | None = None            # log(Σ measured / Σ predicted), weighted sums; None until a step ran
     n: int = 0                            # measurements that trained it
+    sum_pred: float = 0.0                 # the weighted sums
+    sum_meas: float = 0.0
     last_predicted: float | None = None   # raw model seconds of the last executed step in this layout
     last_measured: float | None = None
     errors: deque = field(default_factory=lambda: deque(maxlen=64))   # |corrected − measured| / measured
@@ -94,10 +98,15 @@ class StepCorrection:
         st.errors.append(abs(predicted * self.factor(layout, regime) - measured) / measured)
         st.last_predicted, st.last_measured = predicted, measured
         lo, hi = FACTOR_BOUNDS
-        x = math.log(min(hi, max(lo, measured / predicted)))
-        prior = self._level(layout, regime) if st.level is None else st.level
+        meas = predicted * min(hi, max(lo, measured / predicted))
+        if st.level is None:     # the prior as one pseudo-step of this size (none: nothing to blend with)
+            prior = self._level(layout, regime)
+            st.sum_pred, st.sum_meas = (0.0, 0.0) if prior is None else (predicted, predicted * math.exp(prior))
         st.n += 1
-        st.level = x if prior is None else _ema(st.level, prior, x, st.n)   # nothing to blend with: take it
+        w = 1.0 if st.sum_pred == 0 else max(FACTOR_ALPHA, 1.0 / (st.n + 1))
+        st.sum_pred = (1 - w) * st.sum_pred + w * predicted
+        st.sum_meas = (1 - w) * st.sum_meas + w * meas
+        st.level = math.log(st.sum_meas / st.sum_pred)
 
 
 @dataclass

@@ -25,7 +25,8 @@ measured added time of the switch steps (a conservative ratio until a switch was
 controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
 unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
 
-A layout that leads by the margin on its point prediction but not with its uncertainty may be *probed* — entered
+A layout that leads by the margin on its point prediction but not with its uncertainty (at least
+PROBE_MIN_UNCERTAINTY: one not measured yet, not one whose factor is known) may be *probed* — entered
 to measure it — at most MAX_PROBES times per layout and only when twice the switch's corrected cost (there and
 back) is within PROBE_BUDGET of the current layout's predicted time for the work left; the LEARN_AFTER_SWITCH
 steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
@@ -58,6 +59,7 @@ DWELL_RATIO = 4.0        # after a switch, stay this many times the round trip's
 HISTORY = 64             # decisions kept for GET /v1/layout (those that changed verdict, target or layout)
 MAX_PROBES = 1           # probes per layout: entering it on its point prediction when only that leads by the margin
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
+PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
 def _row(new_tokens: int, context: int, owner: int | None):
     from splash.costmodel import RowLoad   # torch-free
@@ -188,7 +190,8 @@ class AutoLayout:
         if lay == current:
             best = min(per_tok, key=per_tok.get)
             point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
-            if point and self.probes.get(best, 0) < MAX_PROBES and self._since_switch_s >= self._dwell_s:
+            if (point and self.probes.get(best, 0) < MAX_PROBES and unc.get(best, 0.0) >= PROBE_MIN_UNCERTAINTY
+                    and self._since_switch_s >= self._dwell_s):
                 return Decision(verdict="switch", target=best, probe=True, reason=f"{why}; probe {best}",
                                 payoff_s=(per_tok[current] - per_tok[best]) * base["work_tokens"], **base)
             verdict = "stay" if best == current else "uncertain" if point else "below_margin"
