@@ -146,7 +146,7 @@ class SwitchCorrection:
             corr = self.corrected(src, dst, predicted_s)
             rec["corrected_s"] = round(corr, 6)
             added = max(measured_added_s, 1e-6)
-            rec["error"] = round(abs(corr - added) / added, 4)
+            rec["error"] = round(abs(corr - added) / max(added, SWITCH_FLOOR_S), 4)   # of at least the floor
             d = self.dirs.setdefault((src, dst), _Direction())
             d.errors.append(rec["error"])
             lo, hi = SWITCH_BOUNDS
