@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 from splash.engine.auto_layout import AutoLayout, ReqView
@@ -86,9 +88,11 @@ def test_a_switch_costing_more_than_its_payoff_is_not_taken():
     d = a.propose(0, "dop", reqs, usage(reqs))
     assert d.verdict == "switch"
     v = a.vet(d, manifest=None)
-    assert v.verdict == "not_worth_it" and v.switch_s == 10.0 and "switch cost" in v.reason
+    assert v.verdict == "not_worth_it" and v.switch_raw_s == 10.0 and "switch cost" in v.reason
+    assert v.switch_s >= 10.0                       # corrected: no switch observed yet, a conservative ratio
     m.switch_s = 1e-6
-    assert a.vet(d, manifest=None).verdict == "switch"
+    long = decode_batch(4, 100, remaining=1000)
+    assert a.vet(a.propose(1, "dop", long, usage(long)), manifest=None).verdict == "switch"
 
 
 def test_an_infeasible_layout_is_never_chosen():
@@ -154,7 +158,7 @@ def test_prefill_and_decode_steps_train_separate_factors():
     use = dict.fromkeys(LAYOUTS, [0, 0])
     d = a.propose(0, "tp", waiting, use)
     p, dcd, _ = a._finish_seconds("tp", waiting)
-    assert abs(d.batch_seconds["tp"] - (3.0 * p + 1.5 * dcd)) < 1e-9
+    assert abs(d.batch_seconds["tp"] - (a.factor("tp", "prefill") * p + a.factor("tp") * dcd)) < 1e-12
 
 
 def test_reevaluation_only_when_the_batch_changes_or_periodically():
@@ -233,3 +237,112 @@ def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():
     assert len(steps) == 4097 and all(len(rows) == 17 for rows in steps[:-1])   # 16 decode rows + 1 prompt token
     assert sum(n for rows in steps for n, _, _ in rows) - 16 * 4096 == 100_000      # every prompt token once
     assert made["p"] == 1 and made["d0"] == 4096
+
+
+def _visit(a, m, layout, factor, n=8):
+    rows = [(1, 100, 0)] * 4
+    for _ in range(n):
+        a.observe(layout, rows, factor * m.step(layout, rows).seconds)
+
+
+def test_a_layout_on_a_borrowed_factor_is_entered_only_when_its_lead_survives():
+    # DOP predicted 15% faster: more than the margin, less than the borrowed factor's uncertainty (x1.28)
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.85e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 3.0)
+    reqs = decode_batch(4, 100)
+    d = a.propose(100, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and d.uncertainty["dop"] > d.uncertainty["tp"]
+    # a probe is bounded: its round trip (2 x 0.05 s, the conservative prior) must be within 5% of the work left
+    assert a.vet(d, manifest=None).verdict == "not_worth_it"                  # 0.3 s left in TP
+    long = decode_batch(4, 100, remaining=10_000)
+    v = a.vet(a.propose(100, "tp", long, usage(long)), manifest=None)
+    assert v.verdict == "switch" and v.probe and "probe" in v.reason
+    a.record(v)                                               # taken: DOP's one probe is spent
+    d = a.propose(100, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("uncertain", "dop", False)
+    m.fixed["dop"] = 0.6e-3                                   # a lead that survives it: taken
+    assert a.propose(101, "tp", reqs, usage(reqs)).verdict == "switch"
+    m.fixed["dop"] = 0.85e-3                                  # once DOP has its own measurements, 15% suffices
+    _visit(a, m, "dop", 3.0, n=40)
+    d = a.propose(102, "tp", reqs, usage(reqs))
+    assert d.verdict == "switch" and not d.probe
+
+
+def test_the_payoff_test_uses_the_learnt_switch_cost():
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 2e-3, "cp": 2e-3, "dop": 2e-3}, switch_s=0.02)
+    a = make(m, observe_every=1)
+    for lay in LAYOUTS:
+        _visit(a, m, lay, 1.0)
+    reqs = decode_batch(4, 100, remaining=100)           # payoff 100 x 1 ms = 0.1 s
+    d = a.vet(a.propose(0, "dop", reqs, usage(reqs)), manifest=None)
+    assert d.verdict == "not_worth_it" and d.switch_raw_s == 0.02 and abs(d.switch_s - 0.2) < 1e-9  # prior ratio
+    # the dop -> tp switches measured 2x their prediction: 0.04 s against the 0.1 s payoff
+    rows = [(1, 100, 0)] * 4
+    for _ in range(30):
+        a.record(replace(d, verdict="switch"))
+        a.observe("tp", rows, m.step("tp", rows).seconds + 0.04, switched=True)
+    assert a.summary()["switch_cost"]["directions"]["dop->tp"]["observed"] == 30
+    a._since_switch_s = math.inf
+    v = a.vet(a.propose(1, "dop", reqs, usage(reqs)), manifest=None)
+    assert v.verdict == "switch" and abs(v.switch_s - 0.04) < 1e-3 and "learnt" in v.reason
+
+
+def test_no_second_switch_within_the_dwell_after_a_costly_one():
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 3e-3, "cp": 3e-3, "dop": 3e-3})
+    a = make(m, observe_every=1)
+    for lay in LAYOUTS:
+        _visit(a, m, lay, 1.0)
+    rows = [(1, 100, 0)] * 4
+    a.observe("dop", rows, m.step("dop", rows).seconds + 0.3, switched=True)   # the switch step added 0.3 s
+    assert a.summary()["switch_cost"]["dwell_s"] > 2.0                          # 4 x the 0.6 s round trip
+    reqs = decode_batch(4, 100)
+    d = a.propose(10, "dop", reqs, usage(reqs))
+    assert (d.verdict, d.target) == ("dwell", "tp") and "dwell" in d.reason
+    for _ in range(10):
+        a.observe("dop", rows, 0.25)                                            # 2.5 s of steps later
+    assert a.propose(20, "dop", reqs, usage(reqs)).verdict == "switch"
+    # an infeasible current layout is left at once, dwell or not
+    a.observe("tp", rows, 1.0, switched=True)
+    use = {**usage(reqs), "tp": [10**6, 10**6]}
+    assert a.propose(21, "tp", reqs, use).verdict == "switch"
+
+
+def test_a_bounded_history_of_decisions_is_kept_for_the_api():
+    from splash.server.metrics import _scheduler_metrics
+
+    t = iter(range(1000))
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 3e-3, "cp": 3e-3, "dop": 2e-3})
+    a = make(m, clock=lambda: float(next(t)))
+    reqs = decode_batch(4, 100)
+    for step in range(200):
+        a.record(a.propose(step, "tp" if step % 2 else "dop", reqs, usage(reqs)))   # alternates: each one logged
+    s = a.summary()
+    assert len(s["history"]) == 64 and s["history"][-1]["step"] == 199 and s["history"][-1]["t_s"] > 0
+    assert s["decisions"] == {"stay": 100, "switch": 100}
+    a.observe("tp", [(1, 100, 0)], 0.5, switched=True)
+    names = {mf.name for mf in _scheduler_metrics(a.summary())}
+    assert {"splash_switch_measured_seconds", "splash_switch_cost_factor", "splash_cost_model_factor"} <= names
+
+
+def test_the_steps_after_a_switch_all_train_the_new_layout():
+    m = LinearCost()
+    a = make(m)
+    rows = [(1, 10, 0)]
+    a.observe("dop", rows, 1.0, switched=True)
+    for _ in range(16):
+        a.observe("dop", rows, 1.0)
+    assert a.stats["dop"].n == 8 + 8 // a.observe_every       # LEARN_AFTER_SWITCH steps, then every 8th
+
+
+
+def test_a_measured_layout_is_not_probed_on_a_small_residual_uncertainty():
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.85e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 3.0, n=200)
+    _visit(a, m, "dop", 3.0, n=2)                  # measured twice: uncertainty 0.25 / 3 beyond TP's
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.probe) == ("uncertain", False)

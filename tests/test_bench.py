@@ -205,3 +205,11 @@ def test_sweep_refuses_to_overwrite_and_checks_resume_file(tmp_path):
     todo = sweep.plan(_sweep_args(tmp_path, "--layouts", "tp,dop", "--input-lens", "16,32", "--batch-sizes", "1",
                                   "--output-len", "4"), done)
     assert todo == [(32, 1, "dop"), (32, 1, "tp")]   # (16, 1) was measured; the order rotates per point
+
+
+def test_workload_keeps_the_schedulers_decision_lines():
+    from splash.bench.workload import decision_log
+
+    text = ('junk\n2026-12-01 10:00:00 splash.scheduler layout decision {"step": 3, "verdict": "switch"}\n'
+            'splash.scheduler layout decision {"step": 4, "verd\n')         # the last line cut by the log's end
+    assert decision_log(text) == [{"step": 3, "verdict": "switch"}]

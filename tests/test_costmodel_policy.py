@@ -1,4 +1,6 @@
 """The scheduler's switching rule (splash.costmodel.policy.choose_layout): pure properties."""
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,3 +71,20 @@ def test_properties(cur, pred, feasible, margin, remaining, costs):
             # and the rule is stable: from the new layout it does not want to go straight back
             assert choose_layout(lay, pred, feasible, margin, remaining, costs)[0] != cur or margin == 0
 
+
+
+def test_a_lead_must_survive_the_candidates_uncertainty():
+    pred, both = {"tp": 1.0, "dop": 0.85}, {"tp", "dop"}
+    assert choose_layout("tp", pred, both, 0.1, 1e6, FREE)[0] == "dop"               # 15% faster: > margin
+    lay, why = choose_layout("tp", pred, both, 0.1, 1e6, FREE, uncertainty={"dop": 0.25})
+    assert lay == "tp" and "uncertainty" in why                                       # 0.85 x 1.28 > 0.9
+    assert choose_layout("tp", {"tp": 1.0, "dop": 0.6}, both, 0.1, 1e6, FREE, uncertainty={"dop": 0.25})[0] == "dop"
+    # the current layout's own uncertainty does not make it look worse
+    assert choose_layout("tp", pred, both, 0.1, 1e6, FREE, uncertainty={"tp": 2.0})[0] == "dop"
+
+
+def test_the_payoff_is_counted_at_the_pessimistic_prediction():
+    pred, both, u = {"tp": 1.0, "dop": 0.5}, {"tp", "dop"}, {"dop": math.log(1.6)}   # dop at worst 0.8
+    assert choose_layout("tp", pred, both, 0.1, 10, {"dop": 1.5}, uncertainty=u)[0] == "dop"   # 2.0 > 1.5
+    lay, why = choose_layout("tp", pred, both, 0.1, 10, {"dop": 2.5}, uncertainty=u)
+    assert lay == "tp" and "switch cost" in why                                       # 5.0 at the point, 2.0 at worst

@@ -8,7 +8,9 @@ A workload is request groups ``{"groups": [{"at_s", "count", "input_len", "outpu
 ``output_len`` greedy tokens with EOS ignored. The default workload has phases with different leaders, shaped
 like an RL rollout group: a few short interactive requests, then a burst of many requests that ends as a few long
 ones. Every mode serves identical prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT
-p50, switches, completed and lost requests, and whether each mode's tokens equal the first mode's.
+p50, switches, completed and lost requests, and whether each mode's tokens equal the first mode's. With --json
+each run keeps the scheduler's structured decision lines from its server log (``decision_log``) and its bounded
+decision history from GET /v1/layout (``scheduler.history``); the server logs are copied to FILE's stem + "-logs/".
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -37,6 +40,7 @@ DEFAULT_WORKLOAD = {"groups": [
 ]}
 GROUP_KEYS = ("at_s", "count", "input_len", "output_len")
 TIMELINE_BIN_S = 0.5
+DECISION_LINE = re.compile(r"layout decision (\{.*\})\s*$")
 
 
 @dataclass
@@ -203,6 +207,19 @@ def summarise(mode: str, outs: list[Outcome], total: float, samples: list, final
             "errors": [o.error for o in outs if o.error][:3]}
 
 
+def decision_log(text: str) -> list[dict]:
+    """The scheduler's structured decision lines ("layout decision {json}") of a server log, in order."""
+    out = []
+    for line in text.splitlines():
+        m = DECISION_LINE.search(line)
+        if m:
+            try:
+                out.append(json.loads(m.group(1)))
+            except ValueError:
+                pass   # a line cut by the log's end
+    return out
+
+
 def run_mode(args, mode: str, requests: list, workdir: Path) -> tuple[dict, list[list[int]], dict]:
     """Serve `requests` with a fresh server in `mode`: (result, token ids per request, phase rates)."""
     log_path = workdir / f"server-{mode}.log"
@@ -214,7 +231,9 @@ def run_mode(args, mode: str, requests: list, workdir: Path) -> tuple[dict, list
         rc = stop(proc)
     res = summarise(mode, outs, total, samples, final)
     res["server_exit"] = rc
-    res["server_log_tail"] = log_path.read_text()[-1500:] if rc not in (0, None) else ""
+    text = log_path.read_text()
+    res["server_log_tail"] = text[-1500:] if rc not in (0, None) else ""
+    res["decision_log"] = decision_log(text)
     return res, [o.ids for o in outs], phase_rates(requests, outs)
 
 
@@ -312,7 +331,7 @@ def write_result(args, workload: dict, runs: list[dict], orc: dict | None, load:
                         "config": args.config, "seed": args.seed}, getattr(args, "argv", None))
     doc.pop("points")
     doc.update(runs=json.loads(json.dumps(runs, default=str)), oracle=orc, load_average_before=load,
-               complete=True)
+               load_average_after=os.getloadavg()[0], complete=True)
     R.write_json(args.json, doc)
 
 
@@ -346,6 +365,10 @@ def run(args) -> int:
     print_table(runs, orc, title)
     if args.json:
         write_result(args, workload, runs, orc, load)
+        logs = Path(args.json).with_name(Path(args.json).stem + "-logs")
+        logs.mkdir(parents=True, exist_ok=True)
+        for f in workdir.glob("server-*.log"):
+            shutil.copy(f, logs / f.name)
     lost = sum(r["lost"] for r in runs)
     return 0 if lost == 0 and all(r.get("same_tokens", True) for r in runs) else 1
 

@@ -10,21 +10,23 @@ from collections.abc import Mapping
 
 def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[str], margin: float,
                   remaining_steps: float, switch_seconds: Mapping[str, float],
-                  unit: str = "steps") -> tuple[str, str]:
+                  unit: str = "steps", uncertainty: Mapping[str, float] | None = None) -> tuple[str, str]:
     """(layout to run next, reason).
 
     ``predicted``: step seconds per layout; ``feasible``: layouts whose memory (and switch headroom) allow them;
     ``margin``: a candidate must be at least this fraction faster than ``current`` (0.1 = 10%);
     ``remaining_steps``: steps the gain is expected to last (or, with ``predicted`` per output token and
     ``unit="tokens"``, the output tokens it lasts for); ``switch_seconds``: exposed cost of switching from
-    ``current`` to each layout (missing = unknown = not taken).
+    ``current`` to each layout (missing = unknown = not taken); ``uncertainty``: per layout, a log-space
+    uncertainty of its prediction (e.g. a correction factor borrowed from other layouts; missing = 0).
 
     Rules: an infeasible layout is never chosen. If ``current`` is infeasible (or unpredicted), the fastest
     feasible layout is taken whatever the margin and cost (staying is not an option). Otherwise a candidate
     qualifies when ``predicted[c] <= (1 - margin) * predicted[current]`` and its payoff
     ``(predicted[current] - predicted[c]) * remaining_steps`` exceeds its switch cost; among those the largest
     net payoff wins (ties: faster, then name). The margin makes the rule hysteretic: at a crossover neither
-    layout beats the other by the margin, so it never flaps.
+    layout beats the other by the margin, so it never flaps. A candidate is judged (margin and payoff) at its
+    pessimistic prediction ``predicted[c] * exp(uncertainty[c])``: its lead must survive its uncertainty.
     """
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
@@ -36,8 +38,10 @@ def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[st
         why = "infeasible" if current not in feasible else "unpredicted"
         return best, f"switch: current {current} is {why}; {best} is the fastest feasible ({cands[best]:.4g}s)"
     cur = cands[current]
+    unc = uncertainty or {}
+    hi = {k: t * math.exp(max(0.0, unc.get(k, 0.0))) if k != current else t for k, t in cands.items()}
     scored = []
-    for k, t in cands.items():
+    for k, t in hi.items():
         if k == current:
             continue
         if t > (1.0 - margin) * cur:
@@ -52,13 +56,17 @@ def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[st
         best = min(cands, key=lambda k: (cands[k], k))
         if best == current:
             return current, f"stay: {current} is the fastest feasible ({cur:.4g}s)"
-        gain = 1.0 - cands[best] / cur
+        gain, gain_hi = 1.0 - cands[best] / cur, 1.0 - hi[best] / cur
+        if gain_hi < margin <= gain:
+            return current, (f"stay: {best} is {gain:.1%} faster, {gain_hi:.1%} with its uncertainty "
+                             f"(x{hi[best] / cands[best]:.3g}), below the {margin:.0%} margin")
         if gain < margin:
             return current, f"stay: {best} is {gain:.1%} faster, below the {margin:.0%} margin"
         cost = switch_seconds.get(best)
-        payoff = (cur - cands[best]) * max(0.0, remaining_steps)
+        payoff = (cur - hi[best]) * max(0.0, remaining_steps)
         return current, (f"stay: {best} pays {payoff:.4g}s over {remaining_steps:.4g} {unit}, not more than "
                          f"its switch cost {cost if cost is not None else 'unknown'}s")
     net, _, k, payoff, cost = max(scored)
-    return k, (f"switch: {k} {1.0 - cands[k] / cur:.1%} faster than {current}; payoff {payoff:.4g}s over "
+    lead = f" ({1.0 - hi[k] / cur:.1%} with its uncertainty)" if hi[k] != cands[k] else ""
+    return k, (f"switch: {k} {1.0 - cands[k] / cur:.1%} faster than {current}{lead}; payoff {payoff:.4g}s over "
                f"{remaining_steps:.4g} {unit} > switch cost {cost:.4g}s")

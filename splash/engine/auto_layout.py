@@ -18,20 +18,35 @@ prefill chunks and decode-only steps — since the model's error differs between
 runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not rescale the other. A
 layout not visited yet in a regime gets the mean correction of those that were (this host being slower or busier
 than its profile applies to all of them), so it does not look cheaper than the visited ones merely for lack of
-measurements; a regime nothing has run in yet borrows the other regime's factor.
+measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor carries an
+uncertainty (splash.engine.auto_correction): a candidate is judged at its prediction inflated by it, so it is
+entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from the
+measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch the
+controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
+unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
+
+A layout that leads by the margin on its point prediction but not with its uncertainty (at least
+PROBE_MIN_UNCERTAINTY: one not measured yet, not one whose factor is known) may be *probed* — entered
+to measure it — at most MAX_PROBES times per layout and only when twice the switch's corrected cost (there and
+back) is within PROBE_BUDGET of the current layout's predicted time for the work left; the LEARN_AFTER_SWITCH
+steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import statistics
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from splash.costmodel.policy import choose_layout
+from splash.engine.auto_correction import LayoutStats, StepCorrection, SwitchCorrection
+from splash.engine.auto_types import VERDICTS, CostModelLike, Decision, ReqView
+
+__all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
 log = logging.getLogger("splash.scheduler")
 
@@ -40,74 +55,12 @@ MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are 
 MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
-FACTOR_ALPHA = 0.2       # weight of the newest measurement in the correction factors
-FACTOR_BOUNDS = (0.05, 20.0)
-# stay: current predicted fastest; below_margin: another leads by less than the margin; not_worth_it: the switch
-# costs more than its payoff; switch: taken; defer: wanted but no memory headroom yet; idle: nothing to predict
-VERDICTS = ("stay", "below_margin", "not_worth_it", "switch", "defer", "idle")
-
-
-class CostModelLike(Protocol):
-    """What the controller needs of `splash.costmodel.CostModel` (kept as a protocol so this module is pure)."""
-
-    def step(self, layout: str, rows: Sequence[Any]) -> Any: ...       # -> object with .seconds
-
-    def switch(self, manifest: Any, mode: str) -> Any: ...             # -> object with .exposed_seconds
-
-
-@dataclass(frozen=True)
-class ReqView:
-    """One request as the scheduler sees it at a boundary."""
-    req_id: str
-    cached: int           # tokens whose KV is resident
-    pending: int          # tokens still to prefill before the next sample (1 in decode)
-    remaining: int        # output tokens still to generate (max_tokens / max_model_len bound)
-    owner: int | None     # ledger owner (DP-attn/DOP owner, CP anchor); None for waiting requests
-    running: bool = True
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One evaluated boundary: what each layout was predicted to cost and what the controller did."""
-    step: int
-    current: str
-    verdict: str                      # one of VERDICTS
-    target: str | None
-    reason: str
-    seconds_per_token: dict[str, float] = field(default_factory=dict)   # corrected prediction per layout
-    batch_seconds: dict[str, float] = field(default_factory=dict)       # time to finish its batch
-    admitted: dict[str, int] = field(default_factory=dict)              # requests in each layout's batch
-    infeasible: dict[str, str] = field(default_factory=dict)            # layout -> why not
-    margin: float = 0.0
-    payoff_s: float = 0.0
-    switch_s: float = 0.0
-    work_tokens: int = 0                                                # output tokens the payoff is over
-    step_s: dict[str, float] = field(default_factory=dict)              # one decode step of the batch now
-
-    def as_dict(self) -> dict:
-        r6 = lambda d: {k: round(v, 6) for k, v in d.items()}  # noqa: E731
-        return {"step": self.step, "current": self.current, "verdict": self.verdict, "target": self.target,
-                "reason": self.reason, "seconds_per_token": r6(self.seconds_per_token),
-                "batch_seconds": r6(self.batch_seconds), "admitted": dict(self.admitted),
-                "infeasible": dict(self.infeasible), "margin": self.margin,
-                "payoff_s": round(self.payoff_s, 6) if math.isfinite(self.payoff_s) else None,
-                "switch_s": round(self.switch_s, 6), "work_tokens": self.work_tokens,
-                "step_s": r6(self.step_s)}
-
-
-@dataclass
-class LayoutStats:
-    """Online correction and prediction error of one layout."""
-    level: float | None = None            # log(measured / predicted), EMA; None until a step ran here
-    last_predicted: float | None = None   # raw model seconds of the last executed step in this layout
-    last_measured: float | None = None
-    errors: deque = field(default_factory=lambda: deque(maxlen=64))   # |corrected − measured| / measured
-
-    @property
-    def median_error(self) -> float | None:
-        return statistics.median(self.errors) if self.errors else None
-
-
+DWELL_RATIO = 4.0        # after a switch, stay this many times the round trip's measured cost (2 x the switch's)
+HISTORY = 64             # decisions kept for GET /v1/layout (those that changed verdict, target or layout)
+MAX_PROBES = 1           # probes per layout: entering it on its point prediction when only that leads by the margin
+PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
+PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
+LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
 def _row(new_tokens: int, context: int, owner: int | None):
     from splash.costmodel import RowLoad   # torch-free
     return RowLoad(new_tokens=new_tokens, context=context, owner=owner)
@@ -119,7 +72,8 @@ class AutoLayout:
     def __init__(self, model: CostModelLike, allowed: Sequence[str], margin: float, *, block_size: int,
                  world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
                  max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
-                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row):
+                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row,
+                 clock=time.monotonic):
         self.model, self.allowed, self.margin = model, tuple(allowed), float(margin)
         self.block_size, self.world = block_size, world
         self.capacity_blocks = dict(capacity_blocks)
@@ -128,55 +82,63 @@ class AutoLayout:
         self.min_interval, self.observe_every = min_interval, observe_every
         self._observed = 0
         self.row = row
-        self.stats = {lay: LayoutStats() for lay in self.allowed}          # decode-only steps
-        self.prefill_stats = {lay: LayoutStats() for lay in self.allowed}  # steps carrying prefill chunks
+        self.steps = StepCorrection(self.allowed)
+        self.switch_cost = SwitchCorrection()
         self.last: Decision | None = None
+        self.history: deque = deque(maxlen=HISTORY)
         self.verdicts: dict[str, int] = {}
-        self.switches: deque = deque(maxlen=32)    # predicted vs measured cost of the auto switches taken
+        self.clock, self._t0 = clock, clock()
+        self._since_switch_s = math.inf   # measured step seconds since the last switch
+        self._dwell_s = 0.0               # ... that must pass before the next voluntary one
+        self._learn_until = 0             # observed-step count up to which every step trains
+        self.probes: dict[str, int] = {}
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
 
     # ---- online learning ---------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, LayoutStats]:            # decode-only steps
+        return self.steps.by_regime["decode"]
+
+    @property
+    def prefill_stats(self) -> dict[str, LayoutStats]:    # steps carrying prefill chunks
+        return self.steps.by_regime["prefill"]
+
+    @property
+    def switches(self):
+        return self.switch_cost.records
+
     def observe(self, layout: str, rows: Sequence[tuple[int, int, int | None]], measured_s: float,
                 switched: bool = False) -> None:
         """An executed step in `layout`: rows are (new_tokens, context, owner). A step that carried a switch does
-        not train the factor; it records the switch's measured added time against its prediction."""
+        not train the step factor; its measured added time trains the switch-cost correction and sets the dwell."""
         if layout not in self.stats or not rows or measured_s <= 0:
             return
         regime = "prefill" if any(n > 1 for n, _, _ in rows) else "decode"
         self._observed += 1
+        self._since_switch_s += measured_s
         # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th
-        if not switched and regime == "decode" and self._observed % self.observe_every:
+        if (not switched and regime == "decode" and self._observed % self.observe_every
+                and self._observed > self._learn_until):
             return
         pred = self.model.step(layout, [self.row(n, c, o) for n, c, o in rows]).seconds
         if pred <= 0:
             return
-        st = (self.prefill_stats if regime == "prefill" else self.stats)[layout]
         if switched:
             last = self.last
-            self.switches.append({"step": self.last.step if last else None, "dst": layout,
-                                  "src": last.current if last else None,
-                                  "predicted_s": last.switch_s if last and last.target == layout else None,
-                                  "measured_added_s": measured_s - pred * self.factor(layout)})
+            vetted = last is not None and last.target == layout and last.verdict == "switch"
+            added = max(0.0, measured_s - pred * self.factor(layout, regime))
+            self.switch_cost.learn(last.step if last else None, last.current if last else None, layout,
+                                   last.switch_raw_s if vetted else None, added)
+            self._since_switch_s, self._dwell_s = 0.0, DWELL_RATIO * 2 * added
+            self._learn_until = self._observed + LEARN_AFTER_SWITCH
             return
-        st.errors.append(abs(pred * self.factor(layout, regime) - measured_s) / measured_s)
-        st.last_predicted, st.last_measured = pred, measured_s
-        lo, hi = FACTOR_BOUNDS
-        x = math.log(min(hi, max(lo, measured_s / pred)))
-        st.level = x if st.level is None else (1 - FACTOR_ALPHA) * st.level + FACTOR_ALPHA * x
+        self.steps.learn(layout, regime, pred, measured_s)
 
     def factor(self, layout: str, regime: str = "decode") -> float:
         """measured / predicted as learnt so far for `layout` in `regime` ("decode" or "prefill"); the visited
         layouts' mean when not visited yet; the other regime's factor when no layout has run in this one."""
-        own, other = ((self.prefill_stats, self.stats) if regime == "prefill" else (self.stats, self.prefill_stats))
-        for stats in (own, other):
-            lvl = stats[layout].level
-            if lvl is None:
-                seen = [s.level for s in stats.values() if s.level is not None]
-                lvl = sum(seen) / len(seen) if seen else None
-            if lvl is not None:
-                return math.exp(lvl)
-        return 1.0
+        return self.steps.factor(layout, regime)
 
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
@@ -195,7 +157,7 @@ class AutoLayout:
         """The best layout for this boundary before its switch cost is known (`vet` adds that).
 
         `usage`: per allowed layout, the blocks per rank the running requests would use there."""
-        per_tok, total, admitted, infeasible, work_of, step_s = {}, {}, {}, {}, {}, {}
+        per_tok, total, admitted, infeasible, work_of, step_s, unc = {}, {}, {}, {}, {}, {}, {}
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -209,32 +171,58 @@ class AutoLayout:
             f, fp = self.factor(lay), self.factor(lay, "prefill")
             pre, dec, first = self._finish_seconds(lay, batch)
             secs = pre * fp + dec * f
+            # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones)
+            hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
+                  + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, len(batch)
             work_of[lay], step_s[lay] = work, first * f
+            unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
+        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured
+        unc = {k: max(0.0, u - unc.get(current, 0.0)) for k, u in unc.items()}
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
-                    step_s=step_s)
+                    step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
         if not per_tok:
             return Decision(verdict="idle", target=None, reason="no work to predict", **base)
         # the switching rule, with the switch cost not known yet (0): which layout would the margin let us take?
         lay, why = choose_layout(current, per_tok, set(per_tok), self.margin, base["work_tokens"],
-                                 dict.fromkeys(per_tok, 0.0), unit="output tokens")
+                                 dict.fromkeys(per_tok, 0.0), unit="output tokens", uncertainty=unc)
         if lay == current:
             best = min(per_tok, key=per_tok.get)
-            return Decision(verdict="stay" if best == current else "below_margin",
-                            target=None if best == current else best, reason=why, **base)
+            point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
+            if (point and self.probes.get(best, 0) < MAX_PROBES and unc.get(best, 0.0) >= PROBE_MIN_UNCERTAINTY
+                    and self._since_switch_s >= self._dwell_s):
+                return Decision(verdict="switch", target=best, probe=True, reason=f"{why}; probe {best}",
+                                payoff_s=(per_tok[current] - per_tok[best]) * base["work_tokens"], **base)
+            verdict = "stay" if best == current else "uncertain" if point else "below_margin"
+            return Decision(verdict=verdict, target=None if best == current else best, reason=why, **base)
+        if current in per_tok and self._since_switch_s < self._dwell_s:
+            return Decision(verdict="dwell", target=lay, reason=(
+                f"{why}; but dwell: {self._since_switch_s:.3g}s of steps since the last switch, "
+                f"< {self._dwell_s:.3g}s ({DWELL_RATIO:g} x its measured round trip)"), **base)
         payoff = (math.inf if current not in per_tok
-                  else (per_tok[current] - per_tok[lay]) * base["work_tokens"])
+                  else (per_tok[current] - per_tok[lay] * math.exp(unc.get(lay, 0.0))) * base["work_tokens"])
         return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
 
     def vet(self, d: Decision, manifest: Any) -> Decision:
         """The same rule with the planned switch's predicted exposed cost: switch only when the payoff exceeds it
         (or when the current layout cannot run the batch at all)."""
-        cost = self.model.switch(manifest, self.switch_mode, step_seconds=d.step_s.get(d.target)).exposed_seconds
+        raw = self.model.switch(manifest, self.switch_mode, step_seconds=d.step_s.get(d.target)).exposed_seconds
+        cost = self.switch_cost.corrected(d.current, d.target, raw)
         per_tok = d.seconds_per_token
-        lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens, {d.target: cost},
-                                 unit="output tokens")
-        return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost, reason=why)
+        if d.probe:
+            left = d.batch_seconds.get(d.current, 0.0)
+            ok = 2 * cost <= PROBE_BUDGET * left
+            lay, why = (d.target if ok else d.current), (
+                f"{d.reason}: round trip 2 x {cost:.4g}s {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
+                f"{left:.4g}s left in {d.current}")
+        else:
+            lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens,
+                                     {d.target: cost}, unit="output tokens", uncertainty=d.uncertainty)
+        ratio, seen = self.switch_cost.ratio(d.current, d.target)
+        why += f" (switch cost: model {raw:.4g}s x {ratio:.3g} {'learnt' if seen else 'borrowed/default'})"
+        return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost,
+                       switch_raw_s=raw, reason=why)
 
     def record(self, d: Decision, deferred: str | None = None) -> Decision:
         """Remember (and log when it changed) the decision actually taken at this boundary."""
@@ -242,8 +230,11 @@ class AutoLayout:
             d = replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
         prev, self.last = self.last, d
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
+        if d.probe and d.verdict == "switch":
+            self.probes[d.target] = self.probes.get(d.target, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
-            log.info("layout decision %s", json.dumps(d.as_dict(), sort_keys=True))
+            self.history.append(d.as_dict())
+            log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))
         return d
 
     # ---- prediction pieces --------------------------------------------------------------------------------
@@ -362,11 +353,16 @@ class AutoLayout:
 
     # ---- views for metrics / API ----------------------------------------------------------------------------
     def summary(self) -> dict:
+        sw = self.switch_cost.summary()
+        sw["dwell_s"], sw["since_switch_s"] = round(self._dwell_s, 4), round(min(self._since_switch_s, 1e9), 4)
         return {"last_decision": self.last.as_dict() if self.last else None,
                 "decisions": dict(self.verdicts),
                 "model": {lay: {"factor": round(self.factor(lay), 4), "last_predicted_s": s.last_predicted,
                                 "last_measured_s": s.last_measured, "median_error": s.median_error,
+                                "uncertainty": round(self.steps.uncertainty(lay), 4),
                                 "prefill_factor": round(self.factor(lay, "prefill"), 4),
+                                "prefill_uncertainty": round(self.steps.uncertainty(lay, "prefill"), 4),
                                 "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
-                "switches": list(self.switches)}
+                "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
+                "history": list(self.history)}

@@ -1,7 +1,10 @@
 """The engine's wiring of the live scheduler (splash.engine.auto_layout): the request views it predicts from, and
-an AutoLayout built from the runner's model, dtypes and world on a hardware profile."""
+an AutoLayout built from the runner's model, dtypes and world on a hardware profile. Its decision lines
+("layout decision {json}", logger ``splash.scheduler``, INFO) go to stderr unless logging is configured already."""
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 from splash.engine.auto_layout import AutoLayout, ReqView
@@ -24,6 +27,14 @@ def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardwar
                      max_num_seqs: int, max_num_batched_tokens: int) -> AutoLayout:
     """The scheduler for an engine: a cost model of its model, dtypes and world on `hardware_profile`."""
     from splash.costmodel import CostModel, load_profile
+
+    decision_log = logging.getLogger("splash.scheduler")
+    if not decision_log.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        decision_log.addHandler(handler)
+    if decision_log.getEffectiveLevel() > logging.INFO:
+        decision_log.setLevel(logging.INFO)
 
     weight_dtype = str(runner.dtype).removeprefix("torch.")
     model = CostModel(runner.cfg, world, load_profile(hardware_profile), weight_dtype, dict(control.kv_dtypes),

@@ -12,7 +12,10 @@ Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the ot
 the weight tensors each rank holds, measured from the tensors: rank 0's from start, every rank's from the first
 step on, refreshed after every switch); with the cost-model scheduler ``splash_predicted_step_seconds{layout}``,
 ``splash_measured_step_seconds{layout}``, ``splash_cost_model_factor{layout}``,
-``splash_prediction_error_ratio{layout}``, ``splash_layout_decisions_total{verdict}``.
+``splash_prediction_error_ratio{layout}``, ``splash_layout_decisions_total{verdict}``, and per switch direction
+observed ``splash_switch_predicted_seconds{src,dst}`` (corrected prediction of the last switch),
+``splash_switch_measured_seconds{src,dst}`` (its measured added time), ``splash_switch_cost_factor{src,dst}``,
+``splash_switch_prediction_error_ratio{src,dst}``.
 """
 from __future__ import annotations
 
@@ -89,6 +92,24 @@ def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
     for verdict in VERDICTS:
         dec.add_metric([verdict], float(sch["decisions"].get(verdict, 0)))
     yield dec
+    yield from _switch_metrics(sch.get("switch_cost") or {})
+
+
+def _switch_metrics(sw: dict) -> Iterator[Metric]:
+    """The scheduler's switch-cost correction: per direction observed, the last switch's corrected prediction and
+    measured added time, the learnt ratio and the median prediction error."""
+    names = {"last_corrected_s": ("splash_switch_predicted_seconds", "Corrected predicted cost of the last "
+                                  "switch in each direction"),
+             "last_measured_s": ("splash_switch_measured_seconds", "Measured added time of the last switch step"),
+             "ratio": ("splash_switch_cost_factor", "Online correction (measured / predicted) of the switch cost"),
+             "median_error": ("splash_switch_prediction_error_ratio", "Median |predicted - measured| / measured "
+                              "of the switch cost")}
+    fams = {k: GaugeMetricFamily(n, h, labels=["src", "dst"]) for k, (n, h) in names.items()}
+    for key, m in sorted((sw.get("directions") or {}).items()):
+        src, dst = key.split("->")
+        for k, fam in fams.items():
+            fam.add_metric([src, dst], float("nan") if m.get(k) is None else float(m[k]))
+    yield from fams.values()
 
 
 class Metrics:

@@ -1,0 +1,73 @@
+"""Online correction of the scheduler's step and switch-cost predictions (pure; splash.engine.auto_correction)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+from splash.engine.auto_correction import (BORROW_UNCERTAINTY, SWITCH_BOUNDS, SWITCH_FLOOR_S, SWITCH_PRIOR_RATIO,
+                                           StepCorrection, SwitchCorrection)
+
+L = ("tp", "dp_attn", "cp", "dop")
+
+
+def test_one_noisy_first_step_does_not_set_a_factor():
+    c = StepCorrection(L)
+    for _ in range(40):
+        c.learn("tp", "decode", 1.0, 3.0)
+    assert abs(c.factor("tp") - 3.0) < 0.01 and abs(c.factor("dop") - 3.0) < 0.01   # borrowed by dop
+    c.learn("dop", "decode", 1.0, 30.0)          # e.g. the first step after a switch, 10x slow
+    assert 3.0 * 1.5 < c.factor("dop") < 30.0 / 2   # blended with the prior it had (3.0) at weight 1/2
+    for _ in range(40):
+        c.learn("dop", "decode", 1.0, 6.0)
+    assert abs(c.factor("dop") - 6.0) < 0.05
+
+
+def test_a_borrowed_factor_is_uncertain_and_an_own_one_less_so():
+    c = StepCorrection(L)
+    assert c.uncertainty("cp") == BORROW_UNCERTAINTY                     # nothing seen
+    for _ in range(3):
+        c.learn("tp", "decode", 1.0, 4.0)
+        c.learn("dp_attn", "decode", 1.0, 1.0)
+    lv = [c.by_regime["decode"][k].level for k in ("tp", "dp_attn")]
+    spread = abs(lv[0] - lv[1]) / 2                                       # each this far from their mean
+    assert spread > BORROW_UNCERTAINTY
+    assert abs(c.uncertainty("cp") - spread) < 1e-9                       # borrowed: the visited spread
+    assert abs(c.uncertainty("tp") - spread / 4) < 1e-9                   # own, 3 samples: / (1 + 3)
+    assert c.uncertainty("cp", "prefill") == BORROW_UNCERTAINTY           # no prefill step anywhere yet
+
+
+def test_switch_cost_is_conservative_until_observed_then_learnt_per_direction():
+    s = SwitchCorrection()
+    assert math.isclose(s.corrected("tp", "dop", 0.0), SWITCH_FLOOR_S * SWITCH_PRIOR_RATIO)   # moves nothing
+    r, seen = s.ratio("tp", "cp")
+    assert math.isclose(r, SWITCH_PRIOR_RATIO) and not seen
+    for _ in range(30):
+        rec = s.learn(1, "tp", "dp_attn", 0.01, 0.3)                     # 30x the prediction
+    assert abs(s.ratio("tp", "dp_attn")[0] - 30.0) < 0.1 and s.ratio("tp", "dp_attn")[1]
+    assert rec["error"] < 0.01 and rec["corrected_s"] > 0.29
+    assert abs(s.ratio("cp", "tp")[0] - 30.0) < 0.1                      # unobserved: the observed mean
+    for _ in range(30):
+        s.learn(2, "dp_attn", "tp", 0.01, 0.02)
+    assert abs(s.ratio("dp_attn", "tp")[0] - 2.0) < 0.01
+    assert abs(s.ratio("cp", "tp")[0] - math.sqrt(60.0)) < 0.1           # geometric mean of both directions
+    s.learn(3, "tp", "cp", 1e-9, 1e6)                                    # clamped
+    assert s.ratio("tp", "cp")[0] <= SWITCH_BOUNDS[1]
+    s.learn(4, None, "tp", None, 0.5)                                    # a pinned switch: recorded, not learnt
+    assert len(s.records) == 32 and s.records[-1]["predicted_s"] is None
+    summ = s.summary()["directions"]["tp->dp_attn"]
+    assert summ["observed"] == 30 and summ["last_measured_s"] == 0.3 and summ["median_error"] is not None
+
+
+def test_auto_correction_imports_no_torch():
+    code = "import sys; sys.modules['torch'] = None; import splash.engine.auto_correction"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_step_counts_by_its_predicted_time():
+    c = StepCorrection(L)
+    c.learn("tp", "prefill", 0.01, 0.08)         # a 64-token prompt: 8x its (tiny) prediction
+    for _ in range(3):
+        c.learn("tp", "prefill", 0.3, 0.6)       # full 2048-token chunks: 2x
+    assert c.factor("tp", "prefill") < 2.2       # a per-step log average would give 2.8
