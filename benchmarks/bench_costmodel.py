@@ -109,7 +109,7 @@ def measure_point(comm, a, b: int, c: int) -> dict:
         for lay in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]:
             states[lay].step(clock=_clock())
             reps[lay].append(reduce([states[lay].step(clock=_clock()) for _ in range(a.steps)]))
-    return {"batch": b, "context": c, "steps": a.steps, "mean_context": c + 2 + (a.reps * (a.steps + 1)) / 2,
+    return {"batch": b, "context": c, "steps": a.steps, "mean_context": c + 2 + (a.reps * (a.steps + 1)) // 2,
             "reps": reps, "measured": {lay: statistics.median(v) for lay, v in reps.items()}}
 
 
