@@ -30,16 +30,36 @@ def predict(points: list[dict], world: int, preset: str, profile: str) -> None:
 
     cm = CostModel(model_preset(preset), world, load_profile(profile), "float32", "float32", 16)
     for p in points:
-        ctx = p["context"] + 2 + p["steps"] // 2  # mean position over the timed steps (after 2 warm-ups)
+        ctx = p.get("mean_context", p["context"] + 2 + p["steps"] // 2)  # mean position over the timed steps
         rows = [RowLoad(1, ctx, i % world) for i in range(p["batch"])]
         p["predicted"] = {lay: cm.step(lay, rows).seconds for lay in LAYOUTS}
 
 
-def summarise(points: list[dict]) -> tuple[float, float]:
-    agree = sum(min(p["measured"], key=p["measured"].get) == min(p["predicted"], key=p["predicted"].get)
-                for p in points)
+def _leader(times: dict) -> str:
+    return min(times, key=times.get)
+
+
+def summarise(points: list[dict]) -> dict:
+    """Leader agreement as specified (strict, every point), the median |error|, and the measurement's own
+    stability: the leader of the even repetitions against the odd ones' (each half's median), and the points
+    it resolves — the measured runner-up's fastest repetition slower than the leader's slowest."""
+    agree = [_leader(p["measured"]) == _leader(p["predicted"]) for p in points]
     errs = [abs(p["predicted"][k] - p["measured"][k]) / p["measured"][k] for p in points for k in LAYOUTS]
-    return agree / len(points), statistics.median(errs)
+    out = {"leader_agreement": sum(agree) / len(points), "median_abs_error": statistics.median(errs)}
+    with_reps = [p for p in points if len(next(iter(p.get("reps", {"": []}).values()))) >= 2]
+    if with_reps:
+        half = [[_leader({k: statistics.median(v[i::2]) for k, v in p["reps"].items()}) for i in (0, 1)]
+                for p in with_reps]
+        out["self_agreement"] = sum(a == b for a, b in half) / len(with_reps)
+        res = [(p, ok) for p, ok in zip(points, agree) if p in with_reps and _resolved(p)]
+        out["resolved_points"] = len(res)
+        out["resolved_agreement"] = sum(ok for _, ok in res) / len(res) if res else None
+    return out
+
+
+def _resolved(p: dict) -> bool:
+    lead, second = sorted(p["measured"], key=p["measured"].get)[:2]
+    return min(p["reps"][second]) > max(p["reps"][lead])
 
 
 def print_table(points: list[dict], world: int, meta: str) -> None:
@@ -55,53 +75,59 @@ def print_table(points: list[dict], world: int, meta: str) -> None:
         t.add_row(str(p["batch"]), str(p["context"]), *(f"{m[k] * 1e3:.2f}/{q[k] * 1e3:.2f}" for k in LAYOUTS),
                   lm, lq if lq == lm else f"[bold red]{lq}[/]")
     Console(width=160).print(t)
-    agree, err = summarise(points)
-    print(f"leader agreement {agree:.0%} ({len(points)} points); median |error| {err:.1%} over "
-          f"{len(points) * len(LAYOUTS)} (point, layout) pairs; {world} ranks")
+    sm = summarise(points)
+    print(f"leader agreement {sm['leader_agreement']:.0%} ({len(points)} points; strict); median |error| "
+          f"{sm['median_abs_error']:.1%} over {len(points) * len(LAYOUTS)} (point, layout) pairs; {world} ranks")
+    if "self_agreement" in sm:
+        ra = sm["resolved_agreement"]
+        print(f"measurement stability: leader of the even vs the odd repetitions agree at {sm['self_agreement']:.0%}"
+              f" of points; secondary (not the target): at the {sm['resolved_points']} points whose measured "
+              f"runner-up is behind the leader in every repetition, leader agreement "
+              f"{'n/a' if ra is None else f'{ra:.0%}'}")
 
 
 CLOCK = {"fn": None}
 
 
-def measure_min(comm, preset, layout, batch, ctx, steps) -> float:
-    """bench_layouts.measure with the minimum of the timed steps instead of the median: on a shared host the
-    least-preempted step is the closest to the step itself (calibrate --stat min measures the same way)."""
-    return min(_steps(comm, preset, layout, batch, ctx, steps))
-
-
-def _steps(comm, preset, layout, batch, ctx, steps) -> list[float]:
-    """bench_layouts' measurement (2 warm-up steps, then ``steps`` timed, max over ranks), by --clock."""
+def _clock():
     import time
+    return time.thread_time if CLOCK["fn"] == "cpu" else time.perf_counter
 
+
+def measure_point(comm, a, b: int, c: int) -> dict:
+    """One grid point: the four layouts' states built side by side, then ``--reps`` repetitions, each timing
+    every layout in turn (order rotated per repetition: 1 warm-up step after the switch of state, then
+    ``--steps`` timed, reduced by ``--stat``). The point's measurement is the median over repetitions."""
     from splash.bench.decode_state import DecodeState
-    clock = time.thread_time if CLOCK["fn"] == "cpu" else time.perf_counter
-    st = DecodeState(comm, preset, layout, batch, ctx)
-    for _ in range(2):
-        st.step(clock=clock)
-    return [st.step(clock=clock) for _ in range(steps)]
+    states = {lay: DecodeState(comm, a.preset, lay, b, c) for lay in LAYOUTS}
+    for st in states.values():
+        for _ in range(2):
+            st.step(clock=_clock())
+    reps = {lay: [] for lay in LAYOUTS}
+    reduce = min if a.stat == "min" else statistics.median
+    for r in range(a.reps):
+        for lay in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]:
+            states[lay].step(clock=_clock())
+            reps[lay].append(reduce([states[lay].step(clock=_clock()) for _ in range(a.steps)]))
+    return {"batch": b, "context": c, "steps": a.steps, "mean_context": c + 2 + (a.reps * (a.steps + 1)) // 2,
+            "reps": reps, "measured": {lay: statistics.median(v) for lay, v in reps.items()}}
 
 
 def measure_grid(a) -> tuple[list[dict], int, str]:
     import os
 
-    import statistics
-
     from splash.distributed import init_dist
-    def measure_median(comm, preset, layout, b, c, steps):   # splash-bench grid's measurement, its median
-        return statistics.median(_steps(comm, preset, layout, b, c, steps))
-
-    measure = measure_min if a.stat == "min" else measure_median
     comm = init_dist().comm
     load0 = os.getloadavg()[0]
     points = []
     for b in map(int, a.batches.split(",")):
         for c in map(int, a.contexts.split(",")):
-            times = {lay: measure(comm, a.preset, lay, b, c, a.steps) for lay in LAYOUTS}
-            points.append({"batch": b, "context": c, "steps": a.steps, "measured": times})
+            p = measure_point(comm, a, b, c)
+            points.append(p)
             if comm.rank == 0:
-                print(f"B={b} L={c} " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in times.items()), flush=True)
-    meta = (f"{a.preset}, {comm.size} ranks on CPU, {a.stat} of {a.steps} steps ({a.clock} clock), load average {load0:.2f} before / "
-            f"{os.getloadavg()[0]:.2f} after")
+                print(f"B={b} L={c} " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in p["measured"].items()), flush=True)
+    meta = (f"{a.preset}, {comm.size} ranks on CPU, median over {a.reps} interleaved repetitions of the {a.stat} of "
+            f"{a.steps} steps ({a.clock} clock), load average {load0:.2f} before / {os.getloadavg()[0]:.2f} after")
     return (points if comm.rank == 0 else []), comm.size, meta
 
 
@@ -111,7 +137,9 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu", help="hardware profile name or YAML path")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--contexts", default="256,1024,2048,4096")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per layout per repetition")
+    ap.add_argument("--reps", type=int, default=4,
+                    help="repetitions per point, layouts interleaved in each (the measurement: their median)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="statistic of the timed steps (median: bench_layouts'; min: robust to a loaded host)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -131,10 +159,8 @@ def main() -> None:
     predict(points, world, a.preset, a.profile)
     print_table(points, world, meta)
     if a.json:
-        agree, err = summarise(points)
         Path(a.json).write_text(json.dumps({"world": world, "meta": meta, "profile": a.profile,
-                                            "leader_agreement": agree, "median_abs_error": err,
-                                            "points": points}, indent=1))
+                                            **summarise(points), "points": points}, indent=1))
 
 
 if __name__ == "__main__":

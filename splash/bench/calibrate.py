@@ -298,6 +298,8 @@ def build_profile(comm, args) -> dict:
         raw = refit_attention(raw, m["attn_rows"] + med)
     per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
     raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
+    from splash.bench.calib_sync import collective_sync
+    raw["collective_sync_s"] = float(f"{collective_sync(comm, args.preset, raw, args.block_size, 3):.4g}")
     return raw
 
 
@@ -334,6 +336,8 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 # kernel calls and on the attention inside real one-rank decode steps together.
 # gemm_rows_flops_per_s: float32 GEMM rate at the row counts steps run (decode B rows, prefill chunks).
 # step_overhead_layout_s: a real 2-rank decode step (1 request per rank, 64 tokens) minus its prediction.
+# collective_sync_s: per collective, what real decode steps of every layout (B=8 x 512, B=24 x 128) take beyond
+# the prediction (least squares on each step's collective count): the wait for the slower peer inside a step.
 # overlap_fraction: 0 — on this machine nonblocking MPI does not progress during compute (docs/benchmarks.md,
 # switch overhead), so no exchange hides behind attention.
 """

@@ -62,6 +62,9 @@ class HardwareProfile:
     attention_merge_bytes_per_s: float = 0.0  # rate of a multi-chunk group's running-output merge traffic
     attention_cache_bytes: float = 0.0        # cache share of one rank: a chunk working set above it spills
     attention_spill_bytes_per_s: float = 0.0  # rate of re-reading the spilled part of a gathered chunk
+    # per collective inside a real step: waiting for the slower peer (the ranks' jitter between collectives),
+    # beyond the isolated α + bytes/β that calibrate times after a barrier (0: not modelled)
+    collective_sync_s: float = 0.0
     # GEMM rate by row count per weight dtype ({dtype: {rows: FLOP/s}}, interpolated in log rows; empty: the
     # flat gemm_flops_per_s at every row count)
     gemm_rows_flops_per_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
@@ -196,7 +199,7 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
               "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes",
               "alloc_bytes_per_s", "attention_merge_bytes_per_s", "attention_cache_bytes",
-              "attention_spill_bytes_per_s"):
+              "attention_spill_bytes_per_s", "collective_sync_s"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
     if kw.get("overlap_fraction", 0.0) > 1.0:

@@ -118,7 +118,7 @@ class CostModel:
             t += w.attn_merge_bytes / p.attention_merge_bytes_per_s
         if w.attn_spill_bytes and p.attention_spill_bytes_per_s:
             t += w.attn_spill_bytes / p.attention_spill_bytes_per_s
-        t += sum(n * p.collective(kind).seconds(b) for kind, b, n in w.collectives())
+        t += sum(n * (p.collective(kind).seconds(b) + p.collective_sync_s) for kind, b, n in w.collectives())
         t += (w.ops + (0.0 if p.moe_grouped else w.expert_ops)) * p.op_overhead_s * p.ops_scale
         t += w.plan_blocks * p.plan_block_s + w.plan_requests * p.plan_request_s
         t += w.attn_calls * (p.attention_call_s if p.attention_call_s else 14 * p.op_overhead_s * p.ops_scale)

@@ -152,7 +152,7 @@ def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: 
 def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, heads: int) -> None:
     """One attention group (all decode rows, or one prefill request). Gather path (scratch 0): one call with
     big temporaries. Split-KV kernel: chunks of pages bounded by the scratch budget, ≈ 18 eager ops each (the
-    formula of splash.attention.kernels.torch_mla.chunk_pages)."""
+    formulas of splash.attention.kernels.torch_mla.chunk_pages and chunk_spans)."""
     dc, dr = s.cfg.kv_lora_rank, s.cfg.qk_rope_head_dim
     if s.scratch <= 0:
         w.temps += _attn_temps(reqs, rows, keys, heads, dc, dr)
@@ -164,8 +164,9 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
     w.ops += 14 if chunks <= 1 else 6 + 18 * chunks
     if chunks > 1:  # each chunk folds into the running (max, sum, õ): ≈ 7 passes over õ [reqs, rows×heads, d_c]
         w.attn_merge_bytes += chunks * MERGE_PASSES * reqs * rows * heads * (dc + 2) * 4.0
-    if s.cache > 0:  # the gathered chunk is re-read by the score and value GEMMs; beyond the cache from memory
-        for c, n in ((chunk, pages // chunk), (pages % chunk, 1)):
+    if s.cache > 0 and chunks:  # the score and value GEMMs re-read the gathered chunk; past the cache, from memory
+        # the kernel walks `chunks` near-equal chunks (torch_mla.chunk_spans): floor or ceil of pages / chunks
+        for c, n in ((pages // chunks + 1, pages % chunks), (pages // chunks, chunks - pages % chunks)):
             ws = reqs * c * per_page
             if c and ws > s.cache:
                 w.attn_spill_bytes += n * 2.0 * (1.0 - s.cache / ws) * reqs * c * s.bs * (dc + dr) * 4.0

@@ -2,7 +2,7 @@
 
 Requests are grouped — all decode requests (one query row each) form one group, sorted by page count so the
 requests still active in a chunk are a prefix; each prefill request is a group of its query rows. A group walks
-its pages in chunks of `C` pages: it gathers just those pages of the pool (`index_select` on page ids from the
+its pages in chunks of at most `C` pages (ceil(pages / C) chunks of near-equal size): it gathers just those pages of the pool (`index_select` on page ids from the
 page table), dequantises them (fp8/int8 × their per-token per-128-group scales), scores the chunk, masks keys
 past each query's position, and folds the chunk into a running (max, sum, õ) in fp32. `C` is chosen so one
 chunk's buffers stay under `scratch_bytes` whatever the batch and context (at least one page per request), so
@@ -23,7 +23,10 @@ import torch
 from splash.kv import quant
 from splash.models.linear import bf16_units
 
-SCRATCH_BYTES = 32 << 20      # bound on one chunk's working buffers
+# bound on one chunk's working buffers. 24 MiB measured best of 8/12/16/24/32 MiB in real 2-rank decode steps on
+# this host (32 MiB L3 for 2 cores): at 32 MiB chunks gathering 11-14 MB of latent ran up to 1.7x slower per
+# step (docs/benchmarks.md, cost model round 4); at 16 MiB and below more groups need 2 chunks, no faster.
+SCRATCH_BYTES = 24 << 20
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
 
@@ -135,7 +138,7 @@ class TorchMLAKernel:
         m = torch.full((G, g.q * h, 1), float("-inf"), device=dev)
         s = torch.zeros(G, g.q * h, 1, device=dev)
         acc = torch.zeros(G, g.q * h, d_c, device=dev)
-        for j in range(0, g.max_pages, C):
+        for j, C in chunk_spans(g.max_pages, C):
             a = G - bisect_left(g.npages, j + 1)   # requests holding more than j pages: a prefix
             pid, hidden = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
             c, kpe, raw = _read_pages(cache, layer, pid, dt)
@@ -207,6 +210,14 @@ class TorchMLAKernel:
     def _track(self, *tensors) -> None:
         used = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, used)
+
+
+def chunk_spans(pages: int, C: int) -> list[tuple[int, int]]:
+    """(first page, pages) of each chunk when `pages` are walked in ceil(pages / C) chunks of near-equal size
+    (floor or ceil of pages / chunks) rather than full chunks and a remainder: as many chunks, none larger than
+    C, and none at the full scratch budget when a smaller one does."""
+    n = -(-pages // C)
+    return [(k * pages // n, (k + 1) * pages // n - k * pages // n) for k in range(n)]
 
 
 def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype):
