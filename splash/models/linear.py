@@ -54,10 +54,11 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
-    """x @ stack[e]ᵀ for one expert of a stacked weight [E, out, in]."""
+    """x @ stack[e]ᵀ for one expert of a stacked weight [E, out, in]. A quantised expert is dequantised into the
+    input-major layout plain stacks are stored in (splash.models.weights.expert_stack), so both multiply alike."""
     if isinstance(stack, torch.Tensor):
         return _mm(x, stack[e].T)
-    return _mm(x, stack[e].dequant().T)
+    return _mm(x, stack[e].dequant().T.contiguous())
 
 
 def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor:
