@@ -13,8 +13,8 @@ whose chunks land on one DP-attn/DOP owner is charged as such. The controller th
    switch manifest is planned: what a live switch cannot hide, or all of a blocking one).
 
 Predictions are corrected online: each executed step's measured time over its prediction feeds the factor of
-the layout it ran in (an exponential moving average in log space), one factor per regime — steps that carry
-prefill chunks and decode-only steps — since the model's error differs between them (a long prompt's attention
+the layout it ran in (a ratio of exponentially weighted sums, so a step counts by its predicted time), one
+factor per regime — steps that carry prefill chunks and decode-only steps — since the model's error differs between them (a long prompt's attention
 runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not rescale the other. A
 layout not visited yet in a regime gets the mean correction of those that were (this host being slower or busier
 than its profile applies to all of them), so it does not look cheaper than the visited ones merely for lack of
