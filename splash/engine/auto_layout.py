@@ -16,8 +16,8 @@ Predictions are corrected online: each executed step's measured time over its pr
 the layout it ran in (a ratio of exponentially weighted sums, so a step counts by its predicted time), one
 factor per regime — steps that carry prefill chunks and decode-only steps — since the model's error differs
 between them (a long prompt's attention runs in many kernel chunks; decode rows in one or two) and a factor
-learnt on one must not rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (this host being slower or busier
-than its profile applies to all of them), so it does not look cheaper than the visited ones merely for lack of
+learnt on one must not rescale the other. A layout not visited yet in a regime gets the mean correction of
+those that were (this host being slower or busier than its profile applies to all of them), so it does not look cheaper than the visited ones merely for lack of
 measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor carries an
 uncertainty (splash.engine.auto_correction): a candidate is judged at its prediction inflated by it, so it is
 entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from the
