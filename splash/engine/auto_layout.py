@@ -12,17 +12,17 @@ whose chunks land on one DP-attn/DOP owner is charged as such. The controller th
 2. its gain over the batch's remaining work exceeds the predicted cost of the switch (``vet``, once the
    switch manifest is planned: what a live switch cannot hide, or all of a blocking one).
 
-Predictions are corrected online: each executed step's measured time over its prediction feeds the factor of
-the layout it ran in (an exponential moving average in log space), one factor per regime — steps that carry
-prefill chunks and decode-only steps — since the model's error differs between them (a long prompt's attention
-runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not rescale the other. A
-layout not visited yet in a regime gets the mean correction of those that were (this host being slower or busier
-than its profile applies to all of them), so it does not look cheaper than the visited ones merely for lack of
-measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor carries an
-uncertainty (splash.engine.auto_correction): a candidate is judged at its prediction inflated by it, so it is
-entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from the
-measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch the
-controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
+Predictions are corrected online: each executed step's measured time over its prediction feeds the factor of the
+layout it ran in (a ratio of exponentially weighted sums, so a step counts by its predicted time), one factor per
+regime — steps that carry prefill chunks and decode-only steps — since the model's error differs between them (a
+long prompt's attention runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not
+rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (this host being
+slower or busier than its profile applies to all of them), so it does not look cheaper than the visited ones merely
+for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
+carries an uncertainty (splash.engine.auto_correction): a candidate is judged at its prediction inflated by it, so
+it is entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from
+the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
+the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
 unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
 
 A layout that leads by the margin on its point prediction but not with its uncertainty (at least
