@@ -2,13 +2,15 @@
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_costmodel.py \
         [--profile cpu] [--batches 1,4,16,32] [--contexts 256,1024,2048,4096] [--steps 6] [--json out.json]
-    .venv/bin/python benchmarks/bench_costmodel.py --from-json out.json [--profile other.yaml]   # re-predict only
+    .venv/bin/python benchmarks/bench_costmodel.py --from-json out.json[,out2.json] [--profile other.yaml]  # re-predict
 
-Measurement is benchmarks/bench_layouts.py's (same DecodeState, same median of steps, max over ranks); the
+Measurement is benchmarks/bench_layouts.py's decode step (same DecodeState, max over ranks), the four layouts'
+states side by side and timed in turn in each of --reps repetitions (the point's time: the median over them); the
 prediction is splash.costmodel.CostModel.step for the same rows (B decode rows at the mean context of the
 timed steps, owners / CP anchors round-robin as DecodeState places them). Rank 0 prints per point measured and
-predicted ms per layout, both leaders, then leader agreement and the median absolute error of the predicted
-step time over all (point, layout) pairs.
+predicted ms per layout, both leaders, then leader agreement (strict: every point) and the median absolute error
+of the predicted step time over all (point, layout) pairs, then the measurement's own stability (leader of the
+even vs the odd repetitions) and, secondary, the agreement at points whose runner-up is behind in every repetition.
 """
 from __future__ import annotations
 
@@ -33,6 +35,20 @@ def predict(points: list[dict], world: int, preset: str, profile: str) -> None:
         ctx = p.get("mean_context", p["context"] + 2 + p["steps"] // 2)  # mean position over the timed steps
         rows = [RowLoad(1, ctx, i % world) for i in range(p["batch"])]
         p["predicted"] = {lay: cm.step(lay, rows).seconds for lay in LAYOUTS}
+
+
+def merge_runs(runs: list[list[dict]]) -> list[dict]:
+    """Points of several runs of one grid as one: their repetitions pooled, the median over all of them."""
+    if len(runs) == 1:
+        return runs[0]
+    out = []
+    for same in zip(*runs):
+        if len({(p["batch"], p["context"]) for p in same}) != 1 or not all("reps" in p for p in same):
+            raise SystemExit("--from-json with several files needs runs of one grid, each with repetitions")
+        reps = {k: [t for p in same for t in p["reps"][k]] for k in LAYOUTS}
+        out.append({**same[0], "reps": reps, "measured": {k: statistics.median(v) for k, v in reps.items()},
+                    "mean_context": round(statistics.mean(p["mean_context"] for p in same))})
+    return out
 
 
 def _leader(times: dict) -> str:
@@ -146,12 +162,14 @@ def main() -> None:
                     help="step time by the wall clock (bench_layouts') or each rank's CPU time (max over ranks; "
                          "not inflated by time spent descheduled on a loaded host)")
     ap.add_argument("--json", default=None, help="write the points (measured and predicted) here")
-    ap.add_argument("--from-json", default=None, help="skip measuring: re-predict the points of this file")
+    ap.add_argument("--from-json", default=None, help="skip measuring: re-predict the points of this file "
+                    "(FILE1,FILE2,...: runs of one grid, repetitions pooled)")
     a = ap.parse_args()
     CLOCK["fn"] = a.clock
     if a.from_json:
-        saved = json.loads(Path(a.from_json).read_text())
-        points, world, meta = saved["points"], saved["world"], saved["meta"] + f" (re-predicted, {a.profile})"
+        runs = [json.loads(Path(f).read_text()) for f in a.from_json.split(",")]
+        points, world = merge_runs([r["points"] for r in runs]), runs[0]["world"]
+        meta = " + ".join(r["meta"] for r in runs) + f" (re-predicted, {a.profile})"
     else:
         points, world, meta = measure_grid(a)
         if not points:

@@ -221,3 +221,13 @@ def test_engine_with_triton_matches_transformers(tiny_ckpt, hf_ref, comm):
               comm=comm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert llm.runner.attn.name == "triton" and [o.token_ids for o in outs] == want
+
+
+def test_chunk_spans_are_balanced():
+    """ceil(pages / C) chunks, none above C, sizes differing by at most one page, covering every page in order."""
+    from splash.attention.kernels.torch_mla import chunk_spans
+    for pages, C in ((128, 107), (10, 3), (7, 7), (1, 5), (2048, 55)):
+        spans = chunk_spans(pages, C)
+        sizes = [n for _, n in spans]
+        assert len(spans) == -(-pages // C) and max(sizes) <= C and max(sizes) - min(sizes) <= 1
+        assert [j for j, _ in spans] == [sum(sizes[:i]) for i in range(len(sizes))] and sum(sizes) == pages

@@ -178,7 +178,8 @@ def test_cp_split_prefill_exchanges_the_history_not_the_partials(cfg):
 def _bare(cpu, **kw):
     """The cpu profile without the split-KV, row-rate and per-layout terms (what a profile lacking them means)."""
     raw = dict(cpu.to_dict(), attention_merge_bytes_per_s=0.0, attention_cache_bytes=0.0,
-               attention_spill_bytes_per_s=0.0, gemm_rows_flops_per_s={}, step_overhead_layout_s={})
+               attention_spill_bytes_per_s=0.0, gemm_rows_flops_per_s={}, step_overhead_layout_s={},
+               collective_sync_s=0.0)
     return profile_from_dict({**raw, **kw})
 
 
@@ -230,3 +231,13 @@ def test_layout_step_overhead(cfg, cpu):
                                                        .step("tp", rows).seconds)
     with pytest.raises(ConfigError, match="'pp'"):
         _bare(cpu, step_overhead_layout_s={"pp": 0.1})
+
+
+def test_collective_sync_per_collective(cfg, cpu):
+    """collective_sync_s adds its wait once per collective of the step (DOP's all-to-alls included), nothing else."""
+    rows = [RowLoad(1, 256, i % 2) for i in range(4)]
+    for lay in ("tp", "dop"):
+        a = CostModel(cfg, 2, _bare(cpu), "float32", "float32").step(lay, rows)
+        b = CostModel(cfg, 2, _bare(cpu, collective_sync_s=1e-3), "float32", "float32").step(lay, rows)
+        n = sum(w["collectives"] for w in a.work.values())
+        assert n > 0 and b.seconds == pytest.approx(a.seconds + n * 1e-3)

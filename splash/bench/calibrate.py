@@ -306,6 +306,7 @@ def build_profile(comm, args) -> dict:
 def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
     """Fixed cost per step of each layout at this world size: a real decode step of one request per rank at a
     short context (64 tokens) minus what the cost model predicts for it without this term (never below 0)."""
+    from splash.bench.calib_sync import step_time
     from splash.bench.decode_state import DecodeState
     from splash.costmodel.profile import profile_from_dict
     from splash.costmodel.step_cost import CostModel, RowLoad
@@ -316,20 +317,19 @@ def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: in
     out = {}
     for lay in ("tp", "dp_attn", "cp", "dop"):
         st = DecodeState(comm, preset, lay, comm.size, 64, block_size)
-        for _ in range(2):
-            st.step(clock=STAT["clock"])
-        ts = [st.step(clock=STAT["clock"]) for _ in range(reps)]
+        # measured as bench_costmodel measures (--clock cpu: median over repetitions of the least-preempted of 3)
+        t = step_time(st, max(3, reps // 3))
         pred = cm.step(lay, [RowLoad(1, 64 + 2 + reps // 2, i) for i in range(comm.size)]).seconds
-        # a step of all ranks: on a loaded host (--clock cpu) its least-preempted repetition, as for collectives
-        out[lay] = max(0.0, (min(ts) if STAT["clock"] is time.thread_time else STAT["fn"](ts)) - pred)
+        out[lay] = max(0.0, t - pred)
     return out
 
 
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
 #   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
 # --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
-# jobs); collectives by the wall clock; collectives and the per-layout step overheads (real 2-rank steps, same
-# clock as the microbenchmarks) take the least-preempted (min) repetition.
+# jobs); collectives by the wall clock, their least-preempted (min) repetition; the per-layout step overheads
+# and collective_sync_s (real 2-rank steps, same clock) as bench_costmodel measures: median over repetitions of
+# the least-preempted of 3 steps.
 # attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
 # attention_merge/cache/spill: the split-KV kernel's per-chunk fold of the running output and the part of a
 # chunk's working set beyond this rank's share of the last-level cache (sysfs size / ranks), fitted on isolated

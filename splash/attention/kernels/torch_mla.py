@@ -1,17 +1,19 @@
 """`torch` MLA attention (the CPU backend's kernel): split-KV online softmax over the paged cache, read in place.
 
-Requests are grouped — all decode requests (one query row each) form one group, sorted by page count so the
-requests still active in a chunk are a prefix; each prefill request is a group of its query rows. A group walks
-its pages in chunks of at most `C` pages (ceil(pages / C) chunks of near-equal size): it gathers just those pages of the pool (`index_select` on page ids from the
-page table), dequantises them (fp8/int8 × their per-token per-128-group scales), scores the chunk, masks keys
-past each query's position, and folds the chunk into a running (max, sum, õ) in fp32. `C` is chosen so one
-chunk's buffers stay under `scratch_bytes` whatever the batch and context (at least one page per request), so
-the working set is bounded. Page ids and masks of a chunk depend only on the step, not the layer: they are
-computed on the first layer and reused by later ones while they fit `index_cache_bytes`.
+Requests are grouped — all decode requests (one query row each) form one group, sorted by page count so the requests
+still active in a chunk are a prefix; each prefill request is a group of its query rows. A group walks its pages in
+chunks of at most `C` pages (ceil(pages / C) chunks of near-equal size): it gathers just those pages of the pool
+(`index_select` on page ids from the page table), dequantises them (fp8/int8 × their per-token per-128-group
+scales), scores the chunk, masks keys past each query's position, and folds the chunk into a running (max, sum, õ)
+in fp32. `C` is chosen so one chunk's buffers stay under `scratch_bytes` whatever the batch and context (at least
+one page per request), so the working set is bounded. Page ids and masks of a chunk depend only on the step, not the
+layer: they are computed on the first layer and reused by later ones while they fit `index_cache_bytes`. Multi-chunk
+walks gather into buffers the kernel keeps (grown to the largest chunk, so bounded by the budget) rather than fresh
+tensors.
 
-Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the
-two score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16
-units (AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
+Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the two
+score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16 units
+(AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class TorchMLAKernel:
         self.scale, self.scratch_budget, self.index_budget = softmax_scale, scratch_bytes, index_cache_bytes
         self.compute_dtype = compute_dtype
         self.peak_scratch_bytes = 0   # largest chunk working set seen (bytes of the tensors it allocated)
+        self._page_bufs = {}          # multi-chunk walks gather into these, reused across chunks, layers, steps
         self.meta = None
 
     # ---- per step -----------------------------------------------------------------------------------------
@@ -141,7 +144,7 @@ class TorchMLAKernel:
         for j, C in chunk_spans(g.max_pages, C):
             a = G - bisect_left(g.npages, j + 1)   # requests holding more than j pages: a prefix
             pid, hidden = self._chunk_index(gi, g, g.reqs[g.order], j, C, a)
-            c, kpe, raw = _read_pages(cache, layer, pid, dt)
+            c, kpe, raw = _read_pages(cache, layer, pid, dt, self._page_bufs)
             sc = torch.baddbmm(torch.bmm(qr[:a], kpe.transpose(1, 2)), ql[:a], c.transpose(1, 2)).float()
             sc.mul_(self.scale).view(a, g.q, h, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
             cm = sc.amax(dim=-1, keepdim=True)
@@ -220,13 +223,14 @@ def chunk_spans(pages: int, C: int) -> list[tuple[int, int]]:
     return [(k * pages // n, (k + 1) * pages // n - k * pages // n) for k in range(n)]
 
 
-def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype):
+def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype, bufs: dict | None = None):
     """Pages `pid` [a, c] of one layer -> (c_kv [a, c × bs, d_c], k_rope [a, c × bs, d_r]) in `dt`, dequantised
-    here for fp8/int8 (per-token per-128-group scales); also returns the raw quantised gather (for accounting)."""
+    here for fp8/int8 (per-token per-128-group scales); also returns the raw quantised gather (for accounting).
+    With `bufs` the gathers land in buffers kept there (valid until the next call with the same `bufs`)."""
     a, c = pid.shape
     flat = pid.reshape(-1)
-    ckv = _take_pages(cache.ckv[layer], flat)                 # [a*c, bs, d_c] in storage dtype
-    kpe = _take_pages(cache.kpe[layer], flat)
+    ckv = _take_pages(cache.ckv[layer], flat, bufs)           # [a*c, bs, d_c] in storage dtype
+    kpe = _take_pages(cache.kpe[layer], flat, bufs)
     raw = None
     if cache.scale[layer] is not None:
         raw = ckv
@@ -235,9 +239,21 @@ def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype):
     return (ckv.reshape(a, c * bs, -1).to(dt), kpe.reshape(a, c * bs, kpe.shape[-1]).to(dt), raw)  # d_r may be 0
 
 
-def _take_pages(pool: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+def _take_pages(pool: torch.Tensor, flat: torch.Tensor, bufs: dict | None = None) -> torch.Tensor:
     """pool[flat] for a [blocks, bs, width] pool, gathered as whole rows of its [blocks, bs * width] view (torch's
-    index_select copies rows of a 2-D tensor with one memcpy each; on 3-D it measured up to 4x slower here)."""
+    index_select copies rows of a 2-D tensor with one memcpy each; on 3-D it measured up to 4x slower here).
+    With `bufs`, into a buffer kept there per (dtype, row width) and grown to the largest gather: a fresh
+    multi-MB result is first-touched page by page whenever glibc serves it by mmap, which depends on the
+    process's allocation history (cost-model round 4 saw the same step at 1x and 1.9x in two runs)."""
     if pool.numel() == 0:  # a zero-width pool (NoPE layers have no rope part)
         return pool.new_empty((flat.shape[0], *pool.shape[1:]))
-    return pool.view(pool.shape[0], -1).index_select(0, flat).view(flat.shape[0], *pool.shape[1:])
+    rows = pool.view(pool.shape[0], -1)
+    if bufs is None:
+        return rows.index_select(0, flat).view(flat.shape[0], *pool.shape[1:])
+    need, key = flat.shape[0] * rows.shape[1], (pool.dtype, rows.shape[1], pool.device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < need:
+        buf = bufs[key] = torch.empty(need, dtype=pool.dtype, device=pool.device)
+    out = buf[:need].view(flat.shape[0], rows.shape[1])
+    torch.index_select(rows, 0, flat, out=out)
+    return out.view(flat.shape[0], *pool.shape[1:])
