@@ -47,14 +47,10 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
     return idx, weights * cfg.routed_scaling_factor
 
 
-PAD_MAX_ROWS = 32  # rows per expert up to which the padded bmm runs (beyond, the padding's compute outweighs it)
-
-
 def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """Token rows are sorted by expert once; the experts' two GEMMs run over the sorted rows (`_experts_padded`
-    on CPU for decode-sized batches — at most PAD_MAX_ROWS rows per expert, padding at most doubling the rows —,
-    else `grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
-    index_add scatters the weighted results back."""
+    for plain stacks on CPU while padding at most doubles the rows, else `grouped_linear`: experts without rows
+    skipped), the activation runs once over all rows, and one index_add scatters the weighted results back."""
     idx, weights = route(cfg, w, x)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -62,7 +58,7 @@ def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = 
     tok = order // cfg.num_experts_per_tok
     wsel = weights.reshape(-1).index_select(0, order)
     m = int(counts.max())
-    if x.device.type == "cpu" and m <= PAD_MAX_ROWS and len(counts) * m <= 2 * len(tok):  # at most 2x the rows
+    if x.device.type == "cpu" and len(counts) * m <= 2 * len(tok):  # padding at most doubles the rows
         out = _experts_padded(w, x, flat.index_select(0, order), counts, m, tok, wsel, limit)
     else:
         xs = x.index_select(0, tok)
