@@ -54,11 +54,10 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
-    """x @ stack[e]ᵀ for one expert of a stacked weight [E, out, in]. A quantised expert is dequantised into the
-    input-major layout plain stacks are stored in (splash.models.weights.expert_stack), so both multiply alike."""
+    """x @ stack[e]ᵀ for one expert of a stacked weight [E, out, in]."""
     if isinstance(stack, torch.Tensor):
         return _mm(x, stack[e].T)
-    return _mm(x, stack[e].dequant().T.contiguous())
+    return _mm(x, stack[e].dequant().T)
 
 
 def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor:

@@ -170,15 +170,8 @@ def moe_from_full(cfg: ModelConfig, get, prefix: str, shard: int, shards: int) -
     quant = any(is_quantized(w) for w in gate_up + down)
     return MoEWeights(router=get(prefix + "gate.weight").float(),
                       bias=get(prefix + "gate.e_score_correction_bias").float(),
-                      gate_up=ExpertStack(gate_up) if quant else expert_stack(gate_up),
-                      down=ExpertStack(down) if quant else expert_stack(down), shared=shared)
-
-
-def expert_stack(ws: list[torch.Tensor]) -> torch.Tensor:
-    """Experts' [out, in] weights -> a stack of shape [E, out, in] stored input-major ([E, in, out] in memory, the
-    same bytes): `stack.transpose(1, 2)` is then contiguous, the layout the CPU's batched GEMM over experts
-    reads without repacking (splash.models.ffn._experts_padded)."""
-    return torch.stack([w.T for w in ws]).transpose(1, 2)
+                      gate_up=ExpertStack(gate_up) if quant else torch.stack(gate_up),
+                      down=ExpertStack(down) if quant else torch.stack(down), shared=shared)
 
 
 def _leaves(obj):
