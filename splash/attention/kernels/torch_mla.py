@@ -25,10 +25,10 @@ import torch
 from splash.kv import quant
 from splash.models.linear import bf16_units
 
-# bound on one chunk's working buffers. 24 MiB measured best of 8/12/16/24/32 MiB in real 2-rank decode steps on
-# this host (32 MiB L3 for 2 cores): at 32 MiB chunks gathering 11-14 MB of latent ran up to 1.7x slower per
-# step (docs/benchmarks.md, cost model round 4); at 16 MiB and below more groups need 2 chunks, no faster.
-SCRATCH_BYTES = 24 << 20
+# bound on one chunk's working buffers. With balanced chunks and kept gather buffers, decode steps measured the
+# same at 8-32 MiB on this host, and the prefill-heavy shifting workload ran faster at 32 MiB than at 24 (fewer
+# chunks per prompt, so fewer merges of the running output): docs/benchmarks.md, cost model round 4.
+SCRATCH_BYTES = 32 << 20
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
 
