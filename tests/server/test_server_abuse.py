@@ -289,7 +289,7 @@ def test_fuzz_every_endpoint(server, reference):
     """No generated body gets a 5xx, kills a rank, fails /health or disturbs the witness stream."""
     seen: dict[str, int] = {}
     with httpx.Client(base_url=server.url, timeout=30) as c, Witness(server.url, reference):
-        @settings(max_examples=160, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=250, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(_case)
         def one(case):
