@@ -64,8 +64,11 @@ class StepCorrection:
     def __init__(self, layouts: Sequence[str]):
         self.by_regime = {reg: {lay: LayoutStats() for lay in layouts} for reg in REGIMES}
 
-    def _mean(self, regime: str, exclude: str | None = None) -> float | None:
-        seen = [s.level for lay, s in self.by_regime[regime].items() if s.level is not None and lay != exclude]
+    def _seen(self, regime: str) -> list[float]:
+        return [s.level for s in self.by_regime[regime].values() if s.level is not None]
+
+    def _mean(self, regime: str) -> float | None:
+        seen = self._seen(regime)
         return sum(seen) / len(seen) if seen else None
 
     def _level(self, layout: str, regime: str) -> float | None:
@@ -87,11 +90,9 @@ class StepCorrection:
     def uncertainty(self, layout: str, regime: str = "decode") -> float:
         """Log-space uncertainty of `factor(layout, regime)`: the visited layouts' spread (at least
         BORROW_UNCERTAINTY) over 1 + the layout's own measurements in the regime."""
-        stats = self.by_regime[regime]
-        seen = [s.level for s in stats.values() if s.level is not None]
-        mean = sum(seen) / len(seen) if seen else 0.0
+        seen, mean = self._seen(regime), self._mean(regime) or 0.0
         spread = max([BORROW_UNCERTAINTY] + [abs(x - mean) for x in seen])
-        return spread / (1 + stats[layout].n)
+        return spread / (1 + self.by_regime[regime][layout].n)
 
     def learn(self, layout: str, regime: str, predicted: float, measured: float) -> None:
         st = self.by_regime[regime][layout]

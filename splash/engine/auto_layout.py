@@ -61,6 +61,8 @@ MAX_PROBES = 1           # probes per layout: entering it on its point predictio
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
+
+
 def _row(new_tokens: int, context: int, owner: int | None):
     from splash.costmodel import RowLoad   # torch-free
     return RowLoad(new_tokens=new_tokens, context=context, owner=owner)

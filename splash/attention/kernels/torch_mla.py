@@ -27,7 +27,7 @@ from splash.models.linear import bf16_units
 
 # bound on one chunk's working buffers. With balanced chunks and kept gather buffers, decode steps measured the
 # same at 8-32 MiB on this host, and the prefill-heavy shifting workload ran faster at 32 MiB than at 24 (fewer
-# chunks per prompt, so fewer merges of the running output): docs/benchmarks.md, cost model round 4.
+# chunks per prompt, so fewer merges of the running output): docs/benchmarks.md, cost model rounds 4 and 5.
 SCRATCH_BYTES = 32 << 20
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
