@@ -241,3 +241,22 @@ def test_collective_sync_per_collective(cfg, cpu):
         b = CostModel(cfg, 2, _bare(cpu, collective_sync_s=1e-3), "float32", "float32").step(lay, rows)
         n = sum(w["collectives"] for w in a.work.values())
         assert n > 0 and b.seconds == pytest.approx(a.seconds + n * 1e-3)
+
+
+def test_collective_wait_once_per_step(cfg, cpu):
+    """collective_wait_fraction charges the wait for the slower peer once per step, as a share of the time outside
+    collectives: DOP's extra all-to-alls do not multiply it (collective_sync_s would); one rank waits for nobody."""
+    rows = [RowLoad(1, 256, i % 2) for i in range(4)]
+    free = dataclasses.replace(_bare(cpu), collectives={k: dataclasses.replace(c, alpha_s=0.0, bytes_per_s=1e30)
+                                                        for k, c in cpu.collectives.items()})
+    for lay in ("dp_attn", "dop"):
+        a = CostModel(cfg, 2, _bare(cpu), "float32", "float32").step(lay, rows)
+        b = CostModel(cfg, 2, _bare(cpu, collective_wait_fraction=0.1), "float32", "float32").step(lay, rows)
+        outside = CostModel(cfg, 2, free, "float32", "float32").step(lay, rows).seconds
+        assert b.stages["sync"] == pytest.approx(0.1 * outside, rel=1e-6)
+        assert b.seconds == pytest.approx(a.seconds + 0.1 * outside, rel=1e-6)
+    one = [RowLoad(1, 256, 0)]
+    assert (CostModel(cfg, 1, _bare(cpu, collective_wait_fraction=0.1), "float32", "float32").step("tp", one).seconds
+            == pytest.approx(CostModel(cfg, 1, _bare(cpu), "float32", "float32").step("tp", one).seconds))
+    with pytest.raises(ConfigError, match="collective_wait_fraction"):
+        _bare(cpu, collective_wait_fraction=-0.1)

@@ -1,7 +1,11 @@
-"""`splash-bench calibrate`'s in-step collective wait: inside a real step each collective also waits for the slower
-peer (the ranks' compute between two collectives differs by their jitter), which the isolated collective fits —
-timed after a barrier — do not see. Measured on real multi-rank decode steps of every layout, at shapes that are
-not benchmarks/bench_costmodel.py's grid points, as the per-collective part of what the model leaves unexplained."""
+"""`splash-bench calibrate`'s in-step collective terms, timed inside real multi-rank decode steps of every layout
+(at shapes that are not benchmarks/bench_costmodel.py's grid points). Every collective of the step is timed on
+every rank (the run's clock). A collective's own time is its time on the last rank to arrive (it waited for
+nobody); beyond the isolated α + bytes/β that calibrate fits after a barrier, that is ``collective_sync_s`` (per
+collective: the call's host work, cold buffers). The rest of the slowest rank's collective time is waiting for
+its peer, which follows the ranks' drift while they compute, not the number of collectives (measured: DOP's 16
+collectives per step wait as long as DP-attn's 8, benchmarks/bench_stages.py): ``collective_wait_fraction`` of
+the slowest rank's time outside collectives."""
 from __future__ import annotations
 
 import statistics
@@ -11,6 +15,95 @@ from splash.bench.calib_timing import STAT
 
 SYNC_POINTS = ((8, 512), (24, 128))   # (batch, context): between the grid's shapes, none of them
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "all_to_allv")
+
+
+class CollectiveTimer:
+    """Times every tensor collective of ``comm`` (an instance-level wrapper, removed by ``close``)."""
+
+    def __init__(self, comm, clock):
+        self.comm, self.clock, self.seq = comm, clock, []
+        for name in COLLECTIVES:
+            setattr(comm, name, self._wrap(getattr(comm, name)))
+
+    def _wrap(self, fn):
+        def timed(*a, **k):
+            t0 = self.clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seq.append(self.clock() - t0)
+        return timed
+
+    def close(self) -> None:
+        for name in COLLECTIVES:
+            self.comm.__dict__.pop(name, None)
+
+
+def split_wait(ranks: list[dict]) -> dict[str, float]:
+    """One step's ``{"total", "seq"}`` of every rank -> the slowest rank's total, the collectives' own time
+    (each at its minimum over ranks), the slowest rank's wait beyond that and its time outside collectives."""
+    slow = max(ranks, key=lambda x: x["total"])
+    own = sum(min(ts) for ts in zip(*(x["seq"] for x in ranks)))
+    return {"total": slow["total"], "own": own, "wait": sum(slow["seq"]) - own,
+            "outside": slow["total"] - sum(slow["seq"]), "count": len(slow["seq"])}
+
+
+def timed_steps(st, timer: CollectiveTimer, reps: int) -> list[dict]:
+    """``reps`` times the least-preempted of 3 steps (as bench_costmodel --clock cpu --stat min), split."""
+    out = []
+    st.step(clock=timer.clock)
+    for _ in range(reps):
+        steps = []
+        for _ in range(3):
+            timer.seq.clear()
+            st.comm.barrier()
+            t0 = timer.clock()
+            st.runner.step(st.batch())
+            total = timer.clock() - t0
+            for rid in st.pos:
+                st.pos[rid] += 1
+            steps.append(st.comm.all_gather_obj({"total": total, "seq": list(timer.seq)}))
+        out.append(split_wait(min(steps, key=lambda ranks: max(x["total"] for x in ranks))))
+    return out
+
+
+def isolated_collective_seconds(cm, lay: str, rows) -> float:
+    """The step's collectives at the profile's isolated α + bytes/β alone (the step minus the same step with free
+    collectives, both without the in-step terms)."""
+    import dataclasses
+
+    from splash.costmodel.profile import Collective
+    from splash.costmodel.step_cost import CostModel
+    bare = dataclasses.replace(cm.profile, collective_sync_s=0.0, collective_wait_fraction=0.0)
+    free = dataclasses.replace(bare, collectives={k: Collective(0.0, 1e30) for k in bare.collectives})
+    mk = lambda p: CostModel(cm.cfg, cm.world, p, cm.weight_dtype, "float32", cm.block_size)  # noqa: E731
+    return mk(bare).step(lay, rows).seconds - mk(free).step(lay, rows).seconds
+
+
+def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: int) -> tuple[float, float]:
+    """(collective_sync_s, collective_wait_fraction): medians over SYNC_POINTS × every layout × repetitions."""
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.models.presets import preset_config
+    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"),
+                   "float32", "float32", block_size)
+    timer = CollectiveTimer(comm, STAT["clock"] if STAT["clock"] is time.thread_time else time.perf_counter)
+    own, frac = [], []
+    try:
+        for b, ctx in SYNC_POINTS:
+            for lay in LAYOUTS:
+                st = DecodeState(comm, preset, lay, b, ctx, block_size)
+                got = timed_steps(st, timer, reps)
+                iso = isolated_collective_seconds(cm, lay, [RowLoad(1, ctx + 2 + reps * 3 // 2, i % comm.size)
+                                                            for i in range(b)])
+                own += [(g["own"] - iso) / g["count"] for g in got if g["count"]]
+                frac += [g["wait"] / g["outside"] for g in got if g["count"] and g["outside"] > 0]
+                del st
+    finally:
+        timer.close()
+    return max(0.0, statistics.median(own)), max(0.0, statistics.median(frac))
 
 
 def step_time(st, reps: int) -> float:
@@ -22,24 +115,3 @@ def step_time(st, reps: int) -> float:
     if cpu:
         return statistics.median(min(st.step(clock=STAT["clock"]) for _ in range(3)) for _ in range(reps))
     return statistics.median(st.step(clock=STAT["clock"]) for _ in range(reps))
-
-
-def collective_sync(comm, preset: str, partial: dict, block_size: int, reps: int) -> float:
-    """Seconds per collective: least squares of measured − predicted step time (the profile so far, per-layout
-    fixed costs included) on the collective count of each step, over every layout and SYNC_POINTS; never below 0."""
-    from splash.bench.decode_state import DecodeState
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
-    from splash.models.presets import preset_config
-    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"),
-                   "float32", "float32", block_size)
-    num = den = 0.0
-    for b, ctx in SYNC_POINTS:
-        for lay in LAYOUTS:
-            st = DecodeState(comm, preset, lay, b, ctx, block_size)
-            t = step_time(st, reps)
-            pred = cm.step(lay, [RowLoad(1, ctx + 2 + reps * 3 // 2, i % comm.size) for i in range(b)])
-            n = sum(w["collectives"] for w in pred.work.values())
-            num, den = num + (t - pred.seconds) * n, den + n * n
-            del st
-    return max(0.0, num / den) if den else 0.0

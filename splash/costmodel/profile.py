@@ -62,9 +62,12 @@ class HardwareProfile:
     attention_merge_bytes_per_s: float = 0.0  # rate of a multi-chunk group's running-output merge traffic
     attention_cache_bytes: float = 0.0        # cache share of one rank: a chunk working set above it spills
     attention_spill_bytes_per_s: float = 0.0  # rate of re-reading the spilled part of a gathered chunk
-    # per collective inside a real step: waiting for the slower peer (the ranks' jitter between collectives),
-    # beyond the isolated α + bytes/β that calibrate times after a barrier (0: not modelled)
+    # per collective inside a real step: its own time beyond the isolated α + bytes/β that calibrate times after
+    # a barrier (the call's host work, cold buffers), as the last rank to arrive sees it (0: not modelled)
     collective_sync_s: float = 0.0
+    # waiting for the slower peer inside a step (the ranks' drift between collectives), as a fraction of a rank's
+    # time outside collectives; charged once per step that has a collective, whatever their number (0: none)
+    collective_wait_fraction: float = 0.0
     # GEMM rate by row count per weight dtype ({dtype: {rows: FLOP/s}}, interpolated in log rows; empty: the
     # flat gemm_flops_per_s at every row count)
     gemm_rows_flops_per_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
@@ -199,7 +202,7 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
               "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes",
               "alloc_bytes_per_s", "attention_merge_bytes_per_s", "attention_cache_bytes",
-              "attention_spill_bytes_per_s", "collective_sync_s"):
+              "attention_spill_bytes_per_s", "collective_sync_s", "collective_wait_fraction"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
     if kw.get("overlap_fraction", 0.0) > 1.0:

@@ -118,13 +118,18 @@ class CostModel:
             t += w.attn_merge_bytes / p.attention_merge_bytes_per_s
         if w.attn_spill_bytes and p.attention_spill_bytes_per_s:
             t += w.attn_spill_bytes / p.attention_spill_bytes_per_s
-        t += sum(n * (p.collective(kind).seconds(b) + p.collective_sync_s) for kind, b, n in w.collectives())
+        t += self.collective_seconds(w)
         t += (w.ops + (0.0 if p.moe_grouped else w.expert_ops)) * p.op_overhead_s * p.ops_scale
         t += w.plan_blocks * p.plan_block_s + w.plan_requests * p.plan_request_s
         t += w.attn_calls * (p.attention_call_s if p.attention_call_s else 14 * p.op_overhead_s * p.ops_scale)
         if p.alloc_bytes_per_s > 0:
             t += sum(b * n for b, n in w.temporaries() if b >= p.alloc_threshold_bytes) / p.alloc_bytes_per_s
         return t
+
+    def collective_seconds(self, w: Work) -> float:
+        """The collectives' own time in a step: α + bytes/β of the isolated fit + ``collective_sync_s`` each."""
+        p = self.profile
+        return sum(n * (p.collective(kind).seconds(b) + p.collective_sync_s) for kind, b, n in w.collectives())
 
     def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict]:
         s = self._shapes[layout]
@@ -142,6 +147,11 @@ class CostModel:
             total[k].add(w)
         secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
         secs["plan"] += self.profile.step_overhead_s + self.profile.step_overhead_layout_s.get(layout, 0.0)
+        # waiting for the slower peer: the ranks drift apart while they compute, by a share of the time between
+        # collectives, not by a fixed amount per collective (benchmarks/bench_stages.py measures both)
+        coll = sum(self.collective_seconds(w) for w in total.values())
+        secs["sync"] = (self.profile.collective_wait_fraction * (sum(secs.values()) - coll)
+                        if coll and self.profile.collective_wait_fraction else 0.0)
         hide = min(sum(secs[k] for k in EXCHANGE_STAGES),
                    self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
         secs["overlap"] = -hide
