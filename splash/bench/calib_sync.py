@@ -1,11 +1,12 @@
-"""`splash-bench calibrate`'s in-step collective terms, timed inside real multi-rank decode steps of every layout
-(at shapes that are not benchmarks/bench_costmodel.py's grid points). Every collective of the step is timed on
-every rank (the run's clock). A collective's own time is its time on the last rank to arrive (it waited for
-nobody); beyond the isolated α + bytes/β that calibrate fits after a barrier, that is ``collective_sync_s`` (per
-collective: the call's host work, cold buffers). The rest of the slowest rank's collective time is waiting for
-its peer, which follows the ranks' drift while they compute, not the number of collectives (measured: DOP's 16
-collectives per step wait as long as DP-attn's 8, benchmarks/bench_stages.py): ``collective_wait_fraction`` of
-the slowest rank's time outside collectives."""
+"""`splash-bench calibrate`'s in-step collective terms, from real multi-rank decode steps of every layout (at
+shapes that are not benchmarks/bench_costmodel.py's grid points). By default (``collective_sync``) the
+per-collective residual of those steps. With ``--in-step-collectives`` (``collective_in_step``) every collective of
+the step is timed on every rank (the run's clock): a collective's own time is its time on the last rank to arrive
+(it waited for nobody); beyond the isolated α + bytes/β that calibrate fits after a barrier, that is
+``collective_sync_s`` (per collective: the call's host work, cold buffers). The rest of the slowest rank's
+collective time is waiting for its peer, which follows the ranks' drift while they compute, not the number of
+collectives (measured: DOP's 16 collectives per step wait as long as DP-attn's 8, benchmarks/bench_stages.py):
+``collective_wait_fraction`` of the slowest rank's time outside collectives."""
 from __future__ import annotations
 
 import statistics
@@ -104,6 +105,29 @@ def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: 
     finally:
         timer.close()
     return max(0.0, statistics.median(own)), max(0.0, statistics.median(frac))
+
+
+def collective_sync(comm, preset: str, partial: dict, block_size: int, reps: int) -> float:
+    """The default ``collective_sync_s``: seconds per collective as the least squares of measured − predicted step
+    time (the profile so far, per-layout fixed costs included) on the collective count of each step, over every
+    layout and SYNC_POINTS; never below 0. It carries whatever the model leaves unexplained there in proportion
+    to the collective count (the wait for the peer included: see collective_in_step for the two measured apart)."""
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.models.presets import preset_config
+    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"),
+                   "float32", "float32", block_size)
+    num = den = 0.0
+    for b, ctx in SYNC_POINTS:
+        for lay in LAYOUTS:
+            st = DecodeState(comm, preset, lay, b, ctx, block_size)
+            t = step_time(st, reps)
+            pred = cm.step(lay, [RowLoad(1, ctx + 2 + reps * 3 // 2, i % comm.size) for i in range(b)])
+            n = sum(w["collectives"] for w in pred.work.values())
+            num, den = num + (t - pred.seconds) * n, den + n * n
+            del st
+    return max(0.0, num / den) if den else 0.0
 
 
 def step_time(st, reps: int) -> float:

@@ -10,9 +10,8 @@ MLA attention fitted as KV bytes + FLOPs (+ for the split-KV `torch` kernel: the
 the chunk bytes beyond this rank's last-level-cache share, on isolated kernel calls and inside real one-rank
 decode steps), the GEMM rate at the row counts steps run, the per-step attention plan (`build_attn_plan`, older
 checkouts) per request and per block, α + bytes/β of all-reduce, all-gather(v), all-to-all(v) and broadcast
-through the MPI communicator, the collectives' in-step cost and the wait for the slower peer (every collective
-timed inside real decode steps, splash/bench/calib_sync.py), and each layout's fixed cost per step (a real decode
-step at this world size minus its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a loaded host.
+through the MPI communicator, and each layout's fixed cost per step (a real decode step at this world size minus
+its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a loaded host.
 About 1 minute on 2 quiet ranks here, 4–5 minutes at load 7–10.
 """
 from __future__ import annotations
@@ -37,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (tests)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="statistic of the repetitions (min: robust to other processes on a shared host)")
+    parser.add_argument("--in-step-collectives", action="store_true",
+                        help="time every collective inside real decode steps: collective_sync_s = its own time "
+                             "beyond the isolated fit, collective_wait_fraction = the wait for the slower peer per "
+                             "step (default: collective_sync_s as the per-collective residual of real steps, "
+                             "which also carries that wait, in proportion to the collective count)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="wall",
                         help="clock of the one-rank microbenchmarks (GEMM, bandwidth, attention, ops): cpu = the "
                              "thread's CPU time, which time spent descheduled by other processes does not inflate "
@@ -297,13 +301,17 @@ def build_profile(comm, args) -> dict:
         every = comm.all_gather_obj(step_rows)
         med = [[statistics.median(e[i][j] for e in every) for j in range(5)] for i in range(len(step_rows))]
         raw = refit_attention(raw, m["attn_rows"] + med)
-    # the collectives' in-step terms are measured directly (calib_sync), before the per-layout fixed costs, which
-    # are what a real step takes beyond everything else the model predicts
-    from splash.bench.calib_sync import collective_in_step
-    sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
-    raw["collective_sync_s"], raw["collective_wait_fraction"] = float(f"{sync:.4g}"), float(f"{wait:.4g}")
+    if getattr(args, "in_step_collectives", False):
+        # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
+        # beyond everything else the model predicts (the in-step collective terms included)
+        from splash.bench.calib_sync import collective_in_step
+        sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
+        raw["collective_sync_s"], raw["collective_wait_fraction"] = float(f"{sync:.4g}"), float(f"{wait:.4g}")
     per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
     raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
+    if not getattr(args, "in_step_collectives", False):
+        from splash.bench.calib_sync import collective_sync
+        raw["collective_sync_s"] = float(f"{collective_sync(comm, args.preset, raw, args.block_size, 3):.4g}")
     return raw
 
 
@@ -332,17 +340,18 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 #   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
 # --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
 # jobs); collectives by the wall clock, their least-preempted (min) repetition; the per-layout step overheads
-# and the in-step collective terms (real 2-rank steps, same clock) as bench_costmodel measures: median over
-# repetitions of the least-preempted of 3 steps.
+# and collective_sync_s (real 2-rank steps, same clock) as bench_costmodel measures: median over repetitions of
+# the least-preempted of 3 steps.
 # attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
 # attention_merge/cache/spill: the split-KV kernel's per-chunk fold of the running output and the part of a
 # chunk's working set beyond this rank's share of the last-level cache (sysfs size / ranks), fitted on isolated
 # kernel calls and on the attention inside real one-rank decode steps together.
 # gemm_rows_flops_per_s: float32 GEMM rate at the row counts steps run (decode B rows, prefill chunks).
 # step_overhead_layout_s: a real 2-rank decode step (1 request per rank, 64 tokens) minus its prediction.
-# collective_sync_s, collective_wait_fraction: every collective timed inside real decode steps of every layout
-# (B=8 x 512, B=24 x 128): its own time on the last rank to arrive beyond the isolated alpha + bytes/beta (per
-# collective), and the slowest rank's wait for its peer as a fraction of its time outside collectives (per step).
+# collective_sync_s: per collective, what real decode steps of every layout (B=8 x 512, B=24 x 128) take beyond
+# the prediction (least squares on each step's collective count): the wait for the slower peer inside a step.
+# (--in-step-collectives: collective_sync_s and collective_wait_fraction timed inside those steps instead, see
+# splash/bench/calib_sync.py.)
 # overlap_fraction: 0 — on this machine nonblocking MPI does not progress during compute (docs/benchmarks.md,
 # switch overhead), so no exchange hides behind attention.
 """

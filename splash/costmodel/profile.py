@@ -62,8 +62,10 @@ class HardwareProfile:
     attention_merge_bytes_per_s: float = 0.0  # rate of a multi-chunk group's running-output merge traffic
     attention_cache_bytes: float = 0.0        # cache share of one rank: a chunk working set above it spills
     attention_spill_bytes_per_s: float = 0.0  # rate of re-reading the spilled part of a gathered chunk
-    # per collective inside a real step: its own time beyond the isolated α + bytes/β that calibrate times after
-    # a barrier (the call's host work, cold buffers), as the last rank to arrive sees it (0: not modelled)
+    # per collective inside a real step, beyond the isolated α + bytes/β that calibrate times after a barrier
+    # (0: not modelled). `splash-bench calibrate` fits it as the per-collective residual of real steps (which then
+    # also carries the wait for the peer, in proportion to the collective count); with --in-step-collectives it is
+    # the collective's own time on the last rank to arrive, and the wait is collective_wait_fraction's
     collective_sync_s: float = 0.0
     # waiting for the slower peer inside a step (the ranks' drift between collectives), as a fraction of a rank's
     # time outside collectives; charged once per step that has a collective, whatever their number (0: none)
