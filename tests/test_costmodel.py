@@ -260,3 +260,15 @@ def test_collective_wait_once_per_step(cfg, cpu):
             == pytest.approx(CostModel(cfg, 1, _bare(cpu), "float32", "float32").step("tp", one).seconds))
     with pytest.raises(ConfigError, match="collective_wait_fraction"):
         _bare(cpu, collective_wait_fraction=-0.1)
+
+
+def test_in_step_split_of_collectives():
+    """calibrate --in-step-collectives / bench_stages: a collective's own time is its time on the last rank to arrive,
+    the slowest rank's excess over that is its wait for the peer (pure: no MPI, no torch)."""
+    from splash.bench.calib_sync import split_wait
+    early = {"total": 10.0, "seq": [3.0, 0.5, 2.0]}   # arrived first at every collective: waited
+    late = {"total": 9.0, "seq": [1.0, 0.5, 0.25]}
+    got = split_wait([early, late])
+    assert got["own"] == pytest.approx(1.75) and got["count"] == 3
+    assert got["wait"] == pytest.approx(5.5 - 1.75) and got["outside"] == pytest.approx(10.0 - 5.5)
+    assert split_wait([late, early])["total"] == 10.0
