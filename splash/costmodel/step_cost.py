@@ -4,7 +4,8 @@ Stage time on a rank = roofline max(compute, memory) of its GEMMs (or attention:
 says the kernel gathers first) + its collectives (α + bytes/β each) + eager ops × per-op overhead. Stages of a
 layer depend on each other and add; the layer's exchanges may hide behind attention only up to the profile's
 ``overlap_fraction`` of the attention time. Ranks meet at every layer's collectives, so the busiest rank sets
-the step.
+the step; a step with collectives also waits for the slower peer, ``collective_wait_fraction`` of the rank's time
+outside them (stage ``sync``).
 """
 from __future__ import annotations
 
