@@ -4,7 +4,10 @@ later step, so the checked run is pinned to the reference's choice where (and on
 
 - DSA selections (SelectionCheck): the reference run records each query row's top-k positions and index scores;
   in the other run, each row's own selection (what its layout computed, CP's global top-k included) must be the
-  reference's, except where the positions that differ have reference scores within TIE_TOL of each other.
+  reference's, except where the reference's scores put each position that differs within TIE_TOL of its top-k
+  boundary (a position only here: of its k-th score; one only in the reference: of its (k+1)-th).
+- MoE routing (RouteCheck): each row's experts must be the reference's, except where the experts that differ
+  have reference router scores within a given tolerance of each other.
 - Greedy tokens (TokenCheck, rank 0, which samples): each token must be the reference's, except where the
   reference's logits of the two tokens are within a given tolerance of each other.
 
@@ -16,7 +19,9 @@ GEMMs), two top-k boundaries flipped in the fp8 span (score spreads 1.3e-2 and 2
 logits then differ by 1.3e-1. A switch that skips the conversion, or converts too late, moves a selection across
 spreads of 0.5-0.8 (and breaks the latent KV, which the logits check sees whatever the selection). Greedy
 tokens: the reference's top two logits come within 6e-4 of the row's largest |logit| (glm_sparse and moe_yarn),
-the order of the logit differences the quantised spans leave (4e-4 today, 1.7e-3 with the GEMMs above)."""
+the order of the logit differences the quantised spans leave (4e-4 today, 1.7e-3 with the GEMMs above). MoE
+routing: the reference's k-th and (k+1)-th router scores come within 7.4e-4 of the row's largest (glm_sparse),
+and the two runs' router scores differ by up to 2.1e-4 today, 5.0e-4 with the GEMMs above."""
 from __future__ import annotations
 
 import torch
@@ -24,9 +29,10 @@ import torch
 import splash.attention.dsa as dsa
 from splash.models.indexer import indexer_queries
 
-TIE_TOL = 0.1  # of the row's largest |reference score|: the widest score spread a flip may span
+TIE_TOL = 0.1  # of the row's largest |reference score|: how far across the top-k boundary a flip may reach
 
 _select_layer = dsa.select_layer
+_ROUTE: dict = {}  # the unwrapped MoE router (RouteCheck)
 
 
 class TokenCheck:
@@ -61,6 +67,49 @@ class TokenCheck:
                 toks[i] = want
             return toks, lps
         engine.sampler.sample = checked
+
+
+class RouteCheck:
+    """Wrap the MoE router (splash.models.ffn.route; every rank routes every row of the step, in the same order in
+    every layout); `step()` gives the index of the step being run. ref None: record this run (rows: (step, n-th
+    route call of the step) -> (expert ids, weights, router choice scores)); else each row's experts must be the
+    reference's, except where the experts that differ have reference choice scores within `tol` of the row's
+    largest; that row is then pinned to the reference's experts and weights (`pinned`: what each one was)."""
+
+    def __init__(self, step, tol: float, ref: dict | None = None):
+        self.rows: dict = {}
+        self.pinned: list[tuple] = []
+        self.beyond: list[str] = []
+        self.checked = 0
+        self.calls = [None, 0]  # (step, route calls in it so far)
+        import splash.models.ffn as ffn
+
+        route = _ROUTE.setdefault("route", ffn.route)
+
+        def checked(cfg, w, x):
+            idx, weights = route(cfg, w, x)
+            s = step()
+            self.calls = [s, self.calls[1] + 1 if self.calls[0] == s else 0]
+            key = (s, self.calls[1])
+            if ref is None:  # the router's choice scores, as route computes them
+                self.rows[key] = (idx.clone(), weights.clone(), (x.float() @ w.router.T).sigmoid() + w.bias)
+                return idx, weights
+            r_idx, r_w, r_choice = ref[key]
+            self.checked += idx.shape[0]
+            for i in (idx.sort(-1).values != r_idx.sort(-1).values).any(-1).nonzero().flatten().tolist():
+                diff = sorted(set(idx[i].tolist()) ^ set(r_idx[i].tolist()))
+                sc = r_choice[i, diff]
+                spread, scale = float(sc.max() - sc.min()), float(r_choice[i].abs().max())
+                if spread > tol * scale:
+                    self.beyond.append(f"experts of row {i} at step {s} (route call {key[1]}): {idx[i].tolist()}, "
+                                       f"the reference's {r_idx[i].tolist()} (choice spread {spread:.2e} > {tol} x "
+                                       f"{scale:.2e})")
+                    continue
+                self.pinned.append((key, i, idx[i].tolist(), r_idx[i].tolist(), spread / scale))
+                idx[i], weights[i] = r_idx[i], r_w[i]
+            return idx, weights
+        ffn.route = checked
+
 
 
 class SelectionCheck:
@@ -109,14 +158,14 @@ class SelectionCheck:
             self.checked += 1
             if own == want:
                 continue
-            diff = sorted(own ^ want)
-            s = [scores.get(p, float("nan")) for p in diff]
-            spread, scale = max(s) - min(s), max(map(abs, scores.values()))
-            assert spread <= TIE_TOL * scale, (
+            far = _past_boundary(scores, len(ref_pos), own - want, want - own)
+            scale = max(map(abs, scores.values()))
+            assert far <= TIE_TOL * scale, (
                 f"DSA selection at step {key[0]} layer {layer} {req} q_pos {pos} differs beyond a near-tie: "
                 f"only here {sorted(own - want)}, only in the reference {sorted(want - own)}, reference scores "
-                f"{dict(zip(diff, s))} (spread {spread:.2e} > {TIE_TOL} x {scale:.2e})")
-            self.pinned.append((key, sorted(own - want), sorted(want - own), spread / scale))
+                f"{ {p: scores.get(p) for p in sorted(own ^ want)} } ({far:.2e} across the top-k boundary > "
+                f"{TIE_TOL} x {scale:.2e})")
+            self.pinned.append((key, sorted(own - want), sorted(want - own), far / max(scale, 1e-30)))
             bs = meta.block_size
             slots = sorted(l2p[p // bs] * bs + p % bs for p in want)
             sel.slots[i] = 0
@@ -126,6 +175,17 @@ class SelectionCheck:
             pinned = True
         if pinned:
             meta.sparse[layer] = dsa.SparseSelection(sel.slots * sel.valid, sel.valid)
+
+
+def _past_boundary(scores: dict, k: int, added: set, dropped: set) -> float:
+    """How far the reference's scores put a flip across its top-k boundary: for a position selected here but not
+    there, its score's distance below the reference's k-th; for one the reference selected but not here, above
+    its (k+1)-th (each rank judges the positions it holds: under CP a flip may span two ranks). inf when the
+    reference selected every visible position (no boundary) or a position has no reference score."""
+    if len(scores) <= k or any(p not in scores for p in added | dropped):
+        return float("inf")
+    top = sorted(scores.values(), reverse=True)
+    return max([top[k - 1] - scores[p] for p in added] + [scores[p] - top[k] for p in dropped])
 
 
 def _rows(r, meta, sel) -> list[tuple]:

@@ -255,6 +255,7 @@ def defer(model_dir, ref, rank_print) -> None:
 
 CONVERT_DTYPES = {"tp": "float32", "dop": "fp8_e4m3", "cp": "int8", "dp_attn": "bfloat16"}
 CONVERT_LOGIT_TOL = 1e-2  # max relative logit difference from the converted unswitched run (see convert)
+CONVERT_ROUTE_TOL = 1e-2  # of a row's largest router score: the widest score spread an expert flip may span
 CONVERT_PLAN = {1: "dop", 4: "tp", 7: "cp", 10: "dp_attn", 13: "tp", 16: "dop", 19: "dp_attn"}
 
 
@@ -289,7 +290,7 @@ def record_manifests(llm: LLM, out: list) -> None:
 
 
 def convert(model_dir, ref, rank_print) -> None:
-    from near_ties import SelectionCheck, TokenCheck
+    from near_ties import RouteCheck, SelectionCheck, TokenCheck
 
     prompts, max_tokens = ref["prompts_a"], ref["max_tokens_a"]
     base = make(model_dir, "tp", blocks=512)
@@ -299,6 +300,7 @@ def convert(model_dir, ref, rank_print) -> None:
     # the logits check bounds each logit's difference by CONVERT_LOGIT_TOL: two can swap only within twice that
     tok_tol = 2 * CONVERT_LOGIT_TOL
     base_tok = TokenCheck(base.engine, lambda: len(base_logits) - 1, tok_tol)
+    base_route = RouteCheck(lambda: len(base_logits), CONVERT_ROUTE_TOL)
     want = drive(base, prompts, max_tokens, {})
     want_path, cur = [], "tp"
     for k in sorted(CONVERT_PLAN):
@@ -313,12 +315,17 @@ def convert(model_dir, ref, rank_print) -> None:
         # each DSA selection and each token is the reference's, but for a near-tie flip, which is pinned
         sel = SelectionCheck(llm.runner, lambda: len(logits), ref=base_sel.rows)
         tok = TokenCheck(llm.engine, lambda: len(logits) - 1, tok_tol, ref=base_tok.rows)
+        route = RouteCheck(lambda: len(logits), CONVERT_ROUTE_TOL, ref=base_route.rows)
         got = drive(llm, prompts, max_tokens, CONVERT_PLAN)
         assert path == want_path, f"convert {mode}: manifests {path} != {want_path}"
         assert sel.checked or not llm.runner.cfg.has_dsa, f"convert {mode}: no DSA selection checked"
-        assert not tok.beyond, f"convert {mode}: {tok.beyond}"
+        assert not tok.beyond and not route.beyond, f"convert {mode}: {tok.beyond + route.beyond}"
         for key, here, there, spread in sel.pinned:
             rank_print(f"convert {mode}: near-tie DSA selection pinned at (step, layer, request, q_pos) {key}: "
+                       f"{here} here, {there} in the reference, {spread:.1e} of the row's largest score across its "
+                       "top-k boundary")
+        for key, row, here, there, spread in route.pinned:
+            rank_print(f"convert {mode}: near-tie MoE routing pinned at (step, route call) {key} row {row}: "
                        f"{here} here, {there} in the reference, score spread {spread:.1e} of the row's largest")
         for key, here, there, gap in tok.pinned:
             rank_print(f"convert {mode}: near-tie token pinned at (step, request) {key}: {here} here, {there} in "
@@ -340,6 +347,7 @@ def convert(model_dir, ref, rank_print) -> None:
         check_free(llm, f"convert {mode}")
         ties = f", DSA rows {sel.checked}, {len(sel.pinned)} near-tie pinned" if sel.checked else ""
         ties += f", {len(tok.pinned)} near-tie tokens pinned" if got is not None else ""
+        ties += f", {len(route.pinned)} near-tie routings pinned" if route.checked else ""
         rank_print(f"convert {mode} OK ({len(path)} conversions, max rel logit diff {worst:.1e}{ties})")
 
 
