@@ -60,14 +60,11 @@ def _held(meta, reqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return slots, kpos, held[:, :, None].expand(-1, -1, bs).reshape(len(reqs), -1)
 
 
-def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor, k: int, scale: float,
-                     width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k of the positions held here for every row of `meta`: (slots, valid, order keys), each [N, width]
-    (keys NO_KEY where invalid). q [N, H_i, d_i] and hw [N, H_i] are the rows' indexer queries / head weights."""
-    n, dev = meta.num_rows, q.device
-    slots = torch.zeros(n, width, dtype=torch.long, device=dev)
-    valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
-    keys = torch.full((n, width), NO_KEY, dtype=torch.long, device=dev)
+def held_scores(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor, scale: float):
+    """Index scores of every row of `meta` against the positions held here for its request, one request group
+    at a time (every decode row together, each prefill alone; groups holding nothing skipped): yields (rows
+    [G × Q] into meta's rows, slots [G, T], key positions [G, T], scores [G, Q, T] fp32, visible [G, Q, T])."""
+    dev = q.device
     for reqs, nq in _groups(meta):
         ks, kpos, held = _held(meta, reqs)
         if ks.shape[1] == 0:
@@ -77,6 +74,19 @@ def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor,
         scores = index_scores(q[rows].view(G, nq, *q.shape[1:]), hw[rows].view(G, nq, -1),
                               cache.read_index(layer, ks), scale)                       # [G, Q, T]
         vis = held[:, None, :] & (kpos[:, None, :] <= meta.q_pos[rows].view(G, nq, 1))
+        yield rows, ks, kpos, scores, vis
+
+
+def local_candidates(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor, k: int, scale: float,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k of the positions held here for every row of `meta`: (slots, valid, order keys), each [N, width]
+    (keys NO_KEY where invalid). q [N, H_i, d_i] and hw [N, H_i] are the rows' indexer queries / head weights."""
+    n, dev = meta.num_rows, q.device
+    slots = torch.zeros(n, width, dtype=torch.long, device=dev)
+    valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
+    keys = torch.full((n, width), NO_KEY, dtype=torch.long, device=dev)
+    for rows, ks, kpos, scores, vis in held_scores(cache, layer, meta, q, hw, scale):
+        G, nq = scores.shape[:2]
         idx, ok, v = select_topk_keys(scores, vis, min(k, width), kpos[:, None, :])
         kk = idx.shape[-1]
         slots[rows, :kk] = ks[:, None, :].expand(-1, nq, -1).gather(2, idx).reshape(G * nq, kk)
