@@ -3,11 +3,13 @@
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_costmodel.py \
         [--profile cpu] [--batches 1,4,16,32] [--contexts 256,1024,2048,4096] [--steps 6] [--json out.json]
     .venv/bin/python benchmarks/bench_costmodel.py --from-json out.json[,out2.json] [--profile other.yaml]  # re-predict
+    ... bench_costmodel.py --prefill 2048 --batches 0,4,16 --contexts 1024  # steps that also carry a prefill chunk
 
 Measurement is benchmarks/bench_layouts.py's decode step (same DecodeState, max over ranks), the four layouts'
 states side by side and timed in turn in each of --reps repetitions (the point's time: the median over them); the
 prediction is splash.costmodel.CostModel.step for the same rows (B decode rows at the mean context of the
-timed steps, owners / CP anchors round-robin as DecodeState places them). Rank 0 prints per point measured and
+timed steps, owners / CP anchors round-robin as DecodeState places them; with --prefill C, plus the step's C-token
+chunk from position 0, owner / anchor rank 0). Rank 0 prints per point measured and
 predicted ms per layout, both leaders, then leader agreement (strict: every point) and the median absolute error
 of the predicted step time over all (point, layout) pairs, then the measurement's own stability (leader of the
 even vs the odd repetitions) and, secondary, the agreement at points whose runner-up is behind in every repetition.
@@ -34,6 +36,8 @@ def predict(points: list[dict], world: int, preset: str, profile: str) -> None:
     for p in points:
         ctx = p.get("mean_context", p["context"] + 2 + p["steps"] // 2)  # mean position over the timed steps
         rows = [RowLoad(1, ctx, i % world) for i in range(p["batch"])]
+        if p.get("prefill"):
+            rows.append(RowLoad(p["prefill"], 0, 0))
         p["predicted"] = {lay: cm.step(lay, rows).seconds for lay in LAYOUTS}
 
 
@@ -82,7 +86,9 @@ def print_table(points: list[dict], world: int, meta: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"cost model vs measured decode step (ms) — {meta}")
+    chunk = points[0].get("prefill") if points else 0
+    what = f"step of B decode rows + a {chunk}-token prefill chunk" if chunk else "decode step"
+    t = Table(title=f"cost model vs measured {what} (ms) — {meta}")
     for col in ("B", "ctx", *[f"{k} meas/pred" for k in LAYOUTS], "leader meas", "leader pred"):
         t.add_column(col, justify="right")
     for p in points:
@@ -115,7 +121,7 @@ def measure_point(comm, a, b: int, c: int) -> dict:
     every layout in turn (order rotated per repetition: 1 warm-up step after the switch of state, then
     ``--steps`` timed, reduced by ``--stat``). The point's measurement is the median over repetitions."""
     from splash.bench.decode_state import DecodeState
-    states = {lay: DecodeState(comm, a.preset, lay, b, c) for lay in LAYOUTS}
+    states = {lay: DecodeState(comm, a.preset, lay, b, c, prefill=a.prefill) for lay in LAYOUTS}
     for st in states.values():
         for _ in range(2):
             st.step(clock=_clock())
@@ -125,7 +131,8 @@ def measure_point(comm, a, b: int, c: int) -> dict:
         for lay in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]:
             states[lay].step(clock=_clock())
             reps[lay].append(reduce([states[lay].step(clock=_clock()) for _ in range(a.steps)]))
-    return {"batch": b, "context": c, "steps": a.steps, "mean_context": c + 2 + (a.reps * (a.steps + 1)) // 2,
+    return {"batch": b, "context": c, "prefill": a.prefill, "steps": a.steps,
+            "mean_context": c + 2 + (a.reps * (a.steps + 1)) // 2,
             "reps": reps, "measured": {lay: statistics.median(v) for lay, v in reps.items()}}
 
 
@@ -154,6 +161,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--contexts", default="256,1024,2048,4096")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout per repetition")
+    ap.add_argument("--prefill", type=int, default=0, metavar="C",
+                    help="each step also carries a C-token prefill chunk from position 0 (0: decode steps only)")
     ap.add_argument("--reps", type=int, default=4,
                     help="repetitions per point, layouts interleaved in each (the measurement: their median)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",

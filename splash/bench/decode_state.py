@@ -1,6 +1,8 @@
 """Shared set-up for the layout and switch benchmarks: a rank's ModelRunner whose paged KV already holds B
 requests of L tokens (random latent values written straight into the pool on the ranks the layout says hold
-them — decode-step cost does not depend on the values), and a timed decode step."""
+them — decode-step cost does not depend on the values), and a timed decode step. With ``prefill`` = C, every
+step also carries a C-token prefill chunk from position 0 of one more request (owner / CP anchor rank 0), the
+same chunk re-run each step — a step of the kind a prompt arriving during decode makes."""
 from __future__ import annotations
 
 import time
@@ -15,11 +17,11 @@ from splash.models.presets import preset_config, preset_getter
 
 class DecodeState:
     def __init__(self, comm, preset: str, layout: str, batch: int, context: int, block_size: int = 16,
-                 kv_dtype: str = "float32", spare_blocks: int = 64):
-        self.comm, self.B, self.L = comm, batch, context
+                 kv_dtype: str = "float32", spare_blocks: int = 64, prefill: int = 0):
+        self.comm, self.B, self.L, self.prefill = comm, batch, context, prefill
         cfg = preset_config(preset)
         nb = -(-(context + 64) // block_size)
-        blocks = batch * nb + spare_blocks  # enough for TP (every rank holds everything)
+        blocks = batch * nb + spare_blocks + -(-prefill // block_size)  # enough for TP (every rank holds all)
         self.runner = ModelRunner(cfg, preset_getter(preset), comm, layout, kv_dtype, block_size, blocks)
         self.owners = {f"r{i}": i % comm.size for i in range(batch)}
         self.pos = {rid: context for rid in self.owners}
@@ -42,7 +44,11 @@ class DecodeState:
 
     def batch(self) -> StepBatch:
         reqs = [StepRequest(rid, self.pos[rid], 1, self.owners[rid]) for rid in self.owners]
-        return StepBatch.build(reqs, [[7] for _ in reqs], [True] * len(reqs))
+        tokens = [[7] for _ in reqs]
+        if self.prefill:
+            reqs.append(StepRequest("prefill", 0, self.prefill, 0))
+            tokens.append([7] * self.prefill)
+        return StepBatch.build(reqs, tokens, [True] * len(reqs))
 
     def step(self, switch=None, clock=time.perf_counter) -> float:
         """One decode step (optionally carrying a switch); returns its time in seconds (max over ranks) by
