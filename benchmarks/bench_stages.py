@@ -66,12 +66,7 @@ def timed_step(st) -> dict[str, float]:
     ACC.clear()
     CNT.clear()
     SEQ.clear()
-    st.comm.barrier()
-    t0 = time.thread_time()
-    st.runner.step(st.batch())
-    total = time.thread_time() - t0
-    for rid in st.pos:
-        st.pos[rid] += 1
+    total = st.local_step(clock=time.thread_time)
     out = {"total": total, **ACC, **{f"n_{k}": float(v) for k, v in CNT.items() if k in COLLECTIVES},
            "seq": list(SEQ)}
     return out

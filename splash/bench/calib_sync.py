@@ -58,12 +58,7 @@ def timed_steps(st, timer: CollectiveTimer, reps: int) -> list[dict]:
         steps = []
         for _ in range(3):
             timer.seq.clear()
-            st.comm.barrier()
-            t0 = timer.clock()
-            st.runner.step(st.batch())
-            total = timer.clock() - t0
-            for rid in st.pos:
-                st.pos[rid] += 1
+            total = st.local_step(clock=timer.clock)
             steps.append(st.comm.all_gather_obj({"total": total, "seq": list(timer.seq)}))
         out.append(split_wait(min(steps, key=lambda ranks: max(x["total"] for x in ranks))))
     return out

@@ -50,8 +50,8 @@ class DecodeState:
             tokens.append([7] * self.prefill)
         return StepBatch.build(reqs, tokens, [True] * len(reqs))
 
-    def step(self, switch=None, clock=time.perf_counter) -> float:
-        """One decode step (optionally carrying a switch); returns its time in seconds (max over ranks) by
+    def local_step(self, switch=None, clock=time.perf_counter) -> float:
+        """One decode step (optionally carrying a switch) after a barrier; returns this rank's time in seconds by
         ``clock`` (wall by default; ``time.thread_time``: the rank's CPU time, robust to a loaded host)."""
         b = self.batch()
         self.comm.barrier()
@@ -60,4 +60,8 @@ class DecodeState:
         dt = clock() - t0
         for rid in self.pos:
             self.pos[rid] += 1
-        return max(self.comm.all_gather_obj(dt))
+        return dt
+
+    def step(self, switch=None, clock=time.perf_counter) -> float:
+        """`local_step`, as the max over ranks."""
+        return max(self.comm.all_gather_obj(self.local_step(switch, clock)))

@@ -150,9 +150,11 @@ class CostModel:
         secs["plan"] += self.profile.step_overhead_s + self.profile.step_overhead_layout_s.get(layout, 0.0)
         # waiting for the slower peer: the ranks drift apart while they compute, by a share of the time between
         # collectives, not by a fixed amount per collective (benchmarks/bench_stages.py measures both)
-        coll = sum(self.collective_seconds(w) for w in total.values())
-        secs["sync"] = (self.profile.collective_wait_fraction * (sum(secs.values()) - coll)
-                        if coll and self.profile.collective_wait_fraction else 0.0)
+        secs["sync"] = 0.0
+        if self.profile.collective_wait_fraction:
+            coll = sum(self.collective_seconds(w) for w in total.values())
+            if coll:
+                secs["sync"] = self.profile.collective_wait_fraction * (sum(secs.values()) - coll)
         hide = min(sum(secs[k] for k in EXCHANGE_STAGES),
                    self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
         secs["overlap"] = -hide
