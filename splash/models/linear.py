@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from splash.models.packed import PackedExperts, grouped_packed
+
 
 @functools.cache
 def bf16_units() -> bool:
@@ -64,10 +66,12 @@ def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor
     """Rows of `x` grouped by expert (the first counts[0] rows for expert 0, the next counts[1] for expert 1, ...)
     -> each group @ stack[e]ᵀ, [n, out], experts without rows skipped.
 
-    A plain stack on CPU goes through one `torch._grouped_mm` call (one C++ loop of the same GEMMs: results
+    A packed stack (splash.models.packed) runs SPLASH's CPU grouped GEMM. A plain stack on CPU goes through one `torch._grouped_mm` call (one C++ loop of the same GEMMs: results
     identical to per-expert matmuls, without a Python call, slice and transpose per expert). Quantised stacks
     (dequantised per used expert), bf16 on a CPU without bf16 units (upcast per used expert, as `_mm` does) and
     other devices loop over the experts that have rows."""
+    if isinstance(stack, PackedExperts):
+        return grouped_packed(x, stack, counts)
     upcast = x.dtype == torch.bfloat16 and not bf16_units()
     if isinstance(stack, torch.Tensor) and x.device.type == "cpu" and not upcast and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(x, stack.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))

@@ -17,6 +17,7 @@ import torch
 
 from splash.models.config import ModelConfig
 from splash.models.indexer import IndexerWeights, indexer_shapes
+from splash.models.packed import PackedExperts, pack_experts
 from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
 
 
@@ -170,8 +171,8 @@ def moe_from_full(cfg: ModelConfig, get, prefix: str, shard: int, shards: int) -
     quant = any(is_quantized(w) for w in gate_up + down)
     return MoEWeights(router=get(prefix + "gate.weight").float(),
                       bias=get(prefix + "gate.e_score_correction_bias").float(),
-                      gate_up=ExpertStack(gate_up) if quant else torch.stack(gate_up),
-                      down=ExpertStack(down) if quant else torch.stack(down), shared=shared)
+                      gate_up=ExpertStack(gate_up) if quant else pack_experts(torch.stack(gate_up)),
+                      down=ExpertStack(down) if quant else pack_experts(torch.stack(down)), shared=shared)
 
 
 def _leaves(obj):
@@ -180,6 +181,8 @@ def _leaves(obj):
         yield obj
     elif isinstance(obj, QuantWeight):
         yield from obj.tensors()
+    elif isinstance(obj, PackedExperts):
+        yield obj.packed
     elif isinstance(obj, RowStack):
         for p in obj.parts:
             yield from _leaves(p)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splash import native
 from splash.kv import quant
 from splash.models.linear import bf16_units
 
@@ -64,6 +65,7 @@ class TorchMLAKernel:
     def plan(self, meta) -> None:
         """Group the step's requests: O(requests)."""
         self.meta, self.groups, self._index, self._index_bytes, self._blind = meta, [], {}, 0, {}
+        self._native_args = {}
         lens = meta.q_lens
         npg = meta.num_pages.tolist()
         dev = meta.num_pages.device
@@ -111,7 +113,14 @@ class TorchMLAKernel:
             return sparse_attend(q_latent, q_rope, cache, layer, sel, self.scale)
         n, h, d_c = q_latent.shape
         o = lse = None
+        native_ok = self._native_ok(layer, q_latent, q_rope, cache)
         for gi, g in enumerate(self.groups):
+            if native_ok and g.q == 1:   # decode rows: SPLASH's C kernel reads the pages in place
+                if o is None:
+                    o = torch.zeros(n, h, d_c, dtype=torch.float32, device=q_latent.device)
+                    lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
+                self._native_decode(gi, g, layer, q_latent, q_rope, cache, o, lse)
+                continue
             C = self.chunk_pages(g, h, d_c, q_rope.shape[2], self.meta.block_size)
             single = C >= g.max_pages        # one chunk: step order, plain softmax
             if single and g.all_rows:
@@ -127,6 +136,36 @@ class TorchMLAKernel:
             dev = q_latent.device
             return torch.zeros(n, h, d_c, device=dev), torch.full((n, h), float("-inf"), device=dev)
         return o, lse
+
+    def _native_ok(self, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache) -> bool:
+        """The C decode kernel applies: available on one thread, fp32 queries and cache, d_c % 16 == 0, d_r % 8 == 0."""
+        return (self.compute_dtype != "bfloat16" and ql.dtype == torch.float32 and qr.dtype == torch.float32
+                and ql.device.type == "cpu" and cache.scale[layer] is None and cache.ckv[layer].dtype == torch.float32
+                and cache.kpe[layer].dtype == torch.float32 and ql.shape[2] % 16 == 0 and qr.shape[2] % 8 == 0
+                and native.enabled())
+
+    def _native_decode(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache,
+                       o: torch.Tensor, lse: torch.Tensor) -> None:
+        """Group `g`'s decode rows by `native.mla_decode`, written into rows of `o` / `lse`."""
+        meta = self.meta
+        args = self._native_args.get(gi)
+        if args is None:   # per step: query rows, page-table rows, held pages, positions
+            args = self._native_args[gi] = (g.rows.long().contiguous(), meta.req_rows[g.reqs].long().contiguous(),
+                                            meta.num_pages[g.reqs].int().contiguous(),
+                                            meta.q_pos[g.rows].long().contiguous(), meta.pages.int().contiguous(),
+                                            meta.logical.int().contiguous())
+        rows, prow, npg, qpos, pages, logical = args
+        ql, qr = ql.contiguous(), qr.contiguous()
+        ckv, kpe = cache.ckv[layer], cache.kpe[layer]
+        h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
+        assert ckv.is_contiguous() and kpe.is_contiguous() and o.is_contiguous() and lse.is_contiguous()
+        ptr = lambda t: t.data_ptr()  # noqa: E731
+        rc = native.lib().mla_decode(len(rows), ptr(rows), ptr(prow), ptr(npg), ptr(qpos), ptr(pages), ptr(logical),
+                                     pages.shape[1], h, d_c, d_r, bs, ptr(ql), ptr(qr), ptr(ckv), ptr(kpe), self.scale,
+                                     ptr(o), ptr(lse))
+        if rc != 0:
+            raise MemoryError("mla_decode could not allocate its scratch")
+        self.peak_scratch_bytes = max(self.peak_scratch_bytes, 4 * h * (d_c + bs + 2))
 
     def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, C: int,
                 single: bool):

@@ -1,0 +1,87 @@
+"""SPLASH's own CPU kernels (cpu_kernels.c: x86-64 AVX2 + FMA, fp32, single-threaded), compiled on first use.
+
+The C source is built with the system C compiler (`cc`, or $CC) into a shared library cached under
+$SPLASH_NATIVE_CACHE (default ~/.cache/splash/native), named by a hash of the source and flags, and loaded with
+ctypes; several processes building it at once each write a private file and rename it into place. `lib()` is None —
+and every caller keeps its torch path — when the CPU lacks AVX2/FMA, no compiler works, or SPLASH_NATIVE=0. The
+kernels run on one thread, so `enabled()` also asks for torch's intra-op thread count to be 1 (the serving default
+with one rank per core); with more threads torch's GEMMs parallelise and are used instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99"]
+_lib: ctypes.CDLL | None | bool = False   # False: not tried yet
+
+P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "grouped_gemm": (None, [P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
+    "mla_decode": (ctypes.c_int, [ctypes.c_int, P, P, P, P, P, P, I64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, P, P, P, P, F32, P, P]),
+}
+
+
+def cpu_supported() -> bool:
+    """x86-64 with AVX2 and FMA (read from /proc/cpuinfo; other systems: no)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return False
+    return {"avx2", "fma"} <= set(flags.split(":", 1)[-1].split())
+
+
+def _build() -> Path:
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SPLASH_NATIVE_CACHE", Path.home() / ".cache" / "splash" / "native"))
+    out = cache / f"splash_cpu_{tag}.so"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (see the module doc); built and loaded once per process."""
+    global _lib
+    if _lib is False:
+        _lib = None
+        if os.environ.get("SPLASH_NATIVE", "1") != "0" and cpu_supported():
+            try:
+                so = ctypes.CDLL(str(_build()))
+                for name, (res, args) in SIGNATURES.items():
+                    fn = getattr(so, name)
+                    fn.restype, fn.argtypes = res, args
+                _lib = so
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                log.warning("SPLASH's CPU kernels are unavailable (%s %s); using torch's", e,
+                            detail.decode(errors="replace")[-500:])
+    return _lib
+
+
+def enabled() -> bool:
+    """Use the kernels now: they are available and torch runs one intra-op thread."""
+    import torch
+    return torch.get_num_threads() == 1 and lib() is not None

@@ -1,0 +1,215 @@
+/* SPLASH's CPU kernels (x86-64 AVX2 + FMA, fp32, one thread), loaded by splash/native/__init__.py with ctypes.
+
+   grouped_gemm: the MoE experts' GEMMs. Rows of x sorted by expert (counts[e] rows for expert e) times each
+   expert's weight, stored packed: per expert, strips of 16 output columns, each strip [K][16] input-major, so a
+   strip streams from memory once and stays in L1 while every row tile of the expert reads it. Tiles of up to 6
+   rows x 16 columns keep 12 accumulators in registers. Each output element is one dot product in k order: a row's
+   result does not depend on which other rows share its expert.
+
+   mla_decode: MLA attention of decode rows (one query row per request) over the paged latent cache, read in place
+   through the page table: per request, page by page, scores of every head against the page's visible keys, then an
+   online-softmax fold of the page into a running (max, sum, output) per head. Scratch is heads x (d_c + block)
+   floats per call, whatever the batch and context. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LOADW const float *wk = w + (int64_t)k * 16; __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+#define B(i) { __m256 t = _mm256_broadcast_ss(x + (i) * ldx + k); a##i = _mm256_fmadd_ps(t, w0, a##i); b##i = _mm256_fmadd_ps(t, w1, b##i); }
+#define S(i) _mm256_storeu_ps(y + (i) * ldy, a##i); _mm256_storeu_ps(y + (i) * ldy + 8, b##i);
+
+static void tile1(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+    __m256 a0=_mm256_setzero_ps(),b0=a0;
+    for (int k = 0; k < K; k++) { LOADW B(0) }
+    S(0)
+}
+static void tile2(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+    __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1;
+    for (int k = 0; k < K; k++) { LOADW B(0) B(1) }
+    S(0) S(1)
+}
+static void tile3(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+    __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2;
+    for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) }
+    S(0) S(1) S(2)
+}
+static void tile4(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+    __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2,a3=_mm256_setzero_ps(),b3=a3;
+    for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) B(3) }
+    S(0) S(1) S(2) S(3)
+}
+static void tile5(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+    __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2,a3=_mm256_setzero_ps(),b3=a3,a4=_mm256_setzero_ps(),b4=a4;
+    for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) B(3) B(4) }
+    S(0) S(1) S(2) S(3) S(4)
+}
+static void tile6(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+    __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2,a3=_mm256_setzero_ps(),b3=a3,a4=_mm256_setzero_ps(),b4=a4,a5=_mm256_setzero_ps(),b5=a5;
+    for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) B(3) B(4) B(5) }
+    S(0) S(1) S(2) S(3) S(4) S(5)
+}
+
+typedef void (*tile_fn)(const float *, int64_t, int, const float *, float *, int64_t);
+static const tile_fn TILES[7] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
+
+/* y [M, N] = x [M, K] @ W^T, W [N, K] packed as [N / 16][K][16] (splash.models.packed). */
+static void gemm_packed(const float *x, int64_t M, int K, const float *wp, int N, float *y) {
+    for (int s = 0; s < N / 16; s++) {
+        const float *w = wp + (int64_t)s * K * 16;
+        for (int64_t m = 0; m < M; m += 6) {
+            int r = M - m < 6 ? (int)(M - m) : 6;
+            TILES[r](x + m * K, K, K, w, y + m * N + 16 * s, N);
+        }
+    }
+}
+
+/* Rows of x [sum(counts), K] grouped by expert -> y [sum(counts), N]; wp [E][N / 16][K][16]. */
+void grouped_gemm(const float *x, int K, const int64_t *counts, int E, const float *wp, int N, float *y) {
+    int64_t r = 0;
+    for (int e = 0; e < E; e++) {
+        if (counts[e]) gemm_packed(x + r * K, counts[e], K, wp + (int64_t)e * N * K, N, y + r * N);
+        r += counts[e];
+    }
+}
+
+/* e^x for 8 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (relative error ~2e-7);
+   x is clamped to [-87.3, 88.7], so e^-inf gives ~1e-38, not 0 (callers multiply it by sums that are 0 then). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Scores of keys j0 .. j0 + R - 1 of a page against 8 heads: st[j][0..8] = scale * (c_j . q_h + kr_j . qr_h), with
+   the queries transposed, qt [d_c + d_r][HP] (HP heads, padded to a multiple of 8). */
+#define SC_TILE(RR) static void scores##RR(const float *c, const float *kr, int d_c, int d_r, const float *qt, int HP, \
+                                          float scale, float *st) { \
+    enum { R = RR }; \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0; \
+    for (int d = 0; d < d_c; d++) { __m256 q = _mm256_loadu_ps(qt + (int64_t)d * HP); SC_ROWS(c, d_c) } \
+    for (int d = 0; d < d_r; d++) { __m256 q = _mm256_loadu_ps(qt + (int64_t)(d_c + d) * HP); SC_ROWS(kr, d_r) } \
+    __m256 sv = _mm256_set1_ps(scale); \
+    _mm256_storeu_ps(st, _mm256_mul_ps(a0, sv)); \
+    if (R > 1) { _mm256_storeu_ps(st + HP, _mm256_mul_ps(a1, sv)); } \
+    if (R > 2) { _mm256_storeu_ps(st + 2 * HP, _mm256_mul_ps(a2, sv)); } \
+    if (R > 3) { _mm256_storeu_ps(st + 3 * HP, _mm256_mul_ps(a3, sv)); } \
+    if (R > 4) { _mm256_storeu_ps(st + 4 * HP, _mm256_mul_ps(a4, sv)); } \
+    if (R > 5) { _mm256_storeu_ps(st + 5 * HP, _mm256_mul_ps(a5, sv)); } }
+#define SC_ROWS(K, W) \
+    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(K + d), q, a0); \
+    if (R > 1) a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(K + W + d), q, a1); \
+    if (R > 2) a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(K + 2 * W + d), q, a2); \
+    if (R > 3) a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(K + 3 * W + d), q, a3); \
+    if (R > 4) a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(K + 4 * W + d), q, a4); \
+    if (R > 5) a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(K + 5 * W + d), q, a5);
+SC_TILE(1) SC_TILE(2) SC_TILE(3) SC_TILE(4) SC_TILE(5) SC_TILE(6)
+typedef void (*sc_fn)(const float *, const float *, int, int, const float *, int, float, float *);
+static const sc_fn SCORES[7] = {0, scores1, scores2, scores3, scores4, scores5, scores6};
+
+/* acc[h][i .. i + 16] += sum_j pt[j][h] * c[j][i .. i + 16] for heads h0 .. h0 + R - 1 (pt [nv][HP]). */
+#define ACC_TILE(RR) static void accum##RR(const float *pt, int HP, int nv, const float *c, int d_c, float *acc) { \
+    enum { R = RR }; \
+    __m256 a0 = _mm256_loadu_ps(acc), b0 = _mm256_loadu_ps(acc + 8), a1 = a0, b1 = b0, a2 = a0, b2 = b0, \
+           a3 = a0, b3 = b0, a4 = a0, b4 = b0, a5 = a0, b5 = b0; \
+    ACC_ALL(LD) \
+    for (int j = 0; j < nv; j++) { \
+        __m256 w0 = _mm256_loadu_ps(c + (int64_t)j * d_c), w1 = _mm256_loadu_ps(c + (int64_t)j * d_c + 8); \
+        const float *pj = pt + (int64_t)j * HP; ACC_ALL(FM) } \
+    ACC_ALL(ST) }
+#define LD(i) { a##i = _mm256_loadu_ps(acc + (int64_t)(i) * d_c); b##i = _mm256_loadu_ps(acc + (int64_t)(i) * d_c + 8); }
+#define FM(i) { __m256 t = _mm256_broadcast_ss(pj + (i)); a##i = _mm256_fmadd_ps(t, w0, a##i); b##i = _mm256_fmadd_ps(t, w1, b##i); }
+#define ST(i) { _mm256_storeu_ps(acc + (int64_t)(i) * d_c, a##i); _mm256_storeu_ps(acc + (int64_t)(i) * d_c + 8, b##i); }
+#define ACC_ALL(OP) OP(0) if (R > 1) OP(1) if (R > 2) OP(2) if (R > 3) OP(3) if (R > 4) OP(4) if (R > 5) OP(5)
+ACC_TILE(1) ACC_TILE(2) ACC_TILE(3) ACC_TILE(4) ACC_TILE(5) ACC_TILE(6)
+typedef void (*acc_fn)(const float *, int, int, const float *, int, float *);
+static const acc_fn ACCUM[7] = {0, accum1, accum2, accum3, accum4, accum5, accum6};
+
+/* G decode rows. For entry g: query row qrow[g] of ql [n, H, d_c] / qr [n, H, d_r]; its pages are row prow[g] of
+   the page table `pages` [*, P] (physical ids) with `logical` [*, P] (logical block of each), npages[g] of them held
+   here; keys at positions <= qpos[g] are visible. Pools: ckv [blocks, bs, d_c], kpe [blocks, bs, d_r].
+   Writes o [n, H, d_c] and lse [n, H] (natural log) at row qrow[g]; a row that sees no key gets o = 0, lse = -inf.
+   d_c % 16 == 0, d_r % 8 == 0 (d_r may be 0). Per page: the scores of every (key, head) with heads in vector lanes,
+   the online-softmax statistics for 8 heads at a time, then the page folded into the running output as a small
+   GEMM (heads x 16 latent columns per tile). Returns 0, or -1 when scratch cannot be allocated. */
+int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *npages, const int64_t *qpos,
+               const int32_t *pages, const int32_t *logical, int64_t P, int H, int d_c, int d_r, int bs,
+               const float *ql, const float *qr, const float *ckv, const float *kpe, float scale,
+               float *o, float *lse) {
+    int HP = (H + 7) / 8 * 8, D = d_c + d_r;
+    float *buf = malloc(sizeof(float) * ((size_t)H * d_c + (size_t)D * HP + 2 * (size_t)bs * HP + 4 * (size_t)HP));
+    if (!buf) return -1;
+    float *acc = buf, *qt = acc + (size_t)H * d_c, *st = qt + (size_t)D * HP, *pt = st + (size_t)bs * HP;
+    float *m = pt + (size_t)bs * HP, *s = m + HP, *al = s + HP;
+    for (int g = 0; g < G; g++) {
+        const float *qlg = ql + qrow[g] * H * d_c, *qrg = qr + qrow[g] * H * d_r;
+        const int32_t *pg = pages + prow[g] * P, *lg = logical + prow[g] * P;
+        memset(qt, 0, sizeof(float) * (size_t)D * HP);
+        for (int h = 0; h < H; h++) {
+            for (int d = 0; d < d_c; d++) qt[(int64_t)d * HP + h] = qlg[h * d_c + d];
+            for (int d = 0; d < d_r; d++) qt[(int64_t)(d_c + d) * HP + h] = qrg[h * d_r + d];
+        }
+        memset(acc, 0, sizeof(float) * (size_t)H * d_c);
+        for (int h = 0; h < HP; h++) { m[h] = -INFINITY; s[h] = 0.f; }
+        for (int p = 0; p < npages[g]; p++) {
+            int64_t base = (int64_t)lg[p] * bs;
+            int nv = qpos[g] - base + 1 < bs ? (int)(qpos[g] - base + 1) : bs;
+            if (nv <= 0) continue;
+            const float *c = ckv + (int64_t)pg[p] * bs * d_c, *kr = kpe + (int64_t)pg[p] * bs * d_r;
+            for (int j = 0; j < nv; j += 6) {
+                int r = nv - j < 6 ? nv - j : 6;
+                for (int hv = 0; hv < HP; hv += 8)
+                    SCORES[r](c + (int64_t)j * d_c, kr + (int64_t)j * d_r, d_c, d_r, qt + hv, HP, scale,
+                              st + (int64_t)j * HP + hv);
+            }
+            for (int hv = 0; hv < HP; hv += 8) {
+                __m256 mx = _mm256_loadu_ps(m + hv), mo = mx;
+                for (int j = 0; j < nv; j++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + (int64_t)j * HP + hv));
+                __m256 alpha = exp8(_mm256_sub_ps(mo, mx)), sum = _mm256_setzero_ps();
+                for (int j = 0; j < nv; j++) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(st + (int64_t)j * HP + hv), mx));
+                    _mm256_storeu_ps(pt + (int64_t)j * HP + hv, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                _mm256_storeu_ps(s + hv, _mm256_fmadd_ps(_mm256_loadu_ps(s + hv), alpha, sum));
+                _mm256_storeu_ps(m + hv, mx);
+                _mm256_storeu_ps(al + hv, alpha);
+            }
+            for (int h = 0; h < H; h++) {   /* rescale the running output by each head's alpha */
+                __m256 a = _mm256_set1_ps(al[h]);
+                for (int i = 0; i < d_c; i += 8)
+                    _mm256_storeu_ps(acc + h * d_c + i, _mm256_mul_ps(_mm256_loadu_ps(acc + h * d_c + i), a));
+            }
+            for (int i = 0; i < d_c; i += 16)
+                for (int h = 0; h < H; h += 6) {
+                    int r = H - h < 6 ? H - h : 6;
+                    ACCUM[r](pt + h, HP, nv, c + i, d_c, acc + (int64_t)h * d_c + i);
+                }
+        }
+        float *og = o + qrow[g] * H * d_c, *lsg = lse + qrow[g] * H;
+        for (int h = 0; h < H; h++) {
+            if (m[h] > -INFINITY) {
+                __m256 inv = _mm256_set1_ps(1.f / s[h]);
+                for (int i = 0; i < d_c; i += 8)
+                    _mm256_storeu_ps(og + h * d_c + i, _mm256_mul_ps(_mm256_loadu_ps(acc + h * d_c + i), inv));
+                lsg[h] = m[h] + logf(s[h]);
+            } else {
+                memset(og + h * d_c, 0, sizeof(float) * d_c);
+                lsg[h] = -INFINITY;
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}

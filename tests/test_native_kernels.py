@@ -1,0 +1,113 @@
+"""SPLASH's CPU kernels (splash.native): the paged MLA decode kernel and the packed grouped expert GEMM against
+torch, the packed stack's round trip, and the fallbacks (no compiler, more than one thread)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_kernels import RAGGED, SCALE, check, make_state
+
+from splash import native
+from splash.attention.kernels.torch_mla import TorchMLAKernel
+from splash.models import packed
+from splash.models.linear import grouped_linear
+
+needs_native = pytest.mark.skipif(native.lib() is None, reason="no AVX2/FMA CPU or no C compiler")
+
+
+def _both(state):
+    """(native õ, LSE), (torch-path õ, LSE) of one step."""
+    cache, _, _, _, meta, q = state
+    dc = cache.kv_lora_rank
+    out = []
+    for use in (True, False):
+        k = TorchMLAKernel(SCALE)
+        k.plan(meta)
+        orig = native.enabled
+        native.enabled = (lambda: False) if not use else orig
+        try:
+            out.append(k.run(0, q[..., :dc], q[..., dc:], cache))
+        finally:
+            native.enabled = orig
+        if use:
+            assert k._native_args, "the decode rows did not go through the native kernel"
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("bs", [1, 16, 64])
+@pytest.mark.parametrize("heads,dc,dr", [(2, 32, 8), (11, 48, 16), (8, 16, 0)])
+def test_native_decode_matches_torch_and_dense(bs, heads, dc, dr):
+    """Ragged decode rows mixed with prefill chunks, heads not a multiple of 8, NoPE (d_r = 0)."""
+    state = make_state("float32", bs, RAGGED + [(300, 1), (0, 1)], dc=dc, dr=dr, heads=heads, seed=bs)
+    check(TorchMLAKernel(SCALE), state, atol=2e-5)
+    (o, lse), (o_t, lse_t) = _both(state)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_t))
+    assert torch.allclose(o, o_t, atol=2e-5, rtol=2e-5) and torch.allclose(lse, lse_t, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("world,rank", [(2, 1), (4, 3)])
+def test_native_decode_cp_pages(world, rank):
+    """CP's non-contiguous pages, and requests holding no page here (õ = 0, LSE = -inf)."""
+    state = make_state("float32", 4, RAGGED + [(2, 1), (90, 1)], world=world, rank=rank)
+    check(TorchMLAKernel(SCALE), state, atol=2e-5)
+    (o, lse), (o_t, lse_t) = _both(state)
+    assert torch.isinf(lse).any() and torch.equal(torch.isinf(lse), torch.isinf(lse_t))
+    assert torch.allclose(o, o_t, atol=2e-5, rtol=2e-5)
+
+
+def _stack(E=5, N=48, K=40, seed=0):
+    return torch.randn(E, N, K, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_native
+def test_packed_grouped_gemm_matches_torch():
+    w = _stack()
+    p = packed.pack_experts(w.clone())
+    assert isinstance(p, packed.PackedExperts) and p.shape == w.shape and len(p) == 5
+    assert torch.equal(p.unpacked(), w) and torch.equal(p[3], w[3])
+    counts = torch.tensor([3, 0, 7, 1, 4])
+    x = torch.randn(int(counts.sum()), 40)
+    ref = grouped_linear(x, w, counts)
+    got = grouped_linear(x, p, counts)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(grouped_linear(x[:3], p, torch.tensor([3, 0, 0, 0, 0])), got[:3])  # batch-invariant rows
+
+
+@needs_native
+def test_packed_stack_falls_back_with_more_threads():
+    """Packed at load (one thread), run later with two: the plain stack's GEMMs, same result."""
+    w = _stack(seed=1)
+    p = packed.pack_experts(w.clone())
+    counts = torch.tensor([2, 2, 0, 1, 3])
+    x = torch.randn(8, 40)
+    one = grouped_linear(x, p, counts)
+    torch.set_num_threads(2)
+    try:
+        assert not native.enabled()
+        assert packed.pack_experts(w) is w            # not packed while the kernels are off
+        two = grouped_linear(x, p, counts)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.allclose(one, two, atol=1e-5, rtol=1e-5)
+
+
+def test_not_packed_when_unsuitable():
+    assert packed.pack_experts(_stack(N=40)) .shape == (5, 40, 40)          # width not a multiple of 16
+    assert isinstance(packed.pack_experts(_stack(N=40)), torch.Tensor)
+    assert isinstance(packed.pack_experts(_stack().bfloat16()), torch.Tensor)
+
+
+def test_no_compiler_means_torch_paths(tmp_path, monkeypatch, caplog):
+    """A compiler that fails: lib() is None with a warning, and SPLASH_NATIVE=0 turns the kernels off."""
+    monkeypatch.setattr(native, "_lib", False)
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("SPLASH_NATIVE_CACHE", str(tmp_path))
+    if native.cpu_supported():
+        with caplog.at_level("WARNING"):
+            assert native.lib() is None and not native.enabled()
+        assert "unavailable" in caplog.text and not list(tmp_path.iterdir())
+    monkeypatch.setattr(native, "_lib", False)
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("SPLASH_NATIVE", "0")
+    assert native.lib() is None
