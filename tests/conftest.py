@@ -70,3 +70,11 @@ def comm():
 
     return SingleRankCommunicator()
 
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """Only torch's kernels (splash.native off, so weights load unpacked): for tests that compare two forms of the
+    same weights at the last fp32 bits, where one form (quantised: dequantised per call) always runs torch's GEMM."""
+    from splash import native
+    monkeypatch.setattr(native, "enabled", lambda: False)

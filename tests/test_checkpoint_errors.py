@@ -171,7 +171,7 @@ def _fp8_quantize_blocks(w: torch.Tensor, g: torch.Generator) -> tuple[torch.Ten
     return (w / expand(scale_inv)).to(torch.float8_e4m3fn), scale_inv
 
 
-def test_fp8_block_scaled_checkpoint(tmp_path, comm):
+def test_fp8_block_scaled_checkpoint(tmp_path, comm, torch_kernels):
     src = make_tiny_deepseek(tmp_path / "src", **FP8_MODEL)
     sd = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(0)

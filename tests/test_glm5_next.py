@@ -197,7 +197,7 @@ def _check_stored_forms(runner, fmt: str, dense_gates: bool = True) -> None:
 
 
 @pytest.mark.parametrize("scheme,keep", [("fp8", QUANT_KEEP), ("w8a8", QUANT_KEEP), ("w8a8", QUANT_KEEP[:1])])
-def test_quantized_checkpoint(scheme, keep, glm5, comm, tmp_path):
+def test_quantized_checkpoint(scheme, keep, glm5, comm, tmp_path, torch_kernels):
     """FP8 block-scaled / compressed-tensors INT8 checkpoints (tests/quant_ckpt.py; KDA gates and the vision
     tower kept dense as QUANT_KEEP says, or the gates quantised too) stay quantised; logits equal the engine on
     the dequantised checkpoint (1e-6) and transformers there (1e-4)."""
@@ -212,7 +212,7 @@ def test_quantized_checkpoint(scheme, keep, glm5, comm, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_quantization_at_load(fmt, glm5, comm, tmp_path):
+def test_quantization_at_load(fmt, glm5, comm, tmp_path, torch_kernels):
     """`quantization=` quantises the plain checkpoint's projections (not KDA's gates); the logits equal the
     engine on exactly those weights dequantised, written as a plain checkpoint."""
     src = glm5("topk_low")[0]

@@ -111,3 +111,31 @@ def test_no_compiler_means_torch_paths(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("CC")
     monkeypatch.setenv("SPLASH_NATIVE", "0")
     assert native.lib() is None
+
+
+@needs_native
+def test_packed_linear_and_row_ops_match_torch():
+    """PackedLinear (strided input rows too), RMSNorm (strided rows), RoPE (both pair layouts, [n, d] and
+    [n, H, d] views), SwiGLU: each within fp32 rounding of its torch expression."""
+    from splash.native import ops
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 40, generator=g)
+    p = packed.pack_linear(w.clone())
+    assert isinstance(p, packed.PackedLinear) and p.shape == w.shape and torch.equal(p.unpacked(), w)
+    x = torch.randn(13, 56, generator=g)[:, 8:48]
+    assert torch.allclose(p(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    xs, nw = torch.randn(9, 80, generator=g)[:, :64], torch.randn(64, generator=g)
+    ref = xs * xs.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * nw
+    assert torch.allclose(ops.rms_norm(xs, nw, 1e-6), ref, atol=1e-5, rtol=1e-5)
+    q = torch.randn(9, 3, 24, generator=g)[..., 8:]
+    cos, sin = torch.randn(9, 8, generator=g), torch.randn(9, 8, generator=g)
+    for inter in (True, False):
+        x1, x2 = (q[..., 0::2], q[..., 1::2]) if inter else (q[..., :8], q[..., 8:])
+        c, s = cos[:, None], sin[:, None]
+        ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        assert torch.allclose(ops.rope(q, cos, sin, inter), ref, atol=1e-6)
+        assert torch.allclose(ops.rope(q[:, 1], cos, sin, inter), ref[:, 1], atol=1e-6)
+    h = torch.randn(7, 32, generator=g) * 4
+    ref = torch.nn.functional.silu(h[:, :16]) * h[:, 16:]
+    assert torch.allclose(ops.swiglu(h, 16), ref, atol=1e-5, rtol=1e-5)
+    assert ops.swiglu(h.bfloat16(), 16) is None and ops.rms_norm(xs.T, nw[:9], 1e-6) is None   # torch's then

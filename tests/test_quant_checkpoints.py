@@ -51,7 +51,7 @@ def rel_err(a, b) -> float:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantized_checkpoint_stays_quantized(qckpts, comm, scheme):
+def test_quantized_checkpoint_stays_quantized(qckpts, comm, scheme, torch_kernels):
     """Weights stay in stored form (1 byte per value + scales: resident bytes equal the memory model); logits
     equal the engine's on the dequantised checkpoint and are within 1e-4 of HF there; greedy tokens are the same."""
     qdir, ddir = qckpts[scheme]
@@ -90,7 +90,7 @@ def test_our_fp8_quantizer_matches_the_test_writer():
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantization_at_load(qckpts, comm, tmp_path, fmt, dtype):
+def test_quantization_at_load(qckpts, comm, tmp_path, fmt, dtype, torch_kernels):
     """`quantization=` on a BF16/FP32 checkpoint stores its linear weights quantised; the result equals the
     engine on those weights dequantised (written as a plain checkpoint)."""
     src = qckpts["src"][0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from splash.models.config import ModelConfig
+from splash.native import ops as native_ops
 from splash.models.linear import bmm, linear
 from splash.models.rope import Rope
 from splash.models.weights import AttnWeights
@@ -16,6 +17,9 @@ from splash.models.weights import AttnWeights
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """w * x / sqrt(mean(x²) + eps), statistics in fp32 (transformers' DeepseekV3RMSNorm, the same ops)."""
     if x.dtype == torch.float32:   # no casts; the same products as below, two of them in place
+        y = native_ops.rms_norm(x, w, eps)
+        if y is not None:
+            return y
         return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

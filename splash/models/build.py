@@ -8,6 +8,7 @@ import torch
 
 from splash.models.config import ConfigError, ModelConfig
 from splash.models.indexer import load_indexer
+from splash.models.packed import pack_linear
 from splash.models.qweight import QuantWeight
 from splash.models.weights import (LayerWeights, ModelWeights, attention_from_full, mlp_from_full,
                                    moe_from_full)
@@ -52,5 +53,5 @@ def build_weights(cfg: ModelConfig, get: Getter, heads: range, shard: int, shard
                                    attn=attention_from_full(cfg, get, p + "self_attn.", heads), ffn=ffn,
                                    indexer=idx))
     embed = get("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+    lm_head = embed if cfg.tie_word_embeddings else pack_linear(get("lm_head.weight"))
     return ModelWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers)

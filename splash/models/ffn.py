@@ -10,11 +10,16 @@ import torch.nn.functional as F
 from splash.models.config import ModelConfig
 from splash.models.linear import grouped_linear, linear
 from splash.models.weights import MLPWeights, MoEWeights
+from splash.native import ops as native_ops
 
 
 def _swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
     """silu(gate) * up of a [gate | up] row block; `limit` (GLM-5.3-Flash swiglu_limit) clamps gate from above
     and up to [-limit, limit] first."""
+    if limit is None:
+        y = native_ops.swiglu(h, inter)
+        if y is not None:
+            return y
     gate, up = h[:, :inter], h[:, inter:]
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
@@ -25,7 +30,7 @@ def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Ten
     """silu(x Gᵀ) * (x Uᵀ) then Dᵀ, with gate and up as one GEMM on [G ; U]."""
     if w.gate_up is None:
         w.gate_up = torch.cat([w.gate, w.up], dim=0)
-    inter = w.gate.shape[0]
+    inter = w.gate.shape[0] if w.gate is not None else w.gate_up.shape[0] // 2   # None: packed (splash.models.packed)
     h = linear(x, w.gate_up)
     return linear(_swiglu(h, inter, limit), w.down)
 

@@ -21,6 +21,7 @@ from splash.models.config import ModelConfig
 from splash.models.kda import KDAWeights, kda_from_full
 from splash.models.kpool import IndexerWeights, indexer_from_full
 from splash.models.linear import linear
+from splash.models.packed import pack_linear
 from splash.models.weights import AttnWeights, MLPWeights, MoEWeights, attention_from_full, mlp_from_full, \
     moe_from_full
 
@@ -82,7 +83,7 @@ def build_hybrid_weights(cfg: ModelConfig, get, heads: range, linear_heads: rang
         layers.append(HybridLayerWeights(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"),
                                          attn, f, hc[0], hc[1], idx))
     embed = get(pre + "embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+    lm_head = embed if cfg.tie_word_embeddings else pack_linear(get("lm_head.weight"))
     return HybridWeights(embed=embed, norm=get(pre + "norm.weight"), lm_head=lm_head, layers=layers)
 
 

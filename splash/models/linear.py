@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from splash.models.packed import PackedExperts, grouped_packed
+from splash.models.packed import PackedExperts, PackedLinear, grouped_packed
 
 
 @functools.cache
@@ -52,6 +52,8 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [n, in] @ w [out, in]ᵀ -> [n, out]."""
     if isinstance(w, torch.Tensor):
         return _mm(x, w.T)
+    if isinstance(w, PackedLinear):
+        return w(x)
     return _mm(x, w.dequant().T)
 
 

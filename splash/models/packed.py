@@ -1,9 +1,12 @@
-"""MoE expert stacks stored for SPLASH's CPU grouped GEMM (splash.native): [E, N, K] weights packed as
-[E, N / 16, K, 16] — strips of 16 output columns, input-major — in the same memory as the plain stack.
+"""Weights stored for SPLASH's CPU GEMMs (splash.native): an [N, K] weight packed as [N / 16, K, 16] — strips of
+16 output columns, input-major — and MoE expert stacks [E, N, K] as [E, N / 16, K, 16], in the same memory as the
+plain tensors (the plain one is not kept).
 
-`pack_experts` packs a plain fp32 CPU stack when the native kernels are in use at load time (one intra-op thread)
-and its output width is a multiple of 16; otherwise it returns the stack unchanged. A packed stack still answers
-`shape`, `dtype` and `stack[e]` (that expert's [N, K] weight, unpacked) like the tensor it replaces.
+`pack_experts` / `pack_linear` pack a plain fp32 CPU weight when the native kernels are in use at load time (one
+intra-op thread) and its output width is a multiple of 16; otherwise they return it unchanged. Only weights that no
+layout switch rewrites are packed (MoE experts, dense MLPs and shared experts, an untied LM head); the attention
+projections stay plain tensors. A packed weight still answers `shape`, `dtype` (and `stack[e]`, that expert's
+weight, unpacked) like the tensor it replaces.
 """
 from __future__ import annotations
 
@@ -33,10 +36,43 @@ class PackedExperts:
         return self.packed.transpose(2, 3).reshape(self.shape)
 
 
+class PackedLinear:
+    def __init__(self, packed: torch.Tensor):
+        self.packed = packed                    # [N / STRIP, K, STRIP], contiguous
+        S, K, _ = packed.shape
+        self.shape = torch.Size((S * STRIP, K))
+        self.dtype, self.device = packed.dtype, packed.device
+
+    def unpacked(self) -> torch.Tensor:
+        return self.packed.transpose(1, 2).reshape(self.shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ Wᵀ -> [M, N]."""
+        N, K = self.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 or not native.enabled():
+            return x @ self.unpacked().to(x.dtype).T
+        y = torch.empty(x.shape[0], N, dtype=torch.float32, device=x.device)
+        native.lib().linear_packed(x.data_ptr(), x.shape[0], K, x.stride(0), self.packed.data_ptr(), N, y.data_ptr())
+        return y
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
+            and w.shape[-2] % STRIP == 0 and native.enabled())
+
+
+def pack_linear(w: torch.Tensor):
+    """[N, K] -> PackedLinear when the native GEMM will run it, else `w` itself."""
+    if not _packable(w):
+        return w
+    N, K = w.shape
+    return PackedLinear(w.view(N // STRIP, STRIP, K).transpose(1, 2).contiguous())
+
+
 def pack_experts(stack: torch.Tensor):
     """[E, N, K] -> PackedExperts when the native grouped GEMM will run it, else `stack` itself."""
     E, N, K = stack.shape
-    if stack.dtype != torch.float32 or stack.device.type != "cpu" or N % STRIP or not native.enabled():
+    if not _packable(stack):
         return stack
     return PackedExperts(stack.view(E, N // STRIP, STRIP, K).transpose(2, 3).contiguous())
 
@@ -45,10 +81,11 @@ def grouped_packed(x: torch.Tensor, stack: PackedExperts, counts: torch.Tensor) 
     """Rows of `x` grouped by expert (counts[e] rows each) @ each expert's weightᵀ -> [n, N]."""
     E, N, K = stack.shape
     x = x.contiguous()
-    if x.dtype != torch.float32 or not native.enabled():   # threads changed since load: the plain stack, per call
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not native.enabled():
+        # e.g. the thread count changed since load: the plain stack's GEMMs, unpacked per call
         from splash.models.linear import grouped_linear
         return grouped_linear(x, stack.unpacked().to(x.dtype), counts)
     counts = counts.to(torch.int64).contiguous()
-    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    y = torch.empty(x.shape[0], N, dtype=torch.float32, device=x.device)
     native.lib().grouped_gemm(x.data_ptr(), K, counts.data_ptr(), E, stack.packed.data_ptr(), N, y.data_ptr())
     return y

@@ -6,6 +6,7 @@ import math
 import torch
 
 from splash.models.config import ModelConfig, RopeConfig, yarn_mscale
+from splash.native import ops as native_ops
 
 
 def _yarn_inv_freq(r: RopeConfig, dim: int, device) -> tuple[torch.Tensor, float]:
@@ -52,6 +53,9 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [n, ..., dim]; cos/sin [n, dim/2] broadcast over the middle dims."""
+        y = native_ops.rope(x, cos, sin, self.interleave)
+        if y is not None:
+            return y
         extra = x.dim() - 2
         c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
         s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)

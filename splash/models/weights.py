@@ -17,7 +17,7 @@ import torch
 
 from splash.models.config import ModelConfig
 from splash.models.indexer import IndexerWeights, indexer_shapes
-from splash.models.packed import PackedExperts, pack_experts
+from splash.models.packed import PackedExperts, PackedLinear, pack_experts, pack_linear
 from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
 
 
@@ -53,8 +53,8 @@ class AttnWeights:
 
 @dataclass
 class MLPWeights:
-    gate: torch.Tensor  # [I_l, hidden]
-    up: torch.Tensor    # [I_l, hidden]
+    gate: torch.Tensor | None  # [I_l, hidden] (None when packed)
+    up: torch.Tensor | None    # [I_l, hidden]
     down: torch.Tensor  # [hidden, I_l]
     # [gate ; up] stacked [2 * I_l, hidden] for one GEMM (gate / up are views into it); None -> built on first use
     gate_up: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -150,21 +150,27 @@ def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> Att
         o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads, qkv_a=qkv_a)
 
 
-def mlp_from_full(get, prefix: str, shard: int, shards: int) -> MLPWeights:
+def mlp_from_full(get, prefix: str, shard: int, shards: int, pack: bool = True) -> MLPWeights:
+    """A dense MLP's TP shard; with `pack`, fp32 weights are packed for the native GEMM where it runs (then `gate`
+    and `up` are None and `gate_up` / `down` are PackedLinear)."""
     gate = shard_rows(get(prefix + "gate_proj.weight"), shard, shards)
     up = shard_rows(get(prefix + "up_proj.weight"), shard, shards)
     if is_quantized(gate) or is_quantized(up):
         return MLPWeights(gate=gate, up=up, down=shard_cols(get(prefix + "down_proj.weight"), shard, shards),
                           gate_up=RowStack([gate, up]))
     gate_up = torch.cat([gate, up], dim=0)
-    return MLPWeights(gate=gate_up[:gate.shape[0]], up=gate_up[gate.shape[0]:],
-                      down=shard_cols(get(prefix + "down_proj.weight"), shard, shards), gate_up=gate_up)
+    down = shard_cols(get(prefix + "down_proj.weight"), shard, shards)
+    if pack:
+        pg, pd = pack_linear(gate_up), pack_linear(down)
+        if isinstance(pg, PackedLinear) and isinstance(pd, PackedLinear):
+            return MLPWeights(gate=None, up=None, down=pd, gate_up=pg)
+    return MLPWeights(gate=gate_up[:gate.shape[0]], up=gate_up[gate.shape[0]:], down=down, gate_up=gate_up)
 
 
 def moe_from_full(cfg: ModelConfig, get, prefix: str, shard: int, shards: int) -> MoEWeights:
     gate_up, down = [], []
     for e in range(cfg.n_routed_experts):
-        m = mlp_from_full(get, f"{prefix}experts.{e}.", shard, shards)
+        m = mlp_from_full(get, f"{prefix}experts.{e}.", shard, shards, pack=False)
         gate_up.append(m.gate_up)
         down.append(m.down)
     shared = mlp_from_full(get, prefix + "shared_experts.", shard, shards) if cfg.n_shared_experts else None
@@ -181,7 +187,7 @@ def _leaves(obj):
         yield obj
     elif isinstance(obj, QuantWeight):
         yield from obj.tensors()
-    elif isinstance(obj, PackedExperts):
+    elif isinstance(obj, (PackedExperts, PackedLinear)):
         yield obj.packed
     elif isinstance(obj, RowStack):
         for p in obj.parts:

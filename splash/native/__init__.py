@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99"]
@@ -26,6 +28,10 @@ _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "grouped_gemm": (None, [P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
+    "linear_packed": (None, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P]),
+    "rms_norm": (None, [P, I64, ctypes.c_int, I64, P, F32, P]),
+    "rope": (None, [P, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
+    "swiglu": (None, [P, I64, ctypes.c_int, I64, P]),
     "mla_decode": (ctypes.c_int, [ctypes.c_int, P, P, P, P, P, P, I64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, P, P, P, P, F32, P, P]),
 }
@@ -83,5 +89,4 @@ def lib() -> ctypes.CDLL | None:
 
 def enabled() -> bool:
     """Use the kernels now: they are available and torch runs one intra-op thread."""
-    import torch
-    return torch.get_num_threads() == 1 and lib() is not None
+    return torch.get_num_threads() == 1 and (lib() if _lib is False else _lib) is not None

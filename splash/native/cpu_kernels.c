@@ -9,7 +9,10 @@
    mla_decode: MLA attention of decode rows (one query row per request) over the paged latent cache, read in place
    through the page table: per request, page by page, scores of every head against the page's visible keys, then an
    online-softmax fold of the page into a running (max, sum, output) per head. Scratch is heads x (d_c + block)
-   floats per call, whatever the batch and context. */
+   floats per call, whatever the batch and context.
+
+   linear_packed, rms_norm, rope, swiglu: one packed dense weight's GEMM and the row-wise ops around the GEMMs, each
+   one call in place of several torch ops. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -63,6 +66,15 @@ static void gemm_packed(const float *x, int64_t M, int K, const float *wp, int N
             TILES[r](x + m * K, K, K, w, y + m * N + 16 * s, N);
         }
     }
+}
+
+/* One packed weight: y [M, N] = x [M, K] @ W^T (rows of x at stride ldx). */
+void linear_packed(const float *x, int64_t M, int K, int64_t ldx, const float *wp, int N, float *y) {
+    for (int s = 0; s < N / 16; s++)
+        for (int64_t m = 0; m < M; m += 6) {
+            int r = M - m < 6 ? (int)(M - m) : 6;
+            TILES[r](x + m * ldx, ldx, K, wp + (int64_t)s * K * 16, y + m * N + 16 * s, N);
+        }
 }
 
 /* Rows of x [sum(counts), K] grouped by expert -> y [sum(counts), N]; wp [E][N / 16][K][16]. */
@@ -167,6 +179,12 @@ int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *n
             int nv = qpos[g] - base + 1 < bs ? (int)(qpos[g] - base + 1) : bs;
             if (nv <= 0) continue;
             const float *c = ckv + (int64_t)pg[p] * bs * d_c, *kr = kpe + (int64_t)pg[p] * bs * d_r;
+            int64_t next = p + 1 < npages[g] ? pg[p + 1] : (g + 1 < G && npages[g + 1] ? pages[prow[g + 1] * P] : -1);
+            if (next >= 0) {   /* the next page (or the next request's first) streams in behind this one's math */
+                const char *nc = (const char *)(ckv + next * bs * d_c), *nk = (const char *)(kpe + next * bs * d_r);
+                for (int64_t off = 0; off < (int64_t)bs * d_c * 4; off += 64) _mm_prefetch(nc + off, _MM_HINT_T0);
+                for (int64_t off = 0; off < (int64_t)bs * d_r * 4; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
+            }
             for (int j = 0; j < nv; j += 6) {
                 int r = nv - j < 6 ? nv - j : 6;
                 for (int hv = 0; hv < HP; hv += 8)
@@ -212,4 +230,55 @@ int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *n
     }
     free(buf);
     return 0;
+}
+
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_hadd_ps(a, a);
+    a = _mm_hadd_ps(a, a);
+    return _mm_cvtss_f32(a);
+}
+
+/* RMSNorm of n rows of width d (row r at x + r * ldx): y = x * (1 / sqrt(mean(x^2) + eps)) * w, y contiguous.
+   d % 8 == 0. */
+void rms_norm(const float *x, int64_t n, int d, int64_t ldx, const float *w, float eps, float *y) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * ldx;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) { __m256 v = _mm256_loadu_ps(xr + i); acc = _mm256_fmadd_ps(v, v, acc); }
+        __m256 inv = _mm256_set1_ps(1.f / sqrtf(hsum(acc) / d + eps));
+        for (int i = 0; i < d; i += 8)
+            _mm256_storeu_ps(y + r * d + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
+    }
+}
+
+/* Rotary embedding of x [n, H, dim] (strides sn, sh; last dim contiguous) with cos/sin [n, dim / 2]: pairs
+   (x1, x2) are (x[2i], x[2i+1]) when `interleave` (DeepSeek's layout), else (x[i], x[i + dim/2]); the output
+   y [n, H, dim] (contiguous) is [x1 cos - x2 sin, x2 cos + x1 sin], de-interleaved. */
+void rope(const float *x, int64_t n, int64_t H, int64_t sn, int64_t sh, int dim, int interleave, const float *cos,
+          const float *sin, float *y) {
+    int half = dim / 2;
+    for (int64_t r = 0; r < n; r++) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xh = x + r * sn + h * sh;
+            float *yh = y + (r * H + h) * dim;
+            for (int i = 0; i < half; i++) {
+                float x1 = interleave ? xh[2 * i] : xh[i], x2 = interleave ? xh[2 * i + 1] : xh[i + half];
+                yh[i] = x1 * c[i] - x2 * s[i];
+                yh[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* SwiGLU of n rows [gate | up] (width 2 * d, row stride ldh): y [n, d] = silu(gate) * up. d % 8 == 0. */
+void swiglu(const float *h, int64_t n, int d, int64_t ldh, float *y) {
+    __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; r++)
+        for (int i = 0; i < d; i += 8) {
+            __m256 g = _mm256_loadu_ps(h + r * ldh + i), u = _mm256_loadu_ps(h + r * ldh + d + i);
+            __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+            _mm256_storeu_ps(y + r * d + i, _mm256_mul_ps(sg, u));
+        }
 }
