@@ -1,7 +1,7 @@
 """Stage-level truth for the cost model: where a real multi-rank decode step spends its time, per layout.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_stages.py \
-        [--layouts dp_attn,dop] [--points 32x1024,16x1024,4x4096] [--reps 8] [--json out.json]
+        [--layouts dp_attn,dop] [--points 32x1024,16x1024,4x4096] [--reps 8] [--prefill C] [--json out.json]
 
 Wraps, on every rank, the collectives of the communicator (all_reduce, all_gather(v), all_to_allv) and the MLA
 stages of splash.attention.mla (the query/latent projections, attend, the output projection) with a CPU-clock
@@ -12,7 +12,8 @@ figure is the median over repetitions of that step's stage time, on the rank whe
 Printed next to the cost model's stage prediction (splash.costmodel.CostModel.step().stages), with the collectives
 split as `splash-bench calibrate` splits them (splash/bench/calib_sync.py): own time (on the last rank to arrive)
 vs the isolated α + bytes/β, and the wait for the peer; then those in-step terms (median over points and layouts).
-`--write-profile FILE` writes --profile with them; `--from-json FILE` re-predicts a stored run."""
+`--write-profile FILE` writes --profile with them; `--from-json FILE` re-predicts a stored run. With `--prefill C`
+every step also carries a C-token prefill chunk (DecodeState(prefill=C)), predicted as one more piece."""
 from __future__ import annotations
 
 import argparse
@@ -102,13 +103,14 @@ def summarise(rep_list: list[list[dict]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
 
 
-def predicted(preset: str, world: int, profile: str, b: int, ctx: int, lay: str) -> dict[str, float]:
+def predicted(preset: str, world: int, profile: str, b: int, ctx: int, lay: str,
+              prefill: int = 0) -> dict[str, float]:
     """The cost model's stages for the point, and ``isolated``: its collectives at the isolated α + bytes/β
     alone (the step with them minus the step with free collectives, both without the in-step terms)."""
     from splash.costmodel import CostModel, RowLoad, load_profile
     from splash.models.presets import preset_config
     cm = CostModel(preset_config(preset), world, load_profile(profile), "float32", "float32", 16)
-    rows = [RowLoad(1, ctx, i % world) for i in range(b)]
+    rows = [RowLoad(1, ctx, i % world) for i in range(b)] + ([RowLoad(prefill, 0, 0)] if prefill else [])
     p = cm.step(lay, rows)
     iso = isolated_collective_seconds(cm, lay, rows)
     s = p.stages
@@ -134,7 +136,8 @@ def in_step_terms(results: list[dict]) -> dict[str, float]:
 def print_row(r: dict) -> None:
     m, q, b, ctx, lay = r["measured"], r["predicted"], r["batch"], r["context"], r["layout"]
     coll = sum(m.get(c, 0.0) for c in COLLECTIVES)
-    print(f"B={b} L={ctx} {lay:8s} total {m['total'] * 1e3:7.2f}/{q['total'] * 1e3:7.2f}ms  proj_in "
+    pre = f"+{r['prefill']} " if r.get("prefill") else ""
+    print(f"B={b} L={ctx} {pre}{lay:8s} total {m['total'] * 1e3:7.2f}/{q['total'] * 1e3:7.2f}ms  proj_in "
           f"{m.get('proj_in', 0) * 1e3:5.2f}/{q['proj_in'] * 1e3:5.2f}  attend {m.get('attend', 0) * 1e3:7.2f}/"
           f"{q['attend'] * 1e3:7.2f}  proj_out {m.get('proj_out', 0) * 1e3:5.2f}/{q['proj_out'] * 1e3:5.2f}  "
           f"collectives {coll * 1e3:5.2f}/{(q['exchange'] + q['ffn_all_reduce']) * 1e3:5.2f} "
@@ -152,12 +155,12 @@ def measure_all(a) -> tuple[list[dict], str]:
     results = []
     for pt in a.points.split(","):
         b, ctx = map(int, pt.split("x"))
-        states = {lay: DecodeState(comm, a.preset, lay, b, ctx) for lay in a.layouts.split(",")}
+        states = {lay: DecodeState(comm, a.preset, lay, b, ctx, prefill=a.prefill) for lay in a.layouts.split(",")}
         got = measure(comm, states, a.reps)
         del states
         for lay, reps in got.items():
             results.append({"batch": b, "context": ctx, "mean_context": ctx + 2 + a.reps * 2, "layout": lay,
-                            "measured": summarise(reps)})
+                            "prefill": a.prefill, "measured": summarise(reps)})
     meta = (f"{a.preset}, {comm.size} ranks, cpu clock, {a.reps} repetitions, load average {load0:.2f} before / "
             f"{os.getloadavg()[0]:.2f} after")
     return (results if comm.rank == 0 else []), meta
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="dp_attn,dop")
     ap.add_argument("--points", default="32x1024,16x1024,4x4096", help="BxCONTEXT,...")
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=0, metavar="C",
+                    help="each step also carries a C-token prefill chunk from position 0 (0: decode steps only)")
     ap.add_argument("--json", default=None, help="write the measured and predicted stages here")
     ap.add_argument("--from-json", default=None, help="skip measuring: re-predict this file's stages")
     ap.add_argument("--write-profile", default=None,
@@ -184,7 +189,8 @@ def main() -> None:
     if not results:
         return
     for r in results:
-        r["predicted"] = predicted(a.preset, world, a.profile, r["batch"], r["mean_context"], r["layout"])
+        r["predicted"] = predicted(a.preset, world, a.profile, r["batch"], r["mean_context"], r["layout"],
+                                   r.get("prefill", 0))
         print_row(r)
     terms = in_step_terms(results)
     print(meta)

@@ -11,6 +11,10 @@ layer: they are computed on the first layer and reused by later ones while they 
 walks gather into buffers the kernel keeps (grown to the largest chunk, so bounded by the budget) rather than fresh
 tensors.
 
+Decode rows over an fp32 pool go to SPLASH's C kernel instead (`splash.native.mla_decode`, when enabled: one
+thread, AVX2): it walks each request's pages through the page table without any gather, with an online softmax,
+in a scratch of heads x (d_c + d_r + 2 x block) floats whatever the batch and context.
+
 Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the two
 score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16 units
 (AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
@@ -165,7 +169,8 @@ class TorchMLAKernel:
                                      ptr(o), ptr(lse))
         if rc != 0:
             raise MemoryError("mla_decode could not allocate its scratch")
-        self.peak_scratch_bytes = max(self.peak_scratch_bytes, 4 * h * (d_c + bs + 2))
+        hp = -(-h // 8) * 8   # what mla_decode allocates: õ, transposed queries, a page's scores and weights, stats
+        self.peak_scratch_bytes = max(self.peak_scratch_bytes, 4 * (h * d_c + (d_c + d_r) * hp + 2 * bs * hp + 4 * hp))
 
     def _attend(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, C: int,
                 single: bool):
