@@ -9,6 +9,11 @@ stay in cache across repetitions) and cold (64 MB written before each call, so w
 they do inside a step whose weights exceed the cache). Their per-step sums bound what any eager schedule of the
 same GEMMs can reach: the step cannot be faster than its hot floor, and runs near the cold one when every weight
 is read once per step. Routed-expert rows are spread evenly (batch × top-k over the experts).
+
+Two more columns time each line as SPLASH runs it where its own CPU kernels (splash.native) apply: packed GEMMs
+for the dense MLP, the shared and routed experts and the LM head, and `mla_decode` for the attention over a paged
+pool (page size 16, pages shuffled; it includes the softmax, which the torch line's two GEMMs leave out). Lines the
+engine leaves to torch (the attention projections, rewritten by layout switches) repeat the torch time.
 """
 from __future__ import annotations
 
@@ -36,41 +41,80 @@ def timed(fn, reps: int, flush: torch.Tensor | None) -> float:
     return total / reps
 
 
-def step_gemms(m: dict, B: int, S: int) -> list[tuple[str, int, object]]:
-    """(name, calls per step, fn) for every GEMM of one decode step of model `m` at B rows over S keys."""
+def _native_linear(x: torch.Tensor, w: torch.Tensor):
+    from splash.models.packed import pack_linear
+    p = pack_linear(w)
+    return (lambda: p(x)) if p is not w else None
+
+
+def _native_grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor):
+    from splash.models.packed import grouped_packed, pack_experts
+    p = pack_experts(w)
+    return (lambda: grouped_packed(x, p, counts)) if p is not w else None
+
+
+def _native_attention(B: int, S: int, H: int, dc: int, dr: int, bs: int = 16):
+    """mla_decode for B rows over S keys each in a paged fp32 pool (pages shuffled), or None without the kernels."""
+    from splash import native
+    if not native.enabled():
+        return None
+    r, n = torch.randn, -(-S // bs)
+    ckv, kpe = r(B * n, bs, dc), r(B * n, bs, dr)
+    pages = torch.randperm(B * n, generator=torch.Generator().manual_seed(0)).to(torch.int32).view(B, n).contiguous()
+    logical = torch.arange(n, dtype=torch.int32).repeat(B, 1).contiguous()
+    rows, npg, qpos = torch.arange(B), torch.full((B,), n, dtype=torch.int32), torch.full((B,), S - 1)
+    ql, qr, o, lse = r(B, H, dc), r(B, H, dr), torch.empty(B, H, dc), torch.empty(B, H)
+    keep = (rows, rows, npg, qpos, pages, logical)   # the closure holds them: the kernel reads their memory
+
+    def run():
+        native.lib().mla_decode(B, *(t.data_ptr() for t in keep), n, H, dc, dr, bs, ql.data_ptr(), qr.data_ptr(),
+                                ckv.data_ptr(), kpe.data_ptr(), 0.1, o.data_ptr(), lse.data_ptr())
+    return run
+
+
+def step_gemms(m: dict, B: int, S: int) -> list[tuple[str, int, object, object]]:
+    """(name, calls per step, fn, SPLASH's fn or None) for every GEMM of one decode step of model `m` at B rows
+    over S keys; the last is what the engine runs instead where splash.native applies (None: the same as fn)."""
     h, H, dc, dr = m["hidden_size"], m["num_attention_heads"], m["kv_lora_rank"], m["qk_rope_head_dim"]
     dn, dv, ql = m["qk_nope_head_dim"], m["v_head_dim"], m["q_lora_rank"]
     E, k, I, L = m["n_routed_experts"], m["num_experts_per_tok"], m["moe_intermediate_size"], m["num_hidden_layers"]
     moe_layers, dense_layers = L - m["first_k_dense_replace"], m["first_k_dense_replace"]
     r = torch.randn
 
-    def lin(n_in: int, n_out: int, rows: int = B):
+    def lin(n_in: int, n_out: int, rows: int = B, packed: bool = False):
         x, w = r(rows, n_in), r(n_out, n_in)
-        return lambda: x @ w.T
+        return (lambda: x @ w.T), (_native_linear(x, w.clone()) if packed else None)
 
     def grouped(n_in: int, n_out: int):
         x, w = r(B * k, n_in), r(E, n_out, n_in)
         offs = torch.linspace(B * k / E, B * k, E).round().to(torch.int32)
-        return lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        counts = torch.diff(offs.long(), prepend=torch.zeros(1, dtype=torch.long))
+        return (lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)), _native_grouped(x, w.clone(), counts)
 
     def bmm(b: int, m_: int, k_: int, n: int):
         x, y = r(b, m_, k_), r(b, k_, n)
-        return lambda: torch.bmm(x, y)
+        return (lambda: torch.bmm(x, y)), None
 
     q_lat, q_pe, c, kpe = r(B, H, dc), r(B, H, dr), r(B, S, dc), r(B, S, dr)
+    pv = r(B, H, S)
+
+    def attention():
+        torch.baddbmm(torch.bmm(q_pe, kpe.transpose(1, 2)), q_lat, c.transpose(1, 2))
+        torch.bmm(pv, c)
+
     return [
-        ("Q-A + KV-A", L, lin(h, ql + dc + dr)), ("Q-B", L, lin(ql, H * (dn + dr))),
-        ("W_UK absorb (bmm)", L, bmm(H, B, dn, dc)),
-        ("scores (bmm + baddbmm)", L, lambda: torch.baddbmm(torch.bmm(q_pe, kpe.transpose(1, 2)), q_lat,
-                                                              c.transpose(1, 2))),
-        ("values (bmm)", L, bmm(B, H, S, dc)), ("W_UV (bmm)", L, bmm(H, B, dc, dv)), ("O", L, lin(H * dv, h)),
-        ("dense gate+up", dense_layers, lin(h, 2 * m["intermediate_size"])),
-        ("dense down", dense_layers, lin(m["intermediate_size"], h)),
-        ("shared gate+up", moe_layers, lin(h, 2 * I * m["n_shared_experts"])),
-        ("shared down", moe_layers, lin(I * m["n_shared_experts"], h)),
-        ("experts gate+up (grouped)", moe_layers, grouped(h, 2 * I)),
-        ("experts down (grouped)", moe_layers, grouped(I, h)),
-        ("LM head", 1, lin(h, m["vocab_size"])),
+        ("Q-A + KV-A", L, *lin(h, ql + dc + dr)), ("Q-B", L, *lin(ql, H * (dn + dr))),
+        ("W_UK absorb (bmm)", L, *bmm(H, B, dn, dc)),
+        ("attention: scores + values (torch: the 2 GEMMs; SPLASH: mla_decode)", L, attention,
+         _native_attention(B, S, H, dc, dr)),
+        ("W_UV (bmm)", L, *bmm(H, B, dc, dv)), ("O", L, *lin(H * dv, h)),
+        ("dense gate+up", dense_layers, *lin(h, 2 * m["intermediate_size"], packed=True)),
+        ("dense down", dense_layers, *lin(m["intermediate_size"], h, packed=True)),
+        ("shared gate+up", moe_layers, *lin(h, 2 * I * m["n_shared_experts"], packed=True)),
+        ("shared down", moe_layers, *lin(I * m["n_shared_experts"], h, packed=True)),
+        ("experts gate+up (grouped)", moe_layers, *grouped(h, 2 * I)),
+        ("experts down (grouped)", moe_layers, *grouped(I, h)),
+        ("LM head", 1, *lin(h, m["vocab_size"], packed=True)),
     ]
 
 
@@ -87,16 +131,18 @@ def main() -> None:
 
     flush = torch.empty(FLUSH_BYTES // 4)
     table = Table(title=f"decode-step GEMMs, batch {args.batch} x context {args.context}, {args.threads} thread(s)")
-    for col in ("GEMM", "calls/step", "hot µs", "cold µs"):
+    for col in ("GEMM", "calls/step", "torch hot µs", "torch cold µs", "SPLASH hot µs", "SPLASH cold µs"):
         table.add_column(col, justify="left" if col == "GEMM" else "right")
-    hot = cold = 0.0
-    for name, calls, fn in step_gemms(BENCH_MODEL, args.batch, args.context):
+    sums = [0.0] * 4
+    for name, calls, fn, ours in step_gemms(BENCH_MODEL, args.batch, args.context):
         if calls == 0:
             continue
-        h, c = timed(fn, args.reps, None), timed(fn, args.reps, flush)
-        hot, cold = hot + calls * h, cold + calls * c
-        table.add_row(name, str(calls), f"{h * 1e6:.0f}", f"{c * 1e6:.0f}")
-    table.add_row("step floor (ms)", "", f"{hot * 1e3:.2f}", f"{cold * 1e3:.2f}", style="bold")
+        t = [timed(fn, args.reps, None), timed(fn, args.reps, flush)]
+        t += [timed(ours, args.reps, None), timed(ours, args.reps, flush)] if ours is not None else t
+        sums = [s + calls * x for s, x in zip(sums, t)]
+        table.add_row(name, str(calls), *(f"{x * 1e6:.0f}" + ("" if ours is not None or i < 2 else " (torch)")
+                                          for i, x in enumerate(t)))
+    table.add_row("step floor (ms)", "", *(f"{s * 1e3:.2f}" for s in sums), style="bold")
     Console(width=110).print(table)
 
 

@@ -146,7 +146,7 @@ class TorchMLAKernel:
         return (self.compute_dtype != "bfloat16" and ql.dtype == torch.float32 and qr.dtype == torch.float32
                 and ql.device.type == "cpu" and cache.scale[layer] is None and cache.ckv[layer].dtype == torch.float32
                 and cache.kpe[layer].dtype == torch.float32 and ql.shape[2] % 16 == 0 and qr.shape[2] % 8 == 0
-                and native.enabled())
+                and cache.ckv[layer].is_contiguous() and cache.kpe[layer].is_contiguous() and native.enabled())
 
     def _native_decode(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache,
                        o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -162,7 +162,6 @@ class TorchMLAKernel:
         ql, qr = ql.contiguous(), qr.contiguous()
         ckv, kpe = cache.ckv[layer], cache.kpe[layer]
         h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
-        assert ckv.is_contiguous() and kpe.is_contiguous() and o.is_contiguous() and lse.is_contiguous()
         ptr = lambda t: t.data_ptr()  # noqa: E731
         rc = native.lib().mla_decode(len(rows), ptr(rows), ptr(prow), ptr(npg), ptr(qpos), ptr(pages), ptr(logical),
                                      pages.shape[1], h, d_c, d_r, bs, ptr(ql), ptr(qr), ptr(ckv), ptr(kpe), self.scale,
