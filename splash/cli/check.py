@@ -137,6 +137,9 @@ def report(cfg) -> tuple[list[str], list[str]]:
            f"ranks     {world} ({wsrc})",
            f"backend   {backend}; attention {cfg.parallel.attention_backend or 'default'} -> {cfg.attention_backend}"
            f"; compute {cfg.compute_dtype}; profile {hp or 'none (auto stays in its start layout)'}"]
+    if cfg.parallel.backend == "cpu":
+        from splash import native
+        out.append(f"kernels   {native.describe(threads=1)} with one rank per core; torch's with more threads")
     if mcfg is not None:
         fit = [a for a in cfg.layout.allowed_layouts if heads_fit(a, mcfg.num_attention_heads, world)]
         out.append(f"layouts   {cfg.layout.layout} over {', '.join(fit) or 'none'} ({cfg.layout.switch_mode} "

@@ -93,6 +93,9 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
         step_comm = StepChannel(comm)
         _set_threads(hosts.count(hosts[rank]))
+        if console and getattr(backend, "name", backend) == "cpu":
+            from splash import native
+            console.log(f"splash-serve: CPU kernels {native.describe()}")
         built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, data_comm, step_comm, console, backend))
     except ConfigError:
         if rank != 0:

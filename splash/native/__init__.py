@@ -87,6 +87,21 @@ def lib() -> ctypes.CDLL | None:
     return _lib
 
 
+def describe(threads: int | None = None) -> str:
+    """Which CPU kernels run, for logs and --check, with the reason when it is torch's; `threads`: the intra-op
+    threads to judge by (default: this process's)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if os.environ.get("SPLASH_NATIVE", "1") == "0":
+        return "torch's (SPLASH_NATIVE=0)"
+    if not cpu_supported():
+        return "torch's (this CPU has no AVX2/FMA)"
+    if lib() is None:
+        return "torch's (SPLASH's did not build; see the warning above)"
+    if threads != 1:
+        return f"torch's ({threads} intra-op threads; SPLASH's run with 1)"
+    return "SPLASH's (AVX2/FMA, 1 thread)"
+
+
 def enabled() -> bool:
     """Use the kernels now: they are available and torch runs one intra-op thread."""
     return torch.get_num_threads() == 1 and (lib() if _lib is False else _lib) is not None
