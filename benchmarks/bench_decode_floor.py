@@ -67,7 +67,7 @@ def _native_attention(B: int, S: int, H: int, dc: int, dr: int, bs: int = 16):
     keep = (rows, rows, npg, qpos, pages, logical)   # the closure holds them: the kernel reads their memory
 
     def run():
-        native.lib().mla_decode(B, *(t.data_ptr() for t in keep), n, H, dc, dr, bs, ql.data_ptr(), qr.data_ptr(),
+        native.lib().mla_decode(B, *(t.data_ptr() for t in keep), n, B * n, H, dc, dr, bs, ql.data_ptr(), qr.data_ptr(),
                                 ckv.data_ptr(), kpe.data_ptr(), 0.1, o.data_ptr(), lse.data_ptr())
     return run
 

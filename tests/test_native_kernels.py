@@ -139,3 +139,15 @@ def test_packed_linear_and_row_ops_match_torch():
     ref = torch.nn.functional.silu(h[:, :16]) * h[:, 16:]
     assert torch.allclose(ops.swiglu(h, 16), ref, atol=1e-5, rtol=1e-5)
     assert ops.swiglu(h.bfloat16(), 16) is None and ops.rms_norm(xs.T, nw[:9], 1e-6) is None   # torch's then
+
+
+@needs_native
+def test_native_decode_refuses_a_page_outside_the_pool():
+    """A page id past the pool is an error of the step, not a read out of bounds."""
+    cache, _, tables, _, meta, q = make_state("float32", 4, [(20, 1), (9, 1)])
+    k = TorchMLAKernel(SCALE)
+    k.plan(meta)
+    with torch.inference_mode():   # the page table is made in inference mode
+        meta.pages[meta.req_rows[1], 0] = cache.ckv[0].shape[0] + 5
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        k.run(0, q[..., :32], q[..., 32:], cache)

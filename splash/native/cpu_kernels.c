@@ -154,9 +154,11 @@ static const acc_fn ACCUM[7] = {0, accum1, accum2, accum3, accum4, accum5, accum
    Writes o [n, H, d_c] and lse [n, H] (natural log) at row qrow[g]; a row that sees no key gets o = 0, lse = -inf.
    d_c % 16 == 0, d_r % 8 == 0 (d_r may be 0). Per page: the scores of every (key, head) with heads in vector lanes,
    the online-softmax statistics for 8 heads at a time, then the page folded into the running output as a small
-   GEMM (heads x 16 latent columns per tile). Returns 0, or -1 when scratch cannot be allocated. */
+   GEMM (heads x 16 latent columns per tile). Returns 0; -1 when scratch cannot be allocated; -2 when a page id
+   is outside [0, blocks) or a request claims more than P pages (nothing is read out of bounds). */
 int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *npages, const int64_t *qpos,
-               const int32_t *pages, const int32_t *logical, int64_t P, int H, int d_c, int d_r, int bs,
+               const int32_t *pages, const int32_t *logical, int64_t P, int64_t blocks, int H, int d_c, int d_r,
+               int bs,
                const float *ql, const float *qr, const float *ckv, const float *kpe, float scale,
                float *o, float *lse) {
     int HP = (H + 7) / 8 * 8, D = d_c + d_r;
@@ -164,6 +166,11 @@ int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *n
     if (!buf) return -1;
     float *acc = buf, *qt = acc + (size_t)H * d_c, *st = qt + (size_t)D * HP, *pt = st + (size_t)bs * HP;
     float *m = pt + (size_t)bs * HP, *s = m + HP, *al = s + HP;
+    for (int g = 0; g < G; g++) {
+        if (npages[g] > P) { free(buf); return -2; }
+        for (int p = 0; p < npages[g]; p++)
+            if (pages[prow[g] * P + p] < 0 || pages[prow[g] * P + p] >= blocks) { free(buf); return -2; }
+    }
     for (int g = 0; g < G; g++) {
         const float *qlg = ql + qrow[g] * H * d_c, *qrg = qr + qrow[g] * H * d_r;
         const int32_t *pg = pages + prow[g] * P, *lg = logical + prow[g] * P;

@@ -164,10 +164,12 @@ class TorchMLAKernel:
         h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
         ptr = lambda t: t.data_ptr()  # noqa: E731
         rc = native.lib().mla_decode(len(rows), ptr(rows), ptr(prow), ptr(npg), ptr(qpos), ptr(pages), ptr(logical),
-                                     pages.shape[1], h, d_c, d_r, bs, ptr(ql), ptr(qr), ptr(ckv), ptr(kpe), self.scale,
-                                     ptr(o), ptr(lse))
-        if rc != 0:
+                                     pages.shape[1], ckv.shape[0], h, d_c, d_r, bs, ptr(ql), ptr(qr), ptr(ckv),
+                                     ptr(kpe), self.scale, ptr(o), ptr(lse))
+        if rc == -1:
             raise MemoryError("mla_decode could not allocate its scratch")
+        if rc != 0:
+            raise RuntimeError("mla_decode: the step's page table names a page outside the pool")
         hp = -(-h // 8) * 8   # what mla_decode allocates: õ, transposed queries, a page's scores and weights, stats
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, 4 * (h * d_c + (d_c + d_r) * hp + 2 * bs * hp + 4 * hp))
 
