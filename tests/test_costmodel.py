@@ -272,3 +272,17 @@ def test_in_step_split_of_collectives():
     assert got["own"] == pytest.approx(1.75) and got["count"] == 3
     assert got["wait"] == pytest.approx(5.5 - 1.75) and got["outside"] == pytest.approx(10.0 - 5.5)
     assert split_wait([late, early])["total"] == 10.0
+
+
+def test_prefill_attention_factor_scales_prefill_pieces_only(cfg, cpu):
+    """A layout's measured prefill-attention factor scales the attention of its prefill chunks, not decode rows'
+    and not the other layouts'; a factor that is not positive is an error naming the key."""
+    plain = dataclasses.replace(cpu, prefill_attention_factor={})
+    two = dataclasses.replace(cpu, prefill_attention_factor={"cp": 2.0})
+    a, b = (CostModel(cfg, 2, p, "float32", "float32", 16) for p in (plain, two))
+    pre, dec = [RowLoad(512, 0, 0)], [RowLoad(1, 1024, i % 2) for i in range(8)]
+    assert b.step("cp", pre).stages["attention"] > 1.5 * a.step("cp", pre).stages["attention"]
+    assert b.step("cp", dec).stages["attention"] == a.step("cp", dec).stages["attention"]
+    assert b.step("tp", pre).stages["attention"] == a.step("tp", pre).stages["attention"]
+    with pytest.raises(ConfigError, match="prefill_attention_factor.cp"):
+        profile_from_dict({**cpu.to_dict(), "prefill_attention_factor": {"cp": 0}})

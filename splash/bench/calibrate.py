@@ -309,6 +309,8 @@ def build_profile(comm, args) -> dict:
         raw["collective_sync_s"], raw["collective_wait_fraction"] = float(f"{sync:.4g}"), float(f"{wait:.4g}")
     per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
     raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
+    factors = prefill_attention_factors(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
+    raw["prefill_attention_factor"] = {k: float(f"{v:.4g}") for k, v in factors.items()}
     if not getattr(args, "in_step_collectives", False):
         from splash.bench.calib_sync import collective_sync
         raw["collective_sync_s"] = float(f"{collective_sync(comm, args.preset, raw, args.block_size, 3):.4g}")
@@ -336,6 +338,51 @@ def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: in
     return out
 
 
+PREFILL_CHUNK = 512
+
+
+def prefill_attention_factors(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
+    """Per layout: the attention (`splash.attention.mla.attend`, the kernel calls of every layer) of a real step
+    that carries one PREFILL_CHUNK-token chunk from position 0, on the slowest rank (median over repetitions of
+    the least-preempted of 3 steps, thread CPU time), over what the cost model predicts for that stage."""
+    import time
+
+    from splash.attention import mla
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel.profile import profile_from_dict
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.models.presets import preset_config
+    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"), "float32",
+                   "float32", block_size)
+    spent, attend = [0.0], mla.attend
+
+    def timed(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return attend(*a, **k)
+        finally:
+            spent[0] += time.thread_time() - t0
+
+    out = {}
+    mla.attend = timed
+    try:
+        for lay in ("tp", "dp_attn", "cp", "dop"):
+            st = DecodeState(comm, preset, lay, 0, 64, block_size, prefill=PREFILL_CHUNK)
+            st.local_step(clock=time.thread_time)   # warm-up
+
+            def one() -> float:
+                spent[0] = 0.0
+                st.local_step(clock=time.thread_time)
+                return max(comm.all_gather_obj(spent[0]))
+            meas = statistics.median(min(one() for _ in range(3)) for _ in range(reps))
+            pred = cm.step(lay, [RowLoad(PREFILL_CHUNK, 0, 0)]).stages["attention"]
+            out[lay] = min(4.0, max(0.25, meas / pred)) if pred > 0 else 1.0
+            del st
+    finally:
+        mla.attend = attend
+    return out
+
+
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
 #   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
 # --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
@@ -348,6 +395,8 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 # kernel calls and on the attention inside real one-rank decode steps together.
 # gemm_rows_flops_per_s: float32 GEMM rate at the row counts steps run (decode B rows, prefill chunks).
 # step_overhead_layout_s: a real 2-rank decode step (1 request per rank, 64 tokens) minus its prediction.
+# prefill_attention_factor: the attention of a real 2-rank step carrying one 512-token prefill chunk, over its
+# prediction (the prefill pieces' attention work is scaled by it; decode rows are not).
 # collective_sync_s: per collective, what real decode steps of every layout (B=8 x 512, B=24 x 128) take beyond
 # the prediction (least squares on each step's collective count): the wait for the slower peer inside a step.
 # (--in-step-collectives: collective_sync_s and collective_wait_fraction timed inside those steps instead, see

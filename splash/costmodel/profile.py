@@ -76,6 +76,9 @@ class HardwareProfile:
     # fixed cost per step of each layout on top of step_overhead_s (its Python, metadata and exchange set-up at
     # this world size; empty: none)
     step_overhead_layout_s: Mapping[str, float] = field(default_factory=dict)
+    # measured / predicted attention of a prefill chunk inside a real step, per layout (calibrate: one 512-token
+    # chunk on every rank's executor; missing: 1). Scales the prefill pieces' attention work, not decode rows'.
+    prefill_attention_factor: Mapping[str, float] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
 
     def gemm_rate(self, dtype: str) -> float:
@@ -227,6 +230,13 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
                 raise unknown_key_error(lay, f"{where}: step_overhead_layout_s", ("tp", "dp_attn", "cp", "dop"), {})
         kw["step_overhead_layout_s"] = {k: _positive(where, f"step_overhead_layout_s.{k}", x, allow_zero=True)
                                         for k, x in v.items()}
+    if "prefill_attention_factor" in raw:
+        v = _mapping(where, "prefill_attention_factor", raw["prefill_attention_factor"])
+        for lay in v:
+            if lay not in ("tp", "dp_attn", "cp", "dop"):
+                raise unknown_key_error(lay, f"{where}: prefill_attention_factor", ("tp", "dp_attn", "cp", "dop"), {})
+        kw["prefill_attention_factor"] = {k: _positive(where, f"prefill_attention_factor.{k}", x)
+                                          for k, x in v.items()}
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
     return HardwareProfile(**kw)

@@ -86,7 +86,8 @@ class CostModel:
             self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
                                        _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
                                        block_size, profile.attention_scratch_bytes,
-                                       cp_prefill=cp_prefill, cache=profile.attention_cache_bytes)
+                                       cp_prefill=cp_prefill, cache=profile.attention_cache_bytes,
+                                       prefill_attn=profile.prefill_attention_factor.get(lay, 1.0))
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
 

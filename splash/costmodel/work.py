@@ -117,6 +117,7 @@ class Shapes:
     scratch: float = 0.0  # split-KV attention kernel chunk budget (0: gather whole histories, one call)
     cp_prefill: str = "partials"  # CP prefill: "partials" (what splash/attention/cp.py runs) or "split" (below)
     cache: float = 0.0    # a rank's cache share: the part of a chunk's working set above it spills (0: none)
+    prefill_attn: float = 1.0  # the profile's measured / predicted prefill attention for this layout
 
     @property
     def heads_local(self) -> int:
@@ -141,8 +142,8 @@ def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: 
     for p, k, b in pieces:
         if p.new != 1 and p.new > 0:
             keys = min(k, topk) if topk else k
-            w.attn_flops += p.new * keys * per_key
-            w.kv_bytes += (k if not topk else min(k, p.new * topk)) * s.kv_tok
+            w.attn_flops += p.new * keys * per_key * s.prefill_attn
+            w.kv_bytes += (k if not topk else min(k, p.new * topk)) * s.kv_tok * s.prefill_attn
             _group(s, w, 1, p.new, b, keys, heads)
     w.plan_requests += len(pieces)
     w.plan_blocks += sum(b for _, _, b in pieces)

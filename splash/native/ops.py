@@ -25,8 +25,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor | None:
     """x [n, dim] or [n, H, dim] (last dim contiguous), cos/sin [n, dim / 2] -> rotated, contiguous."""
-    if x.dim() not in (2, 3) or x.stride(-1) != 1 or x.shape[-1] % 2 or not (cos.is_contiguous() and sin.is_contiguous()) \
-            or cos.shape != (x.shape[0], x.shape[-1] // 2) or not _ok(x, cos, sin):
+    if (x.dim() not in (2, 3) or x.stride(-1) != 1 or x.shape[-1] % 2 or not cos.is_contiguous()
+            or not sin.is_contiguous() or cos.shape != (x.shape[0], x.shape[-1] // 2) or not _ok(x, cos, sin)):
         return None
     n, dim = x.shape[0], x.shape[-1]
     H, sh = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
