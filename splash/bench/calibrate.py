@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "beyond the isolated fit, collective_wait_fraction = the wait for the slower peer per "
                              "step (default: collective_sync_s as the per-collective residual of real steps, "
                              "which also carries that wait, in proportion to the collective count)")
+    parser.add_argument("--prefill-factors", action="store_true",
+                        help="also measure prefill_attention_factor per layout (a real step carrying a 512-token "
+                             "chunk, its attention over the prediction); off by default: with it the shifting "
+                             "workload's auto ran worse here (docs/benchmarks.md, cost model round 7)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="wall",
                         help="clock of the one-rank microbenchmarks (GEMM, bandwidth, attention, ops): cpu = the "
                              "thread's CPU time, which time spent descheduled by other processes does not inflate "
@@ -309,8 +313,9 @@ def build_profile(comm, args) -> dict:
         raw["collective_sync_s"], raw["collective_wait_fraction"] = float(f"{sync:.4g}"), float(f"{wait:.4g}")
     per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
     raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
-    factors = prefill_attention_factors(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
-    raw["prefill_attention_factor"] = {k: float(f"{v:.4g}") for k, v in factors.items()}
+    if getattr(args, "prefill_factors", False):
+        factors = prefill_attention_factors(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
+        raw["prefill_attention_factor"] = {k: float(f"{v:.4g}") for k, v in factors.items()}
     if not getattr(args, "in_step_collectives", False):
         from splash.bench.calib_sync import collective_sync
         raw["collective_sync_s"] = float(f"{collective_sync(comm, args.preset, raw, args.block_size, 3):.4g}")
@@ -395,8 +400,8 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 # kernel calls and on the attention inside real one-rank decode steps together.
 # gemm_rows_flops_per_s: float32 GEMM rate at the row counts steps run (decode B rows, prefill chunks).
 # step_overhead_layout_s: a real 2-rank decode step (1 request per rank, 64 tokens) minus its prediction.
-# prefill_attention_factor: the attention of a real 2-rank step carrying one 512-token prefill chunk, over its
-# prediction (the prefill pieces' attention work is scaled by it; decode rows are not).
+# (--prefill-factors: prefill_attention_factor, the attention of a real 2-rank step carrying one 512-token
+# prefill chunk over its prediction; it scales the prefill pieces' attention work, not decode rows'.)
 # collective_sync_s: per collective, what real decode steps of every layout (B=8 x 512, B=24 x 128) take beyond
 # the prediction (least squares on each step's collective count): the wait for the slower peer inside a step.
 # (--in-step-collectives: collective_sync_s and collective_wait_fraction timed inside those steps instead, see
