@@ -93,7 +93,7 @@ def test_packed_stack_falls_back_with_more_threads():
 
 
 def test_not_packed_when_unsuitable():
-    assert packed.pack_experts(_stack(N=40)) .shape == (5, 40, 40)          # width not a multiple of 16
+    assert packed.pack_experts(_stack(N=40)).shape == (5, 40, 40)          # width not a multiple of 16
     assert isinstance(packed.pack_experts(_stack(N=40)), torch.Tensor)
     assert isinstance(packed.pack_experts(_stack().bfloat16()), torch.Tensor)
 

@@ -68,10 +68,11 @@ def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor
     """Rows of `x` grouped by expert (the first counts[0] rows for expert 0, the next counts[1] for expert 1, ...)
     -> each group @ stack[e]ᵀ, [n, out], experts without rows skipped.
 
-    A packed stack (splash.models.packed) runs SPLASH's CPU grouped GEMM. A plain stack on CPU goes through one `torch._grouped_mm` call (one C++ loop of the same GEMMs: results
-    identical to per-expert matmuls, without a Python call, slice and transpose per expert). Quantised stacks
-    (dequantised per used expert), bf16 on a CPU without bf16 units (upcast per used expert, as `_mm` does) and
-    other devices loop over the experts that have rows."""
+    A packed stack (splash.models.packed) runs SPLASH's CPU grouped GEMM. A plain stack on CPU goes through one
+    `torch._grouped_mm` call (one C++ loop of the same GEMMs: results identical to per-expert matmuls, without a
+    Python call, slice and transpose per expert). Quantised stacks (dequantised per used expert), bf16 on a CPU
+    without bf16 units (upcast per used expert, as `_mm` does) and other devices loop over the experts that have
+    rows."""
     if isinstance(stack, PackedExperts):
         return grouped_packed(x, stack, counts)
     upcast = x.dtype == torch.bfloat16 and not bf16_units()

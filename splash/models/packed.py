@@ -17,35 +17,28 @@ from splash import native
 STRIP = 16
 
 
-class PackedExperts:
-    def __init__(self, packed: torch.Tensor):
-        self.packed = packed                    # [E, N / STRIP, K, STRIP], contiguous
-        E, S, K, _ = packed.shape
-        self.shape = torch.Size((E, S * STRIP, K))
-        self.dtype, self.device = packed.dtype, packed.device
+class _Packed:
+    """A weight [..., N, K] stored as [..., N / STRIP, K, STRIP] (contiguous)."""
 
+    def __init__(self, w: torch.Tensor):
+        *lead, N, K = w.shape
+        self.packed = w.view(*lead, N // STRIP, STRIP, K).transpose(-1, -2).contiguous()
+        self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
+
+    def unpacked(self) -> torch.Tensor:
+        """The plain weight (a copy)."""
+        return self.packed.transpose(-1, -2).reshape(self.shape)
+
+
+class PackedExperts(_Packed):
     def __getitem__(self, e: int) -> torch.Tensor:
-        p = self.packed[e]
-        return p.transpose(1, 2).reshape(self.shape[1], self.shape[2])
+        return self.packed[e].transpose(-1, -2).reshape(self.shape[1:])
 
     def __len__(self) -> int:
         return self.shape[0]
 
-    def unpacked(self) -> torch.Tensor:
-        """The plain [E, N, K] stack (a copy)."""
-        return self.packed.transpose(2, 3).reshape(self.shape)
 
-
-class PackedLinear:
-    def __init__(self, packed: torch.Tensor):
-        self.packed = packed                    # [N / STRIP, K, STRIP], contiguous
-        S, K, _ = packed.shape
-        self.shape = torch.Size((S * STRIP, K))
-        self.dtype, self.device = packed.dtype, packed.device
-
-    def unpacked(self) -> torch.Tensor:
-        return self.packed.transpose(1, 2).reshape(self.shape)
-
+class PackedLinear(_Packed):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ Wᵀ -> [M, N]."""
         N, K = self.shape
@@ -63,18 +56,12 @@ def _packable(w: torch.Tensor) -> bool:
 
 def pack_linear(w: torch.Tensor):
     """[N, K] -> PackedLinear when the native GEMM will run it, else `w` itself."""
-    if not _packable(w):
-        return w
-    N, K = w.shape
-    return PackedLinear(w.view(N // STRIP, STRIP, K).transpose(1, 2).contiguous())
+    return PackedLinear(w) if _packable(w) else w
 
 
 def pack_experts(stack: torch.Tensor):
     """[E, N, K] -> PackedExperts when the native grouped GEMM will run it, else `stack` itself."""
-    E, N, K = stack.shape
-    if not _packable(stack):
-        return stack
-    return PackedExperts(stack.view(E, N // STRIP, STRIP, K).transpose(2, 3).contiguous())
+    return PackedExperts(stack) if _packable(stack) else stack
 
 
 def grouped_packed(x: torch.Tensor, stack: PackedExperts, counts: torch.Tensor) -> torch.Tensor:
