@@ -274,6 +274,24 @@ def test_in_step_split_of_collectives():
     assert split_wait([late, early])["total"] == 10.0
 
 
+def test_attention_refit_drops_uninformative_step_points():
+    """calibrate's attention refit: an in-step point whose residual is not positive, or a sliver of its step,
+    must not decide the 1/seconds-weighted fit; a fit that still fails keeps the isolated calls' rates."""
+    from splash.bench.calib_attention import refit_attention
+    bw, rate = 2e10, 5e10
+    iso = [[kv, fl, 0.0, 0.0, kv / bw + fl / rate] for kv, fl in ((1e6, 8e6), (4e6, 6e7), (2e7, 1e8), (8e7, 9e8))]
+    step = [[4e6, 5e7, 0.0, 0.0, 4e6 / bw + 5e7 / rate, 0.02]]
+    raw = {"kv_read_bytes_per_s": 1.0, "attention_flops_per_s": 1.0, "extra": {}}
+    bad = [[3e6, 4e7, 0.0, 0.0, -1e-4, 0.02], [3e6, 4e7, 0.0, 0.0, 1e-5, 0.02]]  # negative; 0.05% of its step
+    got = refit_attention(raw, iso + step + bad)
+    assert got["kv_read_bytes_per_s"] == pytest.approx(bw, rel=1e-3)
+    assert got["attention_flops_per_s"] == pytest.approx(rate, rel=1e-3)
+    assert got["extra"]["attention_fit_dropped"] == 2
+    noise = [[kv, fl, 0.0, 0.0, t, 1.0] for kv, fl, t in ((1e6, 1e9, 0.9), (1e9, 1e6, 0.05), (5e8, 5e8, 0.9))]
+    kept = refit_attention(raw, [[1e6, 1e9, 0.0, 0.0, 0.04]] + noise)
+    assert kept["kv_read_bytes_per_s"] == 1.0 and "not used" in kept["extra"]["attention_refit"]
+
+
 def test_prefill_attention_factor_scales_prefill_pieces_only(cfg, cpu):
     """A layout's measured prefill-attention factor scales the attention of its prefill chunks, not decode rows'
     and not the other layouts'; a factor that is not positive is an error naming the key."""

@@ -127,7 +127,8 @@ STEP_POINTS = ((1, 1024), (1, 4096), (4, 1024), (4, 4096), (8, 1024), (8, 2048),
 def attention_step_rows(preset: str, partial: dict, block_size: int, reps: int) -> list[list[float]]:
     """The attention as the real decode step runs it (one rank, all heads, KV resident; every rank measures at
     once, as a step's ranks do): per point the step's measured time minus the cost model's prediction of all
-    its other stages, with the attention features the model counts — [KV bytes, FLOPs, spill, merge, seconds]."""
+    its other stages, with the attention features the model counts — [KV bytes, FLOPs, spill, merge, seconds,
+    the step's seconds]. The residual is not clamped: `refit_attention` drops the points where it says nothing."""
     from splash.bench.decode_state import DecodeState
     from splash.costmodel.profile import profile_from_dict
     from splash.costmodel.step_cost import CostModel, RowLoad
@@ -150,20 +151,33 @@ def attention_step_rows(preset: str, partial: dict, block_size: int, reps: int) 
                                                   prof.attention_cache_bytes, b, ctx + 2 + reps // 2, 1,
                                                   cfg.num_attention_heads)[:4]
         ops_s = (w["ops"] + 14 * w["attn_calls"]) * prof.op_overhead_s
-        out.append([L * kv, L * fl, L * spill, L * merge, max(t - other - ops_s, 1e-7)])
+        out.append([L * kv, L * fl, L * spill, L * merge, t - other - ops_s, t])
     return out
 
 
+MIN_STEP_SHARE = 0.03   # an in-step residual below this share of its step is noise, not attention
+MAX_REFIT_ERR = 0.5     # a refit worse than this (median relative error) is not used
+
+
 def refit_attention(raw: dict, rows: list[list[float]]) -> dict:
-    """KV rate, FLOP rate, spill and merge rates from the isolated kernel calls and the in-step points together."""
-    a = np.array([r[:4] + [1.0] for r in rows])
-    y = np.array([r[4] for r in rows])
+    """KV rate, FLOP rate, spill and merge rates from the isolated kernel calls ([features ×4, seconds]) and the
+    in-step points ([features ×4, residual seconds, step seconds]) together. An in-step point whose residual is
+    not positive, or under MIN_STEP_SHARE of its step, is dropped: the fit weighs rows by 1 / seconds, so one
+    such point would decide it (the degenerate fits of round 7: rates of 1e12-1e15). A refit whose median error
+    exceeds MAX_REFIT_ERR is not used: the isolated fit's rates stay, and `extra` says why."""
+    kept = [r for r in rows if r[4] > 0 and (len(r) < 6 or r[4] >= MIN_STEP_SHARE * r[5])]
+    a = np.array([r[:4] + [1.0] for r in kept])
+    y = np.array([r[4] for r in kept])
     sol = nonneg_rel_lstsq(a, y)
+    err = float(np.median(np.abs(a @ sol - y) / y))
     rate = lambda inv: float(f"{1.0 / inv:.4g}") if inv > 0 else 1e15  # noqa: E731
     raw = dict(raw)
+    extra = {**raw["extra"], "attention_fit_points": len(kept), "attention_fit_dropped": len(rows) - len(kept)}
+    if err > MAX_REFIT_ERR or sol[0] <= 0 and sol[1] <= 0:
+        raw["extra"] = {**extra, "attention_refit": f"not used (median error {err:.2f}); isolated calls' fit kept"}
+        return raw
     raw["kv_read_bytes_per_s"], raw["attention_flops_per_s"] = rate(sol[0]), rate(sol[1])
     raw["attention_spill_bytes_per_s"], raw["attention_merge_bytes_per_s"] = rate(sol[2]), rate(sol[3])
-    raw["extra"] = {**raw["extra"], "attention_fit_call_s": float(f"{sol[4]:.4g}"),
-                    "attention_fit_median_rel_err": round(float(np.median(np.abs(a @ sol - y) / y)), 4),
-                    "attention_fit_points": len(rows)}
+    raw["extra"] = {**extra, "attention_fit_call_s": float(f"{sol[4]:.4g}"),
+                    "attention_fit_median_rel_err": round(err, 4)}
     return raw

@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --out configs/hardware/cpu.yaml
 
 Run under mpiexec at the world size the profile is for (collective α/β depend on it). Measures, with the
-project's own code paths: GEMM rate over the shapes of the model's layers (float32 and bfloat16), weight
+project's own code paths: GEMM rate over the shapes of the model's layers (float32 and bfloat16; each weight
+held and multiplied as the engine does: FFN weights packed for SPLASH's CPU GEMM when it runs), weight
 streaming bandwidth (the same GEMMs at decode row counts over more weights than the caches hold), the per-op
 host overhead (the real model's one-rank B=1 decode step minus its predicted compute, per counted eager op),
 MLA attention fitted as KV bytes + FLOPs (+ for the split-KV `torch` kernel: the multi-chunk merge traffic and
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention
+from splash.bench.calib_gemm import gemm_rates, gemm_row_rates, model_weight_bytes, stream_bandwidth
 from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, _timeit, nonneg_rel_lstsq
 
 
@@ -60,77 +62,6 @@ def op_overhead(reps: int) -> float:
         for _ in range(n):
             x.add(1.0)
     return _timeit(run, reps) / n
-
-
-def gemm_rates(cfg, reps: int) -> dict[str, float]:
-    import torch
-    shapes = _model_shapes(cfg)
-    out = {}
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        rates = []
-        for k, n in shapes:
-            x, w = torch.randn(1024, k, dtype=dt), torch.randn(n, k, dtype=dt)
-            t = _timeit(lambda: x @ w.T, reps)
-            rates.append(2.0 * 1024 * k * n / t)
-        out[name] = statistics.median(rates)
-    return out
-
-
-GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 2048)  # decode batches and prefill chunk sizes a step runs
-
-
-def gemm_row_rates(cfg, reps: int) -> dict[str, dict[int, float]]:
-    """float32 GEMM rate per row count over the model's shapes (median over shapes): decode steps run B rows,
-    prefill steps a chunk's; the weights stay hot here, so this is the compute side of the roofline."""
-    import torch
-    shapes = _model_shapes(cfg)
-    out = {}
-    for rows in GEMM_ROWS:
-        rates = []
-        for k, n in shapes:
-            x, w = torch.randn(rows, k), torch.randn(n, k)
-            inner = max(1, 2048 // rows)   # enough work per timing for the clock
-
-            def run():
-                for _ in range(inner):
-                    x @ w.T
-            rates.append(2.0 * rows * k * n * inner / _timeit(run, reps))
-        out[rows] = statistics.median(rates)
-    return {"float32": out}
-
-
-def _model_shapes(cfg) -> list[tuple[int, int]]:
-    """(in, out) of the model's GEMMs per rank-independent layer: fused Q-A/KV-A, Q-B, O, FFN gate/up/down."""
-    hid, H = cfg.hidden_size, cfg.num_attention_heads
-    q_in = cfg.q_lora_rank or hid
-    return [(hid, q_in + cfg.kv_lora_rank + cfg.qk_rope_head_dim), (q_in, H * cfg.qk_head_dim),
-            (H * cfg.v_head_dim, hid), (hid, 2 * cfg.moe_intermediate_size or 2 * cfg.intermediate_size),
-            (cfg.moe_intermediate_size or cfg.intermediate_size, hid)]
-
-
-def model_weight_bytes(cfg, world: int) -> float:
-    """fp32 weight bytes one rank streams per decode step (splash.layouts.memory's counts, sharded layout)."""
-    from splash.layouts.memory import common_params, projection_bytes_per_rank
-    return common_params(cfg, world) * 4 + projection_bytes_per_rank(cfg, "tp", world, 4)
-
-
-def stream_bandwidth(cfg, overhead: float, reps: int, total_bytes: float) -> float:
-    """Decode GEMMs (4 rows) over distinct weights of the model's shapes totalling ``total_bytes`` (what one
-    rank's step streams, so caches help exactly as much as they do in a step): bytes / (time - op cost)."""
-    import torch
-    shapes = _model_shapes(cfg)
-    ws, size = [], 0
-    while size < total_bytes:
-        k, n = shapes[len(ws) % len(shapes)]
-        ws.append(torch.randn(n, k))
-        size += ws[-1].numel() * 4
-    xs = {k: torch.randn(4, k) for k, _ in shapes}
-
-    def run():
-        for w in ws:
-            xs[w.shape[1]] @ w.T
-    t = _timeit(run, max(2, reps // 2), warm=1)
-    return size / max(t - len(ws) * overhead, t * 0.1)
 
 
 def alloc_rate(reps: int) -> float:
@@ -303,7 +234,7 @@ def build_profile(comm, args) -> dict:
     if m["attn_rows"]:  # the split-KV kernel: refit its rates with the attention inside real steps
         step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
         every = comm.all_gather_obj(step_rows)
-        med = [[statistics.median(e[i][j] for e in every) for j in range(5)] for i in range(len(step_rows))]
+        med = [[statistics.median(e[i][j] for e in every) for j in range(len(row))] for i, row in enumerate(step_rows)]
         raw = refit_attention(raw, m["attn_rows"] + med)
     if getattr(args, "in_step_collectives", False):
         # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
