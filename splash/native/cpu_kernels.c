@@ -6,10 +6,11 @@
    rows x 16 columns keep 12 accumulators in registers. Each output element is one dot product in k order: a row's
    result does not depend on which other rows share its expert.
 
-   mla_decode: MLA attention of decode rows (one query row per request) over the paged latent cache, read in place
-   through the page table: per request, page by page, scores of every head against the page's visible keys, then an
-   online-softmax fold of the page into a running (max, sum, output) per head. Scratch is heads x (d_c + block)
-   floats per call, whatever the batch and context.
+   mla_decode: MLA attention of query rows over the paged latent cache, read in place through the page table: one
+   entry per row (a decode row, or one row of a prefill chunk, which sees the keys up to its own position); per
+   entry, page by page, scores of every head against the page's visible keys, then an online-softmax fold of the
+   page into a running (max, sum, output) per head. Scratch is heads x (d_c + block) floats per call, whatever
+   the batch and context.
 
    linear_packed, rms_norm, rope, swiglu: one packed dense weight's GEMM and the row-wise ops around the GEMMs, each
    one call in place of several torch ops. */
@@ -57,31 +58,35 @@ static void tile6(const float *x, int64_t ldx, int K, const float *w, float *y, 
 typedef void (*tile_fn)(const float *, int64_t, int, const float *, float *, int64_t);
 static const tile_fn TILES[7] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
 
-/* y [M, N] = x [M, K] @ W^T, W [N, K] packed as [N / 16][K][16] (splash.models.packed). */
-static void gemm_packed(const float *x, int64_t M, int K, const float *wp, int N, float *y) {
-    for (int s = 0; s < N / 16; s++) {
-        const float *w = wp + (int64_t)s * K * 16;
-        for (int64_t m = 0; m < M; m += 6) {
-            int r = M - m < 6 ? (int)(M - m) : 6;
-            TILES[r](x + m * K, K, K, w, y + m * N + 16 * s, N);
+/* y [M, N] = x [M, K] @ W^T (rows of x at stride ldx), W [N, K] packed as [N / 16][K][16] (splash.models.packed).
+   Rows go in blocks whose slice of x stays in L2 (<= 192 KiB) while every strip of W passes over them; up to 6
+   rows x one strip is one register tile. Blocking changes no result: each output element is one dot product in
+   k order. */
+static void gemm_packed(const float *x, int64_t M, int K, int64_t ldx, const float *wp, int N, float *y) {
+    int64_t mb = (49152 / (K > 0 ? K : 1)) / 6 * 6;
+    if (mb < 6) mb = 6;
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        int64_t m1 = m0 + mb < M ? m0 + mb : M;
+        for (int s = 0; s < N / 16; s++) {
+            const float *w = wp + (int64_t)s * K * 16;
+            for (int64_t m = m0; m < m1; m += 6) {
+                int r = m1 - m < 6 ? (int)(m1 - m) : 6;
+                TILES[r](x + m * ldx, ldx, K, w, y + m * N + 16 * s, N);
+            }
         }
     }
 }
 
 /* One packed weight: y [M, N] = x [M, K] @ W^T (rows of x at stride ldx). */
 void linear_packed(const float *x, int64_t M, int K, int64_t ldx, const float *wp, int N, float *y) {
-    for (int s = 0; s < N / 16; s++)
-        for (int64_t m = 0; m < M; m += 6) {
-            int r = M - m < 6 ? (int)(M - m) : 6;
-            TILES[r](x + m * ldx, ldx, K, wp + (int64_t)s * K * 16, y + m * N + 16 * s, N);
-        }
+    gemm_packed(x, M, K, ldx, wp, N, y);
 }
 
 /* Rows of x [sum(counts), K] grouped by expert -> y [sum(counts), N]; wp [E][N / 16][K][16]. */
 void grouped_gemm(const float *x, int K, const int64_t *counts, int E, const float *wp, int N, float *y) {
     int64_t r = 0;
     for (int e = 0; e < E; e++) {
-        if (counts[e]) gemm_packed(x + r * K, counts[e], K, wp + (int64_t)e * N * K, N, y + r * N);
+        if (counts[e]) gemm_packed(x + r * K, counts[e], K, K, wp + (int64_t)e * N * K, N, y + r * N);
         r += counts[e];
     }
 }

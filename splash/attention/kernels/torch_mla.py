@@ -11,9 +11,10 @@ layer: they are computed on the first layer and reused by later ones while they 
 walks gather into buffers the kernel keeps (grown to the largest chunk, so bounded by the budget) rather than fresh
 tensors.
 
-Decode rows over an fp32 pool go to SPLASH's C kernel instead (`splash.native.mla_decode`, when enabled: one
-thread, AVX2): it walks each request's pages through the page table without any gather, with an online softmax,
-in a scratch of heads x (d_c + d_r + 2 x block) floats whatever the batch and context.
+Over an fp32 pool, every row — decode rows and prefill chunks' rows alike — goes to SPLASH's C kernel instead
+(`splash.native.mla_decode`, when enabled: one thread, AVX2): it walks each row's pages through the page table
+without any gather, keys up to the row's own position, with an online softmax, in a scratch of heads x (d_c + d_r
++ 2 x block) floats whatever the batch and context.
 
 Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the two
 score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16 units
@@ -117,14 +118,12 @@ class TorchMLAKernel:
             return sparse_attend(q_latent, q_rope, cache, layer, sel, self.scale)
         n, h, d_c = q_latent.shape
         o = lse = None
-        native_ok = self._native_ok(layer, q_latent, q_rope, cache)
+        if self.groups and self._native_ok(layer, q_latent, q_rope, cache):   # SPLASH's C kernel, one call
+            o = torch.zeros(n, h, d_c, dtype=torch.float32, device=q_latent.device)
+            lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
+            self._native_run(layer, q_latent, q_rope, cache, o, lse)
+            return o, lse
         for gi, g in enumerate(self.groups):
-            if native_ok and g.q == 1:   # decode rows: SPLASH's C kernel reads the pages in place
-                if o is None:
-                    o = torch.zeros(n, h, d_c, dtype=torch.float32, device=q_latent.device)
-                    lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
-                self._native_decode(gi, g, layer, q_latent, q_rope, cache, o, lse)
-                continue
             C = self.chunk_pages(g, h, d_c, q_rope.shape[2], self.meta.block_size)
             single = C >= g.max_pages        # one chunk: step order, plain softmax
             if single and g.all_rows:
@@ -148,16 +147,22 @@ class TorchMLAKernel:
                 and cache.kpe[layer].dtype == torch.float32 and ql.shape[2] % 16 == 0 and qr.shape[2] % 8 == 0
                 and cache.ckv[layer].is_contiguous() and cache.kpe[layer].is_contiguous() and native.enabled())
 
-    def _native_decode(self, gi: int, g: _Group, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache,
-                       o: torch.Tensor, lse: torch.Tensor) -> None:
-        """Group `g`'s decode rows by `native.mla_decode`, written into rows of `o` / `lse`."""
+    def _native_run(self, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache, o: torch.Tensor,
+                    lse: torch.Tensor) -> None:
+        """Every row of the step by one `native.mla_decode` call, written into rows of o / lse: an entry per
+        query row, so a prefill chunk's rows each see the keys up to their own position (causal within the
+        chunk) and walk them page by page like decode rows. Measured faster than the chunked GEMM path at every
+        prefill shape tried, fresh prompts and long histories alike (docs/benchmarks.md, issue 9 round 8)."""
         meta = self.meta
-        args = self._native_args.get(gi)
+        args = self._native_args.get("args")
         if args is None:   # per step: query rows, page-table rows, held pages, positions
-            args = self._native_args[gi] = (g.rows.long().contiguous(), meta.req_rows[g.reqs].long().contiguous(),
-                                            meta.num_pages[g.reqs].int().contiguous(),
-                                            meta.q_pos[g.rows].long().contiguous(), meta.pages.int().contiguous(),
-                                            meta.logical.int().contiguous())
+            gs = self.groups
+            per_row = lambda g, t: t if g.q == 1 else t.repeat_interleave(g.q)  # noqa: E731
+            rows = torch.cat([g.rows.long() for g in gs])
+            args = self._native_args["args"] = (
+                rows.contiguous(), torch.cat([per_row(g, meta.req_rows[g.reqs].long()) for g in gs]).contiguous(),
+                torch.cat([per_row(g, meta.num_pages[g.reqs].int()) for g in gs]).contiguous(),
+                meta.q_pos[rows].long().contiguous(), meta.pages.int().contiguous(), meta.logical.int().contiguous())
         rows, prow, npg, qpos, pages, logical = args
         ql, qr = ql.contiguous(), qr.contiguous()
         ckv, kpe = cache.ckv[layer], cache.kpe[layer]
