@@ -33,7 +33,7 @@ SIGNATURES = {
     "rope": (None, [P, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
     "swiglu": (None, [P, I64, ctypes.c_int, I64, P]),
     "mla_decode": (ctypes.c_int, [ctypes.c_int, P, P, P, P, P, P, I64, I64, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_int, P, P, P, P, F32, P, P]),
+                                  ctypes.c_int, ctypes.c_int, P, P, I64, I64, P, P, F32, P, P]),
 }
 
 

@@ -153,7 +153,8 @@ ACC_TILE(1) ACC_TILE(2) ACC_TILE(3) ACC_TILE(4) ACC_TILE(5) ACC_TILE(6)
 typedef void (*acc_fn)(const float *, int, int, const float *, int, float *);
 static const acc_fn ACCUM[7] = {0, accum1, accum2, accum3, accum4, accum5, accum6};
 
-/* G decode rows. For entry g: query row qrow[g] of ql [n, H, d_c] / qr [n, H, d_r]; its pages are row prow[g] of
+/* G query rows. For entry g: query row qrow[g] of ql / qr (row r, head h at ql + r * q_rs + h * q_hs, d_c values;
+   qr the same strides, d_r values: both may be views into one [n, H, d_c + d_r] tensor); its pages are row prow[g] of
    the page table `pages` [*, P] (physical ids) with `logical` [*, P] (logical block of each), npages[g] of them held
    here; keys at positions <= qpos[g] are visible. Pools: ckv [blocks, bs, d_c], kpe [blocks, bs, d_r].
    Writes o [n, H, d_c] and lse [n, H] (natural log) at row qrow[g]; a row that sees no key gets o = 0, lse = -inf.
@@ -164,8 +165,8 @@ static const acc_fn ACCUM[7] = {0, accum1, accum2, accum3, accum4, accum5, accum
 int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *npages, const int64_t *qpos,
                const int32_t *pages, const int32_t *logical, int64_t P, int64_t blocks, int H, int d_c, int d_r,
                int bs,
-               const float *ql, const float *qr, const float *ckv, const float *kpe, float scale,
-               float *o, float *lse) {
+               const float *ql, const float *qr, int64_t q_rs, int64_t q_hs, const float *ckv, const float *kpe,
+               float scale, float *o, float *lse) {
     int HP = (H + 7) / 8 * 8, D = d_c + d_r;
     float *buf = malloc(sizeof(float) * ((size_t)H * d_c + (size_t)D * HP + 2 * (size_t)bs * HP + 4 * (size_t)HP));
     if (!buf) return -1;
@@ -177,12 +178,12 @@ int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *n
             if (pages[prow[g] * P + p] < 0 || pages[prow[g] * P + p] >= blocks) { free(buf); return -2; }
     }
     for (int g = 0; g < G; g++) {
-        const float *qlg = ql + qrow[g] * H * d_c, *qrg = qr + qrow[g] * H * d_r;
+        const float *qlg = ql + qrow[g] * q_rs, *qrg = qr + qrow[g] * q_rs;
         const int32_t *pg = pages + prow[g] * P, *lg = logical + prow[g] * P;
         memset(qt, 0, sizeof(float) * (size_t)D * HP);
         for (int h = 0; h < H; h++) {
-            for (int d = 0; d < d_c; d++) qt[(int64_t)d * HP + h] = qlg[h * d_c + d];
-            for (int d = 0; d < d_r; d++) qt[(int64_t)(d_c + d) * HP + h] = qrg[h * d_r + d];
+            for (int d = 0; d < d_c; d++) qt[(int64_t)d * HP + h] = qlg[h * q_hs + d];
+            for (int d = 0; d < d_r; d++) qt[(int64_t)(d_c + d) * HP + h] = qrg[h * q_hs + d];
         }
         memset(acc, 0, sizeof(float) * (size_t)H * d_c);
         for (int h = 0; h < HP; h++) { m[h] = -INFINITY; s[h] = 0.f; }

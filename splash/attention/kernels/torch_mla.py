@@ -119,8 +119,8 @@ class TorchMLAKernel:
         n, h, d_c = q_latent.shape
         o = lse = None
         if self.groups and self._native_ok(layer, q_latent, q_rope, cache):   # SPLASH's C kernel, one call
-            o = torch.zeros(n, h, d_c, dtype=torch.float32, device=q_latent.device)
-            lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
+            o = torch.empty(n, h, d_c, dtype=torch.float32, device=q_latent.device)   # it writes every row
+            lse = torch.empty(n, h, dtype=torch.float32, device=q_latent.device)
             self._native_run(layer, q_latent, q_rope, cache, o, lse)
             return o, lse
         for gi, g in enumerate(self.groups):
@@ -164,13 +164,17 @@ class TorchMLAKernel:
                 torch.cat([per_row(g, meta.num_pages[g.reqs].int()) for g in gs]).contiguous(),
                 meta.q_pos[rows].long().contiguous(), meta.pages.int().contiguous(), meta.logical.int().contiguous())
         rows, prow, npg, qpos, pages, logical = args
-        ql, qr = ql.contiguous(), qr.contiguous()
+        if ql.stride(2) != 1 or qr.stride(2) != 1 or ql.stride()[:2] != qr.stride()[:2]:
+            ql, qr = ql.contiguous(), qr.contiguous()
+            if ql.stride()[:2] != qr.stride()[:2]:   # different widths: one [n, H, d_c + d_r] copy holds both
+                q = torch.cat([ql, qr], dim=-1)
+                ql, qr = q[..., :ql.shape[2]], q[..., ql.shape[2]:]
         ckv, kpe = cache.ckv[layer], cache.kpe[layer]
         h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
         ptr = lambda t: t.data_ptr()  # noqa: E731
         rc = native.lib().mla_decode(len(rows), ptr(rows), ptr(prow), ptr(npg), ptr(qpos), ptr(pages), ptr(logical),
-                                     pages.shape[1], ckv.shape[0], h, d_c, d_r, bs, ptr(ql), ptr(qr), ptr(ckv),
-                                     ptr(kpe), self.scale, ptr(o), ptr(lse))
+                                     pages.shape[1], ckv.shape[0], h, d_c, d_r, bs, ptr(ql), ptr(qr), ql.stride(0),
+                                     ql.stride(1), ptr(ckv), ptr(kpe), self.scale, ptr(o), ptr(lse))
         if rc == -1:
             raise MemoryError("mla_decode could not allocate its scratch")
         if rc != 0:
