@@ -176,10 +176,11 @@ def test_cp_split_prefill_exchanges_the_history_not_the_partials(cfg):
 
 
 def _bare(cpu, **kw):
-    """The cpu profile without the split-KV, row-rate and per-layout terms (what a profile lacking them means)."""
+    """The cpu profile without the split-KV, row-kernel, row-rate and per-layout terms (what a profile lacking them
+    means)."""
     raw = dict(cpu.to_dict(), attention_merge_bytes_per_s=0.0, attention_cache_bytes=0.0,
                attention_spill_bytes_per_s=0.0, gemm_rows_flops_per_s={}, step_overhead_layout_s={},
-               collective_sync_s=0.0)
+               collective_sync_s=0.0, attention_row_kernel=False)
     return profile_from_dict({**raw, **kw})
 
 
@@ -304,3 +305,22 @@ def test_prefill_attention_factor_scales_prefill_pieces_only(cfg, cpu):
     assert b.step("tp", pre).stages["attention"] == a.step("tp", pre).stages["attention"]
     with pytest.raises(ConfigError, match="prefill_attention_factor.cp"):
         profile_from_dict({**cpu.to_dict(), "prefill_attention_factor": {"cp": 0}})
+
+
+def test_row_kernel_counts_each_rows_own_keys(cfg, cpu):
+    """attention_row_kernel (SPLASH's CPU kernel): decode rows are not padded to the longest history, a fresh
+    prefill chunk's rows see a causal triangle, and the step makes one attention call a layer."""
+    rows = profile_from_dict({**cpu.to_dict(), "attention_row_kernel": True})
+    chunked = profile_from_dict({**cpu.to_dict(), "attention_row_kernel": False})
+    a, b = (CostModel(cfg, 1, p, "float32", "float32", 16) for p in (rows, chunked))
+    per_key = 2.0 * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_attention_heads * cfg.num_hidden_layers
+    ragged = [RowLoad(1, 15, 0), RowLoad(1, 1023, 0)]
+    got = a.step("tp", ragged).work["attention"]["attn_flops"]
+    assert got == pytest.approx((16 + 1024) * per_key)
+    assert b.step("tp", ragged).work["attention"]["attn_flops"] == pytest.approx(2 * 1024 * per_key)  # padded
+    fresh = [RowLoad(512, 0, 0)]
+    assert a.step("tp", fresh).work["attention"]["attn_flops"] == pytest.approx(512 * (512 + 1) / 2 * per_key)
+    many = [RowLoad(32, 0, 0) for _ in range(8)]
+    assert a.step("tp", many).work["attention"]["ops"] < b.step("tp", many).work["attention"]["ops"]
+    with pytest.raises(ConfigError, match="attention_row_kernel"):
+        profile_from_dict({**cpu.to_dict(), "attention_row_kernel": "yes"})

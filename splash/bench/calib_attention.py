@@ -76,7 +76,9 @@ def attention_features(cfg, block_size: int, scratch: float, cache: float, b: in
     """What the cost model counts for this attention call (splash.costmodel.work): [KV bytes, FLOPs, spilled
     re-read bytes, multi-chunk merge bytes, ops] for the layers timed together."""
     from splash.costmodel.work import Piece, Shapes, Work, _attention
-    s_ = Shapes(cfg, 1, 4.0, 4.0, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4.0, 0.0, block_size, scratch, cache)
+    from splash import native
+    s_ = Shapes(cfg, 1, 4.0, 4.0, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4.0, 0.0, block_size, scratch, cache,
+                row_kernel=bool(native.enabled()))
     w = Work()
     nb = -(-s // block_size)
     _attention(s_, w, [(Piece(q, s - q, 0), s, nb) for _ in range(b)], h)

@@ -189,6 +189,12 @@ def _median_over_ranks(comm, local: dict) -> dict:
     return out
 
 
+def _row_kernel() -> bool:
+    """The `torch` attention backend runs every fp32 row in SPLASH's C kernel here (splash.native enabled)."""
+    from splash import native
+    return bool(native.enabled())
+
+
 def build_profile(comm, args) -> dict:
     import os
     args.world = comm.size
@@ -216,6 +222,7 @@ def build_profile(comm, args) -> dict:
         "step_overhead_s": 0.0,
         "memory_bytes": 0.0,
         "ops_scale": 1.0,
+        "attention_row_kernel": _row_kernel(),
         "attention_scratch_bytes": float(m["scratch"]),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
         "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),
@@ -260,6 +267,8 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 # jobs); collectives by the wall clock, their least-preempted (min) repetition; the per-layout step overheads
 # and collective_sync_s (real 2-rank steps, same clock) as bench_costmodel measures: median over repetitions of
 # the least-preempted of 3 steps.
+# attention_row_kernel: true when SPLASH's C kernel runs every fp32 row (one intra-op thread, AVX2): each row
+# walks its own visible keys, one call a layer; the split-KV terms below then describe only quantised pools.
 # attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
 # attention_merge/cache/spill: the split-KV kernel's per-chunk fold of the running output and the part of a
 # chunk's working set beyond this rank's share of the last-level cache (sysfs size / ranks), fitted on isolated

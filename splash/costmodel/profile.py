@@ -54,6 +54,9 @@ class HardwareProfile:
     memory_bytes: float = 0.0            # device memory per rank (0: not modelled, e.g. CPU)
     ops_scale: float = 1.0               # eager op counts × this (0.0 ≈ graphs / fused kernels)
     moe_grouped: bool = False            # MoE runs as grouped GEMM kernels (no per-expert op cost)
+    # the attention walks each query row's own visible keys, every row of a step in one call a layer (SPLASH's
+    # CPU kernel, splash.native): no padding to the longest history, causal prefill rows, no chunk structure
+    attention_row_kernel: bool = False
     attention_call_s: float = 0.0        # fixed host cost of one attention call (replaces its op count)
     attention_scratch_bytes: float = 0.0  # split-KV kernel chunk budget (0: attention gathers whole histories)
     alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
@@ -217,10 +220,11 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             raise ConfigError(f"{where}: field 'attention_combine' = {raw['attention_combine']!r} is not one of "
                               f"{', '.join(COMBINES)}")
         kw["attention_combine"] = raw["attention_combine"]
-    if "moe_grouped" in raw:
-        if not isinstance(raw["moe_grouped"], bool):
-            raise ConfigError(f"{where}: field 'moe_grouped' must be true or false, got {raw['moe_grouped']!r}")
-        kw["moe_grouped"] = raw["moe_grouped"]
+    for k in ("moe_grouped", "attention_row_kernel"):
+        if k in raw:
+            if not isinstance(raw[k], bool):
+                raise ConfigError(f"{where}: field {k!r} must be true or false, got {raw[k]!r}")
+            kw[k] = raw[k]
     if "gemm_rows_flops_per_s" in raw:
         kw["gemm_rows_flops_per_s"] = _gemm_rows(where, raw["gemm_rows_flops_per_s"])
     if "step_overhead_layout_s" in raw:

@@ -7,7 +7,8 @@ The counts follow what splash/attention/*.py and splash/models/*.py execute (App
   CP: all heads, all rows);
 - ``indexer``: DSA indexer scoring (models with ``index_topk``; where the indexer keys live);
 - ``attention``: latent attention over the histories held here (decode rows padded to the longest held
-  history, as ``_pad_decode`` does; prefill rows see every visible key);
+  history, as ``_pad_decode`` does; prefill rows see every visible key; with the profile's
+  ``attention_row_kernel``, each row its own visible keys: ``attn_rows.py``);
 - ``uv_o``: W_UV and O (TP/DOP: local heads, all rows; DP-attn: owned rows; CP: all rows, all heads);
 - ``exchange``: TP all-reduce; DP-attn all-gather(v); CP all-gather of partials (+ their merge);
   DOP two all-to-all(v) + all-reduce;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splash.costmodel.attn_rows import row_attention
 from splash.costmodel.cp_placement import cp_keys_here, cp_new_rows_here  # noqa: F401 (re-exported)
 from splash.models.config import ModelConfig
 
@@ -118,6 +120,7 @@ class Shapes:
     cp_prefill: str = "partials"  # CP prefill: "partials" (what splash/attention/cp.py runs) or "split" (below)
     cache: float = 0.0    # a rank's cache share: the part of a chunk's working set above it spills (0: none)
     prefill_attn: float = 1.0  # the profile's measured / predicted prefill attention for this layout
+    row_kernel: bool = False   # the profile's attention_row_kernel: every row walks its own visible keys
 
     @property
     def heads_local(self) -> int:
@@ -130,6 +133,10 @@ def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: 
     dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_key = 2.0 * (2 * dc + dr) * heads
     topk = cfg.index_topk
+    if s.row_kernel:
+        row_attention(w, pieces, per_key, s.kv_tok, s.prefill_attn, topk)
+        w.ops += OPS["attention"]["tp"] - 13  # plan tensors, cache read and write, the one kernel call
+        return
     dec = [(p, k, b) for p, k, b in pieces if p.new == 1]
     if dec:
         nb = max(b for _, _, b in dec)
