@@ -72,13 +72,19 @@ ATTN_POINTS = ([(b, s, 1) for b in (1, 4, 16, 32) for s in (256, 1024, 2048, 409
                + [(1, s, q) for q in (128, 512) for s in (1024, 2048) if q < s])
 
 
+def row_kernel() -> bool:
+    """The `torch` attention backend runs every fp32 row in SPLASH's C kernel here (splash.native enabled): the
+    profile's attention_row_kernel."""
+    from splash import native
+    return bool(native.enabled())
+
+
 def attention_features(cfg, block_size: int, scratch: float, cache: float, b: int, s: int, q: int, h: int):
     """What the cost model counts for this attention call (splash.costmodel.work): [KV bytes, FLOPs, spilled
     re-read bytes, multi-chunk merge bytes, ops] for the layers timed together."""
     from splash.costmodel.work import Piece, Shapes, Work, _attention
-    from splash import native
     s_ = Shapes(cfg, 1, 4.0, 4.0, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4.0, 0.0, block_size, scratch, cache,
-                row_kernel=bool(native.enabled()))
+                row_kernel=row_kernel())
     w = Work()
     nb = -(-s // block_size)
     _attention(s_, w, [(Piece(q, s - q, 0), s, nb) for _ in range(b)], h)

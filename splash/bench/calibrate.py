@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention
+from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention, row_kernel
 from splash.bench.calib_gemm import gemm_rates, gemm_row_rates, model_weight_bytes, stream_bandwidth
 from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, _timeit, nonneg_rel_lstsq
 
@@ -189,12 +189,6 @@ def _median_over_ranks(comm, local: dict) -> dict:
     return out
 
 
-def _row_kernel() -> bool:
-    """The `torch` attention backend runs every fp32 row in SPLASH's C kernel here (splash.native enabled)."""
-    from splash import native
-    return bool(native.enabled())
-
-
 def build_profile(comm, args) -> dict:
     import os
     args.world = comm.size
@@ -222,7 +216,7 @@ def build_profile(comm, args) -> dict:
         "step_overhead_s": 0.0,
         "memory_bytes": 0.0,
         "ops_scale": 1.0,
-        "attention_row_kernel": _row_kernel(),
+        "attention_row_kernel": row_kernel(),
         "attention_scratch_bytes": float(m["scratch"]),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
         "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),

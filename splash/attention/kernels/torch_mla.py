@@ -141,7 +141,7 @@ class TorchMLAKernel:
         return o, lse
 
     def _native_ok(self, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache) -> bool:
-        """The C decode kernel applies: available on one thread, fp32 queries and cache, d_c % 16 == 0, d_r % 8 == 0."""
+        """The C kernel applies: available on one thread, fp32 queries and cache, d_c % 16 == 0, d_r % 8 == 0."""
         return (self.compute_dtype != "bfloat16" and ql.dtype == torch.float32 and qr.dtype == torch.float32
                 and ql.device.type == "cpu" and cache.scale[layer] is None and cache.ckv[layer].dtype == torch.float32
                 and cache.kpe[layer].dtype == torch.float32 and ql.shape[2] % 16 == 0 and qr.shape[2] % 8 == 0
@@ -165,10 +165,8 @@ class TorchMLAKernel:
                 meta.q_pos[rows].long().contiguous(), meta.pages.int().contiguous(), meta.logical.int().contiguous())
         rows, prow, npg, qpos, pages, logical = args
         if ql.stride(2) != 1 or qr.stride(2) != 1 or ql.stride()[:2] != qr.stride()[:2]:
-            ql, qr = ql.contiguous(), qr.contiguous()
-            if ql.stride()[:2] != qr.stride()[:2]:   # different widths: one [n, H, d_c + d_r] copy holds both
-                q = torch.cat([ql, qr], dim=-1)
-                ql, qr = q[..., :ql.shape[2]], q[..., ql.shape[2]:]
+            q = torch.cat([ql, qr], dim=-1)   # not views of one q̃ (the engine's are): one copy holds both
+            ql, qr = q[..., :ql.shape[2]], q[..., ql.shape[2]:]
         ckv, kpe = cache.ckv[layer], cache.kpe[layer]
         h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
         ptr = lambda t: t.data_ptr()  # noqa: E731
