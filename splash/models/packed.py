@@ -20,10 +20,12 @@ STRIP = 16
 class _Packed:
     """A weight [..., N, K] stored as [..., N / STRIP, K, STRIP] (contiguous)."""
 
-    def __init__(self, w: torch.Tensor):
-        *lead, N, K = w.shape
-        self.packed = w.view(*lead, N // STRIP, STRIP, K).transpose(-1, -2).contiguous()
-        self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
+    def __init__(self, w: torch.Tensor | None, packed: torch.Tensor | None = None, shape: tuple | None = None):
+        if w is not None:
+            *lead, N, K = w.shape
+            packed, shape = w.view(*lead, N // STRIP, STRIP, K).transpose(-1, -2).contiguous(), w.shape
+        self.packed, self.shape = packed, torch.Size(shape)
+        self.dtype, self.device = packed.dtype, packed.device
 
     def unpacked(self) -> torch.Tensor:
         """The plain weight (a copy)."""
@@ -39,6 +41,11 @@ class PackedExperts(_Packed):
 
 
 class PackedLinear(_Packed):
+    @classmethod
+    def of_strips(cls, packed: torch.Tensor) -> "PackedLinear":
+        """A packed [N / 16, K, 16] tensor (e.g. some strips of another: a view, no copy) as a weight [N, K]."""
+        return cls(None, packed, (packed.shape[0] * STRIP, packed.shape[1]))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ Wᵀ -> [M, N]."""
         N, K = self.shape
@@ -57,6 +64,22 @@ def _packable(w: torch.Tensor) -> bool:
 def pack_linear(w: torch.Tensor):
     """[N, K] -> PackedLinear when the native GEMM will run it, else `w` itself."""
     return PackedLinear(w) if _packable(w) else w
+
+
+def pack_attention(w):
+    """AttnWeights (plain fp32, CPU, native GEMMs on) -> the same with Q-B, O and [Q-A ; KV-A] packed, where each
+    head's Q-B rows are whole strips and Q-A / KV-A split on a strip boundary (Q-A and KV-A then strip views of the
+    packed stack); otherwise `w` unchanged. The plain tensors are not kept."""
+    from dataclasses import replace
+    if w.kv_b is not None or not _packable(w.q_b) or not _packable(w.o) or (w.q_b.shape[0] // len(w.heads)) % STRIP:
+        return w
+    qkv_a, q_a, kv_a = w.qkv_a, w.q_a, w.kv_a
+    if (isinstance(qkv_a, torch.Tensor) and _packable(qkv_a) and q_a is not None and q_a.shape[0] % STRIP == 0
+            and q_a.data_ptr() == qkv_a.data_ptr()):
+        qkv_a = PackedLinear(qkv_a)
+        split = q_a.shape[0] // STRIP
+        q_a, kv_a = PackedLinear.of_strips(qkv_a.packed[:split]), PackedLinear.of_strips(qkv_a.packed[split:])
+    return replace(w, q_b=PackedLinear(w.q_b), o=PackedLinear(w.o), qkv_a=qkv_a, q_a=q_a, kv_a=kv_a)
 
 
 def pack_experts(stack: torch.Tensor):

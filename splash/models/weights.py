@@ -17,7 +17,7 @@ import torch
 
 from splash.models.config import ModelConfig
 from splash.models.indexer import IndexerWeights, indexer_shapes
-from splash.models.packed import PackedExperts, PackedLinear, pack_experts, pack_linear
+from splash.models.packed import PackedExperts, PackedLinear, pack_attention, pack_experts, pack_linear
 from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
 
 
@@ -143,11 +143,11 @@ def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> Att
             q_a, kv_a = qkv_a[:q_a.shape[0]], qkv_a[q_a.shape[0]:]
     kv_b = kv_b.view(H, dn + dv, dc)
     o = get(prefix + "o_proj.weight").view(cfg.hidden_size, H, dv)
-    return AttnWeights(
+    return pack_attention(AttnWeights(
         q_a=q_a, q_a_norm=q_a_norm, q_b=owned(q_b.view(H, qh, -1)[h0:h1].reshape((h1 - h0) * qh, -1)),
         kv_a=kv_a, kv_a_norm=get(prefix + "kv_a_layernorm.weight"),
         w_uk=kv_b[h0:h1, :dn].contiguous(), w_uv=kv_b[h0:h1, dn:].contiguous(),
-        o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads, qkv_a=qkv_a)
+        o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads, qkv_a=qkv_a))
 
 
 def mlp_from_full(get, prefix: str, shard: int, shards: int, pack: bool = True) -> MLPWeights:

@@ -2,8 +2,10 @@
 
 Weights travel in their stored form: plain weights as compute-dtype values, quantised ones (FP8/INT8) as their
 bytes plus exactly the scale blocks of the sender's shard (splash.models.qweight), never dequantised; the
-receiver reassembles the original weight and scales bit for bit. Common state (Q-A, KV-A and their stacked
-[Q-A ; KV-A]) is carried over as is — the same tensors, never a second copy.
+receiver reassembles the original weight and scales bit for bit. Packed fp32 projections (splash.models.packed:
+Q-B and O) travel packed: every part is moved as a tensor whose first dimension runs over heads (a head's Q-B strips;
+O's packed columns, transposed), so shards concatenate and slice along it. Common state (Q-A, KV-A and their
+stacked [Q-A ; KV-A]) is carried over as is — the same tensors, never a second copy.
 """
 from __future__ import annotations
 
@@ -11,12 +13,34 @@ from dataclasses import replace
 
 import torch
 
+from splash.models.packed import PackedLinear
 from splash.models.qweight import BLOCK, FP8, QuantWeight, _blocks, cat_cols, cat_rows, owned
 from splash.models.weights import AttnWeights
 
 
+def _head_rows(w: AttnWeights) -> list[torch.Tensor]:
+    """Q-B, W_UK, W_UV and O as tensors whose first dimension runs over this rank's heads (head-major: a head's
+    rows are contiguous); O is column-sharded, so its transpose (packed: its [K, N / 16, 16] view) — views where
+    the stored form allows, for slicing."""
+    q_b = w.q_b.packed if isinstance(w.q_b, PackedLinear) else w.q_b
+    o = w.o.packed.transpose(0, 1) if isinstance(w.o, PackedLinear) else w.o.T
+    return [q_b, w.w_uk, w.w_uv, o]
+
+
 def _parts(w: AttnWeights) -> list[torch.Tensor]:
-    return [w.q_b, w.w_uk, w.w_uv, w.o.T.contiguous()]  # O is column-sharded: gather its transpose by rows
+    return [p.contiguous() for p in _head_rows(w)]
+
+
+def _from_rows(w: AttnWeights, q_b: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, o_rows: torch.Tensor,
+               heads: range) -> AttnWeights:
+    """Inverse of `_head_rows` for the heads in `heads` (each part its own storage), stored as `w`'s are."""
+    if isinstance(w.q_b, PackedLinear):
+        q_b = PackedLinear.of_strips(q_b)
+    if isinstance(w.o, PackedLinear):
+        o = PackedLinear(None, o_rows.transpose(0, 1).contiguous(), (w.o.shape[0], o_rows.shape[0]))
+    else:
+        o = o_rows.T.contiguous()
+    return replace(w, q_b=q_b, w_uk=w_uk, w_uv=w_uv, o=o, heads=heads)
 
 
 def _quant_parts(w: AttnWeights) -> list[QuantWeight]:
@@ -49,7 +73,7 @@ def _shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) 
 def shard_nbytes(w: AttnWeights, heads: range) -> int:
     """Bytes `pack_shard` produces for a rank holding `heads` (same format and model as `w`)."""
     if w.kv_b is None:
-        return sum(p.numel() * p.element_size() for p in _parts(w)) // len(w.heads) * len(heads)
+        return sum(p.numel() * p.element_size() for p in _head_rows(w)) // len(w.heads) * len(heads)
     total = 0
     for q, rows in zip(_quant_parts(w), (True, True, False)):
         per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
@@ -82,7 +106,7 @@ def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: i
     if w.kv_b is not None:
         per = num_heads // world
         return _unpack_quant(w, gathered, [range(r * per, (r + 1) * per) for r in range(world)], num_heads)
-    shapes = [p.shape for p in _parts(w)]
+    shapes = [p.shape for p in _head_rows(w)]
     per_rank = gathered.view(world, -1)
     pieces: list[list[torch.Tensor]] = [[] for _ in shapes]
     for r in range(world):
@@ -91,8 +115,7 @@ def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: i
             n = s.numel()
             pieces[i].append(per_rank[r, off:off + n].view(s))
             off += n
-    q_b, w_uk, w_uv, o_t = (torch.cat(p, dim=0) for p in pieces)
-    return replace(w, q_b=q_b, w_uk=w_uk, w_uv=w_uv, o=o_t.T.contiguous(), heads=range(num_heads))
+    return _from_rows(w, *(torch.cat(p, dim=0) for p in pieces), heads=range(num_heads))
 
 
 def gather_counts(w: AttnWeights, world: int, num_heads: int) -> list[int]:
@@ -100,7 +123,7 @@ def gather_counts(w: AttnWeights, world: int, num_heads: int) -> list[int]:
     per = num_heads // world
     n = [shard_nbytes(w, range(r * per, (r + 1) * per)) for r in range(world)]
     if w.kv_b is None:
-        return [b // w.q_b.element_size() for b in n]
+        return [b // w.q_b.dtype.itemsize for b in n]
     return n
 
 
@@ -112,9 +135,6 @@ def slice_heads(w: AttnWeights, heads: range, qk_head_dim: int) -> AttnWeights:
         dv = w.o.shape[1] // len(w.heads)
         return replace(w, q_b=w.q_b.rows(h0 * qk_head_dim, h1 * qk_head_dim),
                        kv_b=w.kv_b.rows(h0 * rows_kv, h1 * rows_kv), o=w.o.cols(h0 * dv, h1 * dv), heads=heads)
-    v = w.w_uv.shape[1]
-    q_in = w.q_b.shape[1]
-    q_b = owned(w.q_b.view(-1, qk_head_dim, q_in)[h0:h1].reshape(-1, q_in))
-    o = w.o.view(w.o.shape[0], -1, v)[:, h0:h1].reshape(w.o.shape[0], -1).contiguous()
-    return replace(w, q_b=q_b, w_uk=owned(w.w_uk[h0:h1]), w_uv=owned(w.w_uv[h0:h1]), o=o,
-                   heads=heads)
+    rows = _head_rows(w)
+    q_b, w_uk, w_uv, o = (p[h0 * (p.shape[0] // len(w.heads)):h1 * (p.shape[0] // len(w.heads))] for p in rows)
+    return _from_rows(w, owned(q_b), owned(w_uk), owned(w_uv), o, heads)   # _from_rows copies O
