@@ -7,9 +7,10 @@ from splash.bench.calib_timing import _timeit
 
 
 def _engine_weights(cfg, dtype=None) -> list[tuple[int, int, object]]:
-    """(in, out, weight) of `_model_shapes`, each held as the engine holds it: the FFN / MoE weights packed for
-    SPLASH's CPU GEMM where the engine packs them at load (splash.models.packed: fp32, native kernels on), the
-    attention projections plain (torch's GEMM). Run them with `linear`, the engine's own call."""
+    """(in, out, weight) of `_model_shapes`, each held as the engine holds it: packed for SPLASH's CPU GEMM where
+    the engine packs it at load (splash.models.packed: fp32, native kernels on, whole strips — the FFN / MoE
+    weights, and the attention projections when a head's Q-B rows and Q-A / KV-A split on strips), else plain
+    (torch's GEMM). Run them with `linear`, the engine's own call."""
     import torch
 
     from splash.models.packed import pack_linear
@@ -17,7 +18,9 @@ def _engine_weights(cfg, dtype=None) -> list[tuple[int, int, object]]:
     out = []
     for i, (k, n) in enumerate(_model_shapes(cfg)):
         w = torch.randn(n, k, dtype=dtype)
-        out.append((k, n, pack_linear(w) if i >= FFN_SHAPES else w))
+        packs = i >= FFN_SHAPES or (i == 1 and cfg.qk_head_dim % 16 == 0) or i == 2 or (
+            i == 0 and cfg.q_lora_rank is not None and cfg.q_lora_rank % 16 == 0)
+        out.append((k, n, pack_linear(w) if packs else w))
     return out
 
 

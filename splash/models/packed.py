@@ -4,8 +4,9 @@ plain tensors (the plain one is not kept).
 
 `pack_experts` / `pack_linear` pack a plain fp32 CPU weight when the native kernels are in use at load time (one
 intra-op thread) and its output width is a multiple of 16; otherwise they return it unchanged. Only weights that no
-layout switch rewrites are packed (MoE experts, dense MLPs and shared experts, an untied LM head); the attention
-projections stay plain tensors. A packed weight still answers `shape`, `dtype` (and `stack[e]`, that expert's
+layout switch rewrites are packed (MoE experts, dense MLPs and shared experts, an untied LM head), and the attention
+projections Q-B, O and [Q-A ; KV-A] (`pack_attention`) where a head's Q-B rows are whole strips: a layout switch
+moves them packed (splash.switching.weights_transfer). A packed weight still answers `shape`, `dtype` (and `stack[e]`, that expert's
 weight, unpacked) like the tensor it replaces.
 """
 from __future__ import annotations
