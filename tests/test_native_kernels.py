@@ -151,3 +151,31 @@ def test_native_decode_refuses_a_page_outside_the_pool():
         meta.pages[meta.req_rows[1], 0] = cache.ckv[0].shape[0] + 5
     with pytest.raises(RuntimeError, match="outside the pool"):
         k.run(0, q[..., :32], q[..., 32:], cache)
+
+
+@needs_native
+@pytest.mark.parametrize("E,G,tg,k", [(16, 4, 2, 4), (256, 8, 4, 8), (64, 1, 1, 6)])
+def test_moe_route_sort_combine_match_torch(E, G, tg, k, monkeypatch):
+    """DeepSeek-V3 routing, the experts' row order and the weighted scatter back: the kernels against the torch
+    expressions they replace (the same experts; weights within an ulp, as their sum runs in another order)."""
+    import types
+
+    from splash.models import ffn
+    from splash.native import ops
+    cfg = types.SimpleNamespace(n_group=G, topk_group=tg, num_experts_per_tok=k, norm_topk_prob=True,
+                                routed_scaling_factor=2.5, n_routed_experts=E)
+    g = torch.Generator().manual_seed(E)
+    w = types.SimpleNamespace(router=torch.randn(E, 64, generator=g), bias=torch.randn(E, generator=g) * 0.1)
+    x, ys = torch.randn(37, 64, generator=g), torch.randn(37 * k, 32, generator=g)
+    fast = [ffn.route(cfg, w, x)]
+    fast += [ffn._expert_order(cfg, *fast[0])]
+    fast += [ops.moe_combine(ys, fast[1][1], fast[1][2], 37)]
+    for name in ("moe_route", "moe_sort", "moe_combine"):
+        monkeypatch.setattr(ops, name, lambda *a: None)
+    idx, wt = ffn.route(cfg, w, x)
+    (i1, o1), (i2, o2) = fast[0][0].sort(-1), idx.sort(-1)
+    assert torch.equal(i1, i2)
+    torch.testing.assert_close(fast[0][1].gather(1, o1), wt.gather(1, o2), rtol=3e-7, atol=0)
+    order = ffn._expert_order(cfg, *fast[0])
+    assert all(torch.equal(a, b) for a, b in zip(fast[1], order))
+    assert torch.equal(fast[2], torch.zeros(37, 32).index_add_(0, order[1], ys * order[2][:, None]))

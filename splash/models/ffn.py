@@ -36,8 +36,13 @@ def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Ten
 
 
 def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (top-k expert ids [n, k], weights [n, k]) exactly as DeepSeek-V3 routes."""
+    """-> (top-k expert ids [n, k], weights [n, k]) exactly as DeepSeek-V3 routes (SPLASH's CPU kernel where it
+    runs: the same selection, in one call)."""
     scores = (x.float() @ w.router.T).sigmoid()
+    fast = native_ops.moe_route(scores, w.bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+                                cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    if fast is not None:
+        return fast
     choice = scores + w.bias
     n, E = choice.shape
     g = cfg.n_group
@@ -52,21 +57,30 @@ def route(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tenso
     return idx, weights * cfg.routed_scaling_factor
 
 
-def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """Token rows are sorted by expert once; the experts' two GEMMs each run as one grouped call over the sorted
-    rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
-    index_add scatters the weighted results back."""
-    idx, weights = route(cfg, w, x)
+def _expert_order(cfg: ModelConfig, idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(rows per expert, token of each row sorted by expert — tokens ascending within one —, its weight)."""
+    fast = native_ops.moe_sort(idx, weights, cfg.n_routed_experts)
+    if fast is not None:
+        return fast
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
-    tok = order // cfg.num_experts_per_tok
+    return counts, order // cfg.num_experts_per_tok, weights.reshape(-1).index_select(0, order)
+
+
+def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """Token rows are sorted by expert once; the experts' two GEMMs each run as one grouped call over the sorted
+    rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
+    weighted scatter (index_add) sums the results back per token."""
+    counts, tok, wsort = _expert_order(cfg, *route(cfg, w, x))
     xs = x.index_select(0, tok)
     inter = w.down.shape[-1]
     act = _swiglu(grouped_linear(xs, w.gate_up, counts), inter, limit)
     ys = grouped_linear(act, w.down, counts)
-    ys.mul_(weights.reshape(-1).index_select(0, order)[:, None].to(ys.dtype))
-    out = torch.zeros_like(x).index_add_(0, tok, ys)
+    out = native_ops.moe_combine(ys, tok, wsort, x.shape[0])
+    if out is None:
+        ys.mul_(wsort[:, None].to(ys.dtype))
+        out = torch.zeros_like(x).index_add_(0, tok, ys)
     if w.shared is not None:
         out = out + mlp(w.shared, x, limit)
     return out

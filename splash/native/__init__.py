@@ -34,6 +34,12 @@ SIGNATURES = {
     "swiglu": (None, [P, I64, ctypes.c_int, I64, P]),
     "mla_decode": (ctypes.c_int, [ctypes.c_int, P, P, P, P, P, P, I64, I64, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, P, P, I64, I64, P, P, F32, P, P]),
+    "moe_route": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, F32,
+                                 P, P]),
+    "absorb_rope": (None, [P, I64, ctypes.c_int, I64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, P, P, P]),
+    "moe_sort": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
+    "moe_combine": (None, [P, I64, ctypes.c_int, P, P, I64, P]),
 }
 
 

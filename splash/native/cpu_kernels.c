@@ -13,68 +13,78 @@
    the batch and context.
 
    linear_packed, rms_norm, rope, swiglu: one packed dense weight's GEMM and the row-wise ops around the GEMMs, each
-   one call in place of several torch ops. */
+   one call in place of several torch ops.
+
+   moe_route, moe_sort, moe_combine: DeepSeek-V3's group-limited top-k routing, the experts' row order for the
+   grouped GEMM, and the weighted scatter of the experts' outputs back to their tokens — each one call in place of
+   ~10 small torch ops a MoE layer. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LOADW const float *wk = w + (int64_t)k * 16; __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+#define LOADW const float *wk = w + (int64_t)k * ldw; __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
 #define B(i) { __m256 t = _mm256_broadcast_ss(x + (i) * ldx + k); a##i = _mm256_fmadd_ps(t, w0, a##i); b##i = _mm256_fmadd_ps(t, w1, b##i); }
 #define S(i) _mm256_storeu_ps(y + (i) * ldy, a##i); _mm256_storeu_ps(y + (i) * ldy + 8, b##i);
 
-static void tile1(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+static void tile1(const float *x, int64_t ldx, int K, const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a0=_mm256_setzero_ps(),b0=a0;
     for (int k = 0; k < K; k++) { LOADW B(0) }
     S(0)
 }
-static void tile2(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+static void tile2(const float *x, int64_t ldx, int K, const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1;
     for (int k = 0; k < K; k++) { LOADW B(0) B(1) }
     S(0) S(1)
 }
-static void tile3(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+static void tile3(const float *x, int64_t ldx, int K, const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2;
     for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) }
     S(0) S(1) S(2)
 }
-static void tile4(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+static void tile4(const float *x, int64_t ldx, int K, const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2,a3=_mm256_setzero_ps(),b3=a3;
     for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) B(3) }
     S(0) S(1) S(2) S(3)
 }
-static void tile5(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+static void tile5(const float *x, int64_t ldx, int K, const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2,a3=_mm256_setzero_ps(),b3=a3,a4=_mm256_setzero_ps(),b4=a4;
     for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) B(3) B(4) }
     S(0) S(1) S(2) S(3) S(4)
 }
-static void tile6(const float *x, int64_t ldx, int K, const float *w, float *y, int64_t ldy) {
+static void tile6(const float *x, int64_t ldx, int K, const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a0=_mm256_setzero_ps(),b0=a0,a1=_mm256_setzero_ps(),b1=a1,a2=_mm256_setzero_ps(),b2=a2,a3=_mm256_setzero_ps(),b3=a3,a4=_mm256_setzero_ps(),b4=a4,a5=_mm256_setzero_ps(),b5=a5;
     for (int k = 0; k < K; k++) { LOADW B(0) B(1) B(2) B(3) B(4) B(5) }
     S(0) S(1) S(2) S(3) S(4) S(5)
 }
 
-typedef void (*tile_fn)(const float *, int64_t, int, const float *, float *, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, int, const float *, int64_t, float *, int64_t);
 static const tile_fn TILES[7] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
 
-/* y [M, N] = x [M, K] @ W^T (rows of x at stride ldx), W [N, K] packed as [N / 16][K][16] (splash.models.packed).
-   Rows go in blocks whose slice of x stays in L2 (<= 192 KiB) while every strip of W passes over them; up to 6
-   rows x one strip is one register tile. Blocking changes no result: each output element is one dot product in
-   k order. */
-static void gemm_packed(const float *x, int64_t M, int K, int64_t ldx, const float *wp, int N, float *y) {
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times a weight given as N / 16 strips of 16 columns: strip s
+   at w + s * sstride, its row k at + k * ldw. Packed W [N, K] (splash.models.packed: [N / 16][K][16]) is
+   sstride = 16 K, ldw = 16; a row-major [K, N] weight is sstride = 16, ldw = N. Rows go in blocks whose slice of
+   x stays in L2 (<= 192 KiB) while every strip passes over them; up to 6 rows x one strip is one register tile.
+   Blocking changes no result: each output element is one dot product in k order. */
+static void gemm_strips(const float *x, int64_t M, int K, int64_t ldx, const float *w, int64_t sstride, int64_t ldw,
+                        int N, float *y, int64_t ldy) {
     int64_t mb = (49152 / (K > 0 ? K : 1)) / 6 * 6;
     if (mb < 6) mb = 6;
     for (int64_t m0 = 0; m0 < M; m0 += mb) {
         int64_t m1 = m0 + mb < M ? m0 + mb : M;
         for (int s = 0; s < N / 16; s++) {
-            const float *w = wp + (int64_t)s * K * 16;
+            const float *ws = w + (int64_t)s * sstride;
             for (int64_t m = m0; m < m1; m += 6) {
                 int r = m1 - m < 6 ? (int)(m1 - m) : 6;
-                TILES[r](x + m * ldx, ldx, K, w, y + m * N + 16 * s, N);
+                TILES[r](x + m * ldx, ldx, K, ws, ldw, y + m * ldy + 16 * s, ldy);
             }
         }
     }
+}
+
+static void gemm_packed(const float *x, int64_t M, int K, int64_t ldx, const float *wp, int N, float *y) {
+    gemm_strips(x, M, K, ldx, wp, (int64_t)K * 16, 16, N, y, N);
 }
 
 /* One packed weight: y [M, N] = x [M, K] @ W^T (rows of x at stride ldx). */
@@ -265,24 +275,43 @@ void rms_norm(const float *x, int64_t n, int d, int64_t ldx, const float *w, flo
     }
 }
 
-/* Rotary embedding of x [n, H, dim] (strides sn, sh; last dim contiguous) with cos/sin [n, dim / 2]: pairs
-   (x1, x2) are (x[2i], x[2i+1]) when `interleave` (DeepSeek's layout), else (x[i], x[i + dim/2]); the output
-   y [n, H, dim] (contiguous) is [x1 cos - x2 sin, x2 cos + x1 sin], de-interleaved. */
-void rope(const float *x, int64_t n, int64_t H, int64_t sn, int64_t sh, int dim, int interleave, const float *cos,
-          const float *sin, float *y) {
+/* Rotary embedding of x [n, H, dim] (strides sn, sh; last dim contiguous) with cos/sin [n, dim / 2] into y (strides
+   yn, yh): pairs (x1, x2) are (x[2i], x[2i+1]) when `interleave` (DeepSeek's layout), else (x[i], x[i + dim/2]);
+   y's row is [x1 cos - x2 sin, x2 cos + x1 sin], de-interleaved. */
+static void rope_to(const float *x, int64_t n, int64_t H, int64_t sn, int64_t sh, int dim, int interleave,
+                    const float *cos, const float *sin, float *y, int64_t yn, int64_t yh) {
     int half = dim / 2;
     for (int64_t r = 0; r < n; r++) {
         const float *c = cos + r * half, *s = sin + r * half;
         for (int64_t h = 0; h < H; h++) {
             const float *xh = x + r * sn + h * sh;
-            float *yh = y + (r * H + h) * dim;
+            float *o = y + r * yn + h * yh;
             for (int i = 0; i < half; i++) {
                 float x1 = interleave ? xh[2 * i] : xh[i], x2 = interleave ? xh[2 * i + 1] : xh[i + half];
-                yh[i] = x1 * c[i] - x2 * s[i];
-                yh[i + half] = x2 * c[i] + x1 * s[i];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[i + half] = x2 * c[i] + x1 * s[i];
             }
         }
     }
+}
+
+/* rope_to with y [n, H, dim] contiguous. */
+void rope(const float *x, int64_t n, int64_t H, int64_t sn, int64_t sh, int dim, int interleave, const float *cos,
+          const float *sin, float *y) {
+    rope_to(x, n, H, sn, sh, dim, interleave, cos, sin, y, H * dim, dim);
+}
+
+/* MLA's absorbed queries q~ [n, H, d_c + d_r] (contiguous) from Q-B's output q [n, H, qk] (row stride ldq, heads
+   qk apart; per head q_nope = the first d_nope values, q_rope the next d_r) and W_UK [H, d_nope, d_c]: per head a
+   GEMM q_nope @ W_UK[h] (W_UK[h] row-major [d_nope, d_c]: 16-column strips read in place) written into q~'s
+   latent part, and q_rope rotated (rope_to) into its rope part: no transposes, no concatenation. d_c % 16 == 0. */
+void absorb_rope(const float *q, int64_t n, int H, int64_t ldq, int qk, int d_nope, const float *wuk, int d_c,
+                 int d_r, int interleave, const float *cos, const float *sin, float *out) {
+    int64_t D = d_c + d_r;
+    for (int h = 0; h < H; h++)
+        gemm_strips(q + (int64_t)h * qk, n, d_nope, ldq, wuk + (int64_t)h * d_nope * d_c, 16, d_c, d_c,
+                    out + h * D, H * D);
+    if (d_r) rope_to(q + d_nope, n, H, ldq, qk, d_r, interleave, cos, sin, out + d_c, H * D, D);
 }
 
 /* SwiGLU of n rows [gate | up] (width 2 * d, row stride ldh): y [n, d] = silu(gate) * up. d % 8 == 0. */
@@ -294,4 +323,83 @@ void swiglu(const float *h, int64_t n, int d, int64_t ldh, float *y) {
             __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
             _mm256_storeu_ps(y + r * d + i, _mm256_mul_ps(sg, u));
         }
+}
+
+/* DeepSeek-V3 routing of n token rows from their sigmoid scores [n, E] and the correction bias [E]: choice =
+   score + bias; each of G groups scores the sum of its top min(2, E / G) choices; the top `tg` groups stay
+   eligible; the top k eligible experts by choice (descending; the first index on ties) are the token's: idx [n, k],
+   weighted by their scores, normalised to sum 1 when `norm` (+ 1e-20), then times `scale`: wt [n, k].
+   Returns 0, or -1 when E > 1024 or E / G / tg / k are out of range. */
+int moe_route(const float *score, const float *bias, int64_t n, int E, int G, int tg, int k, int norm, float scale,
+              int64_t *idx, float *wt) {
+    if (E <= 0 || E > 1024 || G <= 0 || E % G || tg <= 0 || tg > G || k <= 0 || k > E / G * tg) return -1;
+    int per = E / G, top = per < 2 ? per : 2;
+    float choice[1024], gs[1024], w[1024];
+    unsigned char ok[1024], taken[1024];
+    for (int64_t t = 0; t < n; t++) {
+        const float *s = score + t * E;
+        for (int e = 0; e < E; e++) choice[e] = s[e] + bias[e];
+        for (int g = 0; g < G; g++) {   /* sum of the group's top `top` choices */
+            float a = -INFINITY, b = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                float c = choice[e];
+                if (c > a) { b = a; a = c; } else if (c > b) b = c;
+            }
+            gs[g] = top == 2 ? a + b : a;
+        }
+        for (int e = 0; e < E; e++) ok[e] = 0;
+        for (int g = 0; g < G; g++) taken[g] = 0;
+        for (int i = 0; i < tg; i++) {   /* the top tg groups */
+            int best = -1;
+            for (int g = 0; g < G; g++) if (!taken[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            taken[best] = 1;
+            for (int e = best * per; e < (best + 1) * per; e++) ok[e] = 1;
+        }
+        float sum = 0.f;
+        for (int j = 0; j < k; j++) {   /* the top k eligible experts */
+            int best = -1;
+            for (int e = 0; e < E; e++) if (ok[e] && (best < 0 || choice[e] > choice[best])) best = e;
+            ok[best] = 0;
+            idx[t * k + j] = best;
+            w[j] = s[best];
+            sum += w[j];
+        }
+        for (int j = 0; j < k; j++) wt[t * k + j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scale;
+    }
+    return 0;
+}
+
+/* The grouped GEMM's row order from a routing (idx, wt [n, k], ids in [0, E)): counts [E], and for each (token,
+   expert) pair in expert order — tokens ascending within an expert, as a stable argsort of the flat ids gives —
+   its token tok [n k] and weight wsort [n k]. Returns 0, or -1 when an id is outside [0, E). */
+int moe_sort(const int64_t *idx, const float *wt, int64_t n, int k, int E, int64_t *counts, int64_t *tok,
+             float *wsort) {
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1)), o = 0;
+    if (!off) return -1;
+    for (int e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t i = 0; i < n * k; i++) {
+        if (idx[i] < 0 || idx[i] >= E) { free(off); return -1; }
+        counts[idx[i]]++;
+    }
+    for (int e = 0; e < E; e++) { off[e] = o; o += counts[e]; }
+    for (int64_t i = 0; i < n * k; i++) {
+        int64_t p = off[idx[i]]++;
+        tok[p] = i / k;
+        wsort[p] = wt[i];
+    }
+    free(off);
+    return 0;
+}
+
+/* out [n, d] = sum over rows i of ys [m, d] with tok[i] = r of w[i] * ys[i] (a product, then a sum, in i order:
+   what mul_ then index_add_ into zeros compute). d % 8 == 0. */
+void moe_combine(const float *ys, int64_t m, int d, const int64_t *tok, const float *w, int64_t n, float *out) {
+    memset(out, 0, sizeof(float) * (size_t)n * d);
+    for (int64_t i = 0; i < m; i++) {
+        float *o = out + tok[i] * d;
+        const float *y = ys + i * d;
+        __m256 wv = _mm256_set1_ps(w[i]);
+        for (int c = 0; c < d; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_loadu_ps(o + c), _mm256_mul_ps(wv, _mm256_loadu_ps(y + c))));
+    }
 }

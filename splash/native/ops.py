@@ -43,3 +43,58 @@ def swiglu(h: torch.Tensor, inter: int) -> torch.Tensor | None:
     y = torch.empty(h.shape[0], inter, dtype=torch.float32, device=h.device)
     native.lib().swiglu(h.data_ptr(), h.shape[0], inter, h.stride(0), y.data_ptr())
     return y
+
+
+def moe_route(score: torch.Tensor, bias: torch.Tensor, groups: int, topk_group: int, k: int, norm: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Sigmoid router scores [n, E] and correction bias [E] -> DeepSeek-V3's (expert ids [n, k], weights [n, k])."""
+    if (score.dim() != 2 or not score.is_contiguous() or not bias.is_contiguous() or score.shape[1] > 1024
+            or not _ok(score, bias)):
+        return None
+    n = score.shape[0]
+    idx, wt = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k, dtype=torch.float32)
+    rc = native.lib().moe_route(score.data_ptr(), bias.data_ptr(), n, score.shape[1], groups, topk_group, k,
+                                int(norm), scale, idx.data_ptr(), wt.data_ptr())
+    return (idx, wt) if rc == 0 else None
+
+
+def moe_sort(idx: torch.Tensor, wt: torch.Tensor, E: int) -> tuple[torch.Tensor, ...] | None:
+    """Routing (ids, weights [n, k]) -> the grouped GEMM's order: (rows per expert [E], token of each sorted row,
+    its weight) — the rows in expert order, tokens ascending within an expert (a stable argsort's order)."""
+    if (idx.dtype != torch.int64 or not idx.is_contiguous() or not wt.is_contiguous() or wt.shape != idx.shape
+            or not _ok(wt)):
+        return None
+    m = idx.numel()
+    counts, tok, ws = torch.empty(E, dtype=torch.int64), torch.empty(m, dtype=torch.int64), torch.empty(m)
+    rc = native.lib().moe_sort(idx.data_ptr(), wt.data_ptr(), idx.shape[0], idx.shape[1], E, counts.data_ptr(),
+                               tok.data_ptr(), ws.data_ptr())
+    return (counts, tok, ws) if rc == 0 else None
+
+
+def moe_combine(ys: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Expert outputs ys [m, d] of sorted rows -> [n, d]: row r the sum of w[i] * ys[i] over the rows i of token r,
+    in row order (mul_ then index_add_ into zeros, the same products and sums)."""
+    if (ys.dim() != 2 or not ys.is_contiguous() or ys.shape[1] % 8 or tok.dtype != torch.int64
+            or not tok.is_contiguous() or not w.is_contiguous() or not _ok(ys, w)):
+        return None
+    out = torch.empty(n, ys.shape[1], dtype=torch.float32)
+    native.lib().moe_combine(ys.data_ptr(), ys.shape[0], ys.shape[1], tok.data_ptr(), w.data_ptr(), n, out.data_ptr())
+    return out
+
+
+def absorb_rope(q: torch.Tensor, w_uk: torch.Tensor, d_nope: int, cos: torch.Tensor, sin: torch.Tensor,
+                interleave: bool) -> torch.Tensor | None:
+    """Q-B's output q [n, H, qk] (= [q_nope ; q_rope] per head) and W_UK [H, d_nope, d_c] -> the absorbed queries
+    q̃ [n, H, d_c + d_r] = [q_nope · W_UK ; RoPE(q_rope)] (cos/sin [n, d_r / 2]), in one call."""
+    if q.dim() != 3 or w_uk.dim() != 3:
+        return None
+    n, H, qk = q.shape
+    d_c, d_r = w_uk.shape[2], qk - d_nope
+    if (q.stride(2) != 1 or q.stride(1) != qk or not w_uk.is_contiguous() or tuple(w_uk.shape[:2]) != (H, d_nope)
+            or d_c % 16 or d_r % 2 or not cos.is_contiguous() or not sin.is_contiguous()
+            or tuple(cos.shape) != (n, d_r // 2) or tuple(sin.shape) != (n, d_r // 2) or not _ok(q, w_uk, cos, sin)):
+        return None
+    out = torch.empty(n, H, d_c + d_r, dtype=torch.float32)
+    native.lib().absorb_rope(q.data_ptr(), n, H, q.stride(0), qk, d_nope, w_uk.data_ptr(), d_c, d_r, int(interleave),
+                             cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out

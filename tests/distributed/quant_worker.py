@@ -27,6 +27,7 @@ from splash.layouts.memory import rank_weight_bytes
 from splash.models.build import build_weights
 from splash.models.glm5_next import build_hybrid_weights
 from splash.models.loader import open_checkpoint
+from splash.models.packed import PackedLinear
 from splash.models.qweight import QuantWeight, RowStack
 from splash.models.weights import resident_bytes
 
@@ -48,6 +49,8 @@ def _same(a, b) -> bool:
         return a is b
     if isinstance(a, RowStack):
         return isinstance(b, RowStack) and len(a.parts) == len(b.parts) and all(map(_same, a.parts, b.parts))
+    if isinstance(a, PackedLinear):   # fp32 projections packed for SPLASH's CPU GEMM
+        return isinstance(b, PackedLinear) and a.shape == b.shape and torch.equal(a.packed, b.packed)
     if isinstance(a, QuantWeight):
         return (isinstance(b, QuantWeight) and (a.fmt, a.row_off, a.col_off) == (b.fmt, b.row_off, b.col_off)
                 and a.data.shape == b.data.shape and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
