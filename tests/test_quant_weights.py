@@ -125,7 +125,7 @@ def test_projection_all_gather_payload(fmt, world):
         back = wt.slice_heads(got, range(r * per, (r + 1) * per), cfg.qk_head_dim)
         for a, b in ((back.q_b, shards[r].q_b), (back.kv_b, shards[r].kv_b), (back.o, shards[r].o)):
             assert _same(a, b)
-        assert torch.equal(back.uk(), shards[r].uk()) and torch.equal(back.uv(), shards[r].uv())
+        assert torch.equal(back.uk(), shards[r].uk()) and torch.equal(back.uv_t(), shards[r].uv_t())
 
 
 def test_switch_keeps_one_stacked_qkv_a():

@@ -78,9 +78,11 @@ def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tens
 def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     """õ [n, H_local, d_c] -> this rank's partial O output [n, hidden] (sum over ranks for sharded heads)."""
     n = o_lat.shape[0]
-    uv = w.uv()
-    o = bmm(o_lat.to(uv.dtype).transpose(0, 1), uv.transpose(1, 2))  # [H, n, d_v]
-    o = o.transpose(0, 1).reshape(n, w.o.shape[1])
+    uv_t = w.uv_t()
+    o = native_ops.uv_heads(o_lat, uv_t)   # SPLASH's CPU kernel: each head's columns written in place
+    if o is None:
+        o = bmm(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
+        o = o.transpose(0, 1).reshape(n, w.o.shape[1])
     return linear(o, w.o)
 
 

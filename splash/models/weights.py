@@ -29,7 +29,7 @@ class AttnWeights:
     kv_a: torch.Tensor             # [d_c + d_r, hidden]
     kv_a_norm: torch.Tensor        # [d_c]
     w_uk: torch.Tensor | None      # [H_l, d_nope, d_c] (None when KV-B is quantised: see kv_b)
-    w_uv: torch.Tensor | None      # [H_l, d_v, d_c]
+    w_uv: torch.Tensor | None      # W_UV transposed, [H_l, d_c, d_v] (each head's d_v columns contiguous)
     o: torch.Tensor                # [hidden, H_l * d_v]
     heads: range
     # [Q-A ; KV-A] stacked [q_lora + d_c + d_r, hidden] for one GEMM (q_a / kv_a are views into it when built by
@@ -44,11 +44,11 @@ class AttnWeights:
             return self.w_uk
         return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, :self.d_nope]
 
-    def uv(self) -> torch.Tensor:
-        """W_UV [H_l, d_v, d_c] in the compute dtype."""
+    def uv_t(self) -> torch.Tensor:
+        """W_UV transposed, [H_l, d_c, d_v], in the compute dtype."""
         if self.kv_b is None:
             return self.w_uv
-        return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, self.d_nope:]
+        return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, self.d_nope:].transpose(1, 2)
 
 
 @dataclass
@@ -146,7 +146,7 @@ def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> Att
     return pack_attention(AttnWeights(
         q_a=q_a, q_a_norm=q_a_norm, q_b=owned(q_b.view(H, qh, -1)[h0:h1].reshape((h1 - h0) * qh, -1)),
         kv_a=kv_a, kv_a_norm=get(prefix + "kv_a_layernorm.weight"),
-        w_uk=kv_b[h0:h1, :dn].contiguous(), w_uv=kv_b[h0:h1, dn:].contiguous(),
+        w_uk=kv_b[h0:h1, :dn].contiguous(), w_uv=kv_b[h0:h1, dn:].transpose(1, 2).contiguous(),
         o=o[:, h0:h1].reshape(cfg.hidden_size, (h1 - h0) * dv).contiguous(), heads=heads, qkv_a=qkv_a))
 
 

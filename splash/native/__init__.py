@@ -38,6 +38,7 @@ SIGNATURES = {
                                  P, P]),
     "absorb_rope": (None, [P, I64, ctypes.c_int, I64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int, ctypes.c_int,
                            ctypes.c_int, P, P, P]),
+    "uv_heads": (None, [P, I64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int, P]),
     "moe_sort": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
     "moe_combine": (None, [P, I64, ctypes.c_int, P, P, I64, P]),
 }

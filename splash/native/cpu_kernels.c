@@ -15,6 +15,9 @@
    linear_packed, rms_norm, rope, swiglu: one packed dense weight's GEMM and the row-wise ops around the GEMMs, each
    one call in place of several torch ops.
 
+   absorb_rope, uv_heads: MLA's per-head GEMMs around the attention (q_nope @ W_UK with the rotated q_rope into the
+   absorbed queries; õ @ W_UV^T into O's input), reading the per-head weights in place.
+
    moe_route, moe_sort, moe_combine: DeepSeek-V3's group-limited top-k routing, the experts' row order for the
    grouped GEMM, and the weighted scatter of the experts' outputs back to their tokens — each one call in place of
    ~10 small torch ops a MoE layer. */
@@ -402,4 +405,12 @@ void moe_combine(const float *ys, int64_t m, int d, const int64_t *tok, const fl
         for (int c = 0; c < d; c += 8)
             _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_loadu_ps(o + c), _mm256_mul_ps(wv, _mm256_loadu_ps(y + c))));
     }
+}
+
+/* W_UV per head: o [n, H * d_v] with o[r, h d_v .. (h + 1) d_v] = ol[r, h] @ W_UV^T[h], ol [n, H, d_c] contiguous,
+   W_UV^T [H, d_c, d_v] row-major (16-column strips read in place). d_v % 16 == 0. */
+void uv_heads(const float *ol, int64_t n, int H, int d_c, const float *wuvt, int d_v, float *out) {
+    for (int h = 0; h < H; h++)
+        gemm_strips(ol + (int64_t)h * d_c, n, d_c, (int64_t)H * d_c, wuvt + (int64_t)h * d_c * d_v, 16, d_v, d_v,
+                    out + (int64_t)h * d_v, (int64_t)H * d_v);
 }

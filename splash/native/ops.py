@@ -98,3 +98,17 @@ def absorb_rope(q: torch.Tensor, w_uk: torch.Tensor, d_nope: int, cos: torch.Ten
     native.lib().absorb_rope(q.data_ptr(), n, H, q.stride(0), qk, d_nope, w_uk.data_ptr(), d_c, d_r, int(interleave),
                              cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
+
+
+def uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor | None:
+    """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h's columns õ_h @ W_UV_hᵀ)."""
+    if o_lat.dim() != 3 or uv_t.dim() != 3:
+        return None
+    n, H, d_c = o_lat.shape
+    d_v = uv_t.shape[2]
+    if (not o_lat.is_contiguous() or not uv_t.is_contiguous() or tuple(uv_t.shape[:2]) != (H, d_c) or d_v % 16
+            or not _ok(o_lat, uv_t)):
+        return None
+    out = torch.empty(n, H * d_v, dtype=torch.float32)
+    native.lib().uv_heads(o_lat.data_ptr(), n, H, d_c, uv_t.data_ptr(), d_v, out.data_ptr())
+    return out
