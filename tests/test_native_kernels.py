@@ -179,3 +179,46 @@ def test_moe_route_sort_combine_match_torch(E, G, tg, k, monkeypatch):
     order = ffn._expert_order(cfg, *fast[0])
     assert all(torch.equal(a, b) for a, b in zip(fast[1], order))
     assert torch.equal(fast[2], torch.zeros(37, 32).index_add_(0, order[1], ys * order[2][:, None]))
+
+
+PACKABLE = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                v_head_dim=16)   # Q-B 32 rows a head, Q-A 48 rows, KV-A 48: every projection whole strips
+
+
+def _attn(cfg, heads):
+    from splash.models.weights import attention_from_full, expected_shapes
+    g = torch.Generator().manual_seed(1)
+    sd = {k: torch.randn(*s, generator=g) * 0.2 if len(s) == 2 else torch.rand(s, generator=g) + 0.5
+          for k, s in sorted(expected_shapes(cfg).items())}
+    return attention_from_full(cfg, sd.__getitem__, "model.layers.0.self_attn.", heads)
+
+
+@needs_native
+def test_packed_projections_fused_and_moved(monkeypatch):
+    """Q-B, O and [Q-A ; KV-A] load packed (Q-A / KV-A strip views of the stack); `mla_project` gives
+    query_and_latent's outputs bit for bit; a replicate-then-discard round trip (the switch executor's weight
+    transfer) gives each rank's packed shard back bit for bit, with the stack carried over."""
+    from splash.attention import mla
+    from splash.models.config import model_config_from_dict
+    from splash.models.rope import Rope
+    from splash.native import ops
+    from splash.switching import weights_transfer as wt
+    cfg = model_config_from_dict(PACKABLE)
+    shards = [_attn(cfg, range(2 * r, 2 * r + 2)) for r in range(2)]
+    w = shards[0]
+    assert all(isinstance(p, packed.PackedLinear) for p in (w.q_b, w.o, w.qkv_a, w.q_a, w.kv_a))
+    assert w.q_a.packed.untyped_storage().data_ptr() == w.qkv_a.packed.untyped_storage().data_ptr()
+    rope, x = Rope(cfg), torch.randn(5, cfg.hidden_size)
+    cos, sin = rope.cos_sin(torch.arange(5) + 3)
+    fused = mla.query_and_latent(cfg, rope, w, x, cos, sin, want_qa=True)
+    monkeypatch.setattr(ops, "mla_project", lambda *a: None)
+    assert all(torch.equal(a, b) for a, b in zip(fused, mla.query_and_latent(cfg, rope, w, x, cos, sin, True)))
+    full = wt.unpack_full(w, torch.cat([wt.pack_shard(s) for s in shards]), 2, 4)
+    assert torch.equal(full.q_b.packed, _attn(cfg, range(4)).q_b.packed)
+    assert torch.equal(full.o.packed, _attn(cfg, range(4)).o.packed)
+    for r in range(2):
+        back = wt.slice_heads(full, range(2 * r, 2 * r + 2), cfg.qk_head_dim)
+        for name in ("q_b", "o"):
+            assert torch.equal(getattr(back, name).packed, getattr(shards[r], name).packed)
+        assert torch.equal(back.w_uv, shards[r].w_uv) and back.qkv_a is w.qkv_a

@@ -69,6 +69,9 @@ def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tens
         return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin), *qa
     if w.qkv_a is None:  # AttnWeights rebuilt elsewhere (layout switch): stack once, reuse afterwards
         w.qkv_a = torch.cat([w.q_a, w.kv_a], dim=0)
+    fused = native_ops.mla_project(x, w, cfg.qk_nope_head_dim, cfg.rms_norm_eps, cos, sin, rope.interleave)
+    if fused is not None:   # SPLASH's CPU kernels: the same steps in one call
+        return fused if want_qa else fused[:3]
     qa, kv = linear(x, w.qkv_a).split([w.q_a.shape[0], w.kv_a.shape[0]], dim=-1)
     qa = rms_norm(qa, w.q_a_norm, cfg.rms_norm_eps)
     q = _absorb(cfg, rope, w, qa, cos, sin)

@@ -414,3 +414,27 @@ void uv_heads(const float *ol, int64_t n, int H, int d_c, const float *wuvt, int
         gemm_strips(ol + (int64_t)h * d_c, n, d_c, (int64_t)H * d_c, wuvt + (int64_t)h * d_c * d_v, 16, d_v, d_v,
                     out + (int64_t)h * d_v, (int64_t)H * d_v);
 }
+
+/* MLA's projections of n rows up to the attention, one call (each step as its own kernel computes it):
+   [q_a | kv] = x @ [Q-A ; KV-A]^T (packed, q_lora + d_c + d_r columns); qa = RMSNorm(q_a) (written out: DSA's
+   indexer reads it); q = qa @ Q-B^T (packed, H qk columns); q~ = absorb_rope(q) [n, H, d_c + d_r];
+   c = RMSNorm(kv latent) [n, d_c]; kpe = RoPE(kv rope) [n, d_r]. q_lora, d_c % 8 == 0, d_c % 16 == 0 for the absorb.
+   Returns 0, or -1 when scratch cannot be allocated. */
+int mla_project(const float *x, int64_t n, int hidden, int64_t ldx, const float *qkv, int q_lora, const float *q_a_norm,
+                const float *q_b, int H, int qk, int d_nope, const float *wuk, int d_c, int d_r, const float *kv_a_norm,
+                float eps, int interleave, const float *cos, const float *sin, float *qa, float *qt, float *c,
+                float *kpe) {
+    int W = q_lora + d_c + d_r;
+    float *h = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * (W + (int64_t)H * qk));
+    if (!h) return -1;
+    float *q = h + n * W;
+    gemm_packed(x, n, hidden, ldx, qkv, W, h);
+    rms_norm(h, n, q_lora, W, q_a_norm, eps, qa);
+    gemm_packed(qa, n, q_lora, q_lora, q_b, H * qk, q);
+    absorb_rope(q, n, H, (int64_t)H * qk, qk, d_nope, wuk, d_c, d_r, interleave, cos, sin, qt);
+    rms_norm(h + q_lora, n, d_c, W, kv_a_norm, eps, c);
+    if (d_r) rope_to(h + q_lora + d_c, n, 1, W, 0, d_r, interleave, cos, sin, kpe, d_r, 0);
+    free(h);
+    return 0;
+}
+

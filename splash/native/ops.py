@@ -112,3 +112,28 @@ def uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(n, H * d_v, dtype=torch.float32)
     native.lib().uv_heads(o_lat.data_ptr(), n, H, d_c, uv_t.data_ptr(), d_v, out.data_ptr())
     return out
+
+
+def mla_project(x: torch.Tensor, w, d_nope: int, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                interleave: bool) -> tuple[torch.Tensor, ...] | None:
+    """x [n, hidden] and AttnWeights with packed [Q-A ; KV-A] and Q-B -> (q̃ [n, H, d_c + d_r], c_kv [n, d_c],
+    k_rope [n, d_r], normed Q-A output [n, q_lora]): `splash.attention.mla.query_and_latent`'s steps in one call."""
+    from splash.models.packed import PackedLinear
+    if (not isinstance(w.qkv_a, PackedLinear) or not isinstance(w.q_b, PackedLinear) or w.q_a is None
+            or x.dim() != 2 or x.stride(1) != 1 or w.w_uk is None or not w.w_uk.is_contiguous()):
+        return None
+    n, H = x.shape[0], len(w.heads)
+    q_lora, (d_c, d_r) = w.q_a.shape[0], (w.w_uk.shape[2], w.qkv_a.shape[0] - w.q_a.shape[0] - w.w_uk.shape[2])
+    qk = w.q_b.shape[0] // H
+    if (w.w_uk.shape[:2] != (H, d_nope) or qk != d_nope + d_r or d_c % 16 or q_lora % 8 or d_r % 2
+            or tuple(cos.shape) != (n, d_r // 2) or not cos.is_contiguous() or not sin.is_contiguous()
+            or not _ok(x, w.q_a_norm, w.kv_a_norm, cos, sin)):
+        return None
+    qa, q = torch.empty(n, q_lora), torch.empty(n, H, d_c + d_r)
+    c, kpe = torch.empty(n, d_c), torch.empty(n, d_r)
+    rc = native.lib().mla_project(x.data_ptr(), n, x.shape[1], x.stride(0), w.qkv_a.packed.data_ptr(), q_lora,
+                                  w.q_a_norm.data_ptr(), w.q_b.packed.data_ptr(), H, qk, d_nope, w.w_uk.data_ptr(),
+                                  d_c, d_r, w.kv_a_norm.data_ptr(), eps, int(interleave), cos.data_ptr(),
+                                  sin.data_ptr(), qa.data_ptr(), q.data_ptr(), c.data_ptr(), kpe.data_ptr())
+    return (q, c, kpe, qa) if rc == 0 else None
+
