@@ -222,3 +222,27 @@ def test_packed_projections_fused_and_moved(monkeypatch):
         for name in ("q_b", "o"):
             assert torch.equal(getattr(back, name).packed, getattr(shards[r], name).packed)
         assert torch.equal(back.w_uv, shards[r].w_uv) and back.qkv_a is w.qkv_a
+
+
+@needs_native
+def test_fused_moe_and_mlp_match_unfused(monkeypatch):
+    """moe_experts (gather, both expert GEMMs, SwiGLU, weighted sum) and mlp_packed give the unfused path's bits."""
+    import types
+
+    from splash.models import ffn
+    from splash.models.weights import MLPWeights, MoEWeights
+    from splash.native import ops
+    g = torch.Generator().manual_seed(0)
+    E, H, inter = 16, 64, 32
+    cfg = types.SimpleNamespace(n_group=4, topk_group=2, num_experts_per_tok=4, norm_topk_prob=True,
+                                routed_scaling_factor=2.5, n_routed_experts=E)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    shared = MLPWeights(gate=None, up=None, down=packed.pack_linear(r(H, inter)),
+                        gate_up=packed.pack_linear(r(2 * inter, H)))
+    w = MoEWeights(router=r(E, H), bias=r(E) * 0.1, gate_up=packed.pack_experts(r(E, 2 * inter, H)),
+                   down=packed.pack_experts(r(E, H, inter)), shared=shared)
+    x = r(37, H)
+    fused = ffn.moe(cfg, w, x)
+    monkeypatch.setattr(ops, "moe_experts", lambda *a: None)
+    monkeypatch.setattr(ops, "mlp_packed", lambda *a: None)
+    assert torch.equal(fused, ffn.moe(cfg, w, x))

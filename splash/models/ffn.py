@@ -30,6 +30,10 @@ def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Ten
     """silu(x Gᵀ) * (x Uᵀ) then Dᵀ, with gate and up as one GEMM on [G ; U]."""
     if w.gate_up is None:
         w.gate_up = torch.cat([w.gate, w.up], dim=0)
+    if limit is None:
+        y = native_ops.mlp_packed(x, w.gate_up, w.down)   # packed weights: SPLASH's CPU kernel, one call
+        if y is not None:
+            return y
     inter = w.gate.shape[0] if w.gate is not None else w.gate_up.shape[0] // 2   # None: packed (splash.models.packed)
     h = linear(x, w.gate_up)
     return linear(_swiglu(h, inter, limit), w.down)
@@ -73,6 +77,9 @@ def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = 
     rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
     weighted scatter (index_add) sums the results back per token."""
     counts, tok, wsort = _expert_order(cfg, *route(cfg, w, x))
+    out = native_ops.moe_experts(x, tok, counts, wsort, w.gate_up, w.down) if limit is None else None
+    if out is not None:   # packed experts: SPLASH's CPU kernel runs them all, gather to weighted sum, in one call
+        return out + mlp(w.shared, x, limit) if w.shared is not None else out
     xs = x.index_select(0, tok)
     inter = w.down.shape[-1]
     act = _swiglu(grouped_linear(xs, w.gate_up, counts), inter, limit)

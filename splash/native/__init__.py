@@ -41,6 +41,8 @@ SIGNATURES = {
     "uv_heads": (None, [P, I64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int, P]),
     "mla_project": (ctypes.c_int, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P, P, ctypes.c_int, ctypes.c_int,
                                    ctypes.c_int, P, ctypes.c_int, ctypes.c_int, P, F32, ctypes.c_int, P, P, P, P, P, P]),
+    "mlp_packed": (ctypes.c_int, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P, ctypes.c_int, P]),
+    "moe_experts": (ctypes.c_int, [P, I64, ctypes.c_int, P, P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
     "moe_sort": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
     "moe_combine": (None, [P, I64, ctypes.c_int, P, P, I64, P]),
 }

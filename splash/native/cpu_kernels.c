@@ -438,3 +438,56 @@ int mla_project(const float *x, int64_t n, int hidden, int64_t ldx, const float 
     return 0;
 }
 
+
+/* A SwiGLU MLP on packed weights, one call: y [M, N] = swiglu(x [M, K] @ GU^T) @ D^T, GU [2 I, K] = [gate ; up] and
+   D [N, I] packed; rows in blocks of 64 so the intermediate [64, 3 I] scratch stays in cache. The same products,
+   sums and activation as linear_packed, swiglu, linear_packed. Returns 0, or -1 when scratch cannot be
+   allocated. I % 8 == 0. */
+int mlp_packed(const float *x, int64_t M, int K, int64_t ldx, const float *gu, int I, const float *d, int N, float *y) {
+    int64_t mb = M < 64 ? M : 64;
+    float *h = malloc(sizeof(float) * (size_t)(mb > 0 ? mb : 1) * 3 * I);
+    if (!h) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        int64_t r = M - m0 < mb ? M - m0 : mb;
+        gemm_packed(x + m0 * ldx, r, K, ldx, gu, 2 * I, h);
+        swiglu(h, r, I, 2 * I, h + r * 2 * I);
+        gemm_packed(h + r * 2 * I, r, I, I, d, N, y + m0 * N);
+    }
+    free(h);
+    return 0;
+}
+
+/* The routed experts of a MoE layer, one call: for each expert e with counts[e] rows (rows sorted by expert: token
+   tok[i], weight w[i] of sorted row i), gather its tokens' rows of x [n, K], run the packed SwiGLU MLP of expert e
+   (gate_up [E][2 I / 16][K][16], down [E][N / 16][I][16]), and add w[i] times each result row to out [n, N], which
+   is zeroed first: what index_select, two grouped GEMMs, swiglu and moe_combine compute, in the same order.
+   Returns 0, or -1 when scratch cannot be allocated or a token is outside [0, n). */
+int moe_experts(const float *x, int64_t n, int K, const int64_t *tok, const int64_t *counts, const float *w, int E,
+                const float *gate_up, int I, const float *down, int N, float *out) {
+    int64_t most = 1, r = 0;
+    for (int e = 0; e < E; e++) { most = counts[e] > most ? counts[e] : most; r += counts[e]; }
+    for (int64_t i = 0; i < r; i++) if (tok[i] < 0 || tok[i] >= n) return -1;
+    float *xs = malloc(sizeof(float) * (size_t)most * (K + 3 * I + N));
+    if (!xs) return -1;
+    float *h = xs + most * K, *a = h + most * 2 * I, *ys = a + most * I;
+    memset(out, 0, sizeof(float) * (size_t)n * N);
+    r = 0;
+    for (int e = 0; e < E; e++) {
+        int64_t c = counts[e];
+        if (!c) continue;
+        for (int64_t i = 0; i < c; i++) memcpy(xs + i * K, x + tok[r + i] * K, sizeof(float) * K);
+        gemm_packed(xs, c, K, K, gate_up + (int64_t)e * 2 * I * K, 2 * I, h);
+        swiglu(h, c, I, 2 * I, a);
+        gemm_packed(a, c, I, I, down + (int64_t)e * N * I, N, ys);
+        for (int64_t i = 0; i < c; i++) {
+            float *o = out + tok[r + i] * N;
+            const float *y = ys + i * N;
+            __m256 wv = _mm256_set1_ps(w[r + i]);
+            for (int j = 0; j < N; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(wv, _mm256_loadu_ps(y + j))));
+        }
+        r += c;
+    }
+    free(xs);
+    return 0;
+}

@@ -137,3 +137,38 @@ def mla_project(x: torch.Tensor, w, d_nope: int, eps: float, cos: torch.Tensor, 
                                   sin.data_ptr(), qa.data_ptr(), q.data_ptr(), c.data_ptr(), kpe.data_ptr())
     return (q, c, kpe, qa) if rc == 0 else None
 
+
+
+def _packed_fp32(*ws) -> bool:
+    from splash.models.packed import _Packed
+    return all(isinstance(w, _Packed) and w.dtype == torch.float32 and w.device.type == "cpu" for w in ws)
+
+
+def mlp_packed(x: torch.Tensor, gate_up, down) -> torch.Tensor | None:
+    """x [M, K] -> swiglu(x @ [gate ; up]ᵀ) @ downᵀ, both weights packed (splash.models.packed), in one call."""
+    if x.dim() != 2 or x.stride(1) != 1 or not _packed_fp32(gate_up, down) or not _ok(x):
+        return None
+    (I2, K), (N, I) = gate_up.shape, down.shape
+    if K != x.shape[1] or I2 != 2 * I or I % 8:
+        return None
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    rc = native.lib().mlp_packed(x.data_ptr(), x.shape[0], K, x.stride(0), gate_up.packed.data_ptr(), I,
+                                 down.packed.data_ptr(), N, y.data_ptr())
+    return y if rc == 0 else None
+
+
+def moe_experts(x: torch.Tensor, tok: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, gate_up,
+                down) -> torch.Tensor | None:
+    """The routed experts in one call: rows sorted by expert (counts [E]; token tok[i] and weight w[i] of sorted
+    row i) through each expert's packed SwiGLU MLP, w[i] times each result summed into its token's row [n, N]."""
+    if (x.dim() != 2 or not x.is_contiguous() or not _packed_fp32(gate_up, down) or tok.dtype != torch.int64
+            or counts.dtype != torch.int64 or not tok.is_contiguous() or not counts.is_contiguous()
+            or not w.is_contiguous() or not _ok(x, w)):
+        return None
+    (E, I2, K), (_, N, I) = gate_up.shape, down.shape
+    if K != x.shape[1] or I2 != 2 * I or I % 8 or N % 8 or counts.numel() != E:
+        return None
+    out = torch.empty(x.shape[0], N, dtype=torch.float32)
+    rc = native.lib().moe_experts(x.data_ptr(), x.shape[0], K, tok.data_ptr(), counts.data_ptr(), w.data_ptr(), E,
+                                  gate_up.packed.data_ptr(), I, down.packed.data_ptr(), N, out.data_ptr())
+    return out if rc == 0 else None
