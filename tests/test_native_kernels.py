@@ -197,8 +197,9 @@ def _attn(cfg, heads):
 @needs_native
 def test_packed_projections_fused_and_moved(monkeypatch):
     """Q-B, O and [Q-A ; KV-A] load packed (Q-A / KV-A strip views of the stack); `mla_project` gives
-    query_and_latent's outputs bit for bit; a replicate-then-discard round trip (the switch executor's weight
-    transfer) gives each rank's packed shard back bit for bit, with the stack carried over."""
+    query_and_latent's, latent_query's and new_latent_kv's outputs bit for bit; a replicate-then-discard round
+    trip (the switch executor's weight transfer) gives each rank's packed shard back bit for bit, with the stack
+    carried over."""
     from splash.attention import mla
     from splash.models.config import model_config_from_dict
     from splash.models.rope import Rope
@@ -211,9 +212,12 @@ def test_packed_projections_fused_and_moved(monkeypatch):
     assert w.q_a.packed.untyped_storage().data_ptr() == w.qkv_a.packed.untyped_storage().data_ptr()
     rope, x = Rope(cfg), torch.randn(5, cfg.hidden_size)
     cos, sin = rope.cos_sin(torch.arange(5) + 3)
-    fused = mla.query_and_latent(cfg, rope, w, x, cos, sin, want_qa=True)
-    monkeypatch.setattr(ops, "mla_project", lambda *a: None)
-    assert all(torch.equal(a, b) for a, b in zip(fused, mla.query_and_latent(cfg, rope, w, x, cos, sin, True)))
+    steps = (lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin, True),   # TP, DP-attn
+             lambda: mla.latent_query(cfg, rope, w, x, cos, sin, True),       # CP, DOP
+             lambda: mla.new_latent_kv(cfg, rope, w, x, cos, sin))
+    fused = [f() for f in steps]
+    monkeypatch.setattr(ops, "mla_project", lambda *a, **k: None)
+    assert all(torch.equal(a, b) for f, got in zip(steps, fused) for a, b in zip(got, f()))
     full = wt.unpack_full(w, torch.cat([wt.pack_shard(s) for s in shards]), 2, 4)
     assert torch.equal(full.q_b.packed, _attn(cfg, range(4)).q_b.packed)
     assert torch.equal(full.o.packed, _attn(cfg, range(4)).o.packed)

@@ -49,6 +49,9 @@ def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, 
                  sin: torch.Tensor, want_qa: bool = False):
     """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads (and, with `want_qa`,
     the normed Q-A output [n, q_lora] the DSA indexer reads, as a pair)."""
+    fused = native_ops.mla_project(x, w, cfg.qk_nope_head_dim, cfg.rms_norm_eps, cos, sin, rope.interleave, parts=1)
+    if fused is not None:   # SPLASH's CPU kernels: the same steps in one call
+        return fused if want_qa else fused[0]
     qa = x if w.q_a is None else rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
     q = _absorb(cfg, rope, w, qa, cos, sin)
     return (q, qa) if want_qa else q
@@ -57,6 +60,9 @@ def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, 
 def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, hidden] -> (c_kv [n, d_c] normed latent, k_rope [n, d_r] rotated)."""
+    fused = native_ops.mla_project(x, w, cfg.qk_nope_head_dim, cfg.rms_norm_eps, cos, sin, rope.interleave, parts=2)
+    if fused is not None:
+        return fused
     return _latent(cfg, rope, w, linear(x, w.kv_a), cos, sin)
 
 

@@ -6,8 +6,8 @@ plain tensors (the plain one is not kept).
 intra-op thread) and its output width is a multiple of 16; otherwise they return it unchanged. Only weights that no
 layout switch rewrites are packed (MoE experts, dense MLPs and shared experts, an untied LM head), and the attention
 projections Q-B, O and [Q-A ; KV-A] (`pack_attention`) where a head's Q-B rows are whole strips: a layout switch
-moves them packed (splash.switching.weights_transfer). A packed weight still answers `shape`, `dtype` (and `stack[e]`, that expert's
-weight, unpacked) like the tensor it replaces.
+moves them packed (splash.switching.weights_transfer). A packed weight still answers `shape`, `dtype` (and
+`stack[e]`, that expert's weight, unpacked) like the tensor it replaces.
 """
 from __future__ import annotations
 

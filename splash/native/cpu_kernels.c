@@ -415,29 +415,32 @@ void uv_heads(const float *ol, int64_t n, int H, int d_c, const float *wuvt, int
                     out + (int64_t)h * d_v, (int64_t)H * d_v);
 }
 
-/* MLA's projections of n rows up to the attention, one call (each step as its own kernel computes it):
-   [q_a | kv] = x @ [Q-A ; KV-A]^T (packed, q_lora + d_c + d_r columns); qa = RMSNorm(q_a) (written out: DSA's
-   indexer reads it); q = qa @ Q-B^T (packed, H qk columns); q~ = absorb_rope(q) [n, H, d_c + d_r];
-   c = RMSNorm(kv latent) [n, d_c]; kpe = RoPE(kv rope) [n, d_r]. q_lora, d_c % 8 == 0, d_c % 16 == 0 for the absorb.
-   Returns 0, or -1 when scratch cannot be allocated. */
-int mla_project(const float *x, int64_t n, int hidden, int64_t ldx, const float *qkv, int q_lora, const float *q_a_norm,
-                const float *q_b, int H, int qk, int d_nope, const float *wuk, int d_c, int d_r, const float *kv_a_norm,
-                float eps, int interleave, const float *cos, const float *sin, float *qa, float *qt, float *c,
-                float *kpe) {
-    int W = q_lora + d_c + d_r;
-    float *h = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * (W + (int64_t)H * qk));
+/* MLA's projections of n rows up to the attention, one call (each step as its own kernel computes it). `parts`:
+   1 the queries, 2 the new latent KV, 3 both; `wa` the packed Q-A (1), KV-A (2) or [Q-A ; KV-A] (3) weight. Queries:
+   qa = RMSNorm(x @ Q-A^T) (written out: DSA's indexer reads it), q = qa @ Q-B^T (packed, H qk columns), q~ =
+   absorb_rope(q) [n, H, d_c + d_r]. Latent: c = RMSNorm of the latent part of x @ KV-A^T [n, d_c], kpe = RoPE of its
+   rope part [n, d_r]. q_lora % 8 == 0, d_c % 16 == 0. Returns 0, or -1 when scratch cannot be allocated. */
+int mla_project(const float *x, int64_t n, int hidden, int64_t ldx, int parts, const float *wa, int q_lora,
+                const float *q_a_norm, const float *q_b, int H, int qk, int d_nope, const float *wuk, int d_c, int d_r,
+                const float *kv_a_norm, float eps, int interleave, const float *cos, const float *sin, float *qa,
+                float *qt, float *c, float *kpe) {
+    int qw = parts & 1 ? q_lora : 0, W = qw + (parts & 2 ? d_c + d_r : 0);
+    float *h = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * (W + (parts & 1 ? (int64_t)H * qk : 0)));
     if (!h) return -1;
-    float *q = h + n * W;
-    gemm_packed(x, n, hidden, ldx, qkv, W, h);
-    rms_norm(h, n, q_lora, W, q_a_norm, eps, qa);
-    gemm_packed(qa, n, q_lora, q_lora, q_b, H * qk, q);
-    absorb_rope(q, n, H, (int64_t)H * qk, qk, d_nope, wuk, d_c, d_r, interleave, cos, sin, qt);
-    rms_norm(h + q_lora, n, d_c, W, kv_a_norm, eps, c);
-    if (d_r) rope_to(h + q_lora + d_c, n, 1, W, 0, d_r, interleave, cos, sin, kpe, d_r, 0);
+    gemm_packed(x, n, hidden, ldx, wa, W, h);
+    if (parts & 1) {
+        float *q = h + n * W;
+        rms_norm(h, n, q_lora, W, q_a_norm, eps, qa);
+        gemm_packed(qa, n, q_lora, q_lora, q_b, H * qk, q);
+        absorb_rope(q, n, H, (int64_t)H * qk, qk, d_nope, wuk, d_c, d_r, interleave, cos, sin, qt);
+    }
+    if (parts & 2) {
+        rms_norm(h + qw, n, d_c, W, kv_a_norm, eps, c);
+        if (d_r) rope_to(h + qw + d_c, n, 1, W, 0, d_r, interleave, cos, sin, kpe, d_r, 0);
+    }
     free(h);
     return 0;
 }
-
 
 /* A SwiGLU MLP on packed weights, one call: y [M, N] = swiglu(x [M, K] @ GU^T) @ D^T, GU [2 I, K] = [gate ; up] and
    D [N, I] packed; rows in blocks of 64 so the intermediate [64, 3 I] scratch stays in cache. The same products,

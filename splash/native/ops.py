@@ -6,6 +6,17 @@ import torch
 
 from splash import native
 
+CPU = torch.device("cpu")
+
+
+def _f32(*shape: int) -> torch.Tensor:
+    """An fp32 CPU output buffer (device and dtype explicit: a caller may have set other defaults)."""
+    return torch.empty(*shape, dtype=torch.float32, device=CPU)
+
+
+def _i64(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, dtype=torch.int64, device=CPU)
+
 
 def _ok(x: torch.Tensor, *more: torch.Tensor) -> bool:
     """fp32 CPU tensors (checked on the first; the others must match it) and the kernels on."""
@@ -52,7 +63,7 @@ def moe_route(score: torch.Tensor, bias: torch.Tensor, groups: int, topk_group: 
             or not _ok(score, bias)):
         return None
     n = score.shape[0]
-    idx, wt = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k, dtype=torch.float32)
+    idx, wt = _i64(n, k), _f32(n, k)
     rc = native.lib().moe_route(score.data_ptr(), bias.data_ptr(), n, score.shape[1], groups, topk_group, k,
                                 int(norm), scale, idx.data_ptr(), wt.data_ptr())
     return (idx, wt) if rc == 0 else None
@@ -65,7 +76,7 @@ def moe_sort(idx: torch.Tensor, wt: torch.Tensor, E: int) -> tuple[torch.Tensor,
             or not _ok(wt)):
         return None
     m = idx.numel()
-    counts, tok, ws = torch.empty(E, dtype=torch.int64), torch.empty(m, dtype=torch.int64), torch.empty(m)
+    counts, tok, ws = _i64(E), _i64(m), _f32(m)
     rc = native.lib().moe_sort(idx.data_ptr(), wt.data_ptr(), idx.shape[0], idx.shape[1], E, counts.data_ptr(),
                                tok.data_ptr(), ws.data_ptr())
     return (counts, tok, ws) if rc == 0 else None
@@ -77,7 +88,7 @@ def moe_combine(ys: torch.Tensor, tok: torch.Tensor, w: torch.Tensor, n: int) ->
     if (ys.dim() != 2 or not ys.is_contiguous() or ys.shape[1] % 8 or tok.dtype != torch.int64
             or not tok.is_contiguous() or not w.is_contiguous() or not _ok(ys, w)):
         return None
-    out = torch.empty(n, ys.shape[1], dtype=torch.float32)
+    out = _f32(n, ys.shape[1])
     native.lib().moe_combine(ys.data_ptr(), ys.shape[0], ys.shape[1], tok.data_ptr(), w.data_ptr(), n, out.data_ptr())
     return out
 
@@ -94,14 +105,14 @@ def absorb_rope(q: torch.Tensor, w_uk: torch.Tensor, d_nope: int, cos: torch.Ten
             or d_c % 16 or d_r % 2 or not cos.is_contiguous() or not sin.is_contiguous()
             or tuple(cos.shape) != (n, d_r // 2) or tuple(sin.shape) != (n, d_r // 2) or not _ok(q, w_uk, cos, sin)):
         return None
-    out = torch.empty(n, H, d_c + d_r, dtype=torch.float32)
+    out = _f32(n, H, d_c + d_r)
     native.lib().absorb_rope(q.data_ptr(), n, H, q.stride(0), qk, d_nope, w_uk.data_ptr(), d_c, d_r, int(interleave),
                              cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
 
 
 def uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor | None:
-    """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h's columns õ_h @ W_UV_hᵀ)."""
+    """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h: õ_h @ W_UV_hᵀ)."""
     if o_lat.dim() != 3 or uv_t.dim() != 3:
         return None
     n, H, d_c = o_lat.shape
@@ -109,34 +120,40 @@ def uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor | None:
     if (not o_lat.is_contiguous() or not uv_t.is_contiguous() or tuple(uv_t.shape[:2]) != (H, d_c) or d_v % 16
             or not _ok(o_lat, uv_t)):
         return None
-    out = torch.empty(n, H * d_v, dtype=torch.float32)
+    out = _f32(n, H * d_v)
     native.lib().uv_heads(o_lat.data_ptr(), n, H, d_c, uv_t.data_ptr(), d_v, out.data_ptr())
     return out
 
 
 def mla_project(x: torch.Tensor, w, d_nope: int, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                interleave: bool) -> tuple[torch.Tensor, ...] | None:
-    """x [n, hidden] and AttnWeights with packed [Q-A ; KV-A] and Q-B -> (q̃ [n, H, d_c + d_r], c_kv [n, d_c],
-    k_rope [n, d_r], normed Q-A output [n, q_lora]): `splash.attention.mla.query_and_latent`'s steps in one call."""
+                interleave: bool, parts: int = 3) -> tuple[torch.Tensor, ...] | None:
+    """x [n, hidden] and AttnWeights whose projections are packed -> `parts` 3: (q̃ [n, H, d_c + d_r], c_kv [n, d_c],
+    k_rope [n, d_r], normed Q-A output [n, q_lora]) — `splash.attention.mla.query_and_latent`'s steps in one call;
+    1: (q̃, normed Q-A output) — `latent_query`'s; 2: (c_kv, k_rope) — `new_latent_kv`'s."""
     from splash.models.packed import PackedLinear
-    if (not isinstance(w.qkv_a, PackedLinear) or not isinstance(w.q_b, PackedLinear) or w.q_a is None
-            or x.dim() != 2 or x.stride(1) != 1 or w.w_uk is None or not w.w_uk.is_contiguous()):
+    wa = {3: w.qkv_a, 1: w.q_a, 2: w.kv_a}[parts]
+    if (not isinstance(wa, PackedLinear) or not isinstance(w.kv_a, PackedLinear) or w.q_a is None
+            or (parts & 1 and (not isinstance(w.q_b, PackedLinear) or w.w_uk is None or not w.w_uk.is_contiguous()))
+            or x.dim() != 2 or x.stride(1) != 1):
         return None
     n, H = x.shape[0], len(w.heads)
-    q_lora, (d_c, d_r) = w.q_a.shape[0], (w.w_uk.shape[2], w.qkv_a.shape[0] - w.q_a.shape[0] - w.w_uk.shape[2])
-    qk = w.q_b.shape[0] // H
-    if (w.w_uk.shape[:2] != (H, d_nope) or qk != d_nope + d_r or d_c % 16 or q_lora % 8 or d_r % 2
-            or tuple(cos.shape) != (n, d_r // 2) or not cos.is_contiguous() or not sin.is_contiguous()
-            or not _ok(x, w.q_a_norm, w.kv_a_norm, cos, sin)):
+    q_lora, d_c = w.q_a.shape[0], w.kv_a_norm.shape[0]
+    d_r, qk = w.kv_a.shape[0] - d_c, w.q_b.shape[0] // H
+    if (parts & 1 and (tuple(w.w_uk.shape) != (H, d_nope, d_c) or qk != d_nope + d_r)) or d_c % 16 or q_lora % 8 \
+            or d_r % 2 or tuple(cos.shape) != (n, d_r // 2) or not cos.is_contiguous() or not sin.is_contiguous() \
+            or not _ok(x, w.q_a_norm, w.kv_a_norm, cos, sin):
         return None
-    qa, q = torch.empty(n, q_lora), torch.empty(n, H, d_c + d_r)
-    c, kpe = torch.empty(n, d_c), torch.empty(n, d_r)
-    rc = native.lib().mla_project(x.data_ptr(), n, x.shape[1], x.stride(0), w.qkv_a.packed.data_ptr(), q_lora,
-                                  w.q_a_norm.data_ptr(), w.q_b.packed.data_ptr(), H, qk, d_nope, w.w_uk.data_ptr(),
-                                  d_c, d_r, w.kv_a_norm.data_ptr(), eps, int(interleave), cos.data_ptr(),
+    e = _f32(0)
+    qa, q = (_f32(n, q_lora), _f32(n, H, d_c + d_r)) if parts & 1 else (e, e)
+    c, kpe = (_f32(n, d_c), _f32(n, d_r)) if parts & 2 else (e, e)
+    uk = w.w_uk.data_ptr() if parts & 1 else 0
+    rc = native.lib().mla_project(x.data_ptr(), n, x.shape[1], x.stride(0), parts, wa.packed.data_ptr(), q_lora,
+                                  w.q_a_norm.data_ptr(), w.q_b.packed.data_ptr() if parts & 1 else 0, H, qk, d_nope,
+                                  uk, d_c, d_r, w.kv_a_norm.data_ptr(), eps, int(interleave), cos.data_ptr(),
                                   sin.data_ptr(), qa.data_ptr(), q.data_ptr(), c.data_ptr(), kpe.data_ptr())
-    return (q, c, kpe, qa) if rc == 0 else None
-
+    if rc != 0:
+        return None
+    return {3: (q, c, kpe, qa), 1: (q, qa), 2: (c, kpe)}[parts]
 
 
 def _packed_fp32(*ws) -> bool:
@@ -151,7 +168,7 @@ def mlp_packed(x: torch.Tensor, gate_up, down) -> torch.Tensor | None:
     (I2, K), (N, I) = gate_up.shape, down.shape
     if K != x.shape[1] or I2 != 2 * I or I % 8:
         return None
-    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    y = _f32(x.shape[0], N)
     rc = native.lib().mlp_packed(x.data_ptr(), x.shape[0], K, x.stride(0), gate_up.packed.data_ptr(), I,
                                  down.packed.data_ptr(), N, y.data_ptr())
     return y if rc == 0 else None
@@ -168,7 +185,7 @@ def moe_experts(x: torch.Tensor, tok: torch.Tensor, counts: torch.Tensor, w: tor
     (E, I2, K), (_, N, I) = gate_up.shape, down.shape
     if K != x.shape[1] or I2 != 2 * I or I % 8 or N % 8 or counts.numel() != E:
         return None
-    out = torch.empty(x.shape[0], N, dtype=torch.float32)
+    out = _f32(x.shape[0], N)
     rc = native.lib().moe_experts(x.data_ptr(), x.shape[0], K, tok.data_ptr(), counts.data_ptr(), w.data_ptr(), E,
                                   gate_up.packed.data_ptr(), I, down.packed.data_ptr(), N, out.data_ptr())
     return out if rc == 0 else None
