@@ -1,6 +1,7 @@
-"""SPLASH's own CPU kernels (cpu_kernels.c: x86-64 AVX2 + FMA, fp32, single-threaded), compiled on first use.
+"""SPLASH's own CPU kernels (cpu_gemm.c, cpu_rows.c, cpu_mla.c with kernels.h: x86-64 AVX2 + FMA, fp32,
+single-threaded), compiled on first use.
 
-The C source is built with the system C compiler (`cc`, or $CC) into a shared library cached under
+The C sources are built with the system C compiler (`cc`, or $CC) into a shared library cached under
 $SPLASH_NATIVE_CACHE (default ~/.cache/splash/native), named by a hash of the source and flags, and loaded with
 ctypes; several processes building it at once each write a private file and rename it into place. `lib()` is None —
 and every caller keeps its torch path — when the CPU lacks AVX2/FMA, no compiler works, or SPLASH_NATIVE=0. The
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("cpu_*.c"))   # built together into one library, with kernels.h
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99"]
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 
@@ -61,7 +63,7 @@ def cpu_supported() -> bool:
 
 
 def _build() -> Path:
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in [*SOURCES, HERE / "kernels.h"])
     cc = os.environ.get("CC", "cc")
     tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SPLASH_NATIVE_CACHE", Path.home() / ".cache" / "splash" / "native"))
@@ -72,7 +74,8 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *FLAGS, f"-I{HERE}", *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, timeout=120)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
