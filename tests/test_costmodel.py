@@ -324,3 +324,18 @@ def test_row_kernel_counts_each_rows_own_keys(cfg, cpu):
     assert a.step("tp", many).work["attention"]["ops"] < b.step("tp", many).work["attention"]["ops"]
     with pytest.raises(ConfigError, match="attention_row_kernel"):
         profile_from_dict({**cpu.to_dict(), "attention_row_kernel": "yes"})
+
+
+def test_fused_kernels_count_the_fused_paths_ops(cfg, cpu):
+    """fused_kernels (SPLASH's fused CPU kernels): the projections, W_UV / O and FFN stages charge the fused path's
+    op counts (splash/costmodel/op_counts.py), every layout fewer ops there; the work itself is unchanged."""
+    fused, eager = (CostModel(cfg, 2, profile_from_dict({**cpu.to_dict(), "fused_kernels": f}), "float32", "float32")
+                    for f in (True, False))
+    rows = [RowLoad(1, 256, 0), RowLoad(1, 300, 1)]
+    for lay in ("tp", "dp_attn", "cp", "dop"):
+        a, b = fused.step(lay, rows), eager.step(lay, rows)
+        for st in ("qkv_a", "q_b_absorb", "uv_o", "ffn"):
+            assert a.work[st]["ops"] < b.work[st]["ops"], (lay, st)
+            assert a.work[st]["gemm_flops"] == b.work[st]["gemm_flops"]
+        assert a.work["exchange"]["ops"] == b.work["exchange"]["ops"]
+        assert a.seconds < b.seconds

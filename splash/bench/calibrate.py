@@ -261,6 +261,8 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 # jobs); collectives by the wall clock, their least-preempted (min) repetition; the per-layout step overheads
 # and collective_sync_s (real 2-rank steps, same clock) as bench_costmodel measures: median over repetitions of
 # the least-preempted of 3 steps.
+# fused_kernels (not written: false): count ops as splash/costmodel/op_counts.py FUSED. Measured no better on
+# two decode grids (docs/benchmarks.md, cost model round 9), as moe_grouped before it.
 # attention_row_kernel: true when SPLASH's C kernel runs every fp32 row (one intra-op thread, AVX2): each row
 # walks its own visible keys, one call a layer; the split-KV terms below then describe only quantised pools.
 # attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.

@@ -57,6 +57,8 @@ class HardwareProfile:
     # the attention walks each query row's own visible keys, every row of a step in one call a layer (SPLASH's
     # CPU kernel, splash.native): no padding to the longest history, causal prefill rows, no chunk structure
     attention_row_kernel: bool = False
+    # SPLASH's fused CPU kernels run (splash.native): op counts of the fused path (splash/costmodel/op_counts.py)
+    fused_kernels: bool = False
     attention_call_s: float = 0.0        # fixed host cost of one attention call (replaces its op count)
     attention_scratch_bytes: float = 0.0  # split-KV kernel chunk budget (0: attention gathers whole histories)
     alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
@@ -220,7 +222,7 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             raise ConfigError(f"{where}: field 'attention_combine' = {raw['attention_combine']!r} is not one of "
                               f"{', '.join(COMBINES)}")
         kw["attention_combine"] = raw["attention_combine"]
-    for k in ("moe_grouped", "attention_row_kernel"):
+    for k in ("moe_grouped", "attention_row_kernel", "fused_kernels"):
         if k in raw:
             if not isinstance(raw[k], bool):
                 raise ConfigError(f"{where}: field {k!r} must be true or false, got {raw[k]!r}")

@@ -88,7 +88,8 @@ class CostModel:
                                        block_size, profile.attention_scratch_bytes,
                                        cp_prefill=cp_prefill, cache=profile.attention_cache_bytes,
                                        prefill_attn=profile.prefill_attention_factor.get(lay, 1.0),
-                                       row_kernel=profile.attention_row_kernel)
+                                       row_kernel=profile.attention_row_kernel,
+                                       fused=profile.fused_kernels)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
 

@@ -22,22 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splash.costmodel.attn_rows import row_attention
+from splash.costmodel.op_counts import EAGER, ops
 from splash.costmodel.cp_placement import cp_keys_here, cp_new_rows_here  # noqa: F401 (re-exported)
 from splash.models.config import ModelConfig
 
 STAGES = ("plan", "qkv_a", "q_b_absorb", "indexer", "attention", "uv_o", "exchange", "ffn", "ffn_all_reduce",
           "lm_head", "other")
 
-# Eager torch ops per layer and stage, counted from the code (splash/attention/mla.py, the executors,
-# splash/models/ffn.py): rms_norm ≈ 8, rope.apply ≈ 8, attend_latent ≈ 14, a cache read/write ≈ 4.
-OPS = {
-    "qkv_a": {"tp": 12, "dp_attn": 15, "cp": 14, "dop": 17},
-    "q_b_absorb": {"tp": 16, "dp_attn": 16, "cp": 16, "dop": 16},
-    "attention": {"tp": 22, "dp_attn": 22, "cp": 22, "dop": 22},
-    "uv_o": {"tp": 7, "dp_attn": 7, "cp": 7, "dop": 9},
-    "exchange": {"tp": 1, "dp_attn": 4, "cp": 12, "dop": 14},
-    "ffn_dense": 6, "moe_fixed": 40, "moe_per_expert": 2, "other": 20, "indexer": 12,
-}
+OPS = EAGER   # the eager path's counts (op_counts.py); `ops()` picks the fused ones when they run
 
 
 @dataclass
@@ -121,6 +113,7 @@ class Shapes:
     cache: float = 0.0    # a rank's cache share: the part of a chunk's working set above it spills (0: none)
     prefill_attn: float = 1.0  # the profile's measured / predicted prefill attention for this layout
     row_kernel: bool = False   # the profile's attention_row_kernel: every row walks its own visible keys
+    fused: bool = False        # the profile's fused_kernels: op counts of SPLASH's fused CPU kernels
 
     @property
     def heads_local(self) -> int:
@@ -225,10 +218,10 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     if cfg.q_lora_rank:
         _gemm(st["qkv_a"], q_rows, hid, q_in, wb, ab)
     _gemm(st["qkv_a"], kv_rows, hid, dc + dr, wb, ab)
-    st["qkv_a"].ops += OPS["qkv_a"][layout]
+    st["qkv_a"].ops += ops(s.fused, "qkv_a", layout)
     _gemm(st["q_b_absorb"], q_rows, q_in, heads * (dn + dr), wb, ab)
     _gemm(st["q_b_absorb"], q_rows, dn, heads * dc, wb, ab)   # W_UK absorb (bmm per head)
-    st["q_b_absorb"].ops += OPS["q_b_absorb"][layout]
+    st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", layout)
     if layout == "tp":
         held = [(p, p.end, -(-p.end // s.bs)) for p in pieces]
     elif layout == "cp":
@@ -242,7 +235,7 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     o_rows = n_own if layout == "dp_attn" else N
     _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
     _gemm(st["uv_o"], o_rows, heads * dv, hid, wb, ab)       # O
-    st["uv_o"].ops += OPS["uv_o"][layout]
+    st["uv_o"].ops += ops(s.fused, "uv_o", layout)
     _exchange(s, st["exchange"], layout, N, n_own, att_rows, pieces, rank)
     _ffn(s, st, N, moe)
     if T > 1:
@@ -277,17 +270,17 @@ def _cp_split_layer(s: Shapes, pieces: list[Piece], rank: int, moe: bool) -> dic
     if cfg.q_lora_rank:
         _gemm(st["qkv_a"], rows, hid, q_in, wb, ab)
     _gemm(st["qkv_a"], rows, hid, dc + dr, wb, ab)
-    st["qkv_a"].ops += OPS["qkv_a"]["cp"]
+    st["qkv_a"].ops += ops(s.fused, "qkv_a", "cp")
     _gemm(st["q_b_absorb"], rows, q_in, H * (dn + dr), wb, ab)
     _gemm(st["q_b_absorb"], rows, dn, H * dc, wb, ab)
-    st["q_b_absorb"].ops += OPS["q_b_absorb"]["cp"]
+    st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", "cp")
     held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     held += [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in dec]
     _attention(s, st["attention"], held, H)
     _indexer(s, st["indexer"], held, rows)
     _gemm(st["uv_o"], rows, dc, H * dv, wb, ab)
     _gemm(st["uv_o"], rows, H * dv, hid, wb, ab)
-    st["uv_o"].ops += OPS["uv_o"]["cp"]
+    st["uv_o"].ops += ops(s.fused, "uv_o", "cp")
     ex = st["exchange"]
     ex.ops += OPS["exchange"]["cp"]
     ex.exch.append(("all_gather", sum(p.end for p in pre) * (s.kv_tok + s.idx_tok)))  # the pieces' histories
@@ -350,7 +343,7 @@ def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
         inter = cfg.intermediate_size / T
         _gemm(w, N, hid, 2 * inter, wb, ab)
         _gemm(w, N, int(inter), hid, wb, ab)
-        w.ops += OPS["ffn_dense"]
+        w.ops += ops(s.fused, "ffn_dense")
         return
     mi, E, k = cfg.moe_intermediate_size / T, cfg.n_routed_experts, cfg.num_experts_per_tok
     active = expected_active_experts(E, k, N)
@@ -360,13 +353,13 @@ def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
     w.gemm_flops += 2.0 * tok * hid * 3 * mi
     w.weight_bytes += active * 3 * hid * mi * wb
     w.act_bytes += tok * (3 * hid + 3 * mi) * ab
-    w.ops += OPS["moe_fixed"]
-    w.expert_ops += OPS["moe_per_expert"] * active
+    w.ops += ops(s.fused, "moe_fixed")
+    w.expert_ops += ops(s.fused, "moe_per_expert") * active
     if cfg.n_shared_experts:
         inter = mi * cfg.n_shared_experts
         _gemm(w, N, hid, 2 * inter, wb, ab)
         _gemm(w, N, int(inter), hid, wb, ab)
-        w.ops += OPS["ffn_dense"]
+        w.ops += ops(s.fused, "ffn_dense")
 
 
 def dense_ffn_work(s: Shapes, rows: int) -> Work:
