@@ -30,11 +30,12 @@ def _absorb(cfg: ModelConfig, rope: Rope, w: AttnWeights, qa: torch.Tensor, cos:
     """Q-A output (normed; x itself without q_lora) [n, q_in] -> absorbed queries q̃ [n, H_local, d_c + d_r]."""
     n = qa.shape[0]
     q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_head_dim)
-    fused = native_ops.absorb_rope(q, w.uk(), cfg.qk_nope_head_dim, cos, sin, rope.interleave)
+    uk = w.uk()   # a quantised KV-B dequantises here: once
+    fused = native_ops.absorb_rope(q, uk, cfg.qk_nope_head_dim, cos, sin, rope.interleave)
     if fused is not None:   # SPLASH's CPU kernel: the same products, written into q̃ in place
         return fused
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    q_lat = bmm(q_nope.transpose(0, 1), w.uk()).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
+    q_lat = bmm(q_nope.transpose(0, 1), uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
     return torch.cat([q_lat, rope.apply(q_pe, cos, sin)], dim=-1)
 
 

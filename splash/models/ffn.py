@@ -72,22 +72,27 @@ def _expert_order(cfg: ModelConfig, idx: torch.Tensor, weights: torch.Tensor) ->
     return counts, order // cfg.num_experts_per_tok, weights.reshape(-1).index_select(0, order)
 
 
-def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """Token rows are sorted by expert once; the experts' two GEMMs each run as one grouped call over the sorted
-    rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
-    weighted scatter (index_add) sums the results back per token."""
-    counts, tok, wsort = _expert_order(cfg, *route(cfg, w, x))
-    out = native_ops.moe_experts(x, tok, counts, wsort, w.gate_up, w.down) if limit is None else None
-    if out is not None:   # packed experts: SPLASH's CPU kernel runs them all, gather to weighted sum, in one call
-        return out + mlp(w.shared, x, limit) if w.shared is not None else out
-    xs = x.index_select(0, tok)
-    inter = w.down.shape[-1]
-    act = _swiglu(grouped_linear(xs, w.gate_up, counts), inter, limit)
+def _routed(x: torch.Tensor, w: MoEWeights, counts: torch.Tensor, tok: torch.Tensor, wsort: torch.Tensor,
+            limit: float | None) -> torch.Tensor:
+    """The routed experts call by call: gather, two grouped GEMMs, SwiGLU, the weighted sum back per token."""
+    act = _swiglu(grouped_linear(x.index_select(0, tok), w.gate_up, counts), w.down.shape[-1], limit)
     ys = grouped_linear(act, w.down, counts)
     out = native_ops.moe_combine(ys, tok, wsort, x.shape[0])
     if out is None:
         ys.mul_(wsort[:, None].to(ys.dtype))
         out = torch.zeros_like(x).index_add_(0, tok, ys)
+    return out
+
+
+def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """Token rows are sorted by expert once; the experts' two GEMMs each run as one grouped call over the sorted
+    rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
+    weighted scatter (index_add) sums the results back per token."""
+    counts, tok, wsort = _expert_order(cfg, *route(cfg, w, x))
+    # packed experts: SPLASH's CPU kernel runs them all, gather to weighted sum, in one call
+    out = native_ops.moe_experts(x, tok, counts, wsort, w.gate_up, w.down) if limit is None else None
+    if out is None:
+        out = _routed(x, w, counts, tok, wsort, limit)
     if w.shared is not None:
         out = out + mlp(w.shared, x, limit)
     return out
