@@ -173,6 +173,36 @@ def test_reevaluation_only_when_the_batch_changes_or_periodically():
     assert a.due(a.min_interval + a.reeval_steps + 1, waiting)  # idle boundary: at once
 
 
+def test_predictions_stay_within_the_overhead_budget_of_the_steps_time():
+    clock = [0.0]
+
+    class SlowCost(LinearCost):   # every prediction takes 1 ms on the scheduler's timer
+        def step(self, layout, rows):
+            clock[0] += 1e-3
+            return super().step(layout, rows)
+
+    m = SlowCost()
+    a = make(m, timer=lambda: clock[0], overhead_budget=0.02)
+    reqs = decode_batch(2, 10)
+    assert a.due(0, reqs)
+    a.record(a.propose(0, "tp", reqs, usage(reqs)))
+    spent = a.summary()["overhead"]["predict_s"]
+    assert m.calls >= 4 and abs(spent - m.calls * 1e-3) < 1e-9
+    steps = 0
+    while not a.due(a.reeval_steps + steps, reqs):            # periodic re-evaluation waits for credit
+        a.observe("tp", [(1, 10, 0), (1, 10, 1)], 5e-3)      # 5 ms steps (every 8th observation predicts)
+        steps += 1
+    o = a.summary()["overhead"]
+    assert o["share"] <= 0.02 and steps >= spent / 0.02 / 5e-3 - 1
+    assert steps > a.reeval_steps                             # without the budget it would have come at 16
+    idle = [ReqView("w", 0, 8, 8, None, running=False)]
+    b = make(SlowCost(), timer=lambda: clock[0])
+    b.observe("tp", [(1, 10, 0)], 1e-3)
+    b._spent_s = 1.0                                          # far over budget
+    assert not b.due(b.reeval_steps, reqs)
+    assert b.due(b.reeval_steps + 1, idle)                    # an idle boundary never waits for credit
+
+
 def test_observe_feeds_every_nth_step():
     m = LinearCost()
     a = make(m)

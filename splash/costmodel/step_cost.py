@@ -135,7 +135,7 @@ class CostModel:
         p = self.profile
         return sum(n * (p.collective(kind).seconds(b) + p.collective_sync_s) for kind, b, n in w.collectives())
 
-    def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict]:
+    def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict[str, Work]]:
         s = self._shapes[layout]
         st = layer_work(s, layout, pieces, rank, moe=self.n_moe > 0)
         att = st["attention"]  # the attention plan is built once per step, not per layer
@@ -161,11 +161,7 @@ class CostModel:
         hide = min(sum(secs[k] for k in EXCHANGE_STAGES),
                    self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
         secs["overlap"] = -hide
-        work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,
-                    "kv_bytes": w.kv_bytes, "exch_bytes": w.exch_bytes, "collectives": w.num_collectives,
-                    "ops": w.ops, "expert_ops": w.expert_ops, "attn_calls": w.attn_calls}
-                for k, w in total.items()}
-        return secs, work
+        return secs, total
 
     def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
         layout = parse_layout(layout).value
@@ -175,7 +171,11 @@ class CostModel:
         per = [self._rank_stages(layout, pieces, r) for r in range(self.world)]
         totals = tuple(sum(s.values()) for s, _ in per)
         busiest = max(range(self.world), key=lambda r: totals[r])
-        return StepPrediction(layout, totals[busiest], totals, per[busiest][0], per[busiest][1])
+        work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,
+                    "kv_bytes": w.kv_bytes, "exch_bytes": w.exch_bytes, "collectives": w.num_collectives,
+                    "ops": w.ops, "expert_ops": w.expert_ops, "attn_calls": w.attn_calls}
+                for k, w in per[busiest][1].items()}   # the busiest rank's only: the others' are not reported
+        return StepPrediction(layout, totals[busiest], totals, per[busiest][0], work)
 
     def predict(self, rows: Sequence[RowLoad], layouts: Sequence[str] = LAYOUTS) -> dict[str, float]:
         """Predicted step seconds per layout (layouts whose head sharding does not divide are left out)."""

@@ -30,6 +30,9 @@ PROBE_MIN_UNCERTAINTY: one not measured yet, not one whose factor is known) may 
 to measure it — at most MAX_PROBES times per layout and only when twice the switch's corrected cost (there and
 back) is within PROBE_BUDGET of the current layout's predicted time for the work left; the LEARN_AFTER_SWITCH
 steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
+
+The scheduler's predictions may take at most OVERHEAD_BUDGET of the steps' measured time: a due re-evaluation
+waits for that credit (not at an idle boundary), so millisecond decode steps are not slowed by predictions.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ MAX_PROBES = 1           # probes per layout: entering it on its point predictio
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
+OVERHEAD_BUDGET = 0.02   # the scheduler's predictions: at most this share of the executed steps' measured time
 
 
 def _row(new_tokens: int, context: int, owner: int | None):
@@ -75,7 +79,7 @@ class AutoLayout:
                  world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
                  max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
                  min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row,
-                 clock=time.monotonic):
+                 clock=time.monotonic, timer=time.perf_counter, overhead_budget: float = OVERHEAD_BUDGET):
         self.model, self.allowed, self.margin = model, tuple(allowed), float(margin)
         self.block_size, self.world = block_size, world
         self.capacity_blocks = dict(capacity_blocks)
@@ -96,6 +100,20 @@ class AutoLayout:
         self.probes: dict[str, int] = {}
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
+        self.timer, self.overhead_budget = timer, overhead_budget
+        self._spent_s = 0.0               # the scheduler's own prediction time so far
+        self._ran_s = 0.0                 # the executed steps' measured time so far
+
+    def _credit(self) -> bool:
+        """Whether the predictions' time so far is within the budget of the steps' time."""
+        return self._spent_s <= self.overhead_budget * self._ran_s
+
+    def _timed(self, fn, *args):   # fn(*args), its time counted against the budget
+        t = self.timer()
+        try:
+            return fn(*args)
+        finally:
+            self._spent_s += max(0.0, self.timer() - t)
 
     # ---- online learning ---------------------------------------------------------------------------------
     @property
@@ -119,11 +137,13 @@ class AutoLayout:
         regime = "prefill" if any(n > 1 for n, _, _ in rows) else "decode"
         self._observed += 1
         self._since_switch_s += measured_s
-        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th
-        if (not switched and regime == "decode" and self._observed % self.observe_every
-                and self._observed > self._learn_until):
+        self._ran_s += measured_s
+        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th, within
+        # the overhead budget (the steps right after a switch all train: they measure the new layout)
+        if (not switched and regime == "decode" and self._observed > self._learn_until
+                and (self._observed % self.observe_every or not self._credit())):
             return
-        pred = self.model.step(layout, [self.row(n, c, o) for n, c, o in rows]).seconds
+        pred = self._timed(self.model.step, layout, [self.row(n, c, o) for n, c, o in rows]).seconds
         if pred <= 0:
             return
         if switched:
@@ -145,10 +165,13 @@ class AutoLayout:
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
         """Re-evaluate when the set of requests changed (at most every `min_interval` steps while requests run;
-        at once at an idle boundary, where a switch moves no KV) or every `reeval_steps` steps (contexts grow)."""
+        at once at an idle boundary, where a switch moves no KV) or every `reeval_steps` steps (contexts grow) —
+        while requests run, only within the overhead budget (a change not evaluated yet stays due)."""
         sig = (tuple(sorted(r.req_id for r in reqs if r.running)), sum(1 for r in reqs if not r.running))
         since = step - self._sig_step
         idle = not any(r.running for r in reqs)
+        if not idle and not self._credit():
+            return False
         if since >= self.reeval_steps or (sig != self._sig and (idle or since >= self.min_interval)):
             self._sig, self._sig_step = sig, step
             return True
@@ -159,6 +182,10 @@ class AutoLayout:
         """The best layout for this boundary before its switch cost is known (`vet` adds that).
 
         `usage`: per allowed layout, the blocks per rank the running requests would use there."""
+        return self._timed(self._propose, step, current, reqs, usage)
+
+    def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
+                 usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc = {}, {}, {}, {}, {}, {}, {}
         for lay in self.allowed:
             used = usage.get(lay)
@@ -209,7 +236,7 @@ class AutoLayout:
     def vet(self, d: Decision, manifest: Any) -> Decision:
         """The same rule with the planned switch's predicted exposed cost: switch only when the payoff exceeds it
         (or when the current layout cannot run the batch at all)."""
-        raw = self.model.switch(manifest, self.switch_mode, step_seconds=d.step_s.get(d.target)).exposed_seconds
+        raw = self._timed(self.model.switch, manifest, self.switch_mode, d.step_s.get(d.target)).exposed_seconds
         cost = self.switch_cost.corrected(d.current, d.target, raw)
         per_tok = d.seconds_per_token
         if d.probe:
@@ -367,4 +394,7 @@ class AutoLayout:
                                 "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
+                "overhead": {"predict_s": round(self._spent_s, 4), "steps_s": round(self._ran_s, 4),
+                             "share": round(self._spent_s / self._ran_s, 4) if self._ran_s else None,
+                             "budget": self.overhead_budget},
                 "history": list(self.history)}

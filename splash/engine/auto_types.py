@@ -18,7 +18,7 @@ class CostModelLike(Protocol):
 
     def step(self, layout: str, rows: Sequence[Any]) -> Any: ...       # -> object with .seconds
 
-    def switch(self, manifest: Any, mode: str) -> Any: ...             # -> object with .exposed_seconds
+    def switch(self, manifest: Any, mode: str, step_seconds: float | None = None) -> Any: ...  # .exposed_seconds
 
 
 @dataclass(frozen=True)
