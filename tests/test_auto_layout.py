@@ -194,6 +194,7 @@ def test_predictions_stay_within_the_overhead_budget_of_the_steps_time():
         steps += 1
     o = a.summary()["overhead"]
     assert o["share"] <= 0.02 and steps >= spent / 0.02 / 5e-3 - 1
+    assert a.stats["tp"].n > 0                                # the sampled observations never wait for credit
     assert steps > a.reeval_steps                             # without the budget it would have come at 16
     idle = [ReqView("w", 0, 8, 8, None, running=False)]
     b = make(SlowCost(), timer=lambda: clock[0])

@@ -326,6 +326,19 @@ def test_row_kernel_counts_each_rows_own_keys(cfg, cpu):
         profile_from_dict({**cpu.to_dict(), "attention_row_kernel": "yes"})
 
 
+def test_row_kernel_cp_chunk_sees_its_own_positions_homed_here(cfg, cpu):
+    """CP's rank holds about half of a fresh chunk's positions: its rows see the causal triangle of those (all
+    heads), the same FLOPs in total as TP's half of the heads over the whole triangle — not nearly none (the count
+    once subtracted the whole chunk's triangle from the keys held here)."""
+    rows = profile_from_dict({**cpu.to_dict(), "attention_row_kernel": True})
+    m = CostModel(cfg, 2, rows, "float32", "float32", 16)
+    for ctx in (0, 1024):
+        load = [RowLoad(2048, ctx, 0)]
+        tp = m.step("tp", load).work["attention"]["attn_flops"]
+        cp = m.step("cp", load).work["attention"]["attn_flops"]
+        assert cp == pytest.approx(tp, rel=0.01)
+
+
 def test_fused_kernels_count_the_fused_paths_ops(cfg, cpu):
     """fused_kernels (SPLASH's fused CPU kernels): the projections, W_UV / O and FFN stages charge the fused path's
     op counts (splash/costmodel/op_counts.py), every layout fewer ops there; the work itself is unchanged."""

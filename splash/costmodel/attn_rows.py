@@ -7,15 +7,19 @@ rows re-read them from cache). No padding to the longest history, no chunks, no 
 from __future__ import annotations
 
 
-def row_attention(w, pieces, per_key: float, kv_tok: float, prefill_attn: float, topk: int | None) -> None:
+def row_attention(w, pieces, per_key: float, kv_tok: float, prefill_attn: float, topk: int | None,
+                  new_here=None) -> None:
     """Add to Work `w` the FLOPs, KV bytes and plan entries of `pieces` — (piece, visible keys here, held
     blocks here) — at `per_key` FLOPs per (row, key) and `kv_tok` bytes per key; `prefill_attn` scales prefill
-    pieces (the profile's measured factor), `topk` caps the keys a row sees (DSA)."""
-    for p, k, _ in pieces:
+    pieces (the profile's measured factor), `topk` caps the keys a row sees (DSA). `new_here[i]`: how many of
+    piece i's own new positions are among the keys here (default all; CP holds about 1/T of a chunk's), spread
+    evenly over the chunk, so its row j sees the history here plus about new_here·(j + 1)/n of them."""
+    for i, (p, k, _) in enumerate(pieces):
         if p.new <= 0:
             continue
+        own = p.new if new_here is None else new_here[i]
         keys = min(k, topk) if topk else k
-        seen = keys if p.new == 1 or topk else max(0.0, keys - (p.new - 1) / 2)
+        seen = keys if p.new == 1 or topk else max(0.0, keys - own * (p.new - 1) / (2 * p.new))
         factor = 1.0 if p.new == 1 else prefill_attn
         w.attn_flops += p.new * seen * per_key * factor
         w.kv_bytes += (keys if not topk else min(k, p.new * topk)) * kv_tok * factor

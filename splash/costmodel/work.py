@@ -129,14 +129,15 @@ class Shapes:
         return self.cfg.num_attention_heads // self.world
 
 
-def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int) -> None:
-    """pieces: (piece, visible keys here, held blocks here). Decode rows pad to the most held blocks."""
+def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int, new_here=None) -> None:
+    """pieces: (piece, visible keys here, held blocks here); new_here: see row_attention. Decode rows pad to the
+    most held blocks."""
     cfg = s.cfg
     dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_key = 2.0 * (2 * dc + dr) * heads
     topk = cfg.index_topk
     if s.row_kernel:
-        row_attention(w, pieces, per_key, s.kv_tok, s.prefill_attn, topk)
+        row_attention(w, pieces, per_key, s.kv_tok, s.prefill_attn, topk, new_here)
         w.ops += OPS["attention"]["tp"] - 13  # plan tensors, cache read and write, the one kernel call
         return
     dec = [(p, k, b) for p, k, b in pieces if p.new == 1]
@@ -239,7 +240,9 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
         held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     att_rows = sum(p.new for p, _, _ in held)
     # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
-    _attention(s, st["attention"], held, H if layout == "dop" else heads)
+    # CP: a chunk's row sees its history here plus the chunk's own positions homed here before it
+    new_here = [cp_new_rows_here(p, rank, T, s.bs) for p in pieces] if layout == "cp" else None
+    _attention(s, st["attention"], held, H if layout == "dop" else heads, new_here)
     _indexer(s, st["indexer"], held, q_rows)
     o_rows = n_own if layout == "dp_attn" else N
     _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)

@@ -32,7 +32,7 @@ back) is within PROBE_BUDGET of the current layout's predicted time for the work
 steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
 
 The scheduler's predictions may take at most OVERHEAD_BUDGET of the steps' measured time: a due re-evaluation
-waits for that credit (not at an idle boundary), so millisecond decode steps are not slowed by predictions.
+waits for that credit (not at an idle boundary), so millisecond decode steps are not slowed by re-evaluations.
 """
 from __future__ import annotations
 
@@ -138,10 +138,10 @@ class AutoLayout:
         self._observed += 1
         self._since_switch_s += measured_s
         self._ran_s += measured_s
-        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th, within
-        # the overhead budget (the steps right after a switch all train: they measure the new layout)
-        if (not switched and regime == "decode" and self._observed > self._learn_until
-                and (self._observed % self.observe_every or not self._credit())):
+        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th (their
+        # predictions count against the overhead budget but never wait for it: they are what the choices rest on)
+        if (not switched and regime == "decode" and self._observed % self.observe_every
+                and self._observed > self._learn_until):
             return
         pred = self._timed(self.model.step, layout, [self.row(n, c, o) for n, c, o in rows]).seconds
         if pred <= 0:
