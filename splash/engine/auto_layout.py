@@ -31,8 +31,8 @@ to measure it — at most MAX_PROBES times per layout and only when twice the sw
 back) is within PROBE_BUDGET of the current layout's predicted time for the work left; the LEARN_AFTER_SWITCH
 steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
 
-The scheduler's predictions may take at most OVERHEAD_BUDGET of the steps' measured time: a due re-evaluation
-waits for that credit (not at an idle boundary), so millisecond decode steps are not slowed by re-evaluations.
+Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
+at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from dataclasses import replace
 from typing import Any
 
 from splash.costmodel.policy import choose_layout
+from splash.engine.auto_budget import PredictionBudget
 from splash.engine.auto_correction import LayoutStats, StepCorrection, SwitchCorrection
 from splash.engine.auto_types import VERDICTS, CostModelLike, Decision, ReqView
 
@@ -100,20 +101,7 @@ class AutoLayout:
         self.probes: dict[str, int] = {}
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
-        self.timer, self.overhead_budget = timer, overhead_budget
-        self._spent_s = 0.0               # the scheduler's own prediction time so far
-        self._ran_s = 0.0                 # the executed steps' measured time so far
-
-    def _credit(self) -> bool:
-        """Whether the predictions' time so far is within the budget of the steps' time."""
-        return self._spent_s <= self.overhead_budget * self._ran_s
-
-    def _timed(self, fn, *args):   # fn(*args), its time counted against the budget
-        t = self.timer()
-        try:
-            return fn(*args)
-        finally:
-            self._spent_s += max(0.0, self.timer() - t)
+        self.overhead = PredictionBudget(overhead_budget, timer)
 
     # ---- online learning ---------------------------------------------------------------------------------
     @property
@@ -137,13 +125,14 @@ class AutoLayout:
         regime = "prefill" if any(n > 1 for n, _, _ in rows) else "decode"
         self._observed += 1
         self._since_switch_s += measured_s
-        self._ran_s += measured_s
-        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th (their
-        # predictions count against the overhead budget but never wait for it: they are what the choices rest on)
+        self.overhead.ran_s += measured_s
+        # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th (one
+        # prediction each, outside the overhead budget: the choices rest on them)
         if (not switched and regime == "decode" and self._observed % self.observe_every
                 and self._observed > self._learn_until):
             return
-        pred = self._timed(self.model.step, layout, [self.row(n, c, o) for n, c, o in rows]).seconds
+        pred = self.overhead.timed(self.model.step, layout, [self.row(n, c, o) for n, c, o in rows],
+                                   budgeted=False).seconds
         if pred <= 0:
             return
         if switched:
@@ -170,7 +159,7 @@ class AutoLayout:
         sig = (tuple(sorted(r.req_id for r in reqs if r.running)), sum(1 for r in reqs if not r.running))
         since = step - self._sig_step
         idle = not any(r.running for r in reqs)
-        if not idle and not self._credit():
+        if not idle and not self.overhead.credit():
             return False
         if since >= self.reeval_steps or (sig != self._sig and (idle or since >= self.min_interval)):
             self._sig, self._sig_step = sig, step
@@ -182,7 +171,7 @@ class AutoLayout:
         """The best layout for this boundary before its switch cost is known (`vet` adds that).
 
         `usage`: per allowed layout, the blocks per rank the running requests would use there."""
-        return self._timed(self._propose, step, current, reqs, usage)
+        return self.overhead.timed(self._propose, step, current, reqs, usage)
 
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
@@ -236,7 +225,8 @@ class AutoLayout:
     def vet(self, d: Decision, manifest: Any) -> Decision:
         """The same rule with the planned switch's predicted exposed cost: switch only when the payoff exceeds it
         (or when the current layout cannot run the batch at all)."""
-        raw = self._timed(self.model.switch, manifest, self.switch_mode, d.step_s.get(d.target)).exposed_seconds
+        raw = self.overhead.timed(self.model.switch, manifest, self.switch_mode,
+                                  d.step_s.get(d.target)).exposed_seconds
         cost = self.switch_cost.corrected(d.current, d.target, raw)
         per_tok = d.seconds_per_token
         if d.probe:
@@ -394,7 +384,4 @@ class AutoLayout:
                                 "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
-                "overhead": {"predict_s": round(self._spent_s, 4), "steps_s": round(self._ran_s, 4),
-                             "share": round(self._spent_s / self._ran_s, 4) if self._ran_s else None,
-                             "budget": self.overhead_budget},
-                "history": list(self.history)}
+                "overhead": self.overhead.summary(), "history": list(self.history)}
