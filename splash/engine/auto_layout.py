@@ -65,7 +65,7 @@ MAX_PROBES = 1           # probes per layout: entering it on its point predictio
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
-OVERHEAD_BUDGET = 0.02   # the scheduler's predictions: at most this share of the executed steps' measured time
+OVERHEAD_BUDGET = 0.02   # re-evaluations: at most this share of the executed steps' measured time
 
 
 def _row(new_tokens: int, context: int, owner: int | None):
