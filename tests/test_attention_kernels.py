@@ -139,6 +139,17 @@ def test_nope_rope_width_zero(kv_dtype):
     check(TorchMLAKernel(SCALE, scratch_bytes=1, index_cache_bytes=0), state)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "int8"])
+def test_auto_compute_keeps_fp32_queries_exact_on_bf16_hosts(monkeypatch, kv_dtype):
+    """On a CPU with bf16 units, "auto" feeds bf16 GEMM inputs only to a model that computes in bf16: fp32
+    queries over a quantised pool stay exact (so its tokens are the same in every layout)."""
+    import splash.attention.kernels.torch_mla as tm
+    monkeypatch.setattr(tm, "cpu_has_bf16", lambda: True)
+    k = TorchMLAKernel(SCALE)
+    check(k, make_state(kv_dtype, 16, RAGGED))
+    assert k._dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.bfloat16
+
+
 def test_bf16_compute_within_tolerance():
     """bf16 GEMM inputs (the path used on CPUs with bf16 units), fp32 softmax and accumulation. Measured over 5
     seeds: max |Δõ| / max |õ| 0.0067-0.0082, max |ΔLSE| 0.029-0.039; bounds ~1.5x that."""

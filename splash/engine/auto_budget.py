@@ -2,6 +2,7 @@
 executed steps' measured time; its observations are timed and reported but not bounded. Pure Python."""
 from __future__ import annotations
 
+import math
 import time
 
 
@@ -13,8 +14,9 @@ class PredictionBudget:
         self.ran_s = 0.0        # the executed steps' measured time
 
     def credit(self) -> bool:
-        """Whether the re-evaluations' time so far is within the budget of the steps' time."""
-        return self.spent_s <= self.share * self.ran_s
+        """Whether the re-evaluations' time so far is within the budget of the steps' time (always, for a share
+        of math.inf: no bound)."""
+        return self.share == math.inf or self.spent_s <= self.share * self.ran_s
 
     def timed(self, fn, *args, budgeted: bool = True):
         """fn(*args), its time counted as a re-evaluation's (budgeted) or an observation's."""

@@ -16,9 +16,11 @@ Over an fp32 pool, every row — decode rows and prefill chunks' rows alike — 
 without any gather, keys up to the row's own position, with an online softmax, in a scratch of heads x (d_c + d_r
 + 2 x block) floats whatever the batch and context.
 
-Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" on a CPU with AVX512-BF16/AMX units) feeds the two
-score/value GEMMs bf16 inputs; softmax statistics and the running output stay fp32. On a CPU without bf16 units
-(AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
+Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" when the model itself computes in bf16 on a CPU with
+AVX512-BF16/AMX units) feeds the two score/value GEMMs bf16 inputs; softmax statistics and the running output stay
+fp32. An fp32 model stays fp32 over every KV format (a bf16/fp8/int8 pool is dequantised exactly, so its tokens are
+the same in every layout: bf16 GEMM inputs there broke that on a CI host with bf16 units). On a CPU without bf16
+units (AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
 
@@ -89,8 +91,8 @@ class TorchMLAKernel:
                                           torch.zeros(1, dtype=torch.long, device=dev), [npg[i]], npg[i],
                                           len(lens) == 1))
 
-    def _dtype(self, cache, layer: int) -> torch.dtype:
-        if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and cache.kv_dtype_of(layer) != "float32"
+    def _dtype(self, ql: torch.Tensor) -> torch.dtype:
+        if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and ql.dtype == torch.bfloat16
                                                 and cpu_has_bf16()):
             return torch.bfloat16
         return torch.float32
@@ -184,7 +186,7 @@ class TorchMLAKernel:
                 single: bool):
         """Rows of group `g` (step order if `single`, else sorted by page count) -> (õ, LSE) in that order."""
         G, h, d_c, d_r = len(g.reqs), ql.shape[1], ql.shape[2], qr.shape[2]
-        dt = self._dtype(cache, layer)
+        dt = self._dtype(ql)
         ql = ql.reshape(G, g.q * h, d_c).to(dt)
         qr = qr.reshape(G, g.q * h, d_r).to(dt)
         if single:
