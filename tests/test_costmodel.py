@@ -244,6 +244,20 @@ def test_collective_sync_per_collective(cfg, cpu):
         assert n > 0 and b.seconds == pytest.approx(a.seconds + n * 1e-3)
 
 
+def test_large_collective_first_touches_its_result(cfg, cpu):
+    """A collective whose result is a fresh allocation (>= alloc_threshold_bytes) also pays first-touching it,
+    in steps and in switches; smaller ones, and profiles without an allocation rate, do not."""
+    p = _bare(cpu, alloc_threshold_bytes=32e6, alloc_bytes_per_s=2e9)
+    base = p.collective("all_gather")
+    assert p.collective_seconds("all_gather", 4e6) == base.seconds(4e6)
+    assert p.collective_seconds("all_gather", 64e6) == pytest.approx(base.seconds(64e6) + 64e6 / 2e9)
+    assert _bare(cpu, alloc_bytes_per_s=0.0).collective_seconds("all_gather", 64e6) == base.seconds(64e6)
+    moved = _manifest(cfg, "dop", "tp")
+    small, big = (CostModel(cfg, 2, _bare(cpu, alloc_threshold_bytes=t, alloc_bytes_per_s=2e9), "float32", "float32",
+                            16).switch(moved, "blocking") for t in (1e12, 1.0))
+    assert big.seconds > small.seconds
+
+
 def test_collective_wait_once_per_step(cfg, cpu):
     """collective_wait_fraction charges the wait for the slower peer once per step, as a share of the time outside
     collectives: DOP's extra all-to-alls do not multiply it (collective_sync_s would); one rank waits for nobody."""

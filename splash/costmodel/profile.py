@@ -110,6 +110,16 @@ class HardwareProfile:
     def collective(self, kind: str) -> Collective:
         return self.collectives[kind]
 
+    def collective_seconds(self, kind: str, nbytes: float) -> float:
+        """One collective of ``nbytes`` (as `Collective` counts them): α + bytes/β, plus first-touching its
+        result when that is a fresh allocation (at least ``alloc_threshold_bytes``: every communicator call
+        allocates its output). On this host's profile that doubles-to-triples a 64 MB collective's time
+        (docs/benchmarks.md, large collectives)."""
+        t = self.collectives[kind].seconds(nbytes)
+        if self.alloc_bytes_per_s > 0 and nbytes >= self.alloc_threshold_bytes:
+            t += nbytes / self.alloc_bytes_per_s
+        return t
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):

@@ -131,9 +131,10 @@ class CostModel:
         return t
 
     def collective_seconds(self, w: Work) -> float:
-        """The collectives' own time in a step: α + bytes/β of the isolated fit + ``collective_sync_s`` each."""
+        """The collectives' own time in a step: α + bytes/β of the isolated fit (and a fresh result's first touch,
+        `HardwareProfile.collective_seconds`) + ``collective_sync_s`` each."""
         p = self.profile
-        return sum(n * (p.collective(kind).seconds(b) + p.collective_sync_s) for kind, b, n in w.collectives())
+        return sum(n * (p.collective_seconds(kind, b) + p.collective_sync_s) for kind, b, n in w.collectives())
 
     def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict[str, Work]]:
         s = self._shapes[layout]
@@ -204,10 +205,10 @@ class CostModel:
             t = 0.0
             kv = max(manifest.kv_recv_bytes[r], manifest.kv_sent_bytes[r])
             if any(kv2 for kv2 in manifest.kv_recv_bytes):
-                t += p.collective("all_to_all").seconds(kv)
+                t += p.collective_seconds("all_to_all", kv)
             if any(manifest.weight_recv_bytes):
                 shard = manifest.weight_sent_bytes[r] / max(1, T - 1)
-                t += p.collective("all_gather").seconds(manifest.weight_recv_bytes[r] + shard)
+                t += p.collective_seconds("all_gather", manifest.weight_recv_bytes[r] + shard)
             if manifest.converts_kv:
                 held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
                 t += held * (manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer) \
