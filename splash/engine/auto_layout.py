@@ -2,9 +2,10 @@
 
 At a step boundary rank 0 describes what the engine holds (each running request's cached tokens, pending prefill
 and remaining output; the waiting queue) and asks a cost model how long each allowed layout would take to finish
-that work. Every layout gets the batch *it* would run: running requests plus the waiting ones its KV pool admits
-(joint admission — DOP's larger pool may admit requests another layout must queue), so layouts are compared by
-predicted seconds per output token of their own batch. A batch's prefill is predicted as the chunked steps the
+that work. Every layout is charged for the same requests, in the waves *it* would run them
+(splash.engine.auto_batch): the running requests plus the waiting ones its KV pool admits now, the rest once that
+wave has finished (joint admission — DOP's larger pool may admit at once what another layout must queue), and
+layouts are compared by predicted seconds per output token. A wave's prefill is predicted as the chunked steps the
 engine's scheduler will run (token budget per step, admission order, decode rows included), so a long prompt
 whose chunks land on one DP-attn/DOP owner is charged as such. The controller then switches only when
 
@@ -46,6 +47,7 @@ from dataclasses import replace
 from typing import Any
 
 from splash.costmodel.policy import choose_layout
+from splash.engine.auto_batch import BatchForecast
 from splash.engine.auto_budget import PredictionBudget
 from splash.engine.auto_correction import LayoutStats, StepCorrection, SwitchCorrection
 from splash.engine.auto_types import VERDICTS, CostModelLike, Decision, ReqView
@@ -54,9 +56,6 @@ __all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
 log = logging.getLogger("splash.scheduler")
 
-DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
-MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see _steps_seconds)
-MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 DWELL_RATIO = 4.0        # after a switch, stay this many times the round trip's measured cost (2 x the switch's)
@@ -102,6 +101,8 @@ class AutoLayout:
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
+        self.forecast = BatchForecast(model, row, world=world, block_size=block_size, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens)
 
     # ---- online learning ---------------------------------------------------------------------------------
     @property
@@ -126,6 +127,8 @@ class AutoLayout:
         self._observed += 1
         self._since_switch_s += measured_s
         self.overhead.ran_s += measured_s
+        if self._observed == 1 and not switched:   # the engine's first step warms up (first touches, lazy setup):
+            return                                  # 2x its twin in the shifting workload
         # prefill steps are few and long: each one trains its factor; decode steps every observe_every-th (one
         # prediction each, outside the overhead budget: the choices rest on them)
         if (not switched and regime == "decode" and self._observed % self.observe_every
@@ -182,17 +185,16 @@ class AutoLayout:
             if used is None or any(u > cap for u in used):
                 infeasible[lay] = f"live KV needs {max(used or [0])} blocks on a rank, holds {cap}"
                 continue
-            batch = self._batch_for(lay, reqs, used, cap)
-            work = sum(r.remaining for r in batch)
-            if not batch or work <= 0:
+            fc = self.forecast.waves(lay, reqs, used, cap)
+            if fc is None:
                 continue
             f, fp = self.factor(lay), self.factor(lay, "prefill")
-            pre, dec, first = self._finish_seconds(lay, batch)
+            pre, dec, first, work = fc.prefill_s, fc.decode_s, fc.first_step_s, fc.work
             secs = pre * fp + dec * f
             # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones)
             hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
                   + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
-            total[lay], per_tok[lay], admitted[lay] = secs, secs / work, len(batch)
+            total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
         # relative to the current layout's: layouts whose factors are equally borrowed compare as measured
@@ -255,120 +257,6 @@ class AutoLayout:
             self.history.append(d.as_dict())
             log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))
         return d
-
-    # ---- prediction pieces --------------------------------------------------------------------------------
-    def _batch_for(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> list[ReqView]:
-        """Running requests plus the waiting ones (FIFO) whose prompts this layout's free KV blocks admit."""
-        batch = [r for r in reqs if r.running]
-        free = [cap - u for u in used]
-        for r in reqs:
-            if r.running:
-                continue
-            if len(batch) >= self.max_num_seqs:
-                break
-            need = -(-(r.cached + r.pending) // self.block_size)
-            if lay == "tp":          # every rank holds every block
-                if min(free) < need:
-                    break
-                free = [f - need for f in free]
-            elif lay == "cp":        # blocks spread round-robin
-                per = -(-need // self.world)
-                if min(free) < per:
-                    break
-                free = [f - per for f in free]
-            else:                    # one owner: the least loaded rank
-                i = max(range(self.world), key=lambda k: free[k])
-                if free[i] < need:
-                    break
-                free[i] -= need
-            batch.append(r)
-        return batch
-
-    def _finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float, float]:
-        """(predicted seconds of `batch`'s prefill steps in `lay`, of its decode after them, its first decode
-        step): the chunked prefill steps the engine's scheduler will run (decode rows included), then the decode
-        in up to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish."""
-        owners = self._place(batch)
-        steps, made = self._prefill_plan(batch, owners)
-        pre, secs, first = self._steps_seconds(lay, steps), 0.0, 0.0
-        left_of = {r.req_id: r.remaining - made[r.req_id] for r in batch}
-        left = sorted(v for v in left_of.values() if v > 0)
-        if not left:
-            return pre, secs, first
-        cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
-                      | {left[-1]})
-        done = 0
-        for cut in cuts:
-            alive = [r for r in batch if left_of[r.req_id] > done]
-            if not alive or cut <= done:
-                continue
-            mid = (done + cut) / 2
-            rows = [self.row(1, r.cached + r.pending - 1 + made[r.req_id] + int(mid), owners[r.req_id])
-                    for r in alive]
-            one = self.model.step(lay, rows).seconds
-            first = first or one
-            secs += (cut - done) * one
-            done = cut
-        return pre, secs, first
-
-    def _place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
-        """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
-        holding the fewest tokens, as the ledger will place it."""
-        load = [0] * self.world
-        for r in batch:
-            if r.owner is not None and 0 <= r.owner < self.world:
-                load[r.owner] += r.cached + r.pending
-        out: dict[str, int | None] = {}
-        for r in batch:
-            o = r.owner
-            if o is None:
-                o = min(range(self.world), key=lambda k: load[k])
-                load[o] += r.cached + r.pending
-            out[r.req_id] = o
-        return out
-
-    def _prefill_plan(self, batch: Sequence[ReqView], owners: Mapping[str, int | None]):
-        """The steps the engine's scheduler runs until every prompt of `batch` is prefilled: each step gives each
-        decoding request its next token, then fills the token budget with prompt chunks in admission order (so in
-        DP-attn/DOP a long prompt's chunks land on one owner). -> (steps as (new, context, owner) rows, output
-        tokens each request makes meanwhile)."""
-        made = {r.req_id: 0 for r in batch}
-        todo = [[r, r.pending, r.cached] for r in batch if r.pending > 1]
-        decoding = [r for r in batch if r.pending <= 1]
-        steps = []
-        while todo:
-            if len(steps) >= MAX_PLAN_STEPS:   # (a budget far below the decode rows) the rest as one step
-                steps.append([(ent[1], ent[2], owners[ent[0].req_id]) for ent in todo])
-                for ent in todo:
-                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
-                break
-            rows = []
-            for r in decoding:
-                if made[r.req_id] < r.remaining:
-                    rows.append((1, r.cached + r.pending - 1 + made[r.req_id], owners[r.req_id]))
-                    made[r.req_id] += 1
-            budget = max(1, self.budget - len(rows))
-            while todo and budget > 0:
-                ent = todo[0]
-                take = min(budget, ent[1])
-                rows.append((take, ent[2], owners[ent[0].req_id]))
-                ent[1], ent[2], budget = ent[1] - take, ent[2] + take, budget - take
-                if ent[1] == 0:
-                    todo.pop(0)
-                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
-                    decoding.append(ent[0])
-            steps.append(rows)
-        return steps, made
-
-    def _steps_seconds(self, lay: str, steps: Sequence[Sequence[tuple]]) -> float:
-        """Predicted seconds of `steps`: each one when few, else MAX_PREFILL_SAMPLES evenly spaced samples, each
-        standing for its share of the steps (a prediction costs ~1 ms)."""
-        n = len(steps)
-        if n == 0:
-            return 0.0
-        k = min(n, MAX_PREFILL_SAMPLES)
-        picks = [round(i * (n - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
-        return sum(self.model.step(lay, [self.row(*row) for row in steps[i]]).seconds for i in picks) * n / k
 
     # ---- views for metrics / API ----------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -1,0 +1,177 @@
+"""What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.auto_layout) — pure Python.
+
+`BatchForecast.waves` gives a layout the requests it would serve: the running ones plus the waiting ones its KV
+pool admits now (FIFO, as the engine's scheduler admits them), then the rest in later waves, each once the wave
+before it has finished and freed the pool (a request that does not fit even an empty pool is left out). Every
+layout is so charged for the same requests: comparing the admitted batch alone favoured whichever layout's batch
+happened to hold the requests with the most output per prompt token (round 11 in docs/benchmarks.md). A wave's
+prefill is predicted as the chunked steps the engine's scheduler will run (token budget per step, admission order,
+decode rows included), so a long prompt whose chunks land on one DP-attn/DOP owner is charged as such; its decode
+in up to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish. Waves run one after the
+other (continuous batching overlaps a wave's start with the previous one's tail; the model does not), at most
+MAX_WAVES of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from splash.engine.auto_types import CostModelLike, ReqView
+
+DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
+MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see steps_seconds)
+MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
+MAX_WAVES = 4            # waves predicted per layout; requests beyond them are left out
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A layout's predicted seconds (uncorrected) for the requests it serves in `waves`."""
+    prefill_s: float     # the waves' prefill steps (decode rows riding in them included)
+    decode_s: float      # their decode after the prefill
+    first_step_s: float  # the first wave's first decode step
+    work: int            # output tokens of the requests served
+    admitted: int        # requests in the first wave (running + admitted now)
+    served: int          # requests in all waves
+
+
+class BatchForecast:
+    def __init__(self, model: CostModelLike, row, *, world: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.model, self.row, self.world, self.block_size = model, row, world, block_size
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+
+    def waves(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> Forecast | None:
+        """`lay`'s forecast for `reqs` (see the module docstring); None when it would serve nothing."""
+        pre = dec = first = 0.0
+        work = admitted = served = 0
+        todo, free_used = list(reqs), list(used)
+        for wave in range(MAX_WAVES):
+            batch = self.batch_for(lay, todo, free_used, cap)
+            if not batch:
+                break
+            p, d, f = self.finish_seconds(lay, batch)
+            pre, dec, first = pre + p, dec + d, first if wave else f
+            work += sum(r.remaining for r in batch)
+            admitted, served = admitted or len(batch), served + len(batch)
+            ids = {r.req_id for r in batch}
+            todo = [r for r in todo if r.req_id not in ids and not r.running]
+            free_used = [0] * len(used)
+            if not todo:
+                break
+        if not served or work <= 0:
+            return None
+        return Forecast(pre, dec, first, work, admitted, served)
+
+    def batch_for(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> list[ReqView]:
+        """Running requests plus the waiting ones (FIFO) whose prompts this layout's free KV blocks admit."""
+        batch = [r for r in reqs if r.running]
+        free = [cap - u for u in used]
+        for r in reqs:
+            if r.running:
+                continue
+            if len(batch) >= self.max_num_seqs:
+                break
+            need = -(-(r.cached + r.pending) // self.block_size)
+            if lay == "tp":          # every rank holds every block
+                if min(free) < need:
+                    break
+                free = [f - need for f in free]
+            elif lay == "cp":        # blocks spread round-robin
+                per = -(-need // self.world)
+                if min(free) < per:
+                    break
+                free = [f - per for f in free]
+            else:                    # one owner: the least loaded rank
+                i = max(range(self.world), key=lambda k: free[k])
+                if free[i] < need:
+                    break
+                free[i] -= need
+            batch.append(r)
+        return batch
+
+    def finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float, float]:
+        """(predicted seconds of `batch`'s prefill steps in `lay`, of its decode after them, its first decode
+        step): the chunked prefill steps the engine's scheduler will run (decode rows included), then the decode
+        in up to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish."""
+        owners = self.place(batch)
+        steps, made = self.prefill_plan(batch, owners)
+        pre, secs, first = self.steps_seconds(lay, steps), 0.0, 0.0
+        left_of = {r.req_id: r.remaining - made[r.req_id] for r in batch}
+        left = sorted(v for v in left_of.values() if v > 0)
+        if not left:
+            return pre, secs, first
+        cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
+                      | {left[-1]})
+        done = 0
+        for cut in cuts:
+            alive = [r for r in batch if left_of[r.req_id] > done]
+            if not alive or cut <= done:
+                continue
+            mid = (done + cut) / 2
+            rows = [self.row(1, r.cached + r.pending - 1 + made[r.req_id] + int(mid), owners[r.req_id])
+                    for r in alive]
+            one = self.model.step(lay, rows).seconds
+            first = first or one
+            secs += (cut - done) * one
+            done = cut
+        return pre, secs, first
+
+    def place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
+        """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
+        holding the fewest tokens, as the ledger will place it."""
+        load = [0] * self.world
+        for r in batch:
+            if r.owner is not None and 0 <= r.owner < self.world:
+                load[r.owner] += r.cached + r.pending
+        out: dict[str, int | None] = {}
+        for r in batch:
+            o = r.owner
+            if o is None:
+                o = min(range(self.world), key=lambda k: load[k])
+                load[o] += r.cached + r.pending
+            out[r.req_id] = o
+        return out
+
+    def prefill_plan(self, batch: Sequence[ReqView], owners: Mapping[str, int | None]):
+        """The steps the engine's scheduler runs until every prompt of `batch` is prefilled: each step gives each
+        decoding request its next token, then fills the token budget with prompt chunks in admission order (so in
+        DP-attn/DOP a long prompt's chunks land on one owner). -> (steps as (new, context, owner) rows, output
+        tokens each request makes meanwhile)."""
+        made = {r.req_id: 0 for r in batch}
+        todo = [[r, r.pending, r.cached] for r in batch if r.pending > 1]
+        decoding = [r for r in batch if r.pending <= 1]
+        steps = []
+        while todo:
+            if len(steps) >= MAX_PLAN_STEPS:   # (a budget far below the decode rows) the rest as one step
+                steps.append([(ent[1], ent[2], owners[ent[0].req_id]) for ent in todo])
+                for ent in todo:
+                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
+                break
+            rows = []
+            for r in decoding:
+                if made[r.req_id] < r.remaining:
+                    rows.append((1, r.cached + r.pending - 1 + made[r.req_id], owners[r.req_id]))
+                    made[r.req_id] += 1
+            budget = max(1, self.budget - len(rows))
+            while todo and budget > 0:
+                ent = todo[0]
+                take = min(budget, ent[1])
+                rows.append((take, ent[2], owners[ent[0].req_id]))
+                ent[1], ent[2], budget = ent[1] - take, ent[2] + take, budget - take
+                if ent[1] == 0:
+                    todo.pop(0)
+                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
+                    decoding.append(ent[0])
+            steps.append(rows)
+        return steps, made
+
+    def steps_seconds(self, lay: str, steps: Sequence[Sequence[tuple]]) -> float:
+        """Predicted seconds of `steps`: each one when few, else MAX_PREFILL_SAMPLES evenly spaced samples, each
+        standing for its share of the steps (a prediction costs ~1 ms)."""
+        n = len(steps)
+        if n == 0:
+            return 0.0
+        k = min(n, MAX_PREFILL_SAMPLES)
+        picks = [round(i * (n - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
+        return sum(self.model.step(lay, [self.row(*row) for row in steps[i]]).seconds for i in picks) * n / k
