@@ -1,27 +1,29 @@
 """What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.auto_layout) — pure Python.
 
-`BatchForecast.waves` gives a layout the requests it would serve: the running ones plus the waiting ones its KV
-pool admits now (FIFO, as the engine's scheduler admits them), then the rest in later waves, each once the wave
-before it has finished and freed the pool (a request that does not fit even an empty pool is left out). Every
-layout is so charged for the same requests: comparing the admitted batch alone favoured whichever layout's batch
-happened to hold the requests with the most output per prompt token (round 11 in docs/benchmarks.md). A wave's
-prefill is predicted as the chunked steps the engine's scheduler will run (token budget per step, admission order,
-decode rows included), so a long prompt whose chunks land on one DP-attn/DOP owner is charged as such; its decode
-in up to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish. Waves run one after the
-other (continuous batching overlaps a wave's start with the previous one's tail; the model does not), at most
-MAX_WAVES of them.
+`BatchForecast.waves` charges every layout for the same requests — the running ones and the waiting queue — as
+its KV pool would let the engine's scheduler run them: admit the waiting requests whose prompts fit the free
+blocks (FIFO, as the scheduler does), prefill them, decode until half the batch has finished (or sooner, once
+the whole queue then fits), free the finished requests' blocks, admit again — at most MAX_WAVES such rounds; a
+request that never fits is left out. So a layout whose pool must queue requests pays for them arriving later,
+overlapping the tail of those before them as continuous batching does, not for a second batch after the first
+has drained. (Comparing each layout's admitted batch alone favoured whichever batch happened to hold the requests
+with the most output per prompt token, and sent the shifting workload's burst into DP-attn; draining batch after
+batch overcharged the layout that queued: docs/benchmarks.md, round 11.) A round's prefill is predicted as the
+chunked steps the engine's scheduler will run (token budget per step, admission order, decode rows included),
+so a long prompt whose chunks land on one DP-attn/DOP owner is charged as such; the last round's decode in up
+to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splash.engine.auto_types import CostModelLike, ReqView
 
 DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
 MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see steps_seconds)
 MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
-MAX_WAVES = 4            # waves predicted per layout; requests beyond them are left out
+MAX_WAVES = 6            # admission rounds predicted per layout; requests beyond them are left out
 
 
 @dataclass(frozen=True)
@@ -43,25 +45,102 @@ class BatchForecast:
 
     def waves(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> Forecast | None:
         """`lay`'s forecast for `reqs` (see the module docstring); None when it would serve nothing."""
+        active = [r for r in reqs if r.running]
+        waiting = [r for r in reqs if not r.running]
+        free = [cap - u for u in used]
+        held: dict[str, list[int]] = {}
         pre = dec = first = 0.0
-        work = admitted = served = 0
-        todo, free_used = list(reqs), list(used)
-        for wave in range(MAX_WAVES):
-            batch = self.batch_for(lay, todo, free_used, cap)
-            if not batch:
+        work = 0
+        admitted, seen = None, {r.req_id for r in active}
+        for _ in range(MAX_WAVES):
+            while waiting and len(active) < self.max_num_seqs:   # FIFO admission into the free blocks
+                r = waiting[0]
+                owner, vec = self._blocks(lay, r, free)
+                if any(f < v for f, v in zip(free, vec)):
+                    break
+                free = [f - v for f, v in zip(free, vec)]
+                held[r.req_id] = vec
+                active.append(replace(r, owner=owner))
+                seen.add(r.req_id)
+                waiting.pop(0)
+            if admitted is None:
+                admitted = len(active)
+            if not active:
                 break
-            p, d, f = self.finish_seconds(lay, batch)
-            pre, dec, first = pre + p, dec + d, first if wave else f
-            work += sum(r.remaining for r in batch)
-            admitted, served = admitted or len(batch), served + len(batch)
-            ids = {r.req_id for r in batch}
-            todo = [r for r in todo if r.req_id not in ids and not r.running]
-            free_used = [0] * len(used)
-            if not todo:
+            active = [replace(r, running=True) for r in active]
+            owners = self.place(active)
+            steps, made = self.prefill_plan(active, owners)
+            pre += self.steps_seconds(lay, steps)
+            work += sum(min(made[r.req_id], r.remaining) for r in active)
+            active = [replace(r, cached=r.cached + r.pending - 1 + made[r.req_id], pending=1, owner=owners[r.req_id],
+                              remaining=r.remaining - made[r.req_id]) for r in active]
+            active, free = self._release(lay, active, free, held)
+            if not active:
+                continue
+            left = sorted(r.remaining for r in active)
+            if waiting:   # decode until half the batch has finished, or sooner when the whole queue then fits
+                cuts = [max(left[0], min(left[(len(left) - 1) // 2], self._all_fit_at(lay, active, waiting, free, held)))]
+            else:
+                cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)]
+                               for k in range(DECODE_SEGMENTS)} | {left[-1]})
+            done = 0
+            for cut in cuts:
+                alive = [r for r in active if r.remaining > done]
+                if not alive or cut <= done:
+                    continue
+                mid = (done + cut) / 2
+                one = self.model.step(lay, [self.row(1, r.cached + int(mid), r.owner) for r in alive]).seconds
+                first = first or one
+                dec += (cut - done) * one
+                done = cut
+            work += sum(min(done, r.remaining) for r in active)
+            active = [replace(r, cached=r.cached + done, remaining=r.remaining - done) for r in active]
+            active, free = self._release(lay, active, free, held)
+            if not active and not waiting:
                 break
-        if not served or work <= 0:
+        if not seen or work <= 0:
             return None
-        return Forecast(pre, dec, first, work, admitted, served)
+        return Forecast(pre, dec, first, work, admitted or 0, len(seen))
+
+    def _blocks(self, lay: str, r: ReqView, free: Sequence[int]) -> tuple[int | None, list[int]]:
+        """(owner, blocks per rank) a request's prompt takes in `lay` (TP: on every rank; CP: spread; DP-attn and
+        DOP: on its owner, the rank with the most free blocks for a waiting one)."""
+        need = -(-(r.cached + r.pending) // self.block_size)
+        w = len(free)
+        if lay == "tp":
+            return r.owner, [need] * w
+        if lay == "cp":
+            return r.owner, [-(-need // w)] * w
+        o = r.owner if r.owner is not None and 0 <= r.owner < w else max(range(w), key=lambda k: free[k])
+        return o, [need if k == o else 0 for k in range(w)]
+
+    def _release(self, lay: str, active: list, free: list[int], held: dict) -> tuple[list, list[int]]:
+        """Drop the finished requests from `active`, their blocks back to `free`."""
+        alive = []
+        for r in active:
+            if r.remaining > 0:
+                alive.append(r)
+                continue
+            vec = held.pop(r.req_id, None) or self._blocks(lay, r, free)[1]
+            free = [f + v for f, v in zip(free, vec)]
+        return alive, free
+
+    def _all_fit_at(self, lay: str, active: Sequence[ReqView], waiting: Sequence[ReqView], free: Sequence[int],
+                    held: dict) -> int:
+        """Output tokens after which enough of `active` has finished for the whole queue's prompts to fit (per rank
+        in TP/CP; in total in DP-attn/DOP, whose new requests go where the room is)."""
+        w = len(free)
+        want = [0] * w
+        for r in waiting:
+            want = [a + b for a, b in zip(want, self._blocks(lay, r, [0] * w)[1])]
+        def fits(have):
+            return all(h >= x for h, x in zip(have, want)) if lay in ("tp", "cp") else sum(have) >= sum(want)
+        have = list(free)
+        for r in sorted(active, key=lambda x: x.remaining):
+            if fits(have):
+                return r.remaining
+            have = [h + v for h, v in zip(have, held.get(r.req_id) or self._blocks(lay, r, have)[1])]
+        return max(r.remaining for r in active)
 
     def batch_for(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> list[ReqView]:
         """Running requests plus the waiting ones (FIFO) whose prompts this layout's free KV blocks admit."""
