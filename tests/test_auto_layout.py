@@ -177,7 +177,8 @@ def test_prefill_and_decode_steps_train_separate_factors():
     waiting = [ReqView("w", 0, 512, 4, None, running=False)]
     use = dict.fromkeys(LAYOUTS, [0, 0])
     d = a.propose(0, "tp", waiting, use)
-    p, dcd, _ = a.forecast.finish_seconds("tp", waiting)
+    fc = a.forecast.waves("tp", waiting, [0, 0], 10_000)
+    p, dcd = fc.prefill_s, fc.decode_s
     assert abs(d.batch_seconds["tp"] - (a.factor("tp", "prefill") * p + a.factor("tp") * dcd)) < 1e-12
 
 
@@ -276,8 +277,9 @@ def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
     assert made == {"d0": 3, "p": 1}
     fixed = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
                        per_row=dict.fromkeys(LAYOUTS, 0.0))
-    pre, dec, first = make(fixed).forecast.finish_seconds("dp_attn", reqs)
-    assert (pre, dec) == (3, 9) and first == 1.0   # 3 prefill steps, then the 9 decode steps left of each request
+    fc = make(fixed).forecast.waves("dp_attn", reqs, [0, 0], 10_000)
+    assert (fc.prefill_s, fc.decode_s, fc.first_step_s) == (3, 9, 1.0)   # 3 prefill steps, then the 9 decode
+    # steps left of each request
 
 
 def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():

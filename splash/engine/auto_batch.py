@@ -142,60 +142,6 @@ class BatchForecast:
             have = [h + v for h, v in zip(have, held.get(r.req_id) or self._blocks(lay, r, have)[1])]
         return max(r.remaining for r in active)
 
-    def batch_for(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> list[ReqView]:
-        """Running requests plus the waiting ones (FIFO) whose prompts this layout's free KV blocks admit."""
-        batch = [r for r in reqs if r.running]
-        free = [cap - u for u in used]
-        for r in reqs:
-            if r.running:
-                continue
-            if len(batch) >= self.max_num_seqs:
-                break
-            need = -(-(r.cached + r.pending) // self.block_size)
-            if lay == "tp":          # every rank holds every block
-                if min(free) < need:
-                    break
-                free = [f - need for f in free]
-            elif lay == "cp":        # blocks spread round-robin
-                per = -(-need // self.world)
-                if min(free) < per:
-                    break
-                free = [f - per for f in free]
-            else:                    # one owner: the least loaded rank
-                i = max(range(self.world), key=lambda k: free[k])
-                if free[i] < need:
-                    break
-                free[i] -= need
-            batch.append(r)
-        return batch
-
-    def finish_seconds(self, lay: str, batch: Sequence[ReqView]) -> tuple[float, float, float]:
-        """(predicted seconds of `batch`'s prefill steps in `lay`, of its decode after them, its first decode
-        step): the chunked prefill steps the engine's scheduler will run (decode rows included), then the decode
-        in up to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish."""
-        owners = self.place(batch)
-        steps, made = self.prefill_plan(batch, owners)
-        pre, secs, first = self.steps_seconds(lay, steps), 0.0, 0.0
-        left_of = {r.req_id: r.remaining - made[r.req_id] for r in batch}
-        left = sorted(v for v in left_of.values() if v > 0)
-        if not left:
-            return pre, secs, first
-        cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)] for k in range(DECODE_SEGMENTS)}
-                      | {left[-1]})
-        done = 0
-        for cut in cuts:
-            alive = [r for r in batch if left_of[r.req_id] > done]
-            if not alive or cut <= done:
-                continue
-            mid = (done + cut) / 2
-            rows = [self.row(1, r.cached + r.pending - 1 + made[r.req_id] + int(mid), owners[r.req_id])
-                    for r in alive]
-            one = self.model.step(lay, rows).seconds
-            first = first or one
-            secs += (cut - done) * one
-            done = cut
-        return pre, secs, first
-
     def place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
         """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
         holding the fewest tokens, as the ledger will place it."""
