@@ -4,9 +4,12 @@ Workload file (JSON or YAML): {"groups": [{"at_s", "count", "input_len", "output
 event-stepped model of the engine: requests arrive at ``at_s``, are admitted in order while the current
 layout's KV holds their whole length (input + output), each step gives every running request its next piece
 (prefill chunk from the budget, or one decode row), and the step takes the cost model's predicted time.
-``auto`` asks ``splash.costmodel.policy.choose_layout`` at every step boundary (feasible = the live KV fits
-the layout; remaining steps = the running requests' mean remaining steps; switch cost = the live exposed
-cost of the manifest planned for the live requests) and pays the switch's exposed time when it switches.
+``auto`` is the engine's scheduler itself (splash.engine.auto_layout.AutoLayout, on the same cost model): at
+each boundary it is asked, as the engine asks it, whether a re-evaluation is due, and if so for its proposal
+over the running and arrived-but-waiting requests (feasible = the live KV fits the layout), vetted with the live
+exposed cost of the manifest planned for the running requests; the replay pays that cost when it switches. Its
+predictions are the replay's own step times and switch costs, so there is nothing to learn online (no
+observations, switch-cost ratio 1, no overhead budget).
 Decode-only stretches are advanced a few steps at a time at one predicted cost.
 """
 from __future__ import annotations
@@ -15,8 +18,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splash.costmodel.policy import choose_layout
+import math
+from types import SimpleNamespace
+
 from splash.costmodel.step_cost import LAYOUTS, RowLoad
+from splash.engine.auto_correction import SwitchCorrection
+from splash.engine.auto_layout import AutoLayout, ReqView
 from splash.sim.serving import step_seconds
 
 FAST_FORWARD = 16
@@ -123,13 +130,40 @@ def _rows(running: list[Req], chunk: int) -> list[tuple[Req, RowLoad]]:
     return out
 
 
-def _switch_cost(cm, setup, src: str, dst: str, running: list[Req], step: float) -> float:
-    from splash.switching.manifest import ReqState, plan_switch
+def _manifest(setup, src: str, dst: str, running: list[Req]):
     from splash.costmodel.step_cost import ELEM_BYTES
+    from splash.switching.manifest import ReqState, plan_switch
     reqs = {r.rid: ReqState(max(r.cached, 1), r.owner) for r in running}
     m = setup.model
-    man = plan_switch(src, dst, m.cfg, setup.world, reqs, setup.block_size, ELEM_BYTES[m.weight_dtype], m.kv_dtype)
-    return cm.switch(man, "live", step).exposed_seconds
+    return plan_switch(src, dst, m.cfg, setup.world, reqs, setup.block_size, ELEM_BYTES[m.weight_dtype], m.kv_dtype)
+
+
+class _ReplayModel:
+    """The replay's step times (cost model + the sim's linear-attention layers) as the scheduler's cost model."""
+
+    def __init__(self, cm, setup):
+        self.cm, self.setup = cm, setup
+
+    def step(self, layout, rows):
+        return SimpleNamespace(seconds=step_seconds(self.cm, self.setup.model, layout, list(rows)))
+
+    def switch(self, manifest, mode, step_seconds=None):
+        return self.cm.switch(manifest, mode, step_seconds)
+
+
+def _scheduler(cm, setup, caps, margin: float, clock) -> AutoLayout:
+    allowed = [k for k in LAYOUTS if k in cm.predict([RowLoad(1, 1, 0)])]
+    auto = AutoLayout(_ReplayModel(cm, setup), allowed, margin, block_size=setup.block_size, world=setup.world,
+                      capacity_blocks={k: caps[k].blocks_per_rank for k in allowed}, max_num_seqs=1 << 20,
+                      max_num_batched_tokens=setup.chunk, row=RowLoad, clock=clock, overhead_budget=math.inf)
+    auto.switch_cost = SwitchCorrection(prior_ratio=1.0)   # the replay's switch cost is the model's by construction
+    return auto
+
+
+def _views(running: list[Req], waiting: list[Req]) -> list[ReqView]:
+    out = [ReqView(r.rid, r.cached, r.input_len - r.cached if r.prefilling else 1, r.output_len - r.generated,
+                   r.owner) for r in running]
+    return out + [ReqView(r.rid, 0, r.input_len, r.output_len, None, running=False) for r in waiting]
 
 
 def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1) -> Result:
@@ -139,6 +173,8 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1)
     layout = "tp" if mode == "auto" else mode
     running: list[Req] = []
     t = 0.0
+    auto = _scheduler(cm, setup, caps, margin, lambda: t) if mode == "auto" else None
+    steps = 0
     while pending or running:
         while pending and pending[0].arrive <= t and pool.place(layout, running, pending[0]):
             running.append(pending.pop(0))
@@ -149,21 +185,11 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1)
             continue
         rows = _rows(running, setup.chunk)
         loads = [rl for _, rl in rows]
-        if mode == "auto":
-            pred = {k: step_seconds(cm, setup.model, k, loads) for k in LAYOUTS if k in cm.predict(loads[:1])}
-            feas = {k for k in pred if pool.fits(k, running)}
-            remaining = sum(r.remaining_steps for r in running) / len(running)
-            costs = {k: _switch_cost(cm, setup, layout, k, running, pred[k]) for k in feas
-                     if k != layout and layout in pred and pred[k] <= (1 - margin) * pred[layout]}
-            new, why = choose_layout(layout, pred, feas, margin, remaining, costs)
-            if new != layout:
-                t += costs.get(new, 0.0) if new in costs else _switch_cost(cm, setup, layout, new, running, pred[new])
-                res.switches += 1
-                res.timeline.append((t, f"{layout}→{new}", why))
-                layout = new
-            dt = pred[layout]
-        else:
-            dt = step_seconds(cm, setup.model, layout, loads)
+        if auto is not None:
+            layout, t = _auto_boundary(auto, pool, setup, res, layout, t, steps, running,
+                                       [r for r in pending if r.arrive <= t])
+        dt = step_seconds(cm, setup.model, layout, loads)
+        steps += 1
         n = 1
         if all(not r.prefilling for r in running) and not (pending and pending[0].arrive <= t + dt):
             n = max(1, min(FAST_FORWARD, min(r.output_len - r.generated for r in running)))
@@ -183,6 +209,27 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1)
         running = [r for r in running if r.generated < r.output_len]
     res.total_s = t
     return res
+
+
+def _auto_boundary(auto: AutoLayout, pool, setup, res: Result, layout: str, t: float, step: int,
+                   running: list[Req], waiting: list[Req]) -> tuple[str, float]:
+    """One step boundary of ``auto``: (the layout to run the step in, the time after any switch)."""
+    views = _views(running, waiting)
+    if not auto.due(step, views):
+        return layout, t
+    usage = {k: pool.per_rank(k, running) for k in auto.allowed}
+    d = auto.propose(step, layout, views, usage)
+    if d.verdict != "switch":
+        auto.record(d)
+        return layout, t
+    v = auto.record(auto.vet(d, _manifest(setup, layout, d.target, running)))
+    if v.verdict != "switch":
+        return layout, t
+    t += v.switch_raw_s
+    res.switches += 1
+    why = v.reason if v.reason.startswith("switch") else f"switch: {v.reason}"
+    res.timeline.append((t, f"{layout}→{d.target}", why))
+    return d.target, t
 
 
 def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
