@@ -121,26 +121,6 @@ def test_joint_admission_prefers_the_layout_that_admits_blocked_requests():
     assert a2.propose(0, "dp_attn", waiting, use).verdict in ("stay", "below_margin")
 
 
-def test_layouts_are_compared_on_the_same_requests_whatever_their_pools_admit_now():
-    """DP-attn and DOP cost the same per step; DP-attn's pool admits only the four prefill-heavy requests at the
-    head of the queue (one output token each), DOP's all eight. Per output token of the admitted batch alone DOP
-    looked twice as fast; charged for the same eight requests (DP-attn's second wave after its first) the two
-    differ by a few steps' fixed cost, below the margin: no switch."""
-    m = LinearCost(fixed={"tp": 1.0, "dp_attn": 1e-3, "cp": 1.0, "dop": 1e-3})
-    a = make(m, caps={"tp": 66, "dp_attn": 66, "cp": 66, "dop": 10_000})
-    waiting = ([ReqView(f"p{i}", 0, 512, 1, None, running=False) for i in range(4)]
-               + [ReqView(f"o{i}", 0, 64, 200, None, running=False) for i in range(4)])
-    d = a.propose(0, "dp_attn", waiting, dict.fromkeys(LAYOUTS, [0, 0]))
-    assert d.admitted["dp_attn"] == 4 and d.admitted["dop"] == 8
-    assert d.seconds_per_token["dp_attn"] < 1.1 * d.seconds_per_token["dop"]
-    assert d.verdict in ("stay", "below_margin"), d.reason
-    fc = a.forecast.waves("dp_attn", waiting, [0, 0], 66)
-    assert (fc.admitted, fc.served, fc.work) == (4, 8, 4 + 800)
-    # a request that does not fit even an empty pool is left out, not waited for
-    huge = waiting + [ReqView("h", 0, 4096, 10, None, running=False)]
-    assert a.forecast.waves("dp_attn", huge, [0, 0], 66).served == 8
-
-
 def test_online_factor_learns_measured_over_predicted():
     m = LinearCost()
     a = make(m, observe_every=1)
@@ -263,35 +243,6 @@ def test_a_failing_cost_model_keeps_the_layout_and_the_requests():
     assert llm.engine.layout == "tp" and not llm.engine.switch_counts
 
 
-def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
-    """A 5000-token prompt with a 2048-token budget is three steps (each paying its fixed cost), running decoders
-    add a row to every step, and a waiting request is placed on the least loaded rank."""
-    a = make(LinearCost())
-    reqs = [ReqView("d0", 3000, 1, 10, 0), ReqView("p", 0, 5000, 10, None, running=False)]
-    owners = a.forecast.place(reqs)
-    assert owners == {"d0": 0, "p": 1}
-    steps, made = a.forecast.prefill_plan(reqs, owners)
-    assert len(steps) == 3 and all(sum(n for n, _, _ in rows) <= 2048 for rows in steps)
-    assert sum(n for rows in steps for n, _, o in rows if o == 1) == 5000
-    assert [rows[0] for rows in steps] == [(1, 3000, 0), (1, 3001, 0), (1, 3002, 0)]
-    assert made == {"d0": 3, "p": 1}
-    fixed = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
-                       per_row=dict.fromkeys(LAYOUTS, 0.0))
-    fc = make(fixed).forecast.waves("dp_attn", reqs, [0, 0], 10_000)
-    assert (fc.prefill_s, fc.decode_s, fc.first_step_s) == (3, 9, 1.0)   # 3 prefill steps, then the 9 decode
-    # steps left of each request
-
-
-def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():
-    a = AutoLayout(LinearCost(), LAYOUTS, 0.1, block_size=16, world=2, capacity_blocks=dict.fromkeys(LAYOUTS, 10**6),
-                   max_num_seqs=64, max_num_batched_tokens=8, row=lambda n, c, o: (n, c, o))
-    reqs = [ReqView(f"d{i}", 100, 1, 10**6, i % 2) for i in range(16)] + [ReqView("p", 0, 100_000, 4, None, False)]
-    steps, made = a.forecast.prefill_plan(reqs, a.forecast.place(reqs))
-    assert len(steps) == 4097 and all(len(rows) == 17 for rows in steps[:-1])   # 16 decode rows + 1 prompt token
-    assert sum(n for rows in steps for n, _, _ in rows) - 16 * 4096 == 100_000      # every prompt token once
-    assert made["p"] == 1 and made["d0"] == 4096
-
-
 def _visit(a, m, layout, factor, n=8):
     rows = [(1, 100, 0)] * 4
     for _ in range(n):
@@ -395,7 +346,6 @@ def test_the_engines_first_step_does_not_train():
     assert a.prefill_stats["tp"].n == 0 and a.factor("tp", "prefill") == 1.0
     a.observe("tp", [(64, 0, 0)], 5.0)
     assert a.prefill_stats["tp"].n == 1
-
 
 
 def test_a_measured_layout_is_not_probed_on_a_small_residual_uncertainty():

@@ -60,14 +60,13 @@ class BatchForecast:
                     break
                 free = [f - v for f, v in zip(free, vec)]
                 held[r.req_id] = vec
-                active.append(replace(r, owner=owner))
+                active.append(replace(r, owner=owner, running=True))
                 seen.add(r.req_id)
                 waiting.pop(0)
             if admitted is None:
                 admitted = len(active)
             if not active:
                 break
-            active = [replace(r, running=True) for r in active]
             owners = self.place(active)
             steps, made = self.prefill_plan(active, owners)
             pre += self.steps_seconds(lay, steps)

@@ -81,9 +81,7 @@ class AutoLayout:
                  min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row,
                  clock=time.monotonic, timer=time.perf_counter, overhead_budget: float = OVERHEAD_BUDGET):
         self.model, self.allowed, self.margin = model, tuple(allowed), float(margin)
-        self.block_size, self.world = block_size, world
         self.capacity_blocks = dict(capacity_blocks)
-        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.switch_mode, self.reeval_steps = switch_mode, reeval_steps
         self.min_interval, self.observe_every = min_interval, observe_every
         self._observed = 0

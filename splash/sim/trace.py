@@ -15,10 +15,9 @@ Decode-only stretches are advanced a few steps at a time at one predicted cost.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import math
 from types import SimpleNamespace
 
 from splash.costmodel.step_cost import LAYOUTS, RowLoad
@@ -46,10 +45,6 @@ class Req:
     @property
     def prefilling(self) -> bool:
         return self.cached < self.input_len
-
-    @property
-    def remaining_steps(self) -> int:
-        return self.output_len - self.generated + (1 if self.prefilling else 0)
 
 
 @dataclass
