@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
-                         "scheduler policy and compare with each fixed layout")
-    ap.add_argument("--margin", type=float, default=0.10, help="switch margin of the --trace policy")
+                         "engine's layout: auto scheduler and compare with each fixed layout")
+    ap.add_argument("--margin", type=float, default=0.10, help="switch margin of the --trace scheduler (layout.switch_margin)")
     return ap
 
 
