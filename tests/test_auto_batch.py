@@ -20,11 +20,11 @@ def test_layouts_are_compared_on_the_same_requests_whatever_their_pools_admit_no
     assert d.admitted["dp_attn"] == 4 and d.admitted["dop"] == 8
     assert d.seconds_per_token["dp_attn"] < 1.1 * d.seconds_per_token["dop"]
     assert d.verdict in ("stay", "below_margin"), d.reason
-    fc = a.forecast.waves("dp_attn", waiting, [0, 0], 66)
+    fc = a.forecast.waves("dp_attn", waiting, 66)
     assert (fc.admitted, fc.served, fc.work) == (4, 8, 4 + 800)
     # a request that does not fit even an empty pool is left out, not waited for
     huge = waiting + [ReqView("h", 0, 4096, 10, None, running=False)]
-    assert a.forecast.waves("dp_attn", huge, [0, 0], 66).served == 8
+    assert a.forecast.waves("dp_attn", huge, 66).served == 8
 
 
 def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
@@ -41,7 +41,7 @@ def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
     assert made == {"d0": 3, "p": 1}
     fixed = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
                        per_row=dict.fromkeys(LAYOUTS, 0.0))
-    fc = make(fixed).forecast.waves("dp_attn", reqs, [0, 0], 10_000)
+    fc = make(fixed).forecast.waves("dp_attn", reqs, 10_000)
     assert (fc.prefill_s, fc.decode_s, fc.first_step_s) == (3, 9, 1.0)   # 3 prefill steps, then the 9 decode
     # steps left of each request
 
@@ -54,3 +54,35 @@ def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():
     assert len(steps) == 4097 and all(len(rows) == 17 for rows in steps[:-1])   # 16 decode rows + 1 prompt token
     assert sum(n for rows in steps for n, _, _ in rows) - 16 * 4096 == 100_000      # every prompt token once
     assert made["p"] == 1 and made["d0"] == 4096
+
+
+def test_admission_holds_each_request_to_its_end_not_its_prompt():
+    """An RL rollout's long requests: eight 512-token prompts that each grow to 3,584 tokens. Their prompts fit
+    every pool at once; their ends fit only a pool of 4 x 224 blocks per owner. The forecast admits in each layout
+    what it can carry to the end (TP, every rank holding every request: 4; DP-attn's 732 blocks per owner: 3 per
+    owner; DOP's 910: all 8), while short requests that finish before the long ones peak do not count at that
+    peak."""
+    a = make(LinearCost())
+    longs = [ReqView(f"l{i}", 0, 512, 3072, None, running=False) for i in range(8)]
+    assert a.forecast.waves("tp", longs, 910).admitted == 4
+    assert a.forecast.waves("dp_attn", longs, 732).admitted == 6
+    assert a.forecast.waves("dop", longs, 910).admitted == 8
+    assert all(a.forecast.waves(lay, longs, cap).served == 8 for lay, cap in (("tp", 910), ("dp_attn", 732)))
+    shorts = [ReqView(f"s{i}", 0, 512, 64, None, running=False) for i in range(24)]
+    assert a.forecast.waves("dop", shorts + longs, 910).admitted == 32   # 24 x 36 blocks fit beside the starts
+    assert a.forecast.waves("dop", shorts + longs, 910).served == 32
+
+
+def test_running_requests_the_pool_cannot_carry_are_shed_newest_first_on_the_full_rank():
+    """Four running requests on owner 0 that will grow to 3,584 tokens (224 blocks each) in a 700-block pool:
+    the newest on that rank is shed to the queue to recompute its 1,000 cached tokens (charged as prefill), and
+    re-admitted on owner 1, where it fits, as the ledger would place it; owner 1's request is untouched. In a
+    1,000-block pool nothing is shed."""
+    a = make(LinearCost())
+    run = [ReqView(f"r{i}", 1000, 1, 2584, 0) for i in range(4)] + [ReqView("x", 1000, 1, 2584, 1)]
+    kept, queue = a.forecast._shed("dop", run, [], 700)
+    assert [r.req_id for r in kept] == ["r0", "r1", "r2", "x"]
+    assert [(r.req_id, r.cached, r.pending, r.owner, r.running) for r in queue] == [("r3", 0, 1001, None, False)]
+    assert a.forecast._shed("dop", run, [], 1000) == (run, [])
+    fc = a.forecast.waves("dop", run, 700)
+    assert fc.admitted == 5 and fc.served == 5 and fc.prefill_s > 0

@@ -30,3 +30,44 @@ def test_token_slice():
         for b in range(a, 6):
             assert req.token_slice(a, b) == tuple(req.tokens[a:b])
     assert req.num_tokens == 5
+
+
+
+def test_preemption_frees_the_rank_that_lacks_room():
+    """DP-attn on 2 ranks, 4 blocks of 4 tokens per rank. a and b live on owner 0, c on owner 1, and c is the
+    newest running request. When owner 0 fills, the victim is b — the newest on the rank lacking room — not c,
+    whose blocks on owner 1 would not let a grow (the newest request anywhere was preempted before)."""
+    from splash.engine.scheduler import Scheduler
+    led = KVLedger(2, 4, 4, "dp_attn")
+    s = Scheduler(led, max_num_seqs=8, max_num_batched_tokens=64)
+    for rid in "acb":
+        s.add(Request(rid, [1, 2, 3, 4], 100))
+    s.schedule()
+    assert {rid: led.owner(rid) for rid in "abc"} == {"a": 0, "b": 0, "c": 1}   # least-loaded placement
+    s.running = [s.requests[rid] for rid in "abc"]                                # c the newest
+    while not s.num_preemptions:
+        plan = s.schedule()
+        s.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+    assert [r.req_id for r in s.waiting] == ["b"] and led.holds("c", 1) and not led.holds("c", 0)
+
+
+def test_a_waiting_request_joins_only_when_its_whole_prompt_fits_beside_the_running_ones():
+    """One rank, 8 blocks of 4 tokens, an 8-token budget. a runs with 20 tokens (5 blocks). b's 16-token prompt
+    needs 4 blocks: its first 8-token chunk would fit (7 of 8 blocks) but its whole prompt with a spare block for
+    a does not, so b waits — rather than take a chunk to be preempted and recomputed when a next grows. Once a
+    finishes, b joins."""
+    from splash.engine.scheduler import Scheduler
+    led = KVLedger(1, 8, 4, "tp")
+    s = Scheduler(led, max_num_seqs=8, max_num_batched_tokens=8)
+    a = Request("a", list(range(20)), 2)
+    s.add(a)
+    for _ in range(3):                                   # 20 tokens in 8-token chunks: 3 steps
+        plan = s.schedule()
+        s.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+    assert a.num_cached == 20 and led.used == [5]
+    s.add(Request("b", list(range(16)), 4))
+    plan = s.schedule()
+    assert [it.req_id for it in plan.items] == ["a"] and [r.req_id for r in s.waiting] == ["b"]
+    s.update(plan, {"a": 7})                             # a's second token: it finishes
+    plan = s.schedule()
+    assert [it.req_id for it in plan.items] == ["b"] and s.num_preemptions == 0

@@ -1,17 +1,23 @@
 """What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.auto_layout) — pure Python.
 
 `BatchForecast.waves` charges every layout for the same requests — the running ones and the waiting queue — as
-its KV pool would let the engine's scheduler run them: admit the waiting requests whose prompts fit the free
-blocks (FIFO, as the scheduler does), prefill them, decode until half the batch has finished (or sooner, once
-the whole queue then fits), free the finished requests' blocks, admit again — at most MAX_WAVES such rounds; a
-request that never fits is left out. So a layout whose pool must queue requests pays for them arriving later,
-overlapping the tail of those before them as continuous batching does, not for a second batch after the first
-has drained. (Comparing each layout's admitted batch alone favoured whichever batch happened to hold the requests
-with the most output per prompt token, and sent the shifting workload's burst into DP-attn; draining batch after
-batch overcharged the layout that queued: docs/benchmarks.md, round 11.) A round's prefill is predicted as the
-chunked steps the engine's scheduler will run (token budget per step, admission order, decode rows included),
-so a long prompt whose chunks land on one DP-attn/DOP owner is charged as such; the last round's decode in up
-to DECODE_SEGMENTS + 1 pieces as the requests with the least output left finish.
+its KV pool would let the engine's scheduler run them: admit the waiting requests (FIFO, as the scheduler does)
+while the pool holds them *to their end* — every admitted request grows by one token a step until it finishes, so
+the forecast checks each rank's peak use over the batch's remaining decode, not its prompts alone — prefill them,
+decode until half the batch has finished (or sooner, once the whole queue then fits), free the finished requests'
+blocks, admit again — at most MAX_WAVES such rounds; a request that never fits is left out. Running requests that
+the pool cannot carry to their end are shed first, newest first on the rank that overflows, to be recomputed in a
+later round, as the engine's preemption would do. So a layout whose pool must queue (or preempt) requests pays for
+them arriving later, overlapping the tail of those before them as continuous batching does, not for a second batch
+after the first has drained; and a batch that grows past a pool — an RL rollout whose long requests fill it — is
+charged where it really runs: checking prompts alone let a pool look as if it ran every long request at once until
+it filled (docs/benchmarks.md, round 12). (Comparing each layout's admitted batch alone favoured whichever batch
+held the requests with the most output per prompt token; draining batch after batch overcharged the layout that
+queued: round 11.) A round's prefill is predicted as the chunked steps the engine's scheduler will run (token
+budget per step, admission order, decode rows included), so a long prompt whose chunks land on one DP-attn/DOP
+owner is charged as such; a round's decode in up to DECODE_PIECES pieces, cut where requests finish (charging a
+batch's survivors for the whole round made the layout whose pool ran everything in one round — DOP's, in the RL
+rollout — look twice as slow as one that ran it in several).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from splash.engine.auto_types import CostModelLike, ReqView
 
-DECODE_SEGMENTS = 1      # remaining decode is predicted in up to this many + 1 pieces (the batch, then survivors)
+DECODE_PIECES = 4        # a round's decode is predicted in up to this many pieces, cut where requests finish
 MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see steps_seconds)
 MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
 MAX_WAVES = 6            # admission rounds predicted per layout; requests beyond them are left out
@@ -37,30 +43,40 @@ class Forecast:
     served: int          # requests in all waves
 
 
+def decode_cuts(left: Sequence[int], end: int) -> list[int]:
+    """Where a round's decode (to `end` output tokens) is cut into pieces, each predicted as one step of the
+    requests alive at its start: at the distinct output counts left (`left`, ascending) below `end` — where
+    requests finish and the batch shrinks — at most DECODE_PIECES of them, evenly over those counts."""
+    vals = sorted({v for v in left if 0 < v < end} | {end})
+    if len(vals) > DECODE_PIECES:
+        vals = sorted({vals[round((i + 1) * len(vals) / DECODE_PIECES) - 1] for i in range(DECODE_PIECES)})
+    return vals
+
+
 class BatchForecast:
     def __init__(self, model: CostModelLike, row, *, world: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int):
         self.model, self.row, self.world, self.block_size = model, row, world, block_size
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
 
-    def waves(self, lay: str, reqs: Sequence[ReqView], used: Sequence[int], cap: int) -> Forecast | None:
+    def waves(self, lay: str, reqs: Sequence[ReqView], cap: int) -> Forecast | None:
         """`lay`'s forecast for `reqs` (see the module docstring); None when it would serve nothing."""
         active = [r for r in reqs if r.running]
         waiting = [r for r in reqs if not r.running]
-        free = [cap - u for u in used]
-        held: dict[str, list[int]] = {}
+        active, waiting = self._shed(lay, active, waiting, cap)
         pre = dec = first = 0.0
         work = 0
         admitted, seen = None, {r.req_id for r in active}
         for _ in range(MAX_WAVES):
-            while waiting and len(active) < self.max_num_seqs:   # FIFO admission into the free blocks
+            while waiting and len(active) < self.max_num_seqs:   # FIFO: admit what fits to the end
                 r = waiting[0]
-                owner, vec = self._blocks(lay, r, free)
-                if any(f < v for f, v in zip(free, vec)):
-                    break
-                free = [f - v for f, v in zip(free, vec)]
-                held[r.req_id] = vec
-                active.append(replace(r, owner=owner, running=True))
+                cand = replace(r, owner=self._owner(lay, r, active), running=True)
+                if self._overflow(lay, [*active, cand], cap) is not None:
+                    if active:
+                        break
+                    waiting.pop(0)   # does not fit an empty pool: left out, not waited for
+                    continue
+                active.append(cand)
                 seen.add(r.req_id)
                 waiting.pop(0)
             if admitted is None:
@@ -72,16 +88,14 @@ class BatchForecast:
             pre += self.steps_seconds(lay, steps)
             work += sum(min(made[r.req_id], r.remaining) for r in active)
             active = [replace(r, cached=r.cached + r.pending - 1 + made[r.req_id], pending=1, owner=owners[r.req_id],
-                              remaining=r.remaining - made[r.req_id]) for r in active]
-            active, free = self._release(lay, active, free, held)
+                              remaining=r.remaining - made[r.req_id]) for r in active if r.remaining > made[r.req_id]]
             if not active:
                 continue
             left = sorted(r.remaining for r in active)
-            if waiting:   # decode until half the batch has finished, or sooner when the whole queue then fits
-                cuts = [max(left[0], min(left[(len(left) - 1) // 2], self._all_fit_at(lay, active, waiting, free, held)))]
-            else:
-                cuts = sorted({left[min(len(left) - 1, (len(left) * k) // DECODE_SEGMENTS)]
-                               for k in range(DECODE_SEGMENTS)} | {left[-1]})
+            # decode until half the batch has finished, or sooner when the whole queue then fits; with no queue, to
+            # the end
+            end = self._all_fit_at(lay, active, waiting, cap, left[:(len(left) + 1) // 2]) if waiting else left[-1]
+            cuts = decode_cuts(left, end)
             done = 0
             for cut in cuts:
                 alive = [r for r in active if r.remaining > done]
@@ -93,53 +107,80 @@ class BatchForecast:
                 dec += (cut - done) * one
                 done = cut
             work += sum(min(done, r.remaining) for r in active)
-            active = [replace(r, cached=r.cached + done, remaining=r.remaining - done) for r in active]
-            active, free = self._release(lay, active, free, held)
+            active = [replace(r, cached=r.cached + done, remaining=r.remaining - done) for r in active
+                      if r.remaining > done]
             if not active and not waiting:
                 break
         if not seen or work <= 0:
             return None
         return Forecast(pre, dec, first, work, admitted or 0, len(seen))
 
-    def _blocks(self, lay: str, r: ReqView, free: Sequence[int]) -> tuple[int | None, list[int]]:
-        """(owner, blocks per rank) a request's prompt takes in `lay` (TP: on every rank; CP: spread; DP-attn and
-        DOP: on its owner, the rank with the most free blocks for a waiting one)."""
-        need = -(-(r.cached + r.pending) // self.block_size)
-        w = len(free)
+    def _share(self, lay: str, owner: int | None) -> list[float]:
+        """The share of a request's blocks each rank holds in `lay` (TP: all on every rank; CP: spread evenly;
+        DP-attn and DOP: all on the owner)."""
+        w = self.world
         if lay == "tp":
-            return r.owner, [need] * w
+            return [1.0] * w
         if lay == "cp":
-            return r.owner, [-(-need // w)] * w
-        o = r.owner if r.owner is not None and 0 <= r.owner < w else max(range(w), key=lambda k: free[k])
-        return o, [need if k == o else 0 for k in range(w)]
+            return [1.0 / w] * w
+        return [1.0 if k == owner else 0.0 for k in range(w)]
 
-    def _release(self, lay: str, active: list, free: list[int], held: dict) -> tuple[list, list[int]]:
-        """Drop the finished requests from `active`, their blocks back to `free`."""
-        alive = []
-        for r in active:
-            if r.remaining > 0:
-                alive.append(r)
-                continue
-            vec = held.pop(r.req_id, None) or self._blocks(lay, r, free)[1]
-            free = [f + v for f, v in zip(free, vec)]
-        return alive, free
+    def _overflow(self, lay: str, batch: Sequence[ReqView], cap: int) -> int | None:
+        """The first rank whose pool `batch` would overflow as it runs to the end (every request one token a step
+        after its prompt, a finished one freeing its blocks), or None. A rank's use peaks at some request's last
+        token: with the requests by remaining output, longest first, the first k are alive at the k-th one's
+        last step. Blocks are counted as tokens / block size + 1 per request (an upper bound of the rounding)."""
+        w, bs = self.world, self.block_size
+        tok, rate, n = [0.0] * w, [0.0] * w, [0] * w
+        for r in sorted(batch, key=lambda x: -x.remaining):
+            d = max(0, r.remaining - 1)
+            for k, s in enumerate(self._share(lay, r.owner)):
+                if s:
+                    tok[k] += s * (r.cached + r.pending)
+                    rate[k] += s
+                    n[k] += 1
+            for k in range(w):
+                if n[k] and (tok[k] + rate[k] * d) / bs + n[k] > cap:
+                    return k
+        return None
 
-    def _all_fit_at(self, lay: str, active: Sequence[ReqView], waiting: Sequence[ReqView], free: Sequence[int],
-                    held: dict) -> int:
-        """Output tokens after which enough of `active` has finished for the whole queue's prompts to fit (per rank
-        in TP/CP; in total in DP-attn/DOP, whose new requests go where the room is)."""
-        w = len(free)
-        want = [0] * w
-        for r in waiting:
-            want = [a + b for a, b in zip(want, self._blocks(lay, r, [0] * w)[1])]
-        def fits(have):
-            return all(h >= x for h, x in zip(have, want)) if lay in ("tp", "cp") else sum(have) >= sum(want)
-        have = list(free)
-        for r in sorted(active, key=lambda x: x.remaining):
-            if fits(have):
-                return r.remaining
-            have = [h + v for h, v in zip(have, held.get(r.req_id) or self._blocks(lay, r, have)[1])]
-        return max(r.remaining for r in active)
+    def _shed(self, lay: str, active: list[ReqView], waiting: list[ReqView], cap: int):
+        """Running requests that `lay`'s pool cannot carry to their end: as the engine would preempt them, the
+        newest on the overflowing rank goes back to the head of the queue to recompute its context later."""
+        active, waiting = list(active), list(waiting)
+        while active:
+            k = self._overflow(lay, active, cap)
+            if k is None:
+                break
+            victim = next(r for r in reversed(active) if self._share(lay, r.owner)[k])
+            active.remove(victim)
+            waiting.insert(0, replace(victim, cached=0, pending=victim.cached + victim.pending, owner=None,
+                                      running=False))
+        return active, waiting
+
+    def _owner(self, lay: str, r: ReqView, active: Sequence[ReqView]) -> int | None:
+        """Where a waiting request would go: the rank holding the fewest tokens (DP-attn/DOP owner, CP anchor)."""
+        if r.owner is not None and 0 <= r.owner < self.world:
+            return r.owner
+        load = [0] * self.world
+        for x in active:
+            if x.owner is not None and 0 <= x.owner < self.world:
+                load[x.owner] += x.cached + x.pending
+        return min(range(self.world), key=lambda k: load[k])
+
+    def _all_fit_at(self, lay: str, active: Sequence[ReqView], waiting: Sequence[ReqView], cap: int,
+                    cuts: Sequence[int]) -> int:
+        """The first of `cuts` (output tokens from now, ascending) after which the whole queue fits beside the
+        requests still running then; the last cut when none does."""
+        for cut in cuts:
+            alive = [replace(r, cached=r.cached + cut, remaining=r.remaining - cut) for r in active
+                     if r.remaining > cut]
+            batch = list(alive)
+            for r in waiting:
+                batch.append(replace(r, owner=self._owner(lay, r, batch), running=True))
+            if self._overflow(lay, batch, cap) is None:
+                return cut
+        return cuts[-1]
 
     def place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
         """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank

@@ -183,7 +183,7 @@ class AutoLayout:
             if used is None or any(u > cap for u in used):
                 infeasible[lay] = f"live KV needs {max(used or [0])} blocks on a rank, holds {cap}"
                 continue
-            fc = self.forecast.waves(lay, reqs, used, cap)
+            fc = self.forecast.waves(lay, reqs, cap)
             if fc is None:
                 continue
             f, fp = self.factor(lay), self.factor(lay, "prefill")

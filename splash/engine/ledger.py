@@ -58,9 +58,20 @@ class KVLedger:
         return self._need(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
     def can_grow(self, req: str, new_tokens: int, owner: int = 0) -> bool:
+        return not self.short_ranks(req, new_tokens, owner)
+
+    def short_ranks(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
+        """The ranks without room for `req` to grow to `new_tokens`."""
         need = self.growth(req, new_tokens, owner)
         cap = self.cap()
-        return all(self.used[r] + need[r] <= cap for r in range(self.world))
+        return [r for r in range(self.world) if self.used[r] + need[r] > cap]
+
+    def holds(self, req: str, rank: int) -> bool:
+        """Whether `rank` holds any block of `req`."""
+        if req not in self.reqs:
+            return False
+        tokens, owner = self.reqs[req]
+        return self._need(owner, 0, _blocks(tokens, self.block_size))[rank] > 0
 
     def grow(self, req: str, new_tokens: int, owner: int = 0) -> None:
         need = self.growth(req, new_tokens, owner)

@@ -2,8 +2,9 @@
 
 Policy: every step first gives each running request its next piece (one decode token, or the next prefill
 chunk) in admission order, then admits waiting requests while the token budget, `max_num_seqs` and KV
-capacity allow. When a running request cannot grow because the pool is full, the most recently admitted
-running request is preempted and recomputed later (vLLM's default "recompute"); with `preemption_mode="queue"`
+capacity allow (a waiting request's whole prompt must fit, with a spare block per running request). When a running request cannot grow because the pool is full, the most recently admitted
+running request holding blocks on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted
+and recomputed later (vLLM's default "recompute"); with `preemption_mode="queue"`
 the request that cannot grow simply waits for this step. With ``chunked_prefill`` off, a prompt is never
 split: it is scheduled only in a step whose remaining token budget holds all of it (the serving config then
 requires ``max_num_batched_tokens >= max_model_len``, so every prompt fits an empty step).
@@ -105,6 +106,31 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
+    def _victim(self, req: Request, budget: int) -> Request:
+        """Whom to preempt so that `req` can grow: the newest running request (`req` itself included) that holds
+        blocks on a rank lacking room. In DP-attn/DOP that is the newest on `req`'s owner: the newest anywhere
+        may live on another rank, and freeing it would not help."""
+        owner = self.ledger.reqs.get(req.req_id, (0, 0))[1]
+        short = self.ledger.short_ranks(req.req_id, req.num_cached + min(req.pending, budget), owner)
+        for r in reversed(self.running):
+            if r is req or any(self.ledger.holds(r.req_id, k) for k in short):
+                return r
+        return self.running[-1]
+
+    def _admissible(self, req: Request) -> bool:
+        """A waiting request joins only when all of its pending tokens — the whole prompt, or a preempted request's
+        whole context — fit the ranks it will live on, with one spare block there per running request (room for
+        their next blocks). Admitting whatever chunk fits let a full pool take a preempted request back a chunk at
+        a time, only to preempt it again a few steps later: at capacity a DP-attn rollout re-prefilled a 2,048-token
+        chunk every step (5 s steps; docs/benchmarks.md, round 12)."""
+        owner = self.ledger.pick_owner()
+        need = self.ledger.growth(req.req_id, req.num_cached + req.pending, owner)
+        cap = self.ledger.cap()
+        for r, n in enumerate(need):
+            if n and self.ledger.used[r] + n + sum(self.ledger.holds(x.req_id, r) for x in self.running) > cap:
+                return False
+        return True
+
     def _piece(self, req: Request, budget: int) -> Scheduled | None:
         n = min(req.pending, budget)
         if n <= 0 or (n < req.pending and not self.chunked_prefill):
@@ -127,16 +153,15 @@ class Scheduler:
             item = self._piece(req, budget)
             fits = self.chunked_prefill or req.pending <= budget   # else it waits for a step with room
             if item is None and req.pending > 0 and fits and self.preemption_mode == "recompute":
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    continue
-                continue  # retry the same request with more room
+                self._preempt(self._victim(req, budget))
+                continue  # retry the same request with more room (or, if it was the victim, the next one)
             if item is not None:
                 items.append(item)
                 budget -= len(item.tokens)
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._admissible(self.waiting[0]):
+                break
             item = self._piece(self.waiting[0], budget)
             if item is None:
                 break
