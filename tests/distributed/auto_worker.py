@@ -4,7 +4,9 @@ cost model says so, and the tokens stay transformers' tokens.
 argv: model_dir ref.pt. The cost model is a stand-in with a scripted regime (the real model's accuracy is
 benchmarks/bench_costmodel.py's business): TP is fastest for one or two rows, DOP for a wide batch, CP for a
 single long row. The batch starts wide, shrinks as requests finish, and the last request runs long, so the
-scheduler must go tp -> dop -> ... -> cp by itself, live, while requests run. The online correction is off
+scheduler must go tp -> dop -> ... -> cp by itself, live, while requests run. (The forecast charges the whole
+remaining batch, wide phase and long tail, so the wide phase's lead is made large enough — 3x — to outweigh the
+tail at the start; once the wide phase is over, the tail alone decides.) The online correction is off
 and the overhead budget unbounded, so the decisions do not depend on this machine's timings. Steps are scripted
 at 0.1 s per row, so each regime's payoff exceeds the scheduler's prior switch cost (10 x a 5 ms floor before
 any switch is measured).
@@ -35,7 +37,7 @@ class Regimes:
             best = "cp"
         else:
             best = "tp"
-        return SimpleNamespace(seconds=0.1 * n * (1.0 if layout == best else 2.0))
+        return SimpleNamespace(seconds=0.1 * n * (1.0 if layout == best else 3.0 if n >= 3 else 2.0))
 
     def switch(self, manifest, mode, step_seconds=None):
         return SimpleNamespace(exposed_seconds=1e-6)
