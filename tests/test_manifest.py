@@ -219,6 +219,26 @@ def test_conversion_needs_one_layer_of_headroom():
         ctl.request("dop")
         return ctl.decide("tp", ledger, {f"r{i}": 160 for i in range(5)}, 0)
 
-    assert decide(LayoutController(GLM, 2, BS, 2, "float32"), 80) is not None
-    assert decide(conv, 80) is None and "float32 -> fp8_e4m3 conversion included" in conv.last_deferral
+    assert decide(LayoutController(GLM, 2, BS, 2, "float32"), 50) is not None
+    assert decide(conv, 50) is None and "float32 -> fp8_e4m3 conversion included" in conv.last_deferral
     assert decide(LayoutController(GLM, 2, BS, 2, fp8_dop), 200) is not None
+
+
+def test_discards_sent_nowhere_leave_room_for_the_handoff_step():
+    """TP -> DOP with TP's pool full (5 requests x 10 blocks on both ranks of 52): each rank discards the 20 or 30
+    blocks of the requests the other owner gets, before the handoff step appends its 10 blocks, so the switch
+    fits (counting TP's whole footprint under the step deferred it). CP -> DP-attn sends blocks it then discards:
+    those stay resident through the step."""
+    from splash.engine.layout_control import LayoutController
+    from splash.engine.ledger import KVLedger
+
+    ledger = KVLedger(2, 52, BS, "tp")
+    for i in range(5):
+        ledger.grow(f"r{i}", 160)
+    ctl = LayoutController(GLM, 2, BS, 2, "float32")
+    ctl.request("dop")
+    d = ctl.decide("tp", ledger, {f"r{i}": 160 for i in range(5)}, 10)
+    assert d is not None and ctl.last_deferral is None
+    assert sorted(len(d.manifest.freed_at_handoff(r)) for r in range(2)) == [20, 30]
+    m = _fmt_plan(CP, DP, "float32", "float32", world=2)
+    assert all(len(m.freed_at_handoff(r)) < len(m.discard[r]) for r in range(2) if m.discard[r])

@@ -1,8 +1,10 @@
 """Rank 0's layout control: pinned target or auto, the switch decision and its memory headroom check.
 
-A switch needs, on every rank, room for the blocks it will receive (discarded blocks are only freed after the
-handoff step, because they may still be sent), one layer's transfer buffers, and the blocks the handoff step
-itself may append. If a rank lacks it — or the destination cannot hold the live KV — the switch is deferred
+A switch needs, on every rank, room for the blocks it will receive, one layer's transfer buffers, and the blocks
+the handoff step itself may append, on top of what stays resident: the blocks it keeps and the discarded ones it
+still sends (freed after the handoff step); discards it sends nowhere are freed at the boundary
+(``Manifest.freed_at_handoff``) — so TP → DOP with TP's pool nearly full is not deferred for TP's copies of the
+requests DOP gives to the other owner. If a rank lacks it — or the destination cannot hold the live KV — the switch is deferred
 with a logged reason and retried at the next step boundary; the run continues in the current layout.
 
 Layouts may store KV in different dtypes (``kv_dtypes``); the pool is sized in the widest of them. Converting a
@@ -119,15 +121,16 @@ class LayoutController:
             incoming[mv.dst_rank] += 1
         dst_used = ledger.usage_under(m.dst.value, owners)
         for r in range(self.world):
+            resident = ledger.used[r] - len(m.freed_at_handoff(r))   # freed before the step appends
             buf_bytes = (incoming[r] * m.kv_block_bytes_layer + m.weight_recv_bytes[r]
-                         + self.convert_bytes(m, cap, ledger.used[r] + incoming[r]))
+                         + self.convert_bytes(m, cap, resident + incoming[r]))
             buf_blocks = -(-int(buf_bytes) // block_all_layers) if block_all_layers else 0
-            peak = ledger.used[r] + incoming[r] + buf_blocks + reserve
+            peak = resident + incoming[r] + buf_blocks + reserve
             if dst_used[r] + reserve > dst_cap:
                 return (f"rank {r}: destination {m.dst.value} needs {dst_used[r]} KV blocks (+{reserve} for the "
                         f"step) but holds at most {dst_cap} there")
             if peak > cap:
-                return (f"rank {r}: handoff peak {peak} blocks (resident {ledger.used[r]} + incoming {incoming[r]}"
+                return (f"rank {r}: handoff peak {peak} blocks (resident {resident} + incoming {incoming[r]}"
                         f" + one-layer buffers {buf_blocks} + step {reserve}) exceeds the pool of {cap}"
                         + (f" ({m.src_kv_dtype} -> {m.dst_kv_dtype} conversion included)" if m.converts_kv else ""))
         return None

@@ -42,6 +42,14 @@ class SwitchExecutor:
         r, m, me = self.r, self.m, self.r.comm.rank
         bm = r.bm
         self.send_phys, self.send_counts = self._sends(me)
+        by_req: dict[str, list[int]] = defaultdict(list)
+        now = set(m.freed_at_handoff(me))   # nothing reads these: free them before this step allocates
+        for req, b in m.discard[me]:
+            by_req[req].append(b)
+        for req, blocks in by_req.items():
+            freed = bm.detach(req, [b for b in blocks if (req, b) in now])
+            bm.free_physical(freed)
+            self.pending_free += bm.detach(req, blocks)   # the rest once their sends are done (end())
         self.recv_counts = [0] * m.world
         incoming: dict[str, list[int]] = defaultdict(list)
         for mv in m.moves:
@@ -51,11 +59,6 @@ class SwitchExecutor:
         for req, blocks in incoming.items():
             bm.ensure(req, blocks)
         self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
-        by_req: dict[str, list[int]] = defaultdict(list)
-        for req, b in m.discard[me]:
-            by_req[req].append(b)
-        for req, blocks in by_req.items():
-            self.pending_free += bm.detach(req, blocks)
         r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
         self.w_action = m.action("proj")
         dst = m.dst.value

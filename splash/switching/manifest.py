@@ -85,7 +85,8 @@ class Manifest:
     """The plan of one switch; byte figures are per rank per layer unless named ``total_``.
 
     Order of effect: ``moves`` are sent from the source layout's placement first; ``discard`` frees blocks only
-    after (a rank may send a block it then discards, e.g. CP→DP-attn). Moves, keep and discard are listed once
+    after (a rank may send a block it then discards, e.g. CP→DP-attn) — except the discards a rank sends nowhere
+    (``freed_at_handoff``), which are freed at the boundary, before the handoff step appends. Moves, keep and discard are listed once
     per logical block and apply identically to every layer.
     """
     src: Layout
@@ -127,6 +128,13 @@ class Manifest:
     def dst_heads_of(self, req: str, rank: int, _heads: range | None = None) -> range | None:
         """KDA heads of `req` that `rank` holds after the switch (None: none)."""
         return _state_heads(self.dst, self.linear_heads, self.world, rank, self.owners.get(req))
+
+    def freed_at_handoff(self, rank: int) -> tuple[tuple[str, int], ...]:
+        """`rank`'s discards that it sends nowhere: nothing reads them once the boundary is passed, so they are
+        freed before the handoff step appends its tokens (a discarded block that is also sent stays until the step
+        ends)."""
+        sent = {(mv.req, mv.block_idx) for mv in self.moves if mv.src_rank == rank}
+        return tuple(rb for rb in self.discard[rank] if rb not in sent)
 
     @property
     def converts_kv(self) -> bool:
