@@ -71,3 +71,15 @@ def test_a_waiting_request_joins_only_when_its_whole_prompt_fits_beside_the_runn
     s.update(plan, {"a": 7})                             # a's second token: it finishes
     plan = s.schedule()
     assert [it.req_id for it in plan.items] == ["b"] and s.num_preemptions == 0
+
+
+def test_owners_balance_what_requests_will_hold_at_their_end():
+    """Two requests with the same 64-token prompt: one may grow to 3,000 tokens, the other to 80. Balancing the
+    blocks held now would put the next long request beside the first (rank 0 then holds 4 blocks against rank 1's
+    5); balancing their ends puts it on rank 1."""
+    led = KVLedger(2, 1000, 16, "dop")
+    led.grow("long", 64, 0, final=3000)
+    led.grow("short", 80, 1, final=80)
+    assert led.used == [4, 5] and led.pick_owner() == 1
+    led.release("long")
+    assert led.final == {"short": 80} and led.pick_owner() == 0

@@ -159,13 +159,14 @@ class BatchForecast:
         return active, waiting
 
     def _owner(self, lay: str, r: ReqView, active: Sequence[ReqView]) -> int | None:
-        """Where a waiting request would go: the rank holding the fewest tokens (DP-attn/DOP owner, CP anchor)."""
+        """Where a waiting request would go: the rank whose requests will hold the fewest tokens at their end
+        (DP-attn/DOP owner, CP anchor), as the ledger places it."""
         if r.owner is not None and 0 <= r.owner < self.world:
             return r.owner
         load = [0] * self.world
         for x in active:
             if x.owner is not None and 0 <= x.owner < self.world:
-                load[x.owner] += x.cached + x.pending
+                load[x.owner] += x.cached + x.pending + x.remaining
         return min(range(self.world), key=lambda k: load[k])
 
     def _all_fit_at(self, lay: str, active: Sequence[ReqView], waiting: Sequence[ReqView], cap: int,
@@ -184,17 +185,17 @@ class BatchForecast:
 
     def place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
         """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
-        holding the fewest tokens, as the ledger will place it."""
+        whose requests will hold the fewest tokens at their end, as the ledger will place it."""
         load = [0] * self.world
         for r in batch:
             if r.owner is not None and 0 <= r.owner < self.world:
-                load[r.owner] += r.cached + r.pending
+                load[r.owner] += r.cached + r.pending + r.remaining
         out: dict[str, int | None] = {}
         for r in batch:
             o = r.owner
             if o is None:
                 o = min(range(self.world), key=lambda k: load[k])
-                load[o] += r.cached + r.pending
+                load[o] += r.cached + r.pending + r.remaining
             out[r.req_id] = o
         return out
 

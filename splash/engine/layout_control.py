@@ -4,8 +4,9 @@ A switch needs, on every rank, room for the blocks it will receive, one layer's 
 the handoff step itself may append, on top of what stays resident: the blocks it keeps and the discarded ones it
 still sends (freed after the handoff step); discards it sends nowhere are freed at the boundary
 (``Manifest.freed_at_handoff``) — so TP → DOP with TP's pool nearly full is not deferred for TP's copies of the
-requests DOP gives to the other owner. If a rank lacks it — or the destination cannot hold the live KV — the switch is deferred
-with a logged reason and retried at the next step boundary; the run continues in the current layout.
+requests DOP gives to the other owner. If a rank lacks it — or the destination cannot hold the live KV — the
+switch is deferred with a logged reason and retried at the next step boundary; the run continues in the current
+layout.
 
 Layouts may store KV in different dtypes (``kv_dtypes``); the pool is sized in the widest of them. Converting a
 layer allocates its new tensors before the old ones go, so a switch that converts also needs, on top of a pool

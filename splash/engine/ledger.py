@@ -23,6 +23,7 @@ class KVLedger:
     capacity: dict[str, int] = field(default_factory=dict)  # usable blocks per rank per layout (default: all)
     used: list[int] = field(default_factory=list)
     reqs: dict[str, list[int]] = field(default_factory=dict)  # req -> [tokens, owner]
+    final: dict[str, int] = field(default_factory=dict)       # req -> tokens it may reach (prompt + max_tokens)
 
     def __post_init__(self) -> None:
         self.used = [0] * self.world
@@ -73,8 +74,10 @@ class KVLedger:
         tokens, owner = self.reqs[req]
         return self._need(owner, 0, _blocks(tokens, self.block_size))[rank] > 0
 
-    def grow(self, req: str, new_tokens: int, owner: int = 0) -> None:
+    def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)
+        if final is not None and req not in self.reqs:
+            self.final[req] = final
         entry = self.reqs.setdefault(req, [0, owner])
         entry[0] = max(entry[0], new_tokens)
         for r in range(self.world):
@@ -84,16 +87,22 @@ class KVLedger:
         if req not in self.reqs:
             return
         tokens, owner = self.reqs.pop(req)
+        self.final.pop(req, None)
         need = self._need(owner, 0, _blocks(tokens, self.block_size))
         for r in range(self.world):
             self.used[r] -= need[r]
 
     def pick_owner(self) -> int:
-        """Least-loaded rank (by blocks, then by request count, then id)."""
-        counts = [0] * self.world
-        for _, o in self.reqs.values():
+        """Least-loaded rank: by the blocks its requests will hold at their end (tokens they may reach, prompt +
+        max_tokens, as given to `grow`; their present tokens when more or not given), then blocks held now, then
+        request count, then id. Balancing what requests hold now alone let an RL rollout's long requests (the
+        same prompt length as its short ones) pile up on one DOP owner, which then had to preempt them (fixed DOP
+        259 vs 203 tok/s between two runs; docs/benchmarks.md, round 12)."""
+        counts, ends = [0] * self.world, [0] * self.world
+        for req, (tokens, o) in self.reqs.items():
             counts[o] += 1
-        return min(range(self.world), key=lambda r: (self.used[r], counts[r], r))
+            ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
+        return min(range(self.world), key=lambda r: (ends[r], self.used[r], counts[r], r))
 
     def owner(self, req: str) -> int:
         return self.reqs[req][1]

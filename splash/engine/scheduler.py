@@ -2,10 +2,10 @@
 
 Policy: every step first gives each running request its next piece (one decode token, or the next prefill
 chunk) in admission order, then admits waiting requests while the token budget, `max_num_seqs` and KV
-capacity allow (a waiting request's whole prompt must fit, with a spare block per running request). When a running request cannot grow because the pool is full, the most recently admitted
-running request holding blocks on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted
-and recomputed later (vLLM's default "recompute"); with `preemption_mode="queue"`
-the request that cannot grow simply waits for this step. With ``chunked_prefill`` off, a prompt is never
+capacity allow (a waiting request's whole prompt must fit, with a spare block per running request). When a
+running request cannot grow because the pool is full, the most recently admitted running request holding blocks
+on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted and recomputed later (vLLM's
+default "recompute"); with `preemption_mode="queue"` the request that cannot grow simply waits for this step. With ``chunked_prefill`` off, a prompt is never
 split: it is scheduled only in a step whose remaining token budget holds all of it (the serving config then
 requires ``max_num_batched_tokens >= max_model_len``, so every prompt fits an empty step).
 """
@@ -140,7 +140,7 @@ class Scheduler:
         owner = known[1] if known is not None else self.ledger.pick_owner()
         if not self.ledger.can_grow(req.req_id, end, owner):
             return None
-        self.ledger.grow(req.req_id, end, owner)
+        self.ledger.grow(req.req_id, end, owner, final=min(len(req.prompt) + req.max_tokens, req.max_len))
         toks = req.token_slice(req.num_cached, end)
         return Scheduled(req.req_id, req.num_cached, toks, end == req.num_tokens, owner)
 

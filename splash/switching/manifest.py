@@ -86,8 +86,8 @@ class Manifest:
 
     Order of effect: ``moves`` are sent from the source layout's placement first; ``discard`` frees blocks only
     after (a rank may send a block it then discards, e.g. CP→DP-attn) — except the discards a rank sends nowhere
-    (``freed_at_handoff``), which are freed at the boundary, before the handoff step appends. Moves, keep and discard are listed once
-    per logical block and apply identically to every layer.
+    (``freed_at_handoff``), which are freed at the boundary, before the handoff step appends. Moves, keep and
+    discard are listed once per logical block and apply identically to every layer.
     """
     src: Layout
     dst: Layout
