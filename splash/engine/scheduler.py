@@ -5,9 +5,11 @@ chunk) in admission order, then admits waiting requests while the token budget, 
 capacity allow (a waiting request's whole prompt must fit, with a spare block per running request). When a
 running request cannot grow because the pool is full, the most recently admitted running request holding blocks
 on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted and recomputed later (vLLM's
-default "recompute"); with `preemption_mode="queue"` the request that cannot grow simply waits for this step. With ``chunked_prefill`` off, a prompt is never
-split: it is scheduled only in a step whose remaining token budget holds all of it (the serving config then
-requires ``max_num_batched_tokens >= max_model_len``, so every prompt fits an empty step).
+default "recompute"); with `preemption_mode="queue"` the request that cannot grow simply waits for this step.
+A new request's owner is the rank whose requests will hold the fewest blocks at their end (`KVLedger.pick_owner`).
+With ``chunked_prefill`` off, a prompt is never split: it is scheduled only in a step whose remaining token budget
+holds all of it (the serving config then requires ``max_num_batched_tokens >= max_model_len``, so every prompt
+fits an empty step).
 """
 from __future__ import annotations
 
