@@ -286,7 +286,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-args", default="--preset small-mla",
                    help="extra splash-serve flags for every mode (default: %(default)s)")
     p.add_argument("--modes", default=",".join(MODES), help="auto and/or fixed layouts, comma-separated")
-    p.add_argument("--workload", metavar="FILE", help="request groups (JSON or YAML); default: built in")
+    p.add_argument("--workload", metavar="FILE", help="request groups (JSON or YAML); default: built in. "
+                   "benchmarks/workloads/rollout-at-capacity.yaml: an RL rollout whose long tail fills the KV pool")
     p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
