@@ -86,3 +86,18 @@ def test_running_requests_the_pool_cannot_carry_are_shed_newest_first_on_the_ful
     assert a.forecast._shed("dop", run, [], 1000) == (run, [])
     fc = a.forecast.waves("dop", run, 700)
     assert fc.admitted == 5 and fc.served == 5 and fc.prefill_s > 0
+
+
+def test_a_rounds_decode_is_charged_as_its_requests_finish():
+    """One round, no queue: 30 requests that finish after 64 tokens, 2 after 100 and 1 that runs 3,000. Per-row
+    steps (1 ms a row, nothing else): 30 x 64 + 2 x 100 + 3,000 rows — 5.12 s. Cutting the decode only at the first
+    finisher charged the 2 for the long one's whole round (10.9 s); the cuts fall where requests finish."""
+    from splash.engine.auto_batch import decode_cuts
+    per_row = LinearCost(fixed=dict.fromkeys(LAYOUTS, 0.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
+                         per_row=dict.fromkeys(LAYOUTS, 1e-3))
+    reqs = ([ReqView(f"s{i}", 600, 1, 64, i % 2) for i in range(30)] + [ReqView("i0", 60, 1, 100, 0),
+            ReqView("i1", 60, 1, 100, 1), ReqView("l", 600, 1, 3000, 0)])
+    fc = make(per_row).forecast.waves("dop", reqs, 10_000)
+    assert abs(fc.decode_s - (30 * 64 + 2 * 100 + 3000) * 1e-3) < 1e-9 and fc.work == 30 * 64 + 2 * 100 + 3000
+    assert decode_cuts([64] * 30 + [100] * 2 + [3000], 3000) == [64, 100, 3000]
+    assert decode_cuts(list(range(1, 11)), 10) == [2, 5, 8, 10]       # at most DECODE_PIECES, evenly
