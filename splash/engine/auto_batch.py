@@ -45,11 +45,15 @@ class Forecast:
 
 def decode_cuts(left: Sequence[int], end: int) -> list[int]:
     """Where a round's decode (to `end` output tokens) is cut into pieces, each predicted as one step of the
-    requests alive at its start: at the distinct output counts left (`left`, ascending) below `end` — where
-    requests finish and the batch shrinks — at most DECODE_PIECES of them, evenly over those counts."""
+    requests alive at its start: where requests finish (the distinct output counts left, `left`, below `end`), at
+    most DECODE_PIECES cuts — at the ends of the clusters those counts form, split at their DECODE_PIECES - 1 widest
+    gaps, so a request is charged at most its cluster's width beyond its end. (Cuts spread evenly over the counts put
+    three of four inside a rollout's short requests — which finish a few tokens apart after chunked prefill — and
+    charged the stragglers for the long requests' whole round.)"""
     vals = sorted({v for v in left if 0 < v < end} | {end})
     if len(vals) > DECODE_PIECES:
-        vals = sorted({vals[round((i + 1) * len(vals) / DECODE_PIECES) - 1] for i in range(DECODE_PIECES)})
+        widest = sorted(range(len(vals) - 1), key=lambda i: vals[i + 1] - vals[i], reverse=True)[:DECODE_PIECES - 1]
+        vals = sorted({vals[i] for i in widest} | {vals[-1]})
     return vals
 
 
