@@ -74,7 +74,7 @@ class BatchForecast:
         for _ in range(MAX_WAVES):
             while waiting and len(active) < self.max_num_seqs:   # FIFO: admit what fits to the end
                 r = waiting[0]
-                cand = replace(r, owner=self._owner(lay, r, active), running=True)
+                cand = replace(r, owner=self._owner(r, active), running=True)
                 if self._overflow(lay, [*active, cand], cap) is not None:
                     if active:
                         break
@@ -162,15 +162,20 @@ class BatchForecast:
                                       running=False))
         return active, waiting
 
-    def _owner(self, lay: str, r: ReqView, active: Sequence[ReqView]) -> int | None:
+    def _end_loads(self, batch: Sequence[ReqView]) -> list[int]:
+        """Per rank, the tokens its placed requests of `batch` will hold at their end."""
+        load = [0] * self.world
+        for x in batch:
+            if x.owner is not None and 0 <= x.owner < self.world:
+                load[x.owner] += x.cached + x.pending + x.remaining
+        return load
+
+    def _owner(self, r: ReqView, active: Sequence[ReqView]) -> int | None:
         """Where a waiting request would go: the rank whose requests will hold the fewest tokens at their end
         (DP-attn/DOP owner, CP anchor), as the ledger places it."""
         if r.owner is not None and 0 <= r.owner < self.world:
             return r.owner
-        load = [0] * self.world
-        for x in active:
-            if x.owner is not None and 0 <= x.owner < self.world:
-                load[x.owner] += x.cached + x.pending + x.remaining
+        load = self._end_loads(active)
         return min(range(self.world), key=lambda k: load[k])
 
     def _all_fit_at(self, lay: str, active: Sequence[ReqView], waiting: Sequence[ReqView], cap: int,
@@ -182,7 +187,7 @@ class BatchForecast:
                      if r.remaining > cut]
             batch = list(alive)
             for r in waiting:
-                batch.append(replace(r, owner=self._owner(lay, r, batch), running=True))
+                batch.append(replace(r, owner=self._owner(r, batch), running=True))
             if self._overflow(lay, batch, cap) is None:
                 return cut
         return cuts[-1]
@@ -190,10 +195,7 @@ class BatchForecast:
     def place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
         """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
         whose requests will hold the fewest tokens at their end, as the ledger will place it."""
-        load = [0] * self.world
-        for r in batch:
-            if r.owner is not None and 0 <= r.owner < self.world:
-                load[r.owner] += r.cached + r.pending + r.remaining
+        load = self._end_loads(batch)
         out: dict[str, int | None] = {}
         for r in batch:
             o = r.owner

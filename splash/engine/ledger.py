@@ -67,6 +67,14 @@ class KVLedger:
         cap = self.cap()
         return [r for r in range(self.world) if self.used[r] + need[r] > cap]
 
+    def holder_counts(self) -> list[int]:
+        """Per rank, how many requests hold blocks there."""
+        out = [0] * self.world
+        for tokens, owner in self.reqs.values():
+            for r, n in enumerate(self._need(owner, 0, _blocks(tokens, self.block_size))):
+                out[r] += n > 0
+        return out
+
     def holds(self, req: str, rank: int) -> bool:
         """Whether `rank` holds any block of `req`."""
         if req not in self.reqs:

@@ -119,27 +119,28 @@ class Scheduler:
                 return r
         return self.running[-1]
 
-    def _admissible(self, req: Request) -> bool:
+    def _admissible(self, req: Request) -> int | None:
         """A waiting request joins only when all of its pending tokens — the whole prompt, or a preempted request's
         whole context — fit the ranks it will live on, with one spare block there per running request (room for
         their next blocks). Admitting whatever chunk fits let a full pool take a preempted request back a chunk at
         a time, only to preempt it again a few steps later: at capacity a DP-attn rollout re-prefilled a 2,048-token
-        chunk every step (5 s steps; docs/benchmarks.md, round 12)."""
+        chunk every step (5 s steps; docs/benchmarks.md, round 12). -> the owner it would get, or None."""
         owner = self.ledger.pick_owner()
         need = self.ledger.growth(req.req_id, req.num_cached + req.pending, owner)
+        spare = self.ledger.holder_counts()
         cap = self.ledger.cap()
-        for r, n in enumerate(need):
-            if n and self.ledger.used[r] + n + sum(self.ledger.holds(x.req_id, r) for x in self.running) > cap:
-                return False
-        return True
+        if any(n and self.ledger.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
+            return None
+        return owner
 
-    def _piece(self, req: Request, budget: int) -> Scheduled | None:
+    def _piece(self, req: Request, budget: int, owner: int | None = None) -> Scheduled | None:
         n = min(req.pending, budget)
         if n <= 0 or (n < req.pending and not self.chunked_prefill):
             return None
         end = req.num_cached + n
-        known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
-        owner = known[1] if known is not None else self.ledger.pick_owner()
+        if owner is None:
+            known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
+            owner = known[1] if known is not None else self.ledger.pick_owner()
         if not self.ledger.can_grow(req.req_id, end, owner):
             return None
         self.ledger.grow(req.req_id, end, owner, final=min(len(req.prompt) + req.max_tokens, req.max_len))
@@ -162,9 +163,10 @@ class Scheduler:
                 budget -= len(item.tokens)
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._admissible(self.waiting[0]):
+            owner = self._admissible(self.waiting[0])
+            if owner is None:
                 break
-            item = self._piece(self.waiting[0], budget)
+            item = self._piece(self.waiting[0], budget, owner)
             if item is None:
                 break
             self.running.append(self.waiting.popleft())
