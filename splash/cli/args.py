@@ -76,6 +76,11 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
     (("--communicator",), "communicator", str, COMMUNICATORS, None,
      "tensor collectives: mpi (mpi4py) or torch (torch.distributed, gloo on cpu); step plans and aborts stay "
      "on MPI; default: mpi on cpu, torch on cuda/hip"),
+    (("--tool-call-parser",), "tool_call_parser", str,
+     ("auto", "none", "glm45", "deepseek_v3", "deepseek_v31", "deepseek_v32"), None,
+     "the model's tool-call format (vLLM's names); auto: from the model's type"),
+    (("--reasoning-parser",), "reasoning_parser", str, ("auto", "none", "glm45", "deepseek_r1", "deepseek_v3"),
+     None, "split <think>...</think> into reasoning_content (vLLM's names); auto: from the model's type"),
     (("--layout",), "layout", str, ("auto",) + LAYOUTS, None,
      "attention layout; auto lets the cost model choose and switch while serving"),
     (("--allowed-layouts",), "allowed_layouts", _layout_list, None, "L1,L2",

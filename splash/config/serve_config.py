@@ -9,7 +9,8 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
                 num_kv_blocks}
     scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
     server:    {host, port, admin_token, admin_token_file, served_model_name, quiet, collective_timeout_s,
-                max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s}
+                max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s,
+                tool_call_parser, reasoning_parser}
 
 Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the file and the field
 (``cache.block_size``). Every section validates itself in ``__post_init__``, so a config built in code is
@@ -169,6 +170,10 @@ class ServerSection:
     max_seqs_per_request: int = _f(256, min=1)   # prompts × n of one request (400 beyond)
     max_waiting_seqs: int = _f(1024, min=0)      # sequences queued beyond scheduler.max_num_seqs (429 beyond)
     drain_timeout_s: float = _f(10.0, min=0.0)   # on SIGTERM: how long running requests may still finish
+    # the model's tool-call / reasoning formats (vLLM's names, splash.server.agent); auto: from the model's type
+    tool_call_parser: str = _f("auto", choices=("auto", "none", "glm45", "deepseek_v3", "deepseek_v31",
+                                                 "deepseek_v32"))
+    reasoning_parser: str = _f("auto", choices=("auto", "none", "glm45", "deepseek_r1", "deepseek_v3"))
 
     def __post_init__(self) -> None:
         check_fields(self, self.SECTION)

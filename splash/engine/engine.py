@@ -80,7 +80,7 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
                              "(capped by the KV pool size)")
         stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
+        if not params.ignore_eos or params.grammar is not None:   # a grammar ends its output with EOS
             stop |= set(self.runner.cfg.eos_ids)
         self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
         self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len))
@@ -191,7 +191,7 @@ class Engine:
         (recorded in `failed`, aborted after this step)."""
         try:
             toks, lps = self.sampler.sample(logits, rids)
-            return rids, toks, lps
+            return self._drop_failed_grammars(rids, toks, lps)
         except Exception:  # noqa: BLE001 — find the row(s) at fault below
             pass
         ok, toks, lps = [], [], []
@@ -204,7 +204,16 @@ class Engine:
             ok.append(rid)
             toks += t
             lps += lp
-        return ok, toks, lps
+        return self._drop_failed_grammars(ok, toks, lps)
+
+    def _drop_failed_grammars(self, rids: list[str], toks: list[int], lps: list):
+        """Rows whose grammar failed this step (splash.engine.grammar) fail alone; the rest stand."""
+        bad = self.sampler.take_failed()
+        if not bad:
+            return rids, toks, lps
+        self.failed += list(bad.items())
+        keep = [i for i, r in enumerate(rids) if r not in bad]
+        return [rids[i] for i in keep], [toks[i] for i in keep], [lps[i] for i in keep]
 
     # ---- prompt logprobs: the logits of prompt rows, only for requests that ask --------------------------
     def _prompt_logit_items(self, plan) -> list[int]:

@@ -1,6 +1,8 @@
 """The batch sampler (rank 0 only): every sampling parameter applied to all rows of a step at once.
 
-Order (vLLM v1's): logits in fp32 → logit_bias → min_tokens (EOS and stop_token_ids masked) → penalties
+Order (vLLM v1's): logits in fp32 → the structured-output grammar mask (splash.engine.grammar: tokens the request's
+grammar forbids become -inf) → logit_bias → min_tokens (not on grammar rows: there the grammar says where the output
+may end) (EOS and stop_token_ids masked) → penalties
 (repetition on prompt + output tokens, then frequency and presence on output tokens) → greedy rows take the
 argmax; random rows are divided by their temperature → min_p → top_k → top_p (on the top_k survivors) →
 one exponential race per row (argmax of p / q, q ~ Exp(1)), q drawn from the request's own generator when it
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splash.engine.grammar import GrammarRows
 from splash.engine.sampling import SamplingParams, make_generator
 
 NEG_INF_LOGPROB = -9999.0
@@ -45,6 +48,7 @@ class _State:
     prompt_mask: torch.Tensor | None        # [V] bool, with a repetition penalty
     counts: torch.Tensor | None             # [V] fp32 output-token counts, with any penalty
     num_out: int = 0
+    grammar: bool = False                   # the request's tokens are constrained by its grammar (GrammarRows)
 
 
 def _clean(v: float) -> float:
@@ -82,6 +86,7 @@ class Sampler:
             shared = torch.Generator(device=self.device)
             shared.seed()
         self.shared = shared
+        self.grammars = GrammarRows(vocab_size)
 
     def add(self, req_id: str, prompt: list[int], params: SamplingParams, stop_ids) -> None:
         """Register a request (ValueError for a logit_bias token outside the vocabulary)."""
@@ -99,17 +104,25 @@ class Sampler:
         if params.penalised:
             counts = torch.zeros(V, dtype=torch.float32, device=dev)
         stops = torch.tensor(sorted(t for t in stop_ids if 0 <= t < V), dtype=torch.long, device=dev)
+        if params.grammar is not None:
+            self.grammars.add(req_id, params.grammar, stop_ids)
         self.states[req_id] = _State(params, make_generator(params, dev), stops, bias_ids, bias_vals, prompt_mask,
-                                     counts)
+                                     counts, grammar=params.grammar is not None)
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+        self.grammars.remove(req_id)
+
+    def take_failed(self) -> dict[str, Exception]:
+        """Requests whose grammar failed in the last ``sample`` calls (their tokens there must be dropped)."""
+        return self.grammars.take_failed()
 
     def processed(self, logits: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
         """The logits each row samples from [B, V]: bias, min_tokens and penalties on every row; temperature and
         the min_p/top_k/top_p masks on random rows (greedy rows take the argmax of theirs)."""
         st = [self.states[r] for r in req_ids]
         x = logits.float().clone()
+        self.grammars.mask(x, req_ids)
         self._bias(x, st)
         self._min_tokens(x, st)
         self._penalties(x, st)
@@ -139,6 +152,7 @@ class Sampler:
             for i, t in zip(want, got):
                 lps[i] = t
         out = tokens.tolist()
+        self.grammars.accept(req_ids, out)
         for s, t in zip(st, out):
             s.num_out += 1
             if s.counts is not None:
@@ -157,7 +171,8 @@ class Sampler:
 
     @staticmethod
     def _min_tokens(x: torch.Tensor, st: list[_State]) -> None:
-        rows = [i for i, s in enumerate(st) if s.num_out < s.params.min_tokens and s.stop_ids.numel()]
+        rows = [i for i, s in enumerate(st) if s.num_out < s.params.min_tokens and s.stop_ids.numel()
+                and not s.grammar]
         if rows:
             r = torch.cat([torch.full_like(st[i].stop_ids, i) for i in rows])
             x[r, torch.cat([st[i].stop_ids for i in rows])] = float("-inf")

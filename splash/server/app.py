@@ -22,7 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.engine.sampling import SamplingParams
+from splash.server import chat_output
 from splash.server import protocol as P
+from splash.server.agent import AgentAPI, Prepared
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
@@ -50,6 +52,8 @@ class ServerState:
     world_size: int = 1
     created: int = field(default_factory=P.now)
     limits: dict = field(default_factory=dict)   # keys of DEFAULT_LIMITS (startup.limits builds them)
+    tool_call_parser: str | None = None          # splash.server.agent.resolve_parsers
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self.limits = {**DEFAULT_LIMITS, **self.limits}
@@ -117,6 +121,7 @@ class _Handlers:
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
+        self.agent = AgentAPI(state.tokenizer, state.vocab_size, state.tool_call_parser, state.reasoning_parser)
 
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
@@ -146,7 +151,8 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
-    def params(self, req: P._Sampling, max_tokens: int, j: int, prompt_logprobs: int | None = None) -> SamplingParams:
+    def params(self, req: P._Sampling, max_tokens: int, j: int, prompt_logprobs: int | None = None,
+               grammar: Any = None) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
@@ -162,17 +168,17 @@ class _Handlers:
                 logprobs=req.sample_logprobs(), prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output, grammar=grammar)
         except ValueError as e:  # combinations pydantic does not see (e.g. min_tokens > max_tokens)
             raise P.APIError(400, str(e), param=str(e).split()[0]) from None
 
     def generation(self, req: P._Sampling, prompts: list[list[int]], max_tokens: list[int],
-                   prefix: str, prompt_logprobs: int | None = None) -> Generation:
+                   prefix: str, prompt_logprobs: int | None = None, grammar: Any = None) -> Generation:
         flat_prompts, flat_params = [], []
         for prompt, mt in zip(prompts, max_tokens):
             for j in range(req.n):
                 flat_prompts.append(prompt)
-                flat_params.append(self.params(req, mt, j, prompt_logprobs))
+                flat_params.append(self.params(req, mt, j, prompt_logprobs, grammar))
         gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix)
         gen.start()
         return gen
@@ -193,12 +199,13 @@ class _Handlers:
         p = req.prompt
         self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
         prompts = await self.prompts.completion(p)
+        grammar = await self.agent.completion(req)
         mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
         rid = P.new_id("cmpl")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)
-        gen = self.generation(req, prompts, [mt] * len(prompts), rid, plp)
+        gen = self.generation(req, prompts, [mt] * len(prompts), rid, plp, grammar)
         gen.echo = self.echo_texts(req, prompts) if req.echo else None
         if req.stream:
             return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
@@ -211,18 +218,19 @@ class _Handlers:
         self.check_model(req.model)
         req.check_neutral()
         self.check_seqs(1, req.n)
-        prompt = await self.prompts.chat(chat_messages(req))
+        agent = await self.agent.chat(req)
+        prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
         rid = P.new_id("chatcmpl")
-        gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs)
+        gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs, agent.grammar)
         if req.stream:
-            return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True)
-        return JSONResponse(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True))
+            return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True, agent=agent)
+        return JSONResponse(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True, agent))
 
     # ---- response assembly ------------------------------------------------------------------------------
     async def collect(self, request: Request, gen: Generation, req: P._Sampling, rid: str, obj: str,
-                      prompt_tokens: int, chat: bool) -> dict:
+                      prompt_tokens: int, chat: bool, agent: Prepared | None = None) -> dict:
         run = asyncio.ensure_future(gen.run_to_end())
         gone = asyncio.ensure_future(until_disconnected(request))
         try:
@@ -240,8 +248,10 @@ class _Handlers:
         choices = []
         for c in gen.choices:
             d = Delta(c, c.text, c.token_ids, c.finish, c.logprobs)
-            choices.append(extras.decorate(make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids
-                                                else None), d))
+            choice = make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids else None)
+            if chat and agent is not None:   # reasoning_content / tool_calls (splash.server.chat_output)
+                choice["message"], choice["finish_reason"] = chat_output.message(agent.mode, c.text, c.finish)
+            choices.append(extras.decorate(choice, d))
         completion_tokens = sum(len(c.token_ids) for c in gen.choices)
         body = P.envelope(rid, obj, P.now(), self.s.model_name, choices, P.usage(prompt_tokens, completion_tokens))
         if chat and req.prompt_logprobs is not None:   # vLLM: chat's prompt_logprobs are on the response
@@ -249,11 +259,12 @@ class _Handlers:
         return body
 
     def stream(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
-               chat: bool) -> StreamingResponse:
+               chat: bool, agent: Prepared | None = None) -> StreamingResponse:
         created, model = P.now(), self.s.model_name
         ids = req.return_token_ids
         extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        readers = {c.index: chat_output.ChatStream(agent.mode) for c in gen.choices} if agent is not None else {}
 
         def chunk(choices: list[dict], usage_: dict | None = None) -> str:
             body = P.envelope(rid, obj, created, model, choices)
@@ -272,7 +283,15 @@ class _Handlers:
                         if not d.text and d.finish is None and not ids and not extras.pending(d):
                             continue  # tokens whose text is held back (partial UTF-8, possible stop string)
                         tids = d.token_ids if ids else None
-                        if chat:
+                        if chat and d.choice.index in readers:
+                            reader = readers[d.choice.index]
+                            delta = reader.feed(d.text, last=d.finish is not None)
+                            if not delta and d.finish is None and not ids and not extras.pending(d):
+                                continue   # text held back by a parser (a marker may be starting)
+                            finish = reader.finish_reason(d.finish)
+                            yield chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, finish,
+                                                                             tids), d)])
+                        elif chat:
                             delta = {"content": d.text} if d.text or d.finish is None else {}
                             yield chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish,
                                                                              tids), d)])

@@ -7,9 +7,10 @@ semantics (splash.engine.sampling): OpenAI's ``presence_penalty``, ``frequency_p
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
 ``skip_special_tokens``, ``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``return_token_ids``,
 ``return_tokens_as_token_ids``. Inert OpenAI fields (``user``; chat ``metadata``, ``store``, ``service_tier``,
-``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls``) are accepted and ignored. What is not
-implemented is a 400 naming the field: a non-empty ``suffix``, ``best_of`` other than n, chat ``tools`` /
-``tool_choice`` other than "none" / ``functions`` / ``function_call``, ``response_format`` other than text,
+``prompt_cache_key``, ``safety_identifier``) are accepted and ignored. The agent API — chat ``tools``,
+``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``chat_template_kwargs`` and vLLM's
+``structured_outputs`` (both endpoints) — is checked and served by splash.server.agent. What is not implemented is
+a 400 naming the field: a non-empty ``suffix``, ``best_of`` other than n, ``functions`` / ``function_call``,
 non-text content parts.
 """
 from __future__ import annotations
@@ -83,6 +84,7 @@ class _Sampling(_Strict):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
+    structured_outputs: Optional[dict[str, Any]] = None   # vLLM's; splash.server.structured
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -154,13 +156,15 @@ class ChatCompletionRequest(_Sampling):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
+    # the agent API (splash.server.agent checks them)
     parallel_tool_calls: Optional[bool] = None
-    # not implemented: rejected with a 400 naming the field unless at their neutral value
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # deprecated by OpenAI: a 400 naming them (splash.server.agent)
     functions: Optional[list[Any]] = None
     function_call: Union[str, dict[str, Any], None] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def sample_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -169,14 +173,6 @@ class ChatCompletionRequest(_Sampling):
         super().check_neutral()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        unsupported = [("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
-                       ("functions", bool(self.functions)), ("function_call", self.function_call not in (None, "none")),
-                       ("response_format", self.response_format not in (None, {"type": "text"}))]
-        for name, used in unsupported:
-            if used:
-                what = "structured output" if name == "response_format" else "tool and function calling"
-                raise APIError(400, f"'{name}' is not supported by this server ({what} is not implemented)",
-                               param=name)
         self.check_content()
 
     def check_content(self) -> None:

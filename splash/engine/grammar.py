@@ -1,0 +1,96 @@
+"""Per-request grammar state on rank 0: the token mask of structured output (xgrammar), applied by the sampler.
+
+A request whose ``SamplingParams.grammar`` is set (an ``xgrammar.CompiledGrammar``, compiled off the engine thread
+by ``splash.server.structured``) gets one ``GrammarMatcher`` here when it is added. Each step the sampler asks
+``GrammarRows.mask`` for the rows of the step that have a grammar: every matcher writes its allowed next tokens
+into one bitmask ([rows, ceil(V/32)] int32), and xgrammar's CPU kernel sets the other logits to -inf. After
+sampling, ``accept`` advances each matcher by its token.
+
+A grammar can only fail its own request: a matcher that raises while filling its mask, or that rejects the sampled
+token, is reported in ``failed`` (the engine aborts that request after the step; the rest of the batch is sampled
+as usual). The grammar's state lives only here, keyed by request id, so it does not care which layout or rank holds
+the request's KV: a live layout switch never touches it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _xgr():
+    import xgrammar
+    return xgrammar
+
+
+class GrammarRows:
+    """The matchers of the running requests that have a grammar; see the module docstring."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab = vocab_size
+        self.matchers: dict[str, Any] = {}
+        self.failed: dict[str, Exception] = {}   # req_id -> why its grammar failed (this step; engine takes them)
+
+    def add(self, req_id: str, compiled: Any, stop_ids) -> None:
+        """A matcher for ``compiled`` whose end is one of ``stop_ids`` (the request's EOS and stop_token_ids)."""
+        xgr = _xgr()
+        stops = sorted(int(t) for t in stop_ids if 0 <= int(t) < self.vocab)
+        self.matchers[req_id] = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+
+    def remove(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+        self.failed.pop(req_id, None)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.matchers
+
+    def mask(self, x: torch.Tensor, req_ids: list[str]) -> torch.Tensor | None:
+        """Set the logits of ``x`` [B, V] that row i's grammar forbids to -inf, in place; returns the bitmask
+        ([B, W], rows without a grammar all ones) or None when no row has a grammar."""
+        rows = [i for i, r in enumerate(req_ids) if r in self.matchers and r not in self.failed]
+        if not rows:
+            return None
+        xgr = _xgr()
+        bitmask = torch.full((len(req_ids), (self.vocab + 31) // 32), -1, dtype=torch.int32)
+        ok = []
+        for i in rows:
+            rid = req_ids[i]
+            try:
+                self.matchers[rid].fill_next_token_bitmask(bitmask, i)
+            except Exception as e:  # noqa: BLE001 — this request's grammar is broken; the others go on
+                self.failed[rid] = e
+                continue
+            ok.append(i)
+        if ok:
+            bitmask_dev = bitmask.to(x.device)
+            xgr.apply_token_bitmask_inplace(x, bitmask_dev, vocab_size=min(self.vocab, x.shape[-1]), indices=ok)
+            # a row's own bitmask, with no token allowed at all, would leave nothing to sample: its grammar failed
+            dead = [i for i in ok if not bool(torch.isfinite(x[i]).any())]
+            for i in dead:
+                self.failed[req_ids[i]] = RuntimeError("the grammar allows no next token")
+        return bitmask
+
+    def accept(self, req_ids: list[str], tokens: list[int]) -> None:
+        """Advance each row's matcher by its sampled token (rows without a grammar, or failed, are skipped)."""
+        for rid, t in zip(req_ids, tokens):
+            m = self.matchers.get(rid)
+            if m is None or rid in self.failed:
+                continue
+            try:
+                if not m.accept_token(int(t)):
+                    self.failed[rid] = RuntimeError(f"the grammar rejected the sampled token {t}")
+            except Exception as e:  # noqa: BLE001
+                self.failed[rid] = e
+
+    def take_failed(self) -> dict[str, Exception]:
+        out, self.failed = self.failed, {}
+        for rid in out:
+            self.matchers.pop(rid, None)
+        return out
+
+
+def allowed_rows(bitmask: torch.Tensor, rows: list[int], vocab: int) -> torch.Tensor:
+    """[len(rows), vocab] bool: the tokens each of ``rows`` of ``bitmask`` allows (bit j of word j // 32)."""
+    words = bitmask[rows].to(torch.int64) & 0xFFFFFFFF
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int64)) & 1
+    return bits.reshape(len(rows), -1)[:, :vocab].bool()

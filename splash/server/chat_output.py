@@ -1,0 +1,138 @@
+"""The assistant message of a chat choice: generated text → ``reasoning_content``, ``content``, ``tool_calls``.
+
+Per choice, the text goes through (1) the reasoning parser (splash.server.reasoning), when one is set and the output
+is not grammar-constrained, then (2) one of: the model's tool-call parser (splash.server.tool_parsers) under
+``tool_choice: "auto"``; the forced call of ``"required"`` / a named function (the JSON the grammar allowed,
+splash.server.tool_choice); or plain content. ``message`` does it for a whole output, ``ChatStream`` for a stream
+(OpenAI's delta shape; a choice's deltas add up to its message). A message with tool calls finishes with
+``finish_reason: "tool_calls"``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splash.server import reasoning, tool_parsers
+from splash.server.tool_choice import ToolChoice, forced_calls, scan_calls
+
+
+@dataclass(frozen=True)
+class OutputMode:
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    tools: ToolChoice | None = None
+    template_kwargs: dict | None = None
+    constrained: bool = False          # a grammar shapes the whole output: no reasoning to split off
+
+    @property
+    def forced(self) -> bool:
+        return self.tools is not None and self.tools.mode in ("required", "named")
+
+    @property
+    def auto_tools(self) -> bool:
+        return self.tools is not None and self.tools.mode == "auto" and self.tool_parser is not None
+
+    @property
+    def reasoner(self) -> str | None:
+        return None if self.constrained else self.reasoning_parser
+
+    @property
+    def plain(self) -> bool:
+        return not (self.forced or self.auto_tools or self.reasoner)
+
+
+def _tool_call(i: int, c: dict) -> dict:
+    return {"id": tool_parsers.call_id(), "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]}}
+
+
+def message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
+    """(message, finish_reason) of a complete output."""
+    r, rest = reasoning.split(mode.reasoner, text, mode.template_kwargs)
+    msg: dict = {"role": "assistant", "content": rest}
+    if r is not None:
+        msg["reasoning_content"] = r
+    calls: list[dict] = []
+    if mode.forced:
+        got = forced_calls(mode.tools, rest or "")
+        if got is not None:
+            calls, msg["content"] = got, None
+    elif mode.auto_tools:
+        content, calls = tool_parsers.parse(mode.tool_parser, rest or "", list(mode.tools.tools))
+        msg["content"] = content if calls else rest
+    if calls:
+        msg["tool_calls"] = [_tool_call(i, c) for i, c in enumerate(calls)]
+        if finish == "stop":
+            finish = "tool_calls"
+    return msg, finish
+
+
+class _ForcedStream:
+    """Streams the forced output as tool-call deltas: a named function's output is its arguments; "required"'s is
+    a JSON array of {"name", "parameters"}, read as it grows."""
+
+    def __init__(self, tc: ToolChoice) -> None:
+        self.tc, self.text = tc, ""
+        self.ids: list[str] = []
+        self.sent: list[str] = []
+
+    def feed(self, delta: str) -> list[dict]:
+        self.text += delta
+        if self.tc.mode == "named":
+            calls = [(self.tc.name, self.text)]
+        else:
+            calls = scan_calls(self.text)
+        out = []
+        for k, (name, args) in enumerate(calls):
+            if k >= len(self.ids):
+                self.ids.append(tool_parsers.call_id())
+                self.sent.append("")
+                out.append({"index": k, "id": self.ids[k], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            if len(args) > len(self.sent[k]):
+                out.append({"index": k, "function": {"arguments": args[len(self.sent[k]):]}})
+                self.sent[k] = args
+        return out
+
+
+class ChatStream:
+    """Per choice: ``feed(text delta)`` → the delta fields to send (may be empty), ``finish(reason)`` → (last
+    fields, finish_reason)."""
+
+    def __init__(self, mode: OutputMode) -> None:
+        self.mode = mode
+        self.reason = reasoning.ReasoningStream(mode.reasoner, mode.template_kwargs) if mode.reasoner else None
+        self.tools = tool_parsers.ToolStream(mode.tool_parser, list(mode.tools.tools)) if mode.auto_tools else None
+        self.forced = _ForcedStream(mode.tools) if mode.forced else None
+        self.called = False
+
+    def _after_reasoning(self, text: str, last: bool) -> dict:
+        out: dict = {}
+        calls: list[dict] = []
+        if self.forced is not None:
+            calls = self.forced.feed(text)
+        elif self.tools is not None:
+            content, calls = self.tools.feed(text)
+            if last:
+                more, tail = self.tools.finish()
+                content, calls = content + more, calls + tail
+            if content:
+                out["content"] = content
+        elif text:
+            out["content"] = text
+        if calls:
+            out["tool_calls"] = calls
+            self.called = True
+        return out
+
+    def feed(self, delta: str, last: bool = False) -> dict:
+        r, rest = (self.reason.feed(delta) if self.reason else ("", delta))
+        if last and self.reason:
+            r2, rest2 = self.reason.finish()
+            r, rest = r + r2, rest + rest2
+        out = self._after_reasoning(rest, last)
+        if r:
+            out["reasoning_content"] = r
+        return out
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return "tool_calls" if finish == "stop" and self.called else finish

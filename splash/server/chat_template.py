@@ -1,0 +1,76 @@
+"""Rendering a model's shipped chat template (Jinja) the way transformers' ``apply_chat_template`` does.
+
+The same sandboxed environment (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` filter that
+does not escape HTML and takes ``ensure_ascii`` / ``indent`` / ``separators`` / ``sort_keys``, ``raise_exception``,
+``strftime_now``, a no-op ``{% generation %}`` block) and the same variables: ``messages`` (a message's
+``reasoning_content`` is also given as ``thinking``, and the older ``thinking`` / ``reasoning`` names fill
+``reasoning_content``), ``tools``, ``documents`` (None), ``add_generation_prompt``, the tokenizer's special tokens,
+then the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``, ``thinking``). Compiled templates are cached.
+tests/test_chat_template.py compares the text with transformers on GLM and DeepSeek templates.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}…{% endgeneration %}`` marks assistant text for training masks: here it renders as is."""
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _alias_reasoning(messages: list[dict]) -> list[dict]:
+    out = []
+    for m in messages:
+        r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        out.append({"thinking": r, **m, "reasoning_content": r} if r is not None else m)
+    return out
+
+
+def render(template: str, messages: list[dict], *, tools: list[dict] | None = None,
+           add_generation_prompt: bool = True, special_tokens: dict[str, str] | None = None,
+           kwargs: dict | None = None) -> str:
+    """The prompt text; ValueError naming the template's complaint when it raises."""
+    import jinja2
+
+    variables = {**(special_tokens or {}), **(kwargs or {})}
+    try:
+        return _compile(template).render(messages=_alias_reasoning(messages), tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"chat template failed: {e}") from None
+    except (TypeError, AttributeError, KeyError, IndexError) as e:   # a template reading a message it cannot use
+        raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None

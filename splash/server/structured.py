@@ -1,0 +1,184 @@
+"""Structured output: what a request constrains its output to, and the grammar xgrammar compiles for it.
+
+A request names at most one constraint (two are a 400 naming the second):
+* OpenAI ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object),
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``;
+* vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or JSON text), ``json_object``
+  (true), ``regex``, ``choice`` (a list of strings: the output is one of them), ``grammar`` (xgrammar EBNF);
+* chat ``tool_choice`` ``"required"`` or a named function (``splash.server.tool_choice`` builds the schema).
+
+JSON is generated compact: schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
+a model cannot spend its tokens on whitespace between JSON tokens. Compilation runs in a worker thread (never on
+the event loop or the engine thread) through one ``xgrammar.GrammarCompiler`` per server, which caches compiled
+grammars by their source; a schema, regex or grammar that does not compile is a 400 whose message is xgrammar's.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from splash.server.protocol import APIError
+from splash.tokenizer import Tokenizer
+
+CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
+_WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint: ``kind`` is json (source: schema text), json_object, regex, choice (source: JSON list) or
+    grammar (EBNF); ``param`` names the request field it came from (for error messages)."""
+    kind: str
+    source: str
+    param: str
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"'{param}' is not valid JSON: {e}", param=param) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"'{param}' must be a JSON schema object, got {type(schema).__name__}", param=param)
+    return json.dumps(schema)   # the schema's own property order is the output's order
+
+
+def from_response_format(rf: dict | None) -> GrammarSpec | None:
+    """The constraint of OpenAI's ``response_format`` (None for absent or text)."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", "response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise APIError(400, "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
+                           param="response_format.json_schema")
+        schema = js.get("schema", {"type": "object"})   # OpenAI: no schema = any object
+        return GrammarSpec("json", _schema_text(schema, "response_format.json_schema.schema"),
+                           "response_format.json_schema.schema")
+    raise APIError(400, f"'response_format.type' must be one of text, json_object, json_schema; got {kind!r}",
+                   param="response_format.type")
+
+
+STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_IGNORED = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                      "disable_fallback", "backend")
+
+
+def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
+    """The constraint of vLLM's ``structured_outputs`` (exactly one of STRUCTURED_KEYS)."""
+    if so is None:
+        return None
+    unknown = [k for k in so if k not in STRUCTURED_KEYS + STRUCTURED_IGNORED + ("structural_tag",)]
+    if unknown:
+        raise APIError(400, f"unknown field 'structured_outputs.{unknown[0]}'", param=f"structured_outputs.{unknown[0]}")
+    if so.get("structural_tag") is not None:
+        raise APIError(400, "'structured_outputs.structural_tag' is not supported by this server",
+                       param="structured_outputs.structural_tag")
+    given = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise APIError(400, "'structured_outputs' must set exactly one of " + ", ".join(STRUCTURED_KEYS)
+                       + (f" (got {', '.join(given)})" if given else ""), param="structured_outputs")
+    key = given[0]
+    value, param = so[key], f"structured_outputs.{key}"
+    if key == "json":
+        return GrammarSpec("json", _schema_text(value, param), param)
+    if key == "json_object":
+        return GrammarSpec("json_object", "", param)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, f"'{param}' must be a non-empty list of non-empty strings", param=param)
+        return GrammarSpec("choice", json.dumps(value), param)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'{param}' must be a non-empty string", param=param)
+    return GrammarSpec(key, value, param)
+
+
+def pick(*specs: GrammarSpec | None) -> GrammarSpec | None:
+    """The one constraint a request gives; a second one is a 400 naming it."""
+    given = [s for s in specs if s is not None]
+    if len(given) > 1:
+        raise APIError(400, f"'{given[1].param.split('.')[0]}' cannot be combined with "
+                            f"'{given[0].param.split('.')[0]}': a request takes one output constraint",
+                       param=given[1].param.split(".")[0])
+    return given[0] if given else None
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """EBNF whose language is exactly ``choices`` (JSON string escapes are xgrammar's literal escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def tokenizer_info(tok: Tokenizer, vocab_size: int) -> Any:
+    """xgrammar's view of the vocabulary: the model's ``vocab_size`` rows, tokens as the tokenizer encodes them;
+    special tokens (and ids past the tokenizer) are empty, so a grammar never emits them as text — the stop tokens
+    (EOS, stop_token_ids) end the output by id."""
+    import xgrammar as xgr
+
+    n = min(tok.vocab_size, vocab_size)
+    encoded = [""] * n
+    for text, i in tok.hf.get_vocab(with_added_tokens=True).items():
+        if i < n:
+            encoded[i] = text
+    for i, added in tok.hf.get_added_tokens_decoder().items():
+        if i < n and added.special:
+            encoded[i] = ""
+    try:
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.hf.to_str())
+    except Exception:  # noqa: BLE001 — an unusual tokenizer.json: treat tokens as raw text
+        meta = {"vocab_type": xgr.VocabType.RAW, "add_prefix_space": False}
+    stops = [tok.eos_token_id] if tok.eos_token_id is not None and tok.eos_token_id < vocab_size else None
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stops,
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+class GrammarCompiler:
+    """One xgrammar compiler per server (built on first use); ``compile`` runs in a worker thread."""
+
+    def __init__(self, tok: Tokenizer, vocab_size: int) -> None:
+        self.tok, self.vocab_size = tok, vocab_size
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tok, self.vocab_size), max_threads=1,
+                                                     cache_limit_bytes=CACHE_BYTES)
+            return self._compiler
+
+    def compile_sync(self, spec: GrammarSpec) -> Any:
+        """The CompiledGrammar of ``spec``; APIError 400 naming ``spec.param`` when it does not compile."""
+        c = self._get()
+        try:
+            if spec.kind == "json":
+                return c.compile_json_schema(spec.source, any_whitespace=False)
+            if spec.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.source)
+            if spec.kind == "choice":
+                return c.compile_grammar(choice_ebnf(json.loads(spec.source)))
+            if spec.kind == "grammar":
+                return c.compile_grammar(spec.source)
+        except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's errors for bad schemas/regexes/EBNF
+            lines = str(e).strip().splitlines()
+            msg = _WHERE.sub("", lines[-1]) if lines else type(e).__name__
+            raise APIError(400, f"'{spec.param}' cannot be compiled into a grammar: {msg[:500]}",
+                           param=spec.param, code="invalid_grammar") from None
+        raise AssertionError(spec.kind)
+
+    async def compile(self, spec: GrammarSpec | None) -> Any:
+        if spec is None:
+            return None
+        return await asyncio.to_thread(self.compile_sync, spec)

@@ -1,0 +1,230 @@
+"""Tool-call parsers (``--tool-call-parser``, vLLM's names) for the formats GLM and DeepSeek models emit.
+
+* ``glm45`` (GLM-4.5 … GLM-5.x): ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>…</tool_call>``,
+  one block per call. A value stays a string when the tool's schema says the argument is a string; otherwise it
+  is read as JSON, and kept as a string when it is not JSON.
+* ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
+  <｜tool▁call▁end｜>…<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
+  <｜tool▁call▁end｜>``. ARGS is JSON text, passed through as the call's arguments.
+* ``deepseek_v32`` (V3.2's DSML): ``<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter name="K"
+  string="true|false">V</｜DSML｜parameter>…</｜DSML｜invoke>…</｜DSML｜function_calls>``; ``string="false"``
+  values are JSON.
+
+``parse`` reads a whole output: the content before the first call section, and every complete call; an output
+whose section holds no complete call is all content (a malformed call is never lost and never an error).
+``ToolStream`` streams: content until the section starts (holding back only a tail that could begin the marker),
+then per call a first delta with its id and name, then its arguments as JSON text — DeepSeek's as they arrive,
+GLM's and DSML's (built from key/value pairs) when the call closes. The deltas of a stream add up to ``parse``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+NAMES = ("glm45", "deepseek_v3", "deepseek_v31", "deepseek_v32")
+
+
+@dataclass
+class Call:
+    name: str | None        # None while the name is still being generated
+    arguments: str          # JSON text so far (the whole text once done)
+    done: bool
+
+
+def _schema_type(tools: list[dict] | None, fn: str, key: str):
+    for t in tools or ():
+        if t.get("name") == fn:
+            prop = ((t.get("parameters") or {}).get("properties") or {}).get(key) or {}
+            return prop.get("type")
+    return None
+
+
+def _json_or_text(v: str):
+    try:
+        return json.loads(v)
+    except (json.JSONDecodeError, ValueError):
+        return v
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class _Format:
+    start: str          # the marker that opens the tool-call section
+
+    def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
+        raise NotImplementedError
+
+
+class _Glm45(_Format):
+    start = "<tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+    _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
+        out = []
+        for m in self._block.finditer(section):
+            body, done = m.group(1), bool(m.group(2))
+            cut = min((i for i in (body.find("\n"), body.find("<arg_key>")) if i >= 0), default=-1)
+            if cut < 0 and not done:
+                out.append(Call(None, "", False))
+                break
+            name = (body if cut < 0 else body[:cut]).strip()
+            if not done:
+                out.append(Call(name or None, "", False))
+                break
+            args = {}
+            for k, v in self._pair.findall(body):
+                k, v = k.strip(), v.strip()
+                args[k] = v if _schema_type(tools, name, k) == "string" else _json_or_text(v)
+            out.append(Call(name, json.dumps(args, ensure_ascii=False), True))
+        return out
+
+
+class _DeepSeek(_Format):
+    start = "<｜tool▁calls▁begin｜>"
+    call_start, sep, call_end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    args_open, args_close = "", ""      # V3 wraps the arguments in a ```json fence
+
+    def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
+        out = []
+        for piece in section.split(self.call_start)[1:]:
+            head, has_sep, rest = piece.partition(self.sep)
+            if not has_sep:
+                out.append(Call(None, "", False))
+                break
+            name, opened = self._name(head, rest)
+            if name is None:
+                out.append(Call(None, "", False))
+                break
+            body = rest[opened:]
+            close = self.args_close + self.call_end
+            end = body.find(close)
+            if end >= 0:
+                out.append(Call(name, body[:end], True))
+                continue
+            keep = _partial_tail(body, close)
+            out.append(Call(name, body[:len(body) - keep], False))
+            break
+        return out
+
+    def _name(self, head: str, rest: str) -> tuple[str | None, int]:
+        """(function name, where the arguments start in ``rest``); V3.1: the name precedes the separator."""
+        name = head.strip()
+        return (name or None), 0
+
+
+class _DeepSeekV3(_DeepSeek):
+    args_open, args_close = "\n```json\n", "\n```"
+
+    def _name(self, head: str, rest: str) -> tuple[str | None, int]:
+        i = rest.find(self.args_open)
+        if i < 0:
+            return None, 0
+        name = rest[:i].strip()
+        return (name or None), i + len(self.args_open)
+
+
+class _DeepSeekV32(_Format):
+    start = "<｜DSML｜function_calls>"
+    _invoke = re.compile(r'<｜DSML｜invoke\s+name="([^"]*)"\s*>(.*?)(</｜DSML｜invoke>|$)', re.DOTALL)
+    _param = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>',
+                        re.DOTALL)
+
+    def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
+        out = []
+        for m in self._invoke.finditer(section):
+            name, body, done = m.group(1), m.group(2), bool(m.group(3))
+            if not done:
+                out.append(Call(name or None, "", False))
+                break
+            args = {k: (v if s == "true" else _json_or_text(v)) for k, s, v in self._param.findall(body)}
+            out.append(Call(name, json.dumps(args, ensure_ascii=False), True))
+        if not out and "<｜DSML｜invoke" in section:
+            out.append(Call(None, "", False))   # the invoke's name is still being generated
+        return out
+
+
+FORMATS = {"glm45": _Glm45, "deepseek_v3": _DeepSeekV3, "deepseek_v31": _DeepSeek, "deepseek_v32": _DeepSeekV32}
+
+
+def get(name: str) -> _Format:
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call parser {name!r}: choose one of {', '.join(NAMES)}")
+    return FORMATS[name]()
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse(name: str, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
+    """(content, [{"name", "arguments"}]) of a complete output; see the module docstring."""
+    fmt = get(name)
+    i = text.find(fmt.start)
+    if i < 0:
+        return text, []
+    calls = [c for c in fmt.calls(text[i:], tools) if c.done and c.name]
+    if not calls:
+        return text, []
+    return (text[:i] or None), [{"name": c.name, "arguments": c.arguments} for c in calls]
+
+
+class ToolStream:
+    """Streaming ``parse``: ``feed(delta)`` → (content increment, [tool-call delta dicts]); ``finish()`` the same for
+    what was held back. Tool-call deltas have OpenAI's shape: ``{"index", "id", "type", "function": {"name",
+    "arguments"}}`` first, then ``{"index", "function": {"arguments"}}``."""
+
+    def __init__(self, name: str, tools: list[dict] | None = None) -> None:
+        self.fmt, self.tools = get(name), tools
+        self.text = ""
+        self.sent_content = 0      # characters of text sent as content
+        self.section: int | None = None
+        self.named: list[str] = []    # ids of the calls whose name went out
+        self.sent_args: list[str] = []
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.section is None:
+            i = self.text.find(self.fmt.start, max(0, self.sent_content - len(self.fmt.start)))
+            if i < 0:
+                end = len(self.text) - _partial_tail(self.text, self.fmt.start)
+                out, self.sent_content = self.text[self.sent_content:end], max(self.sent_content, end)
+                return out, []
+            self.section = i
+            content, self.sent_content = self.text[self.sent_content:i], i
+            return content, self._call_deltas(done_only=False)
+        return "", self._call_deltas(done_only=False)
+
+    def _call_deltas(self, done_only: bool) -> list[dict]:
+        out = []
+        for k, c in enumerate(self.fmt.calls(self.text[self.section:], self.tools)):
+            if c.name is None or (done_only and not c.done):
+                continue
+            if k >= len(self.named):
+                self.named.append(call_id())
+                self.sent_args.append("")
+                out.append({"index": k, "id": self.named[k], "type": "function",
+                            "function": {"name": c.name, "arguments": ""}})
+            sent = self.sent_args[k]
+            if len(c.arguments) > len(sent) and c.arguments.startswith(sent):
+                out.append({"index": k, "function": {"arguments": c.arguments[len(sent):]}})
+                self.sent_args[k] = c.arguments
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The end of the output: held-back text is content; a section with no complete call is content."""
+        if self.section is None:
+            out, self.sent_content = self.text[self.sent_content:], len(self.text)
+            return out, []
+        deltas = self._call_deltas(done_only=True)
+        if not self.named:
+            out, self.sent_content = self.text[self.sent_content:], len(self.text)
+            return out, []
+        return "", deltas

@@ -1,0 +1,105 @@
+"""The grammar mask in rank 0's sampler (splash.engine.grammar, splash.engine.sampler) on random logits, with no
+server: outputs follow the grammar and end with a stop token; a grammar that breaks fails its own request only;
+min_tokens never blocks the end a grammar requires; grammar compilation errors name the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from splash.engine.sampler import Sampler  # noqa: E402
+from splash.engine.sampling import SamplingParams  # noqa: E402
+from splash.server.protocol import APIError  # noqa: E402
+from splash.server.structured import GrammarCompiler, GrammarSpec, from_structured_outputs  # noqa: E402
+from splash.tokenizer import load_tokenizer  # noqa: E402
+
+V, EOS = 320, 257   # the byte tokenizer's ids in a 320-row model (ids 260.. are not tokens)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None, V)
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok, V)
+
+
+def _run(sampler: Sampler, rids: list[str], steps: int, seed: int = 0) -> dict[str, list[int]]:
+    """Sample every live request for `steps` steps on random logits; a request ends at EOS."""
+    g = torch.Generator().manual_seed(seed)
+    out = {r: [] for r in rids}
+    live = list(rids)
+    for _ in range(steps):
+        if not live:
+            break
+        toks, _ = sampler.sample(torch.randn(len(live), V, generator=g) * 4, live)
+        for r, t in zip(list(live), toks):
+            out[r].append(t)
+            if t == EOS:
+                live.remove(r)
+    return out
+
+
+def test_outputs_follow_their_grammars_next_to_free_rows(tok, compiler):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "boolean"}}, "required": ["a", "b"],
+              "additionalProperties": False}
+    js = compiler.compile_sync(GrammarSpec("json", json.dumps(schema), "x"))
+    rx = compiler.compile_sync(GrammarSpec("regex", r"[a-c]{2}\d", "x"))
+    s = Sampler(V, torch.Generator().manual_seed(1))
+    for i in range(4):
+        s.add(f"j{i}", [1], SamplingParams(max_tokens=64, grammar=js), {EOS})
+        s.add(f"r{i}", [1], SamplingParams(max_tokens=64, grammar=rx), {EOS})
+    s.add("free", [1], SamplingParams(max_tokens=64), {EOS})
+    out = _run(s, [f"j{i}" for i in range(4)] + [f"r{i}" for i in range(4)] + ["free"], 40)
+    for i in range(4):
+        for rid in (f"j{i}", f"r{i}"):
+            assert out[rid][-1] == EOS, out[rid]
+        assert set(json.loads(tok.decode(out[f"j{i}"][:-1]))) == {"a", "b"}
+        assert re.fullmatch(r"[a-c]{2}\d", tok.decode(out[f"r{i}"][:-1]))
+    assert len(out["free"]) == 40 or out["free"][-1] == EOS   # the free row was not masked
+    assert not s.take_failed()
+
+
+def test_a_broken_grammar_fails_its_request_alone(compiler):
+    rx = compiler.compile_sync(GrammarSpec("regex", r"x+", "x"))
+    s = Sampler(V, torch.Generator().manual_seed(2))
+    s.add("bad", [1], SamplingParams(max_tokens=8, grammar=rx), {EOS})
+    s.add("good", [1], SamplingParams(max_tokens=8, grammar=rx), {EOS})
+    s.add("free", [1], SamplingParams(max_tokens=8), {EOS})
+
+    class Broken:
+        def fill_next_token_bitmask(self, *_):
+            raise RuntimeError("matcher exploded")
+
+    s.grammars.matchers["bad"] = Broken()
+    toks, _ = s.sample(torch.randn(3, V), ["bad", "good", "free"])
+    failed = s.take_failed()
+    assert list(failed) == ["bad"] and "exploded" in str(failed["bad"])
+    assert toks[1] == ord("x")                    # the good grammar still masked its row
+    toks, _ = s.sample(torch.randn(2, V), ["good", "free"])   # and the sampler goes on
+    assert toks[0] in (ord("x"), EOS) and not s.take_failed()
+
+
+def test_min_tokens_does_not_block_the_grammars_end(compiler):
+    done = compiler.compile_sync(GrammarSpec("choice", json.dumps(["ok"]), "x"))
+    s = Sampler(V, torch.Generator().manual_seed(3))
+    s.add("r", [1], SamplingParams(max_tokens=8, min_tokens=6, grammar=done), {EOS})
+    out = _run(s, ["r"], 8)["r"]
+    assert out == [ord("o"), ord("k"), EOS] and not s.take_failed()
+
+
+@pytest.mark.parametrize("so, param", [({"json": {"type": "nope"}}, "structured_outputs.json"),
+                                       ({"regex": "(("}, "structured_outputs.regex"),
+                                       ({"grammar": "root ::= nothing"}, "structured_outputs.grammar")])
+def test_compile_errors_are_400s_naming_the_field(compiler, so, param):
+    with pytest.raises(APIError) as e:
+        compiler.compile_sync(from_structured_outputs(so))
+    assert e.value.status == 400 and e.value.param == param and "cannot be compiled" in e.value.message
+    assert not e.value.message.split(": ", 1)[1].startswith("[")   # xgrammar's time/file prefix is dropped
