@@ -14,7 +14,9 @@
 whose section holds no complete call is all content (a malformed call is never lost and never an error).
 ``ToolStream`` streams: content until the section starts (holding back only a tail that could begin the marker),
 then per call a first delta with its id and name, then its arguments as JSON text — DeepSeek's as they arrive,
-GLM's and DSML's (built from key/value pairs) when the call closes. The deltas of a stream add up to ``parse``.
+GLM's and DSML's (built from key/value pairs, so name and arguments) when the call closes. The deltas of a stream
+add up to ``parse``, except that a DeepSeek call cut short (max_tokens) has already streamed as a call when the end
+shows that it is content.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def _partial_tail(text: str, tag: str) -> int:
 
 class _Format:
     start: str          # the marker that opens the tool-call section
+    early = False       # a call's name and arguments stream before it closes (its arguments are the model's text)
 
     def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
         raise NotImplementedError
@@ -89,6 +92,7 @@ class _Glm45(_Format):
 
 class _DeepSeek(_Format):
     start = "<｜tool▁calls▁begin｜>"
+    early = True
     call_start, sep, call_end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     args_open, args_close = "", ""      # V3 wraps the arguments in a ```json fence
 
@@ -205,7 +209,7 @@ class ToolStream:
     def _call_deltas(self, done_only: bool) -> list[dict]:
         out = []
         for k, c in enumerate(self.fmt.calls(self.text[self.section:], self.tools)):
-            if c.name is None or (done_only and not c.done):
+            if not c.name or (not c.done and (done_only or not self.fmt.early)):
                 continue
             if k >= len(self.named):
                 self.named.append(call_id())
@@ -224,7 +228,8 @@ class ToolStream:
             out, self.sent_content = self.text[self.sent_content:], len(self.text)
             return out, []
         deltas = self._call_deltas(done_only=True)
-        if not self.named:
+        if not any(c.done and c.name for c in self.fmt.calls(self.text[self.section:], self.tools)):
+            # no complete call: the section is content (a DeepSeek call cut short has also streamed as a call)
             out, self.sent_content = self.text[self.sent_content:], len(self.text)
-            return out, []
+            return out, deltas
         return "", deltas
