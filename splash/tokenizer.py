@@ -149,25 +149,14 @@ class Tokenizer:
 
 def _render_jinja(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
                   bos_token: str, eos_token: str) -> str | None:
-    """Render an HF chat template the way transformers does; None when jinja2 is not installed."""
+    """Render an HF chat template the way transformers does (splash.server.chat_template); None without jinja2."""
     try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        import jinja2  # noqa: F401
     except ImportError:
         return None
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token, eos_token=eos_token)
-    except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"chat template failed: {e}") from None
+    from splash.server.chat_template import render
+    special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
+    return render(template, list(messages), add_generation_prompt=add_generation_prompt, special_tokens=special)
 
 
 def _eos_from_model_config(directory: Path) -> int | None:

@@ -5,7 +5,8 @@ does not escape HTML and takes ``ensure_ascii`` / ``indent`` / ``separators`` / 
 ``strftime_now``, a no-op ``{% generation %}`` block) and the same variables: ``messages`` (a message's
 ``reasoning_content`` is also given as ``thinking``, and the older ``thinking`` / ``reasoning`` names fill
 ``reasoning_content``), ``tools``, ``documents`` (None), ``add_generation_prompt``, the tokenizer's special tokens,
-then the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``, ``thinking``). Compiled templates are cached.
+then the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``, ``thinking``); a message's keys whose value is
+None (OpenAI's ``content: null`` next to tool calls) are left out. Compiled templates are cached.
 tests/test_chat_template.py compares the text with transformers on GLM and DeepSeek templates.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _compile(template: str) -> Any:
 def _alias_reasoning(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}   # OpenAI's content=None: templates want the key absent
         r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
         out.append({"thinking": r, **m, "reasoning_content": r} if r is not None else m)
     return out
