@@ -54,7 +54,7 @@ def server(tmp_path_factory):
 model: {{model: {ckpt}}}
 layout: {{layout: tp}}
 cache: {{kv_cache_memory_bytes: 8MiB}}
-server: {{port: 0, quiet: true, admin_token: {TOKEN}}}
+server: {{port: 0, quiet: true, admin_token: {TOKEN}, tool_call_parser: glm45}}
 """)
 
 
@@ -203,3 +203,33 @@ def test_openai_client_parse_tools_and_streaming(server):
                                            parallel_tool_calls=False, max_tokens=TOOL_MAX_TOKENS, seed=7)
     got = whole.choices[0].message.tool_calls[0].function
     assert (got.name, json.loads(got.arguments)) == (fn["name"], json.loads(fn["arguments"]))
+
+
+# a GLM-format call the random model is made to write (a regex constraint), read back by the glm45 parser under
+# tool_choice "auto": the parsing path of a real GLM model's answers, end to end
+GLM_CALL = (r"Let me check\.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>(Paris|Rome)</arg_value>\n"
+            r"<arg_key>days</arg_key>\n<arg_value>[1-7]</arg_value>\n</tool_call>")
+
+
+def test_openai_client_auto_tool_calls_parsed_from_the_models_format(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=None, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, max_tokens=160, seed=3,
+              extra_body={"structured_outputs": {"regex": GLM_CALL}})
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and msg.content == "Let me check."
+    assert msg.tool_calls[0].function.name == "get_weather"
+    args = json.loads(msg.tool_calls[0].function.arguments)
+    jsonschema.validate(args, TOOLS[0]["function"]["parameters"])   # "days" came back as an integer
+
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        ch = chunk.choices[0]
+        finish = ch.finish_reason or finish
+        content += ch.delta.content or ""
+        for tc in ch.delta.tool_calls or ():
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", args)]
