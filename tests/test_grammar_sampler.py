@@ -103,3 +103,12 @@ def test_compile_errors_are_400s_naming_the_field(compiler, so, param):
         compiler.compile_sync(from_structured_outputs(so))
     assert e.value.status == 400 and e.value.param == param and "cannot be compiled" in e.value.message
     assert not e.value.message.split(": ", 1)[1].startswith("[")   # xgrammar's time/file prefix is dropped
+
+
+def test_bench_grammar_runs_and_reports(tmp_path):
+    from splash.bench.cli import main
+    out = tmp_path / "g.json"
+    assert main(["grammar", "--batch", "4", "--vocab", "3000", "--steps", "3", "--warmup", "1",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["batch"] == 4 and res["vocab"] == 3000 and res["step_ms_grammar"] > 0 and res["step_ms_plain"] > 0

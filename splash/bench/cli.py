@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "load": ("splash.bench.load", "bounded loopback load test of splash-serve (streaming clients)"),
     "calibrate": ("splash.bench.calibrate", "measure this machine and write a cost-model hardware profile"),
     "workload": ("splash.bench.workload", "serving workload through the engine, auto vs fixed layouts"),
+    "grammar": ("splash.bench.grammar", "per-token cost of the structured-output grammar mask in the sampler"),
 }
 
 

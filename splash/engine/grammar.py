@@ -64,9 +64,9 @@ class GrammarRows:
         if ok:
             bitmask_dev = bitmask.to(x.device)
             xgr.apply_token_bitmask_inplace(x, bitmask_dev, vocab_size=min(self.vocab, x.shape[-1]), indices=ok)
-            # a row's own bitmask, with no token allowed at all, would leave nothing to sample: its grammar failed
-            dead = [i for i in ok if not bool(torch.isfinite(x[i]).any())]
-            for i in dead:
+            # a row whose bitmask allows no token at all would leave nothing to sample: its grammar failed
+            live = (bitmask[ok] != 0).any(-1).tolist()
+            for i in (i for i, alive in zip(ok, live) if not alive):
                 self.failed[req_ids[i]] = RuntimeError("the grammar allows no next token")
         return bitmask
 
