@@ -112,3 +112,17 @@ def test_bench_grammar_runs_and_reports(tmp_path):
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["batch"] == 4 and res["vocab"] == 3000 and res["step_ms_grammar"] > 0 and res["step_ms_plain"] > 0
+
+
+def test_a_compile_that_takes_too_long_is_a_400(tok, monkeypatch):
+    import asyncio
+    import time
+
+    from splash.server import structured
+    slow = GrammarCompiler(tok, V)
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(0.5))   # a compile that runs long
+    with pytest.raises(APIError) as e:
+        asyncio.run(slow.compile(GrammarSpec("regex", "a", "structured_outputs.regex")))
+    assert e.value.status == 400 and "within 0.05 s" in e.value.message
+    assert e.value.param == "structured_outputs.regex"

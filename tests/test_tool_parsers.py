@@ -185,3 +185,15 @@ def test_no_tools_means_no_parsing():
     mode = OutputMode("glm45", "glm45", None)
     msg, finish = message(mode, GLM5_INLINE, "stop")
     assert msg["content"] == GLM5_INLINE and "tool_calls" not in msg and finish == "stop"
+
+
+def test_a_parser_that_fails_leaves_the_text_as_content(monkeypatch):
+    def boom(*_a, **_k):
+        raise RuntimeError("parser bug")
+    monkeypatch.setattr(tool_parsers, "parse", boom)
+    monkeypatch.setattr(tool_parsers.ToolStream, "feed", boom)
+    mode = OutputMode(None, "glm45", read_tools([{"type": "function", "function": WEATHER}], None, None))
+    msg, finish = message(mode, GLM5_INLINE, "stop")
+    assert msg == {"role": "assistant", "content": GLM5_INLINE} and finish == "stop"
+    st = ChatStream(mode)
+    assert st.feed("abc") == {"content": "abc"} and st.feed("def", last=True) == {"content": "def"}

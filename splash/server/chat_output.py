@@ -9,10 +9,13 @@ splash.server.tool_choice); or plain content. ``message`` does it for a whole ou
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from splash.server import reasoning, tool_parsers
 from splash.server.tool_choice import ToolChoice, forced_calls, scan_calls
+
+_log = logging.getLogger("splash.server")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,15 @@ def _tool_call(i: int, c: dict) -> dict:
 
 
 def message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
-    """(message, finish_reason) of a complete output."""
+    """(message, finish_reason) of a complete output; the text as plain content if a parser fails on it."""
+    try:
+        return _message(mode, text, finish)
+    except Exception:  # noqa: BLE001 — model output a parser cannot handle is content, never a 500
+        _log.exception("parsing the output failed; returning it as content")
+        return {"role": "assistant", "content": text}, finish
+
+
+def _message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
     r, rest = reasoning.split(mode.reasoner, text, mode.template_kwargs)
     msg: dict = {"role": "assistant", "content": rest}
     if r is not None:
@@ -104,6 +115,7 @@ class ChatStream:
         self.tools = tool_parsers.ToolStream(mode.tool_parser, list(mode.tools.tools)) if mode.auto_tools else None
         self.forced = _ForcedStream(mode.tools) if mode.forced else None
         self.called = False
+        self.broken = False     # a parser failed: the rest of the text goes out as content
 
     def _after_reasoning(self, text: str, last: bool) -> dict:
         out: dict = {}
@@ -125,6 +137,16 @@ class ChatStream:
         return out
 
     def feed(self, delta: str, last: bool = False) -> dict:
+        if self.broken:
+            return {"content": delta} if delta else {}
+        try:
+            return self._feed(delta, last)
+        except Exception:  # noqa: BLE001 — from here on the stream is plain content (never a 500 mid-stream)
+            _log.exception("parsing the streamed output failed; the rest is sent as content")
+            self.broken = True
+            return {"content": delta} if delta else {}
+
+    def _feed(self, delta: str, last: bool) -> dict:
         r, rest = (self.reason.feed(delta) if self.reason else ("", delta))
         if last and self.reason:
             r2, rest2 = self.reason.finish()

@@ -10,7 +10,9 @@ A request names at most one constraint (two are a 400 naming the second):
 JSON is generated compact: schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
 a model cannot spend its tokens on whitespace between JSON tokens. Compilation runs in a worker thread (never on
 the event loop or the engine thread) through one ``xgrammar.GrammarCompiler`` per server, which caches compiled
-grammars by their source; a schema, regex or grammar that does not compile is a 400 whose message is xgrammar's.
+grammars by their source; a schema, regex or grammar that does not compile is a 400 whose message is xgrammar's
+(and one that has not compiled after COMPILE_TIMEOUT_S a 400 too). xgrammar releases the GIL while it compiles
+(measured: a 1.1 s compile left the other threads' longest pause at 5 ms), so the engine thread keeps stepping.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from splash.server.protocol import APIError
 from splash.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
+COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile is answered with a 400
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
 
 
@@ -181,4 +184,8 @@ class GrammarCompiler:
     async def compile(self, spec: GrammarSpec | None) -> Any:
         if spec is None:
             return None
-        return await asyncio.to_thread(self.compile_sync, spec)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.compile_sync, spec), COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:   # the worker finishes in the background (xgrammar releases the GIL)
+            raise APIError(400, f"'{spec.param}' did not compile into a grammar within {COMPILE_TIMEOUT_S:g} s",
+                           param=spec.param, code="invalid_grammar") from None
