@@ -197,3 +197,20 @@ def test_a_parser_that_fails_leaves_the_text_as_content(monkeypatch):
     assert msg == {"role": "assistant", "content": GLM5_INLINE} and finish == "stop"
     st = ChatStream(mode)
     assert st.feed("abc") == {"content": "abc"} and st.feed("def", last=True) == {"content": "def"}
+
+
+def test_parsers_default_from_the_model_and_flags_override():
+    from pathlib import Path
+
+    from splash.cli.args import build_config
+    from splash.server.agent import resolve_parsers
+    fixtures = Path(__file__).parent / "fixtures" / "chat_templates"
+    v31 = (fixtures / "deepseek-v3.1.jinja").read_text(encoding="utf-8")
+    assert resolve_parsers("auto", "auto", "glm_moe_dsa", None) == ("glm45", "glm45")
+    assert resolve_parsers("auto", "auto", "deepseek_v32", None) == ("deepseek_v32", "deepseek_v3")
+    assert resolve_parsers("auto", "auto", "deepseek_v3", v31) == ("deepseek_v31", "deepseek_v3")
+    assert resolve_parsers("auto", "auto", "deepseek_v3", "...```json...") == ("deepseek_v3", "deepseek_v3")
+    assert resolve_parsers("deepseek_v31", "none", "glm_moe_dsa", None) == ("deepseek_v31", None)
+    assert resolve_parsers("auto", "auto", "llama", None) == (None, None)
+    cfg = build_config(["--tool-call-parser", "glm45", "--reasoning-parser", "deepseek_r1"])
+    assert (cfg.server.tool_call_parser, cfg.server.reasoning_parser) == ("glm45", "deepseek_r1")
