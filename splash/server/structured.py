@@ -83,7 +83,8 @@ def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
         return None
     unknown = [k for k in so if k not in STRUCTURED_KEYS + STRUCTURED_IGNORED + ("structural_tag",)]
     if unknown:
-        raise APIError(400, f"unknown field 'structured_outputs.{unknown[0]}'", param=f"structured_outputs.{unknown[0]}")
+        where = f"structured_outputs.{unknown[0]}"
+        raise APIError(400, f"unknown field '{where}'", param=where)
     if so.get("structural_tag") is not None:
         raise APIError(400, "'structured_outputs.structural_tag' is not supported by this server",
                        param="structured_outputs.structural_tag")
