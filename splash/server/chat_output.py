@@ -137,6 +137,8 @@ class ChatStream:
         return out
 
     def feed(self, delta: str, last: bool = False) -> dict:
+        if self.mode.plain:   # every chunk before the last carries a content field, even an empty one
+            return {"content": delta} if delta or not last else {}
         if self.broken:
             return {"content": delta} if delta else {}
         try:
