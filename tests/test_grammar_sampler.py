@@ -126,3 +126,35 @@ def test_a_compile_that_takes_too_long_is_a_400(tok, monkeypatch):
         asyncio.run(slow.compile(GrammarSpec("regex", "a", "structured_outputs.regex")))
     assert e.value.status == 400 and "within 0.05 s" in e.value.message
     assert e.value.param == "structured_outputs.regex"
+
+
+def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
+    """One rank, the real engine on the tiny preset: the request whose grammar breaks is reported failed (and
+    aborted) while the batch's other grammar requests finish with valid outputs."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator())
+    vocab = llm.cfg.vocab_size
+    grammar = GrammarCompiler(tok, vocab).compile_sync(GrammarSpec("choice", json.dumps(["yes", "no"]), "x"))
+    eng = llm.engine
+    for rid in ("a", "bad", "b"):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, seed=5, grammar=grammar), rid)
+
+    class Broken:
+        def fill_next_token_bitmask(self, *_):
+            raise RuntimeError("matcher exploded")
+
+    eng.sampler.grammars.matchers["bad"] = Broken()
+    out: dict[str, list[int]] = {"a": [], "b": [], "bad": []}
+    finish, failed = {}, []
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.req_id].append(ev.token)
+            if ev.finish_reason:
+                finish[ev.req_id] = ev.finish_reason
+        failed += [rid for rid, _ in eng.take_failures()]
+    eng.stop()
+    assert failed == ["bad"] and out["bad"] == []
+    for rid in ("a", "b"):
+        assert finish[rid] == "stop" and tok.decode(out[rid]) in ("yes", "no"), out[rid]
