@@ -214,3 +214,27 @@ def test_parsers_default_from_the_model_and_flags_override():
     assert resolve_parsers("auto", "auto", "llama", None) == (None, None)
     cfg = build_config(["--tool-call-parser", "glm45", "--reasoning-parser", "deepseek_r1"])
     assert (cfg.server.tool_call_parser, cfg.server.reasoning_parser) == ("glm45", "deepseek_r1")
+
+
+def test_a_prompt_that_opens_thinking_starts_the_output_in_reasoning():
+    """GLM-5.x's template ends the prompt with <think> (thinking on): the answer is "plan</think>answer"."""
+    from pathlib import Path
+
+    from splash.server.agent import Prepared, with_prompt
+    from splash.server.prompts import PromptReader
+    from splash.tokenizer import Tokenizer, build_byte_tokenizer
+    template = (Path(__file__).parent / "fixtures" / "chat_templates" / "glm-5.3-flash.jinja").read_text("utf-8")
+    tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
+    reader = PromptReader(tok, 4096, 320)
+    msgs = [{"role": "user", "content": "hi"}]
+    on = with_prompt(Prepared(mode=OutputMode("glm45")), tok, tok.encode(reader.render(msgs)))
+    off = with_prompt(Prepared(mode=OutputMode("glm45", template_kwargs={"enable_thinking": False})), tok,
+                      tok.encode(reader.render(msgs, kwargs={"enable_thinking": False})))
+    assert on.mode.thinking_opened and not off.mode.thinking_opened
+    assert message(on.mode, "plan</think>answer", "stop")[0]["reasoning_content"] == "plan"
+    assert message(on.mode, "plan</think>answer", "stop")[0]["content"] == "answer"
+    assert message(off.mode, "answer", "stop")[0] == {"role": "assistant", "content": "answer"}
+    st = ChatStream(on.mode)
+    parts = [st.feed(p) for p in ("pl", "an</th", "ink>ans", "wer")] + [st.feed("", last=True)]
+    assert "".join(p.get("reasoning_content", "") for p in parts) == "plan"
+    assert "".join(p.get("content", "") for p in parts) == "answer"

@@ -10,7 +10,7 @@ The tool-call and reasoning parsers default from the model's type (``server.tool
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splash.server import structured
@@ -74,6 +74,14 @@ class AgentAPI:
                           constrained=grammar is not None)
         tools = [{"type": "function", "function": f} for f in tc.tools] or None
         return Prepared(grammar, mode, tools, kwargs)
+
+
+def with_prompt(prepared: Prepared, tok: Tokenizer, prompt: list[int]) -> Prepared:
+    """``prepared`` knowing whether the rendered prompt opened a thinking block (its text ends with <think>)."""
+    if prepared.mode.reasoner is None:
+        return prepared
+    tail = tok.decode(prompt[-16:], skip_special_tokens=False).rstrip()
+    return replace(prepared, mode=replace(prepared.mode, thinking_opened=tail.endswith("<think>")))
 
 
 def arguments_for_template(messages: list[dict], as_mapping: bool) -> list[dict]:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from splash.engine.sampling import SamplingParams
 from splash.server import chat_output
 from splash.server import protocol as P
-from splash.server.agent import AgentAPI, Prepared
+from splash.server.agent import AgentAPI, Prepared, with_prompt
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
@@ -220,6 +220,7 @@ class _Handlers:
         self.check_seqs(1, req.n)
         agent = await self.agent.chat(req)
         prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)
+        agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
         rid = P.new_id("chatcmpl")

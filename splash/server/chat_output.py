@@ -25,6 +25,7 @@ class OutputMode:
     tools: ToolChoice | None = None
     template_kwargs: dict | None = None
     constrained: bool = False          # a grammar shapes the whole output: no reasoning to split off
+    thinking_opened: bool = False      # the prompt ends with <think>: the output starts inside the reasoning
 
     @property
     def forced(self) -> bool:
@@ -58,7 +59,7 @@ def message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str 
 
 
 def _message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
-    r, rest = reasoning.split(mode.reasoner, text, mode.template_kwargs)
+    r, rest = reasoning.split(mode.reasoner, text, mode.template_kwargs, mode.thinking_opened)
     msg: dict = {"role": "assistant", "content": rest}
     if r is not None:
         msg["reasoning_content"] = r
@@ -111,7 +112,8 @@ class ChatStream:
 
     def __init__(self, mode: OutputMode) -> None:
         self.mode = mode
-        self.reason = reasoning.ReasoningStream(mode.reasoner, mode.template_kwargs) if mode.reasoner else None
+        self.reason = (reasoning.ReasoningStream(mode.reasoner, mode.template_kwargs, mode.thinking_opened)
+                       if mode.reasoner else None)
         self.tools = tool_parsers.ToolStream(mode.tool_parser, list(mode.tools.tools)) if mode.auto_tools else None
         self.forced = _ForcedStream(mode.tools) if mode.forced else None
         self.called = False

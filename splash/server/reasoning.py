@@ -9,6 +9,9 @@
   text is reasoning until ``</think>``.
 * ``deepseek_v3``: DeepSeek-V3.1/V3.2's thinking switch: with ``chat_template_kwargs`` ``thinking`` (or
   ``enable_thinking``) true it is ``deepseek_r1``, otherwise the output is all content.
+* Whatever the parser, when the prompt itself ends with ``<think>`` (GLM-5.x's and DeepSeek-V3.1's templates open
+  the thinking block in the prompt when thinking is on), the output starts inside the reasoning: ``deepseek_r1``'s
+  rule applies (reasoning until ``</think>``).
 
 ``split`` parses a whole output; ``ReasoningStream`` is the streaming form, fed text deltas and returning
 (reasoning, content) increments; it holds back only a tail that could still be the start of a tag.
@@ -19,16 +22,20 @@ START, END = "<think>", "</think>"
 NAMES = ("deepseek_r1", "glm45", "deepseek_v3")
 
 
-def _effective(name: str, kwargs: dict | None) -> str | None:
+def _effective(name: str, kwargs: dict | None, opened: bool = False) -> str | None:
+    if opened:
+        return "deepseek_r1"
     if name == "deepseek_v3":
         kw = kwargs or {}
         return "deepseek_r1" if kw.get("thinking") or kw.get("enable_thinking") else None
     return name
 
 
-def split(name: str | None, text: str, kwargs: dict | None = None) -> tuple[str | None, str | None]:
-    """(reasoning_content, content) of a complete output; None where a part is empty/absent."""
-    name = _effective(name, kwargs) if name else None
+def split(name: str | None, text: str, kwargs: dict | None = None,
+          opened: bool = False) -> tuple[str | None, str | None]:
+    """(reasoning_content, content) of a complete output; None where a part is empty/absent. ``opened``: the
+    prompt ends with ``<think>``."""
+    name = _effective(name, kwargs, opened) if name else None
     if name is None:
         return None, text
     if name == "glm45":
@@ -59,8 +66,8 @@ def _partial_tail(text: str, tag: str) -> int:
 class ReasoningStream:
     """Streaming ``split``: ``feed(delta) -> (reasoning, content)`` increments, ``finish()`` the rest."""
 
-    def __init__(self, name: str | None, kwargs: dict | None = None) -> None:
-        self.name = _effective(name, kwargs) if name else None
+    def __init__(self, name: str | None, kwargs: dict | None = None, opened: bool = False) -> None:
+        self.name = _effective(name, kwargs, opened) if name else None
         # before: nothing decided yet (start tag may come); think: inside reasoning; content: after it
         self.state = "content" if self.name is None else "before"
         self.buf = ""
