@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from splash.engine.auto_types import CostModelLike, ReqView
+from splash.layouts.ownership import block_shares
 
 DECODE_PIECES = 4        # a round's decode is predicted in up to this many pieces, cut where requests finish
 MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see steps_seconds)
@@ -119,16 +120,6 @@ class BatchForecast:
             return None
         return Forecast(pre, dec, first, work, admitted or 0, len(seen))
 
-    def _share(self, lay: str, owner: int | None) -> list[float]:
-        """The share of a request's blocks each rank holds in `lay` (TP: all on every rank; CP: spread evenly;
-        DP-attn and DOP: all on the owner)."""
-        w = self.world
-        if lay == "tp":
-            return [1.0] * w
-        if lay == "cp":
-            return [1.0 / w] * w
-        return [1.0 if k == owner else 0.0 for k in range(w)]
-
     def _overflow(self, lay: str, batch: Sequence[ReqView], cap: int) -> int | None:
         """The first rank whose pool `batch` would overflow as it runs to the end (every request one token a step
         after its prompt, a finished one freeing its blocks), or None. A rank's use peaks at some request's last
@@ -138,7 +129,7 @@ class BatchForecast:
         tok, rate, n = [0.0] * w, [0.0] * w, [0] * w
         for r in sorted(batch, key=lambda x: -x.remaining):
             d = max(0, r.remaining - 1)
-            for k, s in enumerate(self._share(lay, r.owner)):
+            for k, s in enumerate(block_shares(lay, r.owner, self.world)):
                 if s:
                     tok[k] += s * (r.cached + r.pending)
                     rate[k] += s
@@ -156,7 +147,7 @@ class BatchForecast:
             k = self._overflow(lay, active, cap)
             if k is None:
                 break
-            victim = next(r for r in reversed(active) if self._share(lay, r.owner)[k])
+            victim = next(r for r in reversed(active) if block_shares(lay, r.owner, self.world)[k])
             active.remove(victim)
             waiting.insert(0, replace(victim, cached=0, pending=victim.cached + victim.pending, owner=None,
                                       running=False))
