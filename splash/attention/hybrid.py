@@ -26,6 +26,7 @@ from splash.attention.grouping import OwnerGroups
 from splash.layouts.layout import KV_POSITION, Layout, parse_layout
 from splash.models.kda import kda_forward
 from splash.models.linear import linear
+from splash.models.norm import rms_norm
 
 def linear_heads_for(layout: str, num_heads: int, world: int, rank: int) -> range:
     """KDA heads a rank holds (projections and state) in `layout`."""
@@ -104,7 +105,7 @@ class HybridAttention:
         """x [n, hidden] -> (Q-A output [n, q_lora], absorbed queries q̃ [n, H_l, d_c]) for this rank's heads."""
         cfg, w = self.r.cfg, self.r.weights.layers[layer].attn
         n = x.shape[0]
-        qa = mla.rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
+        qa = rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
         q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_nope_head_dim)
         return qa, torch.bmm(q.transpose(0, 1), w.uk()).transpose(0, 1)
 
@@ -113,7 +114,7 @@ class HybridAttention:
         selection for the rows q_in = (x, Q-A output) this rank attends; -> the pool layer."""
         r, meta = self.r, self.base.meta
         cl, w = r.mla_index[layer], r.weights.layers[layer].attn
-        c = mla.rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
+        c = rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
         r.cache.write(cl, meta.write_slots, c, c.new_empty(c.shape[0], 0))
         kpool.select_layer(r, layer, cl, meta, xw, q_in, cp_comm=r.comm if cp else None)
         return cl
