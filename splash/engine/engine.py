@@ -65,8 +65,7 @@ class Engine:
                                         runner.layout_kv_dtypes, allowed_layouts,
                                         switch_mode)
         self.auto = None if hardware_profile is None or comm.rank != 0 else make_auto_layout(
-            runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, max_num_seqs,
-            max_num_batched_tokens)
+            runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, self.scheduler)
         self.control.weight_quant = getattr(runner, "weight_quant", None)
         # rank -> resident weight bytes, measured from the tensors: this rank's now, every rank's from the first
         # step on and after every switch (a collective only inside a step, where every rank is in lockstep)

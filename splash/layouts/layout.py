@@ -70,6 +70,11 @@ def parse_layout(name: str | Layout) -> Layout:
 LAYOUT_NAMES: tuple[str, ...] = tuple(lay.value for lay in Layout)
 
 
+def kv_ownership_of(layout: str | Layout) -> str:
+    """`parse_layout(layout).kv_ownership`, without parsing a canonical name (the ledger asks per request per step)."""
+    return _KV_OWNERSHIP.get(layout) or parse_layout(layout).kv_ownership
+
+
 def heads_fit(layout: str | Layout, num_heads: int, world: int) -> bool:
     """A head-sharded layout (TP, DOP) needs the world size to divide the attention heads; the others always fit."""
     return not parse_layout(layout).shards_projections or num_heads % world == 0

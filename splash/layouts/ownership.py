@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, check_heads, parse_layout
+from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, check_heads, kv_ownership_of, parse_layout
 
 
 class NoCapacity(RuntimeError):
@@ -95,13 +95,14 @@ def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world
     """Per rank, how many of a request's logical blocks [b0, b1) it holds (owner: the DP-attn/DOP owner or the CP
     anchor) — the count `kv_holders` gives, in closed form: O(world), not O(blocks), so rank 0's scheduler does no
     per-step work proportional to context."""
-    layout = parse_layout(layout)
-    n = max(0, b1 - b0)
-    if layout.kv_ownership == KV_ALL:
+    kind, n = kv_ownership_of(layout), max(0, b1 - b0)
+    if kind == KV_ALL:
         return [n] * world
-    if layout.kv_ownership == KV_OWNER:
+    if kind == KV_OWNER:
         out = [0] * world
-        out[_owner_rank(layout, owner, world)] = n
+        if owner is None or not 0 <= owner < world:
+            _owner_rank(parse_layout(layout), owner, world)   # raises, naming the layout
+        out[owner] = n
         return out
     # CP: block b lives on rank (b + anchor) % world: count x in [b0 + anchor, b1 + anchor) with x ≡ r (mod world)
     lo = b0 + (owner or 0)
@@ -112,10 +113,10 @@ def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world
 def block_shares(layout: Layout | str, owner: int | None, world: int) -> list[float]:
     """The share of a long request's blocks each rank holds: TP all of them on every rank, CP an even split,
     DP-attn/DOP all on the owner (an unplaced request, owner None, holds nothing yet)."""
-    layout = parse_layout(layout)
-    if layout.kv_ownership == KV_ALL:
+    kind = kv_ownership_of(layout)
+    if kind == KV_ALL:
         return [1.0] * world
-    if layout.kv_ownership == KV_OWNER:
+    if kind == KV_OWNER:
         return [1.0 if k == owner else 0.0 for k in range(world)]
     return [1.0 / world] * world
 
