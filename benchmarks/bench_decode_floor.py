@@ -42,13 +42,14 @@ def timed(fn, reps: int, flush: torch.Tensor | None) -> float:
 
 
 def _native_linear(x: torch.Tensor, w: torch.Tensor):
-    from splash.models.packed import pack_linear
+    from splash.native.packed import pack_linear
     p = pack_linear(w)
     return (lambda: p(x)) if p is not w else None
 
 
 def _native_grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor):
-    from splash.models.packed import grouped_packed, pack_experts
+    from splash.models.linear import grouped_packed
+    from splash.native.packed import pack_experts
     p = pack_experts(w)
     return (lambda: grouped_packed(x, p, counts)) if p is not w else None
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>")
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)

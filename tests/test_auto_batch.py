@@ -1,24 +1,108 @@
-"""The `layout: auto` scheduler's forecast (splash.engine.auto_batch): which requests each layout serves and when,
-and the chunked prefill steps it predicts (pure; the stand-in cost model of test_auto_layout)."""
+"""The `layout: auto` scheduler's forecast (splash.engine.auto_batch) replays the engine's own scheduler: the same
+admissions, owners, preemptions and finishes, step by step, as the engine's `Scheduler` run one step at a time;
+what each layout's pool then costs (pure; the stand-in cost model of test_auto_layout)."""
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_auto_layout import LAYOUTS, LinearCost, make
 
-from splash.engine.auto_layout import AutoLayout, ReqView
+from splash.engine.auto_batch import clone_requests, replay
+from splash.engine.auto_layout import ReqView
+from splash.engine.ledger import KVLedger
+from splash.engine.scheduler import Scheduler
+
+
+def step_by_step(sched: Scheduler, max_steps: int = 20_000):
+    """The engine's loop without the model: schedule, sample a non-stop token for each sampled item, update."""
+    events, work, step = [], 0, 0
+    led = sched.ledger
+    while (sched.running or sched.waiting) and step < max_steps:
+        before, preempted = {r.req_id for r in sched.running}, sched.num_preemptions
+        plan = sched.schedule()
+        step += 1
+        now = {r.req_id for r in sched.running}
+        if sched.num_preemptions != preempted:
+            events += [(step, "preempt", rid, None) for rid in sorted(before - now)]
+        events += [(step, "admit", rid, led.reqs[rid][1]) for rid in sorted(now - before)]
+        sampled = {it.req_id: -1 for it in plan.items if it.sample}
+        work += len(sampled)
+        events += [(step, "finish", r.req_id, None) for r in sched.update(plan, sampled)]
+    return events, work, step
+
+
+@st.composite
+def request_sets(draw):
+    world = draw(st.integers(1, 4))
+    bs = draw(st.sampled_from([2, 4, 8]))
+    cap = draw(st.integers(16, 64))               # blocks per rank
+    lay = draw(st.sampled_from(LAYOUTS))
+    fits = cap * bs // 2 if lay != "cp" else cap * bs * world // 2   # a request alone always fits an empty pool
+    reqs = []
+    for i in range(draw(st.integers(0, 5))):      # running: decoding, or part way through a chunked prompt
+        cached = draw(st.integers(1, fits // 3))
+        pending = draw(st.sampled_from([1, 1, draw(st.integers(1, fits // 3))]))
+        left = draw(st.integers(1, max(1, fits - cached - pending)))
+        reqs.append(ReqView(f"r{i}", cached, pending, left, draw(st.integers(0, world - 1))))
+    for i in range(draw(st.integers(0, 8))):
+        prompt = draw(st.integers(1, fits // 2))
+        reqs.append(ReqView(f"w{i}", 0, prompt, draw(st.integers(1, max(1, fits - prompt))), None, running=False))
+    led = KVLedger(world, cap, bs, lay)
+    used = [0] * world
+    for r in reqs:   # the running requests must fit the pool now (a layout they overflow is infeasible)
+        if r.running:
+            for k, n in enumerate(led._need(r.owner, 0, -(-r.cached // bs))):
+                used[k] += n
+    if any(u > cap for u in used):
+        reqs = [r for r in reqs if not r.running]
+    chunked = draw(st.booleans())
+    budget = draw(st.sampled_from([8, 64, 512]))
+    policy = dict(max_num_seqs=draw(st.integers(1, 8)),   # unchunked, the budget holds any context (as the config
+                  max_num_batched_tokens=budget if chunked else max(budget, fits),   # requires)
+                  preemption_mode=draw(st.sampled_from(["recompute", "queue"])))
+    return world, bs, cap, lay, reqs, policy, chunked
+
+
+@settings(max_examples=150, deadline=None)
+@given(request_sets())
+def test_the_forecast_makes_the_engine_schedulers_decisions_step_by_step(case):
+    """Random request sets through the engine's `Scheduler` one step at a time and through the forecast's replay
+    (which applies steady decode runs at once): the same admissions with the same owners, the same preemptions and
+    finishes at the same steps, the same output tokens."""
+    world, bs, cap, lay, reqs, policy, chunked = case
+    scheds = []
+    for _ in range(2):
+        led = KVLedger(world, cap, bs, lay)
+        s = Scheduler(led, **policy)
+        s.chunked_prefill = chunked
+        clone_requests(reqs, led, s)
+        scheds.append(s)
+    events, work, steps = step_by_step(scheds[0])
+    rp = replay(scheds[1], max_steps=20_000, trace=True)
+    assert rp.events == events
+    assert rp.work == work
+    assert sum(seg.count for seg in rp.segments) <= steps
+
+
+def test_steady_decode_runs_are_applied_at_once():
+    """64 requests decoding 3,000 tokens each with room to spare: a handful of segments, not 3,000 steps."""
+    sched = Scheduler(KVLedger(2, 100_000, 16, "dop"), 64, 2048)
+    clone_requests([ReqView(f"r{i}", 100, 1, 3000, i % 2) for i in range(64)], sched.ledger, sched)
+    rp = replay(sched)
+    assert rp.work == 64 * 3000 and len(rp.segments) <= 4
 
 
 def test_layouts_are_compared_on_the_same_requests_whatever_their_pools_admit_now():
-    """DP-attn and DOP cost the same per step; DP-attn's pool admits only the four prefill-heavy requests at the
-    head of the queue (one output token each), DOP's all eight. Per output token of the admitted batch alone DOP
-    looked twice as fast; charged for the same eight requests (DP-attn's second wave after its first) the two
-    differ by a few steps' fixed cost, below the margin: no switch."""
+    """DP-attn and DOP cost the same per step; DP-attn's pool holds four of the 512-token prompts, DOP's far more.
+    Both are charged for the same eight requests as the scheduler would run them in each (the four prompts fill the
+    first step's token budget and end, then the four decoders run): the same time, below the margin, no switch."""
     m = LinearCost(fixed={"tp": 1.0, "dp_attn": 1e-3, "cp": 1.0, "dop": 1e-3})
     a = make(m, caps={"tp": 66, "dp_attn": 66, "cp": 66, "dop": 10_000})
     waiting = ([ReqView(f"p{i}", 0, 512, 1, None, running=False) for i in range(4)]
                + [ReqView(f"o{i}", 0, 64, 200, None, running=False) for i in range(4)])
     d = a.propose(0, "dp_attn", waiting, dict.fromkeys(LAYOUTS, [0, 0]))
-    assert d.admitted["dp_attn"] == 4 and d.admitted["dop"] == 8
-    assert d.seconds_per_token["dp_attn"] < 1.1 * d.seconds_per_token["dop"]
+    assert d.admitted["dp_attn"] == d.admitted["dop"] == 4
+    assert d.seconds_per_token["dp_attn"] == d.seconds_per_token["dop"]
     assert d.verdict in ("stay", "below_margin"), d.reason
     fc = a.forecast.waves("dp_attn", waiting, 66)
     assert (fc.admitted, fc.served, fc.work) == (4, 8, 4 + 800)
@@ -27,79 +111,57 @@ def test_layouts_are_compared_on_the_same_requests_whatever_their_pools_admit_no
     assert a.forecast.waves("dp_attn", huge, 66).served == 8
 
 
-def test_prefill_is_predicted_as_the_chunked_steps_the_scheduler_runs():
-    """A 5000-token prompt with a 2048-token budget is three steps (each paying its fixed cost), running decoders
-    add a row to every step, and a waiting request is placed on the least loaded rank."""
+def test_prefill_is_charged_as_the_chunked_steps_the_scheduler_runs():
+    """A 5000-token prompt with a 2048-token budget is three steps (each paying its fixed cost) with the running
+    decoder's row in each, on the least loaded rank; then the 9 decode steps the prompt's request has left."""
     a = make(LinearCost())
     reqs = [ReqView("d0", 3000, 1, 10, 0), ReqView("p", 0, 5000, 10, None, running=False)]
-    owners = a.forecast.place(reqs)
-    assert owners == {"d0": 0, "p": 1}
-    steps, made = a.forecast.prefill_plan(reqs, owners)
-    assert len(steps) == 3 and all(sum(n for n, _, _ in rows) <= 2048 for rows in steps)
-    assert sum(n for rows in steps for n, _, o in rows if o == 1) == 5000
-    assert [rows[0] for rows in steps] == [(1, 3000, 0), (1, 3001, 0), (1, 3002, 0)]
-    assert made == {"d0": 3, "p": 1}
+    rp = a.forecast.replay("dp_attn", reqs, 10_000, trace=True)
+    pre = [seg.rows for seg in rp.segments if seg.prefill]
+    assert len(pre) == 3 and all(sum(n for n, _, _ in rows) <= 2048 for rows in pre)
+    assert sum(n for rows in pre for n, _, o in rows if o == 1) == 5000
+    assert [rows[0] for rows in pre] == [(1, 3000, 0), (1, 3001, 0), (1, 3002, 0)]
+    assert ("admit", "p", 1) in [e[1:] for e in rp.events]
     fixed = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
                        per_row=dict.fromkeys(LAYOUTS, 0.0))
     fc = make(fixed).forecast.waves("dp_attn", reqs, 10_000)
-    assert (fc.prefill_s, fc.decode_s, fc.first_step_s) == (3, 9, 1.0)   # 3 prefill steps, then the 9 decode
-    # steps left of each request
+    assert (fc.prefill_s, fc.decode_s, fc.first_step_s) == (3, 9, 1.0)
 
 
-def test_prefill_plan_is_bounded_when_decode_rows_fill_the_budget():
-    a = AutoLayout(LinearCost(), LAYOUTS, 0.1, block_size=16, world=2, capacity_blocks=dict.fromkeys(LAYOUTS, 10**6),
-                   max_num_seqs=64, max_num_batched_tokens=8, row=lambda n, c, o: (n, c, o))
-    reqs = [ReqView(f"d{i}", 100, 1, 10**6, i % 2) for i in range(16)] + [ReqView("p", 0, 100_000, 4, None, False)]
-    steps, made = a.forecast.prefill_plan(reqs, a.forecast.place(reqs))
-    assert len(steps) == 4097 and all(len(rows) == 17 for rows in steps[:-1])   # 16 decode rows + 1 prompt token
-    assert sum(n for rows in steps for n, _, _ in rows) - 16 * 4096 == 100_000      # every prompt token once
-    assert made["p"] == 1 and made["d0"] == 4096
-
-
-def test_admission_holds_each_request_to_its_end_not_its_prompt():
-    """An RL rollout's long requests: eight 512-token prompts that each grow to 3,584 tokens. Their prompts fit
-    every pool at once; their ends fit only a pool of 4 x 224 blocks per owner. The forecast admits in each layout
-    what it can carry to the end (TP, every rank holding every request: 4; DP-attn's 732 blocks per owner: 3 per
-    owner; DOP's 910: all 8), while short requests that finish before the long ones peak do not count at that
-    peak."""
-    a = make(LinearCost())
+def test_a_pool_that_cannot_carry_the_rollout_pays_for_its_preemptions():
+    """An RL rollout's long requests: eight 512-token prompts that each grow to 3,584 tokens (224 blocks). Their
+    prompts fit every pool at once; their ends do not fit TP's 910 blocks on every rank, nor DP-attn's 732 per owner
+    (3 per owner), while DOP's 910 per owner carry four each. The engine's scheduler admits them all and preempts
+    the newest as the pool fills (recomputed later); the forecast charges exactly that, so TP and DP-attn pay for
+    recomputed prefill and more steps, DOP for neither."""
+    per_step = LinearCost(fixed=dict.fromkeys(LAYOUTS, 1.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
+                          per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(per_step)
     longs = [ReqView(f"l{i}", 0, 512, 3072, None, running=False) for i in range(8)]
-    assert a.forecast.waves("tp", longs, 910).admitted == 4
-    assert a.forecast.waves("dp_attn", longs, 732).admitted == 6
-    assert a.forecast.waves("dop", longs, 910).admitted == 8
-    assert all(a.forecast.waves(lay, longs, cap).served == 8 for lay, cap in (("tp", 910), ("dp_attn", 732)))
-    shorts = [ReqView(f"s{i}", 0, 512, 64, None, running=False) for i in range(24)]
-    assert a.forecast.waves("dop", shorts + longs, 910).admitted == 32   # 24 x 36 blocks fit beside the starts
-    assert a.forecast.waves("dop", shorts + longs, 910).served == 32
+    preempts = {lay: sum(e[1] == "preempt" for e in a.forecast.replay(lay, longs, cap, trace=True).events)
+                for lay, cap in (("tp", 910), ("dp_attn", 732), ("dop", 910))}
+    assert preempts["dop"] == 0 and preempts["tp"] > 0 and preempts["dp_attn"] > 0
+    fc = {lay: a.forecast.waves(lay, longs, cap) for lay, cap in (("tp", 910), ("dp_attn", 732), ("dop", 910))}
+    assert all(f.work == 8 * 3072 and f.served == 8 for f in fc.values())
+    assert fc["dop"].prefill_s + fc["dop"].decode_s < min(f.prefill_s + f.decode_s for f in (fc["tp"], fc["dp_attn"]))
 
 
-def test_running_requests_the_pool_cannot_carry_are_shed_newest_first_on_the_full_rank():
-    """Four running requests on owner 0 that will grow to 3,584 tokens (224 blocks each) in a 700-block pool:
-    the newest on that rank is shed to the queue to recompute its 1,000 cached tokens (charged as prefill), and
-    re-admitted on owner 1, where it fits, as the ledger would place it; owner 1's request is untouched. In a
-    1,000-block pool nothing is shed."""
-    a = make(LinearCost())
-    run = [ReqView(f"r{i}", 1000, 1, 2584, 0) for i in range(4)] + [ReqView("x", 1000, 1, 2584, 1)]
-    kept, queue = a.forecast._shed("dop", run, [], 700)
-    assert [r.req_id for r in kept] == ["r0", "r1", "r2", "x"]
-    assert [(r.req_id, r.cached, r.pending, r.owner, r.running) for r in queue] == [("r3", 0, 1001, None, False)]
-    assert a.forecast._shed("dop", run, [], 1000) == (run, [])
-    fc = a.forecast.waves("dop", run, 700)
-    assert fc.admitted == 5 and fc.served == 5 and fc.prefill_s > 0
+def test_pricing_is_bounded_and_exact_where_priced():
+    """Thirty requests finishing at thirty different lengths: at most MAX_DECODE_PRICED decode runs are priced, and a
+    per-row model charges every row of every step once (the runs' middle context is exact for a per-row cost)."""
+    from splash.engine import auto_batch
+    calls = []
 
+    class Counting(LinearCost):
+        def step(self, layout, rows):
+            calls.append(len(rows))
+            return super().step(layout, rows)
 
-def test_a_rounds_decode_is_charged_as_its_requests_finish():
-    """One round, no queue: 30 requests that finish after 64 tokens, 2 after 100 and 1 that runs 3,000. Per-row
-    steps (1 ms a row, nothing else): 30 x 64 + 2 x 100 + 3,000 rows — 5.12 s. Cutting the decode only at the first
-    finisher charged the 2 for the long one's whole round (10.9 s); the cuts fall where requests finish."""
-    from splash.engine.auto_batch import decode_cuts
-    per_row = LinearCost(fixed=dict.fromkeys(LAYOUTS, 0.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
-                         per_row=dict.fromkeys(LAYOUTS, 1e-3))
-    reqs = ([ReqView(f"s{i}", 600, 1, 64, i % 2) for i in range(30)] + [ReqView("i0", 60, 1, 100, 0),
-            ReqView("i1", 60, 1, 100, 1), ReqView("l", 600, 1, 3000, 0)])
+    per_row = Counting(fixed=dict.fromkeys(LAYOUTS, 0.0), per_kv=dict.fromkeys(LAYOUTS, 0.0),
+                       per_row=dict.fromkeys(LAYOUTS, 1e-3))
+    reqs = [ReqView(f"s{i}", 600, 1, 50 + 40 * i, i % 2) for i in range(30)]
     fc = make(per_row).forecast.waves("dop", reqs, 10_000)
-    assert abs(fc.decode_s - (30 * 64 + 2 * 100 + 3000) * 1e-3) < 1e-9 and fc.work == 30 * 64 + 2 * 100 + 3000
-    assert decode_cuts([64] * 30 + [100] * 2 + [3000], 3000) == [64, 100, 3000]
-    # after chunked prefill a rollout's short requests finish a few tokens apart, its long ones too: the cuts end
-    # the clusters (at most DECODE_PIECES of them, at the widest gaps)
-    assert decode_cuts([56, 57, 58, 59, 60, 61, 62, 63, 3064, 3066, 3071], 3071) == [63, 3064, 3066, 3071]
+    rows = sum(50 + 40 * i for i in range(30))
+    assert fc.work == rows
+    assert len(calls) <= auto_batch.MAX_DECODE_PRICED + auto_batch.MAX_PREFILL_PRICED
+    assert abs(fc.decode_s - rows * 1e-3) / (rows * 1e-3) < 0.2   # unpriced runs borrow a neighbour's row count

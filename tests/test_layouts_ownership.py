@@ -4,6 +4,8 @@ from hypothesis import strategies as st
 
 from splash.layouts import (Layout, NoCapacity, assign_owners, cp_block_rank, head_range, kv_holders,
                             num_blocks, rebalance_owners)
+from splash.layouts.layout import start_layout
+from splash.layouts.ownership import block_holders, block_shares, blocks_held, distinct_kv_tokens, kv_copies
 
 
 def test_head_range_sharded_and_replicated():
@@ -97,3 +99,44 @@ def test_assign_owners_properties(reqs, world, cap):
         assert max(loads) <= cap
     else:  # greedy LPT bound: no rank exceeds the mean by more than the largest request
         assert max(loads) <= sum(reqs.values()) / world + max(reqs.values(), default=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(list(Layout)), st.integers(1, 8), st.data())
+def test_closed_forms_agree_with_per_block_holders(layout, world, data):
+    """`blocks_held` (closed form), `block_holders` (one block) and `block_shares` (the long-run split) all state
+    `kv_holders`' rule."""
+    owner = data.draw(st.integers(0, world - 1))
+    b0 = data.draw(st.integers(0, 40))
+    b1 = data.draw(st.integers(b0, b0 + 50))
+    per_block = kv_holders(layout, b1, owner, world)
+    walk = [0] * world
+    for b in range(b0, b1):
+        assert frozenset(block_holders(layout, b, owner, world)) == per_block[b]
+        for r in per_block[b]:
+            walk[r] += 1
+    assert blocks_held(layout, owner, b0, b1, world) == walk
+    n = world * 1000   # a whole number of CP rounds: the shares are exact
+    held = blocks_held(layout, owner, 0, n, world)
+    assert [h / n for h in held] == pytest.approx(block_shares(layout, owner, world))
+
+
+def test_capacity_counts_tp_copies_once():
+    assert distinct_kv_tokens(Layout.TP, 100, 16, 4) == 1600          # every rank holds every token
+    for lay in (Layout.DP_ATTN, Layout.CP, Layout.DOP):
+        assert distinct_kv_tokens(lay, 100, 16, 4) == 6400
+    assert [kv_copies(lay, 4) for lay in Layout] == [4, 1, 1, 1]
+
+
+def test_owner_layouts_need_an_owner():
+    with pytest.raises(ValueError, match="owner rank"):
+        blocks_held(Layout.DOP, None, 0, 3, 2)
+    assert block_shares(Layout.DP_ATTN, None, 2) == [0.0, 0.0]       # not placed yet: holds nothing
+
+
+def test_start_layout():
+    assert start_layout(["tp", "dop"], 16, 4) is Layout.TP
+    assert start_layout(["tp", "cp", "dop"], 6, 4) is Layout.CP       # 4 does not divide 6 heads
+    assert start_layout(["dop", "dp_attn"], 8, 4) is Layout.DOP
+    assert start_layout(["dop"], 6, 4) is Layout.DOP                  # none fits: the head check names it later
+    assert start_layout(["cp", "tp"], None, 3) is Layout.TP

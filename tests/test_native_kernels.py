@@ -8,7 +8,7 @@ from test_attention_kernels import RAGGED, SCALE, check, make_state
 
 from splash import native
 from splash.attention.kernels.torch_mla import TorchMLAKernel
-from splash.models import packed
+from splash.native import packed
 from splash.models.linear import grouped_linear
 
 needs_native = pytest.mark.skipif(native.lib() is None, reason="no AVX2/FMA CPU or no C compiler")

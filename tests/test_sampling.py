@@ -9,7 +9,8 @@ import torch
 from hf_models import random_prompts
 
 from splash.engine.llm import LLM
-from splash.engine.sampling import SamplingParams, make_generator, sample
+from splash.engine.sampler import sample
+from splash.engine.sampling import SamplingParams, make_generator
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import torch
 from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch, StepRequest
 from splash.attention.metadata import build_metadata
-from splash.layouts.ownership import cp_block_rank
+from splash.layouts.layout import Layout
+from splash.layouts.ownership import block_holders
 
 
 class CPAttention:
@@ -17,7 +18,7 @@ class CPAttention:
 
     def _mine(self, q: StepRequest, block: int) -> bool:
         """Block `block` of request `q` lives here: round-robin rotated by the request's anchor rank."""
-        return cp_block_rank(block + q.owner, self.r.comm.size) == self.r.comm.rank
+        return block_holders(Layout.CP, block, q.owner, self.r.comm.size)[0] == self.r.comm.rank
 
     def prepare(self, batch: StepBatch) -> None:
         r = self.r

@@ -1,4 +1,4 @@
-"""Layout name -> attention executor, and which heads a rank holds in a layout."""
+"""Layout -> attention executor, and which heads a rank holds in a layout."""
 from __future__ import annotations
 
 
@@ -13,10 +13,10 @@ def make_executor(layout: str, runner):
     from splash.attention.dp_attn import DPAttention
     from splash.attention.tp import TPAttention
 
-    table = {"tp": TPAttention, "dp_attn": DPAttention, "cp": CPAttention, "dop": DOPAttention}
-    if layout not in table:
-        raise ValueError(f"layout {layout!r} not available")
-    base = table[layout](runner)
+    from splash.layouts.layout import Layout, parse_layout
+
+    table = {Layout.TP: TPAttention, Layout.DP_ATTN: DPAttention, Layout.CP: CPAttention, Layout.DOP: DOPAttention}
+    base = table[parse_layout(layout)](runner)
     if runner.cfg.hybrid is not None:  # glm5_next: KDA + MLA-DSA layers (splash.attention.hybrid)
         from splash.attention.hybrid import HybridAttention
         return HybridAttention(layout, base)

@@ -23,11 +23,10 @@ import torch
 from splash.attention import kpool, mla
 from splash.attention.batch import StepBatch
 from splash.attention.grouping import OwnerGroups
+from splash.layouts.layout import KV_POSITION, Layout, parse_layout
 from splash.models.kda import kda_forward
 from splash.models.linear import linear
-
-HEAD_SHARDED = ("tp", "dop")
-
+from splash.models.norm import rms_norm
 
 def linear_heads_for(layout: str, num_heads: int, world: int, rank: int) -> range:
     """KDA heads a rank holds (projections and state) in `layout`."""
@@ -39,9 +38,9 @@ class HybridAttention:
     """Wraps the MLA executor of a layout (its block allocation and metadata) and runs both layer kinds."""
 
     def __init__(self, layout: str, base):
-        self.layout, self.base, self.r = layout, base, base.r
+        self.layout, self.base, self.r = parse_layout(layout), base, base.r
         P, bs = self.r.cfg.hybrid.index_kpool, self.r.block_size
-        if layout == "cp" and bs % P:
+        if self.layout.kv_ownership == KV_POSITION and bs % P:
             raise ValueError(f"glm5_next under CP needs index_kpool ({P}) to divide block_size ({bs}): each rank "
                              "scores the KPool pools of the blocks it holds")
 
@@ -50,7 +49,7 @@ class HybridAttention:
         r = self.r
         self.base.prepare(batch)
         self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
-        sharded = self.layout in HEAD_SHARDED
+        sharded = self.layout.shards_projections
         reqs = batch.reqs if sharded else self.g.mine
         spans, at = [], 0
         for q in reqs:
@@ -75,8 +74,8 @@ class HybridAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.r.cfg.is_linear_layer(layer):
             return self._kda(layer, x)
-        return {"tp": self._mla_tp, "dp_attn": self._mla_dp, "cp": self._mla_cp, "dop": self._mla_dop}[
-            self.layout](layer, x)
+        return {Layout.TP: self._mla_tp, Layout.DP_ATTN: self._mla_dp, Layout.CP: self._mla_cp,
+                Layout.DOP: self._mla_dop}[self.layout](layer, x)
 
     def _gather(self, out: torch.Tensor) -> torch.Tensor:
         r = self.r
@@ -106,7 +105,7 @@ class HybridAttention:
         """x [n, hidden] -> (Q-A output [n, q_lora], absorbed queries q̃ [n, H_l, d_c]) for this rank's heads."""
         cfg, w = self.r.cfg, self.r.weights.layers[layer].attn
         n = x.shape[0]
-        qa = mla.rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
+        qa = rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
         q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_nope_head_dim)
         return qa, torch.bmm(q.transpose(0, 1), w.uk()).transpose(0, 1)
 
@@ -115,7 +114,7 @@ class HybridAttention:
         selection for the rows q_in = (x, Q-A output) this rank attends; -> the pool layer."""
         r, meta = self.r, self.base.meta
         cl, w = r.mla_index[layer], r.weights.layers[layer].attn
-        c = mla.rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
+        c = rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
         r.cache.write(cl, meta.write_slots, c, c.new_empty(c.shape[0], 0))
         kpool.select_layer(r, layer, cl, meta, xw, q_in, cp_comm=r.comm if cp else None)
         return cl

@@ -10,19 +10,9 @@ import torch
 from splash.models.config import ModelConfig
 from splash.native import ops as native_ops
 from splash.models.linear import bmm, linear
+from splash.models.norm import rms_norm
 from splash.models.rope import Rope
 from splash.models.weights import AttnWeights
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * x / sqrt(mean(x²) + eps), statistics in fp32 (transformers' DeepseekV3RMSNorm, the same ops)."""
-    if x.dtype == torch.float32:   # no casts; the same products as below, two of them in place
-        y = native_ops.rms_norm(x, w, eps)
-        if y is not None:
-            return y
-        return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _absorb(cfg: ModelConfig, rope: Rope, w: AttnWeights, qa: torch.Tensor, cos: torch.Tensor,

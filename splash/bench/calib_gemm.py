@@ -8,12 +8,12 @@ from splash.bench.calib_timing import _timeit
 
 def _engine_weights(cfg, dtype=None) -> list[tuple[int, int, object]]:
     """(in, out, weight) of `_model_shapes`, each held as the engine holds it: packed for SPLASH's CPU GEMM where
-    the engine packs it at load (splash.models.packed: fp32, native kernels on, whole strips — the FFN / MoE
+    the engine packs it at load (splash.native.packed: fp32, native kernels on, whole strips — the FFN / MoE
     weights, and the attention projections when a head's Q-B rows and Q-A / KV-A split on strips), else plain
     (torch's GEMM). Run them with `linear`, the engine's own call."""
     import torch
 
-    from splash.models.packed import pack_linear
+    from splash.native.packed import pack_linear
     dtype = dtype or torch.float32
     out = []
     for i, (k, n) in enumerate(_model_shapes(cfg)):

@@ -87,6 +87,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
     from splash.engine.llm import kv_blocks_per_layout, pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
+    from splash.layouts.ownership import distinct_kv_tokens
 
     c, s = cfg.cache, cfg.scheduler
     kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
@@ -111,7 +112,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
         out += [f"            {name:22s} {v / GIB:9.2f} GiB" for name, v in b.rows()]
         pool = b.kv_pool_bytes
     per = kv_blocks_per_layout(mcfg, world, kv, c.block_size, pool, wbytes, weight_quant=wq)
-    caps = ", ".join(f"{lay} {n * c.block_size * (1 if lay == 'tp' else world):,}" for lay, n in per.items()
+    caps = ", ".join(f"{lay} {distinct_kv_tokens(lay, n, c.block_size, world):,}" for lay, n in per.items()
                      if lay in cfg.layout.allowed_layouts)
     out.append(f"KV        {kv}, {c.block_size}-token pages; distinct tokens the group holds: {caps}")
 

@@ -1,249 +1,165 @@
 """What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.auto_layout) — pure Python.
 
-`BatchForecast.waves` charges every layout for the same requests — the running ones and the waiting queue — as
-its KV pool would let the engine's scheduler run them: admit the waiting requests (FIFO, as the scheduler does)
-while the pool holds them *to their end* — every admitted request grows by one token a step until it finishes, so
-the forecast checks each rank's peak use over the batch's remaining decode, not its prompts alone — prefill them,
-decode until half the batch has finished (or sooner, once the whole queue then fits), free the finished requests'
-blocks, admit again — at most MAX_WAVES such rounds; a request that never fits is left out. Running requests that
-the pool cannot carry to their end are shed first, newest first on the rank that overflows, to be recomputed in a
-later round, as the engine's preemption would do. So a layout whose pool must queue (or preempt) requests pays for
-them arriving later, overlapping the tail of those before them as continuous batching does, not for a second batch
-after the first has drained; and a batch that grows past a pool — an RL rollout whose long requests fill it — is
-charged where it really runs: checking prompts alone let a pool look as if it ran every long request at once until
-it filled (docs/benchmarks.md, round 12). (Comparing each layout's admitted batch alone favoured whichever batch
-held the requests with the most output per prompt token; draining batch after batch overcharged the layout that
-queued: round 11.) A round's prefill is predicted as the chunked steps the engine's scheduler will run (token
-budget per step, admission order, decode rows included), so a long prompt whose chunks land on one DP-attn/DOP
-owner is charged as such; a round's decode in up to DECODE_PIECES pieces, cut where requests finish (charging a
-batch's survivors for the whole round made the layout whose pool ran everything in one round — DOP's, in the RL
-rollout — look twice as slow as one that ran it in several).
+`BatchForecast.waves` runs the engine's own `Scheduler` and `KVLedger` — the same admission, chunked prefill,
+preemption and owner placement, with the engine scheduler's settings — on clones of the running and waiting requests
+under each layout's KV pool, step by step until every request has finished (each request makes its remaining output
+tokens; stop tokens cannot be foreseen), and charges the steps it ran with the cost model. So a layout whose pool
+must queue or preempt requests pays exactly as the engine will make it pay, and there is one admission policy to
+change, not a copy per predictor.
+
+Its cost is bounded two ways. Decode steps in which nothing but one token per running request can happen
+(`Scheduler.steady_decode_steps`) are applied at once and charged as one step at their middle context times their
+count. Pricing is sampled: every run of steady decode steps is priced, up to MAX_DECODE_PRICED of them (the longest
+first), and up to MAX_PREFILL_PRICED steps that carry prefill chunks, evenly spaced; an unpriced step costs what the
+nearest priced one of its kind does. At most MAX_STEPS scheduler steps are replayed (a steady run counting as one);
+work beyond them is left out (the forecast is then for the requests served so far).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from splash.engine.auto_types import CostModelLike, ReqView
+from splash.engine.ledger import KVLedger
+from splash.engine.scheduler import Request, Scheduler
 
-DECODE_PIECES = 4        # a round's decode is predicted in up to this many pieces, cut where requests finish
-MAX_PREFILL_SAMPLES = 3  # chunked prefill steps predicted one by one; more are sampled (see steps_seconds)
-MAX_PLAN_STEPS = 4096    # prefill steps simulated per prediction (bounds the plan's pure-Python cost)
-MAX_WAVES = 6            # admission rounds predicted per layout; requests beyond them are left out
+MAX_STEPS = 4096          # scheduler steps replayed per forecast (a steady decode run counts as one)
+MAX_DECODE_PRICED = 24    # steady decode runs priced with the cost model per forecast
+MAX_PREFILL_PRICED = 8    # steps carrying prefill chunks priced per forecast
+_TOKEN = -1               # what the clones "sample": never a stop token
 
 
 @dataclass(frozen=True)
 class Forecast:
-    """A layout's predicted seconds (uncorrected) for the requests it serves in `waves`."""
-    prefill_s: float     # the waves' prefill steps (decode rows riding in them included)
-    decode_s: float      # their decode after the prefill
-    first_step_s: float  # the first wave's first decode step
-    work: int            # output tokens of the requests served
-    admitted: int        # requests in the first wave (running + admitted now)
-    served: int          # requests in all waves
+    """A layout's predicted seconds (uncorrected) for the requests it serves."""
+    prefill_s: float     # steps carrying prefill chunks (decode rows riding in them included)
+    decode_s: float      # decode-only steps
+    first_step_s: float  # the first decode-only step
+    work: int            # output tokens made
+    admitted: int        # the most requests running at once
+    served: int          # requests that ran at all
 
 
-def decode_cuts(left: Sequence[int], end: int) -> list[int]:
-    """Where a round's decode (to `end` output tokens) is cut into pieces, each predicted as one step of the
-    requests alive at its start: where requests finish (the distinct output counts left, `left`, below `end`), at
-    most DECODE_PIECES cuts — at the ends of the clusters those counts form, split at their DECODE_PIECES - 1 widest
-    gaps, so a request is charged at most its cluster's width beyond its end. (Cuts spread evenly over the counts put
-    three of four inside a rollout's short requests — which finish a few tokens apart after chunked prefill — and
-    charged the stragglers for the long requests' whole round.)"""
-    vals = sorted({v for v in left if 0 < v < end} | {end})
-    if len(vals) > DECODE_PIECES:
-        widest = sorted(range(len(vals) - 1), key=lambda i: vals[i + 1] - vals[i], reverse=True)[:DECODE_PIECES - 1]
-        vals = sorted({vals[i] for i in widest} | {vals[-1]})
-    return vals
+@dataclass
+class Segment:
+    """`count` consecutive steps of one shape, charged as `count` x the step of `rows` (new tokens, context,
+    owner)."""
+    rows: list[tuple[int, int, int | None]]
+    count: int
+    prefill: bool
+
+
+@dataclass
+class Replay:
+    """What the scheduler did with the cloned requests: the steps it ran and, when traced, its decisions."""
+    segments: list[Segment]
+    work: int
+    admitted: int                        # the most requests running at once
+    served: set[str]
+    events: list[tuple] | None = None    # (step, "admit" | "preempt" | "finish", request, owner)
+
+
+def clone_requests(reqs: Sequence[ReqView], ledger: KVLedger, sched: Scheduler) -> None:
+    """Put `reqs` into an empty `sched` over `ledger`: running ones with their KV on their owners, waiting ones
+    queued in order. A clone's tokens are a `range` (their values never matter); its output to make is the view's
+    `remaining`."""
+    for r in reqs:
+        req = Request(r.req_id, range(r.cached + r.pending), max(0, r.remaining))
+        if r.running:
+            req.num_cached = r.cached
+            ledger.grow(r.req_id, r.cached, r.owner if r.owner is not None else 0,
+                        final=r.cached + r.pending + r.remaining)
+            sched.requests[r.req_id] = req
+            sched.running.append(req)
+        else:
+            sched.add(req)
+
+
+def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False) -> Replay:
+    """Run `sched` until its requests have finished (or `max_steps` replayed, a steady decode run applied at once
+    counting as one)."""
+    segments, served, events = [], {r.req_id for r in sched.running}, [] if trace else None
+    work, admitted, step, replayed = 0, len(sched.running), 0, 0
+    led = sched.ledger
+    while sched.running or sched.waiting:
+        if replayed >= max_steps:
+            break
+        replayed += 1
+        run = sched.steady_decode_steps(1 << 30)
+        if run > 0:
+            rows = [(1, r.num_cached + run // 2, led.reqs[r.req_id][1]) for r in sched.running]
+            segments.append(Segment(rows, run, False))
+            work += run * len(sched.running)
+            sched.advance_decode(run, _TOKEN)
+            step += run
+            continue
+        before = {r.req_id for r in sched.running}
+        preempted = sched.num_preemptions
+        plan = sched.schedule()
+        step += 1
+        now = {r.req_id for r in sched.running}
+        admitted = max(admitted, len(now))
+        served |= now
+        if trace:
+            if sched.num_preemptions != preempted:
+                events += [(step, "preempt", rid, None) for rid in sorted(before - now)]
+            events += [(step, "admit", rid, led.reqs[rid][1]) for rid in sorted(now - before)]
+        if not plan.items:
+            if not sched.running and sched.waiting:   # fits no empty pool: left out, not waited for
+                gone = sched.waiting.popleft()
+                sched.requests.pop(gone.req_id, None)
+            continue
+        rows = [(len(it.tokens), it.start_pos, it.owner) for it in plan.items]
+        segments.append(Segment(rows, 1, any(n > 1 for n, _, _ in rows)))
+        sampled = {it.req_id: _TOKEN for it in plan.items if it.sample}
+        work += len(sampled)
+        done = sched.update(plan, sampled)
+        if trace:
+            events += [(step, "finish", r.req_id, None) for r in done]
+    return Replay(segments, work, admitted, served, events)
 
 
 class BatchForecast:
-    def __init__(self, model: CostModelLike, row, *, world: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+    def __init__(self, model: CostModelLike, row, *, world: int, block_size: int, scheduler: Scheduler):
+        """`scheduler`: the engine's (its settings — token budget, max_num_seqs, preemption mode, chunked prefill —
+        are read at each forecast)."""
         self.model, self.row, self.world, self.block_size = model, row, world, block_size
-        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.scheduler = scheduler
+
+    def replay(self, lay: str, reqs: Sequence[ReqView], cap: int, trace: bool = False) -> Replay:
+        ledger = KVLedger(self.world, cap, self.block_size, lay)
+        sched = self.scheduler.sibling(ledger)
+        clone_requests(reqs, ledger, sched)
+        return replay(sched, trace=trace)
 
     def waves(self, lay: str, reqs: Sequence[ReqView], cap: int) -> Forecast | None:
         """`lay`'s forecast for `reqs` (see the module docstring); None when it would serve nothing."""
-        active = [r for r in reqs if r.running]
-        waiting = [r for r in reqs if not r.running]
-        active, waiting = self._shed(lay, active, waiting, cap)
-        pre = dec = first = 0.0
-        work = 0
-        admitted, seen = None, {r.req_id for r in active}
-        for _ in range(MAX_WAVES):
-            while waiting and len(active) < self.max_num_seqs:   # FIFO: admit what fits to the end
-                r = waiting[0]
-                cand = replace(r, owner=self._owner(r, active), running=True)
-                if self._overflow(lay, [*active, cand], cap) is not None:
-                    if active:
-                        break
-                    waiting.pop(0)   # does not fit an empty pool: left out, not waited for
-                    continue
-                active.append(cand)
-                seen.add(r.req_id)
-                waiting.pop(0)
-            if admitted is None:
-                admitted = len(active)
-            if not active:
-                break
-            owners = self.place(active)
-            steps, made = self.prefill_plan(active, owners)
-            pre += self.steps_seconds(lay, steps)
-            work += sum(min(made[r.req_id], r.remaining) for r in active)
-            active = [replace(r, cached=r.cached + r.pending - 1 + made[r.req_id], pending=1, owner=owners[r.req_id],
-                              remaining=r.remaining - made[r.req_id]) for r in active if r.remaining > made[r.req_id]]
-            if not active:
-                continue
-            left = sorted(r.remaining for r in active)
-            # decode until half the batch has finished, or sooner when the whole queue then fits; with no queue, to
-            # the end
-            end = self._all_fit_at(lay, active, waiting, cap, left[:(len(left) + 1) // 2]) if waiting else left[-1]
-            cuts = decode_cuts(left, end)
-            done = 0
-            for cut in cuts:
-                alive = [r for r in active if r.remaining > done]
-                if not alive or cut <= done:
-                    continue
-                mid = (done + cut) / 2
-                one = self.model.step(lay, [self.row(1, r.cached + int(mid), r.owner) for r in alive]).seconds
-                first = first or one
-                dec += (cut - done) * one
-                done = cut
-            work += sum(min(done, r.remaining) for r in active)
-            active = [replace(r, cached=r.cached + done, remaining=r.remaining - done) for r in active
-                      if r.remaining > done]
-            if not active and not waiting:
-                break
-        if not seen or work <= 0:
+        rp = self.replay(lay, reqs, cap)
+        if not rp.served or rp.work <= 0:
             return None
-        return Forecast(pre, dec, first, work, admitted or 0, len(seen))
+        secs = self.price(lay, rp.segments)
+        pre = sum(s * seg.count for s, seg in zip(secs, rp.segments) if seg.prefill)
+        dec = sum(s * seg.count for s, seg in zip(secs, rp.segments) if not seg.prefill)
+        first = next((s for s, seg in zip(secs, rp.segments) if not seg.prefill), 0.0)
+        return Forecast(pre, dec, first, rp.work, rp.admitted, len(rp.served))
 
-    def _share(self, lay: str, owner: int | None) -> list[float]:
-        """The share of a request's blocks each rank holds in `lay` (TP: all on every rank; CP: spread evenly;
-        DP-attn and DOP: all on the owner)."""
-        w = self.world
-        if lay == "tp":
-            return [1.0] * w
-        if lay == "cp":
-            return [1.0 / w] * w
-        return [1.0 if k == owner else 0.0 for k in range(w)]
-
-    def _overflow(self, lay: str, batch: Sequence[ReqView], cap: int) -> int | None:
-        """The first rank whose pool `batch` would overflow as it runs to the end (every request one token a step
-        after its prompt, a finished one freeing its blocks), or None. A rank's use peaks at some request's last
-        token: with the requests by remaining output, longest first, the first k are alive at the k-th one's
-        last step. Blocks are counted as tokens / block size + 1 per request (an upper bound of the rounding)."""
-        w, bs = self.world, self.block_size
-        tok, rate, n = [0.0] * w, [0.0] * w, [0] * w
-        for r in sorted(batch, key=lambda x: -x.remaining):
-            d = max(0, r.remaining - 1)
-            for k, s in enumerate(self._share(lay, r.owner)):
-                if s:
-                    tok[k] += s * (r.cached + r.pending)
-                    rate[k] += s
-                    n[k] += 1
-            for k in range(w):
-                if n[k] and (tok[k] + rate[k] * d) / bs + n[k] > cap:
-                    return k
-        return None
-
-    def _shed(self, lay: str, active: list[ReqView], waiting: list[ReqView], cap: int):
-        """Running requests that `lay`'s pool cannot carry to their end: as the engine would preempt them, the
-        newest on the overflowing rank goes back to the head of the queue to recompute its context later."""
-        active, waiting = list(active), list(waiting)
-        while active:
-            k = self._overflow(lay, active, cap)
-            if k is None:
-                break
-            victim = next(r for r in reversed(active) if self._share(lay, r.owner)[k])
-            active.remove(victim)
-            waiting.insert(0, replace(victim, cached=0, pending=victim.cached + victim.pending, owner=None,
-                                      running=False))
-        return active, waiting
-
-    def _end_loads(self, batch: Sequence[ReqView]) -> list[int]:
-        """Per rank, the tokens its placed requests of `batch` will hold at their end."""
-        load = [0] * self.world
-        for x in batch:
-            if x.owner is not None and 0 <= x.owner < self.world:
-                load[x.owner] += x.cached + x.pending + x.remaining
-        return load
-
-    def _owner(self, r: ReqView, active: Sequence[ReqView]) -> int | None:
-        """Where a waiting request would go: the rank whose requests will hold the fewest tokens at their end
-        (DP-attn/DOP owner, CP anchor), as the ledger places it."""
-        if r.owner is not None and 0 <= r.owner < self.world:
-            return r.owner
-        load = self._end_loads(active)
-        return min(range(self.world), key=lambda k: load[k])
-
-    def _all_fit_at(self, lay: str, active: Sequence[ReqView], waiting: Sequence[ReqView], cap: int,
-                    cuts: Sequence[int]) -> int:
-        """The first of `cuts` (output tokens from now, ascending) after which the whole queue fits beside the
-        requests still running then; the last cut when none does."""
-        for cut in cuts:
-            alive = [replace(r, cached=r.cached + cut, remaining=r.remaining - cut) for r in active
-                     if r.remaining > cut]
-            batch = list(alive)
-            for r in waiting:
-                batch.append(replace(r, owner=self._owner(r, batch), running=True))
-            if self._overflow(lay, batch, cap) is None:
-                return cut
-        return cuts[-1]
-
-    def place(self, batch: Sequence[ReqView]) -> dict[str, int | None]:
-        """Owners (CP anchors) of the batch: the ledger's for running requests; a waiting one goes to the rank
-        whose requests will hold the fewest tokens at their end, as the ledger will place it."""
-        load = self._end_loads(batch)
-        out: dict[str, int | None] = {}
-        for r in batch:
-            o = r.owner
-            if o is None:
-                o = min(range(self.world), key=lambda k: load[k])
-                load[o] += r.cached + r.pending + r.remaining
-            out[r.req_id] = o
-        return out
-
-    def prefill_plan(self, batch: Sequence[ReqView], owners: Mapping[str, int | None]):
-        """The steps the engine's scheduler runs until every prompt of `batch` is prefilled: each step gives each
-        decoding request its next token, then fills the token budget with prompt chunks in admission order (so in
-        DP-attn/DOP a long prompt's chunks land on one owner). -> (steps as (new, context, owner) rows, output
-        tokens each request makes meanwhile)."""
-        made = {r.req_id: 0 for r in batch}
-        todo = [[r, r.pending, r.cached] for r in batch if r.pending > 1]
-        decoding = [r for r in batch if r.pending <= 1]
-        steps = []
-        while todo:
-            if len(steps) >= MAX_PLAN_STEPS:   # (a budget far below the decode rows) the rest as one step
-                steps.append([(ent[1], ent[2], owners[ent[0].req_id]) for ent in todo])
-                for ent in todo:
-                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
-                break
-            rows = []
-            for r in decoding:
-                if made[r.req_id] < r.remaining:
-                    rows.append((1, r.cached + r.pending - 1 + made[r.req_id], owners[r.req_id]))
-                    made[r.req_id] += 1
-            budget = max(1, self.budget - len(rows))
-            while todo and budget > 0:
-                ent = todo[0]
-                take = min(budget, ent[1])
-                rows.append((take, ent[2], owners[ent[0].req_id]))
-                ent[1], ent[2], budget = ent[1] - take, ent[2] + take, budget - take
-                if ent[1] == 0:
-                    todo.pop(0)
-                    made[ent[0].req_id] += 1 if ent[0].remaining > 0 else 0
-                    decoding.append(ent[0])
-            steps.append(rows)
-        return steps, made
-
-    def steps_seconds(self, lay: str, steps: Sequence[Sequence[tuple]]) -> float:
-        """Predicted seconds of `steps`: each one when few, else MAX_PREFILL_SAMPLES evenly spaced samples, each
-        standing for its share of the steps (a prediction costs ~1 ms)."""
-        n = len(steps)
-        if n == 0:
-            return 0.0
-        k = min(n, MAX_PREFILL_SAMPLES)
-        picks = [round(i * (n - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
-        return sum(self.model.step(lay, [self.row(*row) for row in steps[i]]).seconds for i in picks) * n / k
+    def price(self, lay: str, segments: Sequence[Segment]) -> list[float]:
+        """Seconds of one step of each segment: a sample priced with the cost model (see the module docstring), the
+        rest from the nearest priced segment of the same kind."""
+        out: list[float | None] = [None] * len(segments)
+        for prefill, budget in ((True, MAX_PREFILL_PRICED), (False, MAX_DECODE_PRICED)):
+            idx = [i for i, s in enumerate(segments) if s.prefill == prefill]
+            if not idx:
+                continue
+            if len(idx) <= budget:
+                picks = idx
+            elif prefill:
+                picks = [idx[round(k * (len(idx) - 1) / (budget - 1))] for k in range(budget)]
+            else:   # the longest runs carry the time; the first one is the step the switch cost hides behind
+                picks = sorted({idx[0], *sorted(idx, key=lambda i: -segments[i].count)[:budget - 1]})
+            for i in picks:
+                out[i] = self.model.step(lay, [self.row(*r) for r in segments[i].rows]).seconds
+            for i in idx:
+                if out[i] is None:
+                    out[i] = out[min(picks, key=lambda p: abs(p - i))]
+        return [s or 0.0 for s in out]

@@ -2,12 +2,10 @@
 
 At a step boundary rank 0 describes what the engine holds (each running request's cached tokens, pending prefill
 and remaining output; the waiting queue) and asks a cost model how long each allowed layout would take to finish
-that work. Every layout is charged for the same requests, in the waves *it* would run them
-(splash.engine.auto_batch): the running requests plus the waiting ones its KV pool admits now, the rest once that
-wave has finished (joint admission — DOP's larger pool may admit at once what another layout must queue), and
-layouts are compared by predicted seconds per output token. A wave's prefill is predicted as the chunked steps the
-engine's scheduler will run (token budget per step, admission order, decode rows included), so a long prompt
-whose chunks land on one DP-attn/DOP owner is charged as such. The controller then switches only when
+that work. Every layout is charged for the same requests as the engine's own scheduler would run them under its
+KV pool (splash.engine.auto_batch replays the engine's `Scheduler` and `KVLedger` on clones: admission, chunked
+prefill, owner placement and preemption as they will happen), and layouts are compared by predicted seconds per
+output token. The controller then switches only when
 
 1. the best feasible layout beats the current one by ``margin`` (no flapping at a crossover), and
 2. its gain over the batch's remaining work exceeds the predicted cost of the switch (``vet``, once the
@@ -51,6 +49,8 @@ from splash.engine.auto_batch import BatchForecast
 from splash.engine.auto_budget import PredictionBudget
 from splash.engine.auto_correction import LayoutStats, StepCorrection, SwitchCorrection
 from splash.engine.auto_types import VERDICTS, CostModelLike, Decision, ReqView
+from splash.engine.ledger import KVLedger
+from splash.engine.scheduler import Scheduler
 
 __all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
@@ -79,7 +79,10 @@ class AutoLayout:
                  world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
                  max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
                  min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row,
-                 clock=time.monotonic, timer=time.perf_counter, overhead_budget: float = OVERHEAD_BUDGET):
+                 clock=time.monotonic, timer=time.perf_counter, overhead_budget: float = OVERHEAD_BUDGET,
+                 scheduler: Scheduler | None = None):
+        """`scheduler`: the engine's, whose policy the forecast replays (default: one with `max_num_seqs` and
+        `max_num_batched_tokens` and the default settings)."""
         self.model, self.allowed, self.margin = model, tuple(allowed), float(margin)
         self.capacity_blocks = dict(capacity_blocks)
         self.switch_mode, self.reeval_steps = switch_mode, reeval_steps
@@ -99,8 +102,10 @@ class AutoLayout:
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
-        self.forecast = BatchForecast(model, row, world=world, block_size=block_size, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens)
+        if scheduler is None:
+            scheduler = Scheduler(KVLedger(world, 0, block_size, self.allowed[0]), max_num_seqs,
+                                  max_num_batched_tokens)
+        self.forecast = BatchForecast(model, row, world=world, block_size=block_size, scheduler=scheduler)
 
     # ---- online learning ---------------------------------------------------------------------------------
     @property

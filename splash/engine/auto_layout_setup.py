@@ -24,7 +24,7 @@ def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
 
 
 def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardware_profile: str, margin: float,
-                     max_num_seqs: int, max_num_batched_tokens: int) -> AutoLayout:
+                     scheduler: Any) -> AutoLayout:
     """The scheduler for an engine: a cost model of its model, dtypes and world on `hardware_profile`."""
     from splash.costmodel import CostModel, load_profile
 
@@ -41,5 +41,5 @@ def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardwar
                       runner.block_size)
     return AutoLayout(model, control.allowed, margin, block_size=runner.block_size, world=world,
                       capacity_blocks={lay: ledger.cap(lay) for lay in control.allowed},
-                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      switch_mode=control.mode)
+                      max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.budget,
+                      switch_mode=control.mode, scheduler=scheduler)

@@ -22,6 +22,7 @@ from splash.engine.messages import StepItem, StepMessage, StopMessage, SwitchPla
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
+from splash.layouts.ownership import distinct_kv_tokens
 
 _log = logging.getLogger("splash.scheduler")
 
@@ -64,8 +65,7 @@ class Engine:
                                         runner.layout_kv_dtypes, allowed_layouts,
                                         switch_mode)
         self.auto = None if hardware_profile is None or comm.rank != 0 else make_auto_layout(
-            runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, max_num_seqs,
-            max_num_batched_tokens)
+            runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, self.scheduler)
         self.control.weight_quant = getattr(runner, "weight_quant", None)
         # rank -> resident weight bytes, measured from the tensors: this rank's now, every rank's from the first
         # step on and after every switch (a collective only inside a step, where every rank is in lockstep)
@@ -323,7 +323,7 @@ class Engine:
     def kv_capacity_tokens(self) -> dict[str, int]:
         """Distinct KV tokens the pool could hold in each layout (TP replicates every token on every rank)."""
         bs, w = self.ledger.block_size, self.ledger.world
-        return {lay: self.ledger.cap(lay) * bs * (1 if lay == "tp" else w) for lay in self.control.allowed}
+        return {lay: distinct_kv_tokens(lay, self.ledger.cap(lay), bs, w) for lay in self.control.allowed}
 
     def kv_used_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.ledger.reqs.values())

@@ -1,13 +1,13 @@
 """Rank 0's mirror of every rank's KV block usage under the current layout — pure Python, no torch.
 
-Which ranks hold a logical block follows the ownership model (`splash.layouts.ownership.kv_holders`), so the
-scheduler admits against exactly the blocks each rank's real pool will allocate.
+Which ranks hold a logical block is the ownership model's answer (`splash.layouts.ownership.block_holders`,
+`blocks_held`), so the scheduler admits against exactly the blocks each rank's real pool will allocate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splash.layouts.ownership import cp_block_rank
+from splash.layouts.ownership import block_holders, blocks_held
 
 
 def _blocks(tokens: int, bs: int) -> int:
@@ -34,25 +34,11 @@ class KVLedger:
         return self.capacity.get(layout or self.layout, self.blocks_per_rank)
 
     def holders(self, block: int, owner: int, layout: str | None = None) -> list[int]:
-        lay = layout or self.layout
-        if lay == "tp":
-            return list(range(self.world))
-        if lay == "cp":
-            return [cp_block_rank(block + owner, self.world)]
-        return [owner]
+        return list(block_holders(layout or self.layout, block, owner, self.world))
 
     def _need(self, owner: int, b0: int, b1: int, layout: str | None = None) -> list[int]:
-        """Blocks each rank holds of logical blocks [b0, b1) of a request: closed form, O(world) (not O(blocks)),
-        so rank 0 does no per-step work proportional to context."""
-        lay, n, w = layout or self.layout, max(0, b1 - b0), self.world
-        if lay == "tp":
-            return [n] * w
-        if lay == "cp":  # block b lives on rank (b + owner) % w: count x in [b0 + owner, b1 + owner), x ≡ r (mod w)
-            lo, hi = b0 + owner, b0 + owner + n
-            return [-(-(hi - r) // w) - -(-(lo - r) // w) for r in range(w)]
-        need = [0] * w
-        need[owner] = n
-        return need
+        """Blocks each rank holds of logical blocks [b0, b1) of a request."""
+        return blocks_held(layout or self.layout, owner, b0, b1, self.world)
 
     def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
         tokens, own = self.reqs.get(req, [0, owner])

@@ -13,7 +13,7 @@ from splash.engine.engine import Engine
 from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
-from splash.layouts.layout import LAYOUT_NAMES, heads_fit
+from splash.layouts.layout import LAYOUT_NAMES, heads_fit, start_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -114,8 +114,7 @@ class LLM:
         cfg, get = load_model(model, preset, DTYPES[dtype], seed, quantization)
         auto = layout == "auto"
         if auto:
-            layout = "tp" if cfg.num_attention_heads % comm.size == 0 and "tp" in allowed_layouts else next(
-                a for a in allowed_layouts if a not in ("tp", "dop") or cfg.num_attention_heads % comm.size == 0)
+            layout = start_layout(allowed_layouts, cfg.num_attention_heads, comm.size).value
         kv_dtypes = resolve_layout_kv_dtypes(kv_cache_dtype, layout_kv_dtypes)
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,

@@ -61,7 +61,7 @@ class ModelRunner:
         self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
         self.states = None  # per-request recurrent state (KDA layers of glm5_next), see splash.kv.recurrent
         if cfg.hybrid is not None:
-            from splash.models.hybrid_setup import setup_hybrid
+            from splash.engine.hybrid_setup import setup_hybrid
             setup_hybrid(self, get, num_blocks)
         else:
             self.weights = build_weights(cfg, on_device(get, self.device), self.heads, comm.rank, comm.size)

@@ -1,6 +1,6 @@
-"""Sampling parameters (vLLM's names and semantics) and the one-row `sample` helper.
+"""Sampling parameters (vLLM's names and semantics).
 
-The batch sampler that applies them to every row of a step is `splash.engine.sampler.Sampler`.
+The batch sampler that applies them to every row of a step (and `sample`, one row) is `splash.engine.sampler`.
 """
 from __future__ import annotations
 
@@ -90,14 +90,3 @@ def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | No
     g = torch.Generator(device=device)
     g.manual_seed(params.seed)
     return g
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from logits [V] (no penalties: there is no history): the batch sampler on one row."""
-    from splash.engine.sampler import Sampler
-
-    s = Sampler(logits.shape[-1], shared=gen, device=logits.device)
-    s.add("r", [], params, ())
-    if gen is not None:
-        s.states["r"].gen = gen
-    return s.sample(logits[None], ["r"])[0][0]

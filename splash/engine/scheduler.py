@@ -80,6 +80,13 @@ class Scheduler:
         self._release: list[str] = []
         self.num_preemptions = 0
 
+    def sibling(self, ledger: KVLedger) -> "Scheduler":
+        """An empty scheduler with this one's policy settings over `ledger` (the auto forecast replays the same
+        policy on cloned requests)."""
+        s = Scheduler(ledger, self.max_num_seqs, self.budget, self.preemption_mode)
+        s.chunked_prefill = self.chunked_prefill
+        return s
+
     def add(self, req: Request) -> None:
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -133,6 +140,16 @@ class Scheduler:
             return None
         return owner
 
+    def _blocked_on_every_owner(self, req: Request) -> bool:
+        """Whether `req` would be refused (`_admissible`) whichever rank it went to: then decode, which only adds
+        blocks and holders, cannot let it in before some request finishes."""
+        led, spare, cap = self.ledger, self.ledger.holder_counts(), self.ledger.cap()
+        for owner in range(led.world):
+            need = led.growth(req.req_id, req.num_cached + req.pending, owner)
+            if not any(n and led.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
+                return False
+        return True
+
     def _piece(self, req: Request, budget: int, owner: int | None = None) -> Scheduled | None:
         n = min(req.pending, budget)
         if n <= 0 or (n < req.pending and not self.chunked_prefill):
@@ -179,6 +196,48 @@ class Scheduler:
         plan = StepPlan(items, self._release)
         self._release = []
         return plan
+
+    def steady_decode_steps(self, limit: int) -> int:
+        """How many of the next steps (at most `limit`) `schedule` would only give each running request its next
+        decode token — admitting, finishing, chunking and preempting nobody — so `advance_decode` may apply them at
+        once. Such a step changes the ledger only where a request crosses into a new block: with a request waiting
+        for KV, the run ends before the first crossing (admission is judged on the blocks in use); otherwise before
+        the first step some rank would lack a block for (preemption)."""
+        run = self.running
+        if not run or len(run) > self.budget or any(r.pending != 1 for r in run):
+            return 0
+        steps = min(limit, min(min(r.max_tokens - len(r.output), r.max_len - r.num_tokens) for r in run) - 1)
+        if steps <= 0:
+            return 0
+        led, bs = self.ledger, self.ledger.block_size
+        kv_blocked = self.waiting and len(run) < self.max_num_seqs and len(run) < self.budget
+        if kv_blocked:
+            if self._admissible(self.waiting[0]) is not None:
+                return 0
+            if not self._blocked_on_every_owner(self.waiting[0]):   # may fit once the owner choice moves
+                return min(steps, min(-r.num_cached % bs for r in run))   # steps before any request's next block
+        owners = [led.reqs[r.req_id][1] for r in run]
+
+        def fits(j: int) -> bool:
+            used, cap = list(led.used), led.cap()
+            for r, o in zip(run, owners):
+                for k, n in enumerate(led.growth(r.req_id, r.num_cached + j, o)):
+                    used[k] += n
+            return all(u <= cap for u in used)
+
+        lo, hi = 0, steps   # the largest j with fits(j): growth only adds blocks, so fits is monotone
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    def advance_decode(self, steps: int, token: int) -> None:
+        """Apply `steps` steady decode steps (`steady_decode_steps`) at once, each request sampling `token`: what
+        `steps` rounds of `schedule` + `update` would do."""
+        for r in self.running:
+            self.ledger.grow(r.req_id, r.num_cached + steps, self.ledger.reqs[r.req_id][1])
+            r.num_cached += steps
+            r.output.extend([token] * steps)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results; returns requests that finished (their KV is released next step)."""

@@ -70,6 +70,11 @@ def parse_layout(name: str | Layout) -> Layout:
 LAYOUT_NAMES: tuple[str, ...] = tuple(lay.value for lay in Layout)
 
 
+def kv_ownership_of(layout: str | Layout) -> str:
+    """`parse_layout(layout).kv_ownership`, without parsing a canonical name (the ledger asks per request per step)."""
+    return _KV_OWNERSHIP.get(layout) or parse_layout(layout).kv_ownership
+
+
 def heads_fit(layout: str | Layout, num_heads: int, world: int) -> bool:
     """A head-sharded layout (TP, DOP) needs the world size to divide the attention heads; the others always fit."""
     return not parse_layout(layout).shards_projections or num_heads % world == 0
@@ -80,3 +85,11 @@ def check_heads(layout: str | Layout, num_heads: int, world: int) -> None:
     if not heads_fit(layout, num_heads, world):
         raise ValueError(f"{parse_layout(layout).value}: world {world} does not divide num_heads {num_heads} "
                          "(a head-sharded layout needs the world size to divide num_attention_heads)")
+
+
+def start_layout(allowed, num_heads: int | None, world: int) -> Layout:
+    """Where `auto` starts: TP when allowed and its heads fit the world, else the first allowed layout that fits (the
+    first allowed one when none does: the caller's head check then names the problem). `num_heads` None: any fits."""
+    lays = [parse_layout(a) for a in allowed]
+    usable = [a for a in lays if num_heads is None or heads_fit(a, num_heads, world)] or lays
+    return Layout.TP if Layout.TP in usable else usable[0]

@@ -15,7 +15,7 @@ scales each rank's shard carries, including the partial blocks a shard shares wi
 FFN shard does not start on a 128-row/column boundary (GLM-5.x KV-B: 448 rows per head); embeddings, LM head,
 norms and the MoE router stay in the compute dtype (router and its bias in fp32). ``rank_weight_bytes`` gives one
 rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures. Hybrid
-(glm5_next) models are always counted exactly, plain or quantised (splash.layouts.hybrid_memory): KDA layers hold
+(glm5_next) models are always counted exactly, plain or quantised (below: the hybrid section): KDA layers hold
 no Q-A/KV-A; their head-shardable projections count with the projections, and mHC weights with common.
 """
 from __future__ import annotations
@@ -158,9 +158,8 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
         idx = _indexer_params(cfg) if layer_has_indexer_keys(cfg, layer) else 0
         attn = _attn_common_params(cfg) + idx
         if cfg.hybrid is not None:  # KDA layers: no Q-A/KV-A, their common gates instead; mHC in every layer
-            from splash.layouts import hybrid_memory as hm
-            attn = (hm.kda_common_params(cfg) + 2 * cfg.hidden_size if cfg.is_linear_layer(layer) else attn)
-            attn += hm.mhc_params(cfg)
+            attn = (kda_common_params(cfg) + 2 * cfg.hidden_size if cfg.is_linear_layer(layer) else attn)
+            attn += mhc_params(cfg)
         total += attn + _ffn_params(cfg, layer) / ffn_shards
     return total
 
@@ -180,7 +179,6 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
     layout = parse_layout(layout)
     check_heads(layout, cfg.num_attention_heads, world)
     if cfg.hybrid is not None:
-        from splash.layouts.hybrid_memory import hybrid_projection_bytes
         return max(hybrid_projection_bytes(cfg, layout, world, r, weight_bytes, weight_quant) for r in range(world))
     if weight_quant is not None:
         return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
@@ -353,7 +351,6 @@ def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: f
                           weight_quant: str | None = None) -> float:
     """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`)."""
     if cfg.hybrid is not None:
-        from splash.layouts.hybrid_memory import hybrid_common_bytes
         return hybrid_common_bytes(cfg, rank, world, elem_bytes, weight_quant)
     h, e, wq = cfg.hidden_size, elem_bytes, weight_quant
     emb = cfg.vocab_size * h * e
@@ -373,7 +370,6 @@ def rank_weight_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: 
                       weight_quant: str | None = None) -> float:
     """Every weight byte `rank` holds in `layout` as stored (common + projections of all layers)."""
     if cfg.hybrid is not None:
-        from splash.layouts.hybrid_memory import hybrid_projection_bytes
         return (common_bytes_per_rank(cfg, rank, world, elem_bytes, weight_quant)
                 + hybrid_projection_bytes(cfg, layout, world, rank, elem_bytes, weight_quant))
     heads = head_range(cfg.num_attention_heads, world, rank, layout)
@@ -390,3 +386,90 @@ def projection_recv_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str
         return 0.0
     return sum(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, s, src), elem_bytes,
                                       weight_quant) for s in range(world) if s != rank)
+
+
+# ---- hybrid (glm5_next) models: exact stored weight bytes per rank ----------------------------------------------
+# Exact stored weight bytes of a hybrid (``glm5_next``) model per rank — pure, no torch.
+#
+# What splash.models.glm5_next / kda / kpool hold, element by element:
+# - every layer: two block norms (compute dtype), the mHC weights of both blocks (fp32: fn [(2+N)N, N·hidden],
+#   base [(2+N)N], scale [3]) and its FFN/MoE shard (as DeepSeek-V3's, splash.layouts.memory._ffn_bytes);
+# - an MLA layer (common): Q-A + its norm, KV-A (no rope part: NoPE) + its norm, and in a full-indexer layer the
+#   KPool indexer (wq_b, wk as linear weights; k_norm, its bias and weights_proj in fp32; the pool ape and gate
+#   in the compute dtype). Its Q-B/KV-B/O are head-sharded like DeepSeek-V3's (memory.projection_shard_bytes);
+# - a KDA layer: common f_a, g_a and o_norm; per head (the rank's KDA heads: a slice under TP/DOP, all of them
+#   under DP-attn/CP) q/k/v rows and O columns as linear weights (quantised ones carry the scale blocks their
+#   range touches), f_b, g_b and b_proj rows, conv taps, dt_bias and A_log in fp32. The gates f_a/f_b/g_a/g_b/b
+#   are dense (``qweight.KEPT_DENSE``) unless the checkpoint stores them quantised (``HybridConfig.quantized_gates``).
+
+FP32 = 4
+
+
+def mhc_params(cfg: ModelConfig) -> int:
+    """mHC parameters of one layer (attention + FFN block), all stored in fp32."""
+    n = cfg.hybrid.hc_mult
+    return 2 * ((2 + n) * n * n * cfg.hidden_size + (2 + n) * n + 3)
+
+
+def kda_common_params(cfg: ModelConfig) -> int:
+    """A KDA layer's weights every rank holds whole: f_a, g_a [d, hidden] and o_norm [d]."""
+    d = cfg.hybrid.linear_head_dim
+    return 2 * d * cfg.hidden_size + d
+
+
+def _gate_quant(cfg: ModelConfig, wq: str | None) -> str | None:
+    """Storage of KDA's gate projections: dense unless the checkpoint stores them quantised."""
+    return wq if cfg.hybrid.quantized_gates else None
+
+
+def _kda_common_bytes(cfg: ModelConfig, e: float, wq: str | None) -> float:
+    d, gq = cfg.hybrid.linear_head_dim, _gate_quant(cfg, wq)
+    return 2 * matrix_bytes(d, cfg.hidden_size, e, gq) + d * e
+
+
+def _indexer_bytes(cfg: ModelConfig, e: float, wq: str | None) -> float:
+    h, q_in, ih, idim = cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    kpool = (cfg.hybrid.index_kpool * idim + idim * h) * e
+    return (matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq) + FP32 * (2 * idim + h * ih)
+            + kpool)
+
+
+def _mla_common_bytes(cfg: ModelConfig, e: float, wq: str | None) -> float:
+    h, qa, dc = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
+    return (matrix_bytes(qa, h, e, wq) + qa * e
+            + matrix_bytes(dc + cfg.qk_rope_head_dim, h, e, wq) + dc * e)
+
+
+def hybrid_common_bytes(cfg: ModelConfig, rank: int, world: int, e: float, wq: str | None = None) -> float:
+    """Exact stored bytes of the layout-independent weights on `rank` (FFN/MoE sharded over `world`)."""
+    h = cfg.hidden_size
+    emb = cfg.vocab_size * h * e
+    total = emb + (0 if cfg.tie_word_embeddings else emb) + h * e
+    kda, mla, idx = _kda_common_bytes(cfg, e, wq), _mla_common_bytes(cfg, e, wq), _indexer_bytes(cfg, e, wq)
+    for i in range(cfg.num_hidden_layers):
+        total += 2 * h * e + FP32 * mhc_params(cfg) + _ffn_bytes(cfg, i, rank, world, e, wq)
+        if cfg.is_linear_layer(i):
+            total += kda
+        else:
+            total += mla + (idx if layer_has_indexer_keys(cfg, i) else 0)
+    return total
+
+
+def linear_shard_bytes(cfg: ModelConfig, heads: range, e: float, wq: str | None = None) -> float:
+    """Stored bytes of one KDA layer's head-shardable weights for a contiguous range of KDA heads."""
+    hy, h = cfg.hybrid, cfg.hidden_size
+    d, n, gq = hy.linear_head_dim, len(heads), _gate_quant(cfg, wq)
+    nd, r0 = n * d, heads.start * d
+    gates = 2 * matrix_bytes(nd, d, e, gq, row0=r0) + matrix_bytes(n, h, e, gq, row0=heads.start)
+    return (3 * matrix_bytes(nd, h, e, wq, row0=r0) + matrix_bytes(h, nd, e, wq, col0=r0) + gates
+            + FP32 * (3 * nd * hy.linear_conv_kernel_dim + nd + n))
+
+
+def hybrid_projection_bytes(cfg: ModelConfig, layout, world: int, rank: int, e: float,
+                            wq: str | None = None) -> float:
+    """`rank`'s layout-dependent weights over all layers: Q-B/KV-B/O of its MLA heads × the MLA layers plus its
+    KDA heads' projections × the KDA layers."""
+    n_lin = len(cfg.hybrid.linear_layers())
+    mla = projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, rank, layout), e, wq)
+    lin = linear_shard_bytes(cfg, head_range(cfg.hybrid.linear_num_heads, world, rank, layout), e, wq)
+    return mla * (cfg.num_hidden_layers - n_lin) + lin * n_lin

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, check_heads, parse_layout
+from splash.layouts.layout import KV_ALL, KV_OWNER, Layout, check_heads, kv_ownership_of, parse_layout
 
 
 class NoCapacity(RuntimeError):
@@ -58,6 +58,24 @@ def cp_block_rank(block_idx: int, world: int) -> int:
     return block_idx % world
 
 
+def _owner_rank(layout: Layout, owner: int | None, world: int) -> int:
+    if owner is None or not 0 <= owner < world:
+        raise ValueError(f"{layout.value}: a request needs an owner rank in [0, {world}), got {owner!r}")
+    return owner
+
+
+def block_holders(layout: Layout | str, block_idx: int, owner: int | None, world: int) -> tuple[int, ...]:
+    """Ranks holding logical KV block ``block_idx`` of a request whose owner (CP: anchor) is ``owner``: TP every
+    rank, DP-attn/DOP the owner, CP the block's home rank."""
+    layout = parse_layout(layout)
+    _check_world(world)
+    if layout.kv_ownership == KV_ALL:
+        return tuple(range(world))
+    if layout.kv_ownership == KV_OWNER:
+        return (_owner_rank(layout, owner, world),)
+    return (cp_block_rank(block_idx + (owner or 0), world),)  # CP rotates the round-robin by the anchor
+
+
 def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: int) -> tuple[frozenset[int], ...]:
     """Ranks holding each logical KV block of one request: TP all, DP-attn/DOP the owner, CP the block's home."""
     layout = parse_layout(layout)
@@ -66,13 +84,52 @@ def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: 
         every = frozenset(range(world))
         return tuple(every for _ in range(num_blocks))
     if layout.kv_ownership == KV_OWNER:
-        if owner is None or not 0 <= owner < world:
-            raise ValueError(f"{layout.value}: a request needs an owner rank in [0, {world}), got {owner!r}")
-        mine = frozenset((owner,))
+        mine = frozenset((_owner_rank(layout, owner, world),))
         return tuple(mine for _ in range(num_blocks))
     homes = [frozenset((r,)) for r in range(world)]
     anchor = owner or 0  # CP rotates each request's round-robin by its anchor rank (see cp_block_rank)
     return tuple(homes[cp_block_rank(b + anchor, world)] for b in range(num_blocks))
+
+
+def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world: int) -> list[int]:
+    """Per rank, how many of a request's logical blocks [b0, b1) it holds (owner: the DP-attn/DOP owner or the CP
+    anchor) — the count `kv_holders` gives, in closed form: O(world), not O(blocks), so rank 0's scheduler does no
+    per-step work proportional to context."""
+    kind, n = kv_ownership_of(layout), max(0, b1 - b0)
+    if kind == KV_ALL:
+        return [n] * world
+    if kind == KV_OWNER:
+        out = [0] * world
+        if owner is None or not 0 <= owner < world:
+            _owner_rank(parse_layout(layout), owner, world)   # raises, naming the layout
+        out[owner] = n
+        return out
+    # CP: block b lives on rank (b + anchor) % world: count x in [b0 + anchor, b1 + anchor) with x ≡ r (mod world)
+    lo = b0 + (owner or 0)
+    hi = lo + n
+    return [-(-(hi - r) // world) - -(-(lo - r) // world) for r in range(world)]
+
+
+def block_shares(layout: Layout | str, owner: int | None, world: int) -> list[float]:
+    """The share of a long request's blocks each rank holds: TP all of them on every rank, CP an even split,
+    DP-attn/DOP all on the owner (an unplaced request, owner None, holds nothing yet)."""
+    kind = kv_ownership_of(layout)
+    if kind == KV_ALL:
+        return [1.0] * world
+    if kind == KV_OWNER:
+        return [1.0 if k == owner else 0.0 for k in range(world)]
+    return [1.0 / world] * world
+
+
+def kv_copies(layout: Layout | str, world: int) -> int:
+    """How many ranks store each KV token: every rank under TP (MLA's latent is read by every head), one otherwise."""
+    return world if parse_layout(layout).kv_ownership == KV_ALL else 1
+
+
+def distinct_kv_tokens(layout: Layout | str, blocks_per_rank: int, block_size: int, world: int) -> int:
+    """Distinct KV tokens a group of ``world`` ranks with ``blocks_per_rank`` usable blocks each holds in
+    ``layout``."""
+    return blocks_per_rank * block_size * world // kv_copies(layout, world)
 
 
 def _placement_cost(tokens: int, block_size: int) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from splash.models.config import ConfigError, ModelConfig
 from splash.models.indexer import load_indexer
-from splash.models.packed import pack_linear
+from splash.native.packed import pack_linear
 from splash.models.qweight import QuantWeight
 from splash.models.weights import (LayerWeights, ModelWeights, attention_from_full, mlp_from_full,
                                    moe_from_full)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from splash.errors import ConfigError
+
 if TYPE_CHECKING:
     from splash.models.hybrid_config import HybridConfig
 
@@ -18,10 +20,6 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm5_nex
 PLANNED_MODEL_TYPES: tuple[str, ...] = ()   # parsed for analysis (memory model, simulator) but not executable
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")  # MLA + DSA lightning indexer (splash.models.indexer)
 INDEXER_TYPES = ("full", "shared")
-
-
-class ConfigError(ValueError):
-    """A configuration (model config.json or serving YAML) is invalid; the message names file and field."""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,19 @@
 """DeepSeek-V3 family forward pass over one step batch; the attention block is delegated to a layout executor."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from splash.attention.batch import StepBatch
-from splash.attention.mla import rms_norm
 from splash.models import ffn
 from splash.models.config import ModelConfig
 from splash.models.linear import linear
+from splash.models.norm import rms_norm
 from splash.models.rope import Rope
 from splash.models.weights import MLPWeights, ModelWeights
+
+if TYPE_CHECKING:   # the engine hands the model a batch; the model never builds one
+    from splash.attention.batch import StepBatch
 
 
 class AttentionExecutor(Protocol):

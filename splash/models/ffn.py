@@ -34,7 +34,7 @@ def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Ten
         y = native_ops.mlp_packed(x, w.gate_up, w.down)   # packed weights: SPLASH's CPU kernel, one call
         if y is not None:
             return y
-    inter = w.gate.shape[0] if w.gate is not None else w.gate_up.shape[0] // 2   # None: packed (splash.models.packed)
+    inter = w.gate.shape[0] if w.gate is not None else w.gate_up.shape[0] // 2   # None: packed (splash.native.packed)
     h = linear(x, w.gate_up)
     return linear(_swiglu(h, inter, limit), w.down)
 

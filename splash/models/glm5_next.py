@@ -9,21 +9,24 @@ and common state (replicated), so only the attention block depends on the layout
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from splash.attention.batch import StepBatch
-from splash.attention.mla import rms_norm
 from splash.models import ffn
 from splash.models.build import check_ffn_shardable
 from splash.models.config import ModelConfig
 from splash.models.kda import KDAWeights, kda_from_full
 from splash.models.kpool import IndexerWeights, indexer_from_full
 from splash.models.linear import linear
-from splash.models.packed import pack_linear
+from splash.models.norm import rms_norm
+from splash.native.packed import pack_linear
 from splash.models.weights import AttnWeights, MLPWeights, MoEWeights, attention_from_full, mlp_from_full, \
     moe_from_full
+
+if TYPE_CHECKING:   # the engine hands the model a batch; the model never builds one
+    from splash.attention.batch import StepBatch
 
 
 @dataclass

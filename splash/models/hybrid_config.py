@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from splash.errors import ConfigError
+
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 
 
@@ -54,7 +56,6 @@ def flatten_glm5_next(raw: dict[str, Any], where: str) -> dict[str, Any]:
     if text is None:
         return raw
     if not isinstance(text, dict):
-        from splash.models.config import ConfigError
         raise ConfigError(f"{where}: field 'text_config' must be an object, got {type(text).__name__}")
     out = {**text, "model_type": "glm5_next"}
     for k in ("tie_word_embeddings", "quantization_config"):
@@ -65,7 +66,6 @@ def flatten_glm5_next(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _per_layer(raw: dict[str, Any], name: str, n: int, allowed: tuple[str, ...], default: list[str],
                where: str) -> tuple[str, ...]:
-    from splash.models.config import ConfigError
 
     vals = raw.get(name)
     if vals is None:
@@ -102,7 +102,6 @@ def _fullmatch(pattern: str, name: str) -> bool:
 
 def hybrid_from_hf(raw: dict[str, Any], where: str) -> HybridConfig:
     """HybridConfig from the (flattened) text config; ConfigError naming the field when it cannot run."""
-    from splash.models.config import ConfigError
 
     n = raw["num_hidden_layers"]
     layer_types = _per_layer(raw, "layer_types", n, (LINEAR, INDEXED),

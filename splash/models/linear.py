@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-from splash.models.packed import PackedExperts, PackedLinear, grouped_packed
+from splash import native
+from splash.native.packed import PackedExperts, PackedLinear
 
 
 @functools.cache
@@ -64,11 +65,25 @@ def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
     return _mm(x, stack[e].dequant().T)
 
 
+def grouped_packed(x: torch.Tensor, stack: PackedExperts, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` grouped by expert (counts[e] rows each) @ each expert's weightᵀ -> [n, N], through SPLASH's CPU
+    grouped GEMM on the packed stack."""
+    E, N, K = stack.shape
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not native.enabled():
+        # e.g. the thread count changed since load: the plain stack's GEMMs, unpacked per call
+        return grouped_linear(x, stack.unpacked().to(x.dtype), counts)
+    counts = counts.to(torch.int64).contiguous()
+    y = torch.empty(x.shape[0], N, dtype=torch.float32, device=x.device)
+    native.lib().grouped_gemm(x.data_ptr(), K, counts.data_ptr(), E, stack.packed.data_ptr(), N, y.data_ptr())
+    return y
+
+
 def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` grouped by expert (the first counts[0] rows for expert 0, the next counts[1] for expert 1, ...)
     -> each group @ stack[e]ᵀ, [n, out], experts without rows skipped.
 
-    A packed stack (splash.models.packed) runs SPLASH's CPU grouped GEMM. A plain stack on CPU goes through one
+    A packed stack (splash.native.packed) runs SPLASH's CPU grouped GEMM. A plain stack on CPU goes through one
     `torch._grouped_mm` call (one C++ loop of the same GEMMs: results identical to per-expert matmuls, without a
     Python call, slice and transpose per expert). Quantised stacks (dequantised per used expert), bf16 on a CPU
     without bf16 units (upcast per used expert, as `_mm` does) and other devices loop over the experts that have

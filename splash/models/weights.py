@@ -17,7 +17,7 @@ import torch
 
 from splash.models.config import ModelConfig
 from splash.models.indexer import IndexerWeights, indexer_shapes
-from splash.models.packed import PackedExperts, PackedLinear, pack_attention, pack_experts, pack_linear
+from splash.native.packed import PackedExperts, PackedLinear, pack_attention, pack_experts, pack_linear
 from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
 
 

@@ -1,4 +1,4 @@
-/* SPLASH's CPU GEMMs over packed weights (splash.models.packed: strips of 16 output columns, each [K][16]
+/* SPLASH's CPU GEMMs over packed weights (splash.native.packed: strips of 16 output columns, each [K][16]
    input-major, so a strip streams from memory once and stays in L1 while every row tile reads it; tiles of up to
    6 rows x 16 columns keep 12 accumulators in registers). Each output element is one dot product in k order: a
    row's result does not depend on which other rows share the call.
@@ -47,7 +47,7 @@ typedef void (*tile_fn)(const float *, int64_t, int, const float *, int64_t, flo
 static const tile_fn TILES[7] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times a weight given as N / 16 strips of 16 columns: strip s
-   at w + s * sstride, its row k at + k * ldw. Packed W [N, K] (splash.models.packed: [N / 16][K][16]) is
+   at w + s * sstride, its row k at + k * ldw. Packed W [N, K] (splash.native.packed: [N / 16][K][16]) is
    sstride = 16 K, ldw = 16; a row-major [K, N] weight is sstride = 16, ldw = N. Rows go in blocks whose slice of
    x stays in L2 (<= 192 KiB) while every strip passes over them; up to 6 rows x one strip is one register tile.
    Blocking changes no result: each output element is one dot product in k order. */

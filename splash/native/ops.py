@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from splash import native
+from splash.native.packed import PackedLinear, PackedWeight
 
 CPU = torch.device("cpu")
 
@@ -130,7 +131,6 @@ def mla_project(x: torch.Tensor, w, d_nope: int, eps: float, cos: torch.Tensor, 
     """x [n, hidden] and AttnWeights whose projections are packed -> `parts` 3: (q̃ [n, H, d_c + d_r], c_kv [n, d_c],
     k_rope [n, d_r], normed Q-A output [n, q_lora]) — `splash.attention.mla.query_and_latent`'s steps in one call;
     1: (q̃, normed Q-A output) — `latent_query`'s; 2: (c_kv, k_rope) — `new_latent_kv`'s."""
-    from splash.models.packed import PackedLinear
     wa = {3: w.qkv_a, 1: w.q_a, 2: w.kv_a}[parts]
     if (not isinstance(wa, PackedLinear) or not isinstance(w.kv_a, PackedLinear) or w.q_a is None
             or (parts & 1 and (not isinstance(w.q_b, PackedLinear) or w.w_uk is None or not w.w_uk.is_contiguous()))
@@ -157,12 +157,11 @@ def mla_project(x: torch.Tensor, w, d_nope: int, eps: float, cos: torch.Tensor, 
 
 
 def _packed_fp32(*ws) -> bool:
-    from splash.models.packed import _Packed
-    return all(isinstance(w, _Packed) and w.dtype == torch.float32 and w.device.type == "cpu" for w in ws)
+    return all(isinstance(w, PackedWeight) and w.dtype == torch.float32 and w.device.type == "cpu" for w in ws)
 
 
 def mlp_packed(x: torch.Tensor, gate_up, down) -> torch.Tensor | None:
-    """x [M, K] -> swiglu(x @ [gate ; up]ᵀ) @ downᵀ, both weights packed (splash.models.packed), in one call."""
+    """x [M, K] -> swiglu(x @ [gate ; up]ᵀ) @ downᵀ, both weights packed (splash.native.packed), in one call."""
     if x.dim() != 2 or x.stride(1) != 1 or not _packed_fp32(gate_up, down) or not _ok(x):
         return None
     (I2, K), (N, I) = gate_up.shape, down.shape

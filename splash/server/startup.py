@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
-from splash.layouts.layout import heads_fit
+from splash.layouts.layout import start_layout
 from splash.models.config import ConfigError
 
 DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
@@ -71,10 +71,7 @@ def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = Non
     lay = cfg.layout.layout
     if lay != "auto":
         return lay
-    allowed = cfg.layout.allowed_layouts
-    usable = [a for a in allowed if num_heads is None or heads_fit(a, num_heads, world)]
-    allowed = usable or allowed
-    return "tp" if "tp" in allowed else allowed[0]
+    return start_layout(cfg.layout.allowed_layouts, num_heads, world).value
 
 
 def validate_model(cfg: ServeConfig) -> None:

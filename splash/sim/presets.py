@@ -117,8 +117,8 @@ def load_sim_model(name_or_path: str, weight_dtype: str | None = None, kv_dtype:
 
 
 def model_preset(name: str) -> ModelConfig:
-    """ModelConfig of a sim preset, or of a CPU preset of splash.models.presets (imports torch)."""
+    """ModelConfig of a sim preset, or of a CPU preset (splash.models.preset_configs)."""
     if name in PRESETS:
         return load_sim_model(name).cfg
-    from splash.models.presets import preset_config
+    from splash.models.preset_configs import preset_config
     return preset_config(name)

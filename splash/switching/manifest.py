@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.hybrid_memory import linear_shard_bytes
+from splash.layouts.memory import linear_shard_bytes
 from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, projection_params,
                                    projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
 from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, kv_holders, num_blocks,

@@ -2,7 +2,7 @@
 
 Weights travel in their stored form: plain weights as compute-dtype values, quantised ones (FP8/INT8) as their
 bytes plus exactly the scale blocks of the sender's shard (splash.models.qweight), never dequantised; the
-receiver reassembles the original weight and scales bit for bit. Packed fp32 projections (splash.models.packed:
+receiver reassembles the original weight and scales bit for bit. Packed fp32 projections (splash.native.packed:
 Q-B and O) travel packed: every part is moved as a tensor whose first dimension runs over heads (a head's Q-B strips;
 O's packed columns, transposed), so shards concatenate and slice along it. Common state (Q-A, KV-A and their
 stacked [Q-A ; KV-A]) is carried over as is — the same tensors, never a second copy.
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from splash.models.packed import PackedLinear
+from splash.native.packed import PackedLinear
 from splash.models.qweight import BLOCK, FP8, QuantWeight, _blocks, cat_cols, cat_rows, owned
 from splash.models.weights import AttnWeights
 

@@ -27,7 +27,7 @@ from splash.layouts.memory import rank_weight_bytes
 from splash.models.build import build_weights
 from splash.models.glm5_next import build_hybrid_weights
 from splash.models.loader import open_checkpoint
-from splash.models.packed import PackedLinear
+from splash.native.packed import PackedLinear
 from splash.models.qweight import QuantWeight, RowStack
 from splash.models.weights import resident_bytes
 

@@ -18,7 +18,7 @@ from splash import native
 STRIP = 16
 
 
-class _Packed:
+class PackedWeight:
     """A weight [..., N, K] stored as [..., N / STRIP, K, STRIP] (contiguous)."""
 
     def __init__(self, w: torch.Tensor | None, packed: torch.Tensor | None = None, shape: tuple | None = None):
@@ -33,7 +33,7 @@ class _Packed:
         return self.packed.transpose(-1, -2).reshape(self.shape)
 
 
-class PackedExperts(_Packed):
+class PackedExperts(PackedWeight):
     def __getitem__(self, e: int) -> torch.Tensor:
         return self.packed[e].transpose(-1, -2).reshape(self.shape[1:])
 
@@ -41,7 +41,7 @@ class PackedExperts(_Packed):
         return self.shape[0]
 
 
-class PackedLinear(_Packed):
+class PackedLinear(PackedWeight):
     @classmethod
     def of_strips(cls, packed: torch.Tensor) -> "PackedLinear":
         """A packed [N / 16, K, 16] tensor (e.g. some strips of another: a view, no copy) as a weight [N, K]."""
@@ -86,17 +86,3 @@ def pack_attention(w):
 def pack_experts(stack: torch.Tensor):
     """[E, N, K] -> PackedExperts when the native grouped GEMM will run it, else `stack` itself."""
     return PackedExperts(stack) if _packable(stack) else stack
-
-
-def grouped_packed(x: torch.Tensor, stack: PackedExperts, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` grouped by expert (counts[e] rows each) @ each expert's weightᵀ -> [n, N]."""
-    E, N, K = stack.shape
-    x = x.contiguous()
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not native.enabled():
-        # e.g. the thread count changed since load: the plain stack's GEMMs, unpacked per call
-        from splash.models.linear import grouped_linear
-        return grouped_linear(x, stack.unpacked().to(x.dtype), counts)
-    counts = counts.to(torch.int64).contiguous()
-    y = torch.empty(x.shape[0], N, dtype=torch.float32, device=x.device)
-    native.lib().grouped_gemm(x.data_ptr(), K, counts.data_ptr(), E, stack.packed.data_ptr(), N, y.data_ptr())
-    return y
