@@ -149,12 +149,12 @@ class Tokenizer:
 
 def _render_jinja(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
                   bos_token: str, eos_token: str) -> str | None:
-    """Render an HF chat template the way transformers does (splash.server.chat_template); None without jinja2."""
+    """Render an HF chat template the way transformers does (splash.chat_template); None without jinja2."""
     try:
         import jinja2  # noqa: F401
     except ImportError:
         return None
-    from splash.server.chat_template import render
+    from splash.chat_template import render
     special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
     return render(template, list(messages), add_generation_prompt=add_generation_prompt, special_tokens=special)
 

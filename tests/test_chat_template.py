@@ -1,4 +1,4 @@
-"""The models' shipped chat templates rendered by SPLASH (splash.server.prompts → splash.server.chat_template) and by
+"""The models' shipped chat templates rendered by SPLASH (splash.server.prompts → splash.chat_template) and by
 transformers' ``apply_chat_template`` give the same text: with tools, tool-role messages, assistant tool calls,
 reasoning turns and the thinking switches (``chat_template_kwargs``). The templates are public model data stored
 in tests/fixtures/chat_templates (SOURCES.md there says where each came from).

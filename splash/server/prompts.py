@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from splash.server import chat_template
+from splash import chat_template
 from splash.server import protocol as P
 from splash.server.agent import arguments_for_template
 from splash.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ class PromptReader:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                kwargs: dict | None = None) -> str:
-        """The model's chat template (splash.server.chat_template) with tools and chat_template_kwargs; the
+        """The model's chat template (splash.chat_template) with tools and chat_template_kwargs; the
         tokenizer's simple template when the model ships none."""
         template = self.tok.chat_template
         if template is None:
