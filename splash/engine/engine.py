@@ -18,7 +18,7 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.auto_layout_setup import make_auto_layout, request_views
 from splash.engine.layout_control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import StepItem, StepMessage, StopMessage, SwitchPlan
+from splash.engine.messages import StepMessage, StopMessage, SwitchPlan
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
@@ -159,8 +159,7 @@ class Engine:
             # a request preempted or aborted by this schedule drops its KV before the handoff runs
             gone = set(plan.release)
             switch = replace(switch, reqs={rid: v for rid, v in switch.reqs.items() if rid not in gone})
-        msg = StepMessage(tuple(StepItem(s.req_id, s.start_pos, tuple(s.tokens), s.sample, s.owner)
-                                for s in plan.items), tuple(plan.release), switch,
+        msg = StepMessage(tuple(plan.items), tuple(plan.release), switch,
                           tuple(self._prompt_logit_items(plan)))
         self.comm.broadcast_obj(msg)
         t0 = time.perf_counter()

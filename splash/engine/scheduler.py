@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splash.engine.ledger import KVLedger
+from splash.engine.messages import StepItem
 
 
 @dataclass
@@ -52,18 +53,9 @@ class Request:
         return tuple(self.prompt[a:]) + tuple(self.output[:b - p])
 
 
-@dataclass(frozen=True)
-class Scheduled:
-    req_id: str
-    start_pos: int
-    tokens: tuple[int, ...]
-    sample: bool
-    owner: int
-
-
 @dataclass
 class StepPlan:
-    items: list[Scheduled]
+    items: list[StepItem]        # what rank 0 broadcasts as is (splash.engine.messages)
     release: list[str]           # requests whose KV every rank frees before running the step
 
 
@@ -150,7 +142,7 @@ class Scheduler:
                 return False
         return True
 
-    def _piece(self, req: Request, budget: int, owner: int | None = None) -> Scheduled | None:
+    def _piece(self, req: Request, budget: int, owner: int | None = None) -> StepItem | None:
         n = min(req.pending, budget)
         if n <= 0 or (n < req.pending and not self.chunked_prefill):
             return None
@@ -162,10 +154,10 @@ class Scheduler:
             return None
         self.ledger.grow(req.req_id, end, owner, final=min(len(req.prompt) + req.max_tokens, req.max_len))
         toks = req.token_slice(req.num_cached, end)
-        return Scheduled(req.req_id, req.num_cached, toks, end == req.num_tokens, owner)
+        return StepItem(req.req_id, req.num_cached, toks, end == req.num_tokens, owner)
 
     def schedule(self) -> StepPlan:
-        items: list[Scheduled] = []
+        items: list[StepItem] = []
         budget = self.budget
         i = 0
         while i < len(self.running) and budget > 0:
