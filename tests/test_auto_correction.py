@@ -1,11 +1,11 @@
-"""Online correction of the scheduler's step and switch-cost predictions (pure; splash.engine.auto_correction)."""
+"""Online correction of the scheduler's step and switch-cost predictions (pure; splash.engine.layout_policy.correction)."""
 from __future__ import annotations
 
 import math
 import subprocess
 import sys
 
-from splash.engine.auto_correction import (BORROW_UNCERTAINTY, SWITCH_BOUNDS, SWITCH_FLOOR_S, SWITCH_PRIOR_RATIO,
+from splash.engine.layout_policy.correction import (BORROW_UNCERTAINTY, SWITCH_BOUNDS, SWITCH_FLOOR_S, SWITCH_PRIOR_RATIO,
                                            StepCorrection, SwitchCorrection)
 
 L = ("tp", "dp_attn", "cp", "dop")
@@ -60,7 +60,7 @@ def test_switch_cost_is_conservative_until_observed_then_learnt_per_direction():
 
 
 def test_auto_correction_imports_no_torch():
-    code = "import sys; sys.modules['torch'] = None; import splash.engine.auto_correction"
+    code = "import sys; sys.modules['torch'] = None; import splash.engine.layout_policy.correction"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 

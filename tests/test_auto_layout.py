@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
-from splash.engine.auto_layout import AutoLayout, ReqView
+from splash.engine.layout_policy.auto import AutoLayout, ReqView
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
@@ -214,7 +214,7 @@ def test_observe_feeds_every_nth_step():
 
 
 def test_auto_layout_imports_no_torch():
-    code = ("import sys; sys.modules['torch'] = None; import splash.engine.auto_layout as m; "
+    code = ("import sys; sys.modules['torch'] = None; import splash.engine.layout_policy.auto as m; "
             "print(m.AutoLayout.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -210,6 +210,6 @@ def test_sweep_refuses_to_overwrite_and_checks_resume_file(tmp_path):
 def test_workload_keeps_the_schedulers_decision_lines():
     from splash.bench.workload import decision_log
 
-    text = ('junk\n2026-12-01 10:00:00 splash.scheduler layout decision {"step": 3, "verdict": "switch"}\n'
-            'splash.scheduler layout decision {"step": 4, "verd\n')         # the last line cut by the log's end
+    text = ('junk\n2026-12-01 10:00:00 splash.layout_policy layout decision {"step": 3, "verdict": "switch"}\n'
+            'splash.layout_policy layout decision {"step": 4, "verd\n')         # the last line cut by the log's end
     assert decision_log(text) == [{"step": 3, "verdict": "switch"}]

@@ -66,7 +66,7 @@ def test_shipped_configs_still_load():
 
 
 PURE = ["splash", "splash.layouts", "splash.switching.manifest", "splash.engine.scheduler", "splash.engine.ledger",
-        "splash.engine.layout_control", "splash.kv.block_manager", "splash.models.config", "splash.config",
+        "splash.engine.layout_policy.control", "splash.kv.block_manager", "splash.models.config", "splash.config",
         "splash.cli.args", "splash.tokenizer"]
 
 
@@ -96,7 +96,7 @@ def test_one_list_per_fact():
     """Item 15: the layout names, the KV dtypes and the head-divisibility rule each have one source."""
     from splash.cli.args import FLAGS
     from splash.config import serve_config
-    from splash.engine import layout_control
+    from splash.engine.layout_policy import control as layout_control
     from splash.kv import quant
     from splash.layouts.layout import LAYOUT_NAMES, check_heads, heads_fit
     from splash.layouts.memory import KV_DTYPES

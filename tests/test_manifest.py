@@ -198,7 +198,7 @@ def test_moved_blocks_are_counted_in_the_source_format(dst, src):
 def test_conversion_needs_one_layer_of_headroom():
     """Converting a layer keeps its old and new tensors at once: a switch that fits in the same format is
     deferred when the conversion's transient does not fit, and the reason says so."""
-    from splash.engine.layout_control import LayoutController
+    from splash.engine.layout_policy.control import LayoutController
     from splash.engine.ledger import KVLedger
     from splash.kv.paged_cache import CONVERT_CHUNK_SLOTS
 
@@ -229,7 +229,7 @@ def test_discards_sent_nowhere_leave_room_for_the_handoff_step():
     blocks of the requests the other owner gets, before the handoff step appends its 10 blocks, so the switch
     fits (counting TP's whole footprint under the step deferred it). CP -> DP-attn sends blocks it then discards:
     those stay resident through the step."""
-    from splash.engine.layout_control import LayoutController
+    from splash.engine.layout_policy.control import LayoutController
     from splash.engine.ledger import KVLedger
 
     ledger = KVLedger(2, 52, BS, "tp")

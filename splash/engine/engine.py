@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
-from splash.engine.auto_layout_setup import make_auto_layout, request_views
-from splash.engine.layout_control import LayoutController
+from splash.engine.layout_policy.auto import make_auto_layout
+from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.messages import StepMessage, StopMessage, SwitchPlan
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
@@ -24,7 +24,7 @@ from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 from splash.layouts.ownership import distinct_kv_tokens
 
-_log = logging.getLogger("splash.scheduler")
+_log = logging.getLogger("splash.engine")
 
 
 @dataclass
@@ -116,41 +116,18 @@ class Engine:
         pending = sum(r.pending for r in s.running) + sum(r.num_tokens for r in s.waiting)
         reserve = -(-min(s.budget, pending) // self.runner.block_size) + min(
             len(s.running) + len(s.waiting), s.max_num_seqs)
-        choice, vet = None, None
-        if self.control.layout_mode == "auto":
+        choice = None
+        if self.control.layout_mode == "auto" and self.auto is not None:
             try:
-                choice, vet = self._auto_proposal()
+                choice = self.auto.advise(self.num_steps, self.layout, s, self.ledger)
             except Exception:  # noqa: BLE001 — the scheduler only advises: a failed prediction keeps the layout
                 _log.exception("auto layout: prediction failed; staying in %s", self.layout)
-        d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice, vet=vet)
+        d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice,
+                                vet=self.auto.vet_pending if choice is not None else None)
         if d is None:
             return None
         self.ledger.relayout(d.dst, d.manifest.owners)
         return SwitchPlan(d.dst, self.control.mode, d.reqs)
-
-    def _auto_proposal(self):
-        """(layout to switch to, its vetting callback) from the cost-model scheduler, or (None, None)."""
-        auto, s = self.auto, self.scheduler
-        if auto is None or not (s.running or s.waiting):
-            return None, None
-        views = request_views(s, self.ledger)
-        if not auto.due(self.num_steps, views):
-            return None, None
-        usage = {lay: self.ledger.usage_under(lay) for lay in auto.allowed}
-        d = auto.propose(self.num_steps, self.layout, views, usage)
-        if d.verdict != "switch":
-            auto.record(d)
-            return None, None
-
-        def vet(manifest, deferral: str | None) -> str | None:
-            try:
-                v = auto.vet(d, manifest)
-            except Exception:  # noqa: BLE001 — see _switch_decision: no prediction, no switch
-                _log.exception("auto layout: switch-cost prediction failed; staying in %s", self.layout)
-                return "switch-cost prediction failed"
-            auto.record(v, deferral if v.verdict == "switch" else None)
-            return None if v.verdict == "switch" else v.reason
-        return d.target, vet
 
     def step(self) -> list[TokenEvent]:
         switch = self._switch_decision()

@@ -4,7 +4,7 @@ Workload file (JSON or YAML): {"groups": [{"at_s", "count", "input_len", "output
 event-stepped model of the engine: requests arrive at ``at_s``, are admitted in order while the current
 layout's KV holds their whole length (input + output), each step gives every running request its next piece
 (prefill chunk from the budget, or one decode row), and the step takes the cost model's predicted time.
-``auto`` is the engine's scheduler itself (splash.engine.auto_layout.AutoLayout, on the same cost model): at
+``auto`` is the engine's scheduler itself (splash.engine.layout_policy.auto.AutoLayout, on the same cost model): at
 each boundary it is asked, as the engine asks it, whether a re-evaluation is due, and if so for its proposal
 over the running and arrived-but-waiting requests (feasible = the live KV fits the layout), vetted with the live
 exposed cost of the manifest planned for the running requests; the replay pays that cost when it switches. Its
@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from splash.costmodel.step_cost import LAYOUTS, RowLoad
-from splash.engine.auto_correction import SwitchCorrection
-from splash.engine.auto_layout import AutoLayout, ReqView
+from splash.engine.layout_policy.correction import SwitchCorrection
+from splash.engine.layout_policy.auto import AutoLayout, ReqView
 from splash.sim.serving import step_seconds
 
 FAST_FORWARD = 16

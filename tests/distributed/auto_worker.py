@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_util import run_worker  # noqa: E402
 
-from splash.engine.auto_layout import AutoLayout  # noqa: E402
+from splash.engine.layout_policy.auto import AutoLayout  # noqa: E402
 from splash.engine.llm import LLM  # noqa: E402
 from splash.engine.sampling import SamplingParams  # noqa: E402
 

@@ -3,7 +3,7 @@
 At a step boundary rank 0 describes what the engine holds (each running request's cached tokens, pending prefill
 and remaining output; the waiting queue) and asks a cost model how long each allowed layout would take to finish
 that work. Every layout is charged for the same requests as the engine's own scheduler would run them under its
-KV pool (splash.engine.auto_batch replays the engine's `Scheduler` and `KVLedger` on clones: admission, chunked
+KV pool (splash.engine.layout_policy.forecast replays the engine's `Scheduler` and `KVLedger` on clones: admission, chunked
 prefill, owner placement and preemption as they will happen), and layouts are compared by predicted seconds per
 output token. The controller then switches only when
 
@@ -18,7 +18,7 @@ long prompt's attention runs in many kernel chunks; decode rows in one or two) a
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (this host being
 slower or busier than its profile applies to all of them), so it does not look cheaper than the visited ones merely
 for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
-carries an uncertainty (splash.engine.auto_correction): a candidate is judged at its prediction inflated by it, so
+carries an uncertainty (splash.engine.layout_policy.correction): a candidate is judged at its prediction inflated by it, so
 it is entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from
 the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
 the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import math
 import time
 from collections import deque
@@ -45,16 +46,16 @@ from dataclasses import replace
 from typing import Any
 
 from splash.costmodel.policy import choose_layout
-from splash.engine.auto_batch import BatchForecast
-from splash.engine.auto_budget import PredictionBudget
-from splash.engine.auto_correction import LayoutStats, StepCorrection, SwitchCorrection
-from splash.engine.auto_types import VERDICTS, CostModelLike, Decision, ReqView
+from splash.engine.layout_policy.forecast import BatchForecast
+from splash.engine.layout_policy.budget import PredictionBudget
+from splash.engine.layout_policy.correction import LayoutStats, StepCorrection, SwitchCorrection
+from splash.engine.layout_policy.decision import VERDICTS, CostModelLike, Decision, ReqView
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Scheduler
 
 __all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
-log = logging.getLogger("splash.scheduler")
+log = logging.getLogger("splash.layout_policy")
 
 MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a prediction costs ~1 ms per layout)
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
@@ -105,6 +106,7 @@ class AutoLayout:
         if scheduler is None:
             scheduler = Scheduler(KVLedger(world, 0, block_size, self.allowed[0]), max_num_seqs,
                                   max_num_batched_tokens)
+        self._pending: Decision | None = None   # advised at this boundary, waiting for vet_pending
         self.forecast = BatchForecast(model, row, world=world, block_size=block_size, scheduler=scheduler)
 
     # ---- online learning ---------------------------------------------------------------------------------
@@ -261,6 +263,37 @@ class AutoLayout:
             log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))
         return d
 
+    # ---- the engine's boundary -----------------------------------------------------------------------------------
+    def advise(self, step: int, current: str, scheduler: Any, ledger: Any) -> str | None:
+        """The layout auto wants at this boundary of the engine's `scheduler` and `ledger` (None: stay). A wanted
+        switch waits for `vet_pending` once its manifest is planned; anything else is recorded now."""
+        self._pending = None
+        if not (scheduler.running or scheduler.waiting):
+            return None
+        views = request_views(scheduler, ledger)
+        if not self.due(step, views):
+            return None
+        d = self.propose(step, current, views, {lay: ledger.usage_under(lay) for lay in self.allowed})
+        if d.verdict != "switch":
+            self.record(d)
+            return None
+        self._pending = d
+        return d.target
+
+    def vet_pending(self, manifest: Any, deferral: str | None) -> str | None:
+        """The last word on the switch `advise` wanted, now that its manifest is planned (and `deferral` says whether
+        memory headroom holds it back): a reason to refuse it, or None. The decision is recorded either way."""
+        d, self._pending = self._pending, None
+        if d is None:
+            return "no switch was advised at this boundary"
+        try:
+            v = self.vet(d, manifest)
+        except Exception:  # noqa: BLE001 — the scheduler only advises: no prediction, no switch
+            log.exception("auto layout: switch-cost prediction failed; staying in %s", d.current)
+            return "switch-cost prediction failed"
+        self.record(v, deferral if v.verdict == "switch" else None)
+        return None if v.verdict == "switch" else v.reason
+
     # ---- views for metrics / API ----------------------------------------------------------------------------
     def summary(self) -> dict:
         sw = self.switch_cost.summary()
@@ -276,3 +309,39 @@ class AutoLayout:
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
                 "overhead": self.overhead.summary(), "history": list(self.history)}
+
+
+# ---- the engine's wiring ----------------------------------------------------------------------------------------
+def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
+    """The scheduler's running and waiting requests (the first `max_num_seqs` waiting) as ReqViews."""
+    def left(r) -> int:
+        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
+    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.reqs.get(r.req_id, (0, None))[1])
+           for r in scheduler.running]
+    for i, r in enumerate(scheduler.waiting):
+        if i >= scheduler.max_num_seqs:
+            break
+        out.append(ReqView(r.req_id, 0, r.pending, left(r), None, running=False))
+    return out
+
+
+def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardware_profile: str, margin: float,
+                     scheduler: Any) -> AutoLayout:
+    """The scheduler for an engine: a cost model of its model, dtypes and world on `hardware_profile`."""
+    from splash.costmodel import CostModel, load_profile
+
+    decision_log = logging.getLogger("splash.layout_policy")
+    if not decision_log.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        decision_log.addHandler(handler)
+    if decision_log.getEffectiveLevel() > logging.INFO:
+        decision_log.setLevel(logging.INFO)
+
+    weight_dtype = str(runner.dtype).removeprefix("torch.")
+    model = CostModel(runner.cfg, world, load_profile(hardware_profile), weight_dtype, dict(control.kv_dtypes),
+                      runner.block_size)
+    return AutoLayout(model, control.allowed, margin, block_size=runner.block_size, world=world,
+                      capacity_blocks={lay: ledger.cap(lay) for lay in control.allowed},
+                      max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.budget,
+                      switch_mode=control.mode, scheduler=scheduler)

@@ -1,4 +1,4 @@
-"""The live scheduler's own time (splash.engine.auto_layout): its re-evaluations may take at most a share of the
+"""The live scheduler's own time (splash.engine.layout_policy.auto): its re-evaluations may take at most a share of the
 executed steps' measured time; its observations are timed and reported but not bounded. Pure Python."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `layout: auto` scheduler's forecast (splash.engine.auto_batch) replays the engine's own scheduler: the same
+"""The `layout: auto` scheduler's forecast (splash.engine.layout_policy.forecast) replays the engine's own scheduler: the same
 admissions, owners, preemptions and finishes, step by step, as the engine's `Scheduler` run one step at a time;
 what each layout's pool then costs (pure; the stand-in cost model of test_auto_layout)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_auto_layout import LAYOUTS, LinearCost, make
 
-from splash.engine.auto_batch import clone_requests, replay
-from splash.engine.auto_layout import ReqView
+from splash.engine.layout_policy.forecast import clone_requests, replay
+from splash.engine.layout_policy.auto import ReqView
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Scheduler
 
@@ -149,7 +149,7 @@ def test_a_pool_that_cannot_carry_the_rollout_pays_for_its_preemptions():
 def test_pricing_is_bounded_and_exact_where_priced():
     """Thirty requests finishing at thirty different lengths: at most MAX_DECODE_PRICED decode runs are priced, and a
     per-row model charges every row of every step once (the runs' middle context is exact for a per-row cost)."""
-    from splash.engine import auto_batch
+    from splash.engine.layout_policy import forecast as auto_batch
     calls = []
 
     class Counting(LinearCost):

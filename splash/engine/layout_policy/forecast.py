@@ -1,4 +1,4 @@
-"""What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.auto_layout) — pure Python.
+"""What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.layout_policy.auto) — pure Python.
 
 `BatchForecast.waves` runs the engine's own `Scheduler` and `KVLedger` — the same admission, chunked prefill,
 preemption and owner placement, with the engine scheduler's settings — on clones of the running and waiting requests
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splash.engine.auto_types import CostModelLike, ReqView
+from splash.engine.layout_policy.decision import CostModelLike, ReqView
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Request, Scheduler
 
