@@ -281,7 +281,7 @@ class Engine:
         self.sampler.remove(req_id)
         self._plp.pop(req_id, None)
 
-    # ==== BEGIN server accessors (issue 5) — read-only views for splash-serve's metrics, console and API. ====
+    # ---- read-only views for splash-serve's metrics, console and API ----
     @property
     def layout_mode(self) -> str:
         """'auto' (the scheduler decides) or 'pinned' (POST /v1/layout or a pinned config layout)."""
@@ -306,4 +306,3 @@ class Engine:
 
     def kv_used_blocks_per_rank(self) -> list[int]:
         return list(self.ledger.used)
-    # ==== END server accessors (issue 5) ====

@@ -89,9 +89,9 @@ class KVLedger:
     def pick_owner(self) -> int:
         """Least-loaded rank: by the blocks its requests will hold at their end (tokens they may reach, prompt +
         max_tokens, as given to `grow`; their present tokens when more or not given), then blocks held now, then
-        request count, then id. Balancing what requests hold now alone let an RL rollout's long requests (the
-        same prompt length as its short ones) pile up on one DOP owner, which then had to preempt them (fixed DOP
-        259 vs 203 tok/s between two runs; docs/benchmarks.md, round 12)."""
+        request count, then id. Balancing what requests hold now alone would let an RL rollout's long requests (the
+        same prompt length as its short ones) pile up on one DOP owner, which must then preempt them (measured in
+        docs/benchmarks.md, the rollout at capacity)."""
         counts, ends = [0] * self.world, [0] * self.world
         for req, (tokens, o) in self.reqs.items():
             counts[o] += 1

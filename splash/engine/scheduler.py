@@ -121,9 +121,10 @@ class Scheduler:
     def _admissible(self, req: Request) -> int | None:
         """A waiting request joins only when all of its pending tokens — the whole prompt, or a preempted request's
         whole context — fit the ranks it will live on, with one spare block there per running request (room for
-        their next blocks). Admitting whatever chunk fits let a full pool take a preempted request back a chunk at
-        a time, only to preempt it again a few steps later: at capacity a DP-attn rollout re-prefilled a 2,048-token
-        chunk every step (5 s steps; docs/benchmarks.md, round 12). -> the owner it would get, or None."""
+        their next blocks). Admitting whatever chunk fits would let a full pool take a preempted request back a chunk
+        at a time, only to preempt it again a few steps later (at capacity a DP-attn rollout re-prefilled a
+        2,048-token chunk every step: docs/benchmarks.md, the rollout at capacity). -> the owner it would get, or
+        None."""
         owner = self.ledger.pick_owner()
         need = self.ledger.growth(req.req_id, req.num_cached + req.pending, owner)
         spare = self.ledger.holder_counts()

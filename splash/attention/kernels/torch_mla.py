@@ -20,7 +20,7 @@ Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" when the model it
 AVX512-BF16/AMX units) feeds the two score/value GEMMs bf16 inputs; softmax statistics and the running output stay
 fp32. An fp32 model stays fp32 over every KV format (a bf16/fp8/int8 pool is dequantised exactly, so its tokens are
 the same in every layout: bf16 GEMM inputs there broke that on a CI host with bf16 units). On a CPU without bf16
-units (AVX2 only, like this host) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
+units (AVX2 only) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from splash.kv import quant
 from splash.models.linear import bf16_units
 
 # bound on one chunk's working buffers. With balanced chunks and kept gather buffers, decode steps measured the
-# same at 8-32 MiB on this host, and the prefill-heavy shifting workload ran faster at 32 MiB than at 24 (fewer
-# chunks per prompt, so fewer merges of the running output): docs/benchmarks.md, cost model rounds 4 and 5.
+# same at 8-32 MiB on the 2-core CPU, and the prefill-heavy shifting workload ran faster at 32 MiB than at 24
+# (fewer chunks per prompt, so fewer merges of the running output; measured in docs/benchmarks.md, cost model).
 SCRATCH_BYTES = 32 << 20
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
@@ -298,7 +298,7 @@ def _take_pages(pool: torch.Tensor, flat: torch.Tensor, bufs: dict | None = None
     index_select copies rows of a 2-D tensor with one memcpy each; on 3-D it measured up to 4x slower here).
     With `bufs`, into a buffer kept there per (dtype, row width) and grown to the largest gather: a fresh
     multi-MB result is first-touched page by page whenever glibc serves it by mmap, which depends on the
-    process's allocation history (cost-model round 4 saw the same step at 1x and 1.9x in two runs)."""
+    process's allocation history (the same step measured 1x and 1.9x in two runs)."""
     if pool.numel() == 0:  # a zero-width pool (NoPE layers have no rope part)
         return pool.new_empty((flat.shape[0], *pool.shape[1:]))
     rows = pool.view(pool.shape[0], -1)

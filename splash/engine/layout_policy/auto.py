@@ -3,7 +3,7 @@
 At a step boundary rank 0 describes what the engine holds (each running request's cached tokens, pending prefill
 and remaining output; the waiting queue) and asks a cost model how long each allowed layout would take to finish
 that work. Every layout is charged for the same requests as the engine's own scheduler would run them under its
-KV pool (splash.engine.layout_policy.forecast replays the engine's `Scheduler` and `KVLedger` on clones: admission, chunked
+KV pool (`forecast` replays the engine's `Scheduler` and `KVLedger` on clones: admission, chunked
 prefill, owner placement and preemption as they will happen), and layouts are compared by predicted seconds per
 output token. The controller then switches only when
 
@@ -15,10 +15,10 @@ Predictions are corrected online: each executed step's measured time over its pr
 layout it ran in (a ratio of exponentially weighted sums, so a step counts by its predicted time), one factor per
 regime — steps that carry prefill chunks and decode-only steps — since the model's error differs between them (a
 long prompt's attention runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not
-rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (this host being
-slower or busier than its profile applies to all of them), so it does not look cheaper than the visited ones merely
+rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
+slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
 for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
-carries an uncertainty (splash.engine.layout_policy.correction): a candidate is judged at its prediction inflated by it, so
+carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by it, so
 it is entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from
 the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
 the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,

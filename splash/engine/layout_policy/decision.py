@@ -1,4 +1,4 @@
-"""What the `layout: auto` scheduler (splash.engine.layout_policy.auto) sees and says — pure Python, no torch: the request
+"""What the `layout: auto` scheduler (`auto`) sees and says — pure Python, no torch: the request
 views it predicts from, the decisions it records, and the cost model's interface it needs."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a batch would cost in a layout, for the `layout: auto` scheduler (splash.engine.layout_policy.auto) — pure Python.
+"""What a batch would cost in a layout, for the `layout: auto` scheduler (`auto`) — pure Python.
 
 `BatchForecast.waves` runs the engine's own `Scheduler` and `KVLedger` — the same admission, chunked prefill,
 preemption and owner placement, with the engine scheduler's settings — on clones of the running and waiting requests
