@@ -57,6 +57,8 @@ class SwitchPrediction:
     exposed_seconds: float        # what the handoff step pays on top of its own compute
     per_layer_seconds: float      # transfer time of one layer on the busiest rank
     recv_bytes: float             # busiest rank, all layers
+    kv_layer_seconds: float = 0.0      # one layer's KV collective (busiest rank)
+    weight_layer_seconds: float = 0.0  # one layer's projection all-gather (busiest rank)
 
 
 def _elem(dtype: str, what: str) -> float:
@@ -200,20 +202,12 @@ class CostModel:
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
         p, L, T = self.profile, manifest.num_layers, manifest.world
-        per_layer = []
+        per_layer, kv_t, w_t = [], [], []
         for r in range(T):
-            t = 0.0
-            kv = max(manifest.kv_recv_bytes[r], manifest.kv_sent_bytes[r])
-            if any(kv2 for kv2 in manifest.kv_recv_bytes):
-                t += p.collective_seconds("all_to_all", kv)
-            if any(manifest.weight_recv_bytes):
-                shard = manifest.weight_sent_bytes[r] / max(1, T - 1)
-                t += p.collective_seconds("all_gather", manifest.weight_recv_bytes[r] + shard)
-            if manifest.converts_kv:
-                held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
-                t += held * (manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer) \
-                    / p.memory_bytes_per_s
-            per_layer.append(t)
+            kv, w, conv = self._switch_layer(manifest, r)
+            per_layer.append(kv + w + conv)
+            kv_t.append(kv)
+            w_t.append(w)
         t_layer = max(per_layer)
         total = t_layer * L
         if mode == "blocking" or L == 0:
@@ -222,7 +216,23 @@ class CostModel:
             hide = p.overlap_fraction * (step_seconds / L if step_seconds else 0.0)
             exposed = t_layer + (L - 1) * max(0.0, t_layer - hide)
         recv = max(manifest.total_recv_bytes, default=0.0)
-        return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv)
+        return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv,
+                                max(kv_t), max(w_t))
+
+    def _switch_layer(self, manifest, r: int) -> tuple[float, float, float]:
+        """(KV collective, projection all-gather, KV conversion) seconds of one layer on rank ``r``."""
+        p, T = self.profile, manifest.world
+        kv_t = w_t = conv = 0.0
+        kv = max(manifest.kv_recv_bytes[r], manifest.kv_sent_bytes[r])
+        if any(kv2 for kv2 in manifest.kv_recv_bytes):
+            kv_t = p.collective_seconds("all_to_all", kv)
+        if any(manifest.weight_recv_bytes):
+            shard = manifest.weight_sent_bytes[r] / max(1, T - 1)
+            w_t = p.collective_seconds("all_gather", manifest.weight_recv_bytes[r] + shard)
+        if manifest.converts_kv:
+            held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
+            conv = held * (manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer) / p.memory_bytes_per_s
+        return kv_t, w_t, conv
 
 
 def _no_indexer(cfg: ModelConfig) -> ModelConfig:

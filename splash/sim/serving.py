@@ -39,6 +39,13 @@ class SimSetup:
     reserve_bytes: float = RUNTIME_RESERVE_BYTES
     owner_prefill: bool = True   # DP-attn/DOP split the step's chunk budget over the owners (SGLang DP-attention)
     storage: str = "sglang"      # how the deployment stores weights and state (splash.sim.storage)
+    # "colocated": prefill and decode in the swept layout on these ranks; "disaggregated": prefill here, decode
+    # on a separate instance of ``decode_world`` ranks over ``decode_nodes`` nodes in ``decode_layout``, the KV
+    # handed off over the inter-node link (splash.sim.deploy)
+    deployment: str = "colocated"
+    decode_layout: str = "dp_attn"
+    decode_world: int = 8
+    decode_nodes: int = 1
 
     @property
     def budget(self) -> float:
