@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the deployment stores weights and state: sglang (the stack of the paper's figures: "
                          "vocabulary-parallel embedding/LM head, replicated embedding under DP-attn, BF16 W_UK/W_UV "
                          "copies, hybrid state pool) or engine (what this engine stores)")
+    ap.add_argument("--deployment", choices=("colocated", "disaggregated"), default="colocated",
+                    help="colocated (default): prefill and decode in the swept layout on --ranks; disaggregated: "
+                         "the swept layout prefills, the KV is handed off over the inter-node link, and a decode "
+                         "instance of --decode-ranks over --decode-nodes runs --decode-layout (splash/sim/deploy.py)")
+    ap.add_argument("--decode-ranks", type=int, default=8, help="ranks of the decode instance (disaggregated)")
+    ap.add_argument("--decode-nodes", type=int, default=1, help="nodes the decode instance spans (disaggregated)")
+    ap.add_argument("--decode-layout", choices=LAYOUTS, default="dp_attn",
+                    help="layout of the decode instance (disaggregated)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                        cp_prefill=a.cp_prefill)
         reserve = RUNTIME_RESERVE_BYTES if a.reserve is None else float(a.reserve)
         setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve, a.owner_prefill or a.prefill_split == "owner",
-                         a.storage)
+                         a.storage, a.deployment, a.decode_layout, a.decode_ranks, a.decode_nodes)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:
         print(f"splash-sim: {e}", file=sys.stderr)
