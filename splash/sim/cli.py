@@ -83,8 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layout of the decode instance (disaggregated)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
-                    help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
-                         "engine's layout: auto scheduler and compare with each fixed layout")
+                    help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}, or a built-in "
+                         "seeded one: rl-rollout, agentic) through the engine's layout: auto scheduler and compare "
+                         "with each fixed layout")
+    ap.add_argument("--truth-error", default=None, metavar="PAPER_JSON",
+                    help="with --trace: charge every step and switch with a truth model whose per-kernel times "
+                         "differ from the nominal by errors drawn from the held-out residuals of this "
+                         "`splash-sim paper --json` table, while auto plans with the nominal model; reports auto, "
+                         "every fixed layout and the per-phase oracle per seed (splash/sim/model_error.py)")
+    ap.add_argument("--seeds", default="1,2,3", help="comma list of seeds for --truth-error (default 1,2,3)")
     ap.add_argument("--margin", type=float, default=0.10, help="switch margin of the --trace scheduler (layout.switch_margin)")
     return ap
 
@@ -182,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     title = (f"{model.name} on {a.ranks}× {prof.name} ({model.weight_dtype} weights, {model.kv_dtype} KV, "
              f"memory fraction {a.mem_fraction}, {a.storage} storage)")
+    if a.trace and a.truth_error:
+        from splash.sim.model_error import experiment_cli
+        try:
+            seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        except ValueError:
+            print(f"splash-sim: --seeds: not a comma list of integers: {a.seeds!r}", file=sys.stderr)
+            return 2
+        return experiment_cli(console, cm, setup, caps, a.trace, a.truth_error, seeds, a.margin, a.json)
     if a.trace:
         from splash.sim.trace import replay_cli
         return replay_cli(console, cm, setup, caps, a.trace, a.margin)
