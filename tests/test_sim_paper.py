@@ -71,7 +71,7 @@ def test_paper_cli_writes_rows(tmp_path, monkeypatch, capsys):
     from splash.sim.cli import main
     figs = [fig("a", "tokens_per_s", 100.0), fig("b", "leader", "tp", hw="h200", probe=("leader", 1, 1))]
     monkeypatch.setattr(paper, "FIGURES", figs)
-    monkeypatch.setattr(paper, "simulate", lambda fs, progress=None: {"a": 90.0, "b": "dop"})
+    monkeypatch.setattr(paper, "simulate", lambda fs, progress=None, scale=None: {"a": 90.0, "b": "dop"})
     out = tmp_path / "paper.json"
     assert main(["paper", "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -91,3 +91,15 @@ def test_evaluator_capacity_probes():
     assert ev.evaluate(("resident", "dop", 16, 512_000, 1024)) == 16
     lim = {k: ev.evaluate(("scenario_limit", k)) for k in ("tp", "dp_attn", "cp", "dop")}
     assert lim["dop"] > lim["cp"] == lim["dp_attn"] > lim["tp"] > 0
+
+
+def test_scale_option():
+    assert paper.parse_scale(["attention_flops_per_s=0.5", "link_bytes_per_s=2"]) == {
+        "attention_flops_per_s": 0.5, "link_bytes_per_s": 2.0}
+    for bad in (["nope=1"], ["attention_flops_per_s"], ["attention_flops_per_s=x"], ["name=2"]):
+        with pytest.raises(ValueError):
+            paper.parse_scale(bad)
+    base = paper.Evaluator(SETUPS["b200"])
+    half = paper.Evaluator(SETUPS["b200"], {"memory_bytes": 0.5})
+    assert half.profile.memory_bytes == base.profile.memory_bytes / 2
+    assert half.evaluate(("capacity", "dop", "distinct")) < base.evaluate(("capacity", "dop", "distinct"))

@@ -88,7 +88,9 @@ def summary(rows: list[dict]) -> dict[str, tuple[int, int]]:
 class Evaluator:
     """splash-sim's value of each probe of one Setup, with the throughput points cached."""
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, scale: dict[str, float] | None = None):
+        import dataclasses
+
         from splash.costmodel.profile import load_profile
         from splash.costmodel.step_cost import CostModel
         from splash.sim.presets import load_sim_model
@@ -96,6 +98,9 @@ class Evaluator:
         self.setup = setup
         self.model = load_sim_model(setup.model)
         self.profile = load_profile(setup.hardware)
+        if scale:   # a sensitivity experiment: profile fields times a factor, on every hardware alike
+            self.profile = dataclasses.replace(self.profile, **{k: getattr(self.profile, k) * f
+                                                                for k, f in scale.items()})
         m = self.model
         self.sim = SimSetup(m, self.profile, 8, deployment=setup.deployment, decode_layout=setup.decode_layout,
                             decode_world=setup.decode_world, decode_nodes=setup.decode_nodes)
@@ -204,14 +209,14 @@ class Evaluator:
         return max(r["live_s"] / r["dst_step_s"] for r in rows) if rows else None
 
 
-def simulate(figures: list[Figure], progress=None) -> dict[str, object]:
-    """figure key -> splash-sim's value, one Evaluator per setup."""
+def simulate(figures: list[Figure], progress=None, scale: dict[str, float] | None = None) -> dict[str, object]:
+    """figure key -> splash-sim's value, one Evaluator per setup (``scale``: profile field -> factor)."""
     evals: dict[str, Evaluator] = {}
     values: dict[str, object] = {}
     for f in figures:
         key = f.setup or f.hardware
         if key not in evals:
-            evals[key] = Evaluator(SETUPS[key])
+            evals[key] = Evaluator(SETUPS[key], scale)
         values[f.key] = evals[key].evaluate(f.probe)
         if progress:
             progress(f)
@@ -249,12 +254,38 @@ def print_table(console, rows: list[dict]) -> None:
         console.print(f"{split}: {n} of {m} rows within tolerance")
 
 
+def parse_scale(items: list[str]) -> dict[str, float]:
+    """['field=factor', ...] -> {field: factor}; the field must be a numeric HardwareProfile field."""
+    import dataclasses
+
+    from splash.costmodel.profile import HardwareProfile
+    numeric = {f.name for f in dataclasses.fields(HardwareProfile) if f.type in ("float", float)}
+    out = {}
+    for item in items:
+        field, sep, factor = item.partition("=")
+        if not sep or field not in numeric:
+            raise ValueError(f"{item!r}: expected FIELD=FACTOR with FIELD one of {', '.join(sorted(numeric))}")
+        try:
+            out[field] = float(factor)
+        except ValueError:
+            raise ValueError(f"{item!r}: factor {factor!r} is not a number") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="splash-sim paper", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma list of hardware to evaluate (b200, h200, bw1000)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write {'rows': [...]} as JSON")
+    ap.add_argument("--scale", action="append", default=[], metavar="FIELD=FACTOR",
+                    help="sensitivity experiment: multiply a numeric hardware-profile field by FACTOR on every "
+                         "hardware (repeatable), e.g. attention_flops_per_s=0.35")
     a = ap.parse_args(argv)
+    try:
+        scale = parse_scale(a.scale)
+    except ValueError as e:
+        print(f"splash-sim paper: --scale: {e}")
+        return 2
     from rich.console import Console
     figs = FIGURES
     if a.only:
@@ -265,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(allowed: {', '.join(HW_NAMES)})")
             return 2
         figs = [f for f in FIGURES if f.hardware in want]
-    rows = table(figs, simulate(figs))
+    rows = table(figs, simulate(figs, scale=scale))
     print_table(Console(width=170), rows)
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
