@@ -117,6 +117,11 @@ TORCH_FREE = """
 import sys
 sys.modules['torch'] = None  # any import of torch now fails
 import splash.costmodel, splash.costmodel.policy, splash.sim.cli, splash.sim.serving, splash.sim.trace
+import splash.costmodel.switch_cost, splash.sim.paper, splash.sim.paper_data, splash.sim.deploy, splash.sim.fit
+import splash.sim.model_error, splash.sim.workloads, splash.sim.scenario
+from splash.sim.paper import Evaluator
+from splash.sim.paper_data import SETUPS
+assert Evaluator(SETUPS['bw1000']).evaluate(('capacity', 'dop', 'per_owner')) > 0
 from splash.sim.cli import main
 assert main(['--model', 'glm-5.3', '--hardware', 'b200', '--batch-sizes', '2', '--input-lens', '1K',
              '--output-len', '4']) == 0

@@ -228,7 +228,8 @@ class CostModel:
         if not manifest.converts_kv:
             return 0.0
         held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
-        return held * (manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer) / self.profile.memory_bytes_per_s
+        per_block = manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer
+        return held * per_block / self.profile.memory_bytes_per_s
 
 
 def _no_indexer(cfg: ModelConfig) -> ModelConfig:

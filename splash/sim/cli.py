@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size,
                        cp_prefill=a.cp_prefill)
         reserve = RUNTIME_RESERVE_BYTES if a.reserve is None else float(a.reserve)
-        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve, a.owner_prefill or a.prefill_split == "owner",
-                         a.storage, a.deployment, a.decode_layout, a.decode_ranks, a.decode_nodes)
+        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve,
+                         a.owner_prefill or a.prefill_split == "owner", a.storage, a.deployment, a.decode_layout,
+                         a.decode_ranks, a.decode_nodes)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:
         print(f"splash-sim: {e}", file=sys.stderr)
