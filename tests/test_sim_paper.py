@@ -59,7 +59,9 @@ def test_figures_are_well_formed():
     for f in FIGURES:
         assert f.kind in KINDS and (f.setup or f.hardware) in SETUPS
         assert SETUPS[f.setup or f.hardware].split == ("fitted" if f.hardware == "b200" else "held_out")
-        if f.kind == "leader_share":
+        if f.kind == "leader_share":   # counted from rows judged before it
+            before = {g.key for g in FIGURES[:FIGURES.index(f)]}
+            assert set(f.probe[1]) <= before
             named = [g for g in FIGURES if g.key in f.probe[1]]
             assert len(named) == f.paper and all(g.kind == "leader" and g.hardware == f.hardware for g in named)
     assert {s.split for s in SETUPS.values()} == set(SPLITS)

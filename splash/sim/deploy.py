@@ -21,7 +21,10 @@ from splash.costmodel.profile import Collective
 from splash.costmodel.step_cost import CostModel, RowLoad
 from splash.layouts.memory import kv_bytes_per_token_layer
 
-_DECODE: dict[int, tuple] = {}   # id(SimSetup) -> (setup, decode SimSetup, CostModel, capacities)
+# id(SimSetup) -> (setup, decode SimSetup, CostModel, capacities): a sweep prices thousands of points of a few
+# setups, and building a decode instance (capacities, cost-model shapes) is most of a point's cost
+_DECODE: dict[int, tuple] = {}
+_DECODE_KEEP = 8
 
 
 def inter_node_profile(profile):
@@ -45,6 +48,8 @@ def decode_instance(s):
     m = s.model
     cm = CostModel(m.cfg, d.world, prof, m.weight_dtype, m.kv_dtype, d.block_size)
     out = (d, cm, capacities(d))
+    if len(_DECODE) >= _DECODE_KEEP:
+        _DECODE.clear()
     _DECODE[id(s)] = (s, *out)
     return out
 
