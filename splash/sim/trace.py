@@ -107,9 +107,16 @@ class Pool:
         return all(u <= cap for u in self.per_rank(layout, reqs))
 
     def place(self, layout: str, running: list[Req], new: Req) -> bool:
-        """Pick ``new``'s owner (least-loaded rank) and admit it if the layout still fits."""
-        use = self.per_rank("dop", running)
-        new.owner = min(range(self.s.world), key=lambda r: (use[r], r))
+        """Pick ``new``'s owner as the engine's ledger does (KVLedger.pick_owner: the fewest blocks its requests
+        will hold at their end, then the fewest held now, then the fewest requests, then the lowest rank) and
+        admit it if the layout still fits."""
+        T, bs = self.s.world, self.s.block_size
+        ends = self.per_rank("dop", running)
+        now, count = [0] * T, [0] * T
+        for r in running:
+            now[r.owner] += -(-r.cached // bs)
+            count[r.owner] += 1
+        new.owner = min(range(T), key=lambda o: (ends[o], now[o], count[o], o))
         return self.fits(layout, running + [new])
 
 
