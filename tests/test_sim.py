@@ -117,6 +117,11 @@ TORCH_FREE = """
 import sys
 sys.modules['torch'] = None  # any import of torch now fails
 import splash.costmodel, splash.costmodel.policy, splash.sim.cli, splash.sim.serving, splash.sim.trace
+import splash.costmodel.switch_cost, splash.sim.paper, splash.sim.paper_data, splash.sim.deploy, splash.sim.fit
+import splash.sim.model_error, splash.sim.workloads, splash.sim.scenario
+from splash.sim.paper import Evaluator
+from splash.sim.paper_data import SETUPS
+assert Evaluator(SETUPS['bw1000']).evaluate(('capacity', 'dop', 'per_owner')) > 0
 from splash.sim.cli import main
 assert main(['--model', 'glm-5.3', '--hardware', 'b200', '--batch-sizes', '2', '--input-lens', '1K',
              '--output-len', '4']) == 0
@@ -173,3 +178,18 @@ def test_owner_prefill_splits_the_budget_evenly():
     assert {r.owner for r in first} == set(range(8)) and all(r.new_tokens == 2048 for r in first)
     plain = _prefill_steps(16, 5000, 16384, 8, per_owner=False)
     assert {r.owner for r in plain[0]} == {0, 1, 2, 3}  # admission order: requests 0-3 (4 owners) fill the budget
+
+
+def test_trace_places_owners_as_the_engine_ledger():
+    """Equal end loads: the owner holding fewer blocks now wins, then fewer requests, then the lower rank."""
+    from splash.sim.trace import Pool, Req
+    m = load_sim_model("glm-5.3")
+    s = SimSetup(m, load_profile("b200"), 8)
+    pool = Pool(s, capacities(s))
+    busy = [Req(f"x{o}", 0, 50_000, 1000, owner=o) for o in range(2, 8)]   # ranks 2-7 will hold more
+    a, b = Req("a", 0, 1000, 1000, owner=0, cached=1000), Req("b", 0, 1000, 1000, owner=1, cached=64)
+    new = Req("n", 0, 10, 10)
+    assert pool.place("dop", [*busy, a, b], new) and new.owner == 1
+    a.cached = b.cached = 64
+    c = Req("c", 0, 0, 0, owner=1)
+    assert pool.place("dop", [*busy, a, b, c], new) and new.owner == 0

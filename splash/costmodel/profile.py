@@ -20,6 +20,9 @@ from splash.models.config import ConfigError
 GEMM_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "broadcast")
 COMBINES = ("max", "sum")
+KV_VOLUMES = ("received", "logical")
+OVERLAPS = ("budget", "pipeline")
+PROVENANCE_KINDS = ("spec", "fitted", "measured", "assumed")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,24 @@ class HardwareProfile:
     # measured / predicted attention of a prefill chunk inside a real step, per layout (calibrate: one 512-token
     # chunk on every rank's executor; missing: 1). Scales the prefill pieces' attention work, not decode rows'.
     prefill_attention_factor: Mapping[str, float] = field(default_factory=dict)
+    # ---- links and switch primitives (0 / the first choice: not modelled, the collectives table prices switches)
+    link_bytes_per_s: float = 0.0        # one direction of one rank's intra-node link (spec sheet)
+    inter_node_bytes_per_s: float = 0.0  # one direction of one rank's inter-node link (its NIC, spec sheet)
+    # share of link_bytes_per_s a switch's per-layer KV collective / projection all-gather reaches
+    switch_kv_efficiency: float = 0.0
+    switch_weight_efficiency: float = 0.0
+    # the bytes a KV switch collective moves per rank: "received" (the manifest's state difference) or "logical"
+    # ((T-1)/T of the layer's whole live KV, whatever share a rank keeps: the paper's seven KV directions cost
+    # 3.47-3.81 ms a layer on B200 while their received bytes differ 8x, splash/costmodel/switch_cost.py)
+    switch_kv_volume: str = "received"
+    # how a live switch hides: "budget" (later layers hide behind overlap_fraction of a destination layer) or
+    # "pipeline" (each layer's transfer runs under the previous layer's whole computation and shares the link
+    # with the step's own collectives; splash/costmodel/switch_cost.py)
+    switch_overlap: str = "budget"
+    switch_handoff_s: float = 0.0     # pipeline: the fixed cost of a live handoff (a discard-only switch's p50)
+    switch_contention: float = 0.0    # pipeline: delay of the step's collectives per second of hidden transfer
+    # where each number comes from: field -> "spec: ...", "fitted: ... (to what)", "measured: ..." or "assumed: ..."
+    provenance: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
 
     def gemm_rate(self, dtype: str) -> float:
@@ -205,6 +226,20 @@ def _collectives(where: str, raw: Any) -> dict[str, Collective]:
     return out
 
 
+def _provenance(where: str, raw: Any, names: list[str]) -> dict[str, str]:
+    raw = _mapping(where, "provenance", raw)
+    out = {}
+    for k, v in raw.items():
+        if k not in names:
+            raise unknown_key_error(k, f"{where}: provenance", names, {})
+        kind = str(v).split(":", 1)[0].strip()
+        if kind not in PROVENANCE_KINDS:
+            raise ConfigError(f"{where}: provenance.{k} must start with one of "
+                              f"{', '.join(p + ':' for p in PROVENANCE_KINDS)} (got {v!r})")
+        out[k] = str(v)
+    return out
+
+
 def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -> HardwareProfile:
     """Validate a profile mapping; ConfigError names ``where`` and the bad key."""
     names = [f.name for f in fields(HardwareProfile)]
@@ -222,11 +257,25 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     for k in ("overlap_fraction", "op_overhead_s", "plan_block_s", "plan_request_s", "step_overhead_s",
               "memory_bytes", "ops_scale", "attention_call_s", "attention_scratch_bytes", "alloc_threshold_bytes",
               "alloc_bytes_per_s", "attention_merge_bytes_per_s", "attention_cache_bytes",
-              "attention_spill_bytes_per_s", "collective_sync_s", "collective_wait_fraction"):
+              "attention_spill_bytes_per_s", "collective_sync_s", "collective_wait_fraction", "link_bytes_per_s",
+              "inter_node_bytes_per_s", "switch_kv_efficiency", "switch_weight_efficiency",
+              "switch_handoff_s", "switch_contention"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
     if kw.get("overlap_fraction", 0.0) > 1.0:
         raise ConfigError(f"{where}: field 'overlap_fraction' must be <= 1, got {kw['overlap_fraction']}")
+    for k in ("switch_kv_efficiency", "switch_weight_efficiency"):
+        if kw.get(k, 0.0) > 1.0:
+            raise ConfigError(f"{where}: field {k!r} must be <= 1, got {kw[k]}")
+        if kw.get(k, 0.0) > 0 and not kw.get("link_bytes_per_s"):
+            raise ConfigError(f"{where}: field {k!r} needs link_bytes_per_s (the rate it is a share of)")
+    for k, allowed in (("switch_kv_volume", KV_VOLUMES), ("switch_overlap", OVERLAPS)):
+        if k in raw:
+            if raw[k] not in allowed:
+                raise ConfigError(f"{where}: field {k!r} = {raw[k]!r} is not one of {', '.join(allowed)}")
+            kw[k] = raw[k]
+    if "provenance" in raw:
+        kw["provenance"] = _provenance(where, raw["provenance"], names)
     if "attention_combine" in raw:
         if raw["attention_combine"] not in COMBINES:
             raise ConfigError(f"{where}: field 'attention_combine' = {raw['attention_combine']!r} is not one of "

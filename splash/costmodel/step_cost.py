@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splash.costmodel.profile import HardwareProfile
+from splash.costmodel.switch_cost import (kv_layer_seconds, live_exposed_seconds, logical_kv_bytes_layer,
+                                          weight_layer_seconds)
 from splash.costmodel.work import STAGES, Piece, Shapes, Work, dense_ffn_work, layer_work, step_extra
 from splash.layouts.layout import parse_layout
 from splash.layouts.memory import kv_bytes_per_token_layer
@@ -57,6 +59,8 @@ class SwitchPrediction:
     exposed_seconds: float        # what the handoff step pays on top of its own compute
     per_layer_seconds: float      # transfer time of one layer on the busiest rank
     recv_bytes: float             # busiest rank, all layers
+    kv_layer_seconds: float = 0.0      # one layer's KV collective (busiest rank)
+    weight_layer_seconds: float = 0.0  # one layer's projection all-gather (busiest rank)
 
 
 def _elem(dtype: str, what: str) -> float:
@@ -189,40 +193,43 @@ class CostModel:
         return out
 
     # ---- switching ------------------------------------------------------------------------------------
-    def switch(self, manifest, mode: str, step_seconds: float | None = None) -> SwitchPrediction:
+    def switch(self, manifest, mode: str, step_seconds: float | None = None,
+               step_link_share: float = 0.0) -> SwitchPrediction:
         """Predicted cost of executing ``manifest`` (splash.switching.manifest.Manifest).
 
         Per layer: the KV moves travel in one all-to-all(v) and the projections in one all-gather(v), as the
         switch executor does; a conversion re-stores the held KV (read + write). ``blocking`` pays all of it.
-        ``live`` starts layer l+1's transfer while layer l computes: layer 0 waits for its own, later layers
-        expose what ``overlap_fraction`` × one layer of the destination step (``step_seconds`` / layers)
-        cannot hide."""
+        ``live`` starts layer l+1's transfer while layer l computes; how much of it the destination step
+        (``step_seconds``; ``step_link_share`` of it in collectives) hides is the profile's ``switch_overlap``
+        (splash/costmodel/switch_cost.py)."""
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
-        p, L, T = self.profile, manifest.num_layers, manifest.world
-        per_layer = []
+        L, T = manifest.num_layers, manifest.world
+        per_layer, kv_t, w_t = [], [], []
+        logical = logical_kv_bytes_layer(manifest) if self.profile.switch_kv_volume == "logical" else None
         for r in range(T):
-            t = 0.0
-            kv = max(manifest.kv_recv_bytes[r], manifest.kv_sent_bytes[r])
-            if any(kv2 for kv2 in manifest.kv_recv_bytes):
-                t += p.collective_seconds("all_to_all", kv)
-            if any(manifest.weight_recv_bytes):
-                shard = manifest.weight_sent_bytes[r] / max(1, T - 1)
-                t += p.collective_seconds("all_gather", manifest.weight_recv_bytes[r] + shard)
-            if manifest.converts_kv:
-                held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
-                t += held * (manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer) \
-                    / p.memory_bytes_per_s
-            per_layer.append(t)
+            kv = kv_layer_seconds(self.profile, manifest, r, logical)
+            w = weight_layer_seconds(self.profile, manifest, r)
+            per_layer.append(kv + w + self._convert_seconds(manifest, r))
+            kv_t.append(kv)
+            w_t.append(w)
         t_layer = max(per_layer)
         total = t_layer * L
         if mode == "blocking" or L == 0:
             exposed = total
         else:
-            hide = p.overlap_fraction * (step_seconds / L if step_seconds else 0.0)
-            exposed = t_layer + (L - 1) * max(0.0, t_layer - hide)
+            exposed = live_exposed_seconds(self.profile, t_layer, L, step_seconds, step_link_share)
         recv = max(manifest.total_recv_bytes, default=0.0)
-        return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv)
+        return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv,
+                                max(kv_t), max(w_t))
+
+    def _convert_seconds(self, manifest, r: int) -> float:
+        """Re-storing the KV rank ``r`` holds after one layer's moves (read + write), when the format changes."""
+        if not manifest.converts_kv:
+            return 0.0
+        held = len(manifest.keep[r]) + sum(1 for m in manifest.moves if m.dst_rank == r)
+        per_block = manifest.kv_block_bytes_layer + manifest.dst_kv_block_bytes_layer
+        return held * per_block / self.profile.memory_bytes_per_s
 
 
 def _no_indexer(cfg: ModelConfig) -> ModelConfig:

@@ -2,6 +2,7 @@
 
     splash-sim --model glm-5.3 --hardware b200 --ranks 8 --batch-sizes 16 --input-lens 1K,4K,16K,64K,128K,256K,512K
     splash-sim --model glm-5.3-flash --hardware bw1000 --ranks 8 --trace workload.json
+    splash-sim paper [--json FILE]      # the paper's figures beside splash-sim's (splash/sim/paper.py)
 
 Models: the presets glm-5.3, glm-5.3-flash, deepseek-v3.2, deepseek-v3 (public configs) or a model directory /
 config.json. Hardware: a profile name (configs/hardware: b200, h200, bw1000, cpu) or a profile YAML.
@@ -72,10 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the deployment stores weights and state: sglang (the stack of the paper's figures: "
                          "vocabulary-parallel embedding/LM head, replicated embedding under DP-attn, BF16 W_UK/W_UV "
                          "copies, hybrid state pool) or engine (what this engine stores)")
+    ap.add_argument("--deployment", choices=("colocated", "disaggregated"), default="colocated",
+                    help="colocated (default): prefill and decode in the swept layout on --ranks; disaggregated: "
+                         "the swept layout prefills, the KV is handed off over the inter-node link, and a decode "
+                         "instance of --decode-ranks over --decode-nodes runs --decode-layout (splash/sim/deploy.py)")
+    ap.add_argument("--decode-ranks", type=int, default=8, help="ranks of the decode instance (disaggregated)")
+    ap.add_argument("--decode-nodes", type=int, default=1, help="nodes the decode instance spans (disaggregated)")
+    ap.add_argument("--decode-layout", choices=LAYOUTS, default="dp_attn",
+                    help="layout of the decode instance (disaggregated)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
-                    help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}) through the "
-                         "engine's layout: auto scheduler and compare with each fixed layout")
+                    help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}, or a built-in "
+                         "seeded one: rl-rollout, agentic) through the engine's layout: auto scheduler and compare "
+                         "with each fixed layout")
+    ap.add_argument("--truth-error", default=None, metavar="PAPER_JSON",
+                    help="with --trace: charge every step and switch with a truth model whose per-kernel times "
+                         "differ from the nominal by errors drawn from the held-out residuals of this "
+                         "`splash-sim paper --json` table, while auto plans with the nominal model; reports auto, "
+                         "every fixed layout and the per-phase oracle per seed (splash/sim/model_error.py)")
+    ap.add_argument("--seeds", default="1,2,3", help="comma list of seeds for --truth-error (default 1,2,3)")
     ap.add_argument("--margin", type=float, default=0.10, help="switch margin of the --trace scheduler (layout.switch_margin)")
     return ap
 
@@ -144,6 +160,10 @@ def print_capacity(console, caps) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["paper"]:
+        from splash.sim.paper import main as paper_main
+        return paper_main(argv[1:])
     a = build_parser().parse_args(argv)
     from rich.console import Console
 
@@ -161,14 +181,23 @@ def main(argv: list[str] | None = None) -> int:
         cm = CostModel(model.cfg, a.ranks, prof, model.weight_dtype, model.kv_dtype, a.block_size,
                        cp_prefill=a.cp_prefill)
         reserve = RUNTIME_RESERVE_BYTES if a.reserve is None else float(a.reserve)
-        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve, a.owner_prefill or a.prefill_split == "owner",
-                         a.storage)
+        setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve,
+                         a.owner_prefill or a.prefill_split == "owner", a.storage, a.deployment, a.decode_layout,
+                         a.decode_ranks, a.decode_nodes)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:
         print(f"splash-sim: {e}", file=sys.stderr)
         return 2
     title = (f"{model.name} on {a.ranks}× {prof.name} ({model.weight_dtype} weights, {model.kv_dtype} KV, "
              f"memory fraction {a.mem_fraction}, {a.storage} storage)")
+    if a.trace and a.truth_error:
+        from splash.sim.model_error import experiment_cli
+        try:
+            seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        except ValueError:
+            print(f"splash-sim: --seeds: not a comma list of integers: {a.seeds!r}", file=sys.stderr)
+            return 2
+        return experiment_cli(console, cm, setup, caps, a.trace, a.truth_error, seeds, a.margin, a.json)
     if a.trace:
         from splash.sim.trace import replay_cli
         return replay_cli(console, cm, setup, caps, a.trace, a.margin)

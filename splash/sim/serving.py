@@ -39,6 +39,22 @@ class SimSetup:
     reserve_bytes: float = RUNTIME_RESERVE_BYTES
     owner_prefill: bool = True   # DP-attn/DOP split the step's chunk budget over the owners (SGLang DP-attention)
     storage: str = "sglang"      # how the deployment stores weights and state (splash.sim.storage)
+    # "colocated": prefill and decode in the swept layout on these ranks; "disaggregated": prefill here, decode
+    # on a separate instance of ``decode_world`` ranks over ``decode_nodes`` nodes in ``decode_layout``, the KV
+    # handed off over the inter-node link (splash.sim.deploy)
+    deployment: str = "colocated"
+    decode_layout: str = "dp_attn"
+    decode_world: int = 8
+    decode_nodes: int = 1
+
+    def __post_init__(self):
+        if self.deployment not in ("colocated", "disaggregated"):
+            raise ValueError(f"deployment must be colocated or disaggregated, got {self.deployment!r}")
+        if self.decode_layout not in LAYOUTS:
+            raise ValueError(f"decode_layout must be one of {', '.join(LAYOUTS)}, got {self.decode_layout!r}")
+        if self.decode_world < 1 or self.decode_nodes < 1:
+            raise ValueError(f"decode_world and decode_nodes must be >= 1, got {self.decode_world}, "
+                             f"{self.decode_nodes}")
 
     @property
     def budget(self) -> float:
@@ -195,9 +211,14 @@ def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bo
     return _balanced_steps(k, input_len, chunk, world)
 
 
-def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int, output_len: int) -> float:
+def prefill_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int) -> float:
+    """Chunked prefill of ``k`` requests of ``input_len`` prompt tokens in ``layout``."""
     steps = _prefill_steps(k, input_len, s.chunk, s.world, s.owner_prefill and layout in ("dp_attn", "dop"))
-    t = sum(step_seconds(cm, s.model, layout, rows) for rows in steps)
+    return sum(step_seconds(cm, s.model, layout, rows) for rows in steps)
+
+
+def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int, output_len: int) -> float:
+    t = prefill_seconds(cm, s, layout, k, input_len)
     if output_len > 0:
         # decode: the step cost grows linearly with context; sample it and integrate (midpoints)
         n = min(DECODE_SAMPLES, output_len)
@@ -215,6 +236,16 @@ def throughput(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, 
         cm.step(layout, [RowLoad(1, 1, 0)])
     except ValueError:
         return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+    if s.deployment == "disaggregated":
+        from splash.sim.deploy import disaggregated_seconds
+        k = min(batch, concurrency(s, caps, layout, input_len))   # the prefill instance holds prompts only
+        if k == 0:
+            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+        try:
+            total = disaggregated_seconds(cm, s, caps, layout, batch, input_len, output_len, k)
+        except ValueError:   # the decode instance holds none of these requests
+            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+        return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}
     k = min(batch, concurrency(s, caps, layout, input_len + output_len))
     if k == 0:
         return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}

@@ -7,9 +7,11 @@ layout's KV holds their whole length (input + output), each step gives every run
 ``auto`` is the engine's scheduler itself (splash.engine.layout_policy.auto.AutoLayout, on the same cost model): at
 each boundary it is asked, as the engine asks it, whether a re-evaluation is due, and if so for its proposal
 over the running and arrived-but-waiting requests (feasible = the live KV fits the layout), vetted with the live
-exposed cost of the manifest planned for the running requests; the replay pays that cost when it switches. Its
-predictions are the replay's own step times and switch costs, so there is nothing to learn online (no
-observations, switch-cost ratio 1, no overhead budget).
+exposed cost of the manifest planned for the running requests; the replay pays that cost when it switches. By
+default its predictions are the replay's own step times and switch costs, so there is nothing to learn online (no
+observations, switch-cost ratio 1, no overhead budget). With a *truth* model (``replay(..., truth=)``,
+splash/sim/model_error.py) the replay charges the truth, auto still plans with the nominal model and is fed every
+step's charged time as the engine feeds it measured ones.
 Decode-only stretches are advanced a few steps at a time at one predicted cost.
 """
 from __future__ import annotations
@@ -105,9 +107,16 @@ class Pool:
         return all(u <= cap for u in self.per_rank(layout, reqs))
 
     def place(self, layout: str, running: list[Req], new: Req) -> bool:
-        """Pick ``new``'s owner (least-loaded rank) and admit it if the layout still fits."""
-        use = self.per_rank("dop", running)
-        new.owner = min(range(self.s.world), key=lambda r: (use[r], r))
+        """Pick ``new``'s owner as the engine's ledger does (KVLedger.pick_owner: the fewest blocks its requests
+        will hold at their end, then the fewest held now, then the fewest requests, then the lowest rank) and
+        admit it if the layout still fits."""
+        T, bs = self.s.world, self.s.block_size
+        ends = self.per_rank("dop", running)
+        now, count = [0] * T, [0] * T
+        for r in running:
+            now[r.owner] += -(-r.cached // bs)
+            count[r.owner] += 1
+        new.owner = min(range(T), key=lambda o: (ends[o], now[o], count[o], o))
         return self.fits(layout, running + [new])
 
 
@@ -146,12 +155,13 @@ class _ReplayModel:
         return self.cm.switch(manifest, mode, step_seconds)
 
 
-def _scheduler(cm, setup, caps, margin: float, clock) -> AutoLayout:
+def _scheduler(cm, setup, caps, margin: float, clock, learn: bool = False) -> AutoLayout:
     allowed = [k for k in LAYOUTS if k in cm.predict([RowLoad(1, 1, 0)])]
     auto = AutoLayout(_ReplayModel(cm, setup), allowed, margin, block_size=setup.block_size, world=setup.world,
                       capacity_blocks={k: caps[k].blocks_per_rank for k in allowed}, max_num_seqs=1 << 20,
                       max_num_batched_tokens=setup.chunk, row=RowLoad, clock=clock, overhead_budget=math.inf)
-    auto.switch_cost = SwitchCorrection(prior_ratio=1.0)   # the replay's switch cost is the model's by construction
+    if not learn:   # the replay's switch cost is the model's by construction: nothing to learn
+        auto.switch_cost = SwitchCorrection(prior_ratio=1.0)
     return auto
 
 
@@ -161,14 +171,22 @@ def _views(running: list[Req], waiting: list[Req]) -> list[ReqView]:
     return out + [ReqView(r.rid, 0, r.input_len, r.output_len, None, running=False) for r in waiting]
 
 
-def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1) -> Result:
+def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1, truth=None,
+           plan=None) -> Result:
+    """Serve ``workload`` in a fixed layout (``mode``) or with ``auto``. Steps and switches are charged with
+    ``truth`` (default: ``cm``); auto plans with ``plan`` (default: ``cm``) and, when the charge differs from
+    its model, learns from what each step was charged (AutoLayout.observe), as the engine learns from measured
+    steps (splash/sim/model_error.py)."""
     import copy
+    charge = truth if truth is not None else cm
+    planner = plan if plan is not None else cm
+    learn = charge is not planner
     pending = copy.deepcopy(workload)
     pool, res = Pool(setup, caps), Result(mode)
     layout = "tp" if mode == "auto" else mode
     running: list[Req] = []
     t = 0.0
-    auto = _scheduler(cm, setup, caps, margin, lambda: t) if mode == "auto" else None
+    auto = _scheduler(planner, setup, caps, margin, lambda: t, learn) if mode == "auto" else None
     steps = 0
     while pending or running:
         while pending and pending[0].arrive <= t and pool.place(layout, running, pending[0]):
@@ -180,10 +198,16 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1)
             continue
         rows = _rows(running, setup.chunk)
         loads = [rl for _, rl in rows]
+        switch_s = 0.0
         if auto is not None:
+            t0, before = t, layout
             layout, t = _auto_boundary(auto, pool, setup, res, layout, t, steps, running,
-                                       [r for r in pending if r.arrive <= t])
-        dt = step_seconds(cm, setup.model, layout, loads)
+                                       [r for r in pending if r.arrive <= t], charge)
+            switch_s = t - t0 if layout != before else 0.0
+        dt = step_seconds(charge, setup.model, layout, loads)
+        if learn and auto is not None:
+            auto.observe(layout, [(rl.new_tokens, rl.context, rl.owner) for rl in loads], dt + switch_s,
+                         switched=switch_s > 0)
         steps += 1
         n = 1
         if all(not r.prefilling for r in running) and not (pending and pending[0].arrive <= t + dt):
@@ -207,8 +231,9 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1)
 
 
 def _auto_boundary(auto: AutoLayout, pool, setup, res: Result, layout: str, t: float, step: int,
-                   running: list[Req], waiting: list[Req]) -> tuple[str, float]:
-    """One step boundary of ``auto``: (the layout to run the step in, the time after any switch)."""
+                   running: list[Req], waiting: list[Req], charge=None) -> tuple[str, float]:
+    """One step boundary of ``auto``: (the layout to run the step in, the time after any switch, charged with
+    ``charge``'s switch cost when given, else the vetted prediction)."""
     views = _views(running, waiting)
     if not auto.due(step, views):
         return layout, t
@@ -217,10 +242,14 @@ def _auto_boundary(auto: AutoLayout, pool, setup, res: Result, layout: str, t: f
     if d.verdict != "switch":
         auto.record(d)
         return layout, t
-    v = auto.record(auto.vet(d, _manifest(setup, layout, d.target, running)))
+    man = _manifest(setup, layout, d.target, running)
+    v = auto.record(auto.vet(d, man))
     if v.verdict != "switch":
         return layout, t
-    t += v.switch_raw_s
+    cost = v.switch_raw_s
+    if charge is not None and hasattr(charge, "switch_factor"):
+        cost *= charge.switch_factor.get((layout, d.target), 1.0)
+    t += cost
     res.switches += 1
     why = v.reason if v.reason.startswith("switch") else f"switch: {v.reason}"
     res.timeline.append((t, f"{layout}→{d.target}", why))
@@ -230,7 +259,8 @@ def _auto_boundary(auto: AutoLayout, pool, setup, res: Result, layout: str, t: f
 def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
     from rich.table import Table
     try:
-        work = load_workload(path)
+        from splash.sim.workloads import BUILTIN, builtin
+        work = builtin(path, 1) if path in BUILTIN else load_workload(path)
     except (OSError, ValueError) as e:
         print(f"splash-sim: {e}")
         return 2

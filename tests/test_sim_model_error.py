@@ -1,0 +1,91 @@
+"""The scheduler under model error (splash/sim/model_error.py): the truth charges steps and switches, auto plans
+with the nominal model and learns from what it was charged, the oracle plans with the truth. Small workloads."""
+import pytest
+
+from splash.costmodel import load_profile
+from splash.costmodel.step_cost import LAYOUTS, CostModel, RowLoad
+from splash.sim import model_error
+from splash.sim.paper import label
+from splash.sim.paper_data import FIGURES
+from splash.sim.presets import load_sim_model
+from splash.sim.serving import SimSetup, capacities, step_seconds
+from splash.sim.trace import Req, replay
+from splash.sim.workloads import agentic, builtin, rl_rollout
+
+
+@pytest.fixture(scope="module")
+def sim():
+    m = load_sim_model("glm-5.3")
+    s = SimSetup(m, load_profile("b200"), 8)
+    return CostModel(m.cfg, 8, s.profile, m.weight_dtype, m.kv_dtype, s.block_size), s, capacities(s)
+
+
+def _work():
+    return [Req(f"a{i}", 0.0, 2000, 24) for i in range(6)] + [Req(f"b{i}", 0.5, 30_000, 16) for i in range(3)]
+
+
+def test_residuals_are_the_held_out_rates_and_primitives():
+    by = {f.key: f for f in FIGURES}
+    rows = [{"figure": label(by["h200.tps.dop.long.min"]), "split": "held_out", "error": 0.1},
+            {"figure": label(by["h200.prim.kv.min"]), "split": "held_out", "error": -0.2},
+            {"figure": label(by["b200.prim.kv.min"]), "split": "fitted", "error": 0.3},      # fitted: not used
+            {"figure": label(by["h200.ratio.dop_cp.long.min"]), "split": "held_out", "error": 0.4},  # a ratio
+            {"figure": label(by["h200.leader.64K.B16"]), "split": "held_out", "error": None}]
+    assert model_error.held_out_residuals(rows) == [0.1, -0.2]
+    with pytest.raises(ValueError):
+        model_error.held_out_residuals(rows[2:])
+
+
+def test_truth_scales_each_layouts_stages(sim):
+    cm, s, _ = sim
+    truth = model_error.draw_truth(cm, [0.5], seed=3)
+    assert set(truth.step_factor.values()) <= {0.5, 1.5} and len(set(truth.step_factor.values())) == 2
+    rows = [RowLoad(1, 4000, i % 8) for i in range(8)]
+    for lay in LAYOUTS:
+        p = cm.step(lay, rows)
+        want = sum(v * truth.step_factor[(lay, k)] for k, v in p.stages.items())
+        assert truth.step(lay, rows).seconds == pytest.approx(want)
+        assert step_seconds(truth, s.model, lay, rows) == pytest.approx(want)   # the replay charges this
+    assert model_error.draw_truth(cm, [0.5], 3).step_factor == truth.step_factor   # seeded
+
+
+def test_replay_charges_the_truth_and_auto_learns(sim):
+    cm, s, caps = sim
+    slow = model_error.TruthModel(cm, {(lay, st): 2.0 for lay in LAYOUTS for st in
+                                       (*model_error.STAGES, *model_error.EXTRA_STAGES)})
+    at_once = [Req(r.rid, 0.0, r.input_len, r.output_len) for r in _work()]   # no idle time to leave unscaled
+    for lay in ("tp", "dp_attn"):
+        nominal = replay(cm, s, caps, at_once, lay)
+        charged = replay(cm, s, caps, at_once, lay, truth=slow)
+        assert charged.total_s == pytest.approx(2 * nominal.total_s, rel=0.02)
+    auto = replay(cm, s, caps, _work(), "auto", truth=slow)
+    assert auto.output_tokens == 6 * 24 + 3 * 16 and auto.total_s > 0
+    # DP-attn alone twice as slow as the model says: the oracle (planning with the truth) never runs in it
+    skew = model_error.TruthModel(cm, {("dp_attn", st): 2.0 for st in model_error.STAGES})
+    oracle = replay(cm, s, caps, _work(), "auto", truth=skew, plan=skew)
+    assert not any("→dp_attn" in what for _, what, _ in oracle.timeline)
+
+
+def test_experiment_reports_auto_fixed_and_oracle(sim):
+    cm, s, caps = sim
+    rows = model_error.experiment(cm, s, caps, lambda seed: _work(), [0.1, -0.3], [1, 2])
+    assert [r["seed"] for r in rows] == [1, 2]
+    for r in rows:
+        v = r["tokens_per_s"]
+        assert set(v) == {"auto", *LAYOUTS, "oracle"}
+        best = max(v[k] for k in LAYOUTS if v[k])
+        assert v[r["best_fixed"]] == best
+        assert r["auto_vs_best"] == pytest.approx(v["auto"] / best)
+        assert r["oracle_vs_best"] == pytest.approx(v["oracle"] / best)
+
+
+def test_builtin_workloads_are_seeded():
+    a, b = rl_rollout(1), rl_rollout(1)
+    assert [(r.input_len, r.output_len) for r in a] == [(r.input_len, r.output_len) for r in b]
+    assert [r.output_len for r in a] != [r.output_len for r in rl_rollout(2)]
+    longs = [r for r in a if r.output_len >= 16_000]
+    assert 0 < len(longs) < len(a) // 4          # many short requests that end as a few long ones
+    ag = agentic(1)
+    assert ag == sorted(ag, key=lambda r: (r.arrive, r.rid)) and max(r.input_len for r in ag) > 80_000
+    with pytest.raises(ValueError, match="rl-rollout"):
+        builtin("nope", 1)

@@ -1,0 +1,107 @@
+"""`splash-sim paper`: the table's computation (errors, tolerances, splits, the leader share, the JSON), on made-up
+values — not the values splash-sim gives (docs/benchmarks.md reports those)."""
+import json
+
+import pytest
+
+from splash.sim import paper
+from splash.sim.paper_data import FIGURES, KINDS, SETUPS, SPLITS, Figure
+
+
+def fig(key, kind, value, hw="b200", probe=("tps", "dop", 16, 1000), setup=""):
+    return Figure(key, hw, "§x", key, value, kind, probe, setup=setup)
+
+
+@pytest.mark.parametrize("kind,paper_v,sim,err,ok", [
+    ("capacity", 100.0, 101.9, 0.019, True), ("capacity", 100.0, 97.9, -0.021, False),
+    ("tokens_per_s", 1000.0, 1240.0, 0.24, True), ("tokens_per_s", 1000.0, 740.0, -0.26, False),
+    ("primitive_ms", 4.0, 3.1, -0.225, True),
+    ("ratio", 1.05, 1.2, 0.1429, True), ("ratio", 1.05, 0.99, -0.0571, False),   # wrong side of 1: DOP trails
+    ("ratio", 0.578, 0.794, 0.3737, False),
+    ("switch_ms", 10.0, 19.9, 0.99, True), ("switch_ms", 10.0, 4.9, -0.51, False), ("switch_ms", 1.0, 0.0, -1.0, False),
+    ("bound_max", 0.0051, 0.005, -0.0196, True), ("bound_max", 0.0051, 0.0052, 0.0196, False),
+    ("count", 12, 8, -4.0, False), ("count", 4, 4, 0.0, True),
+])
+def test_judge_tolerances(kind, paper_v, sim, err, ok):
+    e, w = paper.judge(kind, paper_v, sim)
+    assert e == pytest.approx(err, abs=1e-3) and w is ok
+
+
+def test_judge_leader_and_missing():
+    assert paper.judge("leader", "dop", "dop") == (None, True)
+    assert paper.judge("leader", "dop", "cp") == (None, False)
+    assert paper.judge("tokens_per_s", 1.0, None) == (None, False)   # not expressible: never within
+    with pytest.raises(ValueError):
+        paper.judge("nope", 1.0, 1.0)
+
+
+def test_table_leader_share_split_and_keys():
+    leaders = [fig(f"l{i}", "leader", "dop", probe=("leader", 16, 1000)) for i in range(5)]
+    share = fig("share", "leader_share", 5, probe=("leaders", [f.key for f in leaders]))
+    held = fig("h", "tokens_per_s", 100.0, hw="h200")
+    values = {"l0": "dop", "l1": "dop", "l2": "dop", "l3": "dop", "l4": "cp", "h": 130.0}
+    rows = paper.table([*leaders, share, held], values)
+    assert [set(r) for r in rows] == [{"figure", "paper", "sim", "error", "split", "within"}] * 7
+    assert rows[5]["sim"] == 4 and rows[5]["within"] is True          # 4 of 5 = 80%
+    rows = paper.table([*leaders, share], {**values, "l3": "tp"})
+    assert rows[5]["sim"] == 3 and rows[5]["within"] is False         # 60%
+    rows = paper.table([held], values)
+    assert rows[0]["split"] == "held_out" and rows[0]["within"] is False and rows[0]["error"] == pytest.approx(0.3)
+    assert paper.table([fig("c", "capacity", 4.0, setup="bw1000_colocated")], {"c": 4.0})[0]["split"] == "held_out"
+    assert paper.summary(paper.table([*leaders, held], values)) == {"fitted": (4, 5), "held_out": (0, 1)}
+
+
+def test_figures_are_well_formed():
+    """Every figure has a known kind and probe; B200's are the fitted ones, H200's and DCU's held out; the
+    leader shares name leader rows that exist."""
+    keys = {f.key for f in FIGURES}
+    assert len(keys) == len(FIGURES)
+    for f in FIGURES:
+        assert f.kind in KINDS and (f.setup or f.hardware) in SETUPS
+        assert SETUPS[f.setup or f.hardware].split == ("fitted" if f.hardware == "b200" else "held_out")
+        if f.kind == "leader_share":   # counted from rows judged before it
+            before = {g.key for g in FIGURES[:FIGURES.index(f)]}
+            assert set(f.probe[1]) <= before
+            named = [g for g in FIGURES if g.key in f.probe[1]]
+            assert len(named) == f.paper and all(g.kind == "leader" and g.hardware == f.hardware for g in named)
+    assert {s.split for s in SETUPS.values()} == set(SPLITS)
+    assert {f.hardware for f in FIGURES} == {"b200", "h200", "bw1000"}
+
+
+def test_paper_cli_writes_rows(tmp_path, monkeypatch, capsys):
+    """The subcommand prints the table and writes {'rows': [...]}; the simulation is replaced by fixed values."""
+    from splash.sim.cli import main
+    figs = [fig("a", "tokens_per_s", 100.0), fig("b", "leader", "tp", hw="h200", probe=("leader", 1, 1))]
+    monkeypatch.setattr(paper, "FIGURES", figs)
+    monkeypatch.setattr(paper, "simulate", lambda fs, progress=None, scale=None: {"a": 90.0, "b": "dop"})
+    out = tmp_path / "paper.json"
+    assert main(["paper", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fitted: 1 of 1" in text and "held_out: 0 of 1" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0] == {"figure": "B200 §x: a", "paper": 100.0, "sim": 90.0, "error": pytest.approx(-0.1),
+                       "split": "fitted", "within": True}
+    assert rows[1]["within"] is False and rows[1]["error"] is None
+    assert main(["paper", "--only", "h200"]) == 0 and "held_out: 0 of 1" in capsys.readouterr().out
+    assert main(["paper", "--only", "nope"]) == 2
+
+
+def test_evaluator_capacity_probes():
+    """The cheap probes run through the real model (capacity, resident requests, the scenario)."""
+    ev = paper.Evaluator(SETUPS["b200"])
+    assert ev.evaluate(("capacity_ratio", "dop", "dp_attn")) > 1.0
+    assert ev.evaluate(("resident", "dop", 16, 512_000, 1024)) == 16
+    lim = {k: ev.evaluate(("scenario_limit", k)) for k in ("tp", "dp_attn", "cp", "dop")}
+    assert lim["dop"] > lim["cp"] == lim["dp_attn"] > lim["tp"] > 0
+
+
+def test_scale_option():
+    assert paper.parse_scale(["attention_flops_per_s=0.5", "link_bytes_per_s=2"]) == {
+        "attention_flops_per_s": 0.5, "link_bytes_per_s": 2.0}
+    for bad in (["nope=1"], ["attention_flops_per_s"], ["attention_flops_per_s=x"], ["name=2"]):
+        with pytest.raises(ValueError):
+            paper.parse_scale(bad)
+    base = paper.Evaluator(SETUPS["b200"])
+    half = paper.Evaluator(SETUPS["b200"], {"memory_bytes": 0.5})
+    assert half.profile.memory_bytes == base.profile.memory_bytes / 2
+    assert half.evaluate(("capacity", "dop", "distinct")) < base.evaluate(("capacity", "dop", "distinct"))
