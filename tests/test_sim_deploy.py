@@ -8,7 +8,8 @@ from splash.costmodel import load_profile
 from splash.costmodel.step_cost import CostModel
 from splash.sim import deploy
 from splash.sim.presets import load_sim_model
-from splash.sim.serving import SimSetup, capacities, prefill_seconds, throughput
+from splash.sim.deploy import throughput
+from splash.sim.serving import SimSetup, capacities, prefill_seconds
 
 
 def _setup(**kw):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from splash.config.yaml_loader import read_yaml_mapping, unknown_key_error
+from splash.layouts.layout import LAYOUT_NAMES
 from splash.models.config import ConfigError
 
 GEMM_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
@@ -291,15 +292,15 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     if "step_overhead_layout_s" in raw:
         v = _mapping(where, "step_overhead_layout_s", raw["step_overhead_layout_s"])
         for lay in v:
-            if lay not in ("tp", "dp_attn", "cp", "dop"):
-                raise unknown_key_error(lay, f"{where}: step_overhead_layout_s", ("tp", "dp_attn", "cp", "dop"), {})
+            if lay not in LAYOUT_NAMES:
+                raise unknown_key_error(lay, f"{where}: step_overhead_layout_s", LAYOUT_NAMES, {})
         kw["step_overhead_layout_s"] = {k: _positive(where, f"step_overhead_layout_s.{k}", x, allow_zero=True)
                                         for k, x in v.items()}
     if "prefill_attention_factor" in raw:
         v = _mapping(where, "prefill_attention_factor", raw["prefill_attention_factor"])
         for lay in v:
-            if lay not in ("tp", "dp_attn", "cp", "dop"):
-                raise unknown_key_error(lay, f"{where}: prefill_attention_factor", ("tp", "dp_attn", "cp", "dop"), {})
+            if lay not in LAYOUT_NAMES:
+                raise unknown_key_error(lay, f"{where}: prefill_attention_factor", LAYOUT_NAMES, {})
         kw["prefill_attention_factor"] = {k: _positive(where, f"prefill_attention_factor.{k}", x)
                                           for k, x in v.items()}
     if "extra" in raw:

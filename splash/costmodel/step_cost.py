@@ -16,7 +16,7 @@ from splash.costmodel.profile import HardwareProfile
 from splash.costmodel.switch_cost import (kv_layer_seconds, live_exposed_seconds, logical_kv_bytes_layer,
                                           weight_layer_seconds)
 from splash.costmodel.work import STAGES, Piece, Shapes, Work, dense_ffn_work, layer_work, step_extra
-from splash.layouts.layout import parse_layout
+from splash.layouts.layout import check_heads, parse_layout
 from splash.layouts.memory import kv_bytes_per_token_layer
 from splash.layouts.ownership import assign_owners
 from splash.models.config import ModelConfig
@@ -169,9 +169,8 @@ class CostModel:
         return secs, total
 
     def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
+        check_heads(layout, self.cfg.num_attention_heads, self.world)
         layout = parse_layout(layout).value
-        if layout in ("tp", "dop") and self.cfg.num_attention_heads % self.world:
-            raise ValueError(f"{layout}: world {self.world} does not divide {self.cfg.num_attention_heads} heads")
         pieces = self.pieces(rows)
         per = [self._rank_stages(layout, pieces, r) for r in range(self.world)]
         totals = tuple(sum(s.values()) for s, _ in per)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from splash.costmodel.attn_rows import row_attention
 from splash.costmodel.op_counts import EAGER, ops
 from splash.costmodel.cp_placement import cp_keys_here, cp_new_rows_here  # noqa: F401 (re-exported)
+from splash.layouts.layout import KV_ALL, KV_POSITION, Layout, parse_layout
 from splash.models.config import ModelConfig
 
 STAGES = ("plan", "qkv_a", "q_b_absorb", "indexer", "attention", "uv_o", "exchange", "ffn", "ffn_all_reduce",
@@ -208,7 +209,9 @@ def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: flo
 
 def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
     """Per-stage work of one layer on ``rank``."""
-    if layout == "cp" and s.cp_prefill == "split" and s.world > 1 and any(p.new > 1 for p in pieces):
+    layout = parse_layout(layout)
+    kv = layout.kv_ownership
+    if kv == KV_POSITION and s.cp_prefill == "split" and s.world > 1 and any(p.new > 1 for p in pieces):
         return _cp_split_layer(s, pieces, rank, moe)
     cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
     H, Hl = cfg.num_attention_heads, s.heads_local
@@ -219,12 +222,13 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     mine = [p for p in pieces if p.owner == rank]
     n_own = sum(p.new for p in mine)
     st = {k: Work() for k in STAGES}
-    q_rows = n_own if layout == "dp_attn" else N
-    heads = Hl if layout in ("tp", "dop") else H
-    if layout == "cp":
+    # DP-attn projects only its own requests' rows (replicated weights); the others every row, for their heads
+    q_rows = n_own if layout is Layout.DP_ATTN else N
+    heads = Hl if layout.shards_projections else H
+    if kv == KV_POSITION:
         kv_rows = sum(cp_new_rows_here(p, rank, T, s.bs) for p in pieces)
     else:
-        kv_rows = N if layout == "tp" else n_own
+        kv_rows = N if kv == KV_ALL else n_own
     if cfg.q_lora_rank:
         _gemm(st["qkv_a"], q_rows, hid, q_in, wb, ab)
     _gemm(st["qkv_a"], kv_rows, hid, dc + dr, wb, ab)
@@ -232,19 +236,19 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     _gemm(st["q_b_absorb"], q_rows, q_in, heads * (dn + dr), wb, ab)
     _gemm(st["q_b_absorb"], q_rows, dn, heads * dc, wb, ab)   # W_UK absorb (bmm per head)
     st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", layout)
-    if layout == "tp":
+    if kv == KV_ALL:
         held = [(p, p.end, -(-p.end // s.bs)) for p in pieces]
-    elif layout == "cp":
+    elif kv == KV_POSITION:
         held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
     else:
         held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     att_rows = sum(p.new for p, _, _ in held)
     # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
     # CP: a chunk's row sees its history here plus the chunk's own positions homed here before it
-    new_here = [cp_new_rows_here(p, rank, T, s.bs) for p in pieces] if layout == "cp" else None
-    _attention(s, st["attention"], held, H if layout == "dop" else heads, new_here)
+    new_here = [cp_new_rows_here(p, rank, T, s.bs) for p in pieces] if kv == KV_POSITION else None
+    _attention(s, st["attention"], held, H if layout is Layout.DOP else heads, new_here)
     _indexer(s, st["indexer"], held, q_rows)
-    o_rows = n_own if layout == "dp_attn" else N
+    o_rows = n_own if layout is Layout.DP_ATTN else N
     _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
     _gemm(st["uv_o"], o_rows, heads * dv, hid, wb, ab)       # O
     st["uv_o"].ops += ops(s.fused, "uv_o", layout)
@@ -317,12 +321,13 @@ def _exchange(s: Shapes, w: Work, layout: str, N: int, n_own: int, att_rows: int
     if T == 1:
         return
     w.ops += OPS["exchange"][layout]
-    if layout == "tp":
+    layout = parse_layout(layout)
+    if layout is Layout.TP:
         w.exch.append(("all_reduce", N * hid * ab))
-    elif layout == "dp_attn":
+    elif layout is Layout.DP_ATTN:
         w.exch.append(("all_gather", N * hid * ab))
         w.act_bytes += 2 * N * hid * ab
-    elif layout == "cp":
+    elif layout is Layout.CP:
         part = N * (H * dc * ab + H * 4.0)  # partial output + fp32 LSE
         w.exch.append(("all_gather", T * part))
         w.act_bytes += 4 * T * part  # pack, logsumexp weights, weighted sum

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_points(cm, setup, caps, batches, input_lens, output_len) -> list[dict]:
-    from splash.sim.serving import throughput
+    from splash.sim.deploy import throughput
     points = []
     for b in batches:
         for n in input_lens:
@@ -199,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return experiment_cli(console, cm, setup, caps, a.trace, a.truth_error, seeds, a.margin, a.json)
     if a.trace:
-        from splash.sim.trace import replay_cli
         return replay_cli(console, cm, setup, caps, a.trace, a.margin)
     points = run_points(cm, setup, caps, a.batch_sizes, a.input_lens, a.output_len)
     print_points(console, points, title)
@@ -209,6 +208,40 @@ def main(argv: list[str] | None = None) -> int:
         out = {"points": [{k: v for k, v in p.items() if not k.startswith("_")} for p in points],
                "kv_capacity_tokens": {k: caps[k].distinct_tokens for k in LAYOUTS}}
         Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
+    from rich.table import Table
+
+    from splash.costmodel.step_cost import LAYOUTS
+    from splash.sim.trace import load_workload, replay
+    from splash.sim.workloads import BUILTIN, builtin
+    try:
+        work = builtin(path, 1) if path in BUILTIN else load_workload(path)
+    except (OSError, ValueError) as e:
+        print(f"splash-sim: {e}")
+        return 2
+    results = [replay(cm, setup, caps, work, "auto", margin)]
+    for lay in LAYOUTS:
+        try:
+            results.append(replay(cm, setup, caps, work, lay, margin))
+        except ValueError as e:
+            console.print(f"{lay}: cannot serve this workload ({e})")
+    auto = results[0]
+    tl = Table(title=f"auto: layout timeline ({auto.switches} switches, margin {margin:.0%})")
+    for col in ("t (s)", "switch", "why"):
+        tl.add_column(col)
+    for when, what, why in auto.timeline:
+        tl.add_row(f"{when:.2f}", what, why)
+    console.print(tl)
+    t = Table(title=f"{path}: {len(work)} requests, predicted")
+    for col in ("mode", "output tok/s", "total s", "switches", "auto vs this"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r.mode, f"{r.output_tokens_per_s:,.1f}", f"{r.total_s:.2f}", str(r.switches),
+                  f"{auto.output_tokens_per_s / r.output_tokens_per_s:.2f}x" if r.output_tokens_per_s else "—")
+    console.print(t)
     return 0
 
 

@@ -20,6 +20,8 @@ import dataclasses
 from splash.costmodel.profile import Collective
 from splash.costmodel.step_cost import CostModel, RowLoad
 from splash.layouts.memory import kv_bytes_per_token_layer
+from splash.sim.serving import (DECODE_SAMPLES, SimSetup, capacities, concurrency, prefill_seconds, step_seconds,
+                                wave_seconds)
 
 # id(SimSetup) -> (setup, decode SimSetup, CostModel, capacities): a sweep prices thousands of points of a few
 # setups, and building a decode instance (capacities, cost-model shapes) is most of a point's cost
@@ -39,7 +41,6 @@ def inter_node_profile(profile):
 
 def decode_instance(s):
     """(decode SimSetup, its CostModel, its capacities), cached per prefill setup."""
-    from splash.sim.serving import capacities
     hit = _DECODE.get(id(s))
     if hit is not None and hit[0] is s:
         return hit[1:]
@@ -66,7 +67,6 @@ def handoff_seconds(s, requests: int, input_len: int) -> float:
 
 def decode_seconds(s, batch: int, input_len: int, output_len: int) -> float:
     """The decode instance generating ``output_len`` tokens for ``batch`` requests of ``input_len`` prompts."""
-    from splash.sim.serving import DECODE_SAMPLES, concurrency, step_seconds
     if output_len <= 0:
         return 0.0
     d, cm, caps = decode_instance(s)
@@ -91,7 +91,6 @@ def decode_seconds(s, batch: int, input_len: int, output_len: int) -> float:
 def disaggregated_seconds(cm, s, caps, layout: str, batch: int, input_len: int, output_len: int,
                           k: int) -> float:
     """End-to-end seconds of ``batch`` requests, ``k`` at once on the prefill instance in ``layout``."""
-    from splash.sim.serving import prefill_seconds
     full, rest = divmod(batch, k)
     waves = [k] * full + ([rest] if rest else [])
     prefill = [prefill_seconds(cm, s, layout, n, input_len) for n in waves]
@@ -102,3 +101,29 @@ def disaggregated_seconds(cm, s, caps, layout: str, batch: int, input_len: int, 
         t += p
         free_at = max(free_at, t) + h
     return free_at + decode_seconds(s, batch, input_len, output_len)
+
+
+def throughput(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, input_len: int,
+               output_len: int) -> dict[str, object]:
+    """{"tokens_per_s", "feasible", "concurrency"} of serving ``batch`` requests in ``layout``."""
+    try:
+        cm.step(layout, [RowLoad(1, 1, 0)])
+    except ValueError:
+        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+    if s.deployment == "disaggregated":
+        k = min(batch, concurrency(s, caps, layout, input_len))   # the prefill instance holds prompts only
+        if k == 0:
+            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+        try:
+            total = disaggregated_seconds(cm, s, caps, layout, batch, input_len, output_len, k)
+        except ValueError:   # the decode instance holds none of these requests
+            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+        return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}
+    k = min(batch, concurrency(s, caps, layout, input_len + output_len))
+    if k == 0:
+        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
+    full, rest = divmod(batch, k)
+    total = full * wave_seconds(cm, s, layout, k, input_len, output_len)
+    if rest:
+        total += wave_seconds(cm, s, layout, rest, input_len, output_len)
+    return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}

@@ -112,7 +112,7 @@ class Evaluator:
 
     # throughput
     def point(self, layout: str, batch: int, input_len: int) -> dict:
-        from splash.sim.serving import throughput
+        from splash.sim.deploy import throughput
         key = (layout, batch, input_len)
         if key not in self._tps:
             self._tps[key] = throughput(self.cm, self.sim, self.caps, layout, batch, input_len, self.setup.output_len)

@@ -9,13 +9,14 @@ input token in TP and ⌈B / T⌉ in the other three; KV bytes per token are the
 """
 from __future__ import annotations
 
+from splash.layouts.layout import KV_ALL, kv_ownership_of
 from splash.layouts.memory import kv_bytes_per_token_layer, projection_bytes_per_rank
 from splash.sim.paper_data import SCENARIO
 
 
 def kv_tokens_per_input_token(layout: str, batch: int, world: int) -> int:
     """KV tokens one rank holds per input token of each of ``batch`` balanced requests."""
-    return batch if layout == "tp" else -(-batch // world)
+    return batch if kv_ownership_of(layout) == KV_ALL else -(-batch // world)
 
 
 def scenario_limit(model, layout: str, batch: int = SCENARIO["batch"], world: int = SCENARIO["world"],

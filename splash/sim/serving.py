@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 from splash.costmodel.profile import HardwareProfile
 from splash.costmodel.step_cost import ELEM_BYTES, LAYOUTS, CostModel, RowLoad
-from splash.costmodel.work import Shapes, Work, expected_active_experts
+from splash.costmodel.work import Shapes, Work
+from splash.layouts.layout import KV_OWNER, KV_POSITION, kv_ownership_of, parse_layout
 from splash.layouts.memory import common_params, kv_capacity_tokens
+from splash.layouts.ownership import kv_copies
 from splash.sim.presets import SimModel
 from splash.sim.storage import RUNTIME_RESERVE_BYTES, kv_share, storage_delta_bytes
 
@@ -104,7 +106,7 @@ def capacities(s: SimSetup) -> dict[str, object]:
         if share < 1.0:
             room = c.room_bytes_per_rank * share
             per_rank = int(room // c.block_bytes)
-            distinct = per_rank if lay == "tp" else s.world * per_rank
+            distinct = per_rank * s.world // kv_copies(lay, s.world)
             c = dataclasses.replace(c, room_bytes_per_rank=room, blocks_per_rank=per_rank, distinct_blocks=distinct,
                                     distinct_tokens=distinct * s.block_size)
         out[lay] = c
@@ -115,9 +117,10 @@ def concurrency(s: SimSetup, caps: dict, layout: str, tokens: int) -> int:
     """Requests of ``tokens`` KV tokens the layout holds at once."""
     c = caps[layout]
     blocks = -(-tokens // s.block_size)
-    if layout in ("dp_attn", "dop"):
+    kv = kv_ownership_of(layout)
+    if kv == KV_OWNER:
         return s.world * (c.blocks_per_rank // blocks)
-    if layout == "cp":
+    if kv == KV_POSITION:
         per_rank = -(-blocks // s.world)  # block round-robin: a request takes up to ceil(blocks / T) on every rank
         return c.blocks_per_rank // per_rank if per_rank else 0
     return c.blocks_per_rank // blocks
@@ -213,7 +216,7 @@ def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bo
 
 def prefill_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int) -> float:
     """Chunked prefill of ``k`` requests of ``input_len`` prompt tokens in ``layout``."""
-    steps = _prefill_steps(k, input_len, s.chunk, s.world, s.owner_prefill and layout in ("dp_attn", "dop"))
+    steps = _prefill_steps(k, input_len, s.chunk, s.world, s.owner_prefill and parse_layout(layout).owner_based)
     return sum(step_seconds(cm, s.model, layout, rows) for rows in steps)
 
 
@@ -227,30 +230,3 @@ def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int
             ctx = input_len + int((i + 0.5) * per)
             t += per * step_seconds(cm, s.model, layout, [RowLoad(1, ctx, j % s.world) for j in range(k)])
     return t
-
-
-def throughput(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, input_len: int,
-               output_len: int) -> dict[str, object]:
-    """{"tokens_per_s", "feasible", "concurrency"} of serving ``batch`` requests in ``layout``."""
-    try:
-        cm.step(layout, [RowLoad(1, 1, 0)])
-    except ValueError:
-        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-    if s.deployment == "disaggregated":
-        from splash.sim.deploy import disaggregated_seconds
-        k = min(batch, concurrency(s, caps, layout, input_len))   # the prefill instance holds prompts only
-        if k == 0:
-            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-        try:
-            total = disaggregated_seconds(cm, s, caps, layout, batch, input_len, output_len, k)
-        except ValueError:   # the decode instance holds none of these requests
-            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-        return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}
-    k = min(batch, concurrency(s, caps, layout, input_len + output_len))
-    if k == 0:
-        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-    full, rest = divmod(batch, k)
-    total = full * wave_seconds(cm, s, layout, k, input_len, output_len)
-    if rest:
-        total += wave_seconds(cm, s, layout, rest, input_len, output_len)
-    return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}

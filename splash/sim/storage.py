@@ -26,6 +26,8 @@ the memory fraction). No source gives it; it is the one figure derived from the 
 """
 from __future__ import annotations
 
+from splash.layouts.layout import Layout, parse_layout
+
 STORAGES = ("sglang", "engine")
 STATE_POOL_RATIO = 0.9          # SGLang ServerArgs.mamba_full_memory_ratio default
 RUNTIME_RESERVE_BYTES = float(3.2 * (1 << 30))
@@ -48,10 +50,11 @@ def storage_delta_bytes(cfg, layout: str, world: int, storage: str) -> float:
     emb = cfg.vocab_size * cfg.hidden_size * _BF16
     tables = 1 if cfg.tie_word_embeddings else 2
     delta = -tables * emb * (T - 1) / T                      # vocabulary-parallel embedding and LM head
-    if layout == "dp_attn":
+    lay = parse_layout(layout)
+    if lay is Layout.DP_ATTN:
         delta += emb * (T - 1) / T                           # ... but DP-attention replicates the embedding
     absorb = absorb_copy_bytes(cfg) * cfg.num_hidden_layers
-    delta += absorb / T if layout in ("tp", "dop") else absorb
+    delta += absorb / T if lay.shards_projections else absorb
     return delta
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from splash.costmodel.step_cost import EXCHANGE_STAGES, LAYOUTS, RowLoad
+from splash.layouts.layout import parse_layout
 from splash.switching.manifest import ReqState, plan_switch
 
 
@@ -10,7 +11,7 @@ def switch_step_rows(layout: str, batch: int, tokens: int, chunk: int, world: in
     (the paper's switch study holds B = 16 requests of 256K tokens, where steps are long-context prefill chunks),
     split over the owners in DP-attn/DOP as splash-sim's prefill is (serving._balanced_steps), one request's chunk
     in TP/CP."""
-    if layout in ("dp_attn", "dop"):
+    if parse_layout(layout).owner_based:
         owners = min(batch, world)
         return [RowLoad(chunk // owners, tokens, o) for o in range(owners)]
     return [RowLoad(chunk, tokens, 0)]

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from splash.costmodel.step_cost import LAYOUTS, RowLoad
+from splash.layouts.ownership import blocks_held
 from splash.engine.layout_policy.correction import SwitchCorrection
 from splash.engine.layout_policy.auto import AutoLayout, ReqView
 from splash.sim.serving import step_seconds
@@ -90,16 +91,11 @@ class Pool:
         self.s, self.caps = setup, caps
 
     def per_rank(self, layout: str, reqs: list[Req]) -> list[int]:
+        """Blocks each rank holds when `reqs` run to their end (the ownership model's count)."""
         T, bs = self.s.world, self.s.block_size
         use = [0] * T
         for r in reqs:
-            nb = -(-r.total // bs)
-            if layout == "tp":
-                use = [u + nb for u in use]
-            elif layout == "cp":
-                use = [u + -(-nb // T) for u in use]
-            else:
-                use[r.owner] += nb
+            use = [u + n for u, n in zip(use, blocks_held(layout, r.owner, 0, -(-r.total // bs), T))]
         return use
 
     def fits(self, layout: str, reqs: list[Req]) -> bool:
@@ -254,34 +250,3 @@ def _auto_boundary(auto: AutoLayout, pool, setup, res: Result, layout: str, t: f
     why = v.reason if v.reason.startswith("switch") else f"switch: {v.reason}"
     res.timeline.append((t, f"{layout}→{d.target}", why))
     return d.target, t
-
-
-def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
-    from rich.table import Table
-    try:
-        from splash.sim.workloads import BUILTIN, builtin
-        work = builtin(path, 1) if path in BUILTIN else load_workload(path)
-    except (OSError, ValueError) as e:
-        print(f"splash-sim: {e}")
-        return 2
-    results = [replay(cm, setup, caps, work, "auto", margin)]
-    for lay in LAYOUTS:
-        try:
-            results.append(replay(cm, setup, caps, work, lay, margin))
-        except ValueError as e:
-            console.print(f"{lay}: cannot serve this workload ({e})")
-    auto = results[0]
-    tl = Table(title=f"auto: layout timeline ({auto.switches} switches, margin {margin:.0%})")
-    for col in ("t (s)", "switch", "why"):
-        tl.add_column(col)
-    for when, what, why in auto.timeline:
-        tl.add_row(f"{when:.2f}", what, why)
-    console.print(tl)
-    t = Table(title=f"{path}: {len(work)} requests, predicted")
-    for col in ("mode", "output tok/s", "total s", "switches", "auto vs this"):
-        t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(r.mode, f"{r.output_tokens_per_s:,.1f}", f"{r.total_s:.2f}", str(r.switches),
-                  f"{auto.output_tokens_per_s / r.output_tokens_per_s:.2f}x" if r.output_tokens_per_s else "—")
-    console.print(t)
-    return 0
