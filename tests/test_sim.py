@@ -1,4 +1,5 @@
 """splash-sim: presets, capacity reading, CLI flags and JSON schema; the pure packages import without torch."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -180,16 +181,38 @@ def test_owner_prefill_splits_the_budget_evenly():
     assert {r.owner for r in plain[0]} == {0, 1, 2, 3}  # admission order: requests 0-3 (4 owners) fill the budget
 
 
-def test_trace_places_owners_as_the_engine_ledger():
-    """Equal end loads: the owner holding fewer blocks now wins, then fewer requests, then the lower rank."""
-    from splash.sim.trace import Pool, Req
+def test_trace_runs_the_engines_scheduler():
+    """A fixed-layout trace is the engine's `Scheduler` and `KVLedger` on a predicted clock: the same total time
+    (within the pricing of decode runs at their middle) and tokens as running them one step at a time, charging
+    each step's predicted seconds — here at a pool small enough that DP-attn must preempt."""
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.engine.ledger import KVLedger
+    from splash.engine.scheduler import Request, Scheduler
+    from splash.sim.serving import step_seconds
+    from splash.sim.trace import Req, replay
     m = load_sim_model("glm-5.3")
-    s = SimSetup(m, load_profile("b200"), 8)
-    pool = Pool(s, capacities(s))
-    busy = [Req(f"x{o}", 0, 50_000, 1000, owner=o) for o in range(2, 8)]   # ranks 2-7 will hold more
-    a, b = Req("a", 0, 1000, 1000, owner=0, cached=1000), Req("b", 0, 1000, 1000, owner=1, cached=64)
-    new = Req("n", 0, 10, 10)
-    assert pool.place("dop", [*busy, a, b], new) and new.owner == 1
-    a.cached = b.cached = 64
-    c = Req("c", 0, 0, 0, owner=1)
-    assert pool.place("dop", [*busy, a, b, c], new) and new.owner == 0
+    prof = load_profile("b200")
+    s = SimSetup(m, prof, 8)
+    caps = capacities(s)
+    cm = CostModel(m.cfg, 8, prof, m.weight_dtype, m.kv_dtype, s.block_size)
+    bs = s.block_size
+    small = {k: dataclasses.replace(c, blocks_per_rank=6000 // bs) for k, c in caps.items()}
+    work = [Req(f"r{i:02d}", 0.0, 2000 + 200 * i, 300 + 70 * i) for i in range(12)]   # in arrival order
+    for lay in ("dp_attn", "tp"):
+        blocks = {k: small[k].blocks_per_rank for k in LAYOUTS}
+        sched = Scheduler(KVLedger(8, max(blocks.values()), bs, lay, blocks), 1 << 20, s.chunk)
+        for r in work:
+            sched.add(Request(r.rid, range(r.input_len), r.output_len))
+        t = tokens = 0
+        while sched.running or sched.waiting:
+            plan = sched.schedule()
+            t += step_seconds(cm, m, lay, [RowLoad(len(i.tokens), i.start_pos, i.owner, samples=i.sample)
+                                           for i in plan.items])
+            sampled = {i.req_id: -1 for i in plan.items if i.sample}
+            tokens += len(sampled)
+            sched.update(plan, sampled)
+        got = replay(cm, s, small, work, lay)
+        assert got.output_tokens == tokens == sum(r.output_len for r in work)
+        assert got.total_s == pytest.approx(t, rel=0.01)
+        if lay == "dp_attn":
+            assert sched.num_preemptions > 0

@@ -112,10 +112,7 @@ class Engine:
     def _switch_decision(self) -> SwitchPlan | None:
         s = self.scheduler
         kv = {r.req_id: r.num_cached for r in s.running if r.num_cached > 0}
-        # blocks the handoff step itself may append per rank: its tokens in whole blocks + one partial per request
-        pending = sum(r.pending for r in s.running) + sum(r.num_tokens for r in s.waiting)
-        reserve = -(-min(s.budget, pending) // self.runner.block_size) + min(
-            len(s.running) + len(s.waiting), s.max_num_seqs)
+        reserve = s.handoff_reserve_blocks()
         choice = None
         if self.control.layout_mode == "auto" and self.auto is not None:
             try:

@@ -190,6 +190,13 @@ class Scheduler:
         self._release = []
         return plan
 
+    def handoff_reserve_blocks(self) -> int:
+        """Blocks per rank the step that carries a layout switch may append: its tokens in whole blocks, plus a
+        partial one per request it may touch (the switch's headroom rule counts them)."""
+        pending = sum(r.pending for r in self.running) + sum(r.num_tokens for r in self.waiting)
+        bs = self.ledger.block_size
+        return -(-min(self.budget, pending) // bs) + min(len(self.running) + len(self.waiting), self.max_num_seqs)
+
     def steady_decode_steps(self, limit: int) -> int:
         """How many of the next steps (at most `limit`) `schedule` would only give each running request its next
         decode token — admitting, finishing, chunking and preempting nobody — so `advance_decode` may apply them at
