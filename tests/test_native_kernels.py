@@ -138,6 +138,7 @@ def test_packed_linear_and_row_ops_match_torch():
     h = torch.randn(7, 32, generator=g) * 4
     ref = torch.nn.functional.silu(h[:, :16]) * h[:, 16:]
     assert torch.allclose(ops.swiglu(h, 16), ref, atol=1e-5, rtol=1e-5)
+    assert ops.swiglu(h, 16, limit=10.0) is None   # swiglu_limit: torch's
     assert ops.swiglu(h.bfloat16(), 16) is None and ops.rms_norm(xs.T, nw[:9], 1e-6) is None   # torch's then
 
 
@@ -155,9 +156,9 @@ def test_native_decode_refuses_a_page_outside_the_pool():
 
 @needs_native
 @pytest.mark.parametrize("E,G,tg,k", [(16, 4, 2, 4), (256, 8, 4, 8), (64, 1, 1, 6)])
-def test_moe_route_sort_combine_match_torch(E, G, tg, k, monkeypatch):
-    """DeepSeek-V3 routing, the experts' row order and the weighted scatter back: the kernels against the torch
-    expressions they replace (the same experts; weights within an ulp, as their sum runs in another order)."""
+def test_moe_route_sort_match_torch(E, G, tg, k, monkeypatch):
+    """DeepSeek-V3 routing and the experts' row order: the kernels against the torch expressions they replace
+    (the same experts; weights within an ulp, as their sum runs in another order)."""
     import types
 
     from splash.models import ffn
@@ -166,11 +167,10 @@ def test_moe_route_sort_combine_match_torch(E, G, tg, k, monkeypatch):
                                 routed_scaling_factor=2.5, n_routed_experts=E)
     g = torch.Generator().manual_seed(E)
     w = types.SimpleNamespace(router=torch.randn(E, 64, generator=g), bias=torch.randn(E, generator=g) * 0.1)
-    x, ys = torch.randn(37, 64, generator=g), torch.randn(37 * k, 32, generator=g)
+    x = torch.randn(37, 64, generator=g)
     fast = [ffn.route(cfg, w, x)]
     fast += [ffn._expert_order(cfg, *fast[0])]
-    fast += [ops.moe_combine(ys, fast[1][1], fast[1][2], 37)]
-    for name in ("moe_route", "moe_sort", "moe_combine"):
+    for name in ("moe_route", "moe_sort"):
         monkeypatch.setattr(ops, name, lambda *a: None)
     idx, wt = ffn.route(cfg, w, x)
     (i1, o1), (i2, o2) = fast[0][0].sort(-1), idx.sort(-1)
@@ -178,7 +178,6 @@ def test_moe_route_sort_combine_match_torch(E, G, tg, k, monkeypatch):
     torch.testing.assert_close(fast[0][1].gather(1, o1), wt.gather(1, o2), rtol=3e-7, atol=0)
     order = ffn._expert_order(cfg, *fast[0])
     assert all(torch.equal(a, b) for a, b in zip(fast[1], order))
-    assert torch.equal(fast[2], torch.zeros(37, 32).index_add_(0, order[1], ys * order[2][:, None]))
 
 
 PACKABLE = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
@@ -230,7 +229,7 @@ def test_packed_projections_fused_and_moved(monkeypatch):
 
 @needs_native
 def test_fused_moe_and_mlp_match_unfused(monkeypatch):
-    """moe_experts (gather, both expert GEMMs, SwiGLU, weighted sum) and mlp_packed give the unfused path's bits."""
+    """moe_experts (gather, both expert GEMMs, SwiGLU, weighted sum) gives the unfused path's bits."""
     import types
 
     from splash.models import ffn
@@ -248,5 +247,55 @@ def test_fused_moe_and_mlp_match_unfused(monkeypatch):
     x = r(37, H)
     fused = ffn.moe(cfg, w, x)
     monkeypatch.setattr(ops, "moe_experts", lambda *a: None)
-    monkeypatch.setattr(ops, "mlp_packed", lambda *a: None)
     assert torch.equal(fused, ffn.moe(cfg, w, x))
+
+
+@needs_native
+def test_wrong_arguments_are_errors_not_memory_corruption():
+    """Each kernel checks its arguments before C sees a pointer: a wrongly shaped, typed, strided or ranged argument
+    is a ValueError naming the op (the schema rejects a wrong kind of argument), not a read past a buffer."""
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    ops = torch.ops.splash
+    from splash.native import ops as _registered  # noqa: F401
+    x, cos, sin = r(4, 64), r(4, 8), r(4, 8)
+    bad = [
+        (lambda: ops.rms_norm(x, r(56), 1e-6), "weight must have 64"),                 # norm weight too short
+        (lambda: ops.rms_norm(x.double(), r(64).double(), 1e-6), "float32"),
+        (lambda: ops.rope(r(4, 2, 16), r(3, 8), r(3, 8), True), r"cos must be \[4, 8\]"),   # fewer rows of cos
+        (lambda: ops.swiglu(r(4, 20)), "multiple of 8"),
+        (lambda: ops.moe_route(r(4, 16), r(8), 4, 2, 4, True, 1.0), "bias must have 16"),
+        (lambda: ops.moe_sort(torch.tensor([[0, 99]]), r(1, 2), 16), r"experts in \[0, 16\)"),
+        (lambda: ops.uv_heads(r(4, 2, 32), r(2, 16, 16)), r"uv_t must be \[2, 32"),
+        (lambda: ops.absorb_rope(r(4, 2, 24), r(2, 8, 32), cos, sin, 16, True), r"w_uk must be \[2, 16"),
+        (lambda: ops.linear_packed(x, r(3, 40, 16)), r"packed \[..., N/16, 64, 16\]"),   # K mismatch
+        (lambda: ops.grouped_gemm(x, r(2, 3, 64, 16), torch.tensor([3, 9])), "sum to at most"),
+        (lambda: ops.grouped_gemm(x, r(2, 3, 64, 16), torch.tensor([3, 1], dtype=torch.int32)), "int64"),
+        (lambda: ops.moe_experts(x, torch.tensor([0, 7]), torch.tensor([1, 1]), r(2), r(2, 2, 64, 16),
+                                 r(2, 4, 16, 16)), r"tok must lie in \[0, 4\)"),
+        (lambda: ops.mla_project(x, r(2, 64, 16), r(16), r(0), r(0), r(16), cos, sin, 3, 2, 8, 16, 1e-6, True),
+         r"wa must have 48 output columns"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    with pytest.raises(RuntimeError, match="eps"):   # the schema: eps is a float, not a tensor or a name
+        ops.rms_norm(x, r(64), "1e-6")
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(x, 1e-6)
+
+
+@needs_native
+def test_decode_kernel_checks_its_page_table():
+    """mla_decode's per-row arrays index the page table and the output: a page-table row or a query row past
+    them is refused, and q̃'s two parts must be views with one set of strides."""
+    cache, _, _, _, meta, q = make_state("float32", 4, [(20, 1), (9, 1)])
+    k = TorchMLAKernel(SCALE)
+    k.plan(meta)
+    k.run(0, q[..., :32], q[..., 32:], cache)
+    rows, prow, npg, qpos, pages, logical = k._native_args["args"]
+    args = [rows, prow, npg, qpos, pages, logical, q[..., :32], q[..., 32:], cache.ckv[0], cache.kpe[0], SCALE]
+    for i, t, msg in ((1, prow + pages.shape[0], "page_rows must lie"), (0, rows + 2, "rows must lie"),
+                      (2, npg.long(), "int32"), (6, q[..., :32].contiguous(), "views of one")):
+        with pytest.raises(ValueError, match=msg):
+            torch.ops.splash.mla_decode(*args[:i], t, *args[i + 1:])

@@ -8,25 +8,27 @@ from __future__ import annotations
 import torch
 
 from splash.models.config import ModelConfig
-from splash.native import ops as native_ops
 from splash.models.linear import bmm, linear
 from splash.models.norm import rms_norm
-from splash.models.rope import Rope
+from splash.models.rope import Rope, rotate
 from splash.models.weights import AttnWeights
+from splash.native import fast_path
 
 
 def _absorb(cfg: ModelConfig, rope: Rope, w: AttnWeights, qa: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> torch.Tensor:
     """Q-A output (normed; x itself without q_lora) [n, q_in] -> absorbed queries q̃ [n, H_local, d_c + d_r]."""
-    n = qa.shape[0]
-    q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_head_dim)
-    uk = w.uk()   # a quantised KV-B dequantises here: once
-    fused = native_ops.absorb_rope(q, uk, cfg.qk_nope_head_dim, cos, sin, rope.interleave)
-    if fused is not None:   # SPLASH's CPU kernel: the same products, written into q̃ in place
-        return fused
-    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q = linear(qa, w.q_b).view(qa.shape[0], len(w.heads), cfg.qk_head_dim)
+    return _absorb_heads(q, w.uk(), cfg.qk_nope_head_dim, cos, sin, rope.interleave)   # w.uk(): dequantised once
+
+
+@fast_path("absorb_rope")
+def _absorb_heads(q: torch.Tensor, uk: torch.Tensor, d_nope: int, cos: torch.Tensor, sin: torch.Tensor,
+                  interleave: bool) -> torch.Tensor:
+    """Q-B's output [n, H, d_nope + d_r] and W_UK [H, d_nope, d_c] -> q̃ = [q_nope · W_UK ; RoPE(q_rope)]."""
+    q_nope, q_pe = q.split([d_nope, q.shape[2] - d_nope], dim=-1)
     q_lat = bmm(q_nope.transpose(0, 1), uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
-    return torch.cat([q_lat, rope.apply(q_pe, cos, sin)], dim=-1)
+    return torch.cat([q_lat, rotate(q_pe, cos, sin, interleave)], dim=-1)
 
 
 def _latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, kv: torch.Tensor, cos: torch.Tensor,
@@ -40,21 +42,28 @@ def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, 
                  sin: torch.Tensor, want_qa: bool = False):
     """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads (and, with `want_qa`,
     the normed Q-A output [n, q_lora] the DSA indexer reads, as a pair)."""
-    fused = native_ops.mla_project(x, w, cfg.qk_nope_head_dim, cfg.rms_norm_eps, cos, sin, rope.interleave, parts=1)
-    if fused is not None:   # SPLASH's CPU kernels: the same steps in one call
-        return fused if want_qa else fused[0]
-    qa = x if w.q_a is None else rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
-    q = _absorb(cfg, rope, w, qa, cos, sin)
+    q, qa = _query(cfg, rope, w, x, cos, sin, parts=1)
     return (q, qa) if want_qa else q
+
+
+@fast_path("mla_project")
+def _query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent_query's (q̃, normed Q-A output); `parts` 1 names these outputs of the fused kernel."""
+    qa = x if w.q_a is None else rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
+    return _absorb(cfg, rope, w, qa, cos, sin), qa
+
+
+@fast_path("mla_project")
+def _new_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _latent(cfg, rope, w, linear(x, w.kv_a), cos, sin)
 
 
 def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, hidden] -> (c_kv [n, d_c] normed latent, k_rope [n, d_r] rotated)."""
-    fused = native_ops.mla_project(x, w, cfg.qk_nope_head_dim, cfg.rms_norm_eps, cos, sin, rope.interleave, parts=2)
-    if fused is not None:
-        return fused
-    return _latent(cfg, rope, w, linear(x, w.kv_a), cos, sin)
+    return tuple(_new_latent(cfg, rope, w, x, cos, sin, parts=2))
 
 
 def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
@@ -66,24 +75,29 @@ def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tens
         return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin), *qa
     if w.qkv_a is None:  # AttnWeights rebuilt elsewhere (layout switch): stack once, reuse afterwards
         w.qkv_a = torch.cat([w.q_a, w.kv_a], dim=0)
-    fused = native_ops.mla_project(x, w, cfg.qk_nope_head_dim, cfg.rms_norm_eps, cos, sin, rope.interleave)
-    if fused is not None:   # SPLASH's CPU kernels: the same steps in one call
-        return fused if want_qa else fused[:3]
+    out = _query_and_latent(cfg, rope, w, x, cos, sin, parts=3)
+    return tuple(out) if want_qa else tuple(out[:3])
+
+
+@fast_path("mla_project")
+def _query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+    """(q̃, c_kv, k_rope, normed Q-A output) with Q-A and KV-A as one GEMM."""
     qa, kv = linear(x, w.qkv_a).split([w.q_a.shape[0], w.kv_a.shape[0]], dim=-1)
     qa = rms_norm(qa, w.q_a_norm, cfg.rms_norm_eps)
-    q = _absorb(cfg, rope, w, qa, cos, sin)
-    return (q, *_latent(cfg, rope, w, kv, cos, sin), *((qa,) if want_qa else ()))
+    return (_absorb(cfg, rope, w, qa, cos, sin), *_latent(cfg, rope, w, kv, cos, sin), qa)
 
 
 def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     """õ [n, H_local, d_c] -> this rank's partial O output [n, hidden] (sum over ranks for sharded heads)."""
-    n = o_lat.shape[0]
-    uv_t = w.uv_t()
-    o = native_ops.uv_heads(o_lat, uv_t)   # SPLASH's CPU kernel: each head's columns written in place
-    if o is None:
-        o = bmm(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
-        o = o.transpose(0, 1).reshape(n, w.o.shape[1])
-    return linear(o, w.o)
+    return linear(_uv_heads(o_lat, w.uv_t()), w.o)
+
+
+@fast_path("uv_heads")
+def _uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor:
+    """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h: õ_h @ W_UV_hᵀ)."""
+    o = bmm(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
+    return o.transpose(0, 1).reshape(o_lat.shape[0], o_lat.shape[1] * uv_t.shape[2])
 
 
 def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: int,

@@ -65,18 +65,12 @@ def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
     return _mm(x, stack[e].dequant().T)
 
 
+@native.fast_path("grouped_gemm")
 def grouped_packed(x: torch.Tensor, stack: PackedExperts, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` grouped by expert (counts[e] rows each) @ each expert's weightᵀ -> [n, N], through SPLASH's CPU
-    grouped GEMM on the packed stack."""
-    E, N, K = stack.shape
-    x = x.contiguous()
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not native.enabled():
-        # e.g. the thread count changed since load: the plain stack's GEMMs, unpacked per call
-        return grouped_linear(x, stack.unpacked().to(x.dtype), counts)
-    counts = counts.to(torch.int64).contiguous()
-    y = torch.empty(x.shape[0], N, dtype=torch.float32, device=x.device)
-    native.lib().grouped_gemm(x.data_ptr(), K, counts.data_ptr(), E, stack.packed.data_ptr(), N, y.data_ptr())
-    return y
+    """Rows of `x` grouped by expert (counts[e] rows each) @ each expert's weightᵀ -> [n, N]: SPLASH's CPU grouped
+    GEMM on the packed stack where it runs, else (e.g. the thread count changed since load) the plain stack's
+    GEMMs, unpacked per call."""
+    return grouped_linear(x, stack.unpacked().to(x.dtype), counts)
 
 
 def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor:

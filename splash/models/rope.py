@@ -6,7 +6,7 @@ import math
 import torch
 
 from splash.models.config import ModelConfig, RopeConfig, yarn_mscale
-from splash.native import ops as native_ops
+from splash.native import fast_path
 
 
 def _yarn_inv_freq(r: RopeConfig, dim: int, device) -> tuple[torch.Tensor, float]:
@@ -53,15 +53,19 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [n, ..., dim]; cos/sin [n, dim/2] broadcast over the middle dims."""
-        y = native_ops.rope(x, cos, sin, self.interleave)
-        if y is not None:
-            return y
-        extra = x.dim() - 2
-        c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
-        s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)
-        if self.interleave:  # DeepSeek's interleaved pairs (x0,x1),(x2,x3)... output de-interleaved
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        return rotate(x, cos, sin, self.interleave)
+
+
+@fast_path("rope")
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """RoPE of x [n, ..., dim] by cos/sin [n, dim/2] (broadcast over the middle dims); `interleave`: DeepSeek's
+    interleaved pairs (x0,x1),(x2,x3)..., output de-interleaved."""
+    extra = x.dim() - 2
+    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
+    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

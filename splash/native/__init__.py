@@ -1,7 +1,8 @@
 """SPLASH's own CPU kernels (cpu_gemm.c, cpu_rows.c, cpu_mla.c with kernels.h: x86-64 AVX2 + FMA, fp32,
 single-threaded), compiled on first use.
 
-The C sources are built with the system C compiler (`cc`, or $CC) into a shared library cached under
+The kernels are called as typed torch ops (splash.native.ops: a schema per kernel, arguments checked before any
+pointer reaches C); model code reaches them only through `fast_path`. The C sources are built with the system C compiler (`cc`, or $CC) into a shared library cached under
 $SPLASH_NATIVE_CACHE (default ~/.cache/splash/native), named by a hash of the source and flags, and loaded with
 ctypes; several processes building it at once each write a private file and rename it into place. `lib()` is None —
 and every caller keeps its torch path — when the CPU lacks AVX2/FMA, no compiler works, or SPLASH_NATIVE=0. The
@@ -11,7 +12,9 @@ with one rank per core); with more threads torch's GEMMs parallelise and are use
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import importlib
 import logging
 import os
 import platform
@@ -44,10 +47,8 @@ SIGNATURES = {
     "mla_project": (ctypes.c_int, [P, I64, ctypes.c_int, I64, ctypes.c_int, P, ctypes.c_int, P, P, ctypes.c_int,
                                    ctypes.c_int, ctypes.c_int, P, ctypes.c_int, ctypes.c_int, P, F32, ctypes.c_int, P, P,
                                    P, P, P, P]),
-    "mlp_packed": (ctypes.c_int, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P, ctypes.c_int, P]),
     "moe_experts": (ctypes.c_int, [P, I64, ctypes.c_int, P, P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
     "moe_sort": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
-    "moe_combine": (None, [P, I64, ctypes.c_int, P, P, I64, P]),
 }
 
 
@@ -120,3 +121,21 @@ def describe(threads: int | None = None) -> str:
 def enabled() -> bool:
     """Use the kernels now: they are available and torch runs one intra-op thread."""
     return torch.get_num_threads() == 1 and (lib() if _lib is False else _lib) is not None
+
+
+def fast_path(name: str):
+    """Decorate a torch function with the kernel that stands for it: a call runs `splash.native.ops.<name>` (same
+    arguments), which returns the kernel's result where the kernel applies, else None and the torch function runs.
+    The one place where model code chooses between SPLASH's kernels and torch."""
+    def wrap(torch_fn):
+        @functools.wraps(torch_fn)
+        def run(*args, **kw):
+            out = getattr(_ops(), name)(*args, **kw)
+            return torch_fn(*args, **kw) if out is None else out
+        return run
+    return wrap
+
+
+@functools.cache
+def _ops():
+    return importlib.import_module("splash.native.ops")   # it imports packed, which imports this module

@@ -4,8 +4,7 @@
    row's result does not depend on which other rows share the call.
 
    linear_packed: one packed weight. grouped_gemm: the MoE experts' GEMMs over rows sorted by expert.
-   mlp_packed: a packed SwiGLU MLP in one call. moe_experts: a MoE layer's routed experts (gather, both GEMMs,
-   SwiGLU, weighted sum) in one call. */
+   moe_experts: a MoE layer's routed experts (gather, both GEMMs, SwiGLU, weighted sum) in one call. */
 #include "kernels.h"
 
 #define LOADW const float *wk = w + (int64_t)k * ldw; __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
@@ -85,28 +84,10 @@ void grouped_gemm(const float *x, int K, const int64_t *counts, int E, const flo
     }
 }
 
-/* A SwiGLU MLP on packed weights, one call: y [M, N] = swiglu(x [M, K] @ GU^T) @ D^T, GU [2 I, K] = [gate ; up] and
-   D [N, I] packed; rows in blocks of 64 so the intermediate [64, 3 I] scratch stays in cache. The same products,
-   sums and activation as linear_packed, swiglu, linear_packed. Returns 0, or -1 when scratch cannot be
-   allocated. I % 8 == 0. */
-int mlp_packed(const float *x, int64_t M, int K, int64_t ldx, const float *gu, int I, const float *d, int N, float *y) {
-    int64_t mb = M < 64 ? M : 64;
-    float *h = malloc(sizeof(float) * (size_t)(mb > 0 ? mb : 1) * 3 * I);
-    if (!h) return -1;
-    for (int64_t m0 = 0; m0 < M; m0 += mb) {
-        int64_t r = M - m0 < mb ? M - m0 : mb;
-        gemm_packed(x + m0 * ldx, r, K, ldx, gu, 2 * I, h);
-        swiglu(h, r, I, 2 * I, h + r * 2 * I);
-        gemm_packed(h + r * 2 * I, r, I, I, d, N, y + m0 * N);
-    }
-    free(h);
-    return 0;
-}
-
 /* The routed experts of a MoE layer, one call: for each expert e with counts[e] rows (rows sorted by expert: token
    tok[i], weight w[i] of sorted row i), gather its tokens' rows of x [n, K], run the packed SwiGLU MLP of expert e
    (gate_up [E][2 I / 16][K][16], down [E][N / 16][I][16]), and add w[i] times each result row to out [n, N], which
-   is zeroed first: what index_select, two grouped GEMMs, swiglu and moe_combine compute, in the same order.
+   is zeroed first: what index_select, two grouped GEMMs, swiglu and the weighted index_add compute, in the same order.
    Returns 0, or -1 when scratch cannot be allocated or a token is outside [0, n). */
 int moe_experts(const float *x, int64_t n, int K, const int64_t *tok, const int64_t *counts, const float *w, int E,
                 const float *gate_up, int I, const float *down, int N, float *out) {

@@ -1,6 +1,6 @@
 /* Row-wise ops around SPLASH's CPU GEMMs, each one call in place of several torch ops: rms_norm, rope, swiglu;
    and DeepSeek-V3's MoE bookkeeping: moe_route (group-limited top-k routing), moe_sort (the experts' row order for
-   the grouped GEMM), moe_combine (the weighted sum of the experts' outputs back to their tokens). */
+   the grouped GEMM). */
 #include "kernels.h"
 
 static inline float hsum(__m256 v) {
@@ -124,17 +124,4 @@ int moe_sort(const int64_t *idx, const float *wt, int64_t n, int k, int E, int64
     }
     free(off);
     return 0;
-}
-
-/* out [n, d] = sum over rows i of ys [m, d] with tok[i] = r of w[i] * ys[i] (a product, then a sum, in i order:
-   what mul_ then index_add_ into zeros compute). d % 8 == 0. */
-void moe_combine(const float *ys, int64_t m, int d, const int64_t *tok, const float *w, int64_t n, float *out) {
-    memset(out, 0, sizeof(float) * (size_t)n * d);
-    for (int64_t i = 0; i < m; i++) {
-        float *o = out + tok[i] * d;
-        const float *y = ys + i * d;
-        __m256 wv = _mm256_set1_ps(w[i]);
-        for (int c = 0; c < d; c += 8)
-            _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_loadu_ps(o + c), _mm256_mul_ps(wv, _mm256_loadu_ps(y + c))));
-    }
 }

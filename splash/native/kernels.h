@@ -1,5 +1,6 @@
 /* Declarations shared by SPLASH's CPU kernels (cpu_gemm.c, cpu_rows.c, cpu_mla.c: x86-64 AVX2 + FMA, fp32, one
-   thread), built together into one library by splash/native/__init__.py and called through ctypes. */
+   thread), built together into one library by splash/native/__init__.py; called only from the typed torch ops of
+   splash/native/ops.py, which check every argument first. */
 #ifndef SPLASH_KERNELS_H
 #define SPLASH_KERNELS_H
 #include <immintrin.h>

@@ -49,12 +49,12 @@ class PackedLinear(PackedWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ Wᵀ -> [M, N]."""
-        N, K = self.shape
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 or not native.enabled():
-            return x @ self.unpacked().to(x.dtype).T
-        y = torch.empty(x.shape[0], N, dtype=torch.float32, device=x.device)
-        native.lib().linear_packed(x.data_ptr(), x.shape[0], K, x.stride(0), self.packed.data_ptr(), N, y.data_ptr())
-        return y
+        return _linear(x, self)
+
+
+@native.fast_path("linear_packed")
+def _linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    return x @ w.unpacked().to(x.dtype).T   # e.g. the thread count changed since load
 
 
 def _packable(w: torch.Tensor) -> bool:
