@@ -2,7 +2,9 @@
 single-threaded), compiled on first use.
 
 The kernels are called as typed torch ops (splash.native.ops: a schema per kernel, arguments checked before any
-pointer reaches C); model code reaches them only through `fast_path`. The C sources are built with the system C compiler (`cc`, or $CC) into a shared library cached under
+pointer reaches C); model code reaches them only through `fast_path`.
+
+The C sources are built with the system C compiler (`cc`, or $CC) into a shared library cached under
 $SPLASH_NATIVE_CACHE (default ~/.cache/splash/native), named by a hash of the source and flags, and loaded with
 ctypes; several processes building it at once each write a private file and rename it into place. `lib()` is None —
 and every caller keeps its torch path — when the CPU lacks AVX2/FMA, no compiler works, or SPLASH_NATIVE=0. The

@@ -23,6 +23,7 @@ from splash.native.packed import STRIP, PackedExperts, PackedLinear
 
 CPU = torch.device("cpu")
 _LIB = torch.library.Library("splash", "FRAGMENT")
+_IMPL = {}
 
 
 def _op(schema: str):
@@ -32,45 +33,51 @@ def _op(schema: str):
     def register(fn):
         _LIB.define(schema)
         _LIB.impl(name, fn, "CPU")
+        _IMPL[name] = fn
         return getattr(torch.ops.splash, name)
     return register
 
 
-def _need(ok: bool, op: str, what: str) -> None:
+def _need(ok: bool, op: str, what) -> None:
+    """Raise ValueError naming the op unless `ok`; `what`: the message, or a function making it (built only then)."""
     if not ok:
-        raise ValueError(f"splash::{op}: {what}")
+        raise ValueError(f"splash::{op}: {what() if callable(what) else what}")
 
 
 def _f32(op: str, name: str, t: torch.Tensor, dim: int | None = None, contiguous: bool = False,
          last: bool = True) -> None:
     """`t` is an fp32 CPU tensor (of `dim` dims; contiguous, or at least unit stride in its last dim)."""
-    _need(t.dtype == torch.float32 and t.device.type == "cpu", op, f"{name} must be float32 on CPU, got {t.dtype} "
-          f"on {t.device}")
-    _need(dim is None or t.dim() == dim, op, f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
-    _need(not contiguous or t.is_contiguous(), op, f"{name} must be contiguous")
-    _need(not last or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1, op, f"{name}'s last dim must be unit-stride")
+    if (t.dtype == torch.float32 and t.is_cpu and (dim is None or t.dim() == dim)
+            and (t.is_contiguous() if contiguous else not last or t.dim() == 0 or t.stride(-1) == 1)):
+        return   # the common case in one test; the checks below name what is wrong
+    _need(t.dtype == torch.float32 and t.is_cpu, op,
+          lambda: f"{name} must be float32 on CPU, got {t.dtype} on {t.device}")
+    _need(dim is None or t.dim() == dim, op, lambda: f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+    _need(not contiguous or t.is_contiguous(), op, lambda: f"{name} must be contiguous")
+    _need(not last or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1, op,
+          lambda: f"{name}'s last dim must be unit-stride")
 
 
 def _ints(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = None, hi: int | None = None) -> None:
     """`t` is a contiguous 1-D CPU tensor of `dtype` (of `n` entries; values in [0, hi))."""
-    _need(t.dtype == dtype and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous(), op,
-          f"{name} must be a contiguous 1-D {dtype} CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _need(n is None or t.numel() == n, op, f"{name} must have {n} entries, got {t.numel()}")
+    _need(t.dtype == dtype and t.is_cpu and t.dim() == 1 and t.is_contiguous(), op,
+          lambda: f"{name} must be a contiguous 1-D {dtype} CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _need(n is None or t.numel() == n, op, lambda: f"{name} must have {n} entries, got {t.numel()}")
     if hi is not None and t.numel():
-        _need(int(t.min()) >= 0 and int(t.max()) < hi, op, f"{name} must lie in [0, {hi})")
+        _need(int(t.min()) >= 0 and int(t.max()) < hi, op, lambda: f"{name} must lie in [0, {hi})")
 
 
 def _cos_sin(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, half: int) -> None:
     for name, t in (("cos", cos), ("sin", sin)):
         _f32(op, name, t, 2, contiguous=True)
-        _need(tuple(t.shape) == (n, half), op, f"{name} must be [{n}, {half}], got {tuple(t.shape)}")
+        _need(tuple(t.shape) == (n, half), op, lambda: f"{name} must be [{n}, {half}], got {tuple(t.shape)}")
 
 
 def _packed(op: str, name: str, p: torch.Tensor, lead: int, K: int | None = None) -> tuple[int, ...]:
     """A packed weight [*lead, N / 16, K, 16] -> (*lead, N, K)."""
     _f32(op, name, p, lead + 3, contiguous=True)
     _need(p.shape[-1] == STRIP and (K is None or p.shape[-2] == K), op,
-          f"{name} must be packed [..., N/16, {K if K is not None else 'K'}, 16], got {tuple(p.shape)}")
+          lambda: f"{name} must be packed [..., N/16, {K if K is not None else 'K'}, 16], got {tuple(p.shape)}")
     return (*p.shape[:lead], p.shape[-3] * STRIP, p.shape[-2])
 
 
@@ -84,9 +91,9 @@ def _empty(*shape: int, dtype=torch.float32) -> torch.Tensor:
 def _rms_norm(x, weight, eps):
     _f32("rms_norm", "x", x, 2)
     d = x.shape[1]
-    _need(d % 8 == 0, "rms_norm", f"width must be a multiple of 8, got {d}")
+    _need(d % 8 == 0, "rms_norm", lambda: f"width must be a multiple of 8, got {d}")
     _f32("rms_norm", "weight", weight, 1, contiguous=True)
-    _need(weight.shape[0] == d, "rms_norm", f"weight must have {d} entries, got {weight.shape[0]}")
+    _need(weight.shape[0] == d, "rms_norm", lambda: f"weight must have {d} entries, got {weight.shape[0]}")
     y = _empty(x.shape[0], d)
     native.lib().rms_norm(x.data_ptr(), x.shape[0], d, x.stride(0), weight.data_ptr(), eps, y.data_ptr())
     return y
@@ -95,7 +102,8 @@ def _rms_norm(x, weight, eps):
 @_op("rope(Tensor x, Tensor cos, Tensor sin, bool interleave) -> Tensor")
 def _rope(x, cos, sin, interleave):
     _f32("rope", "x", x)
-    _need(x.dim() in (2, 3) and x.shape[-1] % 2 == 0, "rope", f"x must be [n, dim] or [n, H, dim], dim even, got "
+    _need(x.dim() in (2, 3) and x.shape[-1] % 2 == 0, "rope",
+          lambda: f"x must be [n, dim] or [n, H, dim], dim even, got "
           f"{tuple(x.shape)}")
     n, dim = x.shape[0], x.shape[-1]
     _cos_sin("rope", cos, sin, n, dim // 2)
@@ -110,7 +118,8 @@ def _rope(x, cos, sin, interleave):
 def _swiglu(h):
     _f32("swiglu", "h", h, 2)
     inter = h.shape[1] // 2
-    _need(h.shape[1] == 2 * inter and inter % 8 == 0, "swiglu", f"h must be [n, 2 * inter], inter a multiple of 8, "
+    _need(h.shape[1] == 2 * inter and inter % 8 == 0, "swiglu",
+          lambda: f"h must be [n, 2 * inter], inter a multiple of 8, "
           f"got {tuple(h.shape)}")
     y = _empty(h.shape[0], inter)
     native.lib().swiglu(h.data_ptr(), h.shape[0], inter, h.stride(0), y.data_ptr())
@@ -123,29 +132,31 @@ def _moe_route(scores, bias, groups, topk_group, k, norm, scale):
     _f32("moe_route", "scores", scores, 2, contiguous=True)
     n, E = scores.shape
     _f32("moe_route", "bias", bias, 1, contiguous=True)
-    _need(bias.shape[0] == E, "moe_route", f"bias must have {E} entries, got {bias.shape[0]}")
+    _need(bias.shape[0] == E, "moe_route", lambda: f"bias must have {E} entries, got {bias.shape[0]}")
     _need(0 < E <= 1024 and groups > 0 and E % groups == 0 and 0 < topk_group <= groups
-          and 0 < k <= E // groups * topk_group, "moe_route", f"needs E <= 1024 split into groups, 0 < topk_group <= "
-          f"groups, 0 < k <= the experts of topk_group groups; got E={E}, "
+          and 0 < k <= E // groups * topk_group, "moe_route",
+          lambda: f"needs E <= 1024 split into groups, 0 < topk_group <= groups"
+          f", 0 < k <= the experts of topk_group groups; got E={E}, "
           f"groups={groups}, topk_group={topk_group}, k={k}")
     idx, wt = _empty(n, k, dtype=torch.int64), _empty(n, k)
     rc = native.lib().moe_route(scores.data_ptr(), bias.data_ptr(), n, E, groups, topk_group, k, int(norm), scale,
                                 idx.data_ptr(), wt.data_ptr())
-    _need(rc == 0, "moe_route", f"the kernel refused the routing (code {rc})")
+    _need(rc == 0, "moe_route", lambda: f"the kernel refused the routing (code {rc})")
     return idx, wt
 
 
 @_op("moe_sort(Tensor idx, Tensor weights, int num_experts) -> (Tensor, Tensor, Tensor)")
 def _moe_sort(idx, weights, num_experts):
-    _need(idx.dtype == torch.int64 and idx.dim() == 2 and idx.is_contiguous() and idx.device.type == "cpu",
-          "moe_sort", f"idx must be a contiguous [n, k] int64 CPU tensor, got {idx.dtype} {tuple(idx.shape)}")
+    _need(idx.dtype == torch.int64 and idx.dim() == 2 and idx.is_contiguous() and idx.is_cpu,
+          "moe_sort", lambda: f"idx must be a contiguous [n, k] int64 CPU tensor, got {idx.dtype} {tuple(idx.shape)}")
     _f32("moe_sort", "weights", weights, 2, contiguous=True)
-    _need(weights.shape == idx.shape, "moe_sort", f"weights {tuple(weights.shape)} must match idx {tuple(idx.shape)}")
+    _need(weights.shape == idx.shape, "moe_sort",
+          lambda: f"weights {tuple(weights.shape)} must match idx {tuple(idx.shape)}")
     m = idx.numel()
     counts, tok, ws = _empty(num_experts, dtype=torch.int64), _empty(m, dtype=torch.int64), _empty(m)
     rc = native.lib().moe_sort(idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1], num_experts,
                                counts.data_ptr(), tok.data_ptr(), ws.data_ptr())
-    _need(rc == 0, "moe_sort", f"idx must name experts in [0, {num_experts})")
+    _need(rc == 0, "moe_sort", lambda: f"idx must name experts in [0, {num_experts})")
     return counts, tok, ws
 
 
@@ -157,7 +168,8 @@ def _absorb_rope(q, w_uk, cos, sin, d_nope, interleave):
     _f32("absorb_rope", "w_uk", w_uk, 3, contiguous=True)
     d_c, d_r = w_uk.shape[2], qk - d_nope
     _need(tuple(w_uk.shape[:2]) == (H, d_nope) and d_c % 16 == 0 and d_r >= 0 and d_r % 2 == 0, "absorb_rope",
-          f"w_uk must be [{H}, {d_nope}, d_c] with d_c % 16 == 0 and an even rope width, got {tuple(w_uk.shape)}")
+          lambda: f"w_uk must be [{H}, {d_nope}, d_c] with d_c % 16 == 0 and an even rope width, got "
+          f"{tuple(w_uk.shape)}")
     _cos_sin("absorb_rope", cos, sin, n, d_r // 2)
     out = _empty(n, H, d_c + d_r)
     native.lib().absorb_rope(q.data_ptr(), n, H, q.stride(0), qk, d_nope, w_uk.data_ptr(), d_c, d_r, int(interleave),
@@ -172,7 +184,7 @@ def _uv_heads(o_lat, uv_t):
     n, H, d_c = o_lat.shape
     d_v = uv_t.shape[2]
     _need(tuple(uv_t.shape[:2]) == (H, d_c) and d_v % 16 == 0, "uv_heads",
-          f"uv_t must be [{H}, {d_c}, d_v] with d_v % 16 == 0, got {tuple(uv_t.shape)}")
+          lambda: f"uv_t must be [{H}, {d_c}, d_v] with d_v % 16 == 0, got {tuple(uv_t.shape)}")
     out = _empty(n, H * d_v)
     native.lib().uv_heads(o_lat.data_ptr(), n, H, d_c, uv_t.data_ptr(), d_v, out.data_ptr())
     return out
@@ -182,23 +194,25 @@ def _uv_heads(o_lat, uv_t):
      "Tensor sin, int parts, int heads, int d_nope, int d_r, float eps, bool interleave) -> Tensor[]")
 def _mla_project(x, wa, q_a_norm, q_b, w_uk, kv_a_norm, cos, sin, parts, heads, d_nope, d_r, eps, interleave):
     op = "mla_project"
-    _need(parts in (1, 2, 3), op, f"parts must be 1 (queries), 2 (latent) or 3 (both), got {parts}")
+    _need(parts in (1, 2, 3), op, lambda: f"parts must be 1 (queries), 2 (latent) or 3 (both), got {parts}")
     _f32(op, "x", x, 2)
     n, hidden = x.shape
     _f32(op, "q_a_norm", q_a_norm, 1, contiguous=True)
     _f32(op, "kv_a_norm", kv_a_norm, 1, contiguous=True)
     q_lora, d_c = q_a_norm.shape[0], kv_a_norm.shape[0]
     _need(q_lora % 8 == 0 and d_c % 16 == 0 and d_r % 2 == 0 and d_r >= 0, op,
-          f"needs q_lora % 8 == 0, d_c % 16 == 0, an even d_r; got {q_lora}, {d_c}, {d_r}")
+          lambda: f"needs q_lora % 8 == 0, d_c % 16 == 0, an even d_r; got {q_lora}, {d_c}, {d_r}")
     width = (q_lora if parts & 1 else 0) + (d_c + d_r if parts & 2 else 0)
-    _need(_packed(op, "wa", wa, 0, hidden)[0] == width, op, f"wa must have {width} output columns for parts={parts}, "
+    _need(_packed(op, "wa", wa, 0, hidden)[0] == width, op,
+          lambda: f"wa must have {width} output columns for parts={parts}, "
           f"got {wa.shape[0] * STRIP}")
     _cos_sin(op, cos, sin, n, d_r // 2)
     qk = d_nope + d_r
     if parts & 1:
-        _need(_packed(op, "q_b", q_b, 0, q_lora)[0] == heads * qk, op, f"q_b must have {heads} x {qk} output columns")
+        _need(_packed(op, "q_b", q_b, 0, q_lora)[0] == heads * qk, op,
+              lambda: f"q_b must have {heads} x {qk} output columns")
         _f32(op, "w_uk", w_uk, 3, contiguous=True)
-        _need(tuple(w_uk.shape) == (heads, d_nope, d_c), op, f"w_uk must be [{heads}, {d_nope}, {d_c}], got "
+        _need(tuple(w_uk.shape) == (heads, d_nope, d_c), op, lambda: f"w_uk must be [{heads}, {d_nope}, {d_c}], got "
               f"{tuple(w_uk.shape)}")
     qa, q = (_empty(n, q_lora), _empty(n, heads, d_c + d_r)) if parts & 1 else (_empty(0), _empty(0))
     c, kpe = (_empty(n, d_c), _empty(n, d_r)) if parts & 2 else (_empty(0), _empty(0))
@@ -227,7 +241,7 @@ def _grouped_gemm(x, packed, counts):
     E, N, K = _packed("grouped_gemm", "packed", packed, 1, x.shape[1])
     _ints("grouped_gemm", "counts", counts, torch.int64, E)
     _need(int(counts.sum()) <= x.shape[0] and int(counts.min()) >= 0, "grouped_gemm",
-          f"counts must be >= 0 and sum to at most x's {x.shape[0]} rows")
+          lambda: f"counts must be >= 0 and sum to at most x's {x.shape[0]} rows")
     y = _empty(x.shape[0], N)
     native.lib().grouped_gemm(x.data_ptr(), K, counts.data_ptr(), E, packed.data_ptr(), N, y.data_ptr())
     return y
@@ -240,15 +254,15 @@ def _moe_experts(x, tok, counts, weights, gate_up, down):
     n, K = x.shape
     E, I2, _ = _packed(op, "gate_up", gate_up, 1, K)
     I = I2 // 2
-    _need(I % 8 == 0 and I2 == 2 * I, op, f"gate_up's width must be 2 * inter, inter % 8 == 0; got {I2}")
+    _need(I % 8 == 0 and I2 == 2 * I, op, lambda: f"gate_up's width must be 2 * inter, inter % 8 == 0; got {I2}")
     E2, N, _ = _packed(op, "down", down, 1, I)
-    _need(E2 == E and N % 8 == 0, op, f"down must be [{E}, N, {I}] packed with N % 8 == 0, got {E2}, {N}")
+    _need(E2 == E and N % 8 == 0, op, lambda: f"down must be [{E}, N, {I}] packed with N % 8 == 0, got {E2}, {N}")
     _ints(op, "counts", counts, torch.int64, E)
     m = int(counts.sum())
     _need(int(counts.min()) >= 0, op, "counts must be >= 0")
     _ints(op, "tok", tok, torch.int64, m, n)
     _f32(op, "weights", weights, 1, contiguous=True)
-    _need(weights.numel() == m, op, f"weights must have {m} entries, got {weights.numel()}")
+    _need(weights.numel() == m, op, lambda: f"weights must have {m} entries, got {weights.numel()}")
     out = _empty(n, N)
     rc = native.lib().moe_experts(x.data_ptr(), n, K, tok.data_ptr(), counts.data_ptr(), weights.data_ptr(), E,
                                   gate_up.data_ptr(), I, down.data_ptr(), N, out.data_ptr())
@@ -272,10 +286,10 @@ def _mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope,
     _f32(op, "kpe", kpe, 3, contiguous=True)
     blocks, bs = ckv.shape[:2]
     _need(d_c % 16 == 0 and d_r % 8 == 0 and ckv.shape[2] == d_c and tuple(kpe.shape) == (blocks, bs, d_r), op,
-          f"pools must be ckv [blocks, bs, {d_c}], kpe [blocks, bs, {d_r}] with d_c % 16 == 0, d_r % 8 == 0")
+          lambda: f"pools must be ckv [blocks, bs, {d_c}], kpe [blocks, bs, {d_r}] with d_c % 16 == 0, d_r % 8 == 0")
     for name, t in (("pages", pages), ("logical", logical)):
-        _need(t.dtype == torch.int32 and t.dim() == 2 and t.is_contiguous() and t.device.type == "cpu", op,
-              f"{name} must be a contiguous 2-D int32 CPU tensor")
+        _need(t.dtype == torch.int32 and t.dim() == 2 and t.is_contiguous() and t.is_cpu, op,
+              lambda: f"{name} must be a contiguous 2-D int32 CPU tensor")
     _need(logical.shape == pages.shape, op, "logical must match pages' shape")
     G = rows.numel()   # one entry per query row (the engine's steps: every row)
     _ints(op, "rows", rows, torch.int64, G, n)
@@ -296,7 +310,7 @@ def _mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope,
 
 # ---- routes: the kernel where it applies, else None (the decorated torch function runs) ----------------------
 def _on(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and native.enabled()
+    return all(t.dtype == torch.float32 and t.is_cpu for t in ts) and native.enabled()
 
 
 def rms_norm(x, w, eps):

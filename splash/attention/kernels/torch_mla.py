@@ -150,7 +150,8 @@ class TorchMLAKernel:
     def _native_run(self, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row of the step by one `splash::mla_decode` call (splash.native.ops), each row's õ / LSE written
         at its own index: an entry per query row, so a prefill chunk's rows each see the keys up to their own
-        position (causal within the chunk) and walk them page by page like decode rows. Against the chunked GEMM path (bench_prefill_attention):
+        position (causal within the chunk) and walk them page by page like decode rows. Against the chunked GEMM
+        path (bench_prefill_attention):
         2.2-3.7x faster on fresh prompts, 1.4x with a history of 1-3x the chunk, 3-6% slower with 8-16x."""
         meta = self.meta
         args = self._native_args.get("args")
