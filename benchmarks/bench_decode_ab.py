@@ -1,10 +1,11 @@
 """Paired A/B of SPLASH's CPU kernels on bench_decode_vs_hf's decode step: two engines in one process, one with
 some kernels off (A), one with all on (B), run alternately.
 
-    .venv/bin/python benchmarks/bench_decode_ab.py --off mla_project [--off moe_experts,mlp_packed] [--pairs 24]
+    .venv/bin/python benchmarks/bench_decode_ab.py --off mla_project [--off moe_experts,moe_route] [--pairs 24]
 
-`--off` names functions of splash.native.ops (each then returns None, so its caller runs the unfused or torch path
-it replaces) or `pack_attention` (A's attention projections load plain, not packed). Each pair times one engine then
+`--off` names routes of splash.native.ops (each then returns None, so the torch function it stands for runs) or
+`pack_attention` / `pack_linear` / `pack_experts` (A's attention projections / dense MLPs, shared experts and LM head /
+MoE experts load plain, not packed, and run on torch's GEMMs). Each pair times one engine then
 the other (the order alternating), each as max_tokens=1 then max_tokens=`--new` back to back, decode step = their
 CPU-time difference over the new tokens. Prints both engines' min and median step and the median of the per-pair
 ratios A/B (> 1: B, the kernels on, is faster): on a host whose speed drifts by tens of percent within minutes,
@@ -27,25 +28,28 @@ from bench_decode_vs_hf import BENCH_MODEL, splash_runner
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_models import make_tiny_deepseek, random_prompts  # noqa: E402
 
+from splash.models import build as model_build  # noqa: E402
 from splash.models import weights as model_weights  # noqa: E402
 from splash.native import ops  # noqa: E402
 
 
+LOAD = {"pack_attention": (model_weights,), "pack_linear": (model_weights, model_build),
+        "pack_experts": (model_weights,)}   # packing at load: off leaves those weights plain
+
+
 @contextlib.contextmanager
 def kernels_off(names: list[str]):
-    """Within the block: the named ops return None (their callers fall back); pack_attention leaves weights plain."""
-    saved = {n: getattr(ops, n) for n in names if n != "pack_attention"}
-    pack = model_weights.pack_attention
-    for n in saved:
-        setattr(ops, n, lambda *a, **k: None)
-    if "pack_attention" in names:
-        model_weights.pack_attention = lambda w: w
+    """Within the block: the named routes return None (their torch functions run); a LOAD name leaves its weights
+    plain (torch's GEMMs then)."""
+    saved = [(ops, n, getattr(ops, n)) for n in names if n not in LOAD]
+    saved += [(m, n, getattr(m, n)) for n in names if n in LOAD for m in LOAD[n]]
+    for m, n, _ in saved:
+        setattr(m, n, (lambda w: w) if n in LOAD else (lambda *a, **k: None))
     try:
         yield
     finally:
-        for n, f in saved.items():
-            setattr(ops, n, f)
-        model_weights.pack_attention = pack
+        for m, n, f in saved:
+            setattr(m, n, f)
 
 
 def main() -> None:
@@ -59,9 +63,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=33, help="new tokens per timed run")
     args = ap.parse_args()
     off = [n for arg in args.off for n in arg.split(",") if n]
-    bad = [n for n in off if n != "pack_attention" and not callable(getattr(ops, n, None))]
+    bad = [n for n in off if n not in LOAD and not callable(getattr(ops, n, None))]
     if bad:
-        ap.error(f"--off: {', '.join(bad)} is not a function of splash.native.ops (nor pack_attention)")
+        ap.error(f"--off: {', '.join(bad)} is not a route of splash.native.ops (nor one of {', '.join(LOAD)})")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_deepseek(Path(tmp) / "bench", tokenizer=False, **BENCH_MODEL)

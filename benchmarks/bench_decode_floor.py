@@ -57,6 +57,7 @@ def _native_grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor):
 def _native_attention(B: int, S: int, H: int, dc: int, dr: int, bs: int = 16):
     """mla_decode for B rows over S keys each in a paged fp32 pool (pages shuffled), or None without the kernels."""
     from splash import native
+    from splash.native import ops  # noqa: F401  registers torch.ops.splash
     if not native.enabled():
         return None
     r, n = torch.randn, -(-S // bs)
@@ -64,13 +65,10 @@ def _native_attention(B: int, S: int, H: int, dc: int, dr: int, bs: int = 16):
     pages = torch.randperm(B * n, generator=torch.Generator().manual_seed(0)).to(torch.int32).view(B, n).contiguous()
     logical = torch.arange(n, dtype=torch.int32).repeat(B, 1).contiguous()
     rows, npg, qpos = torch.arange(B), torch.full((B,), n, dtype=torch.int32), torch.full((B,), S - 1)
-    q, o, lse = r(B, H, dc + dr), torch.empty(B, H, dc), torch.empty(B, H)   # q̃ = [latent ; rope], as the engine's
-    keep = (rows, rows, npg, qpos, pages, logical)   # the closure holds them: the kernel reads their memory
+    q = r(B, H, dc + dr)   # q̃ = [latent ; rope], as the engine's
 
     def run():
-        native.lib().mla_decode(B, *(t.data_ptr() for t in keep), n, B * n, H, dc, dr, bs, q.data_ptr(),
-                                q.data_ptr() + 4 * dc, q.stride(0), q.stride(1), ckv.data_ptr(), kpe.data_ptr(), 0.1,
-                                o.data_ptr(), lse.data_ptr())
+        torch.ops.splash.mla_decode(rows, rows, npg, qpos, pages, logical, q[..., :dc], q[..., dc:], ckv, kpe, 0.1)
     return run
 
 
