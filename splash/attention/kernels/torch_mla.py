@@ -12,9 +12,9 @@ walks gather into buffers the kernel keeps (grown to the largest chunk, so bound
 tensors.
 
 Over an fp32 pool, every row — decode rows and prefill chunks' rows alike — goes to SPLASH's C kernel instead
-(`splash.native.mla_decode`, when enabled: one thread, AVX2): it walks each row's pages through the page table
-without any gather, keys up to the row's own position, with an online softmax, in a scratch of heads x (d_c + d_r
-+ 2 x block) floats whatever the batch and context.
+(the typed op `splash::mla_decode` of splash.native.ops, when enabled: one thread, AVX2): it walks each row's pages
+through the page table without any gather, keys up to the row's own position, with an online softmax, in a scratch
+of heads x (d_c + d_r + 2 x block) floats whatever the batch and context.
 
 Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" when the model itself computes in bf16 on a CPU with
 AVX512-BF16/AMX units) feeds the two score/value GEMMs bf16 inputs; softmax statistics and the running output stay
