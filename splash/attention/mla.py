@@ -57,6 +57,7 @@ def _query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: t
 @fast_path("mla_project")
 def _new_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_latent_kv's (c_kv, k_rope); `parts` 2 names these outputs of the fused kernel."""
     return _latent(cfg, rope, w, linear(x, w.kv_a), cos, sin)
 
 
