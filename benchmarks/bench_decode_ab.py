@@ -3,10 +3,11 @@ some kernels off (A), one with all on (B), run alternately.
 
     .venv/bin/python benchmarks/bench_decode_ab.py --off mla_project [--off moe_experts,moe_route] [--pairs 24]
 
-`--off` names routes of splash.native.ops (each then returns None, so the torch function it stands for runs) or
-`pack_attention` / `pack_linear` / `pack_experts` (A's attention projections / dense MLPs, shared experts and LM head /
-MoE experts load plain, not packed, and run on torch's GEMMs). Each pair times one engine then
-the other (the order alternating), each as max_tokens=1 then max_tokens=`--new` back to back, decode step = their
+`--off` names routes of splash.native.ops (each then returns None, so the torch function it stands for runs),
+`pack_attention` / `pack_linear` / `pack_experts` (A's attention projections / dense MLPs, shared experts and LM
+head / MoE experts load plain, not packed, and run on torch's GEMMs), or `dispatcher` (A calls the kernels' checked
+Python implementations directly, skipping torch's dispatcher: A/B < 1 is what the dispatcher costs). Each pair
+times one engine then the other (the order alternating), each as max_tokens=1 then max_tokens=`--new` back to back, decode step = their
 CPU-time difference over the new tokens. Prints both engines' min and median step and the median of the per-pair
 ratios A/B (> 1: B, the kernels on, is faster): on a host whose speed drifts by tens of percent within minutes,
 the pairing is what makes a few-percent difference visible (an A/A run of one build gives 0.97-1.03 here).
@@ -41,10 +42,15 @@ LOAD = {"pack_attention": (model_weights,), "pack_linear": (model_weights, model
 def kernels_off(names: list[str]):
     """Within the block: the named routes return None (their torch functions run); a LOAD name leaves its weights
     plain (torch's GEMMs then)."""
-    saved = [(ops, n, getattr(ops, n)) for n in names if n not in LOAD]
+    saved = [(ops, n, getattr(ops, n)) for n in names if n not in LOAD and n != "dispatcher"]
     saved += [(m, n, getattr(m, n)) for n in names if n in LOAD for m in LOAD[n]]
     for m, n, _ in saved:
         setattr(m, n, (lambda w: w) if n in LOAD else (lambda *a, **k: None))
+    if "dispatcher" in names:   # the routes reach the checked implementations without torch's dispatcher
+        ns = torch.ops.splash
+        saved += [(ns, n, getattr(ns, n)) for n in ops._IMPL]
+        for n, f in ops._IMPL.items():
+            setattr(ns, n, f)
     try:
         yield
     finally:
@@ -63,9 +69,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=33, help="new tokens per timed run")
     args = ap.parse_args()
     off = [n for arg in args.off for n in arg.split(",") if n]
-    bad = [n for n in off if n not in LOAD and not callable(getattr(ops, n, None))]
+    bad = [n for n in off if n not in LOAD and n != "dispatcher" and not callable(getattr(ops, n, None))]
     if bad:
-        ap.error(f"--off: {', '.join(bad)} is not a route of splash.native.ops (nor one of {', '.join(LOAD)})")
+        ap.error(f"--off: {', '.join(bad)} is not a route of splash.native.ops (nor dispatcher or one of "
+                 f"{', '.join(LOAD)})")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_deepseek(Path(tmp) / "bench", tokenizer=False, **BENCH_MODEL)

@@ -23,7 +23,7 @@ from splash.native.packed import STRIP, PackedExperts, PackedLinear
 
 CPU = torch.device("cpu")
 _LIB = torch.library.Library("splash", "FRAGMENT")
-_IMPL = {}
+_IMPL = {}   # name -> the checked Python implementation (benchmarks/bench_decode_ab.py --off dispatcher)
 
 
 def _op(schema: str):
