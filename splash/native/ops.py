@@ -12,7 +12,8 @@ say whether the kernel applies (kernels on, fp32 on CPU, the alignment the C cod
 or return None. Model code never calls them: its torch reference is decorated with `splash.native.fast_path(name)`,
 the one place where "kernel if it applies, else torch" is decided (benchmarks/bench_decode_ab.py turns a route off
 to time the torch path). Measured against those torch paths (docs/benchmarks.md), a fused dense MLP and a separate
-weighted combine of expert outputs were within 10% of torch and were removed; every kernel here is faster.
+weighted combine of expert outputs were within 10% of torch and were removed; every kernel here is more than 10%
+faster than its torch path but `linear_packed`, kept because O and Q-B are packed for the fused kernels.
 """
 from __future__ import annotations
 
