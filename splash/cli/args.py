@@ -100,6 +100,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
     (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", _size, None, "BYTES",
      "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
     (("--num-kv-blocks",), "num_kv_blocks", int, None, "N", "exact number of KV pages per rank"),
+    (("--enable-prefix-caching",), "enable_prefix_caching", _BOOL, None, None,
+     "reuse the KV of full blocks a prompt shares with earlier ones (on by default; not yet for glm5_next)"),
     (("--max-num-seqs",), "max_num_seqs", int, None, "N", "most requests in one batch"),
     (("--max-num-batched-tokens",), "max_num_batched_tokens", int, None, "N", "token budget of one step"),
     (("--enable-chunked-prefill",), "enable_chunked_prefill", _BOOL, None, None,

@@ -6,7 +6,7 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
     parallel:  {world_size, backend, attention_backend, communicator}
     layout:    {layout, allowed_layouts, switch_mode, switch_margin, hardware_profile}
     cache:     {kv_cache_dtype, layout_kv_dtypes, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
-                num_kv_blocks}
+                num_kv_blocks, enable_prefix_caching}
     scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
     server:    {host, port, admin_token, admin_token_file, served_model_name, quiet, collective_timeout_s,
                 max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s,
@@ -118,6 +118,7 @@ class CacheSection:
     gpu_memory_utilization: float = _f(0.85, gt=0.0, max=1.0)
     kv_cache_memory_bytes: int | None = _f(None, min=1, size=True)  # explicit per-rank KV budget
     num_kv_blocks: int | None = _f(None, min=1)  # overrides both budgets when set
+    enable_prefix_caching: bool = True           # reuse cached KV blocks of shared prefixes (not for glm5_next yet)
 
     def __post_init__(self) -> None:
         per_layout = self.layout_kv_dtypes
