@@ -94,7 +94,7 @@ def test_wrappers_fall_back_to_triton_exactly(monkeypatch, cls, pkg, why):
     pytest.importorskip("triton")
     _stub(monkeypatch, pkg)
     kernel = cls(SCALE)
-    check(kernel, make_state("bfloat16", 4, TINY, dc=16, dr=4), atol=2e-4)
+    check(kernel, make_state("bfloat16", 4, TINY, dc=16, dr=4), atol=0.06, rel_o=0.012)   # bf16 operands
     assert kernel.paths == {"triton": 1}
     assert [r for r in kernel.fallback.reasons][0].startswith(why)
 
