@@ -21,6 +21,14 @@ from splash.attention.kernels.external import fused_pages, lse_to_natural, pad_h
 DECODE = [(9, 1), (2, 1), (0, 1), (21, 1)]
 
 
+def test_flashinfer_table_width_and_heads():
+    """trtllm-gen's block tables: a multiple of 128 tokens (3 pages of 64 → 4); its head gap 64 < h < 128 → 128."""
+    assert [fi.aligned_width(p, 64) for p in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 6]
+    assert [fi.aligned_width(p, 32) for p in (1, 3, 4, 5)] == [4, 4, 4, 8]
+    assert [fi.trtllm_heads(h) for h in (16, 48, 64, 65, 96, 127, 128)] == [16, 48, 64, 128, 128, 128, 128]
+    assert fi.wrapper_backend(9) == "fa3" and fi.wrapper_backend(8) == fi.wrapper_backend(10) == "fa2"
+
+
 def test_flashinfer_paths():
     assert fi.choose_path(9, "bfloat16", 512, 64, 64, False, True) == ("wrapper", None)
     assert fi.choose_path(10, "bfloat16", 512, 64, 64, False, True) == ("trtllm-gen", None)
@@ -61,8 +69,10 @@ def test_fused_pages_and_tables_attend_like_the_pool(bs):
     cache, bm, _, reqs, meta, q = make_state("bfloat16", bs, DECODE, dc=16, dr=4)
     indptr, indices, _ = meta.csr()
     kv = fused_pages(cache, 0, indices, torch.float32)
-    tables = remap_tables(indptr, meta.num_reqs)
+    widest = int(meta.num_pages.max())
+    tables = remap_tables(indptr, fi.aligned_width(widest, bs))
     assert kv.shape == (len(indices), bs, 20) and tables.shape[0] == len(reqs)
+    assert tables.shape[1] >= widest and (tables.shape[1] * bs) % fi.TRTLLM_TABLE_TOKENS == 0
     o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
     for b, n in enumerate(meta.kv_len.tolist()):
         pages = tables[b, :-(-n // bs)].long()
@@ -149,3 +159,98 @@ def test_wrappers_send_sparse_layers_to_the_sparse_path(monkeypatch, cls, pkg):
     want = sparse_attend(q, q[..., :0], cache, 0, meta.sparse[0], SCALE)
     assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
     assert list(kernel.fallback.reasons) == [SPARSE_REASON]
+
+
+# ---- vendor conformance: our calls against the vendors' recorded signatures and preconditions ----------------
+
+def test_cuda_extra_pins_the_recorded_flashinfer():
+    """pyproject's [cuda] extra pins the range whose signatures backends/cuda/flashinfer_api.json records."""
+    import os
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    from backends.cuda import flashinfer_api
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    extra = tomllib.load(open(os.path.join(root, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
+    pins = [d for d in extra["cuda"] if d.startswith("flashinfer-python")]
+    assert pins == [f"flashinfer-python{flashinfer_api.TESTED}"]
+    assert flashinfer_api.load()["flashinfer_version"] in SpecifierSet(flashinfer_api.TESTED)
+
+
+def test_recorded_flashinfer_signatures_match_an_installed_tree():
+    """When a flashinfer source tree is on this machine (installed, or FLASHINFER_SRC), the record equals it."""
+    import importlib.util
+    import os
+
+    from backends.cuda import flashinfer_api
+    root = os.environ.get("FLASHINFER_SRC")
+    if root is None:
+        spec = importlib.util.find_spec("flashinfer")
+        if spec is None or spec.origin is None:
+            pytest.skip("no flashinfer source here (set FLASHINFER_SRC to an unpacked wheel to check)")
+        root = os.path.dirname(os.path.dirname(spec.origin))
+    assert flashinfer_api.extract(root)["calls"] == flashinfer_api.load()["calls"]
+
+
+def _state(kv_dtype: str, specs, heads: int, seed: int = 0):
+    """DeepSeek/GLM dims (512 + 64), pages of 64; queries scaled so scores spread like a real model's
+    (|s| ~ 2 with the tests' softmax scale, not ~20), where the bf16 tolerance below means something."""
+    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed)
+    return (*rest, q * 0.1)
+
+
+FI_DECODE = {1: [(9, 1), (30, 1), (63, 1)], 3: [(140, 1), (150, 1), (70, 1)]}   # widest request: 1 / 3 pages
+
+
+@pytest.mark.parametrize("sm", [9, 10])
+@pytest.mark.parametrize("pages", [1, 3])
+@pytest.mark.parametrize("heads", [48, 64, 96, 128])
+def test_flashinfer_through_strict_standin(monkeypatch, sm, pages, heads):
+    """Our FlashInfer wrapper, run through a stand-in that binds each call to flashinfer 0.7.4's recorded
+    signature and enforces its preconditions (explicit backend and LSE base, aligned block tables, trtllm-gen's
+    head gap), gives the dense reference: decode steps (trtllm-gen on SM100, FA3 on SM90) and a step with
+    prefill rows (the wrapper)."""
+    from vendor_standins import install_flashinfer
+    install_flashinfer(monkeypatch)
+    for specs, want in ((FI_DECODE[pages], "trtllm-gen" if sm == 10 else "wrapper"),
+                        (FI_DECODE[pages][:2] + [(0, 3)], "wrapper")):
+        kernel = fi.FlashInferMLAKernel(SCALE, sm_major=sm)
+        check(kernel, _state("bfloat16", specs, heads, seed=heads + pages), atol=0.06, rel_o=0.012)
+        assert kernel.paths == {want: 1}
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_flashinfer_fp8_kv_runs_triton(monkeypatch, heads):
+    """FP8 KV: FlashInfer's FP8 MLA wants an FP8 rope cache with a per-tensor scale (SM90 only); our pool's rope
+    key is bf16, so the layer runs our Triton kernel (interpreter here), which matches the reference."""
+    pytest.importorskip("triton")
+    from vendor_standins import install_flashinfer
+    install_flashinfer(monkeypatch)
+    kernel = fi.FlashInferMLAKernel(SCALE, sm_major=10)
+    check(kernel, _state("fp8_e4m3", [(70, 1), (9, 1)], heads), atol=0.06, rel_o=0.012)
+    assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith("KV dtype fp8_e4m3")
+
+
+def test_flashinfer_standin_rejects_what_flashinfer_rejects(monkeypatch):
+    """The stand-in fails the calls the old wrapper made: backend auto, unaligned 3-page tables, 96 heads on
+    trtllm-gen, implicit LSE base, positional plan() — so the tests above can fail."""
+    import vendor_standins as vs
+    mla = vs.install_flashinfer(monkeypatch)
+    q, kv = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16), torch.zeros(6, 1, 64, 576, dtype=torch.bfloat16)
+    ok = dict(query=q, kv_cache=kv, workspace_buffer=torch.zeros(8), qk_nope_head_dim=128, kv_lora_rank=512,
+              qk_rope_head_dim=64, block_tables=torch.zeros(2, 4, dtype=torch.int32),
+              seq_lens=torch.tensor([130, 5]), max_seq_len=130, bmm1_scale=0.1, bmm2_scale=1.0,
+              backend="trtllm-gen", return_lse=True, return_lse_base="basee")
+    mla.trtllm_batch_decode_with_kv_cache_mla(**ok)
+    for bad in (dict(backend="auto"), dict(block_tables=torch.zeros(2, 3, dtype=torch.int32)),
+                dict(query=torch.zeros(2, 1, 96, 576, dtype=torch.bfloat16)), dict(return_lse_base=None),
+                dict(not_a_parameter=1)):
+        with pytest.raises((vs.VendorPrecondition, TypeError)):
+            mla.trtllm_batch_decode_with_kv_cache_mla(**{**ok, **bad})
+    with pytest.raises(vs.VendorPrecondition):
+        mla.BatchMLAPagedAttentionWrapper(torch.zeros(8), backend="auto")
+    w = mla.BatchMLAPagedAttentionWrapper(torch.zeros(8), backend="fa3")
+    with pytest.raises(vs.VendorPrecondition):
+        w.plan(torch.zeros(2), torch.zeros(2), torch.zeros(1), torch.zeros(1), 16, 512, 64, 64, True, 0.1,
+               torch.bfloat16, torch.bfloat16)

@@ -3,14 +3,16 @@
 Our interface (splash.attention.kernels): `plan(meta)` once per step, `run(layer, q_latent, q_rope, cache)` per
 layer → (õ fp32 [N, H, d_c], natural-log LSE fp32 [N, H]) over the paged latent cache with ckv [blocks, page,
 d_c] and kpe [blocks, page, d_r] in separate tensors. Where a vendor kernel differs, the wrapper converts here:
-- LSE base: FlashInfer returns log2(Σ 2^x) unless asked for base e → `lse_to_natural` multiplies by ln 2.
+- LSE base: our LSE is natural log; a vendor call asks for base e explicitly (FlashInfer: `lse_mode="basee"` /
+  `return_lse_base="basee"`); `lse_to_natural` converts a base-2 LSE where a kernel cannot be asked.
 - page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer → `fused_pages` gathers
   the step's pages of one layer into it (a copy of the KV read per layer: it doubles KV traffic; a fused pool
-  layout would remove it, not done) and `remap_tables` renumbers the requests' pages into that buffer.
+  layout would remove it, not done) and `remap_tables` renumbers the requests' pages into that buffer, padded
+  to the width the caller asks (trtllm-gen: a multiple of 128 tokens).
 - FP8 / INT8 KV: our quantised pool stores the latent as fp8/int8 with one fp32 scale per token per 128 values
-  and the rope key in bf16; neither vendor path reads that (FlashInfer's FP8 wants fp8 rope keys with a
-  per-tensor scale, SM90 only; AITER a per-tensor scale), so quantised layers run our Triton kernel, which
-  dequantises in place. So do CP steps (a rank's pages are every T-th block: the vendors' causal masks assume
+  and the rope key in bf16; neither vendor path reads that (FlashInfer's FP8 MLA takes our per-row latent scales
+  as `ckv_scale_arr` but wants the rope cache in fp8 with a per-tensor scale, SM90 only; AITER a per-tensor
+  scale), so quantised layers run our Triton kernel, which dequantises in place. So do CP steps (a rank's pages are every T-th block: the vendors' causal masks assume
   contiguous positions) and shapes outside a vendor's limits (`Fallback` records why, once per reason).
 - Sparse layers (a top-k selection in `meta.sparse[layer]`: DSA, KPool): neither vendor path takes our selection
   of slots, so such a layer runs our Triton kernel's sparse path too.
@@ -41,13 +43,13 @@ def fused_pages(cache, layer: int, kv_indices: torch.Tensor, dtype: torch.dtype)
     return torch.cat([ckv.to(dtype), kpe.to(dtype)], dim=-1)
 
 
-def remap_tables(kv_indptr: torch.Tensor, num_reqs: int) -> torch.Tensor:
-    """Block tables [B, max pages] into the fused buffer: request b's j-th page is row kv_indptr[b] + j (padding
-    columns repeat the request's first page; kernels read only up to its length)."""
+def remap_tables(kv_indptr: torch.Tensor, width: int) -> torch.Tensor:
+    """Block tables [B, width] into the fused buffer: request b's j-th page is row kv_indptr[b] + j (columns past
+    its pages — up to its widest sibling's and the vendor's alignment — repeat its first page; kernels read only
+    up to its length). `width` comes from the caller's once-per-step host read: nothing here syncs."""
     ptr = kv_indptr.long()
     n = ptr[1:] - ptr[:-1]
-    width = max(1, int(n.max())) if num_reqs else 1
-    cols = torch.arange(width, device=ptr.device)[None, :]
+    cols = torch.arange(max(1, width), device=ptr.device)[None, :]
     return (ptr[:-1, None] + torch.where(cols < n[:, None], cols, torch.zeros_like(cols))).to(torch.int32)
 
 
