@@ -44,15 +44,27 @@ def test_flashinfer_paths():
 
 
 def test_aiter_paths():
-    assert ai.choose_path("bfloat16", 512, 64, 16, 64, False, True) is None
-    assert ai.choose_path("bfloat16", 512, 64, 8, 1, False, True) is None          # padded to 16 heads
-    for args, why in [(("bfloat16", 512, 64, 16, 64, False, False), "prefill rows"),
-                      (("int8", 512, 64, 16, 64, False, True), "KV dtype int8"),
-                      (("bfloat16", 512, 0, 64, 64, False, True), "latent/rope dims 512/0"),
-                      (("bfloat16", 512, 64, 256, 64, False, True), "256 heads"),
-                      (("bfloat16", 512, 64, 16, 16, False, True), "page size 16"),
-                      (("bfloat16", 512, 64, 16, 64, True, True), "CP step")]:
+    assert ai.choose_path("gfx942", "bfloat16", 512, 64, 16, 64, False, True) is None
+    assert ai.choose_path("gfx942", "bfloat16", 512, 64, 8, 1, False, True) is None
+    assert ai.choose_path("gfx950", "bfloat16", 512, 64, 64, 64, False, True) is None
+    for args, why in [(("gfx942", "bfloat16", 512, 64, 16, 64, False, False), "prefill rows"),
+                      (("gfx942", "int8", 512, 64, 16, 64, False, True), "KV dtype int8"),
+                      (("gfx942", "bfloat16", 512, 0, 64, 64, False, True), "latent/rope dims 512/0"),
+                      (("gfx942", "bfloat16", 512, 64, 256, 64, False, True), "256 heads"),
+                      (("gfx942", "bfloat16", 512, 64, 16, 16, False, True), "page size 16"),
+                      (("gfx942", "bfloat16", 512, 64, 16, 64, True, True), "CP step"),
+                      (("gfx936", "bfloat16", 512, 64, 16, 64, False, True), "arch gfx936"),
+                      (("cpu", "bfloat16", 512, 64, 16, 64, False, True), "arch cpu")]:
         assert ai.choose_path(*args).startswith(why)
+
+
+def test_aiter_head_table():
+    """Heads pad to the next size the arch ships (aiter's mla_asm.csv): 48/96/112 → 128; 64 → 128 on gfx942
+    (no one-row 64-head kernel there), 64 on gfx950; 12 → 16."""
+    assert [ai.decode_heads("gfx942", h) for h in (8, 12, 16, 24, 32, 48, 64, 96, 112, 128, 129)] == \
+        [8, 16, 16, 32, 32, 128, 128, 128, 128, 128, None]
+    assert [ai.decode_heads("gfx950", h) for h in (48, 64, 80)] == [64, 64, 128]
+    assert ai.decode_heads("gfx936", 16) is None
 
 
 def test_lse_base_conversion():
@@ -97,7 +109,7 @@ def _stub(monkeypatch, name: str) -> None:
 
 
 @pytest.mark.parametrize("cls,pkg,why", [(fi.FlashInferMLAKernel, "flashinfer", "compute capability 0"),
-                                         (ai.AiterMLAKernel, "aiter", "prefill rows")])
+                                         (ai.AiterMLAKernel, "aiter", "arch cpu")])
 def test_wrappers_fall_back_to_triton_exactly(monkeypatch, cls, pkg, why):
     """Without a GPU every layer takes the fallback: our Triton kernel (interpreter), which matches the dense
     reference; the reason is recorded."""
@@ -254,3 +266,46 @@ def test_flashinfer_standin_rejects_what_flashinfer_rejects(monkeypatch):
     with pytest.raises(vs.VendorPrecondition):
         w.plan(torch.zeros(2), torch.zeros(2), torch.zeros(1), torch.zeros(1), 16, 512, 64, 64, True, 0.1,
                torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("pages", [1, 3])
+@pytest.mark.parametrize("heads", [16, 48, 64, 96, 128])
+def test_aiter_through_strict_standin(monkeypatch, arch, pages, heads):
+    """Our AITER wrapper through a stand-in holding aiter's per-arch head table (a head count it ships no kernel
+    for raises, as the real build does) and its unwritten-LSE cases: õ matches the dense reference; the LSE is
+    the reference's where aiter writes it and NaN where it may not — never the vendor's stale buffer."""
+    from vendor_standins import install_aiter
+    install_aiter(monkeypatch, arch)
+    kernel = ai.AiterMLAKernel(SCALE, arch=arch)
+    cache, bm, _, reqs, meta, q = _state("bfloat16", FI_DECODE[pages], heads, seed=heads)
+    kernel.plan(meta)
+    o, lse = kernel.run(0, q[..., :512], q[..., 512:], cache)
+    o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
+    assert kernel.paths == {"aiter": 1}
+    assert (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()
+    if ai.decode_heads(arch, heads) in ai.LSE_UNWRITTEN_HEADS:
+        assert lse.isnan().all()
+    else:
+        assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)
+
+
+def test_aiter_standin_rejects_unshipped_heads(monkeypatch):
+    """The stand-in answers 48 heads (the old multiple-of-16 padding) as aiter does, so the test above can fail."""
+    from vendor_standins import install_aiter
+    mla = install_aiter(monkeypatch, "gfx942")
+    q, kv, o = (torch.zeros(1, 48, 576, dtype=torch.bfloat16), torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16),
+                torch.zeros(1, 48, 512, dtype=torch.bfloat16))
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cannot get heuristic kernel"):
+        mla.mla_decode_fwd(q, kv, o, one, one, one[:1], torch.tensor([3]), 1, page_size=64, sm_scale=0.1,
+                           return_lse=True)
+
+
+def test_aiter_fp8_kv_runs_triton(monkeypatch):
+    pytest.importorskip("triton")
+    from vendor_standins import install_aiter
+    install_aiter(monkeypatch, "gfx942")
+    kernel = ai.AiterMLAKernel(SCALE, arch="gfx942")
+    check(kernel, _state("fp8_e4m3", [(70, 1), (9, 1)], 64), atol=0.06, rel_o=0.012)
+    assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith("KV dtype fp8_e4m3")

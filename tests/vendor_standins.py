@@ -175,3 +175,64 @@ def install_flashinfer(monkeypatch) -> types.ModuleType:
         m.__spec__ = importlib.machinery.ModuleSpec(name, None)
         monkeypatch.setitem(sys.modules, name, m)
     return mla
+
+
+# ---- aiter --------------------------------------------------------------------------------------------------
+
+def _aiter_signature() -> inspect.Signature:
+    from backends.hip import aiter_mla as ai
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(p, kind, default=inspect.Parameter.empty
+                                                if i < ai.DECODE_FWD_REQUIRED else None)
+                              for i, p in enumerate(ai.DECODE_FWD_PARAMS)])
+
+
+def make_mla_decode_fwd(arch: str):
+    """aiter.mla.mla_decode_fwd as `arch`'s build answers: its head table, page sizes, bf16, one query row per
+    request; õ written into `o`; the LSE left unwritten (garbage, as torch.empty would) for those head counts."""
+    from backends.hip import aiter_mla as ai
+
+    def mla_decode_fwd(*args, **kwargs):
+        a = _aiter_signature().bind(*args, **kwargs).arguments
+        q, kv, o = a["q"], a["kv_buffer"], a["o"]
+        heads = q.shape[1]
+        if heads not in ai.DECODE_HEADS.get(arch, ()):
+            raise RuntimeError(f"get_heuristic_kernel_mla: cannot get heuristic kernel! gqa: {heads} ({arch})")
+        page = a.get("page_size") or 1
+        if page not in ai.PAGE_SIZES or kv.ndim != 4 or kv.shape[1] != page or kv.shape[2] != 1:
+            raise VendorPrecondition(f"kv_buffer {tuple(kv.shape)} / page_size {page}")
+        if a["max_seqlen_q"] != 1 or (a.get("nhead_kv") or 1) != 1:
+            raise VendorPrecondition("decode: max_seqlen_q 1, one KV head")
+        if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or o.dtype != torch.bfloat16:
+            raise VendorPrecondition("bf16 q / kv / o")
+        if o.shape != (q.shape[0], heads, q.shape[2] - 64):
+            raise VendorPrecondition(f"o {tuple(o.shape)}")
+        ptr, idx, last = a["kv_indptr"].long(), a["kv_indices"].long(), a["kv_last_page_lens"].long()
+        qo = a["qo_indptr"].long()
+        lse = torch.full((q.shape[0], heads), 7.0e3)          # what an unwritten buffer may hold
+        true_lse = torch.full_like(lse, float("-inf"))
+        for b in range(len(ptr) - 1):
+            pages = idx[int(ptr[b]):int(ptr[b + 1])]
+            t = max(0, (len(pages) - 1) * page + int(last[b]))
+            keys = kv[pages, :, 0].reshape(-1, kv.shape[-1])[:t]
+            r = int(qo[b])
+            ob, lb = _attend(q[r:r + 1], keys, keys[:, :o.shape[-1]], float(a["sm_scale"]), torch.tensor([t - 1]),
+                             torch.arange(t))
+            o[r] = ob[0].to(o.dtype)
+            true_lse[r] = lb[0]
+        if heads not in ai.LSE_UNWRITTEN_HEADS:
+            lse = true_lse
+        return o, lse
+
+    return mla_decode_fwd
+
+
+def install_aiter(monkeypatch, arch: str) -> types.ModuleType:
+    mla = types.ModuleType("aiter.mla")
+    mla.mla_decode_fwd = make_mla_decode_fwd(arch)
+    pkg = types.ModuleType("aiter")
+    pkg.mla = mla
+    for name, m in (("aiter", pkg), ("aiter.mla", mla)):
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, m)
+    return mla
