@@ -21,7 +21,8 @@ ATTENTION = {"cpu": ("torch", "triton"), "cuda": ("flashinfer", "triton", "torch
              "hip": ("aiter", "triton", "torch")}
 KERNEL_PACKAGES = {"torch": (), "triton": ("triton",), "flashinfer": ("flashinfer", "triton"),
                    "aiter": ("aiter", "triton")}
-INSTALL_HINT = {"triton": "pip install 'splash[cuda]' (or 'splash[hip]'): triton",
+INSTALL_HINT = {"triton": "pip install 'splash[cuda]' on NVIDIA; on ROCm the Triton of the ROCm torch build "
+                          "(pytorch-triton-rocm) or, on a Hygon DCU, the DTK's — not triton from PyPI",
                 "flashinfer": "pip install 'splash[cuda]': flashinfer-python",
                 "aiter": "AITER is not on PyPI: build it from https://github.com/ROCm/aiter (see docs/backends.md)"}
 
@@ -78,6 +79,12 @@ def get_backend(name: str, local_rank: int = 0, attention: str | None = None) ->
         backend = Backend(name, f"cuda:{local_rank % count}")
     if attention is not None:
         check_attention(backend.name, attention)
+        if backend.name == "hip":   # the path by device arch: AITER where it ships kernels, else Triton — if it can
+            import torch
+
+            from backends.hip.aiter_mla import device_arch
+            from backends.hip.arch import check_attention_arch
+            check_attention_arch(device_arch(torch.device(backend.device)), attention)
     return backend
 
 
