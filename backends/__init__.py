@@ -77,14 +77,14 @@ def get_backend(name: str, local_rank: int = 0, attention: str | None = None) ->
     else:
         count = _check_gpu(name)
         backend = Backend(name, f"cuda:{local_rank % count}")
+        import torch
+        torch.cuda.set_device(backend.device)   # kernels that launch on "the current device" (Triton, AITER) too
     if attention is not None:
         check_attention(backend.name, attention)
         if backend.name == "hip":   # the path by device arch: AITER where it ships kernels, else Triton — if it can
-            import torch
-
             from backends.hip.aiter_mla import device_arch
             from backends.hip.arch import check_attention_arch
-            check_attention_arch(device_arch(torch.device(backend.device)), attention)
+            check_attention_arch(device_arch(backend.device), attention)
     return backend
 
 

@@ -122,6 +122,7 @@ def test_hip_startup_exits_2_naming_the_arch_and_what_to_install(monkeypatch):
     import backends.hip.aiter_mla as ai
     import backends.hip.arch as arch
     monkeypatch.setattr(backends, "_check_gpu", lambda name: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(backends, "missing_packages", lambda kernel: [])
     monkeypatch.setattr(ai, "device_arch", lambda device: "gfx936")
     monkeypatch.setattr(arch, "triton_target_error", lambda a: f"error: unsupported target: '{a}'")
@@ -139,3 +140,13 @@ def test_hip_extra_leaves_rocm_triton_alone():
     import tomllib
     extras = tomllib.load(open(ROOT / "pyproject.toml", "rb"))["project"]["optional-dependencies"]
     assert not [d for d in extras["hip"] if d.startswith("triton")]
+
+
+def test_gpu_backend_makes_its_device_current(monkeypatch):
+    """Rank r's backend makes cuda:(r % GPUs) the current device: Triton and AITER launch on the current device,
+    so without it every rank's kernels would run on cuda:0 while its tensors sit on cuda:r."""
+    current = []
+    monkeypatch.setattr(backends, "_check_gpu", lambda name: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert backends.get_backend("cuda", 6).device == torch.device("cuda:2")
+    assert current == [torch.device("cuda:2")]
