@@ -119,3 +119,53 @@ def test_a_wrong_kernel_fails(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "attention base2 bfloat16 H=16 decode" in out and "FAIL" in out and "gpu-check: FAIL" in out
     gpu_check.ROWS.clear()
+
+
+GPU_CHECK_NEEDS = ("torch", "mpi4py", "mpich", "httpx", "triton", "flashinfer-python")   # + nvcc: README
+
+
+@pytest.mark.timeout(300)
+def test_gpu_install_line_brings_what_gpu_check_needs(tmp_path):
+    """The README's GPU install line, resolved by pip (--dry-run: nothing installed): walking the requirements from
+    splash[cuda,gpu-check] through what pip would install and what is installed here reaches everything
+    gpu-check imports or runs; torch (the CUDA build, installed first) is not replaced."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    line = "pip install -e '.[cuda,gpu-check]'"
+    assert line in (ROOT / "README.md").read_text()
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--report", str(report),
+                        f"{ROOT}[cuda,gpu-check]"], capture_output=True, text=True, timeout=280)
+    if r.returncode != 0 and any(w in r.stderr for w in ("Connection", "Max retries", "Temporary failure")):
+        pytest.skip(f"no package index reachable: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    new = {canonicalize_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", [])
+           for i in json.loads(report.read_text())["install"]}
+    assert "torch" not in new and "splash" in new
+
+    def requires(name: str, extras: tuple = ()) -> list[str]:
+        if name in new:
+            reqs = new[name]
+        else:
+            try:
+                reqs = distribution(name).requires or []
+            except PackageNotFoundError:
+                return []
+        out = []
+        for spec in map(Requirement, reqs):
+            envs = [dict(default_environment(), extra=e) for e in extras or ("",)]
+            if spec.marker is None or any(spec.marker.evaluate(env) for env in envs):
+                out.append(canonicalize_name(spec.name))
+        return out
+
+    seen, todo = set(), requires("splash", ("cuda", "gpu-check"))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += requires(name)
+    missing = [n for n in GPU_CHECK_NEEDS if canonicalize_name(n) not in seen]
+    assert not missing, f"{line} does not bring {missing}"
