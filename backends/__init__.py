@@ -26,7 +26,18 @@ INSTALL_HINT = {"triton": "pip install 'splash[cuda]' on NVIDIA; on ROCm the Tri
                 "flashinfer": "pip install 'splash[cuda]': flashinfer-python",
                 "aiter": "AITER is not on PyPI: build it from https://github.com/ROCm/aiter (see docs/backends.md)"}
 
-__all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "detect", "get_backend", "missing_packages"]
+__all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "attention_workspace_bytes", "detect",
+           "get_backend", "missing_packages"]
+
+
+def attention_workspace_bytes(kernel: str) -> int:
+    """Device bytes an attention kernel allocates for itself (the device budget counts them): FlashInfer's float
+    workspace for its MLA wrapper plus trtllm-gen's zeroed one (a run with decode and mixed steps on SM100 holds
+    both); the others allocate per call, inside the step's scratch."""
+    if kernel == "flashinfer":
+        from backends.cuda.flashinfer_mla import WORKSPACE_BYTES
+        return 2 * WORKSPACE_BYTES
+    return 0
 
 
 def _torch_gpu() -> tuple[str | None, int]:
