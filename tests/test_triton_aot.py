@@ -75,3 +75,33 @@ for wide in (False, True):
     out = subprocess.run([sys.executable, str(tmp_path / "narrow.py")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "0"]
+
+
+@pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES)
+def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
+    """What TritonMLAKernel passes to _mla_split (pointer dtypes, constexprs) is what the AOT check compiled."""
+    import torch
+    from test_attention_kernels import SCALE, TINY, make_state
+
+    from splash.attention.kernels import triton_mla as tm
+    want = aot._signature(kv_dtype)
+    names = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int16: "*i16", torch.uint8: "*u8",
+             torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
+    seen = []
+    real = tm._mla_split
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(({p: names[a.dtype] for p, a in zip(want, args) if isinstance(a, torch.Tensor)}, kw))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tm, "_mla_split", Spy())
+    cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4)
+    k = tm.TritonMLAKernel(SCALE)
+    k.plan(meta)
+    k.run(0, q[..., :16], q[..., 16:], cache)
+    (ptrs, kw), = seen
+    assert ptrs == {p: t for p, t in want.items() if t.startswith("*")}
+    assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True

@@ -43,7 +43,9 @@ def _signature(kv_dtype: str) -> dict[str, str]:
     ptrs = ("QL", "QR", "CKV", "KPE", "SCALE", "PAGES", "LOGICAL", "NUM_PAGES", "ROW_REQ", "REQ_ROWS", "QPOS",
             "OPART", "LPART")
     sig = {p: "*i32" for p in ptrs}
-    sig.update(QL="*bf16", QR="*bf16", CKV=ckv, KPE=kpe, SCALE="*fp32", OPART="*fp32", LPART="*fp32")
+    q = "*fp32" if kv_dtype == "float32" else "*bf16"      # TritonMLAKernel.run casts the queries so
+    sig.update(QL=q, QR=q, CKV=ckv, KPE=kpe, SCALE="*fp32", OPART="*fp32", LPART="*fp32",
+               ROW_REQ="*i64", REQ_ROWS="*i64", QPOS="*i64")
     sig.update(H="i32", PCOLS="i32", tokens_per_split="i32", sm_scale="fp32")
     return sig
 

@@ -219,8 +219,9 @@ class TritonMLAKernel:
         if rope_bf16:
             kpe = kpe.view(torch.int16)
         scale = cache.scale[layer] if cache.scale[layer] is not None else torch.zeros(1, device=dev)
-        ql = q_latent.contiguous()
-        qr = q_rope.contiguous() if dr else torch.zeros(n, h, 1, device=dev)
+        qdt = torch.float32 if fmt == 0 else torch.bfloat16   # the operand dtype: what the AOT check compiles
+        ql = q_latent.to(qdt).contiguous()
+        qr = q_rope.to(qdt).contiguous() if dr else torch.zeros(n, h, 1, dtype=qdt, device=dev)
         S = split_count(n, h, dc, self.decode_only, self.blocks, self.max_splits)
         per_split = max(BLOCK_N, -(-self.blocks // S) * BLOCK_N)
         # one split: the kernel writes the result itself; more: partials, then the exact merge
