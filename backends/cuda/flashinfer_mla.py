@@ -48,7 +48,7 @@ def choose_path(sm_major: int, kv_dtype: str, d_c: int, d_r: int, page_size: int
         return None, f"compute capability {sm_major}.x (FlashInfer MLA needs SM80 or newer)"
     if (d_c, d_r) not in WRAPPER_DIMS:
         return None, f"latent/rope dims {d_c}/{d_r} (FlashInfer MLA is built for {WRAPPER_DIMS})"
-    if sm_major >= 10 and decode_only and d_r == 64 and page_size in TRTLLM_PAGE_SIZES:
+    if sm_major == 10 and decode_only and d_r == 64 and page_size in TRTLLM_PAGE_SIZES:   # SM100/SM103 only
         return "trtllm-gen", None
     return "wrapper", None
 

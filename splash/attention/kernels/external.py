@@ -4,7 +4,7 @@ Our interface (splash.attention.kernels): `plan(meta)` once per step, `run(layer
 layer → (õ fp32 [N, H, d_c], natural-log LSE fp32 [N, H]) over the paged latent cache with ckv [blocks, page,
 d_c] and kpe [blocks, page, d_r] in separate tensors. Where a vendor kernel differs, the wrapper converts here:
 - LSE base: our LSE is natural log; a vendor call asks for base e explicitly (FlashInfer: `lse_mode="basee"` /
-  `return_lse_base="basee"`); `lse_to_natural` converts a base-2 LSE where a kernel cannot be asked.
+  `return_lse_base="basee"`; AITER's is natural log), so nothing converts here.
 - page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer → `fused_pages` gathers
   the step's pages of one layer into it (a copy of the KV read per layer: it doubles KV traffic; a fused pool
   layout would remove it, not done) and `remap_tables` renumbers the requests' pages into that buffer, padded
@@ -20,19 +20,11 @@ d_c] and kpe [blocks, page, d_r] in separate tensors. Where a vendor kernel diff
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-LN2 = math.log(2.0)
 SPARSE_REASON = "a top-k selection of slots (DSA / KPool layer): the vendor path attends every page"
 _log = logging.getLogger("splash.attention")
-
-
-def lse_to_natural(lse: torch.Tensor, base2: bool) -> torch.Tensor:
-    """fp32 natural-log LSE from a kernel's LSE (base 2 when `base2`): ln Σ e^s = ln 2 · log2 Σ 2^(s / ln 2)."""
-    lse = lse.float()
-    return lse * LN2 if base2 else lse
 
 
 def fused_pages(cache, layer: int, kv_indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
