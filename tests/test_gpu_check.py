@@ -169,3 +169,20 @@ def test_gpu_install_line_brings_what_gpu_check_needs(tmp_path):
             todo += requires(name)
     missing = [n for n in GPU_CHECK_NEEDS if canonicalize_name(n) not in seen]
     assert not missing, f"{line} does not bring {missing}"
+
+
+def test_two_ranks_run_the_collectives_and_print_per_rank_rows(tmp_path):
+    """At two ranks (mpirun -n 2, as on a 2-GPU box) the communicator row runs across ranks instead of a SKIP, and
+    rank 0's table holds every rank's rows."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec next to this python")
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
+                        "--part", "comm", "--json", str(out_json)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {row["check"]: row["result"] for row in json.loads(out_json.read_text())}
+    assert rows == {"[rank 0] comm TorchCommunicator": "PASS", "[rank 1] comm TorchCommunicator": "PASS"}
+    assert "[rank 1] comm TorchCommunicator" in r.stdout and "2 rank(s) on cpu" in r.stdout
