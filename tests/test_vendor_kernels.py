@@ -303,3 +303,39 @@ def test_aiter_fp8_kv_runs_triton(monkeypatch):
     kernel = ai.AiterMLAKernel(SCALE, arch="gfx942")
     check(kernel, _state("fp8_e4m3", [(70, 1), (9, 1)], 64), atol=0.06, rel_o=0.012)
     assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith("KV dtype fp8_e4m3")
+
+
+def test_page_groups_bound_the_fused_copy():
+    from splash.attention.kernels.external import page_groups
+    assert page_groups([3, 3, 2, 1, 5], page_bytes=10, budget=2 * 10 * 6) == [(0, 2), (2, 4), (4, 5)]
+    assert page_groups([9, 1], page_bytes=10, budget=2 * 10 * 4) == [(0, 1), (1, 2)]   # a big request alone
+    assert page_groups([1, 1, 1], page_bytes=10) == [(0, 3)]
+
+
+@pytest.mark.parametrize("vendor", ["trtllm-gen", "aiter"])
+def test_fused_copies_in_bounded_groups(monkeypatch, vendor):
+    """With a fused-copy bound of 3 pages the 3-page batch runs as one vendor call per request group, and gives
+    the dense reference; no fused buffer exceeds the bound."""
+    import splash.attention.kernels.external as ext
+    from vendor_standins import install_aiter, install_flashinfer
+    page_bytes = 64 * 576 * 2
+    monkeypatch.setattr(ext, "FUSED_BUFFER_BYTES", 2 * 3 * page_bytes)
+    sizes, real = [], ext.fused_pages
+
+    def counted(cache, layer, idx, dtype):
+        sizes.append(len(idx))
+        return real(cache, layer, idx, dtype)
+    monkeypatch.setattr(fi, "fused_pages", counted)
+    monkeypatch.setattr(ai, "fused_pages", counted)
+    if vendor == "aiter":
+        install_aiter(monkeypatch, "gfx942")
+        kernel = ai.AiterMLAKernel(SCALE, arch="gfx942")
+    else:
+        install_flashinfer(monkeypatch)
+        kernel = fi.FlashInferMLAKernel(SCALE, sm_major=10)
+    cache, bm, _, reqs, meta, q = _state("bfloat16", FI_DECODE[3] + [(20, 1)], 16)
+    kernel.plan(meta)
+    o, lse = kernel.run(0, q[..., :512], q[..., 512:], cache)
+    o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
+    assert sizes == [3, 3, 3] and (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()   # pages 3 | 3 | 2 + 1
+    assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)

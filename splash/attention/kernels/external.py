@@ -24,6 +24,7 @@ import logging
 import torch
 
 SPARSE_REASON = "a top-k selection of slots (DSA / KPool layer): the vendor path attends every page"
+FUSED_BUFFER_BYTES = 512 << 20   # bound on one fused-page copy with its gather temporaries (in the device budget)
 _log = logging.getLogger("splash.attention")
 
 
@@ -33,6 +34,45 @@ def fused_pages(cache, layer: int, kv_indices: torch.Tensor, dtype: torch.dtype)
     idx = kv_indices.long()
     ckv, kpe = cache.ckv[layer].index_select(0, idx), cache.kpe[layer].index_select(0, idx)
     return torch.cat([ckv.to(dtype), kpe.to(dtype)], dim=-1)
+
+
+def page_groups(pages: list[int], page_bytes: int, budget: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive request ranges [a, b) whose fused copy — the gathered latent and rope pages plus the
+    concatenated buffer, 2 × pages × `page_bytes` — fits `budget` (a request larger than that alone is its own
+    range), so the copy a vendor call needs stays a bounded, budgeted buffer however long the batch's contexts."""
+    per_group = max(1, (FUSED_BUFFER_BYTES if budget is None else budget) // (2 * page_bytes))
+    groups, start, held = [], 0, 0
+    for i, p in enumerate(pages):
+        if held and held + p > per_group:
+            groups.append((start, i))
+            start, held = i, 0
+        held += p
+    if start < len(pages):
+        groups.append((start, len(pages)))
+    return groups
+
+
+class PageGroup:
+    """One range of a decode step's requests for a vendor call on fused pages: its rows, its pages' indices in
+    the pool, block tables into its fused buffer (padded to `align` pages) — built once per step, used by every
+    layer."""
+
+    def __init__(self, a: int, b: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, host_indptr: list[int],
+                 width=lambda pages: pages):
+        self.rows = slice(a, b)
+        self.indices = kv_indices[host_indptr[a]:host_indptr[b]]
+        self.kv_indptr = kv_indptr[a:b + 1] - kv_indptr[a]
+        widest = max(host_indptr[i + 1] - host_indptr[i] for i in range(a, b))
+        self.tables = remap_tables(self.kv_indptr, width(widest))
+
+
+def step_groups(meta, host_pages: list[int], page_bytes: int, width=lambda pages: pages) -> list[PageGroup]:
+    """The step's PageGroups (decode rows = requests) from its per-request page counts read once on the host."""
+    indptr, indices, _ = meta.csr()
+    host_indptr = [0]
+    for p in host_pages:
+        host_indptr.append(host_indptr[-1] + p)
+    return [PageGroup(a, b, indptr, indices, host_indptr, width) for a, b in page_groups(host_pages, page_bytes)]
 
 
 def remap_tables(kv_indptr: torch.Tensor, width: int) -> torch.Tensor:
