@@ -4,7 +4,7 @@ flashinfer-python cannot be imported on a machine without CUDA (its import pulls
 CPU tests bind our calls to these recorded signatures instead (tests/test_vendor_kernels.py). They are read from
 the release's own source with `ast` (no import):
 
-    pip download --no-deps flashinfer-python==0.7.4 -d /tmp/fi && unzip -q /tmp/fi/*.whl -d /tmp/fi
+    pip install --no-deps --target /tmp/fi flashinfer-python==0.7.4                       # unpack, no import
     python -m backends.cuda.flashinfer_api /tmp/fi > backends/cuda/flashinfer_api.json     # re-record
     python -m backends.cuda.flashinfer_api /tmp/fi --check                                  # compare
 
