@@ -95,15 +95,13 @@ def get_backend(name: str, local_rank: int = 0, attention: str | None = None) ->
         import torch
         torch.cuda.set_device(backend.device)   # kernels that launch on "the current device" (Triton, AITER) too
     if attention is not None:
-        check_attention(backend.name, attention)
-        if backend.name == "hip":   # the path by device arch: AITER where it ships kernels, else Triton — if it can
-            from backends.hip.aiter_mla import device_arch
-            from backends.hip.arch import check_attention_arch
-            check_attention_arch(device_arch(backend.device), attention)
+        check_attention(backend.name, attention, backend.device)
     return backend
 
 
-def check_attention(backend: str, attention: str) -> None:
+def check_attention(backend: str, attention: str, device=None) -> None:
+    """BackendUnavailable when `attention` cannot run on `backend` here: not one of its kernels, a package missing,
+    or (hip, with the rank's `device`) a device arch the installed Triton cannot compile for."""
     if attention not in ATTENTION[backend]:
         raise BackendUnavailable(f"attention backend {attention!r} does not run on backend {backend!r} "
                                  f"(choose from {', '.join(ATTENTION[backend])})")
@@ -112,3 +110,7 @@ def check_attention(backend: str, attention: str) -> None:
         hints = "; ".join(INSTALL_HINT.get(p, f"pip install {p}") for p in missing)
         raise BackendUnavailable(f"attention backend {attention!r} needs {', '.join(missing)}, which is not "
                                  f"installed ({hints})")
+    if backend == "hip" and device is not None:   # AITER where it ships kernels, else Triton — if Triton can
+        from backends.hip.aiter_mla import device_arch
+        from backends.hip.arch import check_attention_arch
+        check_attention_arch(device_arch(device), attention)

@@ -130,9 +130,15 @@ def test_hip_startup_exits_2_naming_the_arch_and_what_to_install(monkeypatch):
         with pytest.raises(backends.BackendUnavailable, match=r"gfx936.*unsupported target.*Hygon's DTK"):
             backends.get_backend("hip", 3, attention=attention)
     assert backends.get_backend("hip", 3, attention="torch").device == torch.device("cuda:3")
+    from splash.cli.args import build_config
+    from splash.server import startup
+    dcu = build_config(["--config", str(ROOT / "configs" / "dcu.yaml")])
+    with pytest.raises(backends.BackendUnavailable, match=r"parallel.attention_backend.*gfx936.*DTK"):
+        startup.resolve_backend(dcu, 0)                                   # splash-serve's start path
     monkeypatch.setattr(ai, "device_arch", lambda device: "gfx942")
     monkeypatch.setattr(arch, "triton_target_error", lambda a: None)
     assert backends.get_backend("hip", 3, attention="aiter").name == "hip"
+    assert startup.resolve_backend(dcu, 0)[1].name == "hip"
 
 
 def test_hip_extra_leaves_rocm_triton_alone():

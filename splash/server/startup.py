@@ -59,7 +59,7 @@ def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any
     if backend.name != cfg.parallel.backend:
         cfg = apply_overrides(cfg, {"backend": backend.name}, source="parallel.backend: auto")
     try:
-        backends.check_attention(backend.name, cfg.attention_backend)
+        backends.check_attention(backend.name, cfg.attention_backend, backend.device)
     except backends.BackendUnavailable as e:
         raise backends.BackendUnavailable(f"field 'parallel.attention_backend': {e}") from None
     return cfg, backend
