@@ -59,7 +59,7 @@ def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any
     if backend.name != cfg.parallel.backend:
         cfg = apply_overrides(cfg, {"backend": backend.name}, source="parallel.backend: auto")
     try:
-        backends.check_attention(backend.name, cfg.attention_backend)
+        backends.check_attention(backend.name, cfg.attention_backend, backend.device)
     except backends.BackendUnavailable as e:
         raise backends.BackendUnavailable(f"field 'parallel.attention_backend': {e}") from None
     return cfg, backend
@@ -174,6 +174,7 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
     info = backend.memory_info() if backend is not None else None
     if c.kv_cache_memory_bytes or info is None:
         return c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+    import backends
     from splash.engine.llm import pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
@@ -185,7 +186,8 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
         b = device_memory_budget(mcfg, world, total, c.gpu_memory_utilization, weight_bytes, kv, c.block_size,
                                  s.max_num_batched_tokens, s.max_num_seqs, in_use_bytes=total - free,
                                  layouts=tuple(cfg.layout.allowed_layouts),
-                                 weight_quant=cfg.model.quantization or mcfg.quantization)
+                                 weight_quant=cfg.model.quantization or mcfg.quantization,
+                                 attention_workspace_bytes=backends.attention_workspace_bytes(cfg.attention_backend))
     except ValueError as e:
         raise ConfigError(f"field 'cache.gpu_memory_utilization': {e}") from None
     return b.kv_pool_bytes
