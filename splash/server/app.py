@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -27,10 +28,12 @@ from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
+from splash.server.limits import quote
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
 
+_log = logging.getLogger("splash")
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 DEFAULT_LIMITS = {"max_body_bytes": 8 << 20, "read_timeout_s": 30.0, "max_seqs_per_request": 256,
                   "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0}
@@ -91,7 +94,11 @@ def _sse(obj: Any) -> str:
 class _CountRequests:
     """ASGI middleware counting answered requests by route and status (cheap; streaming-safe). The endpoint
     label is the route's path for the server's routes and ``other`` for every unknown path, so random paths
-    cannot grow /metrics."""
+    cannot grow /metrics.
+
+    It is also where an exception no handler answered ends: a 500 body is sent here (so it is counted) and the
+    exception is not re-raised, so uvicorn keeps the keep-alive connection for the client's next request
+    instead of logging a traceback and resetting it. One line goes to the (rate-limited) ``splash`` log."""
 
     def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -102,12 +109,28 @@ class _CountRequests:
         path = scope.get("path", "")
         endpoint = path if path in self.routes else "other"
 
+        started = False
+
         async def send_wrapper(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, send_wrapper)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as e:  # noqa: BLE001 — one request fails, never the connection or the server
+            _log.error("internal error answering %s %s: %s: %s", scope.get("method"), endpoint, type(e).__name__,
+                       quote(str(e), 200))
+            if started:   # a body was under way: ending the connection is the only way to say it broke
+                raise
+            body = json.dumps(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
+                                           "internal_error")).encode()
+            await send_wrapper({"type": "http.response.start", "status": 500,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+            await send_wrapper({"type": "http.response.body", "body": body})
 
 
 class _Handlers:
@@ -124,7 +147,7 @@ class _Handlers:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.s.model_name:
-            raise P.APIError(404, f"the model '{model}' does not exist; this server serves '{self.s.model_name}'",
+            raise P.APIError(404, f"the model {quote(model)} does not exist; this server serves '{self.s.model_name}'",
                              param="model", code="model_not_found")
 
     def check_seqs(self, num_prompts: int, n: int) -> None:
@@ -151,7 +174,7 @@ class _Handlers:
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"'logit_bias' token id {bad} is outside the vocabulary [0, {self.s.vocab_size})",
+            raise P.APIError(400, f"'logit_bias' token id {quote(bad)} is outside the vocabulary [0, {self.s.vocab_size})",
                              param="logit_bias")
         try:
             return SamplingParams(
@@ -332,10 +355,6 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(P.error_body(str(e.detail), kind), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error"), 500)
 
     app.add_api_route("/v1/completions", h.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", h.chat, methods=["POST"])
