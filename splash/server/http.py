@@ -4,9 +4,11 @@
 * answers **431** when a request's header block grows past ``max_header_bytes`` (instead of h11's bare 400),
   then keeps reading and discarding what the client still sends for a moment before closing, so the client
   reads the answer instead of a connection reset;
-* answers **408** and closes when a request's headers have started but not finished arriving within
-  ``header_timeout_s`` (a stalled or slow-drip client); idle keep-alive connections are uvicorn's
-  ``timeout_keep_alive``, and a slow body is ``server.read_timeout_s`` in ``body.read_json``.
+* answers **408** and closes when a request's headers have not finished arriving within ``header_timeout_s``
+  (``server.read_timeout_s``) of the connection's accept — a connection that never sends a byte included, so
+  idle sockets cannot pile up and exhaust file descriptors — or, on a keep-alive connection, of the next
+  request's first byte (a stalled or slow-drip client); a keep-alive connection idle between requests is
+  uvicorn's ``timeout_keep_alive``, and a slow body is ``server.read_timeout_s`` in ``body.read_json``.
 
 ``RateLimitFilter`` lets through at most ``burst`` records per ``window_s`` for each (logger, message
 template) — a deferred switch retried every step, or a flood of bad requests, writes a few lines, not MBs —
@@ -40,9 +42,10 @@ class _GuardedH11(H11Protocol):
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._header_timer: Any = None
         self._refused_at: float | None = None
         self._linger: Any = None
+        # uvicorn times out idle keep-alive connections only after a first response: start the clock at accept
+        self._header_timer: Any = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._refused_at is not None:
@@ -71,8 +74,8 @@ class _GuardedH11(H11Protocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._refuse(408, "Request Timeout",
-                         f"the request's headers did not arrive within {self.header_timeout_s:g}s")
+            self._refuse(408, "Request Timeout", f"the request's headers did not arrive within "
+                                                 f"{self.header_timeout_s:g}s (server.read_timeout_s)")
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
         self._unset_keepalive_if_required()

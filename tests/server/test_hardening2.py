@@ -201,3 +201,47 @@ def test_stop_ids_covering_the_vocabulary_honour_min_tokens(engine):
     for r in checks_result if (checks_result := _http(engine, checks)) else ():
         choice = r.json()["choices"][0]
         assert r.status_code == 200 and len(choice["token_ids"]) == 3 and choice["finish_reason"] == "stop", r.text
+
+
+# ---- idle connections -------------------------------------------------------------------------------------
+def _fd_count() -> int:
+    import os
+    return len(os.listdir("/proc/self/fd"))
+
+
+def idle_socket_count(want: int) -> int:
+    """`want`, or fewer when this process may not open that many descriptors (raised to the hard limit)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want + 200 and hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, want + 200), hard))
+        soft = min(hard, want + 200)
+    return max(0, min(want, (soft - 200) // 2))   # in process, each socket is two descriptors
+
+
+def test_idle_connections_close_after_the_read_timeout(engine):
+    """Issue 32 item 2: a connection that never sent a byte was never closed (300 still open after 150 s), so
+    enough of them exhausted the descriptors and blocked accept(). Now each gets a 408 and is closed
+    server.read_timeout_s after its accept, the server serves meanwhile, and its descriptors come back."""
+    n = idle_socket_count(1000)
+    assert n >= 200
+
+    async def checks(url, _):
+        base = _fd_count()
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
+        t_open = time.monotonic()
+        health = await _exchange(url, [_request("GET", "/health")])
+        served = await _post(url, "/v1/completions", GOOD)
+        answers = await asyncio.gather(*(asyncio.wait_for(r.read(), 20) for r, _ in conns))
+        waited = time.monotonic() - t_open
+        for _, w in conns:
+            w.close()
+        await asyncio.sleep(0.2)
+        return base, health, served, answers, waited, _fd_count()
+
+    base, health, served, answers, waited, after = _http(engine, checks, read_timeout_s=1.0)
+    assert health[0][0] == 200 and served.status_code == 200
+    assert all(a.startswith(b"HTTP/1.1 408 ") and b"server.read_timeout_s" in a for a in answers), answers[:2]
+    assert waited < 10, waited
+    assert after <= base + 2, (base, after)

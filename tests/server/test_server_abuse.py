@@ -146,6 +146,44 @@ def test_slow_and_broken_clients_are_timed_out_quietly(server, reference):
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
 
 
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_idle_sockets_are_closed_and_descriptors_come_back(server, reference):
+    """Issue 32 item 2: 1,000 sockets that never send a byte each get a 408 and are closed
+    server.read_timeout_s (2 s here) after their accept; meanwhile the server serves, and afterwards rank 0 holds
+    as many descriptors as before."""
+    import resource
+    rank0 = server.rank_pids()[0]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200 and hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1200), hard))
+    n = min(1000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 150)
+    host, port = server.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    base = _fds(rank0)
+    socks = []
+    try:
+        with Witness(server.url, reference):
+            for _ in range(n):
+                socks.append(socket.create_connection((host, int(port)), timeout=15))
+            t0 = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            assert time.monotonic() - t0 < 1.0
+            answers = []
+            for s in socks:
+                out = b""
+                while chunk := s.recv(4096):
+                    out += chunk
+                answers.append(out)
+        assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), [a[:40] for a in answers[:3]]
+    finally:
+        for s in socks:
+            s.close()
+    _until(lambda: _fds(rank0) <= base, 10, f"rank 0 holds {_fds(rank0)} descriptors, {base} before")
+    _alive(server)
+
+
 def _metric(server, name: str) -> float:
     for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
