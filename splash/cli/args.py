@@ -119,6 +119,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      "a request's headers and body must arrive within this (408)"),
     (("--max-seqs-per-request",), "max_seqs_per_request", int, None, "N",
      "most sequences (prompts x n) in one request (400 beyond)"),
+    (("--max-request-mb",), "max_request_mb", float, None, "MB",
+     "a request's worst-case cost, computed before it is admitted (rank-0 memory or response size: its tokens, "
+     "logprob entries x n), may be this many MB (400 naming the field beyond)"),
     (("--max-waiting-seqs",), "max_waiting_seqs", int, None, "N",
      "sequences that may wait beyond max_num_seqs; more are answered 429 with Retry-After"),
     (("--drain-timeout-s",), "drain_timeout_s", float, None, "SECONDS",

@@ -23,12 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.engine.sampling import SamplingParams
+from splash.server import admission_cost
 from splash.server import protocol as P
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
-from splash.server.limits import quote
+from splash.server.json_body import json_response
+from splash.server.limits import check_stream_fields, quote
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
@@ -36,7 +38,7 @@ from splash.tokenizer import Tokenizer
 _log = logging.getLogger("splash")
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 DEFAULT_LIMITS = {"max_body_bytes": 8 << 20, "read_timeout_s": 30.0, "max_seqs_per_request": 256,
-                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0}
+                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0, "max_request_mb": 256.0}
 
 
 @dataclass
@@ -169,6 +171,13 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
+    def admit(self, req: P._Sampling, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
+        """400 when the request's worst-case cost passes server.max_request_mb (splash.server.admission_cost)."""
+        cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
+        why = admission_cost.over_budget(cost, self.s.limits["max_request_mb"], req.n)
+        if why is not None:
+            raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
+
     def params(self, req: P._Sampling, max_tokens: int, j: int, prompt_logprobs: int | None = None) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
         bias = req.logit_bias_ids()
@@ -193,10 +202,11 @@ class _Handlers:
                    prefix: str, prompt_logprobs: int | None = None) -> Generation:
         flat_prompts, flat_params = [], []
         for prompt, mt in zip(prompts, max_tokens):
-            for j in range(req.n):
+            for j in range(req.n):   # prompt logprobs: computed once per prompt, by its first sample
                 flat_prompts.append(prompt)
-                flat_params.append(self.params(req, mt, j, prompt_logprobs))
-        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix)
+                flat_params.append(self.params(req, mt, j, prompt_logprobs if j == 0 else None))
+        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix,
+                         n=req.n)
         gen.start()
         return gen
 
@@ -213,10 +223,12 @@ class _Handlers:
         req = await self.body(request, P.CompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
+        check_stream_fields(req, chat=False)
         p = req.prompt
         self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
         prompts = await self.prompts.completion(p)
         mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
+        self.admit(req, prompts, mt, chat=False)
         rid = P.new_id("cmpl")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
@@ -225,23 +237,25 @@ class _Handlers:
         gen.echo = self.echo_texts(req, prompts) if req.echo else None
         if req.stream:
             return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
-        return JSONResponse(await self.collect(request, gen, req, rid, "text_completion",
-                                               sum(map(len, prompts)), False))
+        return json_response(await self.collect(request, gen, req, rid, "text_completion",
+                                                sum(map(len, prompts)), False))
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
+        check_stream_fields(req, chat=True)
         self.check_seqs(1, req.n)
         prompt = await self.prompts.chat(chat_messages(req))
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
+        self.admit(req, [prompt], mt, chat=True)
         rid = P.new_id("chatcmpl")
         gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs)
         if req.stream:
             return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True)
-        return JSONResponse(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True))
+        return json_response(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True))
 
     # ---- response assembly ------------------------------------------------------------------------------
     async def collect(self, request: Request, gen: Generation, req: P._Sampling, rid: str, obj: str,
@@ -258,6 +272,11 @@ class _Handlers:
                 task.cancel()
             if not gen.done:
                 gen.cancel()
+        # built in a worker thread: with logprobs the body can hold millions of entries
+        return await asyncio.to_thread(self.response_body, gen, req, rid, obj, prompt_tokens, chat)
+
+    def response_body(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
+                      chat: bool) -> dict:
         make = P.chat_choice if chat else P.completion_choice
         extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
         choices = []
@@ -277,12 +296,21 @@ class _Handlers:
         ids = req.return_token_ids
         extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
 
         def chunk(choices: list[dict], usage_: dict | None = None) -> str:
             body = P.envelope(rid, obj, created, model, choices)
-            if include_usage:
-                body["usage"] = usage_
+            if include_usage:   # vLLM's continuous_usage_stats: the running counts on every chunk
+                body["usage"] = usage_ if usage_ is not None or not continuous else P.usage(
+                    prompt_tokens, sum(len(c.token_ids) for c in gen.choices))
             return _sse(body)
+
+        def choice_chunk(d: Delta) -> str:
+            tids = d.token_ids if ids else None
+            if chat:
+                delta = {"content": d.text} if d.text or d.finish is None else {}
+                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish, tids), d)])
+            return chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish, tids), d)])
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -294,14 +322,10 @@ class _Handlers:
                     for d in deltas:
                         if not d.text and d.finish is None and not ids and not extras.pending(d):
                             continue  # tokens whose text is held back (partial UTF-8, possible stop string)
-                        tids = d.token_ids if ids else None
-                        if chat:
-                            delta = {"content": d.text} if d.text or d.finish is None else {}
-                            yield chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish,
-                                                                             tids), d)])
+                        if extras.heavy(d):   # a first chunk carrying prompt logprobs: built off the loop
+                            yield await asyncio.to_thread(choice_chunk, d)
                         else:
-                            yield chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish,
-                                                                             tids), d)])
+                            yield choice_chunk(d)
                 if include_usage:
                     n_out = sum(len(c.token_ids) for c in gen.choices)
                     yield chunk([], P.usage(prompt_tokens, n_out))

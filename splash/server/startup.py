@@ -134,7 +134,7 @@ def limits(cfg: ServeConfig) -> dict[str, Any]:
     """The request limits of the HTTP front end (ServerState.limits)."""
     s = cfg.server
     return {"max_body_bytes": s.max_request_body_bytes, "read_timeout_s": s.read_timeout_s,
-            "max_seqs_per_request": s.max_seqs_per_request,
+            "max_seqs_per_request": s.max_seqs_per_request, "max_request_mb": s.max_request_mb,
             "max_outstanding_seqs": cfg.scheduler.max_num_seqs + s.max_waiting_seqs,
             "stall_s": s.collective_timeout_s, "drain_s": s.drain_timeout_s}
 

@@ -85,7 +85,14 @@ async def _exchange(url: str, requests: list[bytes]) -> list[tuple[int, bytes]]:
             while (h := await reader.readline()) not in (b"\r\n", b""):
                 k, _, v = h.decode().partition(":")
                 headers[k.strip().lower()] = v.strip()
-            body = await reader.readexactly(int(headers.get("content-length", 0)))
+            if headers.get("transfer-encoding") == "chunked":
+                body = b""
+                while size := int((await reader.readline()).strip(), 16):
+                    body += await reader.readexactly(size)
+                    await reader.readline()
+                await reader.readline()
+            else:
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
             out.append((int(line.split()[1]), body))
     finally:
         writer.close()
@@ -245,3 +252,116 @@ def test_idle_connections_close_after_the_read_timeout(engine):
     assert all(a.startswith(b"HTTP/1.1 408 ") and b"server.read_timeout_s" in a for a in answers), answers[:2]
     assert waited < 10, waited
     assert after <= base + 2, (base, after)
+
+
+# ---- request cost: bounded before admission, prompt logprobs once per prompt --------------------------------
+def test_admission_cost_estimates_are_upper_bounds():
+    from splash.server.admission_cost import MB, RequestShape, estimate, over_budget
+
+    plp = estimate(RequestShape((3500,), 16, 1, None, 20))
+    # issue 32 measured this request's response at 79.2 MB (prompt logprobs were then per sample; the bytes are not)
+    assert 79.2 * 1e6 <= plp.response_bytes <= 1.2 * 79.2 * 1e6
+    assert plp.logprob_entries == 3499 * 21 * 16 and plp.driver == "prompt_logprobs"
+    chat = estimate(RequestShape((3500,), 16, 1, None, 20, prompt_k_per_choice=False))
+    assert chat.logprob_entries == 3499 * 21 and chat.response_bytes < plp.response_bytes / 15
+    echo = estimate(RequestShape((3500,), 16, 1, 20, None, echo=True, echo_k=20))
+    assert echo.rank0_bytes > 10 * plp.rank0_bytes / 2   # echo entries are per choice, prompt logprobs shared
+    msg = over_budget(plp, 64, n=16)
+    assert msg and "server.max_request_mb" in msg and "'prompt_logprobs' or 'n'" in msg
+    assert over_budget(plp, plp.response_bytes / MB + 1) is None
+
+
+PLP_PROMPT = list(range(1, 201))
+
+
+def test_prompt_logprobs_are_computed_once_per_prompt_and_shared(engine, monkeypatch):
+    """Issue 32 item 1: prompt logprobs were computed once per sample (n x the rows), and chat computed n copies
+    to return one. Rows counted where the engine computes them."""
+    import splash.engine.engine as eng
+
+    rows = []
+    real = eng.prompt_logprobs
+
+    def counting(logits, targets, k):
+        rows.append(len(targets))
+        return real(logits, targets, k)
+
+    monkeypatch.setattr(eng, "prompt_logprobs", counting)
+    body = {"prompt": [PLP_PROMPT, PLP_PROMPT[:50]], "n": 4, "max_tokens": 3, "prompt_logprobs": 5,
+            "temperature": 0.9, "seed": 1}
+    chat = {**CHAT, "n": 3, "prompt_logprobs": 2}
+
+    async def checks(url, _):
+        out = {}
+        for name, path, b in (("cmpl", "/v1/completions", body), ("chat", "/v1/chat/completions", chat),
+                              ("stream", "/v1/completions", {**body, "stream": True}),
+                              ("echo", "/v1/completions", {**body, "prompt": PLP_PROMPT, "echo": True,
+                                                           "logprobs": 3, "prompt_logprobs": None})):
+            rows.clear()
+            r = await _post(url, path, b)
+            out[name] = (r, sum(rows))
+        return out
+
+    out = _http(engine, checks)
+    r, n_rows = out["cmpl"]
+    choices = r.json()["choices"]
+    assert r.status_code == 200 and n_rows == 199 + 49, n_rows        # once per prompt, not n times
+    for c in choices:
+        group = choices[c["index"] - c["index"] % 4]
+        assert c["prompt_logprobs"] == group["prompt_logprobs"] and len(c["prompt_logprobs"]) == (
+            200 if c["index"] < 4 else 50)
+    r, n_rows = out["chat"]
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3 and n_rows == len(r.json()["prompt_logprobs"]) - 1
+    r, n_rows = out["stream"]
+    firsts = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                firsts.setdefault(c["index"], c)
+    assert n_rows == 199 + 49 and sorted(firsts) == list(range(8))
+    assert all(len(firsts[i]["prompt_logprobs"]) == (200 if i < 4 else 50) for i in range(8))
+    r, n_rows = out["echo"]
+    assert n_rows == 199
+    for c in r.json()["choices"]:   # each echoed choice carries the prompt's logprobs (null for the first token)
+        lp = c["logprobs"]["token_logprobs"]
+        assert lp[0] is None and all(v is not None for v in lp[1:]) and len(lp) == 203
+
+
+def test_request_cost_above_the_budget_is_a_400_naming_it(engine):
+    big = {"prompt": PLP_PROMPT, "n": 8, "max_tokens": 1, "prompt_logprobs": 20}
+
+    async def checks(url, _):
+        return await asyncio.gather(_post(url, "/v1/completions", big),
+                                    _post(url, "/v1/completions", {**big, "prompt_logprobs": 2}),
+                                    _post(url, "/v1/chat/completions", {**CHAT, "n": 8, "logprobs": True,
+                                                                        "top_logprobs": 20, "max_tokens": 500}))
+
+    over, under, chat = _http(engine, checks, max_request_mb=2.0)
+    err = over.json()["error"]
+    assert over.status_code == 400 and err["code"] == "request_too_costly" and err["param"] == "prompt_logprobs"
+    assert "server.max_request_mb" in err["message"] and "2 MB" in err["message"]
+    assert under.status_code == 200 and len(under.content) < 2 << 20 and len(under.json()["choices"]) == 8
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "logprobs", chat.text
+
+
+def test_stream_options_and_usage_stats(engine):
+    """Issue 32 item 5: stream_options with stream false was accepted (vLLM: 400); continuous_usage_stats was
+    accepted and ignored; a streamed chat dropped prompt_logprobs silently (now a 400, as vLLM)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+
+    async def checks(url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            return await asyncio.gather(
+                c.post("/v1/completions", json={**GOOD, "stream_options": {"include_usage": True}}),
+                c.post("/v1/chat/completions", json={**CHAT, "stream": False, "stream_options": opts}),
+                c.post("/v1/chat/completions", json={**CHAT, "stream": True, "prompt_logprobs": 1}),
+                c.post("/v1/completions", json={**GOOD, "stream": True, "stream_options": opts}))
+
+    no_stream, chat_no_stream, chat_plp, cont = _http(engine, checks)
+    for r, field in ((no_stream, "stream_options"), (chat_no_stream, "stream_options"),
+                     (chat_plp, "prompt_logprobs")):
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    events = [json.loads(ln[6:]) for ln in cont.text.splitlines() if ln.startswith("data: {")]
+    used = [e["usage"]["completion_tokens"] for e in events]
+    assert len(events) >= 6 and used == sorted(used) and used[-1] == 6 and used[0] >= 1, used
+    assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
