@@ -21,11 +21,12 @@ from server_util import mpiexec_path, run_server
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
 TOKEN = "abuse-admin"
+BUDGET_MB = 8
 CFG = f"""
 cache: {{kv_cache_memory_bytes: 8MiB}}
 scheduler: {{max_num_seqs: 16}}
 server: {{port: 0, quiet: true, admin_token: {TOKEN}, read_timeout_s: 2.0, max_request_body_bytes: 1MiB,
-          max_seqs_per_request: 16, max_waiting_seqs: 16, drain_timeout_s: 2.0}}
+          max_seqs_per_request: 16, max_waiting_seqs: 16, drain_timeout_s: 2.0, max_request_mb: {BUDGET_MB}}}
 """
 PROMPT = [11, 22, 33, 44, 55]
 
@@ -181,6 +182,69 @@ def test_idle_sockets_are_closed_and_descriptors_come_back(server, reference):
         for s in socks:
             s.close()
     _until(lambda: _fds(rank0) <= base, 10, f"rank 0 holds {_fds(rank0)} descriptors, {base} before")
+    _alive(server)
+
+
+def _rss_kb(pid: int, key: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def test_the_costliest_admitted_request_twice_at_once(server):
+    """Issue 32 item 1: the worst request server.max_request_mb (8 MB here) admits — n = 16 (the sequence limit)
+    with prompt_logprobs 20 and the longest prompt the budget allows — sent twice at once: rank 0's peak RSS
+    grows by less than 2 x the budget + 64 MB, /health answers in < 0.5 s throughout, and a prompt a little
+    longer is a 400 naming the budget."""
+    from splash.server.admission_cost import MB, RequestShape, estimate
+
+    def fits(p: int) -> bool:
+        c = estimate(RequestShape((p,), 16, 1, None, 20))
+        return max(c.rank0_bytes, c.response_bytes) <= BUDGET_MB * MB
+
+    max_len = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    longest = max(p for p in range(2, max_len) if fits(p))
+    assert longest + 8 < max_len, "the budget, not the context, must be what limits this request"
+    body = {"prompt": [(7 * i) % 300 + 1 for i in range(longest)], "n": 16, "max_tokens": 1, "prompt_logprobs": 20}
+    url = f"{server.url}/v1/completions"
+    over = httpx.post(url, json={**body, "prompt": body["prompt"] + [5] * 8}, timeout=30)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "request_too_costly", over.text
+    assert "server.max_request_mb" in over.json()["error"]["message"]
+
+    rank0 = server.rank_pids()[0]
+    with open(f"/proc/{rank0}/clear_refs", "w") as f:   # reset the peak (VmHWM) to the current RSS
+        f.write("5")
+    base = _rss_kb(rank0, "VmRSS")
+    results, worst, stop = [], [0.0], threading.Event()
+
+    def send() -> None:
+        r = httpx.post(url, json=body, timeout=120)
+        results.append((r.status_code, len(r.content), r.json()["choices"] if r.status_code == 200 else r.text))
+
+    def poll() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            worst[0] = max(worst[0], time.monotonic() - t0)
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    senders = [threading.Thread(target=send) for _ in range(2)]
+    poller.start()
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(120)
+    stop.set()
+    poller.join(10)
+    peak = _rss_kb(rank0, "VmHWM")
+    assert [r[0] for r in results] == [200, 200], [str(r)[:300] for r in results]
+    for _, size, choices in results:
+        assert len(choices) == 16 and all(len(c["prompt_logprobs"]) == longest for c in choices)
+        assert size <= BUDGET_MB * MB
+    assert (peak - base) * 1024 < 2 * BUDGET_MB * MB + 64 * MB, (base, peak)
+    assert worst[0] < 0.5, worst[0]
     _alive(server)
 
 
