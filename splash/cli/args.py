@@ -109,7 +109,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      "SPLASH_ADMIN_TOKEN environment variable)"),
     (("--admin-token-file",), "admin_token_file", str, None, "PATH", "read the admin token from this file"),
     (("--served-model-name",), "served_model_name", str, None, "NAME", "model name reported by the API"),
-    (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only log lines"),
+    (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only the serving/stopped lines"),
+    (("--log-decisions",), "log_decisions", _BOOL, None, None,
+     "write the scheduler's 'layout decision {json}' lines to stderr (default: unless --quiet)"),
     (("--collective-timeout-s",), "collective_timeout_s", float, None, "SECONDS",
      "abort all ranks when a rank dies or sends no heartbeat for this long (a slow step is not a fault); "
      "/health reports 'stalled' while one step runs longer"),

@@ -163,6 +163,7 @@ class ServerSection:
     admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
+    log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet
     collective_timeout_s: float = _f(60.0, gt=0.0)   # a peer silent this long (no heartbeat) is dead or hung
     max_request_body_bytes: int = _f(8 << 20, min=1, size=True)  # larger bodies get 413
     read_timeout_s: float = _f(30.0, gt=0.0)     # a request's headers and body must arrive within this (408)

@@ -139,6 +139,15 @@ def limits(cfg: ServeConfig) -> dict[str, Any]:
             "stall_s": s.collective_timeout_s, "drain_s": s.drain_timeout_s}
 
 
+def quiet_decision_log(cfg: ServeConfig) -> None:
+    """Rank 0, after the engine is built: silence the scheduler's decision lines when ``server.log_decisions``
+    says so (by default under ``--quiet``, which promises only the serving and stopped lines)."""
+    import logging
+    wanted = cfg.server.log_decisions if cfg.server.log_decisions is not None else not cfg.server.quiet
+    if not wanted:
+        logging.getLogger("splash.scheduler").setLevel(logging.WARNING)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Rank 0 binds the HTTP socket early, so a busy port is a startup error like any other."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

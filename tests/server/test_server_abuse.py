@@ -145,6 +145,8 @@ def test_slow_and_broken_clients_are_timed_out_quietly(server, reference):
     time.sleep(0.5)
     log = server.output()
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
+    # --quiet (server.quiet) writes only the serving/stopped lines: no scheduler decision lines (issue 32 item 5)
+    assert "layout decision" not in log, log[-3000:]
 
 
 def _fds(pid: int) -> int:
