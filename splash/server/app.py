@@ -29,7 +29,7 @@ from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
-from splash.server.json_body import json_response
+from splash.server.json_body import ResponseBuilder
 from splash.server.limits import check_stream_fields, quote
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
@@ -142,6 +142,7 @@ class _Handlers:
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
+        self.builder = ResponseBuilder()   # large bodies: built one at a time, off the event loop
 
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
@@ -237,8 +238,8 @@ class _Handlers:
         gen.echo = self.echo_texts(req, prompts) if req.echo else None
         if req.stream:
             return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
-        return json_response(await self.collect(request, gen, req, rid, "text_completion",
-                                                sum(map(len, prompts)), False))
+        return self.builder.json_response(await self.collect(request, gen, req, rid, "text_completion",
+                                                             sum(map(len, prompts)), False))
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -255,7 +256,8 @@ class _Handlers:
         gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs)
         if req.stream:
             return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True)
-        return json_response(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True))
+        return self.builder.json_response(await self.collect(request, gen, req, rid, "chat.completion",
+                                                             len(prompt), True))
 
     # ---- response assembly ------------------------------------------------------------------------------
     async def collect(self, request: Request, gen: Generation, req: P._Sampling, rid: str, obj: str,
@@ -273,7 +275,7 @@ class _Handlers:
             if not gen.done:
                 gen.cancel()
         # built in a worker thread: with logprobs the body can hold millions of entries
-        return await asyncio.to_thread(self.response_body, gen, req, rid, obj, prompt_tokens, chat)
+        return await self.builder.run(self.response_body, gen, req, rid, obj, prompt_tokens, chat)
 
     def response_body(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
                       chat: bool) -> dict:
@@ -323,7 +325,7 @@ class _Handlers:
                         if not d.text and d.finish is None and not ids and not extras.pending(d):
                             continue  # tokens whose text is held back (partial UTF-8, possible stop string)
                         if extras.heavy(d):   # a first chunk carrying prompt logprobs: built off the loop
-                            yield await asyncio.to_thread(choice_chunk, d)
+                            yield await self.builder.run(choice_chunk, d)
                         else:
                             yield choice_chunk(d)
                 if include_usage:

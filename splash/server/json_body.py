@@ -1,13 +1,16 @@
-"""A non-streamed JSON response written as it goes: the body's lists (``choices``) are encoded item by item in a
-worker thread and sent in pieces of about ``PIECE_BYTES``, so rank 0 never holds the whole encoded body (a
-response with logprobs can be hundreds of MB) and the event loop keeps answering other requests meanwhile.
+"""Building large responses off the event loop: one worker thread (``ResponseBuilder``) for every response body
+and heavy stream chunk, so large bodies are built one at a time (bounded memory; fewer threads contending for
+the interpreter with the event loop, which keeps /health answering), and a non-streamed JSON response written
+as it goes: the body's lists (``choices``) are encoded item by item on that worker and sent in pieces of about
+``PIECE_BYTES``, so rank 0 never holds the whole encoded body (a response with logprobs can be hundreds of MB).
 The bytes are those Starlette's JSONResponse writes (compact separators, UTF-8, NaN refused).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi.responses import StreamingResponse
 
@@ -42,11 +45,19 @@ def _next_piece(it: Iterator[str]) -> bytes:
     return "".join(out).encode("utf-8")
 
 
-async def _chunks(body: dict) -> AsyncIterator[bytes]:
-    it = _pieces(body)
-    while piece := await asyncio.to_thread(_next_piece, it):
-        yield piece
+class ResponseBuilder:
+    """The one worker thread that builds and encodes large responses (see the module docstring)."""
 
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="splash-response")
 
-def json_response(body: dict) -> StreamingResponse:
-    return StreamingResponse(_chunks(body), media_type="application/json")
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _chunks(self, body: dict) -> AsyncIterator[bytes]:
+        it = _pieces(body)
+        while piece := await self.run(_next_piece, it):
+            yield piece
+
+    def json_response(self, body: dict) -> StreamingResponse:
+        return StreamingResponse(self._chunks(body), media_type="application/json")
