@@ -1,6 +1,6 @@
 """Send one costly request (a long prompt with prompt_logprobs, n samples) to a 2-rank splash-serve and measure what
 it costs the server: wall time, response bytes, rank 0's peak RSS (VmHWM) and RSS afterwards, and the worst
-/health latency seen while it ran (polled every 0.1 s).
+/health latency seen while it ran (polled every 50 ms from a process of its own).
 
     python scripts/costly_request.py --n 16                      # starts its own server (configs/cpu.yaml)
     python scripts/costly_request.py --n 16 --copies 2           # the same request twice at once
@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
-from server_util import ServerProc  # noqa: E402
+from server_util import HealthPoller, ServerProc  # noqa: E402
 
 
 def _kb(pid: int, key: str) -> int:
@@ -59,36 +59,26 @@ def main() -> int:
         path = "/v1/chat/completions" if args.chat else "/v1/completions"
         rss0 = _kb(rank0, "VmRSS")
         results: list[dict] = []
-        stop = threading.Event()
-        worst = [0.0]
-
-        def poll() -> None:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                httpx.get(f"{url}/health", timeout=60)
-                worst[0] = max(worst[0], time.monotonic() - t0)
-                time.sleep(0.1)
 
         def send() -> None:
             t0 = time.monotonic()
-            size, status = 0, None
+            size, status, text = 0, None, b""
             with httpx.stream("POST", url + path, json=body, timeout=600) as r:
                 status = r.status_code
                 for chunk in r.iter_bytes():
                     size += len(chunk)
-                text = r.read() if status != 200 else b""
+                    if status != 200:
+                        text += chunk
             results.append({"status": status, "seconds": round(time.monotonic() - t0, 2), "bytes": size,
-                            "error": json.loads(text)["error"]["message"][:200] if text else None})
+                            "error": json.loads(text)["error"]["message"][:300] if text else None})
 
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
+        poller = HealthPoller(url)
         senders = [threading.Thread(target=send) for _ in range(args.copies)]
         for t in senders:
             t.start()
         for t in senders:
             t.join()
-        stop.set()
-        poller.join()
+        worst = [poller.stop()]
         time.sleep(1.0)
         for r in results:
             print(json.dumps(r))

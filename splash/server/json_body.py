@@ -15,24 +15,35 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from fastapi.responses import StreamingResponse
 
 PIECE_BYTES = 256 << 10
+SLICE_ITEMS = 512          # a long list is encoded this many items per json.dumps call (each call holds the GIL)
 
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def _pieces(body: dict) -> Iterator[str]:
-    yield "{"
-    for i, (key, value) in enumerate(body.items()):
-        yield f"{',' if i else ''}{_dumps(key)}:"
-        if isinstance(value, list):
-            yield "["
-            for j, item in enumerate(value):
-                yield ("," if j else "") + _dumps(item)
-            yield "]"
-        else:
-            yield _dumps(value)
-    yield "}"
+def _pieces(value: Any) -> Iterator[str]:
+    """The JSON text of `value` in pieces: dicts and long lists are walked, so that no single json.dumps call
+    encodes more than SLICE_ITEMS list items (a choice's prompt logprobs can be 100,000 entries)."""
+    if isinstance(value, dict):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield f"{',' if i else ''}{_dumps(key)}:"
+            yield from _pieces(item)
+        yield "}"
+    elif isinstance(value, list) and len(value) > SLICE_ITEMS:
+        yield "["
+        for j in range(0, len(value), SLICE_ITEMS):
+            yield ("," if j else "") + _dumps(value[j:j + SLICE_ITEMS])[1:-1]
+        yield "]"
+    elif isinstance(value, list):
+        yield "["
+        for j, item in enumerate(value):
+            yield ","if j else ""
+            yield from _pieces(item)
+        yield "]"
+    else:
+        yield _dumps(value)
 
 
 def _next_piece(it: Iterator[str]) -> bytes:

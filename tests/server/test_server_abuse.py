@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from server_util import mpiexec_path, run_server
+from server_util import HealthPoller, mpiexec_path, run_server
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
 TOKEN = "abuse-admin"
@@ -196,21 +194,6 @@ def _rss_kb(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-_POLL_HEALTH = """
-import sys, threading, time, httpx
-stop, worst = threading.Event(), [0.0]
-threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-print("polling", flush=True)
-with httpx.Client(timeout=10) as c:
-    while not stop.is_set():
-        t0 = time.monotonic()
-        assert c.get(sys.argv[1]).status_code == 200
-        worst[0] = max(worst[0], time.monotonic() - t0)
-        time.sleep(0.05)
-print(worst[0])
-"""
-
-
 def test_the_costliest_admitted_request_twice_at_once(server):
     """Issue 32 item 1: the worst request server.max_request_mb (8 MB here) admits — n = 16 (the sequence limit)
     with prompt_logprobs 20 and the longest prompt the budget allows — sent twice at once: rank 0's peak RSS
@@ -240,16 +223,13 @@ def test_the_costliest_admitted_request_twice_at_once(server):
     def send() -> None:   # the body is parsed after the poll: parsing 8 MB here would stall the test's own GIL
         results.append(httpx.post(url, json=body, timeout=120))
 
-    # /health is polled from a process of its own, so what it measures is the server, not this process's threads
-    poller = subprocess.Popen([sys.executable, "-c", _POLL_HEALTH, f"{server.url}/health"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    assert poller.stdout.readline().strip() == "polling"
+    poller = HealthPoller(server.url)
     senders = [threading.Thread(target=send) for _ in range(2)]
     for t in senders:
         t.start()
     for t in senders:
         t.join(120)
-    worst = float(poller.communicate("stop\n", timeout=30)[0])
+    worst = poller.stop()
     peak = _rss_kb(rank0, "VmHWM")
     assert [r.status_code for r in results] == [200, 200], [r.text[:300] for r in results]
     for r in results:
