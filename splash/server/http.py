@@ -10,6 +10,9 @@
   request's first byte (a stalled or slow-drip client); a keep-alive connection idle between requests is
   uvicorn's ``timeout_keep_alive``, and a slow body is ``server.read_timeout_s`` in ``body.read_json``.
 
+Each answer written here (431, 408, and uvicorn's own 400 for a request h11 cannot parse) is passed to
+``count(status)``, so ``splash_requests_total`` counts it too (endpoint ``other``: no route was read).
+
 ``RateLimitFilter`` lets through at most ``burst`` records per ``window_s`` for each (logger, message
 template) — a deferred switch retried every step, or a flood of bad requests, writes a few lines, not MBs —
 and reports how many it dropped on the next line it lets through.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -36,9 +39,14 @@ def _raw_response(status: int, reason: str, message: str) -> bytes:
     return head + body
 
 
+def _no_count(status: int) -> None:
+    pass
+
+
 class _GuardedH11(H11Protocol):
     max_header_bytes = 32 * 1024
     header_timeout_s = 30.0
+    count: Callable[[int], None] = staticmethod(_no_count)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -77,7 +85,12 @@ class _GuardedH11(H11Protocol):
             self._refuse(408, "Request Timeout", f"the request's headers did not arrive within "
                                                  f"{self.header_timeout_s:g}s (server.read_timeout_s)")
 
+    def send_400_response(self, msg: str) -> None:
+        self.count(400)
+        super().send_400_response(msg)
+
     def _refuse(self, status: int, reason: str, message: str) -> None:
+        self.count(status)
         self._unset_keepalive_if_required()
         self.transport.write(_raw_response(status, reason, message))
         self._refused_at = time.monotonic()
@@ -90,9 +103,11 @@ class _GuardedH11(H11Protocol):
         self._linger = self.loop.call_later(max(0.0, min(LINGER_S, left)), self.transport.close)
 
 
-def protocol_class(max_header_bytes: int, header_timeout_s: float) -> type:
+def protocol_class(max_header_bytes: int, header_timeout_s: float,
+                   count: Callable[[int], None] = _no_count) -> type:
     return type("SplashH11Protocol", (_GuardedH11,), {"max_header_bytes": max_header_bytes,
-                                                      "header_timeout_s": header_timeout_s})
+                                                      "header_timeout_s": header_timeout_s,
+                                                      "count": staticmethod(count)})
 
 
 class RateLimitFilter(logging.Filter):

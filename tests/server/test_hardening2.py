@@ -45,7 +45,7 @@ def _http(engine, checks, read_timeout_s: float = 30.0, **limits):
                             limits={"read_timeout_s": read_timeout_s, **limits})
         sock = socket.create_server(("127.0.0.1", 0))
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
-                                ws="none", http=protocol_class(32 * 1024, read_timeout_s))
+                                ws="none", http=protocol_class(32 * 1024, read_timeout_s, metrics.count_unrouted))
         server = uvicorn.Server(config)
         loop.start()
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -186,14 +186,17 @@ def test_internal_errors_are_counted_and_keep_the_connection(engine, monkeypatch
                                         _request("POST", "/v1/chat/completions", CHAT),
                                         _request("POST", "/v1/completions", {"prompt": [1], "n": 0}),
                                         _request("GET", "/health")])
+        garbage = [s for s, _ in await _exchange(url, [b"NOT HTTP AT ALL\r\n\r\n"])]
         async with httpx.AsyncClient(base_url=url) as c:
-            return answers, (await c.get("/metrics")).text
+            return answers, (await c.get("/metrics")).text, garbage
 
-    answers, metrics = _http(engine, checks)
+    answers, metrics, garbage = _http(engine, checks)
     assert [s for s, _ in answers] == [500, 500, 400, 200], answers
+    assert garbage == [400]   # uvicorn's own answer to what h11 cannot parse: counted as well
     assert json.loads(answers[0][1])["error"]["type"] == "internal_error"
     for line in ('endpoint="/v1/completions",status="500"} 1.0', 'endpoint="/v1/chat/completions",status="500"} 1.0',
-                 'endpoint="/v1/completions",status="400"} 1.0', 'endpoint="/health",status="200"} 1.0'):
+                 'endpoint="/v1/completions",status="400"} 1.0', 'endpoint="/health",status="200"} 1.0',
+                 'endpoint="other",status="400"} 1.0'):
         assert line in metrics, line
 
 
@@ -245,9 +248,12 @@ def test_idle_connections_close_after_the_read_timeout(engine):
         for _, w in conns:
             w.close()
         await asyncio.sleep(0.2)
-        return base, health, served, answers, waited, _fd_count()
+        async with httpx.AsyncClient(base_url=url) as c:
+            metrics = (await c.get("/metrics")).text
+        return base, health, served, answers, waited, _fd_count(), metrics
 
-    base, health, served, answers, waited, after = _http(engine, checks, read_timeout_s=1.0)
+    base, health, served, answers, waited, after, metrics = _http(engine, checks, read_timeout_s=1.0)
+    assert f'splash_requests_total{{endpoint="other",status="408"}} {float(n)}' in metrics   # counted too
     assert health[0][0] == 200 and served.status_code == 200
     assert all(a.startswith(b"HTTP/1.1 408 ") and b"server.read_timeout_s" in a for a in answers), answers[:2]
     assert waited < 10, waited
