@@ -184,7 +184,8 @@ class _Handlers:
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"'logit_bias' token id {quote(bad)} is outside the vocabulary [0, {self.s.vocab_size})",
+            raise P.APIError(400, f"'logit_bias' token id {quote(bad)} is outside the vocabulary "
+                                  f"[0, {self.s.vocab_size})",
                              param="logit_bias")
         try:
             return SamplingParams(
@@ -334,7 +335,8 @@ class _Handlers:
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
-                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error"))
+                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
+                                        "internal_error"))
             finally:
                 if not gen.done:
                     gen.cancel()

@@ -33,7 +33,7 @@ def _check_media_type(request: Request) -> None:
         return
     media = ctype.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise APIError(415, f"unsupported Content-Type {ctype!r}: send the body as application/json",
+        raise APIError(415, f"unsupported Content-Type {limits.quote(ctype)}: send the body as application/json",
                        code="unsupported_media_type")
 
 
