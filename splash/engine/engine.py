@@ -83,7 +83,8 @@ class Engine:
         if not params.ignore_eos or params.grammar is not None:   # a grammar ends its output with EOS
             stop |= set(self.runner.cfg.eos_ids)
         self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
-        self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len))
+        self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len,
+                                   params.min_tokens))
         self.params[req_id] = params
         if params.prompt_logprobs is not None:
             self._plp[req_id] = [[], False]
