@@ -92,7 +92,7 @@ def launch(np_: int, config: str, mode: str, server_args: str, log_path: Path):
     """Start splash-serve under mpiexec in `mode` (auto or a pinned layout); (process, base url)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", "--config", config, "--port", "0",
-           "--host", "127.0.0.1", "--quiet", "--layout", mode, *shlex.split(server_args)]
+           "--host", "127.0.0.1", "--quiet", "--log-decisions", "--layout", mode, *shlex.split(server_args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),

@@ -116,7 +116,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      "SPLASH_ADMIN_TOKEN environment variable)"),
     (("--admin-token-file",), "admin_token_file", str, None, "PATH", "read the admin token from this file"),
     (("--served-model-name",), "served_model_name", str, None, "NAME", "model name reported by the API"),
-    (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only log lines"),
+    (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only the serving/stopped lines"),
+    (("--log-decisions",), "log_decisions", _BOOL, None, None,
+     "write the scheduler's 'layout decision {json}' lines to stderr (default: unless --quiet)"),
     (("--collective-timeout-s",), "collective_timeout_s", float, None, "SECONDS",
      "abort all ranks when a rank dies or sends no heartbeat for this long (a slow step is not a fault); "
      "/health reports 'stalled' while one step runs longer"),
@@ -126,6 +128,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, s
      "a request's headers and body must arrive within this (408)"),
     (("--max-seqs-per-request",), "max_seqs_per_request", int, None, "N",
      "most sequences (prompts x n) in one request (400 beyond)"),
+    (("--max-request-mb",), "max_request_mb", float, None, "MB",
+     "a request's worst-case cost, computed before it is admitted (rank-0 memory or response size: its tokens, "
+     "logprob entries x n), may be this many MB (400 naming the field beyond)"),
     (("--max-waiting-seqs",), "max_waiting_seqs", int, None, "N",
      "sequences that may wait beyond max_num_seqs; more are answered 429 with Retry-After"),
     (("--drain-timeout-s",), "drain_timeout_s", float, None, "SECONDS",

@@ -165,10 +165,12 @@ class ServerSection:
     admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
+    log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet
     collective_timeout_s: float = _f(60.0, gt=0.0)   # a peer silent this long (no heartbeat) is dead or hung
     max_request_body_bytes: int = _f(8 << 20, min=1, size=True)  # larger bodies get 413
     read_timeout_s: float = _f(30.0, gt=0.0)     # a request's headers and body must arrive within this (408)
     max_seqs_per_request: int = _f(256, min=1)   # prompts × n of one request (400 beyond)
+    max_request_mb: float = _f(256.0, gt=0.0)    # a request's worst-case rank-0 memory / response size (400 beyond)
     max_waiting_seqs: int = _f(1024, min=0)      # sequences queued beyond scheduler.max_num_seqs (429 beyond)
     drain_timeout_s: float = _f(10.0, min=0.0)   # on SIGTERM: how long running requests may still finish
     # the model's tool-call / reasoning formats (vLLM's names, splash.server.agent); auto: from the model's type

@@ -86,7 +86,7 @@ class Engine:
             stop |= set(self.runner.cfg.eos_ids)
         self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
         self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len,
-                                   cacheable=params.prompt_logprobs is None))
+                                   params.min_tokens, cacheable=params.prompt_logprobs is None))
         self.params[req_id] = params
         if params.prompt_logprobs is not None:
             self._plp[req_id] = [[], False]

@@ -36,6 +36,7 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int] = frozenset()
     max_len: int = 1 << 30
+    min_tokens: int = 0          # a stop id ends the request only after this many tokens (vLLM's min_tokens)
     output: list[int] = field(default_factory=list)
     num_cached: int = 0          # tokens whose KV is in the cache
     finish_reason: str | None = None
@@ -336,7 +337,7 @@ class Scheduler:
                 continue
             tok = sampled[it.req_id]
             req.output.append(tok)
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(req.output) > req.min_tokens:
                 req.finish_reason = "stop"
             elif len(req.output) >= req.max_tokens or req.num_tokens >= req.max_len:
                 req.finish_reason = "length"

@@ -125,5 +125,9 @@ class Metrics:
                                    buckets=STEP_BUCKETS, registry=r)
         r.register(_StateCollector(snapshot))
 
+    def count_unrouted(self, status: int) -> None:
+        """An answer the HTTP protocol wrote before any route was read (408/431/400, splash.server.http)."""
+        self.requests.labels("other", str(status)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
