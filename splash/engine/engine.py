@@ -34,6 +34,7 @@ class TokenEvent:
     finish_reason: str | None
     logprobs: TokenLogprobs | None = None                  # when the request asked for `logprobs`
     prompt_logprobs: list[TokenLogprobs] | None = None     # prompt tokens 1.. (first event, `prompt_logprobs`)
+    cached_tokens: int = 0                                 # prompt tokens its first admission found cached
 
 
 class Engine:
@@ -163,9 +164,11 @@ class Engine:
         rids, toks, lps = self._sample(logits[:n_sampled], rids)
         self._take_prompt_logprobs(plan, msg.logits, logits[n_sampled:])
         sampled = dict(zip(rids, toks))
+        reqs = self.scheduler.requests
+        cached = [reqs[rid].cached_prompt_tokens if rid in reqs else 0 for rid in rids]
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
-        events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid))
-                  for rid, tok, lp in zip(rids, toks, lps)]
+        events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid), c)
+                  for rid, tok, lp, c in zip(rids, toks, lps, cached)]
         for rid in done:
             self._forget(rid)
         for rid, _ in self.failed:
@@ -332,6 +335,11 @@ class Engine:
 
     def kv_used_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.ledger.reqs.values())
+
+    def prefix_cache_stats(self) -> tuple[int, int, list[int]]:
+        """(prompt tokens looked up, of them found cached, cached blocks per rank) since the start."""
+        s = self.scheduler
+        return s.prefix_queries, s.prefix_hits, self.ledger.cached_blocks()
 
     def kv_used_blocks_per_rank(self) -> list[int]:
         return list(self.ledger.used)

@@ -298,7 +298,8 @@ class _Handlers:
                 choice["message"], choice["finish_reason"] = chat_output.message(agent.mode, c.text, c.finish)
             choices.append(extras.decorate(choice, d))
         completion_tokens = sum(len(c.token_ids) for c in gen.choices)
-        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices, P.usage(prompt_tokens, completion_tokens))
+        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices,
+                          P.usage(prompt_tokens, completion_tokens, gen.cached_prompt_tokens))
         if chat and req.prompt_logprobs is not None:   # vLLM: chat's prompt_logprobs are on the response
             body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
         return body
@@ -316,7 +317,7 @@ class _Handlers:
             body = P.envelope(rid, obj, created, model, choices)
             if include_usage:   # vLLM's continuous_usage_stats: the running counts on every chunk
                 body["usage"] = usage_ if usage_ is not None or not continuous else P.usage(
-                    prompt_tokens, sum(len(c.token_ids) for c in gen.choices))
+                    prompt_tokens, sum(len(c.token_ids) for c in gen.choices), gen.cached_prompt_tokens)
             return _sse(body)
 
         def choice_chunk(d: Delta) -> str | None:
@@ -349,7 +350,7 @@ class _Handlers:
                             yield out
                 if include_usage:
                     n_out = sum(len(c.token_ids) for c in gen.choices)
-                    yield chunk([], P.usage(prompt_tokens, n_out))
+                    yield chunk([], P.usage(prompt_tokens, n_out, gen.cached_prompt_tokens))
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
@@ -371,6 +372,15 @@ class _Handlers:
                 "switch_count": snap.total_switches,
                 "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
                 "steps": snap.steps, "scheduler": snap.scheduler}
+
+    async def reset_prefix_cache(self, request: Request) -> JSONResponse:
+        """vLLM's admin endpoint: forget every cached block no request uses (token-protected like /v1/layout)."""
+        check_admin(self.s, request.headers.get("authorization"))
+        try:
+            n = await asyncio.wrap_future(self.s.loop.reset_prefix_cache())
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "service_unavailable") from None
+        return JSONResponse({"evicted_blocks": n})
 
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
@@ -405,6 +415,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", h.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", h.chat, methods=["POST"])
     app.add_api_route("/v1/layout", h.set_layout, methods=["POST"])
+    app.add_api_route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"])
 
     @app.get("/v1/layout")
     async def get_layout() -> dict:

@@ -41,6 +41,7 @@ class Choice:
     min_tokens: int = 0                               # no stop string ends the choice before this many tokens
     include_stop: bool = False                        # include_stop_str_in_output
     awaits_prompt_logprobs: bool = False              # its group's prompt logprobs have not arrived yet
+    cached_tokens: int = 0                            # prompt tokens the prefix cache held for it
 
 
 @dataclass
@@ -74,6 +75,12 @@ class Generation:
             self.choices.append(c)
         self._by_id = {c.req_id: c for c in self.choices}
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache: per prompt, the most any of its n choices found."""
+        n = max(1, self.n)
+        return sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
 
     @property
     def done(self) -> bool:
@@ -111,6 +118,7 @@ class Generation:
                 c = self._by_id.get(ev.req_id)
                 if c is None or c.finish is not None:
                     continue
+                c.cached_tokens = max(c.cached_tokens, ev.cached_tokens)
                 if ev.logprobs is not None:
                     c.logprobs.append(ev.logprobs)
                 if ev.prompt_logprobs is not None:   # the group's leader: share them with its group
