@@ -31,7 +31,7 @@ from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
 from splash.server.json_body import ResponseBuilder
-from splash.server.limits import check_stream_fields, quote
+from splash.server.limits import quote
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
@@ -230,7 +230,7 @@ class _Handlers:
         req = await self.body(request, P.CompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
-        check_stream_fields(req, chat=False)
+        P.check_stream_fields(req, chat=False)
         p = req.prompt
         self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
         prompts = await self.prompts.completion(p)
@@ -253,7 +253,7 @@ class _Handlers:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
-        check_stream_fields(req, chat=True)
+        P.check_stream_fields(req, chat=True)
         self.check_seqs(1, req.n)
         agent = await self.agent.chat(req)
         prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)

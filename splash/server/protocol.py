@@ -274,3 +274,13 @@ def envelope(obj_id: str, obj: str, created: int, model: str, choices: list[dict
     if usage_ is not None:
         out["usage"] = usage_
     return out
+
+
+def check_stream_fields(req: Any, chat: bool) -> None:
+    """400s naming the field for streaming options that cannot apply (as vLLM answers them): ``stream_options``
+    without ``stream: true``; chat's ``prompt_logprobs`` while streaming (vLLM refuses it rather than drop it)."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "'stream_options' can only be set when 'stream' is true", param="stream_options")
+    if chat and req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "'prompt_logprobs' is not available with 'stream': true on chat completions; send the "
+                            "request without streaming", param="prompt_logprobs")
