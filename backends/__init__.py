@@ -21,11 +21,27 @@ ATTENTION = {"cpu": ("torch", "triton"), "cuda": ("flashinfer", "triton", "torch
              "hip": ("aiter", "triton", "torch")}
 KERNEL_PACKAGES = {"torch": (), "triton": ("triton",), "flashinfer": ("flashinfer", "triton"),
                    "aiter": ("aiter", "triton")}
-INSTALL_HINT = {"triton": "pip install 'splash[cuda]' (or 'splash[hip]'): triton",
+INSTALL_HINT = {"triton": "pip install 'splash[cuda]' on NVIDIA; on ROCm the Triton of the ROCm torch build "
+                          "(pytorch-triton-rocm) or, on a Hygon DCU, the DTK's — not triton from PyPI",
                 "flashinfer": "pip install 'splash[cuda]': flashinfer-python",
                 "aiter": "AITER is not on PyPI: build it from https://github.com/ROCm/aiter (see docs/backends.md)"}
 
-__all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "detect", "get_backend", "missing_packages"]
+__all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "attention_workspace_bytes", "detect",
+           "get_backend", "missing_packages"]
+
+
+def attention_workspace_bytes(kernel: str) -> int:
+    """Device bytes an attention kernel allocates for itself (the device budget counts them): FlashInfer's float
+    workspace for its MLA wrapper plus trtllm-gen's zeroed one (a run with decode and mixed steps on SM100 holds
+    both), and for trtllm-gen and AITER the bounded fused-page copy (external.FUSED_BUFFER_BYTES); the others
+    allocate per call, inside the step's scratch."""
+    if kernel not in ("flashinfer", "aiter"):
+        return 0
+    from splash.attention.kernels.external import FUSED_BUFFER_BYTES
+    if kernel == "aiter":
+        return FUSED_BUFFER_BYTES
+    from backends.cuda.flashinfer_mla import WORKSPACE_BYTES
+    return 2 * WORKSPACE_BYTES + FUSED_BUFFER_BYTES
 
 
 def _torch_gpu() -> tuple[str | None, int]:
@@ -76,12 +92,16 @@ def get_backend(name: str, local_rank: int = 0, attention: str | None = None) ->
     else:
         count = _check_gpu(name)
         backend = Backend(name, f"cuda:{local_rank % count}")
+        import torch
+        torch.cuda.set_device(backend.device)   # kernels that launch on "the current device" (Triton, AITER) too
     if attention is not None:
-        check_attention(backend.name, attention)
+        check_attention(backend.name, attention, backend.device)
     return backend
 
 
-def check_attention(backend: str, attention: str) -> None:
+def check_attention(backend: str, attention: str, device=None) -> None:
+    """BackendUnavailable when `attention` cannot run on `backend` here: not one of its kernels, a package missing,
+    or (hip, with the rank's `device`) a device arch the installed Triton cannot compile for."""
     if attention not in ATTENTION[backend]:
         raise BackendUnavailable(f"attention backend {attention!r} does not run on backend {backend!r} "
                                  f"(choose from {', '.join(ATTENTION[backend])})")
@@ -90,3 +110,7 @@ def check_attention(backend: str, attention: str) -> None:
         hints = "; ".join(INSTALL_HINT.get(p, f"pip install {p}") for p in missing)
         raise BackendUnavailable(f"attention backend {attention!r} needs {', '.join(missing)}, which is not "
                                  f"installed ({hints})")
+    if backend == "hip" and device is not None:   # AITER where it ships kernels, else Triton — if Triton can
+        from backends.hip.aiter_mla import device_arch
+        from backends.hip.arch import check_attention_arch
+        check_attention_arch(device_arch(device), attention)

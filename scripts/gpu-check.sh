@@ -6,13 +6,15 @@
 #   scripts/gpu-check.sh --dry-run        # CPU only, tiny shapes: what CI runs (tests/test_gpu_check.py)
 # Checks (scripts/gpu_check.py): each GPU attention kernel and the torch.distributed communicator against the torch
 # reference, decode attention time against the HBM-bandwidth floor, and a splash-serve smoke test on N ranks with
-# every layout pinned and live switches between them. Prints a table and PASS/FAIL; exit 0 only on PASS.
-# Other flags go to scripts/gpu_check.py (--device, --hbm-gbs, --batch, --context, --json); see --help there.
+# every layout pinned and live switches between them. Prints each row as it ends, then the PASS/FAIL/SKIP table
+# (rows also in gpu-check.json, or $GPU_CHECK_JSON); exit 0 only on PASS.
+# Other flags go to scripts/gpu_check.py (--device, --hbm-gbs, --batch, --context); see --help there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 MPIRUN=${MPIRUN:-$(command -v mpirun || command -v mpiexec || echo "")}
 LIMIT_S=${GPU_CHECK_TIMEOUT_S:-470}
+JSON=${GPU_CHECK_JSON:-gpu-check.json}   # every row of both halves (PASS/FAIL/SKIP/info), appended as they end
 
 ranks="" dry=0 rest=()
 while [ $# -gt 0 ]; do
@@ -20,7 +22,7 @@ while [ $# -gt 0 ]; do
     --ranks) ranks="${2:-}"; shift 2 || { echo "gpu-check: --ranks needs a number" >&2; exit 2; } ;;
     --ranks=*) ranks="${1#--ranks=}"; shift ;;
     --dry-run) dry=1; rest+=("$1"); shift ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) rest+=("$1"); shift ;;
   esac
 done
@@ -40,13 +42,17 @@ if [ "$ranks" -gt 1 ] && [ -z "$MPIRUN" ]; then
 fi
 
 status=0
+rm -f "$JSON"
 echo "== gpu-check: $ranks rank(s), $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.version.cuda else "hip" if torch.version.hip else "cpu")')"
 if [ "$ranks" -gt 1 ]; then
-  timeout "$LIMIT_S" "$MPIRUN" -n "$ranks" "$PY" scripts/gpu_check.py --part kernels,comm "${rest[@]}" || status=1
+  timeout "$LIMIT_S" "$MPIRUN" -n "$ranks" "$PY" scripts/gpu_check.py --part kernels,comm --json "$JSON" \
+    "${rest[@]}" || status=1
 else
-  timeout "$LIMIT_S" "$PY" scripts/gpu_check.py --part kernels,comm "${rest[@]}" || status=1
+  timeout "$LIMIT_S" "$PY" scripts/gpu_check.py --part kernels,comm --json "$JSON" "${rest[@]}" || status=1
 fi
 left=$(( LIMIT_S - SECONDS )); [ "$left" -lt 30 ] && left=30   # one budget for both halves
-timeout "$left" "$PY" scripts/gpu_check.py --part serve --ranks "$ranks" "${rest[@]}" || status=1
+timeout "$left" "$PY" scripts/gpu_check.py --part serve --ranks "$ranks" --json "$JSON" "${rest[@]}" || status=1
+echo; echo "== gpu-check: both halves (rows in $JSON)"
+if [ -s "$JSON" ]; then "$PY" scripts/gpu_check.py --summary "$JSON" || status=1; else status=1; fi
 echo "== gpu-check: $([ $status = 0 ] && echo PASS || echo FAIL)"
 exit $status

@@ -5,8 +5,9 @@
 
 - kernels: each attention kernel this device runs (cuda: flashinfer + triton; hip: aiter + triton; cpu: triton
   under the interpreter) against the torch reference kernel on the same paged cache — decode and mixed
-  prefill + decode steps, DeepSeek/GLM dims (512 latent + 64 rope, 16 heads, bf16 KV, 64-token pages; --dry-run:
-  tiny dims) — max |LSE| error, relative |õ| error, and which path ran (vendor kernel or Triton fallback);
+  prefill + decode steps, DeepSeek/GLM dims (512 latent + 64 rope, 64-token pages; --dry-run: tiny dims), 16, 64
+  and 128 heads, bf16 and fp8 KV, requests of different page counts (odd ones, the widest 15 pages) — max |LSE|
+  error, relative |õ| error, and which path ran (vendor kernel or Triton fallback);
 - timing: decode attention of B requests × C tokens per kernel against the HBM floor, bytes of KV read /
   the hardware profile's kv_read_bytes_per_s (b200/h200/bw1000 by device name, or --hbm-gbs);
 - comm: the torch.distributed communicator (splash.distributed.torch_comm.TorchCommunicator) on this device:
@@ -14,7 +15,9 @@
 - serve: splash-serve on `--ranks` ranks of this machine (preset gpu-smoke-mla: 512 + 64 dims, so the vendor
   kernel runs; --dry-run: tiny-mla on cpu) — the same greedy completion pinned in each layout, and a long one
   while POST /v1/layout switches live through every layout: every answer must equal TP's.
-Prints one table row per check and PASS/FAIL; exit 1 on any FAIL.
+Each row is printed as its check ends (under mpirun, per rank); an exception inside a check is that check's FAIL
+row. At the end: the PASS/FAIL/SKIP table, the rows appended to --json, exit 1 on any FAIL. At one rank the checks
+that need two (collectives across GPUs, layouts that differ across ranks) are SKIP rows saying so.
 """
 from __future__ import annotations
 
@@ -28,10 +31,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ROWS: list[tuple[str, str, str]] = []
+RESULTS = ("PASS", "FAIL", "SKIP", "info")
+RANK = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", 0))))
+SIZE = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
 
 
-def row(check: str, detail: str, ok: bool | None) -> None:
-    ROWS.append((check, detail, "info" if ok is None else "PASS" if ok else "FAIL"))
+def row(check: str, detail: str, ok: bool | str | None) -> None:
+    """Record one row and print it now (a later hang or crash cannot lose it): ok True/False → PASS/FAIL,
+    "SKIP" → SKIP, None → info."""
+    res = ok if isinstance(ok, str) else "info" if ok is None else "PASS" if ok else "FAIL"
+    ROWS.append((check, detail, res))
+    prefix = f"[rank {RANK}] " if SIZE > 1 else ""
+    print(f"{prefix}{check:<44}  {res:<4}  {detail}", flush=True)
+
+
+def guarded(check: str, fn, *args) -> None:
+    """Run one check; an exception (no nvcc for a JIT, an OOM, a vendor error) is a FAIL row, not a lost table."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        row(check, f"{type(e).__name__}: {str(e)[:300]}", False)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -43,7 +62,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hbm-gbs", type=float, default=None, help="HBM bandwidth for the floor (default: profile)")
     p.add_argument("--batch", type=int, default=64, help="decode timing: requests")
     p.add_argument("--context", type=int, default=4096, help="decode timing: tokens per request")
-    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--json", default=None, help="append the rows to this JSON file (gpu-check.sh: gpu-check.json)")
+    p.add_argument("--summary", default=None, metavar="JSON", help="print the table of a rows file and exit")
     args = p.parse_args(argv)
     bad = set(args.part.split(",")) - {"kernels", "comm", "serve"}
     if bad:
@@ -54,10 +74,12 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def backend_of(args):
+    """The backend on this rank's GPU: the node-local rank comes from the project's launcher (MPI's shared-memory
+    split, the same for every MPI), and get_backend makes that GPU current (torch.cuda.set_device), so Triton and
+    vendor kernels launch where the tensors are."""
     import backends
-    name = "cpu" if args.dry_run else args.device
-    return backends.get_backend(name, int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
-                                                         os.environ.get("MPI_LOCALRANKID", 0))))
+    from splash.distributed import init_dist
+    return backends.get_backend("cpu" if args.dry_run else args.device, init_dist().local_rank)
 
 
 def kernel_names(backend) -> list[str]:
@@ -65,9 +87,11 @@ def kernel_names(backend) -> list[str]:
     return [k for k in backends.ATTENTION[backend.name] if k != "torch" and not backends.missing_packages(k)]
 
 
-def make_state(device, batch: int, context: int, dc: int, dr: int, heads: int, page: int, mixed: bool, seed=0):
-    """A paged bf16 cache holding `batch` requests of `context` tokens (random pages), their step metadata and
-    absorbed queries; `mixed` makes the first request a 7-token prefill chunk."""
+def make_state(device, batch: int, context: int, dc: int, dr: int, heads: int, page: int, mixed: bool,
+               kv_dtype: str = "bfloat16", ragged: bool = True, seed=0):
+    """A paged `kv_dtype` cache holding `batch` requests (the longest `context` tokens, the others shorter by a
+    page and 3 tokens each, so page counts differ and include odd ones; random pages), their step metadata and
+    absorbed queries; `mixed` makes the first request a 7-token prefill chunk; `ragged=False`: all `context`."""
     import torch
 
     from splash.attention.batch import StepRequest
@@ -76,16 +100,19 @@ def make_state(device, batch: int, context: int, dc: int, dr: int, heads: int, p
     from splash.kv.paged_cache import PagedLatentCache
 
     g = torch.Generator(device="cpu").manual_seed(seed)
-    per = -(-context // page)
-    cache = PagedLatentCache(1, batch * per + 1, page, dc, dr, "bfloat16", device=device)
-    cache.ckv[0].copy_(torch.randn(cache.ckv[0].shape, generator=g))
-    cache.kpe[0].copy_(torch.randn(cache.kpe[0].shape, generator=g))
-    tables, order = PageTable(page, device=device), torch.randperm(batch * per, generator=g).tolist()
-    reqs = []
-    for b in range(batch):
+    lens = [max(8, context - b * (page + 3)) if ragged else context for b in range(batch)]
+    pages = [-(-n // page) for n in lens]
+    cache = PagedLatentCache(1, sum(pages) + 1, page, dc, dr, kv_dtype, device=device)
+    tables, order = PageTable(page, device=device), torch.randperm(sum(pages), generator=g).tolist()
+    reqs, at = [], 0
+    for b, (n_tok, n_pg) in enumerate(zip(lens, pages)):
         n = 7 if mixed and b == 0 else 1
-        reqs.append(StepRequest(f"r{b}", context - n, n))
-        tables.append(f"r{b}", [(j, order[b * per + j]) for j in range(per)])
+        reqs.append(StepRequest(f"r{b}", n_tok - n, n))
+        tables.append(f"r{b}", [(j, order[at + j]) for j in range(n_pg)])
+        slots = torch.tensor([order[at + p // page] * page + p % page for p in range(n_tok)], device=device)
+        cache.write(0, slots, torch.randn(n_tok, dc, generator=g).to(device),
+                    torch.randn(n_tok, dr, generator=g).to(device))
+        at += n_pg
     meta = build_metadata(reqs, tables)
     q = torch.randn(meta.num_rows, heads, dc + dr, generator=g).to(device)
     return cache, meta, q[..., :dc].contiguous(), q[..., dc:].contiguous()
@@ -100,24 +127,37 @@ def run_kernel(name, scale, state):
     return k, o, lse
 
 
+HEADS = (16, 64, 128)                       # per rank: a TP shard, a DP-attn / DOP owner, all of DeepSeek's
+KV_DTYPES = ("bfloat16", "fp8_e4m3")        # the vendor path and (fp8) the Triton path every shipped config uses
+
+
 def check_kernels(args, backend) -> None:
-    dims = dict(dc=32, dr=8, heads=4, page=16) if args.dry_run else dict(dc=512, dr=64, heads=16, page=64)
+    dims = dict(dc=32, dr=8, page=16) if args.dry_run else dict(dc=512, dr=64, page=64)
+    batch, ctx = (3, 40) if args.dry_run else (8, 936)          # widest request: 3 / 15 pages (odd)
     scale = 1 / (128 + 64) ** 0.5
-    for mixed in (False, True):
-        state = make_state(backend.device, 3 if args.dry_run else 8, 40 if args.dry_run else 1000, **dims, mixed=mixed)
-        _, o_ref, lse_ref = run_kernel("torch", scale, state)
-        for name in kernel_names(backend):
-            try:
-                k, o, lse = run_kernel(name, scale, state)
-            except Exception as e:  # noqa: BLE001 — a kernel that fails is a FAIL row, not a crash
-                row(f"attention {name}", f"{'mixed' if mixed else 'decode'}: {type(e).__name__}: {e}", False)
-                continue
-            err_l = float((lse - lse_ref).abs().max())
-            err_o = float((o - o_ref).abs().max() / o_ref.abs().max().clamp_min(1e-30))
-            paths = getattr(k, "paths", {name: 1})
-            row(f"attention {name}", f"{'mixed' if mixed else 'decode'} via {','.join(paths)}: |dLSE| {err_l:.1e}, "
-                f"|do|/|o| {err_o:.1e}", err_l < 2e-2 and err_o < 2e-2)
-    time_decode(args, backend, dims, scale)
+    for kv in KV_DTYPES:
+        for heads in HEADS:
+            for mixed in (False, True):
+                case = f"{kv} H={heads} {'mixed' if mixed else 'decode'}"
+                guarded(f"attention {case}", check_case, backend, scale, case,
+                        make_state(backend.device, batch, ctx, heads=heads, **dims, mixed=mixed, kv_dtype=kv))
+    guarded("decode time", time_decode, args, backend, dict(dims, heads=HEADS[0]), scale)
+
+
+def check_case(backend, scale, case, state) -> None:
+    _, o_ref, lse_ref = run_kernel("torch", scale, state)
+    for name in kernel_names(backend):
+        try:
+            k, o, lse = run_kernel(name, scale, state)
+        except Exception as e:  # noqa: BLE001 — a kernel that fails is a FAIL row, not a crash
+            row(f"attention {name} {case}", f"{type(e).__name__}: {str(e)[:300]}", False)
+            continue
+        fin = lse_ref.isfinite()
+        err_l = float((lse - lse_ref)[fin].abs().max())
+        err_o = float((o - o_ref).abs().max() / o_ref.abs().max().clamp_min(1e-30))
+        paths = getattr(k, "paths", {name: 1})
+        row(f"attention {name} {case}", f"via {','.join(paths)}: |dLSE| {err_l:.1e}, |do|/|o| {err_o:.1e}",
+            err_l < 6e-2 and err_o < 2e-2)
 
 
 def hbm_bytes_per_s(args, backend) -> tuple[float, str]:
@@ -137,23 +177,27 @@ def hbm_bytes_per_s(args, backend) -> tuple[float, str]:
 def time_decode(args, backend, dims, scale) -> None:
     import torch
     batch, ctx = (4, 256) if args.dry_run else (args.batch, args.context)
-    state = make_state(backend.device, batch, ctx, **dims, mixed=False)
+    state = make_state(backend.device, batch, ctx, **dims, mixed=False, ragged=False)
     kv_bytes = batch * ctx * (dims["dc"] + dims["dr"]) * 2
     bw, src = hbm_bytes_per_s(args, backend)
     for name in ["torch"] + kernel_names(backend):
         if args.dry_run and name != "torch":
             continue   # the interpreter's speed says nothing
-        k, _, _ = run_kernel(name, scale, state)
-        iters = 3 if args.dry_run else 20
-        backend.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            k.run(0, state[2], state[3], state[0])
-        backend.synchronize()
-        dt = (time.perf_counter() - t0) / iters
-        floor = kv_bytes / bw if bw else float("nan")
-        row(f"decode time {name}", f"B={batch} C={ctx}: {dt * 1e6:.0f} us, floor {floor * 1e6:.0f} us ({src}), "
-            f"{dt / floor:.1f}x floor" if bw else f"{dt * 1e6:.0f} us ({src})", None)
+        guarded(f"decode time {name}", _time_one, args, backend, state, name, scale, batch, ctx, kv_bytes, bw, src)
+
+
+def _time_one(args, backend, state, name, scale, batch, ctx, kv_bytes, bw, src) -> None:
+    k, _, _ = run_kernel(name, scale, state)
+    iters = 3 if args.dry_run else 20
+    backend.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        k.run(0, state[2], state[3], state[0])
+    backend.synchronize()
+    dt = (time.perf_counter() - t0) / iters
+    floor = kv_bytes / bw if bw else float("nan")
+    row(f"decode time {name}", f"B={batch} C={ctx}: {dt * 1e6:.0f} us, floor {floor * 1e6:.0f} us ({src}), "
+        f"{dt / floor:.1f}x floor" if bw else f"{dt * 1e6:.0f} us ({src})", None)
 
 
 def check_comm(args, backend) -> None:
@@ -186,32 +230,51 @@ def check_comm(args, backend) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.summary:
+        return summary(args.summary)
     parts = args.part.split(",")
     backend = backend_of(args)
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
     if "kernels" in parts:
         check_kernels(args, backend)
     if "comm" in parts:
-        check_comm(args, backend)
-    if ("kernels" in parts or "comm" in parts) and int(os.environ.get("PMI_SIZE", os.environ.get(
-            "OMPI_COMM_WORLD_SIZE", 1))) > 1:   # under mpirun: every rank's rows, printed by rank 0
+        guarded("comm TorchCommunicator", check_comm, args, backend)
+        if SIZE == 1:
+            row("comm across ranks", "1 rank: the collectives across GPUs need >= 2 (mpirun -n N, N GPUs)", "SKIP")
+    if SIZE > 1 and ("kernels" in parts or "comm" in parts):   # under mpirun: every rank's rows, to rank 0
         from splash.distributed import init_dist
-        ctx = init_dist()
-        everyone = ctx.comm.all_gather_obj(list(ROWS))
+        everyone = init_dist().comm.all_gather_obj(list(ROWS))
         ROWS[:] = [(f"[rank {r}] {c}", d, res) for r, rows in enumerate(everyone) for c, d, res in rows]
-    if "serve" in parts and rank == 0:
+    if "serve" in parts and RANK == 0:
         from gpu_check_serve import check_serve
-        check_serve(args, backend, row)
-    if rank == 0:
-        width = max((len(c) for c, _, _ in ROWS), default=5)
-        for c, d, res in ROWS:
-            print(f"{c:<{width}}  {res:<4}  {d}")
-        if args.json:
-            Path(args.json).write_text(json.dumps([dict(check=c, detail=d, result=res) for c, d, res in ROWS]))
-    failed = any(res == "FAIL" for _, _, res in ROWS)
-    if rank == 0:
-        print("gpu-check:", "FAIL" if failed else "PASS")
+        guarded("serve", check_serve, args, backend, row)
+        if args.ranks == 1:
+            row("serve layouts across ranks", "1 rank: DP-attn, CP and DOP place work differently only on >= 2 "
+                "(--ranks N)", "SKIP")
+    if RANK != 0:
+        return 1 if any(res == "FAIL" for _, _, res in ROWS) else 0
+    if not args.json:
+        return table(ROWS)
+    path = Path(args.json)   # gpu-check.sh: both halves append here, then --summary prints the one table
+    old = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(old + [dict(check=c, detail=d, result=res) for c, d, res in ROWS], indent=1))
+    return 1 if any(res == "FAIL" for _, _, res in ROWS) else 0
+
+
+def table(rows) -> int:
+    """The PASS/FAIL/SKIP table; 1 when any row failed."""
+    width = max((len(c) for c, _, _ in rows), default=5)
+    print("\n== gpu-check results")
+    for c, d, res in rows:
+        print(f"{c:<{width}}  {res:<4}  {d}")
+    counts = {r: sum(res == r for _, _, res in rows) for r in RESULTS}
+    failed = counts["FAIL"] > 0
+    print("gpu-check:", "FAIL" if failed else "PASS", "(" + ", ".join(f"{n} {r}" for r, n in counts.items()) + ")")
     return 1 if failed else 0
+
+
+def summary(path: str) -> int:
+    rows = [(r["check"], r["detail"], r["result"]) for r in json.loads(Path(path).read_text())]
+    return table(rows)
 
 
 if __name__ == "__main__":

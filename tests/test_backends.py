@@ -105,3 +105,54 @@ def test_check_with_a_model_type_not_loadable_yet(capsys, tmp_path):
 def test_check_rejects_a_bad_config(capsys):
     rc, out, err = _main(capsys, "--config", "configs/cpu.yaml", "--block-size", "0", "--check")
     assert rc == 2 and err.startswith("error: "), out + err
+
+
+def test_installed_triton_targets_amd_archs_but_not_hygon_dcus():
+    """Asked of Triton itself (an ahead-of-time compile, no GPU): upstream Triton compiles for gfx942 and refuses
+    the Hygon DCU arch gfx936."""
+    pytest.importorskip("triton")
+    from backends.hip.arch import triton_target_error
+    assert triton_target_error("gfx942") is None
+    assert "unsupported target" in triton_target_error("gfx936")
+
+
+def test_hip_startup_exits_2_naming_the_arch_and_what_to_install(monkeypatch):
+    """A ROCm device whose arch the installed Triton cannot compile for: get_backend (so splash-serve, exit 2)
+    refuses aiter and triton alike, naming the arch and the vendor's Triton; torch needs no such check."""
+    import backends.hip.aiter_mla as ai
+    import backends.hip.arch as arch
+    monkeypatch.setattr(backends, "_check_gpu", lambda name: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(backends, "missing_packages", lambda kernel: [])
+    monkeypatch.setattr(ai, "device_arch", lambda device: "gfx936")
+    monkeypatch.setattr(arch, "triton_target_error", lambda a: f"error: unsupported target: '{a}'")
+    for attention in ("aiter", "triton"):
+        with pytest.raises(backends.BackendUnavailable, match=r"gfx936.*unsupported target.*Hygon's DTK"):
+            backends.get_backend("hip", 3, attention=attention)
+    assert backends.get_backend("hip", 3, attention="torch").device == torch.device("cuda:3")
+    from splash.cli.args import build_config
+    from splash.server import startup
+    dcu = build_config(["--config", str(ROOT / "configs" / "dcu.yaml")])
+    with pytest.raises(backends.BackendUnavailable, match=r"parallel.attention_backend.*gfx936.*DTK"):
+        startup.resolve_backend(dcu, 0)                                   # splash-serve's start path
+    monkeypatch.setattr(ai, "device_arch", lambda device: "gfx942")
+    monkeypatch.setattr(arch, "triton_target_error", lambda a: None)
+    assert backends.get_backend("hip", 3, attention="aiter").name == "hip"
+    assert startup.resolve_backend(dcu, 0)[1].name == "hip"
+
+
+def test_hip_extra_leaves_rocm_triton_alone():
+    """[hip] installs no triton: a ROCm torch's own Triton (pytorch-triton-rocm) or a DCU vendor's stays."""
+    import tomllib
+    extras = tomllib.load(open(ROOT / "pyproject.toml", "rb"))["project"]["optional-dependencies"]
+    assert not [d for d in extras["hip"] if d.startswith("triton")]
+
+
+def test_gpu_backend_makes_its_device_current(monkeypatch):
+    """Rank r's backend makes cuda:(r % GPUs) the current device: Triton and AITER launch on the current device,
+    so without it every rank's kernels would run on cuda:0 while its tensors sit on cuda:r."""
+    current = []
+    monkeypatch.setattr(backends, "_check_gpu", lambda name: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert backends.get_backend("cuda", 6).device == torch.device("cuda:2")
+    assert current == [torch.device("cuda:2")]

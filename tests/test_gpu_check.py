@@ -3,6 +3,7 @@ under the interpreter and the communicator against the torch reference, the serv
 switches), and a wrong kernel turning its row into FAIL. The GPU checks themselves need a GPU (not run here)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,9 +18,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
 
-def _sh(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def _sh(*args: str, timeout: float = 400, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=env)
 
@@ -37,14 +38,60 @@ def test_arguments():
         gpu_check.parse(["--batch", "0"])
 
 
-def test_dry_run_passes_end_to_end():
-    r = _sh("--dry-run")
+def test_dry_run_passes_end_to_end(tmp_path):
+    """Every row the GPU run has, on CPU: 16/64/128 heads, bf16 and fp8 KV, decode and mixed steps over requests
+    with odd page counts (the Triton kernel under the interpreter), the decode timing, the communicator, the serve
+    smoke; one rank says what it skipped; the table and the JSON file at the end."""
+    out_json = tmp_path / "rows.json"
+    r = _sh("--dry-run", env={"GPU_CHECK_JSON": str(out_json)})
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    for part in ("attention triton        PASS  decode via triton", "mixed via triton", "decode time torch",
-                 "comm TorchCommunicator  PASS", "PASS  1 rank(s) on cpu", "serve tp ", "serve dop ",
-                 "serve live switches  PASS", "== gpu-check: PASS"):
+    for heads in (16, 64, 128):
+        for kv in ("bfloat16", "fp8_e4m3"):
+            for step in ("decode", "mixed"):
+                assert f"attention triton {kv} H={heads} {step}" in out, out
+    for part in ("decode time torch", "comm TorchCommunicator", "comm across ranks", "serve tp ", "serve dop ",
+                 "serve live switches", "== gpu-check: PASS"):
         assert part in out, out
+    rows = {r["check"]: r["result"] for r in json.loads(out_json.read_text())}
+    assert rows["comm across ranks"] == rows["serve layouts across ranks"] == "SKIP"
+    assert rows["serve live switches"] == rows["attention triton fp8_e4m3 H=128 decode"] == "PASS"
+    table = r.stdout[r.stdout.rindex("== gpu-check results"):]                      # the table comes last
+    assert "serve live switches" in table and "attention triton bfloat16 H=16 decode" in table
+    assert "gpu-check: PASS (18 PASS, 0 FAIL, 2 SKIP, 1 info)" in table
+
+
+def test_rows_print_as_they_run_and_a_failing_check_is_one_row(monkeypatch, capsys):
+    """An exception inside a check (a missing compiler for a JIT, an OOM) becomes that check's FAIL row, printed at
+    once; the later checks still run and the table still comes."""
+    def boom(args, backend):
+        print("comm starting", flush=True)
+        raise RuntimeError("no nvcc for the JIT")
+
+    monkeypatch.setattr(gpu_check, "kernel_names", lambda backend: [])
+    monkeypatch.setattr(gpu_check, "check_comm", boom)
+    gpu_check.ROWS.clear()
+    assert gpu_check.main(["--dry-run", "--part", "kernels,comm"]) == 1
+    out = capsys.readouterr().out
+    assert out.index("decode time torch") < out.index("comm starting")     # printed before the next check ran
+    assert "comm TorchCommunicator" in out and "FAIL  RuntimeError: no nvcc for the JIT" in out
+    assert out.index("no nvcc") < out.index("comm across ranks") < out.index("== gpu-check results")
+    gpu_check.ROWS.clear()
+
+
+def test_backend_comes_from_the_launchers_local_rank(monkeypatch):
+    """The node-local rank is the project's launcher's (MPI's shared-memory split, for every MPI), not an Open MPI
+    environment variable."""
+    import types
+
+    import backends
+    import splash.distributed as dist
+    seen = []
+    monkeypatch.setattr(dist, "init_dist", lambda: types.SimpleNamespace(local_rank=3))
+    monkeypatch.setattr(backends, "get_backend", lambda name, local_rank: seen.append((name, local_rank)))
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK", raising=False)
+    gpu_check.backend_of(gpu_check.parse(["--device", "cuda"]))
+    assert seen == [("cuda", 3)]
 
 
 def test_a_wrong_kernel_fails(monkeypatch, capsys):
@@ -70,5 +117,72 @@ def test_a_wrong_kernel_fails(monkeypatch, capsys):
     gpu_check.ROWS.clear()
     assert gpu_check.main(["--dry-run", "--part", "kernels"]) == 1
     out = capsys.readouterr().out
-    assert "attention base2" in out and "FAIL" in out and "gpu-check: FAIL" in out
+    assert "attention base2 bfloat16 H=16 decode" in out and "FAIL" in out and "gpu-check: FAIL" in out
     gpu_check.ROWS.clear()
+
+
+GPU_CHECK_NEEDS = ("torch", "mpi4py", "mpich", "httpx", "triton", "flashinfer-python")   # + nvcc: README
+
+
+@pytest.mark.timeout(300)
+def test_gpu_install_line_brings_what_gpu_check_needs(tmp_path):
+    """The README's GPU install line, resolved by pip (--dry-run: nothing installed): walking the requirements from
+    splash[cuda,gpu-check] through what pip would install and what is installed here reaches everything
+    gpu-check imports or runs; torch (the CUDA build, installed first) is not replaced."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    line = "pip install -e '.[cuda,gpu-check]'"
+    assert line in (ROOT / "README.md").read_text()
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--report", str(report),
+                        f"{ROOT}[cuda,gpu-check]"], capture_output=True, text=True, timeout=280)
+    if r.returncode != 0 and any(w in r.stderr for w in ("Connection", "Max retries", "Temporary failure")):
+        pytest.skip(f"no package index reachable: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    new = {canonicalize_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", [])
+           for i in json.loads(report.read_text())["install"]}
+    assert "torch" not in new and "splash" in new
+
+    def requires(name: str, extras: tuple = ()) -> list[str]:
+        if name in new:
+            reqs = new[name]
+        else:
+            try:
+                reqs = distribution(name).requires or []
+            except PackageNotFoundError:
+                return []
+        out = []
+        for spec in map(Requirement, reqs):
+            envs = [dict(default_environment(), extra=e) for e in extras or ("",)]
+            if spec.marker is None or any(spec.marker.evaluate(env) for env in envs):
+                out.append(canonicalize_name(spec.name))
+        return out
+
+    seen, todo = set(), requires("splash", ("cuda", "gpu-check"))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += requires(name)
+    missing = [n for n in GPU_CHECK_NEEDS if canonicalize_name(n) not in seen]
+    assert not missing, f"{line} does not bring {missing}"
+
+
+def test_two_ranks_run_the_collectives_and_print_per_rank_rows(tmp_path):
+    """At two ranks (mpirun -n 2, as on a 2-GPU box) the communicator row runs across ranks instead of a SKIP, and
+    rank 0's table holds every rank's rows."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec next to this python")
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
+                        "--part", "comm", "--json", str(out_json)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {row["check"]: row["result"] for row in json.loads(out_json.read_text())}
+    assert rows == {"[rank 0] comm TorchCommunicator": "PASS", "[rank 1] comm TorchCommunicator": "PASS"}
+    assert "[rank 1] comm TorchCommunicator" in r.stdout and "2 rank(s) on cpu" in r.stdout

@@ -311,7 +311,7 @@ def test_pool_exhaustion_gives_same_tokens(mode, tiny_ckpt, comm):
     assert [o.token_ids for o in outs] == [o.token_ids for o in big]
     assert all(o.finish_reason == "length" for o in outs)
     assert small.engine.scheduler.num_preemptions > 0
-    assert small.runner.bm.num_free == 36 and small.runner.bm.requests() == []  # nothing left allocated
+    assert small.runner.bm.num_free + small.runner.bm.num_evictable == 36 and small.runner.bm.requests() == []
     assert small.engine.ledger.used == [0]
 
 

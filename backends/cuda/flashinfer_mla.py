@@ -1,28 +1,40 @@
 """`flashinfer` MLA attention behind our kernel interface (NVIDIA; not verified on hardware yet).
 
-- SM90 (H200) and any step with prefill rows: `flashinfer.mla.BatchMLAPagedAttentionWrapper`, planned once per
-  step and head count from our CSR metadata (`qo_indptr`, `meta.csr()` → kv_indptr / kv_indices, `kv_len`),
-  causal, reading our ckv [blocks, page, d_c] and kpe [blocks, page, d_r] pools in place (its layout is ours).
-  Its LSE is base 2 unless the installed version takes `return_lse_base_on_e` (then we ask for base e).
-- SM100 (B200), decode-only steps: `flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla` (trtllm-gen) on a
+Calls are in flashinfer 0.7's current keyword forms (TESTED range in backends.cuda.flashinfer_api, which also holds
+the recorded signatures tests/test_vendor_kernels.py binds every call to), and name the backend and the LSE base
+explicitly: under `backend="auto"` flashinfer may pick its cute-dsl kernel, whose LSE is natural log where
+trtllm-gen's is base 2, and demands block tables aligned to 128 tokens.
+- Steps with prefill rows, and decode on SM80/SM90: `flashinfer.mla.BatchMLAPagedAttentionWrapper` with backend
+  "fa3" on SM90, "fa2" elsewhere, planned once per step and head count with
+  `plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr), …, query_layout="split",
+  kv_cache_layout="split", lse_mode="basee")` and run as `run(query=(q_nope, q_pe), kv_cache=(ckv, kpe),
+  return_lse=True, return_lse_base_on_e=True)`, reading our ckv [blocks, page, d_c] and kpe [blocks, page, d_r]
+  pools in place (its split layout is ours).
+- SM100 (B200), decode-only steps, pages of 32 or 64 tokens, rope width 64:
+  `flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(…, backend="trtllm-gen", return_lse_base="basee")` on a
   fused [pages, page, d_c + d_r] copy of the step's pages (splash.attention.kernels.external.fused_pages) with
-  renumbered block tables; pages of 32 or 64 tokens.
-- Everything else (quantised KV, CP steps, other latent/rope dims): our Triton kernel (`Fallback`), with the
-  reason logged once. The boundary conversions are listed in splash.attention.kernels.external.
+  renumbered block tables padded to a multiple of 128 tokens, one call per group of requests whose copy fits
+  FUSED_BUFFER_BYTES (counted in the device budget). trtllm-gen has no kernel for 64 < heads < 128, so
+  such a rank's queries are padded with zero heads to 128 and the padding cut from õ and the LSE.
+- Everything else runs our Triton kernel (`Fallback`), with the reason logged once: quantised KV (FlashInfer's
+  FP8 MLA is SM90-only and wants the rope cache in FP8 with one per-tensor scale; our pool keeps the rope key in
+  bf16, so feeding it would convert the layer's whole rope pool per call), CP steps, other latent/rope dims.
+Host reads (pages per request, the longest row) happen once per step in `plan`, never per layer.
 """
 from __future__ import annotations
 
-import inspect
+import logging
 
 import torch
 
-from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, lse_to_natural, remap_tables
+from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, pad_heads, step_groups
 
-WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace
-WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper is built for (DeepSeek/GLM; NoPE)
+WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace (counted in the device budget)
+WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper takes (DeepSeek/GLM; NoPE)
 TRTLLM_PAGE_SIZES = (32, 64)
-TRTLLM_LSE_BASE2 = True                 # assumed like the wrapper's; scripts/gpu-check.sh checks it on hardware
+TRTLLM_TABLE_TOKENS = 128               # trtllm-gen / cute-dsl block tables: width × page a multiple of this
 TRTLLM_QK_NOPE = 128                    # trtllm-gen's qk_nope_head_dim argument (unused by the dense path)
+_log = logging.getLogger("splash.attention")
 
 
 def choose_path(sm_major: int, kv_dtype: str, d_c: int, d_r: int, page_size: int, cp: bool,
@@ -31,43 +43,72 @@ def choose_path(sm_major: int, kv_dtype: str, d_c: int, d_r: int, page_size: int
     if cp:
         return None, "CP step (a rank's pages are every T-th block; FlashInfer's causal mask wants contiguous pages)"
     if kv_dtype != "bfloat16":
-        return None, (f"KV dtype {kv_dtype} (FlashInfer MLA reads bf16 pages here; our fp8/int8 pool keeps "
-                      "per-token scales and a bf16 rope key, which its FP8 path does not read)")
+        return None, (f"KV dtype {kv_dtype} (FlashInfer's FP8 MLA reads an FP8 rope cache with a per-tensor "
+                      "scale, SM90 only; our fp8/int8 pool keeps per-token scales and a bf16 rope key)")
     if sm_major < 8:
         return None, f"compute capability {sm_major}.x (FlashInfer MLA needs SM80 or newer)"
     if (d_c, d_r) not in WRAPPER_DIMS:
         return None, f"latent/rope dims {d_c}/{d_r} (FlashInfer MLA is built for {WRAPPER_DIMS})"
-    if sm_major >= 10 and decode_only and d_r == 64 and page_size in TRTLLM_PAGE_SIZES:
+    if sm_major == 10 and decode_only and d_r == 64 and page_size in TRTLLM_PAGE_SIZES:   # SM100/SM103 only
         return "trtllm-gen", None
     return "wrapper", None
+
+
+def wrapper_backend(sm_major: int) -> str:
+    """The MLA wrapper's backend by name (never "auto"): FA3 on Hopper, FA2 elsewhere (SM80+, SM100)."""
+    return "fa3" if sm_major == 9 else "fa2"
+
+
+def trtllm_heads(heads: int) -> int:
+    """Heads to launch trtllm-gen MLA decode with: it has no kernel for 64 < heads < 128 (flashinfer 0.7.4,
+    `_trtllm_gen_mla_incompatibility_reason`), so those pad to 128."""
+    return 128 if 64 < heads < 128 else heads
+
+
+def aligned_width(pages: int, page_size: int) -> int:
+    """Block-table width (pages) covering `pages`, a multiple of TRTLLM_TABLE_TOKENS / page_size."""
+    step = max(1, TRTLLM_TABLE_TOKENS // page_size)
+    return max(step, -(-pages // step) * step)
 
 
 class FlashInferMLAKernel:
     name = "flashinfer"
 
-    def __init__(self, softmax_scale: float):
+    def __init__(self, softmax_scale: float, sm_major: int | None = None):
         import flashinfer.mla  # noqa: F401 — fail at build time, not at the first step
-        self.scale, self.meta = softmax_scale, None
+        self.scale, self.meta, self.sm_major = softmax_scale, None, sm_major
         self.fallback = Fallback(softmax_scale, "flashinfer")
         self.wrapper = self.workspace = self.trt_workspace = None
         self.paths: dict[str, int] = {}   # runs per path (gpu-check reports it)
 
     def plan(self, meta) -> None:
-        self.meta, self.planned_heads, self.fused = meta, None, {}
+        """Per step: the host reads the vendor calls need (pages per request, the longest row), in one sync."""
+        self.meta, self.planned_heads, self.groups = meta, None, None
         self.decode_only = all(n == 1 for n in meta.q_lens)
+        self.pages, self.longest = [], 0
+        if meta.num_reqs:
+            *self.pages, self.longest = torch.cat([meta.num_pages.to(torch.int64),
+                                                   meta.kv_len.max().to(torch.int64).view(1)]).tolist()
         self.fallback.plan(meta)
+
+    def _sm(self, device: torch.device) -> int:
+        if self.sm_major is None:
+            self.sm_major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+        return self.sm_major
 
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor, cache):
         n, h, dc = q_latent.shape
         if n == 0 or self.meta.num_reqs == 0:
             return (torch.zeros(n, h, dc, device=q_latent.device),
                     torch.full((n, h), float("-inf"), device=q_latent.device))
-        sm = torch.cuda.get_device_capability(q_latent.device)[0] if q_latent.is_cuda else 0
-        path, why = choose_path(sm, cache.kv_dtype_of(layer), dc, q_rope.shape[-1], self.meta.block_size,
-                                self.meta.cp, self.decode_only)
+        path, why = choose_path(self._sm(q_latent.device), cache.kv_dtype_of(layer), dc, q_rope.shape[-1],
+                                self.meta.block_size, self.meta.cp, self.decode_only)
         if self.meta.sparse.get(layer) is not None:
             path, why = None, SPARSE_REASON
-        self.paths[path or "triton"] = self.paths.get(path or "triton", 0) + 1
+        key = path or "triton"
+        if key not in self.paths and path is not None:
+            _log.info("flashinfer attention: %s (%s KV, %d heads)", path, cache.kv_dtype_of(layer), h)
+        self.paths[key] = self.paths.get(key, 0) + 1
         if path is None:
             return self.fallback.run(why, layer, q_latent, q_rope, cache)
         if path == "trtllm-gen":
@@ -75,35 +116,49 @@ class FlashInferMLAKernel:
         return self._wrapper(layer, q_latent, q_rope, cache)
 
     def _wrapper(self, layer: int, q_latent, q_rope, cache):
-        import flashinfer.mla
-        meta, dev, h = self.meta, q_latent.device, q_latent.shape[1]
+        import flashinfer.mla as fm
+        meta, dev, (n, h, dc), dr = self.meta, q_latent.device, q_latent.shape, q_rope.shape[-1]
         if self.wrapper is None:
             self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.int8, device=dev)
-            self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend="auto")
-            self.base_e = "return_lse_base_on_e" in inspect.signature(self.wrapper.run).parameters
+            self.wrapper = fm.BatchMLAPagedAttentionWrapper(self.workspace, backend=wrapper_backend(self._sm(dev)))
         if self.planned_heads != h:
             indptr, indices, _ = meta.csr()
-            self.wrapper.plan(meta.qo_indptr, indptr, indices, meta.kv_len, h, q_latent.shape[2], q_rope.shape[2],
-                              meta.block_size, True, self.scale, torch.bfloat16, torch.bfloat16)
+            self.wrapper.plan(
+                metadata=fm.MLAPlanMetadata.csr(qo_indptr=meta.qo_indptr, kv_indptr=indptr, kv_indices=indices,
+                                                kv_len_arr=meta.kv_len),
+                num_heads=h, head_dim_ckv=dc, head_dim_kpe=dr, page_size=meta.block_size, causal=True,
+                sm_scale=self.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                query_layout="split", kv_cache_layout="split", lse_mode="basee")
             self.planned_heads = h
-        kw = {"return_lse_base_on_e": True} if self.base_e else {}
-        o, lse = self.wrapper.run(q_latent.to(torch.bfloat16).contiguous(), q_rope.to(torch.bfloat16).contiguous(),
-                                  cache.ckv[layer], cache.kpe[layer], return_lse=True, **kw)
-        return o.float(), lse_to_natural(lse, base2=not self.base_e)
+        o, lse = self.wrapper.run(
+            query=(q_latent.to(torch.bfloat16).contiguous(), q_rope.to(torch.bfloat16).contiguous()),
+            kv_cache=(cache.ckv[layer], cache.kpe[layer]), return_lse=True, return_lse_base_on_e=True)
+        return o.float(), lse.float()
 
     def _trtllm(self, layer: int, q_latent, q_rope, cache):
-        import flashinfer.mla
+        """Decode rows in groups of requests whose fused page copy fits FUSED_BUFFER_BYTES (external.page_groups);
+        each group's block tables are padded to a multiple of 128 tokens."""
+        import flashinfer.mla as fm
         meta, dev = self.meta, q_latent.device
-        n, h, dc = q_latent.shape
-        dr = q_rope.shape[-1]
-        indptr, indices, _ = meta.csr()
+        (n, h, dc), dr = q_latent.shape, q_rope.shape[-1]
         if self.trt_workspace is None:   # trtllm-gen wants a zeroed workspace (semaphores)
             self.trt_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.int8, device=dev)
-        kv = fused_pages(cache, layer, indices, torch.bfloat16)          # [P, page, d_c + d_r]
-        query = torch.cat([q_latent, q_rope], dim=-1).to(torch.bfloat16).view(n, 1, h, dc + dr)
-        out, lse = flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(
-            query=query, kv_cache=kv.unsqueeze(1), workspace_buffer=self.trt_workspace,
-            qk_nope_head_dim=TRTLLM_QK_NOPE, kv_lora_rank=dc, qk_rope_head_dim=dr,
-            block_tables=remap_tables(indptr, meta.num_reqs), seq_lens=meta.kv_len,
-            max_seq_len=int(meta.kv_len.max()), bmm1_scale=self.scale, bmm2_scale=1.0, return_lse=True)
-        return out.view(n, h, dc).float(), lse_to_natural(lse.view(n, h), base2=TRTLLM_LSE_BASE2)
+        if self.groups is None:          # once per step: every layer reads the same pages
+            self.groups = step_groups(meta, self.pages, meta.block_size * (dc + dr) * 2,
+                                      lambda pages: aligned_width(pages, meta.block_size))
+        q, _ = pad_heads(torch.cat([q_latent, q_rope], dim=-1).to(torch.bfloat16), trtllm_heads(h))
+        hp = q.shape[1]
+        out = torch.empty(n, h, dc, dtype=torch.float32, device=dev)
+        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
+        for g in self.groups:
+            kv = fused_pages(cache, layer, g.indices, torch.bfloat16)          # [P, page, d_c + d_r]
+            rows = g.rows.stop - g.rows.start
+            o_g, lse_g = fm.trtllm_batch_decode_with_kv_cache_mla(
+                query=q[g.rows].view(rows, 1, hp, dc + dr), kv_cache=kv.unsqueeze(1),
+                workspace_buffer=self.trt_workspace, qk_nope_head_dim=TRTLLM_QK_NOPE, kv_lora_rank=dc,
+                qk_rope_head_dim=dr, block_tables=g.tables, seq_lens=meta.kv_len[g.rows], max_seq_len=self.longest,
+                bmm1_scale=self.scale, bmm2_scale=1.0, backend="trtllm-gen", return_lse=True,
+                return_lse_base="basee")
+            out[g.rows] = o_g.reshape(rows, hp, dc)[:, :h].float()
+            lse[g.rows] = lse_g.reshape(rows, hp)[:, :h].float()
+        return out, lse

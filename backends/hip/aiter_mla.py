@@ -1,30 +1,60 @@
-"""`aiter` MLA decode behind our kernel interface (AMD ROCm / Hygon DCU; not verified on hardware yet).
+"""`aiter` MLA decode behind our kernel interface (AMD ROCm; not verified on hardware yet).
 
-Decode-only steps with bf16 KV, a 512 + 64 latent/rope split, at most 128 heads and pages of 1 or 64 tokens run
-`aiter.mla.mla_decode_fwd(q [N, H, 576], kv_buffer [pages, page, 1, 576], o [N, H, 512], qo_indptr, kv_indptr,
-kv_indices, kv_last_page_lens, max_seqlen_q=1, page_size, nhead_kv=1, sm_scale, return_lse=True)`:
-- heads are padded with zero queries up to a multiple of 16 (AITER's kernels are built for 16·k heads; a rank's
-  head shard under TP/DOP can be fewer) and the padding is cut from õ and the LSE;
-- the fused kv_buffer is a copy of the step's pages of the layer (splash.attention.kernels.external.fused_pages),
-  in CSR order, so kv_indices is 0..P-1;
-- `o` is the output (the function also returns split partials in some modes: we read `o`), LSE natural log.
-Prefill rows, CP steps, quantised KV, NoPE models (d_r = 0, e.g. GLM-5.3-Flash) and other shapes run our
-Triton kernel (`Fallback`), with the reason logged once.
+What our wrapper relies on, read from ROCm/aiter at commit e4048607 (2026-08-22) — AITER is not on PyPI, so these
+facts are written down once here (AITER_FACTS) and tests/test_vendor_kernels.py runs the wrapper through a
+stand-in that enforces them:
+- `aiter.mla.mla_decode_fwd(q [N, H, 576], kv_buffer [pages, page, 1, 576], o [N, H, 512], qo_indptr, kv_indptr,
+  kv_indices, kv_last_page_lens, max_seqlen_q, page_size=1, nhead_kv=1, sm_scale=None, …, return_lse=False)`
+  (aiter/mla.py); it writes õ into `o` (also returned) and returns the LSE, natural log.
+- Heads: the non-persistent bf16 decode picks an assembly kernel by (arch, heads, q length) from
+  hsa/<arch>/mla/mla_asm.csv (csrc/py_itfs_cu/asm_mla.cu `get_heuristic_kernel_mla`; any other head count raises
+  "cannot get heuristic kernel"). For one query row per request: gfx942 (MI300) ships 8, 16, 32 and 128 heads
+  (its 64-head kernel is for q length 0 only), gfx950 (MI350) also 64 — DECODE_HEADS. A rank's heads are padded
+  with zero queries up to the next size its arch ships, and the padding is cut from õ and the LSE.
+- LSE: with one KV split and 8 or 32 bf16 heads mla_decode_fwd returns the stage-1 LSE buffer, which the
+  non-LSE kernels never write; older trees also left it unwritten for 64/128 heads with one split. The split
+  count is chosen inside aiter, so for those head counts (LSE_UNWRITTEN_HEADS) the wrapper returns NaN, never
+  the vendor's buffer: no caller can read an unwritten LSE as a number. Only CP merges the LSE, and CP steps run
+  our Triton kernel.
+- Archs: AITER has kernels for gfx942 and gfx950 only (no Hygon DCU arch): elsewhere our Triton kernel runs
+  (backends.hip.arch checks at startup that the installed Triton can compile for the device).
+The KV buffer is a copy of the pages of the layer (splash.attention.kernels.external.fused_pages) in CSR order, so
+kv_indices is 0..P-1, one call per group of requests whose copy fits FUSED_BUFFER_BYTES (in the device budget). Prefill rows, CP steps, quantised KV, NoPE models (d_r = 0, e.g. GLM-5.3-Flash)
+and other shapes run our Triton kernel (`Fallback`), with the reason logged once.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, lse_to_natural, pad_heads
+from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, pad_heads, step_groups
 
-HEAD_MULTIPLE, MAX_HEADS = 16, 128
+AITER_FACTS = "ROCm/aiter e4048607 (2026-08-22): aiter/mla.py, csrc/py_itfs_cu/asm_mla.cu, hsa/<arch>/mla/mla_asm.csv"
+# mla_decode_fwd's parameters in order (aiter/mla.py); the stand-in binds our call to them
+DECODE_FWD_PARAMS = ("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
+                     "max_seqlen_q", "page_size", "nhead_kv", "sm_scale", "logit_cap", "num_kv_splits",
+                     "num_kv_splits_indptr", "work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
+                     "reduce_final_map", "reduce_partial_map", "q_scale", "kv_scale", "intra_batch_mode",
+                     "return_logits", "return_lse", "g_kv_indptr", "cp_world_size", "cp_rank", "causal")
+DECODE_FWD_REQUIRED = 8          # q … max_seqlen_q have no default
+DECODE_HEADS = {"gfx942": (8, 16, 32, 128), "gfx950": (8, 16, 32, 64, 128)}
+LSE_UNWRITTEN_HEADS = (8, 32, 64, 128)
 PAGE_SIZES = (1, 64)
 DIMS = (512, 64)
+_log = logging.getLogger("splash.attention")
 
 
-def choose_path(kv_dtype: str, d_c: int, d_r: int, heads: int, page_size: int, cp: bool,
+def decode_heads(arch: str, heads: int) -> int | None:
+    """The head count to launch `heads` with on `arch`: the smallest AITER ships that holds them (None: none)."""
+    return next((h for h in DECODE_HEADS.get(arch, ()) if h >= heads), None)
+
+
+def choose_path(arch: str, kv_dtype: str, d_c: int, d_r: int, heads: int, page_size: int, cp: bool,
                 decode_only: bool) -> str | None:
     """None when `mla_decode_fwd` runs this layer, else why our Triton kernel runs instead."""
+    if arch not in DECODE_HEADS:
+        return f"arch {arch} (AITER ships MLA decode kernels for {', '.join(DECODE_HEADS)} only)"
     if cp:
         return "CP step (a rank's pages are every T-th block; AITER's mask wants contiguous pages)"
     if not decode_only:
@@ -33,25 +63,34 @@ def choose_path(kv_dtype: str, d_c: int, d_r: int, heads: int, page_size: int, c
         return f"KV dtype {kv_dtype} (our fp8/int8 pool keeps per-token scales; AITER takes a per-tensor scale)"
     if (d_c, d_r) != DIMS:
         return f"latent/rope dims {d_c}/{d_r} (AITER MLA decode is built for {DIMS[0]} + {DIMS[1]})"
-    if heads > MAX_HEADS:
-        return f"{heads} heads on this rank (AITER MLA decode takes at most {MAX_HEADS})"
+    if decode_heads(arch, heads) is None:
+        return f"{heads} heads on this rank (AITER's {arch} MLA decode ships {DECODE_HEADS[arch]} heads)"
     if page_size not in PAGE_SIZES:
         return f"page size {page_size} (AITER MLA decode takes {PAGE_SIZES})"
     return None
 
 
+def device_arch(device: torch.device) -> str:
+    """'gfx942' from a ROCm device's gcnArchName ('gfx942:sramecc+:xnack-'); 'cpu' off a GPU."""
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+
+
 class AiterMLAKernel:
     name = "aiter"
 
-    def __init__(self, softmax_scale: float):
+    def __init__(self, softmax_scale: float, arch: str | None = None):
         import aiter.mla  # noqa: F401 — fail at build time, not at the first step
-        self.scale, self.meta = softmax_scale, None
+        self.scale, self.meta, self.arch = softmax_scale, None, arch
         self.fallback = Fallback(softmax_scale, "aiter")
         self.paths: dict[str, int] = {}
 
     def plan(self, meta) -> None:
-        self.meta = meta
+        """Per step: pages per request read on the host once (the fused copies are grouped by them)."""
+        self.meta, self.groups = meta, None
         self.decode_only = all(n == 1 for n in meta.q_lens)
+        self.pages = meta.num_pages.tolist() if meta.num_reqs else []
         self.fallback.plan(meta)
 
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor, cache):
@@ -61,21 +100,41 @@ class AiterMLAKernel:
         if n == 0 or meta.num_reqs == 0:
             return (torch.zeros(n, h, dc, device=q_latent.device),
                     torch.full((n, h), float("-inf"), device=q_latent.device))
-        why = choose_path(cache.kv_dtype_of(layer), dc, dr, h, meta.block_size, meta.cp, self.decode_only)
+        if self.arch is None:
+            self.arch = device_arch(q_latent.device)
+        why = choose_path(self.arch, cache.kv_dtype_of(layer), dc, dr, h, meta.block_size, meta.cp,
+                          self.decode_only)
         if meta.sparse.get(layer) is not None:
             why = SPARSE_REASON
-        if why is None and not q_latent.is_cuda:
-            why = "tensors not on a GPU"
-        self.paths["triton" if why else "aiter"] = self.paths.get("triton" if why else "aiter", 0) + 1
+        key = "triton" if why else "aiter"
+        if key not in self.paths and why is None:
+            _log.info("aiter attention: mla_decode_fwd on %s (%d heads, launched as %d)", self.arch, h,
+                      decode_heads(self.arch, h))
+        self.paths[key] = self.paths.get(key, 0) + 1
         if why is not None:
             return self.fallback.run(why, layer, q_latent, q_rope, cache)
+        return self._decode(layer, q_latent, q_rope, cache)
+
+    def _decode(self, layer: int, q_latent, q_rope, cache):
+        """Decode rows in groups of requests whose fused page copy fits FUSED_BUFFER_BYTES (external.page_groups)."""
         import aiter.mla
-        indptr, indices, _ = meta.csr()
-        kv = fused_pages(cache, layer, indices, torch.bfloat16)          # [P, page, 576]
-        q, heads = pad_heads(torch.cat([q_latent, q_rope], dim=-1).to(torch.bfloat16), HEAD_MULTIPLE)
-        o = torch.empty(n, q.shape[1], dc, dtype=torch.bfloat16, device=q.device)
-        order = torch.arange(kv.shape[0], dtype=torch.int32, device=q.device)
-        _, lse = aiter.mla.mla_decode_fwd(q, kv.unsqueeze(2), o, meta.qo_indptr, indptr, order,
-                                          meta.kv_last_page_len, 1, page_size=meta.block_size, nhead_kv=1,
-                                          sm_scale=self.scale, return_lse=True)
-        return o[:, :heads].float(), lse_to_natural(lse.view(n, -1)[:, :heads], base2=False)
+        meta, (n, h, dc), dr = self.meta, q_latent.shape, q_rope.shape[-1]
+        hp = decode_heads(self.arch, h)
+        if self.groups is None:          # once per step: every layer reads the same pages
+            self.groups = step_groups(meta, self.pages, meta.block_size * (dc + dr) * 2)
+        q, _ = pad_heads(torch.cat([q_latent, q_rope], dim=-1).to(torch.bfloat16), hp)
+        out = torch.empty(n, h, dc, dtype=torch.float32, device=q.device)
+        lse = torch.full((n, h), float("nan"), device=q.device)
+        for g in self.groups:
+            kv = fused_pages(cache, layer, g.indices, torch.bfloat16)          # [P, page, 576]
+            rows = g.rows.stop - g.rows.start
+            o = torch.empty(rows, hp, dc, dtype=torch.bfloat16, device=q.device)
+            order = torch.arange(kv.shape[0], dtype=torch.int32, device=q.device)
+            qo = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
+            _, lse_g = aiter.mla.mla_decode_fwd(q[g.rows].contiguous(), kv.unsqueeze(2), o, qo, g.kv_indptr, order,
+                                                meta.kv_last_page_len[g.rows], 1, page_size=meta.block_size,
+                                                nhead_kv=1, sm_scale=self.scale, return_lse=True)
+            out[g.rows] = o[:, :h].float()
+            if hp not in LSE_UNWRITTEN_HEADS:   # else the vendor's buffer may be unwritten: leave NaN, never it
+                lse[g.rows] = lse_g.reshape(rows, hp)[:, :h].float()
+        return out, lse

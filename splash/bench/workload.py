@@ -5,7 +5,12 @@ per fixed layout, each by a real splash-serve under mpiexec, driven by concurren
 
 A workload is request groups ``{"groups": [{"at_s", "count", "input_len", "output_len"}]}`` (JSON or YAML): at
 ``at_s`` seconds after the start, ``count`` requests with random token-id prompts of ``input_len`` tokens ask for
-``output_len`` greedy tokens with EOS ignored. The default workload has phases with different leaders, shaped
+``output_len`` greedy tokens with EOS ignored. Optional per group: ``prefix_len`` (the group's prompts start with
+the same that many tokens: a system prompt), ``samples`` (each prompt sent that many times: an RL rollout's n
+samples) and ``turns`` (each request is a conversation: turn k+1 is sent when turn k has answered, its prompt the
+whole conversation so far plus ``input_len`` new tokens: a multi-turn agent). ``--prefix-caching on,off`` serves
+every mode with the prefix cache and without it; the table then adds the cache's hit rate and the TTFT of later
+turns (their prompts' prefix was cached). The default workload has phases with different leaders, shaped
 like an RL rollout group: a few short interactive requests, then a burst of many requests that ends as a few long
 ones. Every mode serves identical prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT
 p50, switches, completed and lost requests, and whether each mode's tokens equal the first mode's. With --json
@@ -39,6 +44,7 @@ DEFAULT_WORKLOAD = {"groups": [
     {"at_s": 2.0, "count": 2, "input_len": 2048, "output_len": 768},    # ... that ends as a few long ones
 ]}
 GROUP_KEYS = ("at_s", "count", "input_len", "output_len")
+OPTIONAL_KEYS = {"prefix_len": 0, "samples": 1, "turns": 1}
 TIMELINE_BIN_S = 0.5
 DECISION_LINE = re.compile(r"layout decision (\{.*\})\s*$")
 
@@ -52,6 +58,7 @@ class Outcome:
     arrivals: list[float] = field(default_factory=list)   # seconds since the run's start, one per token
     end_s: float = 0.0                                      # completion, seconds since the run's start
     error: str | None = None
+    turn_ttfts: list[float] = field(default_factory=list)  # one per turn of a conversation
 
 
 def load_workload(path: str | None) -> dict:
@@ -67,23 +74,32 @@ def load_workload(path: str | None) -> dict:
     if not isinstance(groups, list) or not groups:
         raise ValueError(f"{path}: expected {{'groups': [{{{', '.join(GROUP_KEYS)}}}, ...]}}")
     for i, g in enumerate(groups):
-        if not isinstance(g, dict) or set(g) != set(GROUP_KEYS):
-            raise ValueError(f"{path}: groups[{i}] must have exactly the keys {', '.join(GROUP_KEYS)}")
+        if not isinstance(g, dict) or not set(GROUP_KEYS) <= set(g) <= set(GROUP_KEYS) | set(OPTIONAL_KEYS):
+            raise ValueError(f"{path}: groups[{i}] must have the keys {', '.join(GROUP_KEYS)} and may have "
+                             f"{', '.join(OPTIONAL_KEYS)}")
         if not (isinstance(g["at_s"], (int, float)) and g["at_s"] >= 0):
             raise ValueError(f"{path}: groups[{i}].at_s must be a number >= 0")
-        for k in GROUP_KEYS[1:]:
-            if not (isinstance(g[k], int) and g[k] >= 1):
+        for k in (*GROUP_KEYS[1:], "samples", "turns"):
+            if k in g and not (isinstance(g[k], int) and g[k] >= 1):
                 raise ValueError(f"{path}: groups[{i}].{k} must be an integer >= 1")
-    return {"groups": groups}
+        if "prefix_len" in g and not (isinstance(g["prefix_len"], int) and g["prefix_len"] >= 0):
+            raise ValueError(f"{path}: groups[{i}].prefix_len must be an integer >= 0")
+    return {"groups": [{**OPTIONAL_KEYS, **g} for g in groups]}
 
 
-def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
-    """(start offset, prompt ids, max_tokens) per request, identical for every mode."""
+def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, list[list[int]], int]]:
+    """(start offset, the prompt's parts per turn, max_tokens) per request, identical for every mode: part 0 is the
+    first prompt (the group's shared prefix, then its own tokens), part k the tokens a conversation adds before
+    turn k + 1."""
     rng = random.Random(seed)
+    draw = (lambda n: [rng.randrange(vocab) for _ in range(n)])
     out = []
     for g in workload["groups"]:
+        g = {**OPTIONAL_KEYS, **g}
+        prefix = draw(g["prefix_len"])
         for _ in range(g["count"]):
-            out.append((float(g["at_s"]), [rng.randrange(vocab) for _ in range(g["input_len"])], g["output_len"]))
+            parts = [prefix + draw(g["input_len"])] + [draw(g["input_len"]) for _ in range(g["turns"] - 1)]
+            out += [(float(g["at_s"]), parts, g["output_len"])] * g["samples"]
     return out
 
 
@@ -92,7 +108,7 @@ def launch(np_: int, config: str, mode: str, server_args: str, log_path: Path):
     """Start splash-serve under mpiexec in `mode` (auto or a pinned layout); (process, base url)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", "--config", config, "--port", "0",
-           "--host", "127.0.0.1", "--quiet", "--layout", mode, *shlex.split(server_args)]
+           "--host", "127.0.0.1", "--quiet", "--log-decisions", "--layout", mode, *shlex.split(server_args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
@@ -123,9 +139,28 @@ def stop(proc) -> int | None:
         return None
 
 
-async def _one(client, t_start: float, at: float, prompt: list[int], max_tokens: int) -> Outcome:
+async def _one(client, t_start: float, at: float, parts: list[list[int]], max_tokens: int) -> Outcome:
+    """One request — or, with several parts, one conversation: each turn's prompt is the conversation so far (the
+    prompts and answers before) plus its part, sent when the turn before has answered."""
     await asyncio.sleep(max(0.0, t_start + at - time.perf_counter()))
     out, t0 = Outcome(), time.perf_counter()
+    history: list[int] = []
+    for part in parts:
+        history += part
+        got = await _turn(client, t_start, history, max_tokens, out)
+        history += got
+        if not got or out.error:
+            break
+    out.latency = time.perf_counter() - t0
+    out.end_s = time.perf_counter() - t_start
+    out.ok = out.ok and out.error is None and len(out.ids) == max_tokens * len(parts)
+    return out
+
+
+async def _turn(client, t_start: float, prompt: list[int], max_tokens: int, out: Outcome) -> list[int]:
+    """Stream one completion into `out`; -> its token ids."""
+    t0, ids = time.perf_counter(), []
+    out.ok = False
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "return_token_ids": True}
     try:
@@ -144,16 +179,15 @@ async def _one(client, t_start: float, at: float, prompt: list[int], max_tokens:
                 now = time.perf_counter()
                 for ch in msg["choices"]:
                     new = ch.get("token_ids") or []
-                    if new and not out.ids:
-                        out.ttft = now - t0
-                    out.ids += new
+                    if new and not ids:
+                        out.turn_ttfts.append(now - t0)
+                        out.ttft = out.ttft or now - t0
+                    ids += new
                     out.arrivals += [now - t_start] * len(new)
     except Exception as e:  # noqa: BLE001 — counted as lost and reported
         out.error = f"{type(e).__name__}: {e}"
-    out.latency = time.perf_counter() - t0
-    out.end_s = time.perf_counter() - t_start
-    out.ok = out.ok and len(out.ids) == max_tokens
-    return out
+    out.ids += ids
+    return ids
 
 
 async def _poll_layout(client, t_start: float, stop_ev: asyncio.Event, samples: list) -> None:
@@ -179,7 +213,18 @@ async def drive(url: str, requests: list, timeout_s: float) -> tuple[list[Outcom
         stop_ev.set()
         await poller
         final = (await c.get("/v1/layout")).json()
+        final["prefix_cache"] = _prefix_counts((await c.get("/metrics")).text)
     return list(outs), total, samples, final
+
+
+def _prefix_counts(metrics: str) -> dict[str, float]:
+    """The server's prefix-cache counters (prompt tokens looked up / found cached) from its /metrics text."""
+    out = {}
+    for line in metrics.splitlines():
+        for key in ("queries", "hits"):
+            if line.startswith(f"splash_prefix_cache_{key}_total "):
+                out[key] = float(line.split()[1])
+    return out
 
 
 def summarise(mode: str, outs: list[Outcome], total: float, samples: list, final: dict) -> dict:
@@ -198,10 +243,14 @@ def summarise(mode: str, outs: list[Outcome], total: float, samples: list, final
         prev = lay
     q = (lambda p: statistics.quantiles(lat, n=100)[p - 1] if len(lat) > 1 else (lat[0] if lat else 0.0))
     ttft = [o.ttft for o in outs if o.ok]
+    later = [t for o in outs if o.ok for t in o.turn_ttfts[1:]]
+    pc = final.get("prefix_cache") or {}
     return {"mode": mode, "output_tokens_per_s": tokens / total if total else 0.0, "total_s": total,
             "completed": sum(o.ok for o in outs), "lost": sum(not o.ok for o in outs),
             "switches": final.get("switch_count", 0), "latency_p50_s": q(50), "latency_p99_s": q(99),
             "ttft_p50_s": statistics.median(ttft) if ttft else 0.0, "final_layout": final.get("layout"),
+            "ttft_p50_later_turns_s": statistics.median(later) if later else None,
+            "prefix_cache_hit_rate": pc["hits"] / pc["queries"] if pc.get("queries") else 0.0,
             "switch_counts": final.get("switches", {}), "scheduler": final.get("scheduler"),
             "timeline": timeline, "switch_events": events,
             "errors": [o.error for o in outs if o.error][:3]}
@@ -220,16 +269,21 @@ def decision_log(text: str) -> list[dict]:
     return out
 
 
-def run_mode(args, mode: str, requests: list, workdir: Path) -> tuple[dict, list[list[int]], dict]:
-    """Serve `requests` with a fresh server in `mode`: (result, token ids per request, phase rates)."""
-    log_path = workdir / f"server-{mode}.log"
-    proc, url = launch(args.np, args.config, mode, args.server_args, log_path)
+def run_mode(args, mode: str, requests: list, workdir: Path,
+             cache: bool = True) -> tuple[dict, list[list[int]], dict]:
+    """Serve `requests` with a fresh server in `mode` (with or without the prefix cache): (result, token ids per
+    request, phase rates)."""
+    tag = mode if cache else f"{mode}-nocache"
+    log_path = workdir / f"server-{tag}.log"
+    extra = args.server_args + ("" if cache else " --no-enable-prefix-caching")
+    proc, url = launch(args.np, args.config, mode, extra, log_path)
     rc = None
     try:
         outs, total, samples, final = asyncio.run(drive(url, requests, args.request_timeout))
     finally:
         rc = stop(proc)
     res = summarise(mode, outs, total, samples, final)
+    res["prefix_caching"] = cache
     res["server_exit"] = rc
     text = log_path.read_text()
     res["server_log_tail"] = text[-1500:] if rc not in (0, None) else ""
@@ -292,6 +346,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", metavar="FILE", help="write every run's result here")
+    p.add_argument("--prefix-caching", default="on", metavar="on,off",
+                   help="serve every mode with the prefix cache (on), without it (off), or both (on,off)")
 
 
 def print_table(runs: list[dict], orc: dict | None, title: str) -> None:
@@ -299,20 +355,31 @@ def print_table(runs: list[dict], orc: dict | None, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("mode", "output tok/s", "total s", "p50 lat s", "p99 lat s", "TTFT p50 s", "switches",
-                "completed", "lost", "tokens = first mode"):
+    both = len({r.get("prefix_caching", True) for r in runs}) > 1
+    turns = any(r.get("ttft_p50_later_turns_s") is not None for r in runs)
+    cols = ["mode", "output tok/s", "total s", "p50 lat s", "p99 lat s", "TTFT p50 s"]
+    cols += ["TTFT later turns s"] if turns else []
+    cols += ["cache hits"] if both or any(r.get("prefix_cache_hit_rate") for r in runs) else []
+    for col in (*cols, "switches", "completed", "lost", "tokens = first mode"):
         t.add_column(col, justify="right")
     best = max((r["output_tokens_per_s"] for r in runs), default=0)
     for r in runs:
         tps = f"{r['output_tokens_per_s']:.1f}"
-        t.add_row(r["mode"], f"[bold]{tps}[/bold]" if r["output_tokens_per_s"] == best else tps,
-                  f"{r['total_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
-                  f"{r['ttft_p50_s']:.2f}", str(r["switches"]), str(r["completed"]), str(r["lost"]),
+        row = [r["mode"] + ("" if r.get("prefix_caching", True) else " (no cache)"),
+               f"[bold]{tps}[/bold]" if r["output_tokens_per_s"] == best else tps,
+               f"{r['total_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
+               f"{r['ttft_p50_s']:.2f}"]
+        if "TTFT later turns s" in cols:
+            later = r.get("ttft_p50_later_turns_s")
+            row.append("—" if later is None else f"{later:.2f}")
+        if "cache hits" in cols:
+            row.append(f"{r.get('prefix_cache_hit_rate', 0.0):.0%}")
+        t.add_row(*row, str(r["switches"]), str(r["completed"]), str(r["lost"]),
                   "yes" if r.get("same_tokens", True) else "NO")
     con = Console(width=150)
     con.print(t)
-    fixed = [r for r in runs if r["mode"] != "auto"]
-    auto = next((r for r in runs if r["mode"] == "auto"), None)
+    fixed = [r for r in runs if r["mode"] != "auto" and r.get("prefix_caching", True)]
+    auto = next((r for r in runs if r["mode"] == "auto" and r.get("prefix_caching", True)), None)
     if auto and fixed:
         tps = sorted(r["output_tokens_per_s"] for r in fixed)
         con.print(f"auto vs best fixed: {auto['output_tokens_per_s'] / tps[-1]:.3f}x; vs median fixed: "
@@ -347,19 +414,25 @@ def run(args) -> int:
     if bad or not modes:
         print(f"error: --modes: unknown {bad} (choose from {', '.join(MODES)})", file=sys.stderr)
         return 2
+    caching = [c.strip() for c in args.prefix_caching.split(",") if c.strip()]
+    if not caching or any(c not in ("on", "off") for c in caching):
+        print(f"error: --prefix-caching: {args.prefix_caching!r} is not on, off or on,off", file=sys.stderr)
+        return 2
     requests = make_requests(workload, args.vocab, args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="splash-workload-"))
     load = os.getloadavg()[0]
     runs, first_ids, phases = [], None, {}
     for mode in modes:
-        print(f"[workload] {mode}: {len(requests)} requests on {args.np} ranks ...", file=sys.stderr, flush=True)
-        res, ids, ph = run_mode(args, mode, requests, workdir)
-        first_ids = ids if first_ids is None else first_ids
-        res["same_tokens"] = ids == first_ids
-        res["phases"] = {"+".join(map(str, k)): {"tokens": n, "seconds": s} for k, (n, s) in ph.items()}
-        runs.append(res)
-        if mode != "auto":
-            phases[mode] = ph
+        for c in caching:
+            print(f"[workload] {mode}{'' if c == 'on' else ' (no prefix cache)'}: {len(requests)} requests on "
+                  f"{args.np} ranks ...", file=sys.stderr, flush=True)
+            res, ids, ph = run_mode(args, mode, requests, workdir, cache=c == "on")
+            first_ids = ids if first_ids is None else first_ids
+            res["same_tokens"] = ids == first_ids
+            res["phases"] = {"+".join(map(str, k)): {"tokens": n, "seconds": s} for k, (n, s) in ph.items()}
+            runs.append(res)
+            if mode != "auto" and c == "on":
+                phases[mode] = ph
     orc = oracle({m: p for m, p in phases.items() if p})
     title = (f"shifting workload — {args.np} ranks, {args.server_args or 'config defaults'}, "
              f"{len(requests)} requests; load average {load:.1f} before")

@@ -84,6 +84,7 @@ def _world(cfg, profile) -> tuple[int, str]:
 
 
 def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
+    import backends
     from splash.engine.llm import kv_blocks_per_layout, pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
@@ -104,7 +105,9 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
         try:
             b = device_memory_budget(mcfg, world, int(profile.memory_bytes), c.gpu_memory_utilization, wbytes, kv,
                                      c.block_size, s.max_num_batched_tokens, s.max_num_seqs,
-                                     layouts=tuple(cfg.layout.allowed_layouts), weight_quant=wq)
+                                     layouts=tuple(cfg.layout.allowed_layouts), weight_quant=wq,
+                                     attention_workspace_bytes=backends.attention_workspace_bytes(
+                                         cfg.attention_backend))
         except ValueError as e:
             out.append(f"memory    does not fit: {e}")
             return

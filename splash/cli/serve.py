@@ -121,6 +121,7 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
     from splash.tokenizer import load_tokenizer
 
     engine = built.engine
+    startup.quiet_decision_log(cfg)
     pinned = cfg.layout.layout != "auto"
     if hasattr(engine, "request_layout"):
         engine.request_layout(startup.initial_layout(cfg) if pinned else "auto")

@@ -6,7 +6,7 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
     parallel:  {world_size, backend, attention_backend, communicator}
     layout:    {layout, allowed_layouts, switch_mode, switch_margin, hardware_profile}
     cache:     {kv_cache_dtype, layout_kv_dtypes, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
-                num_kv_blocks}
+                num_kv_blocks, enable_prefix_caching}
     scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
     server:    {host, port, admin_token, admin_token_file, served_model_name, quiet, collective_timeout_s,
                 max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s,
@@ -118,6 +118,7 @@ class CacheSection:
     gpu_memory_utilization: float = _f(0.85, gt=0.0, max=1.0)
     kv_cache_memory_bytes: int | None = _f(None, min=1, size=True)  # explicit per-rank KV budget
     num_kv_blocks: int | None = _f(None, min=1)  # overrides both budgets when set
+    enable_prefix_caching: bool = True           # reuse cached KV blocks of shared prefixes (not for glm5_next yet)
 
     def __post_init__(self) -> None:
         per_layout = self.layout_kv_dtypes
@@ -164,10 +165,12 @@ class ServerSection:
     admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
+    log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet
     collective_timeout_s: float = _f(60.0, gt=0.0)   # a peer silent this long (no heartbeat) is dead or hung
     max_request_body_bytes: int = _f(8 << 20, min=1, size=True)  # larger bodies get 413
     read_timeout_s: float = _f(30.0, gt=0.0)     # a request's headers and body must arrive within this (408)
     max_seqs_per_request: int = _f(256, min=1)   # prompts × n of one request (400 beyond)
+    max_request_mb: float = _f(256.0, gt=0.0)    # a request's worst-case rank-0 memory / response size (400 beyond)
     max_waiting_seqs: int = _f(1024, min=0)      # sequences queued beyond scheduler.max_num_seqs (429 beyond)
     drain_timeout_s: float = _f(10.0, min=0.0)   # on SIGTERM: how long running requests may still finish
     # the model's tool-call / reasoning formats (vLLM's names, splash.server.agent); auto: from the model's type

@@ -22,7 +22,7 @@ from splash.engine.messages import StepMessage, StopMessage, SwitchPlan
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
-from splash.layouts.ownership import distinct_kv_tokens
+from splash.layouts.ownership import block_holders, distinct_kv_tokens
 
 _log = logging.getLogger("splash.engine")
 
@@ -34,6 +34,7 @@ class TokenEvent:
     finish_reason: str | None
     logprobs: TokenLogprobs | None = None                  # when the request asked for `logprobs`
     prompt_logprobs: list[TokenLogprobs] | None = None     # prompt tokens 1.. (first event, `prompt_logprobs`)
+    cached_tokens: int = 0                                 # prompt tokens its first admission found cached
 
 
 class Engine:
@@ -41,7 +42,8 @@ class Engine:
                  max_num_batched_tokens: int = 2048, preemption_mode: str = "recompute",
                  max_model_len: int | None = None, switch_mode: str = "live",
                  allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
-                 hardware_profile: str | None = None, switch_margin: float = 0.10):
+                 hardware_profile: str | None = None, switch_margin: float = 0.10,
+                 enable_prefix_caching: bool = True):
         """`hardware_profile` (a name under configs/hardware/ or a profile .yaml) turns on the cost-model
         scheduler for `auto` mode; without one, auto stays in the start layout."""
         self.runner, self.comm = runner, comm
@@ -54,6 +56,7 @@ class Engine:
         kv_tokens = min(self.ledger.cap(a) for a in allowed_layouts) * runner.block_size
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
+        self.set_prefix_caching(enable_prefix_caching)
         self.params: dict[str, SamplingParams] = {}
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, list] = {}   # req_id -> [prompt TokenLogprobs so far, delivered]
@@ -83,11 +86,22 @@ class Engine:
         if not params.ignore_eos or params.grammar is not None:   # a grammar ends its output with EOS
             stop |= set(self.runner.cfg.eos_ids)
         self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
-        self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len))
+        self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len,
+                                   params.min_tokens, cacheable=params.prompt_logprobs is None))
         self.params[req_id] = params
         if params.prompt_logprobs is not None:
             self._plp[req_id] = [[], False]
         return req_id
+
+    def set_prefix_caching(self, on: bool) -> None:
+        """Turn the prefix cache on or off (before the first request); a hybrid (glm5_next) model keeps it off: a hit
+        would need its KDA state at the block boundary, which is not kept yet."""
+        self.ledger.prefix = bool(on) and self.runner.cfg.hybrid is None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request uses (POST /reset_prefix_cache); -> how many, over the ranks. The
+        ranks free them with the next step."""
+        return self.scheduler.reset_prefix_cache()
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
@@ -134,7 +148,8 @@ class Engine:
             gone = set(plan.release)
             switch = replace(switch, reqs={rid: v for rid, v in switch.reqs.items() if rid not in gone})
         msg = StepMessage(tuple(plan.items), tuple(plan.release), switch,
-                          tuple(self._prompt_logit_items(plan)))
+                          tuple(self._prompt_logit_items(plan)), tuple(plan.register),
+                          tuple(tuple(e) for e in plan.evict), tuple(plan.attach))
         self.comm.broadcast_obj(msg)
         t0 = time.perf_counter()
         logits = self._execute(msg)
@@ -149,9 +164,11 @@ class Engine:
         rids, toks, lps = self._sample(logits[:n_sampled], rids)
         self._take_prompt_logprobs(plan, msg.logits, logits[n_sampled:])
         sampled = dict(zip(rids, toks))
+        reqs = self.scheduler.requests
+        cached = [reqs[rid].cached_prompt_tokens if rid in reqs else 0 for rid in rids]
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
-        events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid))
-                  for rid, tok, lp in zip(rids, toks, lps)]
+        events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid), c)
+                  for rid, tok, lp, c in zip(rids, toks, lps, cached)]
         for rid in done:
             self._forget(rid)
         for rid, _ in self.failed:
@@ -238,8 +255,7 @@ class Engine:
             self._execute(msg)
 
     def _execute(self, msg: StepMessage) -> torch.Tensor:
-        for rid in msg.release:
-            self.runner.release(rid)
+        self._apply_cache_before(msg)
         self.num_steps += 1
         items = msg.items
         switch = self._switch_executor(msg.switch)
@@ -254,6 +270,25 @@ class Engine:
         if switch is not None or len(self.weight_bytes_per_rank) < self.comm.size:
             self.weight_bytes_per_rank = dict(enumerate(self.comm.all_gather_obj(self._local_weight_bytes())))
         return logits
+
+    def _apply_cache_before(self, msg: StepMessage) -> None:
+        """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
+        become cached, released requests drop theirs, a switch forgets the cache, evictions free blocks, and
+        requests starting on cached blocks take them (those this rank holds in the current layout)."""
+        r, me, world = self.runner, self.comm.rank, self.comm.size
+        for rid, b, h in msg.register:
+            if b in r.bm.table(rid):
+                r.bm.register(rid, b, h)
+        for rid in msg.release:
+            r.release(rid)
+        if msg.switch is not None:
+            r.bm.clear_cache()
+        if msg.evict:
+            r.bm.evict(list(msg.evict[me]))
+        for rid, owner, hashes in msg.attach:
+            mine = [(i, h) for i, h in enumerate(hashes) if me in block_holders(r.layout, i, owner, world)]
+            if mine:
+                r.attach(rid, mine)
 
     def _local_weight_bytes(self) -> int:
         from splash.models.weights import resident_bytes
@@ -300,6 +335,11 @@ class Engine:
 
     def kv_used_tokens(self) -> int:
         return sum(tokens for tokens, _ in self.ledger.reqs.values())
+
+    def prefix_cache_stats(self) -> tuple[int, int, list[int]]:
+        """(prompt tokens looked up, of them found cached, cached blocks per rank) since the start."""
+        s = self.scheduler
+        return s.prefix_queries, s.prefix_hits, self.ledger.cached_blocks()
 
     def kv_used_blocks_per_rank(self) -> list[int]:
         return list(self.ledger.used)

@@ -2,9 +2,18 @@
 
 Which ranks hold a logical block is the ownership model's answer (`splash.layouts.ownership.block_holders`,
 `blocks_held`), so the scheduler admits against exactly the blocks each rank's real pool will allocate.
+
+With the prefix cache on, the ledger is also the one truth of what every rank caches: per rank, the prefix hashes
+of the full blocks its pool keeps cached, with how many requests reference each; those no request references are
+evictable, oldest first. `used` counts the blocks requests hold (a shared block once); cached blocks no request
+holds are not in it, and `evictions` names the oldest ones a rank must give up so that in-use and cached blocks stay
+within the layout's capacity. Every hit, registration and eviction decided here travels in the step message, so the
+ranks' block managers never decide one themselves. A layout switch forgets the cache (`relayout`): blocks shared
+by running requests are then charged to each of them, an upper bound of what the ranks hold.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from splash.layouts.ownership import block_holders, blocks_held
@@ -24,9 +33,17 @@ class KVLedger:
     used: list[int] = field(default_factory=list)
     reqs: dict[str, list[int]] = field(default_factory=dict)  # req -> [tokens, owner]
     final: dict[str, int] = field(default_factory=dict)       # req -> tokens it may reach (prompt + max_tokens)
+    prefix: bool = False                                      # the prefix cache is on
+    shared: dict[str, list[int]] = field(default_factory=dict)   # req -> hashes of its leading cached blocks
 
     def __post_init__(self) -> None:
         self.used = [0] * self.world
+        self._clear_cache()
+
+    def _clear_cache(self) -> None:
+        self.refs: list[dict[int, int]] = [{} for _ in range(self.world)]        # per rank: hash -> references
+        self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.world)]   # evictable, oldest first
+        self.shared = {}
 
     def cap(self, layout: str | None = None) -> int:
         """Blocks per rank the KV may use under `layout`: the physical pool less what that layout's
@@ -82,21 +99,101 @@ class KVLedger:
             return
         tokens, owner = self.reqs.pop(req)
         self.final.pop(req, None)
-        need = self._need(owner, 0, _blocks(tokens, self.block_size))
+        shared = self.shared.pop(req, ())
+        need = self._need(owner, len(shared), _blocks(tokens, self.block_size))
         for r in range(self.world):
             self.used[r] -= need[r]
+        for i, h in enumerate(shared):
+            for r in self.holders(i, owner):
+                refs = self.refs[r]
+                refs[h] -= 1
+                if not refs[h]:
+                    self.lru[r][h] = None
+                    self.used[r] -= 1
 
-    def pick_owner(self) -> int:
+    # ---- prefix cache (rank 0's mirror of every rank's) --------------------------------------------------------
+    def lookup(self, hashes: list[int], owner: int) -> tuple[int, list[int]]:
+        """How many leading blocks of `hashes` are cached where a request with `owner` would hold them, and per rank
+        how many of those are evictable now (taking them puts them back in use)."""
+        revive = [0] * self.world
+        for i, h in enumerate(hashes):
+            holders = self.holders(i, owner)
+            if any(h not in self.refs[r] for r in holders):
+                return i, revive
+            for r in holders:
+                revive[r] += not self.refs[r][h]
+        return len(hashes), revive
+
+    def attach(self, req: str, owner: int, hashes: list[int], final: int | None = None) -> None:
+        """A new request starts on the cached blocks `hashes` (its first len(hashes) blocks), by reference."""
+        self.reqs[req] = [len(hashes) * self.block_size, owner]
+        if final is not None:
+            self.final[req] = final
+        self.shared[req] = list(hashes)
+        for i, h in enumerate(hashes):
+            for r in self.holders(i, owner):
+                refs = self.refs[r]
+                if not refs[h]:
+                    del self.lru[r][h]
+                    self.used[r] += 1
+                refs[h] += 1
+
+    def register(self, req: str, block: int, h: int) -> bool:
+        """`req`'s full block `block` (its next after its cached ones) becomes cached under `h`, unless `h` is
+        cached already; -> whether it did (then the ranks register it too)."""
+        tokens, owner = self.reqs[req]
+        shared = self.shared.setdefault(req, [])
+        if block != len(shared) or (block + 1) * self.block_size > tokens:
+            return False
+        holders = self.holders(block, owner)
+        if any(h in self.refs[r] for r in holders):
+            return False
+        for r in holders:
+            self.refs[r][h] = 1      # was the request's own block, held already: `used` does not change
+        shared.append(h)
+        return True
+
+    def evictions(self) -> list[list[int]]:
+        """Per rank, the oldest evictable blocks to give up so that its blocks in use and cached fit its capacity
+        (forgotten here; the ranks free them before the step allocates)."""
+        cap, out = self.cap(), []
+        for r in range(self.world):
+            n = self.used[r] + len(self.lru[r]) - cap
+            gone = []
+            while n > 0 and self.lru[r]:
+                h, _ = self.lru[r].popitem(last=False)
+                del self.refs[r][h]
+                gone.append(h)
+                n -= 1
+            out.append(gone)
+        return out
+
+    def evict_unused(self) -> list[list[int]]:
+        """Every evictable block on every rank (POST /reset_prefix_cache), forgotten here; blocks requests use stay."""
+        out = []
+        for r in range(self.world):
+            out.append(list(self.lru[r]))
+            for h in out[-1]:
+                del self.refs[r][h]
+            self.lru[r].clear()
+        return out
+
+    def cached_blocks(self) -> list[int]:
+        """Per rank, the blocks its prefix cache names (in use or evictable)."""
+        return [len(refs) for refs in self.refs]
+
+    def pick_owner(self, saved: dict[int, int] | None = None) -> int:
         """Least-loaded rank: by the blocks its requests will hold at their end (tokens they may reach, prompt +
-        max_tokens, as given to `grow`; their present tokens when more or not given), then blocks held now, then
-        request count, then id. Balancing what requests hold now alone would let an RL rollout's long requests (the
+        max_tokens, as given to `grow`; their present tokens when more or not given) less the blocks `saved` there
+        (a cached prefix the new request would start on), then blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL rollout's long requests (the
         same prompt length as its short ones) pile up on one DOP owner, which must then preempt them (measured in
         docs/benchmarks.md, the rollout at capacity)."""
         counts, ends = [0] * self.world, [0] * self.world
         for req, (tokens, o) in self.reqs.items():
             counts[o] += 1
             ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
-        return min(range(self.world), key=lambda r: (ends[r], self.used[r], counts[r], r))
+        saved = saved or {}
+        return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
     def owner(self, req: str) -> int:
         return self.reqs[req][1]
@@ -111,6 +208,7 @@ class KVLedger:
         return used
 
     def relayout(self, layout: str, owners: dict[str, int] | None = None) -> None:
+        self._clear_cache()   # the ranks forget theirs at the switch too
         self.used = self.usage_under(layout, owners)
         if owners:
             for req, o in owners.items():

@@ -98,7 +98,8 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0, switch_mode: str = "live",
                  layout_kv_dtypes: dict[str, str] | None = None, comm=None, quantization: str | None = None,
                  attention_backend: str = "torch", allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
-                 hardware_profile: str | None = "cpu", switch_margin: float = 0.10, device: str = "cpu"):
+                 hardware_profile: str | None = "cpu", switch_margin: float = 0.10, device: str = "cpu",
+                 enable_prefix_caching: bool = True):
         """`layout` pins a layout (the engine stays there unless `engine.request_layout` moves it) or is
         "auto": start in TP (DP-attn when the world does not divide the heads) and let the cost-model scheduler
         on `hardware_profile` switch among `allowed_layouts`. `layout_kv_dtypes` gives a layout its own KV dtype
@@ -125,7 +126,8 @@ class LLM:
                                   layout_kv_dtypes, attention_backend, device=device)
         self.engine = Engine(self.runner, comm, blocks, max_num_seqs, max_num_batched_tokens,
                              preemption_mode, max_model_len, switch_mode, tuple(allowed_layouts),
-                             hardware_profile=hardware_profile if auto else None, switch_margin=switch_margin)
+                             hardware_profile=hardware_profile if auto else None, switch_margin=switch_margin,
+                             enable_prefix_caching=enable_prefix_caching)
         if not auto:
             self.engine.request_layout(layout)
         self.cfg = cfg

@@ -32,6 +32,10 @@ class StepMessage:
     release: tuple[str, ...] = ()            # requests whose KV every rank frees before the step
     switch: SwitchPlan | None = None
     logits: tuple[int, ...] = ()             # items whose prompt rows' logits come back (prompt logprobs)
+    # prefix cache (splash.engine.ledger decides; every rank applies, in this order, before the step):
+    register: tuple[tuple[str, int, int], ...] = ()         # (req, block, hash): blocks the last step filled
+    evict: tuple[tuple[int, ...], ...] = ()                  # per rank: cached blocks to free
+    attach: tuple[tuple[str, int, tuple[int, ...]], ...] = ()   # (req, owner, hashes): cached blocks it starts on
 
 
 @dataclass(frozen=True)

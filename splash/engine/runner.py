@@ -85,6 +85,12 @@ class ModelRunner:
         if new:
             self.tables.append(req, new)
 
+    def attach(self, req: str, blocks: list[tuple[int, int]]) -> None:
+        """Give `req` cached blocks [(logical, prefix hash)] of this rank's pool by reference (a prefix-cache hit)."""
+        new = self.bm.attach(req, blocks)
+        if new:
+            self.tables.append(req, new)
+
     def ensure_step_blocks(self, reqs, keep=None) -> None:
         """Allocate the blocks the new tokens of `reqs` touch (those `keep(q, block)` accepts, if given) and append
         them to the page table (`splash.kv.page_table.ensure_step_pages`)."""

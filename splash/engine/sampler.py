@@ -103,7 +103,10 @@ class Sampler:
             prompt_mask[torch.tensor([t for t in prompt if 0 <= t < V], dtype=torch.long, device=dev)] = True
         if params.penalised:
             counts = torch.zeros(V, dtype=torch.float32, device=dev)
-        stops = torch.tensor(sorted(t for t in stop_ids if 0 <= t < V), dtype=torch.long, device=dev)
+        stops = sorted(t for t in stop_ids if 0 <= t < V)
+        if len(stops) == V:   # masking them all would leave nothing to sample; the scheduler keeps min_tokens
+            stops = []
+        stops = torch.tensor(stops, dtype=torch.long, device=dev)
         if params.grammar is not None:
             self.grammars.add(req_id, params.grammar, stop_ids)
         self.states[req_id] = _State(params, make_generator(params, dev), stops, bias_ids, bias_vals, prompt_mask,

@@ -12,7 +12,9 @@ import torch
 
 MAX_LOGPROBS = 20        # OpenAI's limit for top_logprobs / completions logprobs
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
-
+F32_TINY = float(torch.finfo(torch.float32).tiny)   # the sampler computes in float32: smaller magnitudes vanish
+MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY   # logits / penalty must stay finite in float32
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2 ** 63:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v != 0 and abs(v) < F32_TINY:   # it would become 0 in float32: top_p 1e-46 masked every token
+                raise ValueError(f"{name} = {v!r} underflows float32 (the sampler's precision): give 0 or a "
+                                 f"magnitude of at least {F32_TINY:.4g}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")

@@ -10,9 +10,18 @@ A new request's owner is the rank whose requests will hold the fewest blocks at 
 With ``chunked_prefill`` off, a prompt is never split: it is scheduled only in a step whose remaining token budget
 holds all of it (the serving config then requires ``max_num_batched_tokens >= max_model_len``, so every prompt
 fits an empty step).
+
+Prefix cache (when the ledger's is on): a request joining — new, or preempted and back — starts on the longest run of
+its leading full blocks the cache holds where it would live (at least its last token is computed), and its owner
+(DP-attn/DOP owner, CP anchor) is the rank with the fewest end-of-request blocks less the blocks a hit there saves:
+a cached prefix is worth as many blocks of load. After each step the full blocks a request has computed are
+registered in the cache (a block whose hash is cached already is not, nor any after it). The step plan carries the
+hits (`attach`), the registrations of the step before (`register`) and the evictions (`evict`) to every rank.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,9 +36,24 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int] = frozenset()
     max_len: int = 1 << 30
+    min_tokens: int = 0          # a stop id ends the request only after this many tokens (vLLM's min_tokens)
     output: list[int] = field(default_factory=list)
     num_cached: int = 0          # tokens whose KV is in the cache
     finish_reason: str | None = None
+    cacheable: bool = True       # may start on cached blocks (not when every prompt row's logits are wanted)
+    cached_prompt_tokens: int = 0   # prompt tokens its first admission found cached
+    counted: bool = False        # in the prefix-cache statistics already
+    hashes: list[int] = field(default_factory=list)   # prefix hashes of its full blocks, as far as computed
+
+    def block_hash(self, i: int, block_size: int) -> int:
+        """Prefix hash of full block `i`: of its tokens and of the blocks before it (computed once each)."""
+        hs = self.hashes
+        while len(hs) <= i:
+            j = len(hs)
+            h = hashlib.blake2b((hs[-1] if hs else 0).to_bytes(8, "little"), digest_size=8)
+            h.update(array("q", self.token_slice(j * block_size, (j + 1) * block_size)).tobytes())
+            hs.append(int.from_bytes(h.digest(), "little"))
+        return hs[i]
 
     @property
     def tokens(self) -> list[int]:
@@ -57,6 +81,9 @@ class Request:
 class StepPlan:
     items: list[StepItem]        # what rank 0 broadcasts as is (splash.engine.messages)
     release: list[str]           # requests whose KV every rank frees before running the step
+    attach: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)   # (req, owner, cached hashes)
+    register: list[tuple[str, int, int]] = field(default_factory=list)   # (req, block, hash), computed before
+    evict: list[list[int]] = field(default_factory=list)                  # per rank: cached hashes to free
 
 
 class Scheduler:
@@ -70,7 +97,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._release: list[str] = []
+        self._registered: list[tuple[str, int, int]] = []
+        self._evict_extra: list[list[int]] = []   # evictions asked for between steps (reset_prefix_cache)
         self.num_preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached, at first admission
 
     def sibling(self, ledger: KVLedger) -> "Scheduler":
         """An empty scheduler with this one's policy settings over `ledger` (the auto forecast replays the same
@@ -94,7 +124,7 @@ class Scheduler:
             self._free(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._release)
+        return bool(self.waiting or self.running or self._release or self._evict_extra)
 
     def _free(self, req: Request) -> None:
         self.ledger.release(req.req_id)
@@ -118,20 +148,35 @@ class Scheduler:
                 return r
         return self.running[-1]
 
-    def _admissible(self, req: Request) -> int | None:
+    def _admissible(self, req: Request) -> tuple[int, list[int]] | None:
         """A waiting request joins only when all of its pending tokens — the whole prompt, or a preempted request's
         whole context — fit the ranks it will live on, with one spare block there per running request (room for
         their next blocks). Admitting whatever chunk fits would let a full pool take a preempted request back a chunk
         at a time, only to preempt it again a few steps later (at capacity a DP-attn rollout re-prefilled a
-        2,048-token chunk every step: docs/benchmarks.md, the rollout at capacity). -> the owner it would get, or
-        None."""
-        owner = self.ledger.pick_owner()
-        need = self.ledger.growth(req.req_id, req.num_cached + req.pending, owner)
-        spare = self.ledger.holder_counts()
-        cap = self.ledger.cap()
-        if any(n and self.ledger.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
+        2,048-token chunk every step: docs/benchmarks.md, the rollout at capacity). Blocks the prefix cache holds for
+        it are not needed again (those evictable now are: they come back into use). -> (the owner it would get, the
+        cached blocks' hashes it starts on), or None."""
+        led = self.ledger
+        hashes = self._prefix(req)
+        found = {o: led.lookup(hashes, o) for o in range(led.world)} if hashes else {}
+        owner = led.pick_owner({o: k for o, (k, _) in found.items()})
+        k, revive = found.get(owner, (0, None))
+        need = led._need(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
+        if revive:
+            need = [a + b for a, b in zip(need, revive)]
+        spare = led.holder_counts()
+        cap = led.cap()
+        if any(n and led.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
             return None
-        return owner
+        return owner, hashes[:k]
+
+    def _prefix(self, req: Request) -> list[int]:
+        """The hashes of the full blocks a joining request could find cached: all but the block of its last token,
+        which is always computed (it gives the logits to sample from)."""
+        if not self.ledger.prefix or not req.cacheable or req.num_cached:
+            return []
+        bs = self.ledger.block_size
+        return [req.block_hash(i, bs) for i in range((req.num_tokens - 1) // bs)]
 
     def _blocked_on_every_owner(self, req: Request) -> bool:
         """Whether `req` would be refused (`_admissible`) whichever rank it went to: then decode, which only adds
@@ -172,13 +217,30 @@ class Scheduler:
                 items.append(item)
                 budget -= len(item.tokens)
             i += 1
+        attach = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            owner = self._admissible(self.waiting[0])
-            if owner is None:
+            got = self._admissible(self.waiting[0])
+            if got is None:
                 break
-            item = self._piece(self.waiting[0], budget, owner)
+            owner, hit = got
+            req = self.waiting[0]
+            first = not req.counted and self.ledger.prefix and req.cacheable
+            if hit:
+                self.ledger.attach(req.req_id, owner, hit, final=min(len(req.prompt) + req.max_tokens, req.max_len))
+                req.num_cached = len(hit) * self.ledger.block_size
+            item = self._piece(req, budget, owner)
             if item is None:
+                if hit:
+                    self.ledger.release(req.req_id)
+                    req.num_cached = 0
                 break
+            if first:
+                req.counted = True
+                req.cached_prompt_tokens = req.num_cached
+                self.prefix_queries += len(req.prompt)
+                self.prefix_hits += req.num_cached
+            if hit:
+                attach.append((req.req_id, owner, tuple(hit)))
             self.running.append(self.waiting.popleft())
             items.append(item)
             budget -= len(item.tokens)
@@ -186,9 +248,31 @@ class Scheduler:
             # every running request is blocked on KV and nothing can be admitted: waiting would deadlock,
             # so fall back to recompute for the newest request (the oldest alone always fits the pool)
             self._preempt(self.running[-1])
-        plan = StepPlan(items, self._release)
-        self._release = []
+        evict = self.ledger.evictions() if self.ledger.prefix else []
+        if self._evict_extra:
+            evict = [a + b for a, b in zip(self._evict_extra, evict or [[]] * len(self._evict_extra))]
+        plan = StepPlan(items, self._release, attach, self._registered, evict)
+        self._release, self._registered, self._evict_extra = [], [], []
         return plan
+
+    def _register(self, req: Request) -> None:
+        """Register the full blocks `req` has computed since its last ones (for the ranks, in the next plan)."""
+        led, bs = self.ledger, self.ledger.block_size
+        shared = led.shared.get(req.req_id, ())
+        for i in range(len(shared), req.num_cached // bs):
+            h = req.block_hash(i, bs)
+            if not led.register(req.req_id, i, h):
+                return
+            self._registered.append((req.req_id, i, h))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request uses (POST /reset_prefix_cache; the ranks free them with the next
+        step); -> how many, over the ranks."""
+        if not self.ledger.prefix:
+            return 0
+        gone = self.ledger.evict_unused()
+        self._evict_extra = [a + b for a, b in zip(self._evict_extra, gone)] if self._evict_extra else gone
+        return sum(map(len, gone))
 
     def handoff_reserve_blocks(self) -> int:
         """Blocks per rank the step that carries a layout switch may append: its tokens in whole blocks, plus a
@@ -204,8 +288,8 @@ class Scheduler:
         for KV, the run ends before the first crossing (admission is judged on the blocks in use); otherwise before
         the first step some rank would lack a block for (preemption)."""
         run = self.running
-        if not run or len(run) > self.budget or any(r.pending != 1 for r in run):
-            return 0
+        if not run or len(run) > self.budget or any(r.pending != 1 for r in run) or self.ledger.prefix:
+            return 0   # (with a prefix cache, a block a decode step fills may let a waiting request in)
         steps = min(limit, min(min(r.max_tokens - len(r.output), r.max_len - r.num_tokens) for r in run) - 1)
         if steps <= 0:
             return 0
@@ -247,11 +331,13 @@ class Scheduler:
             if req is None:
                 continue
             req.num_cached = it.start_pos + len(it.tokens)
+            if self.ledger.prefix:
+                self._register(req)
             if it.req_id not in sampled:
                 continue
             tok = sampled[it.req_id]
             req.output.append(tok)
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(req.output) > req.min_tokens:
                 req.finish_reason = "stop"
             elif len(req.output) >= req.max_tokens or req.num_tokens >= req.max_len:
                 req.finish_reason = "length"

@@ -2,10 +2,16 @@
 
 Physical block ids are rank-local. Each request maps logical block index -> physical block; under CP a rank
 holds only some logical blocks of a request, so the table is a dict, not a list.
+
+Prefix caching: a full block can be registered under the hash of its tokens (and of the blocks before it); requests
+then share it by reference count (`attach`), and when its last reference goes it stays cached — evictable, not free
+— until rank 0 says to `evict` it (rank 0 decides every hit and eviction, from its mirror in the ledger, so every
+rank agrees on what is cached). A block no request references and no hash names is free.
 """
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 
 
@@ -23,12 +29,16 @@ class BlockManager:
     block_size: int
     _free: list[int] = field(default_factory=list)
     _tables: dict[str, dict[int, int]] = field(default_factory=dict)
+    _ref: list[int] = field(default_factory=list)             # physical block -> tables referencing it
+    _cached: dict[int, int] = field(default_factory=dict)     # prefix hash -> physical block
+    _hash_of: dict[int, int] = field(default_factory=dict)    # physical block -> its prefix hash
 
     def __post_init__(self) -> None:
         if self.num_blocks < 0 or self.block_size <= 0:
             raise ValueError(f"bad pool shape: num_blocks={self.num_blocks}, block_size={self.block_size}")
         # pop() from the end hands out low ids first
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._ref = [0] * self.num_blocks
 
     @property
     def num_free(self) -> int:
@@ -61,6 +71,7 @@ class BlockManager:
         new = []
         for b in need:
             phys = self._free.pop()
+            self._ref[phys] = 1
             table[b] = phys
             new.append((b, phys))
         return new
@@ -82,6 +93,7 @@ class BlockManager:
                         raise OutOfBlocks(sum(len(self.missing(r, list(dict.fromkeys(lg)))) for r, lg in needs),
                                           len(free))
                     t[b] = p = free.pop()
+                    self._ref[p] = 1
                     new.append((b, p))
             if new:
                 out.append((req, new))
@@ -101,6 +113,7 @@ class BlockManager:
         phys = free[len(free) - k:][::-1]
         del free[len(free) - k:]
         deque(map(dict.__setitem__, tabs, blocks, phys), maxlen=0)
+        deque(map(self._ref.__setitem__, phys, repeat(1)), maxlen=0)
         return phys
 
     def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]]) -> None:
@@ -109,16 +122,27 @@ class BlockManager:
             t = self._tables[req]
             for b, p in reversed(new):
                 del t[b]
+                self._ref[p] = 0
                 self._free.append(p)
         for req in [r for r, t in self._tables.items() if not t]:
             del self._tables[req]
 
+    def _unref(self, phys: list[int]) -> list[int]:
+        """Drop one reference from each block; -> those now referenced by nobody and named by no hash."""
+        out = []
+        for p in phys:
+            self._ref[p] -= 1
+            if self._ref[p] == 0 and p not in self._hash_of:
+                out.append(p)
+        return out
+
     def discard(self, req: str, logical: list[int]) -> list[int]:
-        """Free the given logical blocks of `req` (those it holds); returns the freed physical ids."""
+        """Drop the given logical blocks of `req` (those it holds); -> the physical ids freed (a block another request
+        still references, or a cached one, stays)."""
         table = self._tables.get(req)
         if table is None:
             return []
-        freed = [table.pop(b) for b in logical if b in table]
+        freed = self._unref([table.pop(b) for b in logical if b in table])
         self._free.extend(freed)
         if not table:
             del self._tables[req]
@@ -126,11 +150,11 @@ class BlockManager:
 
     def detach(self, req: str, logical: list[int]) -> list[int]:
         """Remove blocks from `req`'s table without freeing them (their data may still be sent); returns the
-        physical ids, to be given back with `free_physical` once nothing reads them."""
+        physical ids nothing else references, to be given back with `free_physical` once nothing reads them."""
         table = self._tables.get(req)
         if table is None:
             return []
-        out = [table.pop(b) for b in logical if b in table]
+        out = self._unref([table.pop(b) for b in logical if b in table])
         if not table:
             del self._tables[req]
         return out
@@ -139,11 +163,63 @@ class BlockManager:
         self._free.extend(phys)
 
     def release(self, req: str) -> list[int]:
-        """Free every block of `req`."""
+        """Drop every block of `req`; -> the physical ids freed."""
         table = self._tables.pop(req, {})
-        freed = list(table.values())
+        freed = self._unref(list(table.values()))
         self._free.extend(freed)
         return freed
+
+    # ---- prefix cache ------------------------------------------------------------------------------------
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks no request references: free for the pool once evicted."""
+        return sum(1 for p in self._hash_of if not self._ref[p])
+
+    def cached(self, h: int) -> bool:
+        return h in self._cached
+
+    def register(self, req: str, logical: int, h: int) -> bool:
+        """Name `req`'s full block `logical` by prefix hash `h` (unless `h` names a block already); -> whether it
+        did."""
+        if h in self._cached:
+            return False
+        p = self._tables[req][logical]
+        self._cached[h], self._hash_of[p] = p, h
+        return True
+
+    def attach(self, req: str, blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Give `req` the cached blocks [(logical, hash)] by reference; -> their (logical, physical) pairs."""
+        table = self._tables.setdefault(req, {})
+        out = []
+        for b, h in blocks:
+            p = self._cached[h]
+            self._ref[p] += 1
+            table[b] = p
+            out.append((b, p))
+        return out
+
+    def evict(self, hashes: list[int]) -> None:
+        """Forget the cached blocks named `hashes` and free those no request references. (A request may still
+        reference one: after a layout switch kept a block two requests shared, the ledger charges it to each of them
+        and lets the hash go when the one that named it ends — the block then stays with the other.)"""
+        for h in hashes:
+            p = self._cached.pop(h)
+            del self._hash_of[p]
+            if not self._ref[p]:
+                self._free.append(p)
+
+    def clear_cache(self) -> None:
+        """Forget every hash (a layout switch): cached blocks no request references are freed, the rest stay with
+        their requests."""
+        for h, p in self._cached.items():
+            if not self._ref[p]:
+                self._free.append(p)
+        self._cached.clear()
+        self._hash_of.clear()
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -32,7 +32,7 @@ class DeviceBudget:
     in_use_bytes: int
     usable_bytes: int          # device × utilization − in use
     weight_bytes: float        # common + the most compact layout's projections
-    scratch_bytes: int         # one step's activations + attention scratch + logits
+    scratch_bytes: int         # one step's activations + attention scratch and kernel workspaces + logits
     graph_bytes: int           # captured CUDA/HIP graphs (none yet: 0)
     switch_headroom_bytes: float
     kv_pool_bytes: int         # whole blocks
@@ -45,7 +45,7 @@ class DeviceBudget:
     def rows(self) -> list[tuple[str, float]]:
         return [("device", self.device_bytes), ("in use before start", self.in_use_bytes),
                 (f"usable (x {self.utilization:g})", self.usable_bytes), ("weights", self.weight_bytes),
-                ("activation scratch", self.scratch_bytes), ("graphs", self.graph_bytes),
+                ("scratch + workspaces", self.scratch_bytes), ("graphs", self.graph_bytes),
                 ("switch headroom", self.switch_headroom_bytes), ("KV pool", self.kv_pool_bytes)]
 
 
@@ -62,8 +62,10 @@ def scratch_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: i
 def device_memory_budget(cfg: ModelConfig, world: int, device_bytes: int, utilization: float, weight_bytes: float,
                          kv_dtype: str, block_size: int, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                          in_use_bytes: int = 0, graph_bytes: int = 0, layouts=LAYOUT_NAMES,
-                         weight_quant: str | None = None) -> DeviceBudget:
-    """The per-rank budget (see the module doc). ValueError when the weights and buffers alone do not fit."""
+                         weight_quant: str | None = None, attention_workspace_bytes: int = 0) -> DeviceBudget:
+    """The per-rank budget (see the module doc). ValueError when the weights and buffers alone do not fit.
+    `attention_workspace_bytes`: what the attention kernel allocates for itself on top of the step's scratch
+    (FlashInfer's workspaces: backends.attention_workspace_bytes), counted with the scratch."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     usable = int(device_bytes * utilization) - in_use_bytes
@@ -72,7 +74,8 @@ def device_memory_budget(cfg: ModelConfig, world: int, device_bytes: int, utiliz
         raise ValueError(f"no layout of {list(layouts)} fits {cfg.num_attention_heads} heads on {world} rank(s)")
     weights = (_common_bytes(cfg, world, weight_bytes, weight_quant)
                + min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in fit))
-    scratch = scratch_bytes(cfg, max_num_batched_tokens, max_num_seqs, weight_bytes if weight_quant is None else 2)
+    scratch = (scratch_bytes(cfg, max_num_batched_tokens, max_num_seqs, weight_bytes if weight_quant is None else 2)
+               + attention_workspace_bytes)
     proj_recv = max((switch_receive_bytes(cfg, a, b, world, weight_bytes, weight_quant) for a in fit for b in fit),
                     default=0.0)
     room = usable - weights - scratch - graph_bytes - proj_recv

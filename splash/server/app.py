@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -22,20 +23,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.engine.sampling import SamplingParams
-from splash.server import chat_output
+from splash.server import admission_cost, chat_output
 from splash.server import protocol as P
 from splash.server.agent import AgentAPI, Prepared, with_prompt
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
+from splash.server.json_body import ResponseBuilder
+from splash.server.limits import quote
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
 
+_log = logging.getLogger("splash")
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 DEFAULT_LIMITS = {"max_body_bytes": 8 << 20, "read_timeout_s": 30.0, "max_seqs_per_request": 256,
-                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0}
+                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0, "max_request_mb": 256.0}
 
 
 @dataclass
@@ -95,7 +99,11 @@ def _sse(obj: Any) -> str:
 class _CountRequests:
     """ASGI middleware counting answered requests by route and status (cheap; streaming-safe). The endpoint
     label is the route's path for the server's routes and ``other`` for every unknown path, so random paths
-    cannot grow /metrics."""
+    cannot grow /metrics.
+
+    It is also where an exception no handler answered ends: a 500 body is sent here (so it is counted) and the
+    exception is not re-raised, so uvicorn keeps the keep-alive connection for the client's next request
+    instead of logging a traceback and resetting it. One line goes to the (rate-limited) ``splash`` log."""
 
     def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -106,12 +114,28 @@ class _CountRequests:
         path = scope.get("path", "")
         endpoint = path if path in self.routes else "other"
 
+        started = False
+
         async def send_wrapper(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, send_wrapper)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as e:  # noqa: BLE001 — one request fails, never the connection or the server
+            _log.error("internal error answering %s %s: %s: %s", scope.get("method"), endpoint, type(e).__name__,
+                       quote(str(e), 200))
+            if started:   # a body was under way: ending the connection is the only way to say it broke
+                raise
+            body = json.dumps(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
+                                           "internal_error")).encode()
+            await send_wrapper({"type": "http.response.start", "status": 500,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+            await send_wrapper({"type": "http.response.body", "body": body})
 
 
 class _Handlers:
@@ -122,6 +146,7 @@ class _Handlers:
         self.s = state
         self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
         self.agent = AgentAPI(state.tokenizer, state.vocab_size, state.tool_call_parser, state.reasoning_parser)
+        self.builder = ResponseBuilder()   # large bodies: built one at a time, off the event loop
 
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
@@ -129,7 +154,7 @@ class _Handlers:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.s.model_name:
-            raise P.APIError(404, f"the model '{model}' does not exist; this server serves '{self.s.model_name}'",
+            raise P.APIError(404, f"the model {quote(model)} does not exist; this server serves '{self.s.model_name}'",
                              param="model", code="model_not_found")
 
     def check_seqs(self, num_prompts: int, n: int) -> None:
@@ -151,13 +176,21 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
+    def admit(self, req: P._Sampling, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
+        """400 when the request's worst-case cost passes server.max_request_mb (splash.server.admission_cost)."""
+        cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
+        why = admission_cost.over_budget(cost, self.s.limits["max_request_mb"], req.n)
+        if why is not None:
+            raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
+
     def params(self, req: P._Sampling, max_tokens: int, j: int, prompt_logprobs: int | None = None,
                grammar: Any = None) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"'logit_bias' token id {bad} is outside the vocabulary [0, {self.s.vocab_size})",
+            raise P.APIError(400, f"'logit_bias' token id {quote(bad)} is outside the vocabulary "
+                                  f"[0, {self.s.vocab_size})",
                              param="logit_bias")
         try:
             return SamplingParams(
@@ -176,10 +209,11 @@ class _Handlers:
                    prefix: str, prompt_logprobs: int | None = None, grammar: Any = None) -> Generation:
         flat_prompts, flat_params = [], []
         for prompt, mt in zip(prompts, max_tokens):
-            for j in range(req.n):
+            for j in range(req.n):   # prompt logprobs: computed once per prompt, by its first sample
                 flat_prompts.append(prompt)
-                flat_params.append(self.params(req, mt, j, prompt_logprobs, grammar))
-        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix)
+                flat_params.append(self.params(req, mt, j, prompt_logprobs if j == 0 else None, grammar))
+        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix,
+                         n=req.n)
         gen.start()
         return gen
 
@@ -196,11 +230,13 @@ class _Handlers:
         req = await self.body(request, P.CompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
+        P.check_stream_fields(req, chat=False)
         p = req.prompt
         self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
         prompts = await self.prompts.completion(p)
         grammar = await self.agent.completion(req)
         mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
+        self.admit(req, prompts, mt, chat=False)
         rid = P.new_id("cmpl")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
@@ -209,25 +245,28 @@ class _Handlers:
         gen.echo = self.echo_texts(req, prompts) if req.echo else None
         if req.stream:
             return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
-        return JSONResponse(await self.collect(request, gen, req, rid, "text_completion",
-                                               sum(map(len, prompts)), False))
+        return self.builder.json_response(await self.collect(request, gen, req, rid, "text_completion",
+                                                             sum(map(len, prompts)), False))
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         req.check_neutral()
+        P.check_stream_fields(req, chat=True)
         self.check_seqs(1, req.n)
         agent = await self.agent.chat(req)
         prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
+        self.admit(req, [prompt], mt, chat=True)
         rid = P.new_id("chatcmpl")
         gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs, agent.grammar)
         if req.stream:
             return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True, agent=agent)
-        return JSONResponse(await self.collect(request, gen, req, rid, "chat.completion", len(prompt), True, agent))
+        return self.builder.json_response(await self.collect(request, gen, req, rid, "chat.completion",
+                                                             len(prompt), True, agent))
 
     # ---- response assembly ------------------------------------------------------------------------------
     async def collect(self, request: Request, gen: Generation, req: P._Sampling, rid: str, obj: str,
@@ -244,6 +283,11 @@ class _Handlers:
                 task.cancel()
             if not gen.done:
                 gen.cancel()
+        # built in a worker thread: with logprobs the body can hold millions of entries
+        return await self.builder.run(self.response_body, gen, req, rid, obj, prompt_tokens, chat, agent)
+
+    def response_body(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
+                      chat: bool, agent: Prepared | None = None) -> dict:
         make = P.chat_choice if chat else P.completion_choice
         extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
         choices = []
@@ -254,7 +298,8 @@ class _Handlers:
                 choice["message"], choice["finish_reason"] = chat_output.message(agent.mode, c.text, c.finish)
             choices.append(extras.decorate(choice, d))
         completion_tokens = sum(len(c.token_ids) for c in gen.choices)
-        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices, P.usage(prompt_tokens, completion_tokens))
+        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices,
+                          P.usage(prompt_tokens, completion_tokens, gen.cached_prompt_tokens))
         if chat and req.prompt_logprobs is not None:   # vLLM: chat's prompt_logprobs are on the response
             body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
         return body
@@ -266,12 +311,28 @@ class _Handlers:
         extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         readers = {c.index: chat_output.ChatStream(agent.mode) for c in gen.choices} if agent is not None else {}
+        continuous = include_usage and req.stream_options.continuous_usage_stats
 
         def chunk(choices: list[dict], usage_: dict | None = None) -> str:
             body = P.envelope(rid, obj, created, model, choices)
-            if include_usage:
-                body["usage"] = usage_
+            if include_usage:   # vLLM's continuous_usage_stats: the running counts on every chunk
+                body["usage"] = usage_ if usage_ is not None or not continuous else P.usage(
+                    prompt_tokens, sum(len(c.token_ids) for c in gen.choices), gen.cached_prompt_tokens)
             return _sse(body)
+
+        def choice_chunk(d: Delta) -> str | None:
+            tids = d.token_ids if ids else None
+            if chat and d.choice.index in readers:
+                reader = readers[d.choice.index]
+                delta = reader.feed(d.text, last=d.finish is not None)
+                if not delta and d.finish is None and not ids and not extras.pending(d):
+                    return None   # text held back by a parser (a marker may be starting)
+                finish = reader.finish_reason(d.finish)
+                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, finish, tids), d)])
+            if chat:
+                delta = {"content": d.text} if d.text or d.finish is None else {}
+                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish, tids), d)])
+            return chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish, tids), d)])
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -283,29 +344,18 @@ class _Handlers:
                     for d in deltas:
                         if not d.text and d.finish is None and not ids and not extras.pending(d):
                             continue  # tokens whose text is held back (partial UTF-8, possible stop string)
-                        tids = d.token_ids if ids else None
-                        if chat and d.choice.index in readers:
-                            reader = readers[d.choice.index]
-                            delta = reader.feed(d.text, last=d.finish is not None)
-                            if not delta and d.finish is None and not ids and not extras.pending(d):
-                                continue   # text held back by a parser (a marker may be starting)
-                            finish = reader.finish_reason(d.finish)
-                            yield chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, finish,
-                                                                             tids), d)])
-                        elif chat:
-                            delta = {"content": d.text} if d.text or d.finish is None else {}
-                            yield chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish,
-                                                                             tids), d)])
-                        else:
-                            yield chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish,
-                                                                             tids), d)])
+                        # a first chunk carrying prompt logprobs is built off the loop
+                        out = await self.builder.run(choice_chunk, d) if extras.heavy(d) else choice_chunk(d)
+                        if out is not None:
+                            yield out
                 if include_usage:
                     n_out = sum(len(c.token_ids) for c in gen.choices)
-                    yield chunk([], P.usage(prompt_tokens, n_out))
+                    yield chunk([], P.usage(prompt_tokens, n_out, gen.cached_prompt_tokens))
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
-                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error"))
+                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
+                                        "internal_error"))
             finally:
                 if not gen.done:
                     gen.cancel()
@@ -322,6 +372,15 @@ class _Handlers:
                 "switch_count": snap.total_switches,
                 "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
                 "steps": snap.steps, "scheduler": snap.scheduler}
+
+    async def reset_prefix_cache(self, request: Request) -> JSONResponse:
+        """vLLM's admin endpoint: forget every cached block no request uses (token-protected like /v1/layout)."""
+        check_admin(self.s, request.headers.get("authorization"))
+        try:
+            n = await asyncio.wrap_future(self.s.loop.reset_prefix_cache())
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "service_unavailable") from None
+        return JSONResponse({"evicted_blocks": n})
 
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
@@ -353,13 +412,10 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(P.error_body(str(e.detail), kind), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "internal_error"), 500)
-
     app.add_api_route("/v1/completions", h.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", h.chat, methods=["POST"])
     app.add_api_route("/v1/layout", h.set_layout, methods=["POST"])
+    app.add_api_route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"])
 
     @app.get("/v1/layout")
     async def get_layout() -> dict:

@@ -5,7 +5,9 @@
   reading the rest;
 * a body that does not arrive within ``read_timeout_s`` → 408;
 * a client that disconnects mid-body → ``ClientGone`` (answered with nothing and logged by nobody);
-* malformed JSON, or JSON nested too deep for the parser → 400.
+* malformed JSON, or JSON nested too deep for the parser → 400;
+* a value nothing downstream can use (an integer of thousands of digits, a lone surrogate in a string) → 400
+  naming its field (``splash.server.limits``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from splash.server import limits
 from splash.server.protocol import APIError
 
 
@@ -30,7 +33,7 @@ def _check_media_type(request: Request) -> None:
         return
     media = ctype.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise APIError(415, f"unsupported Content-Type {ctype!r}: send the body as application/json",
+        raise APIError(415, f"unsupported Content-Type {limits.quote(ctype)}: send the body as application/json",
                        code="unsupported_media_type")
 
 
@@ -64,11 +67,17 @@ async def read_json(request: Request, max_body_bytes: int, read_timeout_s: float
     except ClientDisconnect:
         raise ClientGone() from None
     try:
-        return json.loads(raw)
+        data, suspect = limits.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the JSON in the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:   # any other literal the parser cannot turn into a value
+        raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    bad = limits.find_unusable(data) if suspect else None
+    if bad is not None:
+        raise APIError(400, f"invalid value for '{bad[0]}': {bad[1]}", param=bad[0])
+    return data
 
 
 async def until_disconnected(request: Request) -> None:

@@ -32,15 +32,24 @@ class ResponseExtras:
         self.echo = gen.echo
         self.offset: dict[int, int] = {}      # text length already sent per choice (completions text_offset)
         self.started: set[int] = set()
+        self._prompt_bodies: dict[int, list | None] = {}   # per prompt: its n choices share one body
 
     def pending(self, d: Delta) -> bool:
         """A chunk must go out even without text: its logprobs, or the first chunk of an echo."""
         return bool(d.logprobs) or (self.echo is not None and d.choice.index not in self.started)
 
+    def heavy(self, d: Delta) -> bool:
+        """The chunk carries a prompt's logprobs (prompt_logprobs, or echo + logprobs): worth a worker thread."""
+        first = d.choice.index not in self.started
+        return first and (self.req.prompt_logprobs is not None or (self.echo is not None and self.k is not None))
+
     def prompt_body(self, c: Choice) -> list | None:
-        if c.prompt_logprobs is None:
-            return None
-        return prompt_logprobs_body(self.text, [None, *c.prompt_logprobs], self.req.prompt_logprobs or 0)
+        """vLLM's prompt_logprobs of `c`'s prompt, built once and shared by the prompt's choices."""
+        group = c.index // self.req.n
+        if group not in self._prompt_bodies:
+            self._prompt_bodies[group] = None if c.prompt_logprobs is None else prompt_logprobs_body(
+                self.text, [None, *c.prompt_logprobs], self.req.prompt_logprobs or 0)
+        return self._prompt_bodies[group]
 
     def decorate(self, choice: dict, d: Delta) -> dict:
         c, first = d.choice, d.choice.index not in self.started

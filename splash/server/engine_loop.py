@@ -54,6 +54,9 @@ class EngineSnapshot:
     scheduler: dict | None = None    # the cost-model scheduler's AutoLayout.summary() (None: no scheduler)
     time: float = field(default_factory=time.monotonic)
     weight_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident weight bytes (measured)
+    prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0         # ... of them found cached
+    prefix_cached_blocks: list[int] = field(default_factory=list)   # per rank: blocks the prefix cache names
 
     @property
     def total_switches(self) -> int:
@@ -63,6 +66,7 @@ class EngineSnapshot:
 def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, int], steps: int,
                   generated: int) -> EngineSnapshot:
     sched = engine.scheduler
+    queries, hits, cached = engine.prefix_cache_stats() if hasattr(engine, "prefix_cache_stats") else (0, 0, [])
     return EngineSnapshot(
         layout=engine.layout, mode=engine.layout_mode, target=getattr(engine, "layout_target", None),
         allowed_layouts=allowed,
@@ -70,7 +74,8 @@ def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, 
         kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
         kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
         steps=steps, generated_tokens=generated, weight_bytes=dict(getattr(engine, "weight_bytes_per_rank", {})),
-        scheduler=engine.auto.summary() if getattr(engine, "auto", None) is not None else None)
+        scheduler=engine.auto.summary() if getattr(engine, "auto", None) is not None else None,
+        prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))
 
 
 class EngineLoop:
@@ -151,6 +156,12 @@ class EngineLoop:
         self._command(("layout", name, fut))
         return fut
 
+    def reset_prefix_cache(self) -> Future:
+        """Ask the engine to forget the cached blocks no request uses; the future resolves to how many."""
+        fut: Future = Future()
+        self._command(("reset_prefix_cache", fut))
+        return fut
+
     def stop(self, timeout: float | None = None) -> None:
         """Abort what is left, broadcast stop to the followers and join the thread."""
         with self._cond:
@@ -210,6 +221,8 @@ class EngineLoop:
                 if self._sinks.pop(req_id, None) is not None:
                     self.engine.abort(req_id)
                     self._done(1)
+        elif kind == "reset_prefix_cache":
+            cmd[1].set_result(self.engine.reset_prefix_cache())
         elif kind == "layout":
             _, name, fut = cmd
             try:

@@ -78,7 +78,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet,
                             timeout_graceful_shutdown=int(state.limits["drain_s"] + FLUSH_S) + 1, lifespan="off",
                             ws="none",
-                            http=protocol_class(MAX_HEADER_BYTES, read_s),
+                            http=protocol_class(MAX_HEADER_BYTES, read_s, metrics.count_unrouted),
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES + 1024)
     server = _Server(config)
     old = _install_signals(server)

@@ -7,6 +7,10 @@ with finish_reason ``"stop"``, its text is cut before the stop string (after it 
 ``min_tokens`` tokens (as vLLM).
 While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to
 begin a stop string is never sent.
+
+Choices come in groups of ``n`` per prompt. Prompt logprobs are computed once per prompt — only the group's
+first choice asks the engine for them — and shared by the group; a choice of a group that wants them sends
+nothing until they have arrived, so its first delta can carry them.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ class Choice:
     prompt_logprobs: list | None = None               # TokenLogprobs of prompt tokens 1.. (prompt_logprobs)
     min_tokens: int = 0                               # no stop string ends the choice before this many tokens
     include_stop: bool = False                        # include_stop_str_in_output
+    awaits_prompt_logprobs: bool = False              # its group's prompt logprobs have not arrived yet
+    cached_tokens: int = 0                            # prompt tokens the prefix cache held for it
 
 
 @dataclass
@@ -49,10 +55,13 @@ class Delta:
 
 class Generation:
     def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                 stops: list[str], req_prefix: str, skip_special_tokens: bool = True) -> None:
+                 stops: list[str], req_prefix: str, skip_special_tokens: bool = True, n: int = 1) -> None:
+        """`prompts`/`params`: one per choice, `n` consecutive choices per prompt (the first of each group carries
+        the group's prompt_logprobs request, see the module docstring)."""
         self.loop, self.stops = loop, stops
         self.echo: list[str] | None = None     # completions echo: the prompt text per prompt (set by the app)
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.n = n
         self.choices: list[Choice] = []
         self._params = params
         self._prompts = prompts
@@ -61,9 +70,17 @@ class Generation:
             c = Choice(i, f"{req_prefix}-{i}", len(prompt), IncrementalDetokenizer(tok, skip))
             if p is not None:
                 c.min_tokens, c.include_stop = p.min_tokens, p.include_stop_str_in_output
+            leader = params[i - i % n]
+            c.awaits_prompt_logprobs = leader is not None and leader.prompt_logprobs is not None
             self.choices.append(c)
         self._by_id = {c.req_id: c for c in self.choices}
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache: per prompt, the most any of its n choices found."""
+        n = max(1, self.n)
+        return sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
 
     @property
     def done(self) -> bool:
@@ -101,10 +118,13 @@ class Generation:
                 c = self._by_id.get(ev.req_id)
                 if c is None or c.finish is not None:
                     continue
+                c.cached_tokens = max(c.cached_tokens, ev.cached_tokens)
                 if ev.logprobs is not None:
                     c.logprobs.append(ev.logprobs)
-                if ev.prompt_logprobs is not None:
-                    c.prompt_logprobs = ev.prompt_logprobs
+                if ev.prompt_logprobs is not None:   # the group's leader: share them with its group
+                    for m in self.choices[c.index:c.index + self.n]:
+                        m.prompt_logprobs, m.awaits_prompt_logprobs = ev.prompt_logprobs, False
+                        touched[m.index] = m
                 try:
                     self._push(c, ev.token, ev.finish_reason)
                 except Exception as e:  # noqa: BLE001 — a choice that cannot be detokenised fails this request
@@ -147,6 +167,8 @@ class Generation:
         return True
 
     def _delta(self, c: Choice) -> Delta | None:
+        if c.awaits_prompt_logprobs and c.finish != "abort":
+            return None
         end = len(c.text) if c.finish is not None else max(c.emitted_chars, len(c.text) - self.hold)
         text = c.text[c.emitted_chars:end]
         ids = c.token_ids[c.emitted_ids:]

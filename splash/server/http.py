@@ -4,9 +4,14 @@
 * answers **431** when a request's header block grows past ``max_header_bytes`` (instead of h11's bare 400),
   then keeps reading and discarding what the client still sends for a moment before closing, so the client
   reads the answer instead of a connection reset;
-* answers **408** and closes when a request's headers have started but not finished arriving within
-  ``header_timeout_s`` (a stalled or slow-drip client); idle keep-alive connections are uvicorn's
-  ``timeout_keep_alive``, and a slow body is ``server.read_timeout_s`` in ``body.read_json``.
+* answers **408** and closes when a request's headers have not finished arriving within ``header_timeout_s``
+  (``server.read_timeout_s``) of the connection's accept — a connection that never sends a byte included, so
+  idle sockets cannot pile up and exhaust file descriptors — or, on a keep-alive connection, of the next
+  request's first byte (a stalled or slow-drip client); a keep-alive connection idle between requests is
+  uvicorn's ``timeout_keep_alive``, and a slow body is ``server.read_timeout_s`` in ``body.read_json``.
+
+Each answer written here (431, 408, and uvicorn's own 400 for a request h11 cannot parse) is passed to
+``count(status)``, so ``splash_requests_total`` counts it too (endpoint ``other``: no route was read).
 
 ``RateLimitFilter`` lets through at most ``burst`` records per ``window_s`` for each (logger, message
 template) — a deferred switch retried every step, or a flood of bad requests, writes a few lines, not MBs —
@@ -17,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -34,15 +39,21 @@ def _raw_response(status: int, reason: str, message: str) -> bytes:
     return head + body
 
 
+def _no_count(status: int) -> None:
+    pass
+
+
 class _GuardedH11(H11Protocol):
     max_header_bytes = 32 * 1024
     header_timeout_s = 30.0
+    count: Callable[[int], None] = staticmethod(_no_count)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._header_timer: Any = None
         self._refused_at: float | None = None
         self._linger: Any = None
+        # uvicorn times out idle keep-alive connections only after a first response: start the clock at accept
+        self._header_timer: Any = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._refused_at is not None:
@@ -71,10 +82,15 @@ class _GuardedH11(H11Protocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._refuse(408, "Request Timeout",
-                         f"the request's headers did not arrive within {self.header_timeout_s:g}s")
+            self._refuse(408, "Request Timeout", f"the request's headers did not arrive within "
+                                                 f"{self.header_timeout_s:g}s (server.read_timeout_s)")
+
+    def send_400_response(self, msg: str) -> None:
+        self.count(400)
+        super().send_400_response(msg)
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
+        self.count(status)
         self._unset_keepalive_if_required()
         self.transport.write(_raw_response(status, reason, message))
         self._refused_at = time.monotonic()
@@ -87,9 +103,11 @@ class _GuardedH11(H11Protocol):
         self._linger = self.loop.call_later(max(0.0, min(LINGER_S, left)), self.transport.close)
 
 
-def protocol_class(max_header_bytes: int, header_timeout_s: float) -> type:
+def protocol_class(max_header_bytes: int, header_timeout_s: float,
+                   count: Callable[[int], None] = _no_count) -> type:
     return type("SplashH11Protocol", (_GuardedH11,), {"max_header_bytes": max_header_bytes,
-                                                      "header_timeout_s": header_timeout_s})
+                                                      "header_timeout_s": header_timeout_s,
+                                                      "count": staticmethod(count)})
 
 
 class RateLimitFilter(logging.Filter):

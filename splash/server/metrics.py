@@ -8,7 +8,9 @@ Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the ot
 ``splash_layout_switches_total{src,dst}``, ``splash_kv_capacity_tokens{layout}``, ``splash_kv_used_tokens``,
 ``splash_kv_used_blocks{rank}``, ``splash_requests_running``, ``splash_requests_waiting``,
 ``splash_generated_tokens_total``, ``splash_prompt_tokens_total``, ``splash_requests_total{endpoint,status}``,
-``splash_engine_steps_total``, ``splash_step_duration_seconds`` (histogram), ``splash_weight_bytes{rank}`` (bytes of
+``splash_engine_steps_total``, ``splash_prefix_cache_queries_total`` / ``splash_prefix_cache_hits_total`` (prompt
+tokens looked up / found cached), ``splash_prefix_cache_blocks{rank}``, ``splash_step_duration_seconds``
+(histogram), ``splash_weight_bytes{rank}`` (bytes of
 the weight tensors each rank holds, measured from the tensors: rank 0's from start, every rank's from the first
 step on, refreshed after every switch); with the cost-model scheduler ``splash_predicted_step_seconds{layout}``,
 ``splash_measured_step_seconds{layout}``, ``splash_cost_model_factor{layout}``,
@@ -65,6 +67,15 @@ class _StateCollector(Collector):
         for r, n in sorted(s.weight_bytes.items()):
             wb.add_metric([str(r)], float(n))
         yield wb
+        yield CounterMetricFamily("splash_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=s.prefix_queries)
+        yield CounterMetricFamily("splash_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=s.prefix_hits)
+        pc = GaugeMetricFamily("splash_prefix_cache_blocks", "KV pages the prefix cache holds on each rank (in use "
+                               "or evictable)", labels=["rank"])
+        for r, n in enumerate(s.prefix_cached_blocks):
+            pc.add_metric([str(r)], float(n))
+        yield pc
         yield GaugeMetricFamily("splash_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("splash_requests_waiting", "Requests queued for admission", value=s.waiting)
         if s.scheduler is not None:
@@ -124,6 +135,10 @@ class Metrics:
         self.step_time = Histogram("splash_step_duration_seconds", "Wall time of one engine step (all ranks)",
                                    buckets=STEP_BUCKETS, registry=r)
         r.register(_StateCollector(snapshot))
+
+    def count_unrouted(self, status: int) -> None:
+        """An answer the HTTP protocol wrote before any route was read (408/431/400, splash.server.http)."""
+        self.requests.labels("other", str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

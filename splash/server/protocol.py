@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splash.config.serve_config import LAYOUTS
+from splash.server.limits import QUOTE_CHARS, clip, quote
 
 MAX_N = 64
 MAX_STOP = 16
 MAX_LOGPROBS = 20        # top-k logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
-MAX_PENALTY = 100.0      # repetition_penalty upper bound (a finite cap; vLLM only requires > 0)
+MAX_PENALTY = 100.0      # repetition_penalty in [1 / MAX_PENALTY, MAX_PENALTY] (finite in float32; vLLM: > 0)
+Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]   # what the sampler's tensors can hold
 
 
 class APIError(Exception):
@@ -35,6 +37,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = clip(message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -59,7 +62,7 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Int64] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -73,12 +76,12 @@ class _Sampling(_Strict):
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extensions
     return_token_ids: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[Int64]] = None
     ignore_eos: bool = False
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[Int64] = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_PENALTY)
-    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, ge=1 / MAX_PENALTY, le=MAX_PENALTY)
+    min_tokens: Int64 = Field(0, ge=0)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -105,9 +108,9 @@ class _Sampling(_Strict):
             try:
                 tid = int(k)
             except ValueError:
-                raise APIError(400, f"'logit_bias' key {k!r} is not a token id", param="logit_bias") from None
+                raise APIError(400, f"'logit_bias' key {quote(k)} is not a token id", param="logit_bias") from None
             if not -100 <= v <= 100:
-                raise APIError(400, f"'logit_bias' value for {k!r} must be in [-100, 100], got {v}",
+                raise APIError(400, f"'logit_bias' value for {quote(k)} must be in [-100, 100], got {v}",
                                param="logit_bias")
             out[tid] = v
         if len(out) > MAX_LOGIT_BIAS:
@@ -147,7 +150,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[Int64] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # inert OpenAI fields: accepted, ignored (as OpenAI ignores them for generation)
@@ -194,7 +197,7 @@ class LayoutRequest(_Strict):
     def check(self, allowed: tuple[str, ...]) -> None:
         if self.layout != "auto" and self.layout not in allowed:
             known = "" if self.layout in LAYOUTS else " (not a layout)"
-            raise APIError(400, f"invalid layout {self.layout!r}{known}: choose one of "
+            raise APIError(400, f"invalid layout {quote(self.layout)}{known}: choose one of "
                                 f"{', '.join(allowed + ('auto',))}", param="layout", code="invalid_layout")
 
 
@@ -205,13 +208,14 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     # strip the union-member tags pydantic adds to the location (e.g. 'str', 'list[int]')
     param = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float",
                                                                                      "bool", "dict"))
+    param = param[:QUOTE_CHARS]
     kind = e.get("type", "")
     if kind == "extra_forbidden":
         return f"unknown field '{param}'", param or None
     if kind == "missing":
         return f"missing required field '{param}'", param or None
     got = e.get("input")
-    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    shown = quote(got) if not isinstance(got, (dict, list)) else type(got).__name__
     return f"invalid value for '{param}': {e.get('msg', 'invalid')} (got {shown})", param or None
 
 
@@ -236,9 +240,10 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
@@ -269,3 +274,13 @@ def envelope(obj_id: str, obj: str, created: int, model: str, choices: list[dict
     if usage_ is not None:
         out["usage"] = usage_
     return out
+
+
+def check_stream_fields(req: Any, chat: bool) -> None:
+    """400s naming the field for streaming options that cannot apply (as vLLM answers them): ``stream_options``
+    without ``stream: true``; chat's ``prompt_logprobs`` while streaming (vLLM refuses it rather than drop it)."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "'stream_options' can only be set when 'stream' is true", param="stream_options")
+    if chat and req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "'prompt_logprobs' is not available with 'stream': true on chat completions; send the "
+                            "request without streaming", param="prompt_logprobs")

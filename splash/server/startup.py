@@ -59,7 +59,7 @@ def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any
     if backend.name != cfg.parallel.backend:
         cfg = apply_overrides(cfg, {"backend": backend.name}, source="parallel.backend: auto")
     try:
-        backends.check_attention(backend.name, cfg.attention_backend)
+        backends.check_attention(backend.name, cfg.attention_backend, backend.device)
     except backends.BackendUnavailable as e:
         raise backends.BackendUnavailable(f"field 'parallel.attention_backend': {e}") from None
     return cfg, backend
@@ -131,9 +131,18 @@ def limits(cfg: ServeConfig) -> dict[str, Any]:
     """The request limits of the HTTP front end (ServerState.limits)."""
     s = cfg.server
     return {"max_body_bytes": s.max_request_body_bytes, "read_timeout_s": s.read_timeout_s,
-            "max_seqs_per_request": s.max_seqs_per_request,
+            "max_seqs_per_request": s.max_seqs_per_request, "max_request_mb": s.max_request_mb,
             "max_outstanding_seqs": cfg.scheduler.max_num_seqs + s.max_waiting_seqs,
             "stall_s": s.collective_timeout_s, "drain_s": s.drain_timeout_s}
+
+
+def quiet_decision_log(cfg: ServeConfig) -> None:
+    """Rank 0, after the engine is built: silence the scheduler's decision lines when ``server.log_decisions``
+    says so (by default under ``--quiet``, which promises only the serving and stopped lines)."""
+    import logging
+    wanted = cfg.server.log_decisions if cfg.server.log_decisions is not None else not cfg.server.quiet
+    if not wanted:
+        logging.getLogger("splash.layout_policy").setLevel(logging.WARNING)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -174,6 +183,7 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
     info = backend.memory_info() if backend is not None else None
     if c.kv_cache_memory_bytes or info is None:
         return c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+    import backends
     from splash.engine.llm import pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
@@ -185,7 +195,8 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
         b = device_memory_budget(mcfg, world, total, c.gpu_memory_utilization, weight_bytes, kv, c.block_size,
                                  s.max_num_batched_tokens, s.max_num_seqs, in_use_bytes=total - free,
                                  layouts=tuple(cfg.layout.allowed_layouts),
-                                 weight_quant=cfg.model.quantization or mcfg.quantization)
+                                 weight_quant=cfg.model.quantization or mcfg.quantization,
+                                 attention_workspace_bytes=backends.attention_workspace_bytes(cfg.attention_backend))
     except ValueError as e:
         raise ConfigError(f"field 'cache.gpu_memory_utilization': {e}") from None
     return b.kv_pool_bytes
@@ -242,6 +253,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         field = "layout.hardware_profile" if "profile" in str(e) else "layout.allowed_layouts"
         raise ConfigError(f"field {field!r}: {e}") from None
     engine.scheduler.chunked_prefill = s.enable_chunked_prefill
+    engine.set_prefix_caching(c.enable_prefix_caching)
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)

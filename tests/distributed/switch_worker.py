@@ -61,7 +61,7 @@ def drive(llm: LLM, prompts, max_tokens, switches: dict[int, str]) -> list[list[
 def check_free(llm: LLM, what: str) -> None:
     """Every KV block (latent, rope, scales and the DSA indexer keys stored in the same blocks) is free again."""
     bm, r = llm.runner.bm, llm.runner
-    assert bm.num_free == bm.num_blocks, f"{what}: rank {llm.comm.rank} leaked {bm.num_used} blocks"
+    assert bm.num_free + bm.num_evictable == bm.num_blocks, f"{what}: rank {llm.comm.rank} leaked {bm.num_used} blocks"
     assert not r.tables._row, f"{what}: rank {llm.comm.rank} still has page-table rows {list(r.tables._row)}"
     if r.cfg.has_dsa:
         assert all((r.cache.ikey[i] is not None) == r.cfg.has_indexer(i) for i in range(r.cfg.num_hidden_layers))

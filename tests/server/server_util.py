@@ -163,3 +163,32 @@ def run_server(work: Path, yaml_text: str, nprocs: int = 2, ready_s: float = 60,
         yield proc
     finally:
         proc.kill()
+
+
+_POLL_HEALTH = """
+import sys, threading, time, httpx
+stop, worst = threading.Event(), [0.0]
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+print("polling", flush=True)
+with httpx.Client(timeout=30) as c:
+    while not stop.is_set():
+        t0 = time.monotonic()
+        assert c.get(sys.argv[1]).status_code == 200
+        worst[0] = max(worst[0], time.monotonic() - t0)
+        time.sleep(0.05)
+print(worst[0])
+"""
+
+
+class HealthPoller:
+    """GET /health every 50 ms from a process of its own (so what it measures is the server, not the caller's
+    threads parsing large responses); ``stop()`` returns the worst latency seen, in seconds."""
+
+    def __init__(self, url: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _POLL_HEALTH, f"{url}/health"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "polling"
+
+    def stop(self) -> float:
+        out, _ = self.proc.communicate("stop\n", timeout=60)
+        return float(out)

@@ -283,7 +283,30 @@ def test_metrics_parse(server, client):
     assert fams["splash_step_duration_seconds"].type == "histogram"
 
 
+def test_prefix_cache_usage_metrics_and_reset(server, client, offline):
+    """A prompt sent again finds its full blocks cached (usage.prompt_tokens_details.cached_tokens, the prefix-cache
+    counters) and gives the same tokens; POST /reset_prefix_cache needs the admin token and empties the cache of the
+    blocks no request uses, after which the same prompt finds nothing."""
+    prompt = list(range(30, 80))                       # 50 tokens: 3 full 16-token blocks before the last token
+    ids = {"return_token_ids": True}
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=ids)
+    hits0 = _metric(server, "splash_prefix_cache_hits_total")
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=ids)
+    assert again.usage.prompt_tokens_details.cached_tokens == 48, again.usage
+    assert _ids(again.choices[0]) == _ids(first.choices[0]) == offline(prompt, 4)
+    assert _metric(server, "splash_prefix_cache_hits_total") == hits0 + 48
+    assert _metric(server, "splash_prefix_cache_queries_total") >= 100
+    assert sum(_metric(server, "splash_prefix_cache_blocks", rank=str(r)) for r in range(2)) > 0
+    url = f"{server.url}/reset_prefix_cache"
+    assert httpx.post(url).status_code == 401
+    ok = httpx.post(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and ok.json()["evicted_blocks"] > 0, ok.text
+    cold = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body=ids)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and _ids(cold.choices[0]) == _ids(first.choices[0])
+
+
 def test_sigterm_stops_every_rank_with_0(server):
     """Last: SIGTERM to the process group (what a terminal's Ctrl-C or a supervisor sends)."""
     assert server.stop(signal.SIGTERM, timeout=30) == 0, server.output()
     assert "stopped" in server.output()
+

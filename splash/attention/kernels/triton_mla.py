@@ -7,7 +7,14 @@ in the page table in place — loads and dequantises the latent (fp32; bf16; fp8
 per-128-group fp32 scales) and the rope key, scores q_lat·c + q_rope·k_rope, masks keys past the query's
 position (and CP's pages by their logical block), and keeps an online softmax; it writes the split's normalised
 partial õ and natural-log LSE. Kernel 2 (`_mla_merge`), grid (rows, heads), merges the splits exactly.
-bf16 and fp8 are decoded from their bits (no float8 loads), so the same code runs under the interpreter.
+- Matrix units: over a bf16 / fp8 / int8 pool both products take bf16 operands (queries, dequantised keys,
+  probabilities) with fp32 accumulation, so they compile to mma / wgmma (NVIDIA) and MFMA (AMD); an fp32 pool
+  keeps exact fp32 products (CPU checks). Tolerance against the fp32 reference: that of bf16 GEMM inputs
+  (tests/test_attention_kernels.py, as for the torch kernel's bf16 compute).
+- Offsets are int64 (rows × heads × d_c passes 2^31 at 16K-row chunks × 128 heads).
+- Launch shape from `launch_config` (head block, warps per vendor and format) and `split_count` (one split for
+  any step with prefill rows; more only while the partials fit ATTN_SCRATCH_BYTES); tests/test_triton_aot.py
+  compiles every shape these can return for the shipped targets and checks shared memory, spills and the units.
 
 On a machine with no GPU the module sets TRITON_INTERPRET=1 before importing triton: the kernels then run in
 Triton's interpreter on CPU tensors (slow; it is how CI checks their math).
@@ -19,34 +26,41 @@ import sys
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "0":   # "0": compile only (AOT checks)
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("attention_backend triton without a GPU needs Triton's interpreter, but triton was "
                            "imported before it could be switched on: set TRITON_INTERPRET=1 in the environment")
     os.environ["TRITON_INTERPRET"] = "1"
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from splash.kv import quant  # noqa: E402
+from splash.layouts.device_budget import ATTN_SCRATCH_BYTES  # noqa: E402
 
 FORMATS = {"float32": 0, "bfloat16": 1, "fp8_e4m3": 2, "int8": 3}
 BLOCK_N = 16      # keys per inner step
 MAX_SPLITS = 8    # splits of a row's keys (more parallelism for long contexts on a GPU)
+# (head block cap, num_warps) per vendor and KV format, chosen from the ahead-of-time compiles that
+# tests/test_triton_aot.py repeats for sm_90 / sm_100 (NVIDIA) and gfx942 / gfx90a (AMD): the largest head block
+# whose shared memory fits the target (gfx942: 64 KiB per workgroup) and that spills no registers.
+LAUNCH = {
+    "cuda": {"float32": (16, 8), "bfloat16": (32, 8), "fp8_e4m3": (16, 8), "int8": (16, 8)},
+    "hip": {"float32": (16, 4), "bfloat16": (32, 4), "fp8_e4m3": (32, 4), "int8": (32, 4)},
+}
 
 
 @triton.jit
-def _bf16_bits_to_f32(x):
-    return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_bits_to_f32(x):
-    b = x.to(tl.int32) & 0xFF
-    e = (b >> 3) & 15
-    m = (b & 7).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))
-    return tl.where((b & 128) != 0, -mag, mag)
+def _dot(a, b, DOT_BF16: tl.constexpr, EMULATED: tl.constexpr):
+    """a @ b with fp32 accumulate: bf16 operands on the matrix units (mma / wgmma / MFMA), fp32 ones exactly.
+    Triton's interpreter gets bf16 dots wrong, so there (EMULATED) the bf16 values are widened first: the same
+    products (a bf16 × bf16 product is exact in fp32), summed in fp32."""
+    if DOT_BF16:
+        if EMULATED:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, out_dtype=tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -54,20 +68,28 @@ def _mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_
                H, PCOLS, tokens_per_split, sm_scale,
                DC: tl.constexpr, DR: tl.constexpr, BDC: tl.constexpr, BDR: tl.constexpr, BH: tl.constexpr,
                BN: tl.constexpr, PAGE: tl.constexpr, GROUPS: tl.constexpr, FMT: tl.constexpr,
-               ROPE_BF16: tl.constexpr, HAS_ROPE: tl.constexpr, NSPLIT: tl.constexpr):
-    row, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    req = tl.load(ROW_REQ + row)
-    prow = tl.load(REQ_ROWS + req)
+               ROPE_BF16: tl.constexpr, HAS_ROPE: tl.constexpr, NSPLIT: tl.constexpr, DOT_BF16: tl.constexpr,
+               GW: tl.constexpr, EMULATED: tl.constexpr):
+    # int64 row/slot arithmetic: rows × heads × d_c and pages × page × d_c pass 2^31 at serving sizes
+    row = tl.program_id(0).to(tl.int64)
+    hb, sp = tl.program_id(1), tl.program_id(2)
+    req = tl.load(ROW_REQ + row).to(tl.int64)
+    prow = tl.load(REQ_ROWS + req).to(tl.int64)
     n_tok = tl.load(NUM_PAGES + req) * PAGE
     qpos = tl.load(QPOS + row)
     offs_h = hb * BH + tl.arange(0, BH)
     offs_c = tl.arange(0, BDC)
     offs_r = tl.arange(0, BDR)
     hmask = offs_h < H
-    ql = tl.load(QL + (row * H + offs_h)[:, None] * DC + offs_c[None, :],
-                 mask=hmask[:, None] & (offs_c[None, :] < DC), other=0.0)
-    qr = tl.load(QR + (row * H + offs_h)[:, None] * DR + offs_r[None, :],
-                 mask=hmask[:, None] & (offs_r[None, :] < DR), other=0.0)
+    qrow = row * H + offs_h
+    ql = tl.load(QL + qrow[:, None] * DC + offs_c[None, :], mask=hmask[:, None] & (offs_c[None, :] < DC), other=0.0)
+    qr = tl.load(QR + qrow[:, None] * DR + offs_r[None, :], mask=hmask[:, None] & (offs_r[None, :] < DR), other=0.0)
+    if DOT_BF16:  # matrix-unit operands (mma / wgmma / MFMA): bf16 in, fp32 accumulate
+        ql = ql.to(tl.bfloat16)
+        qr = qr.to(tl.bfloat16)
+    else:
+        ql = ql.to(tl.float32)
+        qr = qr.to(tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BDC], tl.float32)
@@ -86,32 +108,35 @@ def _mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_
         if FMT == 0:
             c = raw
         elif FMT == 1:
-            c = _bf16_bits_to_f32(raw)
+            c = raw.to(tl.bfloat16, bitcast=True)
         else:
             if FMT == 2:
-                c = _e4m3_bits_to_f32(raw)
+                c = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 c = raw.to(tl.float32)
-            s = tl.load(SCALE + slot[:, None] * GROUPS + offs_c[None, :] // 128, mask=cmask, other=0.0)
-            c = c * s
-        sc = tl.dot(ql, tl.trans(c), input_precision="ieee")
+            # one scale per token per 128 values: load [BN, groups] and broadcast over each group's values
+            offs_g = tl.arange(0, BDC // GW)
+            s = tl.load(SCALE + slot[:, None] * GROUPS + offs_g[None, :],
+                        mask=valid[:, None] & (offs_g[None, :] < GROUPS), other=0.0)
+            c = tl.reshape(tl.reshape(c, (BN, BDC // GW, GW)) * s[:, :, None], (BN, BDC)).to(tl.bfloat16)
+        sc = _dot(ql, tl.trans(c), DOT_BF16, EMULATED)
         if HAS_ROPE:
             rmask = valid[:, None] & (offs_r[None, :] < DR)
             kr = tl.load(KPE + slot[:, None] * DR + offs_r[None, :], mask=rmask, other=0)
             if ROPE_BF16:
-                kr = _bf16_bits_to_f32(kr)
-            sc += tl.dot(qr, tl.trans(kr), input_precision="ieee")
+                kr = kr.to(tl.bfloat16, bitcast=True)
+            sc += _dot(qr, tl.trans(kr.to(qr.dtype)), DOT_BF16, EMULATED)
         sc = tl.where(valid[None, :], sc * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_BF16, EMULATED)
         m_i = m_new
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-    base = (row * H + offs_h) * NSPLIT + sp
+    base = qrow * NSPLIT + sp
     tl.store(OPART + base[:, None] * DC + offs_c[None, :], o, mask=hmask[:, None] & (offs_c[None, :] < DC))
     tl.store(LPART + base, lse, mask=hmask)
 
@@ -119,7 +144,7 @@ def _mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_
 @triton.jit
 def _mla_merge(OPART, LPART, O, LSE, DC: tl.constexpr, BDC: tl.constexpr, NSPLIT: tl.constexpr,
                BS: tl.constexpr):
-    rh = tl.program_id(0)
+    rh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BS)
     offs_c = tl.arange(0, BDC)
     smask = offs_s < NSPLIT
@@ -139,19 +164,37 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
+def launch_config(vendor: str, heads: int, kv_dtype: str) -> tuple[int, int]:
+    """(head block, num_warps) for `heads` query heads on this rank over a `kv_dtype` pool: the head block is the
+    heads rounded up to a power of two (at least 16, tl.dot's smallest tile), capped per vendor and format."""
+    cap, warps = LAUNCH[vendor][kv_dtype]
+    return min(cap, _pow2(heads)), warps
+
+
+def split_count(rows: int, heads: int, d_c: int, decode_only: bool, longest_blocks: int, max_splits: int,
+                scratch_bytes: int = ATTN_SCRATCH_BYTES) -> int:
+    """Splits of each row's keys. More than one only for a decode-only step whose partials (rows × heads × splits
+    × (d_c + 1) fp32) fit `scratch_bytes`: a prefill chunk has rows enough to fill the device, and its partials
+    would not fit (16,384 rows × 128 heads × 8 splits × 2 KiB = 32 GiB)."""
+    if not decode_only or rows == 0:
+        return 1
+    fit = scratch_bytes // (rows * heads * (d_c + 1) * 4)
+    return max(1, min(max_splits, longest_blocks, fit))
+
+
 class TritonMLAKernel:
     name = "triton"
 
     def __init__(self, softmax_scale: float, max_splits: int = MAX_SPLITS):
         self.scale, self.max_splits, self.meta = softmax_scale, max_splits, None
+        self.vendor = "hip" if torch.version.hip else "cuda"
 
     def plan(self, meta) -> None:
-        """Split count and keys per split from the longest held row: O(requests)."""
+        """Keys per split from the longest held row: O(requests), one host read per step."""
         self.meta = meta
         longest = int(meta.num_pages.max()) * meta.block_size if meta.num_reqs else 0
-        blocks = -(-longest // BLOCK_N)
-        self.splits = max(1, min(self.max_splits, blocks))
-        self.tokens_per_split = max(BLOCK_N, -(-blocks // self.splits) * BLOCK_N)
+        self.blocks = -(-longest // BLOCK_N)
+        self.decode_only = meta.num_rows == meta.num_reqs
 
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
             cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +210,8 @@ class TritonMLAKernel:
         lse = torch.empty(n, h, dtype=torch.float32, device=dev)
         if n == 0:
             return o, lse
-        fmt = FORMATS[cache.kv_dtype_of(layer)]
+        kv_dtype = cache.kv_dtype_of(layer)
+        fmt = FORMATS[kv_dtype]
         ckv = cache.ckv[layer]
         ckv = {1: ckv.view(torch.int16), 2: ckv.view(torch.uint8)}.get(fmt, ckv)
         kpe = cache.kpe[layer] if dr else torch.zeros(1, device=dev)
@@ -175,18 +219,22 @@ class TritonMLAKernel:
         if rope_bf16:
             kpe = kpe.view(torch.int16)
         scale = cache.scale[layer] if cache.scale[layer] is not None else torch.zeros(1, device=dev)
-        ql = q_latent.float().contiguous()
-        qr = q_rope.float().contiguous() if dr else torch.zeros(n, h, 1, device=dev)
-        S = self.splits
-        opart = torch.empty(n, h, S, dc, dtype=torch.float32, device=dev)
-        lpart = torch.empty(n, h, S, dtype=torch.float32, device=dev)
-        bh = min(64, _pow2(h))
+        qdt = torch.float32 if fmt == 0 else torch.bfloat16   # the operand dtype: what the AOT check compiles
+        ql = q_latent.to(qdt).contiguous()
+        qr = q_rope.to(qdt).contiguous() if dr else torch.zeros(n, h, 1, dtype=qdt, device=dev)
+        S = split_count(n, h, dc, self.decode_only, self.blocks, self.max_splits)
+        per_split = max(BLOCK_N, -(-self.blocks // S) * BLOCK_N)
+        # one split: the kernel writes the result itself; more: partials, then the exact merge
+        opart = o if S == 1 else torch.empty(n, h, S, dc, dtype=torch.float32, device=dev)
+        lpart = lse if S == 1 else torch.empty(n, h, S, dtype=torch.float32, device=dev)
+        bh, warps = launch_config(self.vendor, h, kv_dtype)
+        bdc = _pow2(dc)
         _mla_split[(n, triton.cdiv(h, bh), S)](
             ql, qr, ckv, kpe, scale, meta.pages, meta.logical, meta.num_pages, meta.row_req, meta.req_rows,
-            meta.q_pos, opart, lpart, h, meta.pages.shape[1], self.tokens_per_split, self.scale,
-            DC=dc, DR=max(dr, 1), BDC=_pow2(dc), BDR=_pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
-            GROUPS=quant.num_groups(dc), FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=S)
-        if S == 1:  # one split: its normalised partial is the result
-            return opart[:, :, 0], lpart[:, :, 0]
-        _mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=_pow2(dc, 1), NSPLIT=S, BS=_pow2(S, 1))
+            meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale,
+            DC=dc, DR=max(dr, 1), BDC=bdc, BDR=_pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
+            GROUPS=quant.num_groups(dc), FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=S,
+            DOT_BF16=fmt != 0, GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, num_warps=warps)
+        if S > 1:
+            _mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=_pow2(dc, 1), NSPLIT=S, BS=_pow2(S, 1))
         return o, lse

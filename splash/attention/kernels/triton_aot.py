@@ -1,0 +1,136 @@
+"""Ahead-of-time compiles of our Triton MLA kernels for the GPU targets we ship for, on any machine (no GPU).
+
+    TRITON_INTERPRET=0 python -m splash.attention.kernels.triton_aot      # one JSON line per compile
+
+Triton compiles for a `GPUTarget` without the device, so what a launch would need is known on CPU: shared memory
+per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, sm_90 / sm_100 227 KiB), register
+spills (NVIDIA: the cubin's STACK from cuobjdump; AMD: the AMDGCN's private segment), and whether the products
+run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the AMDGCN). `planned_shapes` is every
+launch shape TritonMLAKernel can choose (splash.attention.kernels.triton_mla.launch_config) for 8…128 heads per
+rank, each KV format and the two rope widths of the shipped models; tests/test_triton_aot.py checks them all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+# name → (backend, arch, warp size, shared memory per block in bytes)
+TARGETS = {"sm_90": ("cuda", 90, 32, 232448), "sm_100": ("cuda", 100, 32, 232448),
+           "gfx942": ("hip", "gfx942", 64, 65536), "gfx90a": ("hip", "gfx90a", 64, 65536)}
+HEADS_PER_RANK = range(8, 129)
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
+DIMS = ((512, 64), (512, 0))     # (d_c, d_r): DeepSeek-V3.x / GLM-5.x; GLM-5.3-Flash (NoPE)
+PAGE = 64                         # the shipped GPU configs' block_size
+MATRIX_OPS = re.compile(r"wgmma\.mma_async|mma\.sync|tcgen05\.mma|v_mfma")
+
+
+def planned_shapes(target: str) -> list[tuple[str, int, int, int, int]]:
+    """(kv_dtype, head block, num_warps, d_c, d_r) for every launch the kernel can choose on `target`."""
+    from splash.attention.kernels.triton_mla import launch_config
+    vendor = TARGETS[target][0]
+    return sorted({(kv, *launch_config(vendor, h, kv), dc, dr)
+                   for kv in KV_DTYPES for h in HEADS_PER_RANK for dc, dr in DIMS})
+
+
+def _signature(kv_dtype: str) -> dict[str, str]:
+    ckv = {"float32": "*fp32", "bfloat16": "*i16", "fp8_e4m3": "*u8", "int8": "*i8"}[kv_dtype]
+    kpe = "*fp32" if kv_dtype == "float32" else "*i16"
+    ptrs = ("QL", "QR", "CKV", "KPE", "SCALE", "PAGES", "LOGICAL", "NUM_PAGES", "ROW_REQ", "REQ_ROWS", "QPOS",
+            "OPART", "LPART")
+    sig = {p: "*i32" for p in ptrs}
+    q = "*fp32" if kv_dtype == "float32" else "*bf16"      # TritonMLAKernel.run casts the queries so
+    sig.update(QL=q, QR=q, CKV=ckv, KPE=kpe, SCALE="*fp32", OPART="*fp32", LPART="*fp32",
+               ROW_REQ="*i64", REQ_ROWS="*i64", QPOS="*i64")
+    sig.update(H="i32", PCOLS="i32", tokens_per_split="i32", sm_scale="fp32")
+    return sig
+
+
+def narrow_argument_offsets(ttir: str, args) -> list[str]:
+    """Pointer arithmetic straight off a kernel argument (or its broadcast) with i32 offsets: the form that wraps
+    past 2^31 elements. Offsets added after an i64 base are tile-local (< the tile's width) and may stay i32."""
+    from_arg = {f"%{a}": a for a in args}
+    for name, src in re.findall(r"(%[\w.]+) = tt\.splat (%[\w.]+) : !tt\.ptr", ttir):
+        if src in from_arg:
+            from_arg[name] = from_arg[src]
+    bad = []
+    for base, off_type in re.findall(r"tt\.addptr (%[\w.]+), %[\w.]+ : [^,]+, (tensor<[^>]*>|i\d+)", ttir):
+        if base in from_arg and "i64" not in off_type:
+            bad.append(f"{from_arg[base]}: {off_type}")
+    return bad
+
+
+def _spill_bytes(target: str, asm: dict) -> int:
+    if "cubin" in asm:
+        import triton
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(asm["cubin"])
+            f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return sum(int(x) + int(y) for x, y in re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out))
+    return max(int(x) for x in re.findall(r"\.private_segment_fixed_size:\s*(\d+)", asm["amdgcn"]))
+
+
+def compile_split(target: str, kv_dtype: str, bh: int, warps: int, dc: int, dr: int) -> dict:
+    """Compile `_mla_split` for one launch shape; its resources and matrix-unit instruction count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from splash.attention.kernels import triton_mla as tm
+    backend, arch, warp, limit = TARGETS[target]
+    bdc = tm._pow2(dc)
+    fmt = tm.FORMATS[kv_dtype]
+    const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm._pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=PAGE,
+                 GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32", HAS_ROPE=dr > 0, NSPLIT=1,
+                 DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False)
+    k = triton.compile(ASTSource(tm._mla_split, _signature(kv_dtype), const),
+                       target=GPUTarget(backend, arch, warp), options={"num_warps": warps})
+    text = k.asm.get("ptx") or k.asm["amdgcn"]
+    narrow = narrow_argument_offsets(k.asm["ttir"], _signature(kv_dtype))
+    return dict(narrow_offsets=narrow, kernel="_mla_split", target=target, kv_dtype=kv_dtype, head_block=bh, num_warps=warps, d_c=dc,
+                d_r=dr, shared=k.metadata.shared, shared_limit=limit, spill_bytes=_spill_bytes(target, k.asm),
+                matrix_ops=len(MATRIX_OPS.findall(text)))
+
+
+def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from splash.attention.kernels import triton_mla as tm
+    backend, arch, warp, limit = TARGETS[target]
+    sig = {"OPART": "*fp32", "LPART": "*fp32", "O": "*fp32", "LSE": "*fp32"}
+    const = dict(DC=dc, BDC=tm._pow2(dc, 1), NSPLIT=splits, BS=tm._pow2(splits, 1))
+    k = triton.compile(ASTSource(tm._mla_merge, sig, const), target=GPUTarget(backend, arch, warp))
+    return dict(narrow_offsets=narrow_argument_offsets(k.asm["ttir"], sig), kernel="_mla_merge", target=target, shared=k.metadata.shared, shared_limit=limit,
+                spill_bytes=_spill_bytes(target, k.asm), splits=splits)
+
+
+def _run(job: tuple) -> dict:
+    return compile_merge(job[1]) if job[0] == "merge" else compile_split(*job[1:])
+
+
+def jobs(targets=tuple(TARGETS)) -> list[tuple]:
+    out = [("merge", t) for t in targets]
+    return out + [("split", t, *shape) for t in targets for shape in planned_shapes(t)]
+
+
+def main(argv: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "0":
+        print("set TRITON_INTERPRET=0: the interpreter's kernels cannot be compiled", file=sys.stderr)
+        return 2
+    targets = argv or list(TARGETS)
+    with ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for row in pool.map(_run, jobs(targets)):
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""Worker for test_prefix_dist: the prefix cache changes no token, in every layout and through live switches.
+
+argv: model_dir mode [directions]
+  mode "directions": for each "src->dst" (comma-separated; default all 12), one run with the cache and one without,
+      each starting in src: requests sharing a long stem arrive over the run (a multi-turn agent's growing
+      conversation and n samples of one prompt), the layout switches live to dst part way through, and later
+      arrivals find the earlier ones' blocks cached; the greedy tokens of both runs must be equal and the cached
+      run must have hit. Pools end with every request's blocks released (cached blocks only).
+  mode "pressure": a pool too small for the batch (preemption + eviction + n samples + switches every few steps);
+      same check.
+"""
+from __future__ import annotations
+
+import sys
+
+from splash.engine.llm import LLM
+from splash.engine.sampling import SamplingParams
+
+LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+
+
+def stem(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * j) % 250 + 1 for j in range(n)]
+
+
+def workload():
+    """(arrival step, prompt, max_tokens): turn 1 of two conversations, n=3 samples of one prompt, then turns that
+    resend the conversation so far plus new text, and a prompt sharing only part of a block."""
+    a, b = stem(37, 1), stem(29, 2)
+    return [(0, a, 8), (0, b, 6), (1, a + [11, 12, 13], 6), (1, a + [11, 12, 13], 6), (1, a + [11, 12, 13], 6),
+            (5, a + [3] * 9 + stem(5, 3), 7), (9, b + [4] * 13, 5), (12, a[:18] + [9, 9], 6),
+            (14, a + [11, 12, 13] + [8] * 6, 5)]
+
+
+def long_outputs():
+    """The same prompts generating 40 tokens each: their growth, not their prompts, fills a small pool."""
+    return [(at, p, 40) for at, p, _ in workload()]
+
+
+def drive(llm: LLM, arrivals, switches: dict[int, str]) -> list[list[int]] | None:
+    eng = llm.engine
+    if llm.comm.rank != 0:
+        eng.follow()
+        return None
+    pending = sorted(arrivals, key=lambda x: x[0])
+    ids, outs, k = [], {}, 0
+    while pending or eng.has_work():
+        while pending and pending[0][0] <= k:
+            _, p, m = pending.pop(0)
+            rid = eng.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+            ids.append(rid)
+            outs[rid] = []
+        if k in switches:
+            eng.request_layout(switches[k])
+        for ev in eng.step():
+            outs[ev.req_id].append(ev.token)
+        k += 1
+        assert k < 2000, "the run does not finish"
+    eng.stop()
+    return [outs[i] for i in ids]
+
+
+def run(model_dir: str, src: str, switches: dict[int, str], cache: bool, work=workload, **kw):
+    llm = LLM(model_dir, layout=src, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=cache,
+              hardware_profile=None, **kw)
+    toks = drive(llm, work(), switches)
+    stats = None
+    if llm.comm.rank == 0:
+        s = llm.engine.scheduler
+        stats = (s.prefix_hits, s.prefix_queries, s.num_preemptions, sum(llm.engine.switch_counts.values()))
+    bm = llm.engine.runner.bm
+    assert not bm.requests(), f"rank {llm.comm.rank}: blocks still held by {bm.requests()}"
+    assert bm.num_free + bm.num_evictable == bm.num_blocks, "a block leaked"
+    return toks, stats
+
+
+def main() -> None:
+    model_dir, mode = sys.argv[1], sys.argv[2]
+    if mode == "directions":
+        dirs = sys.argv[3].split(",") if len(sys.argv) > 3 else [f"{s}->{d}" for s in LAYOUTS for d in LAYOUTS
+                                                                  if s != d]
+        for i, d in enumerate(dirs):
+            src, dst = d.split("->")
+            at = {2 + i % 5: dst}
+            on, st = run(model_dir, src, at, True)
+            off, _ = run(model_dir, src, at, False)
+            if on is not None:
+                assert on == off, f"{d}: tokens differ with the prefix cache\n{on}\n{off}"
+                assert st[0] > 0, f"{d}: no prefix-cache hit {st}"
+                print(f"rank 0: {d} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
+    elif mode == "pressure":
+        seq = {25: "dop", 40: "cp", 55: "tp"}
+        on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64)
+        off, st_off = run(model_dir, "tp", seq, False, long_outputs, num_kv_blocks=64)
+        if on is not None:
+            assert on == off, f"tokens differ with the prefix cache under pressure\n{on}\n{off}"
+            assert st[0] > 0 and st[2] + st_off[2] > 0 and st[3] >= 2, (st, st_off)
+            print(f"rank 0: pressure OK hits {st[0]}/{st[1]} preemptions {st[2]}/{st_off[2]} switches {st[3]}",
+                  flush=True)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Budget invariants of the GPU path, checked on CPU for each shipped GPU config (b200, h200, dcu) and an 8-rank
+GLM-5.3 and GLM-5.3-Flash at their max batched tokens: the attention kernels' scratch and the vendor workspaces
+are inside the device memory budget, the kernel's int32 quantities stay in range (its larger offsets are int64:
+tests/test_triton_aot.py), and no attention kernel reads the device from the host per layer."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_attention_kernels import SCALE
+from test_vendor_kernels import FI_DECODE, _state
+
+import backends
+from backends.cuda import flashinfer_mla as fi
+from backends.hip import aiter_mla as ai
+from splash.attention.kernels.external import FUSED_BUFFER_BYTES
+from splash.attention.kernels.triton_mla import BLOCK_N, MAX_SPLITS, split_count
+from splash.cli import check
+from splash.cli.args import build_config
+from splash.costmodel.profile import load_profile
+from splash.layouts.device_budget import ATTN_SCRATCH_BYTES, device_memory_budget
+from splash.layouts.layout import heads_fit
+from splash.sim.presets import load_sim_model
+
+ROOT = Path(__file__).resolve().parents[1]
+INT32_MAX = 2**31 - 1
+
+
+def _shipped() -> list[tuple[str, object, object, int]]:
+    """(name, ServeConfig, ModelConfig, ranks): the shipped GPU configs, and GLM-5.3 / -Flash on 8 ranks with
+    the h200 config's scheduler (16,384 batched tokens, 512 sequences)."""
+    out = []
+    for name in ("b200", "h200", "dcu"):
+        cfg = build_config(["--config", str(ROOT / "configs" / f"{name}.yaml")])
+        world = check._world(cfg, load_profile(cfg.hardware_profile))[0]
+        out.append((name, cfg, check._model(cfg)[0], world))
+    h200 = out[1][1]
+    for preset in ("glm-5.3", "glm-5.3-flash"):
+        out.append((f"{preset} x8", h200, load_sim_model(preset).cfg, 8))
+    return out
+
+
+@pytest.mark.parametrize("name,cfg,mcfg,world", _shipped(), ids=lambda v: v if isinstance(v, str) else "")
+def test_kernel_scratch_and_workspaces_fit_the_budget(name, cfg, mcfg, world):
+    c, s = cfg.cache, cfg.scheduler
+    profile = load_profile(cfg.hardware_profile)
+    ws = backends.attention_workspace_bytes(cfg.attention_backend)
+    args = (mcfg, world, int(profile.memory_bytes), c.gpu_memory_utilization, 1, "fp8_e4m3", c.block_size,
+            s.max_num_batched_tokens, s.max_num_seqs)
+    with_ws = device_memory_budget(*args, attention_workspace_bytes=ws)
+    without = device_memory_budget(*args)
+    assert with_ws.kv_blocks > 0
+    assert with_ws.scratch_bytes == without.scratch_bytes + ws          # the vendor workspaces are counted
+    b = with_ws
+    assert b.weight_bytes + b.scratch_bytes + b.graph_bytes + b.switch_headroom_bytes + b.kv_pool_bytes \
+        <= b.usable_bytes                                                # and the pool shrank to make room
+    assert b.kv_pool_bytes + b.switch_headroom_bytes <= without.kv_pool_bytes + without.switch_headroom_bytes
+    if cfg.attention_backend == "flashinfer":
+        assert ws == 2 * fi.WORKSPACE_BYTES + FUSED_BUFFER_BYTES
+    heads = mcfg.num_attention_heads
+    per_rank = {heads // world if heads_fit("tp", heads, world) else heads, heads}   # TP shard; DP-attn/CP/DOP
+    max_len = cfg.model.max_model_len or mcfg.max_position_embeddings
+    for h in per_rank:
+        for rows, decode_only in ((s.max_num_batched_tokens, False), (s.max_num_seqs, True)):
+            splits = split_count(rows, h, mcfg.kv_lora_rank, decode_only, -(-max_len // BLOCK_N), MAX_SPLITS)
+            partials = 0 if splits == 1 else rows * h * splits * (mcfg.kv_lora_rank + 1) * 4
+            assert partials <= ATTN_SCRATCH_BYTES, (name, h, rows, splits)
+    # what the kernel keeps in int32: token positions and page columns (bounded by the context), tile offsets;
+    # row, slot and output offsets are int64 (tests/test_triton_aot.py checks every argument offset)
+    assert max_len < INT32_MAX and -(-max_len // c.block_size) < INT32_MAX
+
+
+def _count_host_reads(monkeypatch) -> list[str]:
+    """Record each host read of a tensor's value (.item(), .tolist(), int()/float()/bool() of a tensor) made from
+    our attention code (backends/, splash/attention/), by caller."""
+    seen: list[str] = []
+    ours = (str(ROOT / "backends"), str(ROOT / "splash" / "attention"))
+    for meth in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        real = getattr(torch.Tensor, meth)
+
+        def spy(self, *a, _real=real, _meth=meth, **k):
+            f = sys._getframe(1)
+            if f.f_code.co_filename.startswith(ours):
+                seen.append(f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {_meth}")
+            return _real(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, meth, spy)
+    return seen
+
+
+@pytest.mark.parametrize("kernel", ["flashinfer-sm90", "flashinfer-sm100", "aiter", "triton"])
+def test_no_host_read_per_layer(monkeypatch, kernel):
+    """plan() may read the step's sizes from the device once; run() — once per layer — never does (a host read
+    per layer stalls the GPU 61 times a step)."""
+    from vendor_standins import install_aiter, install_flashinfer
+    pytest.importorskip("triton")
+    if kernel.startswith("flashinfer"):
+        install_flashinfer(monkeypatch)
+        k = fi.FlashInferMLAKernel(SCALE, sm_major=10 if kernel.endswith("100") else 9)
+    elif kernel == "aiter":
+        install_aiter(monkeypatch, "gfx942")
+        k = ai.AiterMLAKernel(SCALE, arch="gfx942")
+    else:
+        from splash.attention.kernels.triton_mla import TritonMLAKernel
+        k = TritonMLAKernel(SCALE)
+    cache, _, _, _, meta, q = _state("bfloat16" if kernel != "triton" else "fp8_e4m3", FI_DECODE[3], 16)
+    reads = _count_host_reads(monkeypatch)
+    k.plan(meta)
+    k.run(0, q[..., :512], q[..., 512:], cache)     # the step's first layer may build per-step state
+    first = list(reads)
+    assert 1 <= len(first) <= 2, first             # the once-per-step read is seen (the spy works)
+    for _ in range(3):                               # every further layer: none
+        k.run(0, q[..., :512], q[..., 512:], cache)
+    assert reads == first, reads[len(first):]

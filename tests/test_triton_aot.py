@@ -1,0 +1,107 @@
+"""Our Triton MLA kernels compiled ahead of time for sm_90, sm_100, gfx942 and gfx90a on this CPU (Triton compiles
+for a GPUTarget without the device): every launch shape TritonMLAKernel can choose for 8…128 heads per rank and
+each KV format fits the target's shared memory, spills no registers, keeps argument offsets int64 and, for
+bf16 / fp8 / int8 pools, runs its products on the matrix units. The compiles run in a subprocess (the test
+session's Triton is in interpreter mode); Triton's cache makes reruns take seconds (first run ~1-2 min)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+from splash.attention.kernels import triton_aot as aot  # noqa: E402
+from splash.attention.kernels.triton_mla import launch_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "splash.attention.kernels.triton_aot"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.timeout(900)   # a cold Triton cache compiles ~50 kernels (1-2 min here)
+def test_every_planned_launch_compiles_within_the_target(compiled):
+    for row in compiled:
+        assert row["shared"] <= row["shared_limit"], row
+        assert row["spill_bytes"] == 0, row
+        assert row["narrow_offsets"] == [], row
+        if row["kernel"] == "_mla_split" and row["kv_dtype"] != "float32":
+            assert row["matrix_ops"] > 0, row      # mma / wgmma (PTX) or MFMA (AMDGCN)
+
+
+@pytest.mark.timeout(900)
+def test_the_planner_only_picks_compiled_launches(compiled):
+    """Each (target, heads 8…128, KV dtype, dims) the kernel can be asked for maps to a launch compiled above."""
+    done = {(r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"])
+            for r in compiled if r["kernel"] == "_mla_split"}
+    assert {r["target"] for r in compiled} == set(aot.TARGETS)
+    for target, (vendor, *_) in aot.TARGETS.items():
+        for kv in aot.KV_DTYPES:
+            for h in aot.HEADS_PER_RANK:
+                for dc, dr in aot.DIMS:
+                    assert (target, kv, *launch_config(vendor, h, kv), dc, dr) in done
+
+
+def test_narrow_offset_check_catches_int32_row_offsets(tmp_path):
+    """The offset check itself: row × width in int32 straight off the argument is flagged, int64 is not."""
+    code = f"""
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from splash.attention.kernels.triton_aot import narrow_argument_offsets
+
+@triton.jit
+def k(X, W, WIDE: tl.constexpr):
+    row = tl.program_id(0)
+    if WIDE:
+        row = row.to(tl.int64)
+    tl.store(X + row * W + tl.arange(0, 16), 1.0)
+
+for wide in (False, True):
+    c = triton.compile(ASTSource(k, {{"X": "*fp32", "W": "i32"}}, {{"WIDE": wide}}), target=GPUTarget("hip", "gfx942", 64))
+    print(len(narrow_argument_offsets(c.asm["ttir"], ["X", "W"])))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=ROOT)
+    (tmp_path / "narrow.py").write_text(code)
+    out = subprocess.run([sys.executable, str(tmp_path / "narrow.py")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "0"]
+
+
+@pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES)
+def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
+    """What TritonMLAKernel passes to _mla_split (pointer dtypes, constexprs) is what the AOT check compiled."""
+    import torch
+    from test_attention_kernels import SCALE, TINY, make_state
+
+    from splash.attention.kernels import triton_mla as tm
+    want = aot._signature(kv_dtype)
+    names = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int16: "*i16", torch.uint8: "*u8",
+             torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
+    seen = []
+    real = tm._mla_split
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(({p: names[a.dtype] for p, a in zip(want, args) if isinstance(a, torch.Tensor)}, kw))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tm, "_mla_split", Spy())
+    cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4)
+    k = tm.TritonMLAKernel(SCALE)
+    k.plan(meta)
+    k.run(0, q[..., :16], q[..., 16:], cache)
+    (ptrs, kw), = seen
+    assert ptrs == {p: t for p, t in want.items() if t.startswith("*")}
+    assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
