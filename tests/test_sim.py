@@ -196,8 +196,8 @@ def test_trace_runs_the_engines_scheduler():
     caps = capacities(s)
     cm = CostModel(m.cfg, 8, prof, m.weight_dtype, m.kv_dtype, s.block_size)
     bs = s.block_size
-    small = {k: dataclasses.replace(c, blocks_per_rank=6000 // bs) for k, c in caps.items()}
-    work = [Req(f"r{i:02d}", 0.0, 2000 + 200 * i, 300 + 70 * i) for i in range(12)]   # in arrival order
+    small = {k: dataclasses.replace(c, blocks_per_rank=4000 // bs) for k, c in caps.items()}
+    work = [Req(f"r{i:02d}", 0.0, 1500 + 100 * i, 100 + 20 * i) for i in range(12)]   # in arrival order
     for lay in ("dp_attn", "tp"):
         blocks = {k: small[k].blocks_per_rank for k in LAYOUTS}
         sched = Scheduler(KVLedger(8, max(blocks.values()), bs, lay, blocks), 1 << 20, s.chunk)
