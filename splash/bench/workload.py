@@ -7,7 +7,8 @@ A workload is request groups ``{"groups": [{"at_s", "count", "input_len", "outpu
 ``at_s`` seconds after the start, ``count`` requests with random token-id prompts of ``input_len`` tokens ask for
 ``output_len`` greedy tokens with EOS ignored. Optional per group: ``prefix_len`` (the group's prompts start with
 the same that many tokens: a system prompt), ``samples`` (each prompt sent that many times: an RL rollout's n
-samples) and ``turns`` (each request is a conversation: turn k+1 is sent when turn k has answered, its prompt the
+samples), ``stagger_s`` (request k of the group starts k x that many seconds after ``at_s``) and ``turns`` (each
+request is a conversation: turn k+1 is sent when turn k has answered, its prompt the
 whole conversation so far plus ``input_len`` new tokens: a multi-turn agent). ``--prefix-caching on,off`` serves
 every mode with the prefix cache and without it; the table then adds the cache's hit rate and the TTFT of later
 turns (their prompts' prefix was cached). The default workload has phases with different leaders, shaped
@@ -44,7 +45,7 @@ DEFAULT_WORKLOAD = {"groups": [
     {"at_s": 2.0, "count": 2, "input_len": 2048, "output_len": 768},    # ... that ends as a few long ones
 ]}
 GROUP_KEYS = ("at_s", "count", "input_len", "output_len")
-OPTIONAL_KEYS = {"prefix_len": 0, "samples": 1, "turns": 1}
+OPTIONAL_KEYS = {"prefix_len": 0, "samples": 1, "turns": 1, "stagger_s": 0.0}
 TIMELINE_BIN_S = 0.5
 DECISION_LINE = re.compile(r"layout decision (\{.*\})\s*$")
 
@@ -84,6 +85,8 @@ def load_workload(path: str | None) -> dict:
                 raise ValueError(f"{path}: groups[{i}].{k} must be an integer >= 1")
         if "prefix_len" in g and not (isinstance(g["prefix_len"], int) and g["prefix_len"] >= 0):
             raise ValueError(f"{path}: groups[{i}].prefix_len must be an integer >= 0")
+        if "stagger_s" in g and not (isinstance(g["stagger_s"], (int, float)) and g["stagger_s"] >= 0):
+            raise ValueError(f"{path}: groups[{i}].stagger_s must be a number >= 0")
     return {"groups": [{**OPTIONAL_KEYS, **g} for g in groups]}
 
 
@@ -97,9 +100,9 @@ def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, li
     for g in workload["groups"]:
         g = {**OPTIONAL_KEYS, **g}
         prefix = draw(g["prefix_len"])
-        for _ in range(g["count"]):
+        for k in range(g["count"]):
             parts = [prefix + draw(g["input_len"])] + [draw(g["input_len"]) for _ in range(g["turns"] - 1)]
-            out += [(float(g["at_s"]), parts, g["output_len"])] * g["samples"]
+            out += [(float(g["at_s"]) + k * g["stagger_s"], parts, g["output_len"])] * g["samples"]
     return out
 
 
