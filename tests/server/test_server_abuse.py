@@ -514,7 +514,7 @@ def test_schema_fuzz_no_5xx_and_no_rank_death(server):
                       _schema_case(P.ChatCompletionRequest, "/v1/chat/completions"))
     with httpx.Client(base_url=server.url, timeout=60) as c:
         # no shrinking: on a live server it takes minutes; a failure still shows the example that failed
-        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=120, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck), phases=[Phase.generate])
         @given(cases)
         def one(case):
