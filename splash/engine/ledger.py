@@ -182,17 +182,20 @@ class KVLedger:
         """Per rank, the blocks its prefix cache names (in use or evictable)."""
         return [len(refs) for refs in self.refs]
 
-    def pick_owner(self, saved: dict[int, int] | None = None) -> int:
+    def pick_owner(self, saved: dict[int, int] | None = None, end_blocks: int = 0) -> int:
         """Least-loaded rank: by the blocks its requests will hold at their end (tokens they may reach, prompt +
         max_tokens, as given to `grow`; their present tokens when more or not given) less the blocks `saved` there
-        (a cached prefix the new request would start on), then blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL rollout's long requests (the
-        same prompt length as its short ones) pile up on one DOP owner, which must then preempt them (measured in
-        docs/benchmarks.md, the rollout at capacity)."""
+        (a cached prefix the new request would start on; only where its `end_blocks` fit beside those ends), then
+        blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL
+        rollout's long requests (the same prompt length as its short ones) pile up on one DOP owner, which must then
+        preempt them (measured in docs/benchmarks.md, the rollout at capacity)."""
         counts, ends = [0] * self.world, [0] * self.world
         for req, (tokens, o) in self.reqs.items():
             counts[o] += 1
             ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
-        saved = saved or {}
+        # a saving counts only where the request could also be carried to its end: a preempted request's cache
+        # lives on the owner that ran out of room, and the saving would send it back there to be preempted again
+        saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= self.cap()}
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
     def owner(self, req: str) -> int:

@@ -11,11 +11,12 @@ With ``chunked_prefill`` off, a prompt is never split: it is scheduled only in a
 holds all of it (the serving config then requires ``max_num_batched_tokens >= max_model_len``, so every prompt
 fits an empty step).
 
-Prefix cache (when the ledger's is on): a request joining — new, or preempted and back — starts on the longest run of
-its leading full blocks the cache holds where it would live (at least its last token is computed), and its owner
-(DP-attn/DOP owner, CP anchor) is the rank with the fewest end-of-request blocks less the blocks a hit there saves:
-a cached prefix is worth as many blocks of load. After each step the full blocks a request has computed are
-registered in the cache (a block whose hash is cached already is not, nor any after it). The step plan carries the
+Prefix cache (when the ledger's is on): a request joining — new, or preempted and back — starts on the longest run
+of its leading full blocks the cache holds where it would live (at least its last token is computed), and its owner
+(DP-attn/DOP owner, CP anchor) is the rank with the fewest end-of-request blocks less the blocks a hit there saves
+(where the request also fits beside those ends): a cached prefix is worth as many blocks of load. After each step
+the full blocks a request has computed are registered in the cache (a block whose hash is cached already is not,
+nor any after it). The step plan carries the
 hits (`attach`), the registrations of the step before (`register`) and the evictions (`evict`) to every rank.
 """
 from __future__ import annotations
@@ -159,7 +160,8 @@ class Scheduler:
         led = self.ledger
         hashes = self._prefix(req)
         found = {o: led.lookup(hashes, o) for o in range(led.world)} if hashes else {}
-        owner = led.pick_owner({o: k for o, (k, _) in found.items()})
+        end = -(-min(len(req.prompt) + req.max_tokens, req.max_len) // led.block_size)
+        owner = led.pick_owner({o: k for o, (k, _) in found.items()}, end)
         k, revive = found.get(owner, (0, None))
         need = led._need(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
         if revive:
