@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from splash.engine.ledger import KVLedger
 from splash.engine.messages import StepItem
+from splash.layouts.layout import KV_ALL, kv_ownership_of
 
 
 @dataclass
@@ -159,7 +160,11 @@ class Scheduler:
         cached blocks' hashes it starts on), or None."""
         led = self.ledger
         hashes = self._prefix(req)
-        found = {o: led.lookup(hashes, o) for o in range(led.world)} if hashes else {}
+        found = {}
+        if hashes:   # TP: every rank caches the same blocks, so one owner's lookup answers for all
+            same = kv_ownership_of(led.layout) == KV_ALL
+            first = led.lookup(hashes, 0) if same else None
+            found = {o: first if same else led.lookup(hashes, o) for o in range(led.world)}
         end = -(-min(len(req.prompt) + req.max_tokens, req.max_len) // led.block_size)
         owner = led.pick_owner({o: k for o, (k, _) in found.items()}, end)
         k, revive = found.get(owner, (0, None))
