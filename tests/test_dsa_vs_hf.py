@@ -14,6 +14,8 @@ picks its own; these prompts never reach it (checked; test_switching's block-16 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hf_models import DSA_VARIANTS, hf_greedy, hf_logits, random_prompts
@@ -29,9 +31,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def make_runner(path, comm, kv_dtype="float32", block_size=4, num_blocks=64) -> ModelRunner:
+def make_runner(path, comm, kv_dtype="float32", block_size=4, num_blocks=64, **cfg_changes) -> ModelRunner:
     cfg, get = open_checkpoint(path)
-    return ModelRunner(cfg, get, comm, "tp", kv_dtype, block_size, num_blocks)
+    return ModelRunner(dataclasses.replace(cfg, **cfg_changes), get, comm, "tp", kv_dtype, block_size, num_blocks)
 
 
 @pytest.mark.parametrize("variant", sorted(DSA_VARIANTS))
@@ -75,8 +77,7 @@ def test_sparse_selection_is_used(tiny_ckpt, comm):
     sel = runner.executor.meta.sparse
     assert sel[0] is not None and sel[1] is sel[0] and sel[2] is not sel[0]
     assert int(sel[0].valid.sum(-1).max()) == 8
-    dense = make_runner(path, comm)
-    dense.cfg = __import__("dataclasses").replace(dense.cfg, index_topk=10 ** 6)
+    dense = make_runner(path, comm, index_topk=10 ** 6)
     assert rel_err(sparse, dense.step(batch)) > 1e-3
 
 

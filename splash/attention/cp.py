@@ -7,14 +7,15 @@ import torch
 
 from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.context import RankContext
 from splash.attention.metadata import build_metadata
 from splash.layouts.layout import Layout
 from splash.layouts.ownership import block_holders
 
 
 class CPAttention:
-    def __init__(self, runner):
-        self.r = runner
+    def __init__(self, ctx: RankContext):
+        self.r = ctx  # this rank's state (splash.attention.context)
 
     def _mine(self, q: StepRequest, block: int) -> bool:
         """Block `block` of request `q` lives here: round-robin rotated by the request's anchor rank."""
@@ -29,9 +30,9 @@ class CPAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg, p = self.r, self.r.cfg, self.meta
         w = r.weights.layers[layer].attn
-        q, qa = mla.latent_query(cfg, r.model.rope, w, x, cos, sin, want_qa=True)
+        q, qa = mla.latent_query(cfg, r.rope, w, x, cos, sin, want_qa=True)
         wr = p.write_rows
-        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, x[wr], cos[wr], sin[wr])
+        c, kpe = mla.new_latent_kv(cfg, r.rope, w, x[wr], cos[wr], sin[wr])
         r.cache.write(layer, p.write_slots, c, kpe)
         if cfg.has_dsa:  # keys stored with their positions; global top-k over every rank's candidates
             dsa.select_layer(r, layer, p, (x[wr], cos[wr], sin[wr]), (x, qa, cos, sin), cp_comm=r.comm)

@@ -17,10 +17,10 @@ class DOPAttention(OwnedAttention):
         r, cfg, g, p = self.r, self.r.cfg, self.g, self.meta
         T, dc = r.comm.size, cfg.kv_lora_rank
         w = r.weights.layers[layer].attn
-        q, qa = mla.latent_query(cfg, r.model.rope, w, x, cos, sin, want_qa=True)  # [N, H_l, D]
+        q, qa = mla.latent_query(cfg, r.rope, w, x, cos, sin, want_qa=True)  # [N, H_l, D]
         rows = g.rows_mine
         xm, cm, sm = x[rows], cos[rows], sin[rows]
-        c, kpe = mla.new_latent_kv(cfg, r.model.rope, w, xm, cm, sm)
+        c, kpe = mla.new_latent_kv(cfg, r.rope, w, xm, cm, sm)
         r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
         if cfg.has_dsa:  # the owner stores its requests' indexer keys and selects for their rows (all heads)
             dsa.select_layer(r, layer, p, (xm, cm, sm), (xm, qa[rows], cm, sm))

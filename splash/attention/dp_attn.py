@@ -14,7 +14,7 @@ class DPAttention(OwnedAttention):
         w = r.weights.layers[layer].attn
         rows = g.rows_mine
         xm, cm, sm = x[rows], cos[rows], sin[rows]
-        q, c, kpe, *qa = mla.query_and_latent(cfg, r.model.rope, w, xm, cm, sm, want_qa=cfg.has_dsa)
+        q, c, kpe, *qa = mla.query_and_latent(cfg, r.rope, w, xm, cm, sm, want_qa=cfg.has_dsa)
         r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
         if cfg.has_dsa:  # the owner stores its requests' indexer keys and selects for their rows
             dsa.select_layer(r, layer, p, (xm, cm, sm), (xm, *qa, cm, sm))

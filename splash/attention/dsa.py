@@ -108,7 +108,7 @@ def global_topk(keys: torch.Tensor, comm, k: int) -> torch.Tensor:
 
 
 def select_layer(r, layer: int, meta, key_in: tuple, q_in: tuple, cp_comm=None) -> None:
-    """Run layer `layer`'s DSA step on runner `r`: store the new keys, then set ``meta.sparse[layer]``.
+    """Run layer `layer`'s DSA step on rank context `r` (splash.attention.context): store the new keys, then set ``meta.sparse[layer]``.
 
     key_in = (x, cos, sin) of the rows whose KV this rank stores (meta.write_rows order); q_in = (x, q_resid,
     cos, sin) of the rows this rank attends (meta's rows). cp_comm: the group, under CP (global top-k)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.context import RankContext
 
 
 @dataclass
@@ -40,8 +41,8 @@ class OwnedAttention:
     """Shared step preparation of the request-owned layouts (DP-attn, DOP): this rank allocates blocks for the
     new tokens of the requests it owns and plans attention over their rows (in step order)."""
 
-    def __init__(self, runner):
-        self.r = runner
+    def __init__(self, ctx: RankContext):
+        self.r = ctx  # this rank's state (splash.attention.context)
 
     def prepare(self, batch: StepBatch) -> None:
         from splash.attention.metadata import build_metadata

@@ -22,23 +22,21 @@ import torch
 
 from splash.attention import kpool, mla
 from splash.attention.batch import StepBatch
+from splash.attention.context import LayoutState
 from splash.attention.grouping import OwnerGroups
 from splash.layouts.layout import KV_POSITION, Layout, parse_layout
 from splash.models.kda import kda_forward
 from splash.models.linear import linear
 from splash.models.norm import rms_norm
 
-def linear_heads_for(layout: str, num_heads: int, world: int, rank: int) -> range:
-    """KDA heads a rank holds (projections and state) in `layout`."""
-    from splash.layouts.ownership import head_range
-    return head_range(num_heads, world, rank, layout)
-
 
 class HybridAttention:
     """Wraps the MLA executor of a layout (its block allocation and metadata) and runs both layer kinds."""
 
-    def __init__(self, layout: str, base):
-        self.layout, self.base, self.r = parse_layout(layout), base, base.r
+    def __init__(self, state: LayoutState, base):
+        # base.r: this rank's state (splash.attention.context); state.linear_heads: the KDA heads held here
+        self.layout, self.base, self.r = parse_layout(state.layout), base, base.r
+        self.linear_heads = state.linear_heads
         P, bs = self.r.cfg.hybrid.index_kpool, self.r.block_size
         if self.layout.kv_ownership == KV_POSITION and bs % P:
             raise ValueError(f"glm5_next under CP needs index_kpool ({P}) to divide block_size ({bs}): each rank "
@@ -65,7 +63,7 @@ class HybridAttention:
         r = self.r
         for q in self.reqs:
             if q.start_pos == 0 and q.num_new:
-                r.states.create(q.req_id, len(r.linear_heads))
+                r.states.create(q.req_id, len(self.linear_heads))
             elif not r.states.has(q.req_id):
                 raise RuntimeError(f"request {q.req_id!r} at position {q.start_pos} has no KDA state on rank "
                                    f"{r.comm.rank} in layout {self.layout}")

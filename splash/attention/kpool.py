@@ -89,7 +89,7 @@ def local_candidates(cache, layer: int, meta, w: KPoolWeights, q: torch.Tensor, 
 
 
 def select_layer(r, layer: int, cl: int, meta, key_x: torch.Tensor, q_in: tuple, cp_comm=None) -> None:
-    """Layer `layer` (pool layer `cl`) of glm5_next on runner `r`: store the new tokens' KPool vectors, then set
+    """Layer `layer` (pool layer `cl`) of glm5_next on rank context `r` (splash.attention.context): store the new tokens' KPool vectors, then set
     ``meta.sparse[cl]``. key_x: the normed inputs of the rows whose KV this rank stores (meta.write_rows order);
     q_in = (x, q_resid) of the rows this rank attends (meta's rows). cp_comm: the group, under CP."""
     hy, w = r.cfg.hybrid, r.weights.layers[layer].indexer

@@ -5,12 +5,13 @@ import torch
 
 from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch
+from splash.attention.context import RankContext
 from splash.attention.metadata import build_metadata
 
 
 class TPAttention:
-    def __init__(self, runner):
-        self.r = runner
+    def __init__(self, ctx: RankContext):
+        self.r = ctx  # this rank's state (splash.attention.context)
 
     def prepare(self, batch: StepBatch) -> None:
         r = self.r
@@ -21,7 +22,7 @@ class TPAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg
         w = r.weights.layers[layer].attn
-        q, c, kpe, *qa = mla.query_and_latent(cfg, r.model.rope, w, x, cos, sin, want_qa=cfg.has_dsa)
+        q, c, kpe, *qa = mla.query_and_latent(cfg, r.rope, w, x, cos, sin, want_qa=cfg.has_dsa)
         # TP stores every row's KV (write_rows is 0..n-1 in order): no gather needed
         r.cache.write(layer, self.meta.write_slots, c, kpe)
         if cfg.has_dsa:  # every rank stores every indexer key and selects the same top-k

@@ -1,4 +1,4 @@
-"""Set up a ModelRunner for a hybrid (glm5_next) model: weights, MLA + indexer pools, per-request KDA state.
+"""Build one rank of a hybrid (glm5_next) model: weights, MLA + indexer pools, per-request KDA state.
 
 Only MLA layers own paged KV: one pool layer per MLA layer (``mla_index`` maps a model layer to it) holding the
 latent (no rope key: NoPE) and, in layers with a full indexer, the KPool vectors per token (indexer key + pool
@@ -8,7 +8,8 @@ layer to its row in splash.kv.recurrent.RecurrentStates).
 """
 from __future__ import annotations
 
-from splash.attention.hybrid import linear_heads_for
+from splash.attention.context import LayoutState
+from splash.engine.rank_model import RankModel
 from splash.kv.paged_cache import PagedLatentCache
 from splash.kv.recurrent import RecurrentStates
 from splash.models.glm5_next import Glm5NextModel, build_hybrid_weights
@@ -22,16 +23,14 @@ def layer_maps(cfg) -> tuple[dict[int, int], dict[int, int]]:
     return {l: j for j, l in enumerate(mla)}, {l: j for j, l in enumerate(lin)}
 
 
-def setup_hybrid(r, get, num_blocks: int) -> None:
-    cfg, hy = r.cfg, r.cfg.hybrid
-    r.linear_heads = linear_heads_for(r.layout, hy.linear_num_heads, r.comm.size, r.comm.rank)
-    r.weights = build_hybrid_weights(cfg, get, r.heads, r.linear_heads, r.comm.rank, r.comm.size)
-    mla = [lw.attn for i, lw in enumerate(r.weights.layers) if not cfg.is_linear_layer(i)]
-    r.weight_quant = getattr(mla[0].q_b, "fmt", None) if mla else None  # "fp8"/"int8": stored quantised
-    r.model = Glm5NextModel(cfg, r.weights, r.comm)
-    r.mla_index, r.linear_index = layer_maps(cfg)
-    indexed = [j for layer, j in r.mla_index.items() if hy.indexer_types[layer] == "full"]
-    r.cache = PagedLatentCache(len(r.mla_index), num_blocks, r.block_size, cfg.kv_lora_rank, 0, r.kv_dtype,
-                               device=r.device, index_dim=cfg.index_head_dim, index_layers=indexed, index_parts=2)
-    r.states = RecurrentStates(len(r.linear_index), state_width(hy.linear_head_dim, hy.linear_conv_kernel_dim),
-                               r.device)
+def build_hybrid(cfg, get, comm, state: LayoutState, num_blocks: int, block_size: int, device) -> RankModel:
+    hy = cfg.hybrid
+    weights = build_hybrid_weights(cfg, get, state.heads, state.linear_heads, comm.rank, comm.size)
+    mla = [lw.attn for i, lw in enumerate(weights.layers) if not cfg.is_linear_layer(i)]
+    weight_quant = getattr(mla[0].q_b, "fmt", None) if mla else None  # "fp8"/"int8": stored quantised
+    mla_index, linear_index = layer_maps(cfg)
+    indexed = [j for layer, j in mla_index.items() if hy.indexer_types[layer] == "full"]
+    cache = PagedLatentCache(len(mla_index), num_blocks, block_size, cfg.kv_lora_rank, 0, state.kv_dtype,
+                             device=device, index_dim=cfg.index_head_dim, index_layers=indexed, index_parts=2)
+    states = RecurrentStates(len(linear_index), state_width(hy.linear_head_dim, hy.linear_conv_kernel_dim), device)
+    return RankModel(weights, Glm5NextModel(cfg, weights, comm), cache, weight_quant, states, mla_index, linear_index)

@@ -11,14 +11,14 @@ from collections.abc import Mapping
 import torch
 
 from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.context import LayoutState, RankContext, layout_state
+from splash.engine.hybrid_setup import build_hybrid
+from splash.engine.rank_model import build_dense
 from splash.kv import quant
 from splash.kv.block_manager import BlockManager
-from splash.kv.page_table import PageTable, ensure_step_pages
-from splash.kv.paged_cache import PagedLatentCache
+from splash.kv.page_table import PageTable
 from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
-from splash.models.build import build_weights, on_device
 from splash.models.config import ModelConfig
-from splash.models.deepseek import DeepseekV3Model
 
 
 def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None,
@@ -42,42 +42,73 @@ def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None =
 
 
 class ModelRunner:
+    """One rank: the model built for it (`RankModel`), its pool's block manager and page table, and the current
+    layout's state and executor. Executors and the switch executor get `ctx` (splash.attention.context), the
+    layout-independent state; the layout-dependent state changes only through `adopt`."""
+
     def __init__(self, cfg: ModelConfig, get, comm, layout: str = "tp", kv_dtype: str = "float32",
                  block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
                  layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", streams=None):
-        from splash.attention.executors import head_range_for, make_executor
         from splash.attention.kernels import make_kernel
         from splash.layouts.layout import parse_layout
 
         layout = parse_layout(layout).value
-        self.cfg, self.comm, self.layout = cfg, comm, layout
+        self.cfg, self.comm = cfg, comm
         # every tensor of this rank lives on `device`; `streams` (backends.base) runs switch transfers on a side
         # stream (None: inline, as on CPU)
         self.device, self.streams = torch.device(device), streams
         self.layout_kv_dtypes = resolve_layout_kv_dtypes(kv_dtype, layout_kv_dtypes)
-        # the current layout's KV dtype (a switch sets the destination's)
-        self.block_size, self.kv_dtype, self.dtype = block_size, self.layout_kv_dtypes[layout], dtype
-        self.heads = head_range_for(layout, cfg.num_attention_heads, comm.size, comm.rank)
-        self.states = None  # per-request recurrent state (KDA layers of glm5_next), see splash.kv.recurrent
-        if cfg.hybrid is not None:
-            from splash.engine.hybrid_setup import setup_hybrid
-            setup_hybrid(self, get, num_blocks)
-        else:
-            self.weights = build_weights(cfg, on_device(get, self.device), self.heads, comm.rank, comm.size)
-            q_b = self.weights.layers[0].attn.q_b if self.weights.layers else None
-            self.weight_quant: str | None = getattr(q_b, "fmt", None)  # "fp8"/"int8": projections stored quantised
-            self.model = DeepseekV3Model(cfg, self.weights, comm, self.device)
-            indexed = [i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)]
-            self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
-                                          cfg.qk_rope_head_dim, self.kv_dtype, index_dim=cfg.index_head_dim,
-                                          index_layers=indexed, device=self.device)
+        self.block_size, self.dtype = block_size, dtype
+        state = layout_state(layout, cfg.num_attention_heads, cfg.hybrid.linear_num_heads if cfg.hybrid else 0,
+                             comm.size, comm.rank, self.layout_kv_dtypes[layout])
+        build = build_hybrid if cfg.hybrid is not None else build_dense
+        built = build(cfg, get, comm, state, num_blocks, block_size, self.device)
+        self.weights, self.model, self.cache = built.weights, built.model, built.cache
+        self.weight_quant = built.weight_quant
+        # per-request recurrent state (KDA layers of glm5_next, see splash.kv.recurrent); None for other models
+        self.states = built.states
+        self.mla_index, self.linear_index = built.mla_index, built.linear_index
         self.bm = BlockManager(num_blocks, block_size)
         # the block manager's tables as tensors, for the attention kernel
         self.tables = PageTable(block_size, device=self.device)
         self.attention_backend = attention_backend
         self.attn = make_kernel(attention_backend, cfg.softmax_scale)
-        self.executor = make_executor(layout, self)
+        self.ctx = RankContext(cfg, comm, self.weights, self.cache, self.bm, self.tables, self.attn,
+                               self.model.rope, block_size, self.states, self.mla_index, self.linear_index)
+        self.adopt(state)
+
+    def adopt(self, state: LayoutState) -> None:
+        """Enter `state`'s layout (at start-up, and when a switch hands off): the one place the layout, this
+        rank's heads, the KV dtype and the executor change."""
+        from splash.attention.executors import make_executor
+
+        self._state, self._executor = state, make_executor(state, self.ctx)
+
+    @property
+    def layout_state(self) -> LayoutState:
+        return self._state
+
+    @property
+    def layout(self) -> str:
+        return self._state.layout
+
+    @property
+    def heads(self) -> range:
+        return self._state.heads
+
+    @property
+    def linear_heads(self) -> range:
+        return self._state.linear_heads
+
+    @property
+    def kv_dtype(self) -> str:
+        """The current layout's KV dtype (a switch adopts the destination's)."""
+        return self._state.kv_dtype
+
+    @property
+    def executor(self):
+        return self._executor
 
     def ensure_blocks(self, req: str, logical: list[int]) -> None:
         """Allocate `req`'s missing blocks among `logical` and append them to its page-table row."""
@@ -90,16 +121,6 @@ class ModelRunner:
         new = self.bm.attach(req, blocks)
         if new:
             self.tables.append(req, new)
-
-    def ensure_step_blocks(self, reqs, keep=None) -> None:
-        """Allocate the blocks the new tokens of `reqs` touch (those `keep(q, block)` accepts, if given) and append
-        them to the page table (`splash.kv.page_table.ensure_step_pages`)."""
-        ensure_step_pages(self.bm, self.tables, reqs, keep)
-
-    def sync_tables(self, reqs) -> None:
-        """Rewrite the page-table rows of `reqs` from the block manager (after a switch moved their blocks)."""
-        for req in reqs:
-            self.tables.rewrite(req, self.bm.table(req))
 
     def new_logical_blocks(self, q: StepRequest) -> list[int]:
         """Logical blocks touched by the new tokens of `q`."""

@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from backends.base import NullStreams
-from splash.attention.executors import head_range_for, make_executor
+from splash.attention.context import layout_state
 from splash.switching import weights_transfer as wt
 from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
 
@@ -59,21 +59,20 @@ class SwitchExecutor:
         for req, blocks in incoming.items():
             bm.ensure(req, blocks)
         self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
-        r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
+        r.ctx.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
         self.w_action = m.action("proj")
-        dst = m.dst.value
-        new_heads = head_range_for(dst, r.cfg.num_attention_heads, m.world, me)
+        hy = r.cfg.hybrid
+        self.dst = layout_state(m.dst.value, r.cfg.num_attention_heads, hy.linear_num_heads if hy else 0, m.world,
+                                me, m.dst_kv_dtype)
         self.state = None
         if r.cfg.hybrid is not None:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
             from splash.switching.state_transfer import StateHandoff
-            r.linear_heads = head_range_for(dst, r.cfg.hybrid.linear_num_heads, m.world, me)
-            self.state = StateHandoff(r, m, r.linear_heads)
+            self.state = StateHandoff(r, m, self.dst.linear_heads)
             self.state.begin()
         if self.w_action == DISCARD:
             for i, lw in enumerate(r.weights.layers):
-                lw.attn = self._slice(i, lw.attn, new_heads)
-        r.layout, r.heads, r.kv_dtype = dst, new_heads, m.dst_kv_dtype
-        r.executor = make_executor(dst, r)
+                lw.attn = self._slice(i, lw.attn, self.dst.heads)
+        r.adopt(self.dst)
         # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
         self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
         if self.mode == "blocking":
@@ -110,7 +109,7 @@ class SwitchExecutor:
     def _slice(self, layer: int, w, heads: range):
         if self._linear(layer):
             from splash.switching.state_transfer import slice_kda
-            return slice_kda(w, self.r.linear_heads)
+            return slice_kda(w, self.dst.linear_heads)
         return wt.slice_heads(w, heads, self.r.cfg.qk_head_dim)
 
     def _finish_state(self) -> None:

@@ -20,6 +20,7 @@ env: SPLASH_TEST_LAYOUTS (layouts to switch between), SPLASH_TEST_DIRECTIONS ("s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -269,7 +270,7 @@ def record_logits(llm: LLM, out: list, convert_at: dict[int, str] | None = None)
         if kv is not None:
             for layer in range(r.cfg.num_hidden_layers):
                 r.cache.convert_layer(layer, kv)
-            r.kv_dtype = kv
+            r.adopt(dataclasses.replace(r.layout_state, kv_dtype=kv))  # the pool's new format, same layout
         logits = step(batch, switch)
         out.append(logits.clone())
         return logits

@@ -1,0 +1,60 @@
+"""The per-rank state an attention executor (and the switch executor) works on, passed in explicitly.
+
+`RankContext` is what does not change with the layout: the communicator, the model's config and weights, the
+paged pool and its block manager / page table, the attention kernel (`attn`), the rope tables and (hybrid models) the
+per-request recurrent state. A switch changes the *contents* of some of these in place (a layer's projections,
+a pool's KV format, which blocks a request holds), never the objects, so one context serves every layout.
+
+`LayoutState` is what does: the layout, the attention (and KDA) heads this rank holds in it, the layout's KV
+dtype. The runner holds one and replaces it whole (`ModelRunner.adopt`) when a switch hands off.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from splash.kv.page_table import ensure_step_pages
+from splash.layouts.ownership import head_range
+
+
+@dataclass(frozen=True)
+class LayoutState:
+    layout: str                  # Layout value ("tp", "dp_attn", "cp", "dop")
+    heads: range                 # MLA heads whose projections this rank holds
+    kv_dtype: str                # the layout's KV dtype
+    linear_heads: range = range(0)  # KDA heads whose projections and state this rank holds (hybrid models)
+
+
+def layout_state(layout: str, num_heads: int, linear_num_heads: int, world: int, rank: int,
+                 kv_dtype: str) -> LayoutState:
+    """This rank's layout-dependent state in `layout` (KDA heads follow the MLA heads' placement)."""
+    return LayoutState(layout, head_range(num_heads, world, rank, layout), kv_dtype,
+                       head_range(linear_num_heads, world, rank, layout) if linear_num_heads else range(0))
+
+
+@dataclass(frozen=True)
+class RankContext:
+    cfg: Any                     # splash.models.config.ModelConfig
+    comm: Any                    # this rank's communicator (splash.distributed)
+    weights: Any                 # ModelWeights / HybridWeights: a switch replaces `layers[i].attn` in place
+    cache: Any                   # splash.kv.paged_cache.PagedLatentCache (one pool layer per KV-holding layer)
+    blocks: Any                  # splash.kv.block_manager.BlockManager of the pool
+    tables: Any                  # splash.kv.page_table.PageTable: the block manager's tables as tensors
+    attn: Any                    # attention kernel (splash.attention.kernels): plan once per step, run per layer
+    rope: Any                    # rope tables of the model (None: NoPE)
+    block_size: int
+    states: Any = None           # splash.kv.recurrent.RecurrentStates (hybrid models' KDA layers), else None
+    # hybrid models: model layer -> paged-pool layer (MLA layers) / -> recurrent-state row (KDA layers)
+    mla_index: Mapping[int, int] = field(default_factory=dict)
+    linear_index: Mapping[int, int] = field(default_factory=dict)
+
+    def ensure_step_blocks(self, reqs, keep=None) -> None:
+        """Allocate the blocks the new tokens of `reqs` touch (those `keep(q, block)` accepts, if given) and
+        append them to the page table (`splash.kv.page_table.ensure_step_pages`)."""
+        ensure_step_pages(self.blocks, self.tables, reqs, keep)
+
+    def sync_tables(self, reqs: Iterable[str]) -> None:
+        """Rewrite the page-table rows of `reqs` from the block manager (after a switch moved their blocks)."""
+        for req in reqs:
+            self.tables.rewrite(req, self.blocks.table(req))
