@@ -54,7 +54,7 @@ def switch(r: ModelRunner, dst: str) -> tuple[float, float]:
                     weight_quant=r.weight_quant)
     r.comm.barrier()
     t0 = time.perf_counter()
-    r.step(None, SwitchExecutor(r, m, "blocking"))
+    r.step(None, SwitchExecutor(r.ctx, m, "blocking", r.streams))
     r.comm.barrier()
     return time.perf_counter() - t0, m.total_weight_recv_bytes[r.comm.rank]
 

@@ -36,7 +36,7 @@ def switch_to(st, dst: str, mode: str):
     m = plan_switch(r.layout, dst, r.cfg, st.comm.size, reqs, r.block_size, 4, r.kv_dtype)
     st.owners.update(m.owners)
     st.last_recv_mb = max(m.total_recv_bytes) / 2**20
-    return SwitchExecutor(r, m, mode)
+    return SwitchExecutor(r.ctx, m, mode, r.streams)
 
 
 def pct(xs: list[float], q: float) -> float:

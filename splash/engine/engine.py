@@ -306,7 +306,7 @@ class Engine:
                         r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw.dst],
                         weight_quant=self.control.weight_quant)
         self.control.record(src, sw.dst)
-        return SwitchExecutor(r, m, sw.mode)
+        return SwitchExecutor(r.ctx, m, sw.mode, r.streams)
 
     def _forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)

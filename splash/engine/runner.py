@@ -136,7 +136,7 @@ class ModelRunner:
         destination layout and each layer waits only for its own transferred state."""
         before = None
         if switch is not None:
-            switch.begin()
+            self.adopt(switch.begin())
             before = switch.before_layer
         if batch is None or not batch.reqs:
             if switch is not None:

@@ -6,9 +6,9 @@ while layer l computes, and layer l waits only for its own. Blocking mode moves 
 the baseline every overhead figure is compared with.
 
 Streams (GPU): each layer's transfer — packing, the collectives, unpacking into the pool / weights — is issued on
-the backend's side stream (`runner.streams`, backends.base.DeviceStreams) and ends with an event; the compute
+the backend's side stream (`streams`, backends.base.DeviceStreams) and ends with an event; the compute
 stream waits on that event right before the layer runs, so layer l+1's transfer overlaps layer l's compute and
-is ordered before layer l+1. On CPU (`NullStreams`, or no `runner.streams`) every stream call is a no-op.
+is ordered before layer l+1. On CPU (`NullStreams`, or no `streams`) every stream call is a no-op.
 
 KV format: when the destination stores KV in another dtype (manifest ``kv_format`` = ``convert``), each layer's
 blocks move in the source format (both sides still hold that layer in it) and the layer is then converted in
@@ -21,26 +21,30 @@ from collections import defaultdict
 import torch
 
 from backends.base import NullStreams
-from splash.attention.context import layout_state
+from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.switching import weights_transfer as wt
 from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
 
 
 class SwitchExecutor:
-    def __init__(self, runner, manifest: Manifest, mode: str = "live"):
+    """Works on this rank's state `ctx` (splash.attention.context.RankContext): its pool, block manager, page
+    table, weights and recurrent state change in place; `begin` returns the destination's LayoutState, which the
+    runner adopts before the step runs."""
+
+    def __init__(self, ctx: RankContext, manifest: Manifest, mode: str = "live", streams=None):
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
-        self.r, self.m, self.mode = runner, manifest, mode
+        self.r, self.m, self.mode = ctx, manifest, mode
         self.handles: dict[int, tuple] = {}
         self.pending_free: list[int] = []
         self.to_convert: set[int] = set(range(manifest.num_layers)) if manifest.converts_kv else set()
         self.held: list[int] = []
-        self.streams = getattr(runner, "streams", None) or NullStreams()
+        self.streams = streams or NullStreams()
 
     # ---- set-up at the step boundary ------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self) -> LayoutState:
         r, m, me = self.r, self.m, self.r.comm.rank
-        bm = r.bm
+        bm = r.blocks
         self.send_phys, self.send_counts = self._sends(me)
         by_req: dict[str, list[int]] = defaultdict(list)
         now = set(m.freed_at_handoff(me))   # nothing reads these: free them before this step allocates
@@ -59,7 +63,7 @@ class SwitchExecutor:
         for req, blocks in incoming.items():
             bm.ensure(req, blocks)
         self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
-        r.ctx.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
+        r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
         self.w_action = m.action("proj")
         hy = r.cfg.hybrid
         self.dst = layout_state(m.dst.value, r.cfg.num_attention_heads, hy.linear_num_heads if hy else 0, m.world,
@@ -72,7 +76,6 @@ class SwitchExecutor:
         if self.w_action == DISCARD:
             for i, lw in enumerate(r.weights.layers):
                 lw.attn = self._slice(i, lw.attn, self.dst.heads)
-        r.adopt(self.dst)
         # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
         self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
         if self.mode == "blocking":
@@ -80,6 +83,7 @@ class SwitchExecutor:
                 self._start(layer)
                 self._finish(layer)
                 self._convert(layer)
+        return self.dst
 
     def _ordered(self, me: int, incoming: bool):
         key = (lambda mv: mv.dst_rank == me) if incoming else (lambda mv: mv.src_rank == me)
@@ -90,7 +94,7 @@ class SwitchExecutor:
         counts = [0] * self.m.world
         phys = []
         for mv in self._ordered(me, incoming=False):
-            phys.append(self.r.bm.table(mv.req)[mv.block_idx])
+            phys.append(self.r.blocks.table(mv.req)[mv.block_idx])
             counts[mv.dst_rank] += 1
         return phys, counts
 
@@ -196,5 +200,5 @@ class SwitchExecutor:
             self._finish(layer)
         for layer in sorted(self.to_convert):
             self._convert(layer)
-        self.r.bm.free_physical(self.pending_free)
+        self.r.blocks.free_physical(self.pending_free)
         self.pending_free = []

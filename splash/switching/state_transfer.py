@@ -127,8 +127,8 @@ class StateHandoff:
     copied in for every layer; the source tensors are kept aside, unchanged, for sending), so a KDA layer finds
     every request it runs; `start_layer(j)` sends layer j's rows, `finish_layer(j)` writes the received ones."""
 
-    def __init__(self, runner, manifest, dst_heads: range):
-        self.r, self.m, self.dst_heads = runner, manifest, dst_heads
+    def __init__(self, ctx, manifest, dst_heads: range):
+        self.r, self.m, self.dst_heads = ctx, manifest, dst_heads  # ctx: splash.attention.context.RankContext
         self.handles: dict[int, object] = {}
 
     def begin(self) -> None:

@@ -209,7 +209,7 @@ def states(model_dir, ref, rank_print) -> None:
                 m = plan_switch(src, dst, r.cfg, world, {q.req_id: ReqState(q.num_new, q.owner, None) for q in reqs},
                                 r.block_size, 4, r.kv_dtype)
                 with count_bytes(r.comm) as seen:
-                    r.step(None, SwitchExecutor(r, m, mode))
+                    r.step(None, SwitchExecutor(r.ctx, m, mode))
                 me = r.comm.rank  # KDA projection shares are float figures: compare whole bytes
                 want = {"sent": round(m.total_sent_bytes[me]), "recv": round(m.total_recv_bytes[me])}
                 assert seen == want, f"{src}->{dst} {mode}: rank {me} moved {seen}, manifest {want}"
