@@ -1,26 +1,59 @@
 """The code's layering, checked: import-linter's contracts (.importlinter: no import circles between sibling packages
 or modules; the ownership model, cost model, simulator, scheduler, ledger and manifest planner import no torch; the
-models know nothing of layouts, switching, the engine or the server), and no layout re-interpreted from its name
-outside the ownership model (splash.layouts): code asks a `Layout` what it is instead of comparing names."""
+models know nothing of layouts, switching, the engine or the server; the attention and switch executors import no
+runner), no layout re-interpreted from its name outside the ownership model (splash.layouts): code asks a `Layout`
+what it is instead of comparing names, and the runner's layout state changes only through `ModelRunner.adopt`."""
 from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT_NAMES = {"tp", "dp_attn", "cp", "dop"}
 
 
-def test_import_contracts():
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
     lint = Path(sys.executable).with_name("lint-imports")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter"), "--no-cache"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(lint), "--config", str(root / ".importlinter"), "--no-cache"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts():
+    res = lint_imports(ROOT)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "broken" not in res.stdout.split("Contracts:")[-1].replace("0 broken", "")
+
+
+def test_the_contracts_catch_an_executor_reaching_for_the_runner(tmp_path):
+    for sub in ("splash", "backends"):
+        shutil.copytree(ROOT / sub, tmp_path / sub, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(ROOT / ".importlinter", tmp_path)
+    tp = tmp_path / "splash" / "attention" / "tp.py"
+    tp.write_text(tp.read_text() + "\nfrom splash.engine.runner import ModelRunner  # noqa: E402,F401\n")
+    res = lint_imports(tmp_path)
+    assert res.returncode != 0 and "splash.attention.tp -> splash.engine.runner" in res.stdout, res.stdout[-3000:]
+
+
+def test_runner_layout_state_changes_only_through_adopt():
+    from splash.attention.context import layout_state
+    from splash.engine.llm import LLM
+
+    r = LLM(preset="tiny-mla", layout="tp", num_kv_blocks=16, block_size=4).runner
+    for name in ("layout", "heads", "linear_heads", "kv_dtype", "executor"):
+        with pytest.raises(AttributeError):
+            setattr(r, name, getattr(r, name))
+    before = r.executor
+    dop = layout_state("dop", r.cfg.num_attention_heads, 0, 1, 0, "bfloat16")
+    r.adopt(dop)
+    assert (r.layout, r.heads, r.kv_dtype, r.layout_state) == ("dop", dop.heads, "bfloat16", dop)
+    assert r.executor is not before and r.executor.r is r.ctx  # the new executor works on the same rank state
 
 
 def layout_name_comparisons(tree: ast.AST) -> list[int]:
