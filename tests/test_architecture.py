@@ -50,7 +50,7 @@ def test_runner_layout_state_changes_only_through_adopt():
         with pytest.raises(AttributeError):
             setattr(r, name, getattr(r, name))
     before = r.executor
-    dop = layout_state("dop", r.cfg.num_attention_heads, 0, 1, 0, "bfloat16")
+    dop = layout_state("dop", r.family, 1, 0, "bfloat16")
     r.adopt(dop)
     assert (r.layout, r.heads, r.kv_dtype, r.layout_state) == ("dop", dop.heads, "bfloat16", dop)
     assert r.executor is not before and r.executor.r is r.ctx  # the new executor works on the same rank state

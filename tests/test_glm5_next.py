@@ -135,7 +135,7 @@ def test_pool_equals_memory_model(kv_dtype, glm5, comm):
     c = runner.cache
     assert c.num_layers == 2 and [c.ikey[j] is not None for j in range(2)] == [True, False]  # layer 2 is shared
     assert c.nbytes() == kv_block_bytes(cfg, kv_dtype, 4) * 37
-    for layer, j in runner.mla_index.items():
+    for layer, j in runner.family.pool_layers.items():
         assert c.block_bytes(j) == kv_bytes_per_token_layer(cfg, kv_dtype, layer) * 4
     assert kv_bytes_per_token_layer(cfg, kv_dtype, 0) == 0  # KDA layer: per-request state instead
     keys = {"float32": 2 * 16 * 4, "bfloat16": 2 * 16 * 2, "fp8_e4m3": 2 * (16 + 4), "int8": 2 * (16 + 4)}[kv_dtype]
@@ -224,3 +224,22 @@ def test_quantization_at_load(fmt, glm5, comm, tmp_path, torch_kernels):
     shutil.copytree(src, tmp_path / "ref")
     save_file(sd, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
     assert torch.allclose(logits, _prefill(tmp_path / "ref", comm)[1], rtol=0, atol=1e-6)
+
+
+def test_family_description(glm5):
+    """The hybrid family: pool layers are the MLA layers in order, state rows the KDA layers, KDA heads shard as
+    attention heads do, no prefix caching; a dense family keeps every layer's KV in its own pool layer."""
+    from splash.models.family import describe
+    from splash.models.presets import preset_config
+
+    cfg = load_model_config(glm5("topk_low")[0])
+    fam = describe(cfg)
+    mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i)]
+    lin = [i for i in range(cfg.num_hidden_layers) if cfg.is_linear_layer(i)]
+    assert mla and lin and fam.recurrent and not fam.prefix_caching
+    assert dict(fam.pool_layers) == {l: j for j, l in enumerate(mla)} and fam.pool_layer(lin[0]) is None
+    assert dict(fam.state_rows) == {l: j for j, l in enumerate(lin)} and fam.state_row(mla[0]) is None
+    assert (fam.attention_heads, fam.linear_heads) == (cfg.num_attention_heads, cfg.hybrid.linear_num_heads)
+    dense = describe(preset_config("tiny-mla"))
+    assert not dense.recurrent and dense.prefix_caching and dense.linear_heads == 0
+    assert [dense.pool_layer(i) for i in range(dense.num_pool_layers)] == list(range(dense.num_pool_layers))

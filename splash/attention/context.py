@@ -6,16 +6,18 @@ per-request recurrent state. A switch changes the *contents* of some of these in
 a pool's KV format, which blocks a request holds), never the objects, so one context serves every layout.
 
 `LayoutState` is what does: the layout, the attention (and KDA) heads this rank holds in it, the layout's KV
-dtype. The runner holds one and replaces it whole (`ModelRunner.adopt`) when a switch hands off.
+dtype. Which layers hold KV blocks or recurrent state, and which heads shard, the model's family says
+(splash.models.family). The runner holds one and replaces it whole (`ModelRunner.adopt`) when a switch hands off.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from splash.kv.page_table import ensure_step_pages
 from splash.layouts.ownership import head_range
+from splash.models.family import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -26,16 +28,17 @@ class LayoutState:
     linear_heads: range = range(0)  # KDA heads whose projections and state this rank holds (hybrid models)
 
 
-def layout_state(layout: str, num_heads: int, linear_num_heads: int, world: int, rank: int,
-                 kv_dtype: str) -> LayoutState:
+def layout_state(layout: str, family: ModelFamily, world: int, rank: int, kv_dtype: str) -> LayoutState:
     """This rank's layout-dependent state in `layout` (KDA heads follow the MLA heads' placement)."""
-    return LayoutState(layout, head_range(num_heads, world, rank, layout), kv_dtype,
-                       head_range(linear_num_heads, world, rank, layout) if linear_num_heads else range(0))
+    lin = family.linear_heads
+    return LayoutState(layout, head_range(family.attention_heads, world, rank, layout), kv_dtype,
+                       head_range(lin, world, rank, layout) if lin else range(0))
 
 
 @dataclass(frozen=True)
 class RankContext:
     cfg: Any                     # splash.models.config.ModelConfig
+    family: ModelFamily          # layer kinds: which layers hold KV blocks (pool layer), which recurrent state
     comm: Any                    # this rank's communicator (splash.distributed)
     weights: Any                 # ModelWeights / HybridWeights: a switch replaces `layers[i].attn` in place
     cache: Any                   # splash.kv.paged_cache.PagedLatentCache (one pool layer per KV-holding layer)
@@ -45,9 +48,6 @@ class RankContext:
     rope: Any                    # rope tables of the model (None: NoPE)
     block_size: int
     states: Any = None           # splash.kv.recurrent.RecurrentStates (hybrid models' KDA layers), else None
-    # hybrid models: model layer -> paged-pool layer (MLA layers) / -> recurrent-state row (KDA layers)
-    mla_index: Mapping[int, int] = field(default_factory=dict)
-    linear_index: Mapping[int, int] = field(default_factory=dict)
 
     def ensure_step_blocks(self, reqs, keep=None) -> None:
         """Allocate the blocks the new tokens of `reqs` touch (those `keep(q, block)` accepts, if given) and

@@ -14,7 +14,7 @@ def make_executor(state: LayoutState, ctx: RankContext):
 
     table = {Layout.TP: TPAttention, Layout.DP_ATTN: DPAttention, Layout.CP: CPAttention, Layout.DOP: DOPAttention}
     base = table[parse_layout(state.layout)](ctx)
-    if ctx.cfg.hybrid is not None:  # glm5_next: KDA + MLA-DSA layers (splash.attention.hybrid)
+    if ctx.family.recurrent:  # KDA + MLA-DSA layers (splash.attention.hybrid)
         from splash.attention.hybrid import HybridAttention
         return HybridAttention(state, base)
     return base

@@ -70,7 +70,7 @@ class HybridAttention:
         self.states_ready = True
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.r.cfg.is_linear_layer(layer):
+        if self.r.family.is_recurrent(layer):
             return self._kda(layer, x)
         return {Layout.TP: self._mla_tp, Layout.DP_ATTN: self._mla_dp, Layout.CP: self._mla_cp,
                 Layout.DOP: self._mla_dop}[self.layout](layer, x)
@@ -87,7 +87,7 @@ class HybridAttention:
     # ---- KDA -------------------------------------------------------------------------------------------------
     def _kda(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg
-        li = r.linear_index[layer]
+        li = r.family.state_row(layer)
         if not self.states_ready:
             self._ensure_states()
         xs = x if self.rows is None else x[self.rows]
@@ -111,7 +111,7 @@ class HybridAttention:
         """Store the latent of rows `xw` (meta.write_rows order) and their KPool vectors, and set the layer's
         selection for the rows q_in = (x, Q-A output) this rank attends; -> the pool layer."""
         r, meta = self.r, self.base.meta
-        cl, w = r.mla_index[layer], r.weights.layers[layer].attn
+        cl, w = r.family.pool_layer(layer), r.weights.layers[layer].attn
         c = rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
         r.cache.write(cl, meta.write_slots, c, c.new_empty(c.shape[0], 0))
         kpool.select_layer(r, layer, cl, meta, xw, q_in, cp_comm=r.comm if cp else None)

@@ -23,6 +23,7 @@ from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
+from splash.models.family import describe
 
 _log = logging.getLogger("splash.engine")
 
@@ -96,7 +97,7 @@ class Engine:
     def set_prefix_caching(self, on: bool) -> None:
         """Turn the prefix cache on or off (before the first request); a hybrid (glm5_next) model keeps it off: a hit
         would need its KDA state at the block boundary, which is not kept yet."""
-        self.ledger.prefix = bool(on) and self.runner.cfg.hybrid is None
+        self.ledger.prefix = bool(on) and describe(self.runner.cfg).prefix_caching
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache); -> how many, over the ranks. The

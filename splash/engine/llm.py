@@ -14,6 +14,7 @@ from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
 from splash.layouts.layout import LAYOUT_NAMES, heads_fit, start_layout
+from splash.models.family import describe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -120,7 +121,7 @@ class LLM:
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
             torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization,
-            state_requests=max_num_seqs if cfg.hybrid is not None else 0)
+            state_requests=max_num_seqs if describe(cfg).recurrent else 0)
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
                                   layout_kv_dtypes, attention_backend, device=device)

@@ -7,8 +7,7 @@ by its own builder (splash.engine.hybrid_setup.build_hybrid). Either takes this 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from splash.attention.context import LayoutState
 from splash.kv.paged_cache import PagedLatentCache
 from splash.models.build import build_weights, on_device
 from splash.models.config import ModelConfig
+from splash.models.family import ModelFamily
 from splash.models.deepseek import DeepseekV3Model
 
 
@@ -27,16 +27,14 @@ class RankModel:
     cache: PagedLatentCache      # one pool layer per KV-holding model layer
     weight_quant: str | None     # "fp8"/"int8": attention projections stored quantised; None: plain
     states: Any = None           # splash.kv.recurrent.RecurrentStates (hybrid), else None
-    mla_index: Mapping[int, int] = field(default_factory=dict)     # hybrid: model layer -> pool layer
-    linear_index: Mapping[int, int] = field(default_factory=dict)  # hybrid: model layer -> state row
 
 
-def build_dense(cfg: ModelConfig, get, comm, state: LayoutState, num_blocks: int, block_size: int,
-                device: torch.device) -> RankModel:
+def build_dense(cfg: ModelConfig, family: ModelFamily, get, comm, state: LayoutState, num_blocks: int,
+                block_size: int, device: torch.device) -> RankModel:
     """A dense-attention family (every layer MLA, with or without a DSA indexer) on this rank."""
     weights = build_weights(cfg, on_device(get, device), state.heads, comm.rank, comm.size)
     q_b = weights.layers[0].attn.q_b if weights.layers else None
     indexed = [i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)]
-    cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+    cache = PagedLatentCache(family.num_pool_layers, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                              state.kv_dtype, index_dim=cfg.index_head_dim, index_layers=indexed, device=device)
     return RankModel(weights, DeepseekV3Model(cfg, weights, comm, device), cache, getattr(q_b, "fmt", None))

@@ -19,6 +19,7 @@ from splash.kv.block_manager import BlockManager
 from splash.kv.page_table import PageTable
 from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
 from splash.models.config import ModelConfig
+from splash.models.family import describe
 
 
 def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None,
@@ -60,22 +61,22 @@ class ModelRunner:
         self.device, self.streams = torch.device(device), streams
         self.layout_kv_dtypes = resolve_layout_kv_dtypes(kv_dtype, layout_kv_dtypes)
         self.block_size, self.dtype = block_size, dtype
-        state = layout_state(layout, cfg.num_attention_heads, cfg.hybrid.linear_num_heads if cfg.hybrid else 0,
-                             comm.size, comm.rank, self.layout_kv_dtypes[layout])
-        build = build_hybrid if cfg.hybrid is not None else build_dense
-        built = build(cfg, get, comm, state, num_blocks, block_size, self.device)
+        # layer kinds, pools, recurrent state and shardable heads of the model's family (splash.models.family)
+        self.family = describe(cfg)
+        state = layout_state(layout, self.family, comm.size, comm.rank, self.layout_kv_dtypes[layout])
+        build = build_hybrid if self.family.recurrent else build_dense
+        built = build(cfg, self.family, get, comm, state, num_blocks, block_size, self.device)
         self.weights, self.model, self.cache = built.weights, built.model, built.cache
         self.weight_quant = built.weight_quant
         # per-request recurrent state (KDA layers of glm5_next, see splash.kv.recurrent); None for other models
         self.states = built.states
-        self.mla_index, self.linear_index = built.mla_index, built.linear_index
         self.bm = BlockManager(num_blocks, block_size)
         # the block manager's tables as tensors, for the attention kernel
         self.tables = PageTable(block_size, device=self.device)
         self.attention_backend = attention_backend
         self.attn = make_kernel(attention_backend, cfg.softmax_scale)
-        self.ctx = RankContext(cfg, comm, self.weights, self.cache, self.bm, self.tables, self.attn,
-                               self.model.rope, block_size, self.states, self.mla_index, self.linear_index)
+        self.ctx = RankContext(cfg, self.family, comm, self.weights, self.cache, self.bm, self.tables, self.attn,
+                               self.model.rope, block_size, self.states)
         self.adopt(state)
 
     def adopt(self, state: LayoutState) -> None:

@@ -65,11 +65,9 @@ class SwitchExecutor:
         self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
         r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
         self.w_action = m.action("proj")
-        hy = r.cfg.hybrid
-        self.dst = layout_state(m.dst.value, r.cfg.num_attention_heads, hy.linear_num_heads if hy else 0, m.world,
-                                me, m.dst_kv_dtype)
+        self.dst = layout_state(m.dst.value, r.family, m.world, me, m.dst_kv_dtype)
         self.state = None
-        if r.cfg.hybrid is not None:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
+        if r.family.recurrent:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
             from splash.switching.state_transfer import StateHandoff
             self.state = StateHandoff(r, m, self.dst.linear_heads)
             self.state.begin()
@@ -98,17 +96,15 @@ class SwitchExecutor:
             counts[mv.dst_rank] += 1
         return phys, counts
 
-    # ---- hybrid (glm5_next) models ------------------------------------------------------------------------
+    # ---- layer kinds (splash.models.family): MLA layers hold KV blocks, KDA layers per-request state ------------
     def _linear(self, layer: int) -> bool:
-        return self.r.cfg.is_linear_layer(layer)
+        return self.r.family.is_recurrent(layer)
 
     def _pools(self, layer: int) -> list[tuple]:
         """(pool, pool layer) pairs holding `layer`'s per-block state (latent KV, scales and indexer keys in the
         same blocks); none for a hybrid model's KDA layer."""
-        r = self.r
-        if r.cfg.hybrid is None:
-            return [(r.cache, layer)]
-        return [] if self._linear(layer) else [(r.cache, r.mla_index[layer])]
+        cl = self.r.family.pool_layer(layer)
+        return [] if cl is None else [(self.r.cache, cl)]
 
     def _slice(self, layer: int, w, heads: range):
         if self._linear(layer):
@@ -123,7 +119,7 @@ class SwitchExecutor:
 
     def _kda_row(self, layer: int) -> int | None:
         """KDA layer `layer`'s row in the per-request state (None: not a KDA layer or no state handoff)."""
-        return self.r.linear_index[layer] if self.state is not None and self._linear(layer) else None
+        return self.r.family.state_row(layer) if self.state is not None else None
 
     # ---- per layer ----------------------------------------------------------------------------------------
     def _start(self, layer: int) -> None:
@@ -167,7 +163,7 @@ class SwitchExecutor:
                 lw = r.weights.layers[layer]
                 if self._linear(layer):
                     from splash.switching.state_transfer import unpack_kda
-                    lw.attn = unpack_kda(lw.attn, w.wait(), self.m.world, r.cfg.hybrid.linear_num_heads)
+                    lw.attn = unpack_kda(lw.attn, w.wait(), self.m.world, r.family.linear_heads)
                 else:
                     lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)
                 self.streams.hand_over(lw.attn)
