@@ -46,7 +46,8 @@ def test_runner_layout_state_changes_only_through_adopt():
     from splash.engine.llm import LLM
 
     r = LLM(preset="tiny-mla", layout="tp", num_kv_blocks=16, block_size=4).runner
-    for name in ("layout", "heads", "linear_heads", "kv_dtype", "executor"):
+    for name in ("layout", "heads", "linear_heads", "kv_dtype", "executor",   # layout state: through adopt only
+                 "cfg", "comm", "family", "weights", "cache", "bm", "tables", "attn", "states"):  # the rank's ctx
         with pytest.raises(AttributeError):
             setattr(r, name, getattr(r, name))
     before = r.executor

@@ -55,28 +55,23 @@ class ModelRunner:
         from splash.layouts.layout import parse_layout
 
         layout = parse_layout(layout).value
-        self.cfg, self.comm = cfg, comm
         # every tensor of this rank lives on `device`; `streams` (backends.base) runs switch transfers on a side
         # stream (None: inline, as on CPU)
         self.device, self.streams = torch.device(device), streams
         self.layout_kv_dtypes = resolve_layout_kv_dtypes(kv_dtype, layout_kv_dtypes)
         self.block_size, self.dtype = block_size, dtype
         # layer kinds, pools, recurrent state and shardable heads of the model's family (splash.models.family)
-        self.family = describe(cfg)
-        state = layout_state(layout, self.family, comm.size, comm.rank, self.layout_kv_dtypes[layout])
-        build = build_hybrid if self.family.recurrent else build_dense
-        built = build(cfg, self.family, get, comm, state, num_blocks, block_size, self.device)
-        self.weights, self.model, self.cache = built.weights, built.model, built.cache
-        self.weight_quant = built.weight_quant
-        # per-request recurrent state (KDA layers of glm5_next, see splash.kv.recurrent); None for other models
-        self.states = built.states
-        self.bm = BlockManager(num_blocks, block_size)
-        # the block manager's tables as tensors, for the attention kernel
-        self.tables = PageTable(block_size, device=self.device)
+        family = describe(cfg)
+        state = layout_state(layout, family, comm.size, comm.rank, self.layout_kv_dtypes[layout])
+        build = build_hybrid if family.recurrent else build_dense
+        built = build(cfg, family, get, comm, state, num_blocks, block_size, self.device)
+        self.model, self.weight_quant = built.model, built.weight_quant
         self.attention_backend = attention_backend
-        self.attn = make_kernel(attention_backend, cfg.softmax_scale)
-        self.ctx = RankContext(cfg, self.family, comm, self.weights, self.cache, self.bm, self.tables, self.attn,
-                               self.model.rope, block_size, self.states)
+        # the block manager's tables mirrored as tensors (PageTable), for the attention kernel
+        self.ctx = RankContext(cfg, family, comm, built.weights, built.cache, BlockManager(num_blocks, block_size),
+                               PageTable(block_size, device=self.device),
+                               make_kernel(attention_backend, cfg.softmax_scale), self.model.rope, block_size,
+                               built.states)
         self.adopt(state)
 
     def adopt(self, state: LayoutState) -> None:
@@ -85,6 +80,18 @@ class ModelRunner:
         from splash.attention.executors import make_executor
 
         self._state, self._executor = state, make_executor(state, self.ctx)
+
+    # this rank's layout-independent state, read through the context the executors share
+    cfg = property(lambda self: self.ctx.cfg)
+    comm = property(lambda self: self.ctx.comm)
+    family = property(lambda self: self.ctx.family)
+    weights = property(lambda self: self.ctx.weights)
+    cache = property(lambda self: self.ctx.cache)
+    bm = property(lambda self: self.ctx.blocks)
+    tables = property(lambda self: self.ctx.tables)
+    attn = property(lambda self: self.ctx.attn)
+    # per-request recurrent state (KDA layers of glm5_next, see splash.kv.recurrent); None for other models
+    states = property(lambda self: self.ctx.states)
 
     @property
     def layout_state(self) -> LayoutState:
