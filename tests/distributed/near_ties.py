@@ -112,8 +112,11 @@ class RouteCheck:
         ffn.route = checked
 
 
+_SELECTION_CHECKS: dict[int, "SelectionCheck"] = {}  # id of a runner's RankContext -> its check
+
+
 class SelectionCheck:
-    """Attach to `runner`; `step()` gives the index of the step being run. ref None: record this run (rows:
+    """Attach to `runner` (its rank context, which the DSA selection runs on); `step()` gives the index of the step being run. ref None: record this run (rows:
     (step, layer, request, q_pos) -> (selected positions, {visible position: score})); else check against
     `ref` (a reference SelectionCheck's rows) and pin near-tie flips (`pinned`: what each one was)."""
 
@@ -122,7 +125,7 @@ class SelectionCheck:
         self.rows: dict = {}
         self.checked = 0
         self.pinned: list[tuple] = []
-        runner.dsa_check = self
+        _SELECTION_CHECKS[id(runner.ctx)] = self
         dsa.select_layer = _checked_select_layer
 
     def record(self, r, layer: int, meta, q_in: tuple, rows: list) -> None:
@@ -195,7 +198,7 @@ def _rows(r, meta, sel) -> list[tuple]:
 
 def _checked_select_layer(r, layer: int, meta, key_in: tuple, q_in: tuple, cp_comm=None) -> None:
     _select_layer(r, layer, meta, key_in, q_in, cp_comm)
-    c, sel = getattr(r, "dsa_check", None), meta.sparse.get(layer)
+    c, sel = _SELECTION_CHECKS.get(id(r)), meta.sparse.get(layer)
     if c is None or sel is None or not r.cfg.has_indexer(layer):
         return
     rows = _rows(r, meta, sel)
