@@ -73,8 +73,8 @@ class DeviceStreams:
     def hand_over(self, obj: Any) -> None:
         """Tensors made on the side stream that the compute stream keeps using (received weights): tell the
         caching allocator, so their memory is not reused before the compute stream is done with them."""
-        from splash.models.weights import _leaves
-        for t in _leaves(obj):
+        from splash.models.weights import weight_tensors
+        for t in weight_tensors(obj):
             if t.is_cuda:
                 t.record_stream(self.compute)
 

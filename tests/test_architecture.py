@@ -83,3 +83,47 @@ def test_no_layout_name_comparisons_outside_the_ownership_model():
                 continue
             found += [f"{p.relative_to(ROOT)}:{ln}" for ln in layout_name_comparisons(ast.parse(p.read_text()))]
     assert not found, "compare Layout properties (splash.layouts), not names: " + ", ".join(found)
+
+
+def private_imports(tree: ast.AST, exists=lambda mod: False) -> list[str]:
+    """Private names (`_x`) one module takes from another: `from splash.a import _x`, or `m._x` where `m` is a
+    project module it imported (`exists(dotted)` says whether a dotted name is a module). A name shared across
+    modules is public; one used in one module stays private there."""
+    out, mods = [], {}
+    project = ("splash", "backends")
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(project):
+            for a in n.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"{n.lineno}: from {n.module} import {a.name}")
+                elif exists(f"{n.module}.{a.name}"):
+                    mods[a.asname or a.name] = f"{n.module}.{a.name}"
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.name.startswith(project):
+                    mods[a.asname or a.name.split(".")[0]] = a.name
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in mods
+                and n.attr.startswith("_") and not n.attr.startswith("__")):
+            out.append(f"{n.lineno}: {n.value.id}.{n.attr}")
+    return out
+
+
+def _is_module(dotted: str) -> bool:
+    p = ROOT.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def test_the_check_finds_private_imports():
+    src = ("from splash.a import _x, y\nfrom splash import m\nimport splash.b as b\n"
+           "def f():\n    return m._z, b._w, m.ok, y._not_a_module\n")
+    assert private_imports(ast.parse(src), lambda d: d == "splash.m") == [
+        "1: from splash.a import _x", "5: m._z", "5: b._w"]
+
+
+def test_no_private_names_imported_across_modules():
+    found = []
+    for sub in ("splash", "backends"):
+        for p in sorted((ROOT / sub).rglob("*.py")):
+            found += [f"{p.relative_to(ROOT)}:{x}" for x in private_imports(ast.parse(p.read_text()), _is_module)]
+    assert not found, "make a name public where modules share it: " + ", ".join(found)

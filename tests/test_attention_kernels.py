@@ -214,7 +214,7 @@ def test_triton_kernel_matches_dense(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
 def test_triton_kernel_decode_splits_merge_exactly(kv_dtype):
-    """A decode-only step over long rows takes several splits (merged by _mla_merge); 32 heads = two head blocks
+    """A decode-only step over long rows takes several splits (merged by mla_merge); 32 heads = two head blocks
     of 16 where the cap is 16."""
     k = _triton()
     check(k, make_state(kv_dtype, 4, [(70, 1), (9, 1), (33, 1)], dc=16, dr=4, heads=32), **_tol(kv_dtype))

@@ -5,7 +5,7 @@ import pytest
 
 from splash.engine.llm import kv_blocks_per_layout
 from splash.layouts.device_budget import device_memory_budget
-from splash.layouts.memory import _common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank
+from splash.layouts.memory import common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank
 from splash.sim.presets import load_sim_model
 
 GIB = 1 << 30
@@ -24,7 +24,7 @@ def test_parts_add_up_and_pool_is_whole_blocks(glm):
     spent = b.weight_bytes + b.scratch_bytes + b.graph_bytes + b.switch_headroom_bytes + b.kv_pool_bytes
     assert b.usable_bytes - b.block_bytes * 2 <= spent <= b.usable_bytes   # only rounding to blocks is left over
     # the weights are the memory model's: common + the most compact (head-sharded) layout's projections
-    want = _common_bytes(glm, 8, 1, "fp8") + projection_bytes_per_rank(glm, "dop", 8, 1, "fp8")
+    want = common_bytes(glm, 8, 1, "fp8") + projection_bytes_per_rank(glm, "dop", 8, 1, "fp8")
     assert b.weight_bytes == pytest.approx(want)
     assert [name for name, _ in b.rows()][-1] == "KV pool"
 

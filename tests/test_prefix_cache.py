@@ -122,7 +122,7 @@ def test_a_repeated_prompt_starts_on_its_cached_blocks():
     sched.add(Request("b", prompt + [7], 2))
     plan = sched.schedule()
     (it,) = plan.items
-    assert (it.start_pos, it.owner) == (12, owner_a) and plan.attach == [("b", 0, tuple(led.shared["b"][:3]))]
+    assert (it.start_pos, it.owner) == (12, owner_a) and plan.attach == (("b", 0, tuple(led.shared["b"][:3])),)
     assert sched.requests["b"].cached_prompt_tokens == 12 and (sched.prefix_hits, sched.prefix_queries) == (12, 29)
 
 

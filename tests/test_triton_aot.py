@@ -34,7 +34,7 @@ def test_every_planned_launch_compiles_within_the_target(compiled):
         assert row["shared"] <= row["shared_limit"], row
         assert row["spill_bytes"] == 0, row
         assert row["narrow_offsets"] == [], row
-        if row["kernel"] == "_mla_split" and row["kv_dtype"] != "float32":
+        if row["kernel"] == "mla_split" and row["kv_dtype"] != "float32":
             assert row["matrix_ops"] > 0, row      # mma / wgmma (PTX) or MFMA (AMDGCN)
 
 
@@ -42,7 +42,7 @@ def test_every_planned_launch_compiles_within_the_target(compiled):
 def test_the_planner_only_picks_compiled_launches(compiled):
     """Each (target, heads 8…128, KV dtype, dims) the kernel can be asked for maps to a launch compiled above."""
     done = {(r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"])
-            for r in compiled if r["kernel"] == "_mla_split"}
+            for r in compiled if r["kernel"] == "mla_split"}
     assert {r["target"] for r in compiled} == set(aot.TARGETS)
     for target, (vendor, *_) in aot.TARGETS.items():
         for kv in aot.KV_DTYPES:
@@ -79,7 +79,7 @@ for wide in (False, True):
 
 @pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES)
 def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
-    """What TritonMLAKernel passes to _mla_split (pointer dtypes, constexprs) is what the AOT check compiled."""
+    """What TritonMLAKernel passes to mla_split (pointer dtypes, constexprs) is what the AOT check compiled."""
     import torch
     from test_attention_kernels import SCALE, TINY, make_state
 
@@ -88,7 +88,7 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
     names = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int16: "*i16", torch.uint8: "*u8",
              torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
     seen = []
-    real = tm._mla_split
+    real = tm.mla_split
 
     class Spy:
         def __getitem__(self, grid):
@@ -97,7 +97,7 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
                 return real[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(tm, "_mla_split", Spy())
+    monkeypatch.setattr(tm, "mla_split", Spy())
     cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4)
     k = tm.TritonMLAKernel(SCALE)
     k.plan(meta)

@@ -39,7 +39,7 @@ def needs_selection(meta, topk: int) -> bool:
     return meta.num_rows > 0 and int(meta.q_pos.max()) + 1 > topk
 
 
-def _groups(meta) -> list[tuple[torch.Tensor, int]]:
+def query_groups(meta) -> list[tuple[torch.Tensor, int]]:
     """(request indices, query rows per request): every decode request together, each prefill alone."""
     lens, dev = meta.q_lens, meta.q_pos.device
     dec = [i for i, n in enumerate(lens) if n == 1]
@@ -47,7 +47,7 @@ def _groups(meta) -> list[tuple[torch.Tensor, int]]:
     return out + [(torch.tensor([i], device=dev), n) for i, n in enumerate(lens) if n > 1]
 
 
-def _held(meta, reqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def held_slots(meta, reqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots [G, T], key positions [G, T] and held mask [G, T] of every page the requests hold here."""
     bs = meta.block_size
     rows, npg = meta.req_rows[reqs], meta.num_pages[reqs].long()
@@ -65,8 +65,8 @@ def held_scores(cache, layer: int, meta, q: torch.Tensor, hw: torch.Tensor, scal
     at a time (every decode row together, each prefill alone; groups holding nothing skipped): yields (rows
     [G × Q] into meta's rows, slots [G, T], key positions [G, T], scores [G, Q, T] fp32, visible [G, Q, T])."""
     dev = q.device
-    for reqs, nq in _groups(meta):
-        ks, kpos, held = _held(meta, reqs)
+    for reqs, nq in query_groups(meta):
+        ks, kpos, held = held_slots(meta, reqs)
         if ks.shape[1] == 0:
             continue
         rows = (meta.qo_indptr[reqs].long()[:, None] + torch.arange(nq, device=dev)).reshape(-1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention.dsa import SparseSelection, _groups, _held, global_topk
+from splash.attention.dsa import SparseSelection, global_topk, held_slots, query_groups
 from splash.models.indexer import NO_KEY, index_scores, indexer_queries, select_topk_keys
 from splash.models.kpool import KPoolWeights, kpool_keys, pool_keys
 
@@ -35,7 +35,7 @@ def needs_selection(meta, topk: int, P: int, tail: bool) -> bool:
 
 def _pools(meta, reqs: torch.Tensor, P: int):
     """Slots, positions and held mask [G, pools, P] of the request group's page rows, padded to whole pools."""
-    slots, kpos, held = _held(meta, reqs)
+    slots, kpos, held = held_slots(meta, reqs)
     pad = -slots.shape[1] % P
     if pad:
         slots, kpos = (torch.nn.functional.pad(t, (0, pad)) for t in (slots, kpos))
@@ -56,7 +56,7 @@ def local_candidates(cache, layer: int, meta, w: KPoolWeights, q: torch.Tensor, 
     valid = torch.zeros(n, width, dtype=torch.bool, device=dev)
     vals = torch.full((n, K), NO_KEY, dtype=torch.long, device=dev)
     offs = torch.arange(P, device=dev)
-    for reqs, nq in _groups(meta):
+    for reqs, nq in query_groups(meta):
         ks, kpos, held = _pools(meta, reqs, P)
         G, NP = ks.shape[:2]
         if NP == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, _timeit, nonneg_rel_lstsq
+from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, nonneg_rel_lstsq, timeit
 
 
 def _attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, layers: int = 2):
@@ -82,12 +82,12 @@ def row_kernel() -> bool:
 def attention_features(cfg, block_size: int, scratch: float, cache: float, b: int, s: int, q: int, h: int):
     """What the cost model counts for this attention call (splash.costmodel.work): [KV bytes, FLOPs, spilled
     re-read bytes, multi-chunk merge bytes, ops] for the layers timed together."""
-    from splash.costmodel.work import Piece, Shapes, Work, _attention
+    from splash.costmodel.work import Piece, Shapes, Work, attention_work
     s_ = Shapes(cfg, 1, 4.0, 4.0, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4.0, 0.0, block_size, scratch, cache,
                 row_kernel=row_kernel())
     w = Work()
     nb = -(-s // block_size)
-    _attention(s_, w, [(Piece(q, s - q, 0), s, nb) for _ in range(b)], h)
+    attention_work(s_, w, [(Piece(q, s - q, 0), s, nb) for _ in range(b)], h)
     return [w.kv_bytes, w.attn_flops, w.attn_spill_bytes, w.attn_merge_bytes, w.ops]
 
 
@@ -97,7 +97,7 @@ def attention_fit(cfg, alloc: float, block_size: int, reps: int, world: int, op_
     t − ops × op cost = kv_bytes/BW + flops/R + spilled bytes/spill rate + merge bytes/merge rate + per call
     (nonnegative, weighted least squares), the features counted by the cost model itself. Returns (BW, R,
     per-call, the kernel's scratch bound, alloc rate, notes with the spill and merge rates and cache share)."""
-    from splash.costmodel.work import _attn_temps
+    from splash.costmodel.work import attention_temps
     dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
     layers = 2
     cache = cache_share_bytes(world)
@@ -105,13 +105,13 @@ def attention_fit(cfg, alloc: float, block_size: int, reps: int, world: int, op_
     for b, s, q in ATTN_POINTS:
         for h in (max(1, H // 2), H):
             run, scratch = _attention_call(cfg, block_size, b, s, h, q, layers)
-            t = _timeit(run, reps if b * s * q < 32768 else 3, warm=1)
+            t = timeit(run, reps if b * s * q < 32768 else 3, warm=1)
             if scratch:
                 kv, fl, spill, merge, ops = attention_features(cfg, block_size, scratch, cache, b, s, q, h)
                 rows.append([layers * kv, layers * fl, layers * spill, layers * merge, 0.0, 1.0])
                 t -= layers * ops * op_s
             else:
-                big = sum(x for x in _attn_temps(b, q, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
+                big = sum(x for x in attention_temps(b, q, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
                 rows.append([layers * b * s * (dc + dr) * 4.0, layers * 2.0 * b * q * h * s * (2 * dc + dr), 0.0, 0.0,
                              layers * big, 1.0])
             ys.append(max(t, 1e-7))

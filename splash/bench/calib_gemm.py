@@ -3,7 +3,7 @@ and each decode row count) and the weight-streaming bandwidth of decode GEMMs ov
 weights, every weight held and multiplied as the engine does (`_engine_weights`)."""
 from __future__ import annotations
 
-from splash.bench.calib_timing import _timeit
+from splash.bench.calib_timing import timeit
 
 
 def _engine_weights(cfg, dtype=None) -> list[tuple[int, int, object]]:
@@ -38,7 +38,7 @@ def gemm_rates(cfg, reps: int) -> dict[str, float]:
         flops, secs = [], []
         for k, n, w in _engine_weights(cfg, dt):
             x = torch.randn(1024, k, dtype=dt)
-            secs.append(_timeit(lambda: linear(x, w), reps))
+            secs.append(timeit(lambda: linear(x, w), reps))
             flops.append(2.0 * 1024 * k * n)
         out[name] = _rate(flops, secs)
     return out
@@ -65,7 +65,7 @@ def gemm_row_rates(cfg, reps: int) -> dict[str, dict[int, float]]:
             def run():
                 for _ in range(inner):
                     linear(x, w)
-            secs.append(_timeit(run, reps))
+            secs.append(timeit(run, reps))
             flops.append(2.0 * rows * k * n * inner)
         out[rows] = _rate(flops, secs)
     return {"float32": out}
@@ -105,5 +105,5 @@ def stream_bandwidth(cfg, overhead: float, reps: int, total_bytes: float) -> flo
     def run():
         for k, w in ws:
             linear(xs[k], w)
-    t = _timeit(run, max(2, reps // 2), warm=1)
+    t = timeit(run, max(2, reps // 2), warm=1)
     return size / max(t - len(ws) * overhead, t * 0.1)

@@ -14,7 +14,7 @@ ALLOC_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold on 64-bit: 
 STAT = {"fn": statistics.median, "clock": time.perf_counter}
 
 
-def _timeit(fn, reps: int, warm: int = 2, pre=None, clock=None, stat=None) -> float:
+def timeit(fn, reps: int, warm: int = 2, pre=None, clock=None, stat=None) -> float:
     clock, stat = clock or STAT["clock"], stat or STAT["fn"]
     for _ in range(warm):
         fn()

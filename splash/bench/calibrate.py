@@ -27,7 +27,7 @@ import numpy as np
 
 from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention, row_kernel
 from splash.bench.calib_gemm import gemm_rates, gemm_row_rates, model_weight_bytes, stream_bandwidth
-from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, _timeit, nonneg_rel_lstsq
+from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, nonneg_rel_lstsq, timeit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,15 +61,15 @@ def op_overhead(reps: int) -> float:
     def run():
         for _ in range(n):
             x.add(1.0)
-    return _timeit(run, reps) / n
+    return timeit(run, reps) / n
 
 
 def alloc_rate(reps: int) -> float:
     """Bytes/s of writing a fresh temporary above the mmap threshold, beyond what a reused one costs."""
     import torch
     big, small = 128 << 20, 8 << 20
-    t_big = _timeit(lambda: torch.empty(big // 4).fill_(1.0), reps) / big
-    t_small = _timeit(lambda: torch.empty(small // 4).fill_(1.0), reps) / small
+    t_big = timeit(lambda: torch.empty(big // 4).fill_(1.0), reps) / big
+    t_small = timeit(lambda: torch.empty(small // 4).fill_(1.0), reps) / small
     return 1.0 / max(t_big - t_small, t_big * 0.05)
 
 
@@ -84,7 +84,7 @@ def plan_fit(cfg, block_size: int, reps: int) -> tuple[float, float]:
     for b, nb in ((1, 16), (4, 64), (16, 64), (16, 256), (32, 128)):
         tables = {f"r{i}": {j: i * nb + j for j in range(nb + 1)} for i in range(b)}
         reqs = [StepRequest(f"r{i}", nb * block_size - 1, 1) for i in range(b)]
-        t = _timeit(lambda: build_attn_plan(reqs, tables.__getitem__, block_size, lambda q, x: True), reps)
+        t = timeit(lambda: build_attn_plan(reqs, tables.__getitem__, block_size, lambda q, x: True), reps)
         rows.append([b, b * nb])
         ys.append(t)
     a, y = np.array(rows, dtype=float), np.array(ys)
@@ -113,7 +113,7 @@ def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, floa
             else:
                 t_in, f, counted = torch.ones(n), comm.broadcast, n * 4
 
-            ts = [_timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier, clock=time.perf_counter, stat=coll_stat)]
+            ts = [timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier, clock=time.perf_counter, stat=coll_stat)]
             xs.append(counted)
             ys.append(max(comm.all_gather_obj(ts[0])))
         slope, alpha = np.polyfit(np.array(xs, dtype=float), np.array(ys), 1, w=1.0 / np.array(ys))
@@ -139,7 +139,7 @@ def model_step_seconds(preset: str, batch: int, context: int, block_size: int, r
         reqs = [StepRequest(f"r{i}", pos[0], 1, 0) for i in range(batch)]
         r.step(StepBatch.build(reqs, [[7] for _ in reqs], [True] * batch))
         pos[0] += 1
-    return _timeit(one, reps)
+    return timeit(one, reps)
 
 
 def fixed_cost_fit(preset: str, partial: dict, block_size: int, reps: int) -> float:

@@ -14,14 +14,14 @@ import argparse
 import statistics
 
 from splash.bench import results as R
-from splash.bench.sweep import LAYOUTS, _ints, _layouts
+from splash.bench.sweep import LAYOUTS, int_list, layout_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small-mla")
-    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS))
-    p.add_argument("--batches", type=_ints, default=[1, 4, 16])
-    p.add_argument("--contexts", type=_ints, default=[256, 1024, 4096])
+    p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS))
+    p.add_argument("--batches", type=int_list, default=[1, 4, 16])
+    p.add_argument("--contexts", type=int_list, default=[256, 1024, 4096])
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per point (after 2 warm-ups)")
     p.add_argument("--json", metavar="FILE", help="write the result (kind 'grid') here")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
@@ -37,7 +37,7 @@ def measure(comm, preset: str, layout: str, batch: int, ctx: int, steps: int) ->
 
 
 def grid_table(doc: dict):
-    from splash.bench.show import _subtitle
+    from splash.bench.show import subtitle
     from splash.bench.tables import leader_table
 
     pts = doc["points"]
@@ -46,7 +46,7 @@ def grid_table(doc: dict):
     ms = {(p["layout"], p["batch_size"], p["context"]): p["step_ms"] for p in pts}
     rows = [([str(b), str(c)], {lay: ms.get((lay, b, c)) for lay in layouts}) for b, c in keys]
     ncols = len({c for _, c in keys})
-    return leader_table(f"decode step ms (median, max over ranks) — {_subtitle(doc)}", ["batch", "context"], rows,
+    return leader_table(f"decode step ms (median, max over ranks) — {subtitle(doc)}", ["batch", "context"], rows,
                         layouts, fmt=lambda v: f"{v:.2f}", higher_is_better=False, section_every=ncols)
 
 

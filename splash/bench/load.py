@@ -27,14 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import json
 import os
 import random
-import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,8 +41,7 @@ from urllib.parse import urlparse
 import httpx
 
 from splash.bench import load_abuse
-
-REPO = Path(__file__).resolve().parents[2]
+from splash.bench.serve_proc import launch, stop, stream_completion
 SECTION = "## Server load test (issue 5)"
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
@@ -65,26 +60,16 @@ class Stats:
 
 async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[list[int], float, bool]:
     """(token ids, time to first token, saw [DONE]) of one streaming completion."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
     ids: list[int] = []
-    t0, ttft, done = time.perf_counter(), 0.0, False
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                raise RuntimeError(msg["error"]["message"])
-            for ch in msg["choices"]:
-                if ch.get("token_ids") and not ids:
-                    ttft = time.perf_counter() - t0
-                ids += ch.get("token_ids") or []
+    t0, ttft = time.perf_counter(), 0.0
+
+    def got(new: list[int]) -> None:
+        nonlocal ttft
+        if new and not ids:
+            ttft = time.perf_counter() - t0
+        ids.extend(new)
+
+    done = await stream_completion(client, prompt, max_tokens, got)
     return ids, ttft, done
 
 
@@ -191,35 +176,6 @@ def check_loopback(url: str) -> None:
         sys.exit(f"error: {url}: this load test only targets loopback addresses")
 
 
-def launch(args) -> tuple[subprocess.Popen, str, Path]:
-    work = Path(tempfile.mkdtemp(prefix="splash-load-"))
-    err = work / "server.err"
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", str(args.np), sys.executable, "-m", "splash.cli.serve", "--config", args.config,
-           "--port", "0", "--quiet", "--host", "127.0.0.1", *shlex.split(args.server_args)]
-    if args.admin_token:
-        cmd += ["--admin-token", args.admin_token]
-    env = {**os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(err, "w"),
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"error: the server exited with {proc.returncode}:\n{err.read_text()}")
-        m = re.search(r"serving \S+ on (http://\S+) ", err.read_text())
-        if m:
-            try:
-                if httpx.get(f"{m.group(1)}/health", timeout=2).status_code == 200:
-                    return proc, m.group(1), err
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    sys.exit("error: the server did not become ready in 120 s")
-
-
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else 0.0)
 
@@ -296,7 +252,12 @@ def run(args) -> int:
     proc, err = None, None
     args.load_before = os.getloadavg()[0]
     if args.launch:
-        proc, url, err = launch(args)
+        err = Path(tempfile.mkdtemp(prefix="splash-load-")) / "server.err"
+        flags = ["--admin-token", args.admin_token] if args.admin_token else []
+        try:
+            proc, url = launch(args.np, args.config, flags, args.server_args, err, timeout_s=120)
+        except RuntimeError as e:
+            sys.exit(f"error: {e}")
     else:
         url = args.url.rstrip("/")
     check_loopback(url)
@@ -305,11 +266,7 @@ def run(args) -> int:
         res = asyncio.run(run_load(args, url))
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                server_rc = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            server_rc = stop(proc)
     body = report(args, res, command, server_rc)
     print(body)
     if args.update_doc:

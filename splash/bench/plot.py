@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from splash.bench import results as R
-from splash.bench.show import METRIC_LABEL, _subtitle
+from splash.bench.show import METRIC_LABEL, subtitle
 from splash.bench.tables import LAYOUT_LABELS, layout_label
 
 ORDER = list(LAYOUT_LABELS)
@@ -64,7 +64,7 @@ def _sweep_figure(plt, doc: dict, metric: str, x_axis: str, panel_axis: str, pat
         ax.set_title(f"{'batch' if panel_axis == 'batch_size' else 'input'} = {pv}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(_subtitle(doc), fontsize=9)
+    fig.suptitle(subtitle(doc), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -118,7 +118,7 @@ def plot_runs(doc: dict, out: Path, dpi: int = 120) -> list[Path]:
         mode = str(run["mode"])
         title = (f"{mode}: {run['output_tokens_per_s']:.1f} output tok/s, completed {run.get('completed', '?')}, "
                  f"lost {run.get('lost', '?')}, switches {run.get('switches', '?')}, {run.get('total_s', 0):.1f} s"
-                 f" — {_subtitle(doc)}")
+                 f" — {subtitle(doc)}")
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in mode)
         paths.append(_timeline_figure(plt, run, title, out / f"timeline_{i}_{safe}.png", dpi))
     return paths

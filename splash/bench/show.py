@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="markdown tables (for docs) instead of rich")
 
 
-def _subtitle(doc: dict) -> str:
+def subtitle(doc: dict) -> str:
     """One line naming the model, dtypes, ranks and hardware (and the sweep's output length and repeats)."""
     env, cfg = doc["environment"], doc.get("config", {})
     model = env.get("model", {})
@@ -39,7 +39,7 @@ def sweep_tables(doc: dict, metric: str = "total_tokens_per_s") -> list[TableSpe
     ins = sorted({p["input_len"] for p in pts})
     bss = sorted({p["batch_size"] for p in pts})
     val = {(p["layout"], p["input_len"], p["batch_size"]): p[metric] for p in pts}
-    label, sub = METRIC_LABEL.get(metric, metric), _subtitle(doc)
+    label, sub = METRIC_LABEL.get(metric, metric), subtitle(doc)
     specs = []
     if len(ins) > 1 or len(bss) == 1:
         rows = [([str(b), str(n)], {lay: val.get((lay, n, b)) for lay in layouts}) for b in bss for n in ins]

@@ -28,7 +28,7 @@ LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 SAME_ON_RESUME = ("output_len", "warmup", "repeats", "seed", "engine", "ranks")
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -38,7 +38,7 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def _layouts(text: str) -> list[str]:
+def layout_list(text: str) -> list[str]:
     vals = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in vals if x not in LAYOUTS]
     if bad or not vals:
@@ -54,10 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", help="override cache.kv_cache_dtype")
     p.add_argument("--max-num-batched-tokens", type=int, help="override scheduler.max_num_batched_tokens "
                    "(the prefill chunk budget of a step)")
-    p.add_argument("--layouts", type=_layouts, help="comma-separated subset of tp,dp_attn,cp,dop "
+    p.add_argument("--layouts", type=layout_list, help="comma-separated subset of tp,dp_attn,cp,dop "
                    "[the config's layout.allowed_layouts]")
-    p.add_argument("--input-lens", type=_ints, default=[128, 512], metavar="N,N", help="[128,512]")
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 8], metavar="N,N", help="[1,8]")
+    p.add_argument("--input-lens", type=int_list, default=[128, 512], metavar="N,N", help="[128,512]")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8], metavar="N,N", help="[1,8]")
     p.add_argument("--output-len", type=int, default=16, metavar="N", help="generated tokens per request [16]")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs per point [1]")
     p.add_argument("--repeats", type=int, default=3, metavar="N", help="timed runs per point [3]")

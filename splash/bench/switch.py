@@ -14,12 +14,12 @@ import argparse
 import statistics
 
 from splash.bench import results as R
-from splash.bench.sweep import LAYOUTS, _layouts
+from splash.bench.sweep import LAYOUTS, layout_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small-mla")
-    p.add_argument("--layouts", type=_layouts, default=list(LAYOUTS), help="every direction between these")
+    p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS), help="every direction between these")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--trials", type=int, default=8)
@@ -62,12 +62,12 @@ def direction(comm, a, src: str, dst: str) -> dict:
 
 
 def switch_table(doc: dict):
-    from splash.bench.show import _subtitle
+    from splash.bench.show import subtitle
     from splash.bench.tables import TableSpec
 
     c = doc["config"]
     t = TableSpec(f"switch added time over a ready destination step — B={c['batch']}, L={c['context']}, "
-                  f"{c['trials']} trials, {_subtitle(doc)}",
+                  f"{c['trials']} trials, {subtitle(doc)}",
                   ["direction", "MiB in (max rank)", "ready ms", "live p50 ms", "live p95 ms", "live p50 / step",
                    "blocking p50 ms", "blocking p95 ms", "live / blocking p50"])
     for r in doc["points"]:

@@ -26,18 +26,16 @@ import json
 import os
 import random
 import re
-import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from splash.bench.serve_proc import REPO, launch, stop, stream_completion
+
 MODES = ("auto", "tp", "dp_attn", "cp", "dop")
 DEFAULT_WORKLOAD = {"groups": [
     {"at_s": 0.0, "count": 2, "input_len": 64, "output_len": 256},      # interactive: few, short
@@ -106,42 +104,6 @@ def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, li
     return out
 
 
-# ---- one server ---------------------------------------------------------------------------------------------
-def launch(np_: int, config: str, mode: str, server_args: str, log_path: Path):
-    """Start splash-serve under mpiexec in `mode` (auto or a pinned layout); (process, base url)."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", "--config", config, "--port", "0",
-           "--host", "127.0.0.1", "--quiet", "--log-decisions", "--layout", mode, *shlex.split(server_args)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
-                            start_new_session=True)
-    import httpx
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {mode} server exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
-        m = re.search(r"serving \S+ on (http://\S+) ", log_path.read_text())
-        if m:
-            try:
-                if httpx.get(f"{m.group(1)}/health", timeout=2).status_code == 200:
-                    return proc, m.group(1)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError(f"the {mode} server did not become ready in 180 s")
-
-
-def stop(proc) -> int | None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return None
-
-
 async def _one(client, t_start: float, at: float, parts: list[list[int]], max_tokens: int) -> Outcome:
     """One request — or, with several parts, one conversation: each turn's prompt is the conversation so far (the
     prompts and answers before) plus its part, sent when the turn before has answered."""
@@ -163,30 +125,18 @@ async def _one(client, t_start: float, at: float, parts: list[list[int]], max_to
 async def _turn(client, t_start: float, prompt: list[int], max_tokens: int, out: Outcome) -> list[int]:
     """Stream one completion into `out`; -> its token ids."""
     t0, ids = time.perf_counter(), []
+
+    def got(new: list[int]) -> None:
+        now = time.perf_counter()
+        if new and not ids:
+            out.turn_ttfts.append(now - t0)
+            out.ttft = out.ttft or now - t0
+        ids.extend(new)
+        out.arrivals += [now - t_start] * len(new)
+
     out.ok = False
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    out.ok = True
-                    break
-                if not line.startswith("data: "):
-                    continue
-                msg = json.loads(line[6:])
-                if "error" in msg:
-                    raise RuntimeError(msg["error"]["message"])
-                now = time.perf_counter()
-                for ch in msg["choices"]:
-                    new = ch.get("token_ids") or []
-                    if new and not ids:
-                        out.turn_ttfts.append(now - t0)
-                        out.ttft = out.ttft or now - t0
-                    ids += new
-                    out.arrivals += [now - t_start] * len(new)
+        out.ok = await stream_completion(client, prompt, max_tokens, got)
     except Exception as e:  # noqa: BLE001 — counted as lost and reported
         out.error = f"{type(e).__name__}: {e}"
     out.ids += ids
@@ -279,7 +229,10 @@ def run_mode(args, mode: str, requests: list, workdir: Path,
     tag = mode if cache else f"{mode}-nocache"
     log_path = workdir / f"server-{tag}.log"
     extra = args.server_args + ("" if cache else " --no-enable-prefix-caching")
-    proc, url = launch(args.np, args.config, mode, extra, log_path)
+    try:
+        proc, url = launch(args.np, args.config, ["--log-decisions", "--layout", mode], extra, log_path)
+    except RuntimeError as e:
+        raise RuntimeError(f"{mode}: {e}") from None
     rc = None
     try:
         outs, total, samples, final = asyncio.run(drive(url, requests, args.request_timeout))

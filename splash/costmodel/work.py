@@ -130,7 +130,7 @@ class Shapes:
         return self.cfg.num_attention_heads // self.world
 
 
-def _attention(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int, new_here=None) -> None:
+def attention_work(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int, new_here=None) -> None:
     """pieces: (piece, visible keys here, held blocks here); new_here: see row_attention. Decode rows pad to the
     most held blocks."""
     cfg = s.cfg
@@ -167,7 +167,7 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
     formulas of splash.attention.kernels.torch_mla.chunk_pages and chunk_spans)."""
     dc, dr = s.cfg.kv_lora_rank, s.cfg.qk_rope_head_dim
     if s.scratch <= 0:
-        w.temps += _attn_temps(reqs, rows, keys, heads, dc, dr)
+        w.temps += attention_temps(reqs, rows, keys, heads, dc, dr)
         w.attn_calls += 1
         return
     per_page = s.bs * (8 * (dc + dr) + rows * (8 * heads + 1)) + 16
@@ -187,7 +187,7 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
 MERGE_PASSES = 7  # acc·α (read, write), the chunk's p·V (write), their sum (read 2, write), the store (write)
 
 
-def _attn_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
+def attention_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
     """The big fp32 temporaries of one attend call: the gathered latent and rope keys, two score tensors."""
     return [4.0 * batch * keys * dc, 4.0 * batch * keys * dr, 8.0 * batch * rows * heads * keys / 2,
             8.0 * batch * rows * heads * keys / 2]
@@ -246,14 +246,14 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
     # CP: a chunk's row sees its history here plus the chunk's own positions homed here before it
     new_here = [cp_new_rows_here(p, rank, T, s.bs) for p in pieces] if kv == KV_POSITION else None
-    _attention(s, st["attention"], held, H if layout is Layout.DOP else heads, new_here)
+    attention_work(s, st["attention"], held, H if layout is Layout.DOP else heads, new_here)
     _indexer(s, st["indexer"], held, q_rows)
     o_rows = n_own if layout is Layout.DP_ATTN else N
     _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
     _gemm(st["uv_o"], o_rows, heads * dv, hid, wb, ab)       # O
     st["uv_o"].ops += ops(s.fused, "uv_o", layout)
     _exchange(s, st["exchange"], layout, N, n_own, att_rows, pieces, rank)
-    _ffn(s, st, N, moe)
+    ffn_work(s, st, N, moe)
     if T > 1:
         st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
         st["ffn_all_reduce"].ops += 1
@@ -292,7 +292,7 @@ def _cp_split_layer(s: Shapes, pieces: list[Piece], rank: int, moe: bool) -> dic
     st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", "cp")
     held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     held += [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in dec]
-    _attention(s, st["attention"], held, H)
+    attention_work(s, st["attention"], held, H)
     _indexer(s, st["indexer"], held, rows)
     _gemm(st["uv_o"], rows, dc, H * dv, wb, ab)
     _gemm(st["uv_o"], rows, H * dv, hid, wb, ab)
@@ -305,7 +305,7 @@ def _cp_split_layer(s: Shapes, pieces: list[Piece], rank: int, moe: bool) -> dic
         part = len(dec) * (H * dc * ab + H * 4.0)
         ex.exch.append(("all_gather", T * part))
         ex.act_bytes += 4 * T * part
-    _ffn(s, st, N, moe)
+    ffn_work(s, st, N, moe)
     st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
     st["ffn_all_reduce"].ops += 1
     st["other"].ops += OPS["other"]
@@ -351,7 +351,7 @@ def expected_active_experts(n_experts: int, k: int, rows: float) -> float:
     return n_experts * (1.0 - (1.0 - k / n_experts) ** rows)
 
 
-def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
+def ffn_work(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
     cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
     hid, w = cfg.hidden_size, st["ffn"]
     if N <= 0:
@@ -381,7 +381,7 @@ def _ffn(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
 
 def dense_ffn_work(s: Shapes, rows: int) -> Work:
     st = {"ffn": Work()}
-    _ffn(s, st, rows, moe=False)
+    ffn_work(s, st, rows, moe=False)
     return st["ffn"]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 # dtypes that MPI sums natively on every implementation; others are reduced in float32.
-_NATIVE_REDUCE = frozenset(
+NATIVE_REDUCE = frozenset(
     {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 )
 
@@ -155,7 +155,7 @@ def _check_counts(name: str, counts: Sequence[int], size: int, total: int | None
         raise ValueError(f"{name}={list(counts)} sum to {sum(counts)}, tensor has {total} rows")
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """Detached, contiguous, at least 1-d."""
     t = t.detach().contiguous()
     return t.reshape(1) if t.dim() == 0 else t
@@ -166,7 +166,7 @@ def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[t
     when None); ValueError when t has no row dimension or the counts do not fit."""
     if t.dim() == 0:
         raise ValueError("all_gatherv needs a tensor with a row dimension")
-    src = _rows(t)
+    src = as_rows(t)
     if counts is None:
         counts = comm.gather_counts(src.shape[0])
     _check_counts("counts", counts, comm.size)
@@ -182,7 +182,7 @@ def alltoallv_rows(comm, t: torch.Tensor, send_counts: Sequence[int], recv_count
     counts do not fit."""
     if t.dim() == 0:
         raise ValueError("all_to_allv needs a tensor with a row dimension")
-    src = _rows(t)
+    src = as_rows(t)
     _check_counts("send_counts", send_counts, comm.size, src.shape[0])
     if recv_counts is None:
         recv_counts = comm.exchange_counts(send_counts)
@@ -279,7 +279,7 @@ class MPICommunicator(Communicator):
 
     def _plan_all_reduce(self, t: torch.Tensor) -> _Plan:
         src = t.detach().contiguous()
-        work = src if src.dtype in _NATIVE_REDUCE else src.to(torch.float32)
+        work = src if src.dtype in NATIVE_REDUCE else src.to(torch.float32)
         out = torch.empty_like(work)
         args = (work.reshape(-1).numpy(), out.reshape(-1).numpy(), self._MPI.SUM)
         return args, (lambda: out if out.dtype == t.dtype else out.to(t.dtype))
@@ -309,7 +309,7 @@ class MPICommunicator(Communicator):
         return finish()
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        src = _rows(t)
+        src = as_rows(t)
         out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
         self._comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
         return out

@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 
 from splash.distributed.communicator import (
-    _NATIVE_REDUCE,
+    NATIVE_REDUCE,
     Communicator,
     Handle,
     MPICommunicator,
-    _rows,
     alltoallv_rows,
+    as_rows,
     gatherv_rows,
 )
 
-_NCCL_REDUCE = _NATIVE_REDUCE | {torch.float16, torch.bfloat16}
+_NCCL_REDUCE = NATIVE_REDUCE | {torch.float16, torch.bfloat16}
 # equal-block all-gather into one tensor: torch 2.13 renamed all_gather_into_tensor (older GPU builds lack the new name)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -75,7 +75,7 @@ class TorchCommunicator(Communicator):
         self._mpi = mpi
         self.device = torch.device(device)
         self.backend = dist.get_backend()
-        self._reduce_native = _NCCL_REDUCE if self.backend == "nccl" else _NATIVE_REDUCE
+        self._reduce_native = _NCCL_REDUCE if self.backend == "nccl" else NATIVE_REDUCE
 
     @property
     def rank(self) -> int:
@@ -139,7 +139,7 @@ class TorchCommunicator(Communicator):
         return self._blocking(self._plan_all_reduce(t))
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        src = _rows(t)
+        src = as_rows(t)
         out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
         _all_gather_single(_u8(out), _u8(src))
         return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,7 +18,7 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import StepMessage, StopMessage, SwitchPlan
+from splash.engine.messages import EngineRequest, StepMessage, StopMessage, SwitchPlan, TokenEvent
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
@@ -29,13 +29,11 @@ _log = logging.getLogger("splash.engine")
 
 
 @dataclass
-class TokenEvent:
-    req_id: str
-    token: int
-    finish_reason: str | None
-    logprobs: TokenLogprobs | None = None                  # when the request asked for `logprobs`
-    prompt_logprobs: list[TokenLogprobs] | None = None     # prompt tokens 1.. (first event, `prompt_logprobs`)
-    cached_tokens: int = 0                                 # prompt tokens its first admission found cached
+class _PromptLogprobs:
+    """A request's prompt logprobs (`prompt_logprobs` = k), gathered piece by piece and delivered once."""
+    k: int
+    got: list[TokenLogprobs] = field(default_factory=list)
+    delivered: bool = False
 
 
 class Engine:
@@ -58,9 +56,8 @@ class Engine:
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.set_prefix_caching(enable_prefix_caching)
-        self.params: dict[str, SamplingParams] = {}
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
-        self._plp: dict[str, list] = {}   # req_id -> [prompt TokenLogprobs so far, delivered]
+        self._plp: dict[str, _PromptLogprobs] = {}
         self.failed: list[tuple[str, Exception]] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
         self._ids = itertools.count()
@@ -77,7 +74,12 @@ class Engine:
 
     # ---- rank 0 API ------------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, req_id: str | None = None) -> str:
-        req_id = req_id or f"req-{next(self._ids)}"
+        """`add` for offline callers (splash.engine.llm, benchmarks): names the request when `req_id` is None."""
+        return self.add(EngineRequest(req_id or f"req-{next(self._ids)}", prompt, params))
+
+    def add(self, req: EngineRequest) -> str:
+        """Queue one sequence; ValueError (naming the field) before any state when the engine cannot take it."""
+        req_id, prompt, params = req.req_id, req.prompt, req.params
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) >= self.max_model_len:
@@ -89,9 +91,8 @@ class Engine:
         self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
         self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len,
                                    params.min_tokens, cacheable=params.prompt_logprobs is None))
-        self.params[req_id] = params
         if params.prompt_logprobs is not None:
-            self._plp[req_id] = [[], False]
+            self._plp[req_id] = _PromptLogprobs(params.prompt_logprobs)
         return req_id
 
     def set_prefix_caching(self, on: bool) -> None:
@@ -148,9 +149,7 @@ class Engine:
             # a request preempted or aborted by this schedule drops its KV before the handoff runs
             gone = set(plan.release)
             switch = replace(switch, reqs={rid: v for rid, v in switch.reqs.items() if rid not in gone})
-        msg = StepMessage(tuple(plan.items), tuple(plan.release), switch,
-                          tuple(self._prompt_logit_items(plan)), tuple(plan.register),
-                          tuple(tuple(e) for e in plan.evict), tuple(plan.attach))
+        msg = replace(plan, switch=switch, logits=tuple(self._prompt_logit_items(plan)))
         self.comm.broadcast_obj(msg)
         t0 = time.perf_counter()
         logits = self._execute(msg)
@@ -212,7 +211,7 @@ class Engine:
         out = []
         for i, s in enumerate(plan.items):
             acc = self._plp.get(s.req_id)
-            if acc is not None and not acc[1] and s.start_pos < len(self.scheduler.requests[s.req_id].prompt) - 1:
+            if acc and not acc.delivered and s.start_pos < len(self.scheduler.requests[s.req_id].prompt) - 1:
                 out.append(i)
         return out
 
@@ -222,21 +221,22 @@ class Engine:
         for i in items:
             s = plan.items[i]
             n = len(s.tokens) - (1 if s.sample else 0)
-            acc, req = self._plp[s.req_id][0], self.scheduler.requests[s.req_id]
+            plp, req = self._plp[s.req_id], self.scheduler.requests[s.req_id]
+            acc = plp.got
             first = len(acc) - s.start_pos   # rows before this one were recorded by an earlier piece
             stop = min(n, len(req.prompt) - 1 - s.start_pos)
             if stop > max(first, 0):
                 lo = max(first, 0)
                 targets = req.prompt[s.start_pos + lo + 1:s.start_pos + stop + 1]
-                acc += prompt_logprobs(logits[row + lo:row + stop], targets, self.params[s.req_id].prompt_logprobs)
+                acc += prompt_logprobs(logits[row + lo:row + stop], targets, plp.k)
             row += n
 
     def _deliver_prompt_logprobs(self, req_id: str) -> list[TokenLogprobs] | None:
         acc = self._plp.get(req_id)
-        if acc is None or acc[1]:
+        if acc is None or acc.delivered:
             return None
-        acc[1] = True
-        return acc[0]
+        acc.delivered = True
+        return acc.got
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """(req_id, error) of the requests whose sampling failed since the last call; they are already aborted."""
@@ -299,18 +299,16 @@ class Engine:
         if sw is None:
             return None
         from splash.switching.executor import SwitchExecutor
-        from splash.switching.manifest import ReqState, plan_switch
+        from splash.switching.manifest import plan_switch
 
         r, src = self.runner, self.runner.layout
-        reqs = {rid: ReqState(*v) for rid, v in sw.reqs.items()}
-        m = plan_switch(src, sw.dst, r.cfg, self.comm.size, reqs, r.block_size, self.control.weight_bytes,
+        m = plan_switch(src, sw.dst, r.cfg, self.comm.size, sw.reqs, r.block_size, self.control.weight_bytes,
                         r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw.dst],
                         weight_quant=self.control.weight_quant)
         self.control.record(src, sw.dst)
         return SwitchExecutor(r.ctx, m, sw.mode, r.streams)
 
     def _forget(self, req_id: str) -> None:
-        self.params.pop(req_id, None)
         self.sampler.remove(req_id)
         self._plp.pop(req_id, None)
 

@@ -88,9 +88,3 @@ class GrammarRows:
             self.matchers.pop(rid, None)
         return out
 
-
-def allowed_rows(bitmask: torch.Tensor, rows: list[int], vocab: int) -> torch.Tensor:
-    """[len(rows), vocab] bool: the tokens each of ``rows`` of ``bitmask`` allows (bit j of word j // 32)."""
-    words = bitmask[rows].to(torch.int64) & 0xFFFFFFFF
-    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int64)) & 1
-    return bits.reshape(len(rows), -1)[:, :vocab].bool()

@@ -80,12 +80,12 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
     pool is the largest entry. Hybrid (glm5_next) models also keep KDA state for `state_requests` requests
     (max_num_seqs) inside the same budget (splash.layouts.memory.recurrent_state_bytes)."""
-    from splash.layouts.memory import _common_bytes, kv_capacity_tokens, projection_bytes_per_rank
+    from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
     block = block_bytes(cfg, kv_dtype, block_size)
     usable = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]  # others: not at this world
     base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
-    rank_bytes = (budget_bytes // block) * block + base + _common_bytes(cfg, world, weight_bytes, weight_quant)
+    rank_bytes = (budget_bytes // block) * block + base + common_bytes(cfg, world, weight_bytes, weight_quant)
     return {lay: kv_capacity_tokens(cfg, lay, world, rank_bytes, weight_bytes, kv_dtype, block_size,
                                     weight_quant=weight_quant, state_requests=state_requests).blocks_per_rank
             for lay in usable}

@@ -1,10 +1,45 @@
-"""The messages rank 0 broadcasts to every rank each step (pure data, no torch): a step plan or a stop.
+"""The records that cross the engine's boundaries (pure data, no torch), one per boundary:
 
-Every rank acts on the same message in the same order, so the collectives of a step always line up.
+- `EngineRequest`: what the API hands the engine for one sequence (its prompt ids and validated sampling params);
+- `StepMessage` (of `StepItem`s) or `StopMessage`: what rank 0 broadcasts to every rank each step. Every rank acts
+  on the same message in the same order, so the collectives of a step always line up;
+- `TokenEvent`: what the engine hands back to the API per sampled token.
+
+The scheduler's own per-request state (`splash.engine.scheduler.Request`) stays inside the engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from splash.switching.manifest import ReqState
+
+if TYPE_CHECKING:
+    from splash.engine.sampler import TokenLogprobs
+    from splash.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence for the engine: `params` are validated (SamplingParams checks them) and carry the compiled
+    grammar, if any; the engine adds the model's EOS ids to the stop ids unless `ignore_eos`."""
+    req_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(self.prompt))
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token of one request, as the engine hands it back (its last carries `finish_reason`)."""
+    req_id: str
+    token: int
+    finish_reason: str | None
+    logprobs: TokenLogprobs | None = None                  # when the request asked for `logprobs`
+    prompt_logprobs: list[TokenLogprobs] | None = None     # prompt tokens 1.. (first event, `prompt_logprobs`)
+    cached_tokens: int = 0                                 # prompt tokens its first admission found cached
 
 
 @dataclass(frozen=True)
@@ -20,10 +55,10 @@ class StepItem:
 
 @dataclass(frozen=True)
 class SwitchPlan:
-    """A layout switch handed off at this step's boundary: per request (KV tokens, src owner, dst owner)."""
+    """A layout switch handed off at this step's boundary: per request its KV tokens and src/dst owners."""
     dst: str
     mode: str
-    reqs: dict[str, tuple[int, int | None, int | None]] = field(default_factory=dict)
+    reqs: dict[str, ReqState] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import StepItem
+from splash.engine.messages import StepItem, StepMessage
 from splash.layouts.layout import KV_ALL, kv_ownership_of
 
 
@@ -77,15 +77,6 @@ class Request:
         if a >= p:
             return tuple(self.output[a - p:b - p])
         return tuple(self.prompt[a:]) + tuple(self.output[:b - p])
-
-
-@dataclass
-class StepPlan:
-    items: list[StepItem]        # what rank 0 broadcasts as is (splash.engine.messages)
-    release: list[str]           # requests whose KV every rank frees before running the step
-    attach: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)   # (req, owner, cached hashes)
-    register: list[tuple[str, int, int]] = field(default_factory=list)   # (req, block, hash), computed before
-    evict: list[list[int]] = field(default_factory=list)                  # per rank: cached hashes to free
 
 
 class Scheduler:
@@ -209,7 +200,8 @@ class Scheduler:
         toks = req.token_slice(req.num_cached, end)
         return StepItem(req.req_id, req.num_cached, toks, end == req.num_tokens, owner)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> StepMessage:
+        """The next step as rank 0 broadcasts it (the engine adds a layout switch and the prompt-logit items)."""
         items: list[StepItem] = []
         budget = self.budget
         i = 0
@@ -258,7 +250,8 @@ class Scheduler:
         evict = self.ledger.evictions() if self.ledger.prefix else []
         if self._evict_extra:
             evict = [a + b for a, b in zip(self._evict_extra, evict or [[]] * len(self._evict_extra))]
-        plan = StepPlan(items, self._release, attach, self._registered, evict)
+        plan = StepMessage(tuple(items), tuple(self._release), attach=tuple(attach), register=tuple(self._registered),
+                           evict=tuple(map(tuple, evict)))
         self._release, self._registered, self._evict_extra = [], [], []
         return plan
 
@@ -330,7 +323,7 @@ class Scheduler:
             r.num_cached += steps
             r.output.extend([token] * steps)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+    def update(self, plan: StepMessage, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results; returns requests that finished (their KV is released next step)."""
         done = []
         for it in plan.items:

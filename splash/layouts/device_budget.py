@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splash.layouts.layout import LAYOUT_NAMES, heads_fit
-from splash.layouts.memory import (_common_bytes, kv_block_bytes, projection_bytes_per_rank,
+from splash.layouts.memory import (common_bytes, kv_block_bytes, projection_bytes_per_rank,
                                    switch_receive_bytes)
 from splash.models.config import ModelConfig
 
@@ -72,7 +72,7 @@ def device_memory_budget(cfg: ModelConfig, world: int, device_bytes: int, utiliz
     fit = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]
     if not fit:
         raise ValueError(f"no layout of {list(layouts)} fits {cfg.num_attention_heads} heads on {world} rank(s)")
-    weights = (_common_bytes(cfg, world, weight_bytes, weight_quant)
+    weights = (common_bytes(cfg, world, weight_bytes, weight_quant)
                + min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in fit))
     scratch = (scratch_bytes(cfg, max_num_batched_tokens, max_num_seqs, weight_bytes if weight_quant is None else 2)
                + attention_workspace_bytes)

@@ -164,7 +164,7 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
     return total
 
 
-def _common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quant: str | None) -> float:
+def common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quant: str | None) -> float:
     """Common state per rank: params × weight_bytes, or (quantised) the largest rank's exact stored bytes."""
     if weight_quant is None and cfg.hybrid is None:
         return common_params(cfg, shards) * weight_bytes
@@ -252,7 +252,7 @@ def per_rank_memory(cfg: ModelConfig, layout: Layout | str, world: int, weight_b
     Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``.
     """
     layout = parse_layout(layout)
-    common = _common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
+    common = common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
     proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant)
     blocks = _kv_blocks_per_rank(layout, world, live_tokens, block_size)
     per_block = kv_block_bytes(cfg, kv_dtype, block_size)
@@ -290,7 +290,7 @@ def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budge
     """
     layout = parse_layout(layout)
     per_rank_reqs = state_requests if layout.shards_projections else -(-state_requests // world)
-    fixed = (_common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
+    fixed = (common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
              + projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant) + scratch_bytes
              + reserve_bytes + per_rank_reqs * recurrent_state_bytes(cfg, layout, world))
     room = max(0.0, budget_bytes_per_rank - fixed)

@@ -34,7 +34,7 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _blocks(start: int, n: int) -> tuple[int, int]:
+def scale_blocks(start: int, n: int) -> tuple[int, int]:
     """(first block, block count) touched by elements [start, start + n)."""
     return start // BLOCK, -(-(start + n) // BLOCK) - start // BLOCK
 
@@ -51,7 +51,7 @@ class QuantWeight:
 
     def __post_init__(self) -> None:
         r, c = self.data.shape
-        want = ((_blocks(self.row_off, r)[1], _blocks(self.col_off, c)[1]) if self.fmt == FP8 else (r, 1))
+        want = ((scale_blocks(self.row_off, r)[1], scale_blocks(self.col_off, c)[1]) if self.fmt == FP8 else (r, 1))
         if tuple(self.scale.shape) != want or self.data.dtype != STORE_DTYPES[self.fmt]:
             raise ValueError(f"{self.fmt} weight {tuple(self.data.shape)} {self.data.dtype}: scale shape "
                              f"{tuple(self.scale.shape)} != {want}")
@@ -76,7 +76,7 @@ class QuantWeight:
         """Rows [r0, r1) with exactly the scales they need (partial first/last blocks included)."""
         if self.fmt == INT8:
             return QuantWeight(owned(self.data[r0:r1]), owned(self.scale[r0:r1]), INT8, self.dtype)
-        b0, nb = _blocks(self.row_off + r0, r1 - r0)
+        b0, nb = scale_blocks(self.row_off + r0, r1 - r0)
         return QuantWeight(owned(self.data[r0:r1]), owned(self.scale[b0:b0 + nb]), FP8, self.dtype,
                            (self.row_off + r0) % BLOCK, self.col_off)
 
@@ -84,7 +84,7 @@ class QuantWeight:
         """Columns [c0, c1); an int8 column range keeps every row's scale (each output row needs its own)."""
         if self.fmt == INT8:
             return QuantWeight(owned(self.data[:, c0:c1]), owned(self.scale), INT8, self.dtype)
-        b0, nb = _blocks(self.col_off + c0, c1 - c0)
+        b0, nb = scale_blocks(self.col_off + c0, c1 - c0)
         return QuantWeight(owned(self.data[:, c0:c1]), owned(self.scale[:, b0:b0 + nb]), FP8,
                            self.dtype, self.row_off, (self.col_off + c0) % BLOCK)
 
@@ -94,7 +94,7 @@ def _merge_scales(parts: list[QuantWeight], dim: int) -> torch.Tensor:
     off = parts[0].row_off if dim == 0 else parts[0].col_off
     total = sum(p.data.shape[dim] for p in parts)
     other = parts[0].scale.shape[1 - dim]
-    n = _blocks(off, total)[1]
+    n = scale_blocks(off, total)[1]
     out = torch.empty((n, other) if dim == 0 else (other, n), dtype=torch.float32, device=parts[0].scale.device)
     g = off
     for p in parts:

@@ -181,7 +181,7 @@ def moe_from_full(cfg: ModelConfig, get, prefix: str, shard: int, shards: int) -
                       down=ExpertStack(down) if quant else pack_experts(torch.stack(down)), shared=shared)
 
 
-def _leaves(obj):
+def weight_tensors(obj):
     """Every tensor reachable from a weight container (QuantWeight data + scales, stacks, dataclass fields)."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -191,19 +191,19 @@ def _leaves(obj):
         yield obj.packed
     elif isinstance(obj, RowStack):
         for p in obj.parts:
-            yield from _leaves(p)
+            yield from weight_tensors(p)
     elif isinstance(obj, (ExpertStack, list, tuple)):
         for p in obj:
-            yield from _leaves(p)
+            yield from weight_tensors(p)
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            yield from _leaves(getattr(obj, name))
+            yield from weight_tensors(getattr(obj, name))
 
 
 def resident_bytes(weights) -> int:
     """Bytes of memory a rank's weights hold: each distinct storage once, whole (a view keeps its base alive)."""
     seen: dict[int, int] = {}
-    for t in _leaves(weights):
+    for t in weight_tensors(weights):
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

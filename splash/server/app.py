@@ -176,14 +176,14 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
-    def admit(self, req: P._Sampling, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
+    def admit(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
         """400 when the request's worst-case cost passes server.max_request_mb (splash.server.admission_cost)."""
         cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
         why = admission_cost.over_budget(cost, self.s.limits["max_request_mb"], req.n)
         if why is not None:
             raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
 
-    def params(self, req: P._Sampling, max_tokens: int, j: int, prompt_logprobs: int | None = None,
+    def params(self, req: P.SamplingRequest, max_tokens: int, j: int, prompt_logprobs: int | None = None,
                grammar: Any = None) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
         bias = req.logit_bias_ids()
@@ -205,7 +205,7 @@ class _Handlers:
         except ValueError as e:  # combinations pydantic does not see (e.g. min_tokens > max_tokens)
             raise P.APIError(400, str(e), param=str(e).split()[0]) from None
 
-    def generation(self, req: P._Sampling, prompts: list[list[int]], max_tokens: list[int],
+    def generation(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: list[int],
                    prefix: str, prompt_logprobs: int | None = None, grammar: Any = None) -> Generation:
         flat_prompts, flat_params = [], []
         for prompt, mt in zip(prompts, max_tokens):
@@ -269,7 +269,7 @@ class _Handlers:
                                                              len(prompt), True, agent))
 
     # ---- response assembly ------------------------------------------------------------------------------
-    async def collect(self, request: Request, gen: Generation, req: P._Sampling, rid: str, obj: str,
+    async def collect(self, request: Request, gen: Generation, req: P.SamplingRequest, rid: str, obj: str,
                       prompt_tokens: int, chat: bool, agent: Prepared | None = None) -> dict:
         run = asyncio.ensure_future(gen.run_to_end())
         gone = asyncio.ensure_future(until_disconnected(request))
@@ -286,7 +286,7 @@ class _Handlers:
         # built in a worker thread: with logprobs the body can hold millions of entries
         return await self.builder.run(self.response_body, gen, req, rid, obj, prompt_tokens, chat, agent)
 
-    def response_body(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
+    def response_body(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
                       chat: bool, agent: Prepared | None = None) -> dict:
         make = P.chat_choice if chat else P.completion_choice
         extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
@@ -304,7 +304,7 @@ class _Handlers:
             body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
         return body
 
-    def stream(self, gen: Generation, req: P._Sampling, rid: str, obj: str, prompt_tokens: int,
+    def stream(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
                chat: bool, agent: Prepared | None = None) -> StreamingResponse:
         created, model = P.now(), self.s.model_name
         ids = req.return_token_ids

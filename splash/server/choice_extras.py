@@ -25,7 +25,7 @@ def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
 class ResponseExtras:
     """What a choice (or stream chunk) adds for echo, logprobs and prompt_logprobs (splash.server.logprobs)."""
 
-    def __init__(self, tok: Tokenizer, req: P._Sampling, gen: Generation, chat: bool) -> None:
+    def __init__(self, tok: Tokenizer, req: P.SamplingRequest, gen: Generation, chat: bool) -> None:
         self.req, self.gen, self.chat = req, gen, chat
         self.k = req.sample_logprobs()
         self.text = TokenText(tok, req.return_tokens_as_token_ids)

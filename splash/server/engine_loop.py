@@ -1,7 +1,7 @@
 """The engine thread on rank 0: the only thread that touches the Engine (and so makes MPI calls).
 
-The HTTP side talks to it through a command queue (add / abort / set layout / stop) guarded by a condition
-variable: when there is no work the thread sleeps on the condition (no spinning), and each step's token events
+The HTTP side talks to it through a queue of commands (calls the engine thread makes: add / abort / set layout /
+reset the prefix cache) guarded by a condition variable: when there is no work the thread sleeps on the condition (no spinning), and each step's token events
 are handed back to the asyncio loop in *one* ``post`` call (``loop.call_soon_threadsafe``), which feeds each
 request's sink. After every step the thread publishes an immutable ``EngineSnapshot`` that metrics, the
 console and ``GET /v1/layout`` read without locking.
@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from splash.engine.messages import EngineRequest
 from splash.layouts.layout import LAYOUT_NAMES
 
 Sink = Callable[[list[Any]], None]   # receives TokenEvents (or one Exception) in the asyncio thread
@@ -91,7 +92,7 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self.max_outstanding = max_outstanding
         self._cond = threading.Condition()
-        self._cmds: deque[tuple] = deque()
+        self._cmds: deque[Callable[[], None]] = deque()   # run on the engine thread, in order
         self._stopping = False
         self._draining = False
         self.outstanding = 0            # sequences accepted by add() and not yet finished, failed or aborted
@@ -116,9 +117,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def add(self, reqs: list[tuple[str, list[int], Any]], sink: Sink) -> None:
-        """Queue requests ``(req_id, prompt_ids, SamplingParams)`` whose events all go to ``sink``.
-        Raises EngineStopped while draining or stopped, Overloaded when the queue is full."""
+    def add(self, reqs: list[EngineRequest], sink: Sink) -> None:
+        """Queue requests whose events all go to ``sink``. Raises EngineStopped while draining or stopped,
+        Overloaded when the queue is full."""
         with self._cond:
             if self._draining:
                 raise EngineStopped("the server is shutting down")
@@ -128,7 +129,7 @@ class EngineLoop:
                                  f"this request adds {len(reqs)} (limit {limit}); retry later")
             self.outstanding += len(reqs)
         try:
-            self._command(("add", reqs, sink))
+            self._command(lambda: self._add(reqs, sink))
         except EngineStopped:
             self._done(len(reqs))
             raise
@@ -148,18 +149,19 @@ class EngineLoop:
             self.outstanding -= n
 
     def abort(self, req_ids: list[str]) -> None:
-        self._command(("abort", list(req_ids)))
+        ids = list(req_ids)
+        self._command(lambda: self._abort(ids))
 
     def set_layout(self, name: str) -> Future:
         """Ask the engine to pin ``name`` (or 'auto'); the future resolves once the engine accepted it."""
         fut: Future = Future()
-        self._command(("layout", name, fut))
+        self._command(lambda: self._set_layout(name, fut))
         return fut
 
     def reset_prefix_cache(self) -> Future:
         """Ask the engine to forget the cached blocks no request uses; the future resolves to how many."""
         fut: Future = Future()
-        self._command(("reset_prefix_cache", fut))
+        self._command(lambda: fut.set_result(self.engine.reset_prefix_cache()))
         return fut
 
     def stop(self, timeout: float | None = None) -> None:
@@ -169,7 +171,7 @@ class EngineLoop:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _command(self, cmd: tuple) -> None:
+    def _command(self, cmd: Callable[[], None]) -> None:
         with self._cond:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -187,7 +189,7 @@ class EngineLoop:
                     self._cmds.clear()
                     stopping = self._stopping
                 for cmd in cmds:
-                    self._apply(cmd)
+                    cmd()
                 if stopping:
                     break
                 if self.engine.has_work():
@@ -202,36 +204,33 @@ class EngineLoop:
         if self._on_fatal is not None:
             self._on_fatal(message)
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, reqs, sink = cmd
-            for req_id, prompt, params in reqs:
-                try:
-                    self.engine.add_request(prompt, params, req_id)
-                except Exception as e:  # noqa: BLE001 — rejected before any collective: only this request fails
-                    self._done(1)
-                    self._deliver([(sink, [e])])
-                    continue
-                self._sinks[req_id] = sink
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(prompt))
-        elif kind == "abort":
-            for req_id in cmd[1]:
-                if self._sinks.pop(req_id, None) is not None:
-                    self.engine.abort(req_id)
-                    self._done(1)
-        elif kind == "reset_prefix_cache":
-            cmd[1].set_result(self.engine.reset_prefix_cache())
-        elif kind == "layout":
-            _, name, fut = cmd
+    # ---- commands, run on the engine thread -------------------------------------------------------------
+    def _add(self, reqs: list[EngineRequest], sink: Sink) -> None:
+        for req in reqs:
             try:
-                self.engine.request_layout(name)
-            except ValueError as e:
-                fut.set_exception(e)
-            else:
-                self._publish()   # the answer to POST /v1/layout already shows the new mode
-                fut.set_result(None)
+                self.engine.add(req)
+            except Exception as e:  # noqa: BLE001 — rejected before any collective: only this request fails
+                self._done(1)
+                self._deliver([(sink, [e])])
+                continue
+            self._sinks[req.req_id] = sink
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(req.prompt))
+
+    def _abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            if self._sinks.pop(req_id, None) is not None:
+                self.engine.abort(req_id)
+                self._done(1)
+
+    def _set_layout(self, name: str, fut: Future) -> None:
+        try:
+            self.engine.request_layout(name)
+        except ValueError as e:
+            fut.set_exception(e)
+        else:
+            self._publish()   # the answer to POST /v1/layout already shows the new mode
+            fut.set_result(None)
 
     def _step(self) -> None:
         self.step_started = time.monotonic()

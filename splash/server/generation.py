@@ -18,6 +18,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from splash.engine.messages import EngineRequest
 from splash.engine.sampling import SamplingParams
 from splash.server.engine_loop import EngineLoop, EngineStopped, Overloaded
 from splash.server.protocol import APIError
@@ -63,11 +64,11 @@ class Generation:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.n = n
         self.choices: list[Choice] = []
-        self._params = params
-        self._prompts = prompts
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        self.requests = [EngineRequest(f"{req_prefix}-{i}", prompt, p)
+                         for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for i, (req, p) in enumerate(zip(self.requests, params)):
             skip = skip_special_tokens if p is None else p.skip_special_tokens
-            c = Choice(i, f"{req_prefix}-{i}", len(prompt), IncrementalDetokenizer(tok, skip))
+            c = Choice(i, req.req_id, len(req.prompt), IncrementalDetokenizer(tok, skip))
             if p is not None:
                 c.min_tokens, c.include_stop = p.min_tokens, p.include_stop_str_in_output
             leader = params[i - i % n]
@@ -87,9 +88,8 @@ class Generation:
         return all(c.finish is not None for c in self.choices)
 
     def start(self) -> None:
-        reqs = [(c.req_id, self._prompts[c.index], self._params[c.index]) for c in self.choices]
         try:
-            self.loop.add(reqs, self._queue.put_nowait)
+            self.loop.add(self.requests, self._queue.put_nowait)
         except EngineStopped as e:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
         except Overloaded as e:

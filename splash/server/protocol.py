@@ -60,7 +60,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingRequest(_Strict):
     model: Optional[str] = None
     max_tokens: Optional[Int64] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -123,7 +123,7 @@ class _Sampling(_Strict):
         return None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -148,7 +148,7 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Int64] = Field(None, ge=1)
     logprobs: bool = False

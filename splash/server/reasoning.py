@@ -55,7 +55,7 @@ def split(name: str | None, text: str, kwargs: dict | None = None,
     return r, c or None
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -92,7 +92,7 @@ class ReasoningStream:
         if self.state == "think":
             i = self.buf.find(END)
             if i < 0:
-                keep = _partial_tail(self.buf, END)
+                keep = partial_tail(self.buf, END)
                 r, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return r, ""
             r, c = self.buf[:i], self.buf[i + len(END):]

@@ -25,6 +25,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from splash.server.reasoning import partial_tail
+
 NAMES = ("glm45", "deepseek_v3", "deepseek_v31", "deepseek_v32")
 
 
@@ -48,13 +50,6 @@ def _json_or_text(v: str):
         return json.loads(v)
     except (json.JSONDecodeError, ValueError):
         return v
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class _Format:
@@ -113,7 +108,7 @@ class _DeepSeek(_Format):
             if end >= 0:
                 out.append(Call(name, body[:end], True))
                 continue
-            keep = _partial_tail(body, close)
+            keep = partial_tail(body, close)
             out.append(Call(name, body[:len(body) - keep], False))
             break
         return out
@@ -198,7 +193,7 @@ class ToolStream:
         if self.section is None:
             i = self.text.find(self.fmt.start, max(0, self.sent_content - len(self.fmt.start)))
             if i < 0:
-                end = len(self.text) - _partial_tail(self.text, self.fmt.start)
+                end = len(self.text) - partial_tail(self.text, self.fmt.start)
                 out, self.sent_content = self.text[self.sent_content:end], max(self.sent_content, end)
                 return out, []
             self.section = i

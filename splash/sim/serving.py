@@ -146,11 +146,11 @@ def linear_seconds(cm: CostModel, m: SimModel, rows: list[RowLoad]) -> float:
     per = cm.stage_seconds("attention", w)
     ffn = Work()
     sh = Shapes(m.full, T, wb, ab, 0.0, 0.0, cm.block_size)
-    from splash.costmodel.work import _ffn  # the MLA layers' FFN counting, reused for the linear layers' FFN
+    from splash.costmodel.work import ffn_work  # the MLA layers' FFN counting, reused for the linear layers' FFN
     st = {"ffn": ffn}
-    _ffn(sh, st, n, moe=True)
+    ffn_work(sh, st, n, moe=True)
     dense = Work()
-    _ffn(sh, {"ffn": dense}, n, moe=False)
+    ffn_work(sh, {"ffn": dense}, n, moe=False)
     moe_layers = m.linear_layers - m.linear_dense_layers
     return (m.linear_layers * per + moe_layers * cm.stage_seconds("ffn", ffn)
             + m.linear_dense_layers * cm.stage_seconds("ffn", dense))

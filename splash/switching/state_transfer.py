@@ -15,7 +15,7 @@ import torch
 
 from splash.models.kda import KDAWeights
 from splash.models.qweight import QuantWeight, RowStack, cat_cols, cat_rows
-from splash.switching.weights_transfer import _shard_geometry
+from splash.switching.weights_transfer import shard_geometry
 
 
 # head-indexed fields that may be stored quantised: (by rows, rows/columns per head in units of head_dim, or 1)
@@ -107,7 +107,7 @@ def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int
         for k, p in sorted(plain.items()):
             pieces[k].append(take(p.numel() * p.element_size()).view(p.dtype).view(p.shape))
         for k, (q, rows, n) in sorted(quant.items()):
-            dshape, sshape, a_off = _shard_geometry(q, range(r * per, (r + 1) * per), n, rows)
+            dshape, sshape, a_off = shard_geometry(q, range(r * per, (r + 1) * per), n, rows)
             data = take(dshape[0] * dshape[1] * q.data.element_size()).view(q.data.dtype).view(dshape)
             scale = take(sshape[0] * sshape[1] * 4).view(torch.float32).view(sshape)
             r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from splash.native.packed import PackedLinear
-from splash.models.qweight import BLOCK, FP8, QuantWeight, _blocks, cat_cols, cat_rows, owned
+from splash.models.qweight import BLOCK, FP8, QuantWeight, cat_cols, cat_rows, owned, scale_blocks
 from splash.models.weights import AttnWeights
 
 
@@ -58,7 +58,7 @@ def pack_shard(w: AttnWeights) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in _parts(w)])
 
 
-def _shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -> tuple[tuple, tuple, int]:
+def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -> tuple[tuple, tuple, int]:
     """(data shape, scale shape, offset in first block) of the shard for `heads` of the full weight that the
     local shard `q` (rows/cols of `per_head` per head) belongs to."""
     a0, n = heads.start * per_head, len(heads) * per_head
@@ -66,7 +66,7 @@ def _shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) 
     data = (n, other) if by_rows else (other, n)
     if q.fmt != FP8:
         return data, ((n, 1) if by_rows else (other, 1)), 0
-    nb, nother = _blocks(a0, n)[1], -(-other // BLOCK)
+    nb, nother = scale_blocks(a0, n)[1], -(-other // BLOCK)
     return data, ((nb, nother) if by_rows else (nother, nb)), a0 % BLOCK
 
 
@@ -77,7 +77,7 @@ def shard_nbytes(w: AttnWeights, heads: range) -> int:
     total = 0
     for q, rows in zip(_quant_parts(w), (True, True, False)):
         per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-        d, s, _ = _shard_geometry(q, heads, per, rows)
+        d, s, _ = shard_geometry(q, heads, per, rows)
         total += d[0] * d[1] * q.data.element_size() + s[0] * s[1] * 4
     return total
 
@@ -89,7 +89,7 @@ def _unpack_quant(w: AttnWeights, gathered: torch.Tensor, ranks: list[range], nu
     for heads in ranks:
         for i, (q, rows) in enumerate(zip(local, (True, True, False))):
             per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-            dshape, sshape, a_off = _shard_geometry(q, heads, per, rows)
+            dshape, sshape, a_off = shard_geometry(q, heads, per, rows)
             nd = dshape[0] * dshape[1] * q.data.element_size()
             data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)
             off += nd

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from splash.engine.messages import EngineRequest
+from splash.engine.sampling import SamplingParams
 from splash.server.app import ServerState, check_admin, create_app
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.metrics import Metrics
@@ -60,7 +62,7 @@ def test_tiny_temperature_is_greedy_and_a_sampling_failure_fails_one_request(eng
     real = engine.sampler.sample
 
     def sample(logits, req_ids):   # a batch holding a request whose sampling raises (seed 666 marks it)
-        if any(engine.params[r].seed == 666 for r in req_ids):
+        if any(engine.sampler.states[r].params.seed == 666 for r in req_ids):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, req_ids)
 
@@ -205,7 +207,7 @@ def test_engine_loop_refuses_adds_while_draining(engine):
     try:
         loop.begin_drain()
         with pytest.raises(EngineStopped):
-            loop.add([("r", [1, 2], None)], lambda items: None)
+            loop.add([EngineRequest("r", (1, 2), SamplingParams())], lambda items: None)
         assert loop.outstanding == 0
     finally:
         loop.stop(5)

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from splash.engine.engine import TokenEvent
+from splash.engine.messages import TokenEvent
 from splash.server.app import ServerState, admin_token_required, create_app, is_loopback
 from splash.server.generation import Generation
 from splash.server.protocol import APIError, CompletionRequest, LayoutRequest, parse_request

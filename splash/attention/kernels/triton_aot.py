@@ -77,23 +77,23 @@ def _spill_bytes(target: str, asm: dict) -> int:
 
 
 def compile_split(target: str, kv_dtype: str, bh: int, warps: int, dc: int, dr: int) -> dict:
-    """Compile `_mla_split` for one launch shape; its resources and matrix-unit instruction count."""
+    """Compile `mla_split` for one launch shape; its resources and matrix-unit instruction count."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from splash.attention.kernels import triton_mla as tm
     backend, arch, warp, limit = TARGETS[target]
-    bdc = tm._pow2(dc)
+    bdc = tm.pow2(dc)
     fmt = tm.FORMATS[kv_dtype]
-    const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm._pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=PAGE,
+    const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm.pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=PAGE,
                  GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32", HAS_ROPE=dr > 0, NSPLIT=1,
                  DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False)
-    k = triton.compile(ASTSource(tm._mla_split, _signature(kv_dtype), const),
+    k = triton.compile(ASTSource(tm.mla_split, _signature(kv_dtype), const),
                        target=GPUTarget(backend, arch, warp), options={"num_warps": warps})
     text = k.asm.get("ptx") or k.asm["amdgcn"]
     narrow = narrow_argument_offsets(k.asm["ttir"], _signature(kv_dtype))
-    return dict(narrow_offsets=narrow, kernel="_mla_split", target=target, kv_dtype=kv_dtype, head_block=bh, num_warps=warps, d_c=dc,
+    return dict(narrow_offsets=narrow, kernel="mla_split", target=target, kv_dtype=kv_dtype, head_block=bh, num_warps=warps, d_c=dc,
                 d_r=dr, shared=k.metadata.shared, shared_limit=limit, spill_bytes=_spill_bytes(target, k.asm),
                 matrix_ops=len(MATRIX_OPS.findall(text)))
 
@@ -106,9 +106,9 @@ def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:
     from splash.attention.kernels import triton_mla as tm
     backend, arch, warp, limit = TARGETS[target]
     sig = {"OPART": "*fp32", "LPART": "*fp32", "O": "*fp32", "LSE": "*fp32"}
-    const = dict(DC=dc, BDC=tm._pow2(dc, 1), NSPLIT=splits, BS=tm._pow2(splits, 1))
-    k = triton.compile(ASTSource(tm._mla_merge, sig, const), target=GPUTarget(backend, arch, warp))
-    return dict(narrow_offsets=narrow_argument_offsets(k.asm["ttir"], sig), kernel="_mla_merge", target=target, shared=k.metadata.shared, shared_limit=limit,
+    const = dict(DC=dc, BDC=tm.pow2(dc, 1), NSPLIT=splits, BS=tm.pow2(splits, 1))
+    k = triton.compile(ASTSource(tm.mla_merge, sig, const), target=GPUTarget(backend, arch, warp))
+    return dict(narrow_offsets=narrow_argument_offsets(k.asm["ttir"], sig), kernel="mla_merge", target=target, shared=k.metadata.shared, shared_limit=limit,
                 spill_bytes=_spill_bytes(target, k.asm), splits=splits)
 
 

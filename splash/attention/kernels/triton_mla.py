@@ -1,12 +1,12 @@
 """`triton` MLA attention: our own split-KV Triton kernels over the paged latent cache (NVIDIA and AMD alike).
 
-Kernel 1 (`_mla_split`), grid (query rows, head blocks, splits): each program takes one query row (decode or a
+Kernel 1 (`mla_split`), grid (query rows, head blocks, splits): each program takes one query row (decode or a
 prefill-chunk row alike: its position decides what it sees) and a block of heads, walks its split of the row's
 held tokens in blocks of BLOCK_N — token t of the request here is offset t % page of page t // page, looked up
 in the page table in place — loads and dequantises the latent (fp32; bf16; fp8 e4m3 and int8 × their per-token
 per-128-group fp32 scales) and the rope key, scores q_lat·c + q_rope·k_rope, masks keys past the query's
 position (and CP's pages by their logical block), and keeps an online softmax; it writes the split's normalised
-partial õ and natural-log LSE. Kernel 2 (`_mla_merge`), grid (rows, heads), merges the splits exactly.
+partial õ and natural-log LSE. Kernel 2 (`mla_merge`), grid (rows, heads), merges the splits exactly.
 - Matrix units: over a bf16 / fp8 / int8 pool both products take bf16 operands (queries, dequantised keys,
   probabilities) with fp32 accumulation, so they compile to mma / wgmma (NVIDIA) and MFMA (AMD); an fp32 pool
   keeps exact fp32 products (CPU checks). Tolerance against the fp32 reference: that of bf16 GEMM inputs
@@ -64,7 +64,7 @@ def _dot(a, b, DOT_BF16: tl.constexpr, EMULATED: tl.constexpr):
 
 
 @triton.jit
-def _mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_ROWS, QPOS, OPART, LPART,
+def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_ROWS, QPOS, OPART, LPART,
                H, PCOLS, tokens_per_split, sm_scale,
                DC: tl.constexpr, DR: tl.constexpr, BDC: tl.constexpr, BDR: tl.constexpr, BH: tl.constexpr,
                BN: tl.constexpr, PAGE: tl.constexpr, GROUPS: tl.constexpr, FMT: tl.constexpr,
@@ -142,7 +142,7 @@ def _mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_
 
 
 @triton.jit
-def _mla_merge(OPART, LPART, O, LSE, DC: tl.constexpr, BDC: tl.constexpr, NSPLIT: tl.constexpr,
+def mla_merge(OPART, LPART, O, LSE, DC: tl.constexpr, BDC: tl.constexpr, NSPLIT: tl.constexpr,
                BS: tl.constexpr):
     rh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BS)
@@ -160,7 +160,7 @@ def _mla_merge(OPART, LPART, O, LSE, DC: tl.constexpr, BDC: tl.constexpr, NSPLIT
     tl.store(LSE + rh, tl.where(tot > 0, mx_safe + tl.log(tl.maximum(tot, 1e-30)), float("-inf")))
 
 
-def _pow2(n: int, floor: int = 16) -> int:
+def pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
@@ -168,7 +168,7 @@ def launch_config(vendor: str, heads: int, kv_dtype: str) -> tuple[int, int]:
     """(head block, num_warps) for `heads` query heads on this rank over a `kv_dtype` pool: the head block is the
     heads rounded up to a power of two (at least 16, tl.dot's smallest tile), capped per vendor and format."""
     cap, warps = LAUNCH[vendor][kv_dtype]
-    return min(cap, _pow2(heads)), warps
+    return min(cap, pow2(heads)), warps
 
 
 def split_count(rows: int, heads: int, d_c: int, decode_only: bool, longest_blocks: int, max_splits: int,
@@ -228,13 +228,13 @@ class TritonMLAKernel:
         opart = o if S == 1 else torch.empty(n, h, S, dc, dtype=torch.float32, device=dev)
         lpart = lse if S == 1 else torch.empty(n, h, S, dtype=torch.float32, device=dev)
         bh, warps = launch_config(self.vendor, h, kv_dtype)
-        bdc = _pow2(dc)
-        _mla_split[(n, triton.cdiv(h, bh), S)](
+        bdc = pow2(dc)
+        mla_split[(n, triton.cdiv(h, bh), S)](
             ql, qr, ckv, kpe, scale, meta.pages, meta.logical, meta.num_pages, meta.row_req, meta.req_rows,
             meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale,
-            DC=dc, DR=max(dr, 1), BDC=bdc, BDR=_pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
+            DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
             GROUPS=quant.num_groups(dc), FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=S,
             DOT_BF16=fmt != 0, GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, num_warps=warps)
         if S > 1:
-            _mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=_pow2(dc, 1), NSPLIT=S, BS=_pow2(S, 1))
+            mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=pow2(dc, 1), NSPLIT=S, BS=pow2(S, 1))
         return o, lse

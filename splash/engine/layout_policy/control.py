@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from splash.layouts.layout import LAYOUT_NAMES, check_heads, heads_fit, parse_layout
 from splash.layouts.memory import CONVERT_CHUNK_SLOTS, kv_bytes_per_token_layer
@@ -30,7 +30,7 @@ ALL_LAYOUTS = LAYOUT_NAMES
 @dataclass
 class SwitchDecision:
     dst: str
-    reqs: dict[str, tuple[int, int | None, int | None]]   # req -> (kv tokens, src owner, dst owner)
+    reqs: dict[str, ReqState]   # req -> its KV tokens, src owner, dst owner
     manifest: Manifest
 
 
@@ -97,7 +97,7 @@ class LayoutController:
             self.last_deferral = reason
             return None
         self.last_deferral = None
-        full = {rid: (s.num_tokens, s.src_owner, owners.get(rid)) for rid, s in reqs.items()}
+        full = {rid: replace(s, dst_owner=owners.get(rid)) for rid, s in reqs.items()}
         return SwitchDecision(dst, full, m)
 
     def convert_bytes(self, m: Manifest, cap: int, held_blocks: int) -> int:
