@@ -89,3 +89,18 @@ def test_builtin_workloads_are_seeded():
     assert ag == sorted(ag, key=lambda r: (r.arrive, r.rid)) and max(r.input_len for r in ag) > 80_000
     with pytest.raises(ValueError, match="rl-rollout"):
         builtin("nope", 1)
+
+
+def test_truth_kernels_common_to_every_layout_share_their_error(sim):
+    cm, _, _ = sim
+    res = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, -0.7]
+    shared = model_error.draw_truth(cm, res, seed=5)
+    apart = model_error.draw_truth(cm, res, seed=5, kernels="per_layout")
+    for st in model_error.COMMON_STAGES:          # the FFN is one kernel whatever the attention layout
+        assert len({shared.step_factor[(lay, st)] for lay in LAYOUTS}) == 1
+    assert any(len({apart.step_factor[(lay, st)] for lay in LAYOUTS}) > 1 for st in model_error.COMMON_STAGES)
+    own = [k for k in apart.step_factor if k[1] not in model_error.COMMON_STAGES]   # attention block: per layout
+    assert any(len({shared.step_factor[(lay, st)] for lay in LAYOUTS}) > 1 for _, st in own)
+    assert all(shared.step_factor[k] == apart.step_factor[k] for k in own)
+    with pytest.raises(ValueError, match="per_layout"):
+        model_error.draw_truth(cm, res, seed=5, kernels="nope")

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "`splash-sim paper --json` table, while auto plans with the nominal model; reports auto, "
                          "every fixed layout and the per-phase oracle per seed (splash/sim/model_error.py)")
     ap.add_argument("--seeds", default="1,2,3", help="comma list of seeds for --truth-error (default 1,2,3)")
+    ap.add_argument("--truth-kernels", choices=("shared", "per_layout"), default="shared",
+                    help="with --truth-error: stages that compute the same in every layout (FFN/MoE, LM head, norms) "
+                         "share one error (shared), or every layout's stage draws its own (per_layout)")
     ap.add_argument("--margin", type=float, default=0.10, help="switch margin of the --trace scheduler (layout.switch_margin)")
     return ap
 
@@ -197,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"splash-sim: --seeds: not a comma list of integers: {a.seeds!r}", file=sys.stderr)
             return 2
-        return experiment_cli(console, cm, setup, caps, a.trace, a.truth_error, seeds, a.margin, a.json)
+        return experiment_cli(console, cm, setup, caps, a.trace, a.truth_error, seeds, a.margin, a.json,
+                              a.truth_kernels)
     if a.trace:
         return replay_cli(console, cm, setup, caps, a.trace, a.margin)
     points = run_points(cm, setup, caps, a.batch_sizes, a.input_lens, a.output_len)

@@ -3,8 +3,13 @@ the nominal one by errors drawn from splash-sim's held-out residuals against the
 --truth-error`` charges every step and switch with the truth while ``auto`` plans with the nominal model and
 learns from what it is charged, as the engine learns from measured steps. Pure, no torch.
 
-Errors: one factor per (layout, stage) and one per switch direction, each 1 + s·|r| with r drawn uniformly from
-the residuals and s a random sign (the residuals' magnitudes, either way), from ``random.Random(seed)``.
+Errors: one factor per kernel and one per switch direction, each 1 + s·|r| with r drawn uniformly from the residuals
+and s a random sign (the residuals' magnitudes, either way), from ``random.Random(seed)``. A stage that runs the same
+computation in every layout (COMMON_STAGES: the FFN/MoE and its all-reduce, the LM head, norms and residuals, the
+host's planning — splash/costmodel/work.py) is one kernel with one error, shared by the layouts; the stages whose
+work differs by layout (the attention block's GEMMs, the attention kernel, the indexer, the exchange's collectives,
+the peer wait and the overlap) get a factor per layout. ``kernels="per_layout"`` draws every (layout, stage) apart,
+as if the same FFN ran at a different efficiency in each layout.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from splash.costmodel.work import STAGES
 
 RESIDUAL_KINDS = ("tokens_per_s", "primitive_ms")   # per-kernel-like figures: rates and per-layer times
 EXTRA_STAGES = ("sync", "overlap")                    # stages a StepPrediction carries beyond work.STAGES
+COMMON_STAGES = ("plan", "ffn", "ffn_all_reduce", "lm_head", "other")   # the same computation in every layout
+TRUTH_KERNELS = ("shared", "per_layout")            # COMMON_STAGES share one error / every (layout, stage) its own
 
 
 def held_out_residuals(rows: list[dict]) -> list[float]:
@@ -57,26 +64,31 @@ class TruthModel:
         return getattr(self.nominal, name)
 
 
-def draw_truth(nominal, residuals: list[float], seed: int) -> TruthModel:
+def draw_truth(nominal, residuals: list[float], seed: int, kernels: str = "shared") -> TruthModel:
+    if kernels not in TRUTH_KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(TRUTH_KERNELS)}, got {kernels!r}")
     rng = random.Random(seed)
 
     def factor() -> float:
         return max(0.05, 1.0 + rng.choice((-1.0, 1.0)) * abs(rng.choice(residuals)))
 
     steps = {(lay, st): factor() for lay in LAYOUTS for st in (*STAGES, *EXTRA_STAGES)}
+    if kernels == "shared":
+        common = {st: factor() for st in COMMON_STAGES}
+        steps.update({(lay, st): f for lay in LAYOUTS for st, f in common.items()})
     switches = {(a, b): factor() for a in LAYOUTS for b in LAYOUTS if a != b}
     return TruthModel(nominal, steps, switches)
 
 
 def experiment(cm, setup, caps, workload_for_seed, residuals: list[float], seeds: list[int],
-               margin: float = 0.1) -> list[dict]:
+               margin: float = 0.1, kernels: str = "shared") -> list[dict]:
     """Per seed: auto (plans with ``cm``, charged and learning from the truth), every fixed layout and the
     per-phase oracle (auto planning with the truth itself), all charged with the seed's truth. Output tokens/s."""
     from splash.sim.trace import replay
     out = []
     for seed in seeds:
         work = workload_for_seed(seed)
-        truth = draw_truth(cm, residuals, seed)
+        truth = draw_truth(cm, residuals, seed, kernels)
         row = {"seed": seed, "auto": replay(cm, setup, caps, work, "auto", margin, truth=truth)}
         for lay in LAYOUTS:
             try:
@@ -95,7 +107,7 @@ def experiment(cm, setup, caps, workload_for_seed, residuals: list[float], seeds
 
 
 def experiment_cli(console, cm, setup, caps, trace: str, table_json: str, seeds: list[int], margin: float,
-                   json_out: str | None = None) -> int:
+                   json_out: str | None = None, kernels: str = "shared") -> int:
     import json
     from pathlib import Path
 
@@ -116,9 +128,9 @@ def experiment_cli(console, cm, setup, caps, trace: str, table_json: str, seeds:
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"splash-sim: {e}")
         return 2
-    rows = experiment(cm, setup, caps, workload_for_seed, residuals, seeds, margin)
-    t = Table(title=f"{trace} under model error ({len(residuals)} held-out residuals from {table_json}): "
-                    f"output tokens/s, all charged with the seed's truth")
+    rows = experiment(cm, setup, caps, workload_for_seed, residuals, seeds, margin, kernels)
+    t = Table(title=f"{trace} under model error ({len(residuals)} held-out residuals from {table_json}, {kernels} "
+                    f"kernel errors): output tokens/s, all charged with the seed's truth")
     for col in ("seed", "auto", "TP", "DP-attn", "CP", "DOP", "oracle", "best fixed", "auto / best",
                 "oracle / best", "switches (auto, oracle)"):
         t.add_column(col, justify="right")
@@ -133,5 +145,6 @@ def experiment_cli(console, cm, setup, caps, trace: str, table_json: str, seeds:
     console.print(f"auto vs the best fixed layout: worst {worst:.3f}, mean "
                   f"{sum(r['auto_vs_best'] for r in rows) / len(rows):.3f} over seeds {seeds}")
     if json_out:
-        Path(json_out).write_text(json.dumps({"trace": trace, "residuals": residuals, "seeds": rows}, indent=1))
+        Path(json_out).write_text(json.dumps({"trace": trace, "kernels": kernels, "residuals": residuals,
+                                              "seeds": rows}, indent=1))
     return 0
