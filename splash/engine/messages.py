@@ -20,10 +20,15 @@ class StepItem:
 
 @dataclass(frozen=True)
 class SwitchPlan:
-    """A layout switch handed off at this step's boundary: per request (KV tokens, src owner, dst owner)."""
+    """A layout switch handed off at this step's boundary: per request (KV tokens, src owner, dst owner, hashes of
+    its shared cached blocks); the idle cached blocks (hash, logical block, rank; oldest first) with each rank's cap
+    for them and whether they may be sent (splash.switching.block_plan): every rank plans the same manifest."""
     dst: str
     mode: str
-    reqs: dict[str, tuple[int, int | None, int | None]] = field(default_factory=dict)
+    reqs: dict[str, tuple] = field(default_factory=dict)
+    cached: tuple[tuple[int, int, int], ...] = ()
+    cached_cap: tuple[int, ...] = ()
+    move_cached: bool = False
 
 
 @dataclass(frozen=True)

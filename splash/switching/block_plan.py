@@ -15,8 +15,9 @@ dropped. The rule (docs/layouts.md, "Prefix cache across a switch"): newest firs
 destination layout would look it up — for the request owner (DP-attn/DOP) or CP anchor that cached it, which is
 where it lies unless the switch re-homes it; under TP on every rank — when
 
-1. it fits: each destination rank has ``room`` blocks for idle ones (the caller's figure: its usable pool less the
-   running requests' blocks and the handoff step's reserve); a block that fits nowhere is dropped, and
+1. it fits: each destination rank keeps idle blocks only within ``cap`` (the caller's figure: its usable pool less
+   the handoff step's reserve) less the blocks running requests reference there after the switch; a block that does
+   not fit is dropped, and
 2. it is worth its bytes: a copy already on the rank costs nothing; one that would have to be sent is moved only when
    ``move_cached`` (the caller's cost verdict, splash.costmodel.switch_cost.cached_moves_pay) says a block's transfer
    costs less than the recompute it is expected to save. A block needed on several ranks (TP) is kept on all or
@@ -80,7 +81,7 @@ def _cache_owner(src: Layout, cb: CachedBlock, world: int) -> int:
 
 
 def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners: Mapping[str, int],
-                block_size: int, cached: Sequence[CachedBlock] = (), room: Sequence[int] | None = None,
+                block_size: int, cached: Sequence[CachedBlock] = (), cap: Sequence[int] | None = None,
                 move_cached: bool = True) -> BlockPlan:
     """Per physical block: moves (deduplicated by block and destination rank), keeps, discards, re-shares, and the
     idle cached blocks kept or dropped by the module's rule. ``requests``: req -> ReqState (``hashes``: its leading
@@ -140,6 +141,7 @@ def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners:
                     attach[r].append((req, b, h))
     shared = {h for per in named for h in per}
     in_use = [n + len(named[r]) for r, n in enumerate(in_use)]
+    room = None if cap is None else [c - n for c, n in zip(cap, in_use)]
     kept = _keep_idle(src, dst, world, cached, room, move_cached, had, named, bring)
     moved_idle = {mv.h for mv in moves if mv.req == "" and mv.h is not None}
     dropped = [sorted(had[r] - set(named[r])) for r in range(world)]

@@ -16,18 +16,18 @@ place of its old tensors — live: right before the layer runs; blocking: every 
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from backends.base import NullStreams
 from splash.attention.executors import head_range_for, make_executor
 from splash.switching import weights_transfer as wt
+from splash.switching.handoff_blocks import begin_blocks
 from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
 
 
 class SwitchExecutor:
-    def __init__(self, runner, manifest: Manifest, mode: str = "live"):
+    def __init__(self, runner, manifest: Manifest, mode: str = "live", gone=frozenset()):
+        """`gone`: requests released at this boundary, before the switch (their private blocks do not move)."""
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
         self.r, self.m, self.mode = runner, manifest, mode
@@ -36,30 +36,21 @@ class SwitchExecutor:
         self.to_convert: set[int] = set(range(manifest.num_layers)) if manifest.converts_kv else set()
         self.held: list[int] = []
         self.streams = getattr(runner, "streams", None) or NullStreams()
+        self.gone, self.begun = frozenset(gone), False
 
     # ---- set-up at the step boundary ------------------------------------------------------------------
     def begin(self) -> None:
+        """Set up the handoff (idempotent: the engine begins it before the step's cache operations)."""
+        if self.begun:
+            return
+        self.begun = True
         r, m, me = self.r, self.m, self.r.comm.rank
         bm = r.bm
-        self.send_phys, self.send_counts = self._sends(me)
-        by_req: dict[str, list[int]] = defaultdict(list)
-        now = set(m.freed_at_handoff(me))   # nothing reads these: free them before this step allocates
-        for req, b in m.discard[me]:
-            by_req[req].append(b)
-        for req, blocks in by_req.items():
-            freed = bm.detach(req, [b for b in blocks if (req, b) in now])
-            bm.free_physical(freed)
-            self.pending_free += bm.detach(req, blocks)   # the rest once their sends are done (end())
-        self.recv_counts = [0] * m.world
-        incoming: dict[str, list[int]] = defaultdict(list)
-        for mv in m.moves:
-            if mv.dst_rank == me:
-                incoming[mv.req].append(mv.block_idx)
-                self.recv_counts[mv.src_rank] += 1
-        for req, blocks in incoming.items():
-            bm.ensure(req, blocks)
-        self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
-        r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
+        hs = begin_blocks(bm, m, me, self.gone)
+        self.send_phys, self.send_counts = hs.send, hs.send_counts
+        self.recv_phys, self.recv_counts = hs.recv, hs.recv_counts
+        self.pending_free = hs.free_later
+        r.sync_tables(hs.touched)  # the page tables follow the kept + received + re-shared blocks
         self.w_action = m.action("proj")
         dst = m.dst.value
         new_heads = head_range_for(dst, r.cfg.num_attention_heads, m.world, me)
@@ -74,26 +65,15 @@ class SwitchExecutor:
                 lw.attn = self._slice(i, lw.attn, new_heads)
         r.layout, r.heads, r.kv_dtype = dst, new_heads, m.dst_kv_dtype
         r.executor = make_executor(dst, r)
-        # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
-        self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
+        # blocks holding KV after the moves (kept + received, cached ones too); blocks the step allocates later hold
+        # none yet
+        self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()}
+                           | {bm.block_of(h) for h in bm.cached_hashes()})
         if self.mode == "blocking":
             for layer in range(m.num_layers):
                 self._start(layer)
                 self._finish(layer)
                 self._convert(layer)
-
-    def _ordered(self, me: int, incoming: bool):
-        key = (lambda mv: mv.dst_rank == me) if incoming else (lambda mv: mv.src_rank == me)
-        peer = (lambda mv: mv.src_rank) if incoming else (lambda mv: mv.dst_rank)
-        return sorted((mv for mv in self.m.moves if key(mv)), key=peer)  # stable: manifest order per peer
-
-    def _sends(self, me: int) -> tuple[list[int], list[int]]:
-        counts = [0] * self.m.world
-        phys = []
-        for mv in self._ordered(me, incoming=False):
-            phys.append(self.r.bm.table(mv.req)[mv.block_idx])
-            counts[mv.dst_rank] += 1
-        return phys, counts
 
     # ---- hybrid (glm5_next) models ------------------------------------------------------------------------
     def _linear(self, layer: int) -> bool:

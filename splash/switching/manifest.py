@@ -123,6 +123,7 @@ class Manifest:
     dropped: tuple[tuple[int, ...], ...] = ()
     dst_in_use: tuple[int, ...] = ()
     logical_blocks: int = 0
+    kv_block_bytes_total: int = 0     # one block over every layer holding paged KV, as moved
 
     def src_heads_of(self, req: str, rank: int, held: int | None = None) -> range:
         """KDA heads of `req` that `rank` holds in the source layout."""
@@ -312,7 +313,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
                 requests: Mapping[str, ReqState], block_size: int, weight_bytes: float, kv_dtype: str, *,
                 capacity_tokens_per_rank: int | None = None, src_kv_dtype: str | None = None,
                 dst_kv_dtype: str | None = None, weight_quant: str | None = None,
-                cached: Sequence[CachedBlock] = (), cached_room: Sequence[int] | None = None,
+                cached: Sequence[CachedBlock] = (), cached_cap: Sequence[int] | None = None,
                 move_cached: bool = False) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
 
@@ -321,8 +322,8 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
     ``src_kv_dtype``/``dst_kv_dtype`` (default ``kv_dtype``) are the two layouts' KV storage formats.
     ``weight_quant`` ("fp8"/"int8", None = plain ``weight_bytes`` per element) is how the projections are stored.
     Prefix cache: ``ReqState.hashes`` name each request's shared leading blocks; ``cached`` lists the idle cached
-    blocks (oldest first), kept by the rule of splash.switching.block_plan within ``cached_room`` blocks per
-    destination rank (None: unbounded), moved only when ``move_cached``.
+    blocks (oldest first), kept by the rule of splash.switching.block_plan where each destination rank's blocks in use
+    leave room under ``cached_cap`` blocks (None: unbounded), moved only when ``move_cached``.
     """
     src_kv, dst_kv = src_kv_dtype or kv_dtype, dst_kv_dtype or kv_dtype
     src, dst = parse_layout(src), parse_layout(dst)
@@ -335,7 +336,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
         if lay.shards_projections:
             head_range(cfg.num_attention_heads, world, 0, lay)  # validates world | num_heads
     owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
-    bp = plan_blocks(src, dst, world, requests, owners, block_size, cached, cached_room, move_cached)
+    bp = plan_blocks(src, dst, world, requests, owners, block_size, cached, cached_cap, move_cached)
     moves, keep, discard = bp.moves, bp.keep, bp.discard
     blk = kv_bytes_per_token_layer(cfg, src_kv) * block_size  # moves happen before conversion
     blk_all = kv_block_bytes(cfg, src_kv, block_size)         # every layer holding paged KV
@@ -359,7 +360,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
                     req_hashes=tuple((q, tuple(s.hashes)) for q, s in sorted(requests.items()) if s.hashes),
                     attach=tuple(map(tuple, bp.attach)), named=tuple(map(tuple, bp.named)),
                     cached_kept=tuple(map(tuple, bp.cached_kept)), dropped=tuple(map(tuple, bp.dropped)),
-                    dst_in_use=tuple(bp.in_use), logical_blocks=bp.logical_blocks)
+                    dst_in_use=tuple(bp.in_use), logical_blocks=bp.logical_blocks, kv_block_bytes_total=blk_all)
 
 
 def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
