@@ -10,10 +10,20 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Request, Scheduler
 from splash.kv.block_manager import BlockManager
 from splash.layouts.ownership import block_holders
+from splash.models.config import model_config_from_dict
+from splash.switching.handoff_blocks import begin_blocks
+
+LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+# a tiny MLA config whose 12 heads shard over 1, 2 and 3 ranks (the manifest planner needs one)
+CFG = model_config_from_dict(dict(
+    model_type="deepseek_v3", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=12, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    v_head_dim=8), allow_planned=True)
 
 
 class Ranks:
@@ -24,7 +34,8 @@ class Ranks:
         self.world, self.bs, self.layout = world, bs, layout
         self.bms = [BlockManager(blocks, bs) for _ in range(world)]
 
-    def run(self, plan, switch_to: str | None = None):
+    def run(self, plan, switch=None):
+        """`switch`: the manifest of a switch handed off at this step (every rank applies its block plan)."""
         for rid, b, h in plan.register:
             for bm in self.bms:
                 if b in bm.table(rid):
@@ -32,10 +43,11 @@ class Ranks:
         for rid in plan.release:
             for bm in self.bms:
                 bm.release(rid)
-        if switch_to is not None:   # (owners kept: the test switches between layouts with the same placement)
-            for bm in self.bms:
-                bm.clear_cache()
-            self.layout = switch_to
+        if switch is not None:
+            for r, bm in enumerate(self.bms):
+                hs = begin_blocks(bm, switch, r, set(plan.release))
+                bm.free_physical(hs.free_later)   # (no data here: the sends are done at once)
+            self.layout = switch.dst.value
         for r, hashes in enumerate(plan.evict):
             self.bms[r].evict(hashes)
         for rid, owner, hashes in plan.attach:
@@ -66,24 +78,40 @@ def scenarios(draw):
     world = draw(st.integers(1, 3))
     bs = draw(st.sampled_from([2, 4]))
     blocks = draw(st.integers(20, 60))
-    lay = draw(st.sampled_from(["tp", "dp_attn", "cp", "dop"]))
+    lay = draw(st.sampled_from(LAYOUTS))
     stems = [[draw(st.integers(0, 50)) for _ in range(draw(st.integers(1, 12)))] for _ in range(3)]
     reqs = []
     for i in range(draw(st.integers(1, 14))):
         stem = draw(st.sampled_from(stems))
         tail = [draw(st.integers(0, 50)) for _ in range(draw(st.integers(0, 6)))]
         reqs.append((draw(st.integers(0, 40)), stem + tail, draw(st.integers(1, 12))))
-    return world, bs, blocks, lay, sorted(reqs, key=lambda x: x[0]), draw(st.integers(0, 10 ** 6))
+    switches = draw(st.lists(st.tuples(st.integers(1, 40), st.sampled_from(LAYOUTS), st.booleans()), max_size=4))
+    return world, bs, blocks, lay, sorted(reqs, key=lambda x: x[0]), draw(st.integers(0, 10 ** 6)), dict(
+        (at, (dst, move)) for at, dst, move in switches)
+
+
+def switch_now(ctl, led, sched, dst: str, move: bool):
+    """What Engine._switch_decision does for a pinned `dst`: plan against the ledger, then mirror the switch."""
+    ctl.request(dst)
+    kv = {r.req_id: r.num_cached for r in sched.running if r.num_cached > 0}
+    d = ctl.decide(led.layout, led, kv, sched.handoff_reserve_blocks(), move_cached=move)
+    if d is not None:
+        led.relayout(d.dst, d.manifest.owners, d.manifest)
+    return d
 
 
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_ranks_following_the_plans_agree_with_the_ledger(case):
-    world, bs, blocks, lay, arrivals, seed = case
+    """... through live layout switches too: shared blocks move once and are re-shared, idle cached blocks are kept or
+    dropped as the manifest says, and every rank's cache still matches rank 0's mirror (and the ledger counts exactly
+    the blocks each rank's requests hold)."""
+    world, bs, blocks, lay, arrivals, seed, switches = case
     rng = random.Random(seed)
     led = KVLedger(world, blocks, bs, lay, prefix=True)
     sched = Scheduler(led, max_num_seqs=6, max_num_batched_tokens=16)
     ranks = Ranks(world, blocks, bs, lay)
+    ctl = LayoutController(CFG, world, bs, 4, "float32")
     pending = list(arrivals)
     step = 0
     while (pending or sched.running or sched.waiting) and step < 400:
@@ -92,11 +120,14 @@ def test_ranks_following_the_plans_agree_with_the_ledger(case):
             sched.add(Request(f"q{step}-{len(pending)}", list(prompt), n))
         if sched.running and rng.random() < 0.05:     # an abort now and then
             sched.abort(rng.choice(sched.running).req_id)
+        d = None
+        if step in switches and switches[step][0] in ctl.allowed and switches[step][0] != led.layout:
+            d = switch_now(ctl, led, sched, *switches[step])
         plan = sched.schedule()
-        ranks.run(plan)
+        ranks.run(plan, d.manifest if d else None)
         for r, bm in enumerate(ranks.bms):
             held = physical_in_use(bm)
-            assert held <= led.used[r] <= led.cap()
+            assert held == led.used[r] <= led.cap()
             assert bm.num_cached == len(led.refs[r])          # the same blocks cached, by count ...
             assert all(bm.cached(h) for h in led.refs[r])     # ... and by name
         sampled = {it.req_id: rng.randrange(50) for it in plan.items if it.sample}

@@ -2,7 +2,10 @@
 requests of L tokens (random latent values written straight into the pool on the ranks the layout says hold
 them — decode-step cost does not depend on the values), and a timed decode step. With ``prefill`` = C, every
 step also carries a C-token prefill chunk from position 0 of one more request (owner / CP anchor rank 0), the
-same chunk re-run each step — a step of the kind a prompt arriving during decode makes."""
+same chunk re-run each step — a step of the kind a prompt arriving during decode makes. With ``shared_prefix`` = P,
+the first P // block_size blocks of every request are one cached prefix (a shared system prompt, the prompt of n
+samples): each rank holds one block per prefix position, named by a prefix hash and referenced by every request it
+holds that block of, as the prefix cache leaves them."""
 from __future__ import annotations
 
 import time
@@ -17,8 +20,9 @@ from splash.models.presets import preset_config, preset_getter
 
 class DecodeState:
     def __init__(self, comm, preset: str, layout: str, batch: int, context: int, block_size: int = 16,
-                 kv_dtype: str = "float32", spare_blocks: int = 64, prefill: int = 0):
+                 kv_dtype: str = "float32", spare_blocks: int = 64, prefill: int = 0, shared_prefix: int = 0):
         self.comm, self.B, self.L, self.prefill = comm, batch, context, prefill
+        self.hashes = tuple(range(1, 1 + min(shared_prefix, context) // block_size))
         cfg = preset_config(preset)
         nb = -(-(context + 64) // block_size)
         blocks = batch * nb + spare_blocks + -(-prefill // block_size)  # enough for TP (every rank holds all)
@@ -33,10 +37,17 @@ class DecodeState:
         nb = -(-self.L // bs)
         for rid, owner in self.owners.items():
             held = [b for b, h in enumerate(kv_holders(r.layout, nb, owner, self.comm.size)) if me in h]
+            hit = [(b, self.hashes[b]) for b in held if b < len(self.hashes) and r.bm.cached(self.hashes[b])]
+            if hit:
+                r.attach(rid, hit)
             r.ensure_blocks(rid, held)
             t = r.bm.table(rid)
+            for b in held:
+                if b < len(self.hashes) and not r.bm.cached(self.hashes[b]):
+                    r.bm.register(rid, b, self.hashes[b])
+            fresh = [b for b in held if b not in dict(hit)]
             for layer in range(r.cfg.num_hidden_layers):
-                for b in held:
+                for b in fresh:
                     n = min(bs, self.L - b * bs)
                     slots = torch.arange(t[b] * bs, t[b] * bs + n)
                     r.cache.write(layer, slots, torch.randn(n, r.cfg.kv_lora_rank, generator=g),

@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splash.costmodel.profile import HardwareProfile
-from splash.costmodel.switch_cost import (kv_layer_seconds, live_exposed_seconds, logical_kv_bytes_layer,
-                                          weight_layer_seconds)
+from splash.costmodel.switch_cost import (cached_recv_bytes, kv_bytes_per_s, kv_layer_seconds, live_exposed_seconds,
+                                          logical_kv_bytes_layer, weight_layer_seconds)
 from splash.costmodel.work import STAGES, Piece, Shapes, Work, dense_ffn_work, layer_work, step_extra
 from splash.layouts.layout import check_heads, parse_layout
-from splash.layouts.memory import kv_bytes_per_token_layer
+from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
 from splash.layouts.ownership import assign_owners
 from splash.models.config import ModelConfig
 
@@ -61,6 +61,11 @@ class SwitchPrediction:
     recv_bytes: float             # busiest rank, all layers
     kv_layer_seconds: float = 0.0      # one layer's KV collective (busiest rank)
     weight_layer_seconds: float = 0.0  # one layer's projection all-gather (busiest rank)
+    # prefix cache: of recv_bytes, the idle cached blocks' (busiest rank); idle cached blocks the switch keeps (all
+    # ranks); moves of blocks running requests share (once per receiving rank)
+    cached_recv_bytes: float = 0.0
+    cached_blocks_kept: int = 0
+    shared_moves: int = 0
 
 
 def _elem(dtype: str, what: str) -> float:
@@ -220,7 +225,8 @@ class CostModel:
             exposed = live_exposed_seconds(self.profile, t_layer, L, step_seconds, step_link_share)
         recv = max(manifest.total_recv_bytes, default=0.0)
         return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv,
-                                max(kv_t), max(w_t))
+                                max(kv_t), max(w_t), max(cached_recv_bytes(manifest), default=0),
+                                sum(map(len, manifest.cached_kept)), manifest.shared_moves)
 
     def _convert_seconds(self, manifest, r: int) -> float:
         """Re-storing the KV rank ``r`` holds after one layer's moves (read + write), when the format changes."""
@@ -234,3 +240,19 @@ class CostModel:
 def _no_indexer(cfg: ModelConfig) -> ModelConfig:
     import dataclasses
     return dataclasses.replace(cfg, index_head_dim=0, index_n_heads=0, index_topk=0)
+
+
+def cached_moves_pay(model, dst: str, hit_rate: float, chunk_tokens: int) -> bool:
+    """Whether idle cached blocks are worth sending with a switch into `dst` (`model`: a CostModel): one block's
+    transfer over every layer costs less than the recompute a hit on it saves — its tokens' share of a prefill chunk
+    of `chunk_tokens` in `dst` — times `hit_rate`, the share of looked-up prompt tokens the cache has found so far (no
+    lookups yet: nothing is expected of it). A live switch hides part of the transfer behind the step; pricing all of
+    it, as a blocking switch pays it, keeps the rule on the cautious side."""
+    if hit_rate <= 0:
+        return False
+    bs = model.block_size
+    kv = model.kv_dtypes.get(dst, next(iter(model.kv_dtypes.values())))
+    move_s = kv_block_bytes(model.cfg, kv, bs) / kv_bytes_per_s(model.profile)
+    chunk = max(bs, chunk_tokens)
+    recompute_s = model.step(dst, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds * bs / chunk
+    return move_s < hit_rate * recompute_s

@@ -23,17 +23,34 @@ cause the step's own collectives, which share the link (App. G): ``switch_conten
 share of the step spent in collectives. The handoff and the contention coefficient are fitted on B200's smallest
 and DOP->CP p50s (splash/sim/fit.py). ``budget`` is the older form: later layers hide behind ``overlap_fraction``
 of a layer.
+
+**Prefix cache** (splash.switching.block_plan): a switch moves each shared prefix block once per receiving rank, so
+the bytes priced above are already deduplicated; idle cached blocks the manifest sends are part of them too. Whether
+idle blocks may be sent at all is ``step_cost.cached_moves_pay``: one block's transfer at the KV collective's rate against the
+recompute it is expected to save (its tokens' share of a prefill chunk, times the cache's hit rate so far).
 """
 from __future__ import annotations
 
 
 def logical_kv_bytes_layer(manifest) -> float:
-    """One layer's live KV over the whole group (each request's blocks once), from the manifest's blocks."""
+    """One layer's live KV over the whole group (each request's blocks once, a block requests share once, plus the
+    idle cached blocks the switch moves), from the manifest's blocks."""
+    if manifest.logical_blocks:
+        return manifest.logical_blocks * float(manifest.kv_block_bytes_layer)
     blocks = set()
     for per_rank in (*manifest.keep, *manifest.discard):
         blocks.update(per_rank)
     blocks.update((m.req, m.block_idx) for m in manifest.moves)
     return len(blocks) * float(manifest.kv_block_bytes_layer)
+
+
+def cached_recv_bytes(manifest) -> tuple[int, ...]:
+    """Per rank, the bytes of idle cached blocks it receives in the switch (every layer holding paged KV)."""
+    out = [0] * manifest.world
+    for mv in manifest.moves:
+        if mv.h is not None and mv.req == "":
+            out[mv.dst_rank] += manifest.kv_block_bytes_total
+    return tuple(out)
 
 
 def kv_layer_seconds(profile, manifest, rank: int, logical: float | None = None) -> float:
@@ -79,3 +96,10 @@ def live_exposed_seconds(profile, t_layer: float, layers: int, step_seconds: flo
                 + (layers - 1) * (t_layer - hidden + profile.switch_contention * hidden * step_link_share))
     hide = profile.overlap_fraction * c
     return t_layer + (layers - 1) * max(0.0, t_layer - hide)
+
+
+def kv_bytes_per_s(profile) -> float:
+    """The rate one rank receives a switch's KV at: the KV collective's share of the link, else its all-to-all's."""
+    if profile.switch_kv_efficiency > 0 and profile.link_bytes_per_s > 0:
+        return profile.switch_kv_efficiency * profile.link_bytes_per_s
+    return profile.collective("all_to_all").bytes_per_s

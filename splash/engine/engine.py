@@ -136,17 +136,35 @@ class Engine:
             except Exception:  # noqa: BLE001 — the scheduler only advises: a failed prediction keeps the layout
                 _log.exception("auto layout: prediction failed; staying in %s", self.layout)
         d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice,
-                                vet=self.auto.vet_pending if choice is not None else None)
+                                vet=self.auto.vet_pending if choice is not None else None,
+                                move_cached=self._cached_moves_pay(choice or self.control.target))
         if d is None:
             return None
-        self.ledger.relayout(d.dst, d.manifest.owners)
-        return SwitchPlan(d.dst, self.control.mode, d.reqs)
+        self.ledger.relayout(d.dst, d.manifest.owners, d.manifest)
+        return SwitchPlan(d.dst, self.control.mode, d.reqs, d.cached,
+                          d.cached_cap, d.move_cached)
+
+    def _cached_moves_pay(self, dst: str | None) -> bool:
+        """The cost verdict on sending idle cached blocks with a switch to `dst` (splash.costmodel.switch_cost):
+        priced by the scheduler's cost model at the cache's hit rate so far; without one (no hardware profile) no
+        transfer is priced, so none is made."""
+        if self.auto is None or dst is None or not self.ledger.prefix or not self.ledger.idle_blocks():
+            return False
+        from splash.costmodel.step_cost import cached_moves_pay
+        s = self.scheduler
+        try:
+            return cached_moves_pay(self.auto.model, dst, s.prefix_hits / max(1, s.prefix_queries), s.budget)
+        except Exception:  # noqa: BLE001 — a failed prediction only costs the cached blocks that would travel
+            _log.exception("prefix cache: pricing cached blocks for a switch to %s failed; not moving them", dst)
+            return False
 
     def step(self) -> list[TokenEvent]:
         switch = self._switch_decision()
         plan = self.scheduler.schedule()
-        if switch is not None and plan.release:
-            # a request preempted or aborted by this schedule drops its KV before the handoff runs
+        if switch is not None and plan.release and not self.ledger.prefix:
+            # a request preempted or aborted by this schedule drops its KV before the handoff runs (with the prefix
+            # cache the plan keeps it, as the ledger's mirror did: the ranks skip its private blocks, and its cached
+            # blocks, idle now, go where the plan says)
             gone = set(plan.release)
             switch = replace(switch, reqs={rid: v for rid, v in switch.reqs.items() if rid not in gone})
         msg = replace(plan, switch=switch, logits=tuple(self._prompt_logit_items(plan)))
@@ -256,10 +274,10 @@ class Engine:
             self._execute(msg)
 
     def _execute(self, msg: StepMessage) -> torch.Tensor:
-        self._apply_cache_before(msg)
+        switch = self._switch_executor(msg.switch, msg.release)
+        self._apply_cache_before(msg, switch)
         self.num_steps += 1
         items = msg.items
-        switch = self._switch_executor(msg.switch)
         reqs = [StepRequest(it.req_id, it.start_pos, len(it.tokens), it.owner) for it in items]
         batch = StepBatch.build(reqs, [list(it.tokens) for it in items], [it.sample for it in items],
                                 getattr(self.runner, "device", "cpu"))
@@ -272,18 +290,21 @@ class Engine:
             self.weight_bytes_per_rank = dict(enumerate(self.comm.all_gather_obj(self._local_weight_bytes())))
         return logits
 
-    def _apply_cache_before(self, msg: StepMessage) -> None:
+    def _apply_cache_before(self, msg: StepMessage, switch=None) -> None:
         """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
-        become cached, released requests drop theirs, a switch forgets the cache, evictions free blocks, and
-        requests starting on cached blocks take them (those this rank holds in the current layout)."""
+        become cached, released requests drop theirs, a switch hands off its blocks (cached ones kept, moved or
+        dropped as its manifest says; with the cache off it forgets it), evictions free blocks, and requests starting
+        on cached blocks take them (those this rank holds in the layout the step runs in)."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
         for rid, b, h in msg.register:
             if b in r.bm.table(rid):
                 r.bm.register(rid, b, h)
         for rid in msg.release:
             r.release(rid)
-        if msg.switch is not None:
-            r.bm.clear_cache()
+        if switch is not None:
+            r.adopt(switch.begin())   # the attaches below place blocks as the destination layout holds them
+            if not self.ledger.prefix:
+                r.bm.clear_cache()
         if msg.evict:
             r.bm.evict(list(msg.evict[me]))
         for rid, owner, hashes in msg.attach:
@@ -295,7 +316,7 @@ class Engine:
         from splash.models.weights import resident_bytes
         return resident_bytes(getattr(self.runner, "weights", None))
 
-    def _switch_executor(self, sw: SwitchPlan | None):
+    def _switch_executor(self, sw: SwitchPlan | None, gone=()):
         if sw is None:
             return None
         from splash.switching.executor import SwitchExecutor
@@ -304,9 +325,10 @@ class Engine:
         r, src = self.runner, self.runner.layout
         m = plan_switch(src, sw.dst, r.cfg, self.comm.size, sw.reqs, r.block_size, self.control.weight_bytes,
                         r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw.dst],
-                        weight_quant=self.control.weight_quant)
+                        weight_quant=self.control.weight_quant, cached=sw.cached,
+                        cached_cap=sw.cached_cap or None, move_cached=sw.move_cached)
         self.control.record(src, sw.dst)
-        return SwitchExecutor(r.ctx, m, sw.mode, r.streams)
+        return SwitchExecutor(r.ctx, m, sw.mode, r.streams, gone)
 
     def _forget(self, req_id: str) -> None:
         self.sampler.remove(req_id)

@@ -8,11 +8,14 @@ of the full blocks its pool keeps cached, with how many requests reference each;
 evictable, oldest first. `used` counts the blocks requests hold (a shared block once); cached blocks no request
 holds are not in it, and `evictions` names the oldest ones a rank must give up so that in-use and cached blocks stay
 within the layout's capacity. Every hit, registration and eviction decided here travels in the step message, so the
-ranks' block managers never decide one themselves. A layout switch forgets the cache (`relayout`): blocks shared
-by running requests are then charged to each of them, an upper bound of what the ranks hold.
+ranks' block managers never decide one themselves. A layout switch keeps the cache (`relayout` with the switch's
+manifest): blocks shared by running requests stay shared where the destination holds them (moved once, re-shared by
+the receiving rank), idle cached blocks are kept or dropped as the manifest's rule says (splash.switching.block_plan),
+so the mirror stays exact; without a manifest it forgets the cache and charges shared blocks to each request.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -42,8 +45,11 @@ class KVLedger:
 
     def _clear_cache(self) -> None:
         self.refs: list[dict[int, int]] = [{} for _ in range(self.world)]        # per rank: hash -> references
-        self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.world)]   # evictable, oldest first
+        # per rank: evictable hashes, oldest first, each with the tick it became evictable (one clock for all ranks)
+        self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(self.world)]
         self.shared = {}
+        self.block_of: dict[int, int] = {}   # hash -> its logical block index (a prefix hash fixes its position)
+        self._tick = itertools.count()
 
     def cap(self, layout: str | None = None) -> int:
         """Blocks per rank the KV may use under `layout`: the physical pool less what that layout's
@@ -108,7 +114,7 @@ class KVLedger:
                 refs = self.refs[r]
                 refs[h] -= 1
                 if not refs[h]:
-                    self.lru[r][h] = None
+                    self.lru[r][h] = next(self._tick)
                     self.used[r] -= 1
 
     # ---- prefix cache (rank 0's mirror of every rank's) --------------------------------------------------------
@@ -131,6 +137,7 @@ class KVLedger:
             self.final[req] = final
         self.shared[req] = list(hashes)
         for i, h in enumerate(hashes):
+            self.block_of[h] = i
             for r in self.holders(i, owner):
                 refs = self.refs[r]
                 if not refs[h]:
@@ -151,6 +158,7 @@ class KVLedger:
         for r in holders:
             self.refs[r][h] = 1      # was the request's own block, held already: `used` does not change
         shared.append(h)
+        self.block_of[h] = block
         return True
 
     def evictions(self) -> list[list[int]]:
@@ -201,18 +209,56 @@ class KVLedger:
     def owner(self, req: str) -> int:
         return self.reqs[req][1]
 
-    def usage_under(self, layout: str, owners: dict[str, int] | None = None) -> list[int]:
-        """Per-rank blocks the live requests would use under `layout` (with optional new owners)."""
+    def usage_under(self, layout: str, owners: dict[str, int] | None = None, shared: bool = False) -> list[int]:
+        """Per-rank blocks the live requests would use under `layout` (with optional new owners); `shared`: a cached
+        block several of them reference counts once (as a switch leaves it), else once per request."""
         used = [0] * self.world
         for req, (tokens, owner) in self.reqs.items():
             o = owners.get(req, owner) if owners else owner
             need = self._need(o, 0, _blocks(tokens, self.block_size), layout)
             used = [a + b for a, b in zip(used, need)]
+        if shared:
+            refs = self._refs_under(layout, owners)
+            used = [u - sum(refs[r].values()) + len(refs[r]) for r, u in enumerate(used)]
         return used
 
-    def relayout(self, layout: str, owners: dict[str, int] | None = None) -> None:
-        self._clear_cache()   # the ranks forget theirs at the switch too
-        self.used = self.usage_under(layout, owners)
+    def _refs_under(self, layout: str, owners: dict[str, int] | None) -> list[dict[int, int]]:
+        """Per rank, how many live requests reference each cached block they share under `layout`."""
+        refs: list[dict[int, int]] = [{} for _ in range(self.world)]
+        for req, hashes in self.shared.items():
+            if req not in self.reqs:
+                continue
+            o = owners.get(req, self.reqs[req][1]) if owners else self.reqs[req][1]
+            for i, h in enumerate(hashes):
+                for r in self.holders(i, o, layout):
+                    refs[r][h] = refs[r].get(h, 0) + 1
+        return refs
+
+    def idle_blocks(self) -> list[tuple[int, int, int]]:
+        """Every evictable cached block as (hash, logical block, rank), oldest first (what a switch plans with)."""
+        out = [(t, h, r) for r in range(self.world) for h, t in self.lru[r].items()]
+        return [(h, self.block_of[h], r) for _, h, r in sorted(out)]
+
+    def relayout(self, layout: str, owners: dict[str, int] | None = None, manifest=None) -> None:
+        """Mirror a switch to `layout` (with the new owners). With the switch's `manifest` (the prefix cache on), the
+        cache survives as the manifest plans it; without, it is forgotten (the ranks clear theirs too)."""
+        if manifest is None or not self.prefix:
+            self._clear_cache()
+            self.used = self.usage_under(layout, owners)
+        else:
+            ticks: dict[int, int] = {}
+            for per in self.lru:
+                for h, t in per.items():
+                    ticks[h] = max(t, ticks.get(h, t))
+            self.used = self.usage_under(layout, owners, shared=True)
+            self.refs = self._refs_under(layout, owners)
+            self.lru = [OrderedDict(sorted(((h, ticks.get(h, 0)) for h in kept), key=lambda x: x[1]))
+                        for kept in manifest.cached_kept]
+            for r, per in enumerate(self.lru):
+                for h in per:
+                    self.refs[r][h] = 0
+            live = {h for refs in self.refs for h in refs}
+            self.block_of = {h: b for h, b in self.block_of.items() if h in live}
         if owners:
             for req, o in owners.items():
                 self.reqs[req][1] = o

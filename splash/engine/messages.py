@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from splash.switching.block_plan import CachedBlock
 from splash.switching.manifest import ReqState
 
 if TYPE_CHECKING:
@@ -55,10 +56,14 @@ class StepItem:
 
 @dataclass(frozen=True)
 class SwitchPlan:
-    """A layout switch handed off at this step's boundary: per request its KV tokens and src/dst owners."""
+    """A layout switch handed off at this step's boundary: per request its ReqState (KV tokens, src/dst owners,
+    hashes of its shared cached blocks); the idle cached blocks (oldest first) with each rank's cap for them and whether they may be sent (splash.switching.block_plan): every rank plans the same manifest."""
     dst: str
     mode: str
     reqs: dict[str, ReqState] = field(default_factory=dict)
+    cached: tuple[CachedBlock, ...] = ()
+    cached_cap: tuple[int, ...] = ()
+    move_cached: bool = False
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,34 @@ class BlockManager:
             if not self._ref[p]:
                 self._free.append(p)
 
+    def block_of(self, h: int) -> int:
+        """The physical block cached under `h`."""
+        return self._cached[h]
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
+    def receive(self, h: int) -> int:
+        """A free block named `h`, referenced by no request yet (a layout switch brings its data): -> its id."""
+        if h in self._cached:
+            raise ValueError(f"prefix hash {h:#x} is cached here already")
+        if not self._free:
+            raise OutOfBlocks(1, 0)
+        p = self._free.pop()
+        self._cached[h], self._hash_of[p] = p, h
+        return p
+
+    def forget(self, hashes: list[int]) -> list[int]:
+        """`evict` without freeing: forget the hashes; -> the blocks no request references, for `free_physical` once
+        nothing reads them (a switch may still be sending them)."""
+        out = []
+        for h in hashes:
+            p = self._cached.pop(h)
+            del self._hash_of[p]
+            if not self._ref[p]:
+                out.append(p)
+        return out
+
     def clear_cache(self) -> None:
         """Forget every hash (a layout switch): cached blocks no request references are freed, the rest stay with
         their requests."""

@@ -16,13 +16,12 @@ place of its old tensors — live: right before the layer runs; blocking: every 
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from backends.base import NullStreams
 from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.switching import weights_transfer as wt
+from splash.switching.handoff_blocks import begin_blocks
 from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
 
 
@@ -31,7 +30,8 @@ class SwitchExecutor:
     table, weights and recurrent state change in place; `begin` returns the destination's LayoutState, which the
     runner adopts before the step runs."""
 
-    def __init__(self, ctx: RankContext, manifest: Manifest, mode: str = "live", streams=None):
+    def __init__(self, ctx: RankContext, manifest: Manifest, mode: str = "live", streams=None, gone=frozenset()):
+        """`gone`: requests released at this boundary, before the switch (their private blocks do not move)."""
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
         self.r, self.m, self.mode = ctx, manifest, mode
@@ -40,30 +40,21 @@ class SwitchExecutor:
         self.to_convert: set[int] = set(range(manifest.num_layers)) if manifest.converts_kv else set()
         self.held: list[int] = []
         self.streams = streams or NullStreams()
+        self.gone, self.dst = frozenset(gone), None
 
     # ---- set-up at the step boundary ------------------------------------------------------------------
     def begin(self) -> LayoutState:
+        """Set up the handoff; -> the destination's LayoutState (idempotent: the engine begins it before the
+        step's cache operations, the runner again when it adopts the destination)."""
+        if self.dst is not None:
+            return self.dst
         r, m, me = self.r, self.m, self.r.comm.rank
         bm = r.blocks
-        self.send_phys, self.send_counts = self._sends(me)
-        by_req: dict[str, list[int]] = defaultdict(list)
-        now = set(m.freed_at_handoff(me))   # nothing reads these: free them before this step allocates
-        for req, b in m.discard[me]:
-            by_req[req].append(b)
-        for req, blocks in by_req.items():
-            freed = bm.detach(req, [b for b in blocks if (req, b) in now])
-            bm.free_physical(freed)
-            self.pending_free += bm.detach(req, blocks)   # the rest once their sends are done (end())
-        self.recv_counts = [0] * m.world
-        incoming: dict[str, list[int]] = defaultdict(list)
-        for mv in m.moves:
-            if mv.dst_rank == me:
-                incoming[mv.req].append(mv.block_idx)
-                self.recv_counts[mv.src_rank] += 1
-        for req, blocks in incoming.items():
-            bm.ensure(req, blocks)
-        self.recv_phys = [bm.table(mv.req)[mv.block_idx] for mv in self._ordered(me, incoming=True)]
-        r.sync_tables(set(incoming) | set(by_req))  # the page tables follow the kept + received blocks
+        hs = begin_blocks(bm, m, me, self.gone)
+        self.send_phys, self.send_counts = hs.send, hs.send_counts
+        self.recv_phys, self.recv_counts = hs.recv, hs.recv_counts
+        self.pending_free = hs.free_later
+        r.sync_tables(hs.touched)  # the page tables follow the kept + received + re-shared blocks
         self.w_action = m.action("proj")
         self.dst = layout_state(m.dst.value, r.family, m.world, me, m.dst_kv_dtype)
         self.state = None
@@ -74,27 +65,16 @@ class SwitchExecutor:
         if self.w_action == DISCARD:
             for i, lw in enumerate(r.weights.layers):
                 lw.attn = self._slice(i, lw.attn, self.dst.heads)
-        # blocks holding KV after the moves (kept + received); blocks the step allocates later hold none yet
-        self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()})
+        # blocks holding KV after the moves (kept + received, cached ones too); blocks the step allocates later hold
+        # none yet
+        self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()}
+                           | {bm.block_of(h) for h in bm.cached_hashes()})
         if self.mode == "blocking":
             for layer in range(m.num_layers):
                 self._start(layer)
                 self._finish(layer)
                 self._convert(layer)
         return self.dst
-
-    def _ordered(self, me: int, incoming: bool):
-        key = (lambda mv: mv.dst_rank == me) if incoming else (lambda mv: mv.src_rank == me)
-        peer = (lambda mv: mv.src_rank) if incoming else (lambda mv: mv.dst_rank)
-        return sorted((mv for mv in self.m.moves if key(mv)), key=peer)  # stable: manifest order per peer
-
-    def _sends(self, me: int) -> tuple[list[int], list[int]]:
-        counts = [0] * self.m.world
-        phys = []
-        for mv in self._ordered(me, incoming=False):
-            phys.append(self.r.blocks.table(mv.req)[mv.block_idx])
-            counts[mv.dst_rank] += 1
-        return phys, counts
 
     # ---- layer kinds (splash.models.family): MLA layers hold KV blocks, KDA layers per-request state ------------
     def _linear(self, layer: int) -> bool:

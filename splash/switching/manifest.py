@@ -17,16 +17,16 @@ source format, so the byte figures use the source dtype.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
 from splash.layouts.memory import linear_shard_bytes
 from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, projection_params,
                                    projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
-from splash.layouts.ownership import (assign_owners, cp_block_rank, head_range, kv_holders, num_blocks,
-                                      rebalance_owners)
+from splash.layouts.ownership import assign_owners, head_range, rebalance_owners
 from splash.models.config import ModelConfig
+from splash.switching.block_plan import BlockMove, CachedBlock, plan_blocks
 
 KEEP, DISCARD, ALL_GATHER, ALL_TO_ALL, REBUILD = "keep", "discard", "all_gather", "all_to_all", "rebuild"
 CONVERT = "convert"
@@ -41,15 +41,7 @@ class ReqState:
     num_tokens: int
     src_owner: int | None = None
     dst_owner: int | None = None
-
-
-@dataclass(frozen=True)
-class BlockMove:
-    """Logical KV block ``block_idx`` of ``req`` travels from ``src_rank`` to ``dst_rank`` (all layers)."""
-    req: str
-    block_idx: int
-    src_rank: int
-    dst_rank: int
+    hashes: tuple[int, ...] = ()   # prefix hashes of its leading cached (shareable) blocks
 
 
 @dataclass(frozen=True)
@@ -86,8 +78,11 @@ class Manifest:
 
     Order of effect: ``moves`` are sent from the source layout's placement first; ``discard`` frees blocks only
     after (a rank may send a block it then discards, e.g. CP→DP-attn) — except the discards a rank sends nowhere
-    (``freed_at_handoff``), which are freed at the boundary, before the handoff step appends. Moves, keep and
-    discard are listed once per logical block and apply identically to every layer.
+    (``freed_at_handoff``), which are freed at the boundary, before the handoff step appends. Moves are listed once
+    per physical block and destination rank (a prefix block k requests share moves once: splash.switching.block_plan),
+    keep and discard once per (request, logical block); all apply identically to every layer. With the prefix cache,
+    ``attach`` re-shares hash-named blocks on the receiving side, ``named`` is every hash a rank's pool names after
+    the switch (``cached_kept``: the idle ones kept, oldest first), and ``dropped`` the hashes it forgets.
     """
     src: Layout
     dst: Layout
@@ -119,6 +114,16 @@ class Manifest:
     kv_sent_total: tuple[int, ...] = ()
     weight_recv_total: tuple[float, ...] = ()
     weight_sent_total: tuple[float, ...] = ()
+    # prefix cache (per rank): re-shared hash-named blocks, the hashes named after the switch, the idle cached blocks
+    # kept and the hashes dropped; blocks running requests reference after; distinct KV blocks in the switch
+    req_hashes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    attach: tuple[tuple[tuple[str, int, int], ...], ...] = ()
+    named: tuple[tuple[int, ...], ...] = ()
+    cached_kept: tuple[tuple[int, ...], ...] = ()
+    dropped: tuple[tuple[int, ...], ...] = ()
+    dst_in_use: tuple[int, ...] = ()
+    logical_blocks: int = 0
+    kv_block_bytes_total: int = 0     # one block over every layer holding paged KV, as moved
 
     def src_heads_of(self, req: str, rank: int, held: int | None = None) -> range:
         """KDA heads of `req` that `rank` holds in the source layout."""
@@ -133,8 +138,25 @@ class Manifest:
         """`rank`'s discards that it sends nowhere: nothing reads them once the boundary is passed, so they are
         freed before the handoff step appends its tokens (a discarded block that is also sent stays until the step
         ends)."""
-        sent = {(mv.req, mv.block_idx) for mv in self.moves if mv.src_rank == rank}
-        return tuple(rb for rb in self.discard[rank] if rb not in sent)
+        sent = {(mv.req, mv.block_idx) for mv in self.moves if mv.src_rank == rank and mv.h is None}
+        hashed = dict(self.req_hashes)
+        return tuple((q, b) for q, b in self.discard[rank] if (q, b) not in sent and b >= len(hashed.get(q, ())))
+
+    def hashes_freed_at_handoff(self, rank: int) -> tuple[int, ...]:
+        """`rank`'s dropped hash-named blocks it sends nowhere: freed at the boundary like `freed_at_handoff`."""
+        sent = {mv.h for mv in self.moves if mv.src_rank == rank and mv.h is not None}
+        return tuple(h for h in (self.dropped[rank] if self.dropped else ()) if h not in sent)
+
+    @property
+    def cached_moves(self) -> int:
+        """Moves carrying an idle cached block (one per receiving rank)."""
+        return sum(1 for mv in self.moves if mv.h is not None and mv.req == "")
+
+    @property
+    def shared_moves(self) -> int:
+        """Moves carrying a hash-named block that running requests share (once per receiving rank, not per
+        request)."""
+        return sum(1 for mv in self.moves if mv.h is not None and mv.req != "")
 
     @property
     def converts_kv(self) -> bool:
@@ -190,8 +212,10 @@ class Manifest:
                 f"{self.src_kv_dtype}); " if self.converts_kv else f"KV kept as {self.dst_kv_dtype}; ")
         return (f"{self.src.value} -> {self.dst.value} on {self.world} ranks, {self.num_layers} layers: {acts}; "
                 f"{conv}"
-                f"{len(self.moves)} KV block moves, "
-                f"{sum(len(d) for d in self.discard)} block discards; max per-rank receive "
+                f"{len(self.moves)} KV block moves ({self.shared_moves} shared, {self.cached_moves} idle cached), "
+                f"{sum(len(d) for d in self.discard)} block discards, "
+                f"{sum(map(len, self.cached_kept))} idle cached blocks kept, "
+                f"{sum(map(len, self.dropped))} dropped; max per-rank receive "
                 f"{max(self.weight_recv_bytes, default=0.0) / mib:.1f} MiB W + "
                 f"{max(self.kv_recv_bytes, default=0) / mib:.1f} MiB KV per layer, {recv:.1f} MiB total")
 
@@ -251,34 +275,6 @@ def plan_state_moves(src: Layout, dst: Layout, world: int, heads: int, requests:
     return moves
 
 
-def _pick_source(holders: frozenset[int], block_idx: int, world: int) -> int:
-    """Sender of a missing block: the block's CP home rank when it holds it (spreads senders round-robin when
-    every rank holds everything), else the lowest-numbered holder. Deterministic on every rank."""
-    home = cp_block_rank(block_idx, world)
-    return home if home in holders else min(holders)
-
-
-def _plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
-                 owners: Mapping[str, int], block_size: int):
-    moves: list[BlockMove] = []
-    keep: list[list[tuple[str, int]]] = [[] for _ in range(world)]
-    discard: list[list[tuple[str, int]]] = [[] for _ in range(world)]
-    for req in sorted(requests):
-        st = requests[req]
-        nb = num_blocks(st.num_tokens, block_size)
-        try:
-            before = kv_holders(src, nb, st.src_owner, world)
-            after = kv_holders(dst, nb, owners.get(req), world)
-        except ValueError as e:
-            raise ValueError(f"request {req!r}: {e}") from None
-        for b, (have, need) in enumerate(zip(before, after)):
-            for r in sorted(have):
-                (keep if r in need else discard)[r].append((req, b))
-            for r in sorted(need - have):
-                moves.append(BlockMove(req, b, _pick_source(have, b, world), r))
-    return moves, keep, discard
-
-
 def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
                            weight_quant: str | None = None) -> tuple[list[float], list[float]]:
     """Per-layer projection bytes each rank receives / sends; quantised weights travel in stored form (values +
@@ -316,13 +312,18 @@ def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove],
 def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: int,
                 requests: Mapping[str, ReqState], block_size: int, weight_bytes: float, kv_dtype: str, *,
                 capacity_tokens_per_rank: int | None = None, src_kv_dtype: str | None = None,
-                dst_kv_dtype: str | None = None, weight_quant: str | None = None) -> Manifest:
+                dst_kv_dtype: str | None = None, weight_quant: str | None = None,
+                cached: Sequence[CachedBlock] = (), cached_cap: Sequence[int] | None = None,
+                move_cached: bool = False) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
 
     Destination owners (DP-attn/DOP) come from ``dst_owner``, else ``src_owner`` when the source is
     owner-based, else balanced placement (``rebalance_owners``/``assign_owners``) within the optional capacity.
     ``src_kv_dtype``/``dst_kv_dtype`` (default ``kv_dtype``) are the two layouts' KV storage formats.
     ``weight_quant`` ("fp8"/"int8", None = plain ``weight_bytes`` per element) is how the projections are stored.
+    Prefix cache: ``ReqState.hashes`` name each request's shared leading blocks; ``cached`` lists the idle cached
+    blocks (oldest first), kept by the rule of splash.switching.block_plan where each destination rank's blocks in use
+    leave room under ``cached_cap`` blocks (None: unbounded), moved only when ``move_cached``.
     """
     src_kv, dst_kv = src_kv_dtype or kv_dtype, dst_kv_dtype or kv_dtype
     src, dst = parse_layout(src), parse_layout(dst)
@@ -335,7 +336,8 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
         if lay.shards_projections:
             head_range(cfg.num_attention_heads, world, 0, lay)  # validates world | num_heads
     owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
-    moves, keep, discard = _plan_blocks(src, dst, world, requests, owners, block_size)
+    bp = plan_blocks(src, dst, world, requests, owners, block_size, cached, cached_cap, move_cached)
+    moves, keep, discard = bp.moves, bp.keep, bp.discard
     blk = kv_bytes_per_token_layer(cfg, src_kv) * block_size  # moves happen before conversion
     blk_all = kv_block_bytes(cfg, src_kv, block_size)         # every layer holding paged KV
     n_recv, n_sent = [0] * world, [0] * world
@@ -354,7 +356,11 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
                     tuple(w_recv), tuple(w_sent), tuple(n * blk for n in n_recv), tuple(n * blk for n in n_sent),
                     src_kv, dst_kv, kv_bytes_per_token_layer(cfg, dst_kv) * block_size, **hybrid,
                     kv_recv_total=tuple(n * blk_all for n in n_recv), kv_sent_total=tuple(n * blk_all for n in n_sent),
-                    weight_recv_total=w_recv_all, weight_sent_total=w_sent_all)
+                    weight_recv_total=w_recv_all, weight_sent_total=w_sent_all,
+                    req_hashes=tuple((q, tuple(s.hashes)) for q, s in sorted(requests.items()) if s.hashes),
+                    attach=tuple(map(tuple, bp.attach)), named=tuple(map(tuple, bp.named)),
+                    cached_kept=tuple(map(tuple, bp.cached_kept)), dropped=tuple(map(tuple, bp.dropped)),
+                    dst_in_use=tuple(bp.in_use), logical_blocks=bp.logical_blocks, kv_block_bytes_total=blk_all)
 
 
 def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from splash.layouts.layout import LAYOUT_NAMES, check_heads, heads_fit, parse_layout
 from splash.layouts.memory import CONVERT_CHUNK_SLOTS, kv_bytes_per_token_layer
+from splash.switching.block_plan import CachedBlock
 from splash.switching.manifest import Manifest, ReqState, plan_switch
 
 log = logging.getLogger("splash.switch")
@@ -30,8 +31,11 @@ ALL_LAYOUTS = LAYOUT_NAMES
 @dataclass
 class SwitchDecision:
     dst: str
-    reqs: dict[str, ReqState]   # req -> its KV tokens, src owner, dst owner
+    reqs: dict[str, ReqState]   # req -> its KV tokens, src owner, dst owner, hashes of its shared cached blocks
     manifest: Manifest
+    cached: tuple = ()         # the idle cached blocks the plan was given
+    cached_cap: tuple = ()
+    move_cached: bool = False
 
 
 class LayoutController:
@@ -73,21 +77,36 @@ class LayoutController:
 
     def decide(self, current: str, ledger, kv_tokens: dict[str, int], reserve_blocks: int,
                auto_choice: str | None = None,
-               vet: Callable[[Manifest, str | None], str | None] | None = None) -> SwitchDecision | None:
+               vet: Callable[[Manifest, str | None], str | None] | None = None,
+               move_cached: bool = False) -> SwitchDecision | None:
         """The switch to perform at this boundary, or None (no switch wanted, or deferred).
 
         In auto mode `auto_choice` is the scheduler's proposal and `vet(manifest, deferral)` its last word once the
-        manifest is planned: called with the headroom deferral reason (or None); it returns a reason to refuse."""
+        manifest is planned: called with the headroom deferral reason (or None); it returns a reason to refuse.
+        With the prefix cache on, the plan carries each request's shared blocks and the idle cached blocks, kept within
+        the destination's usable pool less the handoff step's reserve (`move_cached`: the cost verdict on sending
+        them); if keeping them is what breaks the handoff's memory peak, the switch drops them instead."""
         dst = self.target if self.layout_mode == "pinned" else auto_choice
         if dst is None or dst == current:
             return None
         # every request has a ledger owner in every layout: the owner for DP-attn/DOP, the CP anchor for CP
-        reqs = {rid: ReqState(n, ledger.owner(rid), None) for rid, n in kv_tokens.items()}
-        m = plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
-                        self.kv_dtypes[current], src_kv_dtype=self.kv_dtypes[current],
-                        dst_kv_dtype=self.kv_dtypes[dst], weight_quant=self.weight_quant)
+        shared = ledger.shared if ledger.prefix else {}
+        reqs = {rid: ReqState(n, ledger.owner(rid), None, tuple(shared.get(rid, ()))) for rid, n in kv_tokens.items()}
+        cached = tuple(CachedBlock(*c) for c in ledger.idle_blocks()) if ledger.prefix else ()
+        cap = [max(0, ledger.cap(dst) - reserve_blocks)] * self.world
+
+        def plan(cap):
+            return plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
+                               self.kv_dtypes[current], src_kv_dtype=self.kv_dtypes[current],
+                               dst_kv_dtype=self.kv_dtypes[dst], weight_quant=self.weight_quant,
+                               cached=cached, cached_cap=cap, move_cached=move_cached)
+        m = plan(cap)
         owners = m.owners
         reason = self._headroom(m, ledger, owners, reserve_blocks)
+        if reason and any(m.cached_kept):   # keep no idle cached block rather than defer the switch
+            cap = [0] * self.world
+            m = plan(cap)
+            reason = self._headroom(m, ledger, owners, reserve_blocks)
         if vet is not None and vet(m, reason) is not None:
             return None
         if reason:
@@ -98,7 +117,7 @@ class LayoutController:
             return None
         self.last_deferral = None
         full = {rid: replace(s, dst_owner=owners.get(rid)) for rid, s in reqs.items()}
-        return SwitchDecision(dst, full, m)
+        return SwitchDecision(dst, full, m, cached, tuple(cap), move_cached)
 
     def convert_bytes(self, m: Manifest, cap: int, held_blocks: int) -> int:
         """Memory a KV format conversion needs beyond the pool on one rank (0 when the formats match): one pool
@@ -120,9 +139,11 @@ class LayoutController:
         incoming = [0] * self.world
         for mv in m.moves:
             incoming[mv.dst_rank] += 1
-        dst_used = ledger.usage_under(m.dst.value, owners)
+        dst_used = ledger.usage_under(m.dst.value, owners, shared=ledger.prefix)
         for r in range(self.world):
-            resident = ledger.used[r] - len(m.freed_at_handoff(r))   # freed before the step appends
+            # idle cached blocks count until dropped; what is freed before the step appends does not
+            resident = (ledger.used[r] + len(ledger.lru[r]) - len(m.freed_at_handoff(r))
+                        - len(m.hashes_freed_at_handoff(r)))
             buf_bytes = (incoming[r] * m.kv_block_bytes_layer + m.weight_recv_bytes[r]
                          + self.convert_bytes(m, cap, resident + incoming[r]))
             buf_blocks = -(-int(buf_bytes) // block_all_layers) if block_all_layers else 0

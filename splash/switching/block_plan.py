@@ -1,0 +1,170 @@
+"""Which KV blocks a switch moves, keeps, re-shares and drops, planned per physical block. Pure, no torch.
+
+A rank's pool holds one physical block per prefix hash (splash.kv.block_manager): the requests that start on a
+cached prefix reference that one block, and blocks no running request references stay cached (idle) until evicted.
+So the unit a switch moves is the physical block, not the request's logical block:
+
+- a request's private block (not named by a hash) is identified by (request, logical block), as before;
+- a hash-named block is identified by its hash on the rank holding it. If the destination needs it on rank r and r
+  already holds a block of that hash (another request's, or an idle one), the request takes r's block by reference
+  (``attach``: nothing moves); otherwise one move brings it to r, and every request needing it there shares that one
+  copy. k running requests sharing a prefix therefore cost one block per receiving rank, not k.
+
+Idle cached blocks (``CachedBlock``: no running request references them) either travel with the switch or are
+dropped. The rule (docs/layouts.md, "Prefix cache across a switch"): newest first, an idle block is kept where the
+destination layout would look it up — for the request owner (DP-attn/DOP) or CP anchor that cached it, which is
+where it lies unless the switch re-homes it; under TP on every rank — when
+
+1. it fits: each destination rank keeps idle blocks only within ``cap`` (the caller's figure: its usable pool less
+   the handoff step's reserve) less the blocks running requests reference there after the switch; a block that does
+   not fit is dropped, and
+2. it is worth its bytes: a copy already on the rank costs nothing; one that would have to be sent is moved only when
+   ``move_cached`` (the caller's cost verdict, splash.costmodel.step_cost.cached_moves_pay) says a block's transfer
+   costs less than the recompute it is expected to save. A block needed on several ranks (TP) is kept on all or
+   none: a lookup needs every holder.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from splash.layouts.layout import KV_ALL, Layout
+from splash.layouts.ownership import block_holders, cp_block_rank, kv_holders, num_blocks
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """An idle cached block: prefix hash ``h`` of logical block ``block_idx``, held by ``rank`` in the source
+    layout. Callers list them oldest first (the cache's LRU order)."""
+    h: int
+    block_idx: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class BlockMove:
+    """KV block ``block_idx`` travels from ``src_rank`` to ``dst_rank`` (all layers). ``h`` None: request ``req``'s
+    private block. ``h`` set: the block named by prefix hash ``h`` (the receiver names its copy ``h``; ``req`` is the
+    first request sharing it, "" for an idle cached block)."""
+    req: str
+    block_idx: int
+    src_rank: int
+    dst_rank: int
+    h: int | None = None
+
+
+@dataclass
+class BlockPlan:
+    moves: list[BlockMove]
+    keep: list[list[tuple[str, int]]]             # per rank: (req, block) referenced and still needed there
+    discard: list[list[tuple[str, int]]]          # per rank: (req, block) referenced and no longer needed there
+    attach: list[list[tuple[str, int, int]]]      # per rank: (req, block, hash) it takes by reference there
+    named: list[list[int]]                        # per rank: every hash its pool names after the switch
+    cached_kept: list[list[int]]                  # per rank: idle hashes kept, oldest first
+    dropped: list[list[int]]                      # per rank: hashes it named before and forgets
+    in_use: list[int]                             # per rank: physical blocks running requests reference after
+    logical_blocks: int                           # distinct blocks of KV in the switch (a shared one once)
+
+
+def _pick_source(holders, block_idx: int, world: int) -> int:
+    """Sender of a missing block: the block's CP home rank when it holds it (spreads senders round-robin when
+    every rank holds everything), else the lowest-numbered holder. Deterministic on every rank."""
+    home = cp_block_rank(block_idx, world)
+    return home if home in holders else min(holders)
+
+
+def _cache_owner(src: Layout, cb: CachedBlock, world: int) -> int:
+    """The owner (CP: anchor) a lookup would use to find `cb` where it lies in the source layout."""
+    if src.kv_ownership == KV_ALL or src.owner_based:
+        return cb.rank
+    return (cb.rank - cb.block_idx) % world   # CP: block b of anchor a lives on (b + a) % world
+
+
+def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners: Mapping[str, int],
+                block_size: int, cached: Sequence[CachedBlock] = (), cap: Sequence[int] | None = None,
+                move_cached: bool = True) -> BlockPlan:
+    """Per physical block: moves (deduplicated by block and destination rank), keeps, discards, re-shares, and the
+    idle cached blocks kept or dropped by the module's rule. ``requests``: req -> ReqState (``hashes``: its leading
+    hash-named blocks); ``owners``: destination owners / CP anchors."""
+    moves: list[BlockMove] = []
+    keep = [[] for _ in range(world)]
+    discard = [[] for _ in range(world)]
+    attach = [[] for _ in range(world)]
+    had: list[set[int]] = [set() for _ in range(world)]      # hashes each rank names before the switch
+    for cb in cached:
+        had[cb.rank].add(cb.h)
+    layouts = {}
+    for req in sorted(requests):
+        st = requests[req]
+        nb = num_blocks(st.num_tokens, block_size)
+        hashes = tuple(st.hashes)[:nb]
+        try:
+            layouts[req] = (kv_holders(src, nb, st.src_owner, world), kv_holders(dst, nb, owners.get(req), world),
+                            hashes)
+        except ValueError as e:
+            raise ValueError(f"request {req!r}: {e}") from None
+        for b, h in enumerate(hashes):
+            for r in layouts[req][0][b]:
+                had[r].add(h)
+    holders_of: dict[int, set[int]] = {}
+    for r in range(world):
+        for h in had[r]:
+            holders_of.setdefault(h, set()).add(r)
+    named: list[dict[int, None]] = [{} for _ in range(world)]   # ordered sets
+    arriving: set[tuple[int, int]] = set()
+    private = 0
+    in_use = [0] * world
+
+    def bring(h: int, b: int, r: int, req: str) -> None:
+        if h not in had[r] and (h, r) not in arriving:
+            arriving.add((h, r))
+            moves.append(BlockMove(req, b, _pick_source(holders_of[h], b, world), r, h))
+
+    for req in sorted(requests):
+        before, after, hashes = layouts[req]
+        for b, (have, need) in enumerate(zip(before, after)):
+            h = hashes[b] if b < len(hashes) else None
+            private += h is None
+            if h is None:
+                for r in need:
+                    in_use[r] += 1
+            for r in sorted(have):
+                (keep if r in need else discard)[r].append((req, b))
+            for r in sorted(need):
+                if h is not None:
+                    named[r][h] = None
+            for r in sorted(need - have):
+                if h is None:
+                    moves.append(BlockMove(req, b, _pick_source(have, b, world), r))
+                else:
+                    bring(h, b, r, req)
+                    attach[r].append((req, b, h))
+    shared = {h for per in named for h in per}
+    in_use = [n + len(named[r]) for r, n in enumerate(in_use)]
+    room = None if cap is None else [c - n for c, n in zip(cap, in_use)]
+    kept = _keep_idle(src, dst, world, cached, room, move_cached, had, named, bring)
+    moved_idle = {mv.h for mv in moves if mv.req == "" and mv.h is not None}
+    dropped = [sorted(had[r] - set(named[r])) for r in range(world)]
+    return BlockPlan(moves, keep, discard, attach, [list(n) for n in named], kept, dropped, in_use,
+                     private + len(shared) + len(moved_idle - shared))
+
+
+def _keep_idle(src: Layout, dst: Layout, world: int, cached: Sequence[CachedBlock], room: Sequence[int] | None,
+               move_cached: bool, had: list[set[int]], named: list[dict[int, None]], bring) -> list[list[int]]:
+    """The idle cached blocks kept, per destination rank (oldest first); adds them to `named`, plans their moves."""
+    left = list(room) if room is not None else [None] * world
+    kept: list[list[int]] = [[] for _ in range(world)]
+    for cb in reversed(cached):   # newest first
+        where = block_holders(dst, cb.block_idx, _cache_owner(src, cb, world), world)
+        new = [r for r in where if cb.h not in named[r]]
+        if any(left[r] is not None and left[r] < 1 for r in new):
+            continue
+        if not move_cached and any(cb.h not in had[r] for r in new):
+            continue
+        for r in new:
+            bring(cb.h, cb.block_idx, r, "")
+            named[r][cb.h] = None
+            kept[r].append(cb.h)
+            if left[r] is not None:
+                left[r] -= 1
+    return [k[::-1] for k in kept]
