@@ -94,6 +94,30 @@ class KVLedger:
         for r in range(self.world):
             self.used[r] += need[r]
 
+    def frees(self, req: str) -> list[int]:
+        """Per rank, the blocks `release(req)` would give back: those of its blocks no other request references (its
+        own, and cached ones only it uses; the latter become evictable)."""
+        tokens, owner = self.reqs[req]
+        shared = self.shared.get(req, ())
+        out = self._need(owner, len(shared), _blocks(tokens, self.block_size))
+        for i, h in enumerate(shared):
+            for r in self.holders(i, owner):
+                out[r] += self.refs[r][h] == 1
+        return out
+
+    def fork(self, layout: str, blocks_per_rank: int) -> "KVLedger":
+        """A copy to plan on (the auto forecast): the same requests and cache under a pool of `blocks_per_rank`,
+        switched to `layout` as `relayout` switches (without new owners) when it is not this ledger's."""
+        led = KVLedger(self.world, blocks_per_rank, self.block_size, self.layout, prefix=self.prefix)
+        led.used, led.final = list(self.used), dict(self.final)
+        led.reqs = {r: list(v) for r, v in self.reqs.items()}
+        led.shared = {r: list(v) for r, v in self.shared.items()}
+        led.refs = [dict(d) for d in self.refs]
+        led.lru = [OrderedDict(d) for d in self.lru]
+        if layout != self.layout:
+            led.relayout(layout)
+        return led
+
     def release(self, req: str) -> None:
         if req not in self.reqs:
             return
