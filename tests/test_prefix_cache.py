@@ -160,18 +160,19 @@ def _prompt_tokens_computed(plans, prompt_len: int) -> int:
 
 
 def test_n_samples_sent_together_compute_their_prompt_once():
-    """Eight samples of a 37-token prompt sent together under TP, a budget that would admit them all in one step: the
-    first computes the prompt, the other seven wait for its blocks (not computing them again beside it) and compute
-    only the block of their last token (block size 4: 1 token each). With the cache off, eight prompts."""
+    """Eight samples of a 37-token prompt sent together under TP and CP (CP: a cached prefix decides the anchor, as
+    no anchor carries more load), a budget that would admit them all in one step: the first computes the prompt, the
+    other seven wait for its blocks (not computing them again beside it) and compute only the block of their last
+    token (block size 4: 1 token each). With the cache off, eight prompts."""
     prompt = [(7 * j) % 50 + 1 for j in range(37)]
-    for on in (True, False):
-        led = KVLedger(2, 200, 4, "tp", prefix=on)
+    for lay, on in (("tp", True), ("tp", False), ("cp", True), ("cp", False)):
+        led = KVLedger(2, 200, 4, lay, prefix=on)
         sched = Scheduler(led, max_num_seqs=16, max_num_batched_tokens=512)
         for j in range(8):
             sched.add(Request(f"s{j}", list(prompt), 5))
         plans = _run_to_end(sched, lambda rid, step: hash((rid, step)) % 50)
         computed = _prompt_tokens_computed(plans, len(prompt))
-        assert computed == (37 + 7 * 1 if on else 8 * 37), (on, computed)
+        assert computed == (37 + 7 * 1 if on else 8 * 37), (lay, on, computed)
         assert [len(p.attach) for p in plans[:2]] == ([0, 7] if on else [0, 0])
         assert sched.prefix_hits == (7 * 36 if on else 0)
 
@@ -191,10 +192,9 @@ def test_samples_wait_for_a_long_prompt_computed_in_chunks():
     assert first_attach == 4 and {len(h) for _, _, h in plans[first_attach].attach} == {24}
 
 
-@pytest.mark.parametrize("lay", ["dop", "dp_attn", "cp"])
+@pytest.mark.parametrize("lay", ["dop", "dp_attn"])
 def test_samples_wait_only_for_blocks_computed_where_they_would_hold_them(lay):
-    """Owner-local caches (DP-attn/DOP) and CP (a prefix is cached on the ranks its anchor's round-robin puts it):
-    8 samples sent together compute the prompt at most once per owner (the owner rule may place samples on another
+    """Owner-local caches (DP-attn/DOP): 8 samples sent together compute the prompt at most once per owner (the owner rule may place samples on another
     owner when the load there outweighs the saving); a sample placed elsewhere does not wait for blocks it could not
     use."""
     prompt = list(range(1, 41))

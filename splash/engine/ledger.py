@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from splash.layouts.layout import KV_POSITION, kv_ownership_of
 from splash.layouts.ownership import block_holders, blocks_held
 
 
@@ -212,14 +213,20 @@ class KVLedger:
         (a cached prefix the new request would start on; only where its `end_blocks` fit beside those ends), then
         blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL
         rollout's long requests (the same prompt length as its short ones) pile up on one DOP owner, which must then
-        preempt them (measured in docs/benchmarks.md, the rollout at capacity)."""
+        preempt them (measured in docs/benchmarks.md, the rollout at capacity). Under CP every anchor carries the same
+        load (a request's blocks are dealt over all ranks), so a cached prefix decides the anchor."""
         counts, ends = [0] * self.world, [0] * self.world
         for req, (tokens, o) in self.reqs.items():
             counts[o] += 1
             ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
+        room = self.cap()
+        if kv_ownership_of(self.layout) == KV_POSITION:
+            # CP deals every request's blocks round-robin over all ranks from its anchor: no anchor carries more
+            # load than another, so only a saving (then blocks held now, ...) tells them apart
+            ends, room = [sum(ends)] * self.world, room * self.world
         # a saving counts only where the request could also be carried to its end: a preempted request's cache
         # lives on the owner that ran out of room, and the saving would send it back there to be preempted again
-        saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= self.cap()}
+        saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= room}
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
     def owner(self, req: str) -> int:

@@ -14,7 +14,8 @@ fits an empty step).
 Prefix cache (when the ledger's is on): a request joining — new, or preempted and back — starts on the longest run
 of its leading full blocks the cache holds where it would live (at least its last token is computed), and its owner
 (DP-attn/DOP owner, CP anchor) is the rank with the fewest end-of-request blocks less the blocks a hit there saves
-(where the request also fits beside those ends): a cached prefix is worth as many blocks of load. After each step
+(where the request also fits beside those ends; under CP no anchor carries more load, so the hit decides): a cached
+prefix is worth as many blocks of load — and so are blocks in flight there (below), once waited for. After each step
 the full blocks a request has computed are registered in the cache (a block whose hash is cached already is not,
 nor any after it). The step plan carries the hits (`attach`), the registrations of the step before (`register`)
 and the evictions (`evict`) to every rank.
@@ -202,12 +203,12 @@ class Scheduler:
             first = led.lookup(hashes, 0) if same else None
             found = {o: first if same else led.lookup(hashes, o) for o in range(led.world)}
         end = -(-min(len(req.prompt) + req.max_tokens, req.max_len) // led.block_size)
-        owner = led.pick_owner({o: k for o, (k, _) in found.items()}, end)
+        # blocks in flight where it would hold them save as much as cached ones, once it has waited for them
+        reach = {o: self._in_flight(hashes, k, o) for o, (k, _) in found.items()}
+        owner = led.pick_owner(reach, end)
         k, revive = found.get(owner, (0, None))
-        if k < len(hashes):   # its next block is being computed where it would hold it: wait for it
-            rid = self._computing.get(hashes[k])
-            if rid in led.reqs and led.holders(k, led.reqs[rid][1]) == led.holders(k, owner):
-                return IN_FLIGHT
+        if reach.get(owner, 0) > k:   # its next block is being computed where it would hold it: wait for it
+            return IN_FLIGHT
         need = led._need(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
         if revive:
             need = [a + b for a, b in zip(need, revive)]
@@ -216,6 +217,19 @@ class Scheduler:
         if any(n and led.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
             return None
         return owner, hashes[:k]
+
+    def _in_flight(self, hashes: list[int], k: int, owner: int) -> int:
+        """How far `hashes` reach past their `k` cached blocks with blocks running requests are computing now where
+        a request with `owner` would hold them."""
+        led = self.ledger
+        if not self._computing:
+            return k
+        while k < len(hashes):
+            rid = self._computing.get(hashes[k])
+            if rid not in led.reqs or led.holders(k, led.reqs[rid][1]) != led.holders(k, owner):
+                break
+            k += 1
+        return k
 
     def _prefix(self, req: Request) -> list[int]:
         """The hashes of the full blocks a joining request could find cached: all but the block of its last token,
