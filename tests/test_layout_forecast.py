@@ -7,14 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_auto_layout import LAYOUTS, LinearCost, make
 
-from splash.engine.layout_policy.forecast import clone_requests, replay
+from splash.engine.layout_policy.forecast import BatchForecast, clone_requests, replay
 from splash.engine.layout_policy.auto import ReqView
 from splash.engine.ledger import KVLedger
-from splash.engine.scheduler import Scheduler
+from splash.engine.scheduler import Request, Scheduler
 
 
-def step_by_step(sched: Scheduler, max_steps: int = 20_000):
-    """The engine's loop without the model: schedule, sample a non-stop token for each sampled item, update."""
+def step_by_step(sched: Scheduler, max_steps: int = 20_000, tokens=None):
+    """The engine's loop without the model: schedule, sample a non-stop token for each sampled item (-1, or the
+    next of `tokens`), update."""
     events, work, step = [], 0, 0
     led = sched.ledger
     while (sched.running or sched.waiting) and step < max_steps:
@@ -25,7 +26,7 @@ def step_by_step(sched: Scheduler, max_steps: int = 20_000):
         if sched.num_preemptions != preempted:
             events += [(step, "preempt", rid, None) for rid in sorted(before - now)]
         events += [(step, "admit", rid, led.reqs[rid][1]) for rid in sorted(now - before)]
-        sampled = {it.req_id: -1 for it in plan.items if it.sample}
+        sampled = {it.req_id: -1 if tokens is None else next(tokens) for it in plan.items if it.sample}
         work += len(sampled)
         events += [(step, "finish", r.req_id, None) for r in sched.update(plan, sampled)]
     return events, work, step
@@ -165,3 +166,86 @@ def test_pricing_is_bounded_and_exact_where_priced():
     assert fc.work == rows
     assert len(calls) <= auto_batch.MAX_DECODE_PRICED + auto_batch.MAX_PREFILL_PRICED
     assert abs(fc.decode_s - rows * 1e-3) / (rows * 1e-3) < 0.2   # unpriced runs borrow a neighbour's row count
+
+
+@st.composite
+def live_engines_with_shared_prefixes(draw):
+    """A scheduler with the prefix cache on, part way through requests that share prefixes (a common stem, n
+    samples of one prompt sent together, a conversation's next turn), and the layout a forecast is asked about
+    (the engine's, or another: a switch there forgets or keeps the cache as `KVLedger.relayout` does)."""
+    world = draw(st.integers(1, 3))
+    bs = draw(st.sampled_from([2, 4]))
+    cap = draw(st.integers(24, 64))
+    lay = draw(st.sampled_from(LAYOUTS))
+    dst = draw(st.sampled_from([lay, lay, *LAYOUTS]))
+    fits = cap * bs // 3     # a request's whole context fits any layout's empty pool with room to spare
+    stems = [[draw(st.integers(1, 40)) for _ in range(draw(st.integers(1, fits // 3)))] for _ in range(2)]
+    groups = []
+    for _ in range(draw(st.integers(1, 5))):
+        stem = draw(st.sampled_from(stems))
+        tail = [draw(st.integers(1, 40)) for _ in range(draw(st.integers(0, 5)))]
+        out = draw(st.integers(1, max(1, fits - len(stem) - len(tail))))
+        groups.append((stem + tail, out, draw(st.sampled_from([1, 1, 2, 4]))))
+    warm = draw(st.integers(0, 12))
+    policy = dict(max_num_seqs=draw(st.integers(1, 8)), max_num_batched_tokens=draw(st.sampled_from([8, 24, 512])),
+                  preemption_mode=draw(st.sampled_from(["recompute", "queue"])))
+    return world, bs, cap, lay, dst, groups, warm, policy
+
+
+def _all_views(sched: Scheduler) -> list[ReqView]:
+    led = sched.ledger
+    left = lambda r: min(r.max_tokens - len(r.output), r.max_len - r.num_tokens)   # noqa: E731
+    return ([ReqView(r.req_id, r.num_cached, r.pending, left(r), led.reqs[r.req_id][1]) for r in sched.running]
+            + [ReqView(r.req_id, 0, r.pending, left(r), None, running=False) for r in sched.waiting])
+
+
+@settings(max_examples=120, deadline=None)
+@given(live_engines_with_shared_prefixes())
+def test_the_forecast_sees_the_engines_prefix_cache_step_by_step(case):
+    """With the prefix cache on, the forecast replays from the engine's own ledger and cache (forked, switched to the
+    forecast layout as a switch would) and its clones carry the requests' block hashes: the same hits, waits for
+    blocks in flight, admissions, owners, preemptions and finishes as the engine's scheduler continuing step by
+    step (each request sampling tokens no other makes, as the clones' made-up output blocks are their own)."""
+    world, bs, cap, lay, dst, groups, warm, policy = case
+    led = KVLedger(world, cap, bs, lay, prefix=True)
+    live = Scheduler(led, **policy)
+    for g, (prompt, out, n) in enumerate(groups):
+        for j in range(n):
+            live.add(Request(f"g{g}s{j}", list(prompt), out))
+    fresh = iter(range(1000, 1 << 30))
+    for _ in range(warm):
+        if not (live.running or live.waiting):
+            break
+        plan = live.schedule()
+        live.update(plan, {it.req_id: next(fresh) for it in plan.items if it.sample})
+    views = _all_views(live)
+    forecast = BatchForecast(LinearCost(), None, world=world, block_size=bs, scheduler=live)
+    rp = forecast.replay(dst, views, cap, trace=True)
+    if dst != lay:
+        led.relayout(dst)
+    events, work, steps = step_by_step(live, tokens=fresh)
+    assert rp.events == events
+    assert rp.work == work
+    assert sum(seg.count for seg in rp.segments) <= steps
+
+
+def test_a_forecast_charges_a_cached_prefix_only_its_new_tokens():
+    """Eight samples of a 96-token prompt waiting, its blocks cached by a finished request: the forecast's prefill
+    rows carry only each sample's last block (the engine's cache forked), not 8 x 96 tokens as without the cache."""
+    led = KVLedger(2, 400, 16, "tp", prefix=True)
+    live = Scheduler(led, max_num_seqs=16, max_num_batched_tokens=2048)
+    prompt = list(range(1, 97))
+    live.add(Request("first", list(prompt), 1))
+    while live.running or live.waiting:
+        plan = live.schedule()
+        live.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+    live.schedule()   # releases it: its 6 blocks stay cached
+    for j in range(8):
+        live.add(Request(f"s{j}", list(prompt), 4))
+    forecast = BatchForecast(LinearCost(), None, world=2, block_size=16, scheduler=live)
+    rp = forecast.replay("tp", _all_views(live), 400)
+    assert sum(n for seg in rp.segments if seg.prefill for n, _, _ in seg.rows) == 8 * 16
+    led_off = KVLedger(2, 400, 16, "tp")
+    cold = BatchForecast(LinearCost(), None, world=2, block_size=16, scheduler=Scheduler(led_off, 16, 2048))
+    rp = cold.replay("tp", _all_views(live), 400)
+    assert sum(n for seg in rp.segments if seg.prefill for n, _, _ in seg.rows) == 8 * 96

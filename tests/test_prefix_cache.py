@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,3 +172,101 @@ def test_evictions_keep_use_and_cache_within_capacity():
             assert led.used[0] + len(led.lru[0]) <= 10
             sched.update(plan, {it.req_id: 5 for it in plan.items if it.sample})
     assert evicted and len(led.refs[0]) <= 10
+
+
+def _run_to_end(sched: Scheduler, sample) -> list:
+    """Schedule and update until nothing is left; -> the step plans."""
+    plans = []
+    while sched.has_work() and len(plans) < 500:
+        plan = sched.schedule()
+        plans.append(plan)
+        sched.update(plan, {it.req_id: sample(it.req_id, len(plans)) for it in plan.items if it.sample})
+    return plans
+
+
+def _prompt_tokens_computed(plans, prompt_len: int) -> int:
+    """Prompt positions the steps computed, over all requests (decode positions not counted)."""
+    return sum(max(0, min(it.start_pos + len(it.tokens), prompt_len) - it.start_pos)
+               for plan in plans for it in plan.items)
+
+
+def test_n_samples_sent_together_compute_their_prompt_once():
+    """Eight samples of a 37-token prompt sent together under TP and CP (CP: a cached prefix decides the anchor, as
+    no anchor carries more load), a budget that would admit them all in one step: the first computes the prompt, the
+    other seven wait for its blocks (not computing them again beside it) and compute only the block of their last
+    token (block size 4: 1 token each). With the cache off, eight prompts."""
+    prompt = [(7 * j) % 50 + 1 for j in range(37)]
+    for lay, on in (("tp", True), ("tp", False), ("cp", True), ("cp", False)):
+        led = KVLedger(2, 200, 4, lay, prefix=on)
+        sched = Scheduler(led, max_num_seqs=16, max_num_batched_tokens=512)
+        for j in range(8):
+            sched.add(Request(f"s{j}", list(prompt), 5))
+        plans = _run_to_end(sched, lambda rid, step: hash((rid, step)) % 50)
+        computed = _prompt_tokens_computed(plans, len(prompt))
+        assert computed == (37 + 7 * 1 if on else 8 * 37), (lay, on, computed)
+        assert [len(p.attach) for p in plans[:2]] == ([0, 7] if on else [0, 0])
+        assert sched.prefix_hits == (7 * 36 if on else 0)
+
+
+def test_samples_wait_for_a_long_prompt_computed_in_chunks():
+    """A 100-token prompt x 4 with a 24-token budget: the prompt takes five chunked steps (24 tokens each, then 4),
+    registering its blocks chunk by chunk; its siblings start on all 24 of them in the fifth, beside its last chunk —
+    the blocks in flight are let go as they are cached (a sibling waiting for one never cached would never start)."""
+    prompt = list(range(1, 101))
+    led = KVLedger(1, 200, 4, "tp", prefix=True)
+    sched = Scheduler(led, max_num_seqs=8, max_num_batched_tokens=24)
+    for j in range(4):
+        sched.add(Request(f"s{j}", list(prompt), 3))
+    plans = _run_to_end(sched, lambda rid, step: 1)
+    assert _prompt_tokens_computed(plans, 100) == 100 + 3 * 4
+    first_attach = next(i for i, p in enumerate(plans) if p.attach)
+    assert first_attach == 4 and {len(h) for _, _, h in plans[first_attach].attach} == {24}
+
+
+@pytest.mark.parametrize("lay", ["dop", "dp_attn"])
+def test_samples_wait_only_for_blocks_computed_where_they_would_hold_them(lay):
+    """Owner-local caches (DP-attn/DOP): 8 samples sent together compute the prompt at most once per owner (the owner rule may place samples on another
+    owner when the load there outweighs the saving); a sample placed elsewhere does not wait for blocks it could not
+    use."""
+    prompt = list(range(1, 41))
+    led = KVLedger(2, 200, 4, lay, prefix=True)
+    sched = Scheduler(led, max_num_seqs=8, max_num_batched_tokens=512)
+    for j in range(8):
+        sched.add(Request(f"s{j}", list(prompt), 60))
+    plans = _run_to_end(sched, lambda rid, step: hash((rid, step)) % 50)
+    by_owner = {}
+    for plan in plans:
+        for it in plan.items:
+            if it.start_pos == 0:
+                by_owner[it.owner] = by_owner.get(it.owner, 0) + 1
+    assert set(by_owner.values()) == {1}, by_owner
+    assert _prompt_tokens_computed(plans, 40) == len(by_owner) * 40 + (8 - len(by_owner)) * 4
+
+
+def test_a_preemption_victim_must_free_blocks_on_the_full_rank():
+    """CP, 2 ranks (block b of an anchor-0 request on rank b % 2), 4 blocks per rank. P computed a 16-token prompt
+    and cached its 4 blocks; S (newest) started on P's first 3 and computed block 3 (rank 1) itself; B holds one
+    block of its own on rank 0; A (oldest) needs its block 2, on rank 0, which is full. S holds blocks on rank 0, but
+    all of them shared with P: preempting it would free nothing there (nor would P, whose rank-0 blocks S shares).
+    The victim is B, the newest request whose release frees a rank-0 block."""
+    led = KVLedger(2, 4, 4, "cp", prefix=True)
+    sched = Scheduler(led, max_num_seqs=8, max_num_batched_tokens=64)
+    reqs = {"A": Request("A", list(range(100, 109)), 20), "B": Request("B", list(range(200, 205)), 20),
+            "P": Request("P", list(range(16)), 20), "S": Request("S", list(range(16)), 20)}
+    reqs["A"].num_cached, reqs["B"].num_cached, reqs["P"].num_cached = 8, 4, 16
+    led.grow("A", 8, 0)
+    led.grow("B", 4, 0)
+    led.grow("P", 16, 0)
+    hashes = [reqs["P"].block_hash(i, 4) for i in range(4)]
+    assert all(led.register("P", i, h) for i, h in enumerate(hashes))
+    led.attach("S", 0, hashes[:3])
+    led.grow("S", 16, 0)
+    reqs["S"].num_cached = 16
+    for rid in "ABPS":
+        sched.requests[rid] = reqs[rid]
+        sched.running.append(reqs[rid])
+    assert led.used == [4, 4] and led.short_ranks("A", 9, 0) == [0]
+    assert led.frees("S") == [0, 1] and led.frees("P") == [0, 1] and led.frees("B") == [1, 0]
+    assert sched._victim(reqs["A"], 64) is reqs["B"]
+    led.release("B")
+    assert led.can_grow("A", 9, 0)   # ... and its release is what A needed

@@ -19,6 +19,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from splash.layouts.layout import KV_POSITION, kv_ownership_of
 from splash.layouts.ownership import block_holders, blocks_held
 
 
@@ -99,6 +100,30 @@ class KVLedger:
         entry[0] = max(entry[0], new_tokens)
         for r in range(self.world):
             self.used[r] += need[r]
+
+    def frees(self, req: str) -> list[int]:
+        """Per rank, the blocks `release(req)` would give back: those of its blocks no other request references (its
+        own, and cached ones only it uses; the latter become evictable)."""
+        tokens, owner = self.reqs[req]
+        shared = self.shared.get(req, ())
+        out = self._need(owner, len(shared), _blocks(tokens, self.block_size))
+        for i, h in enumerate(shared):
+            for r in self.holders(i, owner):
+                out[r] += self.refs[r][h] == 1
+        return out
+
+    def fork(self, layout: str, blocks_per_rank: int) -> "KVLedger":
+        """A copy to plan on (the auto forecast): the same requests and cache under a pool of `blocks_per_rank`,
+        switched to `layout` as `relayout` switches (without new owners) when it is not this ledger's."""
+        led = KVLedger(self.world, blocks_per_rank, self.block_size, self.layout, prefix=self.prefix)
+        led.used, led.final = list(self.used), dict(self.final)
+        led.reqs = {r: list(v) for r, v in self.reqs.items()}
+        led.shared = {r: list(v) for r, v in self.shared.items()}
+        led.refs = [dict(d) for d in self.refs]
+        led.lru = [OrderedDict(d) for d in self.lru]
+        if layout != self.layout:
+            led.relayout(layout)
+        return led
 
     def release(self, req: str) -> None:
         if req not in self.reqs:
@@ -196,14 +221,20 @@ class KVLedger:
         (a cached prefix the new request would start on; only where its `end_blocks` fit beside those ends), then
         blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL
         rollout's long requests (the same prompt length as its short ones) pile up on one DOP owner, which must then
-        preempt them (measured in docs/benchmarks.md, the rollout at capacity)."""
+        preempt them (measured in docs/benchmarks.md, the rollout at capacity). Under CP every anchor carries the same
+        load (a request's blocks are dealt over all ranks), so a cached prefix decides the anchor."""
         counts, ends = [0] * self.world, [0] * self.world
         for req, (tokens, o) in self.reqs.items():
             counts[o] += 1
             ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
+        room = self.cap()
+        if kv_ownership_of(self.layout) == KV_POSITION:
+            # CP deals every request's blocks round-robin over all ranks from its anchor: no anchor carries more
+            # load than another, so only a saving (then blocks held now, ...) tells them apart
+            ends, room = [sum(ends)] * self.world, room * self.world
         # a saving counts only where the request could also be carried to its end: a preempted request's cache
         # lives on the owner that ran out of room, and the saving would send it back there to be preempted again
-        saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= self.cap()}
+        saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= room}
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
     def owner(self, req: str) -> int:

@@ -3,9 +3,9 @@
 Policy: every step first gives each running request its next piece (one decode token, or the next prefill
 chunk) in admission order, then admits waiting requests while the token budget, `max_num_seqs` and KV
 capacity allow (a waiting request's whole prompt must fit, with a spare block per running request). When a
-running request cannot grow because the pool is full, the most recently admitted running request holding blocks
-on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted and recomputed later (vLLM's
-default "recompute"); with `preemption_mode="queue"` the request that cannot grow simply waits for this step.
+running request cannot grow because the pool is full, the most recently admitted running request whose release
+frees blocks on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted and recomputed later
+(vLLM's default "recompute"); with `preemption_mode="queue"` the request that cannot grow simply waits for this step.
 A new request's owner is the rank whose requests will hold the fewest blocks at their end (`KVLedger.pick_owner`).
 With ``chunked_prefill`` off, a prompt is never split: it is scheduled only in a step whose remaining token budget
 holds all of it (the serving config then requires ``max_num_batched_tokens >= max_model_len``, so every prompt
@@ -14,10 +14,24 @@ fits an empty step).
 Prefix cache (when the ledger's is on): a request joining — new, or preempted and back — starts on the longest run
 of its leading full blocks the cache holds where it would live (at least its last token is computed), and its owner
 (DP-attn/DOP owner, CP anchor) is the rank with the fewest end-of-request blocks less the blocks a hit there saves
-(where the request also fits beside those ends): a cached prefix is worth as many blocks of load. After each step
+(where the request also fits beside those ends; under CP no anchor carries more load, so the hit decides): a cached
+prefix is worth as many blocks of load — and so are blocks in flight there (below), once waited for. After each step
 the full blocks a request has computed are registered in the cache (a block whose hash is cached already is not,
-nor any after it). The step plan carries the
-hits (`attach`), the registrations of the step before (`register`) and the evictions (`evict`) to every rank.
+nor any after it). The step plan carries the hits (`attach`), the registrations of the step before (`register`)
+and the evictions (`evict`) to every rank.
+
+A prompt is computed once however many requests send it together (n samples of one prompt, identical prompts): a
+waiting request whose next uncached block is one a running request is computing right now where it would hold it
+(under DP-attn/DOP: on the same owner) — in flight, not cached yet — is not admitted; it keeps its place in the
+queue (requests behind it may be admitted) until that request has registered the block, and then starts on it.
+(vLLM shares an n > 1 request's prompt the same way, through its prefix cache.) A request computing blocks stops
+being waited for when it is preempted, aborted or finished, or when one of its blocks turns out cached already (it
+registers none after that).
+
+Preemption counts shared blocks: a victim's release frees only its blocks no other running request references, so a
+request that would free nothing on the rank lacking room is never chosen (preempting it would lose its work and
+leave the rank as full); among those that would, the newest goes (the least work lost, vLLM's order). Its shared
+blocks stay in use by the others, and cached, so it starts on them again when it comes back.
 """
 from __future__ import annotations
 
@@ -79,6 +93,9 @@ class Request:
         return tuple(self.prompt[a:]) + tuple(self.output[:b - p])
 
 
+IN_FLIGHT = "in flight"   # `Scheduler._admissible`: the request waits for blocks a running request is computing
+
+
 class Scheduler:
     def __init__(self, ledger: KVLedger, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  preemption_mode: str = "recompute"):
@@ -92,6 +109,7 @@ class Scheduler:
         self._release: list[str] = []
         self._registered: list[tuple[str, int, int]] = []
         self._evict_extra: list[list[int]] = []   # evictions asked for between steps (reset_prefix_cache)
+        self._computing: dict[int, str] = {}      # prefix hash -> the running request computing that block now
         self.num_preemptions = 0
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached, at first admission
 
@@ -100,6 +118,7 @@ class Scheduler:
         policy on cloned requests)."""
         s = Scheduler(ledger, self.max_num_seqs, self.budget, self.preemption_mode)
         s.chunked_prefill = self.chunked_prefill
+        s._computing = dict(self._computing)   # blocks in flight: requests sent with them wait for them there too
         return s
 
     def add(self, req: Request) -> None:
@@ -122,6 +141,18 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         self.ledger.release(req.req_id)
         self._release.append(req.req_id)
+        self._stop_computing(req.req_id)
+
+    def _stop_computing(self, req_id: str) -> None:
+        if self._computing:
+            for h in [h for h, r in self._computing.items() if r == req_id]:
+                del self._computing[h]
+
+    def _start_computing(self, req: Request, first: int) -> None:
+        """`req` (just admitted, its first `first` blocks cached) computes the rest of its context's full blocks."""
+        bs = self.ledger.block_size
+        for i in range(first, req.num_tokens // bs):
+            self._computing.setdefault(req.block_hash(i, bs), req.req_id)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -131,14 +162,19 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _victim(self, req: Request, budget: int) -> Request:
-        """Whom to preempt so that `req` can grow: the newest running request (`req` itself included) that holds
-        blocks on a rank lacking room. In DP-attn/DOP that is the newest on `req`'s owner: the newest anywhere
-        may live on another rank, and freeing it would not help."""
+        """Whom to preempt so that `req` can grow: the newest running request (`req` itself included) whose release
+        frees blocks on a rank lacking room — blocks it holds that no other running request shares (a shared block
+        stays with the others, so preempting a request for it frees nothing). In DP-attn/DOP that is the newest on
+        `req`'s owner: the newest anywhere may live on another rank, and freeing it would not help."""
         owner = self.ledger.reqs.get(req.req_id, (0, 0))[1]
         short = self.ledger.short_ranks(req.req_id, req.num_cached + min(req.pending, budget), owner)
         for r in reversed(self.running):
-            if r is req or any(self.ledger.holds(r.req_id, k) for k in short):
+            if r is req:
                 return r
+            if short and r.req_id in self.ledger.reqs:
+                freed = self.ledger.frees(r.req_id)
+                if any(freed[k] for k in short):
+                    return r
         return self.running[-1]
 
     def _admissible(self, req: Request) -> tuple[int, list[int]] | None:
@@ -148,7 +184,8 @@ class Scheduler:
         at a time, only to preempt it again a few steps later (at capacity a DP-attn rollout re-prefilled a
         2,048-token chunk every step: docs/benchmarks.md, the rollout at capacity). Blocks the prefix cache holds for
         it are not needed again (those evictable now are: they come back into use). -> (the owner it would get, the
-        cached blocks' hashes it starts on), or None."""
+        cached blocks' hashes it starts on), None, or IN_FLIGHT when the next block it would compute is one a running
+        request is computing now (it waits for that block to be cached)."""
         led = self.ledger
         hashes = self._prefix(req)
         found = {}
@@ -157,8 +194,12 @@ class Scheduler:
             first = led.lookup(hashes, 0) if same else None
             found = {o: first if same else led.lookup(hashes, o) for o in range(led.world)}
         end = -(-min(len(req.prompt) + req.max_tokens, req.max_len) // led.block_size)
-        owner = led.pick_owner({o: k for o, (k, _) in found.items()}, end)
+        # blocks in flight where it would hold them save as much as cached ones, once it has waited for them
+        reach = {o: self._in_flight(hashes, k, o) for o, (k, _) in found.items()}
+        owner = led.pick_owner(reach, end)
         k, revive = found.get(owner, (0, None))
+        if reach.get(owner, 0) > k:   # its next block is being computed where it would hold it: wait for it
+            return IN_FLIGHT
         need = led._need(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
         if revive:
             need = [a + b for a, b in zip(need, revive)]
@@ -167,6 +208,19 @@ class Scheduler:
         if any(n and led.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
             return None
         return owner, hashes[:k]
+
+    def _in_flight(self, hashes: list[int], k: int, owner: int) -> int:
+        """How far `hashes` reach past their `k` cached blocks with blocks running requests are computing now where
+        a request with `owner` would hold them."""
+        led = self.ledger
+        if not self._computing:
+            return k
+        while k < len(hashes):
+            rid = self._computing.get(hashes[k])
+            if rid not in led.reqs or led.holders(k, led.reqs[rid][1]) != led.holders(k, owner):
+                break
+            k += 1
+        return k
 
     def _prefix(self, req: Request) -> list[int]:
         """The hashes of the full blocks a joining request could find cached: all but the block of its last token,
@@ -217,12 +271,16 @@ class Scheduler:
                 budget -= len(item.tokens)
             i += 1
         attach = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            got = self._admissible(self.waiting[0])
+        w = 0   # the first waiting request not waiting for blocks in flight
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[w]
+            got = self._admissible(req)
+            if got is IN_FLIGHT:
+                w += 1
+                continue
             if got is None:
                 break
             owner, hit = got
-            req = self.waiting[0]
             first = not req.counted and self.ledger.prefix and req.cacheable
             if hit:
                 self.ledger.attach(req.req_id, owner, hit, final=min(len(req.prompt) + req.max_tokens, req.max_len))
@@ -240,7 +298,10 @@ class Scheduler:
                 self.prefix_hits += req.num_cached
             if hit:
                 attach.append((req.req_id, owner, tuple(hit)))
-            self.running.append(self.waiting.popleft())
+            if self.ledger.prefix:
+                self._start_computing(req, len(hit))
+            del self.waiting[w]
+            self.running.append(req)
             items.append(item)
             budget -= len(item.tokens)
         if not items and self.running and self.preemption_mode == "queue":
@@ -262,8 +323,11 @@ class Scheduler:
         for i in range(len(shared), req.num_cached // bs):
             h = req.block_hash(i, bs)
             if not led.register(req.req_id, i, h):
+                self._stop_computing(req.req_id)   # it registers nothing more: nobody may wait for its blocks
                 return
             self._registered.append((req.req_id, i, h))
+            if self._computing.get(h) == req.req_id:
+                del self._computing[h]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache; the ranks free them with the next
@@ -286,10 +350,14 @@ class Scheduler:
         decode token — admitting, finishing, chunking and preempting nobody — so `advance_decode` may apply them at
         once. Such a step changes the ledger only where a request crosses into a new block: with a request waiting
         for KV, the run ends before the first crossing (admission is judged on the blocks in use); otherwise before
-        the first step some rank would lack a block for (preemption)."""
+        the first step some rank would lack a block for (preemption). With the prefix cache on, the blocks the run
+        fills are registered and the cached blocks its growth needs evicted at its end (`advance_decode`): as
+        step by step, since a run admits and releases nothing (evictions take the oldest unused blocks either way,
+        and registering a request's own new blocks changes no count). A request waiting for KV then ends the run
+        before the first crossing whatever the owners (the blocks a hit would save may be evicted by the growth)."""
         run = self.running
-        if not run or len(run) > self.budget or any(r.pending != 1 for r in run) or self.ledger.prefix:
-            return 0   # (with a prefix cache, a block a decode step fills may let a waiting request in)
+        if not run or len(run) > self.budget or any(r.pending != 1 for r in run):
+            return 0
         steps = min(limit, min(min(r.max_tokens - len(r.output), r.max_len - r.num_tokens) for r in run) - 1)
         if steps <= 0:
             return 0
@@ -298,7 +366,8 @@ class Scheduler:
         if kv_blocked:
             if self._admissible(self.waiting[0]) is not None:
                 return 0
-            if not self._blocked_on_every_owner(self.waiting[0]):   # may fit once the owner choice moves
+            if self.ledger.prefix or not self._blocked_on_every_owner(self.waiting[0]):   # may fit once the
+                # owner choice moves (or the cache's blocks it would start on are evicted)
                 return min(steps, min(-r.num_cached % bs for r in run))   # steps before any request's next block
         owners = [led.reqs[r.req_id][1] for r in run]
 
@@ -322,6 +391,11 @@ class Scheduler:
             self.ledger.grow(r.req_id, r.num_cached + steps, self.ledger.reqs[r.req_id][1])
             r.num_cached += steps
             r.output.extend([token] * steps)
+        if self.ledger.prefix:   # what the run's steps' evictions and registrations leave (steady_decode_steps)
+            gone = self.ledger.evictions()
+            self._evict_extra = [a + b for a, b in zip(self._evict_extra, gone)] if self._evict_extra else gone
+            for r in self.running:
+                self._register(r)
 
     def update(self, plan: StepMessage, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results; returns requests that finished (their KV is released next step)."""

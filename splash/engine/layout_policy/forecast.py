@@ -13,10 +13,16 @@ count. Pricing is sampled: every run of steady decode steps is priced, up to MAX
 first), and up to MAX_PREFILL_PRICED steps that carry prefill chunks, evenly spaced; an unpriced step costs what the
 nearest priced one of its kind does. At most MAX_STEPS scheduler steps are replayed (a steady run counting as one);
 work beyond them is left out (the forecast is then for the requests served so far).
+
+With the engine's prefix cache on, the replay starts from a fork of the engine's ledger (`KVLedger.fork`): the blocks
+its ranks cache and which requests share them, switched to the forecast layout as a switch would switch them. The
+clones carry their originals' block hashes (a clone's blocks past its original's tokens get hashes of their own), so
+the replay finds the hits the engine will find — a request whose prefix is cached is admitted on its new blocks and
+charged for its uncached tokens only — and waits, as the engine does, for the blocks a running request is computing.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splash.engine.layout_policy.decision import CostModelLike, ReqView
@@ -59,16 +65,33 @@ class Replay:
     events: list[tuple] | None = None    # (step, "admit" | "preempt" | "finish", request, owner)
 
 
-def clone_requests(reqs: Sequence[ReqView], ledger: KVLedger, sched: Scheduler) -> None:
-    """Put `reqs` into an empty `sched` over `ledger`: running ones with their KV on their owners, waiting ones
-    queued in order. A clone's tokens are a `range` (their values never matter); its output to make is the view's
-    `remaining`."""
+@dataclass
+class _Clone(Request):
+    """A forecast's copy of a request: its tokens are a `range` (their values never matter), its block hashes its
+    original's as far as the original's tokens go, and its own past them (the forecast's made-up output)."""
+    original: Request | None = None
+
+    def block_hash(self, i: int, block_size: int) -> int:
+        o = self.original
+        if o is not None and (i + 1) * block_size <= o.num_tokens:
+            return o.block_hash(i, block_size)
+        return hash((self.req_id, i))
+
+
+def clone_requests(reqs: Sequence[ReqView], ledger: KVLedger, sched: Scheduler,
+                   originals: Mapping[str, Request] | None = None) -> None:
+    """Put `reqs` into an empty `sched` over `ledger`: running ones with their KV on their owners (unless `ledger`
+    holds them already: a fork of the engine's), waiting ones queued in order. A clone's output to make is the
+    view's `remaining`; `originals` (the engine's requests by id) give the clones their block hashes."""
     for r in reqs:
-        req = Request(r.req_id, range(r.cached + r.pending), max(0, r.remaining))
+        o = originals.get(r.req_id) if originals is not None else None
+        req = _Clone(r.req_id, range(r.cached + r.pending), max(0, r.remaining), original=o)
+        req.cacheable = o.cacheable if o is not None else False
         if r.running:
             req.num_cached = r.cached
-            ledger.grow(r.req_id, r.cached, r.owner if r.owner is not None else 0,
-                        final=r.cached + r.pending + r.remaining)
+            if r.req_id not in ledger.reqs:
+                ledger.grow(r.req_id, r.cached, r.owner if r.owner is not None else 0,
+                            final=r.cached + r.pending + r.remaining)
             sched.requests[r.req_id] = req
             sched.running.append(req)
         else:
@@ -127,9 +150,15 @@ class BatchForecast:
         self.scheduler = scheduler
 
     def replay(self, lay: str, reqs: Sequence[ReqView], cap: int, trace: bool = False) -> Replay:
-        ledger = KVLedger(self.world, cap, self.block_size, lay)
-        sched = self.scheduler.sibling(ledger)
-        clone_requests(reqs, ledger, sched)
+        live = self.scheduler.ledger
+        if live.prefix:   # the engine's cache and the requests sharing it (the module docstring)
+            ledger = live.fork(lay, cap)
+            sched = self.scheduler.sibling(ledger)
+            clone_requests(reqs, ledger, sched, self.scheduler.requests)
+        else:
+            ledger = KVLedger(self.world, cap, self.block_size, lay)
+            sched = self.scheduler.sibling(ledger)
+            clone_requests(reqs, ledger, sched)
         return replay(sched, trace=trace)
 
     def waves(self, lay: str, reqs: Sequence[ReqView], cap: int) -> Forecast | None:
