@@ -16,7 +16,7 @@ from test_attention_kernels import SCALE, TINY, check, dense_reference, make_sta
 from backends.cuda import flashinfer_mla as fi
 from backends.hip import aiter_mla as ai
 from splash.attention.kernels import make_kernel
-from splash.attention.kernels.external import fused_pages, pad_heads, remap_tables
+from splash.attention.kernels.external import block_tables, pad_heads
 
 DECODE = [(9, 1), (2, 1), (0, 1), (21, 1)]
 
@@ -69,20 +69,22 @@ def test_aiter_head_table():
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16])
-def test_fused_pages_and_tables_attend_like_the_pool(bs):
-    """Attending through the fused [P, page, d_c + d_r] buffer and the renumbered block tables (the contract of
-    trtllm-gen / AITER: request b's j-th page is tables[b, j], kv_len tokens) gives the dense reference."""
+def test_fused_pool_and_block_tables_attend_like_the_pool(bs):
+    """A bf16 layer's pool is one [blocks, page, d_c + d_r] tensor with ckv / kpe as views of it; attending
+    through it with the requests' own page tables padded to 128 tokens (the contract of trtllm-gen / AITER:
+    request b's j-th page is tables[b, j], kv_len tokens) gives the dense reference."""
     cache, bm, _, reqs, meta, q = make_state("bfloat16", bs, DECODE, dc=16, dr=4)
-    indptr, indices, _ = meta.csr()
-    kv = fused_pages(cache, 0, indices, torch.float32)
+    kv = cache.fused[0]
+    assert kv.shape == (cache.num_blocks, bs, 20) and kv.is_contiguous()
+    assert cache.ckv[0].data_ptr() == kv.data_ptr() and cache.kpe[0].data_ptr() == kv[..., 16:].data_ptr()
     widest = int(meta.num_pages.max())
-    tables = remap_tables(indptr, fi.aligned_width(widest, bs))
-    assert kv.shape == (len(indices), bs, 20) and tables.shape[0] == len(reqs)
+    tables = block_tables(meta, fi.aligned_width(widest, bs))
+    assert tables.shape[0] == len(reqs) and tables.dtype == torch.int32
     assert tables.shape[1] >= widest and (tables.shape[1] * bs) % fi.TRTLLM_TABLE_TOKENS == 0
     o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
     for b, n in enumerate(meta.kv_len.tolist()):
         pages = tables[b, :-(-n // bs)].long()
-        keys = kv[pages].reshape(-1, 20)[:n]
+        keys = kv[pages].reshape(-1, 20)[:n].float()
         s = (q[b] @ keys.T) * SCALE
         assert torch.allclose(torch.logsumexp(s, -1), lse_ref[b], atol=1e-4)
         assert torch.allclose(torch.softmax(s, -1) @ keys[:, :16], o_ref[b], atol=1e-4)
@@ -305,37 +307,34 @@ def test_aiter_fp8_kv_runs_triton(monkeypatch):
     assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith("KV dtype fp8_e4m3")
 
 
-def test_page_groups_bound_the_fused_copy():
-    from splash.attention.kernels.external import page_groups
-    assert page_groups([3, 3, 2, 1, 5], page_bytes=10, budget=2 * 10 * 6) == [(0, 2), (2, 4), (4, 5)]
-    assert page_groups([9, 1], page_bytes=10, budget=2 * 10 * 4) == [(0, 1), (1, 2)]   # a big request alone
-    assert page_groups([1, 1, 1], page_bytes=10) == [(0, 3)]
-
-
 @pytest.mark.parametrize("vendor", ["trtllm-gen", "aiter"])
-def test_fused_copies_in_bounded_groups(monkeypatch, vendor):
-    """With a fused-copy bound of 3 pages the 3-page batch runs as one vendor call per request group, and gives
-    the dense reference; no fused buffer exceeds the bound."""
-    import splash.attention.kernels.external as ext
-    from vendor_standins import install_aiter, install_flashinfer
-    page_bytes = 64 * 576 * 2
-    monkeypatch.setattr(ext, "FUSED_BUFFER_BYTES", 2 * 3 * page_bytes)
-    sizes, real = [], ext.fused_pages
-
-    def counted(cache, layer, idx, dtype):
-        sizes.append(len(idx))
-        return real(cache, layer, idx, dtype)
-    monkeypatch.setattr(fi, "fused_pages", counted)
-    monkeypatch.setattr(ai, "fused_pages", counted)
+def test_vendor_calls_read_the_pool_in_place(monkeypatch, vendor):
+    """trtllm-gen and AITER are handed the layer's fused pool itself (same storage, every block) and the
+    requests' own pages: no per-layer gather or concatenation of the step's KV. One vendor call per layer."""
+    import vendor_standins as vs
+    seen = []
     if vendor == "aiter":
-        install_aiter(monkeypatch, "gfx942")
+        mla = vs.install_aiter(monkeypatch, "gfx942")
+        real, name, key = mla.mla_decode_fwd, "mla_decode_fwd", "kv_buffer"
         kernel = ai.AiterMLAKernel(SCALE, arch="gfx942")
     else:
-        install_flashinfer(monkeypatch)
+        mla = vs.install_flashinfer(monkeypatch)
+        real, name, key = mla.trtllm_batch_decode_with_kv_cache_mla, "trtllm_batch_decode_with_kv_cache_mla", \
+            "kv_cache"
         kernel = fi.FlashInferMLAKernel(SCALE, sm_major=10)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get(key, args[1] if len(args) > 1 else None))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(mla, name, spy)
     cache, bm, _, reqs, meta, q = _state("bfloat16", FI_DECODE[3] + [(20, 1)], 16)
     kernel.plan(meta)
-    o, lse = kernel.run(0, q[..., :512], q[..., 512:], cache)
+    for layer in (0, 0):
+        o, lse = kernel.run(layer, q[..., :512], q[..., 512:], cache)
     o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
-    assert sizes == [3, 3, 3] and (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()   # pages 3 | 3 | 2 + 1
-    assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)
+    assert len(seen) == 2
+    for kv in seen:
+        assert kv.data_ptr() == cache.fused[0].data_ptr() and kv.shape[0] == cache.num_blocks
+    assert (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()
+    if vendor != "aiter":
+        assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)
