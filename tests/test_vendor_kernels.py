@@ -73,7 +73,7 @@ def test_fused_pool_and_block_tables_attend_like_the_pool(bs):
     """A bf16 layer's pool is one [blocks, page, d_c + d_r] tensor with ckv / kpe as views of it; attending
     through it with the requests' own page tables padded to 128 tokens (the contract of trtllm-gen / AITER:
     request b's j-th page is tables[b, j], kv_len tokens) gives the dense reference."""
-    cache, bm, _, reqs, meta, q = make_state("bfloat16", bs, DECODE, dc=16, dr=4)
+    cache, bm, _, reqs, meta, q = make_state("bfloat16", bs, DECODE, dc=16, dr=4, fused=True)
     kv = cache.fused[0]
     assert kv.shape == (cache.num_blocks, bs, 20) and kv.is_contiguous()
     assert cache.ckv[0].data_ptr() == kv.data_ptr() and cache.kpe[0].data_ptr() == kv[..., 16:].data_ptr()
@@ -112,7 +112,7 @@ def test_wrappers_fall_back_to_triton_exactly(monkeypatch, cls, pkg, why):
     pytest.importorskip("triton")
     _stub(monkeypatch, pkg)
     kernel = cls(SCALE)
-    check(kernel, make_state("bfloat16", 4, TINY, dc=16, dr=4), atol=0.06, rel_o=0.012)   # bf16 operands
+    check(kernel, make_state("bfloat16", 4, TINY, dc=16, dr=4, fused=True), atol=0.06, rel_o=0.012)   # bf16 operands
     assert kernel.paths == {"triton": 1}
     assert [r for r in kernel.fallback.reasons][0].startswith(why)
 
@@ -134,12 +134,13 @@ def _gpu_kernel(name: str, pkg: str):
 @pytest.mark.parametrize("specs", [DECODE, TINY])
 def test_vendor_kernel_matches_torch_on_gpu(name, pkg, specs):
     kernel = _gpu_kernel(name, pkg)
-    cache, bm, tables, reqs, meta, q = make_state("bfloat16", 64, specs, dc=512, dr=64, heads=16)
+    cache, bm, tables, reqs, meta, q = make_state("bfloat16", 64, specs, dc=512, dr=64, heads=16, fused=True)
     ref = make_kernel("torch", SCALE)
     ref.plan(meta)
     o_ref, lse_ref = ref.run(0, q[..., :512], q[..., 512:], cache)
     dev = torch.device("cuda")
-    cache.ckv, cache.kpe = [t.to(dev) for t in cache.ckv], [t.to(dev) for t in cache.kpe]
+    cache.fused = [t.to(dev) for t in cache.fused]           # the GPU's layout: ckv / kpe views of one pool
+    cache.ckv, cache.kpe = [t[..., :512] for t in cache.fused], [t[..., 512:] for t in cache.fused]
     tables.pages, tables.logical, tables.npages = (t.to(dev) for t in (tables.pages, tables.logical, tables.npages))
     from splash.attention.metadata import build_metadata
     meta = build_metadata(reqs, tables)
@@ -202,9 +203,9 @@ def test_recorded_flashinfer_signatures_match_an_installed_tree():
 
 
 def _state(kv_dtype: str, specs, heads: int, seed: int = 0):
-    """DeepSeek/GLM dims (512 + 64), pages of 64; queries scaled so scores spread like a real model's
+    """DeepSeek/GLM dims (512 + 64), pages of 64, the GPU's pool layout (a bf16 pool fused); queries scaled so scores spread like a real model's
     (|s| ~ 2 with the tests' softmax scale, not ~20), where the bf16 tolerance below means something."""
-    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed)
+    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed, fused=True)
     return (*rest, q * 0.1)
 
 

@@ -28,7 +28,8 @@ import logging
 
 import torch
 
-from splash.attention.kernels.external import SPARSE_REASON, Fallback, block_tables, pad_heads
+from splash.attention.kernels.external import (NOT_FUSED_REASON, SPARSE_REASON, Fallback, block_tables,
+                                               pad_heads)
 
 WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace (counted in the device budget)
 WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper takes (DeepSeek/GLM; NoPE)
@@ -107,6 +108,8 @@ class FlashInferMLAKernel:
                                 self.meta.block_size, self.meta.cp, self.decode_only)
         if self.meta.sparse.get(layer) is not None:
             path, why = None, SPARSE_REASON
+        elif path == "trtllm-gen" and cache.fused[layer] is None:
+            path, why = None, NOT_FUSED_REASON
         key = path or "triton"
         if key not in self.paths and path is not None:
             _log.info("flashinfer attention: %s (%s KV, %d heads)", path, cache.kv_dtype_of(layer), h)

@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from splash.attention.kernels.external import SPARSE_REASON, Fallback, pad_heads
+from splash.attention.kernels.external import NOT_FUSED_REASON, SPARSE_REASON, Fallback, pad_heads
 
 AITER_FACTS = "ROCm/aiter e4048607 (2026-08-22): aiter/mla.py, csrc/py_itfs_cu/asm_mla.cu, hsa/<arch>/mla/mla_asm.csv"
 # mla_decode_fwd's parameters in order (aiter/mla.py); the stand-in binds our call to them
@@ -108,6 +108,8 @@ class AiterMLAKernel:
                           self.decode_only)
         if meta.sparse.get(layer) is not None:
             why = SPARSE_REASON
+        elif why is None and cache.fused[layer] is None:
+            why = NOT_FUSED_REASON
         key = "triton" if why else "aiter"
         if key not in self.paths and why is None:
             _log.info("aiter attention: mla_decode_fwd on %s (%d heads, launched as %d)", self.arch, h,

@@ -15,12 +15,14 @@ layer's block bytes, so a switch packs, moves and converts them with the KV bloc
 stores that many index_dim vectors per token side by side, each quantised on its own (GLM-5.3-Flash's KPool:
 the key and the pool gate logits, splash.models.kpool).
 
-A bf16 layer (FUSED_DTYPES) stores latent and rope key side by side in one tensor `fused[layer]` [blocks,
-block_size, d_c + d_r], and `ckv[layer]` / `kpe[layer]` are views of its two column ranges (row stride d_c + d_r):
-trtllm-gen MLA and AITER read exactly that [pages, page, 576] buffer, so the vendor wrappers hand them the pool
-itself with the requests' own page tables, and FlashInfer's split-layout wrapper takes the two strided views. Other
-dtypes keep separate contiguous ckv / kpe tensors (`fused[layer]` None): fp32 is the CPU's format, whose C
-kernel walks contiguous pages, and quantised layers carry their scales beside the latent.
+On a GPU (`fused`, default: the device is not the CPU) a bf16 layer (FUSED_DTYPES) stores latent and rope key side
+by side in one tensor `fused[layer]` [blocks, block_size, d_c + d_r], and `ckv[layer]` / `kpe[layer]` are views
+of its two column ranges (token stride d_c + d_r): trtllm-gen MLA and AITER read exactly that [pages, page, 576]
+buffer, so the vendor wrappers hand them the pool itself with the requests' own page tables, and FlashInfer's
+split-layout wrapper takes the two strided views. Every other layer keeps separate contiguous ckv / kpe tensors
+(`fused[layer]` None): quantised layers carry their scales beside the latent, and on the CPU the torch kernel's
+bf16 GEMMs over strided views measured 1.7x slower (docs/benchmarks.md), while its C kernel walks contiguous
+fp32 pages. A switch moves a layer's bytes in its own layout; every rank of a job has the same one.
 """
 from __future__ import annotations
 
@@ -37,11 +39,12 @@ FUSED_DTYPES = ("bfloat16",)   # KV dtypes stored as one [blocks, page, d_c + d_
 class PagedLatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                  kv_dtype: str = "float32", device: str | torch.device = "cpu", index_dim: int = 0,
-                 index_layers: Sequence[int] = (), index_parts: int = 1):
+                 index_layers: Sequence[int] = (), index_parts: int = 1, fused: bool | None = None):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_lora_rank, self.rope_dim, self.device = kv_lora_rank, rope_dim, device
         self.index_dim, self.index_layers = index_dim, frozenset(index_layers) if index_dim else frozenset()
         self.index_parts = index_parts
+        self.fuse = torch.device(device).type != "cpu" if fused is None else fused
         self.layer_dtypes = [kv_dtype] * num_layers
         parts = [self._alloc(kv_dtype, layer) for layer in range(num_layers)]
         self.ckv = [p[0] for p in parts]
@@ -57,7 +60,7 @@ class PagedLatentCache:
         shape, dev, q = (self.num_blocks, self.block_size), self.device, quant.is_quantized(kv_dtype)
         dc = self.kv_lora_rank
         fused = None
-        if kv_dtype in FUSED_DTYPES:
+        if self.fuse and kv_dtype in FUSED_DTYPES:
             fused = torch.zeros(*shape, dc + self.rope_dim, dtype=lat_dt, device=dev)
             ckv, kpe = fused[..., :dc], fused[..., dc:]
         else:

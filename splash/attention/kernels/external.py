@@ -24,6 +24,7 @@ import logging
 import torch
 
 SPARSE_REASON = "a top-k selection of slots (DSA / KPool layer): the vendor path attends every page"
+NOT_FUSED_REASON = "the layer's pool is not in the fused [blocks, page, d_c + d_r] layout (a CPU pool)"
 _log = logging.getLogger("splash.attention")
 
 
