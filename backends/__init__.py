@@ -33,15 +33,12 @@ __all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "attention_wor
 def attention_workspace_bytes(kernel: str) -> int:
     """Device bytes an attention kernel allocates for itself (the device budget counts them): FlashInfer's float
     workspace for its MLA wrapper plus trtllm-gen's zeroed one (a run with decode and mixed steps on SM100 holds
-    both), and for trtllm-gen and AITER the bounded fused-page copy (external.FUSED_BUFFER_BYTES); the others
-    allocate per call, inside the step's scratch."""
-    if kernel not in ("flashinfer", "aiter"):
+    both). trtllm-gen and AITER read the fused bf16 pool in place (no copy of the KV); AITER's own per-call
+    split buffers and the other kernels' temporaries are allocated per call, inside the step's scratch."""
+    if kernel != "flashinfer":
         return 0
-    from splash.attention.kernels.external import FUSED_BUFFER_BYTES
-    if kernel == "aiter":
-        return FUSED_BUFFER_BYTES
     from backends.cuda.flashinfer_mla import WORKSPACE_BYTES
-    return 2 * WORKSPACE_BYTES + FUSED_BUFFER_BYTES
+    return 2 * WORKSPACE_BYTES
 
 
 def _torch_gpu() -> tuple[str | None, int]:

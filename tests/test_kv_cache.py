@@ -323,3 +323,28 @@ def test_request_longer_than_pool_is_capped_not_hung(comm):
         llm.generate([list(range(40))], GREEDY)
     out = LLM(preset="tiny-mla", block_size=4, num_kv_blocks=5, comm=comm).generate([list(range(12))], GREEDY)[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_fused_bf16_layout_on_gpu_separate_on_cpu():
+    """A GPU pool (fused=True) stores a bf16 layer as one [blocks, page, d_c + d_r] tensor with ckv / kpe views of
+    it (what trtllm-gen / AITER read in place); the CPU's default keeps separate contiguous tensors. Writes, reads,
+    block packing between ranks and dtype conversion give the same values in both layouts."""
+    g = torch.Generator().manual_seed(0)
+    c, k = torch.randn(6, 32, generator=g), torch.randn(6, 8, generator=g)
+    slots = torch.tensor([0, 3, 5, 8, 13, 19])
+    cpu, gpu = PagedLatentCache(2, 5, 4, 32, 8, "bfloat16"), PagedLatentCache(2, 5, 4, 32, 8, "bfloat16", fused=True)
+    assert cpu.fused == [None, None] and cpu.ckv[0].is_contiguous()
+    f = gpu.fused[1]
+    assert f.shape == (5, 4, 40) and gpu.ckv[1].data_ptr() == f.data_ptr() and gpu.kpe[1].stride(1) == 40
+    for cache in (cpu, gpu):
+        cache.write(1, slots, c, k)
+    assert all(torch.equal(a, b) for a, b in zip(cpu.read(1, slots), gpu.read(1, slots)))
+    assert torch.equal(gpu.fused[1].view(20, 40)[slots], torch.cat([c, k], 1).bfloat16())
+    other = PagedLatentCache(2, 5, 4, 32, 8, "bfloat16", fused=True)
+    other.unpack_blocks(1, [4, 0], gpu.pack_blocks(1, [1, 3]))
+    assert gpu.block_bytes(1) == cpu.block_bytes(1) and torch.equal(other.fused[1][[4, 0]], f[[1, 3]])
+    gpu.convert_layer(1, "fp8_e4m3")
+    assert gpu.fused[1] is None and gpu.scale[1] is not None
+    gpu.convert_layer(1, "bfloat16")
+    assert gpu.fused[1] is not None and gpu.ckv[1].data_ptr() == gpu.fused[1].data_ptr()
+    assert (gpu.read(1, slots)[0] - c).abs().max() <= c.abs().max() / 16   # fp8 e4m3: 3 mantissa bits

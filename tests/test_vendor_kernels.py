@@ -16,7 +16,7 @@ from test_attention_kernels import SCALE, TINY, check, dense_reference, make_sta
 from backends.cuda import flashinfer_mla as fi
 from backends.hip import aiter_mla as ai
 from splash.attention.kernels import make_kernel
-from splash.attention.kernels.external import fused_pages, pad_heads, remap_tables
+from splash.attention.kernels.external import block_tables, pad_heads
 
 DECODE = [(9, 1), (2, 1), (0, 1), (21, 1)]
 
@@ -69,20 +69,22 @@ def test_aiter_head_table():
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16])
-def test_fused_pages_and_tables_attend_like_the_pool(bs):
-    """Attending through the fused [P, page, d_c + d_r] buffer and the renumbered block tables (the contract of
-    trtllm-gen / AITER: request b's j-th page is tables[b, j], kv_len tokens) gives the dense reference."""
-    cache, bm, _, reqs, meta, q = make_state("bfloat16", bs, DECODE, dc=16, dr=4)
-    indptr, indices, _ = meta.csr()
-    kv = fused_pages(cache, 0, indices, torch.float32)
+def test_fused_pool_and_block_tables_attend_like_the_pool(bs):
+    """A bf16 layer's pool is one [blocks, page, d_c + d_r] tensor with ckv / kpe as views of it; attending
+    through it with the requests' own page tables padded to 128 tokens (the contract of trtllm-gen / AITER:
+    request b's j-th page is tables[b, j], kv_len tokens) gives the dense reference."""
+    cache, bm, _, reqs, meta, q = make_state("bfloat16", bs, DECODE, dc=16, dr=4, fused=True)
+    kv = cache.fused[0]
+    assert kv.shape == (cache.num_blocks, bs, 20) and kv.is_contiguous()
+    assert cache.ckv[0].data_ptr() == kv.data_ptr() and cache.kpe[0].data_ptr() == kv[..., 16:].data_ptr()
     widest = int(meta.num_pages.max())
-    tables = remap_tables(indptr, fi.aligned_width(widest, bs))
-    assert kv.shape == (len(indices), bs, 20) and tables.shape[0] == len(reqs)
+    tables = block_tables(meta, fi.aligned_width(widest, bs))
+    assert tables.shape[0] == len(reqs) and tables.dtype == torch.int32
     assert tables.shape[1] >= widest and (tables.shape[1] * bs) % fi.TRTLLM_TABLE_TOKENS == 0
     o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
     for b, n in enumerate(meta.kv_len.tolist()):
         pages = tables[b, :-(-n // bs)].long()
-        keys = kv[pages].reshape(-1, 20)[:n]
+        keys = kv[pages].reshape(-1, 20)[:n].float()
         s = (q[b] @ keys.T) * SCALE
         assert torch.allclose(torch.logsumexp(s, -1), lse_ref[b], atol=1e-4)
         assert torch.allclose(torch.softmax(s, -1) @ keys[:, :16], o_ref[b], atol=1e-4)
@@ -110,7 +112,7 @@ def test_wrappers_fall_back_to_triton_exactly(monkeypatch, cls, pkg, why):
     pytest.importorskip("triton")
     _stub(monkeypatch, pkg)
     kernel = cls(SCALE)
-    check(kernel, make_state("bfloat16", 4, TINY, dc=16, dr=4), atol=0.06, rel_o=0.012)   # bf16 operands
+    check(kernel, make_state("bfloat16", 4, TINY, dc=16, dr=4, fused=True), atol=0.06, rel_o=0.012)   # bf16 operands
     assert kernel.paths == {"triton": 1}
     assert [r for r in kernel.fallback.reasons][0].startswith(why)
 
@@ -132,12 +134,13 @@ def _gpu_kernel(name: str, pkg: str):
 @pytest.mark.parametrize("specs", [DECODE, TINY])
 def test_vendor_kernel_matches_torch_on_gpu(name, pkg, specs):
     kernel = _gpu_kernel(name, pkg)
-    cache, bm, tables, reqs, meta, q = make_state("bfloat16", 64, specs, dc=512, dr=64, heads=16)
+    cache, bm, tables, reqs, meta, q = make_state("bfloat16", 64, specs, dc=512, dr=64, heads=16, fused=True)
     ref = make_kernel("torch", SCALE)
     ref.plan(meta)
     o_ref, lse_ref = ref.run(0, q[..., :512], q[..., 512:], cache)
     dev = torch.device("cuda")
-    cache.ckv, cache.kpe = [t.to(dev) for t in cache.ckv], [t.to(dev) for t in cache.kpe]
+    cache.fused = [t.to(dev) for t in cache.fused]           # the GPU's layout: ckv / kpe views of one pool
+    cache.ckv, cache.kpe = [t[..., :512] for t in cache.fused], [t[..., 512:] for t in cache.fused]
     tables.pages, tables.logical, tables.npages = (t.to(dev) for t in (tables.pages, tables.logical, tables.npages))
     from splash.attention.metadata import build_metadata
     meta = build_metadata(reqs, tables)
@@ -200,9 +203,9 @@ def test_recorded_flashinfer_signatures_match_an_installed_tree():
 
 
 def _state(kv_dtype: str, specs, heads: int, seed: int = 0):
-    """DeepSeek/GLM dims (512 + 64), pages of 64; queries scaled so scores spread like a real model's
+    """DeepSeek/GLM dims (512 + 64), pages of 64, the GPU's pool layout (a bf16 pool fused); queries scaled so scores spread like a real model's
     (|s| ~ 2 with the tests' softmax scale, not ~20), where the bf16 tolerance below means something."""
-    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed)
+    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed, fused=True)
     return (*rest, q * 0.1)
 
 
@@ -305,37 +308,34 @@ def test_aiter_fp8_kv_runs_triton(monkeypatch):
     assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith("KV dtype fp8_e4m3")
 
 
-def test_page_groups_bound_the_fused_copy():
-    from splash.attention.kernels.external import page_groups
-    assert page_groups([3, 3, 2, 1, 5], page_bytes=10, budget=2 * 10 * 6) == [(0, 2), (2, 4), (4, 5)]
-    assert page_groups([9, 1], page_bytes=10, budget=2 * 10 * 4) == [(0, 1), (1, 2)]   # a big request alone
-    assert page_groups([1, 1, 1], page_bytes=10) == [(0, 3)]
-
-
 @pytest.mark.parametrize("vendor", ["trtllm-gen", "aiter"])
-def test_fused_copies_in_bounded_groups(monkeypatch, vendor):
-    """With a fused-copy bound of 3 pages the 3-page batch runs as one vendor call per request group, and gives
-    the dense reference; no fused buffer exceeds the bound."""
-    import splash.attention.kernels.external as ext
-    from vendor_standins import install_aiter, install_flashinfer
-    page_bytes = 64 * 576 * 2
-    monkeypatch.setattr(ext, "FUSED_BUFFER_BYTES", 2 * 3 * page_bytes)
-    sizes, real = [], ext.fused_pages
-
-    def counted(cache, layer, idx, dtype):
-        sizes.append(len(idx))
-        return real(cache, layer, idx, dtype)
-    monkeypatch.setattr(fi, "fused_pages", counted)
-    monkeypatch.setattr(ai, "fused_pages", counted)
+def test_vendor_calls_read_the_pool_in_place(monkeypatch, vendor):
+    """trtllm-gen and AITER are handed the layer's fused pool itself (same storage, every block) and the
+    requests' own pages: no per-layer gather or concatenation of the step's KV. One vendor call per layer."""
+    import vendor_standins as vs
+    seen = []
     if vendor == "aiter":
-        install_aiter(monkeypatch, "gfx942")
+        mla = vs.install_aiter(monkeypatch, "gfx942")
+        real, name, key = mla.mla_decode_fwd, "mla_decode_fwd", "kv_buffer"
         kernel = ai.AiterMLAKernel(SCALE, arch="gfx942")
     else:
-        install_flashinfer(monkeypatch)
+        mla = vs.install_flashinfer(monkeypatch)
+        real, name, key = mla.trtllm_batch_decode_with_kv_cache_mla, "trtllm_batch_decode_with_kv_cache_mla", \
+            "kv_cache"
         kernel = fi.FlashInferMLAKernel(SCALE, sm_major=10)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get(key, args[1] if len(args) > 1 else None))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(mla, name, spy)
     cache, bm, _, reqs, meta, q = _state("bfloat16", FI_DECODE[3] + [(20, 1)], 16)
     kernel.plan(meta)
-    o, lse = kernel.run(0, q[..., :512], q[..., 512:], cache)
+    for layer in (0, 0):
+        o, lse = kernel.run(layer, q[..., :512], q[..., 512:], cache)
     o_ref, lse_ref = dense_reference(cache, bm, reqs, q)
-    assert sizes == [3, 3, 3] and (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()   # pages 3 | 3 | 2 + 1
-    assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)
+    assert len(seen) == 2
+    for kv in seen:
+        assert kv.data_ptr() == cache.fused[0].data_ptr() and kv.shape[0] == cache.num_blocks
+    assert (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()
+    if vendor != "aiter":
+        assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)

@@ -11,11 +11,12 @@ trtllm-gen's is base 2, and demands block tables aligned to 128 tokens.
   return_lse=True, return_lse_base_on_e=True)`, reading our ckv [blocks, page, d_c] and kpe [blocks, page, d_r]
   pools in place (its split layout is ours).
 - SM100 (B200), decode-only steps, pages of 32 or 64 tokens, rope width 64:
-  `flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(…, backend="trtllm-gen", return_lse_base="basee")` on a
-  fused [pages, page, d_c + d_r] copy of the step's pages (splash.attention.kernels.external.fused_pages) with
-  renumbered block tables padded to a multiple of 128 tokens, one call per group of requests whose copy fits
-  FUSED_BUFFER_BYTES (counted in the device budget). trtllm-gen has no kernel for 64 < heads < 128, so
-  such a rank's queries are padded with zero heads to 128 and the padding cut from õ and the LSE.
+  `flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(…, backend="trtllm-gen", return_lse_base="basee")`, one
+  call per layer for every row, on the layer's fused bf16 pool itself (`cache.fused[layer]` [blocks, page,
+  d_c + d_r], viewed as [blocks, 1, page, d_c + d_r]) with the requests' own page tables as block tables, padded
+  to a multiple of 128 tokens (external.block_tables, built once per step). trtllm-gen has no kernel for
+  64 < heads < 128, so such a rank's queries are padded with zero heads to 128 and the padding cut from õ and
+  the LSE.
 - Everything else runs our Triton kernel (`Fallback`), with the reason logged once: quantised KV (FlashInfer's
   FP8 MLA is SM90-only and wants the rope cache in FP8 with one per-tensor scale; our pool keeps the rope key in
   bf16, so feeding it would convert the layer's whole rope pool per call), CP steps, other latent/rope dims.
@@ -27,7 +28,8 @@ import logging
 
 import torch
 
-from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, pad_heads, step_groups
+from splash.attention.kernels.external import (NOT_FUSED_REASON, SPARSE_REASON, Fallback, block_tables,
+                                               pad_heads)
 
 WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace (counted in the device budget)
 WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper takes (DeepSeek/GLM; NoPE)
@@ -82,13 +84,14 @@ class FlashInferMLAKernel:
         self.paths: dict[str, int] = {}   # runs per path (gpu-check reports it)
 
     def plan(self, meta) -> None:
-        """Per step: the host reads the vendor calls need (pages per request, the longest row), in one sync."""
-        self.meta, self.planned_heads, self.groups = meta, None, None
+        """Per step: the host reads the vendor calls need (the most pages a request holds, the longest row), in
+        one sync."""
+        self.meta, self.planned_heads, self.tables = meta, None, None
         self.decode_only = all(n == 1 for n in meta.q_lens)
-        self.pages, self.longest = [], 0
+        self.widest = self.longest = 0
         if meta.num_reqs:
-            *self.pages, self.longest = torch.cat([meta.num_pages.to(torch.int64),
-                                                   meta.kv_len.max().to(torch.int64).view(1)]).tolist()
+            self.widest, self.longest = torch.stack([meta.num_pages.max().to(torch.int64),
+                                                     meta.kv_len.max().to(torch.int64)]).tolist()
         self.fallback.plan(meta)
 
     def _sm(self, device: torch.device) -> int:
@@ -105,6 +108,8 @@ class FlashInferMLAKernel:
                                 self.meta.block_size, self.meta.cp, self.decode_only)
         if self.meta.sparse.get(layer) is not None:
             path, why = None, SPARSE_REASON
+        elif path == "trtllm-gen" and cache.fused[layer] is None:
+            path, why = None, NOT_FUSED_REASON
         key = path or "triton"
         if key not in self.paths and path is not None:
             _log.info("flashinfer attention: %s (%s KV, %d heads)", path, cache.kv_dtype_of(layer), h)
@@ -136,29 +141,19 @@ class FlashInferMLAKernel:
         return o.float(), lse.float()
 
     def _trtllm(self, layer: int, q_latent, q_rope, cache):
-        """Decode rows in groups of requests whose fused page copy fits FUSED_BUFFER_BYTES (external.page_groups);
-        each group's block tables are padded to a multiple of 128 tokens."""
+        """Every decode row in one call on the layer's fused pool, block tables padded to 128 tokens."""
         import flashinfer.mla as fm
         meta, dev = self.meta, q_latent.device
         (n, h, dc), dr = q_latent.shape, q_rope.shape[-1]
         if self.trt_workspace is None:   # trtllm-gen wants a zeroed workspace (semaphores)
             self.trt_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.int8, device=dev)
-        if self.groups is None:          # once per step: every layer reads the same pages
-            self.groups = step_groups(meta, self.pages, meta.block_size * (dc + dr) * 2,
-                                      lambda pages: aligned_width(pages, meta.block_size))
+        if self.tables is None:          # once per step: every layer reads the same pages
+            self.tables = block_tables(meta, aligned_width(self.widest, meta.block_size))
         q, _ = pad_heads(torch.cat([q_latent, q_rope], dim=-1).to(torch.bfloat16), trtllm_heads(h))
         hp = q.shape[1]
-        out = torch.empty(n, h, dc, dtype=torch.float32, device=dev)
-        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
-        for g in self.groups:
-            kv = fused_pages(cache, layer, g.indices, torch.bfloat16)          # [P, page, d_c + d_r]
-            rows = g.rows.stop - g.rows.start
-            o_g, lse_g = fm.trtllm_batch_decode_with_kv_cache_mla(
-                query=q[g.rows].view(rows, 1, hp, dc + dr), kv_cache=kv.unsqueeze(1),
-                workspace_buffer=self.trt_workspace, qk_nope_head_dim=TRTLLM_QK_NOPE, kv_lora_rank=dc,
-                qk_rope_head_dim=dr, block_tables=g.tables, seq_lens=meta.kv_len[g.rows], max_seq_len=self.longest,
-                bmm1_scale=self.scale, bmm2_scale=1.0, backend="trtllm-gen", return_lse=True,
-                return_lse_base="basee")
-            out[g.rows] = o_g.reshape(rows, hp, dc)[:, :h].float()
-            lse[g.rows] = lse_g.reshape(rows, hp)[:, :h].float()
-        return out, lse
+        o, lse = fm.trtllm_batch_decode_with_kv_cache_mla(
+            query=q.view(n, 1, hp, dc + dr), kv_cache=cache.fused[layer].unsqueeze(1),
+            workspace_buffer=self.trt_workspace, qk_nope_head_dim=TRTLLM_QK_NOPE, kv_lora_rank=dc,
+            qk_rope_head_dim=dr, block_tables=self.tables, seq_lens=meta.kv_len, max_seq_len=self.longest,
+            bmm1_scale=self.scale, bmm2_scale=1.0, backend="trtllm-gen", return_lse=True, return_lse_base="basee")
+        return o.reshape(n, hp, dc)[:, :h].float(), lse.reshape(n, hp)[:, :h].float()

@@ -18,8 +18,9 @@ stand-in that enforces them:
   our Triton kernel.
 - Archs: AITER has kernels for gfx942 and gfx950 only (no Hygon DCU arch): elsewhere our Triton kernel runs
   (backends.hip.arch checks at startup that the installed Triton can compile for the device).
-The KV buffer is a copy of the pages of the layer (splash.attention.kernels.external.fused_pages) in CSR order, so
-kv_indices is 0..P-1, one call per group of requests whose copy fits FUSED_BUFFER_BYTES (in the device budget). Prefill rows, CP steps, quantised KV, NoPE models (d_r = 0, e.g. GLM-5.3-Flash)
+The KV buffer is the layer's fused bf16 pool itself (`cache.fused[layer]` [blocks, page, 576], viewed as
+[blocks, page, 1, 576]) with the step's CSR page lists (AttnMetadata.csr: physical pages), one call per layer for
+every row: no copy of the KV. Prefill rows, CP steps, quantised KV, NoPE models (d_r = 0, e.g. GLM-5.3-Flash)
 and other shapes run our Triton kernel (`Fallback`), with the reason logged once.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 
 import torch
 
-from splash.attention.kernels.external import SPARSE_REASON, Fallback, fused_pages, pad_heads, step_groups
+from splash.attention.kernels.external import NOT_FUSED_REASON, SPARSE_REASON, Fallback, pad_heads
 
 AITER_FACTS = "ROCm/aiter e4048607 (2026-08-22): aiter/mla.py, csrc/py_itfs_cu/asm_mla.cu, hsa/<arch>/mla/mla_asm.csv"
 # mla_decode_fwd's parameters in order (aiter/mla.py); the stand-in binds our call to them
@@ -87,10 +88,11 @@ class AiterMLAKernel:
         self.paths: dict[str, int] = {}
 
     def plan(self, meta) -> None:
-        """Per step: pages per request read on the host once (the fused copies are grouped by them)."""
-        self.meta, self.groups = meta, None
+        """Per step: the CSR page lists every layer's call reads (AttnMetadata.csr, one host read)."""
+        self.meta = meta
         self.decode_only = all(n == 1 for n in meta.q_lens)
-        self.pages = meta.num_pages.tolist() if meta.num_reqs else []
+        if self.decode_only and meta.num_reqs and not meta.cp:
+            meta.csr()
         self.fallback.plan(meta)
 
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor, cache):
@@ -106,6 +108,8 @@ class AiterMLAKernel:
                           self.decode_only)
         if meta.sparse.get(layer) is not None:
             why = SPARSE_REASON
+        elif why is None and cache.fused[layer] is None:
+            why = NOT_FUSED_REASON
         key = "triton" if why else "aiter"
         if key not in self.paths and why is None:
             _log.info("aiter attention: mla_decode_fwd on %s (%d heads, launched as %d)", self.arch, h,
@@ -116,25 +120,18 @@ class AiterMLAKernel:
         return self._decode(layer, q_latent, q_rope, cache)
 
     def _decode(self, layer: int, q_latent, q_rope, cache):
-        """Decode rows in groups of requests whose fused page copy fits FUSED_BUFFER_BYTES (external.page_groups)."""
+        """Every decode row in one call on the layer's fused pool and the step's page lists."""
         import aiter.mla
-        meta, (n, h, dc), dr = self.meta, q_latent.shape, q_rope.shape[-1]
+        meta, (n, h, dc) = self.meta, q_latent.shape
         hp = decode_heads(self.arch, h)
-        if self.groups is None:          # once per step: every layer reads the same pages
-            self.groups = step_groups(meta, self.pages, meta.block_size * (dc + dr) * 2)
+        kv_indptr, kv_indices, _ = meta.csr()    # built in plan: cached for the step
         q, _ = pad_heads(torch.cat([q_latent, q_rope], dim=-1).to(torch.bfloat16), hp)
-        out = torch.empty(n, h, dc, dtype=torch.float32, device=q.device)
-        lse = torch.full((n, h), float("nan"), device=q.device)
-        for g in self.groups:
-            kv = fused_pages(cache, layer, g.indices, torch.bfloat16)          # [P, page, 576]
-            rows = g.rows.stop - g.rows.start
-            o = torch.empty(rows, hp, dc, dtype=torch.bfloat16, device=q.device)
-            order = torch.arange(kv.shape[0], dtype=torch.int32, device=q.device)
-            qo = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
-            _, lse_g = aiter.mla.mla_decode_fwd(q[g.rows].contiguous(), kv.unsqueeze(2), o, qo, g.kv_indptr, order,
-                                                meta.kv_last_page_len[g.rows], 1, page_size=meta.block_size,
-                                                nhead_kv=1, sm_scale=self.scale, return_lse=True)
-            out[g.rows] = o[:, :h].float()
-            if hp not in LSE_UNWRITTEN_HEADS:   # else the vendor's buffer may be unwritten: leave NaN, never it
-                lse[g.rows] = lse_g.reshape(rows, hp)[:, :h].float()
-        return out, lse
+        o = torch.empty(n, hp, dc, dtype=torch.bfloat16, device=q.device)
+        _, lse_v = aiter.mla.mla_decode_fwd(q, cache.fused[layer].unsqueeze(2), o, meta.qo_indptr, kv_indptr,
+                                            kv_indices, meta.kv_last_page_len, 1, page_size=meta.block_size,
+                                            nhead_kv=1, sm_scale=self.scale, return_lse=True)
+        if hp in LSE_UNWRITTEN_HEADS:   # the vendor's buffer may be unwritten: NaN, never it
+            lse = torch.full((n, h), float("nan"), device=q.device)
+        else:
+            lse = lse_v.reshape(n, hp)[:, :h].float()
+        return o[:, :h].float(), lse

@@ -14,6 +14,15 @@ fp32 scale per 128 values under a quantised KV dtype (DeepSeek-V3.2's FP8 indexe
 layer's block bytes, so a switch packs, moves and converts them with the KV blocks they index. `index_parts` > 1
 stores that many index_dim vectors per token side by side, each quantised on its own (GLM-5.3-Flash's KPool:
 the key and the pool gate logits, splash.models.kpool).
+
+On a GPU (`fused`, default: the device is not the CPU) a bf16 layer (FUSED_DTYPES) stores latent and rope key side
+by side in one tensor `fused[layer]` [blocks, block_size, d_c + d_r], and `ckv[layer]` / `kpe[layer]` are views
+of its two column ranges (token stride d_c + d_r): trtllm-gen MLA and AITER read exactly that [pages, page, 576]
+buffer, so the vendor wrappers hand them the pool itself with the requests' own page tables, and FlashInfer's
+split-layout wrapper takes the two strided views. Every other layer keeps separate contiguous ckv / kpe tensors
+(`fused[layer]` None): quantised layers carry their scales beside the latent, and on the CPU the torch kernel's
+bf16 GEMMs over strided views measured 1.7x slower (docs/benchmarks.md), while its C kernel walks contiguous
+fp32 pages. A switch moves a layer's bytes in its own layout; every rank of a job has the same one.
 """
 from __future__ import annotations
 
@@ -24,15 +33,18 @@ import torch
 from splash.kv import quant
 from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens convert_layer dequantises at once
 
+FUSED_DTYPES = ("bfloat16",)   # KV dtypes stored as one [blocks, page, d_c + d_r] tensor per layer (vendor format)
+
 
 class PagedLatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                  kv_dtype: str = "float32", device: str | torch.device = "cpu", index_dim: int = 0,
-                 index_layers: Sequence[int] = (), index_parts: int = 1):
+                 index_layers: Sequence[int] = (), index_parts: int = 1, fused: bool | None = None):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_lora_rank, self.rope_dim, self.device = kv_lora_rank, rope_dim, device
         self.index_dim, self.index_layers = index_dim, frozenset(index_layers) if index_dim else frozenset()
         self.index_parts = index_parts
+        self.fuse = torch.device(device).type != "cpu" if fused is None else fused
         self.layer_dtypes = [kv_dtype] * num_layers
         parts = [self._alloc(kv_dtype, layer) for layer in range(num_layers)]
         self.ckv = [p[0] for p in parts]
@@ -40,12 +52,20 @@ class PagedLatentCache:
         self.scale: list[torch.Tensor | None] = [p[2] for p in parts]   # None for an unquantised layer
         self.ikey: list[torch.Tensor | None] = [p[3] for p in parts]    # None for a layer without an indexer
         self.iscale: list[torch.Tensor | None] = [p[4] for p in parts]  # indexer key scales (quantised only)
+        self.fused: list[torch.Tensor | None] = [p[5] for p in parts]   # [blocks, page, d_c + d_r] or None
 
     def _alloc(self, kv_dtype: str, layer: int) -> tuple[torch.Tensor | None, ...]:
+        """(ckv, kpe, scale, ikey, iscale, fused) of one layer stored as `kv_dtype`."""
         lat_dt, rope_dt = quant.storage_dtypes(kv_dtype)
         shape, dev, q = (self.num_blocks, self.block_size), self.device, quant.is_quantized(kv_dtype)
-        ckv = torch.zeros(*shape, self.kv_lora_rank, dtype=lat_dt, device=dev)
-        kpe = torch.zeros(*shape, self.rope_dim, dtype=rope_dt, device=dev)
+        dc = self.kv_lora_rank
+        fused = None
+        if self.fuse and kv_dtype in FUSED_DTYPES:
+            fused = torch.zeros(*shape, dc + self.rope_dim, dtype=lat_dt, device=dev)
+            ckv, kpe = fused[..., :dc], fused[..., dc:]
+        else:
+            ckv = torch.zeros(*shape, dc, dtype=lat_dt, device=dev)
+            kpe = torch.zeros(*shape, self.rope_dim, dtype=rope_dt, device=dev)
         scale = torch.zeros(*shape, quant.num_groups(self.kv_lora_rank), dtype=torch.float32, device=dev) if q else None
         ikey = iscale = None
         if layer in self.index_layers:
@@ -54,7 +74,7 @@ class PagedLatentCache:
             if q:
                 iscale = torch.zeros(*shape, parts * quant.num_groups(self.index_dim), dtype=torch.float32,
                                      device=dev)
-        return ckv, kpe, scale, ikey, iscale
+        return ckv, kpe, scale, ikey, iscale, fused
 
     # ---- formats -----------------------------------------------------------------------------------------
     def kv_dtype_of(self, layer: int) -> str:
@@ -81,8 +101,10 @@ class PagedLatentCache:
         return [t for t in (self.ikey[layer], self.iscale[layer]) if t is not None]
 
     def _parts(self, layer: int) -> list[torch.Tensor]:
-        """Every tensor of the layer's blocks: latent, rope (, scales) (, indexer keys (, their scales))."""
-        return self._latent(layer) + self._index(layer)
+        """Every tensor of the layer's blocks: latent, rope (, scales) (, indexer keys (, their scales)); a fused
+        layer's latent and rope are its one fused tensor."""
+        latent = [self.fused[layer]] if self.fused[layer] is not None else self._latent(layer)
+        return latent + self._index(layer)
 
     def block_bytes(self, layer: int = 0) -> int:
         """Bytes of one block in one layer (data + scales), in that layer's current format."""
@@ -119,7 +141,7 @@ class PagedLatentCache:
         if kv_dtype == self.layer_dtypes[layer]:
             return False
         old, new = self._latent(layer), self._alloc(kv_dtype, layer)
-        old_idx, new_idx = self._index(layer), [p for p in new[3:] if p is not None]
+        old_idx, new_idx = self._index(layer), [p for p in new[3:5] if p is not None]
         new_parts = [p for p in new[:3] if p is not None]
         dev = old[0].device
         ids = (torch.arange(self.num_blocks, device=dev) if blocks is None
@@ -133,7 +155,8 @@ class PagedLatentCache:
             if old_idx:
                 _encode_keys(new_idx, kv_dtype, slots, _decode_keys(old_idx, slots, self.index_parts),
                              self.index_parts)
-        self.ckv[layer], self.kpe[layer], self.scale[layer], self.ikey[layer], self.iscale[layer] = new
+        (self.ckv[layer], self.kpe[layer], self.scale[layer], self.ikey[layer], self.iscale[layer],
+         self.fused[layer]) = new
         self.layer_dtypes[layer] = kv_dtype
         return True
 

@@ -2,13 +2,13 @@
 
 Our interface (splash.attention.kernels): `plan(meta)` once per step, `run(layer, q_latent, q_rope, cache)` per
 layer → (õ fp32 [N, H, d_c], natural-log LSE fp32 [N, H]) over the paged latent cache with ckv [blocks, page,
-d_c] and kpe [blocks, page, d_r] in separate tensors. Where a vendor kernel differs, the wrapper converts here:
+d_c] and kpe [blocks, page, d_r] (views of one fused tensor for a bf16 layer). Where a vendor kernel differs, the wrapper converts here:
 - LSE base: our LSE is natural log; a vendor call asks for base e explicitly (FlashInfer: `lse_mode="basee"` /
   `return_lse_base="basee"`; AITER's is natural log), so nothing converts here.
-- page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer → `fused_pages` gathers
-  the step's pages of one layer into it (a copy of the KV read per layer: it doubles KV traffic; a fused pool
-  layout would remove it, not done) and `remap_tables` renumbers the requests' pages into that buffer, padded
-  to the width the caller asks (trtllm-gen: a multiple of 128 tokens).
+- page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer: a bf16 layer's pool is
+  stored exactly so (splash.kv.paged_cache.FUSED_DTYPES: `cache.fused[layer]`, ckv / kpe are views of it), so
+  the wrappers hand the vendor the pool itself and the requests' own page tables (`block_tables`, padded to the
+  width the vendor asks: trtllm-gen a multiple of 128 tokens) or CSR page lists: no copy of the KV per layer.
 - FP8 / INT8 KV: our quantised pool stores the latent as fp8/int8 with one fp32 scale per token per 128 values
   and the rope key in bf16; neither vendor path reads that (FlashInfer's FP8 MLA takes our per-row latent scales
   as `ckv_scale_arr` but wants the rope cache in fp8 with a per-tensor scale, SM90 only; AITER a per-tensor
@@ -24,65 +24,25 @@ import logging
 import torch
 
 SPARSE_REASON = "a top-k selection of slots (DSA / KPool layer): the vendor path attends every page"
-FUSED_BUFFER_BYTES = 512 << 20   # bound on one fused-page copy with its gather temporaries (in the device budget)
+NOT_FUSED_REASON = "the layer's pool is not in the fused [blocks, page, d_c + d_r] layout (a CPU pool)"
 _log = logging.getLogger("splash.attention")
 
 
-def fused_pages(cache, layer: int, kv_indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[P, page, d_c + d_r] in `dtype`: the pages `kv_indices` of one layer with latent and rope key side by side
-    (an unquantised layer only)."""
-    idx = kv_indices.long()
-    ckv, kpe = cache.ckv[layer].index_select(0, idx), cache.kpe[layer].index_select(0, idx)
-    return torch.cat([ckv.to(dtype), kpe.to(dtype)], dim=-1)
-
-
-def page_groups(pages: list[int], page_bytes: int, budget: int | None = None) -> list[tuple[int, int]]:
-    """Consecutive request ranges [a, b) whose fused copy — the gathered latent and rope pages plus the
-    concatenated buffer, 2 × pages × `page_bytes` — fits `budget` (a request larger than that alone is its own
-    range), so the copy a vendor call needs stays a bounded, budgeted buffer however long the batch's contexts."""
-    per_group = max(1, (FUSED_BUFFER_BYTES if budget is None else budget) // (2 * page_bytes))
-    groups, start, held = [], 0, 0
-    for i, p in enumerate(pages):
-        if held and held + p > per_group:
-            groups.append((start, i))
-            start, held = i, 0
-        held += p
-    if start < len(pages):
-        groups.append((start, len(pages)))
-    return groups
-
-
-class PageGroup:
-    """One range of a decode step's requests for a vendor call on fused pages: its rows, its pages' indices in
-    the pool, block tables into its fused buffer (padded to `align` pages) — built once per step, used by every
-    layer."""
-
-    def __init__(self, a: int, b: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, host_indptr: list[int],
-                 width=lambda pages: pages):
-        self.rows = slice(a, b)
-        self.indices = kv_indices[host_indptr[a]:host_indptr[b]]
-        self.kv_indptr = kv_indptr[a:b + 1] - kv_indptr[a]
-        widest = max(host_indptr[i + 1] - host_indptr[i] for i in range(a, b))
-        self.tables = remap_tables(self.kv_indptr, width(widest))
-
-
-def step_groups(meta, host_pages: list[int], page_bytes: int, width=lambda pages: pages) -> list[PageGroup]:
-    """The step's PageGroups (decode rows = requests) from its per-request page counts read once on the host."""
-    indptr, indices, _ = meta.csr()
-    host_indptr = [0]
-    for p in host_pages:
-        host_indptr.append(host_indptr[-1] + p)
-    return [PageGroup(a, b, indptr, indices, host_indptr, width) for a, b in page_groups(host_pages, page_bytes)]
-
-
-def remap_tables(kv_indptr: torch.Tensor, width: int) -> torch.Tensor:
-    """Block tables [B, width] into the fused buffer: request b's j-th page is row kv_indptr[b] + j (columns past
-    its pages — up to its widest sibling's and the vendor's alignment — repeat its first page; kernels read only
-    up to its length). `width` comes from the caller's once-per-step host read: nothing here syncs."""
-    ptr = kv_indptr.long()
-    n = ptr[1:] - ptr[:-1]
-    cols = torch.arange(max(1, width), device=ptr.device)[None, :]
-    return (ptr[:-1, None] + torch.where(cols < n[:, None], cols, torch.zeros_like(cols))).to(torch.int32)
+def block_tables(meta, width: int) -> torch.Tensor:
+    """[B, width] int32: request b's physical pages from the step's page table (`meta.pages`, read in place by
+    row), columns past its pages — up to its widest sibling's and the vendor's alignment — repeating its first
+    page (kernels read only up to its length). `width` comes from the caller's once-per-step host read; built
+    once per step, shared by every layer: nothing here syncs."""
+    pages = meta.pages[meta.req_rows.long()]
+    if pages.shape[1] == 0:   # no request holds a page here
+        return torch.zeros(pages.shape[0], max(1, width), dtype=torch.int32, device=pages.device)
+    have = min(width, pages.shape[1])
+    cols = torch.arange(max(1, width), device=pages.device)[None, :]
+    first = pages[:, :1].expand(-1, cols.shape[1])
+    held = cols < meta.num_pages.long()[:, None]
+    table = first.clone()
+    table[:, :have] = torch.where(held[:, :have], pages[:, :have], first[:, :have])
+    return table.to(torch.int32).contiguous()
 
 
 def pad_heads(q: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:

@@ -275,8 +275,14 @@ def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype, bufs: dic
     With `bufs` the gathers land in buffers kept there (valid until the next call with the same `bufs`)."""
     a, c = pid.shape
     flat = pid.reshape(-1)
-    ckv = _take_pages(cache.ckv[layer], flat, bufs)           # [a*c, bs, d_c] in storage dtype
-    kpe = _take_pages(cache.kpe[layer], flat, bufs)
+    fused = cache.fused[layer]
+    if fused is not None:   # one gather of whole [page, d_c + d_r] rows, then the two column ranges (views)
+        both = _take_pages(fused, flat, bufs)
+        d_c = cache.ckv[layer].shape[-1]
+        ckv, kpe = both[..., :d_c], both[..., d_c:]
+    else:
+        ckv = _take_pages(cache.ckv[layer], flat, bufs)       # [a*c, bs, d_c] in storage dtype
+        kpe = _take_pages(cache.kpe[layer], flat, bufs)
     raw = None
     if cache.scale[layer] is not None:
         raw = ckv

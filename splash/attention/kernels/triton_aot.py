@@ -50,6 +50,13 @@ def _signature(kv_dtype: str) -> dict[str, str]:
     return sig
 
 
+def row_strides(kv_dtype: str, dc: int, dr: int) -> dict[str, int]:
+    """The pool's token strides TritonMLAKernel.run passes for a `kv_dtype` layer (splash.kv.paged_cache)."""
+    from splash.kv.paged_cache import FUSED_DTYPES
+    row = dc + dr if kv_dtype in FUSED_DTYPES else None
+    return dict(ROW_C=row or dc, ROW_R=(row or dr) if dr else 1)
+
+
 def narrow_argument_offsets(ttir: str, args) -> list[str]:
     """Pointer arithmetic straight off a kernel argument (or its broadcast) with i32 offsets: the form that wraps
     past 2^31 elements. Offsets added after an i64 base are tile-local (< the tile's width) and may stay i32."""
@@ -88,7 +95,7 @@ def compile_split(target: str, kv_dtype: str, bh: int, warps: int, dc: int, dr: 
     fmt = tm.FORMATS[kv_dtype]
     const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm.pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=PAGE,
                  GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32", HAS_ROPE=dr > 0, NSPLIT=1,
-                 DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False)
+                 DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False, **row_strides(kv_dtype, dc, dr))
     k = triton.compile(ASTSource(tm.mla_split, _signature(kv_dtype), const),
                        target=GPUTarget(backend, arch, warp), options={"num_warps": warps})
     text = k.asm.get("ptx") or k.asm["amdgcn"]

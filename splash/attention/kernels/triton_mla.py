@@ -69,7 +69,9 @@ def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_R
                DC: tl.constexpr, DR: tl.constexpr, BDC: tl.constexpr, BDR: tl.constexpr, BH: tl.constexpr,
                BN: tl.constexpr, PAGE: tl.constexpr, GROUPS: tl.constexpr, FMT: tl.constexpr,
                ROPE_BF16: tl.constexpr, HAS_ROPE: tl.constexpr, NSPLIT: tl.constexpr, DOT_BF16: tl.constexpr,
-               GW: tl.constexpr, EMULATED: tl.constexpr):
+               GW: tl.constexpr, EMULATED: tl.constexpr, ROW_C: tl.constexpr, ROW_R: tl.constexpr):
+    # ROW_C / ROW_R: elements between consecutive tokens of the latent / rope pool (d_c / d_r, or d_c + d_r
+    # for both when the layer's pool is fused: splash.kv.paged_cache.FUSED_DTYPES)
     # int64 row/slot arithmetic: rows × heads × d_c and pages × page × d_c pass 2^31 at serving sizes
     row = tl.program_id(0).to(tl.int64)
     hb, sp = tl.program_id(1), tl.program_id(2)
@@ -104,7 +106,7 @@ def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_R
         valid = tmask & (kpos <= qpos)
         slot = page * PAGE + t % PAGE
         cmask = valid[:, None] & (offs_c[None, :] < DC)
-        raw = tl.load(CKV + slot[:, None] * DC + offs_c[None, :], mask=cmask, other=0)
+        raw = tl.load(CKV + slot[:, None] * ROW_C + offs_c[None, :], mask=cmask, other=0)
         if FMT == 0:
             c = raw
         elif FMT == 1:
@@ -122,7 +124,7 @@ def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_R
         sc = _dot(ql, tl.trans(c), DOT_BF16, EMULATED)
         if HAS_ROPE:
             rmask = valid[:, None] & (offs_r[None, :] < DR)
-            kr = tl.load(KPE + slot[:, None] * DR + offs_r[None, :], mask=rmask, other=0)
+            kr = tl.load(KPE + slot[:, None] * ROW_R + offs_r[None, :], mask=rmask, other=0)
             if ROPE_BF16:
                 kr = kr.to(tl.bfloat16, bitcast=True)
             sc += _dot(qr, tl.trans(kr.to(qr.dtype)), DOT_BF16, EMULATED)
@@ -234,7 +236,8 @@ class TritonMLAKernel:
             meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale,
             DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
             GROUPS=quant.num_groups(dc), FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=S,
-            DOT_BF16=fmt != 0, GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, num_warps=warps)
+            DOT_BF16=fmt != 0, GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, ROW_C=ckv.stride(1),
+            ROW_R=kpe.stride(1) if dr else 1, num_warps=warps)
         if S > 1:
             mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=pow2(dc, 1), NSPLIT=S, BS=pow2(S, 1))
         return o, lse
