@@ -281,8 +281,8 @@ def record_manifests(llm: LLM, out: list) -> None:
     eng = llm.engine
     make_ex = eng._switch_executor
 
-    def wrapped(sw):
-        ex = make_ex(sw)
+    def wrapped(sw, gone=()):
+        ex = make_ex(sw, gone)
         if ex is not None:
             m = ex.m
             out.append((m.src.value, m.dst.value, m.action("kv_format"), m.src_kv_dtype, m.dst_kv_dtype))
