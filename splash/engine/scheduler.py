@@ -224,9 +224,10 @@ class Scheduler:
         led = self.ledger
         if not self._computing:
             return k
+        anywhere = kv_ownership_of(led.layout) == KV_ALL   # else a block lives where its request's owner puts it
         while k < len(hashes):
             rid = self._computing.get(hashes[k])
-            if rid not in led.reqs or led.holders(k, led.reqs[rid][1]) != led.holders(k, owner):
+            if rid not in led.reqs or not (anywhere or led.reqs[rid][1] == owner):
                 break
             k += 1
         return k
