@@ -15,18 +15,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_auto_layout import LinearCost  # noqa: E402  (a stand-in cost model: the tokens, not the seconds, matter)
-
-from splash.bench.workload import load_workload, make_requests  # noqa: E402
-from splash.engine.layout_policy.auto import request_views  # noqa: E402
-from splash.engine.layout_policy.forecast import BatchForecast  # noqa: E402
-from splash.engine.ledger import KVLedger  # noqa: E402
-from splash.engine.scheduler import Request, Scheduler  # noqa: E402
+from splash.bench.workload import load_workload, make_requests
+from splash.engine.layout_policy.auto import request_views
+from splash.engine.layout_policy.forecast import BatchForecast
+from splash.engine.ledger import KVLedger
+from splash.engine.scheduler import Request, Scheduler
 
 
 def main() -> None:
@@ -49,7 +44,8 @@ def main() -> None:
             for i, (p, m) in enumerate(prompts):
                 s.add(Request(f"r{i}", list(p), m))
                 lens[f"r{i}"] = len(p)
-            fc = BatchForecast(LinearCost(), None, world=a.ranks, block_size=a.block_size, scheduler=s)
+            # the replay alone (no cost model: its tokens, not its seconds, are measured here)
+            fc = BatchForecast(None, None, world=a.ranks, block_size=a.block_size, scheduler=s)
             views = request_views(s, led)
             times, rp = [], None
             for _ in range(5):
