@@ -22,8 +22,9 @@ and the evictions (`evict`) to every rank.
 
 A prompt is computed once however many requests send it together (n samples of one prompt, identical prompts): a
 waiting request whose next uncached block is one a running request is computing right now where it would hold it
-(under DP-attn/DOP: on the same owner) — in flight, not cached yet — is not admitted; it keeps its place in the
-queue (requests behind it may be admitted) until that request has registered the block, and then starts on it.
+(under DP-attn/DOP: on the same owner; CP: the same anchor) — in flight, not cached yet — is not admitted; it keeps
+its place in the queue (requests behind it may be admitted) until that request has registered the block, and then
+starts on it.
 (vLLM shares an n > 1 request's prompt the same way, through its prefix cache.) A request computing blocks stops
 being waited for when it is preempted, aborted or finished, or when one of its blocks turns out cached already (it
 registers none after that).
