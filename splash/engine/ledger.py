@@ -109,7 +109,7 @@ class KVLedger:
         out = self._need(owner, len(shared), _blocks(tokens, self.block_size))
         for i, h in enumerate(shared):
             for r in self.holders(i, owner):
-                out[r] += self.refs[r][h] == 1
+                out[r] += self.refs[r].get(h) == 1
         return out
 
     def fork(self, layout: str, blocks_per_rank: int) -> "KVLedger":

@@ -22,8 +22,9 @@ and the evictions (`evict`) to every rank.
 
 A prompt is computed once however many requests send it together (n samples of one prompt, identical prompts): a
 waiting request whose next uncached block is one a running request is computing right now where it would hold it
-(under DP-attn/DOP: on the same owner) — in flight, not cached yet — is not admitted; it keeps its place in the
-queue (requests behind it may be admitted) until that request has registered the block, and then starts on it.
+(under DP-attn/DOP: on the same owner; CP: the same anchor) — in flight, not cached yet — is not admitted; it keeps
+its place in the queue (requests behind it may be admitted) until that request has registered the block, and then
+starts on it.
 (vLLM shares an n > 1 request's prompt the same way, through its prefix cache.) A request computing blocks stops
 being waited for when it is preempted, aborted or finished, or when one of its blocks turns out cached already (it
 registers none after that).
@@ -215,9 +216,10 @@ class Scheduler:
         led = self.ledger
         if not self._computing:
             return k
+        anywhere = kv_ownership_of(led.layout) == KV_ALL   # else a block lives where its request's owner puts it
         while k < len(hashes):
             rid = self._computing.get(hashes[k])
-            if rid not in led.reqs or led.holders(k, led.reqs[rid][1]) != led.holders(k, owner):
+            if rid not in led.reqs or not (anywhere or led.reqs[rid][1] == owner):
                 break
             k += 1
         return k

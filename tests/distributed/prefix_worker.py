@@ -8,6 +8,9 @@ argv: model_dir mode [directions]
       run must have hit. Pools end with every request's blocks released (cached blocks only).
   mode "pressure": a pool too small for the batch (preemption + eviction + n samples + switches every few steps);
       same check.
+  mode "samples": 8 samples of one 37-token prompt sent together (4 greedy, 4 seeded random), in [layouts]: the
+      same tokens with and without the cache, and with it the prompt is prefilled once — the other 7 samples find
+      all its 9 full blocks (block size 4) cached, computing only their last token's block.
 """
 from __future__ import annotations
 
@@ -37,6 +40,18 @@ def long_outputs():
     return [(at, p, 40) for at, p, _ in workload()]
 
 
+def samples_workload():
+    """(arrival step, prompt, max_tokens, seed): n = 8 of one prompt at once, half greedy, half seeded."""
+    p = stem(37, 5)
+    return [(0, p, 6, None if j < 4 else 100 + j) for j in range(8)]
+
+
+def params(m: int, seed: int | None = None) -> SamplingParams:
+    if seed is None:
+        return SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+    return SamplingParams(max_tokens=m, temperature=1.0, seed=seed, ignore_eos=True)
+
+
 def drive(llm: LLM, arrivals, switches: dict[int, str]) -> list[list[int]] | None:
     eng = llm.engine
     if llm.comm.rank != 0:
@@ -46,8 +61,8 @@ def drive(llm: LLM, arrivals, switches: dict[int, str]) -> list[list[int]] | Non
     ids, outs, k = [], {}, 0
     while pending or eng.has_work():
         while pending and pending[0][0] <= k:
-            _, p, m = pending.pop(0)
-            rid = eng.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+            _, p, m, *seed = pending.pop(0)
+            rid = eng.add_request(p, params(m, *seed))
             ids.append(rid)
             outs[rid] = []
         if k in switches:
@@ -97,6 +112,14 @@ def main() -> None:
             assert st[0] > 0 and st[2] + st_off[2] > 0 and st[3] >= 2, (st, st_off)
             print(f"rank 0: pressure OK hits {st[0]}/{st[1]} preemptions {st[2]}/{st_off[2]} switches {st[3]}",
                   flush=True)
+    elif mode == "samples":
+        for lay in sys.argv[3].split(",") if len(sys.argv) > 3 else LAYOUTS:
+            on, st = run(model_dir, lay, {}, True, samples_workload)
+            off, _ = run(model_dir, lay, {}, False, samples_workload)
+            if on is not None:
+                assert on == off, f"{lay}: tokens differ with the prefix cache\n{on}\n{off}"
+                assert st[0] == 7 * 36, f"{lay}: the prompt was prefilled more than once: hits {st}"
+                print(f"rank 0: samples {lay} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
     else:
         raise SystemExit(f"unknown mode {mode}")
 

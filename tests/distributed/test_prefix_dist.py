@@ -47,3 +47,9 @@ def test_dsa_models_cache_their_indexer_keys(models, variant):
 
 def test_four_ranks_under_pressure(models):
     _ok(run_mpi(4, WORKER, models("moe_yarn"), "pressure", timeout=600), 1)
+
+
+def test_n_samples_sent_together_prefill_their_prompt_once(models):
+    """n = 8 of one prompt at once (greedy and seeded): the same tokens with and without the cache, and one prefill
+    (TP, and CP, whose anchor the cached prefix decides)."""
+    _ok(run_mpi(2, WORKER, models("moe_yarn"), "samples", "tp,cp", timeout=600), 2)

@@ -73,8 +73,11 @@ class _Clone(Request):
 
     def block_hash(self, i: int, block_size: int) -> int:
         o = self.original
-        if o is not None and (i + 1) * block_size <= o.num_tokens:
-            return o.block_hash(i, block_size)
+        if o is not None:
+            if i < len(o.hashes):
+                return o.hashes[i]
+            if (i + 1) * block_size <= o.num_tokens:
+                return o.block_hash(i, block_size)
         return hash((self.req_id, i))
 
 
