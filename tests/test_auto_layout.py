@@ -405,3 +405,16 @@ def test_a_probe_that_measured_slower_goes_back_without_the_margin():
     _visit(c, m, "dop", 3.0, n=12)
     c._since_switch_s = math.inf
     assert c.propose(1, "dop", reqs, usage(reqs)).verdict == "stay" and c._probe_trip is None
+
+
+def test_a_current_layout_on_a_borrowed_factor_is_not_left_on_that_factor_alone():
+    # DOP measured; TP (current) not yet: its factor is borrowed from DOP's, so DOP's 15% lead is not known
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.85e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "dop", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target) == ("uncertain", "dop") and d.uncertainty["dop"] > 0.1
+    _visit(a, m, "tp", 1.0, n=40)                 # staying measured TP: now the lead is known
+    assert a.propose(1, "tp", reqs, usage(reqs)).verdict == "switch"

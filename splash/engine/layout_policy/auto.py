@@ -18,8 +18,9 @@ long prompt's attention runs in many kernel chunks; decode rows in one or two) a
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
 slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
 for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
-carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by it, so
-it is entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from
+carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by the difference between
+its uncertainty and the current layout's, so it is entered only when its lead survives — and a current layout not
+measured yet is not left on its own borrowed factor (the steps it runs measure it). The switch-cost prediction is corrected online too, per direction, from
 the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
 the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
 unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
@@ -210,8 +211,10 @@ class AutoLayout:
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
-        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured
-        unc = {k: max(0.0, u - unc.get(current, 0.0)) for k, u in unc.items()}
+        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured, and a
+        # current layout still on a borrowed factor is not left for a measured one on that factor alone (staying
+        # measures it): the candidate is judged at the difference either way
+        unc = {k: abs(u - unc.get(current, 0.0)) for k, u in unc.items()}
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
                     step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
