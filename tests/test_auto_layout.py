@@ -357,3 +357,64 @@ def test_a_measured_layout_is_not_probed_on_a_small_residual_uncertainty():
     reqs = decode_batch(4, 100, remaining=10_000)
     d = a.propose(0, "tp", reqs, usage(reqs))
     assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.probe) == ("uncertain", False)
+
+
+def test_a_layout_behind_on_its_point_prediction_is_probed_when_its_uncertainty_could_make_it_lead():
+    # DOP predicted 5% slower than TP; not measured, its borrowed factor could make it lead by more than the margin
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1.05e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 3.0)
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "optimistic" in d.reason
+    assert d.seconds_per_token["dop"] > d.seconds_per_token["tp"]
+    a.record(a.vet(d, manifest=None))                        # taken: DOP's decode probe is spent
+    assert a.probes == {"dop/decode": 1}
+    assert a.propose(1, "tp", reqs, usage(reqs)).verdict == "stay"
+    # a layout far behind (x1.28 cannot close a 40% gap) is not probed
+    b = make(LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1.4e-3},
+                        per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0)), observe_every=1)
+    _visit(b, b.model, "tp", 3.0)
+    assert b.propose(0, "tp", reqs, usage(reqs)).verdict == "stay"
+
+
+def test_a_probe_that_measured_slower_goes_back_without_the_margin():
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.97e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 3.0)
+    reqs = decode_batch(4, 100, remaining=10_000)
+    a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
+    assert a.last.probe and a.last.target == "dop"
+    a.observe("dop", [(1, 100, 0)] * 4, 3.0 * m.step("dop", [(1, 100, 0)] * 4).seconds, switched=True)
+    _visit(a, m, "dop", 3.0 * 1.08, n=1)                     # measured once: not known yet, no verdict on it
+    assert not a.propose(1, "dop", reqs, usage(reqs)).probe_return
+    _visit(a, m, "dop", 3.0 * 1.08, n=12)                    # DOP runs 8% slower than the model says TP would
+    a._since_switch_s = math.inf
+    d = a.propose(2, "dop", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True) and "back to tp" in d.reason
+    v = a.vet(d, manifest=None)                               # TP leads by 4.6%: below the margin, yet taken
+    assert v.verdict == "switch" and v.as_dict()["probe_return"]
+    a.record(v)
+    assert a.propose(3, "tp", reqs, usage(reqs)).verdict == "stay"          # DOP measured: no second probe
+    # a probe that measured faster stays, and the trip ends: no return later
+    c = make(m, observe_every=1)
+    _visit(c, m, "tp", 3.0)
+    c.record(c.vet(c.propose(0, "tp", reqs, usage(reqs)), manifest=None))
+    _visit(c, m, "dop", 3.0, n=12)
+    c._since_switch_s = math.inf
+    assert c.propose(1, "dop", reqs, usage(reqs)).verdict == "stay" and c._probe_trip is None
+
+
+def test_a_current_layout_on_a_borrowed_factor_is_not_left_on_that_factor_alone():
+    # DOP measured; TP (current) not yet: its factor is borrowed from DOP's, so DOP's 15% lead is not known
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.85e-3},
+                   per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+    a = make(m, observe_every=1)
+    _visit(a, m, "dop", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target) == ("uncertain", "dop") and d.uncertainty["dop"] > 0.1
+    _visit(a, m, "tp", 1.0, n=40)                 # staying measured TP: now the lead is known
+    assert a.propose(1, "tp", reqs, usage(reqs)).verdict == "switch"

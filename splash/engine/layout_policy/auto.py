@@ -18,17 +18,24 @@ long prompt's attention runs in many kernel chunks; decode rows in one or two) a
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
 slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
 for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
-carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by it, so
-it is entered only when its lead survives. The switch-cost prediction is corrected online too, per direction, from
+carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by the difference between
+its uncertainty and the current layout's, so it is entered only when its lead survives — and a current layout not
+measured yet is not left on its own borrowed factor (the steps it runs measure it). The switch-cost prediction is corrected online too, per direction, from
 the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
 the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
 unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
 
-A layout that leads by the margin on its point prediction but not with its uncertainty (at least
-PROBE_MIN_UNCERTAINTY: one not measured yet, not one whose factor is known) may be *probed* — entered
-to measure it — at most MAX_PROBES times per layout and only when twice the switch's corrected cost (there and
-back) is within PROBE_BUDGET of the current layout's predicted time for the work left; the LEARN_AFTER_SWITCH
-steps after any switch all train the new layout's factor, and the normal rule (with the dwell) decides after.
+*Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
+and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
+whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
+which is not measured yet in the regime the next steps run in (its uncertainty there at least PROBE_MIN_UNCERTAINTY
+beyond the current layout's), may be entered to measure it: at most MAX_PROBES times per layout and regime, and
+only when twice the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's
+predicted time for the work left. The LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor.
+A probe is a measurement, not a commitment: once the probed layout is measured (its uncertainty in the regime below
+PROBE_MIN_UNCERTAINTY) and the layout it came from is faster even at its uncertainty, the controller goes back
+without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule (with the dwell)
+decides from there.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -99,7 +106,9 @@ class AutoLayout:
         self._since_switch_s = math.inf   # measured step seconds since the last switch
         self._dwell_s = 0.0               # ... that must pass before the next voluntary one
         self._learn_until = 0             # observed-step count up to which every step trains
-        self.probes: dict[str, int] = {}
+        self.probes: dict[str, int] = {}                    # "layout/regime" -> probes taken
+        self._probe_regime = "decode"                       # the regime of the probe proposed at this boundary
+        self._probe_trip: tuple[str, str] | None = None     # (from, into) of the probe not resolved yet
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -202,8 +211,10 @@ class AutoLayout:
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
-        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured
-        unc = {k: max(0.0, u - unc.get(current, 0.0)) for k, u in unc.items()}
+        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured, and a
+        # current layout still on a borrowed factor is not left for a measured one on that factor alone (staying
+        # measures it): the candidate is judged at the difference either way
+        unc = {k: abs(u - unc.get(current, 0.0)) for k, u in unc.items()}
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
                     step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
@@ -213,12 +224,19 @@ class AutoLayout:
         lay, why = choose_layout(current, per_tok, set(per_tok), self.margin, base["work_tokens"],
                                  dict.fromkeys(per_tok, 0.0), unit="output tokens", uncertainty=unc)
         if lay == current:
+            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
+            back = self._probe_return(current, per_tok, unc, regime)
+            if back is not None:
+                gain = per_tok[current] - per_tok[back[0]] * math.exp(unc.get(back[0], 0.0))
+                return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
+                                payoff_s=gain * base["work_tokens"], **base)
+            probe = self._probe_target(current, per_tok, unc, regime)
+            if probe is not None:
+                self._probe_regime = regime
+                return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
+                                payoff_s=(per_tok[current] - per_tok[probe[0]]) * base["work_tokens"], **base)
             best = min(per_tok, key=per_tok.get)
             point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
-            if (point and self.probes.get(best, 0) < MAX_PROBES and unc.get(best, 0.0) >= PROBE_MIN_UNCERTAINTY
-                    and self._since_switch_s >= self._dwell_s):
-                return Decision(verdict="switch", target=best, probe=True, reason=f"{why}; probe {best}",
-                                payoff_s=(per_tok[current] - per_tok[best]) * base["work_tokens"], **base)
             verdict = "stay" if best == current else "uncertain" if point else "below_margin"
             return Decision(verdict=verdict, target=None if best == current else best, reason=why, **base)
         if current in per_tok and self._since_switch_s < self._dwell_s:
@@ -228,6 +246,45 @@ class AutoLayout:
         payoff = (math.inf if current not in per_tok
                   else (per_tok[current] - per_tok[lay] * math.exp(unc.get(lay, 0.0))) * base["work_tokens"])
         return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
+
+    def _probe_target(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
+                      regime: str) -> tuple[str, str] | None:
+        """The layout to probe at this boundary and why, or None (see the module docstring): the one whose
+        optimistic prediction leads most, among those leading by the margin optimistically and not measured yet in
+        `regime` (the regime the next steps run in), with probes left there; not within the dwell."""
+        if self._since_switch_s < self._dwell_s or current not in per_tok:
+            return None
+        cur, best = per_tok[current], None
+        for k, t in per_tok.items():
+            fresh = self.steps.uncertainty(k, regime) - self.steps.uncertainty(current, regime)
+            if (k == current or fresh < PROBE_MIN_UNCERTAINTY or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY
+                    or self.probes.get(f"{k}/{regime}", 0) >= MAX_PROBES):
+                continue
+            opt = t * math.exp(-unc[k])
+            if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
+                best = (opt, k)
+        if best is None:
+            return None
+        return best[1], (f"probe {best[1]} in {regime}: {1 - per_tok[best[1]] / cur:.1%} faster on its point "
+                         f"prediction, {1 - best[0] / cur:.1%} at the optimistic end of its uncertainty "
+                         f"(x{math.exp(unc[best[1]]):.3g}), not measured in {regime} yet")
+
+    def _probe_return(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
+                      regime: str) -> tuple[str, str] | None:
+        """After a probe into `current`: once it is measured in `regime`, the layout it came from and why when that
+        one is faster even at its uncertainty (the trip then ends either way); None otherwise."""
+        trip = self._probe_trip
+        if trip is None or trip[1] != current:
+            self._probe_trip = None
+            return None
+        origin = trip[0]
+        if self.steps.uncertainty(current, regime) >= PROBE_MIN_UNCERTAINTY:
+            return None   # not measured yet: the normal rule decides meanwhile
+        self._probe_trip = None
+        if origin not in per_tok or per_tok[origin] * math.exp(unc.get(origin, 0.0)) >= per_tok[current]:
+            return None
+        return origin, (f"back to {origin}: the probe measured {current} "
+                        f"{per_tok[current] / per_tok[origin] - 1:.1%} slower in {regime}")
 
     def vet(self, d: Decision, manifest: Any) -> Decision:
         """The same rule with the planned switch's predicted exposed cost: switch only when the payoff exceeds it
@@ -242,9 +299,10 @@ class AutoLayout:
             lay, why = (d.target if ok else d.current), (
                 f"{d.reason}: round trip 2 x {cost:.4g}s {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
                 f"{left:.4g}s left in {d.current}")
-        else:
-            lay, why = choose_layout(d.current, per_tok, set(per_tok), self.margin, d.work_tokens,
-                                     {d.target: cost}, unit="output tokens", uncertainty=d.uncertainty)
+        else:   # going back from a probe that measured slower: no margin, the payoff must still pay the switch
+            lay, why = choose_layout(d.current, per_tok, set(per_tok), 0.0 if d.probe_return else self.margin,
+                                     d.work_tokens, {d.target: cost}, unit="output tokens",
+                                     uncertainty=d.uncertainty)
         ratio, seen = self.switch_cost.ratio(d.current, d.target)
         why += f" (switch cost: model {raw:.4g}s x {ratio:.3g} {'learnt' if seen else 'borrowed/default'})"
         return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost,
@@ -256,8 +314,11 @@ class AutoLayout:
             d = replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
         prev, self.last = self.last, d
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
-        if d.probe and d.verdict == "switch":
-            self.probes[d.target] = self.probes.get(d.target, 0) + 1
+        if d.verdict == "switch":
+            self._probe_trip = (d.current, d.target) if d.probe else None
+            if d.probe:
+                key = f"{d.target}/{self._probe_regime}"
+                self.probes[key] = self.probes.get(key, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
             self.history.append(d.as_dict())
             log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))

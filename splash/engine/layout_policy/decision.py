@@ -53,6 +53,7 @@ class Decision:
     switch_raw_s: float = 0.0                                           # the model's switch cost before correction
     t_s: float = 0.0                                                    # seconds since the scheduler started
     probe: bool = False                      # entering `target` to measure it (its lead is within its uncertainty)
+    probe_return: bool = False               # leaving a probed layout that measured slower for where it came from
 
     def as_dict(self) -> dict:
         r6 = lambda d: {k: round(v, 6) for k, v in d.items()}  # noqa: E731
@@ -64,4 +65,4 @@ class Decision:
                 "switch_s": round(self.switch_s, 6), "work_tokens": self.work_tokens,
                 "step_s": r6(self.step_s), "uncertainty": r6(self.uncertainty),
                 "switch_raw_s": round(self.switch_raw_s, 6), "t_s": round(self.t_s, 3),
-                "probe": self.probe}
+                "probe": self.probe, "probe_return": self.probe_return}
