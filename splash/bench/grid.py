@@ -82,8 +82,5 @@ def run(args) -> int:
 def _finish(args, doc: dict) -> None:
     from splash.bench.tables import report_tables
 
-    doc["complete"] = True
-    doc["load_average_end"] = R.load_average()
-    if args.json:
-        R.write_json(args.json, doc)
+    R.finish(doc, args.json)
     report_tables([grid_table(doc)], args.markdown)

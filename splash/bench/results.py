@@ -147,6 +147,13 @@ def new_result(kind: str, environment: dict, config: dict, argv: Iterable[str] |
             "environment": environment, "config": config, "points": []}
 
 
+def finish(doc: dict, path: str | os.PathLike | None) -> None:
+    """Mark a result complete, with the load average at its end; write it to `path` when given."""
+    doc["complete"], doc["load_average_end"] = True, load_average()
+    if path:
+        write_json(path, doc)
+
+
 def write_json(path: str | os.PathLike, doc: dict) -> None:
     """Write atomically (temp file + rename): an interrupted run never leaves a half-written file."""
     p = Path(path)

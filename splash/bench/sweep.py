@@ -201,10 +201,7 @@ def _sweep(args, cfg, comm) -> int:
                   "rerun with --resume to continue", file=sys.stderr)
         return 130
     if comm.rank == 0:
-        doc["complete"] = True
-        doc["load_average_end"] = R.load_average()
-        if args.json:
-            R.write_json(args.json, doc)
+        R.finish(doc, args.json)
         _report(args, doc)
     return 0
 

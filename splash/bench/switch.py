@@ -123,8 +123,6 @@ def run(args) -> int:
                     if args.json:
                         R.write_json(args.json, doc)
     if comm.rank == 0:
-        doc["complete"], doc["load_average_end"] = True, R.load_average()
-        if args.json:
-            R.write_json(args.json, doc)
+        R.finish(doc, args.json)
         report_tables([switch_table(doc)], args.markdown)
     return 0

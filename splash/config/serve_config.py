@@ -49,7 +49,16 @@ def _f(default: Any = None, **meta: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ModelSection:
+class _Section:
+    """A config section: its fields validate themselves from their metadata (`_f`) when it is built."""
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.SECTION)
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
     SECTION: ClassVar[str] = "model"
     model: str | None = None                     # HF model directory (config.json + safetensors)
     preset: str = "tiny-mla"                     # random-weight preset used when model is None
@@ -61,21 +70,15 @@ class ModelSection:
     # None → keep the checkpoint as stored (FP8 / INT8 checkpoints stay quantised either way)
     quantization: str | None = _f(None, choices=("fp8", "int8"))
 
-    def __post_init__(self) -> None:
-        check_fields(self, self.SECTION)
-
 
 @dataclass(frozen=True)
-class ParallelSection:
+class ParallelSection(_Section):
     SECTION: ClassVar[str] = "parallel"
     world_size: int | None = _f(None, min=1)     # None → the number of ranks mpirun started
     backend: str = _f("cpu", choices=BACKENDS)
     attention_backend: str | None = _f(None, choices=ATTENTION_BACKENDS)  # None → backend default
     # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → default_communicator(backend)
     communicator: str | None = _f(None, choices=COMMUNICATORS)
-
-    def __post_init__(self) -> None:
-        check_fields(self, self.SECTION)
 
 
 def default_communicator(backend: str) -> str:
@@ -85,7 +88,7 @@ def default_communicator(backend: str) -> str:
 
 
 @dataclass(frozen=True)
-class LayoutSection:
+class LayoutSection(_Section):
     SECTION: ClassVar[str] = "layout"
     layout: str = _f("auto", choices=("auto",) + LAYOUTS)  # auto: the cost model picks and switches
     allowed_layouts: tuple[str, ...] = _f(LAYOUTS, choices=LAYOUTS)
@@ -94,7 +97,7 @@ class LayoutSection:
     hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → auto
 
     def __post_init__(self) -> None:
-        check_fields(self, self.SECTION)
+        super().__post_init__()
         hp = self.hardware_profile
         if hp is not None and hp not in HARDWARE_PROFILES and not _looks_like_path(hp):
             raise ConfigError(f"field 'layout.hardware_profile' = {hp!r} is not one of "
@@ -109,7 +112,7 @@ class LayoutSection:
 
 
 @dataclass(frozen=True)
-class CacheSection:
+class CacheSection(_Section):
     SECTION: ClassVar[str] = "cache"
     kv_cache_dtype: str = _f("auto", choices=("auto",) + KV_CACHE_DTYPES)
     # per-layout KV dtype overrides, e.g. {dop: fp8_e4m3}; the pool is sized in the widest (see ModelRunner)
@@ -123,7 +126,7 @@ class CacheSection:
     def __post_init__(self) -> None:
         per_layout = self.layout_kv_dtypes
         object.__setattr__(self, "layout_kv_dtypes", None)  # a mapping: validated here, not by check_fields
-        check_fields(self, self.SECTION)
+        super().__post_init__()
         object.__setattr__(self, "layout_kv_dtypes", _check_layout_kv_dtypes(per_layout))
 
 
@@ -145,19 +148,16 @@ def _check_layout_kv_dtypes(raw: Any) -> dict[str, str] | None:
 
 
 @dataclass(frozen=True)
-class SchedulerSection:
+class SchedulerSection(_Section):
     SECTION: ClassVar[str] = "scheduler"
     max_num_seqs: int = _f(256, min=1)
     max_num_batched_tokens: int = _f(2048, min=1)
     enable_chunked_prefill: bool = True
     preemption_mode: str = _f("recompute", choices=("recompute", "queue"))
 
-    def __post_init__(self) -> None:
-        check_fields(self, self.SECTION)
-
 
 @dataclass(frozen=True)
-class ServerSection:
+class ServerSection(_Section):
     SECTION: ClassVar[str] = "server"
     host: str = "127.0.0.1"
     port: int = _f(8000, min=0, max=65535)       # 0 → any free port (tests)
@@ -179,7 +179,7 @@ class ServerSection:
     reasoning_parser: str = _f("auto", choices=("auto", "none", "glm45", "deepseek_r1", "deepseek_v3"))
 
     def __post_init__(self) -> None:
-        check_fields(self, self.SECTION)
+        super().__post_init__()
         for name in ("admin_token", "admin_token_file"):
             value = getattr(self, name)
             if value is not None and not value.strip():

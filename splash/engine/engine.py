@@ -226,10 +226,10 @@ class Engine:
     # ---- prompt logprobs: the logits of prompt rows, only for requests that ask --------------------------
     def _prompt_logit_items(self, plan) -> list[int]:
         """Items whose rows' logits every rank returns besides the sampled rows (the step message names them)."""
-        out = []
+        out, reqs = [], self.scheduler.requests
         for i, s in enumerate(plan.items):
             acc = self._plp.get(s.req_id)
-            if acc and not acc.delivered and s.start_pos < len(self.scheduler.requests[s.req_id].prompt) - 1:
+            if acc is not None and not acc.delivered and s.start_pos < len(reqs[s.req_id].prompt) - 1:
                 out.append(i)
         return out
 

@@ -56,7 +56,7 @@ class ResponseExtras:
         self.started.add(c.index)
         entries = [(e.token, e) for e in d.logprobs]
         if first and self.echo is not None:
-            prompt = self.gen._prompts[c.index]
+            prompt = self.gen.requests[c.index].prompt
             choice["text"] = self.echo[c.index // self.req.n] + choice["text"]
             if self.k is not None:
                 entries = [(prompt[0], None), *zip(prompt[1:], c.prompt_logprobs or ()), *entries]

@@ -1,10 +1,10 @@
 """The engine thread on rank 0: the only thread that touches the Engine (and so makes MPI calls).
 
 The HTTP side talks to it through a queue of commands (calls the engine thread makes: add / abort / set layout /
-reset the prefix cache) guarded by a condition variable: when there is no work the thread sleeps on the condition (no spinning), and each step's token events
-are handed back to the asyncio loop in *one* ``post`` call (``loop.call_soon_threadsafe``), which feeds each
-request's sink. After every step the thread publishes an immutable ``EngineSnapshot`` that metrics, the
-console and ``GET /v1/layout`` read without locking.
+reset the prefix cache) guarded by a condition variable: when there is no work the thread sleeps on the condition
+(no spinning), and each step's token events are handed back to the asyncio loop in *one* ``post`` call
+(``loop.call_soon_threadsafe``), which feeds each request's sink. After every step the thread publishes an
+immutable ``EngineSnapshot`` that metrics, the console and ``GET /v1/layout`` read without locking.
 
 A request that fails on its own (its prompt is rejected, or sampling it raises) fails alone: its sink gets
 the exception. An unexpected exception inside a step is fatal for the whole job (the other ranks may be inside

@@ -28,24 +28,14 @@ from splash.engine.layout_policy.control import LayoutController
 from splash.sim.serving import step_seconds
 
 
-
-@dataclass
+@dataclass(frozen=True)
 class Req:
+    """One request of a workload: it arrives at `arrive` s with an `input_len`-token prompt and asks for
+    `output_len` tokens (the replay runs it through the engine's scheduler as a `scheduler.Request`)."""
     rid: str
     arrive: float
     input_len: int
     output_len: int
-    owner: int = 0
-    cached: int = 0
-    generated: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.input_len + self.output_len
-
-    @property
-    def prefilling(self) -> bool:
-        return self.cached < self.input_len
 
 
 @dataclass
