@@ -197,6 +197,10 @@ class CostModel:
         return out
 
     # ---- switching ------------------------------------------------------------------------------------
+    def prefill_seconds_per_token(self, layout: str, chunk: int) -> float:
+        """A prompt token's share of one `chunk`-token prefill step from position 0 (owner / CP anchor 0)."""
+        return self.step(layout, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds / chunk
+
     def switch(self, manifest, mode: str, step_seconds: float | None = None,
                step_link_share: float = 0.0) -> SwitchPrediction:
         """Predicted cost of executing ``manifest`` (splash.switching.manifest.Manifest).

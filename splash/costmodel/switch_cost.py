@@ -111,7 +111,6 @@ def cached_moves_pay(model, dst: str, hit_rate: float, chunk_tokens: int) -> boo
     of `chunk_tokens` in `dst` — times `hit_rate`, the share of looked-up prompt tokens the cache has found so far (no
     lookups yet: nothing is expected of it). A live switch hides part of the transfer behind the step; pricing all of
     it, as a blocking switch pays it, keeps the rule on the cautious side."""
-    from splash.costmodel.step_cost import RowLoad
     from splash.layouts.memory import kv_block_bytes
 
     if hit_rate <= 0:
@@ -119,6 +118,5 @@ def cached_moves_pay(model, dst: str, hit_rate: float, chunk_tokens: int) -> boo
     bs = model.block_size
     kv = model.kv_dtypes.get(dst, next(iter(model.kv_dtypes.values())))
     move_s = kv_block_bytes(model.cfg, kv, bs) / kv_bytes_per_s(model.profile)
-    chunk = max(bs, chunk_tokens)
-    recompute_s = model.step(dst, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds * bs / chunk
+    recompute_s = model.prefill_seconds_per_token(dst, max(bs, chunk_tokens)) * bs
     return move_s < hit_rate * recompute_s

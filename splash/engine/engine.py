@@ -273,7 +273,9 @@ class Engine:
             self._execute(msg)
 
     def _execute(self, msg: StepMessage) -> torch.Tensor:
-        switch = self._switch_executor(msg.switch, msg.release)
+        switch = self._switch_executor(msg.switch)
+        if switch is not None:
+            switch.gone = frozenset(msg.release)   # released before the handoff: their private blocks stay put
         self._apply_cache_before(msg, switch)
         self.num_steps += 1
         items = msg.items
@@ -315,7 +317,7 @@ class Engine:
         from splash.models.weights import resident_bytes
         return resident_bytes(getattr(self.runner, "weights", None))
 
-    def _switch_executor(self, sw: SwitchPlan | None, gone=()):
+    def _switch_executor(self, sw: SwitchPlan | None):
         if sw is None:
             return None
         from splash.switching.block_plan import CachedBlock
@@ -329,7 +331,7 @@ class Engine:
                         weight_quant=self.control.weight_quant, cached=tuple(CachedBlock(*c) for c in sw.cached),
                         cached_cap=sw.cached_cap or None, move_cached=sw.move_cached)
         self.control.record(src, sw.dst)
-        return SwitchExecutor(r, m, sw.mode, gone)
+        return SwitchExecutor(r, m, sw.mode)
 
     def _forget(self, req_id: str) -> None:
         self.params.pop(req_id, None)
