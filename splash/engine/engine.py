@@ -135,7 +135,8 @@ class Engine:
                 _log.exception("auto layout: prediction failed; staying in %s", self.layout)
         d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice,
                                 vet=self.auto.vet_pending if choice is not None else None,
-                                move_cached=self._cached_moves_pay(choice or self.control.target))
+                                move_cached=self._cached_moves_pay(choice if self.control.layout_mode == "auto"
+                                                                   else self.control.target))
         if d is None:
             return None
         self.ledger.relayout(d.dst, d.manifest.owners, d.manifest)
@@ -146,7 +147,7 @@ class Engine:
         """The cost verdict on sending idle cached blocks with a switch to `dst` (splash.costmodel.switch_cost):
         priced by the scheduler's cost model at the cache's hit rate so far; without one (no hardware profile) no
         transfer is priced, so none is made."""
-        if self.auto is None or dst is None or not self.ledger.prefix or not self.ledger.idle_blocks():
+        if self.auto is None or dst in (None, self.layout) or not self.ledger.prefix or not any(self.ledger.lru):
             return False
         from splash.costmodel.switch_cost import cached_moves_pay
         s = self.scheduler
