@@ -295,7 +295,7 @@ class Engine:
     def _apply_cache_before(self, msg: StepMessage, switch=None) -> None:
         """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
         become cached, released requests drop theirs, a switch hands off its blocks (cached ones kept, moved or
-        dropped as its manifest says; with the cache off it forgets it), evictions free blocks, and requests starting
+        dropped as its manifest says), evictions free blocks, and requests starting
         on cached blocks take them (those this rank holds in the layout the step runs in)."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
         for rid, b, h in msg.register:
@@ -305,8 +305,6 @@ class Engine:
             r.release(rid)
         if switch is not None:
             switch.begin()
-            if not self.ledger.prefix:
-                r.bm.clear_cache()
         if msg.evict:
             r.bm.evict(list(msg.evict[me]))
         for rid, owner, hashes in msg.attach:
