@@ -197,6 +197,10 @@ class CostModel:
         return out
 
     # ---- switching ------------------------------------------------------------------------------------
+    def prefill_seconds_per_token(self, layout: str, chunk: int) -> float:
+        """A prompt token's share of one `chunk`-token prefill step from position 0 (owner / CP anchor 0)."""
+        return self.step(layout, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds / chunk
+
     def switch(self, manifest, mode: str, step_seconds: float | None = None,
                step_link_share: float = 0.0) -> SwitchPrediction:
         """Predicted cost of executing ``manifest`` (splash.switching.manifest.Manifest).
@@ -253,6 +257,5 @@ def cached_moves_pay(model, dst: str, hit_rate: float, chunk_tokens: int) -> boo
     bs = model.block_size
     kv = model.kv_dtypes.get(dst, next(iter(model.kv_dtypes.values())))
     move_s = kv_block_bytes(model.cfg, kv, bs) / kv_bytes_per_s(model.profile)
-    chunk = max(bs, chunk_tokens)
-    recompute_s = model.step(dst, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds * bs / chunk
+    recompute_s = model.prefill_seconds_per_token(dst, max(bs, chunk_tokens)) * bs
     return move_s < hit_rate * recompute_s

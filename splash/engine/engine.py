@@ -137,7 +137,8 @@ class Engine:
                 _log.exception("auto layout: prediction failed; staying in %s", self.layout)
         d = self.control.decide(self.layout, self.ledger, kv, reserve, auto_choice=choice,
                                 vet=self.auto.vet_pending if choice is not None else None,
-                                move_cached=self._cached_moves_pay(choice or self.control.target))
+                                move_cached=self._cached_moves_pay(choice if self.control.layout_mode == "auto"
+                                                                   else self.control.target))
         if d is None:
             return None
         self.ledger.relayout(d.dst, d.manifest.owners, d.manifest)
@@ -148,7 +149,7 @@ class Engine:
         """The cost verdict on sending idle cached blocks with a switch to `dst` (splash.costmodel.switch_cost):
         priced by the scheduler's cost model at the cache's hit rate so far; without one (no hardware profile) no
         transfer is priced, so none is made."""
-        if self.auto is None or dst is None or not self.ledger.prefix or not self.ledger.idle_blocks():
+        if self.auto is None or dst in (None, self.layout) or not self.ledger.prefix or not any(self.ledger.lru):
             return False
         from splash.costmodel.step_cost import cached_moves_pay
         s = self.scheduler
@@ -293,7 +294,7 @@ class Engine:
     def _apply_cache_before(self, msg: StepMessage, switch=None) -> None:
         """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
         become cached, released requests drop theirs, a switch hands off its blocks (cached ones kept, moved or
-        dropped as its manifest says; with the cache off it forgets it), evictions free blocks, and requests starting
+        dropped as its manifest says), evictions free blocks, and requests starting
         on cached blocks take them (those this rank holds in the layout the step runs in)."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
         for rid, b, h in msg.register:
@@ -303,8 +304,6 @@ class Engine:
             r.release(rid)
         if switch is not None:
             r.adopt(switch.begin())   # the attaches below place blocks as the destination layout holds them
-            if not self.ledger.prefix:
-                r.bm.clear_cache()
         if msg.evict:
             r.bm.evict(list(msg.evict[me]))
         for rid, owner, hashes in msg.attach:
@@ -317,6 +316,7 @@ class Engine:
         return resident_bytes(getattr(self.runner, "weights", None))
 
     def _switch_executor(self, sw: SwitchPlan | None, gone=()):
+        """`gone`: requests released before the handoff (their private blocks stay put)."""
         if sw is None:
             return None
         from splash.switching.executor import SwitchExecutor

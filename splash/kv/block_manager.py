@@ -203,9 +203,8 @@ class BlockManager:
         return out
 
     def evict(self, hashes: list[int]) -> None:
-        """Forget the cached blocks named `hashes` and free those no request references. (A request may still
-        reference one: after a layout switch kept a block two requests shared, the ledger charges it to each of them
-        and lets the hash go when the one that named it ends — the block then stays with the other.)"""
+        """Forget the cached blocks named `hashes` and free those no request references (the ledger evicts only
+        those; one a request still references would stay with it, unnamed)."""
         for h in hashes:
             p = self._cached.pop(h)
             del self._hash_of[p]
@@ -239,15 +238,6 @@ class BlockManager:
             if not self._ref[p]:
                 out.append(p)
         return out
-
-    def clear_cache(self) -> None:
-        """Forget every hash (a layout switch): cached blocks no request references are freed, the rest stay with
-        their requests."""
-        for h, p in self._cached.items():
-            if not self._ref[p]:
-                self._free.append(p)
-        self._cached.clear()
-        self._hash_of.clear()
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

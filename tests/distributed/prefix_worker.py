@@ -11,6 +11,10 @@ argv: model_dir mode [directions]
   mode "samples": 8 samples of one 37-token prompt sent together (4 greedy, 4 seeded random), in [layouts]: the
       same tokens with and without the cache, and with it the prompt is prefilled once — the other 7 samples find
       all its 9 full blocks (block size 4) cached, computing only their last token's block.
+  mode "kept" / "kept-moved": for each direction, one request finishes (its blocks cached, idle), the layout switches
+      with nothing running, and the same conversation's next turn arrives after the switch: it must start on the
+      blocks the switch kept (kept-moved: the cost verdict forced to "send", so blocks that must travel are moved
+      too), with the same greedy tokens as without the cache.
 """
 from __future__ import annotations
 
@@ -75,9 +79,17 @@ def drive(llm: LLM, arrivals, switches: dict[int, str]) -> list[list[int]] | Non
     return [outs[i] for i in ids]
 
 
-def run(model_dir: str, src: str, switches: dict[int, str], cache: bool, work=workload, **kw):
+def one_turn_then_next():
+    """A 37-token turn finishes (8 steps), the switch comes at step 10 with nothing running, the next turn at 12."""
+    a = stem(37, 1)
+    return [(0, a, 4), (12, a + [5, 6, 7], 4)]
+
+
+def run(model_dir: str, src: str, switches: dict[int, str], cache: bool, work=workload, move_cached=None, **kw):
     llm = LLM(model_dir, layout=src, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=cache,
               hardware_profile=None, **kw)
+    if move_cached is not None:   # the cost verdict, forced (it is unit-tested in tests/test_switch_prefix.py)
+        llm.engine._cached_moves_pay = lambda dst: move_cached
     toks = drive(llm, work(), switches)
     stats = None
     if llm.comm.rank == 0:
@@ -103,6 +115,16 @@ def main() -> None:
                 assert on == off, f"{d}: tokens differ with the prefix cache\n{on}\n{off}"
                 assert st[0] > 0, f"{d}: no prefix-cache hit {st}"
                 print(f"rank 0: {d} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
+    elif mode in ("kept", "kept-moved"):
+        for d in sys.argv[3].split(","):
+            src, dst = d.split("->")
+            move = mode == "kept-moved"
+            on, st = run(model_dir, src, {10: dst}, True, one_turn_then_next, move_cached=move)
+            off, _ = run(model_dir, src, {10: dst}, False, one_turn_then_next)
+            if on is not None:
+                assert on == off, f"{d}: tokens differ with the prefix cache\n{on}\n{off}"
+                assert st[3] == 1 and st[0] == 36, f"{d}: the next turn did not start on the kept blocks {st}"
+                print(f"rank 0: {d} {mode} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
     elif mode == "pressure":
         seq = {25: "dop", 40: "cp", 55: "tp"}
         on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64)
