@@ -47,7 +47,7 @@ class ModelRunner:
                  layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", streams=None):
         from splash.attention.executors import head_range_for, make_executor
-        from splash.attention.kernels import make_kernel
+        from splash.attention.kernels import kv_rope_fp8, make_kernel
         from splash.layouts.layout import parse_layout
 
         layout = parse_layout(layout).value
@@ -71,7 +71,8 @@ class ModelRunner:
             indexed = [i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)]
             self.cache = PagedLatentCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.kv_lora_rank,
                                           cfg.qk_rope_head_dim, self.kv_dtype, index_dim=cfg.index_head_dim,
-                                          index_layers=indexed, device=self.device)
+                                          index_layers=indexed, device=self.device,
+                                          rope_fp8=kv_rope_fp8(attention_backend, self.device))
         self.bm = BlockManager(num_blocks, block_size)
         # the block manager's tables as tensors, for the attention kernel
         self.tables = PageTable(block_size, device=self.device)
