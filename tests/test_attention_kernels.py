@@ -23,14 +23,16 @@ SCALE = 0.37
 
 
 def make_state(kv_dtype: str, bs: int, specs: list[tuple[int, int]], world: int = 1, rank: int = 0,
-               dc: int = 32, dr: int = 8, heads: int = 2, seed: int = 0, fused: bool | None = None):
+               dc: int = 32, dr: int = 8, heads: int = 2, seed: int = 0, fused: bool | None = None,
+               rope_fp8: bool = False):
     """Requests (start_pos, num_new) with their KV for every position < end written on the blocks this rank
     holds (all, or CP's round-robin from anchor i % world); physical pages shuffled; a tiny page table that
-    must grow. `fused`: a bf16 pool in the GPU's fused layout (splash.kv.paged_cache). Returns (cache, bm, tables, reqs, meta, q)."""
+    must grow. `fused`: a bf16 pool in the GPU's fused layout, `rope_fp8`: an fp8 pool's rope key in e4m3
+    (splash.kv.paged_cache). Returns (cache, bm, tables, reqs, meta, q)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     need = sum(-(-(s + n) // bs) for s, n in specs) + 3
-    cache = PagedLatentCache(1, need, bs, dc, dr, kv_dtype, fused=fused)
+    cache = PagedLatentCache(1, need, bs, dc, dr, kv_dtype, fused=fused, rope_fp8=rope_fp8)
     bm, tables = BlockManager(need, bs), PageTable(bs, rows=1, cols=1)
     rng.shuffle(bm._free)
     reqs = [StepRequest(f"r{i}", s, n, owner=i % world) for i, (s, n) in enumerate(specs)]

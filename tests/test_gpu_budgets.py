@@ -88,7 +88,7 @@ def _count_host_reads(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("kernel", ["flashinfer-sm90", "flashinfer-sm100", "aiter", "triton"])
+@pytest.mark.parametrize("kernel", ["flashinfer-sm90", "flashinfer-sm90-fp8", "flashinfer-sm100", "aiter", "triton"])
 def test_no_host_read_per_layer(monkeypatch, kernel):
     """plan() may read the step's sizes from the device once; run() — once per layer — never does (a host read
     per layer stalls the GPU 61 times a step)."""
@@ -97,13 +97,15 @@ def test_no_host_read_per_layer(monkeypatch, kernel):
     if kernel.startswith("flashinfer"):
         install_flashinfer(monkeypatch)
         k = fi.FlashInferMLAKernel(SCALE, sm_major=10 if kernel.endswith("100") else 9)
+        want = {"flashinfer-sm90": "wrapper", "flashinfer-sm90-fp8": "wrapper-fp8", "flashinfer-sm100": "trtllm-gen"}
     elif kernel == "aiter":
         install_aiter(monkeypatch, "gfx942")
         k = ai.AiterMLAKernel(SCALE, arch="gfx942")
     else:
         from splash.attention.kernels.triton_mla import TritonMLAKernel
         k = TritonMLAKernel(SCALE)
-    cache, _, _, _, meta, q = _state("bfloat16" if kernel != "triton" else "fp8_e4m3", FI_DECODE[3], 16)
+    kv = "fp8_e4m3" if kernel in ("triton", "flashinfer-sm90-fp8") else "bfloat16"
+    cache, _, _, _, meta, q = _state(kv, FI_DECODE[3], 16, rope_fp8=kernel.endswith("fp8"))
     reads = _count_host_reads(monkeypatch)
     k.plan(meta)
     k.run(0, q[..., :512], q[..., 512:], cache)     # the step's first layer may build per-step state
@@ -112,3 +114,5 @@ def test_no_host_read_per_layer(monkeypatch, kernel):
     for _ in range(3):                               # every further layer: none
         k.run(0, q[..., :512], q[..., 512:], cache)
     assert reads == first, reads[len(first):]
+    if kernel.startswith("flashinfer"):
+        assert k.paths == {want[kernel]: 4}                # the vendor path ran (not the fallback)

@@ -45,10 +45,11 @@ def test_the_planner_only_picks_compiled_launches(compiled):
             for r in compiled if r["kernel"] == "mla_split"}
     assert {r["target"] for r in compiled} == set(aot.TARGETS)
     for target, (vendor, *_) in aot.TARGETS.items():
-        for kv in aot.KV_DTYPES:
+        for kv in aot.pool_formats(target):
             for h in aot.HEADS_PER_RANK:
                 for dc, dr in aot.DIMS:
-                    assert (target, kv, *launch_config(vendor, h, kv), dc, dr) in done
+                    assert (target, kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr) in done
+    assert ("sm_90", aot.ROPE_FP8_POOL) in {(r["target"], r["kv_dtype"]) for r in compiled if r["kernel"] == "mla_split"}
 
 
 def test_narrow_offset_check_catches_int32_row_offsets(tmp_path):

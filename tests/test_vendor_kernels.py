@@ -202,10 +202,11 @@ def test_recorded_flashinfer_signatures_match_an_installed_tree():
     assert flashinfer_api.extract(root)["calls"] == flashinfer_api.load()["calls"]
 
 
-def _state(kv_dtype: str, specs, heads: int, seed: int = 0):
+def _state(kv_dtype: str, specs, heads: int, seed: int = 0, rope_fp8: bool = False):
     """DeepSeek/GLM dims (512 + 64), pages of 64, the GPU's pool layout (a bf16 pool fused); queries scaled so scores spread like a real model's
     (|s| ~ 2 with the tests' softmax scale, not ~20), where the bf16 tolerance below means something."""
-    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed, fused=True)
+    *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed, fused=True,
+                          rope_fp8=rope_fp8)
     return (*rest, q * 0.1)
 
 
@@ -229,16 +230,59 @@ def test_flashinfer_through_strict_standin(monkeypatch, sm, pages, heads):
         assert kernel.paths == {want: 1}
 
 
-@pytest.mark.parametrize("heads", [64, 128])
-def test_flashinfer_fp8_kv_runs_triton(monkeypatch, heads):
-    """FP8 KV: FlashInfer's FP8 MLA wants an FP8 rope cache with a per-tensor scale (SM90 only); our pool's rope
-    key is bf16, so the layer runs our Triton kernel (interpreter here), which matches the reference."""
+@pytest.mark.parametrize("pages", [1, 3])
+@pytest.mark.parametrize("heads", [48, 64, 96, 128])
+def test_flashinfer_fp8_kv_through_strict_standin(monkeypatch, pages, heads):
+    """FP8 KV on SM90 runs FlashInfer's scaled FP8 MLA: the wrapper planned with kv-per-tensor scales, run with our
+    per-token latent scales as `ckv_scale_arr` and the e4m3 rope pool with `kpe_scale` — bound to flashinfer
+    0.7.4's recorded signature, through a stand-in enforcing its FP8 preconditions and dequantising as it does —
+    and gives the dense reference over the same stored bytes (bf16-operand tolerance), decode and prefill."""
+    from vendor_standins import install_flashinfer
+    install_flashinfer(monkeypatch)
+    for specs in (FI_DECODE[pages], FI_DECODE[pages][:2] + [(0, 3)]):
+        kernel = fi.FlashInferMLAKernel(SCALE, sm_major=9)
+        state = _state("fp8_e4m3", specs, heads, seed=heads + pages, rope_fp8=True)
+        assert state[0].kpe[0].dtype == torch.float8_e4m3fn
+        check(kernel, state, atol=0.06, rel_o=0.012)
+        assert kernel.paths == {"wrapper-fp8": 1} and kernel.wrapper.plan_args["kv_data_type"] == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("sm,rope_fp8,why", [(10, False, "KV dtype fp8_e4m3 on SM10x"),
+                                             (9, False, "KV dtype fp8_e4m3 with a bf16 rope key")])
+def test_flashinfer_fp8_kv_elsewhere_runs_triton(monkeypatch, sm, rope_fp8, why):
+    """FP8 KV where FlashInfer has no path for our scales (SM100; a bf16 rope key) runs our Triton kernel
+    (interpreter here), which matches the reference; the reason is recorded once."""
     pytest.importorskip("triton")
     from vendor_standins import install_flashinfer
     install_flashinfer(monkeypatch)
-    kernel = fi.FlashInferMLAKernel(SCALE, sm_major=10)
-    check(kernel, _state("fp8_e4m3", [(70, 1), (9, 1)], heads), atol=0.06, rel_o=0.012)
-    assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith("KV dtype fp8_e4m3")
+    kernel = fi.FlashInferMLAKernel(SCALE, sm_major=sm)
+    check(kernel, _state("fp8_e4m3", [(70, 1), (9, 1)], 64, rope_fp8=rope_fp8), atol=0.06, rel_o=0.012)
+    assert kernel.paths == {"triton": 1} and next(iter(kernel.fallback.reasons)).startswith(why)
+
+
+def test_triton_reads_an_fp8_rope_pool():
+    """The Triton kernel (the SM90 fallback for CP steps) over an fp8 pool whose rope key is e4m3 (interpreter)."""
+    pytest.importorskip("triton")
+    from splash.attention.kernels.triton_mla import TritonMLAKernel
+    check(TritonMLAKernel(SCALE), _state("fp8_e4m3", [(70, 1), (0, 5), (130, 1)], 16, rope_fp8=True), atol=0.06,
+          rel_o=0.012)
+
+
+def test_fp8_rope_key_error():
+    """The e4m3 rope key (one fixed per-tensor scale) against the bf16 one, on the same fp8 latent: the stored
+    rope values' relative error is e4m3's rounding (≤ 2^-4), and attention's õ / LSE move little."""
+    outs, bf16 = [], None
+    for rope_fp8 in (False, True):
+        cache, bm, _, reqs, meta, q = _state("fp8_e4m3", [(300, 1), (70, 1)], 16, rope_fp8=rope_fp8)
+        outs.append(dense_reference(cache, bm, reqs, q))
+        if rope_fp8:
+            slots = torch.arange(64 * 5)
+            k8, k16 = cache.read(0, slots)[1], bf16.read(0, slots)[1]
+            held = k16.abs() > 2 ** -6
+            assert ((k8 - k16)[held].abs() / k16[held].abs()).max() <= 2 ** -4
+        bf16 = cache
+    (o16, l16), (o8, l8) = outs
+    assert (o8 - o16).abs().max() <= 0.02 * o16.abs().max() and (l8 - l16).abs().max() <= 0.02
 
 
 def test_flashinfer_standin_rejects_what_flashinfer_rejects(monkeypatch):

@@ -6,7 +6,9 @@ attention in fp32 from what it was handed, so a wrapper that passes the wrong pa
 the wrong answer:
 - flashinfer: explicit backends (never "auto"), keyword-only calls in the current (non-deprecated) forms, an
   explicit LSE base, block tables aligned to 128 tokens, trtllm-gen's page sizes and head limits
-  (no 64 < heads < 128), bf16 operands; the LSE is returned in the base asked for.
+  (no 64 < heads < 128), bf16 operands (FP8 KV on the MLA wrapper: scale_mode "kv-per-tensor", per-row
+  `ckv_scale_arr` of the KV's shape, a float `kpe_scale`, dequantised to bf16 as flashinfer does), unit inner
+  strides and 16-byte aligned outer strides on the split tensors; the LSE is returned in the base asked for.
 - aiter: the per-arch head table (a head count it ships no kernel for raises "cannot get heuristic kernel"), page
   sizes, and no LSE written for the shapes where the real kernel leaves it unwritten (the buffer comes back NaN).
 """
@@ -79,8 +81,16 @@ class BatchMLAPagedAttentionWrapper:
         a = b.arguments
         if a.get("lse_mode", "none") not in ("basee", "base2"):
             raise VendorPrecondition("plan without an LSE mode: run(return_lse=True) would mismatch")
-        if a["q_data_type"] != torch.bfloat16 or a["kv_data_type"] != torch.bfloat16:
-            raise VendorPrecondition("this stand-in plans bf16 query and KV only")
+        if a["q_data_type"] != torch.bfloat16:
+            raise VendorPrecondition("this stand-in plans bf16 queries only")
+        mode = a.get("scale_mode", "default")
+        if a["kv_data_type"] == torch.float8_e4m3fn:      # flashinfer 0.7.4 _fa_common: FP8 MLA (SM90 only)
+            if self.backend not in ("fa2", "fa3") or mode != "kv-per-tensor":
+                raise VendorPrecondition("FP8 MLA plans require scale_mode='kv-per-tensor' (fa2/fa3, SM90)")
+            if a["head_dim_ckv"] != 512 or a["head_dim_kpe"] not in (0, 64):
+                raise VendorPrecondition("FP8 MLA: head_dim_ckv 512, head_dim_kpe 0 or 64")
+        elif a["kv_data_type"] != torch.bfloat16 or mode != "default":
+            raise VendorPrecondition("non-FP8 MLA plans: KV dtype = query dtype, scale_mode='default'")
         if a.get("query_layout") != "split" or a.get("kv_cache_layout") != "split":
             raise VendorPrecondition("split (q_nope, q_pe) / (ckv, kpe) inputs need split layouts in plan()")
         self.plan_args = a
@@ -98,8 +108,16 @@ class BatchMLAPagedAttentionWrapper:
         if ("basee" if base_e else "base2") != p["lse_mode"] or not a.get("return_lse"):
             raise VendorPrecondition(f"run LSE mode vs planned {p['lse_mode']!r}")
         (q_nope, q_pe), (ckv, kpe) = a["query"], a["kv_cache"]
-        if q_nope.dtype != torch.bfloat16 or ckv.dtype != torch.bfloat16 or kpe.dtype != torch.bfloat16:
-            raise VendorPrecondition("dtypes differ from the plan's bf16")
+        kv_type = p["kv_data_type"]
+        if q_nope.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16 or ckv.dtype != kv_type \
+                or kpe.dtype != kv_type:
+            raise VendorPrecondition(f"dtypes differ from the plan's (bf16 queries, {kv_type} KV)")
+        for t in (q_nope, q_pe, ckv, kpe):   # native FA takes outer strides only, in 16-byte vectors
+            if t.numel() and (t.ndim != 3 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(
+                    t.shape[i] > 1 and t.stride(i) * t.element_size() % 16 for i in (0, 1))):
+                raise VendorPrecondition(f"tensor {tuple(t.shape)} strides {t.stride()}: FA needs unit inner "
+                                         "stride and 16-byte aligned pointers / outer strides")
+        ckv, kpe = self._dequantised(a, ckv, kpe)
         h = p["num_heads"]
         if q_nope.shape[1] != h or q_nope.shape[2] != p["head_dim_ckv"] or q_pe.shape[2] != p["head_dim_kpe"]:
             raise VendorPrecondition(f"query shape {tuple(q_nope.shape)} vs plan")
@@ -119,6 +137,29 @@ class BatchMLAPagedAttentionWrapper:
             o[rows], lse[rows] = _attend(q, k, c, p["sm_scale"], q_pos, torch.arange(n_kv))
         self.runs += 1
         return o.to(torch.bfloat16), (lse if base_e else lse / math.log(2.0))
+
+    def _dequantised(self, a: dict, ckv: torch.Tensor, kpe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV as the kernel computes with it: bf16 as given; FP8 × its scales (exactly one of ckv_scale /
+        ckv_scale_arr [*ckv.shape[:-1], d_c / 128] fp32 contiguous, and a positive float kpe_scale), rounded to
+        bf16 as flashinfer's repack does before the MMA."""
+        given = [k for k in ("ckv_scale", "ckv_scale_arr", "kpe_scale") if a.get(k) is not None]
+        if self.plan_args["kv_data_type"] != torch.float8_e4m3fn:
+            if given:
+                raise VendorPrecondition(f"{given} are only valid when kv_data_type is FP8")
+            return ckv, kpe
+        arr, kpe_scale = a.get("ckv_scale_arr"), a.get("kpe_scale")
+        if (a.get("ckv_scale") is None) == (arr is None) or kpe_scale is None:
+            raise VendorPrecondition("FP8 KV: exactly one of ckv_scale / ckv_scale_arr, and kpe_scale")
+        if isinstance(kpe_scale, torch.Tensor) or not math.isfinite(float(kpe_scale)) or float(kpe_scale) <= 0:
+            raise VendorPrecondition(f"kpe_scale must be a finite positive float, got {kpe_scale!r}")
+        if arr is not None:
+            want = (*ckv.shape[:-1], self.plan_args["head_dim_ckv"] // 128)
+            if tuple(arr.shape) != want or arr.dtype != torch.float32 or not arr.is_contiguous():
+                raise VendorPrecondition(f"ckv_scale_arr {tuple(arr.shape)} {arr.dtype}: want {want} fp32 contiguous")
+            scale = arr.repeat_interleave(128, dim=-1)
+        else:
+            scale = float(a["ckv_scale"])
+        return ((ckv.float() * scale).to(torch.bfloat16), (kpe.float() * float(kpe_scale)).to(torch.bfloat16))
 
 
 def trtllm_batch_decode_with_kv_cache_mla(*args, **kwargs):

@@ -7,9 +7,10 @@ trtllm-gen's is base 2, and demands block tables aligned to 128 tokens.
 - Steps with prefill rows, and decode on SM80/SM90: `flashinfer.mla.BatchMLAPagedAttentionWrapper` with backend
   "fa3" on SM90, "fa2" elsewhere, planned once per step and head count with
   `plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr), …, query_layout="split",
-  kv_cache_layout="split", lse_mode="basee")` and run as `run(query=(q_nope, q_pe), kv_cache=(ckv, kpe),
-  return_lse=True, return_lse_base_on_e=True)`, reading our ckv [blocks, page, d_c] and kpe [blocks, page, d_r]
-  pools in place (its split layout is ours).
+  kv_cache_layout="split", lse_mode="basee", scale_mode="default")` and run as `run(query=(q_nope, q_pe),
+  kv_cache=(ckv, kpe), return_lse=True, return_lse_base_on_e=True)`, reading our ckv [blocks, page, d_c] and kpe
+  [blocks, page, d_r] pools in place (its split layout is ours; it takes their outer strides, so the two views of
+  a fused bf16 pool, token stride d_c + d_r, go as they are).
 - SM100 (B200), decode-only steps, pages of 32 or 64 tokens, rope width 64:
   `flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla(…, backend="trtllm-gen", return_lse_base="basee")`, one
   call per layer for every row, on the layer's fused bf16 pool itself (`cache.fused[layer]` [blocks, page,
@@ -17,9 +18,16 @@ trtllm-gen's is base 2, and demands block tables aligned to 128 tokens.
   to a multiple of 128 tokens (external.block_tables, built once per step). trtllm-gen has no kernel for
   64 < heads < 128, so such a rank's queries are padded with zero heads to 128 and the padding cut from õ and
   the LSE.
-- Everything else runs our Triton kernel (`Fallback`), with the reason logged once: quantised KV (FlashInfer's
-  FP8 MLA is SM90-only and wants the rope cache in FP8 with one per-tensor scale; our pool keeps the rope key in
-  bf16, so feeding it would convert the layer's whole rope pool per call), CP steps, other latent/rope dims.
+- FP8 KV on SM90 (H200): the same wrapper planned with `kv_data_type=torch.float8_e4m3fn,
+  scale_mode="kv-per-tensor"` (flashinfer 0.7.4 `_fa_common`: FP8 MLA needs SM90, bf16 queries, d_c 512 and d_r
+  0/64) and run with `ckv_scale_arr=` our per-token per-128-value latent scales as stored ([blocks, page, 4] fp32:
+  flashinfer's repack reads `ckv_scale_arr[slot * 4 + group]`) and `kpe_scale=quant.ROPE_FP8_SCALE`: on such a
+  device the pool stores an fp8 layer's rope key in e4m3 at that one fixed scale (PagedLatentCache `rope_fp8`,
+  chosen by splash.attention.kernels.kv_rope_fp8), as that kernel reads it.
+- Everything else runs our Triton kernel (`Fallback`), with the reason logged once: FP8 KV off SM90 (FlashInfer's
+  FP8 MLA is SM90-only; trtllm-gen's FP8 decode takes one per-tensor latent scale, not our per-token ones), INT8
+  KV, CP steps, other latent/rope dims, sparse layers.
+Which path a layer kind (its KV dtype, dense or sparse) takes is logged once.
 Host reads (pages per request, the longest row) happen once per step in `plan`, never per layer.
 """
 from __future__ import annotations
@@ -30,27 +38,37 @@ import torch
 
 from splash.attention.kernels.external import (NOT_FUSED_REASON, SPARSE_REASON, Fallback, block_tables,
                                                pad_heads)
+from splash.kv import quant
 
 WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace (counted in the device budget)
 WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper takes (DeepSeek/GLM; NoPE)
 TRTLLM_PAGE_SIZES = (32, 64)
 TRTLLM_TABLE_TOKENS = 128               # trtllm-gen / cute-dsl block tables: width × page a multiple of this
 TRTLLM_QK_NOPE = 128                    # trtllm-gen's qk_nope_head_dim argument (unused by the dense path)
+FP8_SM_MAJOR = 9                        # FlashInfer's FP8 MLA (fa2/fa3 with kv-per-tensor scales): SM90 only
 _log = logging.getLogger("splash.attention")
 
 
 def choose_path(sm_major: int, kv_dtype: str, d_c: int, d_r: int, page_size: int, cp: bool,
-                decode_only: bool) -> tuple[str | None, str | None]:
-    """('wrapper' | 'trtllm-gen', None), or (None, why our Triton kernel runs instead)."""
+                decode_only: bool, rope_fp8: bool = False) -> tuple[str | None, str | None]:
+    """('wrapper' | 'wrapper-fp8' | 'trtllm-gen', None), or (None, why our Triton kernel runs instead).
+    `rope_fp8`: the layer's rope key is stored in e4m3 (what the FP8 wrapper reads)."""
     if cp:
         return None, "CP step (a rank's pages are every T-th block; FlashInfer's causal mask wants contiguous pages)"
-    if kv_dtype != "bfloat16":
-        return None, (f"KV dtype {kv_dtype} (FlashInfer's FP8 MLA reads an FP8 rope cache with a per-tensor "
-                      "scale, SM90 only; our fp8/int8 pool keeps per-token scales and a bf16 rope key)")
+    if kv_dtype not in ("bfloat16", "fp8_e4m3"):
+        return None, f"KV dtype {kv_dtype} (FlashInfer MLA reads bf16, or fp8 e4m3 on SM90)"
     if sm_major < 8:
         return None, f"compute capability {sm_major}.x (FlashInfer MLA needs SM80 or newer)"
     if (d_c, d_r) not in WRAPPER_DIMS:
         return None, f"latent/rope dims {d_c}/{d_r} (FlashInfer MLA is built for {WRAPPER_DIMS})"
+    if kv_dtype == "fp8_e4m3":
+        if sm_major != FP8_SM_MAJOR:
+            return None, (f"KV dtype fp8_e4m3 on SM{sm_major}x (FlashInfer's FP8 MLA with per-token latent scales "
+                          "is SM90 only)")
+        if d_r and not rope_fp8:
+            return None, ("KV dtype fp8_e4m3 with a bf16 rope key (FlashInfer's FP8 MLA reads an e4m3 rope cache: "
+                          "a pool built with rope_fp8)")
+        return "wrapper-fp8", None
     if sm_major == 10 and decode_only and d_r == 64 and page_size in TRTLLM_PAGE_SIZES:   # SM100/SM103 only
         return "trtllm-gen", None
     return "wrapper", None
@@ -82,11 +100,12 @@ class FlashInferMLAKernel:
         self.fallback = Fallback(softmax_scale, "flashinfer")
         self.wrapper = self.workspace = self.trt_workspace = None
         self.paths: dict[str, int] = {}   # runs per path (gpu-check reports it)
+        self.logged: set[tuple] = set()    # layer kinds whose path was logged
 
     def plan(self, meta) -> None:
         """Per step: the host reads the vendor calls need (the most pages a request holds, the longest row), in
         one sync."""
-        self.meta, self.planned_heads, self.tables = meta, None, None
+        self.meta, self.planned, self.tables = meta, None, None
         self.decode_only = all(n == 1 for n in meta.q_lens)
         self.widest = self.longest = 0
         if meta.num_reqs:
@@ -104,40 +123,52 @@ class FlashInferMLAKernel:
         if n == 0 or self.meta.num_reqs == 0:
             return (torch.zeros(n, h, dc, device=q_latent.device),
                     torch.full((n, h), float("-inf"), device=q_latent.device))
-        path, why = choose_path(self._sm(q_latent.device), cache.kv_dtype_of(layer), dc, q_rope.shape[-1],
-                                self.meta.block_size, self.meta.cp, self.decode_only)
-        if self.meta.sparse.get(layer) is not None:
+        kv_dtype, sparse = cache.kv_dtype_of(layer), self.meta.sparse.get(layer) is not None
+        path, why = choose_path(self._sm(q_latent.device), kv_dtype, dc, q_rope.shape[-1], self.meta.block_size,
+                                self.meta.cp, self.decode_only, cache.kpe[layer].dtype == quant.ROPE_FP8)
+        if sparse:
             path, why = None, SPARSE_REASON
         elif path == "trtllm-gen" and cache.fused[layer] is None:
             path, why = None, NOT_FUSED_REASON
+        kind = (kv_dtype, sparse, path or why)
+        if kind not in self.logged and path is not None:    # the fallback logs its reasons once itself
+            _log.info("flashinfer attention: %s for %s%s layers (%d heads)", path, kv_dtype,
+                      " sparse" if sparse else "", h)
+        self.logged.add(kind)
         key = path or "triton"
-        if key not in self.paths and path is not None:
-            _log.info("flashinfer attention: %s (%s KV, %d heads)", path, cache.kv_dtype_of(layer), h)
         self.paths[key] = self.paths.get(key, 0) + 1
         if path is None:
             return self.fallback.run(why, layer, q_latent, q_rope, cache)
         if path == "trtllm-gen":
             return self._trtllm(layer, q_latent, q_rope, cache)
-        return self._wrapper(layer, q_latent, q_rope, cache)
+        return self._wrapper(layer, q_latent, q_rope, cache, fp8=path == "wrapper-fp8")
 
-    def _wrapper(self, layer: int, q_latent, q_rope, cache):
+    def _wrapper(self, layer: int, q_latent, q_rope, cache, fp8: bool):
+        """The MLA wrapper over the layer's ckv / kpe pools in place; `fp8`: the scaled FP8 form (SM90)."""
         import flashinfer.mla as fm
         meta, dev, (n, h, dc), dr = self.meta, q_latent.device, q_latent.shape, q_rope.shape[-1]
+        kv_type = torch.float8_e4m3fn if fp8 else torch.bfloat16
         if self.wrapper is None:
             self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.int8, device=dev)
             self.wrapper = fm.BatchMLAPagedAttentionWrapper(self.workspace, backend=wrapper_backend(self._sm(dev)))
-        if self.planned_heads != h:
+        if self.planned != (h, kv_type):   # once per step, and again only when a handoff mixes KV dtypes
             indptr, indices, _ = meta.csr()
             self.wrapper.plan(
                 metadata=fm.MLAPlanMetadata.csr(qo_indptr=meta.qo_indptr, kv_indptr=indptr, kv_indices=indices,
                                                 kv_len_arr=meta.kv_len),
                 num_heads=h, head_dim_ckv=dc, head_dim_kpe=dr, page_size=meta.block_size, causal=True,
-                sm_scale=self.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-                query_layout="split", kv_cache_layout="split", lse_mode="basee")
-            self.planned_heads = h
+                sm_scale=self.scale, q_data_type=torch.bfloat16, kv_data_type=kv_type, query_layout="split",
+                kv_cache_layout="split", lse_mode="basee", scale_mode="kv-per-tensor" if fp8 else "default")
+            self.planned = (h, kv_type)
+        kpe = cache.kpe[layer]
+        scales = {}
+        if fp8:
+            if kpe.dtype != kv_type:   # NoPE: a zero-width rope pool; the kernel wants it typed as the KV
+                kpe = torch.empty(*kpe.shape, dtype=kv_type, device=dev)
+            scales = dict(ckv_scale_arr=cache.scale[layer], kpe_scale=quant.ROPE_FP8_SCALE)
         o, lse = self.wrapper.run(
             query=(q_latent.to(torch.bfloat16).contiguous(), q_rope.to(torch.bfloat16).contiguous()),
-            kv_cache=(cache.ckv[layer], cache.kpe[layer]), return_lse=True, return_lse_base_on_e=True)
+            kv_cache=(cache.ckv[layer], kpe), return_lse=True, return_lse_base_on_e=True, **scales)
         return o.float(), lse.float()
 
     def _trtllm(self, layer: int, q_latent, q_rope, cache):

@@ -18,7 +18,8 @@ from splash.models.kda import state_width
 
 
 def build_hybrid(cfg, family: ModelFamily, get, comm, state: LayoutState, num_blocks: int, block_size: int,
-                 device) -> RankModel:
+                 device, rope_fp8: bool = False) -> RankModel:
+    """(`rope_fp8` is moot: the hybrid's MLA layers are NoPE, their pool holds no rope key.)"""
     hy = cfg.hybrid
     weights = build_hybrid_weights(cfg, get, state.heads, state.linear_heads, comm.rank, comm.size)
     mla = [lw.attn for i, lw in enumerate(weights.layers) if not cfg.is_linear_layer(i)]

@@ -30,11 +30,13 @@ class RankModel:
 
 
 def build_dense(cfg: ModelConfig, family: ModelFamily, get, comm, state: LayoutState, num_blocks: int,
-                block_size: int, device: torch.device) -> RankModel:
-    """A dense-attention family (every layer MLA, with or without a DSA indexer) on this rank."""
+                block_size: int, device: torch.device, rope_fp8: bool = False) -> RankModel:
+    """A dense-attention family (every layer MLA, with or without a DSA indexer) on this rank; `rope_fp8`: an fp8 pool
+    stores the rope key in e4m3 too (splash.attention.kernels.kv_rope_fp8)."""
     weights = build_weights(cfg, on_device(get, device), state.heads, comm.rank, comm.size)
     q_b = weights.layers[0].attn.q_b if weights.layers else None
     indexed = [i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)]
     cache = PagedLatentCache(family.num_pool_layers, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                             state.kv_dtype, index_dim=cfg.index_head_dim, index_layers=indexed, device=device)
+                             state.kv_dtype, index_dim=cfg.index_head_dim, index_layers=indexed, device=device,
+                             rope_fp8=rope_fp8)
     return RankModel(weights, DeepseekV3Model(cfg, weights, comm, device), cache, getattr(q_b, "fmt", None))

@@ -51,7 +51,7 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
                  layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", streams=None):
-        from splash.attention.kernels import make_kernel
+        from splash.attention.kernels import kv_rope_fp8, make_kernel
         from splash.layouts.layout import parse_layout
 
         layout = parse_layout(layout).value
@@ -64,7 +64,8 @@ class ModelRunner:
         family = describe(cfg)
         state = layout_state(layout, family, comm.size, comm.rank, self.layout_kv_dtypes[layout])
         build = build_hybrid if family.recurrent else build_dense
-        built = build(cfg, family, get, comm, state, num_blocks, block_size, self.device)
+        built = build(cfg, family, get, comm, state, num_blocks, block_size, self.device,
+                      rope_fp8=kv_rope_fp8(attention_backend, self.device))
         self.model, self.weight_quant = built.model, built.weight_quant
         self.attention_backend = attention_backend
         # the block manager's tables mirrored as tensors (PageTable), for the attention kernel

@@ -22,7 +22,9 @@ buffer, so the vendor wrappers hand them the pool itself with the requests' own 
 split-layout wrapper takes the two strided views. Every other layer keeps separate contiguous ckv / kpe tensors
 (`fused[layer]` None): quantised layers carry their scales beside the latent, and on the CPU the torch kernel's
 bf16 GEMMs over strided views measured 1.7x slower (docs/benchmarks.md), while its C kernel walks contiguous
-fp32 pages. A switch moves a layer's bytes in its own layout; every rank of a job has the same one.
+fp32 pages. With `rope_fp8` (FlashInfer on SM90, whose FP8 MLA reads an e4m3 rope cache with one per-tensor
+scale) an fp8_e4m3 layer stores its rope key in e4m3 at quant.ROPE_FP8_SCALE instead of bf16. A switch moves a
+layer's bytes in its own layout; every rank of a job has the same one.
 """
 from __future__ import annotations
 
@@ -39,12 +41,14 @@ FUSED_DTYPES = ("bfloat16",)   # KV dtypes stored as one [blocks, page, d_c + d_
 class PagedLatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                  kv_dtype: str = "float32", device: str | torch.device = "cpu", index_dim: int = 0,
-                 index_layers: Sequence[int] = (), index_parts: int = 1, fused: bool | None = None):
+                 index_layers: Sequence[int] = (), index_parts: int = 1, fused: bool | None = None,
+                 rope_fp8: bool = False):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_lora_rank, self.rope_dim, self.device = kv_lora_rank, rope_dim, device
         self.index_dim, self.index_layers = index_dim, frozenset(index_layers) if index_dim else frozenset()
         self.index_parts = index_parts
         self.fuse = torch.device(device).type != "cpu" if fused is None else fused
+        self.rope_fp8 = rope_fp8   # fp8_e4m3 layers store the rope key in e4m3 (quant.ROPE_FP8_SCALE), not bf16
         self.layer_dtypes = [kv_dtype] * num_layers
         parts = [self._alloc(kv_dtype, layer) for layer in range(num_layers)]
         self.ckv = [p[0] for p in parts]
@@ -57,6 +61,8 @@ class PagedLatentCache:
     def _alloc(self, kv_dtype: str, layer: int) -> tuple[torch.Tensor | None, ...]:
         """(ckv, kpe, scale, ikey, iscale, fused) of one layer stored as `kv_dtype`."""
         lat_dt, rope_dt = quant.storage_dtypes(kv_dtype)
+        if self.rope_fp8 and kv_dtype == "fp8_e4m3":
+            rope_dt = quant.ROPE_FP8
         shape, dev, q = (self.num_blocks, self.block_size), self.device, quant.is_quantized(kv_dtype)
         dc = self.kv_lora_rank
         fused = None
@@ -188,7 +194,7 @@ def _encode(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, c_kv:
         _flat(parts[2])[slots] = s
     else:
         ckv[slots] = c_kv.to(ckv.dtype)
-    kpe[slots] = k_pe.to(kpe.dtype)
+    kpe[slots] = quant.quantize_rope(k_pe) if kpe.dtype == quant.ROPE_FP8 else k_pe.to(kpe.dtype)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -203,7 +209,7 @@ def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tenso
     def take(t: torch.Tensor) -> torch.Tensor:
         return _flat(t).index_select(0, flat).view(*slots.shape, t.shape[-1])
 
-    ckv, kpe = take(parts[0]), take(parts[1]).float()
+    ckv, kpe = take(parts[0]), quant.dequantize_rope(take(parts[1]))
     if len(parts) > 2:
         return quant.dequantize(ckv, take(parts[2])), kpe
     return ckv.float(), kpe

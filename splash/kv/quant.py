@@ -1,4 +1,5 @@
-"""KV quantisation: per-token, per-128-element-group scales for the latent; rope kept 16-bit.
+"""KV quantisation: per-token, per-128-element-group scales for the latent; rope kept 16-bit (or fp8 at one fixed
+per-tensor scale in a `rope_fp8` pool, for FlashInfer's FP8 MLA on SM90).
 
 Why per token (not per block): decode appends one token at a time, so a per-block scale would either be fixed
 by the block's first token or force requantising the block on every append. Per-token scales make every append
@@ -29,6 +30,24 @@ def storage_dtypes(kv_dtype: str) -> tuple[torch.dtype, torch.dtype]:
     if kv_dtype == "int8":
         return torch.int8, torch.bfloat16
     raise ValueError(f"kv_cache_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+
+
+# An fp8 rope key (`rope_fp8` pools: FlashInfer's FP8 MLA reads the rope cache in fp8 with one per-tensor scale,
+# `kpe_scale`) is stored as k_rope / ROPE_FP8_SCALE in e4m3, clamped to ±448. One fixed scale needs no host read
+# per step; rope keys sit well inside e4m3's normal range (2^-6 … 448) where its relative rounding (2^-4) equals
+# that of the per-token-scaled fp8 latent, and a smaller value's absolute error (≤ 2^-10) is below the latent's.
+ROPE_FP8_SCALE = 1.0
+ROPE_FP8 = torch.float8_e4m3fn
+
+
+def quantize_rope(k_pe: torch.Tensor) -> torch.Tensor:
+    """Rope keys [..., d_r] float -> e4m3 at ROPE_FP8_SCALE (saturating at ±448)."""
+    return (k_pe.float() / ROPE_FP8_SCALE).clamp(-448.0, 448.0).to(ROPE_FP8)
+
+
+def dequantize_rope(kpe: torch.Tensor) -> torch.Tensor:
+    """Stored rope keys [..., d_r] (fp8 at ROPE_FP8_SCALE, or bf16 / fp32) -> fp32."""
+    return kpe.float() * ROPE_FP8_SCALE if kpe.dtype == ROPE_FP8 else kpe.float()
 
 
 def num_groups(dim: int) -> int:

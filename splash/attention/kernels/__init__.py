@@ -37,6 +37,16 @@ class AttentionKernel(Protocol):
             cache) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def kv_rope_fp8(name: str, device: str | torch.device) -> bool:
+    """Whether the `name` kernel's pools on `device` store an fp8_e4m3 layer's rope key in e4m3 (PagedLatentCache
+    `rope_fp8`): FlashInfer on SM90, whose FP8 MLA reads the rope cache in fp8 with a per-tensor scale."""
+    device = torch.device(device)
+    if name != "flashinfer" or device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    from backends.cuda.flashinfer_mla import FP8_SM_MAJOR
+    return torch.cuda.get_device_capability(device)[0] == FP8_SM_MAJOR
+
+
 def make_kernel(name: str, softmax_scale: float) -> AttentionKernel:
     if name == "torch":
         from splash.attention.kernels.torch_mla import TorchMLAKernel

@@ -288,6 +288,8 @@ def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype, bufs: dic
         raw = ckv
         ckv = quant.dequantize(ckv, cache.scale[layer].index_select(0, flat))
     bs = ckv.shape[1]
+    if kpe.dtype == quant.ROPE_FP8:
+        kpe = quant.dequantize_rope(kpe)
     return (ckv.reshape(a, c * bs, -1).to(dt), kpe.reshape(a, c * bs, kpe.shape[-1]).to(dt), raw)  # d_r may be 0
 
 

@@ -7,7 +7,8 @@ per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, sm_
 spills (NVIDIA: the cubin's STACK from cuobjdump; AMD: the AMDGCN's private segment), and whether the products
 run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the AMDGCN). `planned_shapes` is every
 launch shape TritonMLAKernel can choose (splash.attention.kernels.triton_mla.launch_config) for 8…128 heads per
-rank, each KV format and the two rope widths of the shipped models; tests/test_triton_aot.py checks them all.
+rank, each pool format (`pool_formats`: the KV dtypes, and on SM90 the fp8 pool with an e4m3 rope key) and the two
+rope widths of the shipped models; tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
 
@@ -29,17 +30,28 @@ PAGE = 64                         # the shipped GPU configs' block_size
 MATRIX_OPS = re.compile(r"wgmma\.mma_async|mma\.sync|tcgen05\.mma|v_mfma")
 
 
+ROPE_FP8_POOL = "fp8_e4m3+rope_fp8"   # an fp8 pool whose rope key is e4m3 too (FlashInfer's FP8 MLA on SM90)
+ROPE_FP8_TARGETS = ("sm_90",)          # where splash.attention.kernels.kv_rope_fp8 stores such pools
+
+
+def pool_formats(target: str) -> tuple[str, ...]:
+    """The KV pool formats our kernel can meet on `target`: each KV dtype, and on SM90 the fp8 pool with an e4m3
+    rope key (the Triton kernel runs there for what FlashInfer's FP8 path does not take: CP steps)."""
+    return KV_DTYPES + ((ROPE_FP8_POOL,) if target in ROPE_FP8_TARGETS else ())
+
+
 def planned_shapes(target: str) -> list[tuple[str, int, int, int, int]]:
-    """(kv_dtype, head block, num_warps, d_c, d_r) for every launch the kernel can choose on `target`."""
+    """(pool format, head block, num_warps, d_c, d_r) for every launch the kernel can choose on `target`."""
     from splash.attention.kernels.triton_mla import launch_config
     vendor = TARGETS[target][0]
-    return sorted({(kv, *launch_config(vendor, h, kv), dc, dr)
-                   for kv in KV_DTYPES for h in HEADS_PER_RANK for dc, dr in DIMS})
+    return sorted({(kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr)
+                   for kv in pool_formats(target) for h in HEADS_PER_RANK for dc, dr in DIMS})
 
 
-def _signature(kv_dtype: str) -> dict[str, str]:
+def _signature(pool: str) -> dict[str, str]:
+    kv_dtype = pool.split("+")[0]
     ckv = {"float32": "*fp32", "bfloat16": "*i16", "fp8_e4m3": "*u8", "int8": "*i8"}[kv_dtype]
-    kpe = "*fp32" if kv_dtype == "float32" else "*i16"
+    kpe = "*u8" if pool == ROPE_FP8_POOL else "*fp32" if kv_dtype == "float32" else "*i16"
     ptrs = ("QL", "QR", "CKV", "KPE", "SCALE", "PAGES", "LOGICAL", "NUM_PAGES", "ROW_REQ", "REQ_ROWS", "QPOS",
             "OPART", "LPART")
     sig = {p: "*i32" for p in ptrs}
@@ -83,26 +95,30 @@ def _spill_bytes(target: str, asm: dict) -> int:
     return max(int(x) for x in re.findall(r"\.private_segment_fixed_size:\s*(\d+)", asm["amdgcn"]))
 
 
-def compile_split(target: str, kv_dtype: str, bh: int, warps: int, dc: int, dr: int) -> dict:
-    """Compile `mla_split` for one launch shape; its resources and matrix-unit instruction count."""
+def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int) -> dict:
+    """Compile `mla_split` for one launch shape over a `pool` format; its resources and matrix-unit count."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from splash.attention.kernels import triton_mla as tm
+    from splash.kv import quant
     backend, arch, warp, limit = TARGETS[target]
+    kv_dtype = pool.split("+")[0]
     bdc = tm.pow2(dc)
     fmt = tm.FORMATS[kv_dtype]
+    rope_fp8 = pool == ROPE_FP8_POOL
     const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm.pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=PAGE,
-                 GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32", HAS_ROPE=dr > 0, NSPLIT=1,
-                 DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False, **row_strides(kv_dtype, dc, dr))
-    k = triton.compile(ASTSource(tm.mla_split, _signature(kv_dtype), const),
+                 GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32" and not rope_fp8,
+                 HAS_ROPE=dr > 0, NSPLIT=1, DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False,
+                 ROPE_FP8=rope_fp8, ROPE_SCALE=quant.ROPE_FP8_SCALE, **row_strides(kv_dtype, dc, dr))
+    k = triton.compile(ASTSource(tm.mla_split, _signature(pool), const),
                        target=GPUTarget(backend, arch, warp), options={"num_warps": warps})
     text = k.asm.get("ptx") or k.asm["amdgcn"]
-    narrow = narrow_argument_offsets(k.asm["ttir"], _signature(kv_dtype))
-    return dict(narrow_offsets=narrow, kernel="mla_split", target=target, kv_dtype=kv_dtype, head_block=bh, num_warps=warps, d_c=dc,
-                d_r=dr, shared=k.metadata.shared, shared_limit=limit, spill_bytes=_spill_bytes(target, k.asm),
-                matrix_ops=len(MATRIX_OPS.findall(text)))
+    narrow = narrow_argument_offsets(k.asm["ttir"], _signature(pool))
+    return dict(narrow_offsets=narrow, kernel="mla_split", target=target, kv_dtype=pool, head_block=bh,
+                num_warps=warps, d_c=dc, d_r=dr, shared=k.metadata.shared, shared_limit=limit,
+                spill_bytes=_spill_bytes(target, k.asm), matrix_ops=len(MATRIX_OPS.findall(text)))
 
 
 def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:

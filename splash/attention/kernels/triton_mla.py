@@ -4,9 +4,10 @@ Kernel 1 (`mla_split`), grid (query rows, head blocks, splits): each program tak
 prefill-chunk row alike: its position decides what it sees) and a block of heads, walks its split of the row's
 held tokens in blocks of BLOCK_N — token t of the request here is offset t % page of page t // page, looked up
 in the page table in place — loads and dequantises the latent (fp32; bf16; fp8 e4m3 and int8 × their per-token
-per-128-group fp32 scales) and the rope key, scores q_lat·c + q_rope·k_rope, masks keys past the query's
-position (and CP's pages by their logical block), and keeps an online softmax; it writes the split's normalised
-partial õ and natural-log LSE. Kernel 2 (`mla_merge`), grid (rows, heads), merges the splits exactly.
+per-128-group fp32 scales) and the rope key (fp32, bf16, or e4m3 at one per-tensor scale), scores
+q_lat·c + q_rope·k_rope, masks keys past the query's position (and CP's pages by their logical block), and keeps
+an online softmax; it writes the split's normalised partial õ and natural-log LSE.
+Kernel 2 (`mla_merge`), grid (rows, heads), merges the splits exactly.
 - Matrix units: over a bf16 / fp8 / int8 pool both products take bf16 operands (queries, dequantised keys,
   probabilities) with fp32 accumulation, so they compile to mma / wgmma (NVIDIA) and MFMA (AMD); an fp32 pool
   keeps exact fp32 products (CPU checks). Tolerance against the fp32 reference: that of bf16 GEMM inputs
@@ -69,7 +70,8 @@ def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_R
                DC: tl.constexpr, DR: tl.constexpr, BDC: tl.constexpr, BDR: tl.constexpr, BH: tl.constexpr,
                BN: tl.constexpr, PAGE: tl.constexpr, GROUPS: tl.constexpr, FMT: tl.constexpr,
                ROPE_BF16: tl.constexpr, HAS_ROPE: tl.constexpr, NSPLIT: tl.constexpr, DOT_BF16: tl.constexpr,
-               GW: tl.constexpr, EMULATED: tl.constexpr, ROW_C: tl.constexpr, ROW_R: tl.constexpr):
+               GW: tl.constexpr, EMULATED: tl.constexpr, ROW_C: tl.constexpr, ROW_R: tl.constexpr,
+               ROPE_FP8: tl.constexpr, ROPE_SCALE: tl.constexpr):
     # ROW_C / ROW_R: elements between consecutive tokens of the latent / rope pool (d_c / d_r, or d_c + d_r
     # for both when the layer's pool is fused: splash.kv.paged_cache.FUSED_DTYPES)
     # int64 row/slot arithmetic: rows × heads × d_c and pages × page × d_c pass 2^31 at serving sizes
@@ -127,6 +129,8 @@ def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_R
             kr = tl.load(KPE + slot[:, None] * ROW_R + offs_r[None, :], mask=rmask, other=0)
             if ROPE_BF16:
                 kr = kr.to(tl.bfloat16, bitcast=True)
+            if ROPE_FP8:   # e4m3 at one per-tensor scale (splash.kv.quant.ROPE_FP8_SCALE)
+                kr = kr.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ROPE_SCALE
             sc += _dot(qr, tl.trans(kr.to(qr.dtype)), DOT_BF16, EMULATED)
         sc = tl.where(valid[None, :], sc * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -217,9 +221,11 @@ class TritonMLAKernel:
         ckv = cache.ckv[layer]
         ckv = {1: ckv.view(torch.int16), 2: ckv.view(torch.uint8)}.get(fmt, ckv)
         kpe = cache.kpe[layer] if dr else torch.zeros(1, device=dev)
-        rope_bf16 = kpe.dtype == torch.bfloat16
+        rope_bf16, rope_fp8 = kpe.dtype == torch.bfloat16, kpe.dtype == quant.ROPE_FP8
         if rope_bf16:
             kpe = kpe.view(torch.int16)
+        elif rope_fp8:
+            kpe = kpe.view(torch.uint8)
         scale = cache.scale[layer] if cache.scale[layer] is not None else torch.zeros(1, device=dev)
         qdt = torch.float32 if fmt == 0 else torch.bfloat16   # the operand dtype: what the AOT check compiles
         ql = q_latent.to(qdt).contiguous()
@@ -237,7 +243,7 @@ class TritonMLAKernel:
             DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
             GROUPS=quant.num_groups(dc), FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=S,
             DOT_BF16=fmt != 0, GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, ROW_C=ckv.stride(1),
-            ROW_R=kpe.stride(1) if dr else 1, num_warps=warps)
+            ROW_R=kpe.stride(1) if dr else 1, ROPE_FP8=rope_fp8, ROPE_SCALE=quant.ROPE_FP8_SCALE, num_warps=warps)
         if S > 1:
             mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=pow2(dc, 1), NSPLIT=S, BS=pow2(S, 1))
         return o, lse
