@@ -8,6 +8,8 @@ argv: model_dir mode [directions]
       run must have hit. Pools end with every request's blocks released (cached blocks only).
   mode "pressure": a pool too small for the batch (preemption + eviction + n samples + switches every few steps);
       same check.
+With a hybrid model (glm5_next) hits resume the KDA layers from state snapshots; every rank's snapshots must match
+rank 0's record of them at the end.
 """
 from __future__ import annotations
 
@@ -71,7 +73,27 @@ def run(model_dir: str, src: str, switches: dict[int, str], cache: bool, work=wo
     bm = llm.engine.runner.bm
     assert not bm.requests(), f"rank {llm.comm.rank}: blocks still held by {bm.requests()}"
     assert bm.num_free + bm.num_evictable == bm.num_blocks, "a block leaked"
+    check_snapshots(llm)
     return toks, stats
+
+
+def check_snapshots(llm: LLM) -> None:
+    """A hybrid model's ranks keep exactly the KDA state snapshots rank 0's ledger records (plus those its last
+    step dropped, which no later message carried), never more than its bound, and no request's state."""
+    states, me = llm.engine.runner.states, llm.comm.rank
+    if states is None:
+        return
+    snaps = llm.engine.ledger.snapshots
+    mine = ([list(d) for d in snaps.held], snaps.drops, snaps.per_rank) if me == 0 and snaps is not None else None
+    mirror = llm.comm.broadcast_obj(mine)
+    assert not states.states, f"rank {me}: KDA state left for {sorted(states.states)}"
+    if mirror is None:
+        assert not states.snapshots, f"rank {me}: snapshots kept with the prefix cache off"
+        return
+    held, drops, bound = mirror
+    have = set(states.snapshots)
+    assert set(held[me]) <= have <= set(held[me]) | set(drops[me]), (me, have, held[me], drops[me])
+    assert len(held[me]) <= bound, (me, len(held[me]), bound)
 
 
 def main() -> None:
