@@ -156,3 +156,14 @@ def test_a_hit_never_resumes_from_a_snapshot_of_other_tokens():
     ref = Request("ref", a[:8], 0)
     assert rid == "c" and list(hashes) == [ref.block_hash(0, BS), ref.block_hash(1, BS)]
     assert hashes[-1] in led.snapshots.held[0]
+
+
+def test_a_prompt_parting_from_cached_ones_is_snapshotted_where_it_parts():
+    s = StateSnapshots(1, BS, "tp", 8)
+    cached = {100, 101, 102}.__contains__             # blocks 0-2 of a shared system prompt are cached
+    hash_of = {0: 100, 1: 101, 2: 102, 3: 203, 4: 204, 5: 205}.__getitem__
+    assert s.junction(0, 23, 23, hash_of, cached) == 2
+    assert s.junction(0, 8, 23, hash_of, cached) is None      # the run goes on past this chunk
+    assert s.junction(8, 23, 23, hash_of, cached) == 2
+    assert s.junction(12, 23, 23, hash_of, cached) is None    # started past it (a hit)
+    assert [b for _, b, _ in s.plan([("a", 0, 23, 0, 23, hash_of)], cached)] == [2, 4]

@@ -195,7 +195,7 @@ class Engine:
         reqs, bs = self.scheduler.requests, self.ledger.block_size
         pieces = [(it.req_id, it.start_pos, it.start_pos + len(it.tokens), it.owner, len(reqs[it.req_id].prompt),
                    lambda b, q=reqs[it.req_id]: q.block_hash(b, bs)) for it in plan.items]
-        take = snaps.plan(pieces)
+        take = snaps.plan(pieces, self.ledger.cached_anywhere)
         return tuple(map(tuple, snaps.take_drops())), tuple(take)
 
     def _sample(self, logits: torch.Tensor, rids: list[str]):

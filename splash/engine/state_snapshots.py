@@ -7,11 +7,12 @@ holds a Mamba state) do, a copy of a request's state — a snapshot — is taken
 the prefix hash of the full block that ends there; a hit is cut back to the last of its blocks that has a snapshot.
 The hash covers every token up to the boundary, so a snapshot is the state of exactly the tokens a hit skips.
 
-Where (bounded, at most two per request while it runs): the last full block a later request with the same prompt
-could hit (the block before the one of the prompt's last token: an n-sample or a repeated prompt resumes there),
-and, past that, every block boundary the request crosses, keeping only its latest (the next turn of a conversation
-resends this one's tokens and resumes at its last full block) — the previous one of the request goes when it takes a
-newer. Who holds one: the ranks that run the request's KDA layers (`state_holders`: a head slice on every rank in TP
+Where (bounded, at most three per request while it runs): the last full block a later request with the same prompt
+could hit (the block before the one of the prompt's last token: an n-sample or a repeated prompt resumes there);
+the end of the run of its prompt's leading blocks that are cached already, where it parts from earlier prompts (a
+shared system prompt: later requests sharing only that part resume there); and, past the prompt's boundary, every
+block boundary the request crosses, keeping only its latest (the next turn of a conversation resends this one's tokens
+and resumes at its last full block) — the previous one of the request goes when it takes a newer. Who holds one: the ranks that run the request's KDA layers (`state_holders`: a head slice on every rank in TP
 and DOP, the whole state on the owner in DP-attn and the CP anchor), each a slot out of `per_rank` — the group's
 `slots` counted per rank as splash.layouts.memory counts KDA states, inside the KV budget. A full rank gives up its
 least recently used snapshot, never one taken in the same step.
@@ -95,15 +96,29 @@ class StateSnapshots:
             self.latest[req] = h
         return True
 
-    def plan(self, pieces) -> list[tuple[str, int, int]]:
+    def junction(self, start: int, end: int, prompt_len: int, hash_of, cached) -> int | None:
+        """The block a prefill piece [start, end) ends that is the last of a run of cached blocks (`cached(hash)`)
+        the next block leaves — where the request's prompt parts from prompts seen before (a shared system prompt): a
+        snapshot there lets later requests sharing only that part resume after it (vLLM's shared-prefix checkpoint).
+        Only within the blocks a repeat could hit (before the prompt's last token's block)."""
+        bs = self.block_size
+        hit = (prompt_len - 1) // bs                   # blocks a repeat could hit
+        for b in range(start // bs, min(end // bs, hit)):   # blocks ending inside the piece
+            if (b + 1) * bs > start and cached(hash_of(b)) and (b + 1 == hit or not cached(hash_of(b + 1))):
+                return b
+        return None
+
+    def plan(self, pieces, cached=lambda h: False) -> list[tuple[str, int, int]]:
         """The step's snapshots [(req, block, hash)] for its pieces [(req, start, end, owner, prompt_len,
-        hash_of_block)], in piece order."""
+        hash_of_block)], in piece order: `points`, and the `junction` of a prompt with the blocks `cached` names."""
         out = []
         for req, start, end, owner, plen, hash_of in pieces:
             first = (plen - 1) // self.block_size - 1
-            for b in self.points(start, end, plen):
+            points = self.points(start, end, plen)
+            j = self.junction(start, end, plen, hash_of, cached) if end - start > 1 else None
+            for b in sorted({*points, *([] if j is None else [j])}):
                 h = hash_of(b)
-                if self.take(req, h, owner, latest=b != first):
+                if self.take(req, h, owner, latest=b in points and b != first):
                     out.append((req, b, h))
         return out
 
