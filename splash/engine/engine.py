@@ -316,6 +316,7 @@ class Engine:
             mine = [(i, h) for i, h in enumerate(hashes) if me in block_holders(r.layout, i, owner, world)]
             if mine:
                 r.attach(rid, mine)
+            # (no hit comes with a switch: the ledger forgets the cache at it, so r.layout is the step's layout)
             if r.states is not None and me in state_holders(r.layout, owner, world):
                 r.states.restore(rid, hashes[-1])
         if r.states is not None:

@@ -154,6 +154,3 @@ class StateSnapshots:
     def take_drops(self) -> list[list[int]]:
         out, self.drops = self.drops, [[] for _ in range(self.world)]
         return out
-
-    def held_per_rank(self) -> list[int]:
-        return [len(d) for d in self.held]
