@@ -6,8 +6,8 @@ argv: model_dir mode [directions]
       conversation and n samples of one prompt), the layout switches live to dst part way through, and later
       arrivals find the earlier ones' blocks cached; the greedy tokens of both runs must be equal and the cached
       run must have hit. Pools end with every request's blocks released (cached blocks only).
-  mode "pressure": a pool too small for the batch (preemption + eviction + n samples + switches every few steps);
-      same check.
+  mode "pressure" [max_num_seqs]: a pool too small for the batch (preemption + eviction + n samples + switches every
+      few steps); same check.
 With a hybrid model (glm5_next) hits resume the KDA layers from state snapshots; every rank's snapshots must match
 rank 0's record of them at the end.
 """
@@ -112,8 +112,10 @@ def main() -> None:
                 print(f"rank 0: {d} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
     elif mode == "pressure":
         seq = {25: "dop", 40: "cp", 55: "tp"}
-        on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64)
-        off, st_off = run(model_dir, "tp", seq, False, long_outputs, num_kv_blocks=64)
+        # argv[3]: max_num_seqs (a hybrid model keeps as many KDA state snapshots: a few make them compete too)
+        kw = {"max_num_seqs": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+        on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64, **kw)
+        off, st_off = run(model_dir, "tp", seq, False, long_outputs, num_kv_blocks=64, **kw)
         if on is not None:
             assert on == off, f"tokens differ with the prefix cache under pressure\n{on}\n{off}"
             assert st[0] > 0 and st[2] + st_off[2] > 0 and st[3] >= 2, (st, st_off)

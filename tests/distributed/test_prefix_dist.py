@@ -61,4 +61,5 @@ def test_glm5_next_resumes_kda_state_from_snapshots(models):
 
 
 def test_glm5_next_four_ranks_under_pressure(models):
-    _ok(run_mpi(4, WORKER, models("glm5_next"), "pressure", timeout=600), 1)
+    # max_num_seqs 5: as many KDA state snapshots, so they are evicted for room as well as with their blocks
+    _ok(run_mpi(4, WORKER, models("glm5_next"), "pressure", "5", timeout=600), 1)
