@@ -65,8 +65,9 @@ def test_greedy_matches_hf_generate(variant, glm5, comm):
     llm = LLM(str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=4, comm=comm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == ref
-    bm = llm.runner.bm
-    assert bm.num_free == bm.num_blocks and not llm.runner.states.requests()
+    bm = llm.runner.bm   # (the prefix cache is on: blocks no request holds may stay cached)
+    assert not bm.requests() and bm.num_free + bm.num_evictable == bm.num_blocks
+    assert not llm.runner.states.requests()
 
 
 def test_config_fields(glm5):
@@ -170,6 +171,31 @@ def test_memory_model_counts_state(glm5, comm):
     blk = kv_block_bytes(cfg, "float32", 4)
     assert plain.blocks_per_rank - held.blocks_per_rank == -(-16 * recurrent_state_bytes(cfg, "dop", 2) // blk) \
         or plain.blocks_per_rank - held.blocks_per_rank == 16 * recurrent_state_bytes(cfg, "dop", 2) // blk
+
+
+def test_state_snapshot_is_the_state_of_its_tokens(glm5, comm):
+    """A prefix-cache snapshot taken inside a prefill piece is the KDA state of exactly the tokens before its
+    boundary (what a later request computing only those tokens holds), is restored as a copy, goes when dropped, and
+    the budget reserves one slot per running request for snapshots when the cache is on."""
+    from splash.engine.llm import hybrid_states
+    from splash.layouts.memory import recurrent_state_bytes
+
+    cfg, get = open_checkpoint(glm5("topk_low")[0])
+    runner = ModelRunner(cfg, get, comm, "tp", "float32", 4, 64)
+    prompt = random_prompts([13], seed=3)[0]
+    runner.states.plan_snapshots([("a", 8, 77)])
+    runner.step(StepBatch.build([StepRequest("a", 0, 13)], [prompt], [True]))
+    runner.states.plan_snapshots([])
+    runner.step(StepBatch.build([StepRequest("b", 0, 8)], [prompt[:8]], [True]))
+    torch.testing.assert_close(runner.states.snapshots[77], runner.states.get("b"), rtol=1e-5, atol=1e-6)
+    assert runner.states.snapshot_bytes() == recurrent_state_bytes(cfg, "tp", 1)
+    runner.states.restore("c", 77)
+    runner.states.get("c").zero_()
+    assert runner.states.snapshots[77].abs().sum() > 0          # the request's copy, not the snapshot itself
+    runner.states.drop_snapshots([77])
+    with pytest.raises(KeyError, match="no KDA state snapshot"):
+        runner.states.restore("d", 77)
+    assert hybrid_states(cfg, 16, True) == 32 and hybrid_states(cfg, 16, False) == 16
 
 
 def _prefill(path, comm, quantization=None, layout="tp"):

@@ -54,6 +54,8 @@ class HybridAttention:
             spans.append(range(at, at + q.num_new))
             at += q.num_new
         self.reqs, self.spans = reqs, spans
+        # prefix-cache snapshots this rank takes (its KDA rows cross a planned block boundary): (row offset, hash)
+        self.snap_at = [r.states.boundaries(q.req_id, q.start_pos, q.start_pos + q.num_new) for q in reqs]
         self.rows = None if sharded else self.g.rows_mine
         self.states_ready = False
 
@@ -92,10 +94,13 @@ class HybridAttention:
             self._ensure_states()
         xs = x if self.rows is None else x[self.rows]
         states = [r.states.get(q.req_id)[li] for q in self.reqs]
-        out, new = kda_forward(r.weights.layers[layer].attn, xs, self.spans, states, cfg.rms_norm_eps,
-                               cfg.hybrid.linear_lower_bound)
+        out, new, taken = kda_forward(r.weights.layers[layer].attn, xs, self.spans, states, cfg.rms_norm_eps,
+                                      cfg.hybrid.linear_lower_bound, [[c for c, _ in b] for b in self.snap_at])
         for st, s in zip(states, new):
             st.copy_(s)
+        for points, got in zip(self.snap_at, taken):
+            for (_, h), s in zip(points, got):
+                r.states.keep(h, li, s)
         return self._reduce(out) if self.rows is None else self._gather(out)
 
     # ---- MLA-DSA ---------------------------------------------------------------------------------------------

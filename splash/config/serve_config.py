@@ -121,7 +121,7 @@ class CacheSection(_Section):
     gpu_memory_utilization: float = _f(0.85, gt=0.0, max=1.0)
     kv_cache_memory_bytes: int | None = _f(None, min=1, size=True)  # explicit per-rank KV budget
     num_kv_blocks: int | None = _f(None, min=1)  # overrides both budgets when set
-    enable_prefix_caching: bool = True           # reuse cached KV blocks of shared prefixes (not for glm5_next yet)
+    enable_prefix_caching: bool = True           # reuse cached KV blocks of shared prefixes (glm5_next: + KDA state)
 
     def __post_init__(self) -> None:
         per_layout = self.layout_kv_dtypes

@@ -22,8 +22,8 @@ from splash.engine.messages import EngineRequest, StepMessage, StopMessage, Swit
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
+from splash.engine.state_snapshots import state_holders
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
-from splash.models.family import describe
 
 _log = logging.getLogger("splash.engine")
 
@@ -55,6 +55,7 @@ class Engine:
         kv_tokens = min(self.ledger.cap(a) for a in allowed_layouts) * runner.block_size
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
+        self.max_num_seqs = max_num_seqs
         self.set_prefix_caching(enable_prefix_caching)
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, _PromptLogprobs] = {}
@@ -96,9 +97,16 @@ class Engine:
         return req_id
 
     def set_prefix_caching(self, on: bool) -> None:
-        """Turn the prefix cache on or off (before the first request); a hybrid (glm5_next) model keeps it off: a hit
-        would need its KDA state at the block boundary, which is not kept yet."""
-        self.ledger.prefix = bool(on) and describe(self.runner.cfg).prefix_caching
+        """Turn the prefix cache on or off (before the first request). A hybrid (glm5_next) model also keeps
+        snapshots of its KDA state at block boundaries (splash.engine.state_snapshots), as many as
+        splash.layouts.memory.state_snapshot_slots reserves in the budget."""
+        from splash.engine.state_snapshots import StateSnapshots
+        from splash.layouts.memory import state_snapshot_slots
+
+        led, cfg = self.ledger, self.runner.cfg
+        led.prefix = bool(on)
+        slots = state_snapshot_slots(cfg, self.max_num_seqs, led.prefix)
+        led.snapshots = StateSnapshots(led.world, led.block_size, led.layout, slots) if slots else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache); -> how many, over the ranks. The
@@ -168,7 +176,8 @@ class Engine:
             # blocks, idle now, go where the plan says)
             gone = set(plan.release)
             switch = replace(switch, reqs={rid: v for rid, v in switch.reqs.items() if rid not in gone})
-        msg = replace(plan, switch=switch, logits=tuple(self._prompt_logit_items(plan)))
+        unsnap, snaps = self._plan_snapshots(plan)
+        msg = replace(plan, switch=switch, logits=tuple(self._prompt_logit_items(plan)), unsnap=unsnap, snapshot=snaps)
         self.comm.broadcast_obj(msg)
         t0 = time.perf_counter()
         logits = self._execute(msg)
@@ -186,6 +195,8 @@ class Engine:
         reqs = self.scheduler.requests
         cached = [reqs[rid].cached_prompt_tokens if rid in reqs else 0 for rid in rids]
         done = {r.req_id: r.finish_reason for r in self.scheduler.update(plan, sampled)}
+        if self.ledger.snapshots is not None:
+            self.ledger.snapshots.settle(self.ledger.cached_anywhere, self.ledger.reqs)
         events = [TokenEvent(rid, tok, done.get(rid), lp, self._deliver_prompt_logprobs(rid), c)
                   for rid, tok, lp, c in zip(rids, toks, lps, cached)]
         for rid in done:
@@ -193,6 +204,17 @@ class Engine:
         for rid, _ in self.failed:
             self.abort(rid)   # its KV is released at the next step, like any abort
         return events
+
+    def _plan_snapshots(self, plan) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, int, int], ...]]:
+        """(per rank the KDA state snapshots to drop, the step's snapshots to take) of a hybrid model's cache."""
+        snaps = self.ledger.snapshots
+        if snaps is None:
+            return (), ()
+        reqs, bs = self.scheduler.requests, self.ledger.block_size
+        pieces = [(it.req_id, it.start_pos, it.start_pos + len(it.tokens), it.owner, len(reqs[it.req_id].prompt),
+                   lambda b, q=reqs[it.req_id]: q.block_hash(b, bs)) for it in plan.items]
+        take = snaps.plan(pieces, self.ledger.cached_anywhere)
+        return tuple(map(tuple, snaps.take_drops())), tuple(take)
 
     def _sample(self, logits: torch.Tensor, rids: list[str]):
         """(req ids, tokens, logprobs) of the rows that could be sampled: all rows at once
@@ -294,8 +316,10 @@ class Engine:
     def _apply_cache_before(self, msg: StepMessage, switch=None) -> None:
         """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
         become cached, released requests drop theirs, a switch hands off its blocks (cached ones kept, moved or
-        dropped as its manifest says), evictions free blocks, and requests starting
-        on cached blocks take them (those this rank holds in the layout the step runs in)."""
+        dropped as its manifest says; a hybrid model's KDA state snapshots are dropped), evictions free blocks, and
+        requests starting on cached blocks take them (those this rank holds in the layout the step runs in) and, for
+        a hybrid model, their KDA state from the snapshot at the end of those blocks (where this rank holds it), then
+        dropped snapshots go and the step's snapshots to take are noted."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
         for rid, b, h in msg.register:
             if b in r.bm.table(rid):
@@ -304,12 +328,22 @@ class Engine:
             r.release(rid)
         if switch is not None:
             r.adopt(switch.begin())   # the attaches below place blocks as the destination layout holds them
+            if r.states is not None:
+                r.states.clear_snapshots()
         if msg.evict:
             r.bm.evict(list(msg.evict[me]))
         for rid, owner, hashes in msg.attach:
             mine = [(i, h) for i, h in enumerate(hashes) if me in block_holders(r.layout, i, owner, world)]
             if mine:
                 r.attach(rid, mine)
+            # (no hit comes with a switch: the ledger forgets the cache at it, so r.layout is the step's layout)
+            if r.states is not None and me in state_holders(r.layout, owner, world):
+                r.states.restore(rid, hashes[-1])
+        if r.states is not None:
+            if msg.unsnap:
+                r.states.drop_snapshots(msg.unsnap[me])
+            bs = r.block_size
+            r.states.plan_snapshots([(rid, (b + 1) * bs, h) for rid, b, h in msg.snapshot])
 
     def _local_weight_bytes(self) -> int:
         from splash.models.weights import resident_bytes

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from splash.layouts.layout import KV_POSITION, kv_ownership_of
+from splash.engine.state_snapshots import StateSnapshots
 from splash.layouts.ownership import block_holders, blocks_held
 
 
@@ -39,6 +40,7 @@ class KVLedger:
     final: dict[str, int] = field(default_factory=dict)       # req -> tokens it may reach (prompt + max_tokens)
     prefix: bool = False                                      # the prefix cache is on
     shared: dict[str, list[int]] = field(default_factory=dict)   # req -> hashes of its leading cached blocks
+    snapshots: StateSnapshots | None = None   # a hybrid model's KDA state snapshots (a hit must end at one)
 
     def __post_init__(self) -> None:
         self.used = [0] * self.world
@@ -145,15 +147,19 @@ class KVLedger:
     # ---- prefix cache (rank 0's mirror of every rank's) --------------------------------------------------------
     def lookup(self, hashes: list[int], owner: int) -> tuple[int, list[int]]:
         """How many leading blocks of `hashes` are cached where a request with `owner` would hold them, and per rank
-        how many of those are evictable now (taking them puts them back in use)."""
+        how many of those are evictable now (taking them puts them back in use). With KDA state snapshots the run
+        ends at its last block that has one where the request would run."""
+        k = 0
+        while k < len(hashes) and all(hashes[k] in self.refs[r] for r in self.holders(k, owner)):
+            k += 1
+        snaps = self.snapshots
+        while snaps is not None and k and not snaps.usable(hashes[k - 1], owner):
+            k -= 1
         revive = [0] * self.world
-        for i, h in enumerate(hashes):
-            holders = self.holders(i, owner)
-            if any(h not in self.refs[r] for r in holders):
-                return i, revive
-            for r in holders:
-                revive[r] += not self.refs[r][h]
-        return len(hashes), revive
+        for i in range(k):
+            for r in self.holders(i, owner):
+                revive[r] += not self.refs[r][hashes[i]]
+        return k, revive
 
     def attach(self, req: str, owner: int, hashes: list[int], final: int | None = None) -> None:
         """A new request starts on the cached blocks `hashes` (its first len(hashes) blocks), by reference."""
@@ -161,6 +167,8 @@ class KVLedger:
         if final is not None:
             self.final[req] = final
         self.shared[req] = list(hashes)
+        if self.snapshots is not None and hashes:
+            self.snapshots.touch(hashes[-1], owner)
         for i, h in enumerate(hashes):
             self.block_of[h] = i
             for r in self.holders(i, owner):
@@ -199,7 +207,16 @@ class KVLedger:
                 gone.append(h)
                 n -= 1
             out.append(gone)
+        self._snapshots_gone(out)
         return out
+
+    def _snapshots_gone(self, evicted: list[list[int]]) -> None:
+        if self.snapshots is not None:
+            self.snapshots.blocks_gone([h for gone in evicted for h in gone], self.cached_anywhere)
+
+    def cached_anywhere(self, h: int) -> bool:
+        """Some rank's prefix cache names `h`."""
+        return any(h in refs for refs in self.refs)
 
     def evict_unused(self) -> list[list[int]]:
         """Every evictable block on every rank (POST /reset_prefix_cache), forgotten here; blocks requests use stay."""
@@ -209,6 +226,7 @@ class KVLedger:
             for h in out[-1]:
                 del self.refs[r][h]
             self.lru[r].clear()
+        self._snapshots_gone(out)
         return out
 
     def cached_blocks(self) -> list[int]:
@@ -273,6 +291,8 @@ class KVLedger:
     def relayout(self, layout: str, owners: dict[str, int] | None = None, manifest=None) -> None:
         """Mirror a switch to `layout` (with the new owners). With the switch's `manifest` (the prefix cache on), the
         cache survives as the manifest plans it; without, it is forgotten (the ranks clear theirs too)."""
+        if self.snapshots is not None:   # KDA state snapshots do not travel: a hit after the switch starts anew
+            self.snapshots.relayout(layout)
         if manifest is None or not self.prefix:
             self._clear_cache()
             self.used = self.usage_under(layout, owners)

@@ -78,8 +78,8 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     the projections spends the difference on them, so it holds that many fewer blocks. The count comes from
     the one capacity model, ``splash.layouts.memory.kv_capacity_tokens``, given the memory of a rank holding
     that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
-    pool is the largest entry. Hybrid (glm5_next) models also keep KDA state for `state_requests` requests
-    (max_num_seqs) inside the same budget (splash.layouts.memory.recurrent_state_bytes)."""
+    pool is the largest entry. Hybrid (glm5_next) models also keep `state_requests` KDA states (`hybrid_states`:
+    running requests' and prefix-cache snapshots) inside the same budget (splash.layouts.memory.recurrent_state_bytes)."""
     from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
     block = block_bytes(cfg, kv_dtype, block_size)
@@ -89,6 +89,14 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     return {lay: kv_capacity_tokens(cfg, lay, world, rank_bytes, weight_bytes, kv_dtype, block_size,
                                     weight_quant=weight_quant, state_requests=state_requests).blocks_per_rank
             for lay in usable}
+
+
+def hybrid_states(cfg, max_num_seqs: int, prefix_caching: bool) -> int:
+    """KDA states a hybrid model's budget holds: every running request's, and the prefix cache's snapshots."""
+    from splash.layouts.memory import state_snapshot_slots
+    if not describe(cfg).recurrent:
+        return 0
+    return max_num_seqs + state_snapshot_slots(cfg, max_num_seqs, prefix_caching)
 
 
 class LLM:
@@ -121,7 +129,7 @@ class LLM:
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
             torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization,
-            state_requests=max_num_seqs if describe(cfg).recurrent else 0)
+            state_requests=hybrid_states(cfg, max_num_seqs, enable_prefix_caching))
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
                                   layout_kv_dtypes, attention_backend, device=device)

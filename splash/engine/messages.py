@@ -76,6 +76,10 @@ class StepMessage:
     register: tuple[tuple[str, int, int], ...] = ()         # (req, block, hash): blocks the last step filled
     evict: tuple[tuple[int, ...], ...] = ()                  # per rank: cached blocks to free
     attach: tuple[tuple[str, int, tuple[int, ...]], ...] = ()   # (req, owner, hashes): cached blocks it starts on
+    # KDA state snapshots of a hybrid model (splash.engine.state_snapshots): dropped per rank after the attaches,
+    # taken during the step (the state of `req` at the end of its block `block`, named by that block's hash)
+    unsnap: tuple[tuple[int, ...], ...] = ()                 # per rank: snapshots to drop
+    snapshot: tuple[tuple[str, int, int], ...] = ()          # (req, block, hash)
 
 
 @dataclass(frozen=True)

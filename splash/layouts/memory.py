@@ -106,6 +106,19 @@ def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) ->
     return 4 * heads * hy.state_floats_per_head() * len(hy.linear_layers())
 
 
+def states_per_rank(layout: Layout | str, states: int, world: int) -> int:
+    """KDA states a rank keeps when the group keeps `states` of them (running requests' states, or prefix-cache
+    snapshots): a head slice of each on every rank where projections are sharded (TP, DOP), each whole on one
+    rank — ⌈states / world⌉ per rank when balanced — where the request's owner runs it (DP-attn, CP)."""
+    return states if parse_layout(layout).shards_projections else -(-states // world)
+
+
+def state_snapshot_slots(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool) -> int:
+    """Prefix-cache snapshots of KDA state the group keeps (splash.engine.state_snapshots): as many as running
+    requests, so a hybrid model with the cache on reserves twice the state; 0 without KDA layers or the cache."""
+    return max_num_seqs if cfg.hybrid is not None and prefix_caching else 0
+
+
 def state_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int,
                          owners: Mapping[str, int | None]) -> tuple[int, ...]:
     """Per-rank KDA state of the requests `owners` (request -> owner / CP anchor rank) in `layout`."""
@@ -284,12 +297,11 @@ def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budge
     """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget.
 
     TP stores every token on every rank, so its distinct capacity equals one rank's; DP-attn, CP and DOP store
-    each block once, so theirs is world × per-rank blocks. ``state_requests``: KDA state kept for that many
-    requests in the group (hybrid models): a head slice of each on every rank (TP, DOP), or each in full on
-    its owner, ⌈state_requests / world⌉ per rank when balanced (DP-attn, CP).
+    each block once, so theirs is world × per-rank blocks. ``state_requests``: KDA states kept in the group
+    (hybrid models: running requests' and prefix-cache snapshots), per rank as `states_per_rank` counts them.
     """
     layout = parse_layout(layout)
-    per_rank_reqs = state_requests if layout.shards_projections else -(-state_requests // world)
+    per_rank_reqs = states_per_rank(layout, state_requests, world)
     fixed = (common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
              + projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant) + scratch_bytes
              + reserve_bytes + per_rank_reqs * recurrent_state_bytes(cfg, layout, world))

@@ -22,11 +22,11 @@ class ModelFamily:
     state_rows: Mapping[int, int]   # model layer -> recurrent-state row, for every layer holding per-request state
     attention_heads: int            # MLA heads (Q-B / KV-B / O shard by these)
     linear_heads: int = 0           # KDA heads (their projections and state shard by these); 0: no KDA layers
-    prefix_caching: bool = True     # a prefix-cache hit can reuse KV blocks alone (no recurrent state to rebuild)
 
     @property
     def recurrent(self) -> bool:
-        """Some layer keeps per-request recurrent state (it moves per request in a switch, no prefix reuse)."""
+        """Some layer keeps per-request recurrent state (it moves per request in a switch; a prefix-cache hit resumes
+        it from a snapshot, splash.engine.state_snapshots)."""
         return bool(self.state_rows)
 
     @property
@@ -52,4 +52,4 @@ def describe(cfg: ModelConfig) -> ModelFamily:
     mla = [i for i in layers if not cfg.is_linear_layer(i)]
     lin = [i for i in layers if cfg.is_linear_layer(i)]
     return ModelFamily("hybrid", {l: j for j, l in enumerate(mla)}, {l: j for j, l in enumerate(lin)},
-                       cfg.num_attention_heads, cfg.hybrid.linear_num_heads, prefix_caching=False)
+                       cfg.num_attention_heads, cfg.hybrid.linear_num_heads)

@@ -199,12 +199,22 @@ def kda_rows(w: KDAWeights, x: torch.Tensor, state: torch.Tensor, eps: float,
 
 
 def kda_forward(w: KDAWeights, x: torch.Tensor, spans: list[range], states: list[torch.Tensor], eps: float,
-                lower_bound: float | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                lower_bound: float | None, cuts: list[list[int]] | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
     """Rows x [N, hidden] grouped into per-request `spans` with their states -> (this rank's partial O output
-    [N, hidden], new states in span order)."""
+    [N, hidden], new states in span order, per span its states after each of `cuts[i]` rows — increasing offsets
+    in (0, len(span)], prefix-cache snapshots; the recurrence is run in pieces split there)."""
     pre = torch.empty(x.shape[0], w.num_heads * w.head_dim, dtype=x.dtype, device=x.device)
-    new = []
-    for rr, st in zip(spans, states):
-        pre[rr.start:rr.stop], s = kda_rows(w, x[rr.start:rr.stop], st, eps, lower_bound)
-        new.append(s)
-    return linear(pre, w.o), new
+    new, taken = [], []
+    for i, (rr, st) in enumerate(zip(spans, states)):
+        got, at = [], rr.start
+        for c in (cuts[i] if cuts else ()):
+            if rr.start + c > at:
+                pre[at:rr.start + c], st = kda_rows(w, x[at:rr.start + c], st, eps, lower_bound)
+                at = rr.start + c
+            got.append(st)
+        if rr.stop > at:
+            pre[at:rr.stop], st = kda_rows(w, x[at:rr.stop], st, eps, lower_bound)
+        new.append(st)
+        taken.append(got)
+    return linear(pre, w.o), new, taken

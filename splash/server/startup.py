@@ -206,7 +206,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``); tensors live on
     `backend`'s device (cpu without one)."""
     from splash.engine.engine import Engine
-    from splash.engine.llm import DTYPES, kv_blocks_per_layout, load_model, pool_kv_dtype
+    from splash.engine.llm import DTYPES, hybrid_states, kv_blocks_per_layout, load_model, pool_kv_dtype
     from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
     from splash.models.weights import expected_shapes
 
@@ -225,7 +225,8 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
         mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size,
         kv_budget_bytes(cfg, mcfg, comm.size, backend, torch.finfo(dtype).bits // 8), torch.finfo(dtype).bits // 8,
-        weight_quant=cfg.model.quantization or mcfg.quantization)
+        weight_quant=cfg.model.quantization or mcfg.quantization,
+        state_requests=hybrid_states(mcfg, cfg.scheduler.max_num_seqs, c.enable_prefix_caching))
     blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")

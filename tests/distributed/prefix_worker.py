@@ -6,8 +6,8 @@ argv: model_dir mode [directions]
       conversation and n samples of one prompt), the layout switches live to dst part way through, and later
       arrivals find the earlier ones' blocks cached; the greedy tokens of both runs must be equal and the cached
       run must have hit. Pools end with every request's blocks released (cached blocks only).
-  mode "pressure": a pool too small for the batch (preemption + eviction + n samples + switches every few steps);
-      same check.
+  mode "pressure" [max_num_seqs]: a pool too small for the batch (preemption + eviction + n samples + switches every
+      few steps); same check.
   mode "samples": 8 samples of one 37-token prompt sent together (4 greedy, 4 seeded random), in [layouts]: the
       same tokens with and without the cache, and with it the prompt is prefilled once — the other 7 samples find
       all its 9 full blocks (block size 4) cached, computing only their last token's block.
@@ -15,6 +15,8 @@ argv: model_dir mode [directions]
       with nothing running, and the same conversation's next turn arrives after the switch: it must start on the
       blocks the switch kept (kept-moved: the cost verdict forced to "send", so blocks that must travel are moved
       too), with the same greedy tokens as without the cache.
+With a hybrid model (glm5_next) hits resume the KDA layers from state snapshots; every rank's snapshots must match
+rank 0's record of them at the end.
 """
 from __future__ import annotations
 
@@ -98,7 +100,27 @@ def run(model_dir: str, src: str, switches: dict[int, str], cache: bool, work=wo
     bm = llm.engine.runner.bm
     assert not bm.requests(), f"rank {llm.comm.rank}: blocks still held by {bm.requests()}"
     assert bm.num_free + bm.num_evictable == bm.num_blocks, "a block leaked"
+    check_snapshots(llm)
     return toks, stats
+
+
+def check_snapshots(llm: LLM) -> None:
+    """A hybrid model's ranks keep exactly the KDA state snapshots rank 0's ledger records (plus those its last
+    step dropped, which no later message carried), never more than its bound, and no request's state."""
+    states, me = llm.engine.runner.states, llm.comm.rank
+    if states is None:
+        return
+    snaps = llm.engine.ledger.snapshots
+    mine = ([list(d) for d in snaps.held], snaps.drops, snaps.per_rank) if me == 0 and snaps is not None else None
+    mirror = llm.comm.broadcast_obj(mine)
+    assert not states.states, f"rank {me}: KDA state left for {sorted(states.states)}"
+    if mirror is None:
+        assert not states.snapshots, f"rank {me}: snapshots kept with the prefix cache off"
+        return
+    held, drops, bound = mirror
+    have = set(states.snapshots)
+    assert set(held[me]) <= have <= set(held[me]) | set(drops[me]), (me, have, held[me], drops[me])
+    assert len(held[me]) <= bound, (me, len(held[me]), bound)
 
 
 def main() -> None:
@@ -127,8 +149,10 @@ def main() -> None:
                 print(f"rank 0: {d} {mode} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
     elif mode == "pressure":
         seq = {25: "dop", 40: "cp", 55: "tp"}
-        on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64)
-        off, st_off = run(model_dir, "tp", seq, False, long_outputs, num_kv_blocks=64)
+        # argv[3]: max_num_seqs (a hybrid model keeps as many KDA state snapshots: a few make them compete too)
+        kw = {"max_num_seqs": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+        on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64, **kw)
+        off, st_off = run(model_dir, "tp", seq, False, long_outputs, num_kv_blocks=64, **kw)
         if on is not None:
             assert on == off, f"tokens differ with the prefix cache under pressure\n{on}\n{off}"
             assert st[0] > 0 and st[2] + st_off[2] > 0 and st[3] >= 2, (st, st_off)

@@ -2,7 +2,9 @@
 every layout and through live switches in all 12 directions, while later requests (multi-turn conversations, n
 samples of one prompt) start on cached blocks; under a pool so small that requests are preempted and cached blocks
 evicted, with switches every few steps; for DeepSeek-V3 (MoE, YaRN) and the DSA models (DeepSeek-V3.2, GLM-5.x:
-their indexer keys are cached with their blocks). Every rank ends holding no request's block and leaking none."""
+their indexer keys are cached with their blocks) and GLM-5.3-Flash (hybrid: a hit resumes its KDA layers from the state
+snapshot at the hit's end). Every rank ends holding no request's block and leaking none, and (hybrid) exactly the
+snapshots rank 0 records."""
 from __future__ import annotations
 
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
+from hf_glm5_next import make_tiny_glm5_next  # noqa: E402
 from hf_models import DSA_VARIANTS, VARIANTS, make_tiny_deepseek  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
@@ -24,7 +28,8 @@ def models(tmp_path_factory):
     def get(variant: str) -> Path:
         if variant not in cache:
             d = tmp_path_factory.mktemp(f"prefix_{variant}")
-            cache[variant] = make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant])
+            cache[variant] = (make_tiny_glm5_next(d / "model", **GLM_VARIANTS["topk_low"]) if variant == "glm5_next"
+                              else make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant]))
         return cache[variant]
     return get
 
@@ -60,3 +65,14 @@ def test_n_samples_sent_together_prefill_their_prompt_once(models):
     """n = 8 of one prompt at once (greedy and seeded): the same tokens with and without the cache, and one prefill
     (TP, and CP, whose anchor the cached prefix decides)."""
     _ok(run_mpi(2, WORKER, models("moe_yarn"), "samples", "tp,cp", timeout=600), 2)
+
+
+def test_glm5_next_resumes_kda_state_from_snapshots(models):
+    # every layout as source and as destination (all 12 directions pass too: docs/benchmarks.md, prefix caching)
+    _ok(run_mpi(2, WORKER, models("glm5_next"), "directions", "tp->dp_attn,dp_attn->cp,cp->dop,dop->tp",
+                timeout=600), 4)
+
+
+def test_glm5_next_four_ranks_under_pressure(models):
+    # max_num_seqs 5: as many KDA state snapshots, so they are evicted for room as well as with their blocks
+    _ok(run_mpi(4, WORKER, models("glm5_next"), "pressure", "5", timeout=600), 1)
