@@ -270,3 +270,27 @@ def test_a_preemption_victim_must_free_blocks_on_the_full_rank():
     assert sched._victim(reqs["A"], 64) is reqs["B"]
     led.release("B")
     assert led.can_grow("A", 9, 0)   # ... and its release is what A needed
+
+
+def test_reset_then_switch():
+    """POST /reset_prefix_cache between two steps, and a switch wanted at the next boundary: the reset's evictions
+    (decided in the old layout) are still on their way to the ranks, so the engine holds the switch for one step
+    (`Scheduler.pending_evictions`); planned then, the ranks still agree with the ledger and nothing stays cached."""
+    led = KVLedger(2, 40, 4, "dp_attn", prefix=True)
+    sched = Scheduler(led, max_num_seqs=4, max_num_batched_tokens=64)
+    ranks = Ranks(2, 40, 4, "dp_attn")
+    sched.add(Request("a", list(range(1, 15)), 2))
+    while sched.has_work():
+        plan = sched.schedule()
+        ranks.run(plan)
+        sched.update(plan, {it.req_id: 9 for it in plan.items if it.sample})
+    plan = sched.schedule()
+    ranks.run(plan)
+    assert ranks.bms[0].num_cached == 3 and not sched.pending_evictions()
+    assert sched.reset_prefix_cache() == 3 and sched.pending_evictions()
+    ranks.run(sched.schedule())        # the step the switch waits for
+    assert not sched.pending_evictions()
+    d = switch_now(LayoutController(CFG, 2, 4, 4, "float32"), led, sched, "dop", True)
+    ranks.run(sched.schedule(), d.manifest)
+    assert [bm.num_cached for bm in ranks.bms] == led.cached_blocks() == [0, 0]
+    assert all(bm.num_free == 40 for bm in ranks.bms)

@@ -135,6 +135,10 @@ class Engine:
 
     def _switch_decision(self) -> SwitchPlan | None:
         s = self.scheduler
+        if s.pending_evictions():
+            # a reset's evictions (decided in this layout) reach the ranks with the next step: the switch's plan,
+            # made without those blocks, waits for that step, so that the ranks hold what it was planned from
+            return None
         kv = {r.req_id: r.num_cached for r in s.running if r.num_cached > 0}
         reserve = s.handoff_reserve_blocks()
         choice = None

@@ -331,6 +331,10 @@ class Scheduler:
             if self._computing.get(h) == req.req_id:
                 del self._computing[h]
 
+    def pending_evictions(self) -> bool:
+        """Whether evictions asked for between steps (`reset_prefix_cache`) still wait for the next step."""
+        return any(self._evict_extra)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache; the ranks free them with the next
         step); -> how many, over the ranks."""

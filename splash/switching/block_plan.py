@@ -80,17 +80,10 @@ def _cache_owner(src: Layout, cb: CachedBlock, world: int) -> int:
     return (cb.rank - cb.block_idx) % world   # CP: block b of anchor a lives on (b + a) % world
 
 
-def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners: Mapping[str, int],
-                block_size: int, cached: Sequence[CachedBlock] = (), cap: Sequence[int] | None = None,
-                move_cached: bool = True) -> BlockPlan:
-    """Per physical block: moves (deduplicated by block and destination rank), keeps, discards, re-shares, and the
-    idle cached blocks kept or dropped by the module's rule. ``requests``: req -> ReqState (``hashes``: its leading
-    hash-named blocks); ``owners``: destination owners / CP anchors."""
-    moves: list[BlockMove] = []
-    keep = [[] for _ in range(world)]
-    discard = [[] for _ in range(world)]
-    attach = [[] for _ in range(world)]
-    had: list[set[int]] = [set() for _ in range(world)]      # hashes each rank names before the switch
+def _holdings(src: Layout, dst: Layout, world: int, requests: Mapping, owners: Mapping[str, int], block_size: int,
+              cached: Sequence[CachedBlock]) -> tuple[dict, list[set[int]]]:
+    """Per request its blocks' holders before and after, and its hashes; per rank the hashes it names before."""
+    had: list[set[int]] = [set() for _ in range(world)]
     for cb in cached:
         had[cb.rank].add(cb.h)
     layouts = {}
@@ -106,6 +99,20 @@ def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners:
         for b, h in enumerate(hashes):
             for r in layouts[req][0][b]:
                 had[r].add(h)
+    return layouts, had
+
+
+def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners: Mapping[str, int],
+                block_size: int, cached: Sequence[CachedBlock] = (), cap: Sequence[int] | None = None,
+                move_cached: bool = True) -> BlockPlan:
+    """Per physical block: moves (deduplicated by block and destination rank), keeps, discards, re-shares, and the
+    idle cached blocks kept or dropped by the module's rule. ``requests``: req -> ReqState (``hashes``: its leading
+    hash-named blocks); ``owners``: destination owners / CP anchors."""
+    moves: list[BlockMove] = []
+    keep = [[] for _ in range(world)]
+    discard = [[] for _ in range(world)]
+    attach = [[] for _ in range(world)]
+    layouts, had = _holdings(src, dst, world, requests, owners, block_size, cached)
     holders_of: dict[int, set[int]] = {}
     for r in range(world):
         for h in had[r]:

@@ -2,7 +2,7 @@
 
 argv: model_dir mode [directions]
   mode "directions": for each "src->dst" (comma-separated; default all 12), one run with the cache and one without,
-      each starting in src: requests sharing a long stem arrive over the run (a multi-turn agent's growing
+      each starting in src (the switch live, or blocking for every other direction): requests sharing a long stem arrive over the run (a multi-turn agent's growing
       conversation and n samples of one prompt), the layout switches live to dst part way through, and later
       arrivals find the earlier ones' blocks cached; the greedy tokens of both runs must be equal and the cached
       run must have hit. Pools end with every request's blocks released (cached blocks only).
@@ -131,12 +131,13 @@ def main() -> None:
         for i, d in enumerate(dirs):
             src, dst = d.split("->")
             at = {2 + i % 5: dst}
-            on, st = run(model_dir, src, at, True)
-            off, _ = run(model_dir, src, at, False)
+            mode = ("live", "blocking")[i % 2]   # every other direction hands off blocking (all state moved first)
+            on, st = run(model_dir, src, at, True, switch_mode=mode)
+            off, _ = run(model_dir, src, at, False, switch_mode=mode)
             if on is not None:
                 assert on == off, f"{d}: tokens differ with the prefix cache\n{on}\n{off}"
                 assert st[0] > 0, f"{d}: no prefix-cache hit {st}"
-                print(f"rank 0: {d} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
+                print(f"rank 0: {d} {mode} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
     elif mode in ("kept", "kept-moved"):
         for d in sys.argv[3].split(","):
             src, dst = d.split("->")
