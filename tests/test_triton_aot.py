@@ -1,8 +1,8 @@
-"""Our Triton MLA kernels compiled ahead of time for sm_90, sm_100, gfx942 and gfx90a on this CPU (Triton compiles
+"""Our Triton MLA kernels compiled ahead of time for sm_90, sm_100, sm_120, gfx942, gfx950 and gfx90a on this CPU (Triton compiles
 for a GPUTarget without the device): every launch shape TritonMLAKernel can choose for 8…128 heads per rank and
 each KV format fits the target's shared memory, spills no registers, keeps argument offsets int64 and, for
 bf16 / fp8 / int8 pools, runs its products on the matrix units. The compiles run in a subprocess (the test
-session's Triton is in interpreter mode); Triton's cache makes reruns take seconds (first run ~1-2 min)."""
+session's Triton is in interpreter mode); Triton's cache makes reruns take seconds (first run ~2-3 min)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ def compiled() -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-@pytest.mark.timeout(900)   # a cold Triton cache compiles ~50 kernels (1-2 min here)
+@pytest.mark.timeout(900)   # a cold Triton cache compiles ~75 kernels (2-3 min here)
 def test_every_planned_launch_compiles_within_the_target(compiled):
     for row in compiled:
         assert row["shared"] <= row["shared_limit"], row
