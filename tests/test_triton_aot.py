@@ -49,7 +49,7 @@ def test_the_planner_only_picks_compiled_launches(compiled):
             for h in aot.HEADS_PER_RANK:
                 for dc, dr in aot.DIMS:
                     assert (target, kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr) in done
-    assert ("sm_90", aot.ROPE_FP8_POOL) in {(r["target"], r["kv_dtype"]) for r in compiled}
+    assert ("sm_90", aot.ROPE_FP8_POOL) in {(r["target"], r.get("kv_dtype")) for r in compiled}
 
 
 def test_narrow_offset_check_catches_int32_row_offsets(tmp_path):
@@ -78,14 +78,16 @@ for wide in (False, True):
     assert out.stdout.split() == ["1", "0"]
 
 
-@pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES + (aot.ROPE_FP8_POOL,))
 def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
-    """What TritonMLAKernel passes to _mla_split (pointer dtypes, constexprs) is what the AOT check compiled."""
+    """What TritonMLAKernel passes to _mla_split (pointer dtypes, constexprs: token strides of the GPU's pools,
+    the e4m3 rope key) over a pool in the GPU's layout is what the AOT check compiled."""
     import torch
     from test_attention_kernels import SCALE, TINY, make_state
 
     from splash.attention.kernels import triton_mla as tm
-    want = aot._signature(kv_dtype)
+    pool, kv_dtype = kv_dtype, kv_dtype.split("+")[0]
+    want = aot._signature(pool)
     names = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int16: "*i16", torch.uint8: "*u8",
              torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
     seen = []
@@ -99,10 +101,13 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
             return launch
 
     monkeypatch.setattr(tm, "_mla_split", Spy())
-    cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4)
+    cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4, fused=True,
+                                         rope_fp8=pool == aot.ROPE_FP8_POOL)
     k = tm.TritonMLAKernel(SCALE)
     k.plan(meta)
     k.run(0, q[..., :16], q[..., 16:], cache)
     (ptrs, kw), = seen
     assert ptrs == {p: t for p, t in want.items() if t.startswith("*")}
     assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
+    assert {k: kw[k] for k in ("ROW_C", "ROW_R")} == aot.row_strides(kv_dtype, 16, 4)
+    assert kw["ROPE_FP8"] == (pool == aot.ROPE_FP8_POOL)
