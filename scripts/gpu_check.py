@@ -95,6 +95,7 @@ def make_state(device, batch: int, context: int, dc: int, dr: int, heads: int, p
     import torch
 
     from splash.attention.batch import StepRequest
+    from splash.attention.kernels import kv_rope_fp8
     from splash.attention.metadata import build_metadata
     from splash.kv.page_table import PageTable
     from splash.kv.paged_cache import PagedLatentCache
@@ -102,7 +103,10 @@ def make_state(device, batch: int, context: int, dc: int, dr: int, heads: int, p
     g = torch.Generator(device="cpu").manual_seed(seed)
     lens = [max(8, context - b * (page + 3)) if ragged else context for b in range(batch)]
     pages = [-(-n // page) for n in lens]
-    cache = PagedLatentCache(1, sum(pages) + 1, page, dc, dr, kv_dtype, device=device)
+    # the pool as the engine builds it on this device: bf16 fused on a GPU, and on SM90 an fp8 pool's rope key in
+    # e4m3 (what FlashInfer's FP8 MLA reads; the torch and Triton kernels read it too)
+    cache = PagedLatentCache(1, sum(pages) + 1, page, dc, dr, kv_dtype, device=device,
+                             rope_fp8=kv_rope_fp8("flashinfer", device))
     tables, order = PageTable(page, device=device), torch.randperm(sum(pages), generator=g).tolist()
     reqs, at = [], 0
     for b, (n_tok, n_pg) in enumerate(zip(lens, pages)):

@@ -1,8 +1,8 @@
-"""Our Triton MLA kernels compiled ahead of time for sm_90, sm_100, gfx942 and gfx90a on this CPU (Triton compiles
+"""Our Triton MLA kernels compiled ahead of time for sm_90, sm_100, sm_120, gfx942, gfx950 and gfx90a on this CPU (Triton compiles
 for a GPUTarget without the device): every launch shape TritonMLAKernel can choose for 8…128 heads per rank and
 each KV format fits the target's shared memory, spills no registers, keeps argument offsets int64 and, for
 bf16 / fp8 / int8 pools, runs its products on the matrix units. The compiles run in a subprocess (the test
-session's Triton is in interpreter mode); Triton's cache makes reruns take seconds (first run ~1-2 min)."""
+session's Triton is in interpreter mode); Triton's cache makes reruns take seconds (first run ~2-3 min)."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ def compiled() -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-@pytest.mark.timeout(900)   # a cold Triton cache compiles ~50 kernels (1-2 min here)
+@pytest.mark.timeout(900)   # a cold Triton cache compiles ~75 kernels (2-3 min here)
 def test_every_planned_launch_compiles_within_the_target(compiled):
     for row in compiled:
         assert row["shared"] <= row["shared_limit"], row
@@ -78,14 +78,16 @@ for wide in (False, True):
     assert out.stdout.split() == ["1", "0"]
 
 
-@pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES + (aot.ROPE_FP8_POOL,))
 def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
-    """What TritonMLAKernel passes to mla_split (pointer dtypes, constexprs) is what the AOT check compiled."""
+    """What TritonMLAKernel passes to mla_split (pointer dtypes, constexprs: token strides of the GPU's pools,
+    the e4m3 rope key) over a pool in the GPU's layout is what the AOT check compiled."""
     import torch
     from test_attention_kernels import SCALE, TINY, make_state
 
     from splash.attention.kernels import triton_mla as tm
-    want = aot._signature(kv_dtype)
+    pool, kv_dtype = kv_dtype, kv_dtype.split("+")[0]
+    want = aot._signature(pool)
     names = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int16: "*i16", torch.uint8: "*u8",
              torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
     seen = []
@@ -99,10 +101,13 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
             return launch
 
     monkeypatch.setattr(tm, "mla_split", Spy())
-    cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4)
+    cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4, fused=True,
+                                         rope_fp8=pool == aot.ROPE_FP8_POOL)
     k = tm.TritonMLAKernel(SCALE)
     k.plan(meta)
     k.run(0, q[..., :16], q[..., 16:], cache)
     (ptrs, kw), = seen
     assert ptrs == {p: t for p, t in want.items() if t.startswith("*")}
     assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
+    assert {k: kw[k] for k in ("ROW_C", "ROW_R")} == aot.row_strides(kv_dtype, 16, 4)
+    assert kw["ROPE_FP8"] == (pool == aot.ROPE_FP8_POOL)

@@ -383,3 +383,23 @@ def test_vendor_calls_read_the_pool_in_place(monkeypatch, vendor):
     assert (o - o_ref).abs().max() <= 0.012 * o_ref.abs().max()
     if vendor != "aiter":
         assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)
+
+
+def test_flashinfer_logs_the_path_once_per_layer_kind(monkeypatch, caplog):
+    """The path of each layer kind (KV dtype, dense or sparse) is logged once, however many layers and steps run it."""
+    import logging
+
+    from vendor_standins import install_flashinfer
+    install_flashinfer(monkeypatch)
+    kernel = fi.FlashInferMLAKernel(SCALE, sm_major=9)
+    caplog.set_level(logging.INFO, logger="splash.attention")
+    for kv in ("fp8_e4m3", "bfloat16"):
+        cache, _, _, _, meta, q = _state(kv, FI_DECODE[1], 16, rope_fp8=True)
+        for _ in range(2):                      # two steps of three layers
+            kernel.plan(meta)
+            for _ in range(3):
+                kernel.run(0, q[..., :512], q[..., 512:], cache)
+    said = [r.getMessage() for r in caplog.records if r.name == "splash.attention"]
+    assert said == ["flashinfer attention: wrapper-fp8 for fp8_e4m3 layers (16 heads)",
+                    "flashinfer attention: wrapper for bfloat16 layers (16 heads)"]
+    assert kernel.paths == {"wrapper-fp8": 6, "wrapper": 6}

@@ -3,9 +3,9 @@
     TRITON_INTERPRET=0 python -m splash.attention.kernels.triton_aot      # one JSON line per compile
 
 Triton compiles for a `GPUTarget` without the device, so what a launch would need is known on CPU: shared memory
-per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, sm_90 / sm_100 227 KiB), register
-spills (NVIDIA: the cubin's STACK from cuobjdump; AMD: the AMDGCN's private segment), and whether the products
-run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the AMDGCN). `planned_shapes` is every
+per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, gfx950 160 KiB, sm_90 / sm_100
+227 KiB, sm_120 99 KiB), register spills (NVIDIA: the cubin's STACK from cuobjdump; AMD: the AMDGCN's private
+segment), and whether the products run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the AMDGCN). `planned_shapes` is every
 launch shape TritonMLAKernel can choose (splash.attention.kernels.triton_mla.launch_config) for 8…128 heads per
 rank, each pool format (`pool_formats`: the KV dtypes, and on SM90 the fp8 pool with an e4m3 rope key) and the two
 rope widths of the shipped models; tests/test_triton_aot.py checks them all.
@@ -20,9 +20,12 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-# name → (backend, arch, warp size, shared memory per block in bytes)
+# name → (backend, arch, warp size, shared memory per block in bytes): H100/H200, B200, RTX 50xx / RTX PRO
+# Blackwell (sm_120: 99 KiB per block, no wgmma: mma.sync), MI300, MI350 (gfx950: 160 KiB LDS), MI200
 TARGETS = {"sm_90": ("cuda", 90, 32, 232448), "sm_100": ("cuda", 100, 32, 232448),
-           "gfx942": ("hip", "gfx942", 64, 65536), "gfx90a": ("hip", "gfx90a", 64, 65536)}
+           "sm_120": ("cuda", 120, 32, 101376),
+           "gfx942": ("hip", "gfx942", 64, 65536), "gfx950": ("hip", "gfx950", 64, 163840),
+           "gfx90a": ("hip", "gfx90a", 64, 65536)}
 HEADS_PER_RANK = range(8, 129)
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 DIMS = ((512, 64), (512, 0))     # (d_c, d_r): DeepSeek-V3.x / GLM-5.x; GLM-5.3-Flash (NoPE)
