@@ -98,7 +98,7 @@ def switch_now(ctl, led, sched, dst: str, move: bool):
     kv = {r.req_id: r.num_cached for r in sched.running if r.num_cached > 0}
     d = ctl.decide(led.layout, led, kv, sched.handoff_reserve_blocks(), move_cached=move)
     if d is not None:
-        led.relayout(d.dst, d.manifest.owners, d.manifest)
+        led.relayout(d.dst, d.manifest.owners, d.manifest.cached_kept)
     return d
 
 

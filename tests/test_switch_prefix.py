@@ -121,7 +121,7 @@ def test_cached_blocks_kept_across_a_switch_give_hits_after_it():
         ctl.request("dop")
         d = ctl.decide("dp_attn", led, {}, 0)
         assert d.manifest.cached_kept == ((*led.shared.get("a", ()),) or tuple(led.lru[0]), ())
-        led.relayout("dop", d.manifest.owners, d.manifest if keep else None)
+        led.relayout("dop", d.manifest.owners, d.manifest.cached_kept if keep else None)
         sched.add(Request("b", prompt + [7], 2))
         p = sched.schedule()
         hits[keep] = sched.prefix_hits

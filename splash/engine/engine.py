@@ -153,7 +153,7 @@ class Engine:
                                                                    else self.control.target))
         if d is None:
             return None
-        self.ledger.relayout(d.dst, d.manifest.owners, d.manifest)
+        self.ledger.relayout(d.dst, d.manifest.owners, d.manifest.cached_kept)
         return SwitchPlan(d.dst, self.control.mode, d.reqs, d.cached,
                           d.cached_cap, d.move_cached)
 

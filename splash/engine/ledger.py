@@ -15,12 +15,14 @@ so the mirror stays exact; without a manifest it forgets the cache and charges s
 """
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from splash.layouts.layout import KV_POSITION, kv_ownership_of
 from splash.engine.state_snapshots import StateSnapshots
+from splash.layouts.layout import KV_POSITION, kv_ownership_of
 from splash.layouts.ownership import block_holders, blocks_held
 
 
@@ -116,15 +118,17 @@ class KVLedger:
 
     def fork(self, layout: str, blocks_per_rank: int) -> "KVLedger":
         """A copy to plan on (the auto forecast): the same requests and cache under a pool of `blocks_per_rank`,
-        switched to `layout` as `relayout` switches (without new owners) when it is not this ledger's."""
+        switched to `layout` as `relayout` switches (without new owners, keeping no idle cached block) when it is not
+        this ledger's."""
         led = KVLedger(self.world, blocks_per_rank, self.block_size, self.layout, prefix=self.prefix)
         led.used, led.final = list(self.used), dict(self.final)
         led.reqs = {r: list(v) for r, v in self.reqs.items()}
         led.shared = {r: list(v) for r, v in self.shared.items()}
         led.refs = [dict(d) for d in self.refs]
         led.lru = [OrderedDict(d) for d in self.lru]
-        if layout != self.layout:
-            led.relayout(layout)
+        led.block_of, led._tick = dict(self.block_of), copy.copy(self._tick)
+        if layout != self.layout:   # as a switch without idle cached blocks kept would leave it
+            led.relayout(layout, kept=[()] * self.world if self.prefix else None)
         return led
 
     def release(self, req: str) -> None:
@@ -288,12 +292,14 @@ class KVLedger:
         out = [(t, h, r) for r in range(self.world) for h, t in self.lru[r].items()]
         return [(h, self.block_of[h], r) for _, h, r in sorted(out)]
 
-    def relayout(self, layout: str, owners: dict[str, int] | None = None, manifest=None) -> None:
-        """Mirror a switch to `layout` (with the new owners). With the switch's `manifest` (the prefix cache on), the
-        cache survives as the manifest plans it; without, it is forgotten (the ranks clear theirs too)."""
+    def relayout(self, layout: str, owners: dict[str, int] | None = None,
+                 kept: Sequence[Iterable[int]] | None = None) -> None:
+        """Mirror a switch to `layout` (with the new owners). With `kept` (the prefix cache on: per rank, the idle
+        cached blocks the switch's manifest keeps there, `Manifest.cached_kept`) the cache survives as the manifest
+        plans it — blocks running requests share stay shared; without, it is forgotten (the ranks clear theirs too)."""
         if self.snapshots is not None:   # KDA state snapshots do not travel: a hit after the switch starts anew
             self.snapshots.relayout(layout)
-        if manifest is None or not self.prefix:
+        if kept is None or not self.prefix:
             self._clear_cache()
             self.used = self.usage_under(layout, owners)
         else:
@@ -303,8 +309,8 @@ class KVLedger:
                     ticks[h] = max(t, ticks.get(h, t))
             self.used = self.usage_under(layout, owners, shared=True)
             self.refs = self._refs_under(layout, owners)
-            self.lru = [OrderedDict(sorted(((h, ticks.get(h, 0)) for h in kept), key=lambda x: x[1]))
-                        for kept in manifest.cached_kept]
+            self.lru = [OrderedDict(sorted(((h, ticks.get(h, 0)) for h in per_rank), key=lambda x: x[1]))
+                        for per_rank in kept]
             for r, per in enumerate(self.lru):
                 for h in per:
                     self.refs[r][h] = 0

@@ -180,7 +180,7 @@ def _auto_boundary(auto: AutoLayout, control, sched: Scheduler, res: Result, lay
     d = control.decide(layout, ledger, kv, sched.handoff_reserve_blocks(), auto_choice=choice, vet=auto.vet_pending)
     if d is None:
         return layout, t
-    ledger.relayout(d.dst, d.manifest.owners, d.manifest)
+    ledger.relayout(d.dst, d.manifest.owners, d.manifest.cached_kept)
     v = auto.last
     cost = v.switch_raw_s
     if charge is not None and hasattr(charge, "switch_factor"):
