@@ -107,7 +107,7 @@ def instrument(llm: LLM, model_dir, log: list) -> None:
 
     def wrapped_step(batch, switch=None):
         received[0] = 0
-        src = r.layout
+        src = switch.m.src.value if switch is not None else r.layout   # the engine adopts before the step
         logits = step(batch, switch)
         if switch is not None:
             want = switch.m.total_weight_recv_bytes[r.comm.rank]
