@@ -106,13 +106,14 @@ def instrument(llm: LLM, model_dir, log: list) -> None:
         return h
 
     def wrapped_step(batch, switch=None):
-        received[0] = 0
+        # counted from the last switch's check: a blocking switch gathers as the engine begins it, before the step
         src = switch.m.src.value if switch is not None else r.layout   # the engine adopts before the step
         logits = step(batch, switch)
         if switch is not None:
             want = switch.m.total_weight_recv_bytes[r.comm.rank]
             assert received[0] == want, \
                 f"{src}->{r.layout}: received {received[0]} weight bytes, manifest {want}"
+            received[0] = 0
             log.append(f"{src}->{r.layout}")
             check_weights(llm, model_dir, f"after {src}->{r.layout}")
         return logits
