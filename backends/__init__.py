@@ -30,11 +30,16 @@ __all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "attention_wor
            "get_backend", "missing_packages"]
 
 
-def attention_workspace_bytes(kernel: str) -> int:
-    """Device bytes an attention kernel allocates for itself (the device budget counts them): FlashInfer's float
-    workspace for its MLA wrapper plus trtllm-gen's zeroed one (a run with decode and mixed steps on SM100 holds
-    both). trtllm-gen and AITER read the fused bf16 pool in place (no copy of the KV); AITER's own per-call
-    split buffers and the other kernels' temporaries are allocated per call, inside the step's scratch."""
+def attention_workspace_bytes(kernel: str, heads_per_rank=(), max_decode_rows: int = 0) -> int:
+    """Device bytes an attention kernel allocates for itself (the device budget counts them with the scratch).
+    FlashInfer: its MLA wrapper's float workspace plus trtllm-gen's zeroed one (a run with decode and mixed steps on
+    SM100 holds both). AITER: mla_decode_fwd's per-call split buffers at their worst case, for `max_decode_rows`
+    rows (a decode step's requests) and the widest launch of the head counts a rank attends (`heads_per_rank`,
+    over the allowed layouts: splash.layouts.layout.attended_heads). trtllm-gen and AITER read the fused bf16
+    pool in place (no copy of the KV); the other kernels' temporaries are inside the step's scratch."""
+    if kernel == "aiter":
+        from backends.hip.aiter_mla import workspace_bytes
+        return workspace_bytes(heads_per_rank, max_decode_rows)
     if kernel != "flashinfer":
         return 0
     from backends.cuda.flashinfer_mla import WORKSPACE_BYTES

@@ -20,7 +20,7 @@ from splash.cli import check
 from splash.cli.args import build_config
 from splash.costmodel.profile import load_profile
 from splash.layouts.device_budget import ATTN_SCRATCH_BYTES, device_memory_budget
-from splash.layouts.layout import heads_fit
+from splash.layouts.layout import attended_heads, heads_fit
 from splash.sim.presets import load_sim_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,9 @@ def _shipped() -> list[tuple[str, object, object, int]]:
 def test_kernel_scratch_and_workspaces_fit_the_budget(name, cfg, mcfg, world):
     c, s = cfg.cache, cfg.scheduler
     profile = load_profile(cfg.hardware_profile)
-    ws = backends.attention_workspace_bytes(cfg.attention_backend)
+    ws = backends.attention_workspace_bytes(
+        cfg.attention_backend, attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world),
+        min(s.max_num_seqs, s.max_num_batched_tokens))
     args = (mcfg, world, int(profile.memory_bytes), c.gpu_memory_utilization, 1, "fp8_e4m3", c.block_size,
             s.max_num_batched_tokens, s.max_num_seqs)
     with_ws = device_memory_budget(*args, attention_workspace_bytes=ws)
@@ -69,6 +71,40 @@ def test_kernel_scratch_and_workspaces_fit_the_budget(name, cfg, mcfg, world):
     # what the kernel keeps in int32: token positions and page columns (bounded by the context), tile offsets;
     # row, slot and output offsets are int64 (tests/test_triton_aot.py checks every argument offset)
     assert max_len < INT32_MAX and -(-max_len // c.block_size) < INT32_MAX
+
+
+MI300X_BYTES = 192 << 30
+
+
+def _aiter_cases() -> list[tuple[str, object, object, int, int]]:
+    """(name, ServeConfig, ModelConfig, ranks, device bytes) for AITER: each shipped config that runs it (none
+    names it today: dcu runs Triton), and GLM-5.3 on 8 MI300X (192 GiB) under the hip config with aiter and
+    the h200 config's scheduler (512 sequences, 16,384 batched tokens)."""
+    out = [(n, cfg, m, w, int(load_profile(cfg.hardware_profile).memory_bytes))
+           for n, cfg, m, w in _shipped() if cfg.attention_backend == "aiter"]
+    mi300 = build_config(["--config", str(ROOT / "configs" / "dcu.yaml"), "--attention-backend", "aiter",
+                          "--max-num-seqs", "512", "--max-num-batched-tokens", "16384"])
+    return out + [("glm-5.3 x8 mi300x", mi300, load_sim_model("glm-5.3").cfg, 8, MI300X_BYTES)]
+
+
+@pytest.mark.parametrize("name,cfg,mcfg,world,device", _aiter_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_aiter_split_buffers_in_the_budget(name, cfg, mcfg, world, device):
+    """mla_decode_fwd's per-call split buffers (fp32 partials and LSE at up to 16 splits, aiter's pick) are
+    counted for the step's most decode rows and the widest head launch any allowed layout gives a rank."""
+    c, s = cfg.cache, cfg.scheduler
+    heads = attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world)
+    rows = min(s.max_num_seqs, s.max_num_batched_tokens)
+    ws = backends.attention_workspace_bytes("aiter", heads, rows)
+    widest = max(ai.decode_heads("gfx942", h) or 0 for h in heads)
+    assert widest and ws == ai.call_buffer_bytes(rows, widest, ai.MAX_KV_SPLITS)
+    assert all(ws >= ai.call_buffer_bytes(rows, ai.decode_heads(arch, h), k) for arch in ai.DECODE_HEADS
+               for h in heads if ai.decode_heads(arch, h) for k in range(1, ai.MAX_KV_SPLITS + 1))
+    args = (mcfg, world, device, c.gpu_memory_utilization, 1, "bfloat16", c.block_size, s.max_num_batched_tokens,
+            s.max_num_seqs)
+    b = device_memory_budget(*args, attention_workspace_bytes=ws)
+    assert b.kv_blocks > 0 and b.scratch_bytes == device_memory_budget(*args).scratch_bytes + ws
+    assert b.weight_bytes + b.scratch_bytes + b.graph_bytes + b.switch_headroom_bytes + b.kv_pool_bytes \
+        <= b.usable_bytes
 
 
 def _count_host_reads(monkeypatch) -> list[str]:

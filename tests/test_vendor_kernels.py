@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_attention_kernels import SCALE, TINY, check, dense_reference, make_state
 
+import backends
 from backends.cuda import flashinfer_mla as fi
 from backends.hip import aiter_mla as ai
 from splash.attention.kernels import make_kernel
@@ -329,6 +330,24 @@ def test_aiter_through_strict_standin(monkeypatch, arch, pages, heads):
         assert lse.isnan().all()
     else:
         assert torch.allclose(lse, lse_ref, atol=0.06, rtol=0.06)
+
+
+@pytest.mark.parametrize("arch,heads,splits", [("gfx942", 64, 16), ("gfx942", 32, 1), ("gfx942", 32, 16),
+                                                ("gfx950", 8, 1), ("gfx950", 64, 3)])
+def test_aiter_call_buffers_counted(monkeypatch, arch, heads, splits):
+    """What mla_decode_fwd allocates per call (the stand-in allocates as aiter's non-persistent decode does, at
+    the split count aiter picks) is call_buffer_bytes exactly, and the budget's worst case covers every pick."""
+    from vendor_standins import install_aiter
+    mla = install_aiter(monkeypatch, arch, splits=splits)
+    kernel = ai.AiterMLAKernel(SCALE, arch=arch)
+    cache, _, _, _, meta, q = _state("bfloat16", FI_DECODE[3], heads)
+    kernel.plan(meta)
+    kernel.run(0, q[..., :512], q[..., 512:], cache)
+    rows = q.shape[0]
+    assert mla.allocated == [ai.call_buffer_bytes(rows, ai.decode_heads(arch, heads), splits)]
+    assert mla.allocated[0] > 0
+    assert backends.attention_workspace_bytes("aiter", (heads,), rows) >= mla.allocated[0]
+    assert ai.call_buffer_bytes(rows, 128) == 4 * rows * (16 * 128 * 513 + 128 + 2) + 4   # the 16-split ceiling
 
 
 def test_aiter_standin_rejects_unshipped_heads(monkeypatch):

@@ -228,9 +228,11 @@ def _aiter_signature() -> inspect.Signature:
                               for i, p in enumerate(ai.DECODE_FWD_PARAMS)])
 
 
-def make_mla_decode_fwd(arch: str):
+def make_mla_decode_fwd(arch: str, splits: int, allocated: list[int]):
     """aiter.mla.mla_decode_fwd as `arch`'s build answers: its head table, page sizes, bf16, one query row per
-    request; õ written into `o`; the LSE left unwritten (garbage, as torch.empty would) for those head counts."""
+    request; õ written into `o`; the LSE left unwritten (garbage, as torch.empty would) for those head counts.
+    Each call allocates the buffers aiter's non-persistent decode does for `splits` KV splits (its own pick:
+    get_meta_param, 1…16) and appends their bytes to `allocated`."""
     from backends.hip import aiter_mla as ai
 
     def mla_decode_fwd(*args, **kwargs):
@@ -239,6 +241,14 @@ def make_mla_decode_fwd(arch: str):
         heads = q.shape[1]
         if heads not in ai.DECODE_HEADS.get(arch, ()):
             raise RuntimeError(f"get_heuristic_kernel_mla: cannot get heuristic kernel! gqa: {heads} ({arch})")
+        rows, bs, f32 = q.shape[0], a["qo_indptr"].shape[0] - 1, torch.float32
+        bufs = [torch.empty(rows, splits, heads, 1, dtype=f32), torch.empty(bs + 1, dtype=torch.int32),
+                torch.full((bs,), splits, dtype=torch.int32)]
+        if not (splits == 1 and heads in (8, 32)):    # else stage 1 writes its partials into `o`
+            bufs.append(torch.empty(rows, splits, heads, o.shape[-1], dtype=f32))
+        if a.get("return_lse"):
+            bufs.append(torch.empty(rows, heads, dtype=f32))
+        allocated.append(sum(b.nbytes for b in bufs))
         page = a.get("page_size") or 1
         if page not in ai.PAGE_SIZES or kv.ndim != 4 or kv.shape[1] != page or kv.shape[2] != 1:
             raise VendorPrecondition(f"kv_buffer {tuple(kv.shape)} / page_size {page}")
@@ -268,9 +278,11 @@ def make_mla_decode_fwd(arch: str):
     return mla_decode_fwd
 
 
-def install_aiter(monkeypatch, arch: str) -> types.ModuleType:
+def install_aiter(monkeypatch, arch: str, splits: int = 16) -> types.ModuleType:
+    """aiter + aiter.mla for `arch`; `mla.allocated` lists each call's own buffer bytes at `splits` KV splits."""
     mla = types.ModuleType("aiter.mla")
-    mla.mla_decode_fwd = make_mla_decode_fwd(arch)
+    mla.allocated = []
+    mla.mla_decode_fwd = make_mla_decode_fwd(arch, splits, mla.allocated)
     pkg = types.ModuleType("aiter")
     pkg.mla = mla
     for name, m in (("aiter", pkg), ("aiter.mla", mla)):

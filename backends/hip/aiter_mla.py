@@ -16,6 +16,12 @@ stand-in that enforces them:
   count is chosen inside aiter, so for those head counts (LSE_UNWRITTEN_HEADS) the wrapper returns NaN, never
   the vendor's buffer: no caller can read an unwritten LSE as a number. Only CP merges the LSE, and CP steps run
   our Triton kernel.
+- Per-call buffers: the non-persistent decode (no work_meta_data, num_kv_splits left to aiter, as we call it)
+  takes its split count from get_meta_param, which searches 1…16 splits (`range(1, 17)`; the fp8 cap only lowers
+  it): MAX_KV_SPLITS. Each call then allocates fp32 stage-1 partials `logits` [rows, splits, H', 512] (a view of
+  `o` instead when splits == 1 and 8 or 32 bf16 heads), fp32 `attn_lse` [rows, splits, H', 1], fp32 `final_lse`
+  [rows, H'] (return_lse), int32 `valid_split_count` [requests] and get_meta_param's int32 split indptr
+  [requests + 1] — call_buffer_bytes, which the device budget counts (backends.attention_workspace_bytes).
 - Archs: AITER has kernels for gfx942 and gfx950 only (no Hygon DCU arch): elsewhere our Triton kernel runs
   (backends.hip.arch checks at startup that the installed Triton can compile for the device).
 The KV buffer is the layer's fused bf16 pool itself (`cache.fused[layer]` [blocks, page, 576], viewed as
@@ -43,12 +49,32 @@ DECODE_HEADS = {"gfx942": (8, 16, 32, 128), "gfx950": (8, 16, 32, 64, 128)}
 LSE_UNWRITTEN_HEADS = (8, 32, 64, 128)
 PAGE_SIZES = (1, 64)
 DIMS = (512, 64)
+MAX_KV_SPLITS = 16               # get_meta_param's largest pick (aiter/mla.py)
+LOGITS_IN_O_HEADS = (8, 32)      # bf16 heads whose one-split partials are written into `o` (no fp32 buffer)
 _log = logging.getLogger("splash.attention")
 
 
 def decode_heads(arch: str, heads: int) -> int | None:
     """The head count to launch `heads` with on `arch`: the smallest AITER ships that holds them (None: none)."""
     return next((h for h in DECODE_HEADS.get(arch, ()) if h >= heads), None)
+
+
+def call_buffer_bytes(rows: int, launched_heads: int, splits: int = MAX_KV_SPLITS, requests: int | None = None) -> int:
+    """Device bytes one bf16 decode call of mla_decode_fwd allocates for itself (see the module doc), for `rows`
+    query rows of `launched_heads` (padded) heads with `splits` KV splits; `requests` defaults to `rows` (one
+    query row per request)."""
+    requests = rows if requests is None else requests
+    logits = 0 if splits == 1 and launched_heads in LOGITS_IN_O_HEADS else rows * splits * launched_heads * DIMS[0]
+    return 4 * (logits + rows * splits * launched_heads + rows * launched_heads) + 4 * (2 * requests + 1)
+
+
+def workspace_bytes(heads_per_rank, max_rows: int) -> int:
+    """The most any decode step's call allocates (call_buffer_bytes): `max_rows` decode rows, the largest split
+    count aiter can choose, and the widest launch of any per-rank head count on any arch (gfx942 pads 64 → 128);
+    a head count no arch ships runs our Triton kernel and allocates nothing here."""
+    launched = [decode_heads(arch, h) or 0 for arch in DECODE_HEADS for h in heads_per_rank]
+    widest = max(launched, default=0)
+    return call_buffer_bytes(max_rows, widest) if widest and max_rows > 0 else 0
 
 
 def choose_path(arch: str, kv_dtype: str, d_c: int, d_r: int, heads: int, page_size: int, cp: bool,

@@ -88,6 +88,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
     from splash.engine.llm import kv_blocks_per_layout, pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
+    from splash.layouts.layout import attended_heads
     from splash.layouts.ownership import distinct_kv_tokens
 
     c, s = cfg.cache, cfg.scheduler
@@ -107,7 +108,10 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
                                      c.block_size, s.max_num_batched_tokens, s.max_num_seqs,
                                      layouts=tuple(cfg.layout.allowed_layouts), weight_quant=wq,
                                      attention_workspace_bytes=backends.attention_workspace_bytes(
-                                         cfg.attention_backend))
+                                         cfg.attention_backend,
+                                         attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads,
+                                                        world),
+                                         min(s.max_num_seqs, s.max_num_batched_tokens)))
         except ValueError as e:
             out.append(f"memory    does not fit: {e}")
             return

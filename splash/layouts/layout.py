@@ -80,6 +80,13 @@ def heads_fit(layout: str | Layout, num_heads: int, world: int) -> bool:
     return not parse_layout(layout).shards_projections or num_heads % world == 0
 
 
+def attended_heads(layouts, num_heads: int, world: int) -> tuple[int, ...]:
+    """The query heads one rank attends under each of `layouts` that fits: TP its head shard; DP-attn, CP and the
+    DOP owner every head."""
+    return tuple(num_heads // world if parse_layout(lay) is Layout.TP else num_heads
+                 for lay in layouts if heads_fit(lay, num_heads, world))
+
+
 def check_heads(layout: str | Layout, num_heads: int, world: int) -> None:
     """ValueError when ``layout`` shards the heads and ``world`` does not divide ``num_heads``."""
     if not heads_fit(layout, num_heads, world):

@@ -187,6 +187,7 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
     from splash.engine.llm import pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
+    from splash.layouts.layout import attended_heads
 
     free, total = info
     kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
@@ -196,7 +197,10 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
                                  s.max_num_batched_tokens, s.max_num_seqs, in_use_bytes=total - free,
                                  layouts=tuple(cfg.layout.allowed_layouts),
                                  weight_quant=cfg.model.quantization or mcfg.quantization,
-                                 attention_workspace_bytes=backends.attention_workspace_bytes(cfg.attention_backend))
+                                 attention_workspace_bytes=backends.attention_workspace_bytes(
+                                     cfg.attention_backend,
+                                     attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world),
+                                     min(s.max_num_seqs, s.max_num_batched_tokens)))
     except ValueError as e:
         raise ConfigError(f"field 'cache.gpu_memory_utilization': {e}") from None
     return b.kv_pool_bytes
