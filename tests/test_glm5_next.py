@@ -262,10 +262,10 @@ def test_family_description(glm5):
     fam = describe(cfg)
     mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i)]
     lin = [i for i in range(cfg.num_hidden_layers) if cfg.is_linear_layer(i)]
-    assert mla and lin and fam.recurrent and not fam.prefix_caching
+    assert mla and lin and fam.recurrent
     assert dict(fam.pool_layers) == {l: j for j, l in enumerate(mla)} and fam.pool_layer(lin[0]) is None
     assert dict(fam.state_rows) == {l: j for j, l in enumerate(lin)} and fam.state_row(mla[0]) is None
     assert (fam.attention_heads, fam.linear_heads) == (cfg.num_attention_heads, cfg.hybrid.linear_num_heads)
     dense = describe(preset_config("tiny-mla"))
-    assert not dense.recurrent and dense.prefix_caching and dense.linear_heads == 0
+    assert not dense.recurrent and dense.linear_heads == 0
     assert [dense.pool_layer(i) for i in range(dense.num_pool_layers)] == list(range(dense.num_pool_layers))
