@@ -32,7 +32,8 @@ TOKEN = "layout-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ORDER = ["dp_attn", "cp", "dop", "tp"]      # starting from tp: tp→dp_attn→cp→dop→tp
 N_STREAMS, MAX_TOKENS = 6, 48
-DSA_MAX_TOKENS = 24  # the DSA checkpoints' streams (suite time); v32_sparse's tie is at token 18 of stream 0
+DSA_MAX_TOKENS = 36  # the DSA checkpoints' streams (suite time; fewer lets all six finish before the pin lands on a
+#                     quiet host); v32_sparse's tie is at token 18 of stream 0
 
 
 KV_BYTES = 8 << 20
