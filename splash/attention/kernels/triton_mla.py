@@ -6,7 +6,8 @@ held tokens in blocks of BLOCK_N — token t of the request here is offset t % p
 in the page table in place — loads and dequantises the latent (fp32; bf16; fp8 e4m3 and int8 × their per-token
 per-128-group fp32 scales) and the rope key (fp32, bf16, or e4m3 at one per-tensor scale), scores
 q_lat·c + q_rope·k_rope, masks keys past the query's position (and CP's pages by their logical block), and keeps
-an online softmax; it writes the split's normalised partial õ and natural-log LSE. Kernel 2 (`_mla_merge`), grid (rows, heads), merges the splits exactly.
+an online softmax; it writes the split's normalised partial õ and natural-log LSE. Kernel 2 (`_mla_merge`), grid
+(rows, heads), merges the splits exactly.
 - Matrix units: over a bf16 / fp8 / int8 pool both products take bf16 operands (queries, dequantised keys,
   probabilities) with fp32 accumulation, so they compile to mma / wgmma (NVIDIA) and MFMA (AMD); an fp32 pool
   keeps exact fp32 products (CPU checks). Tolerance against the fp32 reference: that of bf16 GEMM inputs
