@@ -204,8 +204,9 @@ def test_recorded_flashinfer_signatures_match_an_installed_tree():
 
 
 def _state(kv_dtype: str, specs, heads: int, seed: int = 0, rope_fp8: bool = False):
-    """DeepSeek/GLM dims (512 + 64), pages of 64, the GPU's pool layout (a bf16 pool fused); queries scaled so scores spread like a real model's
-    (|s| ~ 2 with the tests' softmax scale, not ~20), where the bf16 tolerance below means something."""
+    """DeepSeek/GLM dims (512 + 64), pages of 64, the GPU's pool layout (a bf16 pool fused); queries scaled so
+    scores spread like a real model's (|s| ~ 2 with the tests' softmax scale, not ~20), where the bf16 tolerance
+    below means something."""
     *rest, q = make_state(kv_dtype, 64, specs, dc=512, dr=64, heads=heads, seed=seed, fused=True,
                           rope_fp8=rope_fp8)
     return (*rest, q * 0.1)

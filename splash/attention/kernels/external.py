@@ -2,7 +2,8 @@
 
 Our interface (splash.attention.kernels): `plan(meta)` once per step, `run(layer, q_latent, q_rope, cache)` per
 layer → (õ fp32 [N, H, d_c], natural-log LSE fp32 [N, H]) over the paged latent cache with ckv [blocks, page,
-d_c] and kpe [blocks, page, d_r] (views of one fused tensor for a bf16 layer). Where a vendor kernel differs, the wrapper converts here:
+d_c] and kpe [blocks, page, d_r] (on a GPU, views of one fused tensor for a bf16 layer). Where a vendor kernel
+differs, the wrapper converts here:
 - LSE base: our LSE is natural log; a vendor call asks for base e explicitly (FlashInfer: `lse_mode="basee"` /
   `return_lse_base="basee"`; AITER's is natural log), so nothing converts here.
 - page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer: a bf16 layer's pool is
@@ -10,10 +11,13 @@ d_c] and kpe [blocks, page, d_r] (views of one fused tensor for a bf16 layer). W
   the wrappers hand the vendor the pool itself and the requests' own page tables (`block_tables`, padded to the
   width the vendor asks: trtllm-gen a multiple of 128 tokens) or CSR page lists: no copy of the KV per layer.
 - FP8 / INT8 KV: our quantised pool stores the latent as fp8/int8 with one fp32 scale per token per 128 values
-  and the rope key in bf16; neither vendor path reads that (FlashInfer's FP8 MLA takes our per-row latent scales
-  as `ckv_scale_arr` but wants the rope cache in fp8 with a per-tensor scale, SM90 only; AITER a per-tensor
-  scale), so quantised layers run our Triton kernel, which dequantises in place. So do CP steps (a rank's pages are every T-th block: the vendors' causal masks assume
-  contiguous positions) and shapes outside a vendor's limits (`Fallback` records why, once per reason).
+  and the rope key in bf16 — or, on SM90 with FlashInfer, in e4m3 at one fixed per-tensor scale (PagedLatentCache
+  `rope_fp8`), which is what FlashInfer's FP8 MLA reads, taking our per-token latent scales as `ckv_scale_arr`
+  (backends/cuda/flashinfer_mla.py). Elsewhere (trtllm-gen's dense FP8 MLA folds one per-tensor K scale into
+  bmm1/bmm2_scale; AITER takes per-tensor scales only)
+  quantised layers run our Triton kernel, which dequantises in place. So do CP steps (a rank's pages are every
+  T-th block: the vendors' causal masks assume contiguous positions) and shapes outside a vendor's limits
+  (`Fallback` records why, once per reason).
 - Sparse layers (a top-k selection in `meta.sparse[layer]`: DSA, KPool): neither vendor path takes our selection
   of slots, so such a layer runs our Triton kernel's sparse path too.
 """
