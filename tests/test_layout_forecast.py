@@ -52,7 +52,7 @@ def request_sets(draw):
     used = [0] * world
     for r in reqs:   # the running requests must fit the pool now (a layout they overflow is infeasible)
         if r.running:
-            for k, n in enumerate(led._need(r.owner, 0, -(-r.cached // bs))):
+            for k, n in enumerate(led.blocks_needed(r.owner, 0, -(-r.cached // bs))):
                 used[k] += n
     if any(u > cap for u in used):
         reqs = [r for r in reqs if not r.running]

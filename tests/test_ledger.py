@@ -26,7 +26,7 @@ def test_need_closed_form_matches_walk(layout, world, data):
         assert sorted(led.holders(b, owner)) == sorted(per_block[b])
         for r in per_block[b]:
             walk[r] += 1
-    assert led._need(owner, b0, b1) == walk
+    assert led.blocks_needed(owner, b0, b1) == walk
 
 
 def test_token_slice():

@@ -91,9 +91,7 @@ def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, in
     tensor ops over the requests and the new tokens."""
     bs = tables.block_size
     tables.flush()
-    rows = list(map(tables._row.get, map(_req_id, reqs)))
-    if None in rows:  # a request holding no page here yet gets an (empty) row
-        rows = [r if r is not None else tables.row(q.req_id) for r, q in zip(rows, reqs)]
+    rows = tables.rows(list(map(_req_id, reqs)))   # a request holding no page here yet gets an (empty) row
     q_lens = list(map(_num_new, reqs))
     dev = tables.pages.device
     starts = int_tensor(list(map(_start_pos, reqs)), device=dev)

@@ -64,13 +64,13 @@ class KVLedger:
     def holders(self, block: int, owner: int, layout: str | None = None) -> list[int]:
         return list(block_holders(layout or self.layout, block, owner, self.world))
 
-    def _need(self, owner: int, b0: int, b1: int, layout: str | None = None) -> list[int]:
+    def blocks_needed(self, owner: int, b0: int, b1: int, layout: str | None = None) -> list[int]:
         """Blocks each rank holds of logical blocks [b0, b1) of a request."""
         return blocks_held(layout or self.layout, owner, b0, b1, self.world)
 
     def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
         tokens, own = self.reqs.get(req, [0, owner])
-        return self._need(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
+        return self.blocks_needed(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
     def can_grow(self, req: str, new_tokens: int, owner: int = 0) -> bool:
         return not self.short_ranks(req, new_tokens, owner)
@@ -85,7 +85,7 @@ class KVLedger:
         """Per rank, how many requests hold blocks there."""
         out = [0] * self.world
         for tokens, owner in self.reqs.values():
-            for r, n in enumerate(self._need(owner, 0, _blocks(tokens, self.block_size))):
+            for r, n in enumerate(self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))):
                 out[r] += n > 0
         return out
 
@@ -94,7 +94,7 @@ class KVLedger:
         if req not in self.reqs:
             return False
         tokens, owner = self.reqs[req]
-        return self._need(owner, 0, _blocks(tokens, self.block_size))[rank] > 0
+        return self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))[rank] > 0
 
     def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)
@@ -110,7 +110,7 @@ class KVLedger:
         own, and cached ones only it uses; the latter become evictable)."""
         tokens, owner = self.reqs[req]
         shared = self.shared.get(req, ())
-        out = self._need(owner, len(shared), _blocks(tokens, self.block_size))
+        out = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
         for i, h in enumerate(shared):
             for r in self.holders(i, owner):
                 out[r] += self.refs[r].get(h) == 1
@@ -137,7 +137,7 @@ class KVLedger:
         tokens, owner = self.reqs.pop(req)
         self.final.pop(req, None)
         shared = self.shared.pop(req, ())
-        need = self._need(owner, len(shared), _blocks(tokens, self.block_size))
+        need = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
         for r in range(self.world):
             self.used[r] -= need[r]
         for i, h in enumerate(shared):
@@ -268,7 +268,7 @@ class KVLedger:
         used = [0] * self.world
         for req, (tokens, owner) in self.reqs.items():
             o = owners.get(req, owner) if owners else owner
-            need = self._need(o, 0, _blocks(tokens, self.block_size), layout)
+            need = self.blocks_needed(o, 0, _blocks(tokens, self.block_size), layout)
             used = [a + b for a, b in zip(used, need)]
         if shared:
             refs = self._refs_under(layout, owners)

@@ -201,7 +201,7 @@ class Scheduler:
         k, revive = found.get(owner, (0, None))
         if reach.get(owner, 0) > k:   # its next block is being computed where it would hold it: wait for it
             return IN_FLIGHT
-        need = led._need(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
+        need = led.blocks_needed(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
         if revive:
             need = [a + b for a, b in zip(need, revive)]
         spare = led.holder_counts()

@@ -52,6 +52,13 @@ class PageTable:
             r = self._new_row(req)
         return r
 
+    def rows(self, reqs) -> list[int]:
+        """The rows of `reqs` (`row` each; one dict pass when every request has one already)."""
+        rows = list(map(self._row.get, reqs))
+        if None in rows:
+            rows = [r if r is not None else self.row(q) for r, q in zip(rows, reqs)]
+        return rows
+
     def num_pages(self, req: str) -> int:
         return self._count.get(req, 0)
 
