@@ -204,18 +204,23 @@ def trtllm_batch_decode_with_kv_cache_mla(*args, **kwargs):
     return o.to(torch.bfloat16), lse.reshape(n, heads)
 
 
+def _install(monkeypatch, package: str, mla: types.ModuleType) -> types.ModuleType:
+    """`package` and `package.mla` (= `mla`) in sys.modules for the test's duration."""
+    pkg = types.ModuleType(package)
+    pkg.mla = mla
+    for name, m in ((package, pkg), (f"{package}.mla", mla)):
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, m)
+    return mla
+
+
 def install_flashinfer(monkeypatch) -> types.ModuleType:
     """Put the stand-in in sys.modules as flashinfer / flashinfer.mla for the test's duration."""
     mla = types.ModuleType("flashinfer.mla")
     mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     mla.MLAPlanMetadata = MLAPlanMetadata
     mla.trtllm_batch_decode_with_kv_cache_mla = trtllm_batch_decode_with_kv_cache_mla
-    pkg = types.ModuleType("flashinfer")
-    pkg.mla = mla
-    for name, m in (("flashinfer", pkg), ("flashinfer.mla", mla)):
-        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        monkeypatch.setitem(sys.modules, name, m)
-    return mla
+    return _install(monkeypatch, "flashinfer", mla)
 
 
 # ---- aiter --------------------------------------------------------------------------------------------------
@@ -283,9 +288,4 @@ def install_aiter(monkeypatch, arch: str, splits: int = 16) -> types.ModuleType:
     mla = types.ModuleType("aiter.mla")
     mla.allocated = []
     mla.mla_decode_fwd = make_mla_decode_fwd(arch, splits, mla.allocated)
-    pkg = types.ModuleType("aiter")
-    pkg.mla = mla
-    for name, m in (("aiter", pkg), ("aiter.mla", mla)):
-        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        monkeypatch.setitem(sys.modules, name, m)
-    return mla
+    return _install(monkeypatch, "aiter", mla)
