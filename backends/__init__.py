@@ -30,20 +30,22 @@ __all__ = ["ATTENTION", "Backend", "BackendUnavailable", "NAMES", "attention_wor
            "get_backend", "missing_packages"]
 
 
-def attention_workspace_bytes(kernel: str, heads_per_rank=(), max_decode_rows: int = 0) -> int:
-    """Device bytes an attention kernel allocates for itself (the device budget counts them with the scratch).
-    FlashInfer: its MLA wrapper's float workspace plus trtllm-gen's zeroed one (a run with decode and mixed steps on
-    SM100 holds both). AITER: mla_decode_fwd's per-call split buffers at their worst case, for `max_decode_rows`
-    rows (a decode step's requests) and the widest launch of the head counts a rank attends (`heads_per_rank`,
-    over the allowed layouts: splash.layouts.layout.attended_heads). trtllm-gen and AITER read the fused bf16
-    pool in place (no copy of the KV); the other kernels' temporaries are inside the step's scratch."""
+def attention_workspace_bytes(kernel: str, launches=(), max_decode_rows: int = 0, arch: str = "",
+                              dims: tuple[int, int] = (512, 64), page_size: int = 64) -> int:
+    """Device bytes an attention kernel allocates for itself (the device budget counts them with the scratch),
+    for the paths that can run: `launches` are what a rank's kernel is handed under each allowed layout
+    (splash.layouts.layout.rank_attention: heads, KV dtype, CP or not), on an `arch` device ("sm_90",
+    "gfx942"; "" unknown: any arch the kernel has paths for), for a model of `dims` (d_c, d_r) in pages of
+    `page_size` tokens. Each vendor's own path choice decides (backends.cuda.flashinfer_mla.workspace_bytes,
+    backends.hip.aiter_mla.workspace_bytes); a launch that runs our Triton kernel there costs nothing here
+    (its temporaries are inside the step's scratch). trtllm-gen and AITER read the fused bf16 pool in place."""
     if kernel == "aiter":
         from backends.hip.aiter_mla import workspace_bytes
-        return workspace_bytes(heads_per_rank, max_decode_rows)
-    if kernel != "flashinfer":
-        return 0
-    from backends.cuda.flashinfer_mla import WORKSPACE_BYTES
-    return 2 * WORKSPACE_BYTES
+        return workspace_bytes(launches, max_decode_rows, arch, dims, page_size)
+    if kernel == "flashinfer":
+        from backends.cuda.flashinfer_mla import workspace_bytes
+        return workspace_bytes(launches, arch, dims, page_size)
+    return 0
 
 
 def _torch_gpu() -> tuple[str | None, int]:

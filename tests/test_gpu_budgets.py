@@ -20,7 +20,8 @@ from splash.cli import check
 from splash.cli.args import build_config
 from splash.costmodel.profile import load_profile
 from splash.layouts.device_budget import ATTN_SCRATCH_BYTES, device_memory_budget
-from splash.layouts.layout import attended_heads, heads_fit
+from splash.engine.runner import resolve_layout_kv_dtypes
+from splash.layouts.layout import RankAttention, attended_heads, heads_fit, rank_attention
 from splash.sim.presets import load_sim_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,21 +46,27 @@ def _shipped() -> list[tuple[str, object, object, int]]:
 def test_kernel_scratch_and_workspaces_fit_the_budget(name, cfg, mcfg, world):
     c, s = cfg.cache, cfg.scheduler
     profile = load_profile(cfg.hardware_profile)
-    ws = backends.attention_workspace_bytes(
-        cfg.attention_backend, attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world),
-        min(s.max_num_seqs, s.max_num_batched_tokens))
+    runs = rank_attention(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world,
+                          resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes))
+    dims = (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim)
+    ws = backends.attention_workspace_bytes(cfg.attention_backend, runs, min(s.max_num_seqs, s.max_num_batched_tokens),
+                                            profile.device_arch, dims, c.block_size)
+    worst = backends.attention_workspace_bytes(cfg.attention_backend, runs,
+                                               min(s.max_num_seqs, s.max_num_batched_tokens), "", dims, c.block_size)
+    assert ws <= worst                                                   # an unknown arch: every arch's paths
     args = (mcfg, world, int(profile.memory_bytes), c.gpu_memory_utilization, 1, "fp8_e4m3", c.block_size,
             s.max_num_batched_tokens, s.max_num_seqs)
     with_ws = device_memory_budget(*args, attention_workspace_bytes=ws)
     without = device_memory_budget(*args)
+    # fp8 KV in every case: FlashInfer's FP8 wrapper on SM90 (one workspace, no trtllm-gen's), our Triton kernel
+    # on SM100 and the DCU (no vendor workspace)
+    assert ws == (fi.WORKSPACE_BYTES if profile.device_arch == "sm_90" else 0), ws
     assert with_ws.kv_blocks > 0
     assert with_ws.scratch_bytes == without.scratch_bytes + ws          # the vendor workspaces are counted
     b = with_ws
     assert b.weight_bytes + b.scratch_bytes + b.graph_bytes + b.switch_headroom_bytes + b.kv_pool_bytes \
         <= b.usable_bytes                                                # and the pool shrank to make room
     assert b.kv_pool_bytes + b.switch_headroom_bytes <= without.kv_pool_bytes + without.switch_headroom_bytes
-    if cfg.attention_backend == "flashinfer":
-        assert ws == 2 * fi.WORKSPACE_BYTES
     heads = mcfg.num_attention_heads
     per_rank = {heads // world if heads_fit("tp", heads, world) else heads, heads}   # TP shard; DP-attn/CP/DOP
     max_len = cfg.model.max_model_len or mcfg.max_position_embeddings
@@ -94,7 +101,9 @@ def test_aiter_split_buffers_in_the_budget(name, cfg, mcfg, world, device):
     c, s = cfg.cache, cfg.scheduler
     heads = attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world)
     rows = min(s.max_num_seqs, s.max_num_batched_tokens)
-    ws = backends.attention_workspace_bytes("aiter", heads, rows)
+    runs = rank_attention(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world,
+                          dict.fromkeys(cfg.layout.allowed_layouts, "bfloat16"))   # AITER reads bf16 KV only
+    ws = backends.attention_workspace_bytes("aiter", runs, rows)
     widest = max(ai.decode_heads("gfx942", h) or 0 for h in heads)
     assert widest and ws == ai.call_buffer_bytes(rows, widest, ai.MAX_KV_SPLITS)
     assert all(ws >= ai.call_buffer_bytes(rows, ai.decode_heads(arch, h), k) for arch in ai.DECODE_HEADS
@@ -105,6 +114,85 @@ def test_aiter_split_buffers_in_the_budget(name, cfg, mcfg, world, device):
     assert b.kv_blocks > 0 and b.scratch_bytes == device_memory_budget(*args).scratch_bytes + ws
     assert b.weight_bytes + b.scratch_bytes + b.graph_bytes + b.switch_headroom_bytes + b.kv_pool_bytes \
         <= b.usable_bytes
+
+
+def test_sm90_capacity_is_the_pools_real_bytes(monkeypatch):
+    """On an SM90 device FlashInfer's pools keep an fp8 layer's rope key in e4m3 (64 B a token a layer, not 128):
+    the budget's block is the bytes that pool really allocates, start sizes the pool with it, and --check
+    prints that capacity. Off SM90 the rope key stays bf16, and so does the count."""
+    from splash.attention import kernels
+    from splash.engine.llm import kv_blocks_per_layout
+    from splash.kv.paged_cache import PagedLatentCache
+    from splash.layouts.memory import kv_block_bytes
+    from splash.server import startup
+    cfg = _shipped()[1][1]                                            # h200: DeepSeek-V3.2, fp8 KV, flashinfer
+    mcfg, world, dev = check._model(cfg)[0], 8, int(load_profile("h200").memory_bytes)
+    indexed = [i for i in range(mcfg.num_hidden_layers) if mcfg.has_indexer(i)]
+    for arch, rope_fp8 in (("sm_90", True), ("sm_100", False)):
+        pool = PagedLatentCache(mcfg.num_hidden_layers, 1, 64, mcfg.kv_lora_rank, mcfg.qk_rope_head_dim, "fp8_e4m3",
+                                index_dim=mcfg.index_head_dim, index_layers=indexed,
+                                rope_fp8=kernels.rope_fp8_pool("flashinfer", arch))
+        assert pool.rope_fp8 == rope_fp8 and (pool.kpe[0].element_size() == 1) == rope_fp8
+        b = startup.device_budget(cfg, mcfg, world, dev, 0, 1, arch)
+        assert b.block_bytes == pool.nbytes()
+    bf16_rope = kv_block_bytes(mcfg, "fp8_e4m3", 64)
+    assert bf16_rope - pool_sm90_bytes(mcfg) == 64 * mcfg.num_hidden_layers * 64   # 64 B a token a layer
+
+    class H200:                                                       # start on an SM90 rank (splash-serve)
+        device = "cuda:0"
+
+        def memory_info(self):
+            return dev - (3 << 30), dev
+    monkeypatch.setattr(kernels, "device_arch", lambda device: "sm_90")
+    budget = startup.kv_budget_bytes(cfg, mcfg, world, H200(), 1)
+    assert budget == startup.device_budget(cfg, mcfg, world, dev, 3 << 30, 1, "sm_90").kv_pool_bytes
+    assert budget % pool_sm90_bytes(mcfg) == 0
+    blocks = kv_blocks_per_layout(mcfg, world, "fp8_e4m3", 64, budget, 1, weight_quant=mcfg.quantization,
+                                  rope_fp8=kernels.kv_rope_fp8("flashinfer", "cuda:0"))
+    assert blocks["dop"] == budget // pool_sm90_bytes(mcfg) > budget // bf16_rope   # the pool holds it all
+    lines, _ = check.report(cfg)
+    kv_line = next(line for line in lines if line.startswith("KV "))
+    assert "rope key in e4m3" in kv_line
+
+
+def pool_sm90_bytes(mcfg) -> int:
+    from splash.layouts.memory import kv_block_bytes
+    return kv_block_bytes(mcfg, "fp8_e4m3", 64, rope_fp8=True)
+
+
+def test_workspaces_only_for_the_paths_that_run():
+    """A vendor workspace is charged only where that vendor's own path choice runs a launch: not for launches our
+    Triton kernel takes (fp8 KV on SM100, int8, NoPE on trtllm-gen, CP steps; on AMD: fp8 KV, NoPE dims, Hygon
+    archs, pages AITER does not take), and AITER's split buffers at the head launch of the device's own arch."""
+    ws, fi_ws = backends.attention_workspace_bytes, fi.WORKSPACE_BYTES
+
+    def runs(*specs):
+        return tuple(RankAttention(h, kv, cp) for h, kv, cp in specs)
+    tp, cp = runs((16, "bfloat16", False)), runs((128, "bfloat16", True))
+    assert ws("flashinfer", tp, 512, "sm_90") == fi_ws                       # FA3 wrapper only
+    assert ws("flashinfer", tp, 512, "sm_100") == 2 * fi_ws                  # + trtllm-gen's zeroed one
+    assert ws("flashinfer", tp, 512, "sm_100", (512, 0)) == fi_ws            # NoPE: no trtllm-gen decode
+    assert ws("flashinfer", tp, 512, "sm_100", page_size=16) == fi_ws        # pages trtllm-gen does not take
+    assert ws("flashinfer", runs((16, "fp8_e4m3", False)), 512, "sm_90") == fi_ws
+    assert ws("flashinfer", runs((16, "fp8_e4m3", False)), 512, "sm_100") == 0   # Triton there
+    assert ws("flashinfer", runs((16, "int8", False)), 512, "") == 0
+    assert ws("flashinfer", cp, 512, "sm_100") == 0                          # CP steps run Triton
+    assert ws("flashinfer", tp, 512, "") == 2 * fi_ws                        # unknown arch: any
+    wide = runs((16, "bfloat16", False), (64, "bfloat16", False))
+    assert ws("aiter", wide, 512, "gfx942") == ai.call_buffer_bytes(512, 128)   # 64 heads launch as 128 there
+    assert ws("aiter", wide, 512, "gfx950") == ai.call_buffer_bytes(512, 64)
+    assert ws("aiter", wide, 512, "") == ai.call_buffer_bytes(512, 128)
+    for args in ((wide, 512, "gfx936"), (wide, 512, "gfx90a"), (runs((64, "fp8_e4m3", False)), 512, "gfx942"),
+                 (wide, 512, "gfx942", (512, 0)), (wide, 512, "gfx942", (512, 64), 16), (cp, 512, "gfx942"),
+                 (wide, 0, "gfx942")):
+        assert ws("aiter", *args) == 0, args
+    # the shipped DCU config's model (GLM-5.3-Flash: NoPE, fp8 KV) under aiter on MI300X: nothing charged
+    from splash.server import startup
+    dcu = build_config(["--config", str(ROOT / "configs" / "dcu.yaml"), "--attention-backend", "aiter"])
+    mcfg = check._model(dcu)[0]
+    a = startup.device_budget(dcu, mcfg, 8, MI300X_BYTES, 0, 1, "gfx942")
+    dcu_triton = build_config(["--config", str(ROOT / "configs" / "dcu.yaml")])
+    assert a.scratch_bytes == startup.device_budget(dcu_triton, mcfg, 8, MI300X_BYTES, 0, 1, "gfx942").scratch_bytes
 
 
 def _count_host_reads(monkeypatch) -> list[str]:

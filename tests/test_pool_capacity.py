@@ -7,16 +7,21 @@ import pytest
 from splash.distributed.communicator import SingleRankCommunicator
 from splash.engine.llm import LLM, block_bytes, kv_blocks_per_layout
 from splash.kv.paged_cache import PagedLatentCache
-from splash.layouts.memory import kv_block_bytes, projection_bytes_per_rank
+from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer, projection_bytes_per_rank
 from splash.models.presets import preset_config
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])
-def test_allocated_pool_matches_memory_model(kv_dtype):
+@pytest.mark.parametrize("rope_fp8", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_allocated_pool_matches_memory_model(kv_dtype, rope_fp8, fused):
+    """To the byte, in every pool layout a device builds: the GPU's fused bf16 pools, and SM90 FlashInfer pools
+    (`rope_fp8`: an fp8 layer's rope key in e4m3, 1 byte a value, not bf16's 2)."""
     cfg = preset_config("small-mla")
-    pool = PagedLatentCache(cfg.num_hidden_layers, 37, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype)
-    model = kv_block_bytes(cfg, kv_dtype, 16) * 37
-    assert abs(pool.nbytes() - model) <= 0.01 * model, (pool.nbytes(), model)
+    pool = PagedLatentCache(cfg.num_hidden_layers, 37, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype,
+                            fused=fused, rope_fp8=rope_fp8)
+    assert pool.nbytes() == kv_block_bytes(cfg, kv_dtype, 16, rope_fp8) * 37
+    assert pool.block_bytes(0) == kv_bytes_per_token_layer(cfg, kv_dtype, 0, rope_fp8) * 16
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -18,6 +18,7 @@ from backends.cuda import flashinfer_mla as fi
 from backends.hip import aiter_mla as ai
 from splash.attention.kernels import make_kernel
 from splash.attention.kernels.external import block_tables, pad_heads
+from splash.layouts.layout import RankAttention
 
 DECODE = [(9, 1), (2, 1), (0, 1), (21, 1)]
 
@@ -347,7 +348,8 @@ def test_aiter_call_buffers_counted(monkeypatch, arch, heads, splits):
     rows = q.shape[0]
     assert mla.allocated == [ai.call_buffer_bytes(rows, ai.decode_heads(arch, heads), splits)]
     assert mla.allocated[0] > 0
-    assert backends.attention_workspace_bytes("aiter", (heads,), rows) >= mla.allocated[0]
+    launch = RankAttention(heads, "bfloat16", False)
+    assert backends.attention_workspace_bytes("aiter", (launch,), rows, arch) >= mla.allocated[0]
     assert ai.call_buffer_bytes(rows, 128) == 4 * rows * (16 * 128 * 513 + 128 + 2) + 4   # the 16-split ceiling
 
 

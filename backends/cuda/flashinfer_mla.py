@@ -74,6 +74,28 @@ def choose_path(sm_major: int, kv_dtype: str, d_c: int, d_r: int, page_size: int
     return "wrapper", None
 
 
+def arch_major(arch: str) -> int:
+    """The compute capability's major version of an arch name: "sm_90" → 9, "sm_100" → 10, "sm_120" → 12."""
+    return int(arch.removeprefix("sm_")) // 10
+
+
+SM_MAJORS = (8, 9, 10, 12)                # compute capabilities FlashInfer MLA runs on (an unknown arch: any)
+
+
+def workspace_bytes(launches, arch: str = "", dims: tuple[int, int] = WRAPPER_DIMS[0], page_size: int = 64) -> int:
+    """What the kernel allocates for itself on an `arch` device ("" unknown: any of SM_MAJORS) for `launches`
+    (splash.layouts.layout.RankAttention): WORKSPACE_BYTES for the MLA wrapper when some launch runs it, and
+    another (zeroed) for trtllm-gen when some decode step runs that; nothing when every launch runs Triton."""
+    from splash.attention.kernels import rope_fp8_pool
+    if arch and not arch.startswith("sm_"):
+        return 0
+    paths = {choose_path(major, run.kv_dtype, *dims, page_size, run.position_split, decode_only,
+                         rope_fp8_pool("flashinfer", f"sm_{major}0"))[0]
+             for major in ((arch_major(arch),) if arch else SM_MAJORS) for run in launches
+             for decode_only in (False, True)}
+    return WORKSPACE_BYTES * (bool(paths & {"wrapper", "wrapper-fp8"}) + ("trtllm-gen" in paths))
+
+
 def wrapper_backend(sm_major: int) -> str:
     """The MLA wrapper's backend by name (never "auto"): FA3 on Hopper, FA2 elsewhere (SM80+, SM100)."""
     return "fa3" if sm_major == 9 else "fa2"

@@ -68,12 +68,17 @@ def call_buffer_bytes(rows: int, launched_heads: int, splits: int = MAX_KV_SPLIT
     return 4 * (logits + rows * splits * launched_heads + rows * launched_heads) + 4 * (2 * requests + 1)
 
 
-def workspace_bytes(heads_per_rank, max_rows: int) -> int:
+def workspace_bytes(launches, max_rows: int, arch: str = "", dims: tuple[int, int] = DIMS,
+                    page_size: int = PAGE_SIZES[-1]) -> int:
     """The most any decode step's call allocates (call_buffer_bytes): `max_rows` decode rows, the largest split
-    count aiter can choose, and the widest launch of any per-rank head count on any arch (gfx942 pads 64 → 128);
-    a head count no arch ships runs our Triton kernel and allocates nothing here."""
-    launched = [decode_heads(arch, h) or 0 for arch in DECODE_HEADS for h in heads_per_rank]
-    widest = max(launched, default=0)
+    count aiter can choose, and the widest head launch among `launches` (splash.layouts.layout.RankAttention)
+    that choose_path sends to AITER on `arch` ("" unknown: any arch AITER ships; gfx942 pads 64 → 128). A
+    launch that runs our Triton kernel (another arch, KV dtype, dims or page size, a head count no kernel holds,
+    CP) allocates nothing here."""
+    archs = (arch,) if arch else tuple(DECODE_HEADS)
+    widest = max((decode_heads(a, run.heads) for a in archs for run in launches
+                  if choose_path(a, run.kv_dtype, *dims, run.heads, page_size, run.position_split, True) is None),
+                 default=0)
     return call_buffer_bytes(max_rows, widest) if widest and max_rows > 0 else 0
 
 

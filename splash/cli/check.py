@@ -84,17 +84,17 @@ def _world(cfg, profile) -> tuple[int, str]:
 
 
 def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
-    import backends
+    from splash.attention.kernels import rope_fp8_pool
     from splash.engine.llm import kv_blocks_per_layout, pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
-    from splash.layouts.device_budget import device_memory_budget
-    from splash.layouts.layout import attended_heads
     from splash.layouts.ownership import distinct_kv_tokens
+    from splash.server.startup import device_budget
 
-    c, s = cfg.cache, cfg.scheduler
+    c = cfg.cache
     kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
     wq = cfg.model.quantization or mcfg.quantization
     wbytes = 1 if wq else _WEIGHT_BYTES[cfg.compute_dtype]
+    arch = profile.device_arch if profile is not None and cfg.parallel.backend != "cpu" else ""
     if c.kv_cache_memory_bytes or cfg.parallel.backend == "cpu":
         pool = c.kv_cache_memory_bytes or (64 << 20)
         out.append(f"memory    KV budget {pool / GIB:.3f} GiB per rank (cache.kv_cache_memory_bytes)")
@@ -104,24 +104,20 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
         return
     else:
         try:
-            b = device_memory_budget(mcfg, world, int(profile.memory_bytes), c.gpu_memory_utilization, wbytes, kv,
-                                     c.block_size, s.max_num_batched_tokens, s.max_num_seqs,
-                                     layouts=tuple(cfg.layout.allowed_layouts), weight_quant=wq,
-                                     attention_workspace_bytes=backends.attention_workspace_bytes(
-                                         cfg.attention_backend,
-                                         attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads,
-                                                        world),
-                                         min(s.max_num_seqs, s.max_num_batched_tokens)))
+            b = device_budget(cfg, mcfg, world, int(profile.memory_bytes), 0, wbytes, arch)
         except ValueError as e:
             out.append(f"memory    does not fit: {e}")
             return
-        out.append(f"memory    per rank, device memory from the {profile.name} profile (measured at start):")
+        where = f", device arch {arch}" if arch else ""
+        out.append(f"memory    per rank, device memory from the {profile.name} profile{where} (measured at start):")
         out += [f"            {name:22s} {v / GIB:9.2f} GiB" for name, v in b.rows()]
         pool = b.kv_pool_bytes
-    per = kv_blocks_per_layout(mcfg, world, kv, c.block_size, pool, wbytes, weight_quant=wq)
+    rope_fp8 = rope_fp8_pool(cfg.attention_backend, arch)
+    per = kv_blocks_per_layout(mcfg, world, kv, c.block_size, pool, wbytes, weight_quant=wq, rope_fp8=rope_fp8)
     caps = ", ".join(f"{lay} {distinct_kv_tokens(lay, n, c.block_size, world):,}" for lay, n in per.items()
                      if lay in cfg.layout.allowed_layouts)
-    out.append(f"KV        {kv}, {c.block_size}-token pages; distinct tokens the group holds: {caps}")
+    rope = " (rope key in e4m3: FlashInfer's FP8 MLA)" if rope_fp8 and kv == "fp8_e4m3" else ""
+    out.append(f"KV        {kv}{rope}, {c.block_size}-token pages; distinct tokens the group holds: {caps}")
 
 
 def report(cfg) -> tuple[list[str], list[str]]:

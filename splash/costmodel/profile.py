@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -107,6 +108,9 @@ class HardwareProfile:
     # where each number comes from: field -> "spec: ...", "fitted: ... (to what)", "measured: ..." or "assumed: ..."
     provenance: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
+    # the GPU's arch ("sm_90", "sm_100", "gfx942"; "" unknown): `splash-serve --check` sizes the KV pool and the
+    # attention kernel's workspaces for the path that runs there (at start the device's own arch is read)
+    device_arch: str = ""
 
     def gemm_rate(self, dtype: str) -> float:
         if dtype not in self.gemm_flops_per_s:
@@ -305,6 +309,11 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
                                           for k, x in v.items()}
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
+    if "device_arch" in raw:
+        if not re.fullmatch(r"sm_\d+|gfx[0-9a-f]+", str(raw["device_arch"])):
+            raise ConfigError(f"{where}: field 'device_arch' = {raw['device_arch']!r} is not a GPU arch name "
+                              "(sm_<compute capability>, e.g. sm_90, or gfx<id>, e.g. gfx942)")
+        kw["device_arch"] = str(raw["device_arch"])
     return HardwareProfile(**kw)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from splash.attention.kernels import kv_rope_fp8
 from splash.engine.engine import Engine
 from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
@@ -56,11 +57,11 @@ def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: 
     return preset_config(name), quantizing_getter(preset_getter(name, seed, dtype), quantization, dtype)
 
 
-def block_bytes(cfg, kv_dtype: str, block_size: int) -> int:
+def block_bytes(cfg, kv_dtype: str, block_size: int, rope_fp8: bool = False) -> int:
     """Bytes of one KV block over all layers: the memory model's (tests/test_pool_capacity.py checks that the
-    pool really allocates that)."""
+    pool really allocates that; `rope_fp8`: PagedLatentCache's)."""
     from splash.layouts.memory import kv_block_bytes
-    return kv_block_bytes(cfg, kv_dtype, block_size)
+    return kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
 
 
 def pool_kv_dtype(cfg, kv_dtypes) -> str:
@@ -71,7 +72,7 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
                          weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None,
-                         state_requests: int = 0) -> dict[str, int]:
+                         state_requests: int = 0, rope_fp8: bool = False) -> dict[str, int]:
     """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
 
     The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
@@ -79,15 +80,17 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     the one capacity model, ``splash.layouts.memory.kv_capacity_tokens``, given the memory of a rank holding
     that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
     pool is the largest entry. Hybrid (glm5_next) models also keep `state_requests` KDA states (`hybrid_states`:
-    running requests' and prefix-cache snapshots) inside the same budget (splash.layouts.memory.recurrent_state_bytes)."""
+    running requests' and prefix-cache snapshots) inside the same budget (splash.layouts.memory.recurrent_state_bytes).
+    `rope_fp8`: the pool stores an fp8 layer's rope key in e4m3 (splash.attention.kernels.kv_rope_fp8)."""
     from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
-    block = block_bytes(cfg, kv_dtype, block_size)
+    block = block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     usable = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]  # others: not at this world
     base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
     rank_bytes = (budget_bytes // block) * block + base + common_bytes(cfg, world, weight_bytes, weight_quant)
     return {lay: kv_capacity_tokens(cfg, lay, world, rank_bytes, weight_bytes, kv_dtype, block_size,
-                                    weight_quant=weight_quant, state_requests=state_requests).blocks_per_rank
+                                    weight_quant=weight_quant, state_requests=state_requests,
+                                    rope_fp8=rope_fp8).blocks_per_rank
             for lay in usable}
 
 
@@ -129,7 +132,8 @@ class LLM:
         blocks: int | dict[str, int] = num_kv_blocks or kv_blocks_per_layout(
             cfg, comm.size, pool_kv_dtype(cfg, kv_dtypes.values()), block_size, kv_cache_memory_bytes,
             torch.finfo(DTYPES[dtype]).bits // 8, weight_quant=quantization or cfg.quantization,
-            state_requests=hybrid_states(cfg, max_num_seqs, enable_prefix_caching))
+            state_requests=hybrid_states(cfg, max_num_seqs, enable_prefix_caching),
+            rope_fp8=kv_rope_fp8(attention_backend, device))
         physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
         self.runner = ModelRunner(cfg, get, comm, layout, kv_cache_dtype, block_size, physical, DTYPES[dtype],
                                   layout_kv_dtypes, attention_backend, device=device)

@@ -34,6 +34,7 @@ import torch
 
 from splash.kv import quant
 from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens convert_layer dequantises at once
+from splash.layouts.memory import ROPE_FP8_DTYPES
 
 FUSED_DTYPES = ("bfloat16",)   # KV dtypes stored as one [blocks, page, d_c + d_r] tensor per layer (vendor format)
 
@@ -61,7 +62,7 @@ class PagedLatentCache:
     def _alloc(self, kv_dtype: str, layer: int) -> tuple[torch.Tensor | None, ...]:
         """(ckv, kpe, scale, ikey, iscale, fused) of one layer stored as `kv_dtype`."""
         lat_dt, rope_dt = quant.storage_dtypes(kv_dtype)
-        if self.rope_fp8 and kv_dtype == "fp8_e4m3":
+        if self.rope_fp8 and kv_dtype in ROPE_FP8_DTYPES:   # the memory model counts the same bytes
             rope_dt = quant.ROPE_FP8
         shape, dev, q = (self.num_blocks, self.block_size), self.device, quant.is_quantized(kv_dtype)
         dc = self.kv_lora_rank

@@ -62,10 +62,12 @@ def scratch_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: i
 def device_memory_budget(cfg: ModelConfig, world: int, device_bytes: int, utilization: float, weight_bytes: float,
                          kv_dtype: str, block_size: int, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                          in_use_bytes: int = 0, graph_bytes: int = 0, layouts=LAYOUT_NAMES,
-                         weight_quant: str | None = None, attention_workspace_bytes: int = 0) -> DeviceBudget:
+                         weight_quant: str | None = None, attention_workspace_bytes: int = 0,
+                         rope_fp8: bool = False) -> DeviceBudget:
     """The per-rank budget (see the module doc). ValueError when the weights and buffers alone do not fit.
     `attention_workspace_bytes`: what the attention kernel allocates for itself on top of the step's scratch
-    (FlashInfer's workspaces: backends.attention_workspace_bytes), counted with the scratch."""
+    (the vendor kernels' workspaces for the paths that run: backends.attention_workspace_bytes), counted with
+    the scratch. `rope_fp8`: the pool stores an fp8 layer's rope key in e4m3 (splash.layouts.memory)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     usable = int(device_bytes * utilization) - in_use_bytes
@@ -80,7 +82,7 @@ def device_memory_budget(cfg: ModelConfig, world: int, device_bytes: int, utiliz
                     default=0.0)
     room = usable - weights - scratch - graph_bytes - proj_recv
     layers = max(1, cfg.num_hidden_layers)
-    block = kv_block_bytes(cfg, kv_dtype, block_size)
+    block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     pool = int(room / (1 + 1 / layers)) if room > 0 else 0   # the pool + one layer's share of it as headroom
     pool = (pool // block) * block if block else 0
     if pool <= 0:

@@ -7,6 +7,8 @@ A layout is two independent choices (the ownership model of the paper):
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 
 SHARDED = "sharded"
@@ -85,6 +87,26 @@ def attended_heads(layouts, num_heads: int, world: int) -> tuple[int, ...]:
     DOP owner every head."""
     return tuple(num_heads // world if parse_layout(lay) is Layout.TP else num_heads
                  for lay in layouts if heads_fit(lay, num_heads, world))
+
+
+@dataclass(frozen=True)
+class RankAttention:
+    """What one rank's attention kernel is handed under a layout: the query heads it attends, the layout's KV
+    dtype, and whether its pages are split by position (CP: every T-th block, which the vendor kernels' causal
+    masks do not take)."""
+    heads: int
+    kv_dtype: str
+    position_split: bool
+
+
+def rank_attention(layouts, num_heads: int, world: int, kv_dtypes: Mapping[str, str]) -> tuple[RankAttention, ...]:
+    """RankAttention of each of `layouts` that fits (`kv_dtypes`: layout name → its KV dtype)."""
+    out = []
+    for lay in map(parse_layout, layouts):
+        if heads_fit(lay, num_heads, world):
+            heads = num_heads // world if lay is Layout.TP else num_heads
+            out.append(RankAttention(heads, kv_dtypes[lay.value], lay.kv_ownership == KV_POSITION))
+    return tuple(out)
 
 
 def check_heads(layout: str | Layout, num_heads: int, world: int) -> None:

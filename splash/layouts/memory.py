@@ -64,14 +64,19 @@ def index_vectors(cfg: ModelConfig) -> int:
     return 2 if cfg.hybrid is not None else 1
 
 
-def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None = None) -> int:
+ROPE_FP8_DTYPES = ("fp8_e4m3",)   # KV dtypes whose rope key a `rope_fp8` pool stores in e4m3 (1 byte a value)
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None = None,
+                             rope_fp8: bool = False) -> int:
     """Bytes of KV history per token of one layer (default: the widest MLA layer), including scales and DSA
     indexer keys (only in layers that run an indexer); 0 for a hybrid model's KDA layer (per-request state).
 
     float32/bfloat16: (d_c + d_r) × 4/2. fp8_e4m3/int8 (FlashMLA FP8 layout): d_c bytes of latent + one fp32
-    scale per 128-element group + d_r rope values kept in bf16. Indexer keys (when the layer has them; glm5_next
-    keeps two vectors, key and pool gate logits, each quantised on its own): in a quantised cache 1 byte each +
-    one fp32 scale per 128, otherwise the cache's element size.
+    scale per 128-element group + d_r rope values kept in bf16 — or in e4m3 for an fp8_e4m3 layer of a
+    `rope_fp8` pool (splash.kv.paged_cache: what the attention path reads, splash.attention.kernels.kv_rope_fp8).
+    Indexer keys (when the layer has them; glm5_next keeps two vectors, key and pool gate logits, each quantised
+    on its own): in a quantised cache 1 byte each + one fp32 scale per 128, otherwise the cache's element size.
     """
     _check_kv_dtype(kv_dtype)
     if layer is not None and cfg.is_linear_layer(layer):
@@ -81,7 +86,7 @@ def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None 
     if kv_dtype in _PLAIN_BYTES:
         elem = _PLAIN_BYTES[kv_dtype]
         return elem * (dc + dr) + keys * elem * di
-    latent = dc + 4 * math.ceil(dc / QUANT_GROUP) + 2 * dr
+    latent = dc + 4 * math.ceil(dc / QUANT_GROUP) + (1 if rope_fp8 and kv_dtype in ROPE_FP8_DTYPES else 2) * dr
     return latent + keys * (di + 4 * math.ceil(di / QUANT_GROUP))
 
 
@@ -216,9 +221,11 @@ def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str,
     return 0.0
 
 
-def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int) -> int:
-    """Bytes of one paged-cache block over all layers (a hybrid model's KDA layers hold none)."""
-    return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i) for i in range(cfg.num_hidden_layers))
+def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int, rope_fp8: bool = False) -> int:
+    """Bytes of one paged-cache block over all layers (a hybrid model's KDA layers hold none); `rope_fp8` as in
+    kv_bytes_per_token_layer."""
+    return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i, rope_fp8)
+                            for i in range(cfg.num_hidden_layers))
 
 
 @dataclass(frozen=True)
@@ -293,12 +300,14 @@ class CapacityReport:
 def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budget_bytes_per_rank: float,
                        weight_bytes: float, kv_dtype: str, block_size: int, scratch_bytes: int = 0,
                        reserve_bytes: int = 0, ffn_shards: int | None = None,
-                       weight_quant: str | None = None, state_requests: int = 0) -> CapacityReport:
+                       weight_quant: str | None = None, state_requests: int = 0,
+                       rope_fp8: bool = False) -> CapacityReport:
     """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget.
 
     TP stores every token on every rank, so its distinct capacity equals one rank's; DP-attn, CP and DOP store
     each block once, so theirs is world × per-rank blocks. ``state_requests``: KDA states kept in the group
     (hybrid models: running requests' and prefix-cache snapshots), per rank as `states_per_rank` counts them.
+    ``rope_fp8``: the pool stores an fp8 layer's rope key in e4m3 (kv_bytes_per_token_layer).
     """
     layout = parse_layout(layout)
     per_rank_reqs = states_per_rank(layout, state_requests, world)
@@ -306,7 +315,7 @@ def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budge
              + projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant) + scratch_bytes
              + reserve_bytes + per_rank_reqs * recurrent_state_bytes(cfg, layout, world))
     room = max(0.0, budget_bytes_per_rank - fixed)
-    per_block = kv_block_bytes(cfg, kv_dtype, block_size)
+    per_block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     per_rank = int(room // per_block) if per_block > 0 else 0
     distinct = per_rank if layout == Layout.TP else world * per_rank
     return CapacityReport(layout, world, block_size, per_block, room, per_rank, distinct, distinct * block_size)

@@ -176,31 +176,47 @@ def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[
     return counted
 
 
+def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
+                  weight_bytes: float, arch: str) -> Any:
+    """The per-rank device memory budget (splash.layouts.device_budget) of `cfg` on an `arch` device ("sm_90",
+    "gfx942"; "" unknown): the KV pool in the bytes the pool stores there (an SM90 FlashInfer pool keeps an fp8
+    layer's rope key in e4m3: splash.attention.kernels.rope_fp8_pool) and the attention kernel's workspaces for
+    the paths that run there (backends.attention_workspace_bytes). ValueError when nothing is left for KV."""
+    import backends
+    from splash.attention.kernels import rope_fp8_pool
+    from splash.engine.llm import pool_kv_dtype
+    from splash.engine.runner import resolve_layout_kv_dtypes
+    from splash.layouts.device_budget import device_memory_budget
+    from splash.layouts.layout import rank_attention
+
+    c, s = cfg.cache, cfg.scheduler
+    kv_dtypes = resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes)
+    allowed = tuple(cfg.layout.allowed_layouts)
+    workspaces = backends.attention_workspace_bytes(
+        cfg.attention_backend, rank_attention(allowed, mcfg.num_attention_heads, world, kv_dtypes),
+        min(s.max_num_seqs, s.max_num_batched_tokens), arch, (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim),
+        c.block_size)
+    return device_memory_budget(mcfg, world, device_bytes, c.gpu_memory_utilization, weight_bytes,
+                                pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size, s.max_num_batched_tokens,
+                                s.max_num_seqs, in_use_bytes=in_use_bytes, layouts=allowed,
+                                weight_quant=cfg.model.quantization or mcfg.quantization,
+                                attention_workspace_bytes=workspaces,
+                                rope_fp8=rope_fp8_pool(cfg.attention_backend, arch))
+
+
 def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int:
     """Per-rank KV budget: cache.kv_cache_memory_bytes when given; else on a GPU the device memory budget from
-    cache.gpu_memory_utilization (splash.layouts.device_budget, measured free/total memory); else the cpu default."""
+    cache.gpu_memory_utilization (device_budget on the device's arch, measured free/total memory); else the cpu
+    default."""
     c = cfg.cache
     info = backend.memory_info() if backend is not None else None
     if c.kv_cache_memory_bytes or info is None:
         return c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
-    import backends
-    from splash.engine.llm import pool_kv_dtype
-    from splash.engine.runner import resolve_layout_kv_dtypes
-    from splash.layouts.device_budget import device_memory_budget
-    from splash.layouts.layout import attended_heads
+    from splash.attention.kernels import device_arch
 
     free, total = info
-    kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
-    s = cfg.scheduler
     try:
-        b = device_memory_budget(mcfg, world, total, c.gpu_memory_utilization, weight_bytes, kv, c.block_size,
-                                 s.max_num_batched_tokens, s.max_num_seqs, in_use_bytes=total - free,
-                                 layouts=tuple(cfg.layout.allowed_layouts),
-                                 weight_quant=cfg.model.quantization or mcfg.quantization,
-                                 attention_workspace_bytes=backends.attention_workspace_bytes(
-                                     cfg.attention_backend,
-                                     attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world),
-                                     min(s.max_num_seqs, s.max_num_batched_tokens)))
+        b = device_budget(cfg, mcfg, world, total, total - free, weight_bytes, device_arch(backend.device))
     except ValueError as e:
         raise ConfigError(f"field 'cache.gpu_memory_utilization': {e}") from None
     return b.kv_pool_bytes
@@ -209,6 +225,7 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
 def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None, backend: Any = None) -> Built:
     """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``); tensors live on
     `backend`'s device (cpu without one)."""
+    from splash.attention.kernels import kv_rope_fp8
     from splash.engine.engine import Engine
     from splash.engine.llm import DTYPES, hybrid_states, kv_blocks_per_layout, load_model, pool_kv_dtype
     from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
@@ -226,11 +243,13 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         kv_dtypes = resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes, "cache.layout_kv_dtypes")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    device = backend.device if backend is not None else "cpu"
     per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
         mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size,
         kv_budget_bytes(cfg, mcfg, comm.size, backend, torch.finfo(dtype).bits // 8), torch.finfo(dtype).bits // 8,
         weight_quant=cfg.model.quantization or mcfg.quantization,
-        state_requests=hybrid_states(mcfg, cfg.scheduler.max_num_seqs, c.enable_prefix_caching))
+        state_requests=hybrid_states(mcfg, cfg.scheduler.max_num_seqs, c.enable_prefix_caching),
+        rope_fp8=kv_rope_fp8(cfg.attention_backend, device))
     blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
     if blocks < 1:
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
@@ -241,8 +260,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         advance = ticker.__enter__() if ticker else (lambda: None)
         try:
             runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, c.block_size, blocks,
-                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend,
-                                 device=backend.device if backend is not None else "cpu",
+                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend, device=device,
                                  streams=backend.streams() if backend is not None else None)
         except ValueError as e:
             raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None

@@ -37,14 +37,31 @@ class AttentionKernel(Protocol):
             cache) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def kv_rope_fp8(name: str, device: str | torch.device) -> bool:
-    """Whether the `name` kernel's pools on `device` store an fp8_e4m3 layer's rope key in e4m3 (PagedLatentCache
-    `rope_fp8`): FlashInfer on SM90, whose FP8 MLA reads the rope cache in fp8 with a per-tensor scale."""
+def device_arch(device: str | torch.device) -> str:
+    """The device's arch by name: "sm_90" (a CUDA device of compute capability 9.0), "gfx942" (a ROCm device's
+    gcnArchName), "cpu" off a GPU."""
     device = torch.device(device)
-    if name != "flashinfer" or device.type != "cuda" or getattr(torch.version, "hip", None):
+    if device.type != "cuda":
+        return "cpu"
+    if getattr(torch.version, "hip", None):
+        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def rope_fp8_pool(name: str, arch: str) -> bool:
+    """Whether the `name` kernel's pools on an `arch` device store an fp8_e4m3 layer's rope key in e4m3
+    (PagedLatentCache `rope_fp8`; the memory model counts the same bytes): FlashInfer on SM90, whose FP8 MLA
+    reads the rope cache in fp8 with a per-tensor scale."""
+    if name != "flashinfer" or not arch.startswith("sm_"):
         return False
-    from backends.cuda.flashinfer_mla import FP8_SM_MAJOR
-    return torch.cuda.get_device_capability(device)[0] == FP8_SM_MAJOR
+    from backends.cuda.flashinfer_mla import FP8_SM_MAJOR, arch_major
+    return arch_major(arch) == FP8_SM_MAJOR
+
+
+def kv_rope_fp8(name: str, device: str | torch.device) -> bool:
+    """rope_fp8_pool for the device itself."""
+    return rope_fp8_pool(name, device_arch(device))
 
 
 def make_kernel(name: str, softmax_scale: float) -> AttentionKernel:
