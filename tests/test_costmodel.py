@@ -42,6 +42,9 @@ def test_profile_errors_name_the_key(tmp_path, cpu):
         profile_from_dict(bad)
     with pytest.raises(ConfigError, match="overlap_fraction"):
         profile_from_dict({**raw, "overlap_fraction": 2.0})
+    with pytest.raises(ConfigError, match="device_arch' = 'hopper'"):
+        profile_from_dict({**raw, "device_arch": "hopper"})
+    assert profile_from_dict({**raw, "device_arch": "sm_90"}).device_arch == "sm_90"
     with pytest.raises(ConfigError, match="unknown hardware profile 'nope'"):
         load_profile("nope")
     import yaml

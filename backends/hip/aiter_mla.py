@@ -35,6 +35,7 @@ import logging
 
 import torch
 
+from splash.attention.kernels import device_arch   # "gfx942" from a ROCm device (startup asks it here)
 from splash.attention.kernels.external import NOT_FUSED_REASON, SPARSE_REASON, Fallback, pad_heads
 
 AITER_FACTS = "ROCm/aiter e4048607 (2026-08-22): aiter/mla.py, csrc/py_itfs_cu/asm_mla.cu, hsa/<arch>/mla/mla_asm.csv"
@@ -100,13 +101,6 @@ def choose_path(arch: str, kv_dtype: str, d_c: int, d_r: int, heads: int, page_s
     if page_size not in PAGE_SIZES:
         return f"page size {page_size} (AITER MLA decode takes {PAGE_SIZES})"
     return None
-
-
-def device_arch(device: torch.device) -> str:
-    """'gfx942' from a ROCm device's gcnArchName ('gfx942:sramecc+:xnack-'); 'cpu' off a GPU."""
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
 
 
 class AiterMLAKernel:

@@ -310,9 +310,9 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
     if "device_arch" in raw:
-        if not re.fullmatch(r"sm_\d+|gfx[0-9a-f]+", str(raw["device_arch"])):
+        if not re.fullmatch(r"(sm_\d+|gfx[0-9a-f]+)?", str(raw["device_arch"])):
             raise ConfigError(f"{where}: field 'device_arch' = {raw['device_arch']!r} is not a GPU arch name "
-                              "(sm_<compute capability>, e.g. sm_90, or gfx<id>, e.g. gfx942)")
+                              "(sm_<compute capability>, e.g. sm_90, or gfx<id>, e.g. gfx942; empty: unknown)")
         kw["device_arch"] = str(raw["device_arch"])
     return HardwareProfile(**kw)
 
