@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check of a GPU machine (NVIDIA or AMD/Hygon), < 8 minutes, needing only `pip install -e '.[cuda]'`
-# (or '.[hip]' + AITER) and an MPI with mpirun:
+# One prepared check of a GPU machine (NVIDIA or AMD/Hygon), < 8 minutes, after the README's GPU install line
+# `pip install -e '.[cuda,gpu-check]'` (or '.[hip,gpu-check]' + AITER; [gpu-check] brings httpx and mpirun):
 #   scripts/gpu-check.sh                  # every GPU this machine has (mpirun -n N when N > 1)
 #   scripts/gpu-check.sh --ranks 1        # one GPU
 #   scripts/gpu-check.sh --dry-run        # CPU only, tiny shapes: what CI runs (tests/test_gpu_check.py)
