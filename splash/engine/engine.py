@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.batch import StepBatch
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import EngineRequest, StepMessage, StopMessage, SwitchPlan, TokenEvent
+from splash.engine.messages import (BlockHash, EngineRequest, PerRank, StepMessage, StopMessage, SwitchPlan,
+                                   TokenEvent)
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
@@ -209,15 +210,12 @@ class Engine:
             self.abort(rid)   # its KV is released at the next step, like any abort
         return events
 
-    def _plan_snapshots(self, plan) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, int, int], ...]]:
+    def _plan_snapshots(self, plan: StepMessage) -> tuple[PerRank, tuple[BlockHash, ...]]:
         """(per rank the KDA state snapshots to drop, the step's snapshots to take) of a hybrid model's cache."""
         snaps = self.ledger.snapshots
         if snaps is None:
             return (), ()
-        reqs, bs = self.scheduler.requests, self.ledger.block_size
-        pieces = [(it.req_id, it.start_pos, it.start_pos + len(it.tokens), it.owner, len(reqs[it.req_id].prompt),
-                   lambda b, q=reqs[it.req_id]: q.block_hash(b, bs)) for it in plan.items]
-        take = snaps.plan(pieces, self.ledger.cached_anywhere)
+        take = snaps.plan(plan.items, self.scheduler.requests, self.ledger.cached_anywhere)
         return tuple(map(tuple, snaps.take_drops())), tuple(take)
 
     def _sample(self, logits: torch.Tensor, rids: list[str]):
@@ -305,8 +303,7 @@ class Engine:
         self._apply_cache_before(msg, switch)
         self.num_steps += 1
         items = msg.items
-        reqs = [StepRequest(it.req_id, it.start_pos, len(it.tokens), it.owner) for it in items]
-        batch = StepBatch.build(reqs, [list(it.tokens) for it in items], [it.sample for it in items],
+        batch = StepBatch.build(items, [it.tokens for it in items], [it.sample for it in items],
                                 getattr(self.runner, "device", "cpu"))
         if msg.logits:   # prompt-logprob rows: logits of these items' rows follow the sampled rows
             ranges = batch.row_ranges()
@@ -325,9 +322,9 @@ class Engine:
         a hybrid model, their KDA state from the snapshot at the end of those blocks (where this rank holds it), then
         dropped snapshots go and the step's snapshots to take are noted."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
-        for rid, b, h in msg.register:
-            if b in r.bm.table(rid):
-                r.bm.register(rid, b, h)
+        for reg in msg.register:
+            if reg.block in r.bm.table(reg.req_id):
+                r.bm.register(reg.req_id, reg.block, reg.hash)
         for rid in msg.release:
             r.release(rid)
         if switch is not None:
@@ -336,18 +333,18 @@ class Engine:
                 r.states.clear_snapshots()
         if msg.evict:
             r.bm.evict(list(msg.evict[me]))
-        for rid, owner, hashes in msg.attach:
-            mine = [(i, h) for i, h in enumerate(hashes) if me in block_holders(r.layout, i, owner, world)]
+        for hit in msg.attach:
+            mine = [(i, h) for i, h in enumerate(hit.hashes) if me in block_holders(r.layout, i, hit.owner, world)]
             if mine:
-                r.attach(rid, mine)
+                r.attach(hit.req_id, mine)
             # (no hit comes with a switch: the ledger forgets the cache at it, so r.layout is the step's layout)
-            if r.states is not None and me in state_holders(r.layout, owner, world):
-                r.states.restore(rid, hashes[-1])
+            if r.states is not None and me in state_holders(r.layout, hit.owner, world):
+                r.states.restore(hit.req_id, hit.hashes[-1])
         if r.states is not None:
             if msg.unsnap:
                 r.states.drop_snapshots(msg.unsnap[me])
             bs = r.block_size
-            r.states.plan_snapshots([(rid, (b + 1) * bs, h) for rid, b, h in msg.snapshot])
+            r.states.plan_snapshots([(s.req_id, (s.block + 1) * bs, s.hash) for s in msg.snapshot])
 
     def _local_weight_bytes(self) -> int:
         from splash.models.weights import resident_bytes
