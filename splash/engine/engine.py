@@ -18,8 +18,8 @@ from splash.attention.batch import StepBatch
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import (BlockHash, EngineRequest, PerRank, StepMessage, StopMessage, SwitchPlan,
-                                   TokenEvent)
+from splash.engine.messages import (BlockHash, EngineRequest, PerRank, RequestFailure, StepMessage, StopMessage,
+                                   SwitchPlan, TokenEvent)
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
@@ -60,7 +60,7 @@ class Engine:
         self.set_prefix_caching(enable_prefix_caching)
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, _PromptLogprobs] = {}
-        self.failed: list[tuple[str, Exception]] = []   # requests whose sampling raised (see take_failures)
+        self.failed: list[RequestFailure] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
@@ -206,8 +206,8 @@ class Engine:
                   for rid, tok, lp, c in zip(rids, toks, lps, cached)]
         for rid in done:
             self._forget(rid)
-        for rid, _ in self.failed:
-            self.abort(rid)   # its KV is released at the next step, like any abort
+        for f in self.failed:
+            self.abort(f.req_id)   # its KV is released at the next step, like any abort
         return events
 
     def _plan_snapshots(self, plan: StepMessage) -> tuple[PerRank, tuple[BlockHash, ...]]:
@@ -232,7 +232,7 @@ class Engine:
             try:
                 t, lp = self.sampler.sample(logits[i:i + 1], [rid])
             except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
-                self.failed.append((rid, e))
+                self.failed.append(RequestFailure(rid, e))
                 continue
             ok.append(rid)
             toks += t
@@ -244,7 +244,7 @@ class Engine:
         bad = self.sampler.take_failed()
         if not bad:
             return rids, toks, lps
-        self.failed += list(bad.items())
+        self.failed += [RequestFailure(rid, e) for rid, e in bad.items()]
         keep = [i for i, r in enumerate(rids) if r not in bad]
         return [rids[i] for i in keep], [toks[i] for i in keep], [lps[i] for i in keep]
 
@@ -281,8 +281,8 @@ class Engine:
         acc.delivered = True
         return acc.got
 
-    def take_failures(self) -> list[tuple[str, Exception]]:
-        """(req_id, error) of the requests whose sampling failed since the last call; they are already aborted."""
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests whose sampling failed since the last call; they are already aborted."""
         out, self.failed = self.failed, []
         return out
 

@@ -5,7 +5,8 @@
   0 broadcasts to every rank each step. Every rank acts on the same message in the same order, so the collectives of
   a step always line up. A `StepItem` is also what the attention executors read of a request's piece
   (splash.attention.batch.StepPiece): the ranks hand the items to the step batch as they arrive;
-- `TokenEvent`: what the engine hands back to the API per sampled token.
+- `TokenEvent`: what the engine hands back to the API per sampled token, and `RequestFailure` per request that
+  failed alone (its sampling or grammar raised; the engine has aborted it).
 
 The scheduler's own per-request state (`splash.engine.scheduler.Request`) stays inside the engine.
 """
@@ -43,6 +44,12 @@ class TokenEvent:
     logprobs: TokenLogprobs | None = None                  # when the request asked for `logprobs`
     prompt_logprobs: list[TokenLogprobs] | None = None     # prompt tokens 1.. (first event, `prompt_logprobs`)
     cached_tokens: int = 0                                 # prompt tokens its first admission found cached
+
+
+class RequestFailure(NamedTuple):
+    """Request `req_id` failed alone with `error` (its row could not be sampled, or its grammar failed)."""
+    req_id: str
+    error: Exception
 
 
 @dataclass(frozen=True)
