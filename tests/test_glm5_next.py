@@ -7,6 +7,7 @@ history ≤ its position), so ties in the top-k, were there any, would be broken
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -272,4 +273,6 @@ def test_family_description(glm5):
     assert fam.index_layers == {i for i in mla if hy.indexer_types[i] == "full"} and fam.index_vectors == 2
     dense = describe(preset_config("tiny-mla"))
     assert not dense.recurrent and dense.linear_heads == 0 and dense.linear is None and not dense.layer_extra
+    listed = dataclasses.replace(preset_config("tiny-mla"), eos_token_id=[1, 2])   # built by hand: unhashable
+    assert describe(listed).pool_layers == dense.pool_layers
     assert [dense.pool_layer(i) for i in range(dense.num_pool_layers)] == list(range(dense.num_pool_layers))

@@ -121,9 +121,15 @@ class ModelFamily:
         return layer in self.state_rows
 
 
-@lru_cache(maxsize=32)
 def describe(cfg: ModelConfig) -> ModelFamily:
     """The family of `cfg` (cached: the memory model asks per layer; the description is read-only)."""
+    try:
+        return _cached(cfg)
+    except TypeError:   # a config built by hand with a list in it is unhashable: described each time
+        return _describe(cfg)
+
+
+def _describe(cfg: ModelConfig) -> ModelFamily:
     layers = range(cfg.num_hidden_layers)
     if cfg.hybrid is None:
         index = (frozenset() if cfg.index_head_dim <= 0 else
@@ -141,3 +147,6 @@ def describe(cfg: ModelConfig) -> ModelFamily:
                        cfg.num_attention_heads, kda, index, index_vectors=2,
                        index_extra=(Weight(hy.index_kpool, idim, DENSE), Weight(idim, hid, DENSE)),
                        layer_extra=mhc, exact_weights=True)
+
+
+_cached = lru_cache(maxsize=32)(_describe)
