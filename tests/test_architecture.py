@@ -2,7 +2,8 @@
 or modules; the ownership model, cost model, simulator, scheduler, ledger and manifest planner import no torch; the
 models know nothing of layouts, switching, the engine or the server; the attention and switch executors import no
 runner), no layout re-interpreted from its name outside the ownership model (splash.layouts): code asks a `Layout`
-what it is instead of comparing names, and the runner's layout state changes only through `ModelRunner.adopt`."""
+what it is instead of comparing names, no model family tested outside the hybrid model's own files (code asks the
+family description, splash.models.family), and the runner's layout state changes only through `ModelRunner.adopt`."""
 from __future__ import annotations
 
 import ast
@@ -83,6 +84,41 @@ def test_no_layout_name_comparisons_outside_the_ownership_model():
                 continue
             found += [f"{p.relative_to(ROOT)}:{ln}" for ln in layout_name_comparisons(ast.parse(p.read_text()))]
     assert not found, "compare Layout properties (splash.layouts), not names: " + ", ".join(found)
+
+
+# the hybrid (glm5_next) model's own files: its config, model, KDA / KPool, attention, builder, recurrent store,
+# state transfer and the family description every other module asks (splash.models.family)
+HYBRID_FILES = {f"splash/{f}.py" for f in (
+    "models/config", "models/hybrid_config", "models/glm5_next", "models/kda", "models/kpool", "models/family",
+    "attention/hybrid", "attention/kpool", "engine/hybrid_setup", "kv/recurrent", "switching/state_transfer")}
+
+
+def family_tests(tree: ast.AST) -> list[int]:
+    """Lines that ask which family a config is instead of asking its description: reading `.hybrid`, calling
+    `.is_linear_layer(...)`."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr == "hybrid" and isinstance(n.ctx, ast.Load):
+            out.append(n.lineno)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "is_linear_layer":
+            out.append(n.lineno)
+    return sorted(set(out))
+
+
+def test_the_check_finds_family_tests():
+    src = ("if cfg.hybrid is not None:\n    n = cfg.hybrid.hc_mult\nk = r.cfg.is_linear_layer(3)\n"
+           "fam = describe(cfg)\nx = fam.linear is None\nimport splash.attention.hybrid\n")
+    assert family_tests(ast.parse(src)) == [1, 2, 3]
+
+
+def test_no_hybrid_reads_outside_the_hybrid_model():
+    found = []
+    for sub in ("splash", "backends"):
+        for p in sorted((ROOT / sub).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            if rel not in HYBRID_FILES:
+                found += [f"{rel}:{ln}" for ln in family_tests(ast.parse(p.read_text()))]
+    assert not found, "ask the model's description (splash.models.family.describe), not cfg.hybrid: " + ", ".join(found)
 
 
 def private_imports(tree: ast.AST, exists=lambda mod: False) -> list[str]:

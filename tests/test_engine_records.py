@@ -1,6 +1,7 @@
 """One typed record per engine boundary (splash.engine.messages): the API hands the engine an `EngineRequest`, the
-scheduler's plan is the `StepMessage` every rank receives (immutable, nothing copied field by field), a switch carries
-`ReqState`s, and the engine hands back `TokenEvent`s."""
+scheduler's plan is the `StepMessage` every rank receives (immutable, nothing copied field by field; its prefix-cache
+fields are `BlockHash` and `CacheHit` records), each rank hands its `StepItem`s to the step batch as they are, a
+switch carries `ReqState`s, and the engine hands back `TokenEvent`s."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,8 @@ import pickle
 import pytest
 
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import EngineRequest, StepMessage, SwitchPlan, TokenEvent
+from splash.engine.messages import (BlockHash, CacheHit, EngineRequest, StepItem, StepMessage, SwitchPlan,
+                                   TokenEvent)
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 from splash.switching.manifest import ReqState
@@ -56,3 +58,38 @@ def test_the_engine_takes_engine_requests_and_hands_back_token_events():
     assert events[-1].finish_reason == "length" and len(events[0].prompt_logprobs) == 2
     with pytest.raises(ValueError, match="prompt"):
         eng.add(EngineRequest("y", [], SamplingParams()))
+
+
+def test_the_prefix_cache_travels_as_typed_records():
+    """Registrations and hits in the step message are named records (what a rank reads by field), and pickle."""
+    s = Scheduler(KVLedger(2, 16, 4, "tp", prefix=True), max_num_seqs=4, max_num_batched_tokens=64)
+    s.add(Request("a", list(range(10)), 2))
+    plans = []
+    for rid in ("b", None, None):
+        plans.append(s.schedule())
+        s.update(plans[-1], {it.req_id: 9 for it in plans[-1].items if it.sample})
+        if rid:
+            s.add(Request(rid, list(range(10)), 2))
+    register = [r for p in plans for r in p.register]
+    attach = [a for p in plans for a in p.attach]
+    assert register and all(type(r) is BlockHash for r in register)
+    assert [(r.req_id, r.block) for r in register[:2]] == [("a", 0), ("a", 1)]
+    assert [type(a) for a in attach] == [CacheHit] and attach[0].req_id == "b"
+    assert attach[0].hashes == tuple(r.hash for r in register[:2])
+    assert pickle.loads(pickle.dumps(plans[1])) == plans[1]
+
+
+def test_each_rank_hands_the_message_items_to_the_step_batch():
+    """The attention executors read the step message's own items (splash.attention.batch.StepPiece): no copy."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+
+    eng = LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=16).engine
+    runner, batches = eng.runner, []
+    step = runner.step
+    runner.step = lambda batch, switch: (batches.append(batch), step(batch, switch))[1]
+    eng.add(EngineRequest("x", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    while eng.has_work():
+        eng.step()
+    assert [[type(q) for q in b.reqs] for b in batches] == [[StepItem], [StepItem], []]   # the last: a release
+    assert [(q.start_pos, q.num_new, q.end_pos) for b in batches for q in b.reqs] == [(0, 3, 3), (3, 1, 4)]

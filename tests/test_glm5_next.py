@@ -7,6 +7,7 @@ history ≤ its position), so ties in the top-k, were there any, would be broken
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -254,7 +255,8 @@ def test_quantization_at_load(fmt, glm5, comm, tmp_path, torch_kernels):
 
 def test_family_description(glm5):
     """The hybrid family: pool layers are the MLA layers in order, state rows the KDA layers, KDA heads shard as
-    attention heads do, no prefix caching; a dense family keeps every layer's KV in its own pool layer."""
+    attention heads do, its full-indexer MLA layers keep two vectors per token; a dense family keeps every layer's
+    KV in its own pool layer and adds no weights."""
     from splash.models.family import describe
     from splash.models.presets import preset_config
 
@@ -266,6 +268,11 @@ def test_family_description(glm5):
     assert dict(fam.pool_layers) == {l: j for j, l in enumerate(mla)} and fam.pool_layer(lin[0]) is None
     assert dict(fam.state_rows) == {l: j for j, l in enumerate(lin)} and fam.state_row(mla[0]) is None
     assert (fam.attention_heads, fam.linear_heads) == (cfg.num_attention_heads, cfg.hybrid.linear_num_heads)
+    hy = cfg.hybrid
+    assert fam.linear.state_bytes_per_head == 4 * hy.state_floats_per_head() * len(lin)
+    assert fam.index_layers == {i for i in mla if hy.indexer_types[i] == "full"} and fam.index_vectors == 2
     dense = describe(preset_config("tiny-mla"))
-    assert not dense.recurrent and dense.linear_heads == 0
+    assert not dense.recurrent and dense.linear_heads == 0 and dense.linear is None and not dense.layer_extra
+    listed = dataclasses.replace(preset_config("tiny-mla"), eos_token_id=[1, 2])   # built by hand: unhashable
+    assert describe(listed).pool_layers == dense.pool_layers
     assert [dense.pool_layer(i) for i in range(dense.num_pool_layers)] == list(range(dense.num_pool_layers))

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
+from splash.engine.messages import RequestFailure  # noqa: E402
 from splash.engine.sampler import Sampler  # noqa: E402
 from splash.engine.sampling import SamplingParams  # noqa: E402
 from splash.server.protocol import APIError  # noqa: E402
@@ -153,8 +154,9 @@ def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
             out[ev.req_id].append(ev.token)
             if ev.finish_reason:
                 finish[ev.req_id] = ev.finish_reason
-        failed += [rid for rid, _ in eng.take_failures()]
+        failed += eng.take_failures()
     eng.stop()
-    assert failed == ["bad"] and out["bad"] == []
+    assert [f.req_id for f in failed] == ["bad"] and out["bad"] == []
+    assert type(failed[0]) is RequestFailure and isinstance(failed[0].error, Exception)
     for rid in ("a", "b"):
         assert finish[rid] == "stop" and tok.decode(out[rid]) in ("yes", "no"), out[rid]

@@ -4,7 +4,10 @@ never more are kept than the bound, and a hit never resumes from a snapshot of o
 real ranks (tests/distributed/test_prefix_dist.py, glm5_next)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from splash.engine.ledger import KVLedger
+from splash.engine.messages import StepItem
 from splash.engine.scheduler import Request, Scheduler
 from splash.engine.state_snapshots import StateSnapshots, state_holders
 
@@ -130,9 +133,7 @@ def _run(sched: Scheduler, led: KVLedger, steps: int = 40) -> list:
     for _ in range(steps):
         plan = sched.schedule()
         reqs = sched.requests
-        led.snapshots.plan([(it.req_id, it.start_pos, it.start_pos + len(it.tokens), it.owner,
-                             len(reqs[it.req_id].prompt), lambda b, q=reqs[it.req_id]: q.block_hash(b, BS))
-                            for it in plan.items])
+        led.snapshots.plan(plan.items, reqs)
         attached += plan.attach
         sched.update(plan, {it.req_id: 5 for it in plan.items if it.sample})
         led.snapshots.settle(led.cached_anywhere, led.reqs)
@@ -166,4 +167,5 @@ def test_a_prompt_parting_from_cached_ones_is_snapshotted_where_it_parts():
     assert s.junction(0, 8, 23, hash_of, cached) is None      # the run goes on past this chunk
     assert s.junction(8, 23, 23, hash_of, cached) == 2
     assert s.junction(12, 23, 23, hash_of, cached) is None    # started past it (a hit)
-    assert [b for _, b, _ in s.plan([("a", 0, 23, 0, 23, hash_of)], cached)] == [2, 4]
+    req = SimpleNamespace(prompt=[0] * 23, block_hash=lambda b, bs: hash_of(b))
+    assert [t.block for t in s.plan([StepItem("a", 0, (0,) * 23, True, 0)], {"a": req}, cached)] == [2, 4]

@@ -1,13 +1,37 @@
 """The step batch every rank executes (replicated); each rank's attention metadata for it is in metadata.py."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
+class StepPiece(Protocol):
+    """What the executors read of one request's piece of a step. The engine's step-message item
+    (splash.engine.messages.StepItem) is one, handed over as it arrives; `StepRequest` builds one by hand (benchmarks,
+    calibration, tests)."""
+
+    @property
+    def req_id(self) -> str: ...
+
+    @property
+    def start_pos(self) -> int: ...   # tokens already in the KV history before this step
+
+    @property
+    def num_new(self) -> int: ...     # query rows this step (prefill chunk length, or 1 in decode)
+
+    @property
+    def end_pos(self) -> int: ...
+
+    @property
+    def owner(self) -> int: ...       # owner rank under DP-attn / DOP, anchor under CP
+
+
 @dataclass(frozen=True)
 class StepRequest:
+    """A `StepPiece` built by hand."""
     req_id: str
     start_pos: int   # tokens already in the KV history before this step
     num_new: int     # query rows this step (prefill chunk length, or 1 in decode)
@@ -20,13 +44,13 @@ class StepRequest:
 
 @dataclass
 class StepBatch:
-    reqs: list[StepRequest]
+    reqs: Sequence[StepPiece]
     token_ids: torch.Tensor   # [N] long
     positions: torch.Tensor   # [N] long
     sample_rows: list[int]    # rows whose logits are needed (last row of each request that samples)
 
     @classmethod
-    def build(cls, reqs: list[StepRequest], tokens: list[list[int]], sample: list[bool],
+    def build(cls, reqs: Sequence[StepPiece], tokens: Sequence[Sequence[int]], sample: Sequence[bool],
               device="cpu") -> "StepBatch":
         ids, pos, rows, r = [], [], [], 0
         for q, t, s in zip(reqs, tokens, sample):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention import dsa, mla
-from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.batch import StepBatch, StepPiece
 from splash.attention.context import RankContext
 from splash.attention.metadata import build_metadata
 from splash.layouts.layout import Layout
@@ -17,7 +17,7 @@ class CPAttention:
     def __init__(self, ctx: RankContext):
         self.r = ctx  # this rank's state (splash.attention.context)
 
-    def _mine(self, q: StepRequest, block: int) -> bool:
+    def _mine(self, q: StepPiece, block: int) -> bool:
         """Block `block` of request `q` lives here: round-robin rotated by the request's anchor rank."""
         return block_holders(Layout.CP, block, q.owner, self.r.comm.size)[0] == self.r.comm.rank
 

@@ -5,13 +5,13 @@ from dataclasses import dataclass
 
 import torch
 
-from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.batch import StepBatch, StepPiece
 from splash.attention.context import RankContext
 
 
 @dataclass
 class OwnerGroups:
-    mine: list[StepRequest]     # this rank's requests, in step order
+    mine: list[StepPiece]       # this rank's requests, in step order
     rows_mine: torch.Tensor     # their rows in the step
     by_owner: torch.Tensor      # all step rows, grouped by owner rank (rank 0's rows first), step order inside
     counts: list[int]           # rows per owner rank

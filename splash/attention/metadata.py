@@ -13,12 +13,13 @@ gather over the held pages, computed on demand and cached for the step.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 import torch
 
-from splash.attention.batch import StepRequest
+from splash.attention.batch import StepPiece
 from splash.kv.page_table import PageTable, int_tensor
 
 
@@ -83,7 +84,7 @@ class AttnMetadata:
 _req_id, _num_new, _start_pos = attrgetter("req_id"), attrgetter("num_new"), attrgetter("start_pos")
 
 
-def build_metadata(reqs: list[StepRequest], tables: PageTable, cp: tuple[int, int] | None = None) -> AttnMetadata:
+def build_metadata(reqs: Sequence[StepPiece], tables: PageTable, cp: tuple[int, int] | None = None) -> AttnMetadata:
     """Metadata for `reqs` (this rank's requests of the step, in row order), whose new tokens' pages are already
     in `tables`. `cp=(world, rank)`: CP placement — block b of a request anchored at rank a lives on rank
     (b + a) % world (`splash.layouts.ownership.cp_block_rank`), where it is the request's (b // world)-th page;

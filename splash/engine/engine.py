@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.batch import StepBatch
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import EngineRequest, StepMessage, StopMessage, SwitchPlan, TokenEvent
+from splash.engine.messages import (BlockHash, EngineRequest, PerRank, RequestFailure, StepMessage, StopMessage,
+                                   SwitchPlan, TokenEvent)
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
@@ -59,7 +60,7 @@ class Engine:
         self.set_prefix_caching(enable_prefix_caching)
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, _PromptLogprobs] = {}
-        self.failed: list[tuple[str, Exception]] = []   # requests whose sampling raised (see take_failures)
+        self.failed: list[RequestFailure] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
@@ -205,19 +206,16 @@ class Engine:
                   for rid, tok, lp, c in zip(rids, toks, lps, cached)]
         for rid in done:
             self._forget(rid)
-        for rid, _ in self.failed:
-            self.abort(rid)   # its KV is released at the next step, like any abort
+        for f in self.failed:
+            self.abort(f.req_id)   # its KV is released at the next step, like any abort
         return events
 
-    def _plan_snapshots(self, plan) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, int, int], ...]]:
+    def _plan_snapshots(self, plan: StepMessage) -> tuple[PerRank, tuple[BlockHash, ...]]:
         """(per rank the KDA state snapshots to drop, the step's snapshots to take) of a hybrid model's cache."""
         snaps = self.ledger.snapshots
         if snaps is None:
             return (), ()
-        reqs, bs = self.scheduler.requests, self.ledger.block_size
-        pieces = [(it.req_id, it.start_pos, it.start_pos + len(it.tokens), it.owner, len(reqs[it.req_id].prompt),
-                   lambda b, q=reqs[it.req_id]: q.block_hash(b, bs)) for it in plan.items]
-        take = snaps.plan(pieces, self.ledger.cached_anywhere)
+        take = snaps.plan(plan.items, self.scheduler.requests, self.ledger.cached_anywhere)
         return tuple(map(tuple, snaps.take_drops())), tuple(take)
 
     def _sample(self, logits: torch.Tensor, rids: list[str]):
@@ -234,7 +232,7 @@ class Engine:
             try:
                 t, lp = self.sampler.sample(logits[i:i + 1], [rid])
             except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
-                self.failed.append((rid, e))
+                self.failed.append(RequestFailure(rid, e))
                 continue
             ok.append(rid)
             toks += t
@@ -246,7 +244,7 @@ class Engine:
         bad = self.sampler.take_failed()
         if not bad:
             return rids, toks, lps
-        self.failed += list(bad.items())
+        self.failed += [RequestFailure(rid, e) for rid, e in bad.items()]
         keep = [i for i, r in enumerate(rids) if r not in bad]
         return [rids[i] for i in keep], [toks[i] for i in keep], [lps[i] for i in keep]
 
@@ -283,8 +281,8 @@ class Engine:
         acc.delivered = True
         return acc.got
 
-    def take_failures(self) -> list[tuple[str, Exception]]:
-        """(req_id, error) of the requests whose sampling failed since the last call; they are already aborted."""
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests whose sampling failed since the last call; they are already aborted."""
         out, self.failed = self.failed, []
         return out
 
@@ -305,8 +303,7 @@ class Engine:
         self._apply_cache_before(msg, switch)
         self.num_steps += 1
         items = msg.items
-        reqs = [StepRequest(it.req_id, it.start_pos, len(it.tokens), it.owner) for it in items]
-        batch = StepBatch.build(reqs, [list(it.tokens) for it in items], [it.sample for it in items],
+        batch = StepBatch.build(items, [it.tokens for it in items], [it.sample for it in items],
                                 getattr(self.runner, "device", "cpu"))
         if msg.logits:   # prompt-logprob rows: logits of these items' rows follow the sampled rows
             ranges = batch.row_ranges()
@@ -325,9 +322,9 @@ class Engine:
         a hybrid model, their KDA state from the snapshot at the end of those blocks (where this rank holds it), then
         dropped snapshots go and the step's snapshots to take are noted."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
-        for rid, b, h in msg.register:
-            if b in r.bm.table(rid):
-                r.bm.register(rid, b, h)
+        for reg in msg.register:
+            if reg.block in r.bm.table(reg.req_id):
+                r.bm.register(reg.req_id, reg.block, reg.hash)
         for rid in msg.release:
             r.release(rid)
         if switch is not None:
@@ -336,18 +333,18 @@ class Engine:
                 r.states.clear_snapshots()
         if msg.evict:
             r.bm.evict(list(msg.evict[me]))
-        for rid, owner, hashes in msg.attach:
-            mine = [(i, h) for i, h in enumerate(hashes) if me in block_holders(r.layout, i, owner, world)]
+        for hit in msg.attach:
+            mine = [(i, h) for i, h in enumerate(hit.hashes) if me in block_holders(r.layout, i, hit.owner, world)]
             if mine:
-                r.attach(rid, mine)
+                r.attach(hit.req_id, mine)
             # (no hit comes with a switch: the ledger forgets the cache at it, so r.layout is the step's layout)
-            if r.states is not None and me in state_holders(r.layout, owner, world):
-                r.states.restore(rid, hashes[-1])
+            if r.states is not None and me in state_holders(r.layout, hit.owner, world):
+                r.states.restore(hit.req_id, hit.hashes[-1])
         if r.states is not None:
             if msg.unsnap:
                 r.states.drop_snapshots(msg.unsnap[me])
             bs = r.block_size
-            r.states.plan_snapshots([(rid, (b + 1) * bs, h) for rid, b, h in msg.snapshot])
+            r.states.plan_snapshots([(s.req_id, (s.block + 1) * bs, s.hash) for s in msg.snapshot])
 
     def _local_weight_bytes(self) -> int:
         from splash.models.weights import resident_bytes

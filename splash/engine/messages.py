@@ -1,16 +1,19 @@
 """The records that cross the engine's boundaries (pure data, no torch), one per boundary:
 
 - `EngineRequest`: what the API hands the engine for one sequence (its prompt ids and validated sampling params);
-- `StepMessage` (of `StepItem`s) or `StopMessage`: what rank 0 broadcasts to every rank each step. Every rank acts
-  on the same message in the same order, so the collectives of a step always line up;
-- `TokenEvent`: what the engine hands back to the API per sampled token.
+- `StepMessage` (of `StepItem`s, and the prefix cache's `BlockHash`es and `CacheHit`s) or `StopMessage`: what rank
+  0 broadcasts to every rank each step. Every rank acts on the same message in the same order, so the collectives of
+  a step always line up. A `StepItem` is also what the attention executors read of a request's piece
+  (splash.attention.batch.StepPiece): the ranks hand the items to the step batch as they arrive;
+- `TokenEvent`: what the engine hands back to the API per sampled token, and `RequestFailure` per request that
+  failed alone (its sampling or grammar raised; the engine has aborted it).
 
 The scheduler's own per-request state (`splash.engine.scheduler.Request`) stays inside the engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from splash.switching.block_plan import CachedBlock
 from splash.switching.manifest import ReqState
@@ -43,6 +46,12 @@ class TokenEvent:
     cached_tokens: int = 0                                 # prompt tokens its first admission found cached
 
 
+class RequestFailure(NamedTuple):
+    """Request `req_id` failed alone with `error` (its row could not be sampled, or its grammar failed)."""
+    req_id: str
+    error: Exception
+
+
 @dataclass(frozen=True)
 class StepItem:
     """One request's piece of the step: `tokens` at positions `start_pos`…; `sample` its last row; its owner
@@ -52,6 +61,32 @@ class StepItem:
     tokens: tuple[int, ...]
     sample: bool
     owner: int
+
+    @property
+    def num_new(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.tokens)
+
+
+class BlockHash(NamedTuple):
+    """Full block `block` of request `req_id`, named by its prefix hash `hash` (the tokens up to its end)."""
+    req_id: str
+    block: int
+    hash: int
+
+
+class CacheHit(NamedTuple):
+    """Request `req_id` starts on cached blocks: its leading blocks named by `hashes`, held where `owner` (its
+    DP-attn/DOP owner, CP anchor) puts them."""
+    req_id: str
+    owner: int
+    hashes: tuple[int, ...]
+
+
+PerRank = tuple[tuple[int, ...], ...]   # one tuple of block / snapshot hashes per rank, rank 0 first
 
 
 @dataclass(frozen=True)
@@ -73,13 +108,13 @@ class StepMessage:
     switch: SwitchPlan | None = None
     logits: tuple[int, ...] = ()             # items whose prompt rows' logits come back (prompt logprobs)
     # prefix cache (splash.engine.ledger decides; every rank applies, in this order, before the step):
-    register: tuple[tuple[str, int, int], ...] = ()         # (req, block, hash): blocks the last step filled
-    evict: tuple[tuple[int, ...], ...] = ()                  # per rank: cached blocks to free
-    attach: tuple[tuple[str, int, tuple[int, ...]], ...] = ()   # (req, owner, hashes): cached blocks it starts on
+    register: tuple[BlockHash, ...] = ()     # blocks the last step filled, cached now
+    evict: PerRank = ()                      # cached blocks to free
+    attach: tuple[CacheHit, ...] = ()        # requests starting on cached blocks
     # KDA state snapshots of a hybrid model (splash.engine.state_snapshots): dropped per rank after the attaches,
-    # taken during the step (the state of `req` at the end of its block `block`, named by that block's hash)
-    unsnap: tuple[tuple[int, ...], ...] = ()                 # per rank: snapshots to drop
-    snapshot: tuple[tuple[str, int, int], ...] = ()          # (req, block, hash)
+    # taken during the step (a request's state at the end of its block, named by that block's hash)
+    unsnap: PerRank = ()                     # snapshots to drop
+    snapshot: tuple[BlockHash, ...] = ()
 
 
 @dataclass(frozen=True)

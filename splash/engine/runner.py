@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from splash.attention.batch import StepBatch, StepRequest
+from splash.attention.batch import StepBatch, StepPiece
 from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.engine.hybrid_setup import build_hybrid
 from splash.engine.rank_model import build_dense
@@ -131,7 +131,7 @@ class ModelRunner:
         if new:
             self.tables.append(req, new)
 
-    def new_logical_blocks(self, q: StepRequest) -> list[int]:
+    def new_logical_blocks(self, q: StepPiece) -> list[int]:
         """Logical blocks touched by the new tokens of `q`."""
         if q.num_new == 0 or (q.num_new == 1 and q.start_pos % self.block_size):
             return []  # a decode token inside a page: its page holds the previous position, so is held already

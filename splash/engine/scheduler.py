@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import StepItem, StepMessage
+from splash.engine.messages import BlockHash, CacheHit, StepItem, StepMessage
 from splash.layouts.layout import KV_ALL, kv_ownership_of
 
 
@@ -108,7 +108,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._release: list[str] = []
-        self._registered: list[tuple[str, int, int]] = []
+        self._registered: list[BlockHash] = []
         self._evict_extra: list[list[int]] = []   # evictions asked for between steps (reset_prefix_cache)
         self._computing: dict[int, str] = {}      # prefix hash -> the running request computing that block now
         self.num_preemptions = 0
@@ -272,7 +272,7 @@ class Scheduler:
                 items.append(item)
                 budget -= len(item.tokens)
             i += 1
-        attach = []
+        attach: list[CacheHit] = []
         w = 0   # the first waiting request not waiting for blocks in flight
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[w]
@@ -299,7 +299,7 @@ class Scheduler:
                 self.prefix_queries += len(req.prompt)
                 self.prefix_hits += req.num_cached
             if hit:
-                attach.append((req.req_id, owner, tuple(hit)))
+                attach.append(CacheHit(req.req_id, owner, tuple(hit)))
             if self.ledger.prefix:
                 self._start_computing(req, len(hit))
             del self.waiting[w]
@@ -327,7 +327,7 @@ class Scheduler:
             if not led.register(req.req_id, i, h):
                 self._stop_computing(req.req_id)   # it registers nothing more: nobody may wait for its blocks
                 return
-            self._registered.append((req.req_id, i, h))
+            self._registered.append(BlockHash(req.req_id, i, h))
             if self._computing.get(h) == req.req_id:
                 del self._computing[h]
 

@@ -26,9 +26,22 @@ message, so no rank decides one itself.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
+from splash.engine.messages import BlockHash, StepItem
 from splash.layouts.layout import parse_layout
 from splash.layouts.memory import states_per_rank
+
+
+class HashedRequest(Protocol):
+    """What planning snapshots reads of a request (splash.engine.scheduler.Request): its prompt and the prefix hash
+    of its full block `i`."""
+
+    @property
+    def prompt(self) -> Sequence[int]: ...
+
+    def block_hash(self, i: int, block_size: int) -> int: ...
 
 
 def state_holders(layout: str, owner: int, world: int) -> list[int]:
@@ -108,18 +121,22 @@ class StateSnapshots:
                 return b
         return None
 
-    def plan(self, pieces, cached=lambda h: False) -> list[tuple[str, int, int]]:
-        """The step's snapshots [(req, block, hash)] for its pieces [(req, start, end, owner, prompt_len,
-        hash_of_block)], in piece order: `points`, and the `junction` of a prompt with the blocks `cached` names."""
-        out = []
-        for req, start, end, owner, plen, hash_of in pieces:
-            first = (plen - 1) // self.block_size - 1
+    def plan(self, items: Sequence[StepItem], requests: Mapping[str, HashedRequest],
+             cached=lambda h: False) -> list[BlockHash]:
+        """The step's snapshots for its pieces `items` (of `requests`), in piece order: `points`, and the `junction`
+        of a prompt with the blocks `cached` names."""
+        out, bs = [], self.block_size
+        for it in items:
+            req = requests[it.req_id]
+            start, end, plen = it.start_pos, it.end_pos, len(req.prompt)
+            hash_of = lambda b, q=req: q.block_hash(b, bs)  # noqa: E731
+            first = (plen - 1) // bs - 1
             points = self.points(start, end, plen)
             j = self.junction(start, end, plen, hash_of, cached) if end - start > 1 else None
             for b in sorted({*points, *([] if j is None else [j])}):
                 h = hash_of(b)
-                if self.take(req, h, owner, latest=b in points and b != first):
-                    out.append((req, b, h))
+                if self.take(it.req_id, h, it.owner, latest=b in points and b != first):
+                    out.append(BlockHash(it.req_id, b, h))
         return out
 
     def _make_room(self, r: int) -> bool:

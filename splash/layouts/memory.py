@@ -14,19 +14,24 @@ Q-B, KV-B, O, FFN/MoE projections, indexer wq_b/wk) is counted in real stored by
 scales each rank's shard carries, including the partial blocks a shard shares with its neighbour when a head or
 FFN shard does not start on a 128-row/column boundary (GLM-5.x KV-B: 448 rows per head); embeddings, LM head,
 norms and the MoE router stay in the compute dtype (router and its bias in fp32). ``rank_weight_bytes`` gives one
-rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures. Hybrid
-(glm5_next) models are always counted exactly, plain or quantised (below: the hybrid section): KDA layers hold
-no Q-A/KV-A; their head-shardable projections count with the projections, and mHC weights with common.
+rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures.
+
+What a model family adds beyond MLA + FFN comes from its description (splash.models.family), never from testing
+which family a config is: which layers hold paged KV and which per-request recurrent state, which run an indexer
+and how many vectors it keeps per token, and the weights it adds (`Weight`s: a hybrid's KDA layers hold no
+Q-A/KV-A but their own common weights, their head-shardable ones count with the projections, and its mHC and
+KPool weights with common). A family marked ``exact_weights`` is always counted exactly, plain or quantised.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from splash.layouts.layout import Layout, check_heads, parse_layout
 from splash.layouts.ownership import head_range, kv_holders, num_blocks
 from splash.models.config import ModelConfig
+from splash.models.family import DENSE, FP32, Weight, describe
 
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")   # the one list of KV storage dtypes
 _PLAIN_BYTES = {"float32": 4, "bfloat16": 2}
@@ -34,6 +39,7 @@ QUANT_GROUP = 128  # elements of the latent sharing one fp32 scale (per token)
 WEIGHT_QUANTS = ("fp8", "int8")
 WEIGHT_BLOCK = 128  # fp8 weights: one fp32 scale per 128×128 block
 SCALE_BYTES = 4
+FP32_BYTES = 4
 CONVERT_CHUNK_SLOTS = 4096  # tokens a KV format conversion dequantises at once (bounds its fp32 scratch)
 
 
@@ -44,24 +50,12 @@ def _check_kv_dtype(kv_dtype: str) -> None:
 
 def layer_has_indexer_keys(cfg: ModelConfig, layer: int | None) -> bool:
     """Layer `layer` keeps DSA indexer keys: it runs its own indexer (indexer_types "full"; a "shared" layer
-    reuses another's selection and stores none; glm5_next: its MLA layers with a full KPool indexer). None: the
-    widest layer. A config with an index_head_dim but no indexer_types (analysis-only shapes) counts keys in
-    every layer."""
+    reuses another's selection and stores none; a hybrid family: its MLA layers with a full KPool indexer —
+    `ModelFamily.index_layers`). None: the widest layer. A config with an index_head_dim but no indexer_types
+    (analysis-only shapes) counts keys in every layer."""
     if cfg.index_head_dim <= 0:
         return False
-    if layer is None:
-        return True
-    if cfg.hybrid is not None:
-        return not cfg.is_linear_layer(layer) and cfg.hybrid.indexer_types[layer] == "full"
-    if not cfg.indexer_types:
-        return True
-    return cfg.has_indexer(layer)
-
-
-def index_vectors(cfg: ModelConfig) -> int:
-    """index_head_dim vectors stored per token in an indexer layer: the key (DSA); key + pool gate logits
-    (glm5_next's KPool, splash.models.kpool)."""
-    return 2 if cfg.hybrid is not None else 1
+    return layer is None or layer in describe(cfg).index_layers
 
 
 ROPE_FP8_DTYPES = ("fp8_e4m3",)   # KV dtypes whose rope key a `rope_fp8` pool stores in e4m3 (1 byte a value)
@@ -79,10 +73,11 @@ def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None 
     on its own): in a quantised cache 1 byte each + one fp32 scale per 128, otherwise the cache's element size.
     """
     _check_kv_dtype(kv_dtype)
-    if layer is not None and cfg.is_linear_layer(layer):
+    fam = describe(cfg)
+    if layer is not None and fam.pool_layer(layer) is None:
         return 0
     dc, dr, di = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-    keys = index_vectors(cfg) if layer_has_indexer_keys(cfg, layer) else 0
+    keys = fam.index_vectors if layer_has_indexer_keys(cfg, layer) else 0
     if kv_dtype in _PLAIN_BYTES:
         elem = _PLAIN_BYTES[kv_dtype]
         return elem * (dc + dr) + keys * elem * di
@@ -104,11 +99,11 @@ def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) ->
     """Bytes of one request's KDA state (every KDA layer) on a rank holding it in `layout`: its head slice
     where projections are sharded (TP, DOP: on every rank), all heads where it is owner-run (DP-attn, CP: on
     the owner). 0 for models without KDA layers. fp32, as splash.kv.recurrent stores it."""
-    if cfg.hybrid is None:
+    kda = describe(cfg).linear
+    if kda is None:
         return 0
-    hy, layout = cfg.hybrid, parse_layout(layout)
-    heads = hy.linear_num_heads // world if layout.shards_projections else hy.linear_num_heads
-    return 4 * heads * hy.state_floats_per_head() * len(hy.linear_layers())
+    heads = kda.heads // world if parse_layout(layout).shards_projections else kda.heads
+    return heads * kda.state_bytes_per_head
 
 
 def states_per_rank(layout: Layout | str, states: int, world: int) -> int:
@@ -121,7 +116,7 @@ def states_per_rank(layout: Layout | str, states: int, world: int) -> int:
 def state_snapshot_slots(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool) -> int:
     """Prefix-cache snapshots of KDA state the group keeps (splash.engine.state_snapshots): as many as running
     requests, so a hybrid model with the cache on reserves twice the state; 0 without KDA layers or the cache."""
-    return max_num_seqs if cfg.hybrid is not None and prefix_caching else 0
+    return max_num_seqs if describe(cfg).recurrent and prefix_caching else 0
 
 
 def state_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int,
@@ -142,8 +137,7 @@ def _indexer_params(cfg: ModelConfig) -> int:
         return 0
     q_in = cfg.q_lora_rank if cfg.q_lora_rank else cfg.hidden_size
     hid, ih, idim = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
-    kpool = cfg.hybrid.index_kpool * idim + idim * hid if cfg.hybrid is not None else 0  # KPool ape + gate
-    return q_in * ih * idim + hid * idim + 2 * idim + hid * ih + kpool
+    return q_in * ih * idim + hid * idim + 2 * idim + hid * ih + _params(describe(cfg).index_extra)
 
 
 def _ffn_params(cfg: ModelConfig, layer: int) -> int:
@@ -170,21 +164,22 @@ def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
     """
     if ffn_shards < 1:
         raise ValueError(f"ffn_shards must be positive, got {ffn_shards}")
+    fam = describe(cfg)
     emb = cfg.vocab_size * cfg.hidden_size
     total: float = emb + (0 if cfg.tie_word_embeddings else emb) + cfg.hidden_size
+    kda = 2 * cfg.hidden_size + _params(fam.linear.common_weights()) if fam.linear is not None else 0
     for layer in range(cfg.num_hidden_layers):
-        idx = _indexer_params(cfg) if layer_has_indexer_keys(cfg, layer) else 0
-        attn = _attn_common_params(cfg) + idx
-        if cfg.hybrid is not None:  # KDA layers: no Q-A/KV-A, their common gates instead; mHC in every layer
-            attn = (kda_common_params(cfg) + 2 * cfg.hidden_size if cfg.is_linear_layer(layer) else attn)
-            attn += mhc_params(cfg)
-        total += attn + _ffn_params(cfg, layer) / ffn_shards
+        if fam.is_recurrent(layer):  # KDA: no Q-A/KV-A, its common weights instead
+            attn = kda
+        else:
+            attn = _attn_common_params(cfg) + (_indexer_params(cfg) if layer_has_indexer_keys(cfg, layer) else 0)
+        total += attn + _params(fam.layer_extra) + _ffn_params(cfg, layer) / ffn_shards
     return total
 
 
 def common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quant: str | None) -> float:
     """Common state per rank: params × weight_bytes, or (quantised) the largest rank's exact stored bytes."""
-    if weight_quant is None and cfg.hybrid is None:
+    if weight_quant is None and not describe(cfg).exact_weights:
         return common_params(cfg, shards) * weight_bytes
     return max(common_bytes_per_rank(cfg, r, shards, weight_bytes, weight_quant) for r in range(shards))
 
@@ -196,11 +191,8 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
     shared partial scale block)."""
     layout = parse_layout(layout)
     check_heads(layout, cfg.num_attention_heads, world)
-    if cfg.hybrid is not None:
-        return max(hybrid_projection_bytes(cfg, layout, world, r, weight_bytes, weight_quant) for r in range(world))
-    if weight_quant is not None:
-        return max(projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, layout), weight_bytes,
-                                          weight_quant) for r in range(world)) * cfg.num_hidden_layers
+    if weight_quant is not None or describe(cfg).exact_weights:
+        return max(rank_projection_bytes(cfg, layout, world, r, weight_bytes, weight_quant) for r in range(world))
     total = projection_params(cfg) * cfg.num_hidden_layers * weight_bytes
     return total / world if layout.shards_projections else total
 
@@ -370,32 +362,46 @@ def _ffn_bytes(cfg: ModelConfig, layer: int, shard: int, shards: int, e: float, 
 
 def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: float,
                           weight_quant: str | None = None) -> float:
-    """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`)."""
-    if cfg.hybrid is not None:
-        return hybrid_common_bytes(cfg, rank, world, elem_bytes, weight_quant)
-    h, e, wq = cfg.hidden_size, elem_bytes, weight_quant
+    """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`): per layer its
+    block norms, FFN/MoE shard and the weights its family adds to every layer, plus an MLA layer's Q-A/KV-A and
+    indexer (where it runs one) or a KDA layer's common weights."""
+    fam, h, e, wq = describe(cfg), cfg.hidden_size, elem_bytes, weight_quant
     emb = cfg.vocab_size * h * e
     total = emb + (0 if cfg.tie_word_embeddings else emb) + h * e
-    per_layer = 2 * h * e + matrix_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, e, wq) + cfg.kv_lora_rank * e
+    mla = matrix_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, e, wq) + cfg.kv_lora_rank * e
     if cfg.q_lora_rank:
-        per_layer += matrix_bytes(cfg.q_lora_rank, h, e, wq) + cfg.q_lora_rank * e
+        mla += matrix_bytes(cfg.q_lora_rank, h, e, wq) + cfg.q_lora_rank * e
     idx = 0.0
     if cfg.index_head_dim > 0:  # wq_b, wk in the compute dtype; k_norm (+ bias) and weights_proj kept in fp32
         q_in, ih, idim = cfg.q_lora_rank or h, cfg.index_n_heads, cfg.index_head_dim
-        idx = matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq) + 4 * (2 * idim + h * ih)
-    return total + sum(per_layer + (idx if layer_has_indexer_keys(cfg, i) else 0)
-                       + _ffn_bytes(cfg, i, rank, world, e, wq) for i in range(cfg.num_hidden_layers))
+        idx = (matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq) + FP32_BYTES * (2 * idim + h * ih)
+               + stored_bytes(fam.index_extra, e, wq))
+    kda = stored_bytes(fam.linear.common_weights(), e, wq) if fam.linear is not None else 0.0
+    every = 2 * h * e + stored_bytes(fam.layer_extra, e, wq)
+    for i in range(cfg.num_hidden_layers):
+        attn = kda if fam.is_recurrent(i) else mla + (idx if layer_has_indexer_keys(cfg, i) else 0)
+        total += every + attn + _ffn_bytes(cfg, i, rank, world, e, wq)
+    return total
+
+
+def rank_projection_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: int, elem_bytes: float,
+                          weight_quant: str | None = None) -> float:
+    """`rank`'s layout-dependent weights over all layers, as stored: Q-B/KV-B/O of its MLA heads × the MLA layers,
+    plus (a family with KDA layers) its KDA heads' shardable weights × the KDA layers."""
+    fam = describe(cfg)
+    heads = head_range(cfg.num_attention_heads, world, rank, layout)
+    total = projection_shard_bytes(cfg, heads, elem_bytes, weight_quant) * fam.num_pool_layers
+    if fam.linear is not None:
+        lin = head_range(fam.linear.heads, world, rank, layout)
+        total += linear_shard_bytes(cfg, lin, elem_bytes, weight_quant) * fam.linear.num_layers
+    return total
 
 
 def rank_weight_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: int, elem_bytes: float,
                       weight_quant: str | None = None) -> float:
     """Every weight byte `rank` holds in `layout` as stored (common + projections of all layers)."""
-    if cfg.hybrid is not None:
-        return (common_bytes_per_rank(cfg, rank, world, elem_bytes, weight_quant)
-                + hybrid_projection_bytes(cfg, layout, world, rank, elem_bytes, weight_quant))
-    heads = head_range(cfg.num_attention_heads, world, rank, layout)
     return (common_bytes_per_rank(cfg, rank, world, elem_bytes, weight_quant)
-            + projection_shard_bytes(cfg, heads, elem_bytes, weight_quant) * cfg.num_hidden_layers)
+            + rank_projection_bytes(cfg, layout, world, rank, elem_bytes, weight_quant))
 
 
 def projection_recv_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str, world: int, rank: int,
@@ -409,88 +415,25 @@ def projection_recv_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str
                                       weight_quant) for s in range(world) if s != rank)
 
 
-# ---- hybrid (glm5_next) models: exact stored weight bytes per rank ----------------------------------------------
-# Exact stored weight bytes of a hybrid (``glm5_next``) model per rank — pure, no torch.
-#
-# What splash.models.glm5_next / kda / kpool hold, element by element:
-# - every layer: two block norms (compute dtype), the mHC weights of both blocks (fp32: fn [(2+N)N, N·hidden],
-#   base [(2+N)N], scale [3]) and its FFN/MoE shard (as DeepSeek-V3's, splash.layouts.memory._ffn_bytes);
-# - an MLA layer (common): Q-A + its norm, KV-A (no rope part: NoPE) + its norm, and in a full-indexer layer the
-#   KPool indexer (wq_b, wk as linear weights; k_norm, its bias and weights_proj in fp32; the pool ape and gate
-#   in the compute dtype). Its Q-B/KV-B/O are head-sharded like DeepSeek-V3's (memory.projection_shard_bytes);
-# - a KDA layer: common f_a, g_a and o_norm; per head (the rank's KDA heads: a slice under TP/DOP, all of them
-#   under DP-attn/CP) q/k/v rows and O columns as linear weights (quantised ones carry the scale blocks their
-#   range touches), f_b, g_b and b_proj rows, conv taps, dt_bias and A_log in fp32. The gates f_a/f_b/g_a/g_b/b
-#   are dense (``qweight.KEPT_DENSE``) unless the checkpoint stores them quantised (``HybridConfig.quantized_gates``).
-
-FP32 = 4
-
-
-def mhc_params(cfg: ModelConfig) -> int:
-    """mHC parameters of one layer (attention + FFN block), all stored in fp32."""
-    n = cfg.hybrid.hc_mult
-    return 2 * ((2 + n) * n * n * cfg.hidden_size + (2 + n) * n + 3)
-
-
-def kda_common_params(cfg: ModelConfig) -> int:
-    """A KDA layer's weights every rank holds whole: f_a, g_a [d, hidden] and o_norm [d]."""
-    d = cfg.hybrid.linear_head_dim
-    return 2 * d * cfg.hidden_size + d
-
-
-def _gate_quant(cfg: ModelConfig, wq: str | None) -> str | None:
-    """Storage of KDA's gate projections: dense unless the checkpoint stores them quantised."""
-    return wq if cfg.hybrid.quantized_gates else None
-
-
-def _kda_common_bytes(cfg: ModelConfig, e: float, wq: str | None) -> float:
-    d, gq = cfg.hybrid.linear_head_dim, _gate_quant(cfg, wq)
-    return 2 * matrix_bytes(d, cfg.hidden_size, e, gq) + d * e
-
-
-def _indexer_bytes(cfg: ModelConfig, e: float, wq: str | None) -> float:
-    h, q_in, ih, idim = cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
-    kpool = (cfg.hybrid.index_kpool * idim + idim * h) * e
-    return (matrix_bytes(ih * idim, q_in, e, wq) + matrix_bytes(idim, h, e, wq) + FP32 * (2 * idim + h * ih)
-            + kpool)
-
-
-def _mla_common_bytes(cfg: ModelConfig, e: float, wq: str | None) -> float:
-    h, qa, dc = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
-    return (matrix_bytes(qa, h, e, wq) + qa * e
-            + matrix_bytes(dc + cfg.qk_rope_head_dim, h, e, wq) + dc * e)
-
-
-def hybrid_common_bytes(cfg: ModelConfig, rank: int, world: int, e: float, wq: str | None = None) -> float:
-    """Exact stored bytes of the layout-independent weights on `rank` (FFN/MoE sharded over `world`)."""
-    h = cfg.hidden_size
-    emb = cfg.vocab_size * h * e
-    total = emb + (0 if cfg.tie_word_embeddings else emb) + h * e
-    kda, mla, idx = _kda_common_bytes(cfg, e, wq), _mla_common_bytes(cfg, e, wq), _indexer_bytes(cfg, e, wq)
-    for i in range(cfg.num_hidden_layers):
-        total += 2 * h * e + FP32 * mhc_params(cfg) + _ffn_bytes(cfg, i, rank, world, e, wq)
-        if cfg.is_linear_layer(i):
-            total += kda
+# ---- weights a model family adds (splash.models.family) -----------------------------------------------------------
+def stored_bytes(weights: Iterable[Weight], elem_bytes: float, weight_quant: str | None = None) -> float:
+    """Stored bytes of `weights`: fp32 ones 4 per element; dense ones in the compute dtype; linear ones as the
+    checkpoint stores them (`matrix_bytes`: with the scale blocks their range touches when quantised)."""
+    total: float = 0   # stays an int where every term is (quantised shards): as the manifest reports them
+    for w in weights:
+        if w.storage == FP32:
+            total += FP32_BYTES * w.params
         else:
-            total += mla + (idx if layer_has_indexer_keys(cfg, i) else 0)
+            total += matrix_bytes(w.rows, w.cols, elem_bytes, None if w.storage == DENSE else weight_quant,
+                                  row0=w.row0, col0=w.col0)
     return total
+
+
+def _params(weights: Iterable[Weight]) -> int:
+    return sum(w.params for w in weights)
 
 
 def linear_shard_bytes(cfg: ModelConfig, heads: range, e: float, wq: str | None = None) -> float:
     """Stored bytes of one KDA layer's head-shardable weights for a contiguous range of KDA heads."""
-    hy, h = cfg.hybrid, cfg.hidden_size
-    d, n, gq = hy.linear_head_dim, len(heads), _gate_quant(cfg, wq)
-    nd, r0 = n * d, heads.start * d
-    gates = 2 * matrix_bytes(nd, d, e, gq, row0=r0) + matrix_bytes(n, h, e, gq, row0=heads.start)
-    return (3 * matrix_bytes(nd, h, e, wq, row0=r0) + matrix_bytes(h, nd, e, wq, col0=r0) + gates
-            + FP32 * (3 * nd * hy.linear_conv_kernel_dim + nd + n))
-
-
-def hybrid_projection_bytes(cfg: ModelConfig, layout, world: int, rank: int, e: float,
-                            wq: str | None = None) -> float:
-    """`rank`'s layout-dependent weights over all layers: Q-B/KV-B/O of its MLA heads × the MLA layers plus its
-    KDA heads' projections × the KDA layers."""
-    n_lin = len(cfg.hybrid.linear_layers())
-    mla = projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, rank, layout), e, wq)
-    lin = linear_shard_bytes(cfg, head_range(cfg.hybrid.linear_num_heads, world, rank, layout), e, wq)
-    return mla * (cfg.num_hidden_layers - n_lin) + lin * n_lin
+    kda = describe(cfg).linear
+    return stored_bytes(kda.shard_weights(heads), e, wq) if kda is not None else 0.0

@@ -1,18 +1,81 @@
-"""What differs between the model families at run time, described once from the config (pure data, no torch).
+"""What differs between the model families at run time and in memory, described once from the config (pure data,
+no torch).
 
 A dense family (deepseek_v3 / v32, glm_moe_dsa) has MLA in every layer: layer l keeps its KV in pool layer l.
 A hybrid family (glm5_next) interleaves KDA linear-attention layers with MLA layers: only the MLA layers hold
 paged KV (pool layer j = the j-th MLA layer), each KDA layer holds per-request recurrent state instead (state
 row j = the j-th KDA layer), and the KDA projections are sharded by KDA head exactly where the MLA projections
-are sharded by attention head. The runner, the executors and the switch executor ask this description instead of
-testing which family a config is.
+are sharded by attention head. Its MLA layers' indexer (KPool) stores a second vector per token, and every layer
+carries mHC residual-stream weights. The runner, the executors, the switch executor, the memory model and the
+manifest planner ask this description instead of testing which family a config is; the weights a family adds
+beyond MLA + FFN are listed here as `Weight`s, which the memory model (splash.layouts.memory) counts in stored bytes.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from splash.models.config import ModelConfig
+
+# how a weight is stored: a linear weight follows the checkpoint's (or --quantization's) format; a dense one stays
+# in the compute dtype; an fp32 one in fp32 whatever the compute dtype
+LINEAR, DENSE, FP32 = "linear", "dense", "fp32"
+STATE_BYTES = 4   # recurrent state is fp32 (splash.kv.recurrent)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One stored weight as a rows × cols matrix (a vector: one column) — or the slice of it a rank holds, whose
+    first row / column is row0 / col0 (a quantised slice carries the scale blocks its range touches)."""
+    rows: int
+    cols: int
+    storage: str = LINEAR
+    row0: int = 0
+    col0: int = 0
+
+    @property
+    def params(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The KDA layers of a hybrid family: per layer, weights every rank holds whole (f_a, g_a, o_norm) and weights
+    sharded by KDA head where MLA projections are sharded by attention head (q/k/v rows, O columns, the gates f_b,
+    g_b, b and the fp32 conv taps, dt_bias, A_log — splash.models.kda.KDAWeights); per request, fp32 state of
+    each head (recurrent [d, d] + conv inputs 3·d·(K−1)) in every KDA layer."""
+    heads: int
+    head_dim: int
+    conv_kernel: int
+    num_layers: int
+    hidden: int
+    quantized_gates: bool = False   # the checkpoint stores the gates quantised (most keep them dense)
+
+    @property
+    def gate_storage(self) -> str:
+        return LINEAR if self.quantized_gates else DENSE
+
+    @property
+    def state_bytes_per_head(self) -> int:
+        """One request's state of one KDA head over every KDA layer."""
+        d = self.head_dim
+        return STATE_BYTES * (d * d + 3 * d * (self.conv_kernel - 1)) * self.num_layers
+
+    def common_weights(self) -> tuple[Weight, ...]:
+        d, g = self.head_dim, self.gate_storage
+        return Weight(d, self.hidden, g), Weight(d, self.hidden, g), Weight(d, 1, DENSE)   # f_a, g_a, o_norm
+
+    def shard_weights(self, heads: range) -> tuple[Weight, ...]:
+        """One layer's weights of the contiguous KDA heads `heads` (a rank's shard, or all of them)."""
+        d, h, g = self.head_dim, self.hidden, self.gate_storage
+        n, r0 = len(heads), heads.start * self.head_dim
+        nd = n * d
+        return (Weight(nd, h, row0=r0), Weight(nd, h, row0=r0), Weight(nd, h, row0=r0),   # q, k, v
+                Weight(h, nd, col0=r0),                                                     # o
+                Weight(nd, d, g, row0=r0), Weight(nd, d, g, row0=r0),                      # f_b, g_b
+                Weight(n, h, g, row0=heads.start),                                          # b
+                Weight(3 * nd, self.conv_kernel, FP32), Weight(nd, 1, FP32), Weight(n, 1, FP32))  # conv, dt_bias, A_log
 
 
 @dataclass(frozen=True)
@@ -21,7 +84,19 @@ class ModelFamily:
     pool_layers: Mapping[int, int]  # model layer -> paged-pool layer, for every layer holding KV blocks
     state_rows: Mapping[int, int]   # model layer -> recurrent-state row, for every layer holding per-request state
     attention_heads: int            # MLA heads (Q-B / KV-B / O shard by these)
-    linear_heads: int = 0           # KDA heads (their projections and state shard by these); 0: no KDA layers
+    linear: LinearAttention | None = None   # the KDA layers; None: no KDA layers
+    index_layers: frozenset[int] = frozenset()   # layers running their own DSA indexer (its weights, its keys)
+    index_vectors: int = 1          # indexer vectors kept per token: the key (DSA), key + pool gate logits (KPool)
+    index_extra: tuple[Weight, ...] = ()    # weights an indexer layer adds to DSA's (KPool: pool ape and gate)
+    layer_extra: tuple[Weight, ...] = ()    # weights every layer adds (mHC: both blocks' fn, base, scale, in fp32)
+    # the memory model counts this family's weights exactly even when they are not quantised (its fp32 mHC and KDA
+    # parameters are priced wrong by params × weight_bytes); a dense family is priced params × weight_bytes
+    exact_weights: bool = False
+
+    @property
+    def linear_heads(self) -> int:
+        """KDA heads (their projections and state shard by these); 0: no KDA layers."""
+        return self.linear.heads if self.linear is not None else 0
 
     @property
     def recurrent(self) -> bool:
@@ -31,6 +106,7 @@ class ModelFamily:
 
     @property
     def num_pool_layers(self) -> int:
+        """Layers holding paged KV: the MLA layers."""
         return len(self.pool_layers)
 
     def pool_layer(self, layer: int) -> int | None:
@@ -46,10 +122,31 @@ class ModelFamily:
 
 
 def describe(cfg: ModelConfig) -> ModelFamily:
+    """The family of `cfg` (cached: the memory model asks per layer; the description is read-only)."""
+    try:
+        return _cached(cfg)
+    except TypeError:   # a config built by hand with a list in it is unhashable: described each time
+        return _describe(cfg)
+
+
+def _describe(cfg: ModelConfig) -> ModelFamily:
     layers = range(cfg.num_hidden_layers)
     if cfg.hybrid is None:
-        return ModelFamily("dense", {i: i for i in layers}, {}, cfg.num_attention_heads)
+        index = (frozenset() if cfg.index_head_dim <= 0 else
+                 frozenset(i for i in layers if not cfg.indexer_types or cfg.has_indexer(i)))
+        return ModelFamily("dense", {i: i for i in layers}, {}, cfg.num_attention_heads, index_layers=index)
+    hy, hid, idim = cfg.hybrid, cfg.hidden_size, cfg.index_head_dim
     mla = [i for i in layers if not cfg.is_linear_layer(i)]
     lin = [i for i in layers if cfg.is_linear_layer(i)]
+    kda = LinearAttention(hy.linear_num_heads, hy.linear_head_dim, hy.linear_conv_kernel_dim, len(lin), hid,
+                          hy.quantized_gates)
+    n = hy.hc_mult
+    mhc = 2 * (Weight((2 + n) * n, n * hid, FP32), Weight((2 + n) * n, 1, FP32), Weight(3, 1, FP32))
+    index = frozenset(i for i in mla if idim > 0 and hy.indexer_types[i] == "full")
     return ModelFamily("hybrid", {l: j for j, l in enumerate(mla)}, {l: j for j, l in enumerate(lin)},
-                       cfg.num_attention_heads, cfg.hybrid.linear_num_heads)
+                       cfg.num_attention_heads, kda, index, index_vectors=2,
+                       index_extra=(Weight(hy.index_kpool, idim, DENSE), Weight(idim, hid, DENSE)),
+                       layer_extra=mhc, exact_weights=True)
+
+
+_cached = lru_cache(maxsize=32)(_describe)

@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.memory import linear_shard_bytes
-from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, projection_params,
+from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_params,
                                    projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
 from splash.layouts.ownership import assign_owners, head_range, rebalance_owners
 from splash.models.config import ModelConfig
+from splash.models.family import describe
 from splash.switching.block_plan import BlockMove, CachedBlock, plan_blocks
 
 KEEP, DISCARD, ALL_GATHER, ALL_TO_ALL, REBUILD = "keep", "discard", "all_gather", "all_to_all", "rebuild"
@@ -303,7 +303,7 @@ def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove],
     acts = [("proj", weight_action(src, dst)), ("kv", kv), ("kv_format", CONVERT if convert else KEEP)]
     if cfg.index_head_dim > 0:
         acts.append(("indexer_keys", kv))
-    if cfg.hybrid is not None:  # KDA layers: projections follow Q-B/KV-B/O; state moves per request
+    if describe(cfg).linear is not None:  # KDA layers: projections follow Q-B/KV-B/O; state moves per request
         acts.append(("linear_proj", weight_action(src, dst)))
     acts += [(k, REBUILD) for k in METADATA_KINDS]
     return tuple(acts)
@@ -369,15 +369,13 @@ def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weigh
     """Projection bytes per rank over every layer: the per-layer MLA figures × the MLA layers, plus (hybrid
     models) the KDA projections gathered in the same directions, each rank's head shard as stored (values +
     the scale blocks it touches when quantised)."""
-    if cfg.hybrid is None:
-        L = cfg.num_hidden_layers
-        return tuple(w * L for w in w_recv), tuple(w * L for w in w_sent)
-    n_lin = len(cfg.hybrid.linear_layers())
-    n_mla = cfg.num_hidden_layers - n_lin
+    fam = describe(cfg)
+    n_mla = fam.num_pool_layers
     recv, sent = [w * n_mla for w in w_recv], [w * n_mla for w in w_sent]
-    if weight_action(src, dst) == ALL_GATHER:  # every rank sends its shard to the others, receives theirs
-        shard = [linear_shard_bytes(cfg, head_range(cfg.hybrid.linear_num_heads, world, r, src), weight_bytes,
-                                    weight_quant) * n_lin for r in range(world)]
+    kda = fam.linear
+    if kda is not None and weight_action(src, dst) == ALL_GATHER:   # every rank sends its shard, receives theirs
+        shard = [linear_shard_bytes(cfg, head_range(kda.heads, world, r, src), weight_bytes,
+                                    weight_quant) * kda.num_layers for r in range(world)]
         recv = [w + sum(shard) - shard[r] for r, w in enumerate(recv)]
         sent = [w + shard[r] * (world - 1) for r, w in enumerate(sent)]
     return tuple(recv), tuple(sent)
@@ -385,14 +383,14 @@ def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weigh
 
 def _hybrid_fields(cfg: ModelConfig, src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
                    owners: Mapping[str, int]) -> dict:
-    if cfg.hybrid is None:
+    kda = describe(cfg).linear
+    if kda is None:
         return {}
-    hy = cfg.hybrid
-    heads = hy.linear_num_heads
+    heads = kda.heads
     for lay in (src, dst):
         if lay.shards_projections:
             head_range(heads, world, 0, lay)  # validates world | linear_num_heads
     src_owners = tuple(sorted((r, s.src_owner) for r, s in requests.items() if s.src_owner is not None))
     return dict(linear_heads=heads, src_owners=src_owners,
                 state_moves=tuple(plan_state_moves(src, dst, world, heads, requests, owners)),
-                state_bytes_per_head=4 * hy.state_floats_per_head() * len(hy.linear_layers()))
+                state_bytes_per_head=kda.state_bytes_per_head)
