@@ -66,9 +66,10 @@ def main() -> None:
     a = ap.parse_args()
     m = load_sim_model("glm-5.3-flash")
     rows = []
+    layers = (m.cfg.num_hidden_layers, m.full.num_hidden_layers)
     for choice in itertools.product(("int8", "bf16"), (False, True), (False, True), (False, True),
-                                    ("fp8_e4m3", "bfloat16"), (1, 2), (m.cfg.num_hidden_layers, m.full.num_hidden_layers),
-                                    (1.0, 1.0 / (1.0 + STATE_POOL_RATIO)), (False, True), (0, 1000)):
+                                    ("fp8_e4m3", "bfloat16"), (1, 2), layers, (1.0, 1.0 / (1.0 + STATE_POOL_RATIO)),
+                                    (False, True), (0, 1000)):
         lim = limits(m, *choice)
         err = max(abs(lim[k] / PAPER[k] - 1.0) for k in LAYOUTS)
         rows.append((err, choice, lim))
@@ -76,10 +77,12 @@ def main() -> None:
     names = ("weights", "kda", "absorb", "resident", "kv", "vectors", "layers", "share", "state", "output")
 
     def show(err, choice, lim):
-        fp = fingerprint(lim) if lim["dop"] > lim["dp_attn"] else {"tp_vs_dop": float("nan"), "cp_vs_dp": float("nan")}
+        nan = {"tp_vs_dop": float("nan"), "cp_vs_dp": float("nan")}
+        fp = fingerprint(lim) if lim["dop"] > lim["dp_attn"] else nan
         desc = " ".join(f"{n}={v:.3g}" if isinstance(v, float) else f"{n}={v}" for n, v in zip(names, choice))
         lims = " ".join(f"{k} {lim[k] / 1e3:,.1f}k ({lim[k] / PAPER[k] - 1:+.1%})" for k in LAYOUTS)
-        print(f"max |err| {err:6.1%}  {desc}\n    {lims}  tp_vs_dop {fp['tp_vs_dop']:.3f} cp_vs_dp {fp['cp_vs_dp']:.3f}")
+        print(f"max |err| {err:6.1%}  {desc}")
+        print(f"    {lims}  tp_vs_dop {fp['tp_vs_dop']:.3f} cp_vs_dp {fp['cp_vs_dp']:.3f}")
 
     print(f"{len(rows)} accountings; paper {PAPER}; paper fingerprint {fingerprint(PAPER)}")
     for r in rows[:a.top]:

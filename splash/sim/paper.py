@@ -28,8 +28,9 @@ def _rel(sim: float, paper: float) -> float:
 def judge(kind: str, paper, sim) -> tuple[float | None, bool]:
     """(error, within) of one figure. ``sim`` None: the sim cannot express it (never within).
 
-    capacity: relative error within 2%; tokens_per_s / primitive_ms: within 25%; ratio (a tokens/s ratio such as
-    "DOP +10.6% over CP"): on the same side of 1 as the paper's and within 25%; latency_s: within 25%; switch_ms: within a factor of 2;
+    capacity: relative error within 2%; tokens_per_s / primitive_ms / latency_s: within 25%; ratio (a tokens/s
+    ratio such as "DOP +10.6% over CP"): on the same side of 1 as the paper's and within 25%; switch_ms: within a
+    factor of 2;
     count: equal (error = sim − paper); leader: the same layout (error None); leader_share: at least 80% of the
     paper's named positions (paper = their number, sim = how many match); bound_max: at most the paper's bound."""
     if sim is None:

@@ -19,8 +19,8 @@ A figure's ``probe`` says what splash-sim computes for it (splash/sim/paper.py e
   ``("switch_saving", B, context, "min"|"max")``: live ÷ blocking over the networked directions;
   ``("switch_step_share", B, context)``: the largest live overhead ÷ its destination step;
 - ``("scenario_limit", layout)``: the DCU scenario's nominal-input limit (App. B.1);
-- ``("burst", layout, B, input, output, "input_tokens_per_s"|"mean_completion_s")``: B identical requests arriving at once,
-  served in waves (splash.sim.serving.burst).
+- ``("burst", layout, B, input, output, "input_tokens_per_s"|"mean_completion_s")``: B identical requests arriving
+  at once, served in waves (splash.sim.serving.burst).
 """
 from __future__ import annotations
 
