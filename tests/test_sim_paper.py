@@ -6,6 +6,7 @@ import pytest
 
 from splash.sim import paper
 from splash.sim.paper_data import FIGURES, KINDS, SETUPS, SPLITS, Figure
+from splash.sim.serving import burst, wave_completions
 
 
 def fig(key, kind, value, hw="b200", probe=("tps", "dop", 16, 1000), setup=""):
@@ -15,7 +16,8 @@ def fig(key, kind, value, hw="b200", probe=("tps", "dop", 16, 1000), setup=""):
 @pytest.mark.parametrize("kind,paper_v,sim,err,ok", [
     ("capacity", 100.0, 101.9, 0.019, True), ("capacity", 100.0, 97.9, -0.021, False),
     ("tokens_per_s", 1000.0, 1240.0, 0.24, True), ("tokens_per_s", 1000.0, 740.0, -0.26, False),
-    ("primitive_ms", 4.0, 3.1, -0.225, True),
+    ("primitive_ms", 4.0, 3.1, -0.225, True), ("latency_s", 500.0, 380.0, -0.24, True),
+    ("latency_s", 500.0, 300.0, -0.4, False),
     ("ratio", 1.05, 1.2, 0.1429, True), ("ratio", 1.05, 0.99, -0.0571, False),   # wrong side of 1: DOP trails
     ("ratio", 0.578, 0.794, 0.3737, False),
     ("switch_ms", 10.0, 19.9, 0.99, True), ("switch_ms", 10.0, 4.9, -0.51, False), ("switch_ms", 1.0, 0.0, -1.0, False),
@@ -93,6 +95,28 @@ def test_evaluator_capacity_probes():
     assert ev.evaluate(("resident", "dop", 16, 512_000, 1024)) == 16
     lim = {k: ev.evaluate(("scenario_limit", k)) for k in ("tp", "dp_attn", "cp", "dop")}
     assert lim["dop"] > lim["cp"] == lim["dp_attn"] > lim["tp"] > 0
+
+
+def test_wave_completions():
+    assert wave_completions([3, 1], [10.0, 5.0]) == [10.0, 10.0, 10.0, 15.0]
+    assert wave_completions([], []) == []
+    with pytest.raises(ValueError):
+        wave_completions([3], [1.0, 2.0])
+
+
+def test_evaluator_burst_probe():
+    """The burst rows: waves of as many requests as the layout admits, each request completing with its wave;
+    input tokens/s over the last completion, mean completion over all requests."""
+    ev = paper.Evaluator(SETUPS["bw1000_colocated"])
+    b, d = (burst(ev.cm, ev.sim, ev.caps, lay, 32, 240_000, 1000) for lay in ("dp_attn", "dop"))
+    assert b["waves"] == [24, 8] and d["waves"] == [32]
+    w1, w2 = b["wave_s"]
+    assert 0 < w2 < w1 and b["makespan_s"] == pytest.approx(w1 + w2)
+    assert ev.evaluate(("burst", "dp_attn", 32, 240_000, 1000, "mean_completion_s")) == pytest.approx(
+        (24 * w1 + 8 * (w1 + w2)) / 32)
+    assert ev.evaluate(("burst", "dp_attn", 32, 240_000, 1000, "input_tokens_per_s")) == pytest.approx(
+        32 * 240_000 / (w1 + w2))
+    assert ev.evaluate(("burst", "dop", 32, 240_000, 1000, "mean_completion_s")) == pytest.approx(d["makespan_s"])
 
 
 def test_scale_option():

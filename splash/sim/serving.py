@@ -230,3 +230,33 @@ def wave_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int
             ctx = input_len + int((i + 0.5) * per)
             t += per * step_seconds(cm, s.model, layout, [RowLoad(1, ctx, j % s.world) for j in range(k)])
     return t
+
+
+def wave_completions(sizes: list[int], seconds: list[float]) -> list[float]:
+    """Completion time of every request when waves of ``sizes`` requests run one after another, wave i taking
+    ``seconds[i]`` and finishing its requests together (the wave model above: a wave prefills, then its requests
+    decode together)."""
+    if len(sizes) != len(seconds):
+        raise ValueError(f"{len(sizes)} wave sizes but {len(seconds)} wave times")
+    out, t = [], 0.0
+    for n, dt in zip(sizes, seconds):
+        t += dt
+        out += [t] * n
+    return out
+
+
+def burst(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, input_len: int,
+          output_len: int) -> dict[str, object]:
+    """``batch`` identical requests arriving at once, served in waves of as many as the layout holds (the
+    paper's co-located admission run): {"waves", "wave_s", "makespan_s", "mean_completion_s",
+    "input_tokens_per_s"}, or {"feasible": False} when no request fits."""
+    k = min(batch, concurrency(s, caps, layout, input_len + output_len))
+    if k == 0:
+        return {"feasible": False}
+    full, rest = divmod(batch, k)
+    sizes = [k] * full + ([rest] if rest else [])
+    per = {n: wave_seconds(cm, s, layout, n, input_len, output_len) for n in set(sizes)}
+    secs = [per[n] for n in sizes]
+    done = wave_completions(sizes, secs)
+    return {"feasible": True, "waves": sizes, "wave_s": secs, "makespan_s": done[-1],
+            "mean_completion_s": sum(done) / len(done), "input_tokens_per_s": batch * input_len / done[-1]}
