@@ -63,7 +63,7 @@ def test_every_gpu_profile_number_says_where_it_comes_from():
         p = load_profile(hw)
         for f in dataclasses.fields(p):
             v = getattr(p, f.name)
-            if f.name in skip or v in (0, 0.0, {}, False) or f.name.endswith("_kernel"):
+            if f.name in skip or v in (0, 0.0, {}, False, "") or f.name.endswith("_kernel"):
                 continue
             assert f.name in p.provenance, (hw, f.name)
         for k, v in p.provenance.items():
