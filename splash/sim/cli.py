@@ -56,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=64, help="KV page size in tokens")
     ap.add_argument("--chunk", type=parse_len, default=16384, help="prefill tokens per step")
     ap.add_argument("--prefill-split", choices=("owner", "admission"), default="owner",
-                    help="how DP-attn/DOP spend a step's --chunk prefill budget: owner (default) splits it evenly "
-                         "over the owners with prompt tokens left, as SGLang's DP-attention gives each DP rank "
-                         "chunked_prefill_size // dp_size; admission takes it in admission order, as this "
-                         "engine's scheduler does")
+                    help="how DP-attn/DOP spend a step's --chunk prefill budget: owner (default): each owner "
+                         "with prompt tokens left takes chunk // ranks a step, as SGLang's DP-attention gives each "
+                         "DP rank chunked_prefill_size // dp_size (an idle owner's share is not handed on); "
+                         "admission takes it in admission order, as this engine's scheduler does")
     ap.add_argument("--cp-prefill", choices=("split", "partials"), default="split",
                     help="CP prefill: split (default) splits each chunk's rows over the ranks and all-gathers the "
                          "history's latent KV + indexer keys per layer (SGLang's NSA context-parallel prefill); "
