@@ -36,8 +36,9 @@ def prefill_transient_bytes(cfg, rows: int, keys: int) -> dict[str, float]:
     return out
 
 
-def largest_chunk_rows(cfg, keys: int, room: float) -> int:
-    """The most query rows whose transients (``prefill_transient_bytes``) fit in ``room`` bytes at ``keys``."""
+def largest_chunk_rows(cfg, keys: int, room: float) -> float:
+    """The most query rows whose transients (``prefill_transient_bytes``) fit in ``room`` bytes at ``keys``
+    (inf for a model without an indexer: no buffer grows with the rows)."""
     fixed = keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * BF16
     per_row = (keys * LOGIT_BYTES + cfg.index_topk * INDEX_BYTES) if cfg.index_topk else 0.0
     if room < fixed:
@@ -45,9 +46,9 @@ def largest_chunk_rows(cfg, keys: int, room: float) -> int:
     return math.inf if per_row == 0 else int((room - fixed) // per_row)
 
 
-def activation_room(s, layout: str) -> float:
-    """Bytes a rank of ``layout`` has for prefill transients: the serving stack sizes the KV pool at the memory
-    fraction and activations get the rest of the device, (1 − f) × memory — the same in every layout (SGLang's
+def activation_room(s) -> float:
+    """Bytes a rank has for prefill transients: the serving stack sizes the KV pool at the memory fraction and
+    activations get the rest of the device, (1 − f) × memory — the same in every layout (SGLang's
     ``mem_fraction_static``; the paper's "memory fraction 0.85"): the projections a layout replicates shrink its
     pool, not this room. (Had the transients come out of the pool's budget instead, admission would shrink by
     them: ``mechanism_rows``' ``resident_if_shared``.)"""
@@ -106,10 +107,6 @@ def exchange_bytes_per_row(cfg, layout: str, world: int, act_bytes: float = BF16
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def with_chunk(s, chunk: int):
-    return dataclasses.replace(s, chunk=chunk)
-
-
 # ---- what each predicts at the paper's positions (`splash-sim mechanisms`) ----------------------------------
 
 POINTS = {"b200": ((16, 128_000), (16, 256_000), (16, 512_000), (128, 128_000)),
@@ -145,7 +142,7 @@ def mechanism_rows(hardware: str, points=None) -> list[dict]:
             total = batch * (n + ev.setup.output_len) / base["tokens_per_s"]
             r_chunk = per_rank_chunk(lay, s.chunk, s.world)
             transient = sum(prefill_transient_bytes(cfg, r_chunk, n).values())
-            room = activation_room(s, lay)
+            room = activation_room(s)
             # transients out of the pool's budget instead: admission shrinks so one chunk's buffers fit
             shared = dataclasses.replace(s, reserve_bytes=s.reserve_bytes + transient)
             k_shared = min(batch, concurrency(shared, capacities(shared), lay, n))
