@@ -93,7 +93,7 @@ def exposed_wave_handoff_seconds(s, layout: str, batch: int, resident: int, inpu
     return (per_unit_requests - 1) * request_handoff_seconds(s, layout, input_len)
 
 
-def exchange_bytes_per_row(cfg, layout: str, world: int, act_bytes: float = BF16) -> float:
+def exchange_bytes_per_row(cfg, layout: str, act_bytes: float = BF16) -> float:
     """Bytes one query row puts through a layer's exchanges (the attention's, not the FFN all-reduce every layout
     shares): DP-attn all-gathers its hidden state; DOP all-to-alls its absorbed query (all heads' d_c + d_r) to
     the owner and the latent output (d_c) back, then all-reduces the hidden state; CP (split) all-gathers the
@@ -159,7 +159,7 @@ def mechanism_rows(hardware: str, points=None) -> list[dict]:
                                         if cfg.index_topk else 0.0),
                 "step_ms": step.seconds * 1e3, "indexer_ms": step.stages.get("indexer", 0.0) * 1e3,
                 "exchange_ms": step.stages.get("exchange", 0.0) * 1e3,
-                "exchange_bytes_per_row": exchange_bytes_per_row(cfg, lay, s.world),
+                "exchange_bytes_per_row": exchange_bytes_per_row(cfg, lay),
                 "exposed_handoff_s": handoff,
                 "tokens_per_s_serial_waves": batch * (n + ev.setup.output_len) / (total + handoff),
             })
