@@ -88,3 +88,9 @@ def test_mechanism_rows_on_one_point(rows_16k):
         assert r["tokens_per_s_serial_waves"] <= r["tokens_per_s"]
         assert r["fit_rows"] >= r["rank_chunk_rows"]
     assert set(pm.leaders(rows, "tokens_per_s").values()) <= set(pm.LAYOUTS)
+
+
+def test_mechanisms_cli_names_an_unknown_hardware(capsys):
+    from splash.sim.cli import main
+    assert main(["mechanisms", "--only", "b200,a100"]) == 2
+    assert "unknown hardware a100" in capsys.readouterr().out
