@@ -181,6 +181,20 @@ def test_owner_prefill_splits_the_budget_evenly():
     assert {r.owner for r in plain[0]} == {0, 1, 2, 3}  # admission order: requests 0-3 (4 owners) fill the budget
 
 
+def test_owner_prefill_share_is_fixed_per_owner():
+    """SGLang's DP-attention divides chunked_prefill_size by dp_size once: an owner with prompt left takes
+    chunk // T a step whether or not the others have work, so one request prefills chunk // T tokens a step and
+    four requests on four owners 4 × (chunk // T)."""
+    from splash.sim.serving import _prefill_steps
+    one = _prefill_steps(1, 10_000, 16384, 8, per_owner=True)
+    assert [sum(r.new_tokens for r in rows) for rows in one] == [2048] * 4 + [10_000 - 4 * 2048]
+    four = _prefill_steps(4, 10_000, 16384, 8, per_owner=True)
+    assert len(four) == len(one) and all(len(rows) == 4 for rows in four)
+    assert sum(r.new_tokens for r in four[0]) == 4 * 2048
+    tail = _prefill_steps(9, 4096, 16384, 8, per_owner=True)   # owner 0 holds two requests, the others one
+    assert [len(rows) for rows in tail] == [8, 8, 1, 1] and tail[2][0].owner == 0
+
+
 def test_trace_runs_the_engines_scheduler():
     """A fixed-layout trace is the engine's `Scheduler` and `KVLedger` on a predicted clock: the same total time
     (within the pricing of decode runs at their middle) and tokens as running them one step at a time, charging

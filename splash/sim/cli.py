@@ -3,6 +3,7 @@
     splash-sim --model glm-5.3 --hardware b200 --ranks 8 --batch-sizes 16 --input-lens 1K,4K,16K,64K,128K,256K,512K
     splash-sim --model glm-5.3-flash --hardware bw1000 --ranks 8 --trace workload.json
     splash-sim paper [--json FILE]      # the paper's figures beside splash-sim's (splash/sim/paper.py)
+    splash-sim mechanisms [--only b200]  # what candidate mechanisms for DOP's lead predict (prefill_mechanisms.py)
 
 Models: the presets glm-5.3, glm-5.3-flash, deepseek-v3.2, deepseek-v3 (public configs) or a model directory /
 config.json. Hardware: a profile name (configs/hardware: b200, h200, bw1000, cpu) or a profile YAML.
@@ -56,10 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=64, help="KV page size in tokens")
     ap.add_argument("--chunk", type=parse_len, default=16384, help="prefill tokens per step")
     ap.add_argument("--prefill-split", choices=("owner", "admission"), default="owner",
-                    help="how DP-attn/DOP spend a step's --chunk prefill budget: owner (default) splits it evenly "
-                         "over the owners with prompt tokens left, as SGLang's DP-attention gives each DP rank "
-                         "chunked_prefill_size // dp_size; admission takes it in admission order, as this "
-                         "engine's scheduler does")
+                    help="how DP-attn/DOP spend a step's --chunk prefill budget: owner (default): each owner "
+                         "with prompt tokens left takes chunk // ranks a step, as SGLang's DP-attention gives each "
+                         "DP rank chunked_prefill_size // dp_size (an idle owner's share is not handed on); "
+                         "admission takes it in admission order, as this engine's scheduler does")
     ap.add_argument("--cp-prefill", choices=("split", "partials"), default="split",
                     help="CP prefill: split (default) splits each chunk's rows over the ranks and all-gathers the "
                          "history's latent KV + indexer keys per layer (SGLang's NSA context-parallel prefill); "
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["paper"]:
         from splash.sim.paper import main as paper_main
         return paper_main(argv[1:])
+    if argv[:1] == ["mechanisms"]:
+        from splash.sim.prefill_mechanisms import main as mechanisms_main
+        return mechanisms_main(argv[1:])
     a = build_parser().parse_args(argv)
     from rich.console import Console
 

@@ -6,11 +6,11 @@ The serving model (stated, not measured):
   TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
   one rank), CP's is the group's pool (position-sharded);
 - prefill is chunked: each step takes up to ``chunk`` prompt tokens; in the request-owned layouts
-  (``owner_prefill``, the default) the budget is split evenly over the owners with prompt tokens left, as SGLang's
-  DP-attention gives each DP rank ``chunked_prefill_size // dp_size``; ``owner_prefill=False`` takes it in
-  admission order, as this engine's scheduler does (one owner runs most of a step's chunk). TP and CP spend it
-  in admission order; how CP splits a chunk is the cost model's ``cp_prefill``. Decode then runs one row per
-  request per step;
+  (``owner_prefill``, the default) each owner with prompt tokens left takes ``chunk // world`` of them, as SGLang's
+  DP-attention gives each DP rank ``chunked_prefill_size // dp_size`` (an idle owner's share is not handed on);
+  ``owner_prefill=False`` takes it in admission order, as this engine's scheduler does (one owner runs most of a
+  step's chunk). TP and CP spend it in admission order; how CP splits a chunk is the cost model's
+  ``cp_prefill``. Decode then runs one row per request per step;
 - throughput counts input + output tokens over the whole run (the paper's total throughput);
 - the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
 """
@@ -180,21 +180,22 @@ def _chunks(reqs: list[int], input_len: int, chunk: int, world: int) -> list[lis
 
 
 def _balanced_steps(k: int, input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
-    """Prefill steps of k requests with the group's ``chunk`` budget split evenly over the owners that still
-    have prompt tokens to prefill (each takes its share from its own requests in admission order). One budget
-    per step for the group, as in TP/CP, placed so no owner runs the chunk while the others wait — what SGLang's
-    DP-attention does by giving each DP rank ``chunked_prefill_size // dp_size``."""
+    """Prefill steps of k requests with every owner that still has prompt tokens to prefill taking a fixed
+    ``chunk // world`` of them a step (from its own requests in admission order): SGLang's DP-attention divides
+    ``chunked_prefill_size`` by ``dp_size`` once at start-up (server_args ``_handle_data_parallelism``), and each DP
+    rank's scheduler fills its own share. An owner with nothing left runs an idle batch; its share is not handed
+    to the others, so fewer busy owners (B < T, the tail of a wave) means fewer tokens a step."""
     done = dict.fromkeys(range(k), 0)
+    share = max(1, chunk // world)
     steps = []
     while any(d < input_len for d in done.values()):
         pending: dict[int, list[int]] = {}
         for j, d in done.items():
             if d < input_len:
                 pending.setdefault(j % world, []).append(j)
-        share, extra = divmod(chunk, len(pending))
         rows = []
-        for n, (owner, reqs) in enumerate(sorted(pending.items())):
-            budget = share + (1 if n < extra else 0)
+        for owner, reqs in sorted(pending.items()):
+            budget = share
             for j in reqs:
                 if budget <= 0:
                     break
@@ -208,7 +209,8 @@ def _balanced_steps(k: int, input_len: int, chunk: int, world: int) -> list[list
 
 def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bool) -> list[list[RowLoad]]:
     """Prefill steps of k requests: one ``chunk`` budget per step for the group, taken in admission order (what
-    the engine's scheduler does), or with ``per_owner`` split evenly over the owners (``_balanced_steps``)."""
+    the engine's scheduler does), or with ``per_owner`` a fixed ``chunk // world`` per busy owner
+    (``_balanced_steps``)."""
     if not per_owner:
         return _chunks(list(range(k)), input_len, chunk, world)
     return _balanced_steps(k, input_len, chunk, world)

@@ -12,8 +12,7 @@ def switch_step_rows(layout: str, batch: int, tokens: int, chunk: int, world: in
     split over the owners in DP-attn/DOP as splash-sim's prefill is (serving._balanced_steps), one request's chunk
     in TP/CP."""
     if parse_layout(layout).owner_based:
-        owners = min(batch, world)
-        return [RowLoad(chunk // owners, tokens, o) for o in range(owners)]
+        return [RowLoad(chunk // world, tokens, o) for o in range(min(batch, world))]
     return [RowLoad(chunk, tokens, 0)]
 
 

@@ -1,0 +1,223 @@
+"""Candidate mechanisms for DOP's measured lead at long inputs (issue 29), each computed from the bytes and FLOPs of
+the model and the hardware, never fitted. ``splash-sim mechanisms`` prints what each predicts at the paper's
+positions; docs/benchmarks.md records the numbers. Pure, no torch.
+
+1. **Transient memory per prefill chunk.** One rank's prefill of ``rows`` query rows over ``keys`` visible keys
+   holds, per layer (the buffers are reused layer to layer): the DSA indexer's fp32 logits [rows × keys] (DeepGEMM
+   ``fp8_mqa_logits`` writes them whole before the top-k), the BF16 copy of the latent history the sparse prefill
+   kernel reads (SGLang's ``dequantize_k_cache_paged``: (d_c + d_r) × 2 bytes a key) and the top-k indices
+   [rows × top-k] int32. The room a layout leaves for them decides the largest chunk a rank can run; a smaller
+   chunk means more steps, each re-reading the history.
+2. **Indexer work per rank**: the indexer's scoring is rows × keys on whoever holds the keys (the owner; in CP's
+   split prefill every rank, for its rows); its projections run on every row in DOP (replicated weights).
+3. **Waves that wait for the handoff**: when a unit (an owner in DP-attn/DOP, the group in TP/CP) holds one request
+   at a time, its next request cannot be admitted until the previous one's KV has left over the inter-node link.
+4. **Exchange bytes per query row**, per layer, by layout (splash.costmodel.work._exchange / _cp_split_layer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from splash.layouts.layout import KV_OWNER, kv_ownership_of
+from splash.layouts.memory import kv_bytes_per_token_layer
+
+LOGIT_BYTES = 4.0    # fp32 indexer logits
+INDEX_BYTES = 4.0    # int32 top-k indices
+BF16 = 2.0
+
+
+def prefill_transient_bytes(cfg, rows: int, keys: int) -> dict[str, float]:
+    """Per-rank transient buffers of one layer's prefill of ``rows`` query rows over ``keys`` visible keys."""
+    out = {"dequant_kv": keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * BF16}
+    if cfg.index_topk:
+        out["indexer_logits"] = rows * keys * LOGIT_BYTES
+        out["topk_indices"] = rows * cfg.index_topk * INDEX_BYTES
+    return out
+
+
+def largest_chunk_rows(cfg, keys: int, room: float) -> float:
+    """The most query rows whose transients (``prefill_transient_bytes``) fit in ``room`` bytes at ``keys``
+    (inf for a model without an indexer: no buffer grows with the rows)."""
+    fixed = keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * BF16
+    per_row = (keys * LOGIT_BYTES + cfg.index_topk * INDEX_BYTES) if cfg.index_topk else 0.0
+    if room < fixed:
+        return 0
+    return math.inf if per_row == 0 else int((room - fixed) // per_row)
+
+
+def activation_room(s) -> float:
+    """Bytes a rank has for prefill transients: the serving stack sizes the KV pool at the memory fraction and
+    activations get the rest of the device, (1 − f) × memory — the same in every layout (SGLang's
+    ``mem_fraction_static``; the paper's "memory fraction 0.85"): the projections a layout replicates shrink its
+    pool, not this room. (Had the transients come out of the pool's budget instead, admission would shrink by
+    them: ``mechanism_rows``' ``resident_if_shared``.)"""
+    return (1.0 - s.mem_fraction) * s.profile.memory_bytes
+
+
+def per_rank_chunk(layout: str, chunk: int, world: int) -> int:
+    """Query rows a rank runs in one full prefill step: its owner share (DP-attn/DOP, SGLang's
+    chunked_prefill_size // dp_size), its 1/T of the chunk (CP split), the whole chunk (TP)."""
+    return chunk if layout == "tp" else chunk // world
+
+
+def history_reread_seconds(cfg, kv_dtype: str, keys: int, bytes_per_s: float) -> float:
+    """One chunk's re-read of a ``keys``-token history, one layer: its latent KV + indexer keys, read once."""
+    return keys * kv_bytes_per_token_layer(cfg, kv_dtype) / bytes_per_s
+
+
+def indexer_scoring_seconds(cfg, rows: int, keys: int, flops_per_s: float) -> float:
+    """The indexer's q·k scoring of ``rows`` over ``keys``, one layer (2 × heads × head_dim FLOPs a pair)."""
+    return 2.0 * rows * keys * cfg.index_n_heads * cfg.index_head_dim / flops_per_s
+
+
+def request_handoff_seconds(s, layout: str, input_len: int) -> float:
+    """One request's KV leaving the prefill instance: from its owner's NIC alone in DP-attn/DOP, from every
+    rank's NIC in TP/CP (a share each)."""
+    cfg = s.model.cfg
+    nbytes = input_len * kv_bytes_per_token_layer(cfg, s.model.kv_dtype) * cfg.num_hidden_layers
+    nics = 1 if kv_ownership_of(layout) == KV_OWNER else s.world
+    return nbytes / (nics * s.profile.inter_node_bytes_per_s)
+
+
+def exposed_wave_handoff_seconds(s, layout: str, batch: int, resident: int, input_len: int) -> float:
+    """Handoff time the prefill instance waits out: a unit (owner in DP-attn/DOP, group in TP/CP) that holds one
+    request at a time cannot start its next one until the previous one's KV has left; with two or more resident
+    it prefills the next while the handoff runs. The last request's handoff is exposed in every layout (already
+    charged by splash.sim.deploy), so this is the extra: (requests per unit − 1) handoffs when one is resident."""
+    units = s.world if kv_ownership_of(layout) == KV_OWNER else 1
+    per_unit_resident = resident // units
+    per_unit_requests = -(-batch // units)
+    if per_unit_resident != 1 or per_unit_requests <= 1:
+        return 0.0
+    return (per_unit_requests - 1) * request_handoff_seconds(s, layout, input_len)
+
+
+def exchange_bytes_per_row(cfg, layout: str, act_bytes: float = BF16) -> float:
+    """Bytes one query row puts through a layer's exchanges (the attention's, not the FFN all-reduce every layout
+    shares): DP-attn all-gathers its hidden state; DOP all-to-alls its absorbed query (all heads' d_c + d_r) to
+    the owner and the latent output (d_c) back, then all-reduces the hidden state; CP (split) all-gathers the
+    hidden state (its history gather is per chunk, ``history_reread_seconds``); TP all-reduces it."""
+    hid, H = cfg.hidden_size, cfg.num_attention_heads
+    if layout == "dop":
+        return H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes + H * cfg.kv_lora_rank * act_bytes \
+            + hid * act_bytes
+    if layout in ("tp", "dp_attn", "cp"):
+        return hid * act_bytes
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+# ---- what each predicts at the paper's positions (`splash-sim mechanisms`) ----------------------------------
+
+POINTS = {"b200": ((16, 128_000), (16, 256_000), (16, 512_000), (128, 128_000)),
+          "h200": ((16, 64_000), (16, 128_000), (16, 256_000)),
+          "bw1000": ((16, 256_000), (16, 512_000))}
+LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+
+
+def _last_step(layout: str, batch: int, input_len: int, chunk: int, world: int):
+    """The last full prefill step of a request at ``input_len`` (history input_len − the step's rows), as the
+    layout's prefill schedules it (every owner busy in DP-attn/DOP; one request's chunk in TP/CP)."""
+    from splash.costmodel.step_cost import RowLoad
+    if kv_ownership_of(layout) == KV_OWNER:
+        per = chunk // world
+        return [RowLoad(per, input_len - per, o) for o in range(min(batch, world))]
+    return [RowLoad(chunk, input_len - chunk, 0)]
+
+
+def mechanism_rows(hardware: str, points=None) -> list[dict]:
+    """One row per (position, layout): what each mechanism predicts there (see the module docstring)."""
+    from splash.sim.paper import Evaluator
+    from splash.sim.paper_data import SETUPS
+    from splash.sim.serving import capacities, concurrency
+    ev = Evaluator(SETUPS[hardware])
+    s, cm, cfg, prof = ev.sim, ev.cm, ev.model.cfg, ev.profile
+    rows = []
+    for batch, n in points or POINTS[hardware]:
+        for lay in LAYOUTS:
+            base = ev.point(lay, batch, n)
+            if not base["feasible"]:
+                continue
+            k = base["concurrency"]
+            total = batch * (n + ev.setup.output_len) / base["tokens_per_s"]
+            r_chunk = per_rank_chunk(lay, s.chunk, s.world)
+            transient = sum(prefill_transient_bytes(cfg, r_chunk, n).values())
+            room = activation_room(s)
+            # transients out of the pool's budget instead: admission shrinks so one chunk's buffers fit
+            shared = dataclasses.replace(s, reserve_bytes=s.reserve_bytes + transient)
+            k_shared = min(batch, concurrency(shared, capacities(shared), lay, n))
+            step = cm.step(lay, _last_step(lay, batch, n, s.chunk, s.world))
+            handoff = exposed_wave_handoff_seconds(s, lay, batch, k, n)
+            rows.append({
+                "hardware": hardware, "batch": batch, "input_len": n, "layout": lay, "resident": k,
+                "tokens_per_s": base["tokens_per_s"],
+                "rank_chunk_rows": r_chunk, "transient_gib": transient / (1 << 30),
+                "room_gib": room / (1 << 30), "fit_rows": largest_chunk_rows(cfg, n, room),
+                "resident_if_shared": k_shared,
+                "reread_over_scoring": (history_reread_seconds(cfg, s.model.kv_dtype, n, prof.kv_read_bytes_per_s)
+                                        / indexer_scoring_seconds(cfg, r_chunk, n, prof.attention_flops_per_s)
+                                        if cfg.index_topk else 0.0),
+                "step_ms": step.seconds * 1e3, "indexer_ms": step.stages.get("indexer", 0.0) * 1e3,
+                "exchange_ms": step.stages.get("exchange", 0.0) * 1e3,
+                "exchange_bytes_per_row": exchange_bytes_per_row(cfg, lay),
+                "exposed_handoff_s": handoff,
+                "tokens_per_s_serial_waves": batch * (n + ev.setup.output_len) / (total + handoff),
+            })
+    return rows
+
+
+def leaders(rows: list[dict], field: str) -> dict[tuple, str]:
+    """(hardware, batch, input_len) -> the layout with the highest ``field``."""
+    best: dict[tuple, tuple[float, str]] = {}
+    for r in rows:
+        key = (r["hardware"], r["batch"], r["input_len"])
+        if key not in best or r[field] > best[key][0]:
+            best[key] = (r[field], r["layout"])
+    return {k: v[1] for k, v in best.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+    ap = argparse.ArgumentParser(prog="splash-sim mechanisms", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="b200", help="comma list of hardware (b200, h200, bw1000)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write {'rows': [...]} as JSON")
+    a = ap.parse_args(argv)
+    want = [x.strip() for x in a.only.split(",") if x.strip()]
+    bad = [w for w in want if w not in POINTS]
+    if bad:
+        print(f"splash-sim mechanisms: --only: unknown hardware {', '.join(bad)} (allowed: {', '.join(POINTS)})")
+        return 2
+    rows = [r for hw in want for r in mechanism_rows(hw)]
+    cols = (("batch", "B"), ("input_len", "input"), ("layout", "layout"), ("resident", "resident"),
+            ("tokens_per_s", "tok/s"), ("rank_chunk_rows", "rows/rank"), ("transient_gib", "transient GiB"),
+            ("room_gib", "room GiB"), ("fit_rows", "rows fit"), ("resident_if_shared", "resident if shared"),
+            ("reread_over_scoring", "re-read/scoring"), ("step_ms", "last step ms"), ("indexer_ms", "indexer ms"),
+            ("exchange_ms", "exchange ms"), ("exchange_bytes_per_row", "exch B/row"),
+            ("exposed_handoff_s", "wave handoff s"), ("tokens_per_s_serial_waves", "tok/s serial waves"))
+    t = Table(title="splash-sim: candidate mechanisms for DOP's lead (splash/sim/prefill_mechanisms.py)")
+    for _, name in cols:
+        t.add_column(name, justify="right")
+    for r in rows:
+        t.add_row(*(_fmt(r[k]) for k, _ in cols))
+    con = Console(width=230)
+    con.print(t)
+    for field in ("tokens_per_s", "tokens_per_s_serial_waves"):
+        lead = leaders(rows, field)
+        con.print(f"leaders by {field}: " + ", ".join(f"{hw} {b}x{n // 1000}K {v}" for (hw, b, n), v in lead.items()))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1, default=str))
+    return 0
+
+
+def _fmt(v) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, int) or (isinstance(v, float) and math.isinf(v)):
+        return f"{v:,}" if not isinstance(v, float) else "inf"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
