@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from splash.layouts.layout import KV_OWNER, kv_ownership_of
+from splash.layouts.layout import KV_ALL, KV_OWNER, kv_ownership_of, parse_layout
 from splash.layouts.memory import kv_bytes_per_token_layer
 
 LOGIT_BYTES = 4.0    # fp32 indexer logits
@@ -58,7 +58,7 @@ def activation_room(s) -> float:
 def per_rank_chunk(layout: str, chunk: int, world: int) -> int:
     """Query rows a rank runs in one full prefill step: its owner share (DP-attn/DOP, SGLang's
     chunked_prefill_size // dp_size), its 1/T of the chunk (CP split), the whole chunk (TP)."""
-    return chunk if layout == "tp" else chunk // world
+    return chunk if kv_ownership_of(layout) == KV_ALL else chunk // world
 
 
 def history_reread_seconds(cfg, kv_dtype: str, keys: int, bytes_per_s: float) -> float:
@@ -99,12 +99,11 @@ def exchange_bytes_per_row(cfg, layout: str, act_bytes: float = BF16) -> float:
     the owner and the latent output (d_c) back, then all-reduces the hidden state; CP (split) all-gathers the
     hidden state (its history gather is per chunk, ``history_reread_seconds``); TP all-reduces it."""
     hid, H = cfg.hidden_size, cfg.num_attention_heads
-    if layout == "dop":
+    lay = parse_layout(layout)
+    if lay.shards_projections and lay.owner_based:      # DOP
         return H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes + H * cfg.kv_lora_rank * act_bytes \
             + hid * act_bytes
-    if layout in ("tp", "dp_attn", "cp"):
-        return hid * act_bytes
-    raise ValueError(f"unknown layout {layout!r}")
+    return hid * act_bytes
 
 
 # ---- what each predicts at the paper's positions (`splash-sim mechanisms`) ----------------------------------
