@@ -43,7 +43,6 @@ import httpx
 from splash.bench import load_abuse
 from splash.bench.serve_proc import launch, stop, stream_completion
 SECTION = "## Server load test (issue 5)"
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 
 @dataclass
