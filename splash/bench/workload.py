@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splash.bench.serve_proc import REPO, launch, stop, stream_completion
+from splash.layouts.layout import LAYOUT_NAMES
 
-MODES = ("auto", "tp", "dp_attn", "cp", "dop")
+MODES = ("auto", *LAYOUT_NAMES)
 DEFAULT_WORKLOAD = {"groups": [
     {"at_s": 0.0, "count": 2, "input_len": 64, "output_len": 256},      # interactive: few, short
     {"at_s": 2.0, "count": 30, "input_len": 512, "output_len": 64},     # rollout burst: many requests ...
