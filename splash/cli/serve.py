@@ -132,7 +132,8 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
                                                     tokenizer.chat_template)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
-                    admin_token=admin_token, world_size=world_size, limits=startup.limits(cfg),
+                    admin_token=admin_token, world_size=world_size, limits=cfg.server,
+                    max_outstanding_seqs=cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
     return asyncio.run(serve(state_kw, engine, sock, console, watchdog, allowed, title))
