@@ -145,7 +145,7 @@ def measure(comm, args) -> dict:
     gemm_rows = gemm_row_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps, args.world, ov)
+    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, args.block_size, reps, args.world, ov)
     return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
             "attn": attn_rate,
             "fit": {"attention_fit_median_rel_err": fit["attention_fit_median_rel_err"]},
@@ -210,11 +210,11 @@ def build_profile(comm, args) -> dict:
                                                                3 if args.quick else 9)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
-    if m["attn_rows"]:  # the split-KV kernel: refit its rates with the attention inside real steps
-        step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
-        every = comm.all_gather_obj(step_rows)
-        med = [[statistics.median(e[i][j] for e in every) for j in range(len(row))] for i, row in enumerate(step_rows)]
-        raw = refit_attention(raw, m["attn_rows"] + med)
+    # the split-KV kernel: refit its rates with the attention inside real steps
+    step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
+    every = comm.all_gather_obj(step_rows)
+    med = [[statistics.median(e[i][j] for e in every) for j in range(len(row))] for i, row in enumerate(step_rows)]
+    raw = refit_attention(raw, m["attn_rows"] + med)
     if getattr(args, "in_step_collectives", False):
         # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
         # beyond everything else the model predicts (the in-step collective terms included)
