@@ -114,7 +114,6 @@ def _rank0_checks(cfg):
 
 
 def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_token: str | None) -> int:
-    from splash.config.serve_config import LAYOUTS
     from splash.server import startup
     from splash.server.agent import resolve_parsers
     from splash.server.frontend import serve
@@ -122,21 +121,17 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
 
     engine = built.engine
     startup.quiet_decision_log(cfg)
-    pinned = cfg.layout.layout != "auto"
-    if hasattr(engine, "request_layout"):
-        engine.request_layout(startup.initial_layout(cfg) if pinned else "auto")
+    engine.request_layout(cfg.layout.layout)   # a pinned layout, or auto
     tokenizer = load_tokenizer(cfg.tokenizer_path, built.model_cfg.vocab_size)
-    allowed = tuple(x for x in LAYOUTS if x in cfg.layout.allowed_layouts)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
-                                                    getattr(built.model_cfg, "model_type", None),
-                                                    tokenizer.chat_template)
+                                                    built.model_cfg.model_type, tokenizer.chat_template)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
                     admin_token=admin_token, world_size=world_size, limits=cfg.server,
                     max_outstanding_seqs=cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
-    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, allowed, title))
+    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, title))
 
 
 _guarded = main_guard(_serve)

@@ -57,7 +57,7 @@ async def _drain(server: _Server, loop: EngineLoop, drain_s: float) -> None:
 
 
 async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Console, watchdog: Watchdog | None,
-                allowed_layouts: tuple[str, ...], title: str) -> int:
+                title: str) -> int:
     aio = asyncio.get_running_loop()
 
     def post(fn: Any) -> None:
@@ -66,7 +66,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
         except RuntimeError:   # the loop already closed (only at the very end of shutdown)
             pass
 
-    allowed_layouts = tuple(getattr(getattr(engine, "control", None), "allowed", allowed_layouts))  # feasible here
+    allowed_layouts = engine.control.allowed   # the allowed layouts feasible on this model and world size
     holder: dict[str, EngineLoop] = {}
     metrics = Metrics(lambda: holder["loop"].snapshot if "loop" in holder else None)
     loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
