@@ -7,12 +7,11 @@ its field's (``serve_config``), and sizes such as '64MiB' are parsed by the conf
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import sys
 from typing import Any, Callable, Sequence
 
-from splash.config.serve_config import FIELD_SECTION, LAYOUTS, SECTIONS, ServeConfig, apply_overrides, load_serve_config
+from splash.config.serve_config import FIELD_SECTION, LAYOUTS, ServeConfig, apply_overrides, choices, load_serve_config
 from splash.models.config import ConfigError
 
 _EPILOG = """\
@@ -127,12 +126,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see '{self.prog} --help')")
 
 
-def _choices(field_name: str) -> Sequence[str] | None:
-    """The field's allowed values (its metadata in serve_config), for argparse and --help."""
-    field = next(f for f in dataclasses.fields(SECTIONS[FIELD_SECTION[field_name]]) if f.name == field_name)
-    return field.metadata.get("choices")
-
-
 def _default_text(field_name: str) -> str:
     value = getattr(getattr(ServeConfig(), FIELD_SECTION[field_name]), field_name)
     if isinstance(value, tuple):
@@ -162,7 +155,7 @@ def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
         if kind is _BOOL:
             kw["action"] = _BOOL
         else:
-            kw.update(type=kind, metavar=metavar, choices=None if kind is layout_list else _choices(name))
+            kw.update(type=kind, metavar=metavar, choices=None if kind is layout_list else choices(name))
         group.add_argument(*flags, **kw)
     return parser
 
