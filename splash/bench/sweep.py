@@ -149,7 +149,8 @@ def run(args) -> int:
     from splash.distributed import init_dist
     from splash.models.config import ConfigError
 
-    comm = init_dist().comm
+    ctx = init_dist()
+    comm = ctx.comm
     try:
         _check_args(args)
         cfg = serve_config(args)
@@ -158,13 +159,14 @@ def run(args) -> int:
         if comm.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    return _sweep(args, cfg, comm)
+    return _sweep(args, cfg, ctx)
 
 
-def _sweep(args, cfg, comm) -> int:
-    from splash.bench.driver import EngineSettings, pool_blocks, set_threads
+def _sweep(args, cfg, ctx) -> int:
+    from splash.bench.driver import EngineSettings, pool_blocks
+    from splash.distributed.launch import set_threads
 
-    threads = set_threads(comm)
+    comm, threads = ctx.comm, set_threads(ctx)
     st = EngineSettings.from_config(cfg)
     config = sweep_config(args, st, comm.size, threads)
     doc, err = _agreed(comm, lambda: prior_doc(args, config))   # a bad --resume file fails before the model loads

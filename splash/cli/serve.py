@@ -27,13 +27,6 @@ class _QuietExit(Exception):
     """Ranks ≠ 0 leave with status 2 after rank 0 reported the (agreed) error."""
 
 
-def _set_threads(local_size: int) -> None:
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
-
-
 def _load_config(argv: Sequence[str] | None, rank: int):
     devnull = open(os.devnull, "w") if rank else None  # --help prints once
     with redirect_stdout(devnull) if devnull else nullcontext():
@@ -70,7 +63,7 @@ def _follow(engine, watchdog, rank: int) -> int:
 
 def _serve(argv: Sequence[str] | None = None) -> int:
     from splash.distributed import init_dist
-    from splash.distributed.launch import describe_communicator
+    from splash.distributed.launch import describe_communicator, set_threads
     from splash.server import startup
     from splash.server.console import Console
     from splash.server.watchdog import StepChannel, Watchdog
@@ -92,7 +85,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         hosts = comm.all_gather_obj(socket.gethostname())
         watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
         step_comm = StepChannel(comm)
-        _set_threads(hosts.count(hosts[rank]))
+        set_threads(ctx)
         if console and getattr(backend, "name", backend) == "cpu":
             from splash import native
             console.log(f"splash-serve: CPU kernels {native.describe()}")

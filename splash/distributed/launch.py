@@ -12,12 +12,13 @@ from splash.distributed.communicator import Communicator, MPICommunicator, Singl
 
 @dataclass(frozen=True)
 class DistContext:
-    """Who this process is. `comm` spans all `world_size` ranks."""
+    """Who this process is. `comm` spans all `world_size` ranks; `local_size` of them run on this node."""
 
     rank: int
     world_size: int
     local_rank: int
     comm: Communicator
+    local_size: int = 1
 
 
 def init_dist() -> DistContext:
@@ -32,10 +33,20 @@ def init_dist() -> DistContext:
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = local.Get_rank()
+    local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
     comm: Communicator = MPICommunicator(world.Dup()) if size > 1 else SingleRankCommunicator()
-    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm)
+    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm, local_size=local_size)
+
+
+def set_threads(ctx: DistContext) -> int:
+    """torch intra-op threads of this rank: OMP_NUM_THREADS when set, else this node's cores shared among its
+    ranks (more would oversubscribe the cores the other ranks compute on)."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_size))
+    return torch.get_num_threads()
 
 
 def init_torch_distributed(ctx: DistContext, backend: str) -> None:
