@@ -58,11 +58,11 @@ def _f32(op: str, name: str, t: torch.Tensor, dim: int | None = None, contiguous
           lambda: f"{name}'s last dim must be unit-stride")
 
 
-def _ints(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = None, hi: int | None = None) -> None:
-    """`t` is a contiguous 1-D CPU tensor of `dtype` (of `n` entries; values in [0, hi))."""
+def _ints(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int, hi: int | None = None) -> None:
+    """`t` is a contiguous 1-D CPU tensor of `dtype` of `n` entries (values in [0, hi))."""
     _need(t.dtype == dtype and t.is_cpu and t.dim() == 1 and t.is_contiguous(), op,
           lambda: f"{name} must be a contiguous 1-D {dtype} CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _need(n is None or t.numel() == n, op, lambda: f"{name} must have {n} entries, got {t.numel()}")
+    _need(t.numel() == n, op, lambda: f"{name} must have {n} entries, got {t.numel()}")
     if hi is not None and t.numel():
         _need(int(t.min()) >= 0 and int(t.max()) < hi, op, lambda: f"{name} must lie in [0, {hi})")
 
@@ -73,11 +73,11 @@ def _cos_sin(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, half: int) -
         _need(tuple(t.shape) == (n, half), op, lambda: f"{name} must be [{n}, {half}], got {tuple(t.shape)}")
 
 
-def _packed(op: str, name: str, p: torch.Tensor, lead: int, K: int | None = None) -> tuple[int, ...]:
+def _packed(op: str, name: str, p: torch.Tensor, lead: int, K: int) -> tuple[int, ...]:
     """A packed weight [*lead, N / 16, K, 16] -> (*lead, N, K)."""
     _f32(op, name, p, lead + 3, contiguous=True)
-    _need(p.shape[-1] == STRIP and (K is None or p.shape[-2] == K), op,
-          lambda: f"{name} must be packed [..., N/16, {K if K is not None else 'K'}, 16], got {tuple(p.shape)}")
+    _need(p.shape[-1] == STRIP and p.shape[-2] == K, op,
+          lambda: f"{name} must be packed [..., N/16, {K}, 16], got {tuple(p.shape)}")
     return (*p.shape[:lead], p.shape[-3] * STRIP, p.shape[-2])
 
 
