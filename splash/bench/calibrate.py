@@ -10,8 +10,9 @@ host overhead (the real model's one-rank B=1 decode step minus its predicted com
 MLA attention fitted as KV bytes + FLOPs (+ for the split-KV `torch` kernel: the multi-chunk merge traffic and
 the chunk bytes beyond this rank's last-level-cache share, on isolated kernel calls and inside real one-rank
 decode steps), the GEMM rate at the row counts steps run, α + bytes/β of all-reduce, all-gather(v), all-to-all(v)
-and broadcast through the MPI communicator, and each layout's fixed cost per step (a real decode step at this world size minus
-its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a loaded host.
+and broadcast through the MPI communicator, and each layout's fixed cost per step (a real decode step at this
+world size minus its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a
+loaded host.
 About 1 minute on 2 quiet ranks here, 4–5 minutes at load 7–10.
 """
 from __future__ import annotations
