@@ -54,7 +54,7 @@ def main() -> None:
     have = native.lib() is not None
     orig = native.enabled
     for b, s, q in POINTS:
-        run, _ = _attention_call(cfg, args.block_size, b, s, h, q)
+        run = _attention_call(cfg, args.block_size, b, s, h, q)
         native.enabled = lambda: False
         try:
             slow = best_of(run, args.reps)

@@ -179,7 +179,6 @@ def hbm_bytes_per_s(args, backend) -> tuple[float, str]:
 
 
 def time_decode(args, backend, dims, scale) -> None:
-    import torch
     batch, ctx = (4, 256) if args.dry_run else (args.batch, args.context)
     state = make_state(backend.device, batch, ctx, **dims, mixed=False, ragged=False)
     kv_bytes = batch * ctx * (dims["dc"] + dims["dr"]) * 2

@@ -9,8 +9,8 @@
 * ``decode`` tolerates ids outside the tokenizer's vocabulary (a random-weight model's vocab is often
   larger): such ids, and negative ids, decode to ``""`` (they are dropped). Incomplete UTF-8 byte
   sequences decode to U+FFFD, as in the ``tokenizers`` library.
-* Chat template: the model's Jinja ``chat_template`` when it has one and ``jinja2`` is importable, else
-  the simple template: for each message ``<|{role}|>\\n{content}\\n``, then ``<|assistant|>\\n``.
+* Chat template: the model's Jinja ``chat_template`` when it has one (``splash.chat_template``), else the
+  simple template: for each message ``<|{role}|>\\n{content}\\n``, then ``<|assistant|>\\n``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from splash.chat_template import render
 from splash.errors import ConfigError
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>")
@@ -133,30 +134,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render OpenAI-style ``messages`` ({"role", "content"}) into the prompt text.
 
-        Uses the model's Jinja template when it has one and jinja2 is installed; a template that raises
+        Uses the model's Jinja template when it has one, rendered as transformers does; a template that raises
         (e.g. roles must alternate) raises ValueError. Otherwise the simple template (module docstring).
         """
         if self.chat_template is not None:
-            rendered = _render_jinja(self.chat_template, messages, add_generation_prompt,
-                                     self.bos_token or "", self.eos_token or "")
-            if rendered is not None:
-                return rendered
+            special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
+            return render(self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
+                          special_tokens=special)
         parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
-
-
-def _render_jinja(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
-                  bos_token: str, eos_token: str) -> str | None:
-    """Render an HF chat template the way transformers does (splash.chat_template); None without jinja2."""
-    try:
-        import jinja2  # noqa: F401
-    except ImportError:
-        return None
-    from splash.chat_template import render
-    special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
-    return render(template, list(messages), add_generation_prompt=add_generation_prompt, special_tokens=special)
 
 
 def _eos_from_model_config(directory: Path) -> int | None:

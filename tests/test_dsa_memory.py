@@ -37,7 +37,7 @@ def test_indexer_key_bytes_per_token():
     for kv, key in (("float32", 512), ("bfloat16", 256), ("fp8_e4m3", 132), ("int8", 132)):
         assert kv_bytes_per_token_layer(cfg, kv, 0) - kv_bytes_per_token_layer(base, kv, 0) == key
         assert kv_bytes_per_token_layer(cfg, kv, 1) == kv_bytes_per_token_layer(base, kv, 1)
-        assert kv_block_bytes(cfg, kv, 16) - kv_block_bytes(base, kv, 16) == 16 * key * cfg.num_indexer_layers
+        assert kv_block_bytes(cfg, kv, 16) - kv_block_bytes(base, kv, 16) == 16 * key * cfg.indexer_types.count("full")
 
 
 def test_dsa_engine_capacity_counts_indexer_keys(tiny_ckpt):

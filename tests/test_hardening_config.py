@@ -94,7 +94,7 @@ def test_top_level_api_is_lazy():
 
 def test_one_list_per_fact():
     """Item 15: the layout names, the KV dtypes and the head-divisibility rule each have one source."""
-    from splash.cli.args import FLAGS
+    from splash.cli.args import build_parser
     from splash.config import serve_config
     from splash.engine.layout_policy import control as layout_control
     from splash.kv import quant
@@ -103,8 +103,8 @@ def test_one_list_per_fact():
 
     assert serve_config.LAYOUTS is LAYOUT_NAMES and layout_control.ALL_LAYOUTS is LAYOUT_NAMES
     assert serve_config.KV_CACHE_DTYPES is KV_DTYPES and quant.KV_DTYPES is KV_DTYPES
-    kv_flag = next(f for f in FLAGS if f[1] == "kv_cache_dtype")
-    assert kv_flag[3] == ("auto",) + KV_DTYPES
+    kv_flag = next(a for a in build_parser()._actions if a.dest == "kv_cache_dtype")
+    assert kv_flag.choices == ("auto",) + KV_DTYPES   # the flag's choices are the config field's
     assert heads_fit("dp_attn", 8, 3) and not heads_fit("dop", 8, 3) and heads_fit("tp", 8, 4)
     with pytest.raises(ValueError, match="does not divide"):
         check_heads("tp", 8, 3)

@@ -101,7 +101,6 @@ def test_missing_dir_is_an_error(tmp_path):
 
 
 def test_jinja_chat_template_from_tokenizer_config(tmp_path):
-    pytest.importorskip("jinja2")
     save_byte_tokenizer(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     cfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
@@ -112,7 +111,6 @@ def test_jinja_chat_template_from_tokenizer_config(tmp_path):
 
 
 def test_jinja_template_raise_exception_is_value_error(tmp_path):
-    pytest.importorskip("jinja2")
     save_byte_tokenizer(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
     tok = load_tokenizer(tmp_path, 300)

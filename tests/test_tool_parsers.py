@@ -238,3 +238,9 @@ def test_a_prompt_that_opens_thinking_starts_the_output_in_reasoning():
     parts = [st.feed(p) for p in ("pl", "an</th", "ink>ans", "wer")] + [st.feed("", last=True)]
     assert "".join(p.get("reasoning_content", "") for p in parts) == "plan"
     assert "".join(p.get("content", "") for p in parts) == "answer"
+
+
+def test_config_offers_exactly_the_tool_call_parsers():
+    """server.tool_call_parser's choices (which --tool-call-parser takes too) are auto, none and the parsers here."""
+    from splash.config.serve_config import choices
+    assert choices("tool_call_parser") == ("auto", "none", *tool_parsers.FORMATS)

@@ -6,38 +6,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, nonneg_rel_lstsq, timeit
+from splash.bench.calib_timing import STAT, nonneg_rel_lstsq, timeit
 
 
 def _attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, layers: int = 2):
-    """A callable running this checkout's attention for B requests with ``q`` query rows each (1: decode; more: a
-    prefill chunk ending at position ``s``) over ``s`` resident keys with ``h`` heads, over ``layers`` layers
-    (distinct caches, as a step walks them), and the kernel's scratch bound (0: the gather-based path)."""
+    """A callable running the `torch` paged attention kernel (it reads the cache in place) for B requests with
+    ``q`` query rows each (1: decode; more: a prefill chunk ending at position ``s``) over ``s`` resident keys
+    with ``h`` heads, over ``layers`` layers (distinct caches, as a step walks them)."""
     import torch
+
+    from splash.attention.batch import StepRequest
+    from splash.attention.kernels import make_kernel
+    from splash.attention.metadata import build_metadata
+    from splash.kv.page_table import PageTable
+    from splash.kv.paged_cache import PagedLatentCache
     dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nb = -(-s // block_size)
-    from splash.kv.paged_cache import PagedLatentCache
     cache = PagedLatentCache(layers, b * nb + 1, block_size, dc, dr, "float32")
     for layer in range(layers):
         cache.ckv[layer].normal_()
         cache.kpe[layer].normal_()
     qs = torch.randn(b * q, h, dc + dr)
-    try:
-        from splash.attention.kernels import make_kernel  # paged attention, reads the cache in place
-    except ImportError:
-        from splash.attention.mla import attend_latent
-        slots = torch.arange(b * nb * block_size).view(b, nb * block_size)[:, :s]
-        valid = torch.ones(b, 1, s, dtype=torch.bool)
-
-        def gather_run():
-            for layer in range(layers):
-                c, kpe = cache.read(layer, slots)
-                attend_latent(qs, c, kpe, valid, 0.1)
-        return gather_run, 0
-    from splash.attention.batch import StepRequest
-    from splash.attention.kernels import torch_mla
-    from splash.attention.metadata import build_metadata
-    from splash.kv.page_table import PageTable
     tables = PageTable(block_size)
     for i in range(b):
         tables.append(f"r{i}", [(j, i * nb + j) for j in range(nb)])
@@ -48,7 +37,7 @@ def _attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, la
         kernel.plan(meta)
         for layer in range(layers):
             kernel.run(layer, qs[..., :dc], qs[..., dc:], cache)
-    return run, torch_mla.SCRATCH_BYTES
+    return run
 
 
 def cache_share_bytes(world: int) -> float:
@@ -91,41 +80,30 @@ def attention_features(cfg, block_size: int, scratch: float, cache: float, b: in
     return [w.kv_bytes, w.attn_flops, w.attn_spill_bytes, w.attn_merge_bytes, w.ops]
 
 
-def attention_fit(cfg, alloc: float, block_size: int, reps: int, world: int, op_s: float
-                  ) -> tuple[float, float, float, int, float, dict]:
+def attention_fit(cfg, block_size: int, reps: int, world: int, op_s: float
+                  ) -> tuple[float, float, float, int, dict]:
     """Time this checkout's attention over decode and prefill shapes (2 layers a call, plan included); fit
     t − ops × op cost = kv_bytes/BW + flops/R + spilled bytes/spill rate + merge bytes/merge rate + per call
     (nonnegative, weighted least squares), the features counted by the cost model itself. Returns (BW, R,
-    per-call, the kernel's scratch bound, alloc rate, notes with the spill and merge rates and cache share)."""
-    from splash.costmodel.work import attention_temps
-    dc, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
-    layers = 2
+    per-call, the kernel's scratch bound, notes with the spill and merge rates and cache share)."""
+    from splash.attention.kernels.torch_mla import SCRATCH_BYTES
+    H, layers = cfg.num_attention_heads, 2
     cache = cache_share_bytes(world)
-    rows, ys, scratch = [], [], 0
+    rows, ys = [], []
     for b, s, q in ATTN_POINTS:
         for h in (max(1, H // 2), H):
-            run, scratch = _attention_call(cfg, block_size, b, s, h, q, layers)
-            t = timeit(run, reps if b * s * q < 32768 else 3, warm=1)
-            if scratch:
-                kv, fl, spill, merge, ops = attention_features(cfg, block_size, scratch, cache, b, s, q, h)
-                rows.append([layers * kv, layers * fl, layers * spill, layers * merge, 0.0, 1.0])
-                t -= layers * ops * op_s
-            else:
-                big = sum(x for x in attention_temps(b, q, s, h, dc, dr) if x >= ALLOC_THRESHOLD)
-                rows.append([layers * b * s * (dc + dr) * 4.0, layers * 2.0 * b * q * h * s * (2 * dc + dr), 0.0, 0.0,
-                             layers * big, 1.0])
-            ys.append(max(t, 1e-7))
+            t = timeit(_attention_call(cfg, block_size, b, s, h, q, layers), reps if b * s * q < 32768 else 3, warm=1)
+            kv, fl, spill, merge, ops = attention_features(cfg, block_size, SCRATCH_BYTES, cache, b, s, q, h)
+            rows.append([layers * kv, layers * fl, layers * spill, layers * merge, 1.0])
+            ys.append(max(t - layers * ops * op_s, 1e-7))
     a, y = np.array(rows), np.array(ys)
     sol = nonneg_rel_lstsq(a, y)
     err = float(np.median(np.abs(a @ sol - y) / y))
-    inv_bw, inv_r, inv_spill, inv_merge, inv_alloc, call = (float(v) for v in sol)
-    if inv_alloc > 0:
-        alloc = 1.0 / inv_alloc
+    inv_bw, inv_r, inv_spill, inv_merge, call = (float(v) for v in sol)
     rate = lambda inv: 1.0 / inv if inv > 0 else 1e15  # noqa: E731  (a term the fit drops costs nothing)
-    notes = {"attention_fit_median_rel_err": round(err, 4),
-             "spill": rate(inv_spill), "merge": rate(inv_merge), "cache": cache if scratch else 0.0,
-             "rows": [list(map(float, r[:4])) + [float(v)] for r, v in zip(rows, ys)] if scratch else []}
-    return rate(inv_bw), rate(inv_r), call, scratch, alloc, notes
+    notes = {"attention_fit_median_rel_err": round(err, 4), "spill": rate(inv_spill), "merge": rate(inv_merge),
+             "cache": cache, "rows": [list(map(float, r[:4])) + [float(v)] for r, v in zip(rows, ys)]}
+    return rate(inv_bw), rate(inv_r), call, SCRATCH_BYTES, notes
 
 
 STEP_POINTS = ((1, 1024), (1, 4096), (4, 1024), (4, 4096), (8, 1024), (8, 2048), (16, 1024), (16, 2048),

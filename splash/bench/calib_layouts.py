@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from splash.layouts.layout import LAYOUT_NAMES
+
 
 def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
     """Fixed cost per step of each layout at this world size: a real decode step of one request per rank at a
@@ -18,7 +20,7 @@ def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: in
     prof = profile_from_dict(partial, "calibrate (partial)")
     cm = CostModel(cfg, comm.size, prof, "float32", "float32", block_size)
     out = {}
-    for lay in ("tp", "dp_attn", "cp", "dop"):
+    for lay in LAYOUT_NAMES:
         st = DecodeState(comm, preset, lay, comm.size, 64, block_size)
         # measured as bench_costmodel measures (--clock cpu: median over repetitions of the least-preempted of 3)
         t = step_time(st, max(3, reps // 3))
@@ -55,7 +57,7 @@ def prefill_attention_factors(comm, preset: str, partial: dict, block_size: int,
     out = {}
     mla.attend = timed
     try:
-        for lay in ("tp", "dp_attn", "cp", "dop"):
+        for lay in LAYOUT_NAMES:
             st = DecodeState(comm, preset, lay, 0, 64, block_size, prefill=PREFILL_CHUNK)
             st.local_step(clock=time.thread_time)   # warm-up
 

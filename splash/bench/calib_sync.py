@@ -13,9 +13,9 @@ import statistics
 import time
 
 from splash.bench.calib_timing import STAT
+from splash.layouts.layout import LAYOUT_NAMES
 
 SYNC_POINTS = ((8, 512), (24, 128))   # (batch, context): between the grid's shapes, none of them
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "all_to_allv")
 
 
@@ -89,7 +89,7 @@ def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: 
     own, frac = [], []
     try:
         for b, ctx in SYNC_POINTS:
-            for lay in LAYOUTS:
+            for lay in LAYOUT_NAMES:
                 st = DecodeState(comm, preset, lay, b, ctx, block_size)
                 got = timed_steps(st, timer, reps)
                 iso = isolated_collective_seconds(cm, lay, [RowLoad(1, ctx + 2 + reps * 3 // 2, i % comm.size)
@@ -115,7 +115,7 @@ def collective_sync(comm, preset: str, partial: dict, block_size: int, reps: int
                    "float32", "float32", block_size)
     num = den = 0.0
     for b, ctx in SYNC_POINTS:
-        for lay in LAYOUTS:
+        for lay in LAYOUT_NAMES:
             st = DecodeState(comm, preset, lay, b, ctx, block_size)
             t = step_time(st, reps)
             pred = cm.step(lay, [RowLoad(1, ctx + 2 + reps * 3 // 2, i % comm.size) for i in range(b)])

@@ -9,10 +9,10 @@ streaming bandwidth (the same GEMMs at decode row counts over more weights than 
 host overhead (the real model's one-rank B=1 decode step minus its predicted compute, per counted eager op),
 MLA attention fitted as KV bytes + FLOPs (+ for the split-KV `torch` kernel: the multi-chunk merge traffic and
 the chunk bytes beyond this rank's last-level-cache share, on isolated kernel calls and inside real one-rank
-decode steps), the GEMM rate at the row counts steps run, the per-step attention plan (`build_attn_plan`, older
-checkouts) per request and per block, α + bytes/β of all-reduce, all-gather(v), all-to-all(v) and broadcast
-through the MPI communicator, and each layout's fixed cost per step (a real decode step at this world size minus
-its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a loaded host.
+decode steps), the GEMM rate at the row counts steps run, α + bytes/β of all-reduce, all-gather(v), all-to-all(v)
+and broadcast through the MPI communicator, and each layout's fixed cost per step (a real decode step at this
+world size minus its prediction). Every rank measures; rank 0 writes the median of the ranks. `--clock cpu` for a
+loaded host.
 About 1 minute on 2 quiet ranks here, 4–5 minutes at load 7–10.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 
 from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention, row_kernel
 from splash.bench.calib_gemm import gemm_rates, gemm_row_rates, model_weight_bytes, stream_bandwidth
-from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, nonneg_rel_lstsq, timeit
+from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, timeit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,25 +71,6 @@ def alloc_rate(reps: int) -> float:
     t_big = timeit(lambda: torch.empty(big // 4).fill_(1.0), reps) / big
     t_small = timeit(lambda: torch.empty(small // 4).fill_(1.0), reps) / small
     return 1.0 / max(t_big - t_small, t_big * 0.05)
-
-
-def plan_fit(cfg, block_size: int, reps: int) -> tuple[float, float]:
-    """build_attn_plan (decode) over B requests × nb blocks: t = B·per_request + B·nb·per_block. A checkout with
-    paged-attention metadata (built in O(requests)) has no per-block plan: (0, 0), its cost is in the ops."""
-    try:
-        from splash.attention.batch import StepRequest, build_attn_plan
-    except ImportError:
-        return 0.0, 0.0
-    rows, ys = [], []
-    for b, nb in ((1, 16), (4, 64), (16, 64), (16, 256), (32, 128)):
-        tables = {f"r{i}": {j: i * nb + j for j in range(nb + 1)} for i in range(b)}
-        reqs = [StepRequest(f"r{i}", nb * block_size - 1, 1) for i in range(b)]
-        t = timeit(lambda: build_attn_plan(reqs, tables.__getitem__, block_size, lambda q, x: True), reps)
-        rows.append([b, b * nb])
-        ys.append(t)
-    a, y = np.array(rows, dtype=float), np.array(ys)
-    sol = nonneg_rel_lstsq(a, y)
-    return float(sol[0]), float(sol[1])
 
 
 def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, float]]:
@@ -165,21 +146,19 @@ def measure(comm, args) -> dict:
     gemm_rows = gemm_row_rates(cfg, reps)
     bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
     alloc = alloc_rate(reps)
-    kv_bw, attn_rate, call, scratch, alloc, fit = attention_fit(cfg, alloc, args.block_size, reps, args.world, ov)
-    per_req, per_block = plan_fit(cfg, args.block_size, reps)
+    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, args.block_size, reps, args.world, ov)
     return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
             "attn": attn_rate,
             "fit": {"attention_fit_median_rel_err": fit["attention_fit_median_rel_err"]},
             "spill": fit["spill"], "merge": fit["merge"], "cache": fit["cache"], "gemm_rows": gemm_rows,
-            "attn_rows": fit["rows"],
-            "plan_request": per_req, "plan_block": per_block}
+            "attn_rows": fit["rows"]}
 
 
 def _median_over_ranks(comm, local: dict) -> dict:
     every = comm.all_gather_obj(local)
     med = lambda key: statistics.median(e[key] for e in every)  # noqa: E731
-    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "plan_request", "plan_block", "alloc", "call", "scratch",
-                               "spill", "merge", "cache")}
+    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "alloc", "call", "scratch", "spill", "merge",
+                               "cache")}
     out["gemm_rows"] = {d: {r: statistics.median(e["gemm_rows"][d][r] for e in every) for r in t}
                         for d, t in every[0]["gemm_rows"].items()}
     out["gemm"] = {d: statistics.median(e["gemm"][d] for e in every) for d in every[0]["gemm"]}
@@ -211,8 +190,8 @@ def build_profile(comm, args) -> dict:
         "attention_combine": "sum",
         "overlap_fraction": 0.0,
         "op_overhead_s": float(f"{m['op']:.4g}"),
-        "plan_block_s": float(f"{m['plan_block']:.4g}"),
-        "plan_request_s": float(f"{m['plan_request']:.4g}"),
+        "plan_block_s": 0.0,     # paged-attention metadata is built per request: its cost is in the ops
+        "plan_request_s": 0.0,
         "step_overhead_s": 0.0,
         "memory_bytes": 0.0,
         "ops_scale": 1.0,
@@ -232,11 +211,11 @@ def build_profile(comm, args) -> dict:
                                                                3 if args.quick else 9)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
-    if m["attn_rows"]:  # the split-KV kernel: refit its rates with the attention inside real steps
-        step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
-        every = comm.all_gather_obj(step_rows)
-        med = [[statistics.median(e[i][j] for e in every) for j in range(len(row))] for i, row in enumerate(step_rows)]
-        raw = refit_attention(raw, m["attn_rows"] + med)
+    # the split-KV kernel: refit its rates with the attention inside real steps
+    step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
+    every = comm.all_gather_obj(step_rows)
+    med = [[statistics.median(e[i][j] for e in every) for j in range(len(row))] for i, row in enumerate(step_rows)]
+    raw = refit_attention(raw, m["attn_rows"] + med)
     if getattr(args, "in_step_collectives", False):
         # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
         # beyond everything else the model predicts (the in-step collective terms included)

@@ -15,20 +15,6 @@ from typing import Any
 from splash.engine.sampling import SamplingParams
 
 
-def set_threads(comm) -> int:
-    """torch intra-op threads per rank: OMP_NUM_THREADS if set, else the cores shared among this node's ranks."""
-    import torch
-
-    if "OMP_NUM_THREADS" not in os.environ:
-        from mpi4py import MPI
-        local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED) if comm.size > 1 else None
-        n = local.Get_size() if local is not None else 1
-        if local is not None:
-            local.Free()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    return torch.get_num_threads()
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """What the sweep takes from a serving config (splash.config.serve_config.ServeConfig)."""

@@ -14,12 +14,14 @@ import argparse
 import statistics
 
 from splash.bench import results as R
-from splash.bench.sweep import LAYOUTS, int_list, layout_list
+from splash.bench.sweep import int_list
+from splash.cli.args import layout_list
+from splash.layouts.layout import LAYOUT_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small-mla")
-    p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS))
+    p.add_argument("--layouts", type=layout_list, default=LAYOUT_NAMES)
     p.add_argument("--batches", type=int_list, default=[1, 4, 16])
     p.add_argument("--contexts", type=int_list, default=[256, 1024, 4096])
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per point (after 2 warm-ups)")

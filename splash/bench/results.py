@@ -94,11 +94,11 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def git_revision(repo: Path = REPO) -> dict[str, Any]:
+def git_revision() -> dict[str, Any]:
     """{"revision": sha or None, "dirty": bool or None} of the source tree this code runs from."""
     def git(*args: str) -> str | None:
         try:
-            r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+            r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return r.stdout.strip() if r.returncode == 0 else None

@@ -22,8 +22,7 @@ import sys
 import zlib
 
 from splash.bench import results as R
-
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+from splash.cli.args import layout_list
 # config fields a resumed sweep must share with the file (the axes may grow)
 SAME_ON_RESUME = ("output_len", "warmup", "repeats", "seed", "engine", "ranks")
 
@@ -35,14 +34,6 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
-    return vals
-
-
-def layout_list(text: str) -> list[str]:
-    vals = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in vals if x not in LAYOUTS]
-    if bad or not vals:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated subset of {','.join(LAYOUTS)}")
     return vals
 
 
@@ -158,7 +149,8 @@ def run(args) -> int:
     from splash.distributed import init_dist
     from splash.models.config import ConfigError
 
-    comm = init_dist().comm
+    ctx = init_dist()
+    comm = ctx.comm
     try:
         _check_args(args)
         cfg = serve_config(args)
@@ -167,13 +159,14 @@ def run(args) -> int:
         if comm.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    return _sweep(args, cfg, comm)
+    return _sweep(args, cfg, ctx)
 
 
-def _sweep(args, cfg, comm) -> int:
-    from splash.bench.driver import EngineSettings, pool_blocks, set_threads
+def _sweep(args, cfg, ctx) -> int:
+    from splash.bench.driver import EngineSettings, pool_blocks
+    from splash.distributed.launch import set_threads
 
-    threads = set_threads(comm)
+    comm, threads = ctx.comm, set_threads(ctx)
     st = EngineSettings.from_config(cfg)
     config = sweep_config(args, st, comm.size, threads)
     doc, err = _agreed(comm, lambda: prior_doc(args, config))   # a bad --resume file fails before the model loads

@@ -20,12 +20,13 @@ import argparse
 import statistics
 
 from splash.bench import results as R
-from splash.bench.sweep import LAYOUTS, layout_list
+from splash.cli.args import layout_list
+from splash.layouts.layout import LAYOUT_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small-mla")
-    p.add_argument("--layouts", type=layout_list, default=list(LAYOUTS), help="every direction between these")
+    p.add_argument("--layouts", type=layout_list, default=LAYOUT_NAMES, help="every direction between these")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--trials", type=int, default=8)

@@ -23,8 +23,6 @@ class TableSpec:
     rows: list[list[str]] = field(default_factory=list)
     bold: set[tuple[int, int]] = field(default_factory=set)     # (row, column) cells shown in bold
     section_ends: set[int] = field(default_factory=set)         # rows after which a rule is drawn
-    caption: str | None = None
-    justify: str = "right"
 
     def add_row(self, cells: Sequence[str], bold_cols: Iterable[int] = (), end_section: bool = False) -> None:
         r = len(self.rows)
@@ -37,9 +35,9 @@ class TableSpec:
 def to_rich(spec: TableSpec):
     from rich.table import Table
 
-    t = Table(title=spec.title, caption=spec.caption)
+    t = Table(title=spec.title)
     for c in spec.columns:
-        t.add_column(c, justify=spec.justify)
+        t.add_column(c, justify="right")
     for r, row in enumerate(spec.rows):
         cells = [f"[bold]{v}[/bold]" if (r, c) in spec.bold else v for c, v in enumerate(row)]
         t.add_row(*cells, end_section=r in spec.section_ends)
@@ -52,15 +50,13 @@ def to_markdown(spec: TableSpec) -> str:
     for r, row in enumerate(spec.rows):
         lines.append("| " + " | ".join(f"**{v}**" if (r, c) in spec.bold and v else v
                                          for c, v in enumerate(row)) + " |")
-    if spec.caption:
-        lines += ["", spec.caption]
     return "\n".join(lines)
 
 
-def print_tables(specs: Iterable[TableSpec], console=None, width: int = 160) -> None:
+def print_tables(specs: Iterable[TableSpec], console=None) -> None:
     from rich.console import Console
 
-    console = console or Console(width=width)
+    console = console or Console(width=160)
     for s in specs:
         console.print(to_rich(s))
 
@@ -83,10 +79,9 @@ def lead_text(best: float, second: float | None, higher_is_better: bool = True) 
 
 def leader_table(title: str, key_columns: Sequence[str], rows: Sequence[tuple[Sequence[str], dict]],
                  layouts: Sequence[str], fmt: Callable[[float], str] = lambda v: f"{v:.1f}",
-                 higher_is_better: bool = True, caption: str | None = None,
-                 section_every: int | None = None) -> TableSpec:
+                 higher_is_better: bool = True, section_every: int | None = None) -> TableSpec:
     """rows: (key cells, {layout: value or None}); a missing layout shows 'n/a'. The best cell is bold."""
-    spec = TableSpec(title, [*key_columns, *map(layout_label, layouts), "best", "lead"], caption=caption)
+    spec = TableSpec(title, [*key_columns, *map(layout_label, layouts), "best", "lead"])
     for i, (keys, values) in enumerate(rows):
         have = {k: v for k, v in values.items() if v is not None and k in layouts}
         order = sorted(have, key=have.get, reverse=higher_is_better)

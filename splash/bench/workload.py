@@ -34,16 +34,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splash.bench.serve_proc import REPO, launch, stop, stream_completion
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MODES = ("auto", "tp", "dp_attn", "cp", "dop")
+from splash.bench.serve_proc import REPO, launch, stop, stream_completion
+from splash.layouts.layout import LAYOUT_NAMES
+
+MODES = ("auto", *LAYOUT_NAMES)
 DEFAULT_WORKLOAD = {"groups": [
     {"at_s": 0.0, "count": 2, "input_len": 64, "output_len": 256},      # interactive: few, short
     {"at_s": 2.0, "count": 30, "input_len": 512, "output_len": 64},     # rollout burst: many requests ...
     {"at_s": 2.0, "count": 2, "input_len": 2048, "output_len": 768},    # ... that ends as a few long ones
 ]}
-GROUP_KEYS = ("at_s", "count", "input_len", "output_len")
-OPTIONAL_KEYS = {"prefix_len": 0, "samples": 1, "turns": 1, "stagger_s": 0.0}
 TIMELINE_BIN_S = 0.5
 DECISION_LINE = re.compile(r"layout decision (\{.*\})\s*$")
 
@@ -60,32 +61,35 @@ class Outcome:
     turn_ttfts: list[float] = field(default_factory=list)  # one per turn of a conversation
 
 
+class Group(BaseModel):
+    """One request group of a workload (see the module docstring); the last four keys are optional."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    at_s: float = Field(ge=0)
+    count: int = Field(ge=1)
+    input_len: int = Field(ge=1)
+    output_len: int = Field(ge=1)
+    prefix_len: int = Field(0, ge=0)
+    samples: int = Field(1, ge=1)
+    turns: int = Field(1, ge=1)
+    stagger_s: float = Field(0.0, ge=0)
+
+
+class Workload(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    groups: list[Group] = Field(min_length=1)
+
+
 def load_workload(path: str | None) -> dict:
-    """The workload file (JSON or YAML), checked: every group has exactly GROUP_KEYS with sane values."""
-    if path is None:
-        return DEFAULT_WORKLOAD
+    """The workload file (JSON or YAML; default: the built-in one), checked, with every optional key filled in."""
     import yaml
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text()) if path is not None else DEFAULT_WORKLOAD
+        return Workload.model_validate(data).model_dump()
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"{path}: cannot read the workload: {e}") from None
-    groups = data.get("groups") if isinstance(data, dict) else None
-    if not isinstance(groups, list) or not groups:
-        raise ValueError(f"{path}: expected {{'groups': [{{{', '.join(GROUP_KEYS)}}}, ...]}}")
-    for i, g in enumerate(groups):
-        if not isinstance(g, dict) or not set(GROUP_KEYS) <= set(g) <= set(GROUP_KEYS) | set(OPTIONAL_KEYS):
-            raise ValueError(f"{path}: groups[{i}] must have the keys {', '.join(GROUP_KEYS)} and may have "
-                             f"{', '.join(OPTIONAL_KEYS)}")
-        if not (isinstance(g["at_s"], (int, float)) and g["at_s"] >= 0):
-            raise ValueError(f"{path}: groups[{i}].at_s must be a number >= 0")
-        for k in (*GROUP_KEYS[1:], "samples", "turns"):
-            if k in g and not (isinstance(g[k], int) and g[k] >= 1):
-                raise ValueError(f"{path}: groups[{i}].{k} must be an integer >= 1")
-        if "prefix_len" in g and not (isinstance(g["prefix_len"], int) and g["prefix_len"] >= 0):
-            raise ValueError(f"{path}: groups[{i}].prefix_len must be an integer >= 0")
-        if "stagger_s" in g and not (isinstance(g["stagger_s"], (int, float)) and g["stagger_s"] >= 0):
-            raise ValueError(f"{path}: groups[{i}].stagger_s must be a number >= 0")
-    return {"groups": [{**OPTIONAL_KEYS, **g} for g in groups]}
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise ValueError(f"{path}: {'.'.join(map(str, err['loc'])) or 'the workload'}: {err['msg']}") from None
 
 
 def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, list[list[int]], int]]:
@@ -96,7 +100,6 @@ def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, li
     draw = (lambda n: [rng.randrange(vocab) for _ in range(n)])
     out = []
     for g in workload["groups"]:
-        g = {**OPTIONAL_KEYS, **g}
         prefix = draw(g["prefix_len"])
         for k in range(g["count"]):
             parts = [prefix + draw(g["input_len"])] + [draw(g["input_len"]) for _ in range(g["turns"] - 1)]

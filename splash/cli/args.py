@@ -1,7 +1,8 @@
 """Command-line flags of ``splash-serve``: YAML config first, then the flags actually given override it.
 
 Every flag maps to one ServeConfig field (the table ``FLAGS``); flags default to ``argparse.SUPPRESS`` so
-the parsed namespace holds only what the user typed, which is exactly the override dict.
+the parsed namespace holds only what the user typed, which is exactly the override dict. A flag's choices are
+its field's (``serve_config``), and sizes such as '64MiB' are parsed by the config as YAML values are.
 """
 from __future__ import annotations
 
@@ -10,18 +11,7 @@ import functools
 import sys
 from typing import Any, Callable, Sequence
 
-from splash.config.serve_config import (
-    ATTENTION_BACKENDS,
-    BACKENDS,
-    COMMUNICATORS,
-    FIELD_SECTION,
-    KV_CACHE_DTYPES,
-    LAYOUTS,
-    ServeConfig,
-    apply_overrides,
-    load_serve_config,
-)
-from splash.config.yaml_loader import parse_size
+from splash.config.serve_config import FIELD_SECTION, LAYOUTS, ServeConfig, apply_overrides, choices, load_serve_config
 from splash.models.config import ConfigError
 
 _EPILOG = """\
@@ -38,14 +28,8 @@ Configuration errors print 'error: <message>' and exit with status 2.
 """
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _layout_list(text: str) -> tuple[str, ...]:
+def layout_list(text: str) -> tuple[str, ...]:
+    """An argparse type: 'tp,cp' → ('tp', 'cp'), every name a layout."""
     items = tuple(s.strip() for s in text.split(",") if s.strip())
     bad = [s for s in items if s not in LAYOUTS]
     if bad or not items:
@@ -54,86 +38,83 @@ def _layout_list(text: str) -> tuple[str, ...]:
 
 
 _BOOL = argparse.BooleanOptionalAction
-# (flags, field, type or action, choices, metavar, help) — grouped by section for --help
-FLAGS: list[tuple[tuple[str, ...], str, Any, Sequence[str] | None, str | None, str]] = [
-    (("--model",), "model", str, None, "DIR", "HF model directory (config.json, *.safetensors, tokenizer.json)"),
-    (("--preset",), "preset", str, None, "NAME", "random-weight preset used when no --model is given"),
-    (("--dtype",), "dtype", str, ("auto", "float32", "bfloat16"), None,
+# (flags, field, type or action, metavar, help) — grouped by section for --help
+FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
+    (("--model",), "model", str, "DIR", "HF model directory (config.json, *.safetensors, tokenizer.json)"),
+    (("--preset",), "preset", str, "NAME", "random-weight preset used when no --model is given"),
+    (("--dtype",), "dtype", str, None,
      "compute dtype; auto = float32 on cpu, bfloat16 on GPUs"),
-    (("--seed",), "seed", int, None, "N", "random seed (preset weights, sampling)"),
-    (("--tokenizer",), "tokenizer", str, None, "DIR", "tokenizer directory if not the model directory"),
-    (("--max-model-len",), "max_model_len", int, None, "N", "longest prompt+output in tokens"),
-    (("--quantization",), "quantization", str, ("fp8", "int8"), None,
+    (("--seed",), "seed", int, "N", "random seed (preset weights, sampling)"),
+    (("--tokenizer",), "tokenizer", str, "DIR", "tokenizer directory if not the model directory"),
+    (("--max-model-len",), "max_model_len", int, "N", "longest prompt+output in tokens"),
+    (("--quantization",), "quantization", str, None,
      "quantise a BF16/FP32 checkpoint's linear weights at load (fp8: 128x128 blocks, int8: per channel); "
      "FP8/INT8 checkpoints stay quantised without it"),
-    (("--backend",), "backend", str, BACKENDS, None,
+    (("--backend",), "backend", str, None,
      "device backend: cpu, cuda (NVIDIA), hip (AMD/DCU) or auto (what this machine has); start fails (exit 2) "
      "naming what is missing; cuda/hip are not verified on hardware yet (docs/backends.md)"),
-    (("--attention-backend",), "attention_backend", str, ATTENTION_BACKENDS, None,
+    (("--attention-backend",), "attention_backend", str, None,
      "MLA attention kernel: torch (reference), triton (our paged split-KV kernel), flashinfer (cuda) or aiter "
      "(hip); flashinfer/aiter fall back to triton where their constraints fail (GPU kernels not yet verified on "
      "hardware, docs/backends.md)"),
-    (("--communicator",), "communicator", str, COMMUNICATORS, None,
+    (("--communicator",), "communicator", str, None,
      "tensor collectives: mpi (mpi4py) or torch (torch.distributed, gloo on cpu); step plans and aborts stay "
      "on MPI; default: mpi on cpu, torch on cuda/hip"),
-    (("--tool-call-parser",), "tool_call_parser", str,
-     ("auto", "none", "glm45", "deepseek_v3", "deepseek_v31", "deepseek_v32"), None,
+    (("--tool-call-parser",), "tool_call_parser", str, None,
      "the model's tool-call format (vLLM's names); auto: from the model's type"),
-    (("--reasoning-parser",), "reasoning_parser", str, ("auto", "none", "glm45", "deepseek_r1", "deepseek_v3"),
-     None, "split <think>...</think> into reasoning_content (vLLM's names); auto: from the model's type"),
-    (("--layout",), "layout", str, ("auto",) + LAYOUTS, None,
-     "attention layout; auto lets the cost model choose and switch while serving"),
-    (("--allowed-layouts",), "allowed_layouts", _layout_list, None, "L1,L2",
-     "layouts auto may choose from, comma-separated"),
-    (("--switch-mode",), "switch_mode", str, ("live", "blocking"), None,
+    (("--reasoning-parser",), "reasoning_parser", str, None,
+     "split <think>...</think> into reasoning_content (vLLM's names); auto: from the model's type"),
+    (("--layout",), "layout", str, None, "attention layout; auto lets the cost model choose and switch while serving"),
+    (("--allowed-layouts",), "allowed_layouts", layout_list, "L1,L2", "layouts auto may choose from, comma-separated"),
+    (("--switch-mode",), "switch_mode", str, None,
      "live: per-layer transfers behind compute; blocking: move all state, then run (neither drains requests)"),
-    (("--switch-margin",), "switch_margin", float, None, "F",
+    (("--switch-margin",), "switch_margin", float, "F",
      "switch only if the new layout is predicted faster by this fraction"),
-    (("--hardware-profile",), "hardware_profile", str, None, "NAME|PATH",
+    (("--hardware-profile",), "hardware_profile", str, "NAME|PATH",
      "cost-model profile: cpu, h200, b200, bw1000, or a profile .yaml"),
-    (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str,
-     ("auto",) + KV_CACHE_DTYPES, None, "KV cache storage dtype; auto = compute dtype"),
-    (("--block-size",), "block_size", int, None, "N", "tokens per KV cache page"),
-    (("--gpu-memory-utilization",), "gpu_memory_utilization", float, None, "F",
+    (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str, None,
+     "KV cache storage dtype; auto = compute dtype"),
+    (("--block-size",), "block_size", int, "N", "tokens per KV cache page"),
+    (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "F",
      "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
      "(splash.layouts.device_budget); unused on cpu, where --kv-cache-memory-bytes sets the KV budget"),
-    (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", _size, None, "BYTES",
+    (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", str, "BYTES",
      "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
-    (("--num-kv-blocks",), "num_kv_blocks", int, None, "N", "exact number of KV pages per rank"),
-    (("--enable-prefix-caching",), "enable_prefix_caching", _BOOL, None, None,
+    (("--num-kv-blocks",), "num_kv_blocks", int, "N", "exact number of KV pages per rank"),
+    (("--enable-prefix-caching",), "enable_prefix_caching", _BOOL, None,
      "reuse the KV of full blocks a prompt shares with earlier ones (on by default; not yet for glm5_next)"),
-    (("--max-num-seqs",), "max_num_seqs", int, None, "N", "most requests in one batch"),
-    (("--max-num-batched-tokens",), "max_num_batched_tokens", int, None, "N", "token budget of one step"),
-    (("--enable-chunked-prefill",), "enable_chunked_prefill", _BOOL, None, None,
+    (("--max-num-seqs",), "max_num_seqs", int, "N", "most requests in one batch"),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens", int, "N", "token budget of one step"),
+    (("--enable-chunked-prefill",), "enable_chunked_prefill", _BOOL, None,
      "split long prompts across steps; off: a prompt runs whole in one step (needs max_num_batched_tokens >= "
      "max_model_len)"),
-    (("--preemption-mode",), "preemption_mode", str, ("recompute", "queue"), None,
+    (("--preemption-mode",), "preemption_mode", str, None,
      "what happens to a request evicted for lack of KV space"),
-    (("--host",), "host", str, None, "ADDR", "HTTP listen address (rank 0)"),
-    (("--port",), "port", int, None, "PORT", "HTTP listen port (0 = any free port)"),
-    (("--admin-token",), "admin_token", str, None, "TOKEN",
+    (("--host",), "host", str, "ADDR", "HTTP listen address (rank 0)"),
+    (("--port",), "port", int, "PORT", "HTTP listen port (0 = any free port)"),
+    (("--admin-token",), "admin_token", str, "TOKEN",
      "bearer token required by the admin endpoints (visible in ps: prefer --admin-token-file or the "
      "SPLASH_ADMIN_TOKEN environment variable)"),
-    (("--admin-token-file",), "admin_token_file", str, None, "PATH", "read the admin token from this file"),
-    (("--served-model-name",), "served_model_name", str, None, "NAME", "model name reported by the API"),
-    (("--quiet",), "quiet", _BOOL, None, None, "no live console dashboard, only the serving/stopped lines"),
-    (("--log-decisions",), "log_decisions", _BOOL, None, None,
+    (("--admin-token-file",), "admin_token_file", str, "PATH", "read the admin token from this file"),
+    (("--served-model-name",), "served_model_name", str, "NAME", "model name reported by the API"),
+    (("--quiet",), "quiet", _BOOL, None, "no live console dashboard, only the serving/stopped lines"),
+    (("--log-decisions",), "log_decisions", _BOOL, None,
      "write the scheduler's 'layout decision {json}' lines to stderr (default: unless --quiet)"),
-    (("--collective-timeout-s",), "collective_timeout_s", float, None, "SECONDS",
+    (("--collective-timeout-s",), "collective_timeout_s", float, "SECONDS",
      "abort all ranks when a rank dies or sends no heartbeat for this long (a slow step is not a fault); "
      "/health reports 'stalled' while one step runs longer"),
-    (("--max-request-body-bytes",), "max_request_body_bytes", _size, None, "BYTES",
+    (("--max-request-body-bytes",), "max_request_body_bytes", str, "BYTES",
      "larger request bodies are answered 413"),
-    (("--read-timeout-s",), "read_timeout_s", float, None, "SECONDS",
+    (("--read-timeout-s",), "read_timeout_s", float, "SECONDS",
      "a request's headers and body must arrive within this (408)"),
-    (("--max-seqs-per-request",), "max_seqs_per_request", int, None, "N",
+    (("--max-seqs-per-request",), "max_seqs_per_request", int, "N",
      "most sequences (prompts x n) in one request (400 beyond)"),
-    (("--max-request-mb",), "max_request_mb", float, None, "MB",
+    (("--max-request-mb",), "max_request_mb", float, "MB",
      "a request's worst-case cost, computed before it is admitted (rank-0 memory or response size: its tokens, "
      "logprob entries x n), may be this many MB (400 naming the field beyond)"),
-    (("--max-waiting-seqs",), "max_waiting_seqs", int, None, "N",
+    (("--max-waiting-seqs",), "max_waiting_seqs", int, "N",
      "sequences that may wait beyond max_num_seqs; more are answered 429 with Retry-After"),
-    (("--drain-timeout-s",), "drain_timeout_s", float, None, "SECONDS",
+    (("--drain-timeout-s",), "drain_timeout_s", float, "SECONDS",
      "on SIGTERM/SIGINT, how long running requests may finish before they get an error"),
 ]
 
@@ -165,7 +146,7 @@ def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
                         help="validate the config on this machine and print what would run (model, ranks, "
                              "layouts, backend, memory budget), then exit; run it without mpirun")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for flags, name, kind, choices, metavar, text in FLAGS:
+    for flags, name, kind, metavar, text in FLAGS:
         section = FIELD_SECTION[name]
         group = groups.get(section) or groups.setdefault(
             section, parser.add_argument_group(f"{section} (YAML section '{section}:')"))
@@ -174,7 +155,7 @@ def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
         if kind is _BOOL:
             kw["action"] = _BOOL
         else:
-            kw.update(type=kind, choices=choices, metavar=metavar)
+            kw.update(type=kind, metavar=metavar, choices=None if kind is layout_list else choices(name))
         group.add_argument(*flags, **kw)
     return parser
 
@@ -189,11 +170,6 @@ def build_config(argv: Sequence[str] | None = None) -> ServeConfig:
     args.pop("check", None)
     cfg = load_serve_config(path) if path is not None else ServeConfig()
     return apply_overrides(cfg, args, source="command line") if args else cfg
-
-
-def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
-    """Alias of ``build_config`` (the name the server entry point uses)."""
-    return build_config(argv)
 
 
 def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:

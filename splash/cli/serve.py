@@ -27,13 +27,6 @@ class _QuietExit(Exception):
     """Ranks ≠ 0 leave with status 2 after rank 0 reported the (agreed) error."""
 
 
-def _set_threads(local_size: int) -> None:
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
-
-
 def _load_config(argv: Sequence[str] | None, rank: int):
     devnull = open(os.devnull, "w") if rank else None  # --help prints once
     with redirect_stdout(devnull) if devnull else nullcontext():
@@ -70,7 +63,7 @@ def _follow(engine, watchdog, rank: int) -> int:
 
 def _serve(argv: Sequence[str] | None = None) -> int:
     from splash.distributed import init_dist
-    from splash.distributed.launch import describe_communicator
+    from splash.distributed.launch import describe_communicator, set_threads
     from splash.server import startup
     from splash.server.console import Console
     from splash.server.watchdog import StepChannel, Watchdog
@@ -92,7 +85,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         hosts = comm.all_gather_obj(socket.gethostname())
         watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
         step_comm = StepChannel(comm)
-        _set_threads(hosts.count(hosts[rank]))
+        set_threads(ctx)
         if console and getattr(backend, "name", backend) == "cpu":
             from splash import native
             console.log(f"splash-serve: CPU kernels {native.describe()}")
@@ -114,7 +107,6 @@ def _rank0_checks(cfg):
 
 
 def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_token: str | None) -> int:
-    from splash.config.serve_config import LAYOUTS
     from splash.server import startup
     from splash.server.agent import resolve_parsers
     from splash.server.frontend import serve
@@ -122,20 +114,17 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
 
     engine = built.engine
     startup.quiet_decision_log(cfg)
-    pinned = cfg.layout.layout != "auto"
-    if hasattr(engine, "request_layout"):
-        engine.request_layout(startup.initial_layout(cfg) if pinned else "auto")
+    engine.request_layout(cfg.layout.layout)   # a pinned layout, or auto
     tokenizer = load_tokenizer(cfg.tokenizer_path, built.model_cfg.vocab_size)
-    allowed = tuple(x for x in LAYOUTS if x in cfg.layout.allowed_layouts)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
-                                                    getattr(built.model_cfg, "model_type", None),
-                                                    tokenizer.chat_template)
+                                                    built.model_cfg.model_type, tokenizer.chat_template)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
-                    admin_token=admin_token, world_size=world_size, limits=startup.limits(cfg),
+                    admin_token=admin_token, world_size=world_size, limits=cfg.server,
+                    max_outstanding_seqs=cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
-    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, allowed, title))
+    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, title))
 
 
 _guarded = main_guard(_serve)

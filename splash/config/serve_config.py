@@ -13,18 +13,23 @@ A YAML file has up to six sections, each a mapping (field names follow vLLM wher
                 tool_call_parser, reasoning_parser}
 
 Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the file and the field
-(``cache.block_size``). Every section validates itself in ``__post_init__``, so a config built in code is
-checked the same way as one read from a file; ``ServeConfig`` adds the cross-section checks.
+(``cache.block_size``). Every section is a frozen pydantic dataclass (strict: no string is taken for a number,
+no bool for an int) that validates itself when it is built, so a config built in code is checked the same way as
+one read from a file; ``ServeConfig`` adds the cross-section checks.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, Literal
 
-from splash.config.yaml_loader import check_fields, read_yaml_mapping, suggest, unknown_key_error
+import pydantic
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+
+from splash.config.yaml_loader import field_error, parse_size, read_yaml_mapping, unknown_key_error
 from splash.layouts.layout import LAYOUT_NAMES
 from splash.layouts.memory import KV_DTYPES
 from splash.models.config import ConfigError
@@ -39,46 +44,55 @@ _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashin
                           "hip": ("torch", "aiter", "triton"), "auto": ATTENTION_BACKENDS}
 _DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter", "auto": "torch"}
 KV_CACHE_DTYPES = KV_DTYPES
+Size = Annotated[int, BeforeValidator(lambda v: parse_size(v) if isinstance(v, str) else v)]   # 67108864, "64MiB"
 
 
-def _f(default: Any = None, **meta: Any) -> Any:
-    """A dataclass field with validation metadata (choices / min / max / gt / size)."""
-    if isinstance(default, (list, tuple)):
-        return field(default=tuple(default), metadata=meta)
-    return field(default=default, metadata=meta)
+def _section(name: str):
+    """Make a config section: a frozen pydantic dataclass (strict, finite numbers) whose validation errors are
+    ConfigErrors naming ``name.field`` (yaml_loader.field_error)."""
+    def make(cls: type) -> type:
+        cls = pydantic.dataclasses.dataclass(cls, frozen=True,
+                                             config=ConfigDict(strict=True, allow_inf_nan=False))
+        validated = cls.__init__
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                validated(self, *args, **kwargs)
+            except ValidationError as e:
+                raise field_error(e, name, cls) from None
+
+        cls.__init__ = __init__
+        return cls
+    return make
 
 
-@dataclass(frozen=True)
-class _Section:
-    """A config section: its fields validate themselves from their metadata (`_f`) when it is built."""
-    SECTION: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        check_fields(self, self.SECTION)
+def choices(name: str) -> tuple[str, ...] | None:
+    """The values field ``name`` allows (its Literal type), or None for a free-form field."""
+    tp = SECTIONS[FIELD_SECTION[name]].__pydantic_fields__[name].annotation
+    literal = next((a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is Literal), None)
+    return typing.get_args(literal) if literal is not None else None
 
 
-@dataclass(frozen=True)
-class ModelSection(_Section):
-    SECTION: ClassVar[str] = "model"
+@_section("model")
+class ModelSection:
     model: str | None = None                     # HF model directory (config.json + safetensors)
     preset: str = "tiny-mla"                     # random-weight preset used when model is None
-    dtype: str = _f("auto", choices=("auto", "float32", "bfloat16"))  # auto: float32 on cpu, else bf16
-    seed: int = _f(0, min=0)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"   # auto: float32 on cpu, else bf16
+    seed: int = Field(0, ge=0)
     tokenizer: str | None = None                 # None → the model directory (or a byte tokenizer)
-    max_model_len: int | None = _f(None, min=2)  # None → max_position_embeddings; >= 2 (1 prompt + 1 output)
+    max_model_len: int | None = Field(None, ge=2)  # None → max_position_embeddings; >= 2 (1 prompt + 1 output)
     # quantise a BF16/FP32 checkpoint's linear weights at load: fp8 (128×128 blocks) or int8 (per channel);
     # None → keep the checkpoint as stored (FP8 / INT8 checkpoints stay quantised either way)
-    quantization: str | None = _f(None, choices=("fp8", "int8"))
+    quantization: Literal["fp8", "int8"] | None = None
 
 
-@dataclass(frozen=True)
-class ParallelSection(_Section):
-    SECTION: ClassVar[str] = "parallel"
-    world_size: int | None = _f(None, min=1)     # None → the number of ranks mpirun started
-    backend: str = _f("cpu", choices=BACKENDS)
-    attention_backend: str | None = _f(None, choices=ATTENTION_BACKENDS)  # None → backend default
+@_section("parallel")
+class ParallelSection:
+    world_size: int | None = Field(None, ge=1)   # None → the number of ranks mpirun started
+    backend: Literal[BACKENDS] = "cpu"
+    attention_backend: Literal[ATTENTION_BACKENDS] | None = None  # None → backend default
     # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → default_communicator(backend)
-    communicator: str | None = _f(None, choices=COMMUNICATORS)
+    communicator: Literal[COMMUNICATORS] | None = None
 
 
 def default_communicator(backend: str) -> str:
@@ -87,17 +101,15 @@ def default_communicator(backend: str) -> str:
     return "mpi" if backend == "cpu" else "torch"
 
 
-@dataclass(frozen=True)
-class LayoutSection(_Section):
-    SECTION: ClassVar[str] = "layout"
-    layout: str = _f("auto", choices=("auto",) + LAYOUTS)  # auto: the cost model picks and switches
-    allowed_layouts: tuple[str, ...] = _f(LAYOUTS, choices=LAYOUTS)
-    switch_mode: str = _f("live", choices=("live", "blocking"))
-    switch_margin: float = _f(0.10, min=0.0)     # switch only when predicted >= 10% faster
+@_section("layout")
+class LayoutSection:
+    layout: Literal[("auto",) + LAYOUTS] = "auto"   # auto: the cost model picks and switches
+    allowed_layouts: tuple[Literal[LAYOUTS], ...] = Field(LAYOUTS, strict=False)   # a YAML list
+    switch_mode: Literal["live", "blocking"] = "live"
+    switch_margin: float = Field(0.10, ge=0.0)   # switch only when predicted >= 10% faster
     hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → auto
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         hp = self.hardware_profile
         if hp is not None and hp not in HARDWARE_PROFILES and not _looks_like_path(hp):
             raise ConfigError(f"field 'layout.hardware_profile' = {hp!r} is not one of "
@@ -111,75 +123,47 @@ class LayoutSection(_Section):
                               f"{list(self.allowed_layouts)}")
 
 
-@dataclass(frozen=True)
-class CacheSection(_Section):
-    SECTION: ClassVar[str] = "cache"
-    kv_cache_dtype: str = _f("auto", choices=("auto",) + KV_CACHE_DTYPES)
+@_section("cache")
+class CacheSection:
+    kv_cache_dtype: Literal[("auto",) + KV_CACHE_DTYPES] = "auto"
     # per-layout KV dtype overrides, e.g. {dop: fp8_e4m3}; the pool is sized in the widest (see ModelRunner)
-    layout_kv_dtypes: dict[str, str] | None = None
-    block_size: int = _f(16, min=1)              # tokens per KV page
-    gpu_memory_utilization: float = _f(0.85, gt=0.0, max=1.0)
-    kv_cache_memory_bytes: int | None = _f(None, min=1, size=True)  # explicit per-rank KV budget
-    num_kv_blocks: int | None = _f(None, min=1)  # overrides both budgets when set
+    layout_kv_dtypes: dict[Literal[LAYOUTS], Literal[KV_CACHE_DTYPES]] | None = None
+    block_size: int = Field(16, ge=1)            # tokens per KV page
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: Size | None = Field(None, ge=1)  # explicit per-rank KV budget
+    num_kv_blocks: int | None = Field(None, ge=1)  # overrides both budgets when set
     enable_prefix_caching: bool = True           # reuse cached KV blocks of shared prefixes (glm5_next: + KDA state)
 
-    def __post_init__(self) -> None:
-        per_layout = self.layout_kv_dtypes
-        object.__setattr__(self, "layout_kv_dtypes", None)  # a mapping: validated here, not by check_fields
-        super().__post_init__()
-        object.__setattr__(self, "layout_kv_dtypes", _check_layout_kv_dtypes(per_layout))
 
-
-def _check_layout_kv_dtypes(raw: Any) -> dict[str, str] | None:
-    name = "cache.layout_kv_dtypes"
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"field {name!r} must be a mapping of layout to KV dtype, got {type(raw).__name__} "
-                          f"{raw!r}")
-    for lay, kv in raw.items():
-        if lay not in LAYOUTS:
-            raise ConfigError(f"field {name!r} has layout {lay!r}, which is not one of "
-                              f"{', '.join(map(repr, LAYOUTS))}" + suggest(str(lay), LAYOUTS))
-        if kv not in KV_CACHE_DTYPES:
-            raise ConfigError(f"field '{name}.{lay}' = {kv!r} is not one of {', '.join(map(repr, KV_CACHE_DTYPES))}"
-                              + suggest(str(kv), KV_CACHE_DTYPES))
-    return dict(raw)
-
-
-@dataclass(frozen=True)
-class SchedulerSection(_Section):
-    SECTION: ClassVar[str] = "scheduler"
-    max_num_seqs: int = _f(256, min=1)
-    max_num_batched_tokens: int = _f(2048, min=1)
+@_section("scheduler")
+class SchedulerSection:
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
     enable_chunked_prefill: bool = True
-    preemption_mode: str = _f("recompute", choices=("recompute", "queue"))
+    preemption_mode: Literal["recompute", "queue"] = "recompute"
 
 
-@dataclass(frozen=True)
-class ServerSection(_Section):
-    SECTION: ClassVar[str] = "server"
+@_section("server")
+class ServerSection:
     host: str = "127.0.0.1"
-    port: int = _f(8000, min=0, max=65535)       # 0 → any free port (tests)
+    port: int = Field(8000, ge=0, le=65535)      # 0 → any free port (tests)
     admin_token: str | None = None               # required by the admin endpoints when set (see below)
     admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
     log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet
-    collective_timeout_s: float = _f(60.0, gt=0.0)   # a peer silent this long (no heartbeat) is dead or hung
-    max_request_body_bytes: int = _f(8 << 20, min=1, size=True)  # larger bodies get 413
-    read_timeout_s: float = _f(30.0, gt=0.0)     # a request's headers and body must arrive within this (408)
-    max_seqs_per_request: int = _f(256, min=1)   # prompts × n of one request (400 beyond)
-    max_request_mb: float = _f(256.0, gt=0.0)    # a request's worst-case rank-0 memory / response size (400 beyond)
-    max_waiting_seqs: int = _f(1024, min=0)      # sequences queued beyond scheduler.max_num_seqs (429 beyond)
-    drain_timeout_s: float = _f(10.0, min=0.0)   # on SIGTERM: how long running requests may still finish
+    collective_timeout_s: float = Field(60.0, gt=0.0)  # a peer silent this long (no heartbeat) is dead or hung
+    max_request_body_bytes: Size = Field(8 << 20, ge=1)  # larger bodies get 413
+    read_timeout_s: float = Field(30.0, gt=0.0)  # a request's headers and body must arrive within this (408)
+    max_seqs_per_request: int = Field(256, ge=1)  # prompts × n of one request (400 beyond)
+    max_request_mb: float = Field(256.0, gt=0.0)  # a request's worst-case rank-0 memory / response size (400 beyond)
+    max_waiting_seqs: int = Field(1024, ge=0)    # sequences queued beyond scheduler.max_num_seqs (429 beyond)
+    drain_timeout_s: float = Field(10.0, ge=0.0)  # on SIGTERM: how long running requests may still finish
     # the model's tool-call / reasoning formats (vLLM's names, splash.server.agent); auto: from the model's type
-    tool_call_parser: str = _f("auto", choices=("auto", "none", "glm45", "deepseek_v3", "deepseek_v31",
-                                                 "deepseek_v32"))
-    reasoning_parser: str = _f("auto", choices=("auto", "none", "glm45", "deepseek_r1", "deepseek_v3"))
+    tool_call_parser: Literal["auto", "none", "glm45", "deepseek_v3", "deepseek_v31", "deepseek_v32"] = "auto"
+    reasoning_parser: Literal["auto", "none", "glm45", "deepseek_r1", "deepseek_v3"] = "auto"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         for name in ("admin_token", "admin_token_file"):
             value = getattr(self, name)
             if value is not None and not value.strip():

@@ -2,17 +2,14 @@
 
 * ``read_yaml_mapping`` reads a file whose top level must be a mapping; syntax errors name the line,
   duplicate keys are errors (PyYAML silently keeps the last one otherwise).
-* ``check_fields`` is called from a config dataclass's ``__post_init__``: it type-checks and coerces every
-  field (int → float, list → tuple, "64MiB" → bytes) and validates ``choices`` / ``min`` / ``max`` / ``gt``
-  given in the field's metadata. Errors name the field as ``section.field`` and the expected type; the
-  loader adds the file name in front.
+* ``field_error`` turns pydantic's first complaint about a config section (a pydantic dataclass: types,
+  ranges and choices are validated there) into a ConfigError naming the field as ``section.field`` and what it
+  must be; the loader adds the file name in front.
 * ``unknown_key_error`` builds the "unknown key ... did you mean ..." message.
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
 import re
 import types
 import typing
@@ -20,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+from pydantic import ValidationError
 
 from splash.models.config import ConfigError
 
@@ -112,94 +110,43 @@ def unknown_key_error(key: Any, where: str, candidates: Iterable[str], elsewhere
 
 
 def _type_name(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if _is_union(tp):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
         names = [_type_name(a) for a in args if a is not type(None)]
         return " or ".join(names) + (" or null" if type(None) in args else "")
-    if typing.get_origin(tp) is tuple:
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is tuple:
         return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return "a mapping"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
     return getattr(tp, "__name__", str(tp))
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
 
 def _describe(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {value!r}"
 
 
-def coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
-    """Return ``value`` converted to ``tp``; raise TypeError if it has the wrong type."""
-    if _is_union(tp):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, meta)
-            except TypeError:
-                pass
-        raise TypeError
-    if typing.get_origin(tp) is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise TypeError
-        return tuple(coerce(v, typing.get_args(tp)[0], {}) for v in value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and meta.get("size"):
-            try:
-                return parse_size(value)
-            except ValueError:
-                raise TypeError from None
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise TypeError
-
-
-def _check_value(name: str, value: Any, meta: dict[str, Any]) -> None:
-    choices = meta.get("choices")
-    if choices is not None and value is not None:
-        items = value if isinstance(value, tuple) else (value,)
-        for item in items:
-            if item not in choices:
-                what = f"contains {item!r}, which" if isinstance(value, tuple) else f"= {item!r}"
-                raise ConfigError(f"field {name!r} {what} is not one of {', '.join(map(repr, choices))}"
-                                  + suggest(str(item), choices))
-    if value is None or isinstance(value, (str, tuple, bool)):
-        return
-    if "min" in meta and value < meta["min"]:
-        raise ConfigError(f"field {name!r} = {value!r} must be >= {meta['min']}")
-    if "gt" in meta and value <= meta["gt"]:
-        raise ConfigError(f"field {name!r} = {value!r} must be > {meta['gt']}")
-    if "max" in meta and value > meta["max"]:
-        raise ConfigError(f"field {name!r} = {value!r} must be <= {meta['max']}")
-
-
-def check_fields(obj: Any, section: str) -> None:
-    """Coerce and validate every field of the (frozen) dataclass ``obj``; ConfigError names the field."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        name = f"{section}.{f.name}"
-        raw = getattr(obj, f.name)
-        try:
-            value = coerce(raw, hints[f.name], dict(f.metadata))
-        except TypeError:
-            extra = " (or a size such as '64MiB')" if f.metadata.get("size") else ""
-            if isinstance(raw, float) and not math.isfinite(raw):
-                extra = " (a finite number)"
-            raise ConfigError(f"field {name!r} must be {_type_name(hints[f.name])}{extra}, "
-                              f"got {_describe(raw)}") from None
-        if value is not raw:
-            object.__setattr__(obj, f.name, value)
-        _check_value(name, value, dict(f.metadata))
+def field_error(e: ValidationError, section: str, cls: type) -> ConfigError:
+    """The first error of validating a config section (a pydantic dataclass) as a ConfigError naming the field
+    (``section.field``, a mapping's key after it) and what the field must be: its type, range or choices."""
+    err = e.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if not isinstance(p, int) and p != "[key]"]
+    kind, value, ctx = err["type"], err["input"], err.get("ctx", {})
+    if not loc:   # raised by the section's own checks (__post_init__): the message names the fields
+        return ConfigError(str(ctx.get("error", err["msg"])))
+    name = ".".join([section, *loc])
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", ctx["expected"])
+        return ConfigError(f"field {name!r} = {value!r} is not one of {', '.join(map(repr, choices))}"
+                           + suggest(str(value), choices))
+    for key, op in (("ge", ">="), ("gt", ">"), ("le", "<=")):
+        if key in ctx:
+            return ConfigError(f"field {name!r} = {value!r} must be {op} {ctx[key]}")
+    if kind == "value_error":
+        return ConfigError(f"field {name!r}: {ctx['error']}")
+    extra = " (a finite number)" if kind == "finite_number" else ""
+    return ConfigError(f"field {name!r} must be {_type_name(cls.__pydantic_fields__[loc[0]].annotation)}{extra}, "
+                       f"got {_describe(value)}")

@@ -6,23 +6,23 @@ import atexit
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 from splash.distributed.communicator import Communicator, MPICommunicator, SingleRankCommunicator
 
 
 @dataclass(frozen=True)
 class DistContext:
-    """Who this process is. `comm` spans all `world_size` ranks."""
+    """Who this process is. `comm` spans all `world_size` ranks; `local_size` of them run on this node."""
 
     rank: int
     world_size: int
     local_rank: int
     comm: Communicator
+    local_size: int = 1
 
 
-def init_dist(mpi_comm: Any = None) -> DistContext:
-    """Learn rank, size and node-local rank from MPI (default `COMM_WORLD`).
+def init_dist() -> DistContext:
+    """Learn rank, size and node-local rank from MPI's `COMM_WORLD`.
 
     Without `mpiexec`, mpi4py's singleton init gives one rank. A size-1 group gets a
     `SingleRankCommunicator`; larger groups get an `MPICommunicator` on a duplicate of the
@@ -30,26 +30,35 @@ def init_dist(mpi_comm: Any = None) -> DistContext:
     """
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = local.Get_rank()
+    local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
     comm: Communicator = MPICommunicator(world.Dup()) if size > 1 else SingleRankCommunicator()
-    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm)
+    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm, local_size=local_size)
 
 
-def init_torch_distributed(ctx: DistContext, backend: str, host: str | None = None) -> None:
+def set_threads(ctx: DistContext) -> int:
+    """torch intra-op threads of this rank: OMP_NUM_THREADS when set, else this node's cores shared among its
+    ranks (more would oversubscribe the cores the other ranks compute on)."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_size))
+    return torch.get_num_threads()
+
+
+def init_torch_distributed(ctx: DistContext, backend: str) -> None:
     """Start a torch.distributed process group (e.g. "nccl", "gloo") over the MPI ranks.
 
     Rank 0 opens a TCPStore on a free port and broadcasts the port over MPI. The store host is
-    `host`, else $MASTER_ADDR, else 127.0.0.1 when all ranks share a node, else rank 0's hostname.
+    $MASTER_ADDR, else 127.0.0.1 when all ranks share a node, else rank 0's hostname.
     """
     import torch.distributed as dist
 
     names = ctx.comm.all_gather_obj(socket.gethostname())
-    if host is None:
-        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(names)) == 1 else names[0])
+    host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(names)) == 1 else names[0])
     store, port = None, None
     if ctx.rank == 0:
         try:
@@ -101,14 +110,14 @@ def check_communicator(kind: str, device_backend: str = "cpu") -> None:
                            f"({torch.__version__}) has no NCCL or sees no GPU")
 
 
-def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", device: Any = None) -> Communicator:
+def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu") -> Communicator:
     """The data-plane communicator of `kind` ("mpi" | "torch") over `ctx`'s ranks.
 
     "mpi" is `ctx.comm`. "torch" starts torch.distributed once per process (rendezvous over MPI, see
     `init_torch_distributed`) with `torch_dist_backend(device_backend)` and wraps it in a `TorchCommunicator`
     whose objects, counts and barriers still go over `ctx.comm`. A group of one needs no collectives: both kinds
-    give `ctx.comm` (a `SingleRankCommunicator`). `device` is where the communicator's own tensors live (default:
-    cpu for gloo, cuda:<local_rank mod visible GPUs> for nccl).
+    give `ctx.comm` (a `SingleRankCommunicator`). The communicator's own tensors live on the cpu for gloo, on
+    cuda:<local_rank mod visible GPUs> for nccl.
     """
     check_communicator(kind, device_backend)
     if kind == "mpi" or ctx.world_size == 1:
@@ -118,15 +127,15 @@ def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu", 
 
     from splash.distributed.torch_comm import TorchCommunicator
 
-    backend = torch_dist_backend(device_backend)
+    backend, device = torch_dist_backend(device_backend), "cpu"
     if backend == "nccl":
-        device = device or torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         init_torch_distributed(ctx, backend)
     elif dist.get_backend() != backend:
         raise RuntimeError(f"torch.distributed already runs {dist.get_backend()!r}, not {backend!r}")
-    return TorchCommunicator(ctx.comm, device or "cpu")
+    return TorchCommunicator(ctx.comm, device)
 
 
 def describe_communicator(comm: Communicator) -> str:

@@ -239,6 +239,3 @@ class BlockManager:
                 out.append(p)
         return out
 
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)

@@ -23,12 +23,12 @@ from operator import add, gt
 import torch
 
 
-def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: str | torch.device = "cpu") -> torch.Tensor:
-    """A 1-D int64/int32 tensor on `device` from python ints, through an `array` buffer (several times faster
-    than `torch.tensor(list)`, which converts element by element); one copy when `device` is not the CPU."""
+def int_tensor(values: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+    """A 1-D int64 tensor on `device` from python ints, through an `array` buffer (several times faster than
+    `torch.tensor(list)`, which converts element by element); one copy when `device` is not the CPU."""
     if not values:
-        return torch.empty(0, dtype=dtype, device=device)
-    t = torch.frombuffer(array("q" if dtype == torch.long else "i", values), dtype=dtype)
+        return torch.empty(0, dtype=torch.long, device=device)
+    t = torch.frombuffer(array("q", values), dtype=torch.long)
     return t if t.device == torch.device(device) else t.to(device)
 
 

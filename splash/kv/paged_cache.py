@@ -93,10 +93,6 @@ class PagedLatentCache:
         kinds = set(self.layer_dtypes)
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
-    @property
-    def quantized(self) -> bool:
-        return quant.is_quantized(self.kv_dtype)
-
     # ---- sizes -------------------------------------------------------------------------------------------
     def _latent(self, layer: int) -> list[torch.Tensor]:
         parts = [self.ckv[layer], self.kpe[layer]]

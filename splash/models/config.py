@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from splash.models.hybrid_config import HybridConfig
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm5_next")
-PLANNED_MODEL_TYPES: tuple[str, ...] = ()   # parsed for analysis (memory model, simulator) but not executable
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")  # MLA + DSA lightning indexer (splash.models.indexer)
 INDEXER_TYPES = ("full", "shared")
 
@@ -122,10 +121,6 @@ class ModelConfig:
         return layer
 
     @property
-    def num_indexer_layers(self) -> int:
-        return sum(t == "full" for t in self.indexer_types)
-
-    @property
     def eos_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()
@@ -206,15 +201,13 @@ def _check_compressed_tensors(qc: dict[str, Any], where: str, supported: str) ->
 
 
 def model_config_from_dict(raw: dict[str, Any], where: str = "config.json", allow_planned: bool = False) -> ModelConfig:
-    """Build a ModelConfig from an HF config dict; raise ConfigError naming the bad field."""
+    """Build a ModelConfig from an HF config dict; raise ConfigError naming the bad field. ``allow_planned``: the
+    shape is for analysis only (memory model, simulator), which may leave a DSA model's indexer fields out."""
     mt = raw.get("model_type")
     if mt == "glm5_next":
         from splash.models.hybrid_config import flatten_glm5_next
         raw = flatten_glm5_next(raw, where)
-    if mt in PLANNED_MODEL_TYPES and not allow_planned:
-        raise ConfigError(f"{where}: field 'model_type' = {mt!r} is not supported yet (its DSA indexer / linear "
-                          f"attention layers are not implemented; supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if mt not in SUPPORTED_MODEL_TYPES + PLANNED_MODEL_TYPES:
+    if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: field 'model_type' = {mt!r} is not supported "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     for name in _REQUIRED:

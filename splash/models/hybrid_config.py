@@ -36,11 +36,6 @@ class HybridConfig:
     # quantization_config does not exclude them (`--quantization` and most releases keep them dense)
     quantized_gates: bool = False
 
-    @property
-    def linear_dim(self) -> int:
-        """Channels of one of q / k / v in a KDA layer (heads × head_dim)."""
-        return self.linear_num_heads * self.linear_head_dim
-
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
 

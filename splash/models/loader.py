@@ -56,13 +56,6 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
 
 
-def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """w [out, in] fp8 with scale_inv [ceil(out/128), ceil(in/128)] -> fp32."""
-    out, inn = w.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inn]
-    return w.float() * s
-
-
 class CheckpointReader:
     """Reads tensors by name from a model dir, checking shapes against config.json."""
 

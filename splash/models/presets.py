@@ -8,6 +8,7 @@ import torch
 
 from splash.models.preset_configs import PRESETS, preset_config, preset_names  # noqa: F401 — the presets' API
 from splash.models.weights import expected_shapes
+from splash.tokenizer import save_byte_tokenizer
 
 def preset_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random weights, scaled so activations stay O(1) and logits are well separated."""
@@ -40,9 +41,5 @@ def save_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
     save_file(preset_state_dict(name, seed), str(d / "model.safetensors"))
-    try:
-        from splash.tokenizer import save_byte_tokenizer
-        save_byte_tokenizer(d)
-    except ImportError:
-        pass
+    save_byte_tokenizer(d)
     return d

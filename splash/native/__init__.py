@@ -32,7 +32,7 @@ SOURCES = sorted(HERE.glob("cpu_*.c"))   # built together into one library, with
 FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99"]
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 
-P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "grouped_gemm": (None, [P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
     "linear_packed": (None, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P]),

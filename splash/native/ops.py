@@ -45,25 +45,24 @@ def _need(ok: bool, op: str, what) -> None:
         raise ValueError(f"splash::{op}: {what() if callable(what) else what}")
 
 
-def _f32(op: str, name: str, t: torch.Tensor, dim: int | None = None, contiguous: bool = False,
-         last: bool = True) -> None:
+def _f32(op: str, name: str, t: torch.Tensor, dim: int | None = None, contiguous: bool = False) -> None:
     """`t` is an fp32 CPU tensor (of `dim` dims; contiguous, or at least unit stride in its last dim)."""
     if (t.dtype == torch.float32 and t.is_cpu and (dim is None or t.dim() == dim)
-            and (t.is_contiguous() if contiguous else not last or t.dim() == 0 or t.stride(-1) == 1)):
+            and (t.is_contiguous() if contiguous else t.dim() == 0 or t.stride(-1) == 1)):
         return   # the common case in one test; the checks below name what is wrong
     _need(t.dtype == torch.float32 and t.is_cpu, op,
           lambda: f"{name} must be float32 on CPU, got {t.dtype} on {t.device}")
     _need(dim is None or t.dim() == dim, op, lambda: f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
     _need(not contiguous or t.is_contiguous(), op, lambda: f"{name} must be contiguous")
-    _need(not last or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1, op,
+    _need(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1, op,
           lambda: f"{name}'s last dim must be unit-stride")
 
 
-def _ints(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None = None, hi: int | None = None) -> None:
-    """`t` is a contiguous 1-D CPU tensor of `dtype` (of `n` entries; values in [0, hi))."""
+def _ints(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int, hi: int | None = None) -> None:
+    """`t` is a contiguous 1-D CPU tensor of `dtype` of `n` entries (values in [0, hi))."""
     _need(t.dtype == dtype and t.is_cpu and t.dim() == 1 and t.is_contiguous(), op,
           lambda: f"{name} must be a contiguous 1-D {dtype} CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _need(n is None or t.numel() == n, op, lambda: f"{name} must have {n} entries, got {t.numel()}")
+    _need(t.numel() == n, op, lambda: f"{name} must have {n} entries, got {t.numel()}")
     if hi is not None and t.numel():
         _need(int(t.min()) >= 0 and int(t.max()) < hi, op, lambda: f"{name} must lie in [0, {hi})")
 
@@ -74,11 +73,11 @@ def _cos_sin(op: str, cos: torch.Tensor, sin: torch.Tensor, n: int, half: int) -
         _need(tuple(t.shape) == (n, half), op, lambda: f"{name} must be [{n}, {half}], got {tuple(t.shape)}")
 
 
-def _packed(op: str, name: str, p: torch.Tensor, lead: int, K: int | None = None) -> tuple[int, ...]:
+def _packed(op: str, name: str, p: torch.Tensor, lead: int, K: int) -> tuple[int, ...]:
     """A packed weight [*lead, N / 16, K, 16] -> (*lead, N, K)."""
     _f32(op, name, p, lead + 3, contiguous=True)
-    _need(p.shape[-1] == STRIP and (K is None or p.shape[-2] == K), op,
-          lambda: f"{name} must be packed [..., N/16, {K if K is not None else 'K'}, 16], got {tuple(p.shape)}")
+    _need(p.shape[-1] == STRIP and p.shape[-2] == K, op,
+          lambda: f"{name} must be packed [..., N/16, {K}, 16], got {tuple(p.shape)}")
     return (*p.shape[:lead], p.shape[-3] * STRIP, p.shape[-2])
 
 

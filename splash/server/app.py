@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splash.config.serve_config import ServerSection
 from splash.engine.sampling import SamplingParams
 from splash.server import admission_cost, chat_output
 from splash.server import protocol as P
@@ -38,8 +39,6 @@ from splash.tokenizer import Tokenizer
 
 _log = logging.getLogger("splash")
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
-DEFAULT_LIMITS = {"max_body_bytes": 8 << 20, "read_timeout_s": 30.0, "max_seqs_per_request": 256,
-                  "max_outstanding_seqs": None, "stall_s": 60.0, "drain_s": 10.0, "max_request_mb": 256.0}
 
 
 @dataclass
@@ -55,13 +54,13 @@ class ServerState:
     admin_token: str | None = None
     world_size: int = 1
     created: int = field(default_factory=P.now)
-    limits: dict = field(default_factory=dict)   # keys of DEFAULT_LIMITS (startup.limits builds them)
+    limits: ServerSection = field(default_factory=ServerSection)   # the request limits (config section server)
+    max_outstanding_seqs: int | None = None      # scheduler.max_num_seqs + server.max_waiting_seqs (429 beyond)
     tool_call_parser: str | None = None          # splash.server.agent.resolve_parsers
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
-        self.limits = {**DEFAULT_LIMITS, **self.limits}
-        self.loop.max_outstanding = self.limits["max_outstanding_seqs"]
+        self.loop.max_outstanding = self.max_outstanding_seqs
 
 
 def is_loopback(host: str) -> bool:
@@ -150,7 +149,7 @@ class _Handlers:
 
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
-        return P.parse_request(model, await read_json(request, lim["max_body_bytes"], lim["read_timeout_s"]))
+        return P.parse_request(model, await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.s.model_name:
@@ -158,7 +157,7 @@ class _Handlers:
                              param="model", code="model_not_found")
 
     def check_seqs(self, num_prompts: int, n: int) -> None:
-        limit = self.s.limits["max_seqs_per_request"]
+        limit = self.s.limits.max_seqs_per_request
         if num_prompts * n > limit:
             raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
                                   f"sequences; at most {limit} are allowed (server.max_seqs_per_request)",
@@ -179,7 +178,7 @@ class _Handlers:
     def admit(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
         """400 when the request's worst-case cost passes server.max_request_mb (splash.server.admission_cost)."""
         cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
-        why = admission_cost.over_budget(cost, self.s.limits["max_request_mb"], req.n)
+        why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
         if why is not None:
             raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
 
@@ -434,7 +433,7 @@ def create_app(state: ServerState) -> FastAPI:
         loop, snap = state.loop, state.loop.snapshot
         running_s = loop.stalled_s()
         status = "ok" if loop.alive else "stopping"
-        if status == "ok" and running_s > state.limits["stall_s"]:
+        if status == "ok" and running_s > state.limits.collective_timeout_s:
             status = "stalled"
         return JSONResponse({"status": status, "layout": snap.layout if snap else None,
                              "world_size": state.world_size, "step_running_s": round(running_s, 3)},

@@ -67,15 +67,15 @@ class EngineSnapshot:
 def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, int], steps: int,
                   generated: int) -> EngineSnapshot:
     sched = engine.scheduler
-    queries, hits, cached = engine.prefix_cache_stats() if hasattr(engine, "prefix_cache_stats") else (0, 0, [])
+    queries, hits, cached = engine.prefix_cache_stats()
     return EngineSnapshot(
-        layout=engine.layout, mode=engine.layout_mode, target=getattr(engine, "layout_target", None),
+        layout=engine.layout, mode=engine.layout_mode, target=engine.layout_target,
         allowed_layouts=allowed,
         switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
         kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
         kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
-        steps=steps, generated_tokens=generated, weight_bytes=dict(getattr(engine, "weight_bytes_per_rank", {})),
-        scheduler=engine.auto.summary() if getattr(engine, "auto", None) is not None else None,
+        steps=steps, generated_tokens=generated, weight_bytes=dict(engine.weight_bytes_per_rank),
+        scheduler=engine.auto.summary() if engine.auto is not None else None,
         prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))
 
 

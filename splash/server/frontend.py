@@ -57,7 +57,7 @@ async def _drain(server: _Server, loop: EngineLoop, drain_s: float) -> None:
 
 
 async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Console, watchdog: Watchdog | None,
-                allowed_layouts: tuple[str, ...], title: str) -> int:
+                title: str) -> int:
     aio = asyncio.get_running_loop()
 
     def post(fn: Any) -> None:
@@ -66,7 +66,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
         except RuntimeError:   # the loop already closed (only at the very end of shutdown)
             pass
 
-    allowed_layouts = tuple(getattr(getattr(engine, "control", None), "allowed", allowed_layouts))  # feasible here
+    allowed_layouts = engine.control.allowed   # the allowed layouts feasible on this model and world size
     holder: dict[str, EngineLoop] = {}
     metrics = Metrics(lambda: holder["loop"].snapshot if "loop" in holder else None)
     loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
@@ -74,9 +74,9 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     state = ServerState(loop=loop, metrics=metrics, allowed_layouts=allowed_layouts, **state_kw)
     app = create_app(state)
     quiet = console.quiet or console.live_ok
-    read_s = state.limits["read_timeout_s"]
+    read_s, drain_s = state.limits.read_timeout_s, state.limits.drain_timeout_s
     config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet,
-                            timeout_graceful_shutdown=int(state.limits["drain_s"] + FLUSH_S) + 1, lifespan="off",
+                            timeout_graceful_shutdown=int(drain_s + FLUSH_S) + 1, lifespan="off",
                             ws="none",
                             http=protocol_class(MAX_HEADER_BYTES, read_s, metrics.count_unrouted),
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES + 1024)
@@ -84,7 +84,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     old = _install_signals(server)
     install_log_limits()
     loop.start()
-    drain = asyncio.ensure_future(_drain(server, loop, state.limits["drain_s"]))
+    drain = asyncio.ensure_future(_drain(server, loop, drain_s))
     host, port = sock.getsockname()[:2]
     console.log(f"splash-serve: serving {state.model_name} on http://{host}:{port} "
                 f"({state.world_size} rank(s), layout {loop.snapshot.layout})")

@@ -56,7 +56,7 @@ class Delta:
 
 class Generation:
     def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
-                 stops: list[str], req_prefix: str, skip_special_tokens: bool = True, n: int = 1) -> None:
+                 stops: list[str], req_prefix: str, n: int = 1) -> None:
         """`prompts`/`params`: one per choice, `n` consecutive choices per prompt (the first of each group carries
         the group's prompt_logprobs request, see the module docstring)."""
         self.loop, self.stops = loop, stops
@@ -67,13 +67,10 @@ class Generation:
         self.requests = [EngineRequest(f"{req_prefix}-{i}", prompt, p)
                          for i, (prompt, p) in enumerate(zip(prompts, params))]
         for i, (req, p) in enumerate(zip(self.requests, params)):
-            skip = skip_special_tokens if p is None else p.skip_special_tokens
-            c = Choice(i, req.req_id, len(req.prompt), IncrementalDetokenizer(tok, skip))
-            if p is not None:
-                c.min_tokens, c.include_stop = p.min_tokens, p.include_stop_str_in_output
-            leader = params[i - i % n]
-            c.awaits_prompt_logprobs = leader is not None and leader.prompt_logprobs is not None
-            self.choices.append(c)
+            detok = IncrementalDetokenizer(tok, p.skip_special_tokens)
+            self.choices.append(Choice(i, req.req_id, len(req.prompt), detok, min_tokens=p.min_tokens,
+                                       include_stop=p.include_stop_str_in_output,
+                                       awaits_prompt_logprobs=params[i - i % n].prompt_logprobs is not None))
         self._by_id = {c.req_id: c for c in self.choices}
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
 

@@ -137,8 +137,8 @@ class RateLimitFilter(logging.Filter):
 LIMITED_LOGGERS = ("uvicorn.error", "splash.switch", "splash")   # not the access log: one line per request
 
 
-def install_log_limits(burst: int = 5, window_s: float = 10.0) -> RateLimitFilter:
-    flt = RateLimitFilter(burst, window_s)
+def install_log_limits() -> RateLimitFilter:
+    flt = RateLimitFilter()
     for name in LIMITED_LOGGERS:
         logging.getLogger(name).addFilter(flt)
     return flt

@@ -70,7 +70,7 @@ def _unusable(value: Any) -> str | None:
     return None
 
 
-def find_unusable(data: Any, may_have_surrogates: bool = True) -> tuple[str, str] | None:
+def find_unusable(data: Any) -> tuple[str, str] | None:
     """(field path like ``messages.0.content``, why) of the first value nothing can use, or None. Dict keys are
     checked as values at their own path. The walk is iterative (JSON the parser accepted may be deeply nested)."""
     todo: list[tuple[Any, str]] = [(data, "")]
@@ -79,12 +79,12 @@ def find_unusable(data: Any, may_have_surrogates: bool = True) -> tuple[str, str
         if isinstance(value, dict):
             for k, v in value.items():
                 sub = f"{path}.{k}" if path else str(k)
-                if may_have_surrogates and (why := _unusable(k)) is not None:
+                if (why := _unusable(k)) is not None:
                     return sub[:QUOTE_CHARS], f"the field name: {why}"
                 todo.append((v, sub))
         elif isinstance(value, list):
             todo.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
-        elif isinstance(value, HugeInt) or (may_have_surrogates and isinstance(value, str)):
+        elif isinstance(value, (HugeInt, str)):
             if (why := _unusable(value)) is not None:
                 return path[:QUOTE_CHARS] or "body", why
     return None

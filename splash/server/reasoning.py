@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-NAMES = ("deepseek_r1", "glm45", "deepseek_v3")
 
 
 def _effective(name: str, kwargs: dict | None, opened: bool = False) -> str | None:

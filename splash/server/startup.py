@@ -127,15 +127,6 @@ def start_watchdog(comm: Any, watchdog: Any, hosts: list[str]) -> Any:
     return watchdog
 
 
-def limits(cfg: ServeConfig) -> dict[str, Any]:
-    """The request limits of the HTTP front end (ServerState.limits)."""
-    s = cfg.server
-    return {"max_body_bytes": s.max_request_body_bytes, "read_timeout_s": s.read_timeout_s,
-            "max_seqs_per_request": s.max_seqs_per_request, "max_request_mb": s.max_request_mb,
-            "max_outstanding_seqs": cfg.scheduler.max_num_seqs + s.max_waiting_seqs,
-            "stall_s": s.collective_timeout_s, "drain_s": s.drain_timeout_s}
-
-
 def quiet_decision_log(cfg: ServeConfig) -> None:
     """Rank 0, after the engine is built: silence the scheduler's decision lines when ``server.log_decisions``
     says so (by default under ``--quiet``, which promises only the serving and stopped lines)."""

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 from splash.server.reasoning import partial_tail
 
-NAMES = ("glm45", "deepseek_v3", "deepseek_v31", "deepseek_v32")
-
 
 @dataclass
 class Call:
@@ -155,7 +153,7 @@ FORMATS = {"glm45": _Glm45, "deepseek_v3": _DeepSeekV3, "deepseek_v31": _DeepSee
 
 def get(name: str) -> _Format:
     if name not in FORMATS:
-        raise ValueError(f"unknown tool-call parser {name!r}: choose one of {', '.join(NAMES)}")
+        raise ValueError(f"unknown tool-call parser {name!r}: choose one of {', '.join(FORMATS)}")
     return FORMATS[name]()
 
 

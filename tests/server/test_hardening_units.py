@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from splash.config.serve_config import ServerSection
 from splash.engine.messages import EngineRequest
 from splash.engine.sampling import SamplingParams
 from splash.server.app import ServerState, check_admin, create_app
@@ -31,7 +32,7 @@ def engine():
     return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
 
 
-def _serve(engine, checks, **limits):
+def _serve(engine, checks, max_outstanding_seqs=None, **limits):
     """Run ``checks(client, loop)`` (async) against a fresh app on ``engine``; returns its result."""
     async def main():
         aio = asyncio.get_running_loop()
@@ -39,7 +40,8 @@ def _serve(engine, checks, **limits):
         metrics = Metrics(lambda: holder["loop"].snapshot)
         loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
         state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
-                            vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"), limits=limits)
+                            vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"),
+                            limits=ServerSection(**limits), max_outstanding_seqs=max_outstanding_seqs)
         loop.start()
         try:
             transport = httpx.ASGITransport(app=create_app(state))
@@ -132,7 +134,7 @@ def test_body_size_sequence_and_queue_limits(engine):
         full = await c.post("/v1/completions", json={**GOOD, "n": 2})
         return big, many, chunked, full, await long_run
 
-    big, many, chunked, full, long_run = _serve(engine, checks, max_body_bytes=4096, max_seqs_per_request=8,
+    big, many, chunked, full, long_run = _serve(engine, checks, max_request_body_bytes=4096, max_seqs_per_request=8,
                                                 max_outstanding_seqs=2)
     assert big.status_code == 413 and chunked.status_code == 413
     assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_sequences"
@@ -150,7 +152,7 @@ def test_overlong_text_prompt_is_refused_without_tokenising_it_all(engine):
         r = await c.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
         return r, time.perf_counter() - t0, await c.post("/v1/completions", json=GOOD)
 
-    r, dt, good = _serve(engine, checks, max_body_bytes=8 << 20)
+    r, dt, good = _serve(engine, checks, max_request_body_bytes=8 << 20)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert dt < 5.0, dt
     assert len(_ids(good)) == 6
@@ -181,7 +183,7 @@ def test_health_reports_a_stalled_step_and_drain_refuses_new_requests(engine):
         refused = await c.post("/v1/completions", json=GOOD)
         return ok, stalled, refused
 
-    ok, stalled, refused = _serve(engine, checks, stall_s=60.0)
+    ok, stalled, refused = _serve(engine, checks, collective_timeout_s=60.0)
     assert ok.status_code == 200 and ok.json()["status"] == "ok"
     assert stalled.status_code == 503 and stalled.json()["status"] == "stalled"
     assert stalled.json()["step_running_s"] >= 100

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from splash.engine.messages import TokenEvent
+from splash.engine.sampling import SamplingParams
 from splash.server.app import ServerState, admin_token_required, create_app, is_loopback
 from splash.server.generation import Generation
 from splash.server.protocol import APIError, CompletionRequest, LayoutRequest, parse_request
@@ -36,7 +37,7 @@ def _drive(text: str, stops: list[str], finish_at_end: str = "length"):
     loop = FakeLoop()
 
     async def main():
-        gen = Generation(loop, TOK, [[1]], [None], stops, "t")
+        gen = Generation(loop, TOK, [[1]], [SamplingParams()], stops, "t")
         gen.start()
         ids = TOK.encode(text)
         for i, t in enumerate(ids):
