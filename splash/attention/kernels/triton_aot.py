@@ -22,6 +22,8 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
+from splash.layouts.memory import ROPE_FP8_SM_MAJOR, rope_fp8_pool
+
 # name → (backend, arch, warp size, shared memory per block in bytes): H100/H200, B200, RTX 50xx / RTX PRO
 # Blackwell (sm_120: 99 KiB per block, no wgmma: mma.sync), MI300, MI350 (gfx950: 160 KiB LDS), MI200
 TARGETS = {"sm_90": ("cuda", 90, 32, 232448), "sm_100": ("cuda", 100, 32, 232448),
@@ -40,7 +42,8 @@ MATRIX_OPS = re.compile(r"wgmma\.mma_async|mma\.sync|tcgen05\.mma|v_mfma")
 
 
 ROPE_FP8_POOL = "fp8_e4m3+rope_fp8"   # an fp8 pool whose rope key is e4m3 too (FlashInfer's FP8 MLA on SM90)
-ROPE_FP8_TARGETS = ("sm_90",)          # where splash.attention.kernels.kv_rope_fp8 stores such pools
+# where some kernel's pools store such a key (splash.layouts.memory.rope_fp8_pool, the pool's own decision): sm_90
+ROPE_FP8_TARGETS = tuple(t for t in TARGETS if any(rope_fp8_pool(k, t) for k in ROPE_FP8_SM_MAJOR))
 
 
 def pool_formats(target: str) -> tuple[str, ...]:
