@@ -242,3 +242,17 @@ def test_discards_sent_nowhere_leave_room_for_the_handoff_step():
     assert sorted(len(d.manifest.freed_at_handoff(r)) for r in range(2)) == [20, 30]
     m = _fmt_plan(CP, DP, "float32", "float32", world=2)
     assert all(len(m.freed_at_handoff(r)) < len(m.discard[r]) for r in range(2) if m.discard[r])
+
+
+def test_rope_fp8_pool_blocks_are_moved_and_converted_in_their_bytes():
+    """An SM90 FlashInfer pool keeps an fp8 layer's rope key in e4m3 (splash.layouts.memory.rope_fp8_pool): its
+    blocks travel and convert in those bytes — DeepSeek-V3 fp8: 512 latent + 16 scale + 64 rope = 592 B a token a
+    layer, not the 656 of a bf16 rope key (11 % over). Other dtypes keep their rope key as it was."""
+    reqs = requests_for(TP, 4)
+    fp8 = plan(TP, DOP, cfg=DSV3, reqs=reqs, kv_dtype="fp8_e4m3")
+    e4m3 = plan_switch(TP, DOP, DSV3, 4, reqs, BS, 2, "fp8_e4m3", rope_fp8=True)
+    assert (fp8.kv_block_bytes_layer, e4m3.kv_block_bytes_layer) == (656 * BS, 592 * BS)
+    assert e4m3.kv_block_bytes_total == 592 * BS * DSV3.num_hidden_layers
+    assert [b * 656 for b in e4m3.kv_recv_bytes] == [b * 592 for b in fp8.kv_recv_bytes]
+    conv = plan_switch(TP, DOP, DSV3, 4, reqs, BS, 2, "bfloat16", dst_kv_dtype="fp8_e4m3", rope_fp8=True)
+    assert (conv.kv_block_bytes_layer, conv.dst_kv_block_bytes_layer) == (1152 * BS, 592 * BS)

@@ -63,3 +63,31 @@ def test_pool_is_sized_in_the_widest_layout_kv_dtype():
         LLM(layout_kv_dtypes={"dopp": "int8"}, **kw)
     with pytest.raises(ValueError, match=r"layout_kv_dtypes\['dop'\] = 'fp4'"):
         LLM(layout_kv_dtypes={"dop": "fp4"}, **kw)
+
+
+def test_switch_plans_headroom_and_cost_model_count_the_pools_bytes(monkeypatch):
+    """An SM90 FlashInfer pool (fp8 KV, rope key in e4m3), stood in on CPU by answering the one decision (the torch
+    kernel reads such a pool): the controller's headroom unit, every switch plan (rank 0's and each executor's:
+    LayoutController.plan) and the auto cost model's KV bytes (attention reads, a cached block's move) are the bytes
+    the pool holds — not a bf16 rope key's."""
+    from splash.attention import kernels
+    from splash.costmodel.step_cost import RowLoad
+    from splash.engine import llm as llm_module
+    from splash.switching.manifest import ReqState
+    monkeypatch.setattr(kernels, "kv_rope_fp8", lambda name, device: True)
+    monkeypatch.setattr(llm_module, "kv_rope_fp8", lambda name, device: True)
+    llm = LLM(preset="tiny-mla", layout="auto", kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=1 << 20,
+              comm=SingleRankCommunicator())
+    pool, eng, bs = llm.runner.cache, llm.engine, llm.runner.block_size
+    assert pool.rope_fp8 and pool.kpe[0].element_size() == 1
+    per_layer = pool.block_bytes(0)
+    assert per_layer < kv_bytes_per_token_layer(llm.cfg, "fp8_e4m3") * bs          # a bf16 rope key is wider
+    assert eng.control.pool_block_bytes_layer == per_layer
+    m = eng.control.plan("tp", "dop", {"a": ReqState(5 * bs, 0)})
+    assert m.kv_block_bytes_layer == m.dst_kv_block_bytes_layer == per_layer
+    assert m.kv_block_bytes_total == pool.nbytes() // pool.num_blocks
+    model = eng.auto.model
+    context = 64 * bs
+    kv_read = model.step("tp", [RowLoad(1, context)]).work["attention"]["kv_bytes"]
+    assert kv_read == (context + 1) * llm.cfg.num_hidden_layers * per_layer / bs     # its history and itself
+    assert model.rope_fp8 and model.kv_dtypes["dop"] == "fp8_e4m3"

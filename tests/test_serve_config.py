@@ -170,11 +170,11 @@ def test_model_flag_without_config(tmp_path):
 def test_cli_all_flags_parse():
     cfg = build_config([
         "--preset", "tiny-mla", "--layout", "tp", "--host", "0.0.0.0", "--kv-cache-dtype", "int8",
-        "--block-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--seed", "3",
+        "--block-size", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--seed", "3",
         "--admin-token", "s3cret", "--switch-mode", "blocking", "--dtype", "bfloat16", "--backend", "hip",
         "--kv-cache-memory-bytes", "64MiB", "--allowed-layouts", "tp,cp"])
     assert cfg.layout.layout == "tp" and cfg.layout.allowed_layouts == ("tp", "cp")
-    assert cfg.cache.kv_cache_memory_bytes == 64 * 2**20 and cfg.parallel.backend == "hip"
+    assert cfg.cache.kv_cache_memory_bytes == 64 * 2**20 and cfg.parallel.backend == "hip" and cfg.block_size == 64
     assert cfg.server.admin_token == "s3cret" and cfg.model.seed == 3 and cfg.compute_dtype == "bfloat16"
 
 
@@ -259,3 +259,21 @@ def test_build_engine_uses_layout_kv_dtypes():
     runner = built.engine.runner
     assert runner.kv_dtype == runner.cache.kv_dtype == "int8" and runner.layout_kv_dtypes["tp"] == "float32"
     assert built.engine.control.kv_dtypes["dop"] == "int8"
+
+
+def test_gpu_page_size_is_one_the_kernels_were_compiled_for():
+    """On a GPU every attention kernel but the torch reference may run our Triton kernel (flashinfer and aiter fall
+    back to it), compiled ahead of time (tests/test_triton_aot.py) for GPU_BLOCK_SIZES only: another page size is
+    refused naming the field; unset, the page size is 64 there and 16 on cpu."""
+    from splash.config.serve_config import GPU_BLOCK_SIZES
+    assert GPU_BLOCK_SIZES == (64,)
+    for backend, attn in (("cuda", "flashinfer"), ("cuda", "triton"), ("hip", "aiter"), ("hip", "triton")):
+        with pytest.raises(ConfigError, match=r"field 'cache\.block_size' = 16: .*compiled .* 64 tokens only"):
+            apply_overrides(ServeConfig(), {"backend": backend, "attention_backend": attn, "cache.block_size": 16})
+        assert apply_overrides(ServeConfig(), {"backend": backend, "attention_backend": attn}).block_size == 64
+    assert ServeConfig().block_size == 16 and apply_overrides(ServeConfig(), {"cache.block_size": 32}).block_size == 32
+    torch_ref = {"backend": "cuda", "attention_backend": "torch", "cache.block_size": 16}
+    assert apply_overrides(ServeConfig(), torch_ref).block_size == 16
+    from splash.engine.llm import LLM   # the offline engine refuses the same, before touching the device
+    with pytest.raises(ValueError, match=r"block_size = 16: .*64 tokens only"):
+        LLM(preset="tiny-mla", block_size=16, attention_backend="triton", device="cuda:0")

@@ -40,15 +40,18 @@ def test_every_planned_launch_compiles_within_the_target(compiled):
 
 @pytest.mark.timeout(900)
 def test_the_planner_only_picks_compiled_launches(compiled):
-    """Each (target, heads 8…128, KV dtype, dims) the kernel can be asked for maps to a launch compiled above."""
-    done = {(r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"])
+    """Each (target, heads 8…128, KV dtype, dims, page size a GPU config allows) the kernel can be asked for maps to
+    a launch compiled above."""
+    from splash.config.serve_config import GPU_BLOCK_SIZES
+    done = {(r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"], r["page"])
             for r in compiled if r["kernel"] == "mla_split"}
     assert {r["target"] for r in compiled} == set(aot.TARGETS)
     for target, (vendor, *_) in aot.TARGETS.items():
         for kv in aot.pool_formats(target):
             for h in aot.HEADS_PER_RANK:
                 for dc, dr in aot.DIMS:
-                    assert (target, kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr) in done
+                    for page in GPU_BLOCK_SIZES:
+                        assert (target, kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr, page) in done
     assert ("sm_90", aot.ROPE_FP8_POOL) in {(r["target"], r["kv_dtype"]) for r in compiled if r["kernel"] == "mla_split"}
 
 
@@ -111,3 +114,11 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
     assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
     assert {k: kw[k] for k in ("ROW_C", "ROW_R")} == aot.row_strides(kv_dtype, 16, 4)
     assert kw["ROPE_FP8"] == (pool == aot.ROPE_FP8_POOL)
+
+
+def test_every_gpu_page_size_is_in_the_compile_set():
+    """The page sizes a GPU config may choose are exactly those compiled for every target (no others are allowed:
+    tests/test_serve_config.py::test_gpu_page_size_is_one_the_kernels_were_compiled_for)."""
+    from splash.config.serve_config import GPU_BLOCK_SIZES
+    for target in aot.TARGETS:
+        assert {shape[-1] for shape in aot.planned_shapes(target)} == set(GPU_BLOCK_SIZES)

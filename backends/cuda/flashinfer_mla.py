@@ -39,13 +39,15 @@ import torch
 from splash.attention.kernels.external import (NOT_FUSED_REASON, SPARSE_REASON, Fallback, block_tables,
                                                pad_heads)
 from splash.kv import quant
+from splash.layouts.memory import ROPE_FP8_SM_MAJOR
 
 WORKSPACE_BYTES = 128 << 20            # FlashInfer's recommended float workspace (counted in the device budget)
 WRAPPER_DIMS = ((512, 64), (512, 0))    # (d_c, d_r) the MLA wrapper takes (DeepSeek/GLM; NoPE)
 TRTLLM_PAGE_SIZES = (32, 64)
 TRTLLM_TABLE_TOKENS = 128               # trtllm-gen / cute-dsl block tables: width × page a multiple of this
 TRTLLM_QK_NOPE = 128                    # trtllm-gen's qk_nope_head_dim argument (unused by the dense path)
-FP8_SM_MAJOR = 9                        # FlashInfer's FP8 MLA (fa2/fa3 with kv-per-tensor scales): SM90 only
+# FlashInfer's FP8 MLA (fa3 with kv-per-tensor scales): SM90 only; the same fact decides which pools keep an e4m3 rope
+FP8_SM_MAJOR = ROPE_FP8_SM_MAJOR["flashinfer"]
 _log = logging.getLogger("splash.attention")
 
 

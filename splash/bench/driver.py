@@ -37,7 +37,7 @@ class EngineSettings:
     def from_config(cls, cfg) -> "EngineSettings":
         c, s = cfg.cache, cfg.scheduler
         return cls(cfg.model.model, cfg.model.preset, cfg.compute_dtype, cfg.kv_dtype, c.layout_kv_dtypes,
-                   c.block_size, c.num_kv_blocks, cfg.model.max_model_len, s.max_num_seqs,
+                   cfg.block_size, c.num_kv_blocks, cfg.model.max_model_len, s.max_num_seqs,
                    s.max_num_batched_tokens, s.preemption_mode,
                    cfg.layout.switch_mode, cfg.model.seed, cfg.parallel.backend)
 

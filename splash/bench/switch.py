@@ -43,7 +43,7 @@ def switch_to(st, dst: str, mode: str, dedupe: bool = True):
     r = st.runner
     hashes = st.hashes if dedupe else ()
     reqs = {rid: ReqState(st.pos[rid], st.owners[rid], None, hashes) for rid in st.owners}
-    m = plan_switch(r.layout, dst, r.cfg, st.comm.size, reqs, r.block_size, 4, r.kv_dtype)
+    m = plan_switch(r.layout, dst, r.cfg, st.comm.size, reqs, r.block_size, 4, r.kv_dtype, rope_fp8=r.rope_fp8)
     st.owners.update(m.owners)
     st.last_recv_mb = max(m.total_recv_bytes) / 2**20
     return SwitchExecutor(r.ctx, m, mode, r.streams)

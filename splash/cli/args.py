@@ -74,7 +74,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "cost-model profile: cpu, h200, b200, bw1000, or a profile .yaml"),
     (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str, None,
      "KV cache storage dtype; auto = compute dtype"),
-    (("--block-size",), "block_size", int, "N", "tokens per KV cache page"),
+    (("--block-size",), "block_size", int, "N",
+     "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "F",
      "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
      "(splash.layouts.device_budget); unused on cpu, where --kv-cache-memory-bytes sets the KV budget"),

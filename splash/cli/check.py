@@ -113,11 +113,11 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
         out += [f"            {name:22s} {v / GIB:9.2f} GiB" for name, v in b.rows()]
         pool = b.kv_pool_bytes
     rope_fp8 = rope_fp8_pool(cfg.attention_backend, arch)
-    per = kv_blocks_per_layout(mcfg, world, kv, c.block_size, pool, wbytes, weight_quant=wq, rope_fp8=rope_fp8)
-    caps = ", ".join(f"{lay} {distinct_kv_tokens(lay, n, c.block_size, world):,}" for lay, n in per.items()
+    per = kv_blocks_per_layout(mcfg, world, kv, cfg.block_size, pool, wbytes, weight_quant=wq, rope_fp8=rope_fp8)
+    caps = ", ".join(f"{lay} {distinct_kv_tokens(lay, n, cfg.block_size, world):,}" for lay, n in per.items()
                      if lay in cfg.layout.allowed_layouts)
     rope = " (rope key in e4m3: FlashInfer's FP8 MLA)" if rope_fp8 and kv == "fp8_e4m3" else ""
-    out.append(f"KV        {kv}{rope}, {c.block_size}-token pages; distinct tokens the group holds: {caps}")
+    out.append(f"KV        {kv}{rope}, {cfg.block_size}-token pages; distinct tokens the group holds: {caps}")
 
 
 def report(cfg) -> tuple[list[str], list[str]]:

@@ -45,6 +45,21 @@ _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashin
 _DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter", "auto": "torch"}
 KV_CACHE_DTYPES = KV_DTYPES
 Size = Annotated[int, BeforeValidator(lambda v: parse_size(v) if isinstance(v, str) else v)]   # 67108864, "64MiB"
+# Page sizes (cache.block_size) our Triton MLA kernel is compiled and checked for ahead of time on every GPU target
+# (splash.attention.kernels.triton_aot compiles each of them; tests/test_triton_aot.py). On a GPU every attention
+# kernel but the torch reference may run it (flashinfer / aiter fall back to it), so there the page size is one of
+# these; the first is the GPU default.
+GPU_BLOCK_SIZES = (64,)
+CPU_BLOCK_SIZE = 16
+
+
+def gpu_block_size_error(block_size: int, attention_backend: str) -> str | None:
+    """Why `block_size`-token pages cannot run on a GPU under `attention_backend`, or None when they can."""
+    if attention_backend == "torch" or block_size in GPU_BLOCK_SIZES:
+        return None
+    return (f"on a GPU the {attention_backend!r} attention runs our Triton MLA kernel (flashinfer and aiter fall "
+            f"back to it), compiled and checked ahead of time for pages of {' or '.join(map(str, GPU_BLOCK_SIZES))} "
+            "tokens only")
 
 
 def _section(name: str):
@@ -128,7 +143,7 @@ class CacheSection:
     kv_cache_dtype: Literal[("auto",) + KV_CACHE_DTYPES] = "auto"
     # per-layout KV dtype overrides, e.g. {dop: fp8_e4m3}; the pool is sized in the widest (see ModelRunner)
     layout_kv_dtypes: dict[Literal[LAYOUTS], Literal[KV_CACHE_DTYPES]] | None = None
-    block_size: int = Field(16, ge=1)            # tokens per KV page
+    block_size: int | None = Field(None, ge=1)   # tokens per KV page; None: 16 on cpu, GPU_BLOCK_SIZES[0] on GPUs
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     kv_cache_memory_bytes: Size | None = Field(None, ge=1)  # explicit per-rank KV budget
     num_kv_blocks: int | None = Field(None, ge=1)  # overrides both budgets when set
@@ -201,6 +216,12 @@ class ServeConfig:
         if attn is not None and attn not in _ATTENTION_FOR_BACKEND[backend]:
             raise ConfigError(f"field 'parallel.attention_backend' = {attn!r} does not run on backend "
                               f"{backend!r} (choose from {', '.join(_ATTENTION_FOR_BACKEND[backend])})")
+        bs = self.cache.block_size
+        if bs is not None and self.parallel.backend in ("cuda", "hip"):
+            error = gpu_block_size_error(bs, self.attention_backend)
+            if error:
+                raise ConfigError(f"field 'cache.block_size' = {bs}: {error}; set cache.block_size: "
+                                  f"{GPU_BLOCK_SIZES[0]} (--block-size), or leave it unset")
         s = self.scheduler
         if s.max_num_batched_tokens < s.max_num_seqs:
             raise ConfigError(f"field 'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be "
@@ -222,6 +243,12 @@ class ServeConfig:
         if self.model.dtype != "auto":
             return self.model.dtype
         return "float32" if self.parallel.backend == "cpu" else "bfloat16"
+
+    @property
+    def block_size(self) -> int:
+        """cache.block_size, None resolved by the backend: 16 on cpu, 64 on GPUs (GPU_BLOCK_SIZES)."""
+        bs = self.cache.block_size
+        return bs if bs is not None else CPU_BLOCK_SIZE if self.parallel.backend == "cpu" else GPU_BLOCK_SIZES[0]
 
     @property
     def kv_dtype(self) -> str:

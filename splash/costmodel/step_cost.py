@@ -77,12 +77,15 @@ def _elem(dtype: str, what: str) -> float:
 class CostModel:
     def __init__(self, cfg: ModelConfig, world: int, profile: HardwareProfile, weight_dtype: str,
                  kv_dtype: str | Mapping[str, str], block_size: int = 16, act_dtype: str | None = None,
-                 cp_prefill: str = "partials"):
+                 cp_prefill: str = "partials", rope_fp8: bool = False):
+        """`rope_fp8`: the pool keeps an fp8 layer's rope key in e4m3 (splash.layouts.memory.rope_fp8_pool), so
+        attention reads and switch moves are priced in its bytes."""
         if world < 1:
             raise ValueError(f"world must be positive, got {world}")
         if cp_prefill not in CP_PREFILL:
             raise ValueError(f"cp_prefill must be one of {', '.join(CP_PREFILL)}, got {cp_prefill!r}")
         self.cfg, self.world, self.profile, self.block_size = cfg, world, profile, block_size
+        self.rope_fp8 = rope_fp8
         self.weight_dtype = weight_dtype
         self.act_dtype = act_dtype or ("float32" if weight_dtype == "float32" else "bfloat16")
         kvs = dict.fromkeys(LAYOUTS, kv_dtype) if isinstance(kv_dtype, str) else dict(kv_dtype)
@@ -90,8 +93,8 @@ class CostModel:
         self._shapes = {}
         for lay in LAYOUTS:
             kvd = self.kv_dtypes.get(lay, next(iter(self.kv_dtypes.values())))
-            with_idx = kv_bytes_per_token_layer(cfg, kvd)
-            attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd)
+            with_idx = kv_bytes_per_token_layer(cfg, kvd, rope_fp8=rope_fp8)
+            attn = kv_bytes_per_token_layer(_no_indexer(cfg), kvd, rope_fp8=rope_fp8)
             self._shapes[lay] = Shapes(cfg, world, _elem(weight_dtype, "weight dtype"),
                                        _elem(self.act_dtype, "activation dtype"), attn, with_idx - attn,
                                        block_size, profile.attention_scratch_bytes,
@@ -256,6 +259,6 @@ def cached_moves_pay(model, dst: str, hit_rate: float, chunk_tokens: int) -> boo
         return False
     bs = model.block_size
     kv = model.kv_dtypes.get(dst, next(iter(model.kv_dtypes.values())))
-    move_s = kv_block_bytes(model.cfg, kv, bs) / kv_bytes_per_s(model.profile)
+    move_s = kv_block_bytes(model.cfg, kv, bs, model.rope_fp8) / kv_bytes_per_s(model.profile)
     recompute_s = model.prefill_seconds_per_token(dst, max(bs, chunk_tokens)) * bs
     return move_s < hit_rate * recompute_s

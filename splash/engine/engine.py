@@ -66,7 +66,7 @@ class Engine:
         wbytes = torch.finfo(runner.dtype).bits // 8
         self.control = LayoutController(runner.cfg, comm.size, runner.block_size, wbytes,
                                         runner.layout_kv_dtypes, allowed_layouts,
-                                        switch_mode)
+                                        switch_mode, rope_fp8=getattr(runner, "rope_fp8", False))
         self.auto = None if hardware_profile is None or comm.rank != 0 else make_auto_layout(
             runner, comm.size, self.control, self.ledger, hardware_profile, switch_margin, self.scheduler)
         self.control.weight_quant = getattr(runner, "weight_quant", None)
@@ -355,13 +355,9 @@ class Engine:
         if sw is None:
             return None
         from splash.switching.executor import SwitchExecutor
-        from splash.switching.manifest import plan_switch
 
         r, src = self.runner, self.runner.layout
-        m = plan_switch(src, sw.dst, r.cfg, self.comm.size, sw.reqs, r.block_size, self.control.weight_bytes,
-                        r.kv_dtype, src_kv_dtype=r.kv_dtype, dst_kv_dtype=self.control.kv_dtypes[sw.dst],
-                        weight_quant=self.control.weight_quant, cached=sw.cached,
-                        cached_cap=sw.cached_cap or None, move_cached=sw.move_cached)
+        m = self.control.plan(src, sw.dst, sw.reqs, sw.cached, sw.cached_cap or None, sw.move_cached)
         self.control.record(src, sw.dst)
         return SwitchExecutor(r.ctx, m, sw.mode, r.streams, gone)
 

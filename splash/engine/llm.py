@@ -120,6 +120,11 @@ class LLM:
         checkpoint's linear weights at load; FP8 and INT8 checkpoints stay quantised without it
         (splash.models.qweight). `attention_backend` names the MLA attention kernel (splash.attention.kernels:
         torch or triton). `device` is where every tensor of the engine lives (a backend's device, e.g. "cuda:0")."""
+        if torch.device(device).type != "cpu":
+            from splash.config.serve_config import gpu_block_size_error
+            error = gpu_block_size_error(block_size, attention_backend)
+            if error:
+                raise ValueError(f"block_size = {block_size}: {error}")
         if comm is None:
             from splash.distributed import init_dist
             comm = init_dist().comm

@@ -93,6 +93,9 @@ class ModelRunner:
     attn = property(lambda self: self.ctx.attn)
     # per-request recurrent state (KDA layers of glm5_next, see splash.kv.recurrent); None for other models
     states = property(lambda self: self.ctx.states)
+    # the pool keeps an fp8 layer's rope key in e4m3 (splash.layouts.memory.rope_fp8_pool): what every byte count of
+    # it — switch plans, headroom, the cost model — is handed
+    rope_fp8 = property(lambda self: self.ctx.cache.rope_fp8)
 
     @property
     def layout_state(self) -> LayoutState:

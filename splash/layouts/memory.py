@@ -59,6 +59,22 @@ def layer_has_indexer_keys(cfg: ModelConfig, layer: int | None) -> bool:
 
 
 ROPE_FP8_DTYPES = ("fp8_e4m3",)   # KV dtypes whose rope key a `rope_fp8` pool stores in e4m3 (1 byte a value)
+# Attention kernels whose FP8 MLA reads an e4m3 rope key, by the compute capability (major) it runs on: FlashInfer
+# 0.7.4's FP8 MLA (fa3 with kv-per-tensor scales, `_fa_common`) is SM90 only and reads the rope cache in fp8 at one
+# per-tensor scale (backends.cuda.flashinfer_mla takes its FP8_SM_MAJOR from here).
+ROPE_FP8_SM_MAJOR = {"flashinfer": 9}
+
+
+def rope_fp8_pool(kernel: str, arch: str) -> bool:
+    """Whether the pools of the `kernel` attention kernel on an `arch` device ("sm_90", "gfx942", "cpu"; "" unknown)
+    store an fp8_e4m3 layer's rope key in e4m3 (PagedLatentCache `rope_fp8`). The one decision every byte count of
+    the pool follows: the pool itself, capacity and the device budget, the switch planner's blocks and headroom
+    (splash.switching.manifest, splash.engine.layout_policy.control) and the cost model's KV bytes
+    (splash.costmodel.step_cost) — they are handed its answer (`rope_fp8`) and count with
+    kv_bytes_per_token_layer."""
+    major = ROPE_FP8_SM_MAJOR.get(kernel)
+    digits = arch.removeprefix("sm_")
+    return major is not None and arch.startswith("sm_") and digits.isdigit() and int(digits) // 10 == major
 
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None = None,
@@ -258,16 +274,17 @@ def _kv_blocks_per_rank(layout: Layout, world: int, live_tokens: Mapping[str, tu
 def per_rank_memory(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float, kv_dtype: str,
                     live_tokens: Mapping[str, tuple[int, int | None]] | None, block_size: int,
                     scratch_bytes: int = 0, reserve_bytes: int = 0,
-                    ffn_shards: int | None = None, weight_quant: str | None = None) -> LayoutMemory:
+                    ffn_shards: int | None = None, weight_quant: str | None = None,
+                    rope_fp8: bool = False) -> LayoutMemory:
     """Per-rank bytes of ``layout`` holding ``live_tokens`` (request -> (tokens, owner rank or None)).
 
-    Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``.
+    Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``. ``rope_fp8``: rope_fp8_pool's.
     """
     layout = parse_layout(layout)
     common = common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
     proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant)
     blocks = _kv_blocks_per_rank(layout, world, live_tokens, block_size)
-    per_block = kv_block_bytes(cfg, kv_dtype, block_size)
+    per_block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     return LayoutMemory(layout, world, common, proj, tuple(blocks), tuple(b * per_block for b in blocks),
                         scratch_bytes, reserve_bytes)
 

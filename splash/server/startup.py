@@ -186,9 +186,9 @@ def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in
     workspaces = backends.attention_workspace_bytes(
         cfg.attention_backend, rank_attention(allowed, mcfg.num_attention_heads, world, kv_dtypes),
         min(s.max_num_seqs, s.max_num_batched_tokens), arch, (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim),
-        c.block_size)
+        cfg.block_size)
     return device_memory_budget(mcfg, world, device_bytes, c.gpu_memory_utilization, weight_bytes,
-                                pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size, s.max_num_batched_tokens,
+                                pool_kv_dtype(mcfg, kv_dtypes.values()), cfg.block_size, s.max_num_batched_tokens,
                                 s.max_num_seqs, in_use_bytes=in_use_bytes, layouts=allowed,
                                 weight_quant=cfg.model.quantization or mcfg.quantization,
                                 attention_workspace_bytes=workspaces,
@@ -236,7 +236,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError(str(e)) from None
     device = backend.device if backend is not None else "cpu"
     per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
-        mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), c.block_size,
+        mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), cfg.block_size,
         kv_budget_bytes(cfg, mcfg, comm.size, backend, torch.finfo(dtype).bits // 8), torch.finfo(dtype).bits // 8,
         weight_quant=cfg.model.quantization or mcfg.quantization,
         state_requests=hybrid_states(mcfg, cfg.scheduler.max_num_seqs, c.enable_prefix_caching),
@@ -250,7 +250,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     try:
         advance = ticker.__enter__() if ticker else (lambda: None)
         try:
-            runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, c.block_size, blocks,
+            runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, cfg.block_size, blocks,
                                  dtype, kv_dtypes, attention_backend=cfg.attention_backend, device=device,
                                  streams=backend.streams() if backend is not None else None)
         except ValueError as e:
@@ -271,7 +271,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)
-    if engine.ledger.cap(tight) * c.block_size < 2:
+    if engine.ledger.cap(tight) * cfg.block_size < 2:
         raise ConfigError(f"field 'cache.kv_cache_memory_bytes': the KV budget holds {engine.ledger.cap(tight)} KV "
                           f"page(s) per rank in layout {tight!r} (its attention projections take the rest), so no "
                           f"request fits; raise it or remove {tight!r} from layout.allowed_layouts")

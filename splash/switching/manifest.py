@@ -314,13 +314,15 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
                 capacity_tokens_per_rank: int | None = None, src_kv_dtype: str | None = None,
                 dst_kv_dtype: str | None = None, weight_quant: str | None = None,
                 cached: Sequence[CachedBlock] = (), cached_cap: Sequence[int] | None = None,
-                move_cached: bool = False) -> Manifest:
+                move_cached: bool = False, rope_fp8: bool = False) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
 
     Destination owners (DP-attn/DOP) come from ``dst_owner``, else ``src_owner`` when the source is
     owner-based, else balanced placement (``rebalance_owners``/``assign_owners``) within the optional capacity.
     ``src_kv_dtype``/``dst_kv_dtype`` (default ``kv_dtype``) are the two layouts' KV storage formats.
     ``weight_quant`` ("fp8"/"int8", None = plain ``weight_bytes`` per element) is how the projections are stored.
+    ``rope_fp8``: the pool keeps an fp8 layer's rope key in e4m3 (splash.layouts.memory.rope_fp8_pool), so its
+    blocks are counted, moved and converted in those bytes.
     Prefix cache: ``ReqState.hashes`` name each request's shared leading blocks; ``cached`` lists the idle cached
     blocks (oldest first), kept by the rule of splash.switching.block_plan where each destination rank's blocks in use
     leave room under ``cached_cap`` blocks (None: unbounded), moved only when ``move_cached``.
@@ -338,8 +340,8 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
     owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
     bp = plan_blocks(src, dst, world, requests, owners, block_size, cached, cached_cap, move_cached)
     moves, keep, discard = bp.moves, bp.keep, bp.discard
-    blk = kv_bytes_per_token_layer(cfg, src_kv) * block_size  # moves happen before conversion
-    blk_all = kv_block_bytes(cfg, src_kv, block_size)         # every layer holding paged KV
+    blk = kv_bytes_per_token_layer(cfg, src_kv, rope_fp8=rope_fp8) * block_size  # moves happen before conversion
+    blk_all = kv_block_bytes(cfg, src_kv, block_size, rope_fp8)                    # every layer holding paged KV
     n_recv, n_sent = [0] * world, [0] * world
     for m in moves:
         n_recv[m.dst_rank] += 1
@@ -354,7 +356,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
                     tuple(sorted(owners.items())), tuple(moves),
                     tuple(tuple(k) for k in keep), tuple(tuple(d) for d in discard), blk,
                     tuple(w_recv), tuple(w_sent), tuple(n * blk for n in n_recv), tuple(n * blk for n in n_sent),
-                    src_kv, dst_kv, kv_bytes_per_token_layer(cfg, dst_kv) * block_size, **hybrid,
+                    src_kv, dst_kv, kv_bytes_per_token_layer(cfg, dst_kv, rope_fp8=rope_fp8) * block_size, **hybrid,
                     kv_recv_total=tuple(n * blk_all for n in n_recv), kv_sent_total=tuple(n * blk_all for n in n_sent),
                     weight_recv_total=w_recv_all, weight_sent_total=w_sent_all,
                     req_hashes=tuple((q, tuple(s.hashes)) for q, s in sorted(requests.items()) if s.hashes),

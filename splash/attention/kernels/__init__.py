@@ -25,6 +25,9 @@ from typing import Protocol
 
 import torch
 
+# which pools keep an fp8 layer's rope key in e4m3 is decided, torch-free, where the memory model counts its bytes
+from splash.layouts.memory import rope_fp8_pool
+
 KERNELS = ("torch", "triton", "flashinfer", "aiter")
 
 
@@ -47,16 +50,6 @@ def device_arch(device: str | torch.device) -> str:
         return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
-
-
-def rope_fp8_pool(name: str, arch: str) -> bool:
-    """Whether the `name` kernel's pools on an `arch` device store an fp8_e4m3 layer's rope key in e4m3
-    (PagedLatentCache `rope_fp8`; the memory model counts the same bytes): FlashInfer on SM90, whose FP8 MLA
-    reads the rope cache in fp8 with a per-tensor scale."""
-    if name != "flashinfer" or not arch.startswith("sm_"):
-        return False
-    from backends.cuda.flashinfer_mla import FP8_SM_MAJOR, arch_major
-    return arch_major(arch) == FP8_SM_MAJOR
 
 
 def kv_rope_fp8(name: str, device: str | torch.device) -> bool:

@@ -8,7 +8,8 @@ per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, gfx
 segment), and whether the products run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the
 AMDGCN). `planned_shapes` is every launch shape TritonMLAKernel can choose
 (splash.attention.kernels.triton_mla.launch_config) for 8…128 heads per rank, each pool format (`pool_formats`:
-the KV dtypes, and on SM90 the fp8 pool with an e4m3 rope key) and the two rope widths of the shipped models;
+the KV dtypes, and on SM90 the fp8 pool with an e4m3 rope key), the two rope widths of the shipped models and
+every page size a GPU config may choose (splash.config.serve_config.GPU_BLOCK_SIZES, which refuses any other);
 tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
+from splash.layouts.memory import ROPE_FP8_SM_MAJOR, rope_fp8_pool
+
 # name → (backend, arch, warp size, shared memory per block in bytes): H100/H200, B200, RTX 50xx / RTX PRO
 # Blackwell (sm_120: 99 KiB per block, no wgmma: mma.sync), MI300, MI350 (gfx950: 160 KiB LDS), MI200
 TARGETS = {"sm_90": ("cuda", 90, 32, 232448), "sm_100": ("cuda", 100, 32, 232448),
@@ -30,12 +33,17 @@ TARGETS = {"sm_90": ("cuda", 90, 32, 232448), "sm_100": ("cuda", 100, 32, 232448
 HEADS_PER_RANK = range(8, 129)
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 DIMS = ((512, 64), (512, 0))     # (d_c, d_r): DeepSeek-V3.x / GLM-5.x; GLM-5.3-Flash (NoPE)
-PAGE = 64                         # the shipped GPU configs' block_size
+
+def gpu_page_sizes() -> tuple[int, ...]:
+    """The page sizes (cache.block_size) a config may choose on a GPU: each is compiled here, no other is allowed."""
+    from splash.config.serve_config import GPU_BLOCK_SIZES
+    return GPU_BLOCK_SIZES
 MATRIX_OPS = re.compile(r"wgmma\.mma_async|mma\.sync|tcgen05\.mma|v_mfma")
 
 
 ROPE_FP8_POOL = "fp8_e4m3+rope_fp8"   # an fp8 pool whose rope key is e4m3 too (FlashInfer's FP8 MLA on SM90)
-ROPE_FP8_TARGETS = ("sm_90",)          # where splash.attention.kernels.kv_rope_fp8 stores such pools
+# where some kernel's pools store such a key (splash.layouts.memory.rope_fp8_pool, the pool's own decision): sm_90
+ROPE_FP8_TARGETS = tuple(t for t in TARGETS if any(rope_fp8_pool(k, t) for k in ROPE_FP8_SM_MAJOR))
 
 
 def pool_formats(target: str) -> tuple[str, ...]:
@@ -44,12 +52,14 @@ def pool_formats(target: str) -> tuple[str, ...]:
     return KV_DTYPES + ((ROPE_FP8_POOL,) if target in ROPE_FP8_TARGETS else ())
 
 
-def planned_shapes(target: str) -> list[tuple[str, int, int, int, int]]:
-    """(pool format, head block, num_warps, d_c, d_r) for every launch the kernel can choose on `target`."""
+def planned_shapes(target: str) -> list[tuple[str, int, int, int, int, int]]:
+    """(pool format, head block, num_warps, d_c, d_r, page size) for every launch the kernel can choose on
+    `target`: every page size a GPU config allows (gpu_page_sizes)."""
     from splash.attention.kernels.triton_mla import launch_config
     vendor = TARGETS[target][0]
-    return sorted({(kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr)
-                   for kv in pool_formats(target) for h in HEADS_PER_RANK for dc, dr in DIMS})
+    return sorted({(kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr, page)
+                   for kv in pool_formats(target) for h in HEADS_PER_RANK for dc, dr in DIMS
+                   for page in gpu_page_sizes()})
 
 
 def _signature(pool: str) -> dict[str, str]:
@@ -99,8 +109,9 @@ def _spill_bytes(target: str, asm: dict) -> int:
     return max(int(x) for x in re.findall(r"\.private_segment_fixed_size:\s*(\d+)", asm["amdgcn"]))
 
 
-def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int) -> dict:
-    """Compile `mla_split` for one launch shape over a `pool` format; its resources and matrix-unit count."""
+def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int, page: int) -> dict:
+    """Compile `mla_split` for one launch shape over a `pool` format of `page`-token pages; its resources and
+    matrix-unit count."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -112,7 +123,7 @@ def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int)
     bdc = tm.pow2(dc)
     fmt = tm.FORMATS[kv_dtype]
     rope_fp8 = pool == ROPE_FP8_POOL
-    const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm.pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=PAGE,
+    const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm.pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=page,
                  GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32" and not rope_fp8,
                  HAS_ROPE=dr > 0, NSPLIT=1, DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False,
                  ROPE_FP8=rope_fp8, ROPE_SCALE=quant.ROPE_FP8_SCALE, **row_strides(kv_dtype, dc, dr))
@@ -121,7 +132,7 @@ def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int)
     text = k.asm.get("ptx") or k.asm["amdgcn"]
     narrow = narrow_argument_offsets(k.asm["ttir"], _signature(pool))
     return dict(narrow_offsets=narrow, kernel="mla_split", target=target, kv_dtype=pool, head_block=bh,
-                num_warps=warps, d_c=dc, d_r=dr, shared=k.metadata.shared, shared_limit=limit,
+                num_warps=warps, d_c=dc, d_r=dr, page=page, shared=k.metadata.shared, shared_limit=limit,
                 spill_bytes=_spill_bytes(target, k.asm), matrix_ops=len(MATRIX_OPS.findall(text)))
 
 

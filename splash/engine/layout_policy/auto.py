@@ -401,7 +401,7 @@ def make_auto_layout(runner: Any, world: int, control: Any, ledger: Any, hardwar
 
     weight_dtype = str(runner.dtype).removeprefix("torch.")
     model = CostModel(runner.cfg, world, load_profile(hardware_profile), weight_dtype, dict(control.kv_dtypes),
-                      runner.block_size)
+                      runner.block_size, rope_fp8=control.rope_fp8)
     return AutoLayout(model, control.allowed, margin, block_size=runner.block_size, world=world,
                       capacity_blocks={lay: ledger.cap(lay) for lay in control.allowed},
                       max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.budget,

@@ -40,16 +40,18 @@ class SwitchDecision:
 
 class LayoutController:
     def __init__(self, cfg, world: int, block_size: int, weight_bytes: int, kv_dtype: str | Mapping[str, str],
-                 allowed: tuple[str, ...] = ALL_LAYOUTS, mode: str = "live"):
-        """`kv_dtype`: one KV dtype for every layout, or layout → KV dtype (all four layouts)."""
+                 allowed: tuple[str, ...] = ALL_LAYOUTS, mode: str = "live", rope_fp8: bool = False):
+        """`kv_dtype`: one KV dtype for every layout, or layout → KV dtype (all four layouts). `rope_fp8`: the
+        pool keeps an fp8 layer's rope key in e4m3 (the runner's pool: splash.layouts.memory.rope_fp8_pool), so
+        blocks, moves and the headroom are counted in its bytes."""
         self.cfg, self.world, self.block_size = cfg, world, block_size
-        self.weight_bytes, self.mode = weight_bytes, mode
+        self.weight_bytes, self.mode, self.rope_fp8 = weight_bytes, mode, rope_fp8
         self.weight_quant: str | None = None  # "fp8"/"int8" when the projections are stored quantised
         self.kv_dtypes = (dict.fromkeys(ALL_LAYOUTS, kv_dtype) if isinstance(kv_dtype, str)
                           else {parse_layout(k).value: v for k, v in kv_dtype.items()})
         # one block of one layer in the pool's (widest) format
-        self.pool_block_bytes_layer = max(kv_bytes_per_token_layer(cfg, d) for d in self.kv_dtypes.values()
-                                          ) * block_size
+        self.pool_block_bytes_layer = max(kv_bytes_per_token_layer(cfg, d, rope_fp8=rope_fp8)
+                                          for d in self.kv_dtypes.values()) * block_size
         # head-sharded layouts need the world size to divide the heads; where it does not they are not offered
         self.allowed = tuple(a for a in (parse_layout(x).value for x in allowed)
                              if heads_fit(a, cfg.num_attention_heads, world))
@@ -96,10 +98,7 @@ class LayoutController:
         cap = [max(0, ledger.cap(dst) - reserve_blocks)] * self.world
 
         def plan(cap):
-            return plan_switch(current, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
-                               self.kv_dtypes[current], src_kv_dtype=self.kv_dtypes[current],
-                               dst_kv_dtype=self.kv_dtypes[dst], weight_quant=self.weight_quant,
-                               cached=cached, cached_cap=cap, move_cached=move_cached)
+            return self.plan(current, dst, reqs, cached, cap, move_cached)
         m = plan(cap)
         owners = m.owners
         reason = self._headroom(m, ledger, owners, reserve_blocks)
@@ -118,6 +117,15 @@ class LayoutController:
         self.last_deferral = None
         full = {rid: replace(s, dst_owner=owners.get(rid)) for rid, s in reqs.items()}
         return SwitchDecision(dst, full, m, cached, tuple(cap), move_cached)
+
+    def plan(self, src: str, dst: str, reqs: Mapping[str, ReqState], cached=(), cached_cap=None,
+             move_cached: bool = False) -> Manifest:
+        """The src → dst manifest of this group (splash.switching.manifest.plan_switch): rank 0's decision and
+        every rank's executor plan it here, with the same dtypes, weight storage and pool bytes."""
+        return plan_switch(src, dst, self.cfg, self.world, reqs, self.block_size, self.weight_bytes,
+                           self.kv_dtypes[src], src_kv_dtype=self.kv_dtypes[src], dst_kv_dtype=self.kv_dtypes[dst],
+                           weight_quant=self.weight_quant, cached=cached, cached_cap=cached_cap,
+                           move_cached=move_cached, rope_fp8=self.rope_fp8)
 
     def convert_bytes(self, m: Manifest, cap: int, held_blocks: int) -> int:
         """Memory a KV format conversion needs beyond the pool on one rank (0 when the formats match): one pool
