@@ -89,13 +89,6 @@ class KVLedger:
                 out[r] += n > 0
         return out
 
-    def holds(self, req: str, rank: int) -> bool:
-        """Whether `rank` holds any block of `req`."""
-        if req not in self.reqs:
-            return False
-        tokens, owner = self.reqs[req]
-        return self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))[rank] > 0
-
     def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)
         if final is not None and req not in self.reqs:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from splash.attention.batch import StepBatch, StepPiece
+from splash.attention.batch import StepBatch
 from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.engine.hybrid_setup import build_hybrid
 from splash.engine.rank_model import build_dense
@@ -130,12 +130,6 @@ class ModelRunner:
         new = self.bm.attach(req, blocks)
         if new:
             self.tables.append(req, new)
-
-    def new_logical_blocks(self, q: StepPiece) -> list[int]:
-        """Logical blocks touched by the new tokens of `q`."""
-        if q.num_new == 0 or (q.num_new == 1 and q.start_pos % self.block_size):
-            return []  # a decode token inside a page: its page holds the previous position, so is held already
-        return list(range(q.start_pos // self.block_size, (q.end_pos - 1) // self.block_size + 1))
 
     @torch.inference_mode()
     def step(self, batch: StepBatch | None, switch=None) -> torch.Tensor:
