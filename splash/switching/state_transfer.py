@@ -15,7 +15,7 @@ import torch
 
 from splash.models.kda import KDAWeights
 from splash.models.qweight import QuantWeight, RowStack, cat_cols, cat_rows
-from splash.switching.weights_transfer import shard_geometry
+from splash.switching.weights_transfer import take_quant_shard
 
 
 # head-indexed fields that may be stored quantised: (by rows, rows/columns per head in units of head_dim, or 1)
@@ -98,20 +98,13 @@ def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int
     per = num_heads // world
     pieces: dict[str, list] = {k: [] for k in list(plain) + list(quant)}
     off = 0
-
-    def take(nbytes: int) -> torch.Tensor:
-        nonlocal off
-        off += nbytes
-        return gathered[off - nbytes:off].clone()
     for r in range(world):
         for k, p in sorted(plain.items()):
-            pieces[k].append(take(p.numel() * p.element_size()).view(p.dtype).view(p.shape))
+            pieces[k].append(gathered[off:off + p.nbytes].clone().view(p.dtype).view(p.shape))
+            off += p.nbytes
         for k, (q, rows, n) in sorted(quant.items()):
-            dshape, sshape, a_off = shard_geometry(q, range(r * per, (r + 1) * per), n, rows)
-            data = take(dshape[0] * dshape[1] * q.data.element_size()).view(q.data.dtype).view(dshape)
-            scale = take(sshape[0] * sshape[1] * 4).view(torch.float32).view(sshape)
-            r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)
-            pieces[k].append(QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off))
+            shard, off = take_quant_shard(gathered, off, q, range(r * per, (r + 1) * per), n, rows)
+            pieces[k].append(shard)
     return _join(w, {k: torch.cat(pieces[k], dim=0) for k in plain},
                  {k: (cat_rows if rows else cat_cols)(pieces[k]) for k, (_, rows, _) in quant.items()},
                  range(num_heads))

@@ -70,16 +70,16 @@ def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -
     return data, ((nb, nother) if by_rows else (nother, nb)), a0 % BLOCK
 
 
-def shard_nbytes(w: AttnWeights, heads: range) -> int:
-    """Bytes `pack_shard` produces for a rank holding `heads` (same format and model as `w`)."""
-    if w.kv_b is None:
-        return sum(p.numel() * p.element_size() for p in _head_rows(w)) // len(w.heads) * len(heads)
-    total = 0
-    for q, rows in zip(_quant_parts(w), (True, True, False)):
-        per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-        d, s, _ = shard_geometry(q, heads, per, rows)
-        total += d[0] * d[1] * q.data.element_size() + s[0] * s[1] * 4
-    return total
+def take_quant_shard(gathered: torch.Tensor, off: int, q: QuantWeight, heads: range, per_head: int,
+                     by_rows: bool) -> tuple[QuantWeight, int]:
+    """The shard for `heads` of the weight local shard `q` belongs to, read from the packed bytes `gathered` at
+    `off` (its values, then its scale blocks, as `QuantWeight.tensors` packs them) -> (shard, offset past it)."""
+    dshape, sshape, a_off = shard_geometry(q, heads, per_head, by_rows)
+    nd, ns = dshape[0] * dshape[1] * q.data.element_size(), sshape[0] * sshape[1] * 4
+    data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)
+    scale = gathered[off + nd:off + nd + ns].clone().view(torch.float32).view(sshape)
+    r_off, c_off = (a_off, q.col_off) if by_rows else (q.row_off, a_off)
+    return QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off), off + nd + ns
 
 
 def _unpack_quant(w: AttnWeights, gathered: torch.Tensor, ranks: list[range], num_heads: int) -> AttnWeights:
@@ -89,14 +89,8 @@ def _unpack_quant(w: AttnWeights, gathered: torch.Tensor, ranks: list[range], nu
     for heads in ranks:
         for i, (q, rows) in enumerate(zip(local, (True, True, False))):
             per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-            dshape, sshape, a_off = shard_geometry(q, heads, per, rows)
-            nd = dshape[0] * dshape[1] * q.data.element_size()
-            data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)
-            off += nd
-            scale = gathered[off:off + sshape[0] * sshape[1] * 4].clone().view(torch.float32).view(sshape)
-            off += sshape[0] * sshape[1] * 4
-            r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)
-            pieces[i].append(QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off))
+            shard, off = take_quant_shard(gathered, off, q, heads, per, rows)
+            pieces[i].append(shard)
     q_b, kv_b = cat_rows(pieces[0]), cat_rows(pieces[1])
     return replace(w, q_b=q_b, kv_b=kv_b, o=cat_cols(pieces[2]), heads=range(num_heads))
 
@@ -116,15 +110,6 @@ def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: i
             pieces[i].append(per_rank[r, off:off + n].view(s))
             off += n
     return _from_rows(w, *(torch.cat(p, dim=0) for p in pieces), heads=range(num_heads))
-
-
-def gather_counts(w: AttnWeights, world: int, num_heads: int) -> list[int]:
-    """Elements each rank contributes to the all-gather (known locally: no count exchange)."""
-    per = num_heads // world
-    n = [shard_nbytes(w, range(r * per, (r + 1) * per)) for r in range(world)]
-    if w.kv_b is None:
-        return [b // w.q_b.dtype.itemsize for b in n]
-    return n
 
 
 def slice_heads(w: AttnWeights, heads: range, qk_head_dim: int) -> AttnWeights:
