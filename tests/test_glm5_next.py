@@ -128,7 +128,7 @@ def test_pool_equals_memory_model(kv_dtype, glm5, comm):
     """One pool layer per MLA layer: the latent (no rope key) and, in the full-indexer layer only, the KPool
     key + pool gate logits per token in the KV dtype's form (FP8/INT8 + an fp32 scale per 128, as DSA's keys);
     the allocated bytes equal the memory model's per layer and per block, and the engine's capacity uses them."""
-    from splash.engine.llm import LLM, block_bytes
+    from splash.engine.llm import LLM
     from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
 
     path = glm5("topk_low")[0]
@@ -146,7 +146,7 @@ def test_pool_equals_memory_model(kv_dtype, glm5, comm):
         assert c.ikey[0].dtype == c.ckv[0].dtype and c.iscale[0].shape[-1] == 2  # key and gates scaled apart
         llm = LLM(str(path), kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=1 << 18, block_size=4, max_num_seqs=4,
                   comm=comm)
-        blk = block_bytes(cfg, kv_dtype, 4)
+        blk = kv_block_bytes(cfg, kv_dtype, 4)
         assert blk == llm.runner.cache.nbytes() // llm.runner.cache.num_blocks
         assert llm.runner.cache.num_blocks == max(llm.engine.ledger.capacity.values())
 
