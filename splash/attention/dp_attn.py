@@ -19,7 +19,4 @@ class DPAttention(OwnedAttention):
         if cfg.has_dsa:  # the owner stores its requests' indexer keys and selects for their rows
             dsa.select_layer(r, layer, p, (xm, cm, sm), (xm, *qa, cm, sm))
         o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
-        out = mla.out_projection(w, o)
-        if r.comm.size == 1:
-            return out
-        return g.to_step_order(r.comm.all_gatherv(out.contiguous(), g.counts))
+        return g.gather(r.comm, mla.out_projection(w, o))

@@ -118,6 +118,11 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     return (w[..., None] * o).sum(dim=0), total
 
 
+def sum_over_ranks(comm, out: torch.Tensor) -> torch.Tensor:
+    """Head-sharded layouts (TP, DOP): every rank's partial O output over its heads -> the full output."""
+    return comm.all_reduce(out) if comm.size > 1 else out
+
+
 def merge_over_ranks(comm, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """CP: every rank's partial õ [n, H, d_c] / LSE [n, H] over its own positions -> the exact õ over all of them
     (one all-gather of [õ ; LSE] per row, then `merge_partials`)."""

@@ -28,5 +28,4 @@ class TPAttention:
         if cfg.has_dsa:  # every rank stores every indexer key and selects the same top-k
             dsa.select_layer(r, layer, self.meta, (x, cos, sin), (x, *qa, cos, sin))
         o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
-        out = mla.out_projection(w, o)
-        return r.comm.all_reduce(out) if r.comm.size > 1 else out
+        return mla.sum_over_ranks(r.comm, mla.out_projection(w, o))
