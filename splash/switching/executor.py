@@ -92,11 +92,6 @@ class SwitchExecutor:
             return slice_kda(w, self.dst.linear_heads)
         return wt.slice_heads(w, heads, self.r.cfg.qk_head_dim)
 
-    def _finish_state(self) -> None:
-        if self.state is not None:
-            self.state.finish()
-            self.state = None
-
     def _kda_row(self, layer: int) -> int | None:
         """KDA layer `layer`'s row in the per-request state (None: not a KDA layer or no state handoff)."""
         return self.r.family.state_row(layer) if self.state is not None else None
@@ -171,7 +166,9 @@ class SwitchExecutor:
 
     def end(self) -> None:
         """After the step: every transfer is complete; give discarded blocks back to the pool."""
-        self._finish_state()
+        if self.state is not None:
+            self.state.finish()
+            self.state = None
         for layer in sorted(self.handles):
             self._finish(layer)
         for layer in sorted(self.to_convert):

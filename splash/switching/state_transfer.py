@@ -71,17 +71,13 @@ def _join(w: KDAWeights, plain: dict, quant: dict, heads: range) -> KDAWeights:
                    heads=heads, **out)
 
 
-def _q_range(q: QuantWeight, rows: bool, a0: int, a1: int) -> QuantWeight:
-    return q.rows(a0, a1) if rows else q.cols(a0, a1)
-
-
 def slice_kda(w: KDAWeights, heads: range) -> KDAWeights:
     """Keep `heads` (absolute ids) of replicated KDA weights (replicated → sharded 'discard')."""
     h0 = w.heads.start
     a, b = heads.start - h0, heads.stop - h0
     plain, quant = _split(w)
     return _join(w, {k: p[a:b].clone() for k, p in plain.items()},
-                 {k: _q_range(q, rows, a * per, b * per) for k, (q, rows, per) in quant.items()}, heads)
+                 {k: (q.rows if rows else q.cols)(a * per, b * per) for k, (q, rows, per) in quant.items()}, heads)
 
 
 def pack_kda(w: KDAWeights) -> torch.Tensor:

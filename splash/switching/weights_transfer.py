@@ -27,10 +27,6 @@ def _head_rows(w: AttnWeights) -> list[torch.Tensor]:
     return [q_b, w.w_uk, w.w_uv, o]
 
 
-def _parts(w: AttnWeights) -> list[torch.Tensor]:
-    return [p.contiguous() for p in _head_rows(w)]
-
-
 def _from_rows(w: AttnWeights, q_b: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, o_rows: torch.Tensor,
                heads: range) -> AttnWeights:
     """Inverse of `_head_rows` for the heads in `heads` (each part its own storage), stored as `w`'s are."""
@@ -47,15 +43,11 @@ def _quant_parts(w: AttnWeights) -> list[QuantWeight]:
     return [w.q_b, w.kv_b, w.o]
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def pack_shard(w: AttnWeights) -> torch.Tensor:
     """This rank's head shard of Q-B, KV-B (W_UK, W_UV) and O as one flat tensor (uint8 bytes when quantised)."""
     if w.kv_b is not None:
-        return torch.cat([_as_bytes(t) for q in _quant_parts(w) for t in q.tensors()])
-    return torch.cat([p.reshape(-1) for p in _parts(w)])
+        return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for q in _quant_parts(w) for t in q.tensors()])
+    return torch.cat([p.reshape(-1) for p in _head_rows(w)])
 
 
 def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -> tuple[tuple, tuple, int]:
