@@ -189,7 +189,7 @@ def test_page_table_and_csr():
 
 
 def test_unknown_kernel_is_an_error():
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="not installed"):
         make_kernel("flashinfer", 1.0)
 
 
