@@ -80,12 +80,6 @@ class SwitchExecutor:
     def _linear(self, layer: int) -> bool:
         return self.r.family.is_recurrent(layer)
 
-    def _pools(self, layer: int) -> list[tuple]:
-        """(pool, pool layer) pairs holding `layer`'s per-block state (latent KV, scales and indexer keys in the
-        same blocks); none for a hybrid model's KDA layer."""
-        cl = self.r.family.pool_layer(layer)
-        return [] if cl is None else [(self.r.cache, cl)]
-
     def _slice(self, layer: int, w, heads: range):
         if self._linear(layer):
             from splash.switching.state_transfer import slice_kda
@@ -101,14 +95,14 @@ class SwitchExecutor:
         """Issue `layer`'s transfer on the side stream (packing reads the layer as the compute stream left it)."""
         r = self.r
         kv = w = None
-        pools = self._pools(layer)
+        # the pool layer holding `layer`'s blocks (latent KV, scales and indexer keys alike); None: a KDA layer
+        c, cl = r.cache, r.family.pool_layer(layer)
         with self.streams.side():
             if self._kda_row(layer) is not None:  # the layer's KDA state, final since the step boundary
                 self.state.start_layer(self._kda_row(layer))
-            if pools and (any(self.send_counts) or any(self.recv_counts)):
-                data = torch.cat([c.pack_blocks(cl, self.send_phys) if self.send_phys else
-                                  torch.empty(0, c.block_bytes(cl), dtype=torch.uint8, device=c.device)
-                                  for c, cl in pools], dim=1)
+            if cl is not None and (any(self.send_counts) or any(self.recv_counts)):
+                data = (c.pack_blocks(cl, self.send_phys) if self.send_phys else
+                        torch.empty(0, c.block_bytes(cl), dtype=torch.uint8, device=c.device))
                 kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
             if self.w_action == ALL_GATHER:
                 attn = r.weights.layers[layer].attn
@@ -129,11 +123,7 @@ class SwitchExecutor:
             if kv is not None:
                 data = kv.wait()
                 if self.recv_phys:
-                    off = 0
-                    for c, cl in self._pools(layer):
-                        width = c.block_bytes(cl)
-                        c.unpack_blocks(cl, self.recv_phys, data[:, off:off + width])
-                        off += width
+                    r.cache.unpack_blocks(r.family.pool_layer(layer), self.recv_phys, data)
             if w is not None:
                 lw = r.weights.layers[layer]
                 if self._linear(layer):
@@ -150,8 +140,9 @@ class SwitchExecutor:
         layer's tensors change, so other layers' transfers may be in flight)."""
         if layer in self.to_convert:
             self.to_convert.discard(layer)
-            for pool, cl in self._pools(layer):
-                pool.convert_layer(cl, self.m.dst_kv_dtype, self.held)
+            cl = self.r.family.pool_layer(layer)
+            if cl is not None:   # a KDA layer holds no block
+                self.r.cache.convert_layer(cl, self.m.dst_kv_dtype, self.held)
 
     def before_layer(self, layer: int) -> None:
         """Called by the model before layer `layer` runs (live mode)."""
