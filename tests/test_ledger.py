@@ -33,7 +33,7 @@ def test_token_slice():
     req = Request("a", [1, 2, 3], 10, output=[4, 5])
     for a in range(6):
         for b in range(a, 6):
-            assert req.token_slice(a, b) == tuple(req.tokens[a:b])
+            assert req.token_slice(a, b) == tuple((req.prompt + req.output)[a:b])
     assert req.num_tokens == 5
 
 

@@ -73,10 +73,6 @@ class Request:
         return hs[i]
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
     def pending(self) -> int:
         return len(self.prompt) + len(self.output) - self.num_cached
 
