@@ -72,9 +72,6 @@ class KVLedger:
         tokens, own = self.reqs.get(req, [0, owner])
         return self.blocks_needed(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
-    def can_grow(self, req: str, new_tokens: int, owner: int = 0) -> bool:
-        return not self.short_ranks(req, new_tokens, owner)
-
     def short_ranks(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
         """The ranks without room for `req` to grow to `new_tokens`."""
         need = self.growth(req, new_tokens, owner)
