@@ -173,12 +173,10 @@ class StateHandoff:
         self.start_layer(j)
         data = self.handles.pop(j).wait()
         self.pending.discard(j)
-        off, W = 0, self.r.states.width
-        for mv in self.recv:
-            n = (mv.h1 - mv.h0) * W
+        W = self.r.states.width
+        for mv, rows in zip(self.recv, data.split([(mv.h1 - mv.h0) * W for mv in self.recv])):
             st, need = self.new[mv.req]
-            st[j, mv.h0 - need.start:mv.h1 - need.start] = data[off:off + n].view(mv.h1 - mv.h0, W)
-            off += n
+            st[j, mv.h0 - need.start:mv.h1 - need.start] = rows.view(-1, W)
 
     def finish(self) -> None:
         """Every layer landed; the source tensors are dropped."""

@@ -93,15 +93,9 @@ def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: i
         per = num_heads // world
         return _unpack_quant(w, gathered, [range(r * per, (r + 1) * per) for r in range(world)], num_heads)
     shapes = [p.shape for p in _head_rows(w)]
-    per_rank = gathered.view(world, -1)
-    pieces: list[list[torch.Tensor]] = [[] for _ in shapes]
-    for r in range(world):
-        off = 0
-        for i, s in enumerate(shapes):
-            n = s.numel()
-            pieces[i].append(per_rank[r, off:off + n].view(s))
-            off += n
-    return _from_rows(w, *(torch.cat(p, dim=0) for p in pieces), heads=range(num_heads))
+    per_rank = [row.split([s.numel() for s in shapes]) for row in gathered.view(world, -1)]
+    return _from_rows(w, *(torch.cat([parts[i].view(s) for parts in per_rank]) for i, s in enumerate(shapes)),
+                      heads=range(num_heads))
 
 
 def slice_heads(w: AttnWeights, heads: range, qk_head_dim: int) -> AttnWeights:
