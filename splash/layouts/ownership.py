@@ -82,7 +82,9 @@ def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: 
     _check_world(world)
     if layout.owner_based:
         _owner_rank(layout, owner, world)   # names a missing owner even for a request holding no block yet
-    return tuple(frozenset(block_holders(layout, b, owner, world)) for b in range(num_blocks))
+    # the holders repeat every `world` blocks (CP's round-robin; the others hold every block alike)
+    period = [frozenset(block_holders(layout, b, owner, world)) for b in range(min(num_blocks, world))]
+    return tuple((period * -(-num_blocks // world))[:num_blocks])
 
 
 def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world: int) -> list[int]:
