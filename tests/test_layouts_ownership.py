@@ -2,10 +2,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splash.layouts import (Layout, NoCapacity, assign_owners, cp_block_rank, head_range, kv_holders,
-                            num_blocks, rebalance_owners)
-from splash.layouts.layout import start_layout
-from splash.layouts.ownership import block_holders, blocks_held, distinct_kv_tokens, kv_copies
+from splash.layouts.layout import Layout, start_layout
+from splash.layouts.ownership import (NoCapacity, assign_owners, block_holders, blocks_held, cp_block_rank,
+                                      distinct_kv_tokens, head_range, kv_copies, kv_holders, num_blocks,
+                                      rebalance_owners)
 
 
 def test_head_range_sharded_and_replicated():
