@@ -103,14 +103,6 @@ class ModelRunner:
         return self._state.layout
 
     @property
-    def heads(self) -> range:
-        return self._state.heads
-
-    @property
-    def linear_heads(self) -> range:
-        return self._state.linear_heads
-
-    @property
     def kv_dtype(self) -> str:
         """The current layout's KV dtype (a switch adopts the destination's)."""
         return self._state.kv_dtype
