@@ -67,10 +67,5 @@ class OwnedAttention:
         self.r = ctx  # this rank's state (splash.attention.context)
 
     def prepare(self, batch: StepBatch) -> None:
-        from splash.attention.metadata import build_metadata
-
-        r = self.r
-        self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
-        r.ensure_step_blocks(self.g.mine)
-        self.meta = build_metadata(self.g.mine, r.tables)
-        r.attn.plan(self.meta)
+        self.g = OwnerGroups.build(batch, self.r.comm.size, self.r.comm.rank)
+        self.meta = self.r.plan_step(self.g.mine)

@@ -6,7 +6,6 @@ import torch
 from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch
 from splash.attention.context import RankContext
-from splash.attention.metadata import build_metadata
 
 
 def attend_stored_rows(r: RankContext, meta, layer: int, x: torch.Tensor, cos: torch.Tensor,
@@ -28,10 +27,7 @@ class TPAttention:
         self.r = ctx  # this rank's state (splash.attention.context)
 
     def prepare(self, batch: StepBatch) -> None:
-        r = self.r
-        r.ensure_step_blocks(batch.reqs)
-        self.meta = build_metadata(batch.reqs, r.tables)
-        r.attn.plan(self.meta)
+        self.meta = self.r.plan_step(batch.reqs)
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return mla.sum_over_ranks(self.r.comm, attend_stored_rows(self.r, self.meta, layer, x, cos, sin))
