@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention import kpool, mla
-from splash.attention.batch import StepBatch
+from splash.attention.batch import StepBatch, row_ranges
 from splash.attention.context import LayoutState
 from splash.attention.grouping import OwnerGroups
 from splash.layouts.layout import KV_POSITION, Layout, parse_layout
@@ -49,11 +49,7 @@ class HybridAttention:
         self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
         sharded = self.layout.shards_projections
         reqs = batch.reqs if sharded else self.g.mine
-        spans, at = [], 0
-        for q in reqs:
-            spans.append(range(at, at + q.num_new))
-            at += q.num_new
-        self.reqs, self.spans = reqs, spans
+        self.reqs, self.spans = reqs, row_ranges(reqs)
         # prefix-cache snapshots this rank takes (its KDA rows cross a planned block boundary): (row offset, hash)
         self.snap_at = [r.states.boundaries(q.req_id, q.start_pos, q.start_pos + q.num_new) for q in reqs]
         self.rows = None if sharded else self.g.rows_mine
