@@ -74,24 +74,18 @@ def take_quant_shard(gathered: torch.Tensor, off: int, q: QuantWeight, heads: ra
     return QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off), off + nd + ns
 
 
-def _unpack_quant(w: AttnWeights, gathered: torch.Tensor, ranks: list[range], num_heads: int) -> AttnWeights:
-    local = _quant_parts(w)
-    pieces: list[list[QuantWeight]] = [[] for _ in local]
-    off = 0
-    for heads in ranks:
-        for i, (q, rows) in enumerate(zip(local, (True, True, False))):
-            per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-            shard, off = take_quant_shard(gathered, off, q, heads, per, rows)
-            pieces[i].append(shard)
-    q_b, kv_b = cat_rows(pieces[0]), cat_rows(pieces[1])
-    return replace(w, q_b=q_b, kv_b=kv_b, o=cat_cols(pieces[2]), heads=range(num_heads))
-
-
 def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: int) -> AttnWeights:
     """Rebuild replicated (all-head) weights from every rank's packed shard, concatenated in rank order."""
-    if w.kv_b is not None:
-        per = num_heads // world
-        return _unpack_quant(w, gathered, [range(r * per, (r + 1) * per) for r in range(world)], num_heads)
+    if w.kv_b is not None:   # Q-B, KV-B by rows, O by columns: each rank's values and scale blocks, bit for bit
+        pieces: list[list[QuantWeight]] = [[], [], []]
+        off, per = 0, num_heads // world
+        for r in range(world):
+            for i, (q, rows) in enumerate(zip(_quant_parts(w), (True, True, False))):
+                shard, off = take_quant_shard(gathered, off, q, range(r * per, (r + 1) * per),
+                                              (q.shape[0] if rows else q.shape[1]) // len(w.heads), rows)
+                pieces[i].append(shard)
+        return replace(w, q_b=cat_rows(pieces[0]), kv_b=cat_rows(pieces[1]), o=cat_cols(pieces[2]),
+                       heads=range(num_heads))
     shapes = [p.shape for p in _head_rows(w)]
     per_rank = [row.split([s.numel() for s in shapes]) for row in gathered.view(world, -1)]
     return _from_rows(w, *(torch.cat([parts[i].view(s) for parts in per_rank]) for i, s in enumerate(shapes)),
