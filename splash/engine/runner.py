@@ -67,7 +67,6 @@ class ModelRunner:
         built = build(cfg, family, get, comm, state, num_blocks, block_size, self.device,
                       rope_fp8=kv_rope_fp8(attention_backend, self.device))
         self.model, self.weight_quant = built.model, built.weight_quant
-        self.attention_backend = attention_backend
         # the block manager's tables mirrored as tensors (PageTable), for the attention kernel
         self.ctx = RankContext(cfg, family, comm, built.weights, built.cache, BlockManager(num_blocks, block_size),
                                PageTable(block_size, device=self.device),
