@@ -11,7 +11,6 @@ dtype. Which layers hold KV blocks or recurrent state, and which heads shard, th
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +58,3 @@ class RankContext:
         meta = build_metadata(reqs, self.tables, cp)
         self.attn.plan(meta)
         return meta
-
-    def sync_tables(self, reqs: Iterable[str]) -> None:
-        """Rewrite the page-table rows of `reqs` from the block manager (after a switch moved their blocks)."""
-        for req in reqs:
-            self.tables.rewrite(req, self.blocks.table(req))

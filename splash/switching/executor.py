@@ -54,7 +54,8 @@ class SwitchExecutor:
         self.send_phys, self.send_counts = hs.send, hs.send_counts
         self.recv_phys, self.recv_counts = hs.recv, hs.recv_counts
         self.pending_free = hs.free_later
-        r.sync_tables(hs.touched)  # the page tables follow the kept + received + re-shared blocks
+        for req in hs.touched:   # the page-table rows follow the kept + received + re-shared blocks
+            r.tables.rewrite(req, bm.table(req))
         self.w_action = m.action("proj")
         self.dst = layout_state(m.dst.value, r.family, m.world, me, m.dst_kv_dtype)
         self.state = None
