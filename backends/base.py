@@ -39,9 +39,6 @@ class NullStreams:
     def hand_over(self, obj: Any) -> None:
         return None
 
-    def synchronize(self) -> None:
-        return None
-
 
 class DeviceStreams:
     """CUDA/HIP: one side stream for transfers; events order it before the layer that reads what it moved.
@@ -77,9 +74,6 @@ class DeviceStreams:
         for t in weight_tensors(obj):
             if t.is_cuda:
                 t.record_stream(self.compute)
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
 
 
 @dataclass(frozen=True)

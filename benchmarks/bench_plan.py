@@ -50,7 +50,7 @@ def setup(batch: int, context: int, bs: int) -> tuple[BlockManager, PageTable, l
 
 
 def prepare(bm: BlockManager, tables: PageTable, reqs: list[StepRequest], kernel: TorchMLAKernel) -> None:
-    """What a layout executor's `prepare` does for a decode step (`RankContext.ensure_step_blocks`, then
+    """What a layout executor's `prepare` does for a decode step (`RankContext.plan_step`: `ensure_step_pages`,
     `build_metadata` and the kernel's plan): pages for the new tokens, metadata, plan."""
     ensure_step_pages(bm, tables, reqs)
     kernel.plan(build_metadata(reqs, tables))

@@ -47,14 +47,14 @@ def test_runner_layout_state_changes_only_through_adopt():
     from splash.engine.llm import LLM
 
     r = LLM(preset="tiny-mla", layout="tp", num_kv_blocks=16, block_size=4).runner
-    for name in ("layout", "heads", "linear_heads", "kv_dtype", "executor",   # layout state: through adopt only
+    for name in ("layout", "layout_state", "kv_dtype", "executor",   # layout state: through adopt only
                  "cfg", "comm", "family", "weights", "cache", "bm", "tables", "attn", "states"):  # the rank's ctx
         with pytest.raises(AttributeError):
             setattr(r, name, getattr(r, name))
     before = r.executor
     dop = layout_state("dop", r.family, 1, 0, "bfloat16")
     r.adopt(dop)
-    assert (r.layout, r.heads, r.kv_dtype, r.layout_state) == ("dop", dop.heads, "bfloat16", dop)
+    assert (r.layout, r.kv_dtype, r.layout_state) == ("dop", "bfloat16", dop)
     assert r.executor is not before and r.executor.r is r.ctx  # the new executor works on the same rank state
 
 

@@ -146,7 +146,7 @@ def test_auto_compute_keeps_fp32_queries_exact_on_bf16_hosts(monkeypatch, kv_dty
     """On a CPU with bf16 units, "auto" feeds bf16 GEMM inputs only to a model that computes in bf16: fp32
     queries over a quantised pool stay exact (so its tokens are the same in every layout)."""
     import splash.attention.kernels.torch_mla as tm
-    monkeypatch.setattr(tm, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(tm, "bf16_units", lambda: True)
     k = TorchMLAKernel(SCALE)
     check(k, make_state(kv_dtype, 16, RAGGED))
     assert k._dtype(torch.zeros(1, dtype=torch.bfloat16)) == torch.bfloat16
@@ -189,7 +189,7 @@ def test_page_table_and_csr():
 
 
 def test_unknown_kernel_is_an_error():
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="not installed"):
         make_kernel("flashinfer", 1.0)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splash.distributed.communicator import SingleRankCommunicator
-from splash.engine.llm import LLM, block_bytes
+from splash.engine.llm import LLM
 from splash.engine.runner import ModelRunner
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer, rank_weight_bytes
 from splash.models.loader import open_checkpoint
@@ -43,7 +43,7 @@ def test_indexer_key_bytes_per_token():
 def test_dsa_engine_capacity_counts_indexer_keys(tiny_ckpt):
     llm = LLM(str(tiny_ckpt("glm_sparse")), layout="dop", kv_cache_memory_bytes=1 << 20, block_size=4,
               comm=SingleRankCommunicator())
-    blk = block_bytes(llm.runner.cfg, "float32", 4)
+    blk = kv_block_bytes(llm.runner.cfg, "float32", 4)
     assert blk == llm.runner.cache.nbytes() // llm.runner.cache.num_blocks
     assert llm.runner.cache.num_blocks == (1 << 20) // blk
 

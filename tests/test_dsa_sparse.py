@@ -7,9 +7,24 @@ import pytest
 import torch
 
 from splash.attention.dsa import SparseSelection, global_topk, sparse_attend
-from splash.attention.mla import attend_dense
 from splash.kv.paged_cache import PagedLatentCache
 from splash.models.indexer import select_topk, select_topk_keys
+
+
+def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense latent attention over explicit keys (the reference sparse_attend is tested against).
+
+    q [B, Q, H, D]; kv [B, S, D] (D = d_c + d_r, fp32); valid [B, Q, S] bool.
+    Returns õ [B, Q, H, d_c] and natural-log LSE [B, Q, H]; rows with no valid key give õ = 0, LSE = -inf.
+    """
+    scores = torch.einsum("bqhd,bsd->bqhs", q.float(), kv) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe[..., None])
+    o = torch.einsum("bqhs,bsc->bqhc", p, kv[..., :d_c])
+    return o, lse
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3", "int8"])

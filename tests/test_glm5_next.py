@@ -128,7 +128,7 @@ def test_pool_equals_memory_model(kv_dtype, glm5, comm):
     """One pool layer per MLA layer: the latent (no rope key) and, in the full-indexer layer only, the KPool
     key + pool gate logits per token in the KV dtype's form (FP8/INT8 + an fp32 scale per 128, as DSA's keys);
     the allocated bytes equal the memory model's per layer and per block, and the engine's capacity uses them."""
-    from splash.engine.llm import LLM, block_bytes
+    from splash.engine.llm import LLM
     from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
 
     path = glm5("topk_low")[0]
@@ -146,7 +146,7 @@ def test_pool_equals_memory_model(kv_dtype, glm5, comm):
         assert c.ikey[0].dtype == c.ckv[0].dtype and c.iscale[0].shape[-1] == 2  # key and gates scaled apart
         llm = LLM(str(path), kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=1 << 18, block_size=4, max_num_seqs=4,
                   comm=comm)
-        blk = block_bytes(cfg, kv_dtype, 4)
+        blk = kv_block_bytes(cfg, kv_dtype, 4)
         assert blk == llm.runner.cache.nbytes() // llm.runner.cache.num_blocks
         assert llm.runner.cache.num_blocks == max(llm.engine.ledger.capacity.values())
 
@@ -189,7 +189,7 @@ def test_state_snapshot_is_the_state_of_its_tokens(glm5, comm):
     runner.states.plan_snapshots([])
     runner.step(StepBatch.build([StepRequest("b", 0, 8)], [prompt[:8]], [True]))
     torch.testing.assert_close(runner.states.snapshots[77], runner.states.get("b"), rtol=1e-5, atol=1e-6)
-    assert runner.states.snapshot_bytes() == recurrent_state_bytes(cfg, "tp", 1)
+    assert sum(t.nbytes for t in runner.states.snapshots.values()) == recurrent_state_bytes(cfg, "tp", 1)
     runner.states.restore("c", 77)
     runner.states.get("c").zero_()
     assert runner.states.snapshots[77].abs().sum() > 0          # the request's copy, not the snapshot itself

@@ -21,7 +21,7 @@ from splash.cli.args import build_config
 from splash.costmodel.profile import load_profile
 from splash.layouts.device_budget import ATTN_SCRATCH_BYTES, device_memory_budget
 from splash.engine.runner import resolve_layout_kv_dtypes
-from splash.layouts.layout import RankAttention, attended_heads, heads_fit, rank_attention
+from splash.layouts.layout import RankAttention, heads_fit, rank_attention
 from splash.sim.presets import load_sim_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,10 +99,10 @@ def test_aiter_split_buffers_in_the_budget(name, cfg, mcfg, world, device):
     """mla_decode_fwd's per-call split buffers (fp32 partials and LSE at up to 16 splits, aiter's pick) are
     counted for the step's most decode rows and the widest head launch any allowed layout gives a rank."""
     c, s = cfg.cache, cfg.scheduler
-    heads = attended_heads(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world)
     rows = min(s.max_num_seqs, s.max_num_batched_tokens)
     runs = rank_attention(cfg.layout.allowed_layouts, mcfg.num_attention_heads, world,
                           dict.fromkeys(cfg.layout.allowed_layouts, "bfloat16"))   # AITER reads bf16 KV only
+    heads = [run.heads for run in runs]
     ws = backends.attention_workspace_bytes("aiter", runs, rows)
     widest = max(ai.decode_heads("gfx942", h) or 0 for h in heads)
     assert widest and ws == ai.call_buffer_bytes(rows, widest, ai.MAX_KV_SPLITS)

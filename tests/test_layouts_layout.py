@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from splash.layouts import Layout, parse_layout
+from splash.layouts.layout import Layout, parse_layout
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -40,6 +40,8 @@ def test_layout_properties(layout, proj, kv):
 
 
 def test_importing_layouts_and_switching_does_not_import_torch():
-    code = "import splash.layouts, splash.switching, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, splash.layouts.layout, splash.layouts.ownership, splash.layouts.memory, "
+            "splash.layouts.device_budget, splash.switching.manifest, splash.switching.block_plan, "
+            "splash.switching.handoff_blocks; assert 'torch' not in sys.modules, 'torch imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

@@ -2,9 +2,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splash.layouts import Layout, kv_bytes_per_token_layer, kv_holders, num_blocks, switch_receive_bytes
+from splash.layouts.layout import Layout
+from splash.layouts.memory import kv_bytes_per_token_layer, switch_receive_bytes
+from splash.layouts.ownership import kv_holders, num_blocks
 from splash.models.config import model_config_from_dict
-from splash.switching import BlockMove, ReqState, plan_switch
+from splash.switching.block_plan import BlockMove
+from splash.switching.manifest import ReqState, plan_switch
 
 TP, DP, CP, DOP = Layout.TP, Layout.DP_ATTN, Layout.CP, Layout.DOP
 GLM = model_config_from_dict(dict(

@@ -2,9 +2,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splash.layouts import (Layout, common_params, kv_bytes_per_token_layer, kv_capacity_tokens,
-                            per_rank_memory, projection_bytes_per_rank, projection_params, switch_receive_bytes)
-from splash.layouts.memory import matrix_bytes, projection_recv_bytes, projection_shard_bytes, rank_weight_bytes
+from splash.layouts.layout import Layout
+from splash.layouts.memory import (common_params, kv_bytes_per_token_layer, kv_capacity_tokens, matrix_bytes,
+                                   per_rank_memory, projection_bytes_per_rank, projection_params,
+                                   projection_recv_bytes, projection_shard_bytes, rank_weight_bytes,
+                                   switch_receive_bytes)
 from splash.models.config import model_config_from_dict
 
 MiB, GiB = 1 << 20, 1 << 30

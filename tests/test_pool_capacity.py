@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splash.distributed.communicator import SingleRankCommunicator
-from splash.engine.llm import LLM, block_bytes, kv_blocks_per_layout
+from splash.engine.llm import LLM, kv_blocks_per_layout
 from splash.kv.paged_cache import PagedLatentCache
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer, projection_bytes_per_rank
 from splash.models.presets import preset_config
@@ -29,7 +29,7 @@ def test_capacity_per_layout(world):
     cfg = preset_config("small-mla")
     budget = 256 << 20
     caps = kv_blocks_per_layout(cfg, world, "float32", 16, budget, 4)
-    blk = block_bytes(cfg, "float32", 16)
+    blk = kv_block_bytes(cfg, "float32", 16)
     assert caps["tp"] == caps["dop"] == budget // blk
     extra = projection_bytes_per_rank(cfg, "cp", world, 4) - projection_bytes_per_rank(cfg, "dop", world, 4)
     assert caps["dp_attn"] == caps["cp"] == budget // blk - -(-int(extra) // blk)

@@ -269,7 +269,7 @@ def test_a_preemption_victim_must_free_blocks_on_the_full_rank():
     assert led.frees("S") == [0, 1] and led.frees("P") == [0, 1] and led.frees("B") == [1, 0]
     assert sched._victim(reqs["A"], 64) is reqs["B"]
     led.release("B")
-    assert led.can_grow("A", 9, 0)   # ... and its release is what A needed
+    assert not led.short_ranks("A", 9, 0)   # ... and its release is what A needed
 
 
 def test_reset_then_switch():

@@ -114,7 +114,6 @@ def test_projection_all_gather_payload(fmt, world):
     shards = [attention_from_full(cfg, get, "model.layers.0.self_attn.", range(r * per, (r + 1) * per))
               for r in range(world)]
     packed = [wt.pack_shard(s) for s in shards]
-    assert [p.numel() for p in packed] == wt.gather_counts(shards[0], world, 8)
     for r, p in enumerate(packed):
         assert p.numel() == projection_shard_bytes(cfg, range(r * per, (r + 1) * per), 4, fmt)
     got = wt.unpack_full(shards[1], torch.cat(packed), world, 8)

@@ -9,7 +9,7 @@ import torch
 from hf_models import random_prompts
 
 from splash.engine.llm import LLM
-from splash.engine.sampler import sample
+from splash.engine.sampler import Sampler
 from splash.engine.sampling import SamplingParams, make_generator
 
 
@@ -67,8 +67,9 @@ def test_top_p_restricts_to_nucleus():
     logits = torch.tensor([2.0, 1.5, 0.0, -1.0, -3.0])
     probs = torch.softmax(logits, -1)  # 0.53, 0.32, 0.07, 0.03, 0.004
     sp = SamplingParams(temperature=1.0, top_p=0.8, seed=0)
-    g = make_generator(sp)
-    seen = {sample(logits, sp, g) for _ in range(400)}
+    s = Sampler(len(logits))
+    s.add("r", [], sp, ())   # seeded: one generator of its own across the 400 draws
+    seen = {s.sample(logits[None], ["r"])[0][0] for _ in range(400)}
     assert seen == {0, 1}  # smallest set with mass >= 0.8 is the top two
     assert probs[:2].sum() >= 0.8 > probs[0]
 

@@ -11,7 +11,8 @@ from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Request, Scheduler
 from splash.models.config import model_config_from_dict
-from splash.switching import CachedBlock, ReqState, plan_switch
+from splash.switching.block_plan import CachedBlock
+from splash.switching.manifest import ReqState, plan_switch
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 DIRECTIONS = [(s, d) for s in LAYOUTS for d in LAYOUTS if s != d]

@@ -33,10 +33,18 @@ class VendorPrecondition(AssertionError):
     """A call the real vendor kernel would reject (or answer wrongly)."""
 
 
+_KINDS = {"posonly": inspect.Parameter.POSITIONAL_ONLY, "pos": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+          "kwonly": inspect.Parameter.KEYWORD_ONLY, "varargs": inspect.Parameter.VAR_POSITIONAL,
+          "varkw": inspect.Parameter.VAR_KEYWORD}
+
+
 def _bind(call: str, args: tuple, kwargs: dict, overload: int | None = None) -> inspect.BoundArguments:
+    """Bind a call to the recorded signature: its parameter names, kinds and which have defaults."""
     rec = flashinfer_api.load()["calls"][call]
     params = rec["impl"] if overload is None else rec["overloads"][overload]
-    return flashinfer_api.signature(params).bind(*args, **kwargs)
+    sig = inspect.Signature([inspect.Parameter(n, _KINDS[k], default=inspect.Parameter.empty if d is None else d)
+                             for n, k, d in params])
+    return sig.bind(*args, **kwargs)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, q_pos, k_pos):

@@ -14,7 +14,6 @@ release still takes our calls; the `[cuda]` extra pins the range recorded here (
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import os
 import sys
@@ -29,9 +28,6 @@ CALLS = {
     "MLAPlanMetadata.csr": ("mla/_batch_mla/_contracts.py", "MLAPlanMetadata", "csr"),
     "trtllm_batch_decode_with_kv_cache_mla": ("mla/_core.py", None, "trtllm_batch_decode_with_kv_cache_mla"),
 }
-_KINDS = {"posonly": inspect.Parameter.POSITIONAL_ONLY, "pos": inspect.Parameter.POSITIONAL_OR_KEYWORD,
-          "kwonly": inspect.Parameter.KEYWORD_ONLY, "varargs": inspect.Parameter.VAR_POSITIONAL,
-          "varkw": inspect.Parameter.VAR_KEYWORD}
 
 
 def _params(fn: ast.FunctionDef) -> list[list]:
@@ -83,12 +79,6 @@ def _version(root: str, build_meta: str) -> str:
         if line.startswith("__version__"):
             return line.split("=", 1)[1].strip().strip("\"'")
     return "unknown"
-
-
-def signature(params: list[list]) -> inspect.Signature:
-    """An inspect.Signature with the recorded names, kinds and which parameters have defaults."""
-    return inspect.Signature([inspect.Parameter(n, _KINDS[k], default=inspect.Parameter.empty if d is None else d)
-                              for n, k, d in params])
 
 
 def load(path: str = RECORD) -> dict:

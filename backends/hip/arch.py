@@ -42,17 +42,13 @@ def check_attention_arch(arch: str, attention: str) -> None:
     err = triton_target_error(arch)
     if err is None:
         return
+    from backends.hip.aiter_mla import DECODE_HEADS   # the archs AITER ships MLA decode kernels for
     who = "hygon" if arch in HYGON_ARCHS else "amd"
     path = ("AITER has no kernels for it, so our Triton kernel would run" if attention == "aiter" and
-            not _aiter_ships(arch) else "our Triton kernel runs every shape AITER does not take")
+            arch not in DECODE_HEADS else "our Triton kernel runs every shape AITER does not take")
     raise BackendUnavailable(f"attention backend {attention!r} on a {arch} GPU: {path}, but the installed Triton "
                              f"cannot compile for {arch} ({err}); install {INSTALL[who]} — not triton from PyPI, "
                              "which would replace a ROCm torch's own")
-
-
-def _aiter_ships(arch: str) -> bool:
-    from backends.hip.aiter_mla import DECODE_HEADS
-    return arch in DECODE_HEADS
 
 
 def _probe(arch: str) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -68,8 +69,9 @@ class StepBatch:
         return int(self.token_ids.numel())
 
     def row_ranges(self) -> list[range]:
-        out, r = [], 0
-        for q in self.reqs:
-            out.append(range(r, r + q.num_new))
-            r += q.num_new
-        return out
+        return row_ranges(self.reqs)
+
+
+def row_ranges(reqs: Sequence[StepPiece]) -> list[range]:
+    """Each request's query rows when `reqs`' rows lie one request after another, in order."""
+    return [range(a, a + q.num_new) for q, a in zip(reqs, accumulate((q.num_new for q in reqs), initial=0))]

@@ -11,10 +11,10 @@ dtype. Which layers hold KV blocks or recurrent state, and which heads shard, th
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from splash.attention.metadata import AttnMetadata, build_metadata
 from splash.kv.page_table import ensure_step_pages
 from splash.layouts.ownership import head_range
 from splash.models.family import ModelFamily
@@ -49,12 +49,12 @@ class RankContext:
     block_size: int
     states: Any = None           # splash.kv.recurrent.RecurrentStates (hybrid models' KDA layers), else None
 
-    def ensure_step_blocks(self, reqs, keep=None) -> None:
-        """Allocate the blocks the new tokens of `reqs` touch (those `keep(q, block)` accepts, if given) and
-        append them to the page table (`splash.kv.page_table.ensure_step_pages`)."""
+    def plan_step(self, reqs, keep=None, cp: tuple[int, int] | None = None) -> AttnMetadata:
+        """A layout executor's step set-up for the requests `reqs` it attends: allocate the blocks their new tokens
+        touch (those `keep(q, block)` accepts, if given), append them to the page table
+        (`splash.kv.page_table.ensure_step_pages`), build the step's metadata (`cp`: CP placement, see
+        `build_metadata`) and plan the attention kernel on it -> the metadata."""
         ensure_step_pages(self.blocks, self.tables, reqs, keep)
-
-    def sync_tables(self, reqs: Iterable[str]) -> None:
-        """Rewrite the page-table rows of `reqs` from the block manager (after a switch moved their blocks)."""
-        for req in reqs:
-            self.tables.rewrite(req, self.blocks.table(req))
+        meta = build_metadata(reqs, self.tables, cp)
+        self.attn.plan(meta)
+        return meta

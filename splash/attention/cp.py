@@ -8,7 +8,6 @@ import torch
 from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch, StepPiece
 from splash.attention.context import RankContext
-from splash.attention.metadata import build_metadata
 from splash.layouts.layout import Layout
 from splash.layouts.ownership import block_holders
 
@@ -22,10 +21,7 @@ class CPAttention:
         return block_holders(Layout.CP, block, q.owner, self.r.comm.size)[0] == self.r.comm.rank
 
     def prepare(self, batch: StepBatch) -> None:
-        r = self.r
-        r.ensure_step_blocks(batch.reqs, keep=self._mine)
-        self.meta = build_metadata(batch.reqs, r.tables, cp=(r.comm.size, r.comm.rank))
-        r.attn.plan(self.meta)
+        self.meta = self.r.plan_step(batch.reqs, keep=self._mine, cp=(self.r.comm.size, self.r.comm.rank))
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg, p = self.r, self.r.cfg, self.meta

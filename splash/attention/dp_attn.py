@@ -1,25 +1,16 @@
 """DP-attn: replicated projections; each rank attends only the requests it owns, on its own cache, with all
-heads; a variable-size all-gather brings every rank's output rows back to all ranks."""
+heads (TP's attention on the owner's rows: splash.attention.tp.attend_stored_rows); a variable-size all-gather
+brings every rank's output rows back to all ranks."""
 from __future__ import annotations
 
 import torch
 
-from splash.attention import dsa, mla
 from splash.attention.grouping import OwnedAttention
+from splash.attention.tp import attend_stored_rows
 
 
 class DPAttention(OwnedAttention):
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r, cfg, g, p = self.r, self.r.cfg, self.g, self.meta
-        w = r.weights.layers[layer].attn
-        rows = g.rows_mine
-        xm, cm, sm = x[rows], cos[rows], sin[rows]
-        q, c, kpe, *qa = mla.query_and_latent(cfg, r.rope, w, xm, cm, sm, want_qa=cfg.has_dsa)
-        r.cache.write(layer, p.write_slots, c, kpe)  # every row of this rank's requests is stored here
-        if cfg.has_dsa:  # the owner stores its requests' indexer keys and selects for their rows
-            dsa.select_layer(r, layer, p, (xm, cm, sm), (xm, *qa, cm, sm))
-        o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
-        out = mla.out_projection(w, o)
-        if r.comm.size == 1:
-            return out
-        return g.to_step_order(r.comm.all_gatherv(out.contiguous(), g.counts))
+        rows = self.g.rows_mine
+        out = attend_stored_rows(self.r, self.meta, layer, x[rows], cos[rows], sin[rows])
+        return self.g.gather(self.r.comm, out)

@@ -36,6 +36,28 @@ class OwnerGroups:
         out[self.by_owner] = grouped
         return out
 
+    def gather(self, comm, out: torch.Tensor) -> torch.Tensor:
+        """Each rank's output rows of the requests it owns -> every row of the step on every rank, in step order
+        (one variable all-gather)."""
+        if comm.size == 1:
+            return out
+        return self.to_step_order(comm.all_gatherv(out.contiguous(), self.counts))
+
+    def attend_at_owners(self, comm, q: torch.Tensor, attend) -> torch.Tensor:
+        """DOP: this rank's heads' queries q [N, H_l, D] of every step row -> their õ [N, H_l, d_c] in step order,
+        each row attended with all heads by its owner (`attend(q_own [n, H, D]) -> õ [n, H, d_c]` runs the owner's
+        kernel over its n rows). A variable all-to-all sends each owner its rows (ranks with none still join), the
+        reverse one returns the per-head outputs: one row per request in decode, never the context."""
+        T = comm.size
+        if T == 1:
+            return attend(q)
+        n, hl, d = len(self.rows_mine), q.shape[1], q.shape[2]
+        recv = comm.all_to_allv(q[self.by_owner].reshape(-1, hl * d).contiguous(), self.counts, [n] * T)
+        o = attend(recv.view(T, n, hl, d).permute(1, 0, 2, 3).reshape(n, T * hl, d))   # heads by source rank
+        dc = o.shape[2]
+        back = o.view(n, T, hl, dc).permute(1, 0, 2, 3).reshape(T * n, hl * dc).contiguous()
+        return self.to_step_order(comm.all_to_allv(back, [n] * T, self.counts).view(-1, hl, dc))
+
 
 class OwnedAttention:
     """Shared step preparation of the request-owned layouts (DP-attn, DOP): this rank allocates blocks for the
@@ -45,10 +67,5 @@ class OwnedAttention:
         self.r = ctx  # this rank's state (splash.attention.context)
 
     def prepare(self, batch: StepBatch) -> None:
-        from splash.attention.metadata import build_metadata
-
-        r = self.r
-        self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
-        r.ensure_step_blocks(self.g.mine)
-        self.meta = build_metadata(self.g.mine, r.tables)
-        r.attn.plan(self.meta)
+        self.g = OwnerGroups.build(batch, self.r.comm.size, self.r.comm.rank)
+        self.meta = self.r.plan_step(self.g.mine)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from splash.attention import kpool, mla
-from splash.attention.batch import StepBatch
+from splash.attention.batch import StepBatch, row_ranges
 from splash.attention.context import LayoutState
 from splash.attention.grouping import OwnerGroups
 from splash.layouts.layout import KV_POSITION, Layout, parse_layout
@@ -49,11 +49,7 @@ class HybridAttention:
         self.g = OwnerGroups.build(batch, r.comm.size, r.comm.rank)
         sharded = self.layout.shards_projections
         reqs = batch.reqs if sharded else self.g.mine
-        spans, at = [], 0
-        for q in reqs:
-            spans.append(range(at, at + q.num_new))
-            at += q.num_new
-        self.reqs, self.spans = reqs, spans
+        self.reqs, self.spans = reqs, row_ranges(reqs)
         # prefix-cache snapshots this rank takes (its KDA rows cross a planned block boundary): (row offset, hash)
         self.snap_at = [r.states.boundaries(q.req_id, q.start_pos, q.start_pos + q.num_new) for q in reqs]
         self.rows = None if sharded else self.g.rows_mine
@@ -77,15 +73,6 @@ class HybridAttention:
         return {Layout.TP: self._mla_tp, Layout.DP_ATTN: self._mla_dp, Layout.CP: self._mla_cp,
                 Layout.DOP: self._mla_dop}[self.layout](layer, x)
 
-    def _gather(self, out: torch.Tensor) -> torch.Tensor:
-        r = self.r
-        if r.comm.size == 1:
-            return out
-        return self.g.to_step_order(r.comm.all_gatherv(out.contiguous(), self.g.counts))
-
-    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
-        return self.r.comm.all_reduce(out) if self.r.comm.size > 1 else out
-
     # ---- KDA -------------------------------------------------------------------------------------------------
     def _kda(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r, cfg = self.r, self.r.cfg
@@ -101,7 +88,7 @@ class HybridAttention:
         for points, got in zip(self.snap_at, taken):
             for (_, h), s in zip(points, got):
                 r.states.keep(h, li, s)
-        return self._reduce(out) if self.rows is None else self._gather(out)
+        return mla.sum_over_ranks(r.comm, out) if self.rows is None else self.g.gather(r.comm, out)
 
     # ---- MLA-DSA ---------------------------------------------------------------------------------------------
     def _query(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,13 +116,13 @@ class HybridAttention:
     def _mla_tp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         qa, q = self._query(layer, x)
         o, _ = self._attend(self._store_select(layer, x, (x, qa)), q)
-        return self._reduce(mla.out_projection(self.r.weights.layers[layer].attn, o))
+        return mla.sum_over_ranks(self.r.comm, mla.out_projection(self.r.weights.layers[layer].attn, o))
 
     def _mla_dp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         xm = x[self.rows]
         qa, q = self._query(layer, xm)
         o, _ = self._attend(self._store_select(layer, xm, (xm, qa)), q)
-        return self._gather(mla.out_projection(self.r.weights.layers[layer].attn, o))
+        return self.g.gather(self.r.comm, mla.out_projection(self.r.weights.layers[layer].attn, o))
 
     def _mla_cp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r = self.r
@@ -146,17 +133,8 @@ class HybridAttention:
 
     def _mla_dop(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         r, g = self.r, self.g
-        T, dc, w = r.comm.size, r.cfg.kv_lora_rank, r.weights.layers[layer].attn
         qa, q = self._query(layer, x)                                    # q̃ of local heads, all rows
-        rows = g.rows_mine
-        xm = x[rows]
-        cl = self._store_select(layer, xm, (xm, qa[rows]))
-        if T == 1:
-            return mla.out_projection(w, self._attend(cl, q)[0])
-        n, hl = len(rows), q.shape[1]
-        recv = r.comm.all_to_allv(q[g.by_owner].reshape(-1, hl * dc).contiguous(), g.counts, [n] * T)
-        q_own = recv.view(T, n, hl, dc).permute(1, 0, 2, 3).reshape(n, T * hl, dc)
-        o, _ = self._attend(cl, q_own)
-        back = o.view(n, T, hl, dc).permute(1, 0, 2, 3).reshape(T * n, hl * dc).contiguous()
-        o_local = r.comm.all_to_allv(back, [n] * T, g.counts).view(-1, hl, dc)
-        return self._reduce(mla.out_projection(w, g.to_step_order(o_local)))
+        xm = x[g.rows_mine]
+        cl = self._store_select(layer, xm, (xm, qa[g.rows_mine]))
+        o = g.attend_at_owners(r.comm, q, lambda q_own: self._attend(cl, q_own)[0])
+        return mla.sum_over_ranks(r.comm, mla.out_projection(r.weights.layers[layer].attn, o))

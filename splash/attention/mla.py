@@ -101,22 +101,6 @@ def _uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor:
     return o.transpose(0, 1).reshape(o_lat.shape[0], o_lat.shape[1] * uv_t.shape[2])
 
 
-def attend_dense(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, d_c: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense latent attention over explicit keys (the reference the paged kernels are tested against).
-
-    q [B, Q, H, D]; kv [B, S, D] (D = d_c + d_r, fp32); valid [B, Q, S] bool.
-    Returns õ [B, Q, H, d_c] and natural-log LSE [B, Q, H]; rows with no valid key give õ = 0, LSE = -inf.
-    """
-    scores = torch.einsum("bqhd,bsd->bqhs", q.float(), kv) * scale
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(scores - safe[..., None])
-    o = torch.einsum("bqhs,bsc->bqhc", p, kv[..., :d_c])
-    return o, lse
-
-
 def attend(kernel, layer: int, q: torch.Tensor, cache, d_c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed queries q̃ [n, H, d_c + d_r] of the planned rows -> (õ [n, H, d_c], natural-log LSE [n, H]) over
     this rank's paged cache, through the step's attention kernel (splash.attention.kernels)."""
@@ -132,6 +116,11 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     w = torch.exp(lse - safe[None])
     return (w[..., None] * o).sum(dim=0), total
+
+
+def sum_over_ranks(comm, out: torch.Tensor) -> torch.Tensor:
+    """Head-sharded layouts (TP, DOP): every rank's partial O output over its heads -> the full output."""
+    return comm.all_reduce(out) if comm.size > 1 else out
 
 
 def merge_over_ranks(comm, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

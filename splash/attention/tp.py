@@ -6,7 +6,20 @@ import torch
 from splash.attention import dsa, mla
 from splash.attention.batch import StepBatch
 from splash.attention.context import RankContext
-from splash.attention.metadata import build_metadata
+
+
+def attend_stored_rows(r: RankContext, meta, layer: int, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """Rows x whose KV this rank stores, every one of them (`meta.write_rows` is 0..n-1 in order: TP's every row,
+    DP-attn's rows of the requests it owns) -> this rank's O output of them over its heads. DSA: the rank stores
+    their indexer keys and selects for them (under TP every rank the same top-k: same inputs, same math)."""
+    cfg, w = r.cfg, r.weights.layers[layer].attn
+    q, c, kpe, *qa = mla.query_and_latent(cfg, r.rope, w, x, cos, sin, want_qa=cfg.has_dsa)
+    r.cache.write(layer, meta.write_slots, c, kpe)
+    if cfg.has_dsa:
+        dsa.select_layer(r, layer, meta, (x, cos, sin), (x, *qa, cos, sin))
+    o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
+    return mla.out_projection(w, o)
 
 
 class TPAttention:
@@ -14,19 +27,7 @@ class TPAttention:
         self.r = ctx  # this rank's state (splash.attention.context)
 
     def prepare(self, batch: StepBatch) -> None:
-        r = self.r
-        r.ensure_step_blocks(batch.reqs)
-        self.meta = build_metadata(batch.reqs, r.tables)
-        r.attn.plan(self.meta)
+        self.meta = self.r.plan_step(batch.reqs)
 
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r, cfg = self.r, self.r.cfg
-        w = r.weights.layers[layer].attn
-        q, c, kpe, *qa = mla.query_and_latent(cfg, r.rope, w, x, cos, sin, want_qa=cfg.has_dsa)
-        # TP stores every row's KV (write_rows is 0..n-1 in order): no gather needed
-        r.cache.write(layer, self.meta.write_slots, c, kpe)
-        if cfg.has_dsa:  # every rank stores every indexer key and selects the same top-k
-            dsa.select_layer(r, layer, self.meta, (x, cos, sin), (x, *qa, cos, sin))
-        o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
-        out = mla.out_projection(w, o)
-        return r.comm.all_reduce(out) if r.comm.size > 1 else out
+        return mla.sum_over_ranks(self.r.comm, attend_stored_rows(self.r, self.meta, layer, x, cos, sin))

@@ -41,9 +41,6 @@ class GrammarRows:
         self.matchers.pop(req_id, None)
         self.failed.pop(req_id, None)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self.matchers
-
     def mask(self, x: torch.Tensor, req_ids: list[str]) -> torch.Tensor | None:
         """Set the logits of ``x`` [B, V] that row i's grammar forbids to -inf, in place; returns the bitmask
         ([B, W], rows without a grammar all ones) or None when no row has a grammar."""

@@ -72,9 +72,6 @@ class KVLedger:
         tokens, own = self.reqs.get(req, [0, owner])
         return self.blocks_needed(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
-    def can_grow(self, req: str, new_tokens: int, owner: int = 0) -> bool:
-        return not self.short_ranks(req, new_tokens, owner)
-
     def short_ranks(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
         """The ranks without room for `req` to grow to `new_tokens`."""
         need = self.growth(req, new_tokens, owner)
@@ -88,13 +85,6 @@ class KVLedger:
             for r, n in enumerate(self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))):
                 out[r] += n > 0
         return out
-
-    def holds(self, req: str, rank: int) -> bool:
-        """Whether `rank` holds any block of `req`."""
-        if req not in self.reqs:
-            return False
-        tokens, owner = self.reqs[req]
-        return self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))[rank] > 0
 
     def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)

@@ -15,6 +15,7 @@ from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
 from splash.layouts.layout import LAYOUT_NAMES, heads_fit, start_layout
+from splash.layouts.memory import kv_block_bytes
 from splash.models.family import describe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -57,17 +58,10 @@ def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: 
     return preset_config(name), quantizing_getter(preset_getter(name, seed, dtype), quantization, dtype)
 
 
-def block_bytes(cfg, kv_dtype: str, block_size: int, rope_fp8: bool = False) -> int:
-    """Bytes of one KV block over all layers: the memory model's (tests/test_pool_capacity.py checks that the
-    pool really allocates that; `rope_fp8`: PagedLatentCache's)."""
-    from splash.layouts.memory import kv_block_bytes
-    return kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
-
-
 def pool_kv_dtype(cfg, kv_dtypes) -> str:
     """The widest of the layouts' KV dtypes: the pool is sized in it, so every layout's format fits the budget
     with the same block count (a narrower layout leaves bytes spare)."""
-    return max(dict.fromkeys(kv_dtypes), key=lambda d: block_bytes(cfg, d, 1))
+    return max(dict.fromkeys(kv_dtypes), key=lambda d: kv_block_bytes(cfg, d, 1))
 
 
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
@@ -84,7 +78,7 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     `rope_fp8`: the pool stores an fp8 layer's rope key in e4m3 (splash.attention.kernels.kv_rope_fp8)."""
     from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
-    block = block_bytes(cfg, kv_dtype, block_size, rope_fp8)
+    block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     usable = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]  # others: not at this world
     base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
     rank_bytes = (budget_bytes // block) * block + base + common_bytes(cfg, world, weight_bytes, weight_quant)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from splash.attention.batch import StepBatch, StepPiece
+from splash.attention.batch import StepBatch
 from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.engine.hybrid_setup import build_hybrid
 from splash.engine.rank_model import build_dense
@@ -67,7 +67,6 @@ class ModelRunner:
         built = build(cfg, family, get, comm, state, num_blocks, block_size, self.device,
                       rope_fp8=kv_rope_fp8(attention_backend, self.device))
         self.model, self.weight_quant = built.model, built.weight_quant
-        self.attention_backend = attention_backend
         # the block manager's tables mirrored as tensors (PageTable), for the attention kernel
         self.ctx = RankContext(cfg, family, comm, built.weights, built.cache, BlockManager(num_blocks, block_size),
                                PageTable(block_size, device=self.device),
@@ -106,14 +105,6 @@ class ModelRunner:
         return self._state.layout
 
     @property
-    def heads(self) -> range:
-        return self._state.heads
-
-    @property
-    def linear_heads(self) -> range:
-        return self._state.linear_heads
-
-    @property
     def kv_dtype(self) -> str:
         """The current layout's KV dtype (a switch adopts the destination's)."""
         return self._state.kv_dtype
@@ -133,12 +124,6 @@ class ModelRunner:
         new = self.bm.attach(req, blocks)
         if new:
             self.tables.append(req, new)
-
-    def new_logical_blocks(self, q: StepPiece) -> list[int]:
-        """Logical blocks touched by the new tokens of `q`."""
-        if q.num_new == 0 or (q.num_new == 1 and q.start_pos % self.block_size):
-            return []  # a decode token inside a page: its page holds the previous position, so is held already
-        return list(range(q.start_pos // self.block_size, (q.end_pos - 1) // self.block_size + 1))
 
     @torch.inference_mode()
     def step(self, batch: StepBatch | None, switch=None) -> torch.Tensor:

@@ -225,12 +225,3 @@ class Sampler:
             if s.gen is not None:
                 q[i].exponential_(generator=s.gen)
         return (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(-1)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from logits [V] (no penalties: there is no history): the batch sampler on one row."""
-    s = Sampler(logits.shape[-1], shared=gen, device=logits.device)
-    s.add("r", [], params, ())
-    if gen is not None:
-        s.states["r"].gen = gen
-    return s.sample(logits[None], ["r"])[0][0]

@@ -73,10 +73,6 @@ class Request:
         return hs[i]
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
     def pending(self) -> int:
         return len(self.prompt) + len(self.output) - self.num_cached
 
@@ -250,7 +246,7 @@ class Scheduler:
         if owner is None:
             known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
             owner = known[1] if known is not None else self.ledger.pick_owner()
-        if not self.ledger.can_grow(req.req_id, end, owner):
+        if self.ledger.short_ranks(req.req_id, end, owner):
             return None
         self.ledger.grow(req.req_id, end, owner, final=min(len(req.prompt) + req.max_tokens, req.max_len))
         toks = req.token_slice(req.num_cached, end)

@@ -27,21 +27,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from splash.engine.messages import BlockHash, StepItem
 from splash.layouts.layout import parse_layout
 from splash.layouts.memory import states_per_rank
 
-
-class HashedRequest(Protocol):
-    """What planning snapshots reads of a request (splash.engine.scheduler.Request): its prompt and the prefix hash
-    of its full block `i`."""
-
-    @property
-    def prompt(self) -> Sequence[int]: ...
-
-    def block_hash(self, i: int, block_size: int) -> int: ...
+if TYPE_CHECKING:   # the scheduler imports the ledger, which holds this record
+    from splash.engine.scheduler import Request
 
 
 def state_holders(layout: str, owner: int, world: int) -> list[int]:
@@ -121,7 +114,7 @@ class StateSnapshots:
                 return b
         return None
 
-    def plan(self, items: Sequence[StepItem], requests: Mapping[str, HashedRequest],
+    def plan(self, items: Sequence[StepItem], requests: Mapping[str, Request],
              cached=lambda h: False) -> list[BlockHash]:
         """The step's snapshots for its pieces `items` (of `requests`), in piece order: `points`, and the `junction`
         of a prompt with the blocks `cached` names."""

@@ -47,7 +47,7 @@ class RecurrentStates:
         return sorted(self.states)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.states.values())
+        return sum(t.nbytes for t in self.states.values())
 
     # ---- prefix-cache snapshots ----------------------------------------------------------------------------
     def plan_snapshots(self, points: list[tuple[str, int, int]]) -> None:
@@ -82,6 +82,3 @@ class RecurrentStates:
     def clear_snapshots(self) -> None:
         self.snapshots.clear()
         self.planned = {}
-
-    def snapshot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.snapshots.values())

@@ -82,13 +82,6 @@ def heads_fit(layout: str | Layout, num_heads: int, world: int) -> bool:
     return not parse_layout(layout).shards_projections or num_heads % world == 0
 
 
-def attended_heads(layouts, num_heads: int, world: int) -> tuple[int, ...]:
-    """The query heads one rank attends under each of `layouts` that fits: TP its head shard; DP-attn, CP and the
-    DOP owner every head."""
-    return tuple(num_heads // world if parse_layout(lay) is Layout.TP else num_heads
-                 for lay in layouts if heads_fit(lay, num_heads, world))
-
-
 @dataclass(frozen=True)
 class RankAttention:
     """What one rank's attention kernel is handed under a layout: the query heads it attends, the layout's KV

@@ -77,18 +77,14 @@ def block_holders(layout: Layout | str, block_idx: int, owner: int | None, world
 
 
 def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: int) -> tuple[frozenset[int], ...]:
-    """Ranks holding each logical KV block of one request: TP all, DP-attn/DOP the owner, CP the block's home."""
+    """Ranks holding each logical KV block of one request: `block_holders` of blocks 0 … num_blocks − 1."""
     layout = parse_layout(layout)
     _check_world(world)
-    if layout.kv_ownership == KV_ALL:
-        every = frozenset(range(world))
-        return tuple(every for _ in range(num_blocks))
-    if layout.kv_ownership == KV_OWNER:
-        mine = frozenset((_owner_rank(layout, owner, world),))
-        return tuple(mine for _ in range(num_blocks))
-    homes = [frozenset((r,)) for r in range(world)]
-    anchor = owner or 0  # CP rotates each request's round-robin by its anchor rank (see cp_block_rank)
-    return tuple(homes[cp_block_rank(b + anchor, world)] for b in range(num_blocks))
+    if layout.owner_based:
+        _owner_rank(layout, owner, world)   # names a missing owner even for a request holding no block yet
+    # the holders repeat every `world` blocks (CP's round-robin; the others hold every block alike)
+    period = [frozenset(block_holders(layout, b, owner, world)) for b in range(min(num_blocks, world))]
+    return tuple((period * -(-num_blocks // world))[:num_blocks])
 
 
 def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world: int) -> list[int]:
@@ -108,17 +104,6 @@ def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world
     lo = b0 + (owner or 0)
     hi = lo + n
     return [-(-(hi - r) // world) - -(-(lo - r) // world) for r in range(world)]
-
-
-def block_shares(layout: Layout | str, owner: int | None, world: int) -> list[float]:
-    """The share of a long request's blocks each rank holds: TP all of them on every rank, CP an even split,
-    DP-attn/DOP all on the owner (an unplaced request, owner None, holds nothing yet)."""
-    kind = kv_ownership_of(layout)
-    if kind == KV_ALL:
-        return [1.0] * world
-    if kind == KV_OWNER:
-        return [1.0 if k == owner else 0.0 for k in range(world)]
-    return [1.0 / world] * world
 
 
 def kv_copies(layout: Layout | str, world: int) -> int:

@@ -54,7 +54,8 @@ class SwitchExecutor:
         self.send_phys, self.send_counts = hs.send, hs.send_counts
         self.recv_phys, self.recv_counts = hs.recv, hs.recv_counts
         self.pending_free = hs.free_later
-        r.sync_tables(hs.touched)  # the page tables follow the kept + received + re-shared blocks
+        for req in hs.touched:   # the page-table rows follow the kept + received + re-shared blocks
+            r.tables.rewrite(req, bm.table(req))
         self.w_action = m.action("proj")
         self.dst = layout_state(m.dst.value, r.family, m.world, me, m.dst_kv_dtype)
         self.state = None
@@ -80,22 +81,11 @@ class SwitchExecutor:
     def _linear(self, layer: int) -> bool:
         return self.r.family.is_recurrent(layer)
 
-    def _pools(self, layer: int) -> list[tuple]:
-        """(pool, pool layer) pairs holding `layer`'s per-block state (latent KV, scales and indexer keys in the
-        same blocks); none for a hybrid model's KDA layer."""
-        cl = self.r.family.pool_layer(layer)
-        return [] if cl is None else [(self.r.cache, cl)]
-
     def _slice(self, layer: int, w, heads: range):
         if self._linear(layer):
             from splash.switching.state_transfer import slice_kda
             return slice_kda(w, self.dst.linear_heads)
         return wt.slice_heads(w, heads, self.r.cfg.qk_head_dim)
-
-    def _finish_state(self) -> None:
-        if self.state is not None:
-            self.state.finish()
-            self.state = None
 
     def _kda_row(self, layer: int) -> int | None:
         """KDA layer `layer`'s row in the per-request state (None: not a KDA layer or no state handoff)."""
@@ -106,14 +96,14 @@ class SwitchExecutor:
         """Issue `layer`'s transfer on the side stream (packing reads the layer as the compute stream left it)."""
         r = self.r
         kv = w = None
-        pools = self._pools(layer)
+        # the pool layer holding `layer`'s blocks (latent KV, scales and indexer keys alike); None: a KDA layer
+        c, cl = r.cache, r.family.pool_layer(layer)
         with self.streams.side():
             if self._kda_row(layer) is not None:  # the layer's KDA state, final since the step boundary
                 self.state.start_layer(self._kda_row(layer))
-            if pools and (any(self.send_counts) or any(self.recv_counts)):
-                data = torch.cat([c.pack_blocks(cl, self.send_phys) if self.send_phys else
-                                  torch.empty(0, c.block_bytes(cl), dtype=torch.uint8, device=c.device)
-                                  for c, cl in pools], dim=1)
+            if cl is not None and (any(self.send_counts) or any(self.recv_counts)):
+                data = (c.pack_blocks(cl, self.send_phys) if self.send_phys else
+                        torch.empty(0, c.block_bytes(cl), dtype=torch.uint8, device=c.device))
                 kv = r.comm.iall_to_allv(data, self.send_counts, self.recv_counts)
             if self.w_action == ALL_GATHER:
                 attn = r.weights.layers[layer].attn
@@ -134,11 +124,7 @@ class SwitchExecutor:
             if kv is not None:
                 data = kv.wait()
                 if self.recv_phys:
-                    off = 0
-                    for c, cl in self._pools(layer):
-                        width = c.block_bytes(cl)
-                        c.unpack_blocks(cl, self.recv_phys, data[:, off:off + width])
-                        off += width
+                    r.cache.unpack_blocks(r.family.pool_layer(layer), self.recv_phys, data)
             if w is not None:
                 lw = r.weights.layers[layer]
                 if self._linear(layer):
@@ -155,8 +141,9 @@ class SwitchExecutor:
         layer's tensors change, so other layers' transfers may be in flight)."""
         if layer in self.to_convert:
             self.to_convert.discard(layer)
-            for pool, cl in self._pools(layer):
-                pool.convert_layer(cl, self.m.dst_kv_dtype, self.held)
+            cl = self.r.family.pool_layer(layer)
+            if cl is not None:   # a KDA layer holds no block
+                self.r.cache.convert_layer(cl, self.m.dst_kv_dtype, self.held)
 
     def before_layer(self, layer: int) -> None:
         """Called by the model before layer `layer` runs (live mode)."""
@@ -171,7 +158,9 @@ class SwitchExecutor:
 
     def end(self) -> None:
         """After the step: every transfer is complete; give discarded blocks back to the pool."""
-        self._finish_state()
+        if self.state is not None:
+            self.state.finish()
+            self.state = None
         for layer in sorted(self.handles):
             self._finish(layer)
         for layer in sorted(self.to_convert):

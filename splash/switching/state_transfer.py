@@ -15,7 +15,7 @@ import torch
 
 from splash.models.kda import KDAWeights
 from splash.models.qweight import QuantWeight, RowStack, cat_cols, cat_rows
-from splash.switching.weights_transfer import shard_geometry
+from splash.switching.weights_transfer import take_quant_shard
 
 
 # head-indexed fields that may be stored quantised: (by rows, rows/columns per head in units of head_dim, or 1)
@@ -71,17 +71,13 @@ def _join(w: KDAWeights, plain: dict, quant: dict, heads: range) -> KDAWeights:
                    heads=heads, **out)
 
 
-def _q_range(q: QuantWeight, rows: bool, a0: int, a1: int) -> QuantWeight:
-    return q.rows(a0, a1) if rows else q.cols(a0, a1)
-
-
 def slice_kda(w: KDAWeights, heads: range) -> KDAWeights:
     """Keep `heads` (absolute ids) of replicated KDA weights (replicated → sharded 'discard')."""
     h0 = w.heads.start
     a, b = heads.start - h0, heads.stop - h0
     plain, quant = _split(w)
     return _join(w, {k: p[a:b].clone() for k, p in plain.items()},
-                 {k: _q_range(q, rows, a * per, b * per) for k, (q, rows, per) in quant.items()}, heads)
+                 {k: (q.rows if rows else q.cols)(a * per, b * per) for k, (q, rows, per) in quant.items()}, heads)
 
 
 def pack_kda(w: KDAWeights) -> torch.Tensor:
@@ -98,20 +94,13 @@ def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int
     per = num_heads // world
     pieces: dict[str, list] = {k: [] for k in list(plain) + list(quant)}
     off = 0
-
-    def take(nbytes: int) -> torch.Tensor:
-        nonlocal off
-        off += nbytes
-        return gathered[off - nbytes:off].clone()
     for r in range(world):
         for k, p in sorted(plain.items()):
-            pieces[k].append(take(p.numel() * p.element_size()).view(p.dtype).view(p.shape))
+            pieces[k].append(gathered[off:off + p.nbytes].clone().view(p.dtype).view(p.shape))
+            off += p.nbytes
         for k, (q, rows, n) in sorted(quant.items()):
-            dshape, sshape, a_off = shard_geometry(q, range(r * per, (r + 1) * per), n, rows)
-            data = take(dshape[0] * dshape[1] * q.data.element_size()).view(q.data.dtype).view(dshape)
-            scale = take(sshape[0] * sshape[1] * 4).view(torch.float32).view(sshape)
-            r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)
-            pieces[k].append(QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off))
+            shard, off = take_quant_shard(gathered, off, q, range(r * per, (r + 1) * per), n, rows)
+            pieces[k].append(shard)
     return _join(w, {k: torch.cat(pieces[k], dim=0) for k in plain},
                  {k: (cat_rows if rows else cat_cols)(pieces[k]) for k, (_, rows, _) in quant.items()},
                  range(num_heads))
@@ -184,12 +173,10 @@ class StateHandoff:
         self.start_layer(j)
         data = self.handles.pop(j).wait()
         self.pending.discard(j)
-        off, W = 0, self.r.states.width
-        for mv in self.recv:
-            n = (mv.h1 - mv.h0) * W
+        W = self.r.states.width
+        for mv, rows in zip(self.recv, data.split([(mv.h1 - mv.h0) * W for mv in self.recv])):
             st, need = self.new[mv.req]
-            st[j, mv.h0 - need.start:mv.h1 - need.start] = data[off:off + n].view(mv.h1 - mv.h0, W)
-            off += n
+            st[j, mv.h0 - need.start:mv.h1 - need.start] = rows.view(-1, W)
 
     def finish(self) -> None:
         """Every layer landed; the source tensors are dropped."""

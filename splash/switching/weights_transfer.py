@@ -27,10 +27,6 @@ def _head_rows(w: AttnWeights) -> list[torch.Tensor]:
     return [q_b, w.w_uk, w.w_uv, o]
 
 
-def _parts(w: AttnWeights) -> list[torch.Tensor]:
-    return [p.contiguous() for p in _head_rows(w)]
-
-
 def _from_rows(w: AttnWeights, q_b: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, o_rows: torch.Tensor,
                heads: range) -> AttnWeights:
     """Inverse of `_head_rows` for the heads in `heads` (each part its own storage), stored as `w`'s are."""
@@ -47,15 +43,11 @@ def _quant_parts(w: AttnWeights) -> list[QuantWeight]:
     return [w.q_b, w.kv_b, w.o]
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def pack_shard(w: AttnWeights) -> torch.Tensor:
     """This rank's head shard of Q-B, KV-B (W_UK, W_UV) and O as one flat tensor (uint8 bytes when quantised)."""
     if w.kv_b is not None:
-        return torch.cat([_as_bytes(t) for q in _quant_parts(w) for t in q.tensors()])
-    return torch.cat([p.reshape(-1) for p in _parts(w)])
+        return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for q in _quant_parts(w) for t in q.tensors()])
+    return torch.cat([p.reshape(-1) for p in _head_rows(w)])
 
 
 def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -> tuple[tuple, tuple, int]:
@@ -70,61 +62,34 @@ def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -
     return data, ((nb, nother) if by_rows else (nother, nb)), a0 % BLOCK
 
 
-def shard_nbytes(w: AttnWeights, heads: range) -> int:
-    """Bytes `pack_shard` produces for a rank holding `heads` (same format and model as `w`)."""
-    if w.kv_b is None:
-        return sum(p.numel() * p.element_size() for p in _head_rows(w)) // len(w.heads) * len(heads)
-    total = 0
-    for q, rows in zip(_quant_parts(w), (True, True, False)):
-        per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-        d, s, _ = shard_geometry(q, heads, per, rows)
-        total += d[0] * d[1] * q.data.element_size() + s[0] * s[1] * 4
-    return total
-
-
-def _unpack_quant(w: AttnWeights, gathered: torch.Tensor, ranks: list[range], num_heads: int) -> AttnWeights:
-    local = _quant_parts(w)
-    pieces: list[list[QuantWeight]] = [[] for _ in local]
-    off = 0
-    for heads in ranks:
-        for i, (q, rows) in enumerate(zip(local, (True, True, False))):
-            per = (q.shape[0] if rows else q.shape[1]) // len(w.heads)
-            dshape, sshape, a_off = shard_geometry(q, heads, per, rows)
-            nd = dshape[0] * dshape[1] * q.data.element_size()
-            data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)
-            off += nd
-            scale = gathered[off:off + sshape[0] * sshape[1] * 4].clone().view(torch.float32).view(sshape)
-            off += sshape[0] * sshape[1] * 4
-            r_off, c_off = (a_off, q.col_off) if rows else (q.row_off, a_off)
-            pieces[i].append(QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off))
-    q_b, kv_b = cat_rows(pieces[0]), cat_rows(pieces[1])
-    return replace(w, q_b=q_b, kv_b=kv_b, o=cat_cols(pieces[2]), heads=range(num_heads))
+def take_quant_shard(gathered: torch.Tensor, off: int, q: QuantWeight, heads: range, per_head: int,
+                     by_rows: bool) -> tuple[QuantWeight, int]:
+    """The shard for `heads` of the weight local shard `q` belongs to, read from the packed bytes `gathered` at
+    `off` (its values, then its scale blocks, as `QuantWeight.tensors` packs them) -> (shard, offset past it)."""
+    dshape, sshape, a_off = shard_geometry(q, heads, per_head, by_rows)
+    nd, ns = dshape[0] * dshape[1] * q.data.element_size(), sshape[0] * sshape[1] * 4
+    data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)
+    scale = gathered[off + nd:off + nd + ns].clone().view(torch.float32).view(sshape)
+    r_off, c_off = (a_off, q.col_off) if by_rows else (q.row_off, a_off)
+    return QuantWeight(data, scale, q.fmt, q.dtype, r_off, c_off), off + nd + ns
 
 
 def unpack_full(w: AttnWeights, gathered: torch.Tensor, world: int, num_heads: int) -> AttnWeights:
     """Rebuild replicated (all-head) weights from every rank's packed shard, concatenated in rank order."""
-    if w.kv_b is not None:
-        per = num_heads // world
-        return _unpack_quant(w, gathered, [range(r * per, (r + 1) * per) for r in range(world)], num_heads)
+    if w.kv_b is not None:   # Q-B, KV-B by rows, O by columns: each rank's values and scale blocks, bit for bit
+        pieces: list[list[QuantWeight]] = [[], [], []]
+        off, per = 0, num_heads // world
+        for r in range(world):
+            for i, (q, rows) in enumerate(zip(_quant_parts(w), (True, True, False))):
+                shard, off = take_quant_shard(gathered, off, q, range(r * per, (r + 1) * per),
+                                              (q.shape[0] if rows else q.shape[1]) // len(w.heads), rows)
+                pieces[i].append(shard)
+        return replace(w, q_b=cat_rows(pieces[0]), kv_b=cat_rows(pieces[1]), o=cat_cols(pieces[2]),
+                       heads=range(num_heads))
     shapes = [p.shape for p in _head_rows(w)]
-    per_rank = gathered.view(world, -1)
-    pieces: list[list[torch.Tensor]] = [[] for _ in shapes]
-    for r in range(world):
-        off = 0
-        for i, s in enumerate(shapes):
-            n = s.numel()
-            pieces[i].append(per_rank[r, off:off + n].view(s))
-            off += n
-    return _from_rows(w, *(torch.cat(p, dim=0) for p in pieces), heads=range(num_heads))
-
-
-def gather_counts(w: AttnWeights, world: int, num_heads: int) -> list[int]:
-    """Elements each rank contributes to the all-gather (known locally: no count exchange)."""
-    per = num_heads // world
-    n = [shard_nbytes(w, range(r * per, (r + 1) * per)) for r in range(world)]
-    if w.kv_b is None:
-        return [b // w.q_b.dtype.itemsize for b in n]
-    return n
+    per_rank = [row.split([s.numel() for s in shapes]) for row in gathered.view(world, -1)]
+    return _from_rows(w, *(torch.cat([parts[i].view(s) for parts in per_rank]) for i, s in enumerate(shapes)),
+                      heads=range(num_heads))
 
 
 def slice_heads(w: AttnWeights, heads: range, qk_head_dim: int) -> AttnWeights:

@@ -64,13 +64,14 @@ def check_weights(llm: LLM, model_dir, what: str) -> None:
     r = llm.runner
     cfg, get = open_checkpoint(model_dir, r.dtype)
     hybrid = cfg.hybrid is not None
-    fresh = (build_hybrid_weights(cfg, get, r.heads, r.linear_heads, r.comm.rank, r.comm.size) if hybrid
-             else build_weights(cfg, get, r.heads, r.comm.rank, r.comm.size))
+    st = r.layout_state
+    fresh = (build_hybrid_weights(cfg, get, st.heads, st.linear_heads, r.comm.rank, r.comm.size) if hybrid
+             else build_weights(cfg, get, st.heads, r.comm.rank, r.comm.size))
     for i, (a, b) in enumerate(zip(r.weights.layers, fresh.layers)):
         linear = hybrid and cfg.is_linear_layer(i)
         for name in KDA_FIELDS if linear else MLA_FIELDS:
             assert _same(getattr(a.attn, name), getattr(b.attn, name)), f"{what}: layer {i} {name} differs"
-        assert a.attn.heads == (r.linear_heads if linear else r.heads), (what, i, a.attn.heads)
+        assert a.attn.heads == (st.linear_heads if linear else st.heads), (what, i, a.attn.heads)
     want = rank_weight_bytes(cfg, r.layout, r.comm.size, r.comm.rank, r.dtype.itemsize, r.weight_quant)
     got = resident_bytes(r.weights)
     assert got == want, f"{what}: rank {r.comm.rank} holds {got} weight bytes, expected {want}"

@@ -142,7 +142,8 @@ def full_states(llm: LLM) -> dict[str, torch.Tensor]:
     """Every request's whole KDA state [L, H, W], assembled from the head slices / owners of all ranks."""
     r = llm.runner
     mine = [(req, r.states.get(req)) for req in r.states.requests()]
-    mine = [(req, r.linear_heads.start if st.shape[1] < r.cfg.hybrid.linear_num_heads else 0, st) for req, st in mine]
+    h0 = r.layout_state.linear_heads.start
+    mine = [(req, h0 if st.shape[1] < r.cfg.hybrid.linear_num_heads else 0, st) for req, st in mine]
     pieces: dict[str, list] = {}
     for part in llm.comm.all_gather_obj(mine):
         for req, h0, st in part:

@@ -64,12 +64,9 @@ def make_kernel(name: str, softmax_scale: float) -> AttentionKernel:
     if name == "triton":
         from splash.attention.kernels.triton_mla import TritonMLAKernel
         return TritonMLAKernel(softmax_scale)
-    if name in ("flashinfer", "aiter"):
-        from backends import INSTALL_HINT, missing_packages
-        missing = missing_packages(name)
-        if missing:
-            raise ValueError(f"attention_backend {name!r} is not available here: it needs {', '.join(missing)} ("
-                             + "; ".join(INSTALL_HINT.get(p, p) for p in missing) + ")")
+    if name in ("flashinfer", "aiter"):   # names the missing packages and how to install them
+        from backends import check_attention
+        check_attention("cuda" if name == "flashinfer" else "hip", name)
     if name == "flashinfer":
         from backends.cuda.flashinfer_mla import FlashInferMLAKernel
         return FlashInferMLAKernel(softmax_scale)

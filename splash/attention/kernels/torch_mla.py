@@ -41,10 +41,6 @@ SCRATCH_BYTES = 32 << 20
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
 
-def cpu_has_bf16() -> bool:
-    return bf16_units()
-
-
 @dataclass
 class _Group:
     reqs: torch.Tensor        # [G] request indices, in step order
@@ -94,7 +90,7 @@ class TorchMLAKernel:
 
     def _dtype(self, ql: torch.Tensor) -> torch.dtype:
         if self.compute_dtype == "bfloat16" or (self.compute_dtype == "auto" and ql.dtype == torch.bfloat16
-                                                and cpu_has_bf16()):
+                                                and bf16_units()):
             return torch.bfloat16
         return torch.float32
 
