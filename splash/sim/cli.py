@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
 def replay_cli(console, cm, setup, caps, path: str, margin: float, prefix_caching: bool | None = None) -> int:
     from rich.table import Table
 
-    from splash.costmodel.step_cost import LAYOUTS
     from splash.sim.trace import load_workload, replay
     from splash.sim.workloads import BUILTIN, builtin
     try:
@@ -248,7 +247,7 @@ def replay_cli(console, cm, setup, caps, path: str, margin: float, prefix_cachin
     console.print(tl)
     turns = sum(len(r.parts) or 1 for r in work)
     t = Table(title=f"{path}: {turns} requests" + (f" ({len(work)} conversations)" if turns > len(work) else "")
-              + f", prefix cache {'on' if auto.prefix_caching else 'off'}, predicted")
+              + f", prefix cache {'on' if auto.prompt_tokens else 'off'}, predicted")
     for col in ("mode", "output tok/s", "total s", "switches", "cache hits", "auto vs this"):
         t.add_column(col, justify="right")
     for r in results:

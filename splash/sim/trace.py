@@ -6,11 +6,12 @@ prompt the conversation so far). The replay runs the engine's own scheduling cod
 arrive into the engine's `Scheduler` and `KVLedger` (admission, chunked prefill, owner placement, preemption and
 the prefix cache as the engine does them), and each step takes the cost model's predicted time. ``auto`` is the
 engine's `AutoLayout` behind its `LayoutController`, asked at each boundary as the engine asks it (`advise`, the
-manifest and headroom, `vet_pending`); the replay pays the switch's cost when it switches. By default auto's predictions are the replay's own step times and switch costs, so
-there is nothing to learn online (no observations, switch-cost ratio 1, no overhead budget). With a *truth* model
-(``replay(..., truth=)``, splash/sim/model_error.py) the replay charges the truth, auto still plans with the
-nominal model and is fed every step's charged time as the engine feeds it measured ones. Decode runs in which
-nothing else can happen are charged at once, up to the next arrival.
+manifest and headroom, `vet_pending`); the replay pays the switch's cost when it switches. By default auto's
+predictions are the replay's own step times and switch costs, so there is nothing to learn online (no
+observations, switch-cost ratio 1, no overhead budget). With a *truth* model (``replay(..., truth=)``,
+splash/sim/model_error.py) the replay charges the truth, auto still plans with the nominal model and is fed every
+step's charged time as the engine feeds it measured ones. Decode runs in which nothing else can happen are charged
+at once, up to the next arrival.
 """
 from __future__ import annotations
 
@@ -30,10 +31,9 @@ from splash.workload import load_workload as read_workload, make_requests
 
 @dataclass(frozen=True)
 class Req:
-    """One request of a workload — or, with later turns, one conversation: it arrives at `arrive` s with an
-    `input_len`-token prompt and asks for `output_len` tokens a turn. `parts` are a workload file's token ids
-    (`splash.workload.make_requests`: the first prompt, then what each later turn adds to the conversation so far;
-    a turn is sent when the one before has answered); without them the prompt is tokens no other request shares."""
+    """A request — with later turns, a conversation — arriving at `arrive` s with an `input_len`-token prompt for
+    `output_len` tokens a turn. `parts`: a workload file's token ids (`splash.workload.make_requests`: the prompt, then
+    what each turn adds to the conversation so far); without them the prompt shares no token with another's."""
     rid: str
     arrive: float
     input_len: int
@@ -47,7 +47,6 @@ class Result:
     total_s: float = 0.0
     output_tokens: int = 0
     switches: int = 0
-    prefix_caching: bool = False
     prompt_tokens: int = 0          # prompt tokens looked up in the prefix cache (at a request's first admission)
     cached_prompt_tokens: int = 0   # ... and found there
     timeline: list[tuple[float, str, str]] = field(default_factory=list)
@@ -96,10 +95,10 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
     Steps and switches are charged with ``truth`` (default: ``cm``); auto plans with ``plan`` (default: ``cm``)
     and, when the charge differs from its model, learns from what each step was charged (AutoLayout.observe), as
     the engine learns from measured steps (splash/sim/model_error.py). Decode runs in which nothing else can happen
-    are charged at once (`Scheduler.steady_decode_steps`), up to the next arrival. With ``prefix_caching`` (the
-    engine's default; left None: on for a workload file's requests, off for others, which share no token, so a
-    cache could not hit and would only slow the replay) the ledger keeps the prefix cache as the engine's does: a
-    prompt starts on the cached blocks of the prompts before it, and only its computed rows are charged."""
+    are charged at once (`Scheduler.steady_decode_steps`), up to the next arrival. ``prefix_caching`` keeps the
+    engine's prefix cache in the ledger: a prompt starts on cached blocks, only computed rows are charged. None: on
+    where a prompt can hit (`_can_hit`), as the engine runs; elsewhere the cache cannot change the replay, only slow
+    it (its decode runs end at block boundaries while requests wait: dcu-burst.json 30 s -> 10 min)."""
     charge = truth if truth is not None else cm
     planner = plan if plan is not None else cm
     learn = charge is not planner
@@ -107,23 +106,21 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
     allowed = [k for k in LAYOUTS if k in cm.predict([RowLoad(1, 1, 0)])]
     layout = "tp" if mode == "auto" else mode
     blocks = {k: caps[k].blocks_per_rank for k in allowed}
-    prefix = any(r.parts for r in workload) if prefix_caching is None else prefix_caching
+    prefix = _can_hit(workload, setup.block_size) if prefix_caching is None else prefix_caching
     ledger = KVLedger(setup.world, max(blocks.values()), setup.block_size, layout, blocks, prefix=prefix)
     sched = Scheduler(ledger, max_num_seqs=1 << 20, max_num_batched_tokens=setup.chunk)
-    res, t, steps = Result(mode, prefix_caching=prefix), 0.0, 0
+    res, t, steps = Result(mode), 0.0, 0
     auto = control = None
     if mode == "auto":
         auto = _scheduler(planner, setup, caps, margin, lambda: t, sched, learn)
         m = setup.model
         control = LayoutController(m.cfg, setup.world, setup.block_size, ELEM_BYTES[m.weight_dtype], m.kv_dtype,
                                    tuple(allowed))
-    turn: dict[str, tuple[Req, int]] = {}   # the scheduler's request id -> (its workload request, which turn)
+    reqs = {r.rid: r for r in workload}
     while pending or sched.running or sched.waiting:
         while pending and pending[0].arrive <= t:
-            r = pending.pop(0)
-            # a request of no file gets tokens of its own (a token id per request, below the replay's sampled -1)
-            sched.add(Request(r.rid, list(r.parts[0]) if r.parts else [-2 - len(turn)] * r.input_len, r.output_len))
-            turn[r.rid] = (r, 0)
+            r = pending.pop(0)   # a request of no file: a token id of its own (below the replay's sampled -1)
+            sched.add(Request(r.rid, list(r.parts[0]) if r.parts else [-2 - len(pending)] * r.input_len, r.output_len))
         if not (sched.running or sched.waiting):
             t = pending[0].arrive
             continue
@@ -161,14 +158,20 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
         t += dt
         sampled = {it.req_id: -1 for it in plan_.items if it.sample}
         res.output_tokens += len(sampled)
-        for done in sched.update(plan_, sampled):
-            r, k = turn[done.req_id]
-            if k + 1 < len(r.parts):   # the conversation's next turn, sent as this one answers
-                sched.add(Request(f"{r.rid}.{k + 1}", done.prompt + done.output + list(r.parts[k + 1]), r.output_len))
-                turn[f"{r.rid}.{k + 1}"] = (r, k + 1)
+        for done in sched.update(plan_, sampled):   # a conversation's next turn is sent as this one answers
+            rid, _, k = done.req_id.partition(".")
+            r, k = reqs[rid], int(k or 0) + 1
+            if k < len(r.parts):
+                sched.add(Request(f"{rid}.{k}", done.prompt + done.output + list(r.parts[k]), r.output_len))
     res.total_s = t
     res.prompt_tokens, res.cached_prompt_tokens = sched.prefix_queries, sched.prefix_hits
     return res
+
+
+def _can_hit(workload: list[Req], block_size: int) -> bool:
+    """Whether a prompt can start on another's blocks: a conversation's later turn, or a first block two share."""
+    firsts = [r.parts[0][:block_size] for r in workload if r.parts]
+    return any(len(r.parts) > 1 for r in workload) or len(set(firsts)) < len(firsts)
 
 
 def _auto_boundary(auto: AutoLayout, control, sched: Scheduler, res: Result, layout: str, t: float, step: int,
