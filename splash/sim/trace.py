@@ -117,6 +117,10 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
         control = LayoutController(m.cfg, setup.world, setup.block_size, ELEM_BYTES[m.weight_dtype], m.kv_dtype,
                                    tuple(allowed))
     reqs = {r.rid: r for r in workload}
+
+    def observe(layout, loads, seconds, switched):   # auto learns what a step was charged, as from a measured one
+        if learn and auto is not None:
+            auto.observe(layout, [(rl.new_tokens, rl.context, rl.owner) for rl in loads], seconds, switched=switched)
     while pending or sched.running or sched.waiting:
         while pending and pending[0].arrive <= t:
             r = pending.pop(0)   # a request of no file: a token id of its own (below the replay's sampled -1)
@@ -136,9 +140,7 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             dt = step_seconds(charge, setup.model, layout, loads)
             if pending:   # the queue changes at the next arrival
                 run = max(1, min(run, math.ceil((pending[0].arrive - t) / dt)))
-            if learn and auto is not None:
-                auto.observe(layout, [(1, rl.context, rl.owner) for rl in loads], dt + switch_s,
-                             switched=switch_s > 0)
+            observe(layout, loads, dt + switch_s, switch_s > 0)
             mid = [RowLoad(1, r.num_cached + run // 2, ledger.reqs[r.req_id][1]) for r in sched.running]
             t += step_seconds(charge, setup.model, layout, mid) * run if run > 1 else dt
             res.output_tokens += run * len(sched.running)
@@ -152,9 +154,7 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             continue
         loads = [RowLoad(len(it.tokens), it.start_pos, it.owner, samples=it.sample) for it in plan_.items]
         dt = step_seconds(charge, setup.model, layout, loads)
-        if learn and auto is not None:
-            auto.observe(layout, [(rl.new_tokens, rl.context, rl.owner) for rl in loads], dt + switch_s,
-                         switched=switch_s > 0)
+        observe(layout, loads, dt + switch_s, switch_s > 0)
         t += dt
         sampled = {it.req_id: -1 for it in plan_.items if it.sample}
         res.output_tokens += len(sampled)
