@@ -210,6 +210,26 @@ def test_trace_replays_what_the_bench_sends(name, monkeypatch):
     assert res.prompt_tokens == sum(len(p) for _, p, _ in seen)
 
 
+def test_trace_replays_without_the_cache_only_where_no_prompt_can_hit():
+    """The replay leaves the prefix cache off only where it could not change a thing: prompts that share no block
+    (the built-in traces, whose prompts are tokens of their own) replay the same with it on."""
+    from splash.costmodel.step_cost import CostModel
+    from splash.sim.trace import Req, replay
+    from splash.sim.workloads import rl_rollout
+    m, prof = load_sim_model("glm-5.3"), load_profile("b200")
+    s = SimSetup(m, prof, 8)
+    caps = capacities(s)
+    cm = CostModel(m.cfg, 8, prof, m.weight_dtype, m.kv_dtype, s.block_size)
+    work = rl_rollout(1, 12)
+    for mode in ("tp", "auto"):
+        off, on = (replay(cm, s, caps, work, mode, prefix_caching=p) for p in (False, True))
+        assert (on.total_s, on.output_tokens) == (off.total_s, off.output_tokens)
+        assert on.prompt_tokens == 12 * 1000 and on.cached_prompt_tokens == 0 and off.prompt_tokens == 0
+        assert replay(cm, s, caps, work, mode).prompt_tokens == 0          # left off by default
+    shared = [Req(f"r{i}", 0.0, 200, 4, ((7,) * 200,)) for i in range(3)]   # one prompt sent three times
+    assert replay(cm, s, caps, shared, "tp").cached_prompt_tokens > 0     # on by default
+
+
 def test_owner_prefill_splits_the_budget_evenly():
     """--owner-prefill: each step's chunk budget is split over the owners with prompt left (no step exceeds the
     group's budget, every owner gets an equal share, every prompt token is prefilled once)."""
