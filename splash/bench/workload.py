@@ -6,11 +6,10 @@ per fixed layout, each by a real splash-serve under mpiexec, driven by concurren
 The workload file (request groups, below) is read and expanded into requests by `splash.workload`, as
 `splash-sim --trace` reads and expands it. ``--prefix-caching on,off`` serves every mode with the prefix cache
 and without it; the table then adds the cache's hit rate and the TTFT of later turns (their prompts' prefix was
-cached). The default workload has phases with different leaders, shaped
-like an RL rollout group: a few short interactive requests, then a burst of many requests that ends as a few long
-ones. Every mode serves identical prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT
-p50, switches, completed and lost requests, and whether each mode's tokens equal the first mode's. With --json
-each run keeps the scheduler's structured decision lines from its server log (``decision_log``) and its bounded
+cached). The default workload has phases with different leaders, shaped like an RL rollout group: a few short
+interactive requests, then a burst of many requests that ends as a few long ones. Every mode serves identical
+prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT p50, switches, completed and lost
+requests, and whether each mode's tokens equal the first mode's. With --json each run keeps the scheduler's structured decision lines from its server log (``decision_log``) and its bounded
 decision history from GET /v1/layout (``scheduler.history``); the server logs are copied to FILE's stem + "-logs/".
 """
 from __future__ import annotations
@@ -28,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splash import workload as workload_format
 from splash.bench.serve_proc import REPO, launch, stop, stream_completion
 from splash.layouts.layout import LAYOUT_NAMES
-import splash.workload as workload_format
 from splash.workload import SEED, VOCAB, load_workload, make_requests
 
 MODES = ("auto", *LAYOUT_NAMES)
