@@ -9,8 +9,9 @@ and without it; the table then adds the cache's hit rate and the TTFT of later t
 cached). The default workload has phases with different leaders, shaped like an RL rollout group: a few short
 interactive requests, then a burst of many requests that ends as a few long ones. Every mode serves identical
 prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT p50, switches, completed and lost
-requests, and whether each mode's tokens equal the first mode's. With --json each run keeps the scheduler's structured decision lines from its server log (``decision_log``) and its bounded
-decision history from GET /v1/layout (``scheduler.history``); the server logs are copied to FILE's stem + "-logs/".
+requests, and whether each mode's tokens equal the first mode's. With --json each run keeps the scheduler's
+structured decision lines from its server log (``decision_log``) and its bounded decision history from GET
+/v1/layout (``scheduler.history``); the server logs are copied to FILE's stem + "-logs/".
 """
 from __future__ import annotations
 
