@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from splash.bench.workload import load_workload, make_requests
+from splash.workload import load_workload, make_requests
 from splash.engine.layout_policy.auto import request_views
 from splash.engine.layout_policy.forecast import BatchForecast
 from splash.engine.ledger import KVLedger

@@ -119,7 +119,7 @@ import sys
 sys.modules['torch'] = None  # any import of torch now fails
 import splash.costmodel, splash.costmodel.policy, splash.sim.cli, splash.sim.serving, splash.sim.trace
 import splash.costmodel.switch_cost, splash.sim.paper, splash.sim.paper_data, splash.sim.deploy, splash.sim.fit
-import splash.sim.model_error, splash.sim.workloads, splash.sim.scenario
+import splash.sim.model_error, splash.sim.workloads, splash.sim.scenario, splash.workload
 from splash.sim.paper import Evaluator
 from splash.sim.paper_data import SETUPS
 assert Evaluator(SETUPS['bw1000']).evaluate(('capacity', 'dop', 'per_owner')) > 0
@@ -161,6 +161,73 @@ def test_trace_replay(tmp_path):
     (tmp_path / "bad.json").write_text('{"groups": [{"at_s": 0, "count": 1}]}')
     with pytest.raises(ValueError, match="input_len"):
         load_workload(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("name", ["rl-rollout-samples", "agent-multi-turn"])
+def test_trace_replays_what_the_bench_sends(name, monkeypatch):
+    """`splash-sim --trace FILE` replays the requests `splash-bench workload --workload FILE` sends: every sample,
+    every turn (turn k + 1 the conversation so far — prompt, the turn's answer — plus its new tokens, sent when
+    turn k ends), the same first prompts with their shared prefixes, so the prefix cache hits as on a server."""
+    import argparse
+    from pathlib import Path
+
+    from splash.bench import workload as bench
+    from splash.costmodel.step_cost import CostModel
+    from splash.engine.scheduler import Scheduler
+    from splash.sim import trace
+
+    path = str(Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / f"{name}.yaml")
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    a = ap.parse_args(["--workload", path])
+    sent = bench.make_requests(bench.load_workload(a.workload), a.vocab, a.seed)   # as bench.run builds them
+    seen: list[tuple[str, list[int], int]] = []
+
+    class Recording(Scheduler):
+        def add(self, req):
+            seen.append((req.req_id, list(req.prompt), req.max_tokens))
+            super().add(req)
+
+    monkeypatch.setattr(trace, "Scheduler", Recording)
+    m, prof = load_sim_model("glm-5.3"), load_profile("b200")
+    s = SimSetup(m, prof, 8)
+    cm = CostModel(m.cfg, 8, prof, m.weight_dtype, m.kv_dtype, s.block_size)
+    res = trace.replay(cm, s, capacities(s), trace.load_workload(path), "tp")
+    turns = sum(len(parts) for _, parts, _ in sent)
+    assert len(seen) == turns and turns == {"rl-rollout-samples": 48, "agent-multi-turn": 32}[name]
+    assert res.output_tokens == sum(n * len(parts) for _, parts, n in sent)
+    first = [p for rid, p, _ in seen if "." not in rid]
+    assert first == [parts[0] for _, parts, _ in sent]          # same prompts, same order, shared prefixes kept
+    by_id = {rid: (p, n) for rid, p, n in seen}
+    for i, (_, parts, n) in enumerate(sent):
+        for k in range(1, len(parts)):
+            before, _ = by_id[f"w{i:05d}" + ("" if k == 1 else f".{k - 1}")]
+            now, max_tokens = by_id[f"w{i:05d}.{k}"]
+            assert now[:len(before)] == before and now[len(before) + n:] == parts[k] and max_tokens == n
+            assert len(now) == len(before) + n + len(parts[k])
+    # the replay's prefix cache: samples of one prompt (and later turns) start on the blocks computed before
+    assert res.cached_prompt_tokens > 0.7 * res.prompt_tokens
+    assert res.prompt_tokens == sum(len(p) for _, p, _ in seen)
+
+
+def test_trace_replays_without_the_cache_only_where_no_prompt_can_hit():
+    """The replay leaves the prefix cache off only where it could not change a thing: prompts that share no block
+    (the built-in traces, whose prompts are tokens of their own) replay the same with it on."""
+    from splash.costmodel.step_cost import CostModel
+    from splash.sim.trace import Req, replay
+    from splash.sim.workloads import rl_rollout
+    m, prof = load_sim_model("glm-5.3"), load_profile("b200")
+    s = SimSetup(m, prof, 8)
+    caps = capacities(s)
+    cm = CostModel(m.cfg, 8, prof, m.weight_dtype, m.kv_dtype, s.block_size)
+    work = rl_rollout(1, 12)
+    for mode in ("tp", "auto"):
+        off, on = (replay(cm, s, caps, work, mode, prefix_caching=p) for p in (False, True))
+        assert (on.total_s, on.output_tokens) == (off.total_s, off.output_tokens)
+        assert on.prompt_tokens == 12 * 1000 and on.cached_prompt_tokens == 0 and off.prompt_tokens == 0
+        assert replay(cm, s, caps, work, mode).prompt_tokens == 0          # left off by default
+    shared = [Req(f"r{i}", 0.0, 200, 4, ((7,) * 200,)) for i in range(3)]   # one prompt sent three times
+    assert replay(cm, s, caps, shared, "tp").cached_prompt_tokens > 0     # on by default
 
 
 def test_owner_prefill_splits_the_budget_evenly():

@@ -3,20 +3,15 @@ per fixed layout, each by a real splash-serve under mpiexec, driven by concurren
 
     splash-bench workload --np 2 [--workload FILE] [--modes auto,tp,dp_attn,cp,dop] [--json FILE]
 
-A workload is request groups ``{"groups": [{"at_s", "count", "input_len", "output_len"}]}`` (JSON or YAML): at
-``at_s`` seconds after the start, ``count`` requests with random token-id prompts of ``input_len`` tokens ask for
-``output_len`` greedy tokens with EOS ignored. Optional per group: ``prefix_len`` (the group's prompts start with
-the same that many tokens: a system prompt), ``samples`` (each prompt sent that many times: an RL rollout's n
-samples), ``stagger_s`` (request k of the group starts k x that many seconds after ``at_s``) and ``turns`` (each
-request is a conversation: turn k+1 is sent when turn k has answered, its prompt the
-whole conversation so far plus ``input_len`` new tokens: a multi-turn agent). ``--prefix-caching on,off`` serves
-every mode with the prefix cache and without it; the table then adds the cache's hit rate and the TTFT of later
-turns (their prompts' prefix was cached). The default workload has phases with different leaders, shaped
-like an RL rollout group: a few short interactive requests, then a burst of many requests that ends as a few long
-ones. Every mode serves identical prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT
-p50, switches, completed and lost requests, and whether each mode's tokens equal the first mode's. With --json
-each run keeps the scheduler's structured decision lines from its server log (``decision_log``) and its bounded
-decision history from GET /v1/layout (``scheduler.history``); the server logs are copied to FILE's stem + "-logs/".
+The workload file (request groups, below) is read and expanded into requests by `splash.workload`, as
+`splash-sim --trace` reads and expands it. ``--prefix-caching on,off`` serves every mode with the prefix cache
+and without it; the table then adds the cache's hit rate and the TTFT of later turns (their prompts' prefix was
+cached). The default workload has phases with different leaders, shaped like an RL rollout group: a few short
+interactive requests, then a burst of many requests that ends as a few long ones. Every mode serves identical
+prompts; the table reports output tokens/s, total time, latency p50/p99, TTFT p50, switches, completed and lost
+requests, and whether each mode's tokens equal the first mode's. With --json each run keeps the scheduler's
+structured decision lines from its server log (``decision_log``) and its bounded decision history from GET
+/v1/layout (``scheduler.history``); the server logs are copied to FILE's stem + "-logs/".
 """
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import shutil
 import statistics
@@ -34,17 +28,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from splash import workload as workload_format
 from splash.bench.serve_proc import REPO, launch, stop, stream_completion
 from splash.layouts.layout import LAYOUT_NAMES
+from splash.workload import SEED, VOCAB, load_workload, make_requests
 
 MODES = ("auto", *LAYOUT_NAMES)
-DEFAULT_WORKLOAD = {"groups": [
-    {"at_s": 0.0, "count": 2, "input_len": 64, "output_len": 256},      # interactive: few, short
-    {"at_s": 2.0, "count": 30, "input_len": 512, "output_len": 64},     # rollout burst: many requests ...
-    {"at_s": 2.0, "count": 2, "input_len": 2048, "output_len": 768},    # ... that ends as a few long ones
-]}
 TIMELINE_BIN_S = 0.5
 DECISION_LINE = re.compile(r"layout decision (\{.*\})\s*$")
 
@@ -59,52 +48,6 @@ class Outcome:
     end_s: float = 0.0                                      # completion, seconds since the run's start
     error: str | None = None
     turn_ttfts: list[float] = field(default_factory=list)  # one per turn of a conversation
-
-
-class Group(BaseModel):
-    """One request group of a workload (see the module docstring); the last four keys are optional."""
-    model_config = ConfigDict(strict=True, extra="forbid")
-    at_s: float = Field(ge=0)
-    count: int = Field(ge=1)
-    input_len: int = Field(ge=1)
-    output_len: int = Field(ge=1)
-    prefix_len: int = Field(0, ge=0)
-    samples: int = Field(1, ge=1)
-    turns: int = Field(1, ge=1)
-    stagger_s: float = Field(0.0, ge=0)
-
-
-class Workload(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    groups: list[Group] = Field(min_length=1)
-
-
-def load_workload(path: str | None) -> dict:
-    """The workload file (JSON or YAML; default: the built-in one), checked, with every optional key filled in."""
-    import yaml
-    try:
-        data = yaml.safe_load(Path(path).read_text()) if path is not None else DEFAULT_WORKLOAD
-        return Workload.model_validate(data).model_dump()
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{path}: cannot read the workload: {e}") from None
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        raise ValueError(f"{path}: {'.'.join(map(str, err['loc'])) or 'the workload'}: {err['msg']}") from None
-
-
-def make_requests(workload: dict, vocab: int, seed: int) -> list[tuple[float, list[list[int]], int]]:
-    """(start offset, the prompt's parts per turn, max_tokens) per request, identical for every mode: part 0 is the
-    first prompt (the group's shared prefix, then its own tokens), part k the tokens a conversation adds before
-    turn k + 1."""
-    rng = random.Random(seed)
-    draw = (lambda n: [rng.randrange(vocab) for _ in range(n)])
-    out = []
-    for g in workload["groups"]:
-        prefix = draw(g["prefix_len"])
-        for k in range(g["count"]):
-            parts = [prefix + draw(g["input_len"])] + [draw(g["input_len"]) for _ in range(g["turns"] - 1)]
-            out += [(float(g["at_s"]) + k * g["stagger_s"], parts, g["output_len"])] * g["samples"]
-    return out
 
 
 async def _one(client, t_start: float, at: float, parts: list[list[int]], max_tokens: int) -> Outcome:
@@ -292,7 +235,7 @@ def oracle(fixed: dict[str, dict]) -> dict | None:
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__
+    p.description = __doc__ + "\n" + workload_format.__doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--np", type=int, default=2, help="ranks per server (mpiexec -n)")
     p.add_argument("--config", default=str(REPO / "configs" / "cpu.yaml"), help="splash-serve config")
@@ -301,8 +244,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="auto and/or fixed layouts, comma-separated")
     p.add_argument("--workload", metavar="FILE", help="request groups (JSON or YAML); default: built in. "
                    "benchmarks/workloads/rollout-at-capacity.yaml: an RL rollout whose long tail fills the KV pool")
-    p.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=VOCAB, help="prompt token ids are drawn below this")
+    p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", metavar="FILE", help="write every run's result here")
     p.add_argument("--prefix-caching", default="on", metavar="on,off",

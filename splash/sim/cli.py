@@ -84,9 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layout of the decode instance (disaggregated)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the points and capacities as JSON")
     ap.add_argument("--trace", default=None, metavar="FILE",
-                    help="replay a workload ({'groups': [{at_s, count, input_len, output_len}]}, or a built-in "
-                         "seeded one: rl-rollout, agentic) through the engine's layout: auto scheduler and compare "
-                         "with each fixed layout")
+                    help="replay a workload file (the requests splash-bench workload sends: splash/workload.py) or a "
+                         "built-in seeded one (rl-rollout, agentic) through the engine's layout: auto scheduler, "
+                         "and compare with each fixed layout")
+    ap.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                    help="--trace: replay a workload file without the prefix cache (on by default, as splash-serve "
+                         "runs; the built-in workloads share no prompt tokens and replay without it)")
     ap.add_argument("--truth-error", default=None, metavar="PAPER_JSON",
                     help="with --trace: charge every step and switch with a truth model whose per-kernel times "
                          "differ from the nominal by errors drawn from the held-out residuals of this "
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return experiment_cli(console, cm, setup, caps, a.trace, a.truth_error, seeds, a.margin, a.json,
                               a.truth_kernels)
     if a.trace:
-        return replay_cli(console, cm, setup, caps, a.trace, a.margin)
+        return replay_cli(console, cm, setup, caps, a.trace, a.margin, a.enable_prefix_caching)
     points = run_points(cm, setup, caps, a.batch_sizes, a.input_lens, a.output_len)
     print_points(console, points, title)
     print_capacity(console, caps)
@@ -219,10 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
+def replay_cli(console, cm, setup, caps, path: str, margin: float, prefix_caching: bool | None = None) -> int:
     from rich.table import Table
 
-    from splash.costmodel.step_cost import LAYOUTS
     from splash.sim.trace import load_workload, replay
     from splash.sim.workloads import BUILTIN, builtin
     try:
@@ -230,10 +232,10 @@ def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
     except (OSError, ValueError) as e:
         print(f"splash-sim: {e}")
         return 2
-    results = [replay(cm, setup, caps, work, "auto", margin)]
+    results = [replay(cm, setup, caps, work, "auto", margin, prefix_caching=prefix_caching)]
     for lay in LAYOUTS:
         try:
-            results.append(replay(cm, setup, caps, work, lay, margin))
+            results.append(replay(cm, setup, caps, work, lay, margin, prefix_caching=prefix_caching))
         except ValueError as e:
             console.print(f"{lay}: cannot serve this workload ({e})")
     auto = results[0]
@@ -243,11 +245,14 @@ def replay_cli(console, cm, setup, caps, path: str, margin: float) -> int:
     for when, what, why in auto.timeline:
         tl.add_row(f"{when:.2f}", what, why)
     console.print(tl)
-    t = Table(title=f"{path}: {len(work)} requests, predicted")
-    for col in ("mode", "output tok/s", "total s", "switches", "auto vs this"):
+    turns = sum(len(r.parts) or 1 for r in work)
+    t = Table(title=f"{path}: {turns} requests" + (f" ({len(work)} conversations)" if turns > len(work) else "")
+              + f", prefix cache {'on' if auto.prompt_tokens else 'off'}, predicted")
+    for col in ("mode", "output tok/s", "total s", "switches", "cache hits", "auto vs this"):
         t.add_column(col, justify="right")
     for r in results:
         t.add_row(r.mode, f"{r.output_tokens_per_s:,.1f}", f"{r.total_s:.2f}", str(r.switches),
+                  f"{r.cached_prompt_tokens / r.prompt_tokens:.0%}" if r.prompt_tokens else "—",
                   f"{auto.output_tokens_per_s / r.output_tokens_per_s:.2f}x" if r.output_tokens_per_s else "—")
     console.print(t)
     return 0

@@ -1,22 +1,22 @@
 """splash-sim --trace: replay a workload through the scheduler policy, against each fixed layout. No torch.
 
-Workload file (JSON or YAML): {"groups": [{"at_s", "count", "input_len", "output_len"}]}. The replay runs the
-engine's own scheduling code on a predicted clock: requests arrive at ``at_s`` into the engine's `Scheduler` and
-`KVLedger` (admission, chunked prefill, owner placement and preemption as the engine does them), and each step
-takes the cost model's predicted time. ``auto`` is the engine's `AutoLayout` behind its `LayoutController`, asked
-at each boundary as the engine asks it (`advise`, the manifest and headroom, `vet_pending`); the replay pays the
-switch's cost when it switches. By default auto's predictions are the replay's own step times and switch costs, so
-there is nothing to learn online (no observations, switch-cost ratio 1, no overhead budget). With a *truth* model
-(``replay(..., truth=)``, splash/sim/model_error.py) the replay charges the truth, auto still plans with the
-nominal model and is fed every step's charged time as the engine feeds it measured ones. Decode runs in which
-nothing else can happen are charged at once, up to the next arrival.
+A workload file's requests are the ones `splash-bench workload` sends (`splash.workload`: the same prompts with
+their shared prefixes, samples, stagger and turns; a conversation's next turn is sent when its last one ends, its
+prompt the conversation so far). The replay runs the engine's own scheduling code on a predicted clock: requests
+arrive into the engine's `Scheduler` and `KVLedger` (admission, chunked prefill, owner placement, preemption and
+the prefix cache as the engine does them), and each step takes the cost model's predicted time. ``auto`` is the
+engine's `AutoLayout` behind its `LayoutController`, asked at each boundary as the engine asks it (`advise`, the
+manifest and headroom, `vet_pending`); the replay pays the switch's cost when it switches. By default auto's
+predictions are the replay's own step times and switch costs, so there is nothing to learn online (no
+observations, switch-cost ratio 1, no overhead budget). With a *truth* model (``replay(..., truth=)``,
+splash/sim/model_error.py) the replay charges the truth, auto still plans with the nominal model and is fed every
+step's charged time as the engine feeds it measured ones. Decode runs in which nothing else can happen are charged
+at once, up to the next arrival.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 from splash.costmodel.step_cost import ELEM_BYTES, LAYOUTS, RowLoad
@@ -26,16 +26,19 @@ from splash.engine.layout_policy.correction import SwitchCorrection
 from splash.engine.layout_policy.auto import AutoLayout
 from splash.engine.layout_policy.control import LayoutController
 from splash.sim.serving import step_seconds
+from splash.workload import load_workload as read_workload, make_requests
 
 
 @dataclass(frozen=True)
 class Req:
-    """One request of a workload: it arrives at `arrive` s with an `input_len`-token prompt and asks for
-    `output_len` tokens (the replay runs it through the engine's scheduler as a `scheduler.Request`)."""
+    """A request — with later turns, a conversation — arriving at `arrive` s with an `input_len`-token prompt for
+    `output_len` tokens a turn. `parts`: a workload file's token ids (`splash.workload.make_requests`: the prompt, then
+    what each turn adds to the conversation so far); without them the prompt shares no token with another's."""
     rid: str
     arrive: float
     input_len: int
     output_len: int
+    parts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Result:
     total_s: float = 0.0
     output_tokens: int = 0
     switches: int = 0
+    prompt_tokens: int = 0          # prompt tokens looked up in the prefix cache (at a request's first admission)
+    cached_prompt_tokens: int = 0   # ... and found there
     timeline: list[tuple[float, str, str]] = field(default_factory=list)
 
     @property
@@ -52,24 +57,10 @@ class Result:
 
 
 def load_workload(path: str) -> list[Req]:
-    p = Path(path)
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-        raw = yaml.safe_load(text)
-    else:
-        raw = json.loads(text)
-    if not isinstance(raw, dict) or not isinstance(raw.get("groups"), list):
-        raise ValueError(f"{path}: expected {{'groups': [{{at_s, count, input_len, output_len}}, ...]}}")
-    reqs = []
-    for gi, g in enumerate(raw["groups"]):
-        for k in ("at_s", "count", "input_len", "output_len"):
-            if k not in g:
-                raise ValueError(f"{path}: groups[{gi}] is missing {k!r}")
-        for i in range(int(g["count"])):
-            reqs.append(Req(f"g{gi}r{i}", float(g["at_s"]), int(g["input_len"]), int(g["output_len"])))
-    reqs.sort(key=lambda r: (r.arrive, r.rid))
-    return reqs
+    """A workload file's requests as `splash-bench workload` sends them (its prompts, shared prefixes, samples,
+    stagger and turns: `splash.workload`, with its default vocabulary and seed)."""
+    return [Req(f"w{i:05d}", at, len(parts[0]), out, tuple(map(tuple, parts)))
+            for i, (at, parts, out) in enumerate(make_requests(read_workload(path)))]
 
 
 def _scheduler(cm, setup, caps, margin: float, clock, sched: Scheduler, learn: bool = False) -> AutoLayout:
@@ -97,14 +88,17 @@ class _ReplayModel:
 
 
 def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1, truth=None,
-           plan=None) -> Result:
+           plan=None, prefix_caching: bool | None = None) -> Result:
     """Serve ``workload`` in a fixed layout (``mode``) or with ``auto``, through the engine's own scheduling code:
     its `Scheduler` and `KVLedger` (admission, chunked prefill, owner placement, preemption) and, for ``auto``, its
     `AutoLayout` behind the same `LayoutController` (memory headroom, deferral) — only the clock is predicted.
     Steps and switches are charged with ``truth`` (default: ``cm``); auto plans with ``plan`` (default: ``cm``)
     and, when the charge differs from its model, learns from what each step was charged (AutoLayout.observe), as
     the engine learns from measured steps (splash/sim/model_error.py). Decode runs in which nothing else can happen
-    are charged at once (`Scheduler.steady_decode_steps`), up to the next arrival."""
+    are charged at once (`Scheduler.steady_decode_steps`), up to the next arrival. ``prefix_caching`` keeps the
+    engine's prefix cache in the ledger: a prompt starts on cached blocks, only computed rows are charged. None: on
+    where a prompt can hit (`_can_hit`), as the engine runs; elsewhere the cache cannot change the replay, only slow
+    it (its decode runs end at block boundaries while requests wait: dcu-burst.json 30 s -> 10 min)."""
     charge = truth if truth is not None else cm
     planner = plan if plan is not None else cm
     learn = charge is not planner
@@ -112,7 +106,8 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
     allowed = [k for k in LAYOUTS if k in cm.predict([RowLoad(1, 1, 0)])]
     layout = "tp" if mode == "auto" else mode
     blocks = {k: caps[k].blocks_per_rank for k in allowed}
-    ledger = KVLedger(setup.world, max(blocks.values()), setup.block_size, layout, blocks)
+    prefix = _can_hit(workload, setup.block_size) if prefix_caching is None else prefix_caching
+    ledger = KVLedger(setup.world, max(blocks.values()), setup.block_size, layout, blocks, prefix=prefix)
     sched = Scheduler(ledger, max_num_seqs=1 << 20, max_num_batched_tokens=setup.chunk)
     res, t, steps = Result(mode), 0.0, 0
     auto = control = None
@@ -121,10 +116,15 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
         m = setup.model
         control = LayoutController(m.cfg, setup.world, setup.block_size, ELEM_BYTES[m.weight_dtype], m.kv_dtype,
                                    tuple(allowed))
+    reqs = {r.rid: r for r in workload}
+
+    def observe(layout, loads, seconds, switched):   # auto learns what a step was charged, as from a measured one
+        if learn and auto is not None:
+            auto.observe(layout, [(rl.new_tokens, rl.context, rl.owner) for rl in loads], seconds, switched=switched)
     while pending or sched.running or sched.waiting:
         while pending and pending[0].arrive <= t:
-            r = pending.pop(0)
-            sched.add(Request(r.rid, range(r.input_len), r.output_len))
+            r = pending.pop(0)   # a request of no file: a token id of its own (below the replay's sampled -1)
+            sched.add(Request(r.rid, list(r.parts[0]) if r.parts else [-2 - len(pending)] * r.input_len, r.output_len))
         if not (sched.running or sched.waiting):
             t = pending[0].arrive
             continue
@@ -140,9 +140,7 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             dt = step_seconds(charge, setup.model, layout, loads)
             if pending:   # the queue changes at the next arrival
                 run = max(1, min(run, math.ceil((pending[0].arrive - t) / dt)))
-            if learn and auto is not None:
-                auto.observe(layout, [(1, rl.context, rl.owner) for rl in loads], dt + switch_s,
-                             switched=switch_s > 0)
+            observe(layout, loads, dt + switch_s, switch_s > 0)
             mid = [RowLoad(1, r.num_cached + run // 2, ledger.reqs[r.req_id][1]) for r in sched.running]
             t += step_seconds(charge, setup.model, layout, mid) * run if run > 1 else dt
             res.output_tokens += run * len(sched.running)
@@ -156,15 +154,24 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             continue
         loads = [RowLoad(len(it.tokens), it.start_pos, it.owner, samples=it.sample) for it in plan_.items]
         dt = step_seconds(charge, setup.model, layout, loads)
-        if learn and auto is not None:
-            auto.observe(layout, [(rl.new_tokens, rl.context, rl.owner) for rl in loads], dt + switch_s,
-                         switched=switch_s > 0)
+        observe(layout, loads, dt + switch_s, switch_s > 0)
         t += dt
         sampled = {it.req_id: -1 for it in plan_.items if it.sample}
         res.output_tokens += len(sampled)
-        sched.update(plan_, sampled)
+        for done in sched.update(plan_, sampled):   # a conversation's next turn is sent as this one answers
+            rid, _, k = done.req_id.partition(".")
+            r, k = reqs[rid], int(k or 0) + 1
+            if k < len(r.parts):
+                sched.add(Request(f"{rid}.{k}", done.prompt + done.output + list(r.parts[k]), r.output_len))
     res.total_s = t
+    res.prompt_tokens, res.cached_prompt_tokens = sched.prefix_queries, sched.prefix_hits
     return res
+
+
+def _can_hit(workload: list[Req], block_size: int) -> bool:
+    """Whether a prompt can start on another's blocks: a conversation's later turn, or a first block two share."""
+    firsts = [r.parts[0][:block_size] for r in workload if r.parts]
+    return any(len(r.parts) > 1 for r in workload) or len(set(firsts)) < len(firsts)
 
 
 def _auto_boundary(auto: AutoLayout, control, sched: Scheduler, res: Result, layout: str, t: float, step: int,
