@@ -49,10 +49,11 @@ class Forecast:
 @dataclass
 class Segment:
     """`count` consecutive steps of one shape, charged as `count` x the step of `rows` (new tokens, context,
-    owner)."""
+    owner); `work`: the output tokens they sample."""
     rows: list[tuple[int, int, int | None]]
     count: int
     prefill: bool
+    work: int = 0
 
 
 @dataclass
@@ -114,7 +115,7 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False) ->
         run = sched.steady_decode_steps(1 << 30)
         if run > 0:
             rows = [(1, r.num_cached + run // 2, led.reqs[r.req_id][1]) for r in sched.running]
-            segments.append(Segment(rows, run, False))
+            segments.append(Segment(rows, run, False, run * len(rows)))
             work += run * len(sched.running)
             sched.advance_decode(run, _TOKEN)
             step += run
@@ -136,13 +137,22 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False) ->
                 sched.requests.pop(gone.req_id, None)
             continue
         rows = [(len(it.tokens), it.start_pos, it.owner) for it in plan.items]
-        segments.append(Segment(rows, 1, any(n > 1 for n, _, _ in rows)))
         sampled = {it.req_id: _TOKEN for it in plan.items if it.sample}
+        segments.append(Segment(rows, 1, any(n > 1 for n, _, _ in rows), len(sampled)))
         work += len(sampled)
         done = sched.update(plan, sampled)
         if trace:
             events += [(step, "finish", r.req_id, None) for r in done]
     return Replay(segments, work, admitted, served, events)
+
+
+@dataclass
+class _Kept:
+    """A layout's last replayed forecast from a decode-only boundary, and where it started."""
+    key: tuple                              # (engine layout, pool blocks, the running requests and their owners)
+    start: dict[str, tuple[int, int]]       # request -> (cached tokens, output tokens left) at its start
+    segments: list[Segment]
+    secs: list[float]                       # one step of each segment
 
 
 class BatchForecast:
@@ -151,6 +161,9 @@ class BatchForecast:
         are read at each forecast)."""
         self.model, self.row, self.world, self.block_size = model, row, world, block_size
         self.scheduler = scheduler
+        self._kept: dict[str, _Kept] = {}
+        self.replayed = 0   # forecasts replayed in full
+        self.followed = 0   # ... and answered from a kept one the engine followed (`_followed`)
 
     def replay(self, lay: str, reqs: Sequence[ReqView], cap: int, trace: bool = False) -> Replay:
         live = self.scheduler.ledger
@@ -166,14 +179,71 @@ class BatchForecast:
 
     def waves(self, lay: str, reqs: Sequence[ReqView], cap: int) -> Forecast | None:
         """`lay`'s forecast for `reqs` (see the module docstring); None when it would serve nothing."""
-        rp = self.replay(lay, reqs, cap)
-        if not rp.served or rp.work <= 0:
-            return None
-        secs = self.price(lay, rp.segments)
-        pre = sum(s * seg.count for s, seg in zip(secs, rp.segments) if seg.prefill)
-        dec = sum(s * seg.count for s, seg in zip(secs, rp.segments) if not seg.prefill)
-        first = next((s for s, seg in zip(secs, rp.segments) if not seg.prefill), 0.0)
+        kept = self._followed(lay, reqs, cap)
+        if kept is not None:
+            self.followed += 1
+            segments, secs = kept
+        else:
+            rp = self.replay(lay, reqs, cap)
+            self.replayed += 1
+            if not rp.served or rp.work <= 0:
+                self._kept.pop(lay, None)
+                return None
+            segments, secs = rp.segments, self.price(lay, rp.segments)
+            self._keep(lay, reqs, cap, segments, secs)
+        pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
+        dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
+        first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
+        if kept is not None:   # every request running, none waiting (`_keep`): all of them served, at once
+            return Forecast(pre, dec, first, sum(seg.work for seg in segments), len(reqs), len(reqs))
         return Forecast(pre, dec, first, rp.work, rp.admitted, len(rp.served))
+
+    # ---- a forecast the engine followed ----------------------------------------------------------------------
+    # From a boundary where every request runs in decode and none waits, the engine's scheduler makes exactly the
+    # steps the replay made (the same policy on the same state) until a request arrives, stops early on a stop
+    # token, is aborted or preempted — each of which changes the requests the next boundary shows. A forecast asked
+    # at such a later boundary, with the same requests each k >= 1 tokens further and k fewer to make, is the kept
+    # replay past its first k steps: answered from it (the run cut at k re-priced at its new middle context)
+    # instead of replayed and priced again. (Asked again with no step run, it is replayed: nothing was followed.)
+    def _key(self, reqs: Sequence[ReqView], cap: int) -> tuple | None:
+        if not reqs or any(not r.running or r.pending != 1 for r in reqs):
+            return None
+        return self.scheduler.ledger.layout, cap, tuple(sorted((r.req_id, r.owner) for r in reqs))
+
+    def _keep(self, lay: str, reqs: Sequence[ReqView], cap: int, segments: list[Segment], secs: list[float]):
+        key = self._key(reqs, cap)
+        if key is None:
+            self._kept.pop(lay, None)
+            return
+        self._kept[lay] = _Kept(key, {r.req_id: (r.cached, r.remaining) for r in reqs}, segments, secs)
+
+    def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int) -> tuple[list[Segment], list[float]] | None:
+        """(segments, seconds per step) of the kept forecast past the k steps the engine ran since, or None when
+        the engine did not follow it (or none is kept)."""
+        kept = self._kept.get(lay)
+        if kept is None or self._key(reqs, cap) != kept.key:
+            return None
+        steps = {r.cached - kept.start[r.req_id][0] for r in reqs}
+        k = steps.pop()
+        if steps or k <= 0 or any(r.remaining != kept.start[r.req_id][1] - k for r in reqs):
+            return None
+        out_seg, out_secs, at = [], [], 0
+        for seg, s in zip(kept.segments, kept.secs):
+            if at + seg.count <= k:
+                at += seg.count
+                continue
+            cut = max(0, k - at)
+            at += seg.count
+            if cut:   # a steady decode run (the only segments longer than a step) entered part way
+                left = seg.count - cut
+                rows = [(n, c - seg.count // 2 + cut + left // 2, o) for n, c, o in seg.rows]
+                seg = Segment(rows, left, seg.prefill, left * len(rows))
+                s = self.model.step(lay, [self.row(*r) for r in rows]).seconds
+            out_seg.append(seg)
+            out_secs.append(s)
+        if not out_seg:
+            return None
+        return out_seg, out_secs
 
     def price(self, lay: str, segments: Sequence[Segment]) -> list[float]:
         """Seconds of one step of each segment: a sample priced with the cost model (see the module docstring), the
