@@ -279,9 +279,9 @@ def _count_replays(monkeypatch) -> list:
 @pytest.mark.parametrize("prefix", [False, True])
 def test_a_forecast_the_engine_followed_is_not_replayed(monkeypatch, prefix):
     """Every request decoding, none waiting: the engine then runs the steps the forecast replayed, so a forecast
-    asked k steps later with the same requests is the kept one past its first k steps — the same figures as a
-    fresh replay (a per-context cost checks the cut run's middle context) with no scheduler replayed. A request
-    arriving, or one stopping early, is a change: replayed."""
+    asked k steps later — the same requests each k tokens further, less those that made their last token — is the
+    kept one past its first k steps: the same figures as a fresh replay (a per-context cost checks the cut run's
+    middle context) with no scheduler replayed. A request arriving, or one stopping early, is a change: replayed."""
     replays = _count_replays(monkeypatch)
     row = lambda n, c, o: (n, c, o)  # noqa: E731
     live = _decoding(prefix=prefix)
@@ -289,17 +289,18 @@ def test_a_forecast_the_engine_followed_is_not_replayed(monkeypatch, prefix):
     for lay in LAYOUTS:
         forecast.waves(lay, _all_views(live), 400)
     assert len(replays) == len(LAYOUTS)
-    for k in (5, 30, 60):   # within the steady run up to the first finish (the later runs follow it)
+    for k in (5, 30, 60, 10, 47):   # within the first steady run, past the first finish, past the second
         _advance(live, k)
         views = _all_views(live)
         for lay in LAYOUTS:
             n = len(replays)
             got = forecast.waves(lay, views, 400)
-            assert len(replays) == n
+            assert len(replays) == n, (k, lay)
             fresh = BatchForecast(LinearCost(), row, world=2, block_size=16, scheduler=live).waves(lay, views, 400)
             assert got.work == fresh.work and got.admitted == fresh.admitted and got.served == fresh.served
             assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
                 (fresh.prefill_s, fresh.decode_s, fresh.first_step_s), rel=1e-12)
+    assert len(live.running) == 3   # two made their last token on the way
     _advance(live, 1)
     live.add(Request("late", list(range(1, 20)), 5))
     n = len(replays)

@@ -149,8 +149,8 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False) ->
 @dataclass
 class _Kept:
     """A layout's last replayed forecast from a decode-only boundary, and where it started."""
-    key: tuple                              # (engine layout, pool blocks, the running requests and their owners)
-    start: dict[str, tuple[int, int]]       # request -> (cached tokens, output tokens left) at its start
+    key: tuple                                   # (the engine's layout, the forecast layout's pool blocks)
+    start: dict[str, tuple[int, int, int | None]]   # request -> (cached tokens, output tokens left, owner) then
     segments: list[Segment]
     secs: list[float]                       # one step of each segment
 
@@ -200,35 +200,39 @@ class BatchForecast:
 
     # ---- a forecast the engine followed ----------------------------------------------------------------------
     # From a boundary where every request runs in decode and none waits, the engine's scheduler makes exactly the
-    # steps the replay made (the same policy on the same state) until a request arrives, stops early on a stop
-    # token, is aborted or preempted — each of which changes the requests the next boundary shows. A forecast asked
-    # at such a later boundary, with the same requests each k >= 1 tokens further and k fewer to make, is the kept
-    # replay past its first k steps: answered from it (the run cut at k re-priced at its new middle context)
-    # instead of replayed and priced again. (Asked again with no step run, it is replayed: nothing was followed.)
-    def _key(self, reqs: Sequence[ReqView], cap: int) -> tuple | None:
-        if not reqs or any(not r.running or r.pending != 1 for r in reqs):
-            return None
-        return self.scheduler.ledger.layout, cap, tuple(sorted((r.req_id, r.owner) for r in reqs))
-
+    # steps the replay made (the same policy on the same state): each request makes a token a step and leaves once
+    # it has made its last. What the replay cannot foresee — a request arriving, stopping early on a stop token,
+    # being aborted — changes the requests the next boundary shows; a preemption shows there too (its request
+    # waits, or was prefilled again). A forecast asked at a later boundary that shows exactly the replay's state
+    # after k >= 1 steps — the requests with more than k tokens to make, each k tokens further, on its owner, every
+    # one decoding — is the kept replay past its first k steps: answered from it (the run cut at k re-priced at its
+    # new middle context) instead of replayed and priced again. (Asked again with no step run, it is replayed.)
     def _keep(self, lay: str, reqs: Sequence[ReqView], cap: int, segments: list[Segment], secs: list[float]):
-        key = self._key(reqs, cap)
-        if key is None:
+        if not reqs or any(not r.running or r.pending != 1 for r in reqs):
             self._kept.pop(lay, None)
             return
-        self._kept[lay] = _Kept(key, {r.req_id: (r.cached, r.remaining) for r in reqs}, segments, secs)
+        start = {r.req_id: (r.cached, r.remaining, r.owner) for r in reqs}
+        self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), start, segments, secs)
 
     def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int) -> tuple[list[Segment], list[float]] | None:
         """(segments, seconds per step) of the kept forecast past the k steps the engine ran since, or None when
         the engine did not follow it (or none is kept)."""
         kept = self._kept.get(lay)
-        if kept is None or self._key(reqs, cap) != kept.key:
+        if (kept is None or kept.key != (self.scheduler.ledger.layout, cap) or not reqs
+                or any(not r.running or r.pending != 1 or r.req_id not in kept.start for r in reqs)):
             return None
-        steps = {r.cached - kept.start[r.req_id][0] for r in reqs}
-        k = steps.pop()
-        if steps or k <= 0 or any(r.remaining != kept.start[r.req_id][1] - k for r in reqs):
+        c0, left0, owner0 = kept.start[reqs[0].req_id]
+        k = reqs[0].cached - c0
+        if k <= 0 or sum(left > k for _, left, _ in kept.start.values()) != len(reqs):
             return None
+        for r in reqs:
+            c0, left0, owner0 = kept.start[r.req_id]
+            if r.cached != c0 + k or r.remaining != left0 - k or r.owner != owner0:
+                return None
         out_seg, out_secs, at = [], [], 0
         for seg, s in zip(kept.segments, kept.secs):
+            if at < k and seg.prefill:   # the replay preempted and re-admitted someone in those steps
+                return None
             if at + seg.count <= k:
                 at += seg.count
                 continue
