@@ -326,3 +326,43 @@ def test_auto_replays_no_forecast_while_nothing_changes(monkeypatch):
         _advance(live, 1)
     assert a.verdicts.get("stay", 0) >= 4
     assert len(replays) == len(LAYOUTS)
+
+
+@settings(max_examples=120, deadline=None)
+@given(live_engines_with_shared_prefixes(), st.integers(1, 24))
+def test_a_followed_forecast_is_the_fresh_one(case, k):
+    """Random engines with the prefix cache on, part way through requests that share prefixes: a forecast kept at one
+    boundary and asked again k steps later is answered from the kept one whenever the engine's requests are where
+    its replay had them (always, for the engine's own layout, once none waits) — with a fresh replay's figures."""
+    world, bs, cap, lay, dst, groups, warm, policy = case
+    live = Scheduler(KVLedger(world, cap, bs, lay, prefix=True), **policy)
+    for g, (prompt, out, n) in enumerate(groups):
+        for j in range(n):
+            live.add(Request(f"g{g}s{j}", list(prompt), out))
+    fresh_tokens = iter(range(1000, 1 << 30))
+    _advance_with(live, warm, fresh_tokens)
+    row = lambda n, c, o: (n, c, o)  # noqa: E731
+    forecast = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live)
+    if not (live.running or live.waiting) or forecast.waves(dst, _all_views(live), cap) is None:
+        return
+    _advance_with(live, k, fresh_tokens)
+    views = _all_views(live)
+    if not views:
+        return
+    got = forecast.waves(dst, views, cap)
+    want = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live).waves(dst, views, cap)
+    if dst == lay and all(v.running for v in views):
+        assert forecast.followed == 1
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert (got.work, got.admitted, got.served) == (want.work, want.admitted, want.served)
+        assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
+            (want.prefill_s, want.decode_s, want.first_step_s), rel=1e-12)
+
+
+def _advance_with(live: Scheduler, steps: int, tokens) -> None:
+    for _ in range(steps):
+        if not (live.running or live.waiting):
+            return
+        plan = live.schedule()
+        live.update(plan, {it.req_id: next(tokens) for it in plan.items if it.sample})
