@@ -153,32 +153,32 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
     return Replay(segments, work, admitted, served, events)
 
 
-def boundary(sched: Scheduler) -> dict[str, tuple]:
-    """The requests of `sched` as `request_views` shows them at a boundary: request -> (cached tokens, pending,
-    output tokens left, owner, running); a waiting request has none cached and no owner."""
+def boundary(sched: Scheduler) -> tuple[tuple, ...]:
+    """The requests of `sched` as `request_views` shows them at a boundary: (request, cached tokens, pending, output
+    tokens left, owner, running) each; a waiting request has none cached and no owner."""
     led = sched.ledger
 
     def left(r) -> int:
         return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    out = {r.req_id: (r.num_cached, r.pending, left(r), led.reqs[r.req_id][1], True) for r in sched.running}
-    out.update((r.req_id, (0, r.pending, left(r), None, False)) for r in sched.waiting)
-    return out
+    return (*((r.req_id, r.num_cached, r.pending, left(r), led.reqs[r.req_id][1], True) for r in sched.running),
+            *((r.req_id, 0, r.pending, left(r), None, False) for r in sched.waiting))
 
 
-def _along_decode(state: Mapping[str, tuple]) -> tuple:
+def _along_decode(state) -> frozenset:
     """What a boundary keeps through decode steps (each running request's cached tokens + output left, and all
     else): the key boundaries of one steady decode run share."""
-    return tuple(sorted((rid, c + left if run else left, p, o, run) for rid, (c, p, left, o, run) in state.items()))
+    return frozenset((rid, c + left if run else left, p, o, run) for rid, c, p, left, o, run in state)
 
 
 @dataclass
 class _Kept:
     """A layout's last replayed forecast and the boundaries it passed."""
-    key: tuple                                   # (the engine's layout, the forecast layout's pool blocks)
+    key: tuple                           # (the engine's layout, the forecast layout's pool blocks)
     segments: list[Segment]
-    secs: list[float]                            # one step of each segment
-    bounds: list[tuple[int, dict[str, tuple]]]   # (segments before it, `boundary`) of each boundary, in order
-    index: dict[tuple, list[int]]                # `_along_decode` of a boundary -> those boundaries
+    secs: list[float]                    # one step of each segment
+    bounds: list[tuple[int, tuple]]      # (segments before it, `boundary`) of each boundary, in order
+    ids: frozenset                       # the requests it replayed
+    index: dict[frozenset, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
 
 
 class BatchForecast:
@@ -219,10 +219,8 @@ class BatchForecast:
                 return None
             segments, secs = rp.segments, self.price(lay, rp.segments)
             admitted, served = rp.admitted, len(rp.served)
-            index: dict[tuple, list[int]] = {}
-            for i, (_, state) in enumerate(bounds):
-                index.setdefault(_along_decode(state), []).append(i)
-            self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), segments, secs, bounds, index)
+            self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), segments, secs, bounds,
+                                    frozenset(r.req_id for r in reqs))
         pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
         dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
         first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
@@ -243,12 +241,17 @@ class BatchForecast:
         kept = self._kept.get(lay)
         if kept is None or kept.key != (self.scheduler.ledger.layout, cap) or not reqs:
             return None
-        if any(not r.running for r in reqs):
+        if any(not r.running or r.req_id not in kept.ids for r in reqs):   # waiting, or arrived since
             return None
-        now = {r.req_id: (r.cached, r.pending, r.remaining, r.owner, True) for r in reqs}
-        for b in kept.index.get(_along_decode(now), ()):
+        if kept.index is None:
+            kept.index = {}
+            for i, (_, state) in enumerate(kept.bounds):
+                kept.index.setdefault(_along_decode(state), []).append(i)
+        now = {r.req_id: r.cached for r in reqs}
+        for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, True)
+                                              for r in reqs), ()):
             seg_i, state = kept.bounds[b]
-            ks = {now[rid][0] - v[0] for rid, v in state.items()}
+            ks = {now[rid] - c for rid, c, *_ in state}
             k = ks.pop()
             if ks or k < 0 or (b == 0 and k == 0):
                 continue
