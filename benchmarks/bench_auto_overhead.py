@@ -4,7 +4,9 @@ few-percent difference visible), with auto's re-evaluations, forecasts and onlin
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_auto_overhead.py [--pairs 12] [--requests 16]
 
-Auto is kept in TP by allowing only TP besides itself (`allowed_layouts: [tp]`), so every difference is its own work.
+Auto is kept in TP by allowing only TP besides itself (`allowed_layouts: [tp]`), so every difference is its own work;
+or, forecasting all four layouts as it serves, by a margin no layout can lead by (`--allowed tp,dp_attn,cp,dop
+--margin 0.95`).
 Prints, on rank 0, each engine's median wall seconds per generate and the median of the per-pair ratios auto / TP
 (1.00 = free), and rank 0's split of auto's time (forecasts, corrections) from the scheduler's own accounting.
 """
@@ -27,10 +29,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--preset", default="tiny-mla")
     ap.add_argument("--allowed", default="tp", help="layouts auto may choose (default tp: it never switches)")
+    ap.add_argument("--margin", type=float, default=0.10, help="auto's switch margin")
     a = ap.parse_args()
     comm = init_dist().comm
     allowed = tuple(a.allowed.split(","))
-    engines = {"auto": LLM(preset=a.preset, layout="auto", allowed_layouts=allowed, comm=comm),
+    engines = {"auto": LLM(preset=a.preset, layout="auto", allowed_layouts=allowed, switch_margin=a.margin, comm=comm),
                "tp": LLM(preset=a.preset, layout="tp", allowed_layouts=allowed, hardware_profile=None, comm=comm)}
     prompts = [[(7 * i + j) % 250 + 1 for j in range(a.prompt)] for i in range(a.requests)]
     params = SamplingParams(max_tokens=a.new, temperature=0.0, ignore_eos=True)

@@ -3,6 +3,7 @@ admissions, owners, preemptions and finishes, step by step, as the engine's `Sch
 what each layout's pool then costs (pure; the stand-in cost model of test_auto_layout)."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_auto_layout import LAYOUTS, LinearCost, make
@@ -249,3 +250,119 @@ def test_a_forecast_charges_a_cached_prefix_only_its_new_tokens():
     cold = BatchForecast(LinearCost(), None, world=2, block_size=16, scheduler=Scheduler(led_off, 16, 2048))
     rp = cold.replay("tp", _all_views(live), 400)
     assert sum(n for seg in rp.segments if seg.prefill for n, _, _ in seg.rows) == 8 * 96
+
+
+def _decoding(world: int = 2, prefix: bool = False) -> Scheduler:
+    """An engine's scheduler with five requests past their prompts, decoding, each with a different output left."""
+    live = Scheduler(KVLedger(world, 400, 16, "tp", prefix=prefix), max_num_seqs=16, max_num_batched_tokens=2048)
+    for i in range(5):
+        live.add(Request(f"r{i}", list(range(1, 40 + 7 * i)), 100 + 45 * i))
+    while any(r.pending != 1 for r in live.running) or live.waiting:
+        plan = live.schedule()
+        live.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+    return live
+
+
+def _advance(live: Scheduler, steps: int) -> None:
+    for _ in range(steps):
+        plan = live.schedule()
+        live.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+
+
+def _count_replays(monkeypatch) -> list:
+    from splash.engine.layout_policy import forecast as fc_mod
+    replays, real = [], fc_mod.replay
+    monkeypatch.setattr(fc_mod, "replay", lambda *a, **k: replays.append(1) or real(*a, **k))
+    return replays
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_forecast_the_engine_followed_is_not_replayed(monkeypatch, prefix):
+    """Every request decoding, none waiting: the engine then runs the steps the forecast replayed, so a forecast
+    asked k steps later — the same requests each k tokens further, less those that made their last token — is the
+    kept one past its first k steps: the same figures as a fresh replay (a per-context cost checks the cut run's
+    middle context) with no scheduler replayed. A request arriving, or one stopping early, is a change: replayed."""
+    replays = _count_replays(monkeypatch)
+    row = lambda n, c, o: (n, c, o)  # noqa: E731
+    live = _decoding(prefix=prefix)
+    forecast = BatchForecast(LinearCost(), row, world=2, block_size=16, scheduler=live)
+    for lay in LAYOUTS:
+        forecast.waves(lay, _all_views(live), 400)
+    assert len(replays) == len(LAYOUTS)
+    for k in (5, 30, 60, 10, 47):   # within the first steady run, past the first finish, past the second
+        _advance(live, k)
+        views = _all_views(live)
+        for lay in LAYOUTS:
+            n = len(replays)
+            got = forecast.waves(lay, views, 400)
+            assert len(replays) == n, (k, lay)
+            fresh = BatchForecast(LinearCost(), row, world=2, block_size=16, scheduler=live).waves(lay, views, 400)
+            assert got.work == fresh.work and got.admitted == fresh.admitted and got.served == fresh.served
+            assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
+                (fresh.prefill_s, fresh.decode_s, fresh.first_step_s), rel=1e-12)
+    assert len(live.running) == 3   # two made their last token on the way
+    _advance(live, 1)
+    live.add(Request("late", list(range(1, 20)), 5))
+    n = len(replays)
+    forecast.waves("tp", _all_views(live), 400)
+    assert len(replays) == n + 1
+    _advance(live, 3)   # the late one decoding too; then one request stops early (a stop token)
+    forecast.waves("tp", _all_views(live), 400)
+    live.running[0].max_tokens = len(live.running[0].output) + 1
+    n = len(replays)
+    forecast.waves("tp", _all_views(live), 400)
+    assert len(replays) == n + 1
+
+
+def test_auto_replays_no_forecast_while_nothing_changes(monkeypatch):
+    """`AutoLayout.advise` on an engine whose requests only decode: the periodic re-evaluations (contexts grow) are
+    answered from the first evaluation's forecasts — one replay per layout in all, not one per re-evaluation."""
+    import math
+    replays = _count_replays(monkeypatch)
+    live = _decoding(prefix=True)
+    a = make(LinearCost(), scheduler=live, overhead_budget=math.inf)
+    for step in range(64):
+        a.advise(step, "tp", live, live.ledger)
+        _advance(live, 1)
+    assert a.verdicts.get("stay", 0) >= 4
+    assert len(replays) == len(LAYOUTS)
+
+
+@settings(max_examples=120, deadline=None)
+@given(live_engines_with_shared_prefixes(), st.integers(1, 24))
+def test_a_followed_forecast_is_the_fresh_one(case, k):
+    """Random engines with the prefix cache on, part way through requests that share prefixes: a forecast kept at one
+    boundary and asked again k steps later is answered from the kept one whenever the engine's requests are where
+    its replay had them (always, for the engine's own layout, once none waits) — with a fresh replay's figures."""
+    world, bs, cap, lay, dst, groups, warm, policy = case
+    live = Scheduler(KVLedger(world, cap, bs, lay, prefix=True), **policy)
+    for g, (prompt, out, n) in enumerate(groups):
+        for j in range(n):
+            live.add(Request(f"g{g}s{j}", list(prompt), out))
+    fresh_tokens = iter(range(1000, 1 << 30))
+    _advance_with(live, warm, fresh_tokens)
+    row = lambda n, c, o: (n, c, o)  # noqa: E731
+    forecast = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live)
+    if not (live.running or live.waiting) or forecast.waves(dst, _all_views(live), cap) is None:
+        return
+    _advance_with(live, k, fresh_tokens)
+    views = _all_views(live)
+    if not views:
+        return
+    got = forecast.waves(dst, views, cap)
+    want = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live).waves(dst, views, cap)
+    if dst == lay and all(v.running for v in views):
+        assert forecast.followed == 1
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert (got.work, got.admitted, got.served) == (want.work, want.admitted, want.served)
+        assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
+            (want.prefill_s, want.decode_s, want.first_step_s), rel=1e-12)
+
+
+def _advance_with(live: Scheduler, steps: int, tokens) -> None:
+    for _ in range(steps):
+        if not (live.running or live.waiting):
+            return
+        plan = live.schedule()
+        live.update(plan, {it.req_id: next(tokens) for it in plan.items if it.sample})

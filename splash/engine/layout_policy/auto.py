@@ -369,7 +369,9 @@ class AutoLayout:
                                 "prefill_median_error": self.prefill_stats[lay].median_error}
                           for lay, s in self.stats.items()},
                 "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
-                "overhead": self.overhead.summary(), "history": list(self.history)}
+                "overhead": {**self.overhead.summary(), "forecasts_replayed": self.forecast.replayed,
+                             "forecasts_followed": self.forecast.followed},
+                "history": list(self.history)}
 
 
 # ---- the engine's wiring ----------------------------------------------------------------------------------------

@@ -49,10 +49,14 @@ class Forecast:
 @dataclass
 class Segment:
     """`count` consecutive steps of one shape, charged as `count` x the step of `rows` (new tokens, context,
-    owner)."""
+    owner); `work`: the output tokens they sample, `running`: the requests running in them, `admitted`: those that
+    started running with them."""
     rows: list[tuple[int, int, int | None]]
     count: int
     prefill: bool
+    work: int = 0
+    running: int = 0
+    admitted: tuple[str, ...] = ()
 
 
 @dataclass
@@ -101,20 +105,23 @@ def clone_requests(reqs: Sequence[ReqView], ledger: KVLedger, sched: Scheduler,
             sched.add(req)
 
 
-def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False) -> Replay:
+def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
+           bounds: list | None = None) -> Replay:
     """Run `sched` until its requests have finished (or `max_steps` replayed, a steady decode run applied at once
-    counting as one)."""
+    counting as one). `bounds`, when given, gets each boundary as (the segments before it, `boundary(sched)`)."""
     segments, served, events = [], {r.req_id for r in sched.running}, [] if trace else None
     work, admitted, step, replayed = 0, len(sched.running), 0, 0
     led = sched.ledger
     while sched.running or sched.waiting:
+        if bounds is not None:
+            bounds.append((len(segments), boundary(sched)))
         if replayed >= max_steps:
             break
         replayed += 1
         run = sched.steady_decode_steps(1 << 30)
         if run > 0:
             rows = [(1, r.num_cached + run // 2, led.reqs[r.req_id][1]) for r in sched.running]
-            segments.append(Segment(rows, run, False))
+            segments.append(Segment(rows, run, False, run * len(rows), len(rows)))
             work += run * len(sched.running)
             sched.advance_decode(run, _TOKEN)
             step += run
@@ -136,13 +143,42 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False) ->
                 sched.requests.pop(gone.req_id, None)
             continue
         rows = [(len(it.tokens), it.start_pos, it.owner) for it in plan.items]
-        segments.append(Segment(rows, 1, any(n > 1 for n, _, _ in rows)))
         sampled = {it.req_id: _TOKEN for it in plan.items if it.sample}
+        segments.append(Segment(rows, 1, any(n > 1 for n, _, _ in rows), len(sampled), len(now),
+                                tuple(sorted(now - before))))
         work += len(sampled)
         done = sched.update(plan, sampled)
         if trace:
             events += [(step, "finish", r.req_id, None) for r in done]
     return Replay(segments, work, admitted, served, events)
+
+
+def boundary(sched: Scheduler) -> tuple[tuple, ...]:
+    """The requests of `sched` as `request_views` shows them at a boundary: (request, cached tokens, pending, output
+    tokens left, owner, running) each; a waiting request has none cached and no owner."""
+    led = sched.ledger
+
+    def left(r) -> int:
+        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
+    return (*((r.req_id, r.num_cached, r.pending, left(r), led.reqs[r.req_id][1], True) for r in sched.running),
+            *((r.req_id, 0, r.pending, left(r), None, False) for r in sched.waiting))
+
+
+def _along_decode(state) -> frozenset:
+    """What a boundary keeps through decode steps (each running request's cached tokens + output left, and all
+    else): the key boundaries of one steady decode run share."""
+    return frozenset((rid, c + left if run else left, p, o, run) for rid, c, p, left, o, run in state)
+
+
+@dataclass
+class _Kept:
+    """A layout's last replayed forecast and the boundaries it passed."""
+    key: tuple                           # (the engine's layout, the forecast layout's pool blocks)
+    segments: list[Segment]
+    secs: list[float]                    # one step of each segment
+    bounds: list[tuple[int, tuple]]      # (segments before it, `boundary`) of each boundary, in order
+    ids: frozenset                       # the requests it replayed
+    index: dict[frozenset, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
 
 
 class BatchForecast:
@@ -151,8 +187,12 @@ class BatchForecast:
         are read at each forecast)."""
         self.model, self.row, self.world, self.block_size = model, row, world, block_size
         self.scheduler = scheduler
+        self._kept: dict[str, _Kept] = {}
+        self.replayed = 0   # forecasts replayed in full
+        self.followed = 0   # ... and answered from a kept one the engine followed (`_followed`)
 
-    def replay(self, lay: str, reqs: Sequence[ReqView], cap: int, trace: bool = False) -> Replay:
+    def replay(self, lay: str, reqs: Sequence[ReqView], cap: int, trace: bool = False,
+               bounds: list | None = None) -> Replay:
         live = self.scheduler.ledger
         if live.prefix:   # the engine's cache and the requests sharing it (the module docstring)
             ledger = live.fork(lay, cap)
@@ -162,18 +202,75 @@ class BatchForecast:
             ledger = KVLedger(self.world, cap, self.block_size, lay)
             sched = self.scheduler.sibling(ledger)
             clone_requests(reqs, ledger, sched)
-        return replay(sched, trace=trace)
+        return replay(sched, trace=trace, bounds=bounds)
 
     def waves(self, lay: str, reqs: Sequence[ReqView], cap: int) -> Forecast | None:
         """`lay`'s forecast for `reqs` (see the module docstring); None when it would serve nothing."""
-        rp = self.replay(lay, reqs, cap)
-        if not rp.served or rp.work <= 0:
+        kept = self._followed(lay, reqs, cap)
+        if kept is not None:
+            self.followed += 1
+            segments, secs, admitted, served = kept
+        else:
+            bounds: list = []
+            rp = self.replay(lay, reqs, cap, bounds=bounds)
+            self.replayed += 1
+            if not rp.served or rp.work <= 0:
+                self._kept.pop(lay, None)
+                return None
+            segments, secs = rp.segments, self.price(lay, rp.segments)
+            admitted, served = rp.admitted, len(rp.served)
+            self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), segments, secs, bounds,
+                                    frozenset(r.req_id for r in reqs))
+        pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
+        dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
+        first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
+        return Forecast(pre, dec, first, sum(seg.work for seg in segments), admitted, served)
+
+    # ---- a forecast the engine followed ----------------------------------------------------------------------
+    # The engine's scheduler runs the same policy on the same state as the replay did, so it makes the replay's
+    # steps until something the replay could not foresee happens: a request arrives, stops early on a stop token
+    # or is aborted. A forecast asked at a later boundary whose requests are exactly as the replay had them at one
+    # of its boundaries (or k steps into one of its steady decode runs) — each request's cached tokens, pending
+    # tokens, output left, owner, running or waiting — is the kept replay from there: answered from it (a run cut
+    # part way re-priced at its new middle context) instead of replayed and priced again. Not at the replay's
+    # start (asked again with no step run, it is replayed), and not while a request waits: its admission may find
+    # cached blocks that a fresh fork for another layout than the engine's would have dropped.
+    def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int):
+        """(segments, seconds per step, admitted, served) of the kept forecast from the boundary the engine is at,
+        or None when the engine did not follow it (or none is kept)."""
+        kept = self._kept.get(lay)
+        if kept is None or kept.key != (self.scheduler.ledger.layout, cap) or not reqs:
             return None
-        secs = self.price(lay, rp.segments)
-        pre = sum(s * seg.count for s, seg in zip(secs, rp.segments) if seg.prefill)
-        dec = sum(s * seg.count for s, seg in zip(secs, rp.segments) if not seg.prefill)
-        first = next((s for s, seg in zip(secs, rp.segments) if not seg.prefill), 0.0)
-        return Forecast(pre, dec, first, rp.work, rp.admitted, len(rp.served))
+        if any(not r.running or r.req_id not in kept.ids for r in reqs):   # waiting, or arrived since
+            return None
+        if kept.index is None:
+            kept.index = {}
+            for i, (_, state) in enumerate(kept.bounds):
+                kept.index.setdefault(_along_decode(state), []).append(i)
+        now = {r.req_id: r.cached for r in reqs}
+        for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, True)
+                                              for r in reqs), ()):
+            seg_i, state = kept.bounds[b]
+            ks = {now[rid] - c for rid, c, *_ in state}
+            k = ks.pop()
+            if ks or k < 0 or (b == 0 and k == 0):
+                continue
+            if k:   # k steps into a steady decode run that starts at this boundary
+                if seg_i >= len(kept.segments) or kept.segments[seg_i].prefill or k >= kept.segments[seg_i].count:
+                    continue
+            out_seg, out_secs = list(kept.segments[seg_i:]), list(kept.secs[seg_i:])
+            if not out_seg:
+                return None
+            if k:
+                seg = out_seg[0]
+                left = seg.count - k
+                rows = [(n, c - seg.count // 2 + k + left // 2, o) for n, c, o in seg.rows]
+                out_seg[0] = Segment(rows, left, False, left * len(rows), seg.running)
+                out_secs[0] = self.model.step(lay, [self.row(*r) for r in rows]).seconds
+            admitted = max([len(now), *(seg.running for seg in out_seg)])
+            served = len(now.keys() | {rid for seg in out_seg for rid in seg.admitted})
+            return out_seg, out_secs, admitted, served
+        return None
 
     def price(self, lay: str, segments: Sequence[Segment]) -> list[float]:
         """Seconds of one step of each segment: a sample priced with the cost model (see the module docstring), the
