@@ -108,7 +108,7 @@ class AutoLayout:
         self._learn_until = 0             # observed-step count up to which every step trains
         self.probes: dict[str, int] = {}                    # "layout/regime" -> probes taken
         self._probe_regime = "decode"                       # the regime of the probe proposed at this boundary
-        self._probe_trip: tuple[str, str] | None = None     # (from, into) of the probe not resolved yet
+        self._probe_trip: tuple[str, str, str] | None = None   # (from, into, regime) of the probe not resolved yet
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -158,7 +158,10 @@ class AutoLayout:
             added = max(0.0, measured_s - pred * self.factor(layout, regime))
             self.switch_cost.learn(last.step if last else None, last.current if last else None, layout,
                                    last.switch_raw_s if vetted else None, added)
-            self._since_switch_s, self._dwell_s = 0.0, DWELL_RATIO * 2 * added
+            # a probe sets no dwell: its round trip was paid for when it was vetted, and holding the way out back
+            # would run the work left in a layout that may have measured slower
+            probe = vetted and last.probe
+            self._since_switch_s, self._dwell_s = 0.0, 0.0 if probe else DWELL_RATIO * 2 * added
             self._learn_until = self._observed + LEARN_AFTER_SWITCH
             return
         self.steps.learn(layout, regime, pred, measured_s)
@@ -193,6 +196,7 @@ class AutoLayout:
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc = {}, {}, {}, {}, {}, {}, {}
+        parts: dict[str, dict[str, float]] = {}   # layout -> regime -> its corrected seconds in the forecast
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -209,12 +213,10 @@ class AutoLayout:
             hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
                   + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
+            parts[lay] = {"prefill": pre * fp, "decode": dec * f}
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
-        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured, and a
-        # current layout still on a borrowed factor is not left for a measured one on that factor alone (staying
-        # measures it): the candidate is judged at the difference either way
-        unc = {k: abs(u - unc.get(current, 0.0)) for k, u in unc.items()}
+        unc = self._relative(current, unc)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
                     step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
@@ -224,15 +226,14 @@ class AutoLayout:
         lay, why = choose_layout(current, per_tok, set(per_tok), self.margin, base["work_tokens"],
                                  dict.fromkeys(per_tok, 0.0), unit="output tokens", uncertainty=unc)
         if lay == current:
-            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
-            back = self._probe_return(current, per_tok, unc, regime)
+            back = self._probe_return(current, per_tok)
             if back is not None:
-                gain = per_tok[current] - per_tok[back[0]] * math.exp(unc.get(back[0], 0.0))
+                gain = per_tok[current] - per_tok[back[0]]
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
-            probe = self._probe_target(current, per_tok, unc, regime)
+            probe = self._probe_target(current, per_tok, unc, parts)
             if probe is not None:
-                self._probe_regime = regime
+                self._probe_regime = probe[2]
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
                                 payoff_s=(per_tok[current] - per_tok[probe[0]]) * base["work_tokens"], **base)
             best = min(per_tok, key=per_tok.get)
@@ -247,41 +248,65 @@ class AutoLayout:
                   else (per_tok[current] - per_tok[lay] * math.exp(unc.get(lay, 0.0))) * base["work_tokens"])
         return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
 
+    def _relative(self, current: str, unc: Mapping[str, float]) -> dict[str, float]:
+        """Each candidate's uncertainty relative to `current` (whose own entry is 0). A borrowed factor is the
+        visited layouts' mean, and what it misses is the layout's own deviation from that mean — independent from
+        layout to layout (each runs its own kernels) — so two layouts on the same borrowed factor are not known
+        to compare as the model says: the uncertainties combine as independent errors (root of the sum of
+        squares), and a current layout still on a borrowed factor is not left for a measured one on that factor
+        alone (staying measures it). Before any step was measured there is nothing to borrow and nothing that
+        could tell the layouts apart: the model's predictions are compared as they are."""
+        if not any(st.n for by_lay in self.steps.by_regime.values() for st in by_lay.values()):
+            return dict.fromkeys(unc, 0.0)
+        u_cur = unc.get(current, 0.0)
+        return {k: 0.0 if k == current else math.hypot(u, u_cur) for k, u in unc.items()}
+
     def _probe_target(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
-                      regime: str) -> tuple[str, str] | None:
-        """The layout to probe at this boundary and why, or None (see the module docstring): the one whose
-        optimistic prediction leads most, among those leading by the margin optimistically and not measured yet in
-        `regime` (the regime the next steps run in), with probes left there; not within the dwell."""
+                      parts: Mapping[str, Mapping[str, float]]) -> tuple[str, str, str] | None:
+        """The layout to probe at this boundary, why, and the regime the probe measures — or None (see the module
+        docstring): the one whose optimistic prediction leads most, among those leading by the margin
+        optimistically. A probe measures the regime that carries the candidate's uncertainty: of the regimes its
+        forecast has work in where it is not measured yet (beyond the current layout) and has probes left, the one
+        whose uncertainty weighs the most seconds of its forecast — not the regime of the next steps, which may be
+        measured already while the candidate's lead rests on the other. Not within the dwell."""
         if self._since_switch_s < self._dwell_s or current not in per_tok:
             return None
         cur, best = per_tok[current], None
         for k, t in per_tok.items():
-            fresh = self.steps.uncertainty(k, regime) - self.steps.uncertainty(current, regime)
-            if (k == current or fresh < PROBE_MIN_UNCERTAINTY or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY
-                    or self.probes.get(f"{k}/{regime}", 0) >= MAX_PROBES):
+            if k == current or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY:
+                continue
+            weight = {}
+            for reg, secs in parts.get(k, {}).items():
+                u = self.steps.uncertainty(k, reg)
+                if (secs > 0 and u - self.steps.uncertainty(current, reg) >= PROBE_MIN_UNCERTAINTY
+                        and self.probes.get(f"{k}/{reg}", 0) < MAX_PROBES):
+                    weight[reg] = secs * math.expm1(u)
+            if not weight:
                 continue
             opt = t * math.exp(-unc[k])
             if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
-                best = (opt, k)
+                best = (opt, k, max(weight, key=weight.get))
         if best is None:
             return None
-        return best[1], (f"probe {best[1]} in {regime}: {1 - per_tok[best[1]] / cur:.1%} faster on its point "
-                         f"prediction, {1 - best[0] / cur:.1%} at the optimistic end of its uncertainty "
-                         f"(x{math.exp(unc[best[1]]):.3g}), not measured in {regime} yet")
+        opt, k, reg = best
+        return k, (f"probe {k} in {reg}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
+                   f"{1 - opt / cur:.1%} at the optimistic end of its uncertainty (x{math.exp(unc[k]):.3g}), "
+                   f"not measured in {reg} yet"), reg
 
-    def _probe_return(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
-                      regime: str) -> tuple[str, str] | None:
-        """After a probe into `current`: once it is measured in `regime`, the layout it came from and why when that
-        one is faster even at its uncertainty (the trip then ends either way); None otherwise."""
+    def _probe_return(self, current: str, per_tok: Mapping[str, float]) -> tuple[str, str] | None:
+        """After a probe into `current`: once it is measured in the regime the probe was for, the layout it came
+        from and why when that one is predicted faster (the trip then ends either way); None otherwise. The origin
+        is judged at its point prediction, without the margin: the probe was entered on an optimistic view of
+        `current`, so `current` is kept only when its measurement bears that view out."""
         trip = self._probe_trip
         if trip is None or trip[1] != current:
             self._probe_trip = None
             return None
-        origin = trip[0]
+        origin, _, regime = trip
         if self.steps.uncertainty(current, regime) >= PROBE_MIN_UNCERTAINTY:
             return None   # not measured yet: the normal rule decides meanwhile
         self._probe_trip = None
-        if origin not in per_tok or per_tok[origin] * math.exp(unc.get(origin, 0.0)) >= per_tok[current]:
+        if origin not in per_tok or per_tok[origin] >= per_tok[current]:
             return None
         return origin, (f"back to {origin}: the probe measured {current} "
                         f"{per_tok[current] / per_tok[origin] - 1:.1%} slower in {regime}")
@@ -299,10 +324,11 @@ class AutoLayout:
             lay, why = (d.target if ok else d.current), (
                 f"{d.reason}: round trip 2 x {cost:.4g}s {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
                 f"{left:.4g}s left in {d.current}")
-        else:   # going back from a probe that measured slower: no margin, the payoff must still pay the switch
+        else:   # going back from a probe that measured slower: no margin, at the point prediction; the payoff
+            # must still pay the switch
+            unc = {**d.uncertainty, d.target: 0.0} if d.probe_return else d.uncertainty
             lay, why = choose_layout(d.current, per_tok, set(per_tok), 0.0 if d.probe_return else self.margin,
-                                     d.work_tokens, {d.target: cost}, unit="output tokens",
-                                     uncertainty=d.uncertainty)
+                                     d.work_tokens, {d.target: cost}, unit="output tokens", uncertainty=unc)
         ratio, seen = self.switch_cost.ratio(d.current, d.target)
         why += f" (switch cost: model {raw:.4g}s x {ratio:.3g} {'learnt' if seen else 'borrowed/default'})"
         return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost,
@@ -315,7 +341,7 @@ class AutoLayout:
         prev, self.last = self.last, d
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if d.verdict == "switch":
-            self._probe_trip = (d.current, d.target) if d.probe else None
+            self._probe_trip = (d.current, d.target, self._probe_regime) if d.probe else None
             if d.probe:
                 key = f"{d.target}/{self._probe_regime}"
                 self.probes[key] = self.probes.get(key, 0) + 1
