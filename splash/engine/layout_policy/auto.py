@@ -18,24 +18,29 @@ long prompt's attention runs in many kernel chunks; decode rows in one or two) a
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
 slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
 for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
-carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by the difference between
-its uncertainty and the current layout's, so it is entered only when its lead survives — and a current layout not
-measured yet is not left on its own borrowed factor (the steps it runs measure it). The switch-cost prediction is corrected online too, per direction, from
-the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
-the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
-unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
+carries an uncertainty (`correction`): what it misses is the layout's own deviation from the visited layouts' mean,
+which is independent from layout to layout, so a candidate is judged at its prediction inflated by its uncertainty
+and the current layout's combined as independent errors (root of the sum of squares). It is entered only when its
+lead survives that: two layouts on the same borrowed factor do not compare as measured, and a current layout not
+measured yet is not left on its own borrowed factor (the steps it runs measure it). Before any step was measured
+nothing tells the layouts apart, and the model's predictions are compared as they are. The switch-cost prediction
+is corrected online too, per direction, from the measured added time of the switch steps (a conservative ratio
+until a switch was observed), and after a switch the controller stays at least DWELL_RATIO x the round trip's
+measured cost (in step seconds) before switching again, unless the current layout becomes infeasible. The last
+HISTORY decisions that changed are kept for the API.
 
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
-whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
-which is not measured yet in the regime the next steps run in (its uncertainty there at least PROBE_MIN_UNCERTAINTY
-beyond the current layout's), may be entered to measure it: at most MAX_PROBES times per layout and regime, and
-only when twice the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's
-predicted time for the work left. The LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor.
-A probe is a measurement, not a commitment: once the probed layout is measured (its uncertainty in the regime below
-PROBE_MIN_UNCERTAINTY) and the layout it came from is faster even at its uncertainty, the controller goes back
-without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule (with the dwell)
-decides from there.
+whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin may be
+entered to measure it, in the regime that carries its uncertainty: of the regimes its forecast has work in where
+it is not measured yet (its uncertainty there at least PROBE_MIN_UNCERTAINTY beyond the current layout's), the one
+whose uncertainty weighs the most seconds — at most MAX_PROBES times per layout and regime, and only when twice
+the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's predicted time for the
+work left. The LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A probe is a
+measurement, not a commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
+probed layout is measured in the probe's regime and the layout it came from is faster on its point prediction,
+the controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal
+rule decides from there.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -68,7 +73,7 @@ MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a 
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 DWELL_RATIO = 4.0        # after a switch, stay this many times the round trip's measured cost (2 x the switch's)
 HISTORY = 64             # decisions kept for GET /v1/layout (those that changed verdict, target or layout)
-MAX_PROBES = 1           # probes per layout: entering it on its point prediction when only that leads by the margin
+MAX_PROBES = 1           # probes per layout and regime: entering it when only its optimistic prediction leads
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
