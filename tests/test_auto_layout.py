@@ -449,26 +449,24 @@ def test_two_layouts_on_the_same_borrowed_factor_are_compared_at_both_uncertaint
     assert (d.verdict, d.target) == ("switch", "dp_attn") and d.uncertainty["dp_attn"] == 0.0
 
 
-def test_a_probe_measures_the_regime_that_carries_the_candidates_uncertainty():
-    # DOP was measured in prefill (its prefill probe spent), not in decode; a prompt is pending, so the next steps
-    # carry prefill, but the forecast is decode-dominated: DOP's uncertainty, and the probe, are decode's
+def test_a_probe_measures_the_regime_the_next_steps_run_in_and_ends_on_that_measurement():
+    # a prompt is pending, so the next steps carry prefill, while the forecast is decode-dominated: DOP is probed in
+    # prefill (its decode steps come only after the prefill backlog, which the probe would run unmeasured)
     m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1.05e-3}, **FLAT)
     a = make(m, observe_every=1)
     _visit(a, m, "tp", 1.0, n=40)
     _visit_prefill(a, m, "tp", 1.0, n=40)
-    _visit_prefill(a, m, "dop", 1.0, n=40)
-    a.probes["dop/prefill"] = 1
     reqs = decode_batch(4, 100, remaining=10_000) + [ReqView("p", 0, 512, 10_000, 0)]
     d = a.propose(0, "tp", reqs, usage(reqs))
-    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in decode" in d.reason
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in prefill" in d.reason
     a.record(a.vet(d, manifest=None))
-    assert a.probes == {"dop/prefill": 1, "dop/decode": 1}
-    # the trip ends on DOP's decode measurement, not on the prefill steps that come first
+    assert a.probes == {"dop/prefill": 1}
+    # the trip ends on DOP's prefill measurement, even at a boundary whose next steps are decode-only
+    dec = decode_batch(4, 100, remaining=10_000)
+    assert not a.propose(1, "dop", dec, usage(dec)).probe_return
     _visit_prefill(a, m, "dop", 1.2, n=12)
-    assert not a.propose(1, "dop", reqs, usage(reqs)).probe_return
-    _visit(a, m, "dop", 1.08, n=12)
-    d = a.propose(2, "dop", reqs, usage(reqs))
-    assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True) and "in decode" in d.reason
+    d = a.propose(2, "dop", dec, usage(dec))
+    assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True) and "in prefill" in d.reason
 
 
 def test_the_way_out_of_a_probe_is_not_held_back_by_a_dwell():

@@ -31,13 +31,14 @@ HISTORY decisions that changed are kept for the API.
 
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
-whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin may be
-entered to measure it, in the regime that carries its uncertainty: of the regimes its forecast has work in where
-it is not measured yet (its uncertainty there at least PROBE_MIN_UNCERTAINTY beyond the current layout's), the one
-whose uncertainty weighs the most seconds — at most MAX_PROBES times per layout and regime, and only when twice
-the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's predicted time for the
-work left. The LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A probe is a
-measurement, not a commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
+whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
+which is not measured yet in the regime the next steps run in (its uncertainty there at least PROBE_MIN_UNCERTAINTY
+beyond the current layout's), may be entered to measure it: at most MAX_PROBES times per layout and regime, and
+only when twice the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's
+predicted time for the work left. A probe measures the next steps' regime, not another one its lead may rest on:
+that one's steps come only after the next ones, which the probe would run in a layout not measured there. The
+LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A probe is a measurement, not a
+commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
 probed layout is measured in the probe's regime and the layout it came from is faster on its point prediction,
 the controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal
 rule decides from there.
@@ -201,7 +202,6 @@ class AutoLayout:
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc = {}, {}, {}, {}, {}, {}, {}
-        parts: dict[str, dict[str, float]] = {}   # layout -> regime -> its corrected seconds in the forecast
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -218,7 +218,6 @@ class AutoLayout:
             hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
                   + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
-            parts[lay] = {"prefill": pre * fp, "decode": dec * f}
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
         unc = self._relative(current, unc)
@@ -236,7 +235,8 @@ class AutoLayout:
                 gain = per_tok[current] - per_tok[back[0]]
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
-            probe = self._probe_target(current, per_tok, unc, parts)
+            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
+            probe = self._probe_target(current, per_tok, unc, regime)
             if probe is not None:
                 self._probe_regime = probe[2]
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
@@ -267,36 +267,29 @@ class AutoLayout:
         return {k: 0.0 if k == current else math.hypot(u, u_cur) for k, u in unc.items()}
 
     def _probe_target(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
-                      parts: Mapping[str, Mapping[str, float]]) -> tuple[str, str, str] | None:
+                      regime: str) -> tuple[str, str, str] | None:
         """The layout to probe at this boundary, why, and the regime the probe measures — or None (see the module
         docstring): the one whose optimistic prediction leads most, among those leading by the margin
-        optimistically. A probe measures the regime that carries the candidate's uncertainty: of the regimes its
-        forecast has work in where it is not measured yet (beyond the current layout) and has probes left, the one
-        whose uncertainty weighs the most seconds of its forecast — not the regime of the next steps, which may be
-        measured already while the candidate's lead rests on the other. Not within the dwell."""
+        optimistically and not measured yet in `regime` (the regime the next steps run in: a probe for the other
+        one would run every step up to it in a layout not measured there), with probes left there; not within the
+        dwell."""
         if self._since_switch_s < self._dwell_s or current not in per_tok:
             return None
         cur, best = per_tok[current], None
         for k, t in per_tok.items():
-            if k == current or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY:
-                continue
-            weight = {}
-            for reg, secs in parts.get(k, {}).items():
-                u = self.steps.uncertainty(k, reg)
-                if (secs > 0 and u - self.steps.uncertainty(current, reg) >= PROBE_MIN_UNCERTAINTY
-                        and self.probes.get(f"{k}/{reg}", 0) < MAX_PROBES):
-                    weight[reg] = secs * math.expm1(u)
-            if not weight:
+            fresh = self.steps.uncertainty(k, regime) - self.steps.uncertainty(current, regime)
+            if (k == current or fresh < PROBE_MIN_UNCERTAINTY or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY
+                    or self.probes.get(f"{k}/{regime}", 0) >= MAX_PROBES):
                 continue
             opt = t * math.exp(-unc[k])
             if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
-                best = (opt, k, max(weight, key=weight.get))
+                best = (opt, k)
         if best is None:
             return None
-        opt, k, reg = best
-        return k, (f"probe {k} in {reg}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
+        opt, k = best
+        return k, (f"probe {k} in {regime}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
                    f"{1 - opt / cur:.1%} at the optimistic end of its uncertainty (x{math.exp(unc[k]):.3g}), "
-                   f"not measured in {reg} yet"), reg
+                   f"not measured in {regime} yet"), regime
 
     def _probe_return(self, current: str, per_tok: Mapping[str, float]) -> tuple[str, str] | None:
         """After a probe into `current`: once it is measured in the regime the probe was for, the layout it came
