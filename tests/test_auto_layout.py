@@ -501,3 +501,36 @@ def test_a_probe_returns_when_the_origin_is_faster_on_its_point_prediction():
     assert d.uncertainty["tp"] > 0.1
     assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True)
     assert a.vet(d, manifest=None).verdict == "switch"
+
+
+def test_a_probe_is_taken_only_when_its_way_back_fits_in_memory():
+    """TP -> DP-attn frees half of each rank's TP blocks, so the probe itself fits; the way back gathers every
+    request on both ranks again, with one layer's transfer buffers on top. With a pool of 52 blocks TP holds the
+    batch grown by the probe (4 x 12 blocks), but the handoff back (24 resident + 24 incoming + 6 buffers + 2 for
+    the step) does not fit: the probe would strand the batch in a layout it may measure slower, so it is not taken
+    (and not counted: it may be taken once the batch shrinks). With room for the way back it is taken."""
+    from test_manifest import BS, GLM
+    from splash.engine.layout_policy.control import LayoutController
+    from splash.engine.ledger import KVLedger
+
+    def probe(pool):
+        m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 0.97e-3, "cp": 1.0, "dop": 1.0}, **FLAT)
+        a = make(m, observe_every=1)
+        _visit(a, m, "tp", 3.0)
+        ledger = KVLedger(2, pool, BS, "tp")
+        reqs = [SimpleNamespace(req_id=f"r{i}", num_cached=160, pending=1, max_tokens=10_000, output=[],
+                                max_len=1 << 20, prompt=[0] * 160) for i in range(4)]
+        for i, r in enumerate(reqs):
+            ledger.grow(r.req_id, 160, owner=i % 2)
+        choice = a.advise(0, "tp", SimpleNamespace(running=reqs, waiting=[], max_num_seqs=64), ledger)
+        assert choice == "dp_attn" and a._pending.probe
+        ctl = LayoutController(GLM, 2, BS, 2, "float32")
+        d = ctl.decide("tp", ledger, {r.req_id: 160 for r in reqs}, 2, auto_choice=choice, vet=a.vet_pending)
+        assert ctl.last_deferral is None                   # the probe itself always fits
+        return a, d
+
+    a, d = probe(52)
+    assert d is None and a.last.verdict == "not_worth_it" and a.probes == {}
+    assert "way back to tp would not fit" in a.last.reason and "handoff peak 56 blocks" in a.last.reason
+    a, d = probe(56)
+    assert d is not None and d.dst == "dp_attn" and a.last.verdict == "switch" and a.probes == {"dp_attn/decode": 1}

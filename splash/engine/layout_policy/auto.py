@@ -41,7 +41,11 @@ LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A p
 commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
 probed layout is measured in the probe's regime and the layout it came from is faster on its point prediction,
 the controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal
-rule decides from there.
+rule decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
+the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
+run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
+layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
+slower until the pool drains.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -78,6 +82,8 @@ MAX_PROBES = 1           # probes per layout and regime: entering it when only i
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
+PROBE_LEN_STEPS = LEARN_AFTER_SWITCH + 16   # a probe's way back must fit after this many decode steps (the steps
+                                            # that measure it, then up to a full re-evaluation interval)
 OVERHEAD_BUDGET = 0.02   # re-evaluations: at most this share of the executed steps' measured time
 
 
@@ -122,6 +128,7 @@ class AutoLayout:
             scheduler = Scheduler(KVLedger(world, 0, block_size, self.allowed[0]), max_num_seqs,
                                   max_num_batched_tokens)
         self._pending: Decision | None = None   # advised at this boundary, waiting for vet_pending
+        self._grow: dict[str, int] = {}          # per running request, the tokens it may add during a probe
         self.forecast = BatchForecast(model, row, world=world, block_size=block_size, scheduler=scheduler)
 
     # ---- online learning ---------------------------------------------------------------------------------
@@ -363,14 +370,29 @@ class AutoLayout:
             self.record(d)
             return None
         self._pending = d
+        self._grow = {v.req_id: v.pending + min(v.remaining, PROBE_LEN_STEPS) for v in views if v.running}
         return d.target
 
-    def vet_pending(self, manifest: Any, deferral: str | None) -> str | None:
+    def vet_pending(self, manifest: Any, deferral: str | None, way_back=None) -> str | None:
         """The last word on the switch `advise` wanted, now that its manifest is planned (and `deferral` says whether
-        memory headroom holds it back): a reason to refuse it, or None. The decision is recorded either way."""
+        memory headroom holds it back): a reason to refuse it, or None. The decision is recorded either way.
+        `way_back(grow)`: the headroom deferral of the switch back once each request grew by `grow[req]` tokens
+        (None: it fits); a probe whose way back would not fit is refused."""
         d, self._pending = self._pending, None
         if d is None:
             return "no switch was advised at this boundary"
+        if d.probe and way_back is not None:
+            try:
+                back = self.overhead.timed(way_back, self._grow)
+            except Exception:  # noqa: BLE001 — a probe is optional: one whose way back cannot be planned is not taken
+                log.exception("auto layout: planning a probe's way back failed; staying in %s", d.current)
+                back = "its way back could not be planned"
+            if back is not None:
+                v = replace(d, verdict="not_worth_it", reason=(
+                    f"{d.reason}: but the way back to {d.current} would not fit after the probe "
+                    f"(each request +{PROBE_LEN_STEPS} output tokens): {back}"))
+                self.record(v)
+                return v.reason
         try:
             v = self.vet(d, manifest)
         except Exception:  # noqa: BLE001 — the scheduler only advises: no prediction, no switch
