@@ -418,3 +418,119 @@ def test_a_current_layout_on_a_borrowed_factor_is_not_left_on_that_factor_alone(
     assert (d.verdict, d.target) == ("uncertain", "dop") and d.uncertainty["dop"] > 0.1
     _visit(a, m, "tp", 1.0, n=40)                 # staying measured TP: now the lead is known
     assert a.propose(1, "tp", reqs, usage(reqs)).verdict == "switch"
+
+
+def _visit_prefill(a, m, layout, factor, n=8):
+    rows = [(512, 0, 0)]
+    for _ in range(n):
+        a.observe(layout, rows, factor * m.step(layout, rows).seconds)
+
+
+FLAT = dict(per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
+
+
+def test_two_layouts_on_the_same_borrowed_factor_are_compared_at_both_uncertainties():
+    # TP measured; CP (current) and DP-attn both borrow TP's factor: DP-attn's 15% point lead over CP rests on the
+    # model's ratio of two kernels neither was measured on — each may deviate from the mean on its own
+    m = LinearCost(fixed={"tp": 1.0, "dp_attn": 0.85e-3, "cp": 1e-3, "dop": 1.0}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "cp", reqs, usage(reqs))
+    assert (d.verdict, d.target) == ("uncertain", "dp_attn")
+    assert abs(d.uncertainty["dp_attn"] - math.hypot(0.25, 0.25)) < 1e-6 and d.uncertainty["cp"] == 0.0
+    # staying measures CP; then DP-attn is the one not measured, and it is probed
+    _visit(a, m, "cp", 1.0, n=40)
+    d = a.propose(1, "cp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dp_attn", True)
+    # before any step was measured nothing tells the layouts apart: the model is taken as it is
+    b = make(m, observe_every=1)
+    d = b.propose(0, "cp", reqs, usage(reqs))
+    assert (d.verdict, d.target) == ("switch", "dp_attn") and d.uncertainty["dp_attn"] == 0.0
+
+
+def test_a_probe_measures_the_regime_the_next_steps_run_in_and_ends_on_that_measurement():
+    # a prompt is pending, so the next steps carry prefill, while the forecast is decode-dominated: DOP is probed in
+    # prefill (its decode steps come only after the prefill backlog, which the probe would run unmeasured)
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1.05e-3}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "tp", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=10_000) + [ReqView("p", 0, 512, 10_000, 0)]
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in prefill" in d.reason
+    a.record(a.vet(d, manifest=None))
+    assert a.probes == {"dop/prefill": 1}
+    # the trip ends on DOP's prefill measurement, even at a boundary whose next steps are decode-only
+    dec = decode_batch(4, 100, remaining=10_000)
+    assert not a.propose(1, "dop", dec, usage(dec)).probe_return
+    _visit_prefill(a, m, "dop", 1.2, n=12)
+    d = a.propose(2, "dop", dec, usage(dec))
+    assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True) and "in prefill" in d.reason
+
+
+def test_the_way_out_of_a_probe_is_not_held_back_by_a_dwell():
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.97e-3}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=10_000)
+    a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
+    assert a.last.probe and a.last.target == "dop"
+    rows = [(1, 100, 0)] * 4
+    a.observe("dop", rows, m.step("dop", rows).seconds + 0.3, switched=True)   # the probe's switch added 0.3 s
+    assert a.summary()["switch_cost"]["dwell_s"] == 0.0
+    _visit(a, m, "dop", 1.5, n=12)                        # DOP measured 45% slower than TP: back at once
+    d = a.propose(1, "dop", reqs, usage(reqs))
+    assert (d.verdict, d.target) == ("switch", "tp")
+    # a switch that is not a probe still sets the dwell
+    a.record(a.vet(d, manifest=None))
+    a.observe("tp", rows, m.step("tp", rows).seconds + 0.3, switched=True)
+    assert a.summary()["switch_cost"]["dwell_s"] > 2.0
+
+
+def test_a_probe_returns_when_the_origin_is_faster_on_its_point_prediction():
+    # TP measured on one step only (x1.13 uncertain); the DOP probe measured 5% slower than TP's point prediction
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.97e-3}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=2)                           # the first step warms up: one measurement
+    reqs = decode_batch(4, 100, remaining=10_000)
+    a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
+    assert a.last.probe and a.last.target == "dop"
+    _visit(a, m, "dop", 1.05 / 0.97, n=40)
+    d = a.propose(1, "dop", reqs, usage(reqs))
+    assert d.uncertainty["tp"] > 0.1
+    assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True)
+    assert a.vet(d, manifest=None).verdict == "switch"
+
+
+def test_a_probe_is_taken_only_when_its_way_back_fits_in_memory():
+    """TP -> DP-attn frees half of each rank's TP blocks, so the probe itself fits; the way back gathers every
+    request on both ranks again, with one layer's transfer buffers on top. With a pool of 52 blocks TP holds the
+    batch grown by the probe (4 x 12 blocks), but the handoff back (24 resident + 24 incoming + 6 buffers + 2 for
+    the step) does not fit: the probe would strand the batch in a layout it may measure slower, so it is not taken
+    (and not counted: it may be taken once the batch shrinks). With room for the way back it is taken."""
+    from test_manifest import BS, GLM
+    from splash.engine.layout_policy.control import LayoutController
+    from splash.engine.ledger import KVLedger
+
+    def probe(pool):
+        m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 0.97e-3, "cp": 1.0, "dop": 1.0}, **FLAT)
+        a = make(m, observe_every=1)
+        _visit(a, m, "tp", 3.0)
+        ledger = KVLedger(2, pool, BS, "tp")
+        reqs = [SimpleNamespace(req_id=f"r{i}", num_cached=160, pending=1, max_tokens=10_000, output=[],
+                                max_len=1 << 20, prompt=[0] * 160) for i in range(4)]
+        for i, r in enumerate(reqs):
+            ledger.grow(r.req_id, 160, owner=i % 2)
+        choice = a.advise(0, "tp", SimpleNamespace(running=reqs, waiting=[], max_num_seqs=64), ledger)
+        assert choice == "dp_attn" and a._pending.probe
+        ctl = LayoutController(GLM, 2, BS, 2, "float32")
+        d = ctl.decide("tp", ledger, {r.req_id: 160 for r in reqs}, 2, auto_choice=choice, vet=a.vet_pending)
+        assert ctl.last_deferral is None                   # the probe itself always fits
+        return a, d
+
+    a, d = probe(52)
+    assert d is None and a.last.verdict == "not_worth_it" and a.probes == {}
+    assert "way back to tp would not fit" in a.last.reason and "handoff peak 56 blocks" in a.last.reason
+    a, d = probe(56)
+    assert d is not None and d.dst == "dp_attn" and a.last.verdict == "switch" and a.probes == {"dp_attn/decode": 1}

@@ -18,12 +18,16 @@ long prompt's attention runs in many kernel chunks; decode rows in one or two) a
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
 slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
 for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
-carries an uncertainty (`correction`): a candidate is judged at its prediction inflated by the difference between
-its uncertainty and the current layout's, so it is entered only when its lead survives — and a current layout not
-measured yet is not left on its own borrowed factor (the steps it runs measure it). The switch-cost prediction is corrected online too, per direction, from
-the measured added time of the switch steps (a conservative ratio until a switch was observed), and after a switch
-the controller stays at least DWELL_RATIO x the round trip's measured cost (in step seconds) before switching again,
-unless the current layout becomes infeasible. The last HISTORY decisions that changed are kept for the API.
+carries an uncertainty (`correction`): what it misses is the layout's own deviation from the visited layouts' mean,
+which is independent from layout to layout, so a candidate is judged at its prediction inflated by its uncertainty
+and the current layout's combined as independent errors (root of the sum of squares). It is entered only when its
+lead survives that: two layouts on the same borrowed factor do not compare as measured, and a current layout not
+measured yet is not left on its own borrowed factor (the steps it runs measure it). Before any step was measured
+nothing tells the layouts apart, and the model's predictions are compared as they are. The switch-cost prediction
+is corrected online too, per direction, from the measured added time of the switch steps (a conservative ratio
+until a switch was observed), and after a switch the controller stays at least DWELL_RATIO x the round trip's
+measured cost (in step seconds) before switching again, unless the current layout becomes infeasible. The last
+HISTORY decisions that changed are kept for the API.
 
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
@@ -31,11 +35,17 @@ whose *optimistic* prediction — its point prediction divided by its uncertaint
 which is not measured yet in the regime the next steps run in (its uncertainty there at least PROBE_MIN_UNCERTAINTY
 beyond the current layout's), may be entered to measure it: at most MAX_PROBES times per layout and regime, and
 only when twice the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's
-predicted time for the work left. The LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor.
-A probe is a measurement, not a commitment: once the probed layout is measured (its uncertainty in the regime below
-PROBE_MIN_UNCERTAINTY) and the layout it came from is faster even at its uncertainty, the controller goes back
-without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule (with the dwell)
-decides from there.
+predicted time for the work left. A probe measures the next steps' regime, not another one its lead may rest on:
+that one's steps come only after the next ones, which the probe would run in a layout not measured there. The
+LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A probe is a measurement, not a
+commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
+probed layout is measured in the probe's regime and the layout it came from is faster on its point prediction,
+the controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal
+rule decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
+the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
+run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
+layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
+slower until the pool drains.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -68,10 +78,12 @@ MIN_INTERVAL_STEPS = 4   # re-evaluate at most this often while requests run (a 
 OBSERVE_EVERY = 8        # feed every this-many-th executed step to the online correction
 DWELL_RATIO = 4.0        # after a switch, stay this many times the round trip's measured cost (2 x the switch's)
 HISTORY = 64             # decisions kept for GET /v1/layout (those that changed verdict, target or layout)
-MAX_PROBES = 1           # probes per layout: entering it on its point prediction when only that leads by the margin
+MAX_PROBES = 1           # probes per layout and regime: entering it when only its optimistic prediction leads
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
+PROBE_LEN_STEPS = LEARN_AFTER_SWITCH + 16   # a probe's way back must fit after this many decode steps (the steps
+                                            # that measure it, then up to a full re-evaluation interval)
 OVERHEAD_BUDGET = 0.02   # re-evaluations: at most this share of the executed steps' measured time
 
 
@@ -108,7 +120,7 @@ class AutoLayout:
         self._learn_until = 0             # observed-step count up to which every step trains
         self.probes: dict[str, int] = {}                    # "layout/regime" -> probes taken
         self._probe_regime = "decode"                       # the regime of the probe proposed at this boundary
-        self._probe_trip: tuple[str, str] | None = None     # (from, into) of the probe not resolved yet
+        self._probe_trip: tuple[str, str, str] | None = None   # (from, into, regime) of the probe not resolved yet
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -116,6 +128,7 @@ class AutoLayout:
             scheduler = Scheduler(KVLedger(world, 0, block_size, self.allowed[0]), max_num_seqs,
                                   max_num_batched_tokens)
         self._pending: Decision | None = None   # advised at this boundary, waiting for vet_pending
+        self._grow: dict[str, int] = {}          # per running request, the tokens it may add during a probe
         self.forecast = BatchForecast(model, row, world=world, block_size=block_size, scheduler=scheduler)
 
     # ---- online learning ---------------------------------------------------------------------------------
@@ -158,7 +171,10 @@ class AutoLayout:
             added = max(0.0, measured_s - pred * self.factor(layout, regime))
             self.switch_cost.learn(last.step if last else None, last.current if last else None, layout,
                                    last.switch_raw_s if vetted else None, added)
-            self._since_switch_s, self._dwell_s = 0.0, DWELL_RATIO * 2 * added
+            # a probe sets no dwell: its round trip was paid for when it was vetted, and holding the way out back
+            # would run the work left in a layout that may have measured slower
+            probe = vetted and last.probe
+            self._since_switch_s, self._dwell_s = 0.0, 0.0 if probe else DWELL_RATIO * 2 * added
             self._learn_until = self._observed + LEARN_AFTER_SWITCH
             return
         self.steps.learn(layout, regime, pred, measured_s)
@@ -211,10 +227,7 @@ class AutoLayout:
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
-        # relative to the current layout's: layouts whose factors are equally borrowed compare as measured, and a
-        # current layout still on a borrowed factor is not left for a measured one on that factor alone (staying
-        # measures it): the candidate is judged at the difference either way
-        unc = {k: abs(u - unc.get(current, 0.0)) for k, u in unc.items()}
+        unc = self._relative(current, unc)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
                     step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
@@ -224,15 +237,15 @@ class AutoLayout:
         lay, why = choose_layout(current, per_tok, set(per_tok), self.margin, base["work_tokens"],
                                  dict.fromkeys(per_tok, 0.0), unit="output tokens", uncertainty=unc)
         if lay == current:
-            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
-            back = self._probe_return(current, per_tok, unc, regime)
+            back = self._probe_return(current, per_tok)
             if back is not None:
-                gain = per_tok[current] - per_tok[back[0]] * math.exp(unc.get(back[0], 0.0))
+                gain = per_tok[current] - per_tok[back[0]]
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
+            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
             probe = self._probe_target(current, per_tok, unc, regime)
             if probe is not None:
-                self._probe_regime = regime
+                self._probe_regime = probe[2]
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
                                 payoff_s=(per_tok[current] - per_tok[probe[0]]) * base["work_tokens"], **base)
             best = min(per_tok, key=per_tok.get)
@@ -247,11 +260,26 @@ class AutoLayout:
                   else (per_tok[current] - per_tok[lay] * math.exp(unc.get(lay, 0.0))) * base["work_tokens"])
         return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
 
+    def _relative(self, current: str, unc: Mapping[str, float]) -> dict[str, float]:
+        """Each candidate's uncertainty relative to `current` (whose own entry is 0). A borrowed factor is the
+        visited layouts' mean, and what it misses is the layout's own deviation from that mean — independent from
+        layout to layout (each runs its own kernels) — so two layouts on the same borrowed factor are not known
+        to compare as the model says: the uncertainties combine as independent errors (root of the sum of
+        squares), and a current layout still on a borrowed factor is not left for a measured one on that factor
+        alone (staying measures it). Before any step was measured there is nothing to borrow and nothing that
+        could tell the layouts apart: the model's predictions are compared as they are."""
+        if not any(st.n for by_lay in self.steps.by_regime.values() for st in by_lay.values()):
+            return dict.fromkeys(unc, 0.0)
+        u_cur = unc.get(current, 0.0)
+        return {k: 0.0 if k == current else math.hypot(u, u_cur) for k, u in unc.items()}
+
     def _probe_target(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
-                      regime: str) -> tuple[str, str] | None:
-        """The layout to probe at this boundary and why, or None (see the module docstring): the one whose
-        optimistic prediction leads most, among those leading by the margin optimistically and not measured yet in
-        `regime` (the regime the next steps run in), with probes left there; not within the dwell."""
+                      regime: str) -> tuple[str, str, str] | None:
+        """The layout to probe at this boundary, why, and the regime the probe measures — or None (see the module
+        docstring): the one whose optimistic prediction leads most, among those leading by the margin
+        optimistically and not measured yet in `regime` (the regime the next steps run in: a probe for the other
+        one would run every step up to it in a layout not measured there), with probes left there; not within the
+        dwell."""
         if self._since_switch_s < self._dwell_s or current not in per_tok:
             return None
         cur, best = per_tok[current], None
@@ -265,23 +293,25 @@ class AutoLayout:
                 best = (opt, k)
         if best is None:
             return None
-        return best[1], (f"probe {best[1]} in {regime}: {1 - per_tok[best[1]] / cur:.1%} faster on its point "
-                         f"prediction, {1 - best[0] / cur:.1%} at the optimistic end of its uncertainty "
-                         f"(x{math.exp(unc[best[1]]):.3g}), not measured in {regime} yet")
+        opt, k = best
+        return k, (f"probe {k} in {regime}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
+                   f"{1 - opt / cur:.1%} at the optimistic end of its uncertainty (x{math.exp(unc[k]):.3g}), "
+                   f"not measured in {regime} yet"), regime
 
-    def _probe_return(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
-                      regime: str) -> tuple[str, str] | None:
-        """After a probe into `current`: once it is measured in `regime`, the layout it came from and why when that
-        one is faster even at its uncertainty (the trip then ends either way); None otherwise."""
+    def _probe_return(self, current: str, per_tok: Mapping[str, float]) -> tuple[str, str] | None:
+        """After a probe into `current`: once it is measured in the regime the probe was for, the layout it came
+        from and why when that one is predicted faster (the trip then ends either way); None otherwise. The origin
+        is judged at its point prediction, without the margin: the probe was entered on an optimistic view of
+        `current`, so `current` is kept only when its measurement bears that view out."""
         trip = self._probe_trip
         if trip is None or trip[1] != current:
             self._probe_trip = None
             return None
-        origin = trip[0]
+        origin, _, regime = trip
         if self.steps.uncertainty(current, regime) >= PROBE_MIN_UNCERTAINTY:
             return None   # not measured yet: the normal rule decides meanwhile
         self._probe_trip = None
-        if origin not in per_tok or per_tok[origin] * math.exp(unc.get(origin, 0.0)) >= per_tok[current]:
+        if origin not in per_tok or per_tok[origin] >= per_tok[current]:
             return None
         return origin, (f"back to {origin}: the probe measured {current} "
                         f"{per_tok[current] / per_tok[origin] - 1:.1%} slower in {regime}")
@@ -299,10 +329,11 @@ class AutoLayout:
             lay, why = (d.target if ok else d.current), (
                 f"{d.reason}: round trip 2 x {cost:.4g}s {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
                 f"{left:.4g}s left in {d.current}")
-        else:   # going back from a probe that measured slower: no margin, the payoff must still pay the switch
+        else:   # going back from a probe that measured slower: no margin, at the point prediction; the payoff
+            # must still pay the switch
+            unc = {**d.uncertainty, d.target: 0.0} if d.probe_return else d.uncertainty
             lay, why = choose_layout(d.current, per_tok, set(per_tok), 0.0 if d.probe_return else self.margin,
-                                     d.work_tokens, {d.target: cost}, unit="output tokens",
-                                     uncertainty=d.uncertainty)
+                                     d.work_tokens, {d.target: cost}, unit="output tokens", uncertainty=unc)
         ratio, seen = self.switch_cost.ratio(d.current, d.target)
         why += f" (switch cost: model {raw:.4g}s x {ratio:.3g} {'learnt' if seen else 'borrowed/default'})"
         return replace(d, verdict="switch" if lay == d.target else "not_worth_it", switch_s=cost,
@@ -315,7 +346,7 @@ class AutoLayout:
         prev, self.last = self.last, d
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if d.verdict == "switch":
-            self._probe_trip = (d.current, d.target) if d.probe else None
+            self._probe_trip = (d.current, d.target, self._probe_regime) if d.probe else None
             if d.probe:
                 key = f"{d.target}/{self._probe_regime}"
                 self.probes[key] = self.probes.get(key, 0) + 1
@@ -339,14 +370,29 @@ class AutoLayout:
             self.record(d)
             return None
         self._pending = d
+        self._grow = {v.req_id: v.pending + min(v.remaining, PROBE_LEN_STEPS) for v in views if v.running}
         return d.target
 
-    def vet_pending(self, manifest: Any, deferral: str | None) -> str | None:
+    def vet_pending(self, manifest: Any, deferral: str | None, way_back=None) -> str | None:
         """The last word on the switch `advise` wanted, now that its manifest is planned (and `deferral` says whether
-        memory headroom holds it back): a reason to refuse it, or None. The decision is recorded either way."""
+        memory headroom holds it back): a reason to refuse it, or None. The decision is recorded either way.
+        `way_back(grow)`: the headroom deferral of the switch back once each request grew by `grow[req]` tokens
+        (None: it fits); a probe whose way back would not fit is refused."""
         d, self._pending = self._pending, None
         if d is None:
             return "no switch was advised at this boundary"
+        if d.probe and way_back is not None:
+            try:
+                back = self.overhead.timed(way_back, self._grow)
+            except Exception:  # noqa: BLE001 — a probe is optional: one whose way back cannot be planned is not taken
+                log.exception("auto layout: planning a probe's way back failed; staying in %s", d.current)
+                back = "its way back could not be planned"
+            if back is not None:
+                v = replace(d, verdict="not_worth_it", reason=(
+                    f"{d.reason}: but the way back to {d.current} would not fit after the probe "
+                    f"(each request +{PROBE_LEN_STEPS} output tokens): {back}"))
+                self.record(v)
+                return v.reason
         try:
             v = self.vet(d, manifest)
         except Exception:  # noqa: BLE001 — the scheduler only advises: no prediction, no switch

@@ -8,6 +8,10 @@ requests DOP gives to the other owner. If a rank lacks it — or the destination
 switch is deferred with a logged reason and retried at the next step boundary; the run continues in the current
 layout.
 
+A probe of `layout: auto` (a switch made to measure a layout) must be able to come back: the same check, on the
+switch back from the destination once the running requests grew there (`LayoutController.way_back`), decides
+whether the probe is taken at all.
+
 Layouts may store KV in different dtypes (``kv_dtypes``); the pool is sized in the widest of them. Converting a
 layer allocates its new tensors before the old ones go, so a switch that converts also needs, on top of a pool
 in the wider of the two formats, one pool layer in the narrower one (less what a pool sized for a still wider
@@ -79,18 +83,55 @@ class LayoutController:
 
     def decide(self, current: str, ledger, kv_tokens: dict[str, int], reserve_blocks: int,
                auto_choice: str | None = None,
-               vet: Callable[[Manifest, str | None], str | None] | None = None,
+               vet: Callable[..., str | None] | None = None,
                move_cached: bool = False) -> SwitchDecision | None:
         """The switch to perform at this boundary, or None (no switch wanted, or deferred).
 
-        In auto mode `auto_choice` is the scheduler's proposal and `vet(manifest, deferral)` its last word once the
-        manifest is planned: called with the headroom deferral reason (or None); it returns a reason to refuse.
+        In auto mode `auto_choice` is the scheduler's proposal and `vet(manifest, deferral, way_back=...)` its last
+        word once the manifest is planned: called with the headroom deferral reason (or None) and a
+        `way_back(grow)` that says whether the switch back would fit after this one (`way_back`); it returns a
+        reason to refuse.
         With the prefix cache on, the plan carries each request's shared blocks and the idle cached blocks, kept within
         the destination's usable pool less the handoff step's reserve (`move_cached`: the cost verdict on sending
         them); if keeping them is what breaks the handoff's memory peak, the switch drops them instead."""
         dst = self.target if self.layout_mode == "pinned" else auto_choice
         if dst is None or dst == current:
             return None
+        m, reason, owners, reqs, cached, cap = self._plan(current, dst, ledger, kv_tokens, reserve_blocks,
+                                                          move_cached)
+        if vet is not None and vet(m, reason, way_back=lambda grow: self.way_back(
+                current, m, ledger, kv_tokens, reserve_blocks, grow)) is not None:
+            return None
+        if reason:
+            self.deferrals += 1
+            if reason != self.last_deferral:
+                log.warning("switch %s -> %s deferred: %s", current, dst, reason)
+            self.last_deferral = reason
+            return None
+        self.last_deferral = None
+        full = {rid: replace(s, dst_owner=owners.get(rid)) for rid, s in reqs.items()}
+        return SwitchDecision(dst, full, m, cached, tuple(cap), move_cached)
+
+    def way_back(self, current: str, m: Manifest, ledger, kv_tokens: Mapping[str, int], reserve_blocks: int,
+                 grow: Mapping[str, int]) -> str | None:
+        """The headroom check of the switch from `m`'s destination back to `current`, made after `m` once each
+        request grew by `grow[req]` tokens there: the reason it would be deferred, or None when it fits. The same
+        check as any switch's (`_headroom`), on a copy of the ledger mirrored through `m` (new owners, no idle
+        cached block kept: a switch drops those rather than defer) and grown in the destination's layout."""
+        dst = m.dst.value
+        led = ledger.fork(ledger.layout, ledger.blocks_per_rank)
+        led.capacity = dict(ledger.capacity)
+        led.relayout(dst, m.owners, [()] * self.world if led.prefix else None)
+        grown = {}
+        for rid, n in kv_tokens.items():
+            grown[rid] = n + max(0, int(grow.get(rid, 0)))
+            led.grow(rid, grown[rid], led.owner(rid))
+        return self._plan(dst, current, led, grown, reserve_blocks, False)[1]
+
+    def _plan(self, current: str, dst: str, ledger, kv_tokens: Mapping[str, int], reserve_blocks: int,
+              move_cached: bool) -> tuple[Manifest, str | None, dict[str, int], dict[str, ReqState], tuple, list]:
+        """The switch's manifest, its headroom deferral reason (None: it fits), the requests' new owners, the
+        requests and idle cached blocks planned, and the cached blocks' cap per rank."""
         # every request has a ledger owner in every layout: the owner for DP-attn/DOP, the CP anchor for CP
         shared = ledger.shared if ledger.prefix else {}
         reqs = {rid: ReqState(n, ledger.owner(rid), None, tuple(shared.get(rid, ()))) for rid, n in kv_tokens.items()}
@@ -106,17 +147,7 @@ class LayoutController:
             cap = [0] * self.world
             m = plan(cap)
             reason = self._headroom(m, ledger, owners, reserve_blocks)
-        if vet is not None and vet(m, reason) is not None:
-            return None
-        if reason:
-            self.deferrals += 1
-            if reason != self.last_deferral:
-                log.warning("switch %s -> %s deferred: %s", current, dst, reason)
-            self.last_deferral = reason
-            return None
-        self.last_deferral = None
-        full = {rid: replace(s, dst_owner=owners.get(rid)) for rid, s in reqs.items()}
-        return SwitchDecision(dst, full, m, cached, tuple(cap), move_cached)
+        return m, reason, owners, reqs, cached, cap
 
     def plan(self, src: str, dst: str, reqs: Mapping[str, ReqState], cached=(), cached_cap=None,
              move_cached: bool = False) -> Manifest:

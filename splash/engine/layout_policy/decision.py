@@ -49,7 +49,7 @@ class Decision:
     switch_s: float = 0.0
     work_tokens: int = 0                                                # output tokens the payoff is over
     step_s: dict[str, float] = field(default_factory=dict)              # one decode step of the batch now
-    uncertainty: dict[str, float] = field(default_factory=dict)         # log-space, beyond the current layout's
+    uncertainty: dict[str, float] = field(default_factory=dict)         # log-space, combined with the current's
     switch_raw_s: float = 0.0                                           # the model's switch cost before correction
     t_s: float = 0.0                                                    # seconds since the scheduler started
     probe: bool = False                      # entering `target` to measure it (its lead is within its uncertainty)
