@@ -1,11 +1,11 @@
-"""Cost-model accuracy: measured vs predicted decode step time per layout over the bench_layouts grid.
+"""Cost-model accuracy: measured vs predicted decode step time per layout over `splash-bench grid`'s points.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bench_costmodel.py \
         [--profile cpu] [--batches 1,4,16,32] [--contexts 256,1024,2048,4096] [--steps 6] [--json out.json]
     .venv/bin/python benchmarks/bench_costmodel.py --from-json out.json[,out2.json] [--profile other.yaml]  # re-predict
     ... bench_costmodel.py --prefill 2048 --batches 0,4,16 --contexts 1024  # steps that also carry a prefill chunk
 
-Measurement is benchmarks/bench_layouts.py's decode step (same DecodeState, max over ranks), the four layouts'
+Measurement is `splash-bench grid`'s decode step (same DecodeState, max over ranks), the four layouts'
 states side by side and timed in turn in each of --reps repetitions (the point's time: the median over them); the
 prediction is splash.costmodel.CostModel.step for the same rows (B decode rows at the mean context of the
 timed steps, owners / CP anchors round-robin as DecodeState places them; with --prefill C, plus the step's C-token
@@ -166,9 +166,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4,
                     help="repetitions per point, layouts interleaved in each (the measurement: their median)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
-                    help="statistic of the timed steps (median: bench_layouts'; min: robust to a loaded host)")
+                    help="statistic of the timed steps (median: splash-bench grid's; min: robust to a loaded host)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="step time by the wall clock (bench_layouts') or each rank's CPU time (max over ranks; "
+                    help="step time by the wall clock (splash-bench grid's) or each rank's CPU time (max over ranks; "
                          "not inflated by time spent descheduled on a loaded host)")
     ap.add_argument("--json", default=None, help="write the points (measured and predicted) here")
     ap.add_argument("--from-json", default=None, help="skip measuring: re-predict the points of this file "

@@ -6,7 +6,7 @@
 Wraps, on every rank, the collectives of the communicator (all_reduce, all_gather(v), all_to_allv) and the MLA
 stages of splash.attention.mla (the query/latent projections, attend, the output projection) with a CPU-clock
 timer (time.thread_time: time descheduled by other jobs does not count; MPICH's busy wait for the peer does),
-then runs bench_costmodel's decode steps (benchmarks/bench_layouts.py's DecodeState), layouts interleaved. Per
+then runs bench_costmodel's decode steps (`splash-bench grid`'s DecodeState), layouts interleaved. Per
 repetition the least-preempted of 3 steps is kept (as bench_costmodel --stat min --clock cpu); a stage's
 figure is the median over repetitions of that step's stage time, on the rank where the step was slowest.
 Printed next to the cost model's stage prediction (splash.costmodel.CostModel.step().stages), with the collectives
