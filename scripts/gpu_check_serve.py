@@ -5,47 +5,22 @@ POST /v1/layout switches through every layout must equal the one TP gave without
 """
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from splash.bench.serve_proc import launch, stop
+
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
-_LISTEN = re.compile(r"serving \S+ on (http://[\w.\-:\[\]]+) ")
 
 
-def _cmd(args, backend) -> list[str]:
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
-    serve = [sys.executable, "-m", "splash.cli.serve", "--port", "0", "--quiet", "--layout", "tp",
-             "--backend", backend.name, "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
-    serve += (["--preset", "tiny-mla", "--dtype", "float32", "--kv-cache-memory-bytes", "16MiB"] if args.dry_run else
-              ["--preset", "gpu-smoke-mla", "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16",
-               "--block-size", "64", "--kv-cache-memory-bytes", "1GiB"])
-    return [mpiexec, "-n", str(args.ranks), *serve]
-
-
-def _wait_ready(proc, err: Path, timeout: float) -> str:
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"splash-serve exited {proc.returncode}: {err.read_text()[-2000:]}")
-        m = _LISTEN.search(err.read_text())
-        if m:
-            try:
-                if httpx.get(f"{m.group(1)}/health", timeout=2).status_code == 200:
-                    return m.group(1)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    raise TimeoutError(f"splash-serve not ready after {timeout:.0f}s")
+def _flags(args, backend) -> list[str]:
+    flags = ["--layout", "tp", "--backend", backend.name, "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+    return flags + (["--preset", "tiny-mla", "--dtype", "float32", "--kv-cache-memory-bytes", "16MiB"]
+                    if args.dry_run else
+                    ["--preset", "gpu-smoke-mla", "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16",
+                     "--block-size", "64", "--kv-cache-memory-bytes", "1GiB"])
 
 
 def _complete(url: str, prompt: str, n: int) -> str:
@@ -89,24 +64,13 @@ def _scenario(url: str, row, n_long: int) -> None:
 
 
 def check_serve(args, backend, row) -> None:
-    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    out, err = open(work / "serve.out", "w"), open(work / "serve.err", "w")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(_cmd(args, backend), cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+    proc = None
     try:
-        url = _wait_ready(proc, work / "serve.err", 300)
+        proc, url = launch(args.ranks, None, _flags(args, backend), "",
+                           Path(tempfile.mkdtemp(prefix="gpu-check-")) / "serve.err", timeout_s=300)
         _scenario(url, row, 24 if args.dry_run else 128)
     except Exception as e:  # noqa: BLE001 — reported as a FAIL row with the server's last words
         row("serve", f"{type(e).__name__}: {str(e)[-600:]}", False)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out.close()
-        err.close()
+        if proc is not None:
+            stop(proc)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,14 +17,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(np_: int, config: str, flags: list[str], server_args: str, log_path: Path,
+def launch(np_: int, config: str | None, flags: list[str], server_args: str, log_path: Path,
            timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """(process, base url) of `splash-serve --config config *flags *server_args` on `np_` ranks; its stderr goes to
-    `log_path`. RuntimeError (with the log's tail) when it exits or is not ready within `timeout_s`."""
+    """(process, base url) of `splash-serve [--config config] *flags *server_args` on `np_` ranks (the mpiexec next
+    to this Python, else on PATH); its stderr goes to `log_path`. RuntimeError (with the log's tail) when it exits
+    or is not ready within `timeout_s`."""
     import httpx
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", "--config", config, "--port", "0",
-           "--host", "127.0.0.1", "--quiet", *flags, *shlex.split(server_args)]
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
+    cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", *(["--config", config] if config else []),
+           "--port", "0", "--host", "127.0.0.1", "--quiet", *flags, *shlex.split(server_args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
