@@ -29,13 +29,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
 
 
-def measure(comm, preset: str, layout: str, batch: int, ctx: int, steps: int) -> list[float]:
+def measure(comm, preset: str, layout: str, batch: int, ctx: int, steps: int) -> dict:
     from splash.bench.decode_state import DecodeState
 
     st = DecodeState(comm, preset, layout, batch, ctx)
     for _ in range(2):
         st.step()
-    return [st.step() for _ in range(steps)]
+    times = [st.step() for _ in range(steps)]
+    pt = {"layout": layout, "batch_size": batch, "context": ctx, "step_ms": 1e3 * statistics.median(times),
+          "steps_ms": [1e3 * t for t in times], "load_average": R.load_average()}
+    if comm.rank == 0:
+        print(f"{layout:>7} B={batch} L={ctx} {pt['step_ms']:.2f} ms", flush=True)
+    return pt
 
 
 def grid_table(doc: dict):
@@ -53,36 +58,10 @@ def grid_table(doc: dict):
 
 
 def run(args) -> int:
-    from splash.distributed import init_dist
     from splash.models.presets import preset_config
 
-    comm = init_dist().comm
-    cfg = preset_config(args.preset)
-    doc = None
-    if comm.rank == 0:
-        env = R.environment(backend="cpu", ranks=comm.size,
-                            model={"name": args.preset, "dtype": "float32", "kv_cache_dtype": "float32",
-                                   "num_hidden_layers": cfg.num_hidden_layers})
-        doc = R.new_result("grid", env, {"layouts": args.layouts, "batches": args.batches,
-                                         "contexts": args.contexts, "steps": args.steps}, getattr(args, "argv", None))
-    for b in args.batches:
-        for c in args.contexts:
-            for lay in args.layouts:
-                times = measure(comm, args.preset, lay, b, c, args.steps)
-                if comm.rank == 0:
-                    doc["points"].append({"layout": lay, "batch_size": b, "context": c,
-                                          "step_ms": 1e3 * statistics.median(times),
-                                          "steps_ms": [1e3 * t for t in times], "load_average": R.load_average()})
-                    print(f"{lay:>7} B={b} L={c} {doc['points'][-1]['step_ms']:.2f} ms", flush=True)
-                    if args.json:
-                        R.write_json(args.json, doc)
-    if comm.rank == 0:
-        _finish(args, doc)
-    return 0
-
-
-def _finish(args, doc: dict) -> None:
-    from splash.bench.tables import report_tables
-
-    R.finish(doc, args.json)
-    report_tables([grid_table(doc)], args.markdown)
+    model = {"name": args.preset, "dtype": "float32", "kv_cache_dtype": "float32",
+             "num_hidden_layers": preset_config(args.preset).num_hidden_layers}
+    config = {"layouts": args.layouts, "batches": args.batches, "contexts": args.contexts, "steps": args.steps}
+    points = [(args.preset, lay, b, c, args.steps) for b in args.batches for c in args.contexts for lay in args.layouts]
+    return R.measure_points(args, "grid", model, config, points, measure, grid_table)

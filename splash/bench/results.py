@@ -154,6 +154,30 @@ def finish(doc: dict, path: str | os.PathLike | None) -> None:
         write_json(path, doc)
 
 
+def measure_points(args, kind: str, model: dict, config: dict, points, measure, table) -> int:
+    """An mpirun command's loop: every rank runs ``measure(comm, *point)`` for each point; rank 0 keeps what it
+    returns in a `kind` result (rewritten to --json after every point), then prints ``table(doc)`` (and writes it
+    to --markdown)."""
+    from splash.bench.tables import report_tables
+    from splash.distributed import init_dist
+
+    comm = init_dist().comm
+    doc = None
+    if comm.rank == 0:
+        env = environment(backend="cpu", ranks=comm.size, model=model)
+        doc = new_result(kind, env, config, getattr(args, "argv", None))
+    for point in points:
+        res = measure(comm, *point)
+        if comm.rank == 0:
+            doc["points"].append(res)
+            if args.json:
+                write_json(args.json, doc)
+    if comm.rank == 0:
+        finish(doc, args.json)
+        report_tables([table(doc)], args.markdown)
+    return 0
+
+
 def write_json(path: str | os.PathLike, doc: dict) -> None:
     """Write atomically (temp file + rename): an interrupted run never leaves a half-written file."""
     p = Path(path)

@@ -104,26 +104,8 @@ def switch_table(doc: dict):
 
 
 def run(args) -> int:
-    from splash.bench.tables import report_tables
-    from splash.distributed import init_dist
-
-    comm = init_dist().comm
-    doc = None
-    if comm.rank == 0:
-        env = R.environment(backend="cpu", ranks=comm.size,
-                            model={"name": args.preset, "dtype": "float32", "kv_cache_dtype": "float32"})
-        doc = R.new_result("switch", env, {"layouts": args.layouts, "batch": args.batch, "context": args.context,
-                                           "trials": args.trials, "shared_prefix": args.shared_prefix},
-                           getattr(args, "argv", None))
-    for src in args.layouts:
-        for dst in args.layouts:
-            if src != dst:
-                res = direction(comm, args, src, dst)
-                if comm.rank == 0:
-                    doc["points"].append(res)
-                    if args.json:
-                        R.write_json(args.json, doc)
-    if comm.rank == 0:
-        R.finish(doc, args.json)
-        report_tables([switch_table(doc)], args.markdown)
-    return 0
+    model = {"name": args.preset, "dtype": "float32", "kv_cache_dtype": "float32"}
+    config = {"layouts": args.layouts, "batch": args.batch, "context": args.context, "trials": args.trials,
+              "shared_prefix": args.shared_prefix}
+    points = [(args, src, dst) for src in args.layouts for dst in args.layouts if src != dst]
+    return R.measure_points(args, "switch", model, config, points, direction, switch_table)
