@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from splash.bench.calib_timing import STAT, nonneg_rel_lstsq, timeit
+from splash.bench.calib_timing import STAT, nonneg_rel_lstsq, partial_model, timeit
 
 
 def _attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, layers: int = 2):
@@ -116,13 +116,10 @@ def attention_step_rows(preset: str, partial: dict, block_size: int, reps: int) 
     its other stages, with the attention features the model counts — [KV bytes, FLOPs, spill, merge, seconds,
     the step's seconds]. The residual is not clamped: `refit_attention` drops the points where it says nothing."""
     from splash.bench.decode_state import DecodeState
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
+    from splash.costmodel import RowLoad
     from splash.distributed.communicator import SingleRankCommunicator
-    from splash.models.presets import preset_config
-    cfg = preset_config(preset)
-    prof = profile_from_dict(partial, "calibrate (partial)")
-    cm = CostModel(cfg, 1, prof, "float32", "float32", block_size)
+    cm = partial_model(preset, 1, partial, block_size)
+    cfg, prof = cm.cfg, cm.profile
     out = []
     for b, ctx in STEP_POINTS:
         st = DecodeState(SingleRankCommunicator(), preset, "tp", b, ctx, block_size)

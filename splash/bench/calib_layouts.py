@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from splash.bench.calib_timing import partial_model
 from splash.layouts.layout import LAYOUT_NAMES
 
 
@@ -13,12 +14,8 @@ def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: in
     short context (64 tokens) minus what the cost model predicts for it without this term (never below 0)."""
     from splash.bench.calib_sync import step_time
     from splash.bench.decode_state import DecodeState
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
-    from splash.models.presets import preset_config
-    cfg = preset_config(preset)
-    prof = profile_from_dict(partial, "calibrate (partial)")
-    cm = CostModel(cfg, comm.size, prof, "float32", "float32", block_size)
+    from splash.costmodel import RowLoad
+    cm = partial_model(preset, comm.size, partial, block_size)
     out = {}
     for lay in LAYOUT_NAMES:
         st = DecodeState(comm, preset, lay, comm.size, 64, block_size)
@@ -40,11 +37,8 @@ def prefill_attention_factors(comm, preset: str, partial: dict, block_size: int,
 
     from splash.attention import mla
     from splash.bench.decode_state import DecodeState
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
-    from splash.models.presets import preset_config
-    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"), "float32",
-                   "float32", block_size)
+    from splash.costmodel import RowLoad
+    cm = partial_model(preset, comm.size, partial, block_size)
     spent, attend = [0.0], mla.attend
 
     def timed(*a, **k):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from splash.bench.calib_timing import STAT
+from splash.bench.calib_timing import STAT, partial_model
 from splash.layouts.layout import LAYOUT_NAMES
 
 SYNC_POINTS = ((8, 512), (24, 128))   # (batch, context): between the grid's shapes, none of them
@@ -80,11 +80,8 @@ def isolated_collective_seconds(cm, lay: str, rows) -> float:
 def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: int) -> tuple[float, float]:
     """(collective_sync_s, collective_wait_fraction): medians over SYNC_POINTS × every layout × repetitions."""
     from splash.bench.decode_state import DecodeState
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
-    from splash.models.presets import preset_config
-    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"),
-                   "float32", "float32", block_size)
+    from splash.costmodel import RowLoad
+    cm = partial_model(preset, comm.size, partial, block_size)
     timer = CollectiveTimer(comm, STAT["clock"] if STAT["clock"] is time.thread_time else time.perf_counter)
     own, frac = [], []
     try:
@@ -108,11 +105,8 @@ def collective_sync(comm, preset: str, partial: dict, block_size: int, reps: int
     layout and SYNC_POINTS; never below 0. It carries whatever the model leaves unexplained there in proportion
     to the collective count (the wait for the peer included: see collective_in_step for the two measured apart)."""
     from splash.bench.decode_state import DecodeState
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
-    from splash.models.presets import preset_config
-    cm = CostModel(preset_config(preset), comm.size, profile_from_dict(partial, "calibrate (partial)"),
-                   "float32", "float32", block_size)
+    from splash.costmodel import RowLoad
+    cm = partial_model(preset, comm.size, partial, block_size)
     num = den = 0.0
     for b, ctx in SYNC_POINTS:
         for lay in LAYOUT_NAMES:

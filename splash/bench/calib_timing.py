@@ -28,6 +28,15 @@ def timeit(fn, reps: int, warm: int = 2, pre=None, clock=None, stat=None) -> flo
     return stat(ts)
 
 
+def partial_model(preset: str, world: int, partial: dict, block_size: int):
+    """The cost model of `preset` at `world` ranks on the profile measured so far (fp32, as calibrate's steps run)."""
+    from splash.costmodel import CostModel
+    from splash.costmodel.profile import profile_from_dict
+    from splash.models.presets import preset_config
+    return CostModel(preset_config(preset), world, profile_from_dict(partial, "calibrate (partial)"), "float32",
+                     "float32", block_size)
+
+
 def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min Σ (a·x - y)² / y with x >= 0 (between absolute and relative error, so neither the cache-resident
     small shapes nor the largest alone decide): least squares, dropping columns that go negative."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention, row_kernel
 from splash.bench.calib_gemm import gemm_rates, gemm_row_rates, model_weight_bytes, stream_bandwidth
-from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, timeit
+from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, partial_model, timeit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,13 +126,10 @@ def model_step_seconds(preset: str, batch: int, context: int, block_size: int, r
 def fixed_cost_fit(preset: str, partial: dict, block_size: int, reps: int) -> float:
     """Per-op host overhead: the real layer code's decode step at B=1 (one rank, short context), minus what the
     cost model predicts for it with zero op overhead, divided by the eager ops the model counts for it."""
-    from splash.costmodel.profile import profile_from_dict
-    from splash.costmodel.step_cost import CostModel, RowLoad
-    from splash.models.presets import preset_config
-    cfg = preset_config(preset)
+    from splash.costmodel import RowLoad
     meas = model_step_seconds(preset, 1, 64, block_size, reps)
-    prof = profile_from_dict({**partial, "op_overhead_s": 0.0, "attention_call_s": 0.0}, "calibrate (partial)")
-    pred = CostModel(cfg, 1, prof, "float32", "float32", block_size).step("tp", [RowLoad(1, 64 + reps, 0)])
+    cm = partial_model(preset, 1, {**partial, "op_overhead_s": 0.0, "attention_call_s": 0.0}, block_size)
+    pred = cm.step("tp", [RowLoad(1, 64 + reps, 0)])
     ops = sum(w["ops"] + w.get("expert_ops", 0.0) + 14 * w.get("attn_calls", 0.0) for w in pred.work.values())
     return max(meas - pred.seconds, 0.0) / ops
 
