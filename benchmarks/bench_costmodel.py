@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,29 +109,22 @@ def print_table(points: list[dict], world: int, meta: str) -> None:
               f"{'n/a' if ra is None else f'{ra:.0%}'}")
 
 
-CLOCK = {"fn": None}
-
-
-def _clock():
-    import time
-    return time.thread_time if CLOCK["fn"] == "cpu" else time.perf_counter
-
-
 def measure_point(comm, a, b: int, c: int) -> dict:
     """One grid point: the four layouts' states built side by side, then ``--reps`` repetitions, each timing
     every layout in turn (order rotated per repetition: 1 warm-up step after the switch of state, then
     ``--steps`` timed, reduced by ``--stat``). The point's measurement is the median over repetitions."""
     from splash.bench.decode_state import DecodeState
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     states = {lay: DecodeState(comm, a.preset, lay, b, c, prefill=a.prefill) for lay in LAYOUTS}
     for st in states.values():
         for _ in range(2):
-            st.step(clock=_clock())
+            st.step(clock=clock)
     reps = {lay: [] for lay in LAYOUTS}
     reduce = min if a.stat == "min" else statistics.median
     for r in range(a.reps):
         for lay in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]:
-            states[lay].step(clock=_clock())
-            reps[lay].append(reduce([states[lay].step(clock=_clock()) for _ in range(a.steps)]))
+            states[lay].step(clock=clock)
+            reps[lay].append(reduce([states[lay].step(clock=clock) for _ in range(a.steps)]))
     return {"batch": b, "context": c, "prefill": a.prefill, "steps": a.steps,
             "mean_context": c + 2 + (a.reps * (a.steps + 1)) // 2,
             "reps": reps, "measured": {lay: statistics.median(v) for lay, v in reps.items()}}
@@ -174,7 +168,6 @@ def main() -> None:
     ap.add_argument("--from-json", default=None, help="skip measuring: re-predict the points of this file "
                     "(FILE1,FILE2,...: runs of one grid, repetitions pooled)")
     a = ap.parse_args()
-    CLOCK["fn"] = a.clock
     if a.from_json:
         runs = [json.loads(Path(f).read_text()) for f in a.from_json.split(",")]
         points, world = merge_runs([r["points"] for r in runs]), runs[0]["world"]
