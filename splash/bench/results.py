@@ -48,12 +48,9 @@ def _cpu_model() -> str:
 
 def _memory_gib() -> float | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+        return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
+    except (OSError, ValueError):   # no such sysconf name here
+        return None
 
 
 def _accelerators(backend: str) -> list[str]:
