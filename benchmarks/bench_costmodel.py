@@ -84,20 +84,18 @@ def _resolved(p: dict) -> bool:
 
 
 def print_table(points: list[dict], world: int, meta: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from splash.bench.tables import TableSpec, print_tables
 
     chunk = points[0].get("prefill") if points else 0
     what = f"step of B decode rows + a {chunk}-token prefill chunk" if chunk else "decode step"
-    t = Table(title=f"cost model vs measured {what} (ms) — {meta}")
-    for col in ("B", "ctx", *[f"{k} meas/pred" for k in LAYOUTS], "leader meas", "leader pred"):
-        t.add_column(col, justify="right")
+    t = TableSpec(f"cost model vs measured {what} (ms) — {meta}",
+                  ["B", "ctx", *[f"{k} meas/pred" for k in LAYOUTS], "leader meas", "leader pred"])
     for p in points:
         m, q = p["measured"], p["predicted"]
         lm, lq = min(m, key=m.get), min(q, key=q.get)
-        t.add_row(str(p["batch"]), str(p["context"]), *(f"{m[k] * 1e3:.2f}/{q[k] * 1e3:.2f}" for k in LAYOUTS),
-                  lm, lq if lq == lm else f"[bold red]{lq}[/]")
-    Console(width=160).print(t)
+        t.add_row([str(p["batch"]), str(p["context"]), *(f"{m[k] * 1e3:.2f}/{q[k] * 1e3:.2f}" for k in LAYOUTS),
+                   lm, lq if lq == lm else f"[bold red]{lq}[/]"])
+    print_tables([t])
     sm = summarise(points)
     print(f"leader agreement {sm['leader_agreement']:.0%} ({len(points)} points; strict); median |error| "
           f"{sm['median_abs_error']:.1%} over {len(points) * len(LAYOUTS)} (point, layout) pairs; {world} ranks")

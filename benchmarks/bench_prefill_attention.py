@@ -19,21 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from splash import native  # noqa: E402
-from splash.bench.calib_attention import _attention_call  # noqa: E402
+from splash.bench.calib_attention import attention_call  # noqa: E402
+from splash.bench.calib_timing import timeit  # noqa: E402
+from splash.bench.tables import TableSpec, print_tables  # noqa: E402
 from splash.models.presets import preset_config  # noqa: E402
 
 POINTS = [(32, 32, 32), (1, 512, 512), (1, 2048, 2048), (1, 2048, 512), (1, 4608, 512), (1, 2176, 128),
           (4, 1024, 512)]   # (B, context s, new rows q)
-
-
-def best_of(run, reps: int) -> float:
-    run()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.thread_time()
-        run()
-        best = min(best, time.thread_time() - t)
-    return best
 
 
 def main() -> None:
@@ -46,23 +38,22 @@ def main() -> None:
     cfg = preset_config(args.preset)
     h = cfg.num_attention_heads
     from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"prefill attention, {args.preset} ({h} heads, latent {cfg.kv_lora_rank} + rope "
-                    f"{cfg.qk_rope_head_dim}), 2 layers, 1 thread, best of {args.reps} (ms, CPU clock)")
-    for col in ("B", "context", "new rows", "torch chunked", "C kernel", "torch / C"):
-        t.add_column(col, justify="right")
+    t = TableSpec(f"prefill attention, {args.preset} ({h} heads, latent {cfg.kv_lora_rank} + rope "
+                  f"{cfg.qk_rope_head_dim}), 2 layers, 1 thread, best of {args.reps} (ms, CPU clock)",
+                  ["B", "context", "new rows", "torch chunked", "C kernel", "torch / C"])
     have = native.lib() is not None
     orig = native.enabled
+    best = lambda run: timeit(run, args.reps, warm=1, clock=time.thread_time, stat=min)  # noqa: E731
     for b, s, q in POINTS:
-        run = _attention_call(cfg, args.block_size, b, s, h, q)
+        run = attention_call(cfg, args.block_size, b, s, h, q)
         native.enabled = lambda: False
         try:
-            slow = best_of(run, args.reps)
+            slow = best(run)
         finally:
             native.enabled = orig
-        fast = best_of(run, args.reps) if have and native.enabled() else float("nan")
-        t.add_row(str(b), str(s), str(q), f"{slow * 1e3:.2f}", f"{fast * 1e3:.2f}", f"{slow / fast:.2f}x")
-    Console(width=120).print(t)
+        fast = best(run) if have and native.enabled() else float("nan")
+        t.add_row([str(b), str(s), str(q), f"{slow * 1e3:.2f}", f"{fast * 1e3:.2f}", f"{slow / fast:.2f}x"])
+    print_tables([t], Console(width=120))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import numpy as np
 from splash.bench.calib_timing import STAT, nonneg_rel_lstsq, partial_model, timeit
 
 
-def _attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, layers: int = 2):
+def attention_call(cfg, block_size: int, b: int, s: int, h: int, q: int = 1, layers: int = 2):
     """A callable running the `torch` paged attention kernel (it reads the cache in place) for B requests with
     ``q`` query rows each (1: decode; more: a prefill chunk ending at position ``s``) over ``s`` resident keys
     with ``h`` heads, over ``layers`` layers (distinct caches, as a step walks them)."""
@@ -92,7 +92,7 @@ def attention_fit(cfg, block_size: int, reps: int, world: int, op_s: float
     rows, ys = [], []
     for b, s, q in ATTN_POINTS:
         for h in (max(1, H // 2), H):
-            t = timeit(_attention_call(cfg, block_size, b, s, h, q, layers), reps if b * s * q < 32768 else 3, warm=1)
+            t = timeit(attention_call(cfg, block_size, b, s, h, q, layers), reps if b * s * q < 32768 else 3, warm=1)
             kv, fl, spill, merge, ops = attention_features(cfg, block_size, SCRATCH_BYTES, cache, b, s, q, h)
             rows.append([layers * kv, layers * fl, layers * spill, layers * merge, 1.0])
             ys.append(max(t - layers * ops * op_s, 1e-7))

@@ -254,32 +254,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def print_table(runs: list[dict], orc: dict | None, title: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    t = Table(title=title)
+    from splash.bench.tables import TableSpec, print_tables
+
     both = len({r.get("prefix_caching", True) for r in runs}) > 1
     turns = any(r.get("ttft_p50_later_turns_s") is not None for r in runs)
     cols = ["mode", "output tok/s", "total s", "p50 lat s", "p99 lat s", "TTFT p50 s"]
     cols += ["TTFT later turns s"] if turns else []
     cols += ["cache hits"] if both or any(r.get("prefix_cache_hit_rate") for r in runs) else []
-    for col in (*cols, "switches", "completed", "lost", "tokens = first mode"):
-        t.add_column(col, justify="right")
+    t = TableSpec(title, [*cols, "switches", "completed", "lost", "tokens = first mode"])
     best = max((r["output_tokens_per_s"] for r in runs), default=0)
     for r in runs:
-        tps = f"{r['output_tokens_per_s']:.1f}"
+        bold = [1] if r["output_tokens_per_s"] == best else []
         row = [r["mode"] + ("" if r.get("prefix_caching", True) else " (no cache)"),
-               f"[bold]{tps}[/bold]" if r["output_tokens_per_s"] == best else tps,
-               f"{r['total_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
-               f"{r['ttft_p50_s']:.2f}"]
+               f"{r['output_tokens_per_s']:.1f}", f"{r['total_s']:.2f}", f"{r['latency_p50_s']:.2f}",
+               f"{r['latency_p99_s']:.2f}", f"{r['ttft_p50_s']:.2f}"]
         if "TTFT later turns s" in cols:
             later = r.get("ttft_p50_later_turns_s")
             row.append("—" if later is None else f"{later:.2f}")
         if "cache hits" in cols:
             row.append(f"{r.get('prefix_cache_hit_rate', 0.0):.0%}")
-        t.add_row(*row, str(r["switches"]), str(r["completed"]), str(r["lost"]),
-                  "yes" if r.get("same_tokens", True) else "NO")
+        t.add_row([*row, str(r["switches"]), str(r["completed"]), str(r["lost"]),
+                   "yes" if r.get("same_tokens", True) else "NO"], bold)
     con = Console(width=150)
-    con.print(t)
+    print_tables([t], con)
     fixed = [r for r in runs if r["mode"] != "auto" and r.get("prefix_caching", True)]
     auto = next((r for r in runs if r["mode"] == "auto" and r.get("prefix_caching", True)), None)
     if auto and fixed:
