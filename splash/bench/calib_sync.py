@@ -1,11 +1,14 @@
-"""`splash-bench calibrate`'s in-step collective terms, from real multi-rank decode steps of every layout (at
-shapes that are not benchmarks/bench_costmodel.py's grid points). By default (``collective_sync``) the
-per-collective residual of those steps. With ``--in-step-collectives`` (``collective_in_step``) every collective of
-the step is timed on every rank (the run's clock): a collective's own time is its time on the last rank to arrive
-(it waited for nobody); beyond the isolated α + bytes/β that calibrate fits after a barrier, that is
-``collective_sync_s`` (per collective: the call's host work, cold buffers). The rest of the slowest rank's
+"""`splash-bench calibrate`'s terms measured in real multi-rank steps (DecodeState) of every layout: the in-step
+collective terms, each layout's fixed cost per step and (--prefill-factors) its measured / predicted attention of a
+prefill chunk. Steps are measured as bench_costmodel measures them (--clock cpu: median over repetitions of the
+least-preempted of 3), at shapes that are not its grid points.
+
+By default (``collective_sync``) collective_sync_s is the per-collective residual of those steps. With
+``--in-step-collectives`` (``collective_in_step``) every collective of the step is timed on every rank: a
+collective's own time is its time on the last rank to arrive (it waited for nobody); beyond the isolated
+α + bytes/β that is ``collective_sync_s`` (the call's host work, cold buffers). The rest of the slowest rank's
 collective time is waiting for its peer, which follows the ranks' drift while they compute, not the number of
-collectives (measured: DOP's 16 collectives per step wait as long as DP-attn's 8, benchmarks/bench_stages.py):
+collectives (DOP's 16 collectives per step wait as long as DP-attn's 8, benchmarks/bench_stages.py):
 ``collective_wait_fraction`` of the slowest rank's time outside collectives."""
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: 
     from splash.bench.decode_state import DecodeState
     from splash.costmodel import RowLoad
     cm = partial_model(preset, comm.size, partial, block_size)
-    timer = CollectiveTimer(comm, STAT["clock"] if STAT["clock"] is time.thread_time else time.perf_counter)
+    timer = CollectiveTimer(comm, STAT["clock"])
     own, frac = [], []
     try:
         for b, ctx in SYNC_POINTS:
@@ -122,9 +125,62 @@ def collective_sync(comm, preset: str, partial: dict, block_size: int, reps: int
 def step_time(st, reps: int) -> float:
     """A DecodeState's step, measured as bench_costmodel does: on the CPU clock the median over ``reps`` groups of
     the least-preempted of 3 steps; on the wall clock the median of ``reps`` steps."""
-    cpu = STAT["clock"] is time.thread_time
+    group = 3 if STAT["clock"] is time.thread_time else 1
     for _ in range(2):
         st.step(clock=STAT["clock"])
-    if cpu:
-        return statistics.median(min(st.step(clock=STAT["clock"]) for _ in range(3)) for _ in range(reps))
-    return statistics.median(st.step(clock=STAT["clock"]) for _ in range(reps))
+    return statistics.median(min(st.step(clock=STAT["clock"]) for _ in range(group)) for _ in range(reps))
+
+
+def layout_overheads(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
+    """Fixed cost per step of each layout at this world size: a real decode step of one request per rank at a
+    short context (64 tokens) minus what the cost model predicts for it without this term (never below 0)."""
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel import RowLoad
+    cm = partial_model(preset, comm.size, partial, block_size)
+    out = {}
+    for lay in LAYOUT_NAMES:
+        st = DecodeState(comm, preset, lay, comm.size, 64, block_size)
+        t = step_time(st, max(3, reps // 3))
+        pred = cm.step(lay, [RowLoad(1, 64 + 2 + reps // 2, i) for i in range(comm.size)]).seconds
+        out[lay] = max(0.0, t - pred)
+    return out
+
+
+PREFILL_CHUNK = 512
+
+
+def prefill_attention_factors(comm, preset: str, partial: dict, block_size: int, reps: int) -> dict[str, float]:
+    """Per layout: the attention (`splash.attention.mla.attend`, the kernel calls of every layer) of a real step
+    that carries one PREFILL_CHUNK-token chunk from position 0, on the slowest rank (median over repetitions of
+    the least-preempted of 3 steps, thread CPU time), over what the cost model predicts for that stage."""
+    from splash.attention import mla
+    from splash.bench.decode_state import DecodeState
+    from splash.costmodel import RowLoad
+    cm = partial_model(preset, comm.size, partial, block_size)
+    spent, attend = [0.0], mla.attend
+
+    def timed(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return attend(*a, **k)
+        finally:
+            spent[0] += time.thread_time() - t0
+
+    out = {}
+    mla.attend = timed
+    try:
+        for lay in LAYOUT_NAMES:
+            st = DecodeState(comm, preset, lay, 0, 64, block_size, prefill=PREFILL_CHUNK)
+            st.local_step(clock=time.thread_time)   # warm-up
+
+            def one() -> float:
+                spent[0] = 0.0
+                st.local_step(clock=time.thread_time)
+                return max(comm.all_gather_obj(spent[0]))
+            meas = statistics.median(min(one() for _ in range(3)) for _ in range(reps))
+            pred = cm.step(lay, [RowLoad(PREFILL_CHUNK, 0, 0)]).stages["attention"]
+            out[lay] = min(4.0, max(0.25, meas / pred)) if pred > 0 else 1.0
+            del st
+    finally:
+        mla.attend = attend
+    return out

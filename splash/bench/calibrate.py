@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 import numpy as np
 
 from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention, row_kernel
-from splash.bench.calib_gemm import gemm_rates, gemm_row_rates, model_weight_bytes, stream_bandwidth
 from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, partial_model, timeit
 
 
@@ -71,6 +70,97 @@ def alloc_rate(reps: int) -> float:
     t_big = timeit(lambda: torch.empty(big // 4).fill_(1.0), reps) / big
     t_small = timeit(lambda: torch.empty(small // 4).fill_(1.0), reps) / small
     return 1.0 / max(t_big - t_small, t_big * 0.05)
+
+
+# ---- GEMMs: every weight held and multiplied as the engine does (`_engine_weights`) ----
+def _engine_weights(cfg, dtype=None) -> list[tuple[int, int, object]]:
+    """(in, out, weight) of `_model_shapes`, each held as the engine holds it: packed for SPLASH's CPU GEMM where
+    the engine packs it at load (splash.native.packed: fp32, native kernels on, whole strips — the FFN / MoE
+    weights, and the attention projections when a head's Q-B rows and Q-A / KV-A split on strips), else plain
+    (torch's GEMM). Run them with `linear`, the engine's own call."""
+    import torch
+
+    from splash.native.packed import pack_linear
+    dtype = dtype or torch.float32
+    out = []
+    for i, (k, n) in enumerate(_model_shapes(cfg)):
+        w = torch.randn(n, k, dtype=dtype)
+        packs = i >= FFN_SHAPES or (i == 1 and cfg.qk_head_dim % 16 == 0) or i == 2 or (
+            i == 0 and cfg.q_lora_rank is not None and cfg.q_lora_rank % 16 == 0)
+        out.append((k, n, pack_linear(w) if packs else w))
+    return out
+
+
+def _gemm_rate(weights, rows: int, reps: int, dtype=None, inner: int = 1) -> float:
+    """One layer's GEMMs at ``rows`` rows, each run ``inner`` times a timing: total FLOPs over total time (a step's
+    GEMM time is their sum)."""
+    import torch
+
+    from splash.models.linear import linear
+    flops = secs = 0.0
+    for k, n, w in weights:
+        x = torch.randn(rows, k, dtype=dtype)
+
+        def run():
+            for _ in range(inner):
+                linear(x, w)
+        secs += timeit(run, reps)
+        flops += 2.0 * rows * k * n * inner
+    return flops / secs
+
+
+def gemm_rates(cfg, reps: int) -> dict[str, float]:
+    import torch
+    return {name: _gemm_rate(_engine_weights(cfg, dt), 1024, reps, dt)
+            for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+
+
+GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 2048)  # decode batches and prefill chunk sizes a step runs
+
+
+def gemm_row_rates(cfg, reps: int) -> dict[str, dict[int, float]]:
+    """float32 GEMM rate per row count (decode steps run B rows, prefill steps a chunk's); the weights stay hot
+    here, so this is the compute side of the roofline. Enough runs per timing (2048 rows) for the clock."""
+    weights = _engine_weights(cfg)
+    return {"float32": {rows: _gemm_rate(weights, rows, reps, inner=max(1, 2048 // rows)) for rows in GEMM_ROWS}}
+
+
+FFN_SHAPES = 3   # _model_shapes: the first three are attention projections, the rest the FFN's
+
+
+def _model_shapes(cfg) -> list[tuple[int, int]]:
+    """(in, out) of the model's GEMMs per rank-independent layer: fused Q-A/KV-A, Q-B, O, FFN gate/up/down."""
+    hid, H = cfg.hidden_size, cfg.num_attention_heads
+    q_in = cfg.q_lora_rank or hid
+    return [(hid, q_in + cfg.kv_lora_rank + cfg.qk_rope_head_dim), (q_in, H * cfg.qk_head_dim),
+            (H * cfg.v_head_dim, hid), (hid, 2 * cfg.moe_intermediate_size or 2 * cfg.intermediate_size),
+            (cfg.moe_intermediate_size or cfg.intermediate_size, hid)]
+
+
+def model_weight_bytes(cfg, world: int) -> float:
+    """fp32 weight bytes one rank streams per decode step (splash.layouts.memory's counts, sharded layout)."""
+    from splash.layouts.memory import common_params, projection_bytes_per_rank
+    return common_params(cfg, world) * 4 + projection_bytes_per_rank(cfg, "tp", world, 4)
+
+
+def stream_bandwidth(cfg, overhead: float, reps: int, total_bytes: float) -> float:
+    """Decode GEMMs (4 rows) over distinct weights of the model's shapes totalling ``total_bytes`` (what one
+    rank's step streams, so caches help exactly as much as they do in a step), each held and run as the engine
+    does (`_engine_weights`): bytes / (time - op cost)."""
+    import torch
+
+    from splash.models.linear import linear
+    ws, size = [], 0
+    while size < total_bytes:
+        ws += [(k, w) for k, _, w in _engine_weights(cfg)]
+        size += sum(k * n * 4 for k, n in _model_shapes(cfg))
+    xs = {k: torch.randn(4, k) for k, _ in _model_shapes(cfg)}
+
+    def run():
+        for k, w in ws:
+            linear(xs[k], w)
+    t = timeit(run, max(2, reps // 2), warm=1)
+    return size / max(t - len(ws) * overhead, t * 0.1)
 
 
 def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, float]]:
@@ -139,37 +229,28 @@ def measure(comm, args) -> dict:
     cfg = preset_config(args.preset)
     reps = 3 if args.quick else 9
     ov = op_overhead(reps)
-    gemm = gemm_rates(cfg, reps)
-    gemm_rows = gemm_row_rates(cfg, reps)
-    bw = stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world))
-    alloc = alloc_rate(reps)
+    m = {"op": ov, "gemm": gemm_rates(cfg, reps), "gemm_rows": gemm_row_rates(cfg, reps),
+         "bw": stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world)), "alloc": alloc_rate(reps)}
     kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, args.block_size, reps, args.world, ov)
-    return {"op": ov, "gemm": gemm, "bw": bw, "kv_bw": kv_bw, "alloc": alloc, "call": call, "scratch": scratch,
-            "attn": attn_rate,
+    return {**m, "kv_bw": kv_bw, "attn": attn_rate, "call": call, "scratch": scratch,
             "fit": {"attention_fit_median_rel_err": fit["attention_fit_median_rel_err"]},
-            "spill": fit["spill"], "merge": fit["merge"], "cache": fit["cache"], "gemm_rows": gemm_rows,
-            "attn_rows": fit["rows"]}
+            "spill": fit["spill"], "merge": fit["merge"], "cache": fit["cache"], "attn_rows": fit["rows"]}
 
 
-def _median_over_ranks(comm, local: dict) -> dict:
-    every = comm.all_gather_obj(local)
-    med = lambda key: statistics.median(e[key] for e in every)  # noqa: E731
-    out = {k: med(k) for k in ("op", "bw", "kv_bw", "attn", "alloc", "call", "scratch", "spill", "merge",
-                               "cache")}
-    out["gemm_rows"] = {d: {r: statistics.median(e["gemm_rows"][d][r] for e in every) for r in t}
-                        for d, t in every[0]["gemm_rows"].items()}
-    out["gemm"] = {d: statistics.median(e["gemm"][d] for e in every) for d in every[0]["gemm"]}
-    out["fit"] = every[0]["fit"]
-    out["attn_rows"] = [[statistics.median(e["attn_rows"][i][j] for e in every) for j in range(5)]
-                        for i in range(len(every[0]["attn_rows"]))]
-    return out
+def _median(values: list):
+    """The median over ranks of equally shaped measurements (numbers, or dicts and lists of them)."""
+    if isinstance(values[0], dict):
+        return {k: _median([v[k] for v in values]) for k in values[0]}
+    if isinstance(values[0], list):
+        return [_median([v[i] for v in values]) for i in range(len(values[0]))]
+    return statistics.median(values)
 
 
 def build_profile(comm, args) -> dict:
     import os
     args.world = comm.size
-    local = measure(comm, args)
-    m = _median_over_ranks(comm, local)
+    every = comm.all_gather_obj(measure(comm, args))
+    m = {**_median(every), "fit": every[0]["fit"]}   # the first fit's error, as measured
     # on a loaded host (--clock cpu) the least-preempted repetition is the collective's own time: take the min
     colls = collective_fits(comm, 3 if args.quick else 9, min if args.clock == "cpu" else None)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -204,22 +285,19 @@ def build_profile(comm, args) -> dict:
                   "attention_fit_call_s": float(f"{m['call']:.4g}"), **m["fit"]},
     }
     # the per-op overhead that matters is the real layer code's: fit it on a one-rank B=1 decode step
-    op = statistics.median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size,
-                                                               3 if args.quick else 9)))
+    op = _median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size, 3 if args.quick else 9)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
     # the split-KV kernel: refit its rates with the attention inside real steps
     step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
-    every = comm.all_gather_obj(step_rows)
-    med = [[statistics.median(e[i][j] for e in every) for j in range(len(row))] for i, row in enumerate(step_rows)]
-    raw = refit_attention(raw, m["attn_rows"] + med)
+    raw = refit_attention(raw, m["attn_rows"] + _median(comm.all_gather_obj(step_rows)))
     if getattr(args, "in_step_collectives", False):
         # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
         # beyond everything else the model predicts (the in-step collective terms included)
         from splash.bench.calib_sync import collective_in_step
         sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
         raw["collective_sync_s"], raw["collective_wait_fraction"] = float(f"{sync:.4g}"), float(f"{wait:.4g}")
-    from splash.bench.calib_layouts import layout_overheads, prefill_attention_factors
+    from splash.bench.calib_sync import layout_overheads, prefill_attention_factors
     per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
     raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
     if getattr(args, "prefill_factors", False):
@@ -279,12 +357,6 @@ def run(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="splash-bench calibrate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from splash.bench.cli import main
+    sys.exit(main(["calibrate", *sys.argv[1:]]))
