@@ -145,8 +145,5 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    a = p.parse_args()
-    a.argv = sys.argv[1:]
-    sys.exit(run(a))
+    from splash.bench.cli import main
+    sys.exit(main(["grammar", *sys.argv[1:]]))

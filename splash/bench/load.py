@@ -30,7 +30,6 @@ import ipaddress
 import os
 import random
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,9 @@ from urllib.parse import urlparse
 import httpx
 
 from splash.bench import load_abuse
-from splash.bench.serve_proc import launch, stop, stream_completion
+from splash.bench import results as R
+from splash.bench.results import pct
+from splash.bench.serve_proc import Outcome, launch, stop, stream_completion, stream_turn
 SECTION = "## Server load test (issue 5)"
 
 
@@ -57,35 +58,19 @@ class Stats:
     errors: list[str] = field(default_factory=list)
 
 
-async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[list[int], float, bool]:
-    """(token ids, time to first token, saw [DONE]) of one streaming completion."""
-    ids: list[int] = []
-    t0, ttft = time.perf_counter(), 0.0
-
-    def got(new: list[int]) -> None:
-        nonlocal ttft
-        if new and not ids:
-            ttft = time.perf_counter() - t0
-        ids.extend(new)
-
-    done = await stream_completion(client, prompt, max_tokens, got)
-    return ids, ttft, done
-
-
 async def client_task(client, prompts, ref, max_tokens, n_requests, rng, stats: Stats) -> None:
     for _ in range(n_requests):
         i = rng.randrange(len(prompts))
-        t0 = time.perf_counter()
-        try:
-            ids, ttft, done = await stream_one(client, prompts[i], max_tokens)
-        except Exception as e:  # noqa: BLE001 — counted and reported
+        out, t0 = Outcome(), time.perf_counter()
+        ids = await stream_turn(client, t0, prompts[i], max_tokens, out)
+        if out.error:   # counted and reported
             stats.failed += 1
-            stats.errors.append(f"{type(e).__name__}: {e}")
+            stats.errors.append(out.error)
             continue
         stats.latencies.append(time.perf_counter() - t0)
-        stats.ttfts.append(ttft)
+        stats.ttfts.append(out.ttft)
         stats.tokens += len(ids)
-        if not done:
+        if not out.ok:   # no [DONE]
             stats.failed += 1
         elif len(ids) != max_tokens:
             stats.lost += 1
@@ -125,8 +110,9 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 async def reference_pass(client, prompts, max_tokens) -> list[list[int]]:
-    out = await asyncio.gather(*(stream_one(client, p, max_tokens) for p in prompts))
-    return [ids for ids, _, _ in out]
+    refs: list[list[int]] = [[] for _ in prompts]
+    await asyncio.gather(*(stream_completion(client, p, max_tokens, ids.extend) for p, ids in zip(prompts, refs)))
+    return refs
 
 
 async def run_load(args, url: str) -> dict:
@@ -172,10 +158,6 @@ def check_loopback(url: str) -> None:
         sys.exit(f"error: {url}: this load test only targets loopback addresses")
 
 
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else 0.0)
-
-
 def report(args, res: dict, command: str, server_rc: int | None) -> str:
     s: Stats = res["stats"]
     total = args.clients * args.requests_per_client
@@ -196,7 +178,7 @@ def report(args, res: dict, command: str, server_rc: int | None) -> str:
         f"TTFT p50 {pct(s.ttfts, 50):.2f} s",
     ]
     if load_abuse.enabled(args):
-        lines += load_abuse.report_lines(args, res["abuse"], pct)
+        lines += load_abuse.report_lines(args, res["abuse"])
     if server_rc is not None:
         lines.append(f"- shutdown: SIGTERM -> every rank exited, mpiexec status {server_rc}")
     if s.errors:
@@ -276,20 +258,14 @@ def run(args) -> int:
 
 def write_result(args, res: dict) -> None:
     """The run as a splash-bench result: one entry of "runs", in the shape the workload command writes."""
-    from splash.bench import results as R
-
     s: Stats = res["stats"]
     mode = f"switch-every-{args.switch_every}" if args.switch_every else res["before"]["layout"]
     env = R.environment(backend="cpu", ranks=args.np if args.launch else None,
                         model={"name": res["model"], "config": args.config})
-    doc = R.new_result("load", env, {k: getattr(args, k) for k in (
-        "clients", "requests_per_client", "max_tokens", "prompts", "switch_every", "layouts", "seed")},
-        getattr(args, "argv", None))
-    doc.pop("points")
-    doc["runs"] = [{"mode": mode, "output_tokens_per_s": s.tokens / res["wall"], "total_s": res["wall"],
+    config = {k: getattr(args, k) for k in (
+        "clients", "requests_per_client", "max_tokens", "prompts", "switch_every", "layouts", "seed")}
+    R.write_runs(args.json, "load", env, config, getattr(args, "argv", None), [{"mode": mode, "output_tokens_per_s": s.tokens / res["wall"], "total_s": res["wall"],
                     "completed": s.ok, "failed": s.failed, "lost": s.lost, "mismatched": s.mismatched,
                     "switches": res["after"]["switch_count"] - res["before"]["switch_count"],
                     "latency_p50_s": pct(s.latencies, 50), "latency_p99_s": pct(s.latencies, 99),
-                    "ttft_p50_s": pct(s.ttfts, 50), "load_average_before": res["load"]}]
-    doc["complete"] = True
-    R.write_json(args.json, doc)
+                    "ttft_p50_s": pct(s.ttfts, 50), "load_average_before": res["load"]}])

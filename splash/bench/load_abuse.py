@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from splash.bench.results import pct
+from splash.bench.serve_proc import read_metrics
+
 SECTION_ABUSE = "## Server load test under abuse (issue 14)"
 
 
@@ -97,26 +100,19 @@ def start(url: str, client, args, stop: asyncio.Event, ab: Abuse) -> list[asynci
     return tasks
 
 
-async def metric(client, name: str) -> float:
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
-
-
 async def wait_drained(client, limit_s: float) -> float | None:
     """Seconds until no request runs or waits and no KV is in use (None if not within limit_s)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < limit_s:
-        busy = sum([await metric(client, n) for n in ("splash_requests_running", "splash_requests_waiting",
-                                                     "splash_kv_used_tokens")])
+        m = await read_metrics(client)
+        busy = sum(m[n] for n in ("splash_requests_running", "splash_requests_waiting", "splash_kv_used_tokens"))
         if busy == 0:
             return time.perf_counter() - t0
         await asyncio.sleep(0.2)
     return None
 
 
-def report_lines(args, ab: Abuse, pct) -> list[str]:
+def report_lines(args, ab: Abuse) -> list[str]:
     return [
         f"- abuse alongside: {args.abandon} clients abandoning non-streaming {args.abandon_tokens}-token "
         f"requests after {args.abandon_after} s ({ab.abandoned} abandoned), {args.oversized} clients sending "

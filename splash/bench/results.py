@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from importlib import metadata
@@ -46,13 +47,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _memory_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
-    except (OSError, ValueError):   # no such sysconf name here
-        return None
-
-
 def _accelerators(backend: str) -> list[str]:
     if backend == "cpu":
         return []
@@ -65,24 +59,23 @@ def _accelerators(backend: str) -> list[str]:
 
 def hardware(backend: str = "cpu") -> dict[str, Any]:
     """What the numbers ran on; `description` is the one-line label tables and compare print."""
-    cores = os.cpu_count()
-    cpu = _cpu_model()
-    acc = _accelerators(backend)
+    cores, cpu, acc = os.cpu_count(), _cpu_model(), _accelerators(backend)
+    try:
+        memory = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
+    except (OSError, ValueError):   # no such sysconf name here
+        memory = None
     desc = f"{len(acc)}x {acc[0]}" if acc else f"CPU: {cpu}, {cores} cores"
     return {"description": desc, "device": backend if acc else "cpu", "cpu": cpu, "cpu_cores": cores,
-            "memory_gib": _memory_gib(), "accelerators": acc, "hostname": platform.node()}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+            "memory_gib": memory, "accelerators": acc, "hostname": platform.node()}
 
 
 def versions() -> dict[str, str | None]:
-    out = {"python": platform.python_version(), "splash": _version("splash"), "torch": _version("torch"),
-           "mpi4py": _version("mpi4py"), "transformers": _version("transformers")}
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("splash", "torch", "mpi4py", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
     try:
         from mpi4py import MPI
         out["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
@@ -151,6 +144,19 @@ def finish(doc: dict, path: str | os.PathLike | None) -> None:
         write_json(path, doc)
 
 
+def write_runs(path: str | os.PathLike, kind: str, env: dict, config: dict, argv, runs: list, **extra) -> None:
+    """A complete serving result (`runs` instead of `points`, as `workload` and `load` write) to `path`."""
+    doc = new_result(kind, env, config, argv)
+    doc.pop("points")
+    doc.update(runs=runs, **extra, complete=True)
+    write_json(path, doc)
+
+
+def pct(xs: list[float], q: int) -> float:
+    """The q-th percentile (statistics.quantiles' default method) of a serving run's latencies; 0 for none."""
+    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else 0.0)
+
+
 def measure_points(args, kind: str, model: dict, config: dict, points, measure, table) -> int:
     """An mpirun command's loop: every rank runs ``measure(comm, *point)`` for each point; rank 0 keeps what it
     returns in a `kind` result (rewritten to --json after every point), then prints ``table(doc)`` (and writes it
@@ -188,6 +194,10 @@ def _fail(path, msg: str):
     raise ResultError(f"{path}: {msg}")
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _check_sweep_point(path, i: int, pt: Any) -> None:
     if not isinstance(pt, dict):
         _fail(path, f"points[{i}] is not an object")
@@ -195,7 +205,7 @@ def _check_sweep_point(path, i: int, pt: Any) -> None:
         if k not in pt:
             _fail(path, f"points[{i}] has no {k!r}")
     for m in METRICS:
-        if not isinstance(pt.get(m), (int, float)) or isinstance(pt.get(m), bool):
+        if not _number(pt.get(m)):
             _fail(path, f"points[{i}].{m} must be a number")
     if not isinstance(pt.get("repeats"), list) or not pt["repeats"]:
         _fail(path, f"points[{i}].repeats must be a non-empty list")
@@ -204,8 +214,7 @@ def _check_sweep_point(path, i: int, pt: Any) -> None:
 def _check_run(path, i: int, run: Any) -> None:
     if not isinstance(run, dict) or "mode" not in run:
         _fail(path, f"runs[{i}] must be an object with a 'mode'")
-    v = run.get("output_tokens_per_s")
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
+    if not _number(run.get("output_tokens_per_s")):
         _fail(path, f"runs[{i}].output_tokens_per_s must be a number")
     for j, row in enumerate(run.get("timeline") or []):
         if not isinstance(row, dict) or not {"t_s", "step", "layout", "tokens_per_s"} <= set(row):
@@ -225,10 +234,9 @@ def validate(doc: Any, path: str = "<result>") -> dict:
     points, runs = doc.get("points"), doc.get("runs")
     if points is None and runs is None:
         _fail(path, "has neither 'points' nor 'runs'")
-    if points is not None and not isinstance(points, list):
-        _fail(path, "'points' is not a list")
-    if runs is not None and not isinstance(runs, list):
-        _fail(path, "'runs' is not a list")
+    for name, items in (("points", points), ("runs", runs)):
+        if items is not None and not isinstance(items, list):
+            _fail(path, f"{name!r} is not a list")
     if doc["kind"] == "sweep":
         for i, pt in enumerate(points or []):
             _check_sweep_point(path, i, pt)

@@ -1,5 +1,5 @@
 """A splash-serve job under mpiexec for a benchmark: start it on a free loopback port, wait until it answers
-/health, stream greedy completions from it, stop it (the whole process group: every rank)."""
+/health, stream greedy completions from it, read its /metrics, stop it (the whole process group: every rank)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,3 +77,44 @@ async def stream_completion(client, prompt: list[int], max_tokens: int, on_token
             for ch in msg["choices"]:
                 on_tokens(ch.get("token_ids") or [])
     return False
+
+
+@dataclass
+class Outcome:
+    ids: list[int] = field(default_factory=list)
+    ok: bool = False
+    latency: float = 0.0
+    ttft: float = 0.0
+    arrivals: list[float] = field(default_factory=list)   # seconds since the run's start, one per token
+    end_s: float = 0.0                                      # completion, seconds since the run's start
+    error: str | None = None
+    turn_ttfts: list[float] = field(default_factory=list)  # one per turn of a conversation
+
+
+async def stream_turn(client, t_start: float, prompt: list[int], max_tokens: int, out: Outcome) -> list[int]:
+    """Stream one completion into `out` (its tokens, their arrival since `t_start`, TTFT; `ok`: it ended with
+    [DONE]; `error`: what went wrong); -> its token ids."""
+    t0, ids = time.perf_counter(), []
+
+    def got(new: list[int]) -> None:
+        now = time.perf_counter()
+        if new and not ids:
+            out.turn_ttfts.append(now - t0)
+            out.ttft = out.ttft or now - t0
+        ids.extend(new)
+        out.arrivals += [now - t_start] * len(new)
+
+    out.ok = False
+    try:
+        out.ok = await stream_completion(client, prompt, max_tokens, got)
+    except Exception as e:  # noqa: BLE001 — counted as lost and reported
+        out.error = f"{type(e).__name__}: {e}"
+    out.ids += ids
+    return ids
+
+
+async def read_metrics(client) -> dict[str, float]:
+    """The server's unlabelled /metrics samples by name, on an httpx.AsyncClient."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = (await client.get("/metrics")).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}

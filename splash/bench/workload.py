@@ -25,29 +25,19 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 
 from splash import workload as workload_format
-from splash.bench.serve_proc import REPO, launch, stop, stream_completion
+from splash.bench import results as R
+from splash.bench.results import pct
+from splash.bench.serve_proc import REPO, Outcome, launch, read_metrics, stop, stream_turn
 from splash.layouts.layout import LAYOUT_NAMES
 from splash.workload import SEED, VOCAB, load_workload, make_requests
 
 MODES = ("auto", *LAYOUT_NAMES)
 TIMELINE_BIN_S = 0.5
 DECISION_LINE = re.compile(r"layout decision (\{.*\})\s*$")
-
-
-@dataclass
-class Outcome:
-    ids: list[int] = field(default_factory=list)
-    ok: bool = False
-    latency: float = 0.0
-    ttft: float = 0.0
-    arrivals: list[float] = field(default_factory=list)   # seconds since the run's start, one per token
-    end_s: float = 0.0                                      # completion, seconds since the run's start
-    error: str | None = None
-    turn_ttfts: list[float] = field(default_factory=list)  # one per turn of a conversation
 
 
 async def _one(client, t_start: float, at: float, parts: list[list[int]], max_tokens: int) -> Outcome:
@@ -58,7 +48,7 @@ async def _one(client, t_start: float, at: float, parts: list[list[int]], max_to
     history: list[int] = []
     for part in parts:
         history += part
-        got = await _turn(client, t_start, history, max_tokens, out)
+        got = await stream_turn(client, t_start, history, max_tokens, out)
         history += got
         if not got or out.error:
             break
@@ -66,27 +56,6 @@ async def _one(client, t_start: float, at: float, parts: list[list[int]], max_to
     out.end_s = time.perf_counter() - t_start
     out.ok = out.ok and out.error is None and len(out.ids) == max_tokens * len(parts)
     return out
-
-
-async def _turn(client, t_start: float, prompt: list[int], max_tokens: int, out: Outcome) -> list[int]:
-    """Stream one completion into `out`; -> its token ids."""
-    t0, ids = time.perf_counter(), []
-
-    def got(new: list[int]) -> None:
-        now = time.perf_counter()
-        if new and not ids:
-            out.turn_ttfts.append(now - t0)
-            out.ttft = out.ttft or now - t0
-        ids.extend(new)
-        out.arrivals += [now - t_start] * len(new)
-
-    out.ok = False
-    try:
-        out.ok = await stream_completion(client, prompt, max_tokens, got)
-    except Exception as e:  # noqa: BLE001 — counted as lost and reported
-        out.error = f"{type(e).__name__}: {e}"
-    out.ids += ids
-    return ids
 
 
 async def _poll_layout(client, t_start: float, stop_ev: asyncio.Event, samples: list) -> None:
@@ -112,27 +81,16 @@ async def drive(url: str, requests: list, timeout_s: float) -> tuple[list[Outcom
         stop_ev.set()
         await poller
         final = (await c.get("/v1/layout")).json()
-        final["prefix_cache"] = _prefix_counts((await c.get("/metrics")).text)
+        m = await read_metrics(c)   # prompt tokens the prefix cache looked up / found cached
+        final["prefix_cache"] = {k: m[f"splash_prefix_cache_{k}_total"] for k in ("queries", "hits")
+                                 if f"splash_prefix_cache_{k}_total" in m}
     return list(outs), total, samples, final
-
-
-def _prefix_counts(metrics: str) -> dict[str, float]:
-    """The server's prefix-cache counters (prompt tokens looked up / found cached) from its /metrics text."""
-    out = {}
-    for line in metrics.splitlines():
-        for key in ("queries", "hits"):
-            if line.startswith(f"splash_prefix_cache_{key}_total "):
-                out[key] = float(line.split()[1])
-    return out
 
 
 def summarise(mode: str, outs: list[Outcome], total: float, samples: list, final: dict) -> dict:
     lat = sorted(o.latency for o in outs if o.ok)
     tokens = sum(len(o.ids) for o in outs)
-    arrivals = sorted(t for o in outs for t in o.arrivals)
-    bins: dict[int, int] = {}
-    for t in arrivals:
-        bins[int(t / TIMELINE_BIN_S)] = bins.get(int(t / TIMELINE_BIN_S), 0) + 1
+    bins = Counter(int(t / TIMELINE_BIN_S) for o in outs for t in o.arrivals)
     timeline, events, prev = [], [], None
     for t, step, lay, _ in samples:
         timeline.append({"t_s": round(t, 3), "step": step, "layout": lay,
@@ -140,13 +98,12 @@ def summarise(mode: str, outs: list[Outcome], total: float, samples: list, final
         if prev is not None and lay != prev:
             events.append({"t_s": round(t, 3), "src": prev, "dst": lay})
         prev = lay
-    q = (lambda p: statistics.quantiles(lat, n=100)[p - 1] if len(lat) > 1 else (lat[0] if lat else 0.0))
     ttft = [o.ttft for o in outs if o.ok]
     later = [t for o in outs if o.ok for t in o.turn_ttfts[1:]]
     pc = final.get("prefix_cache") or {}
     return {"mode": mode, "output_tokens_per_s": tokens / total if total else 0.0, "total_s": total,
             "completed": sum(o.ok for o in outs), "lost": sum(not o.ok for o in outs),
-            "switches": final.get("switch_count", 0), "latency_p50_s": q(50), "latency_p99_s": q(99),
+            "switches": final.get("switch_count", 0), "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
             "ttft_p50_s": statistics.median(ttft) if ttft else 0.0, "final_layout": final.get("layout"),
             "ttft_p50_later_turns_s": statistics.median(later) if later else None,
             "prefix_cache_hit_rate": pc["hits"] / pc["queries"] if pc.get("queries") else 0.0,
@@ -236,7 +193,6 @@ def oracle(fixed: dict[str, dict]) -> dict | None:
 # ---- CLI ------------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__ + "\n" + workload_format.__doc__
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--np", type=int, default=2, help="ranks per server (mpiexec -n)")
     p.add_argument("--config", default=str(REPO / "configs" / "cpu.yaml"), help="splash-serve config")
     p.add_argument("--server-args", default="--preset small-mla",
@@ -291,16 +247,12 @@ def print_table(runs: list[dict], orc: dict | None, title: str) -> None:
 
 def write_result(args, workload: dict, runs: list[dict], orc: dict | None, load: float) -> None:
     """The splash-bench result JSON (kind 'workload': `runs`, no `points`), with the environment block."""
-    from splash.bench import results as R
-
     model = {"name": args.server_args or "config default", "source": args.config}
-    doc = R.new_result("workload", R.environment(backend="cpu", ranks=args.np, model=model),
-                       {"workload": workload, "modes": args.modes, "server_args": args.server_args,
-                        "config": args.config, "seed": args.seed}, getattr(args, "argv", None))
-    doc.pop("points")
-    doc.update(runs=json.loads(json.dumps(runs, default=str)), oracle=orc, load_average_before=load,
-               load_average_after=os.getloadavg()[0], complete=True)
-    R.write_json(args.json, doc)
+    R.write_runs(args.json, "workload", R.environment(backend="cpu", ranks=args.np, model=model),
+                 {"workload": workload, "modes": args.modes, "server_args": args.server_args,
+                  "config": args.config, "seed": args.seed}, getattr(args, "argv", None),
+                 json.loads(json.dumps(runs, default=str)), oracle=orc, load_average_before=load,
+                 load_average_after=os.getloadavg()[0])
 
 
 def run(args) -> int:
@@ -347,11 +299,6 @@ def run(args) -> int:
     return 0 if lost == 0 and all(r.get("same_tokens", True) for r in runs) else 1
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="splash-bench workload")
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from splash.bench.cli import main
+    sys.exit(main(["workload", *sys.argv[1:]]))
