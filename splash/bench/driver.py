@@ -5,6 +5,7 @@ requests and steps the engine (queueing, chunked prefill, decode), the other ran
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import statistics
@@ -63,12 +64,8 @@ def build_llm(st: EngineSettings, comm, layout: str, blocks: int):
     """The LLM on this rank, started in `layout` and pinned there (no automatic switching)."""
     from splash.engine.llm import LLM
 
-    llm = LLM(st.model, st.preset, dtype=st.dtype, layout=layout, kv_cache_dtype=st.kv_cache_dtype,
-              block_size=st.block_size, num_kv_blocks=st.num_kv_blocks or blocks,
-              max_num_seqs=st.max_num_seqs, max_num_batched_tokens=st.max_num_batched_tokens,
-              preemption_mode=st.preemption_mode, max_model_len=st.max_model_len, seed=st.seed,
-              switch_mode=st.switch_mode,
-              layout_kv_dtypes=st.layout_kv_dtypes, comm=comm)
+    kw = {k: v for k, v in dataclasses.asdict(st).items() if k != "backend"}   # the rest are LLM's own names
+    llm = LLM(**{**kw, "num_kv_blocks": st.num_kv_blocks or blocks}, layout=layout, comm=comm)
     llm.engine.request_layout(layout)
     return llm
 

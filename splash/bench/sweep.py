@@ -106,15 +106,11 @@ def prior_doc(args, config: dict) -> dict | None:
     return doc
 
 
-def _agreed(comm, fn):
-    """fn() on rank 0 -> (value, error text) on every rank (errors: ResultError)."""
-    val, err = None, None
+def _error(comm, msg) -> int:
+    """Every rank stops with the same error; rank 0 says it."""
     if comm.rank == 0:
-        try:
-            val = fn()
-        except R.ResultError as e:
-            err = str(e)
-    return val, comm.broadcast_obj(err)
+        print(f"error: {msg}", file=sys.stderr)
+    return 2
 
 
 def plan(args, done: set) -> list[tuple[int, int, str]]:
@@ -155,10 +151,8 @@ def run(args) -> int:
         _check_args(args)
         cfg = serve_config(args)
         args.layouts = args.layouts or list(cfg.layout.allowed_layouts)
-    except (ValueError, ConfigError) as e:  # every rank sees the same error; rank 0 says it
-        if comm.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, ConfigError) as e:  # every rank sees the same error
+        return _error(comm, e)
     return _sweep(args, cfg, ctx)
 
 
@@ -169,18 +163,19 @@ def _sweep(args, cfg, ctx) -> int:
     comm, threads = ctx.comm, set_threads(ctx)
     st = EngineSettings.from_config(cfg)
     config = sweep_config(args, st, comm.size, threads)
-    doc, err = _agreed(comm, lambda: prior_doc(args, config))   # a bad --resume file fails before the model loads
-    if err:
-        if comm.rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+    doc, err = None, None   # a bad --resume file fails before the model loads
+    if comm.rank == 0:
+        try:
+            doc = prior_doc(args, config)
+        except R.ResultError as e:
+            err = str(e)
+    if comm.broadcast_obj(err):
+        return _error(comm, err)
     blocks = pool_blocks(max(args.batch_sizes), max(args.input_lens) + args.output_len + 1, st.block_size)
     try:
         llm = _build(st, comm, args.layouts[0], blocks)
     except ValueError as e:  # the same on every rank (model and world size do not fit)
-        if comm.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(comm, e)
     if comm.rank == 0 and doc is None:
         env = R.environment(backend=st.backend, ranks=comm.size, model=st.describe_model(llm.cfg))
         env["threads_per_rank"] = threads
@@ -194,8 +189,11 @@ def _sweep(args, cfg, ctx) -> int:
                   "rerun with --resume to continue", file=sys.stderr)
         return 130
     if comm.rank == 0:
+        from splash.bench.show import sweep_tables
+        from splash.bench.tables import report_tables
+
         R.finish(doc, args.json)
-        _report(args, doc)
+        report_tables(sweep_tables(doc, args.metric), args.markdown)
     return 0
 
 
@@ -246,10 +244,3 @@ def _loop(llm, comm, args, todo, doc) -> None:
                 progress.console.print(f"{lay:>7} in={n:<6} B={b:<4} {pt['output_tokens_per_s']:9.1f} out tok/s "
                                        f"{pt['total_tokens_per_s']:10.1f} total tok/s  ({pt['wall_s']:.2f} s)")
                 progress.advance(task)
-
-
-def _report(args, doc) -> None:
-    from splash.bench.show import sweep_tables
-    from splash.bench.tables import report_tables
-
-    report_tables(sweep_tables(doc, args.metric), args.markdown)
