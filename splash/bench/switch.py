@@ -57,18 +57,17 @@ def pct(xs: list[float], q: float) -> float:
 def direction(comm, a, src: str, dst: str) -> dict:
     from splash.bench.decode_state import DecodeState
 
-    st = DecodeState(comm, a.preset, src, a.batch, a.context, shared_prefix=getattr(a, "shared_prefix", 0))
+    st = DecodeState(comm, a.preset, src, a.batch, a.context, shared_prefix=a.shared_prefix)
     st.step()
     res = {"src": src, "dst": dst, "live_s": [], "blocking_s": [], "ready_s": [], "recv_mib": 0.0}
-    modes = [("live", True), ("blocking", True)]
     for _ in range(a.trials):
-        for mode, dedupe in modes:
-            t_sw = st.step(switch_to(st, dst, mode, dedupe))
+        for mode in ("live", "blocking"):
+            t_sw = st.step(switch_to(st, dst, mode))
             res["recv_mib"] = st.last_recv_mb
             ready = statistics.median(st.step() for _ in range(3))
             res[f"{mode}_s"].append(t_sw - ready)
             res["ready_s"].append(ready)
-            st.step(switch_to(st, src, "blocking", dedupe))
+            st.step(switch_to(st, src, "blocking"))
     if st.hashes:   # last: a per-request switch un-shares the blocks it moves (they arrive as private copies)
         res["per_request_s"], res["per_request_recv_mib"] = [], 0.0
         for _ in range(a.trials):
