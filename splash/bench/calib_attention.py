@@ -96,9 +96,7 @@ def attention_fit(cfg, block_size: int, reps: int, world: int, op_s: float
             kv, fl, spill, merge, ops = attention_features(cfg, block_size, SCRATCH_BYTES, cache, b, s, q, h)
             rows.append([layers * kv, layers * fl, layers * spill, layers * merge, 1.0])
             ys.append(max(t - layers * ops * op_s, 1e-7))
-    a, y = np.array(rows), np.array(ys)
-    sol = nonneg_rel_lstsq(a, y)
-    err = float(np.median(np.abs(a @ sol - y) / y))
+    sol, err = nonneg_rel_lstsq(np.array(rows), np.array(ys))
     inv_bw, inv_r, inv_spill, inv_merge, call = (float(v) for v in sol)
     rate = lambda inv: 1.0 / inv if inv > 0 else 1e15  # noqa: E731  (a term the fit drops costs nothing)
     notes = {"attention_fit_median_rel_err": round(err, 4), "spill": rate(inv_spill), "merge": rate(inv_merge),
@@ -149,10 +147,7 @@ def refit_attention(raw: dict, rows: list[list[float]]) -> dict:
     such point would decide it (the degenerate fits of round 7: rates of 1e12-1e15). A refit whose median error
     exceeds MAX_REFIT_ERR is not used: the isolated fit's rates stay, and `extra` says why."""
     kept = [r for r in rows if r[4] > 0 and (len(r) < 6 or r[4] >= MIN_STEP_SHARE * r[5])]
-    a = np.array([r[:4] + [1.0] for r in kept])
-    y = np.array([r[4] for r in kept])
-    sol = nonneg_rel_lstsq(a, y)
-    err = float(np.median(np.abs(a @ sol - y) / y))
+    sol, err = nonneg_rel_lstsq(np.array([r[:4] + [1.0] for r in kept]), np.array([r[4] for r in kept]))
     rate = lambda inv: float(f"{1.0 / inv:.4g}") if inv > 0 else 1e15  # noqa: E731
     raw = dict(raw)
     extra = {**raw["extra"], "attention_fit_points": len(kept), "attention_fit_dropped": len(rows) - len(kept)}

@@ -37,9 +37,10 @@ def partial_model(preset: str, world: int, partial: dict, block_size: int):
                      "float32", block_size)
 
 
-def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     """min Σ (a·x - y)² / y with x >= 0 (between absolute and relative error, so neither the cache-resident
-    small shapes nor the largest alone decide): least squares, dropping columns that go negative."""
+    small shapes nor the largest alone decide): least squares, dropping columns that go negative. -> (x, the
+    fit's median relative error)."""
     keep = list(range(a.shape[1]))
     x = np.zeros(a.shape[1])
     sw = np.sqrt(y)
@@ -47,6 +48,6 @@ def nonneg_rel_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
         sol, *_ = np.linalg.lstsq(a[:, keep] / sw[:, None], y / sw, rcond=None)
         if (sol >= 0).all():
             x[keep] = sol
-            return x
+            break
         keep = [k for k, v in zip(keep, sol) if v > 0] if (sol > 0).any() else []
-    return x
+    return x, float(np.median(np.abs(a @ x - y) / y))

@@ -88,32 +88,35 @@ def run(args) -> int:
     compiled, eos = _compiled(args)
     B, V = args.batch, args.vocab
     logits = torch.randn(B, V, generator=torch.Generator().manual_seed(1)) * 3
+    grammar_of = {"plain": None, "grammar": compiled}
+    samplers = {mode: Sampler(V, torch.Generator().manual_seed(0)) for mode in grammar_of}
     n = {"next": 0}
 
-    def fresh(sampler, grammar) -> str:
+    def fresh(mode: str) -> str:
         rid = f"r{n['next']}"
         n["next"] += 1
-        sampler.add(rid, [1], SamplingParams(max_tokens=1 << 20, temperature=1.0, grammar=grammar), {eos})
+        params = SamplingParams(max_tokens=1 << 20, temperature=1.0, grammar=grammar_of[mode])
+        samplers[mode].add(rid, [1], params, {eos})
         return rid
 
-    samplers, rows = {}, {}
-    for mode in ("plain", "grammar"):
-        samplers[mode] = Sampler(V, torch.Generator().manual_seed(0))
-        rows[mode] = [fresh(samplers[mode], compiled if mode == "grammar" else None) for _ in range(B)]
+    def refill(mode: str, toks: list[int]) -> None:
+        """A row whose request finished (or whose grammar broke) takes a new request."""
+        failed = samplers[mode].take_failed()
+        for k, (rid, t) in enumerate(zip(list(rows[mode]), toks)):
+            if t == eos or rid in failed:
+                samplers[mode].remove(rid)
+                rows[mode][k] = fresh(mode)
+
+    rows = {mode: [fresh(mode) for _ in range(B)] for mode in grammar_of}
     results: dict[str, list[float]] = {"plain": [], "grammar": []}
     for i in range(args.warmup + args.steps):   # the modes alternate step by step: the machine's drift cancels
-        for mode in ("plain", "grammar"):
-            s, rids = samplers[mode], rows[mode]
+        for mode in grammar_of:
             t0 = clock()
-            toks, _ = s.sample(logits, rids)
+            toks, _ = samplers[mode].sample(logits, rows[mode])
             dt = clock() - t0
             if i >= args.warmup:
                 results[mode].append(dt)
-            failed = s.take_failed()
-            for k, (rid, t) in enumerate(zip(list(rids), toks)):
-                if t == eos or rid in failed:   # finished (or broken): a new request takes the row
-                    s.remove(rid)
-                    rids[k] = fresh(s, compiled if mode == "grammar" else None)
+            refill(mode, toks)
     # the grammar's own work alone: fill + apply the mask, accept the tokens (the rest of a step is sampling)
     s, rids, own = samplers["grammar"], rows["grammar"], []
     for _ in range(args.steps):
@@ -123,10 +126,7 @@ def run(args) -> int:
         toks = x.argmax(-1).tolist()
         s.grammars.accept(rids, toks)
         own.append(clock() - t0)
-        for k, (rid, t) in enumerate(zip(list(rids), toks)):
-            if t == eos or rid in s.take_failed():
-                s.remove(rid)
-                rids[k] = fresh(s, compiled)
+        refill("grammar", toks)
     plain, gram = statistics.median(results["plain"]), statistics.median(results["grammar"])
     mask_ms = 1e3 * statistics.median(own)
     per_token_us = 1e6 * (gram - plain) / B
