@@ -123,23 +123,18 @@ async def run_load(args, url: str) -> dict:
         prompts = make_prompts(args.prompts, args.vocab, args.seed)
         ref = await reference_pass(client, prompts, args.max_tokens) if args.prompts else None
         before = (await client.get("/v1/layout")).json()
-        stats, log, stop = Stats(), {}, asyncio.Event()
-        sw = None
+        stats, log, ab, done = Stats(), {}, load_abuse.Abuse(), asyncio.Event()
+        background = load_abuse.start(url, client, args, done, ab)   # the switcher and abusers run until done
         if args.switch_every:
-            sw = asyncio.create_task(switcher(client, args.switch_every, args.layouts.split(","), args.admin_token,
-                                              stop, log))
-        ab, abuse_stop = load_abuse.Abuse(), asyncio.Event()
-        abusers = load_abuse.start(url, client, args, abuse_stop, ab)
+            background.append(asyncio.create_task(switcher(client, args.switch_every, args.layouts.split(","),
+                                                           args.admin_token, done, log)))
         t0 = time.perf_counter()
         tasks = [client_task(client, prompts, ref, args.max_tokens, args.requests_per_client,
                              random.Random(args.seed + c), stats) for c in range(args.clients)]
         await asyncio.wait_for(asyncio.gather(*tasks), args.max_duration)
         wall = time.perf_counter() - t0
-        stop.set()
-        abuse_stop.set()
-        await asyncio.gather(*abusers)
-        if sw is not None:
-            await sw
+        done.set()
+        await asyncio.gather(*background)
         if load_abuse.enabled(args):
             ab.drained_s = await load_abuse.wait_drained(client, args.drain_wait)
         after = (await client.get("/v1/layout")).json()

@@ -1,11 +1,7 @@
-"""Abusive clients for `splash-bench load` (issue 14), run next to the well-behaved streaming clients.
-
-``--abandon N``: N clients loop sending non-streaming requests of ``--abandon-tokens`` tokens and hang up after
-``--abandon-after`` s (the server must cancel them). ``--oversized N``: N clients loop sending bodies of
-``--oversized-bytes`` (the server must answer 413 without reading them). ``--probe-every S``: a short request
-(4 tokens, non-streaming) every S seconds; its latency p50/p99 is the cost of the abuse. After the load, the
-KV in use must return to 0 (read from /metrics) within ``--drain-wait`` s.
-"""
+"""Abusive clients for `splash-bench load` (issue 14), next to the well-behaved streaming clients: abandoners hang
+up on long non-streaming requests (the server must cancel them), oversizers send bodies over its limit (it must
+answer 413 without reading them), a prober's short-request latency is what the abuse costs; afterwards the KV in
+use must return to 0 (flags: `splash-bench load --help`)."""
 from __future__ import annotations
 
 import argparse
