@@ -168,25 +168,20 @@ def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, floa
     Wall clock (a collective waits for its peers); ``coll_stat`` of the repetitions (default: ``--stat``'s)."""
     import torch
     T = comm.size
-    sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22]
+    # kind -> (the input of n counted elements, the call); every kind counts n * 4 bytes
+    calls = {"all_reduce": lambda n: (torch.ones(n), comm.all_reduce),
+             "all_gather": lambda n: (torch.ones(n // T), comm.all_gatherv),
+             "all_to_all": lambda n: (torch.ones(n, 1), lambda x: comm.all_to_allv(x, [n // T] * T, [n // T] * T)),
+             "broadcast": lambda n: (torch.ones(n), comm.broadcast)}
     out = {}
-    for kind in ("all_reduce", "all_gather", "all_to_all", "broadcast"):
+    for kind, call in calls.items():
         xs, ys = [], []
-        for nbytes in sizes:
+        for nbytes in (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22):
             n = max(T, nbytes // 4 // T * T)
-            if kind == "all_reduce":
-                t_in, f, counted = torch.ones(n), comm.all_reduce, n * 4
-            elif kind == "all_gather":
-                t_in, f, counted = torch.ones(n // T), comm.all_gatherv, n * 4
-            elif kind == "all_to_all":
-                t_in = torch.ones(n, 1)
-                f, counted = (lambda x: comm.all_to_allv(x, [n // T] * T, [n // T] * T)), n * 4
-            else:
-                t_in, f, counted = torch.ones(n), comm.broadcast, n * 4
-
-            ts = [timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier, clock=time.perf_counter, stat=coll_stat)]
-            xs.append(counted)
-            ys.append(max(comm.all_gather_obj(ts[0])))
+            t_in, f = call(n)
+            t = timeit(lambda: f(t_in), reps, warm=1, pre=comm.barrier, clock=time.perf_counter, stat=coll_stat)
+            xs.append(n * 4)
+            ys.append(max(comm.all_gather_obj(t)))
         slope, alpha = np.polyfit(np.array(xs, dtype=float), np.array(ys), 1, w=1.0 / np.array(ys))
         out[kind] = {"alpha_s": max(float(alpha), 0.0), "bytes_per_s": 1.0 / max(float(slope), 1e-15)}
     return out
