@@ -81,6 +81,7 @@ async def stream_completion(client, prompt: list[int], max_tokens: int, on_token
 
 @dataclass
 class Outcome:
+    """One streamed request or conversation, as `load` and `workload` count it."""
     ids: list[int] = field(default_factory=list)
     ok: bool = False
     latency: float = 0.0
@@ -107,7 +108,7 @@ async def stream_turn(client, t_start: float, prompt: list[int], max_tokens: int
     out.ok = False
     try:
         out.ok = await stream_completion(client, prompt, max_tokens, got)
-    except Exception as e:  # noqa: BLE001 — counted as lost and reported
+    except Exception as e:  # noqa: BLE001 — the caller counts and reports it
         out.error = f"{type(e).__name__}: {e}"
     out.ids += ids
     return ids
