@@ -187,32 +187,13 @@ def collective_fits(comm, reps: int, coll_stat=None) -> dict[str, dict[str, floa
     return out
 
 
-def model_step_seconds(preset: str, batch: int, context: int, block_size: int, reps: int) -> float:
-    """Median decode step of the real model code on one rank (no collectives): B requests at ``context``."""
-    from splash.attention.batch import StepBatch, StepRequest
-    from splash.distributed.communicator import SingleRankCommunicator
-    from splash.engine.runner import ModelRunner
-    from splash.models.presets import preset_config, preset_getter
-    cfg = preset_config(preset)
-    nb = -(-(context + 64) // block_size)
-    r = ModelRunner(cfg, preset_getter(preset), SingleRankCommunicator(), "tp", "float32", block_size,
-                    batch * nb + 8)
-    pre = [StepRequest(f"r{i}", 0, context, 0) for i in range(batch)]
-    r.step(StepBatch.build(pre, [[7] * context for _ in pre], [True] * batch))
-    pos = [context]
-
-    def one():
-        reqs = [StepRequest(f"r{i}", pos[0], 1, 0) for i in range(batch)]
-        r.step(StepBatch.build(reqs, [[7] for _ in reqs], [True] * batch))
-        pos[0] += 1
-    return timeit(one, reps)
-
-
 def fixed_cost_fit(preset: str, partial: dict, block_size: int, reps: int) -> float:
-    """Per-op host overhead: the real layer code's decode step at B=1 (one rank, short context), minus what the
-    cost model predicts for it with zero op overhead, divided by the eager ops the model counts for it."""
+    """Per-op host overhead: the real layer code's decode step at B=1 (one rank, 64 tokens resident), minus what
+    the cost model predicts for it with zero op overhead, divided by the eager ops the model counts for it."""
+    from splash.bench.decode_state import DecodeState
     from splash.costmodel import RowLoad
-    meas = model_step_seconds(preset, 1, 64, block_size, reps)
+    from splash.distributed.communicator import SingleRankCommunicator
+    meas = timeit(DecodeState(SingleRankCommunicator(), preset, "tp", 1, 64, block_size).local_step, reps)
     cm = partial_model(preset, 1, {**partial, "op_overhead_s": 0.0, "attention_call_s": 0.0}, block_size)
     pred = cm.step("tp", [RowLoad(1, 64 + reps, 0)])
     ops = sum(w["ops"] + w.get("expert_ops", 0.0) + 14 * w.get("attn_calls", 0.0) for w in pred.work.values())
