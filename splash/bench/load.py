@@ -259,8 +259,9 @@ def write_result(args, res: dict) -> None:
                         model={"name": res["model"], "config": args.config})
     config = {k: getattr(args, k) for k in (
         "clients", "requests_per_client", "max_tokens", "prompts", "switch_every", "layouts", "seed")}
-    R.write_runs(args.json, "load", env, config, getattr(args, "argv", None), [{"mode": mode, "output_tokens_per_s": s.tokens / res["wall"], "total_s": res["wall"],
-                    "completed": s.ok, "failed": s.failed, "lost": s.lost, "mismatched": s.mismatched,
-                    "switches": res["after"]["switch_count"] - res["before"]["switch_count"],
-                    "latency_p50_s": pct(s.latencies, 50), "latency_p99_s": pct(s.latencies, 99),
-                    "ttft_p50_s": pct(s.ttfts, 50), "load_average_before": res["load"]}])
+    run = {"mode": mode, "output_tokens_per_s": s.tokens / res["wall"], "total_s": res["wall"],
+           "completed": s.ok, "failed": s.failed, "lost": s.lost, "mismatched": s.mismatched,
+           "switches": res["after"]["switch_count"] - res["before"]["switch_count"],
+           "latency_p50_s": pct(s.latencies, 50), "latency_p99_s": pct(s.latencies, 99),
+           "ttft_p50_s": pct(s.ttfts, 50), "load_average_before": res["load"]}
+    R.write_runs(args.json, "load", env, config, getattr(args, "argv", None), [run])
