@@ -222,6 +222,11 @@ def _median(values: list):
     return statistics.median(values)
 
 
+def _4g(v):
+    """A measured value (or a dict of them) as the profile keeps it: 4 significant digits."""
+    return {k: _4g(x) for k, x in v.items()} if isinstance(v, dict) else float(f"{v:.4g}")
+
+
 def build_profile(comm, args) -> dict:
     import os
     args.world = comm.size
@@ -235,15 +240,14 @@ def build_profile(comm, args) -> dict:
         "name": args.name,
         "source": (f"splash-bench calibrate, {comm.size} ranks, preset {args.preset}, {args.stat}, {stamp}, "
                    f"load average {load:.2f} at the end"),
-        "gemm_flops_per_s": {k: float(f"{v:.4g}") for k, v in m["gemm"].items()},
-        "memory_bytes_per_s": float(f"{m['bw']:.4g}"),
-        "attention_flops_per_s": float(f"{m['attn']:.4g}"),
-        "kv_read_bytes_per_s": float(f"{m['kv_bw']:.4g}"),
-        "collectives": {k: {"alpha_s": float(f"{v['alpha_s']:.4g}"), "bytes_per_s": float(f"{v['bytes_per_s']:.4g}")}
-                        for k, v in colls.items()},
+        "gemm_flops_per_s": _4g(m["gemm"]),
+        "memory_bytes_per_s": _4g(m["bw"]),
+        "attention_flops_per_s": _4g(m["attn"]),
+        "kv_read_bytes_per_s": _4g(m["kv_bw"]),
+        "collectives": _4g(colls),
         "attention_combine": "sum",
         "overlap_fraction": 0.0,
-        "op_overhead_s": float(f"{m['op']:.4g}"),
+        "op_overhead_s": _4g(m["op"]),
         "plan_block_s": 0.0,     # paged-attention metadata is built per request: its cost is in the ops
         "plan_request_s": 0.0,
         "step_overhead_s": 0.0,
@@ -252,18 +256,18 @@ def build_profile(comm, args) -> dict:
         "attention_row_kernel": row_kernel(),
         "attention_scratch_bytes": float(m["scratch"]),
         "alloc_threshold_bytes": float(ALLOC_THRESHOLD),
-        "alloc_bytes_per_s": float(f"{m['alloc']:.4g}"),
-        "attention_merge_bytes_per_s": float(f"{m['merge']:.4g}"),
+        "alloc_bytes_per_s": _4g(m["alloc"]),
+        "attention_merge_bytes_per_s": _4g(m["merge"]),
         "attention_cache_bytes": float(m["cache"]),
-        "attention_spill_bytes_per_s": float(f"{m['spill']:.4g}"),
-        "gemm_rows_flops_per_s": {d: {r: float(f"{v:.4g}") for r, v in t.items()} for d, t in m["gemm_rows"].items()},
-        "extra": {"world": comm.size, "tiny_op_s": float(f"{m['op']:.4g}"),
-                  "attention_fit_call_s": float(f"{m['call']:.4g}"), **m["fit"]},
+        "attention_spill_bytes_per_s": _4g(m["spill"]),
+        "gemm_rows_flops_per_s": _4g(m["gemm_rows"]),
+        "extra": {"world": comm.size, "tiny_op_s": _4g(m["op"]),
+                  "attention_fit_call_s": _4g(m["call"]), **m["fit"]},
     }
     # the per-op overhead that matters is the real layer code's: fit it on a one-rank B=1 decode step
     op = _median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size, 3 if args.quick else 9)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
-    raw["op_overhead_s"], raw["attention_call_s"] = float(f"{op:.4g}"), 0.0
+    raw["op_overhead_s"], raw["attention_call_s"] = _4g(op), 0.0
     # the split-KV kernel: refit its rates with the attention inside real steps
     step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
     raw = refit_attention(raw, m["attn_rows"] + _median(comm.all_gather_obj(step_rows)))
@@ -272,16 +276,16 @@ def build_profile(comm, args) -> dict:
         # beyond everything else the model predicts (the in-step collective terms included)
         from splash.bench.calib_sync import collective_in_step
         sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
-        raw["collective_sync_s"], raw["collective_wait_fraction"] = float(f"{sync:.4g}"), float(f"{wait:.4g}")
+        raw["collective_sync_s"], raw["collective_wait_fraction"] = _4g(sync), _4g(wait)
     from splash.bench.calib_sync import layout_overheads, prefill_attention_factors
     per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
-    raw["step_overhead_layout_s"] = {k: float(f"{v:.4g}") for k, v in per_layout.items()}
+    raw["step_overhead_layout_s"] = _4g(per_layout)
     if getattr(args, "prefill_factors", False):
         factors = prefill_attention_factors(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
-        raw["prefill_attention_factor"] = {k: float(f"{v:.4g}") for k, v in factors.items()}
+        raw["prefill_attention_factor"] = _4g(factors)
     if not getattr(args, "in_step_collectives", False):
         from splash.bench.calib_sync import collective_sync
-        raw["collective_sync_s"] = float(f"{collective_sync(comm, args.preset, raw, args.block_size, 3):.4g}")
+        raw["collective_sync_s"] = _4g(collective_sync(comm, args.preset, raw, args.block_size, 3))
     return raw
 
 
