@@ -151,15 +151,16 @@ class _Handlers:
         lim = self.s.limits
         return P.parse_request(model, await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.s.model_name:
-            raise P.APIError(404, f"the model {quote(model)} does not exist; this server serves '{self.s.model_name}'",
-                             param="model", code="model_not_found")
-
-    def check_seqs(self, num_prompts: int, n: int) -> None:
+    def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
+        """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
+        if req.model is not None and req.model != self.s.model_name:
+            raise P.APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
+                                  f"'{self.s.model_name}'", param="model", code="model_not_found")
+        req.check_neutral()
+        P.check_stream_fields(req, chat)
         limit = self.s.limits.max_seqs_per_request
-        if num_prompts * n > limit:
-            raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+        if num_prompts * req.n > limit:
+            raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={req.n} = {num_prompts * req.n} "
                                   f"sequences; at most {limit} are allowed (server.max_seqs_per_request)",
                              param="n" if num_prompts == 1 else "prompt", code="too_many_sequences")
 
@@ -175,15 +176,8 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
-    def admit(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
-        """400 when the request's worst-case cost passes server.max_request_mb (splash.server.admission_cost)."""
-        cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
-        why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
-        if why is not None:
-            raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
-
-    def params(self, req: P.SamplingRequest, max_tokens: int, j: int, prompt_logprobs: int | None = None,
-               grammar: Any = None) -> SamplingParams:
+    def params(self, req: P.SamplingRequest, max_tokens: int, j: int, prompt_logprobs: int | None,
+               grammar: Any) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
@@ -204,72 +198,63 @@ class _Handlers:
         except ValueError as e:  # combinations pydantic does not see (e.g. min_tokens > max_tokens)
             raise P.APIError(400, str(e), param=str(e).split()[0]) from None
 
-    def generation(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: list[int],
-                   prefix: str, prompt_logprobs: int | None = None, grammar: Any = None) -> Generation:
+    async def answer(self, request: Request, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: int,
+                     prompt_logprobs: int | None, grammar: Any, agent: Prepared | None = None,
+                     echo: list[str] | None = None) -> Response:
+        """Admit, start and answer (streamed or not) a request whose prompts are read; ``agent`` marks chat."""
+        chat = agent is not None
+        cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
+        why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
+        if why is not None:   # the worst case passes server.max_request_mb
+            raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
         flat_prompts, flat_params = [], []
-        for prompt, mt in zip(prompts, max_tokens):
+        for prompt in prompts:
             for j in range(req.n):   # prompt logprobs: computed once per prompt, by its first sample
                 flat_prompts.append(prompt)
-                flat_params.append(self.params(req, mt, j, prompt_logprobs if j == 0 else None, grammar))
-        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix,
+                flat_params.append(self.params(req, max_tokens, j, prompt_logprobs if j == 0 else None, grammar))
+        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), rid,
                          n=req.n)
         gen.start()
-        return gen
+        gen.echo = echo
+        prompt_tokens = sum(map(len, prompts))
+        obj = "chat.completion" if chat else "text_completion"
+        if req.stream:
+            return self.stream(gen, req, rid, obj + ".chunk" if chat else obj, prompt_tokens, agent)
+        await self.collect(request, gen)
+        # built in a worker thread: with logprobs the body can hold millions of entries
+        return self.builder.json_response(await self.builder.run(self.response_body, gen, req, rid, obj,
+                                                                 prompt_tokens, agent))
 
-    # ---- /v1/completions --------------------------------------------------------------------------------
-    def echo_texts(self, req: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """The prompt as echoed: the string sent, or the decoded token ids."""
-        if isinstance(req.prompt, str):
-            return [req.prompt]
-        if isinstance(req.prompt[0], str):
-            return list(req.prompt)
-        return [self.s.tokenizer.decode(p) for p in prompts]
-
+    # ---- the endpoints ----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         req = await self.body(request, P.CompletionRequest)
-        self.check_model(req.model)
-        req.check_neutral()
-        P.check_stream_fields(req, chat=False)
         p = req.prompt
-        self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
+        self.check(req, 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), chat=False)
         prompts = await self.prompts.completion(p)
         grammar = await self.agent.completion(req)
         mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
-        self.admit(req, prompts, mt, chat=False)
-        rid = P.new_id("cmpl")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)
-        gen = self.generation(req, prompts, [mt] * len(prompts), rid, plp, grammar)
-        gen.echo = self.echo_texts(req, prompts) if req.echo else None
-        if req.stream:
-            return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
-        return self.builder.json_response(await self.collect(request, gen, req, rid, "text_completion",
-                                                             sum(map(len, prompts)), False))
+        echo = None
+        if req.echo:   # the prompt as echoed: the string sent, or the decoded token ids
+            echo = [p] if isinstance(p, str) else list(p) if isinstance(p[0], str) else [
+                self.s.tokenizer.decode(x) for x in prompts]
+        return await self.answer(request, req, prompts, mt, plp, grammar, echo=echo)
 
-    # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self.body(request, P.ChatCompletionRequest)
-        self.check_model(req.model)
-        req.check_neutral()
-        P.check_stream_fields(req, chat=True)
-        self.check_seqs(1, req.n)
+        self.check(req, 1, chat=True)
         agent = await self.agent.chat(req)
         prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
-        self.admit(req, [prompt], mt, chat=True)
-        rid = P.new_id("chatcmpl")
-        gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs, agent.grammar)
-        if req.stream:
-            return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True, agent=agent)
-        return self.builder.json_response(await self.collect(request, gen, req, rid, "chat.completion",
-                                                             len(prompt), True, agent))
+        return await self.answer(request, req, [prompt], mt, req.prompt_logprobs, agent.grammar, agent)
 
     # ---- response assembly ------------------------------------------------------------------------------
-    async def collect(self, request: Request, gen: Generation, req: P.SamplingRequest, rid: str, obj: str,
-                      prompt_tokens: int, chat: bool, agent: Prepared | None = None) -> dict:
+    async def collect(self, request: Request, gen: Generation) -> None:
         run = asyncio.ensure_future(gen.run_to_end())
         gone = asyncio.ensure_future(until_disconnected(request))
         try:
@@ -282,32 +267,29 @@ class _Handlers:
                 task.cancel()
             if not gen.done:
                 gen.cancel()
-        # built in a worker thread: with logprobs the body can hold millions of entries
-        return await self.builder.run(self.response_body, gen, req, rid, obj, prompt_tokens, chat, agent)
 
     def response_body(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
-                      chat: bool, agent: Prepared | None = None) -> dict:
-        make = P.chat_choice if chat else P.completion_choice
-        extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
+                      agent: Prepared | None) -> dict:
+        extras = ResponseExtras(self.s.tokenizer, req, gen, agent is not None)
         choices = []
         for c in gen.choices:
-            d = Delta(c, c.text, c.token_ids, c.finish, c.logprobs)
-            choice = make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids else None)
-            if chat and agent is not None:   # reasoning_content / tool_calls (splash.server.chat_output)
-                choice["message"], choice["finish_reason"] = chat_output.message(agent.mode, c.text, c.finish)
-            choices.append(extras.decorate(choice, d))
+            ids = c.token_ids if req.return_token_ids else None
+            if agent is None:
+                choice = P.choice(c.index, "text", c.text, c.finish, ids)
+            else:   # reasoning_content / tool_calls (splash.server.chat_output)
+                choice = P.choice(c.index, "message", *chat_output.message(agent.mode, c.text, c.finish), ids)
+            choices.append(extras.decorate(choice, Delta(c, c.text, c.token_ids, c.finish, c.logprobs)))
         completion_tokens = sum(len(c.token_ids) for c in gen.choices)
         body = P.envelope(rid, obj, P.now(), self.s.model_name, choices,
                           P.usage(prompt_tokens, completion_tokens, gen.cached_prompt_tokens))
-        if chat and req.prompt_logprobs is not None:   # vLLM: chat's prompt_logprobs are on the response
+        if agent is not None and req.prompt_logprobs is not None:   # vLLM: chat's are on the response
             body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
         return body
 
     def stream(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
-               chat: bool, agent: Prepared | None = None) -> StreamingResponse:
-        created, model = P.now(), self.s.model_name
-        ids = req.return_token_ids
-        extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
+               agent: Prepared | None) -> StreamingResponse:
+        created, model, ids = P.now(), self.s.model_name, req.return_token_ids
+        extras = ResponseExtras(self.s.tokenizer, req, gen, agent is not None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         readers = {c.index: chat_output.ChatStream(agent.mode) for c in gen.choices} if agent is not None else {}
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -320,25 +302,19 @@ class _Handlers:
             return _sse(body)
 
         def choice_chunk(d: Delta) -> str | None:
-            tids = d.token_ids if ids else None
-            if chat and d.choice.index in readers:
-                reader = readers[d.choice.index]
-                delta = reader.feed(d.text, last=d.finish is not None)
-                if not delta and d.finish is None and not ids and not extras.pending(d):
-                    return None   # text held back by a parser (a marker may be starting)
-                finish = reader.finish_reason(d.finish)
-                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, finish, tids), d)])
-            if chat:
-                delta = {"content": d.text} if d.text or d.finish is None else {}
-                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish, tids), d)])
-            return chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish, tids), d)])
+            i, tids = d.choice.index, d.token_ids if ids else None
+            if i not in readers:   # completions
+                return chunk([extras.decorate(P.choice(i, "text", d.text, d.finish, tids), d)])
+            delta = readers[i].feed(d.text, last=d.finish is not None)
+            if not delta and d.finish is None and not ids and not extras.pending(d):
+                return None   # text held back by a parser (a marker may be starting)
+            return chunk([extras.decorate(P.choice(i, "delta", delta, readers[i].finish_reason(d.finish), tids), d)])
 
         async def events() -> AsyncIterator[str]:
             try:
-                if chat:
-                    for c in gen.choices:
-                        yield chunk([P.chat_delta_choice(c.index, {"role": "assistant", "content": ""}, None,
-                                                         [] if ids else None)])
+                for c in gen.choices if agent is not None else ():
+                    yield chunk([P.choice(c.index, "delta", {"role": "assistant", "content": ""}, None,
+                                          [] if ids else None)])
                 async for deltas in gen.deltas():
                     for d in deltas:
                         if not d.text and d.finish is None and not ids and not extras.pending(d):
@@ -372,23 +348,25 @@ class _Handlers:
                 "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
                 "steps": snap.steps, "scheduler": snap.scheduler}
 
+    @staticmethod
+    async def on_engine(command: Any, *args: Any) -> Any:
+        """Run a command on the engine thread and wait for its answer; 503 once the engine stopped."""
+        try:
+            return await asyncio.wrap_future(command(*args))
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "service_unavailable") from None
+
     async def reset_prefix_cache(self, request: Request) -> JSONResponse:
         """vLLM's admin endpoint: forget every cached block no request uses (token-protected like /v1/layout)."""
         check_admin(self.s, request.headers.get("authorization"))
-        try:
-            n = await asyncio.wrap_future(self.s.loop.reset_prefix_cache())
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), "service_unavailable") from None
-        return JSONResponse({"evicted_blocks": n})
+        return JSONResponse({"evicted_blocks": await self.on_engine(self.s.loop.reset_prefix_cache)})
 
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.LayoutRequest)
         req.check(self.s.allowed_layouts)
         try:
-            await asyncio.wrap_future(self.s.loop.set_layout(req.layout))
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), "service_unavailable") from None
+            await self.on_engine(self.s.loop.set_layout, req.layout)
         except ValueError as e:
             raise P.APIError(400, str(e), param="layout", code="invalid_layout") from None
         return JSONResponse({**self.layout_body(), "requested": req.layout})

@@ -246,24 +246,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _choice(index: int, key: str, value: Any, finish: str | None, token_ids: list[int] | None) -> dict:
+def choice(index: int, key: str, value: Any, finish: str | None, token_ids: list[int] | None) -> dict:
     """One choice: its `key` ("text", "message" or "delta"), then vLLM's `token_ids` when asked for."""
-    choice: dict[str, Any] = {"index": index, key: value, "logprobs": None, "finish_reason": finish}
+    out: dict[str, Any] = {"index": index, key: value, "logprobs": None, "finish_reason": finish}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def completion_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, "text", text, finish, token_ids)
-
-
-def chat_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, "message", {"role": "assistant", "content": text}, finish, token_ids)
-
-
-def chat_delta_choice(index: int, delta: dict, finish: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, "delta", delta, finish, token_ids)
+        out["token_ids"] = token_ids
+    return out
 
 
 def envelope(obj_id: str, obj: str, created: int, model: str, choices: list[dict],
