@@ -131,16 +131,14 @@ class Tokenizer:
         valid = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self.hf.decode(valid, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style ``messages`` ({"role", "content"}) into the prompt text.
-
-        Uses the model's Jinja template when it has one, rendered as transformers does; a template that raises
-        (e.g. roles must alternate) raises ValueError. Otherwise the simple template (module docstring).
-        """
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """The prompt text of OpenAI-style ``messages``: the model's Jinja template with ``tools`` and
+        ``chat_template_kwargs`` (splash.chat_template; ValueError when it raises), else the simple template."""
         if self.chat_template is not None:
             special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
-            return render(self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
-                          special_tokens=special)
+            return render(self.chat_template, list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                          special_tokens=special, kwargs=kwargs)
         parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
         if add_generation_prompt:
             parts.append("<|assistant|>\n")

@@ -221,15 +221,13 @@ def test_a_prompt_that_opens_thinking_starts_the_output_in_reasoning():
     from pathlib import Path
 
     from splash.server.agent import Prepared, with_prompt
-    from splash.server.prompts import PromptReader
     from splash.tokenizer import Tokenizer, build_byte_tokenizer
     template = (Path(__file__).parent / "fixtures" / "chat_templates" / "glm-5.3-flash.jinja").read_text("utf-8")
     tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
-    reader = PromptReader(tok, 4096, 320)
     msgs = [{"role": "user", "content": "hi"}]
-    on = with_prompt(Prepared(mode=OutputMode("glm45")), tok, tok.encode(reader.render(msgs)))
+    on = with_prompt(Prepared(mode=OutputMode("glm45")), tok, tok.encode(tok.apply_chat_template(msgs)))
     off = with_prompt(Prepared(mode=OutputMode("glm45", template_kwargs={"enable_thinking": False})), tok,
-                      tok.encode(reader.render(msgs, kwargs={"enable_thinking": False})))
+                      tok.encode(tok.apply_chat_template(msgs, kwargs={"enable_thinking": False})))
     assert on.mode.thinking_opened and not off.mode.thinking_opened
     assert message(on.mode, "plan</think>answer", "stop")[0]["reasoning_content"] == "plan"
     assert message(on.mode, "plan</think>answer", "stop")[0]["content"] == "answer"

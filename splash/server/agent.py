@@ -9,7 +9,6 @@ The tool-call and reasoning parsers default from the model's type (``server.tool
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,28 +81,3 @@ def with_prompt(prepared: Prepared, tok: Tokenizer, prompt: list[int]) -> Prepar
         return prepared
     tail = tok.decode(prompt[-16:], skip_special_tokens=False).rstrip()
     return replace(prepared, mode=replace(prepared.mode, thinking_opened=tail.endswith("<think>")))
-
-
-def arguments_for_template(messages: list[dict], as_mapping: bool) -> list[dict]:
-    """Assistant tool calls as the template reads them: templates that iterate ``arguments.items()`` (GLM,
-    DeepSeek-V3.2) need a mapping, so JSON-object text is parsed (as vLLM does); others get the text."""
-    if not as_mapping:
-        return messages
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if m.get("role") == "assistant" and isinstance(calls, list):
-            m = {**m, "tool_calls": [_parsed(c) for c in calls]}
-        out.append(m)
-    return out
-
-
-def _parsed(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        args = json.loads(fn["arguments"])
-    except json.JSONDecodeError:
-        return call
-    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call

@@ -44,11 +44,6 @@ class OutputMode:
         return not (self.forced or self.auto_tools or self.reasoner)
 
 
-def _tool_call(i: int, c: dict) -> dict:
-    return {"id": tool_parsers.call_id(), "type": "function",
-            "function": {"name": c["name"], "arguments": c["arguments"]}}
-
-
 def message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
     """(message, finish_reason) of a complete output; the text as plain content if a parser fails on it."""
     try:
@@ -72,38 +67,11 @@ def _message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str
         content, calls = tool_parsers.parse(mode.tool_parser, rest or "", list(mode.tools.tools))
         msg["content"] = content if calls else rest
     if calls:
-        msg["tool_calls"] = [_tool_call(i, c) for i, c in enumerate(calls)]
+        msg["tool_calls"] = [{"id": tool_parsers.call_id(), "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
         if finish == "stop":
             finish = "tool_calls"
     return msg, finish
-
-
-class _ForcedStream:
-    """Streams the forced output as tool-call deltas: a named function's output is its arguments; "required"'s is
-    a JSON array of {"name", "parameters"}, read as it grows."""
-
-    def __init__(self, tc: ToolChoice) -> None:
-        self.tc, self.text = tc, ""
-        self.ids: list[str] = []
-        self.sent: list[str] = []
-
-    def feed(self, delta: str) -> list[dict]:
-        self.text += delta
-        if self.tc.mode == "named":
-            calls = [(self.tc.name, self.text)]
-        else:
-            calls = scan_calls(self.text)
-        out = []
-        for k, (name, args) in enumerate(calls):
-            if k >= len(self.ids):
-                self.ids.append(tool_parsers.call_id())
-                self.sent.append("")
-                out.append({"index": k, "id": self.ids[k], "type": "function",
-                            "function": {"name": name, "arguments": ""}})
-            if len(args) > len(self.sent[k]):
-                out.append({"index": k, "function": {"arguments": args[len(self.sent[k]):]}})
-                self.sent[k] = args
-        return out
 
 
 class ChatStream:
@@ -115,7 +83,8 @@ class ChatStream:
         self.reason = (reasoning.ReasoningStream(mode.reasoner, mode.template_kwargs, mode.thinking_opened)
                        if mode.reasoner else None)
         self.tools = tool_parsers.ToolStream(mode.tool_parser, list(mode.tools.tools)) if mode.auto_tools else None
-        self.forced = _ForcedStream(mode.tools) if mode.forced else None
+        self.forced = tool_parsers.CallDeltas() if mode.forced else None
+        self.forced_text = ""      # a forced output: a named function's arguments, or "required"'s JSON array
         self.called = False
         self.broken = False     # a parser failed: the rest of the text goes out as content
 
@@ -123,7 +92,9 @@ class ChatStream:
         out: dict = {}
         calls: list[dict] = []
         if self.forced is not None:
-            calls = self.forced.feed(text)
+            self.forced_text += text
+            tc = self.mode.tools
+            calls = self.forced([(tc.name, self.forced_text)] if tc.mode == "named" else scan_calls(self.forced_text))
         elif self.tools is not None:
             content, calls = self.tools.feed(text)
             if last:

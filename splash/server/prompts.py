@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from splash import chat_template
 from splash.server import protocol as P
-from splash.server.agent import arguments_for_template
 from splash.tokenizer import Tokenizer
 
 CHARS_PER_TOKEN = 8   # no real text averages more characters per token than this
@@ -65,22 +63,10 @@ class PromptReader:
             return [await self.encode(x, f"prompt[{i}]", True) for i, x in enumerate(prompt)]
         return [self.check_ids(list(x), f"prompt[{i}]") for i, x in enumerate(prompt)]
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-               kwargs: dict | None = None) -> str:
-        """The model's chat template (splash.chat_template) with tools and chat_template_kwargs; the
-        tokenizer's simple template when the model ships none."""
-        template = self.tok.chat_template
-        if template is None:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
-        as_mapping = ".items()" in template and "arguments" in template
-        special = {k: v for k, v in (("bos_token", self.tok.bos_token), ("eos_token", self.tok.eos_token)) if v}
-        return chat_template.render(template, arguments_for_template(messages, as_mapping), tools=tools,
-                                    special_tokens=special, kwargs=kwargs)
-
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    kwargs: dict | None = None) -> list[int]:
         try:
-            text = self.render(messages, tools, kwargs)
+            text = self.tok.apply_chat_template(messages, tools=tools, kwargs=kwargs)
         except ValueError as e:
             raise P.APIError(400, str(e), param="messages") from None
         return await self.encode(text, "messages", False)
