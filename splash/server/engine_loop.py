@@ -64,21 +64,6 @@ class EngineSnapshot:
         return sum(self.switch_counts.values())
 
 
-def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, int], steps: int,
-                  generated: int) -> EngineSnapshot:
-    sched = engine.scheduler
-    queries, hits, cached = engine.prefix_cache_stats()
-    return EngineSnapshot(
-        layout=engine.layout, mode=engine.layout_mode, target=engine.layout_target,
-        allowed_layouts=allowed,
-        switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
-        kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
-        kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
-        steps=steps, generated_tokens=generated, weight_bytes=dict(engine.weight_bytes_per_rank),
-        scheduler=engine.auto.summary() if engine.auto is not None else None,
-        prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))
-
-
 class EngineLoop:
     """Owns ``engine`` on a dedicated thread; see the module docstring."""
 
@@ -292,4 +277,12 @@ class EngineLoop:
         if now - self._capacity_at > self.CAPACITY_REFRESH_S or eng.layout != self._capacity_layout:
             self._capacity = dict(eng.kv_capacity_tokens())
             self._capacity_at, self._capacity_layout = now, eng.layout
-        self.snapshot = take_snapshot(eng, self.allowed_layouts, self._capacity, self.steps, self.generated)
+        queries, hits, cached = eng.prefix_cache_stats()
+        self.snapshot = EngineSnapshot(
+            layout=eng.layout, mode=eng.layout_mode, target=eng.layout_target, allowed_layouts=self.allowed_layouts,
+            switch_counts=dict(eng.switch_counts), kv_capacity=self._capacity, kv_used_tokens=eng.kv_used_tokens(),
+            kv_used_blocks=list(eng.kv_used_blocks_per_rank()), kv_blocks_per_rank=eng.ledger.blocks_per_rank,
+            running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting), steps=self.steps,
+            generated_tokens=self.generated, weight_bytes=dict(eng.weight_bytes_per_rank),
+            scheduler=eng.auto.summary() if eng.auto is not None else None,
+            prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))

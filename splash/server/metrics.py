@@ -21,7 +21,7 @@ observed ``splash_switch_predicted_seconds{src,dst}`` (corrected prediction of t
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +33,17 @@ from splash.engine.layout_policy.auto import VERDICTS
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def _family(kind: type, name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float]]) -> Metric:
+    fam = kind(name, doc, labels=labels)
+    for key, value in rows:
+        fam.add_metric(key, float(value))
+    return fam
+
+
+def _per_rank(name: str, doc: str, values: Iterable[tuple[int, int]]) -> Metric:
+    return _family(GaugeMetricFamily, name, doc, ["rank"], (([str(r)], n) for r, n in values))
+
+
 class _StateCollector(Collector):
     def __init__(self, snapshot: Callable[[], object]) -> None:
         self._snapshot = snapshot
@@ -41,41 +52,23 @@ class _StateCollector(Collector):
         s = self._snapshot()
         if s is None:
             return
-        cur = GaugeMetricFamily("splash_current_layout", "1 for the attention layout in use, 0 otherwise",
-                                labels=["layout"])
-        for lay in LAYOUTS:
-            cur.add_metric([lay], 1.0 if lay == s.layout else 0.0)
-        yield cur
-        sw = CounterMetricFamily("splash_layout_switches", "Layout switches executed, by source and destination",
-                                 labels=["src", "dst"])
-        for (src, dst), n in sorted(s.switch_counts.items()):
-            sw.add_metric([src, dst], float(n))
-        yield sw
-        cap = GaugeMetricFamily("splash_kv_capacity_tokens", "Distinct KV tokens the pool holds in each layout",
-                                labels=["layout"])
-        for lay, n in sorted(s.kv_capacity.items()):
-            cap.add_metric([lay], float(n))
-        yield cap
+        yield _family(GaugeMetricFamily, "splash_current_layout", "1 for the attention layout in use, 0 otherwise",
+                      ["layout"], (([lay], lay == s.layout) for lay in LAYOUTS))
+        yield _family(CounterMetricFamily, "splash_layout_switches", "Layout switches executed, by source and "
+                      "destination", ["src", "dst"], (([a, b], n) for (a, b), n in sorted(s.switch_counts.items())))
+        yield _family(GaugeMetricFamily, "splash_kv_capacity_tokens", "Distinct KV tokens the pool holds in each "
+                      "layout", ["layout"], (([lay], n) for lay, n in sorted(s.kv_capacity.items())))
         yield GaugeMetricFamily("splash_kv_used_tokens", "KV tokens held by live requests", value=s.kv_used_tokens)
-        blocks = GaugeMetricFamily("splash_kv_used_blocks", "KV pages in use on each rank", labels=["rank"])
-        for r, n in enumerate(s.kv_used_blocks):
-            blocks.add_metric([str(r)], float(n))
-        yield blocks
+        yield _per_rank("splash_kv_used_blocks", "KV pages in use on each rank", enumerate(s.kv_used_blocks))
         yield GaugeMetricFamily("splash_kv_blocks_per_rank", "KV pages per rank", value=s.kv_blocks_per_rank)
-        wb = GaugeMetricFamily("splash_weight_bytes", "Bytes of weight tensors held by each rank (measured)",
-                               labels=["rank"])
-        for r, n in sorted(s.weight_bytes.items()):
-            wb.add_metric([str(r)], float(n))
-        yield wb
+        yield _per_rank("splash_weight_bytes", "Bytes of weight tensors held by each rank (measured)",
+                        sorted(s.weight_bytes.items()))
         yield CounterMetricFamily("splash_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=s.prefix_queries)
         yield CounterMetricFamily("splash_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   value=s.prefix_hits)
-        pc = GaugeMetricFamily("splash_prefix_cache_blocks", "KV pages the prefix cache holds on each rank (in use "
-                               "or evictable)", labels=["rank"])
-        for r, n in enumerate(s.prefix_cached_blocks):
-            pc.add_metric([str(r)], float(n))
-        yield pc
+        yield _per_rank("splash_prefix_cache_blocks", "KV pages the prefix cache holds on each rank (in use or "
+                        "evictable)", enumerate(s.prefix_cached_blocks))
         yield GaugeMetricFamily("splash_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("splash_requests_waiting", "Requests queued for admission", value=s.waiting)
         if s.scheduler is not None:
@@ -98,11 +91,8 @@ def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
         fams["factor"].add_metric([lay], m["factor"])
         fams["error"].add_metric([lay], nan if m["median_error"] is None else m["median_error"])
     yield from fams.values()
-    dec = CounterMetricFamily("splash_layout_decisions", "Scheduler decisions at step boundaries, by verdict",
-                              labels=["verdict"])
-    for verdict in VERDICTS:
-        dec.add_metric([verdict], float(sch["decisions"].get(verdict, 0)))
-    yield dec
+    yield _family(CounterMetricFamily, "splash_layout_decisions", "Scheduler decisions at step boundaries, by "
+                  "verdict", ["verdict"], (([v], sch["decisions"].get(v, 0)) for v in VERDICTS))
     yield from _switch_metrics(sch.get("switch_cost") or {})
 
 

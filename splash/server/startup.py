@@ -8,6 +8,7 @@ message — no rank is left waiting in a collective that its peers never reach.
 from __future__ import annotations
 
 import socket
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -159,14 +160,6 @@ class Built:
     num_kv_blocks: int
 
 
-def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[str], Any]:
-    def counted(name: str) -> Any:
-        out = get(name)
-        tick()
-        return out
-    return counted
-
-
 def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
                   weight_bytes: float, arch: str) -> Any:
     """The per-rank device memory budget (splash.layouts.device_budget) of `cfg` on an `arch` device ("sm_90",
@@ -246,18 +239,18 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
     layout = initial_layout(cfg, comm.size, mcfg.num_attention_heads)
     name = cfg.model.model or f"preset {cfg.model.preset}"
-    ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else None
-    try:
-        advance = ticker.__enter__() if ticker else (lambda: None)
+    ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else nullcontext(lambda: None)
+    with ticker as advance:
+        def counted(tensor: str) -> Any:   # each tensor read moves the progress bar
+            out = get(tensor)
+            advance()
+            return out
         try:
-            runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, cfg.block_size, blocks,
-                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend, device=device,
+            runner = ModelRunner(mcfg, counted, comm, layout, cfg.kv_dtype, cfg.block_size, blocks, dtype,
+                                 kv_dtypes, attention_backend=cfg.attention_backend, device=device,
                                  streams=backend.streams() if backend is not None else None)
         except ValueError as e:
             raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
-    finally:
-        if ticker:
-            ticker.__exit__(None, None, None)
     s = cfg.scheduler
     try:
         engine = Engine(runner, step_comm, per_layout, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode,

@@ -171,10 +171,8 @@ class Watchdog:
         for sock in list(self._peers.values()):
             try:
                 sock.send(self.BEAT)
-            except (BlockingIOError, InterruptedError):
-                pass   # the peer is not reading (stopped): its silence is what _check measures
             except OSError:
-                pass
+                pass   # the peer is not reading (stopped) or gone: _check and _receive tell which
 
     def _check(self, now: float) -> bool:
         for rank in self._expected:
@@ -202,14 +200,6 @@ class StepChannel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
-
-    @property
-    def rank(self) -> int:
-        return self._comm.rank
-
-    @property
-    def size(self) -> int:
-        return self._comm.size
 
     def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
         mpi = getattr(self._comm, "mpi_comm", None)
