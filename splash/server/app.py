@@ -1,11 +1,7 @@
 """The HTTP API on rank 0 (FastAPI): OpenAI-compatible completions/chat, models, health, metrics, layout control.
 
-Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
-JSON, wrong-typed or unknown fields, a prompt plus max_tokens longer than the model's context, max_tokens <= 0,
-too many sequences, bad layout names), 401 for a missing/bad admin token, 404 for an unknown model or route,
-408/413/415 for a body too slow, too large or not JSON (``body``), 429 with ``Retry-After`` when the queue is
-full, 503 while shutting down. A bad request never disturbs the engine or other requests; a request whose
-client disconnects is cancelled, streaming or not.
+Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, and fails only its own request;
+a request whose client disconnects is cancelled, streaming or not.
 """
 from __future__ import annotations
 
@@ -29,10 +25,10 @@ from splash.server import protocol as P
 from splash.server.agent import AgentAPI, Prepared, with_prompt
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
-from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
 from splash.server.json_body import ResponseBuilder
 from splash.server.limits import quote
+from splash.server.logprobs import ResponseExtras
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
@@ -96,13 +92,9 @@ def _sse(obj: Any) -> str:
 
 
 class _CountRequests:
-    """ASGI middleware counting answered requests by route and status (cheap; streaming-safe). The endpoint
-    label is the route's path for the server's routes and ``other`` for every unknown path, so random paths
-    cannot grow /metrics.
-
-    It is also where an exception no handler answered ends: a 500 body is sent here (so it is counted) and the
-    exception is not re-raised, so uvicorn keeps the keep-alive connection for the client's next request
-    instead of logging a traceback and resetting it. One line goes to the (rate-limited) ``splash`` log."""
+    """Counts answered requests by route (``other`` for unknown paths, so random paths cannot grow /metrics) and
+    status. An exception no handler answered becomes a counted 500 here and is not re-raised, so uvicorn keeps
+    the keep-alive connection instead of resetting it."""
 
     def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -165,8 +157,7 @@ class _Handlers:
                              param="n" if num_prompts == 1 else "prompt", code="too_many_sequences")
 
     def max_tokens(self, requested: int | None, default: int, prompts: list[list[int]], param: str) -> int:
-        """``requested`` if every prompt has room for it (else 400, as vLLM and OpenAI answer); the default
-        is capped at the room of the longest prompt."""
+        """``requested`` if every prompt has room for it (else 400, as vLLM and OpenAI answer)."""
         room = self.s.max_model_len - max(map(len, prompts))
         if requested is None:
             return max(1, min(default, room))
@@ -247,7 +238,7 @@ class _Handlers:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check(req, 1, chat=True)
         agent = await self.agent.chat(req)
-        prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)
+        prompt = await self.prompts.chat(req.template_messages(), agent.tools, agent.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
@@ -406,8 +397,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while serving; 503 while stopping, or when the step in flight has run longer than
-        server.collective_timeout_s (``stalled``: nothing has moved for that long)."""
+        """503 while stopping, or ``stalled`` when the step in flight has run past server.collective_timeout_s."""
         loop, snap = state.loop, state.loop.snapshot
         running_s = loop.stalled_s()
         status = "ok" if loop.alive else "stopping"
