@@ -1,13 +1,6 @@
-"""Reading a request body defensively: media type, size, time, disconnects, and JSON that cannot be parsed.
-
-* a media type other than JSON (``Content-Type`` missing is taken as JSON, as curl and FastAPI do) → 415;
-* more than ``max_body_bytes`` (declared in ``Content-Length`` or counted while reading) → 413, without
-  reading the rest;
-* a body that does not arrive within ``read_timeout_s`` → 408;
-* a client that disconnects mid-body → ``ClientGone`` (answered with nothing and logged by nobody);
-* malformed JSON, or JSON nested too deep for the parser → 400;
-* a value nothing downstream can use (an integer of thousands of digits, a lone surrogate in a string) → 400
-  naming its field (``splash.server.limits``).
+"""Reading a request body defensively: media type (415; a missing Content-Type is JSON, as curl and FastAPI
+take it), size (413, without reading the rest), time (408), disconnects (``ClientGone``), JSON that cannot be
+parsed (400) and values nothing downstream can use (400 naming the field, ``splash.server.limits``).
 """
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from splash.server.protocol import APIError
 
 
 class ClientGone(Exception):
-    """The client went away before its request was read or answered; there is nobody to answer."""
+    """The client went away before its request was answered: there is nobody to answer."""
 
 
 def _check_media_type(request: Request) -> None:
@@ -81,7 +74,7 @@ async def read_json(request: Request, max_body_bytes: int, read_timeout_s: float
 
 
 async def until_disconnected(request: Request) -> None:
-    """Return when the client has gone (its connection closed). Only for use after the body was read."""
+    """Return when the client's connection closed (only for use after the body was read)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -1,17 +1,11 @@
 """The engine thread on rank 0: the only thread that touches the Engine (and so makes MPI calls).
 
-The HTTP side talks to it through a queue of commands (calls the engine thread makes: add / abort / set layout /
-reset the prefix cache) guarded by a condition variable: when there is no work the thread sleeps on the condition
-(no spinning), and each step's token events are handed back to the asyncio loop in *one* ``post`` call
-(``loop.call_soon_threadsafe``), which feeds each request's sink. After every step the thread publishes an
-immutable ``EngineSnapshot`` that metrics, the console and ``GET /v1/layout`` read without locking.
-
-A request that fails on its own (its prompt is rejected, or sampling it raises) fails alone: its sink gets
-the exception. An unexpected exception inside a step is fatal for the whole job (the other ranks may be inside
-a collective of that step): the thread prints it, naming rank 0, and aborts every rank.
-
-Back-pressure: ``add`` refuses (``Overloaded``) a request that would take the sequences accepted and not yet
-finished past ``max_outstanding``; while draining (``begin_drain``) it refuses new requests (``EngineStopped``).
+The HTTP side queues commands for it (add / abort / set layout / reset the prefix cache) under a condition
+variable it sleeps on when idle; each step's token events go back to the asyncio loop in *one* ``post`` call.
+After every step it publishes an immutable ``EngineSnapshot`` that metrics, the console and ``GET /v1/layout``
+read without locking. A request that fails on its own fails alone (its sink gets the exception); an unexpected
+exception inside a step is fatal for the whole job, since the other ranks may be inside a collective of it.
+``add`` refuses (``Overloaded``) what would take the unfinished sequences past ``max_outstanding``.
 """
 from __future__ import annotations
 
@@ -65,8 +59,6 @@ class EngineSnapshot:
 
 
 class EngineLoop:
-    """Owns ``engine`` on a dedicated thread; see the module docstring."""
-
     CAPACITY_REFRESH_S = 1.0
 
     def __init__(self, engine: Any, post: Callable[[Callable[[], None]], None], metrics: Any = None,
@@ -103,8 +95,7 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stopping
 
     def add(self, reqs: list[EngineRequest], sink: Sink) -> None:
-        """Queue requests whose events all go to ``sink``. Raises EngineStopped while draining or stopped,
-        Overloaded when the queue is full."""
+        """Queue requests whose events all go to ``sink``; EngineStopped while draining, Overloaded when full."""
         with self._cond:
             if self._draining:
                 raise EngineStopped("the server is shutting down")
@@ -120,12 +111,10 @@ class EngineLoop:
             raise
 
     def begin_drain(self) -> None:
-        """Refuse new requests from now on; the ones already accepted keep running."""
         with self._cond:
             self._draining = True
 
     def stalled_s(self) -> float:
-        """How long the step in flight has been running (0 between steps)."""
         started = self.step_started
         return time.monotonic() - started if started is not None else 0.0
 
@@ -163,8 +152,7 @@ class EngineLoop:
             self._cmds.append(cmd)
             self._cond.notify()
 
-    # ---- the engine thread -----------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self) -> None:   # the engine thread
         try:
             while True:
                 with self._cond:
@@ -183,11 +171,8 @@ class EngineLoop:
             self._shutdown()
         except BaseException:  # noqa: BLE001 — anything here leaves the followers inside a step
             self.error = traceback.format_exc()
-            self._fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
-
-    def _fatal(self, message: str) -> None:
-        if self._on_fatal is not None:
-            self._on_fatal(message)
+            if self._on_fatal is not None:
+                self._on_fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
 
     # ---- commands, run on the engine thread -------------------------------------------------------------
     def _add(self, reqs: list[EngineRequest], sink: Sink) -> None:

@@ -1,16 +1,10 @@
 """One HTTP request's generations: its choices (prompts × n), fed by the engine thread, detokenised here.
 
-Each choice is one engine request. Token events arrive in the asyncio thread (see ``EngineLoop``); each is
-detokenised incrementally and checked against the stop strings. When a stop string appears the choice ends
-with finish_reason ``"stop"``, its text is cut before the stop string (after it with
-``include_stop_str_in_output``), and the engine request is aborted; no stop string ends a choice before
-``min_tokens`` tokens (as vLLM).
-While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to
-begin a stop string is never sent.
-
-Choices come in groups of ``n`` per prompt. Prompt logprobs are computed once per prompt — only the group's
-first choice asks the engine for them — and shared by the group; a choice of a group that wants them sends
-nothing until they have arrived, so its first delta can carry them.
+A stop string ends a choice with finish_reason ``"stop"`` (cut before it, or after it with
+``include_stop_str_in_output``; never before ``min_tokens`` tokens, as vLLM) and aborts its engine request.
+While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to begin a
+stop string is never sent. Prompt logprobs are computed once per prompt, by its group's first choice, and
+shared by the group; a choice waiting for them sends nothing, so its first delta can carry them.
 """
 from __future__ import annotations
 
@@ -57,8 +51,7 @@ class Delta:
 class Generation:
     def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
                  stops: list[str], req_prefix: str, n: int = 1) -> None:
-        """`prompts`/`params`: one per choice, `n` consecutive choices per prompt (the first of each group carries
-        the group's prompt_logprobs request, see the module docstring)."""
+        """`prompts`/`params`: one per choice, `n` consecutive choices per prompt."""
         self.loop, self.stops = loop, stops
         self.echo: list[str] | None = None     # completions echo: the prompt text per prompt (set by the app)
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -76,7 +69,7 @@ class Generation:
 
     @property
     def cached_prompt_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache: per prompt, the most any of its n choices found."""
+        """Prompt tokens found in the prefix cache: per prompt, the most any of its n choices found."""
         n = max(1, self.n)
         return sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
 
@@ -104,7 +97,7 @@ class Generation:
                 pass
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
-        """Yield, per batch of engine events, what each affected choice gained; ends when all finished."""
+        """Per batch of engine events, what each affected choice gained; ends when all finished."""
         while not self.done:
             items = await self._queue.get()
             touched: dict[int, Choice] = {}

@@ -1,12 +1,6 @@
-"""Values a request body may carry that the parser accepts but nothing downstream can use, and bounded quoting.
-
-* integers with more digits than Python parses from text (``sys.get_int_max_str_digits``) would make
-  ``json.loads`` raise a bare ValueError; they are parsed as a marker instead, and the body is a 400 naming
-  the field that holds one;
-* JSON ``\\uXXXX`` escapes may produce lone surrogates, which no UTF-8 tokenizer can take: a 400 naming the
-  field, too;
-* ``quote`` shows at most a bounded prefix of a client's value in an error message, so a 100,000-character
-  input is never echoed back whole.
+"""Values a request body may carry that the JSON parser accepts but nothing downstream can use (integers too
+long for Python to parse from text, lone surrogates from ``\\uXXXX`` escapes: a 400 naming the field), and
+bounded quoting, so an error message never echoes a 100,000-character input whole.
 """
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ INT_DIGITS = 1000          # longer integer literals are refused by the field th
 
 
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
-    """repr(value), cut to `limit` characters (with how many were left out)."""
     s = repr(value)
     if len(s) <= limit:
         return s
@@ -32,8 +25,6 @@ def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 
 
 class HugeInt:
-    """An integer literal too long to parse; ``find_unusable`` reports the field holding it."""
-
     def __init__(self, digits: int) -> None:
         self.digits = digits
 
@@ -42,8 +33,7 @@ class HugeInt:
 
 
 def loads(raw: bytes) -> tuple[Any, bool]:
-    """(json.loads with over-long integers parsed as ``HugeInt`` markers, whether the body may hold a value
-    ``find_unusable`` refuses): the walk is only needed then."""
+    """(the parsed body, whether it may hold a value ``find_unusable`` refuses: only then is the walk needed)."""
     huge = []
     limit = min(INT_DIGITS, sys.get_int_max_str_digits() or INT_DIGITS)
 
@@ -71,8 +61,8 @@ def _unusable(value: Any) -> str | None:
 
 
 def find_unusable(data: Any) -> tuple[str, str] | None:
-    """(field path like ``messages.0.content``, why) of the first value nothing can use, or None. Dict keys are
-    checked as values at their own path. The walk is iterative (JSON the parser accepted may be deeply nested)."""
+    """(field path like ``messages.0.content``, why) of the first value nothing can use, or None; iterative,
+    as the JSON may be deeply nested."""
     todo: list[tuple[Any, str]] = [(data, "")]
     while todo:
         value, path = todo.pop()

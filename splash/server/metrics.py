@@ -1,23 +1,9 @@
 """Prometheus metrics of the server (``GET /metrics``), on a registry of their own.
 
-Counters and the step-time histogram are updated by the engine thread as it runs; everything that describes
-the engine's *state* (current layout, switch counts, KV capacity and use, running/waiting requests) is read
-from the latest ``EngineSnapshot`` when the registry is scraped, so a scrape never touches the engine.
-
-Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the others),
-``splash_layout_switches_total{src,dst}``, ``splash_kv_capacity_tokens{layout}``, ``splash_kv_used_tokens``,
-``splash_kv_used_blocks{rank}``, ``splash_requests_running``, ``splash_requests_waiting``,
-``splash_generated_tokens_total``, ``splash_prompt_tokens_total``, ``splash_requests_total{endpoint,status}``,
-``splash_engine_steps_total``, ``splash_prefix_cache_queries_total`` / ``splash_prefix_cache_hits_total`` (prompt
-tokens looked up / found cached), ``splash_prefix_cache_blocks{rank}``, ``splash_step_duration_seconds``
-(histogram), ``splash_weight_bytes{rank}`` (bytes of
-the weight tensors each rank holds, measured from the tensors: rank 0's from start, every rank's from the first
-step on, refreshed after every switch); with the cost-model scheduler ``splash_predicted_step_seconds{layout}``,
-``splash_measured_step_seconds{layout}``, ``splash_cost_model_factor{layout}``,
-``splash_prediction_error_ratio{layout}``, ``splash_layout_decisions_total{verdict}``, and per switch direction
-observed ``splash_switch_predicted_seconds{src,dst}`` (corrected prediction of the last switch),
-``splash_switch_measured_seconds{src,dst}`` (its measured added time), ``splash_switch_cost_factor{src,dst}``,
-``splash_switch_prediction_error_ratio{src,dst}``.
+Counters and the step-time histogram are updated by the engine thread; the engine's *state* (layout, switches,
+KV, requests, prefix cache, weight bytes, the cost-model scheduler's predictions and decisions) is read from the
+latest ``EngineSnapshot`` when the registry is scraped, so a scrape never touches the engine. The names are
+listed in the README.
 """
 from __future__ import annotations
 
@@ -76,7 +62,6 @@ class _StateCollector(Collector):
 
 
 def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
-    """The cost-model scheduler: predicted vs measured step time per layout, its correction, its decisions."""
     names = {"predicted": ("splash_predicted_step_seconds", "Cost-model prediction (corrected) of the last "
                            "executed step in each layout"),
              "measured": ("splash_measured_step_seconds", "Measured time of the last executed step in each layout"),
@@ -97,8 +82,6 @@ def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
 
 
 def _switch_metrics(sw: dict) -> Iterator[Metric]:
-    """The scheduler's switch-cost correction: per direction observed, the last switch's corrected prediction and
-    measured added time, the learnt ratio and the median prediction error."""
     names = {"last_corrected_s": ("splash_switch_predicted_seconds", "Corrected predicted cost of the last "
                                   "switch in each direction"),
              "last_measured_s": ("splash_switch_measured_seconds", "Measured added time of the last switch step"),
@@ -127,7 +110,7 @@ class Metrics:
         r.register(_StateCollector(snapshot))
 
     def count_unrouted(self, status: int) -> None:
-        """An answer the HTTP protocol wrote before any route was read (408/431/400, splash.server.http)."""
+        """An answer the HTTP protocol wrote before any route was read (splash.server.http)."""
         self.requests.labels("other", str(status)).inc()
 
     def render(self) -> bytes:
