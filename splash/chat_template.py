@@ -1,13 +1,7 @@
-"""Rendering a model's shipped chat template (Jinja) the way transformers' ``apply_chat_template`` does.
-
-The same sandboxed environment (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` filter that
-does not escape HTML and takes ``ensure_ascii`` / ``indent`` / ``separators`` / ``sort_keys``, ``raise_exception``,
-``strftime_now``, a no-op ``{% generation %}`` block) and the same variables: ``messages`` (a message's
-``reasoning_content`` is also given as ``thinking``, and the older ``thinking`` / ``reasoning`` names fill
-``reasoning_content``), ``tools``, ``documents`` (None), ``add_generation_prompt``, the tokenizer's special tokens,
-then the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``, ``thinking``); a message's keys whose value is
-None (OpenAI's ``content: null`` next to tool calls) are left out. Compiled templates are cached.
-tests/test_chat_template.py compares the text with transformers on GLM and DeepSeek templates.
+"""Rendering a model's shipped chat template (Jinja) the way transformers' ``apply_chat_template`` does: the same
+sandboxed environment, filters, globals and variables, then the request's ``chat_template_kwargs``. A message's
+``reasoning_content`` is also given as ``thinking`` (and the older names fill it); keys whose value is None are
+left out. tests/test_chat_template.py compares the text with transformers on GLM and DeepSeek templates.
 """
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ def test_reasoning_whole_and_streamed(parser, kwargs, text, r, c):
 
 def test_reasoning_then_tool_call_as_a_chat_message_and_stream():
     text = "<think>need weather</think>I'll check." + GLM5_INLINE
-    mode = OutputMode("glm45", "glm45", read_tools([{"type": "function", "function": WEATHER}], None, None))
+    mode = OutputMode("glm45", "glm45", read_tools([{"type": "function", "function": WEATHER}], None))
     msg, finish = message(mode, text, "stop")
     assert finish == "tool_calls" and msg["reasoning_content"] == "need weather" and msg["content"] == "I'll check."
     assert _calls([c["function"] for c in msg["tool_calls"]]) == [("get_weather", {"city": "Paris"})]
@@ -192,7 +192,7 @@ def test_a_parser_that_fails_leaves_the_text_as_content(monkeypatch):
         raise RuntimeError("parser bug")
     monkeypatch.setattr(tool_parsers, "parse", boom)
     monkeypatch.setattr(tool_parsers.ToolStream, "feed", boom)
-    mode = OutputMode(None, "glm45", read_tools([{"type": "function", "function": WEATHER}], None, None))
+    mode = OutputMode(None, "glm45", read_tools([{"type": "function", "function": WEATHER}], None))
     msg, finish = message(mode, GLM5_INLINE, "stop")
     assert msg == {"role": "assistant", "content": GLM5_INLINE} and finish == "stop"
     st = ChatStream(mode)

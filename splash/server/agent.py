@@ -1,11 +1,6 @@
-"""The agent API of a request: its output constraint (compiled grammar), its tools, and how its output is read.
-
-``AgentAPI.prepare`` checks a chat request's ``tools`` / ``tool_choice`` / ``response_format`` /
-``structured_outputs`` / ``chat_template_kwargs``, compiles the grammar off the event loop
-(splash.server.structured) and returns what the handler needs: the grammar for SamplingParams, what the chat
-template receives, and the OutputMode that turns text into the assistant message (splash.server.chat_output).
-The tool-call and reasoning parsers default from the model's type (``server.tool_call_parser`` /
-``server.reasoning_parser`` = auto); ``none`` turns one off.
+"""The agent API of a chat request: its tools, output constraint (compiled off the event loop), template kwargs,
+and the OutputMode that reads its output. The parsers default from the model's type unless
+``server.tool_call_parser`` / ``server.reasoning_parser`` name one (``none`` turns it off).
 """
 from __future__ import annotations
 
@@ -53,7 +48,6 @@ class AgentAPI:
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     async def completion(self, req: Any) -> Any:
-        """The grammar of a completions request (``structured_outputs``; None without one)."""
         return await self.compiler.compile(structured.from_structured_outputs(req.structured_outputs))
 
     async def chat(self, req: Any) -> Prepared:
@@ -64,7 +58,7 @@ class AgentAPI:
         if req.functions or req.function_call not in (None, "none"):
             raise APIError(400, "'functions' / 'function_call' are deprecated by OpenAI: send 'tools' / "
                                 "'tool_choice'", param="functions" if req.functions else "function_call")
-        tc = read_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        tc = read_tools(req.tools, req.tool_choice)
         spec = structured.pick(structured.from_response_format(req.response_format),
                                structured.from_structured_outputs(req.structured_outputs),
                                forced_spec(tc, req.parallel_tool_calls))
@@ -76,7 +70,7 @@ class AgentAPI:
 
 
 def with_prompt(prepared: Prepared, tok: Tokenizer, prompt: list[int]) -> Prepared:
-    """``prepared`` knowing whether the rendered prompt opened a thinking block (its text ends with <think>)."""
+    """``prepared`` knowing whether the rendered prompt ends with <think> (the output starts in reasoning)."""
     if prepared.mode.reasoner is None:
         return prepared
     tail = tok.decode(prompt[-16:], skip_special_tokens=False).rstrip()

@@ -1,11 +1,9 @@
 """The assistant message of a chat choice: generated text → ``reasoning_content``, ``content``, ``tool_calls``.
 
-Per choice, the text goes through (1) the reasoning parser (splash.server.reasoning), when one is set and the output
-is not grammar-constrained, then (2) one of: the model's tool-call parser (splash.server.tool_parsers) under
-``tool_choice: "auto"``; the forced call of ``"required"`` / a named function (the JSON the grammar allowed,
-splash.server.tool_choice); or plain content. ``message`` does it for a whole output, ``ChatStream`` for a stream
-(OpenAI's delta shape; a choice's deltas add up to its message). A message with tool calls finishes with
-``finish_reason: "tool_calls"``.
+The text goes through the reasoning parser (unless a grammar shapes the whole output), then the tool-call
+parser under ``tool_choice: "auto"``, or the forced call of ``"required"`` / a named function. ``message`` reads a
+whole output, ``ChatStream`` a stream (a choice's deltas add up to its message). A parser that fails leaves the
+text as content, never a 500.
 """
 from __future__ import annotations
 
@@ -45,7 +43,6 @@ class OutputMode:
 
 
 def message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
-    """(message, finish_reason) of a complete output; the text as plain content if a parser fails on it."""
     try:
         return _message(mode, text, finish)
     except Exception:  # noqa: BLE001 — model output a parser cannot handle is content, never a 500
@@ -75,8 +72,7 @@ def _message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str
 
 
 class ChatStream:
-    """Per choice: ``feed(text delta)`` → the delta fields to send (may be empty), ``finish(reason)`` → (last
-    fields, finish_reason)."""
+    """Per choice: ``feed(text delta)`` → the delta fields to send (may be empty)."""
 
     def __init__(self, mode: OutputMode) -> None:
         self.mode = mode

@@ -1,11 +1,7 @@
-"""Turning a request's prompt (text, token ids, lists of either, chat messages) into checked token ids.
-
-Cheap checks come first and tokenising happens off the event loop and off the engine's critical path:
-* token-id prompts: length before vocabulary (a 1M-id list is rejected by its length alone);
-* text prompts: tokenised in a worker thread with ``encode_batch`` (the tokenizers library releases the GIL
-  there, so the engine thread and the event loop keep running). A text longer than ``CHARS_PER_TOKEN`` ×
-  ``max_model_len`` characters is first tokenised only up to that many characters: if that prefix alone
-  does not fit the context, the prompt is rejected without tokenising the rest.
+"""Turning a request's prompt (text, token ids, lists of either, chat messages) into checked token ids, with bounded
+work: a token-id prompt's length is checked before its vocabulary, and text is tokenised in a worker thread
+(``encode_batch`` releases the GIL), a text longer than ``CHARS_PER_TOKEN`` × ``max_model_len`` characters first
+only up to that many characters: if that prefix does not fit the context, the rest is never tokenised.
 """
 from __future__ import annotations
 
@@ -39,17 +35,13 @@ class PromptReader:
                              param=where)
         return ids
 
-    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
-        return self.tok.encode_batch(texts, add_special_tokens=special)
-
     async def encode(self, text: str, where: str, special: bool) -> list[int]:
-        """Token ids of ``text``, checked; see the module docstring for the bounded work."""
         cap = CHARS_PER_TOKEN * self.max_model_len
         if len(text) > cap:
-            head = (await asyncio.to_thread(self._encode, [text[:cap]], special))[0]
+            head = (await asyncio.to_thread(self.tok.encode_batch, [text[:cap]], special))[0]
             if len(head) >= self.max_model_len:
                 raise context_error(where, f"more than {len(head) - 1}", self.max_model_len)
-        ids = (await asyncio.to_thread(self._encode, [text], special))[0]
+        ids = (await asyncio.to_thread(self.tok.encode_batch, [text], special))[0]
         return self.check_ids(ids, where)
 
     async def completion(self, prompt: Any) -> list[list[int]]:

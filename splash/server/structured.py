@@ -1,18 +1,12 @@
 """Structured output: what a request constrains its output to, and the grammar xgrammar compiles for it.
 
-A request names at most one constraint (two are a 400 naming the second):
-* OpenAI ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object),
-  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``;
-* vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or JSON text), ``json_object``
-  (true), ``regex``, ``choice`` (a list of strings: the output is one of them), ``grammar`` (xgrammar EBNF);
-* chat ``tool_choice`` ``"required"`` or a named function (``splash.server.tool_choice`` builds the schema).
-
-JSON is generated compact: schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
-a model cannot spend its tokens on whitespace between JSON tokens. Compilation runs in a worker thread (never on
-the event loop or the engine thread) through one ``xgrammar.GrammarCompiler`` per server, which caches compiled
-grammars by their source; a schema, regex or grammar that does not compile is a 400 whose message is xgrammar's
-(and one that has not compiled after COMPILE_TIMEOUT_S a 400 too). xgrammar releases the GIL while it compiles
-(measured: a 1.1 s compile left the other threads' longest pause at 5 ms), so the engine thread keeps stepping.
+A request names at most one constraint (a second is a 400 naming it): OpenAI's ``response_format``, vLLM's
+``structured_outputs`` (exactly one of STRUCTURED_KEYS), or chat's forced ``tool_choice``
+(splash.server.tool_choice). Schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
+a model cannot spend its tokens on whitespace. Compilation runs in a worker thread through one cached
+``xgrammar.GrammarCompiler`` per server; xgrammar releases the GIL while it compiles (measured: a 1.1 s compile
+left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. A constraint that does not
+compile (or not within COMPILE_TIMEOUT_S) is a 400 with xgrammar's message.
 """
 from __future__ import annotations
 
@@ -33,8 +27,8 @@ _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One constraint: ``kind`` is json (source: schema text), json_object, regex, choice (source: JSON list) or
-    grammar (EBNF); ``param`` names the request field it came from (for error messages)."""
+    """``kind``: json (source: schema text), json_object, regex, choice (source: JSON list) or grammar (EBNF);
+    ``param``: the request field it came from."""
     kind: str
     source: str
     param: str
@@ -52,7 +46,6 @@ def _schema_text(schema: Any, param: str) -> str:
 
 
 def from_response_format(rf: dict | None) -> GrammarSpec | None:
-    """The constraint of OpenAI's ``response_format`` (None for absent or text)."""
     if rf is None:
         return None
     kind = rf.get("type")
@@ -78,7 +71,6 @@ STRUCTURED_IGNORED = ("disable_any_whitespace", "disable_additional_properties",
 
 
 def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
-    """The constraint of vLLM's ``structured_outputs`` (exactly one of STRUCTURED_KEYS)."""
     if so is None:
         return None
     unknown = [k for k in so if k not in STRUCTURED_KEYS + STRUCTURED_IGNORED + ("structural_tag",)]
@@ -108,7 +100,6 @@ def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
 
 
 def pick(*specs: GrammarSpec | None) -> GrammarSpec | None:
-    """The one constraint a request gives; a second one is a 400 naming it."""
     given = [s for s in specs if s is not None]
     if len(given) > 1:
         raise APIError(400, f"'{given[1].param.split('.')[0]}' cannot be combined with "
@@ -146,7 +137,7 @@ def tokenizer_info(tok: Tokenizer, vocab_size: int) -> Any:
 
 
 class GrammarCompiler:
-    """One xgrammar compiler per server (built on first use); ``compile`` runs in a worker thread."""
+    """Built on first use; ``compile`` runs in a worker thread."""
 
     def __init__(self, tok: Tokenizer, vocab_size: int) -> None:
         self.tok, self.vocab_size = tok, vocab_size
@@ -162,7 +153,6 @@ class GrammarCompiler:
             return self._compiler
 
     def compile_sync(self, spec: GrammarSpec) -> Any:
-        """The CompiledGrammar of ``spec``; APIError 400 naming ``spec.param`` when it does not compile."""
         c = self._get()
         try:
             if spec.kind == "json":

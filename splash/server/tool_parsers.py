@@ -1,22 +1,16 @@
 """Tool-call parsers (``--tool-call-parser``, vLLM's names) for the formats GLM and DeepSeek models emit.
 
-* ``glm45`` (GLM-4.5 … GLM-5.x): ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>…</tool_call>``,
-  one block per call. A value stays a string when the tool's schema says the argument is a string; otherwise it
-  is read as JSON, and kept as a string when it is not JSON.
+* ``glm45``: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>…</tool_call>``; a value is JSON
+  unless the tool's schema says the argument is a string (or it is not JSON).
 * ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
-  <｜tool▁call▁end｜>…<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
-  <｜tool▁call▁end｜>``. ARGS is JSON text, passed through as the call's arguments.
-* ``deepseek_v32`` (V3.2's DSML): ``<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter name="K"
-  string="true|false">V</｜DSML｜parameter>…</｜DSML｜invoke>…</｜DSML｜function_calls>``; ``string="false"``
-  values are JSON.
+  <｜tool▁call▁end｜>…``; ``deepseek_v31``: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (ARGS:
+  JSON text, passed through).
+* ``deepseek_v32`` (DSML): ``<｜DSML｜invoke name="NAME"><｜DSML｜parameter name="K" string="true|false">V
+  </｜DSML｜parameter>…``; ``string="false"`` values are JSON.
 
-``parse`` reads a whole output: the content before the first call section, and every complete call; an output
-whose section holds no complete call is all content (a malformed call is never lost and never an error).
-``ToolStream`` streams: content until the section starts (holding back only a tail that could begin the marker),
-then per call a first delta with its id and name, then its arguments as JSON text — DeepSeek's as they arrive,
-GLM's and DSML's (built from key/value pairs, so name and arguments) when the call closes. The deltas of a stream
-add up to ``parse``, except that a DeepSeek call cut short (max_tokens) has already streamed as a call when the end
-shows that it is content.
+An output whose call section holds no complete call is all content (a malformed call is never lost nor an error).
+Streaming, DeepSeek's arguments go out as they arrive, GLM's and DSML's (built from pairs) when the call closes;
+so a DeepSeek call cut short (max_tokens) has already streamed as a call when the end shows it is content.
 """
 from __future__ import annotations
 
@@ -148,7 +142,7 @@ def call_id() -> str:
 
 
 def parse(name: str, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
-    """(content, [{"name", "arguments"}]) of a complete output; see the module docstring."""
+    """(content, [{"name", "arguments"}]) of a complete output."""
     fmt = get(name)
     i = text.find(fmt.start)
     if i < 0:
@@ -211,7 +205,7 @@ class ToolStream:
         return self.deltas([(c.name, c.arguments) for c in self.fmt.calls(self.text[self.section:], self.tools)
                             if c.name and (c.done or early)])
     def finish(self) -> tuple[str, list[dict]]:
-        """The end of the output: held-back text is content; a section with no complete call is content."""
+        """The end: held-back text, or a section with no complete call, is content."""
         if self.section is None:
             out, self.sent_content = self.text[self.sent_content:], len(self.text)
             return out, []
