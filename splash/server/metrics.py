@@ -61,39 +61,37 @@ class _StateCollector(Collector):
             yield from _scheduler_metrics(s.scheduler)
 
 
+def _gauges(names: dict[str, tuple[str, str]], labels: list[str],
+            rows: Iterable[tuple[list[str], dict]]) -> Iterator[Metric]:
+    """One gauge family per ``names`` key, a series per row; a value None is NaN (every series exists from the
+    start, so scrapes do not grow)."""
+    fams = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h) in names.items()}
+    for key, values in rows:
+        for k, fam in fams.items():
+            fam.add_metric(key, float("nan") if values.get(k) is None else float(values[k]))
+    yield from fams.values()
+
+
 def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
     names = {"predicted": ("splash_predicted_step_seconds", "Cost-model prediction (corrected) of the last "
                            "executed step in each layout"),
-             "measured": ("splash_measured_step_seconds", "Measured time of the last executed step in each layout"),
+             "last_measured_s": ("splash_measured_step_seconds", "Measured time of the last executed step in each "
+                                 "layout"),
              "factor": ("splash_cost_model_factor", "Online correction factor (measured / predicted) per layout"),
-             "error": ("splash_prediction_error_ratio", "Median |predicted - measured| / measured per layout")}
-    fams = {k: GaugeMetricFamily(n, h, labels=["layout"]) for k, (n, h) in names.items()}
-    nan = float("nan")   # every series exists from the start (NaN until measured): scrapes do not grow
-    for lay, m in sorted(sch["model"].items()):
-        seen = m["last_predicted_s"] is not None
-        fams["predicted"].add_metric([lay], m["last_predicted_s"] * m["factor"] if seen else nan)
-        fams["measured"].add_metric([lay], m["last_measured_s"] if seen else nan)
-        fams["factor"].add_metric([lay], m["factor"])
-        fams["error"].add_metric([lay], nan if m["median_error"] is None else m["median_error"])
-    yield from fams.values()
+             "median_error": ("splash_prediction_error_ratio", "Median |predicted - measured| / measured per layout")}
+    rows = [([lay], {**m, "predicted": None if m["last_predicted_s"] is None
+                     else m["last_predicted_s"] * m["factor"]}) for lay, m in sorted(sch["model"].items())]
+    yield from _gauges(names, ["layout"], rows)
     yield _family(CounterMetricFamily, "splash_layout_decisions", "Scheduler decisions at step boundaries, by "
                   "verdict", ["verdict"], (([v], sch["decisions"].get(v, 0)) for v in VERDICTS))
-    yield from _switch_metrics(sch.get("switch_cost") or {})
-
-
-def _switch_metrics(sw: dict) -> Iterator[Metric]:
     names = {"last_corrected_s": ("splash_switch_predicted_seconds", "Corrected predicted cost of the last "
                                   "switch in each direction"),
              "last_measured_s": ("splash_switch_measured_seconds", "Measured added time of the last switch step"),
              "ratio": ("splash_switch_cost_factor", "Online correction (measured / predicted) of the switch cost"),
              "median_error": ("splash_switch_prediction_error_ratio", "Median |predicted - measured| / measured "
                               "of the switch cost")}
-    fams = {k: GaugeMetricFamily(n, h, labels=["src", "dst"]) for k, (n, h) in names.items()}
-    for key, m in sorted((sw.get("directions") or {}).items()):
-        src, dst = key.split("->")
-        for k, fam in fams.items():
-            fam.add_metric([src, dst], float("nan") if m.get(k) is None else float(m[k]))
-    yield from fams.values()
+    yield from _gauges(names, ["src", "dst"], ((key.split("->"), m) for key, m in
+                                               sorted(((sch.get("switch_cost") or {}).get("directions") or {}).items())))
 
 
 class Metrics:

@@ -22,13 +22,13 @@ from splash.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
 COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile is answered with a 400
+ANY_OBJECT = '{"type": "object"}'   # json_object
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """``kind``: json (source: schema text), json_object, regex, choice (source: JSON list) or grammar (EBNF);
-    ``param``: the request field it came from."""
+    """``kind``: json (source: schema text), regex or grammar (EBNF); ``param``: the request field it came from."""
     kind: str
     source: str
     param: str
@@ -52,7 +52,7 @@ def from_response_format(rf: dict | None) -> GrammarSpec | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return GrammarSpec("json_object", "", "response_format")
+        return GrammarSpec("json", ANY_OBJECT, "response_format")
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("name"), str):
@@ -89,11 +89,11 @@ def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
     if key == "json":
         return GrammarSpec("json", _schema_text(value, param), param)
     if key == "json_object":
-        return GrammarSpec("json_object", "", param)
+        return GrammarSpec("json", ANY_OBJECT, param)
     if key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise APIError(400, f"'{param}' must be a non-empty list of non-empty strings", param=param)
-        return GrammarSpec("choice", json.dumps(value), param)
+        return GrammarSpec("grammar", choice_ebnf(value), param)
     if not isinstance(value, str) or not value:
         raise APIError(400, f"'{param}' must be a non-empty string", param=param)
     return GrammarSpec(key, value, param)
@@ -157,20 +157,14 @@ class GrammarCompiler:
         try:
             if spec.kind == "json":
                 return c.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
                 return c.compile_regex(spec.source)
-            if spec.kind == "choice":
-                return c.compile_grammar(choice_ebnf(json.loads(spec.source)))
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.source)
+            return c.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's errors for bad schemas/regexes/EBNF
             lines = str(e).strip().splitlines()
             msg = _WHERE.sub("", lines[-1]) if lines else type(e).__name__
             raise APIError(400, f"'{spec.param}' cannot be compiled into a grammar: {msg[:500]}",
                            param=spec.param, code="invalid_grammar") from None
-        raise AssertionError(spec.kind)
 
     async def compile(self, spec: GrammarSpec | None) -> Any:
         if spec is None:

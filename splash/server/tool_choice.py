@@ -98,37 +98,16 @@ def forced_calls(tc: ToolChoice, text: str) -> list[dict] | None:
 
 
 def _value_end(s: str, i: int) -> int:
-    """Index just past the JSON value starting at s[i], or -1 while it is incomplete."""
-    if i >= len(s):
+    """Index just past the JSON value starting at s[i], or -1 while it is incomplete (a number or literal is
+    complete only once a delimiter follows it)."""
+    try:
+        end = _DECODER.raw_decode(s, i)[1]
+    except json.JSONDecodeError:
         return -1
-    if s[i] not in "{[\"":
-        j = i
-        while j < len(s) and s[j] not in ",}]":
-            j += 1
-        return j if j < len(s) else -1
-    depth, in_str, esc = 0, False, False
-    for j in range(i, len(s)):
-        ch = s[j]
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-                if depth == 0:
-                    return j + 1
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return -1
+    return end if s[i] in "{[\"" or (end < len(s) and s[end] in ",}]") else -1
 
 
+_DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*')
 _PARAMS = re.compile(r'\s*,\s*"parameters"\s*:\s*')
 
