@@ -132,7 +132,6 @@ class _CountRequests:
 class _Handlers:
     """Route bodies, kept out of create_app so each stays short."""
 
-    # ---- shared -----------------------------------------------------------------------------------------
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
@@ -208,16 +207,12 @@ class _Handlers:
                          n=req.n)
         gen.start()
         gen.echo = echo
-        prompt_tokens = sum(map(len, prompts))
-        obj = "chat.completion" if chat else "text_completion"
         if req.stream:
-            return self.stream(gen, req, rid, obj + ".chunk" if chat else obj, prompt_tokens, agent)
+            return self.stream(gen, req, agent)
         await self.collect(request, gen)
         # built in a worker thread: with logprobs the body can hold millions of entries
-        return self.builder.json_response(await self.builder.run(self.response_body, gen, req, rid, obj,
-                                                                 prompt_tokens, agent))
+        return self.builder.json_response(await self.builder.run(self.response_body, gen, req, agent))
 
-    # ---- the endpoints ----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         req = await self.body(request, P.CompletionRequest)
         p = req.prompt
@@ -244,7 +239,6 @@ class _Handlers:
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
         return await self.answer(request, req, [prompt], mt, req.prompt_logprobs, agent.grammar, agent)
 
-    # ---- response assembly ------------------------------------------------------------------------------
     async def collect(self, request: Request, gen: Generation) -> None:
         run = asyncio.ensure_future(gen.run_to_end())
         gone = asyncio.ensure_future(until_disconnected(request))
@@ -259,8 +253,7 @@ class _Handlers:
             if not gen.done:
                 gen.cancel()
 
-    def response_body(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
-                      agent: Prepared | None) -> dict:
+    def response_body(self, gen: Generation, req: P.SamplingRequest, agent: Prepared | None) -> dict:
         extras = ResponseExtras(self.s.tokenizer, req, gen, agent is not None)
         choices = []
         for c in gen.choices:
@@ -270,26 +263,24 @@ class _Handlers:
             else:   # reasoning_content / tool_calls (splash.server.chat_output)
                 choice = P.choice(c.index, "message", *chat_output.message(agent.mode, c.text, c.finish), ids)
             choices.append(extras.decorate(choice, Delta(c, c.text, c.token_ids, c.finish, c.logprobs)))
-        completion_tokens = sum(len(c.token_ids) for c in gen.choices)
-        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices,
-                          P.usage(prompt_tokens, completion_tokens, gen.cached_prompt_tokens))
+        obj = "text_completion" if agent is None else "chat.completion"
+        body = P.envelope(gen.id, obj, P.now(), self.s.model_name, choices, gen.usage())
         if agent is not None and req.prompt_logprobs is not None:   # vLLM: chat's are on the response
             body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
         return body
 
-    def stream(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
-               agent: Prepared | None) -> StreamingResponse:
+    def stream(self, gen: Generation, req: P.SamplingRequest, agent: Prepared | None) -> StreamingResponse:
         created, model, ids = P.now(), self.s.model_name, req.return_token_ids
+        obj = "text_completion" if agent is None else "chat.completion.chunk"
         extras = ResponseExtras(self.s.tokenizer, req, gen, agent is not None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         readers = {c.index: chat_output.ChatStream(agent.mode) for c in gen.choices} if agent is not None else {}
         continuous = include_usage and req.stream_options.continuous_usage_stats
 
-        def chunk(choices: list[dict], usage_: dict | None = None) -> str:
-            body = P.envelope(rid, obj, created, model, choices)
+        def chunk(choices: list[dict]) -> str:   # the last chunk, with the usage, has no choices
+            body = P.envelope(gen.id, obj, created, model, choices)
             if include_usage:   # vLLM's continuous_usage_stats: the running counts on every chunk
-                body["usage"] = usage_ if usage_ is not None or not continuous else P.usage(
-                    prompt_tokens, sum(len(c.token_ids) for c in gen.choices), gen.cached_prompt_tokens)
+                body["usage"] = gen.usage() if continuous or not choices else None
             return _sse(body)
 
         def choice_chunk(d: Delta) -> str | None:
@@ -315,8 +306,7 @@ class _Handlers:
                         if out is not None:
                             yield out
                 if include_usage:
-                    n_out = sum(len(c.token_ids) for c in gen.choices)
-                    yield chunk([], P.usage(prompt_tokens, n_out, gen.cached_prompt_tokens))
+                    yield chunk([])
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
@@ -330,7 +320,6 @@ class _Handlers:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    # ---- layout -----------------------------------------------------------------------------------------
     def layout_body(self) -> dict:
         snap = self.s.loop.snapshot
         return {"layout": snap.layout, "mode": snap.mode, "target": snap.target,

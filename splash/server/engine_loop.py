@@ -47,7 +47,6 @@ class EngineSnapshot:
     steps: int
     generated_tokens: int
     scheduler: dict | None = None    # the cost-model scheduler's AutoLayout.summary() (None: no scheduler)
-    time: float = field(default_factory=time.monotonic)
     weight_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident weight bytes (measured)
     prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0         # ... of them found cached
@@ -84,7 +83,6 @@ class EngineLoop:
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="splash-engine", daemon=True)
 
-    # ---- called from any thread ----------------------------------------------------------------------
     def start(self) -> "EngineLoop":
         self._publish()
         self._thread.start()
@@ -174,7 +172,6 @@ class EngineLoop:
             if self._on_fatal is not None:
                 self._on_fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
 
-    # ---- commands, run on the engine thread -------------------------------------------------------------
     def _add(self, reqs: list[EngineRequest], sink: Sink) -> None:
         for req in reqs:
             try:

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from splash.engine.messages import EngineRequest
 from splash.engine.sampling import SamplingParams
 from splash.server.engine_loop import EngineLoop, EngineStopped, Overloaded
+from splash.server import protocol as P
 from splash.server.protocol import APIError
 from splash.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -52,7 +53,7 @@ class Generation:
     def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
                  stops: list[str], req_prefix: str, n: int = 1) -> None:
         """`prompts`/`params`: one per choice, `n` consecutive choices per prompt."""
-        self.loop, self.stops = loop, stops
+        self.loop, self.stops, self.id = loop, stops, req_prefix
         self.echo: list[str] | None = None     # completions echo: the prompt text per prompt (set by the app)
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.n = n
@@ -72,6 +73,11 @@ class Generation:
         """Prompt tokens found in the prefix cache: per prompt, the most any of its n choices found."""
         n = max(1, self.n)
         return sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+
+    def usage(self) -> dict:
+        """OpenAI's usage so far: each prompt counted once, whatever its n."""
+        prompt = sum(len(r.prompt) for r in self.requests[::self.n])
+        return P.usage(prompt, sum(len(c.token_ids) for c in self.choices), self.cached_prompt_tokens)
 
     @property
     def done(self) -> bool:

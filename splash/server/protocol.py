@@ -24,7 +24,6 @@ Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]   # what the sample
 
 
 class APIError(Exception):
-
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         message = clip(message)
@@ -174,7 +173,6 @@ class ChatCompletionRequest(SamplingRequest):
                     raise APIError(400, f"{where}.text must be a string, got {type(part.get('text')).__name__}",
                                    param=param)
 
-
     def template_messages(self) -> list[dict]:
         """Messages for the chat template: text parts joined with newlines (as vLLM), ``developer`` as ``system``."""
         out = []
@@ -227,7 +225,6 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
         raise APIError(400, "the request body is nested too deeply") from None
 
 
-# ---- responses ---------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
