@@ -27,7 +27,6 @@ from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.generation import Delta, Generation
 from splash.server.json_body import ResponseBuilder
-from splash.server.limits import quote
 from splash.server.logprobs import ResponseExtras
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
@@ -118,10 +117,10 @@ class _CountRequests:
             await self.app(scope, receive, send_wrapper)
         except Exception as e:  # noqa: BLE001 — one request fails, never the connection or the server
             _log.error("internal error answering %s %s: %s: %s", scope.get("method"), endpoint, type(e).__name__,
-                       quote(str(e), 200))
+                       P.quote(str(e), 200))
             if started:   # a body was under way: ending the connection is the only way to say it broke
                 raise
-            body = json.dumps(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
+            body = json.dumps(P.error_body(f"internal error: {type(e).__name__}: {P.quote(str(e), 200)}",
                                            "internal_error")).encode()
             await send_wrapper({"type": "http.response.start", "status": 500,
                                 "headers": [(b"content-type", b"application/json"),
@@ -145,7 +144,7 @@ class _Handlers:
     def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
         """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
         if req.model is not None and req.model != self.s.model_name:
-            raise P.APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
+            raise P.APIError(404, f"the model {P.quote(req.model)} does not exist; this server serves "
                                   f"'{self.s.model_name}'", param="model", code="model_not_found")
         req.check_neutral()
         P.check_stream_fields(req, chat)
@@ -172,7 +171,7 @@ class _Handlers:
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"'logit_bias' token id {quote(bad)} is outside the vocabulary "
+            raise P.APIError(400, f"'logit_bias' token id {P.quote(bad)} is outside the vocabulary "
                                   f"[0, {self.s.vocab_size})",
                              param="logit_bias")
         try:
@@ -310,7 +309,7 @@ class _Handlers:
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
-                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
+                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {P.quote(str(e), 200)}",
                                         "internal_error"))
             finally:
                 if not gen.done:

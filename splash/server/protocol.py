@@ -13,14 +13,26 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splash.config.serve_config import LAYOUTS
-from splash.server.limits import QUOTE_CHARS, clip, quote
 
 MAX_N = 64
 MAX_STOP = 16
 MAX_LOGPROBS = 20        # top-k logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
 MAX_PENALTY = 100.0      # repetition_penalty in [1 / MAX_PENALTY, MAX_PENALTY] (finite in float32; vLLM: > 0)
+QUOTE_CHARS = 64           # an error message shows at most this many characters of one client value
+MAX_MESSAGE_CHARS = 1024   # and an error message is never longer than this
 Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]   # what the sampler's tensors can hold
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    s = repr(value)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}... ({len(s) - limit} more characters)"
+
+
+def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return message if len(message) <= limit else f"{message[:limit]}... (message cut at {limit} characters)"
 
 
 class APIError(Exception):
