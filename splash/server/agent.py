@@ -18,16 +18,11 @@ _BY_TYPE = {"glm_moe_dsa": ("glm45", "glm45"), "glm4_moe": ("glm45", "glm45"), "
             "deepseek_v32": ("deepseek_v32", "deepseek_v3"), "deepseek_v3": ("deepseek_v31", "deepseek_v3")}
 
 
-def default_parsers(model_type: str | None, chat_template: str | None) -> tuple[str | None, str | None]:
+def resolve_parsers(tool_flag: str, reason_flag: str, model_type: str | None,
+                    chat_template: str | None) -> tuple[str | None, str | None]:
     tool, reason = _BY_TYPE.get(model_type or "", (None, None))
     if tool == "deepseek_v31" and chat_template and "```json" in chat_template:
         tool = "deepseek_v3"     # V3's template wraps the arguments in a ```json fence, V3.1's does not
-    return tool, reason
-
-
-def resolve_parsers(tool_flag: str, reason_flag: str, model_type: str | None,
-                    chat_template: str | None) -> tuple[str | None, str | None]:
-    tool, reason = default_parsers(model_type, chat_template)
     tool = tool if tool_flag == "auto" else (None if tool_flag == "none" else tool_flag)
     reason = reason if reason_flag == "auto" else (None if reason_flag == "none" else reason_flag)
     return tool, reason
@@ -38,7 +33,6 @@ class Prepared:
     grammar: Any = None                          # xgrammar CompiledGrammar, or None
     mode: OutputMode = field(default_factory=OutputMode)
     tools: list[dict] | None = None              # as the chat template receives them
-    template_kwargs: dict = field(default_factory=dict)
 
 
 class AgentAPI:
@@ -66,7 +60,7 @@ class AgentAPI:
         mode = OutputMode(self.reasoning_parser, self.tool_parser, tc if req.tools else None, kwargs,
                           constrained=grammar is not None)
         tools = [{"type": "function", "function": f} for f in tc.tools] or None
-        return Prepared(grammar, mode, tools, kwargs)
+        return Prepared(grammar, mode, tools)
 
 
 def with_prompt(prepared: Prepared, tok: Tokenizer, prompt: list[int]) -> Prepared:

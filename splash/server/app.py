@@ -232,7 +232,7 @@ class _Handlers:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check(req, 1, chat=True)
         agent = await self.agent.chat(req)
-        prompt = await self.prompts.chat(req.template_messages(), agent.tools, agent.template_kwargs)
+        prompt = await self.prompts.chat(req.template_messages(), agent.tools, agent.mode.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)

@@ -149,7 +149,6 @@ class Built:
     engine: Any
     model_cfg: Any
     max_model_len: int
-    num_kv_blocks: int
 
 
 def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
@@ -260,7 +259,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     if engine.max_model_len < 2:
         raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
                           "request (capped by the KV pool), so no request fits; raise the KV budget")
-    return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool
+    return Built(engine, mcfg, engine.max_model_len)   # the engine caps max_model_len at the KV pool
 
 
 def data_communicator(cfg: ServeConfig, ctx: Any) -> Any:
