@@ -120,8 +120,7 @@ class _CountRequests:
                        P.quote(str(e), 200))
             if started:   # a body was under way: ending the connection is the only way to say it broke
                 raise
-            body = json.dumps(P.error_body(f"internal error: {type(e).__name__}: {P.quote(str(e), 200)}",
-                                           "internal_error")).encode()
+            body = json.dumps(P.internal_error(e)).encode()
             await send_wrapper({"type": "http.response.start", "status": 500,
                                 "headers": [(b"content-type", b"application/json"),
                                             (b"content-length", str(len(body)).encode())]})
@@ -309,8 +308,7 @@ class _Handlers:
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
-                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {P.quote(str(e), 200)}",
-                                        "internal_error"))
+                yield _sse(P.internal_error(e))
             finally:
                 if not gen.done:
                     gen.cancel()

@@ -52,6 +52,10 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def internal_error(e: Exception) -> dict[str, Any]:
+    return error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}", "internal_error")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
