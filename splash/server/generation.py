@@ -24,7 +24,6 @@ from splash.tokenizer import IncrementalDetokenizer, Tokenizer
 class Choice:
     index: int
     req_id: str
-    prompt_len: int
     detok: IncrementalDetokenizer
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -62,22 +61,19 @@ class Generation:
                          for i, (prompt, p) in enumerate(zip(prompts, params))]
         for i, (req, p) in enumerate(zip(self.requests, params)):
             detok = IncrementalDetokenizer(tok, p.skip_special_tokens)
-            self.choices.append(Choice(i, req.req_id, len(req.prompt), detok, min_tokens=p.min_tokens,
+            self.choices.append(Choice(i, req.req_id, detok, min_tokens=p.min_tokens,
                                        include_stop=p.include_stop_str_in_output,
                                        awaits_prompt_logprobs=params[i - i % n].prompt_logprobs is not None))
         self._by_id = {c.req_id: c for c in self.choices}
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
 
-    @property
-    def cached_prompt_tokens(self) -> int:
-        """Prompt tokens found in the prefix cache: per prompt, the most any of its n choices found."""
-        n = max(1, self.n)
-        return sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
-
     def usage(self) -> dict:
-        """OpenAI's usage so far: each prompt counted once, whatever its n."""
-        prompt = sum(len(r.prompt) for r in self.requests[::self.n])
-        return P.usage(prompt, sum(len(c.token_ids) for c in self.choices), self.cached_prompt_tokens)
+        """OpenAI's usage so far: each prompt counted once, whatever its n; its cached tokens are the most any of
+        its n choices found in the prefix cache."""
+        n = self.n
+        prompt = sum(len(r.prompt) for r in self.requests[::n])
+        cached = sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+        return P.usage(prompt, sum(len(c.token_ids) for c in self.choices), cached)
 
     @property
     def done(self) -> bool:
