@@ -90,8 +90,8 @@ def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
              "ratio": ("splash_switch_cost_factor", "Online correction (measured / predicted) of the switch cost"),
              "median_error": ("splash_switch_prediction_error_ratio", "Median |predicted - measured| / measured "
                               "of the switch cost")}
-    yield from _gauges(names, ["src", "dst"], ((key.split("->"), m) for key, m in
-                                               sorted(((sch.get("switch_cost") or {}).get("directions") or {}).items())))
+    directions = (sch.get("switch_cost") or {}).get("directions") or {}
+    yield from _gauges(names, ["src", "dst"], ((key.split("->"), m) for key, m in sorted(directions.items())))
 
 
 class Metrics:
