@@ -34,6 +34,9 @@ from splash.tokenizer import Tokenizer
 
 _log = logging.getLogger("splash")
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+SAME_NAMED = ("temperature", "top_p", "ignore_eos", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+              "include_stop_str_in_output")   # request fields SamplingParams takes as they are
 
 
 @dataclass
@@ -175,14 +178,9 @@ class _Handlers:
                              param="logit_bias")
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, top_k=req.top_k or 0,
-                min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, logit_bias=bias,
-                logprobs=req.sample_logprobs(), prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output, grammar=grammar)
+                max_tokens=max_tokens, seed=seed, stop_token_ids=tuple(req.stop_token_ids or ()), top_k=req.top_k or 0,
+                logit_bias=bias, logprobs=req.sample_logprobs(), prompt_logprobs=prompt_logprobs, grammar=grammar,
+                **{k: getattr(req, k) for k in SAME_NAMED})
         except ValueError as e:  # combinations pydantic does not see (e.g. min_tokens > max_tokens)
             raise P.APIError(400, str(e), param=str(e).split()[0]) from None
 

@@ -176,8 +176,6 @@ class Generation:
 
 
 def _as_api_error(ev: BaseException) -> APIError:
-    if isinstance(ev, APIError):
-        return ev
     if isinstance(ev, EngineStopped):
         return APIError(503, str(ev), "service_unavailable")
     if isinstance(ev, ValueError):
