@@ -7,6 +7,7 @@ its own decode (special tokens included), or ``token_id:<id>`` with vLLM's ``ret
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from splash.engine.sampler import TokenLogprobs
@@ -19,16 +20,11 @@ class TokenText:
     """id -> the text a logprob entry shows for it (cached: a vocabulary is bounded)."""
 
     def __init__(self, tok: Tokenizer, as_ids: bool = False) -> None:
-        self.tok, self.as_ids = tok, as_ids
-        self._cache: dict[int, str] = {}
+        self.as_ids = as_ids
+        self._decode = functools.cache(lambda tid: tok.decode([tid], skip_special_tokens=False))
 
     def __call__(self, tid: int) -> str:
-        if self.as_ids:
-            return f"token_id:{tid}"
-        s = self._cache.get(tid)
-        if s is None:
-            s = self._cache[tid] = self.tok.decode([tid], skip_special_tokens=False)
-        return s
+        return f"token_id:{tid}" if self.as_ids else self._decode(tid)
 
 
 def completion_logprobs(text: TokenText, entries: Sequence[tuple[int, TokenLogprobs | None]], k: int,

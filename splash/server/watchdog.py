@@ -200,14 +200,13 @@ class StepChannel:
             header[0] = len(data)
             mpi.Ibcast([header, MPI.INT64_T], root=root).Wait()
             mpi.Bcast([np.frombuffer(data, dtype=np.uint8), MPI.BYTE], root=root)
-            self.messages += 1
-            return obj
-        self._wait(mpi.Ibcast([header, MPI.INT64_T], root=root))
-        buf = np.empty(int(header[0]), dtype=np.uint8)
-        mpi.Bcast([buf, MPI.BYTE], root=root)
-        msg = pickle.loads(buf.tobytes())
+        else:
+            self._wait(mpi.Ibcast([header, MPI.INT64_T], root=root))
+            buf = np.empty(int(header[0]), dtype=np.uint8)
+            mpi.Bcast([buf, MPI.BYTE], root=root)
+            obj = pickle.loads(buf.tobytes())
         self.messages += 1
-        return msg
+        return obj
 
     @staticmethod
     def _wait(req: Any) -> None:
