@@ -212,22 +212,15 @@ class EngineLoop:
             self.metrics.steps.inc()
             if events:
                 self.metrics.generated_tokens.inc(len(events))
+        failed = [(req_id, RuntimeError(f"sampling request {req_id} failed: {type(err).__name__}: {err}"), True)
+                  for req_id, err in self.engine.take_failures()]   # already aborted by the engine
         groups: dict[int, tuple[Sink, list[Any]]] = {}
         finished = 0
-        for ev in events:
-            sink = self._sinks.get(ev.req_id)
-            if sink is None:
-                continue
-            if ev.finish_reason is not None:
-                del self._sinks[ev.req_id]
-                finished += 1
-            groups.setdefault(id(sink), (sink, []))[1].append(ev)
-        for req_id, err in self.engine.take_failures():   # already aborted by the engine
-            sink = self._sinks.pop(req_id, None)
+        for req_id, item, last in [(ev.req_id, ev, ev.finish_reason is not None) for ev in events] + failed:
+            sink = self._sinks.pop(req_id, None) if last else self._sinks.get(req_id)
             if sink is not None:
-                finished += 1
-                groups.setdefault(id(sink), (sink, []))[1].append(
-                    RuntimeError(f"sampling request {req_id} failed: {type(err).__name__}: {err}"))
+                finished += last
+                groups.setdefault(id(sink), (sink, []))[1].append(item)
         if finished:
             self._done(finished)
         if groups:
