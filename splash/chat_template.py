@@ -1,13 +1,7 @@
-"""Rendering a model's shipped chat template (Jinja) the way transformers' ``apply_chat_template`` does.
-
-The same sandboxed environment (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` filter that
-does not escape HTML and takes ``ensure_ascii`` / ``indent`` / ``separators`` / ``sort_keys``, ``raise_exception``,
-``strftime_now``, a no-op ``{% generation %}`` block) and the same variables: ``messages`` (a message's
-``reasoning_content`` is also given as ``thinking``, and the older ``thinking`` / ``reasoning`` names fill
-``reasoning_content``), ``tools``, ``documents`` (None), ``add_generation_prompt``, the tokenizer's special tokens,
-then the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``, ``thinking``); a message's keys whose value is
-None (OpenAI's ``content: null`` next to tool calls) are left out. Compiled templates are cached.
-tests/test_chat_template.py compares the text with transformers on GLM and DeepSeek templates.
+"""Rendering a model's shipped chat template (Jinja) the way transformers' ``apply_chat_template`` does: the same
+sandboxed environment, filters, globals and variables, then the request's ``chat_template_kwargs``. A message's
+``reasoning_content`` is also given as ``thinking`` (and the older names fill it); keys whose value is None are
+left out. tests/test_chat_template.py compares the text with transformers on GLM and DeepSeek templates.
 """
 from __future__ import annotations
 
@@ -53,13 +47,30 @@ def _compile(template: str) -> Any:
     return env.from_string(template)
 
 
-def _alias_reasoning(messages: list[dict]) -> list[dict]:
+def _for_template(messages: list[dict], arguments_as_mapping: bool) -> list[dict]:
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}   # OpenAI's content=None: templates want the key absent
         r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
-        out.append({"thinking": r, **m, "reasoning_content": r} if r is not None else m)
+        if r is not None:
+            m = {"thinking": r, **m, "reasoning_content": r}
+        if arguments_as_mapping and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_parsed_arguments(c) for c in m["tool_calls"]]
+        out.append(m)
     return out
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """A tool call whose JSON-object ``arguments`` text is parsed (as vLLM does), for templates that iterate
+    ``arguments.items()`` (GLM, DeepSeek-V3.2)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def render(template: str, messages: list[dict], *, tools: list[dict] | None = None,
@@ -69,8 +80,9 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
     import jinja2
 
     variables = {**(special_tokens or {}), **(kwargs or {})}
+    as_mapping = ".items()" in template and "arguments" in template
     try:
-        return _compile(template).render(messages=_alias_reasoning(messages), tools=tools, documents=None,
+        return _compile(template).render(messages=_for_template(messages, as_mapping), tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from None

@@ -1,16 +1,11 @@
 """Tokenizer wrapper over the HF ``tokenizers`` library (no torch, no transformers).
 
-* A model directory with ``tokenizer.json`` uses it; ``tokenizer_config.json`` (or ``chat_template.jinja``)
-  supplies the BOS/EOS tokens and the chat template.
-* Otherwise (presets, or a directory without ``tokenizer.json``) a **byte-level tokenizer** is built with the
-  ``tokenizers`` library: ids 0..255 are the 256 bytes (GPT-2 byte→unicode alphabet, no merges), then the
-  special tokens ``<|bos|>`` = 256, ``<|eos|>`` = 257, ``<|user|>`` = 258, ``<|assistant|>`` = 259. It
-  round-trips any UTF-8 text (text containing those four literal strings encodes them as the special ids).
-* ``decode`` tolerates ids outside the tokenizer's vocabulary (a random-weight model's vocab is often
-  larger): such ids, and negative ids, decode to ``""`` (they are dropped). Incomplete UTF-8 byte
-  sequences decode to U+FFFD, as in the ``tokenizers`` library.
-* Chat template: the model's Jinja ``chat_template`` when it has one (``splash.chat_template``), else the
-  simple template: for each message ``<|{role}|>\\n{content}\\n``, then ``<|assistant|>\\n``.
+A model directory with ``tokenizer.json`` uses it (BOS/EOS and the chat template from ``tokenizer_config.json`` or
+``chat_template.jinja``). Otherwise (presets) a byte-level tokenizer: ids 0..255 are the bytes (GPT-2's
+byte→unicode alphabet, no merges), then the special tokens ``<|bos|>`` = 256, ``<|eos|>`` = 257, ``<|user|>`` =
+258, ``<|assistant|>`` = 259. ``decode`` drops ids outside the vocabulary (a random-weight model's is often
+larger). Without a Jinja template the chat template is ``<|{role}|>\\n{content}\\n`` per message, then
+``<|assistant|>\\n``.
 """
 from __future__ import annotations
 
@@ -29,21 +24,14 @@ BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte → printable unicode character map (what ByteLevel pre-tokenizers emit)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    """GPT-2's byte → printable character map: printable Latin-1 bytes stand for themselves, the others for
+    256, 257, … in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def build_byte_tokenizer() -> HFTokenizer:
-    """The 260-token byte-level tokenizer described in the module docstring."""
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -54,7 +42,7 @@ def build_byte_tokenizer() -> HFTokenizer:
 
 
 def save_byte_tokenizer(directory: str | Path) -> Path:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (BOS/EOS) for the byte tokenizer; return the dir."""
+    """Write the byte tokenizer's ``tokenizer.json`` and ``tokenizer_config.json`` into `directory`."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     build_byte_tokenizer().save(str(d / "tokenizer.json"))
@@ -81,7 +69,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _pick_template(raw: Any) -> str | None:
-    """``chat_template`` is a string, or (older HF) a list of {"name", "template"}: take 'default'."""
+    """A string, or (older HF) a list of {"name", "template"}: take 'default'."""
     if isinstance(raw, str):
         return raw
     if isinstance(raw, list):
@@ -91,7 +79,6 @@ def _pick_template(raw: Any) -> str | None:
 
 
 def _content_text(content: Any) -> str:
-    """OpenAI content: a string, or a list of parts of which the text parts are joined."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -102,8 +89,6 @@ def _content_text(content: Any) -> str:
 
 
 class Tokenizer:
-    """encode/decode/chat template over a ``tokenizers.Tokenizer``; see the module docstring."""
-
     def __init__(self, hf: HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
                  chat_template: str | None = None, eos_token_id: int | None = None) -> None:
         self.hf = hf
@@ -117,30 +102,25 @@ class Tokenizer:
         self.chat_template = chat_template
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Special-token strings in the text map to their ids. With
-        ``add_special_tokens`` the tokenizer's post-processor runs (e.g. a BOS some models add)."""
+        """Special-token strings in ``text`` map to their ids; ``add_special_tokens`` runs the post-processor."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        """``encode`` of each text; the tokenizers library releases the GIL while it works, so a worker thread
-        running this does not stall the other threads (``encode`` holds the GIL throughout)."""
+        """``encode`` of each text, releasing the GIL while it works (``encode`` holds it throughout)."""
         return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; ids outside [0, vocab_size) are dropped (decode to "")."""
         valid = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
         return self.hf.decode(valid, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style ``messages`` ({"role", "content"}) into the prompt text.
-
-        Uses the model's Jinja template when it has one, rendered as transformers does; a template that raises
-        (e.g. roles must alternate) raises ValueError. Otherwise the simple template (module docstring).
-        """
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """The prompt text of OpenAI-style ``messages``: the model's Jinja template with ``tools`` and
+        ``chat_template_kwargs`` (splash.chat_template; ValueError when it raises), else the simple template."""
         if self.chat_template is not None:
             special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
-            return render(self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
-                          special_tokens=special)
+            return render(self.chat_template, list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                          special_tokens=special, kwargs=kwargs)
         parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
@@ -175,11 +155,7 @@ def _load_from_dir(directory: Path) -> Tokenizer:
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
-    """The tokenizer for a model whose embedding has ``vocab_size`` rows.
-
-    ``model_dir`` None, or a directory without ``tokenizer.json``, gives the byte tokenizer, which needs
-    ``vocab_size >= 260`` (else ConfigError). A directory that does not exist is a ConfigError.
-    """
+    """The tokenizer for a model whose embedding has ``vocab_size`` rows (the byte tokenizer needs 260)."""
     if model_dir is not None:
         directory = Path(model_dir)
         if not directory.is_dir():
@@ -192,13 +168,10 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Streaming detokenisation: ``push(id)`` returns the newly completed text, ``flush()`` the rest.
+    """``push(id)`` returns the newly completed text, ``flush()`` the rest; together they equal ``decode``.
 
-    Text is only released once it no longer ends in U+FFFD (a multi-byte character split across tokens),
-    and is computed as the difference of two decodes of a short window, so tokenizers whose decoders
-    depend on context (leading-space handling) stream correctly. ``"".join(push(i) for i in ids) +
-    flush()`` equals ``tok.decode(ids)``.
-    """
+    Text is released once it no longer ends in U+FFFD (a character split across tokens), as the difference of
+    two decodes of a short window, so decoders that depend on context (leading spaces) stream correctly."""
 
     def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tok = tok
@@ -220,7 +193,6 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Text held back at the end of the stream (e.g. an incomplete UTF-8 sequence, as U+FFFD)."""
         released = self._decode(self.ids[self._prefix:self._read])
         window = self._decode(self.ids[self._prefix:])
         self._prefix = self._read = len(self.ids)

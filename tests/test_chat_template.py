@@ -16,7 +16,6 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from splash.server.prompts import PromptReader  # noqa: E402
 from splash.tokenizer import Tokenizer, build_byte_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -66,12 +65,11 @@ def hf_tok():
 def test_same_text_as_transformers(hf_tok, name, conv, tools, kwargs):
     template = (FIXTURES / TEMPLATES[name]).read_text(encoding="utf-8")
     tok = Tokenizer(build_byte_tokenizer(), bos_token="<|bos|>", eos_token="<|eos|>", chat_template=template)
-    reader = PromptReader(tok, 4096, 320)
     messages = CONVERSATIONS[conv]
     if name == "deepseek-v3.1" and conv == "agent":
         # V3.1's template concatenates strings: an assistant tool-call turn needs "content" to be a string
         messages = [({**m, "content": ""} if m.get("tool_calls") else m) for m in messages]
-    ours = reader.render(messages, TOOLS if tools else None, kwargs)
+    ours = tok.apply_chat_template(messages, tools=TOOLS if tools else None, kwargs=kwargs)
     theirs = hf_tok.apply_chat_template(_for_transformers(messages, name != "deepseek-v3.1"),
                                         tools=TOOLS if tools else None, add_generation_prompt=True,
                                         tokenize=False, chat_template=template, **kwargs)
@@ -80,14 +78,13 @@ def test_same_text_as_transformers(hf_tok, name, conv, tools, kwargs):
 
 def test_the_thinking_switch_reaches_the_template():
     template = (FIXTURES / "glm-5.3-flash.jinja").read_text(encoding="utf-8")
-    reader = PromptReader(Tokenizer(build_byte_tokenizer(), chat_template=template), 4096, 320)
+    tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
     msgs = CONVERSATIONS["plain"]
-    assert reader.render(msgs).endswith("<|assistant|><think>")
-    assert reader.render(msgs, kwargs={"enable_thinking": False}).endswith("<|assistant|><think></think>")
+    assert tok.apply_chat_template(msgs).endswith("<|assistant|><think>")
+    assert tok.apply_chat_template(msgs, kwargs={"enable_thinking": False}).endswith("<|assistant|><think></think>")
 
 
 def test_a_template_error_is_a_value_error():
-    reader = PromptReader(Tokenizer(build_byte_tokenizer(), chat_template="{{ raise_exception('roles!') }}"),
-                          4096, 320)
+    tok = Tokenizer(build_byte_tokenizer(), chat_template="{{ raise_exception('roles!') }}")
     with pytest.raises(ValueError, match="roles!"):
-        reader.render(CONVERSATIONS["plain"])
+        tok.apply_chat_template(CONVERSATIONS["plain"])

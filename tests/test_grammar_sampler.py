@@ -15,7 +15,8 @@ from splash.engine.messages import RequestFailure  # noqa: E402
 from splash.engine.sampler import Sampler  # noqa: E402
 from splash.engine.sampling import SamplingParams  # noqa: E402
 from splash.server.protocol import APIError  # noqa: E402
-from splash.server.structured import GrammarCompiler, GrammarSpec, from_structured_outputs  # noqa: E402
+from splash.server.structured import (GrammarCompiler, GrammarSpec, choice_ebnf,  # noqa: E402
+                                     from_structured_outputs)
 from splash.tokenizer import load_tokenizer  # noqa: E402
 
 V, EOS = 320, 257   # the byte tokenizer's ids in a 320-row model (ids 260.. are not tokens)
@@ -89,7 +90,7 @@ def test_a_broken_grammar_fails_its_request_alone(compiler):
 
 
 def test_min_tokens_does_not_block_the_grammars_end(compiler):
-    done = compiler.compile_sync(GrammarSpec("choice", json.dumps(["ok"]), "x"))
+    done = compiler.compile_sync(GrammarSpec("grammar", choice_ebnf(["ok"]), "x"))
     s = Sampler(V, torch.Generator().manual_seed(3))
     s.add("r", [1], SamplingParams(max_tokens=8, min_tokens=6, grammar=done), {EOS})
     out = _run(s, ["r"], 8)["r"]
@@ -137,7 +138,7 @@ def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
 
     llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator())
     vocab = llm.cfg.vocab_size
-    grammar = GrammarCompiler(tok, vocab).compile_sync(GrammarSpec("choice", json.dumps(["yes", "no"]), "x"))
+    grammar = GrammarCompiler(tok, vocab).compile_sync(GrammarSpec("grammar", choice_ebnf(["yes", "no"]), "x"))
     eng = llm.engine
     for rid in ("a", "bad", "b"):
         eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, seed=5, grammar=grammar), rid)

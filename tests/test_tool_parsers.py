@@ -166,7 +166,7 @@ def test_reasoning_whole_and_streamed(parser, kwargs, text, r, c):
 
 def test_reasoning_then_tool_call_as_a_chat_message_and_stream():
     text = "<think>need weather</think>I'll check." + GLM5_INLINE
-    mode = OutputMode("glm45", "glm45", read_tools([{"type": "function", "function": WEATHER}], None, None))
+    mode = OutputMode("glm45", "glm45", read_tools([{"type": "function", "function": WEATHER}], None))
     msg, finish = message(mode, text, "stop")
     assert finish == "tool_calls" and msg["reasoning_content"] == "need weather" and msg["content"] == "I'll check."
     assert _calls([c["function"] for c in msg["tool_calls"]]) == [("get_weather", {"city": "Paris"})]
@@ -192,7 +192,7 @@ def test_a_parser_that_fails_leaves_the_text_as_content(monkeypatch):
         raise RuntimeError("parser bug")
     monkeypatch.setattr(tool_parsers, "parse", boom)
     monkeypatch.setattr(tool_parsers.ToolStream, "feed", boom)
-    mode = OutputMode(None, "glm45", read_tools([{"type": "function", "function": WEATHER}], None, None))
+    mode = OutputMode(None, "glm45", read_tools([{"type": "function", "function": WEATHER}], None))
     msg, finish = message(mode, GLM5_INLINE, "stop")
     assert msg == {"role": "assistant", "content": GLM5_INLINE} and finish == "stop"
     st = ChatStream(mode)
@@ -221,15 +221,13 @@ def test_a_prompt_that_opens_thinking_starts_the_output_in_reasoning():
     from pathlib import Path
 
     from splash.server.agent import Prepared, with_prompt
-    from splash.server.prompts import PromptReader
     from splash.tokenizer import Tokenizer, build_byte_tokenizer
     template = (Path(__file__).parent / "fixtures" / "chat_templates" / "glm-5.3-flash.jinja").read_text("utf-8")
     tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
-    reader = PromptReader(tok, 4096, 320)
     msgs = [{"role": "user", "content": "hi"}]
-    on = with_prompt(Prepared(mode=OutputMode("glm45")), tok, tok.encode(reader.render(msgs)))
+    on = with_prompt(Prepared(mode=OutputMode("glm45")), tok, tok.encode(tok.apply_chat_template(msgs)))
     off = with_prompt(Prepared(mode=OutputMode("glm45", template_kwargs={"enable_thinking": False})), tok,
-                      tok.encode(reader.render(msgs, kwargs={"enable_thinking": False})))
+                      tok.encode(tok.apply_chat_template(msgs, kwargs={"enable_thinking": False})))
     assert on.mode.thinking_opened and not off.mode.thinking_opened
     assert message(on.mode, "plan</think>answer", "stop")[0]["reasoning_content"] == "plan"
     assert message(on.mode, "plan</think>answer", "stop")[0]["content"] == "answer"

@@ -1,19 +1,10 @@
-"""A request's worst-case cost, computed from what it asks for before it is admitted, and the budget it must fit.
+"""A request's worst-case cost, known from its fields before it is admitted, and the budget it must fit.
 
-What a request can cost is known from its fields alone, before any of it runs:
-* tokens: each of its sequences (prompts × n) prefills its prompt and decodes up to max_tokens;
-* logprob entries: a token with ``logprobs: k`` carries k + 1 entries (the token's own and the top k); a prompt
-  token with ``prompt_logprobs: k`` (or ``echo`` + ``logprobs: k``) carries k + 1. Prompt logprobs are computed
-  once per prompt and shared by its n samples (vLLM's shape repeats them in each completions choice; chat
-  returns them once per response);
-* response bytes: every entry and token as it is written in JSON;
-* rank-0 memory: the Python objects rank 0 holds at once. The response is written choice by choice (streamed,
-  or a non-streamed body written as it goes), so what rank 0 holds is each prompt's shared logprob rows, every
-  choice's own entries (generated tokens' logprobs; an echo's prompt entries), and one choice's JSON text.
-
-``check`` answers 400 when the estimate of rank-0 memory or of the response bytes passes the budget
-(``server.max_request_mb``), naming the budget and the field that costs the most. The estimates are upper
-bounds from measured sizes (``ENTRY_*``, ``TOKEN_*``), not guesses at the typical case. Pure: no torch, no I/O.
+Each sequence (prompts × n) prefills its prompt and decodes up to max_tokens; a token with ``logprobs: k`` (or a
+prompt token with ``prompt_logprobs: k``, or ``echo`` + ``logprobs: k``) carries k + 1 entries; prompt logprobs
+are computed once per prompt (completions repeat them in each choice, chat returns them once). The response is
+written choice by choice, so rank 0 holds each prompt's shared rows, every choice's own entries and one choice's
+JSON at a time. The estimates are upper bounds from measured sizes (``ENTRY_*``, ``TOKEN_*``). Pure: no torch.
 """
 from __future__ import annotations
 
@@ -31,7 +22,6 @@ MB = 1 << 20
 
 @dataclass(frozen=True)
 class RequestShape:
-    """What a request asks for, in the terms its cost depends on."""
     prompt_lens: tuple[int, ...]
     n: int
     max_tokens: int                      # per sequence
@@ -88,8 +78,6 @@ def over_budget(cost: RequestCost, budget_mb: float, n: int = 1) -> str | None:
 
 
 def request_shape(req, prompt_lens: list[int], max_tokens: int, chat: bool) -> RequestShape:
-    """The RequestShape of a parsed completions or chat request (splash.server.protocol) with its prompts'
-    token counts and the max_tokens it will run with."""
     echo = bool(getattr(req, "echo", False))
     sample_k = req.sample_logprobs()
     return RequestShape(tuple(prompt_lens), req.n, max_tokens, sample_k, req.prompt_logprobs,

@@ -1,15 +1,9 @@
-"""The agent API of a request: its output constraint (compiled grammar), its tools, and how its output is read.
-
-``AgentAPI.prepare`` checks a chat request's ``tools`` / ``tool_choice`` / ``response_format`` /
-``structured_outputs`` / ``chat_template_kwargs``, compiles the grammar off the event loop
-(splash.server.structured) and returns what the handler needs: the grammar for SamplingParams, what the chat
-template receives, and the OutputMode that turns text into the assistant message (splash.server.chat_output).
-The tool-call and reasoning parsers default from the model's type (``server.tool_call_parser`` /
-``server.reasoning_parser`` = auto); ``none`` turns one off.
+"""The agent API of a chat request: its tools, output constraint (compiled off the event loop), template kwargs,
+and the OutputMode that reads its output. The parsers default from the model's type unless
+``server.tool_call_parser`` / ``server.reasoning_parser`` name one (``none`` turns it off).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,16 +18,11 @@ _BY_TYPE = {"glm_moe_dsa": ("glm45", "glm45"), "glm4_moe": ("glm45", "glm45"), "
             "deepseek_v32": ("deepseek_v32", "deepseek_v3"), "deepseek_v3": ("deepseek_v31", "deepseek_v3")}
 
 
-def default_parsers(model_type: str | None, chat_template: str | None) -> tuple[str | None, str | None]:
+def resolve_parsers(tool_flag: str, reason_flag: str, model_type: str | None,
+                    chat_template: str | None) -> tuple[str | None, str | None]:
     tool, reason = _BY_TYPE.get(model_type or "", (None, None))
     if tool == "deepseek_v31" and chat_template and "```json" in chat_template:
         tool = "deepseek_v3"     # V3's template wraps the arguments in a ```json fence, V3.1's does not
-    return tool, reason
-
-
-def resolve_parsers(tool_flag: str, reason_flag: str, model_type: str | None,
-                    chat_template: str | None) -> tuple[str | None, str | None]:
-    tool, reason = default_parsers(model_type, chat_template)
     tool = tool if tool_flag == "auto" else (None if tool_flag == "none" else tool_flag)
     reason = reason if reason_flag == "auto" else (None if reason_flag == "none" else reason_flag)
     return tool, reason
@@ -44,7 +33,6 @@ class Prepared:
     grammar: Any = None                          # xgrammar CompiledGrammar, or None
     mode: OutputMode = field(default_factory=OutputMode)
     tools: list[dict] | None = None              # as the chat template receives them
-    template_kwargs: dict = field(default_factory=dict)
 
 
 class AgentAPI:
@@ -54,7 +42,6 @@ class AgentAPI:
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     async def completion(self, req: Any) -> Any:
-        """The grammar of a completions request (``structured_outputs``; None without one)."""
         return await self.compiler.compile(structured.from_structured_outputs(req.structured_outputs))
 
     async def chat(self, req: Any) -> Prepared:
@@ -65,7 +52,7 @@ class AgentAPI:
         if req.functions or req.function_call not in (None, "none"):
             raise APIError(400, "'functions' / 'function_call' are deprecated by OpenAI: send 'tools' / "
                                 "'tool_choice'", param="functions" if req.functions else "function_call")
-        tc = read_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        tc = read_tools(req.tools, req.tool_choice)
         spec = structured.pick(structured.from_response_format(req.response_format),
                                structured.from_structured_outputs(req.structured_outputs),
                                forced_spec(tc, req.parallel_tool_calls))
@@ -73,37 +60,12 @@ class AgentAPI:
         mode = OutputMode(self.reasoning_parser, self.tool_parser, tc if req.tools else None, kwargs,
                           constrained=grammar is not None)
         tools = [{"type": "function", "function": f} for f in tc.tools] or None
-        return Prepared(grammar, mode, tools, kwargs)
+        return Prepared(grammar, mode, tools)
 
 
 def with_prompt(prepared: Prepared, tok: Tokenizer, prompt: list[int]) -> Prepared:
-    """``prepared`` knowing whether the rendered prompt opened a thinking block (its text ends with <think>)."""
+    """``prepared`` knowing whether the rendered prompt ends with <think> (the output starts in reasoning)."""
     if prepared.mode.reasoner is None:
         return prepared
     tail = tok.decode(prompt[-16:], skip_special_tokens=False).rstrip()
     return replace(prepared, mode=replace(prepared.mode, thinking_opened=tail.endswith("<think>")))
-
-
-def arguments_for_template(messages: list[dict], as_mapping: bool) -> list[dict]:
-    """Assistant tool calls as the template reads them: templates that iterate ``arguments.items()`` (GLM,
-    DeepSeek-V3.2) need a mapping, so JSON-object text is parsed (as vLLM does); others get the text."""
-    if not as_mapping:
-        return messages
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if m.get("role") == "assistant" and isinstance(calls, list):
-            m = {**m, "tool_calls": [_parsed(c) for c in calls]}
-        out.append(m)
-    return out
-
-
-def _parsed(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        args = json.loads(fn["arguments"])
-    except json.JSONDecodeError:
-        return call
-    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call

@@ -1,11 +1,7 @@
 """The HTTP API on rank 0 (FastAPI): OpenAI-compatible completions/chat, models, health, metrics, layout control.
 
-Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
-JSON, wrong-typed or unknown fields, a prompt plus max_tokens longer than the model's context, max_tokens <= 0,
-too many sequences, bad layout names), 401 for a missing/bad admin token, 404 for an unknown model or route,
-408/413/415 for a body too slow, too large or not JSON (``body``), 429 with ``Retry-After`` when the queue is
-full, 503 while shutting down. A bad request never disturbs the engine or other requests; a request whose
-client disconnects is cancelled, streaming or not.
+Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, and fails only its own request;
+a request whose client disconnects is cancelled, streaming or not.
 """
 from __future__ import annotations
 
@@ -29,16 +25,18 @@ from splash.server import protocol as P
 from splash.server.agent import AgentAPI, Prepared, with_prompt
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
-from splash.server.choice_extras import ResponseExtras, chat_messages
 from splash.server.generation import Delta, Generation
 from splash.server.json_body import ResponseBuilder
-from splash.server.limits import quote
+from splash.server.logprobs import ResponseExtras
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
 from splash.tokenizer import Tokenizer
 
 _log = logging.getLogger("splash")
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+SAME_NAMED = ("temperature", "top_p", "ignore_eos", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+              "include_stop_str_in_output")   # request fields SamplingParams takes as they are
 
 
 @dataclass
@@ -96,13 +94,9 @@ def _sse(obj: Any) -> str:
 
 
 class _CountRequests:
-    """ASGI middleware counting answered requests by route and status (cheap; streaming-safe). The endpoint
-    label is the route's path for the server's routes and ``other`` for every unknown path, so random paths
-    cannot grow /metrics.
-
-    It is also where an exception no handler answered ends: a 500 body is sent here (so it is counted) and the
-    exception is not re-raised, so uvicorn keeps the keep-alive connection for the client's next request
-    instead of logging a traceback and resetting it. One line goes to the (rate-limited) ``splash`` log."""
+    """Counts answered requests by route (``other`` for unknown paths, so random paths cannot grow /metrics) and
+    status. An exception no handler answered becomes a counted 500 here and is not re-raised, so uvicorn keeps
+    the keep-alive connection instead of resetting it."""
 
     def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -126,11 +120,10 @@ class _CountRequests:
             await self.app(scope, receive, send_wrapper)
         except Exception as e:  # noqa: BLE001 — one request fails, never the connection or the server
             _log.error("internal error answering %s %s: %s: %s", scope.get("method"), endpoint, type(e).__name__,
-                       quote(str(e), 200))
+                       P.quote(str(e), 200))
             if started:   # a body was under way: ending the connection is the only way to say it broke
                 raise
-            body = json.dumps(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
-                                           "internal_error")).encode()
+            body = json.dumps(P.internal_error(e)).encode()
             await send_wrapper({"type": "http.response.start", "status": 500,
                                 "headers": [(b"content-type", b"application/json"),
                                             (b"content-length", str(len(body)).encode())]})
@@ -140,7 +133,6 @@ class _CountRequests:
 class _Handlers:
     """Route bodies, kept out of create_app so each stays short."""
 
-    # ---- shared -----------------------------------------------------------------------------------------
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
@@ -151,21 +143,21 @@ class _Handlers:
         lim = self.s.limits
         return P.parse_request(model, await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.s.model_name:
-            raise P.APIError(404, f"the model {quote(model)} does not exist; this server serves '{self.s.model_name}'",
-                             param="model", code="model_not_found")
-
-    def check_seqs(self, num_prompts: int, n: int) -> None:
+    def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
+        """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
+        if req.model is not None and req.model != self.s.model_name:
+            raise P.APIError(404, f"the model {P.quote(req.model)} does not exist; this server serves "
+                                  f"'{self.s.model_name}'", param="model", code="model_not_found")
+        req.check_neutral()
+        P.check_stream_fields(req, chat)
         limit = self.s.limits.max_seqs_per_request
-        if num_prompts * n > limit:
-            raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+        if num_prompts * req.n > limit:
+            raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={req.n} = {num_prompts * req.n} "
                                   f"sequences; at most {limit} are allowed (server.max_seqs_per_request)",
                              param="n" if num_prompts == 1 else "prompt", code="too_many_sequences")
 
     def max_tokens(self, requested: int | None, default: int, prompts: list[list[int]], param: str) -> int:
-        """``requested`` if every prompt has room for it (else 400, as vLLM and OpenAI answer); the default
-        is capped at the room of the longest prompt."""
+        """``requested`` if every prompt has room for it (else 400, as vLLM and OpenAI answer)."""
         room = self.s.max_model_len - max(map(len, prompts))
         if requested is None:
             return max(1, min(default, room))
@@ -175,101 +167,75 @@ class _Handlers:
                                   f"most {room} tokens can be generated", param=param, code="context_length_exceeded")
         return requested
 
-    def admit(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: int, chat: bool) -> None:
-        """400 when the request's worst-case cost passes server.max_request_mb (splash.server.admission_cost)."""
-        cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
-        why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
-        if why is not None:
-            raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
-
-    def params(self, req: P.SamplingRequest, max_tokens: int, j: int, prompt_logprobs: int | None = None,
-               grammar: Any = None) -> SamplingParams:
+    def params(self, req: P.SamplingRequest, max_tokens: int, j: int, prompt_logprobs: int | None,
+               grammar: Any) -> SamplingParams:
         seed = None if req.seed is None else req.seed + j
         bias = req.logit_bias_ids()
         bad = next((t for t in bias if not 0 <= t < self.s.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"'logit_bias' token id {quote(bad)} is outside the vocabulary "
+            raise P.APIError(400, f"'logit_bias' token id {P.quote(bad)} is outside the vocabulary "
                                   f"[0, {self.s.vocab_size})",
                              param="logit_bias")
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, top_k=req.top_k or 0,
-                min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, logit_bias=bias,
-                logprobs=req.sample_logprobs(), prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output, grammar=grammar)
+                max_tokens=max_tokens, seed=seed, stop_token_ids=tuple(req.stop_token_ids or ()), top_k=req.top_k or 0,
+                logit_bias=bias, logprobs=req.sample_logprobs(), prompt_logprobs=prompt_logprobs, grammar=grammar,
+                **{k: getattr(req, k) for k in SAME_NAMED})
         except ValueError as e:  # combinations pydantic does not see (e.g. min_tokens > max_tokens)
             raise P.APIError(400, str(e), param=str(e).split()[0]) from None
 
-    def generation(self, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: list[int],
-                   prefix: str, prompt_logprobs: int | None = None, grammar: Any = None) -> Generation:
+    async def answer(self, request: Request, req: P.SamplingRequest, prompts: list[list[int]], max_tokens: int,
+                     prompt_logprobs: int | None, grammar: Any, agent: Prepared | None = None,
+                     echo: list[str] | None = None) -> Response:
+        """Admit, start and answer (streamed or not) a request whose prompts are read; ``agent`` marks chat."""
+        chat = agent is not None
+        cost = admission_cost.estimate(admission_cost.request_shape(req, [len(p) for p in prompts], max_tokens, chat))
+        why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
+        if why is not None:   # the worst case passes server.max_request_mb
+            raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
         flat_prompts, flat_params = [], []
-        for prompt, mt in zip(prompts, max_tokens):
+        for prompt in prompts:
             for j in range(req.n):   # prompt logprobs: computed once per prompt, by its first sample
                 flat_prompts.append(prompt)
-                flat_params.append(self.params(req, mt, j, prompt_logprobs if j == 0 else None, grammar))
-        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), prefix,
+                flat_params.append(self.params(req, max_tokens, j, prompt_logprobs if j == 0 else None, grammar))
+        gen = Generation(self.s.loop, self.s.tokenizer, flat_prompts, flat_params, req.stop_strings(), rid,
                          n=req.n)
         gen.start()
-        return gen
-
-    # ---- /v1/completions --------------------------------------------------------------------------------
-    def echo_texts(self, req: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """The prompt as echoed: the string sent, or the decoded token ids."""
-        if isinstance(req.prompt, str):
-            return [req.prompt]
-        if isinstance(req.prompt[0], str):
-            return list(req.prompt)
-        return [self.s.tokenizer.decode(p) for p in prompts]
+        gen.echo = echo
+        if req.stream:
+            return self.stream(gen, req, agent)
+        await self.collect(request, gen)
+        # built in a worker thread: with logprobs the body can hold millions of entries
+        return self.builder.json_response(await self.builder.run(self.response_body, gen, req, agent))
 
     async def completions(self, request: Request) -> Response:
         req = await self.body(request, P.CompletionRequest)
-        self.check_model(req.model)
-        req.check_neutral()
-        P.check_stream_fields(req, chat=False)
         p = req.prompt
-        self.check_seqs(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), req.n)
+        self.check(req, 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), chat=False)
         prompts = await self.prompts.completion(p)
         grammar = await self.agent.completion(req)
         mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
-        self.admit(req, prompts, mt, chat=False)
-        rid = P.new_id("cmpl")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)
-        gen = self.generation(req, prompts, [mt] * len(prompts), rid, plp, grammar)
-        gen.echo = self.echo_texts(req, prompts) if req.echo else None
-        if req.stream:
-            return self.stream(gen, req, rid, "text_completion", sum(map(len, prompts)), chat=False)
-        return self.builder.json_response(await self.collect(request, gen, req, rid, "text_completion",
-                                                             sum(map(len, prompts)), False))
+        echo = None
+        if req.echo:   # the prompt as echoed: the string sent, or the decoded token ids
+            echo = [p] if isinstance(p, str) else list(p) if isinstance(p[0], str) else [
+                self.s.tokenizer.decode(x) for x in prompts]
+        return await self.answer(request, req, prompts, mt, plp, grammar, echo=echo)
 
-    # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self.body(request, P.ChatCompletionRequest)
-        self.check_model(req.model)
-        req.check_neutral()
-        P.check_stream_fields(req, chat=True)
-        self.check_seqs(1, req.n)
+        self.check(req, 1, chat=True)
         agent = await self.agent.chat(req)
-        prompt = await self.prompts.chat(chat_messages(req), agent.tools, agent.template_kwargs)
+        prompt = await self.prompts.chat(req.template_messages(), agent.tools, agent.mode.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
-        self.admit(req, [prompt], mt, chat=True)
-        rid = P.new_id("chatcmpl")
-        gen = self.generation(req, [prompt], [mt], rid, req.prompt_logprobs, agent.grammar)
-        if req.stream:
-            return self.stream(gen, req, rid, "chat.completion.chunk", len(prompt), chat=True, agent=agent)
-        return self.builder.json_response(await self.collect(request, gen, req, rid, "chat.completion",
-                                                             len(prompt), True, agent))
+        return await self.answer(request, req, [prompt], mt, req.prompt_logprobs, agent.grammar, agent)
 
-    # ---- response assembly ------------------------------------------------------------------------------
-    async def collect(self, request: Request, gen: Generation, req: P.SamplingRequest, rid: str, obj: str,
-                      prompt_tokens: int, chat: bool, agent: Prepared | None = None) -> dict:
+    async def collect(self, request: Request, gen: Generation) -> None:
         run = asyncio.ensure_future(gen.run_to_end())
         gone = asyncio.ensure_future(until_disconnected(request))
         try:
@@ -282,63 +248,51 @@ class _Handlers:
                 task.cancel()
             if not gen.done:
                 gen.cancel()
-        # built in a worker thread: with logprobs the body can hold millions of entries
-        return await self.builder.run(self.response_body, gen, req, rid, obj, prompt_tokens, chat, agent)
 
-    def response_body(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
-                      chat: bool, agent: Prepared | None = None) -> dict:
-        make = P.chat_choice if chat else P.completion_choice
-        extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
+    def response_body(self, gen: Generation, req: P.SamplingRequest, agent: Prepared | None) -> dict:
+        extras = ResponseExtras(self.s.tokenizer, req, gen, agent is not None)
         choices = []
         for c in gen.choices:
-            d = Delta(c, c.text, c.token_ids, c.finish, c.logprobs)
-            choice = make(c.index, c.text, c.finish, c.token_ids if req.return_token_ids else None)
-            if chat and agent is not None:   # reasoning_content / tool_calls (splash.server.chat_output)
-                choice["message"], choice["finish_reason"] = chat_output.message(agent.mode, c.text, c.finish)
-            choices.append(extras.decorate(choice, d))
-        completion_tokens = sum(len(c.token_ids) for c in gen.choices)
-        body = P.envelope(rid, obj, P.now(), self.s.model_name, choices,
-                          P.usage(prompt_tokens, completion_tokens, gen.cached_prompt_tokens))
-        if chat and req.prompt_logprobs is not None:   # vLLM: chat's prompt_logprobs are on the response
+            ids = c.token_ids if req.return_token_ids else None
+            if agent is None:
+                choice = P.choice(c.index, "text", c.text, c.finish, ids)
+            else:   # reasoning_content / tool_calls (splash.server.chat_output)
+                choice = P.choice(c.index, "message", *chat_output.message(agent.mode, c.text, c.finish), ids)
+            choices.append(extras.decorate(choice, Delta(c, c.text, c.token_ids, c.finish, c.logprobs)))
+        obj = "text_completion" if agent is None else "chat.completion"
+        body = P.envelope(gen.id, obj, P.now(), self.s.model_name, choices, gen.usage())
+        if agent is not None and req.prompt_logprobs is not None:   # vLLM: chat's are on the response
             body["prompt_logprobs"] = extras.prompt_body(gen.choices[0])
         return body
 
-    def stream(self, gen: Generation, req: P.SamplingRequest, rid: str, obj: str, prompt_tokens: int,
-               chat: bool, agent: Prepared | None = None) -> StreamingResponse:
-        created, model = P.now(), self.s.model_name
-        ids = req.return_token_ids
-        extras = ResponseExtras(self.s.tokenizer, req, gen, chat)
+    def stream(self, gen: Generation, req: P.SamplingRequest, agent: Prepared | None) -> StreamingResponse:
+        created, model, ids = P.now(), self.s.model_name, req.return_token_ids
+        obj = "text_completion" if agent is None else "chat.completion.chunk"
+        extras = ResponseExtras(self.s.tokenizer, req, gen, agent is not None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         readers = {c.index: chat_output.ChatStream(agent.mode) for c in gen.choices} if agent is not None else {}
         continuous = include_usage and req.stream_options.continuous_usage_stats
 
-        def chunk(choices: list[dict], usage_: dict | None = None) -> str:
-            body = P.envelope(rid, obj, created, model, choices)
+        def chunk(choices: list[dict]) -> str:   # the last chunk, with the usage, has no choices
+            body = P.envelope(gen.id, obj, created, model, choices)
             if include_usage:   # vLLM's continuous_usage_stats: the running counts on every chunk
-                body["usage"] = usage_ if usage_ is not None or not continuous else P.usage(
-                    prompt_tokens, sum(len(c.token_ids) for c in gen.choices), gen.cached_prompt_tokens)
+                body["usage"] = gen.usage() if continuous or not choices else None
             return _sse(body)
 
         def choice_chunk(d: Delta) -> str | None:
-            tids = d.token_ids if ids else None
-            if chat and d.choice.index in readers:
-                reader = readers[d.choice.index]
-                delta = reader.feed(d.text, last=d.finish is not None)
-                if not delta and d.finish is None and not ids and not extras.pending(d):
-                    return None   # text held back by a parser (a marker may be starting)
-                finish = reader.finish_reason(d.finish)
-                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, finish, tids), d)])
-            if chat:
-                delta = {"content": d.text} if d.text or d.finish is None else {}
-                return chunk([extras.decorate(P.chat_delta_choice(d.choice.index, delta, d.finish, tids), d)])
-            return chunk([extras.decorate(P.completion_choice(d.choice.index, d.text, d.finish, tids), d)])
+            i, tids = d.choice.index, d.token_ids if ids else None
+            if i not in readers:   # completions
+                return chunk([extras.decorate(P.choice(i, "text", d.text, d.finish, tids), d)])
+            delta = readers[i].feed(d.text, last=d.finish is not None)
+            if not delta and d.finish is None and not ids and not extras.pending(d):
+                return None   # text held back by a parser (a marker may be starting)
+            return chunk([extras.decorate(P.choice(i, "delta", delta, readers[i].finish_reason(d.finish), tids), d)])
 
         async def events() -> AsyncIterator[str]:
             try:
-                if chat:
-                    for c in gen.choices:
-                        yield chunk([P.chat_delta_choice(c.index, {"role": "assistant", "content": ""}, None,
-                                                         [] if ids else None)])
+                for c in gen.choices if agent is not None else ():
+                    yield chunk([P.choice(c.index, "delta", {"role": "assistant", "content": ""}, None,
+                                          [] if ids else None)])
                 async for deltas in gen.deltas():
                     for d in deltas:
                         if not d.text and d.finish is None and not ids and not extras.pending(d):
@@ -348,13 +302,11 @@ class _Handlers:
                         if out is not None:
                             yield out
                 if include_usage:
-                    n_out = sum(len(c.token_ids) for c in gen.choices)
-                    yield chunk([], P.usage(prompt_tokens, n_out, gen.cached_prompt_tokens))
+                    yield chunk([])
             except P.APIError as e:
                 yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 — the stream ends with an error event, never mid-body
-                yield _sse(P.error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}",
-                                        "internal_error"))
+                yield _sse(P.internal_error(e))
             finally:
                 if not gen.done:
                     gen.cancel()
@@ -363,7 +315,6 @@ class _Handlers:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    # ---- layout -----------------------------------------------------------------------------------------
     def layout_body(self) -> dict:
         snap = self.s.loop.snapshot
         return {"layout": snap.layout, "mode": snap.mode, "target": snap.target,
@@ -372,23 +323,25 @@ class _Handlers:
                 "switches": {f"{a}->{b}": n for (a, b), n in sorted(snap.switch_counts.items())},
                 "steps": snap.steps, "scheduler": snap.scheduler}
 
+    @staticmethod
+    async def on_engine(command: Any, *args: Any) -> Any:
+        """Run a command on the engine thread and wait for its answer; 503 once the engine stopped."""
+        try:
+            return await asyncio.wrap_future(command(*args))
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "service_unavailable") from None
+
     async def reset_prefix_cache(self, request: Request) -> JSONResponse:
         """vLLM's admin endpoint: forget every cached block no request uses (token-protected like /v1/layout)."""
         check_admin(self.s, request.headers.get("authorization"))
-        try:
-            n = await asyncio.wrap_future(self.s.loop.reset_prefix_cache())
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), "service_unavailable") from None
-        return JSONResponse({"evicted_blocks": n})
+        return JSONResponse({"evicted_blocks": await self.on_engine(self.s.loop.reset_prefix_cache)})
 
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.LayoutRequest)
         req.check(self.s.allowed_layouts)
         try:
-            await asyncio.wrap_future(self.s.loop.set_layout(req.layout))
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), "service_unavailable") from None
+            await self.on_engine(self.s.loop.set_layout, req.layout)
         except ValueError as e:
             raise P.APIError(400, str(e), param="layout", code="invalid_layout") from None
         return JSONResponse({**self.layout_body(), "requested": req.layout})
@@ -428,8 +381,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while serving; 503 while stopping, or when the step in flight has run longer than
-        server.collective_timeout_s (``stalled``: nothing has moved for that long)."""
+        """503 while stopping, or ``stalled`` when the step in flight has run past server.collective_timeout_s."""
         loop, snap = state.loop, state.loop.snapshot
         running_s = loop.stalled_s()
         status = "ok" if loop.alive else "stopping"

@@ -1,11 +1,9 @@
 """The assistant message of a chat choice: generated text → ``reasoning_content``, ``content``, ``tool_calls``.
 
-Per choice, the text goes through (1) the reasoning parser (splash.server.reasoning), when one is set and the output
-is not grammar-constrained, then (2) one of: the model's tool-call parser (splash.server.tool_parsers) under
-``tool_choice: "auto"``; the forced call of ``"required"`` / a named function (the JSON the grammar allowed,
-splash.server.tool_choice); or plain content. ``message`` does it for a whole output, ``ChatStream`` for a stream
-(OpenAI's delta shape; a choice's deltas add up to its message). A message with tool calls finishes with
-``finish_reason: "tool_calls"``.
+The text goes through the reasoning parser (unless a grammar shapes the whole output), then the tool-call
+parser under ``tool_choice: "auto"``, or the forced call of ``"required"`` / a named function. ``message`` reads a
+whole output, ``ChatStream`` a stream (a choice's deltas add up to its message). A parser that fails leaves the
+text as content, never a 500.
 """
 from __future__ import annotations
 
@@ -44,13 +42,7 @@ class OutputMode:
         return not (self.forced or self.auto_tools or self.reasoner)
 
 
-def _tool_call(i: int, c: dict) -> dict:
-    return {"id": tool_parsers.call_id(), "type": "function",
-            "function": {"name": c["name"], "arguments": c["arguments"]}}
-
-
 def message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str | None]:
-    """(message, finish_reason) of a complete output; the text as plain content if a parser fails on it."""
     try:
         return _message(mode, text, finish)
     except Exception:  # noqa: BLE001 — model output a parser cannot handle is content, never a 500
@@ -72,50 +64,23 @@ def _message(mode: OutputMode, text: str, finish: str | None) -> tuple[dict, str
         content, calls = tool_parsers.parse(mode.tool_parser, rest or "", list(mode.tools.tools))
         msg["content"] = content if calls else rest
     if calls:
-        msg["tool_calls"] = [_tool_call(i, c) for i, c in enumerate(calls)]
+        msg["tool_calls"] = [{"id": tool_parsers.call_id(), "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
         if finish == "stop":
             finish = "tool_calls"
     return msg, finish
 
 
-class _ForcedStream:
-    """Streams the forced output as tool-call deltas: a named function's output is its arguments; "required"'s is
-    a JSON array of {"name", "parameters"}, read as it grows."""
-
-    def __init__(self, tc: ToolChoice) -> None:
-        self.tc, self.text = tc, ""
-        self.ids: list[str] = []
-        self.sent: list[str] = []
-
-    def feed(self, delta: str) -> list[dict]:
-        self.text += delta
-        if self.tc.mode == "named":
-            calls = [(self.tc.name, self.text)]
-        else:
-            calls = scan_calls(self.text)
-        out = []
-        for k, (name, args) in enumerate(calls):
-            if k >= len(self.ids):
-                self.ids.append(tool_parsers.call_id())
-                self.sent.append("")
-                out.append({"index": k, "id": self.ids[k], "type": "function",
-                            "function": {"name": name, "arguments": ""}})
-            if len(args) > len(self.sent[k]):
-                out.append({"index": k, "function": {"arguments": args[len(self.sent[k]):]}})
-                self.sent[k] = args
-        return out
-
-
 class ChatStream:
-    """Per choice: ``feed(text delta)`` → the delta fields to send (may be empty), ``finish(reason)`` → (last
-    fields, finish_reason)."""
+    """Per choice: ``feed(text delta)`` → the delta fields to send (may be empty)."""
 
     def __init__(self, mode: OutputMode) -> None:
         self.mode = mode
         self.reason = (reasoning.ReasoningStream(mode.reasoner, mode.template_kwargs, mode.thinking_opened)
                        if mode.reasoner else None)
         self.tools = tool_parsers.ToolStream(mode.tool_parser, list(mode.tools.tools)) if mode.auto_tools else None
-        self.forced = _ForcedStream(mode.tools) if mode.forced else None
+        self.forced = tool_parsers.CallDeltas() if mode.forced else None
+        self.forced_text = ""      # a forced output: a named function's arguments, or "required"'s JSON array
         self.called = False
         self.broken = False     # a parser failed: the rest of the text goes out as content
 
@@ -123,7 +88,9 @@ class ChatStream:
         out: dict = {}
         calls: list[dict] = []
         if self.forced is not None:
-            calls = self.forced.feed(text)
+            self.forced_text += text
+            tc = self.mode.tools
+            calls = self.forced([(tc.name, self.forced_text)] if tc.mode == "named" else scan_calls(self.forced_text))
         elif self.tools is not None:
             content, calls = self.tools.feed(text)
             if last:

@@ -1,8 +1,6 @@
-"""What rank 0 shows on the terminal: a progress bar while loading weights, then a live panel.
-
-The panel (refreshed twice a second, on stderr) shows the model and URL, the current layout and mode, the
-switches so far, tokens/s, running/waiting requests, and the KV pages in use on every rank. ``quiet`` (or a
-stderr that is not a terminal) replaces both with a few plain log lines, which is what scripts and tests see.
+"""What rank 0 shows on the terminal: a progress bar while loading weights, then a live panel (layout, switches,
+tokens/s, requests, KV pages per rank). ``quiet``, or a stderr that is not a terminal, gets a few plain log lines
+instead, which is what scripts and tests see.
 """
 from __future__ import annotations
 
@@ -43,7 +41,6 @@ def _bar(used: int, total: int, width: int = 20) -> str:
 
 
 def _scheduler_line(layout: str, sch: dict) -> str:
-    """Predicted vs measured step time in the current layout, and the last decision."""
     m = sch["model"].get(layout, {})
     parts = []
     if m.get("last_predicted_s") is not None:
@@ -78,9 +75,8 @@ def render_panel(snap: object, title: str, tokens_per_s: float, uptime_s: float)
 
 
 def _terminal_behind_mpiexec() -> bool:
-    """mpiexec relays a rank's output through pipes, so the rank never sees a TTY. Assume the user's terminal
-    is one when launched by mpiexec with a real TERM (``--quiet`` is the switch for scripts and files);
-    SPLASH_CONSOLE=plain|live overrides the guess."""
+    """mpiexec relays a rank's output through pipes, so the rank never sees a TTY: assume a terminal under
+    mpiexec with a real TERM (``--quiet`` is for scripts); SPLASH_CONSOLE=plain|live overrides the guess."""
     forced = os.environ.get("SPLASH_CONSOLE", "")
     if forced in ("plain", "live"):
         return forced == "live"
@@ -99,12 +95,11 @@ class Console:
         self._thread: threading.Thread | None = None
 
     def log(self, message: str) -> None:
-        """A plain line on stderr (also in quiet mode)."""
         print(message, file=sys.stderr, flush=True)
 
     @contextmanager
     def loading(self, what: str, total: int) -> Iterator[Callable[[], None]]:
-        """Yields ``advance()``; draws a progress bar when the live console is on."""
+        """Yields ``advance()``; a progress bar when the live console is on."""
         if not self.live_ok:
             if not self.quiet:
                 self.log(f"splash-serve: {what} ({total} tensors)")

@@ -1,17 +1,11 @@
 """The engine thread on rank 0: the only thread that touches the Engine (and so makes MPI calls).
 
-The HTTP side talks to it through a queue of commands (calls the engine thread makes: add / abort / set layout /
-reset the prefix cache) guarded by a condition variable: when there is no work the thread sleeps on the condition
-(no spinning), and each step's token events are handed back to the asyncio loop in *one* ``post`` call
-(``loop.call_soon_threadsafe``), which feeds each request's sink. After every step the thread publishes an
-immutable ``EngineSnapshot`` that metrics, the console and ``GET /v1/layout`` read without locking.
-
-A request that fails on its own (its prompt is rejected, or sampling it raises) fails alone: its sink gets
-the exception. An unexpected exception inside a step is fatal for the whole job (the other ranks may be inside
-a collective of that step): the thread prints it, naming rank 0, and aborts every rank.
-
-Back-pressure: ``add`` refuses (``Overloaded``) a request that would take the sequences accepted and not yet
-finished past ``max_outstanding``; while draining (``begin_drain``) it refuses new requests (``EngineStopped``).
+The HTTP side queues commands for it (add / abort / set layout / reset the prefix cache) under a condition
+variable it sleeps on when idle; each step's token events go back to the asyncio loop in *one* ``post`` call.
+After every step it publishes an immutable ``EngineSnapshot`` that metrics, the console and ``GET /v1/layout``
+read without locking. A request that fails on its own fails alone (its sink gets the exception); an unexpected
+exception inside a step is fatal for the whole job, since the other ranks may be inside a collective of it.
+``add`` refuses (``Overloaded``) what would take the unfinished sequences past ``max_outstanding``.
 """
 from __future__ import annotations
 
@@ -53,7 +47,6 @@ class EngineSnapshot:
     steps: int
     generated_tokens: int
     scheduler: dict | None = None    # the cost-model scheduler's AutoLayout.summary() (None: no scheduler)
-    time: float = field(default_factory=time.monotonic)
     weight_bytes: dict[int, int] = field(default_factory=dict)  # rank -> resident weight bytes (measured)
     prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0         # ... of them found cached
@@ -64,24 +57,7 @@ class EngineSnapshot:
         return sum(self.switch_counts.values())
 
 
-def take_snapshot(engine: Any, allowed: tuple[str, ...], kv_capacity: dict[str, int], steps: int,
-                  generated: int) -> EngineSnapshot:
-    sched = engine.scheduler
-    queries, hits, cached = engine.prefix_cache_stats()
-    return EngineSnapshot(
-        layout=engine.layout, mode=engine.layout_mode, target=engine.layout_target,
-        allowed_layouts=allowed,
-        switch_counts=dict(engine.switch_counts), kv_capacity=kv_capacity,
-        kv_used_tokens=engine.kv_used_tokens(), kv_used_blocks=list(engine.kv_used_blocks_per_rank()),
-        kv_blocks_per_rank=engine.ledger.blocks_per_rank, running=len(sched.running), waiting=len(sched.waiting),
-        steps=steps, generated_tokens=generated, weight_bytes=dict(engine.weight_bytes_per_rank),
-        scheduler=engine.auto.summary() if engine.auto is not None else None,
-        prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))
-
-
 class EngineLoop:
-    """Owns ``engine`` on a dedicated thread; see the module docstring."""
-
     CAPACITY_REFRESH_S = 1.0
 
     def __init__(self, engine: Any, post: Callable[[Callable[[], None]], None], metrics: Any = None,
@@ -107,7 +83,6 @@ class EngineLoop:
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="splash-engine", daemon=True)
 
-    # ---- called from any thread ----------------------------------------------------------------------
     def start(self) -> "EngineLoop":
         self._publish()
         self._thread.start()
@@ -118,8 +93,7 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stopping
 
     def add(self, reqs: list[EngineRequest], sink: Sink) -> None:
-        """Queue requests whose events all go to ``sink``. Raises EngineStopped while draining or stopped,
-        Overloaded when the queue is full."""
+        """Queue requests whose events all go to ``sink``; EngineStopped while draining, Overloaded when full."""
         with self._cond:
             if self._draining:
                 raise EngineStopped("the server is shutting down")
@@ -135,12 +109,10 @@ class EngineLoop:
             raise
 
     def begin_drain(self) -> None:
-        """Refuse new requests from now on; the ones already accepted keep running."""
         with self._cond:
             self._draining = True
 
     def stalled_s(self) -> float:
-        """How long the step in flight has been running (0 between steps)."""
         started = self.step_started
         return time.monotonic() - started if started is not None else 0.0
 
@@ -178,8 +150,7 @@ class EngineLoop:
             self._cmds.append(cmd)
             self._cond.notify()
 
-    # ---- the engine thread -----------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self) -> None:   # the engine thread
         try:
             while True:
                 with self._cond:
@@ -198,13 +169,9 @@ class EngineLoop:
             self._shutdown()
         except BaseException:  # noqa: BLE001 — anything here leaves the followers inside a step
             self.error = traceback.format_exc()
-            self._fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
+            if self._on_fatal is not None:
+                self._on_fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
 
-    def _fatal(self, message: str) -> None:
-        if self._on_fatal is not None:
-            self._on_fatal(message)
-
-    # ---- commands, run on the engine thread -------------------------------------------------------------
     def _add(self, reqs: list[EngineRequest], sink: Sink) -> None:
         for req in reqs:
             try:
@@ -245,22 +212,15 @@ class EngineLoop:
             self.metrics.steps.inc()
             if events:
                 self.metrics.generated_tokens.inc(len(events))
+        failed = [(req_id, RuntimeError(f"sampling request {req_id} failed: {type(err).__name__}: {err}"), True)
+                  for req_id, err in self.engine.take_failures()]   # already aborted by the engine
         groups: dict[int, tuple[Sink, list[Any]]] = {}
         finished = 0
-        for ev in events:
-            sink = self._sinks.get(ev.req_id)
-            if sink is None:
-                continue
-            if ev.finish_reason is not None:
-                del self._sinks[ev.req_id]
-                finished += 1
-            groups.setdefault(id(sink), (sink, []))[1].append(ev)
-        for req_id, err in self.engine.take_failures():   # already aborted by the engine
-            sink = self._sinks.pop(req_id, None)
+        for req_id, item, last in [(ev.req_id, ev, ev.finish_reason is not None) for ev in events] + failed:
+            sink = self._sinks.pop(req_id, None) if last else self._sinks.get(req_id)
             if sink is not None:
-                finished += 1
-                groups.setdefault(id(sink), (sink, []))[1].append(
-                    RuntimeError(f"sampling request {req_id} failed: {type(err).__name__}: {err}"))
+                finished += last
+                groups.setdefault(id(sink), (sink, []))[1].append(item)
         if finished:
             self._done(finished)
         if groups:
@@ -292,4 +252,12 @@ class EngineLoop:
         if now - self._capacity_at > self.CAPACITY_REFRESH_S or eng.layout != self._capacity_layout:
             self._capacity = dict(eng.kv_capacity_tokens())
             self._capacity_at, self._capacity_layout = now, eng.layout
-        self.snapshot = take_snapshot(eng, self.allowed_layouts, self._capacity, self.steps, self.generated)
+        queries, hits, cached = eng.prefix_cache_stats()
+        self.snapshot = EngineSnapshot(
+            layout=eng.layout, mode=eng.layout_mode, target=eng.layout_target, allowed_layouts=self.allowed_layouts,
+            switch_counts=dict(eng.switch_counts), kv_capacity=self._capacity, kv_used_tokens=eng.kv_used_tokens(),
+            kv_used_blocks=list(eng.kv_used_blocks_per_rank()), kv_blocks_per_rank=eng.ledger.blocks_per_rank,
+            running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting), steps=self.steps,
+            generated_tokens=self.generated, weight_bytes=dict(eng.weight_bytes_per_rank),
+            scheduler=eng.auto.summary() if eng.auto is not None else None,
+            prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))

@@ -1,10 +1,8 @@
-"""Rank 0's front end: the asyncio event loop in the main thread runs uvicorn; the engine thread runs steps.
+"""Rank 0's front end: uvicorn on the asyncio loop in the main thread; the engine thread runs steps.
 
-Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, new requests on open connections get 503,
-and running requests may finish (the drain, ``server.drain_timeout_s``; a second signal cuts it short). Then the engine
-thread fails whatever is left — each unfinished stream gets an error event and ``[DONE]``, each waiting
-non-streaming request a 503 body — and broadcasts ``stop`` to the followers; uvicorn gets ``FLUSH_S`` more
-to deliver those answers, and rank 0 returns 0.
+Shutdown (SIGINT/SIGTERM): new requests get 503 and running ones may finish for ``server.drain_timeout_s`` (a
+second signal cuts it short); then the engine thread fails what is left (an error event and ``[DONE]`` per
+stream, a 503 body per waiting request) and stops the followers, and uvicorn gets ``FLUSH_S`` to deliver them.
 """
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def _install_signals(server: _Server) -> list[tuple[int, Any]]:
 
 
 async def _drain(server: _Server, loop: EngineLoop, drain_s: float) -> None:
-    """On the first stop signal: refuse new requests, let the running ones finish for up to ``drain_s``, then
-    stop the engine, which fails what is left with a proper answer (see the module docstring)."""
+    """On the first stop signal: drain for up to ``drain_s``, then stop the engine (see the module docstring)."""
     while not server.should_exit:
         await asyncio.sleep(0.05)
     loop.begin_drain()
@@ -67,10 +64,8 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
             pass
 
     allowed_layouts = engine.control.allowed   # the allowed layouts feasible on this model and world size
-    holder: dict[str, EngineLoop] = {}
-    metrics = Metrics(lambda: holder["loop"].snapshot if "loop" in holder else None)
+    metrics = Metrics(lambda: loop.snapshot)   # scraped only once the app below serves, when `loop` is bound
     loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
-    holder["loop"] = loop
     state = ServerState(loop=loop, metrics=metrics, allowed_layouts=allowed_layouts, **state_kw)
     app = create_app(state)
     quiet = console.quiet or console.live_ok

@@ -1,16 +1,10 @@
 """One HTTP request's generations: its choices (prompts × n), fed by the engine thread, detokenised here.
 
-Each choice is one engine request. Token events arrive in the asyncio thread (see ``EngineLoop``); each is
-detokenised incrementally and checked against the stop strings. When a stop string appears the choice ends
-with finish_reason ``"stop"``, its text is cut before the stop string (after it with
-``include_stop_str_in_output``), and the engine request is aborted; no stop string ends a choice before
-``min_tokens`` tokens (as vLLM).
-While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to
-begin a stop string is never sent.
-
-Choices come in groups of ``n`` per prompt. Prompt logprobs are computed once per prompt — only the group's
-first choice asks the engine for them — and shared by the group; a choice of a group that wants them sends
-nothing until they have arrived, so its first delta can carry them.
+A stop string ends a choice with finish_reason ``"stop"`` (cut before it, or after it with
+``include_stop_str_in_output``; never before ``min_tokens`` tokens, as vLLM) and aborts its engine request.
+While streaming, the last ``len(longest stop) - 1`` characters are held back, so text that turns out to begin a
+stop string is never sent. Prompt logprobs are computed once per prompt, by its group's first choice, and
+shared by the group; a choice waiting for them sends nothing, so its first delta can carry them.
 """
 from __future__ import annotations
 
@@ -21,6 +15,7 @@ from typing import Any, AsyncIterator
 from splash.engine.messages import EngineRequest
 from splash.engine.sampling import SamplingParams
 from splash.server.engine_loop import EngineLoop, EngineStopped, Overloaded
+from splash.server import protocol as P
 from splash.server.protocol import APIError
 from splash.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -29,7 +24,6 @@ from splash.tokenizer import IncrementalDetokenizer, Tokenizer
 class Choice:
     index: int
     req_id: str
-    prompt_len: int
     detok: IncrementalDetokenizer
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -57,9 +51,8 @@ class Delta:
 class Generation:
     def __init__(self, loop: EngineLoop, tok: Tokenizer, prompts: list[list[int]], params: list[SamplingParams],
                  stops: list[str], req_prefix: str, n: int = 1) -> None:
-        """`prompts`/`params`: one per choice, `n` consecutive choices per prompt (the first of each group carries
-        the group's prompt_logprobs request, see the module docstring)."""
-        self.loop, self.stops = loop, stops
+        """`prompts`/`params`: one per choice, `n` consecutive choices per prompt."""
+        self.loop, self.stops, self.id = loop, stops, req_prefix
         self.echo: list[str] | None = None     # completions echo: the prompt text per prompt (set by the app)
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.n = n
@@ -68,17 +61,19 @@ class Generation:
                          for i, (prompt, p) in enumerate(zip(prompts, params))]
         for i, (req, p) in enumerate(zip(self.requests, params)):
             detok = IncrementalDetokenizer(tok, p.skip_special_tokens)
-            self.choices.append(Choice(i, req.req_id, len(req.prompt), detok, min_tokens=p.min_tokens,
+            self.choices.append(Choice(i, req.req_id, detok, min_tokens=p.min_tokens,
                                        include_stop=p.include_stop_str_in_output,
                                        awaits_prompt_logprobs=params[i - i % n].prompt_logprobs is not None))
         self._by_id = {c.req_id: c for c in self.choices}
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
 
-    @property
-    def cached_prompt_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache: per prompt, the most any of its n choices found."""
-        n = max(1, self.n)
-        return sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+    def usage(self) -> dict:
+        """OpenAI's usage so far: each prompt counted once, whatever its n; its cached tokens are the most any of
+        its n choices found in the prefix cache."""
+        n = self.n
+        prompt = sum(len(r.prompt) for r in self.requests[::n])
+        cached = sum(max(c.cached_tokens for c in self.choices[i:i + n]) for i in range(0, len(self.choices), n))
+        return P.usage(prompt, sum(len(c.token_ids) for c in self.choices), cached)
 
     @property
     def done(self) -> bool:
@@ -104,7 +99,7 @@ class Generation:
                 pass
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
-        """Yield, per batch of engine events, what each affected choice gained; ends when all finished."""
+        """Per batch of engine events, what each affected choice gained; ends when all finished."""
         while not self.done:
             items = await self._queue.get()
             touched: dict[int, Choice] = {}
@@ -181,8 +176,6 @@ class Generation:
 
 
 def _as_api_error(ev: BaseException) -> APIError:
-    if isinstance(ev, APIError):
-        return ev
     if isinstance(ev, EngineStopped):
         return APIError(503, str(ev), "service_unavailable")
     if isinstance(ev, ValueError):

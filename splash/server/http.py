@@ -1,21 +1,10 @@
 """Connection-level defences below the ASGI app, and a rate limit for repeated log lines.
 
-``protocol_class`` gives uvicorn an h11 protocol that
-* answers **431** when a request's header block grows past ``max_header_bytes`` (instead of h11's bare 400),
-  then keeps reading and discarding what the client still sends for a moment before closing, so the client
-  reads the answer instead of a connection reset;
-* answers **408** and closes when a request's headers have not finished arriving within ``header_timeout_s``
-  (``server.read_timeout_s``) of the connection's accept — a connection that never sends a byte included, so
-  idle sockets cannot pile up and exhaust file descriptors — or, on a keep-alive connection, of the next
-  request's first byte (a stalled or slow-drip client); a keep-alive connection idle between requests is
-  uvicorn's ``timeout_keep_alive``, and a slow body is ``server.read_timeout_s`` in ``body.read_json``.
-
-Each answer written here (431, 408, and uvicorn's own 400 for a request h11 cannot parse) is passed to
-``count(status)``, so ``splash_requests_total`` counts it too (endpoint ``other``: no route was read).
-
-``RateLimitFilter`` lets through at most ``burst`` records per ``window_s`` for each (logger, message
-template) — a deferred switch retried every step, or a flood of bad requests, writes a few lines, not MBs —
-and reports how many it dropped on the next line it lets through.
+``protocol_class`` gives uvicorn an h11 protocol that answers 431 for a header block past ``max_header_bytes``
+(h11 would answer a bare 400) and 408 when a request's headers have not arrived within ``header_timeout_s`` of
+the accept or of the request's first byte (so idle or slow-drip connections cannot exhaust file descriptors);
+it then discards input for a moment before closing, so the client reads the answer rather than a reset. Each
+answer written here is passed to ``count(status)`` for ``splash_requests_total``.
 """
 from __future__ import annotations
 
@@ -27,26 +16,23 @@ from typing import Any, Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from splash.server.protocol import error_body
+
 LINGER_S = 0.5        # keep discarding input this long after the last byte before closing a refused connection
 LINGER_MAX_S = 5.0
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": None}}).encode()
+    body = json.dumps(error_body(message)).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()
     return head + body
 
 
-def _no_count(status: int) -> None:
-    pass
-
-
 class _GuardedH11(H11Protocol):
     max_header_bytes = 32 * 1024
     header_timeout_s = 30.0
-    count: Callable[[int], None] = staticmethod(_no_count)
+    count: Callable[[int], None] = staticmethod(lambda status: None)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -103,14 +89,16 @@ class _GuardedH11(H11Protocol):
         self._linger = self.loop.call_later(max(0.0, min(LINGER_S, left)), self.transport.close)
 
 
-def protocol_class(max_header_bytes: int, header_timeout_s: float,
-                   count: Callable[[int], None] = _no_count) -> type:
+def protocol_class(max_header_bytes: int, header_timeout_s: float, count: Callable[[int], None]) -> type:
     return type("SplashH11Protocol", (_GuardedH11,), {"max_header_bytes": max_header_bytes,
                                                       "header_timeout_s": header_timeout_s,
                                                       "count": staticmethod(count)})
 
 
 class RateLimitFilter(logging.Filter):
+    """At most ``burst`` records per ``window_s`` for each (logger, message template): a flood of bad requests
+    writes a few lines, not MBs; the next line let through says how many were dropped."""
+
     def __init__(self, burst: int = 5, window_s: float = 10.0) -> None:
         super().__init__()
         self.burst, self.window_s = burst, window_s

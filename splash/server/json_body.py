@@ -1,9 +1,7 @@
-"""Building large responses off the event loop: one worker thread (``ResponseBuilder``) for every response body
-and heavy stream chunk, so large bodies are built one at a time (bounded memory; fewer threads contending for
-the interpreter with the event loop, which keeps /health answering), and a non-streamed JSON response written
-as it goes: the body's lists (``choices``) are encoded item by item on that worker and sent in pieces of about
-``PIECE_BYTES``, so rank 0 never holds the whole encoded body (a response with logprobs can be hundreds of MB).
-The bytes are those Starlette's JSONResponse writes (compact separators, UTF-8, NaN refused).
+"""Building large responses off the event loop, in one worker thread (so large bodies are built one at a time,
+with bounded memory, and /health keeps answering), and writing a non-streamed JSON body as it goes: its lists
+are encoded a slice at a time and sent in pieces of about ``PIECE_BYTES``, so rank 0 never holds the whole
+encoded body (one with logprobs can be hundreds of MB). The bytes are those Starlette's JSONResponse writes.
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def _dumps(value: Any) -> str:
 
 
 def _pieces(value: Any) -> Iterator[str]:
-    """The JSON text of `value` in pieces: dicts and long lists are walked, so that no single json.dumps call
-    encodes more than SLICE_ITEMS list items (a choice's prompt logprobs can be 100,000 entries)."""
+    """The JSON text of `value` in pieces: no json.dumps call encodes more than SLICE_ITEMS list items."""
     if isinstance(value, dict):
         yield "{"
         for i, (key, item) in enumerate(value.items()):
@@ -57,8 +54,6 @@ def _next_piece(it: Iterator[str]) -> bytes:
 
 
 class ResponseBuilder:
-    """The one worker thread that builds and encodes large responses (see the module docstring)."""
-
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="splash-response")
 

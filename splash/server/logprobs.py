@@ -1,21 +1,18 @@
-"""Logprobs in the shapes OpenAI and vLLM return them, from the engine's `TokenLogprobs`.
+"""Logprobs in the shapes OpenAI and vLLM return them (from the engine's `TokenLogprobs`), and what a choice or
+stream chunk carries besides its text (``ResponseExtras``: echo, logprobs, prompt_logprobs).
 
-* completions (``logprobs: k``): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; each
-  ``top_logprobs`` entry maps token text -> logprob for the chosen token and the top k (so up to k + 1 keys,
-  as vLLM returns them); with ``echo`` the prompt's tokens come first, the first with ``null`` entries.
-* chat (``logprobs: true``, ``top_logprobs: k``): ``{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": [k x {"token", "logprob", "bytes"}]}]}``.
-* vLLM's ``prompt_logprobs: k``: a list over the prompt, ``null`` first, then ``{token id: {"logprob", "rank",
-  "decoded_token"}}`` for the prompt token and the top k.
-
-A token's text is its own decode (special tokens included), or ``token_id:<id>`` with vLLM's
-``return_tokens_as_token_ids``; ``text_offset`` is the running sum of those texts' lengths.
+Completions' ``top_logprobs`` entries map token text -> logprob for the chosen token and the top k (up to k + 1
+keys, as vLLM); with ``echo`` the prompt's tokens come first, the first with ``null`` entries. A token's text is
+its own decode (special tokens included), or ``token_id:<id>`` with vLLM's ``return_tokens_as_token_ids``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from splash.engine.sampler import TokenLogprobs
+from splash.server import protocol as P
+from splash.server.generation import Choice, Delta, Generation
 from splash.tokenizer import Tokenizer
 
 
@@ -23,22 +20,16 @@ class TokenText:
     """id -> the text a logprob entry shows for it (cached: a vocabulary is bounded)."""
 
     def __init__(self, tok: Tokenizer, as_ids: bool = False) -> None:
-        self.tok, self.as_ids = tok, as_ids
-        self._cache: dict[int, str] = {}
+        self.as_ids = as_ids
+        self._decode = functools.cache(lambda tid: tok.decode([tid], skip_special_tokens=False))
 
     def __call__(self, tid: int) -> str:
-        if self.as_ids:
-            return f"token_id:{tid}"
-        s = self._cache.get(tid)
-        if s is None:
-            s = self._cache[tid] = self.tok.decode([tid], skip_special_tokens=False)
-        return s
+        return f"token_id:{tid}" if self.as_ids else self._decode(tid)
 
 
 def completion_logprobs(text: TokenText, entries: Sequence[tuple[int, TokenLogprobs | None]], k: int,
                         offset: int = 0) -> dict[str, Any]:
-    """OpenAI's completions ``logprobs`` object over (token id, entry) pairs; an entry None (the first prompt
-    token under echo) has null logprob and top_logprobs. `offset`: text length before the first token."""
+    """`offset`: text length before the first token; an entry None (the first echoed prompt token) is null."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, e in entries:
         s = text(tid)
@@ -72,7 +63,6 @@ def chat_logprobs(text: TokenText, entries: Sequence[TokenLogprobs], k: int) -> 
 
 
 def prompt_logprobs_body(text: TokenText, entries: Sequence[TokenLogprobs | None], k: int) -> list[Any]:
-    """vLLM's ``prompt_logprobs``: None for the first prompt token, then {id: {logprob, rank, decoded_token}}."""
     out: list[Any] = []
     for e in entries:
         if e is None:
@@ -83,3 +73,51 @@ def prompt_logprobs_body(text: TokenText, entries: Sequence[TokenLogprobs | None
             d.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text(t)})
         out.append(d)
     return out
+
+
+class ResponseExtras:
+    def __init__(self, tok: Tokenizer, req: P.SamplingRequest, gen: Generation, chat: bool) -> None:
+        self.req, self.gen, self.chat = req, gen, chat
+        self.k = req.sample_logprobs()
+        self.text = TokenText(tok, req.return_tokens_as_token_ids)
+        self.echo = gen.echo
+        self.offset: dict[int, int] = {}      # text length already sent per choice (completions text_offset)
+        self.started: set[int] = set()
+        self._prompt_bodies: dict[int, list | None] = {}   # per prompt: its n choices share one body
+
+    def pending(self, d: Delta) -> bool:
+        """A chunk must go out even without text: its logprobs, or the first chunk of an echo."""
+        return bool(d.logprobs) or (self.echo is not None and d.choice.index not in self.started)
+
+    def heavy(self, d: Delta) -> bool:
+        """The chunk carries a prompt's logprobs (prompt_logprobs, or echo + logprobs): worth a worker thread."""
+        first = d.choice.index not in self.started
+        return first and (self.req.prompt_logprobs is not None or (self.echo is not None and self.k is not None))
+
+    def prompt_body(self, c: Choice) -> list | None:
+        """vLLM's prompt_logprobs of `c`'s prompt, built once and shared by the prompt's choices."""
+        group = c.index // self.req.n
+        if group not in self._prompt_bodies:
+            self._prompt_bodies[group] = None if c.prompt_logprobs is None else prompt_logprobs_body(
+                self.text, [None, *c.prompt_logprobs], self.req.prompt_logprobs or 0)
+        return self._prompt_bodies[group]
+
+    def decorate(self, choice: dict, d: Delta) -> dict:
+        c, first = d.choice, d.choice.index not in self.started
+        self.started.add(c.index)
+        entries = [(e.token, e) for e in d.logprobs]
+        if first and self.echo is not None:
+            prompt = self.gen.requests[c.index].prompt
+            choice["text"] = self.echo[c.index // self.req.n] + choice["text"]
+            if self.k is not None:
+                entries = [(prompt[0], None), *zip(prompt[1:], c.prompt_logprobs or ()), *entries]
+        if self.k is not None:
+            if self.chat:
+                choice["logprobs"] = chat_logprobs(self.text, [e for _, e in entries], self.k)
+            else:
+                lp = completion_logprobs(self.text, entries, self.k, self.offset.get(c.index, 0))
+                self.offset[c.index] = self.offset.get(c.index, 0) + sum(map(len, lp["tokens"]))
+                choice["logprobs"] = lp
+        if first and not self.chat and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_body(c)
+        return choice

@@ -1,27 +1,13 @@
 """Prometheus metrics of the server (``GET /metrics``), on a registry of their own.
 
-Counters and the step-time histogram are updated by the engine thread as it runs; everything that describes
-the engine's *state* (current layout, switch counts, KV capacity and use, running/waiting requests) is read
-from the latest ``EngineSnapshot`` when the registry is scraped, so a scrape never touches the engine.
-
-Names: ``splash_current_layout{layout}`` (1 for the current layout, 0 for the others),
-``splash_layout_switches_total{src,dst}``, ``splash_kv_capacity_tokens{layout}``, ``splash_kv_used_tokens``,
-``splash_kv_used_blocks{rank}``, ``splash_requests_running``, ``splash_requests_waiting``,
-``splash_generated_tokens_total``, ``splash_prompt_tokens_total``, ``splash_requests_total{endpoint,status}``,
-``splash_engine_steps_total``, ``splash_prefix_cache_queries_total`` / ``splash_prefix_cache_hits_total`` (prompt
-tokens looked up / found cached), ``splash_prefix_cache_blocks{rank}``, ``splash_step_duration_seconds``
-(histogram), ``splash_weight_bytes{rank}`` (bytes of
-the weight tensors each rank holds, measured from the tensors: rank 0's from start, every rank's from the first
-step on, refreshed after every switch); with the cost-model scheduler ``splash_predicted_step_seconds{layout}``,
-``splash_measured_step_seconds{layout}``, ``splash_cost_model_factor{layout}``,
-``splash_prediction_error_ratio{layout}``, ``splash_layout_decisions_total{verdict}``, and per switch direction
-observed ``splash_switch_predicted_seconds{src,dst}`` (corrected prediction of the last switch),
-``splash_switch_measured_seconds{src,dst}`` (its measured added time), ``splash_switch_cost_factor{src,dst}``,
-``splash_switch_prediction_error_ratio{src,dst}``.
+Counters and the step-time histogram are updated by the engine thread; the engine's *state* (layout, switches,
+KV, requests, prefix cache, weight bytes, the cost-model scheduler's predictions and decisions) is read from the
+latest ``EngineSnapshot`` when the registry is scraped, so a scrape never touches the engine. The names are
+listed in the README.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +19,17 @@ from splash.engine.layout_policy.auto import VERDICTS
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def _family(kind: type, name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float]]) -> Metric:
+    fam = kind(name, doc, labels=labels)
+    for key, value in rows:
+        fam.add_metric(key, float(value))
+    return fam
+
+
+def _per_rank(name: str, doc: str, values: Iterable[tuple[int, int]]) -> Metric:
+    return _family(GaugeMetricFamily, name, doc, ["rank"], (([str(r)], n) for r, n in values))
+
+
 class _StateCollector(Collector):
     def __init__(self, snapshot: Callable[[], object]) -> None:
         self._snapshot = snapshot
@@ -41,86 +38,60 @@ class _StateCollector(Collector):
         s = self._snapshot()
         if s is None:
             return
-        cur = GaugeMetricFamily("splash_current_layout", "1 for the attention layout in use, 0 otherwise",
-                                labels=["layout"])
-        for lay in LAYOUTS:
-            cur.add_metric([lay], 1.0 if lay == s.layout else 0.0)
-        yield cur
-        sw = CounterMetricFamily("splash_layout_switches", "Layout switches executed, by source and destination",
-                                 labels=["src", "dst"])
-        for (src, dst), n in sorted(s.switch_counts.items()):
-            sw.add_metric([src, dst], float(n))
-        yield sw
-        cap = GaugeMetricFamily("splash_kv_capacity_tokens", "Distinct KV tokens the pool holds in each layout",
-                                labels=["layout"])
-        for lay, n in sorted(s.kv_capacity.items()):
-            cap.add_metric([lay], float(n))
-        yield cap
+        yield _family(GaugeMetricFamily, "splash_current_layout", "1 for the attention layout in use, 0 otherwise",
+                      ["layout"], (([lay], lay == s.layout) for lay in LAYOUTS))
+        yield _family(CounterMetricFamily, "splash_layout_switches", "Layout switches executed, by source and "
+                      "destination", ["src", "dst"], (([a, b], n) for (a, b), n in sorted(s.switch_counts.items())))
+        yield _family(GaugeMetricFamily, "splash_kv_capacity_tokens", "Distinct KV tokens the pool holds in each "
+                      "layout", ["layout"], (([lay], n) for lay, n in sorted(s.kv_capacity.items())))
         yield GaugeMetricFamily("splash_kv_used_tokens", "KV tokens held by live requests", value=s.kv_used_tokens)
-        blocks = GaugeMetricFamily("splash_kv_used_blocks", "KV pages in use on each rank", labels=["rank"])
-        for r, n in enumerate(s.kv_used_blocks):
-            blocks.add_metric([str(r)], float(n))
-        yield blocks
+        yield _per_rank("splash_kv_used_blocks", "KV pages in use on each rank", enumerate(s.kv_used_blocks))
         yield GaugeMetricFamily("splash_kv_blocks_per_rank", "KV pages per rank", value=s.kv_blocks_per_rank)
-        wb = GaugeMetricFamily("splash_weight_bytes", "Bytes of weight tensors held by each rank (measured)",
-                               labels=["rank"])
-        for r, n in sorted(s.weight_bytes.items()):
-            wb.add_metric([str(r)], float(n))
-        yield wb
+        yield _per_rank("splash_weight_bytes", "Bytes of weight tensors held by each rank (measured)",
+                        sorted(s.weight_bytes.items()))
         yield CounterMetricFamily("splash_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=s.prefix_queries)
         yield CounterMetricFamily("splash_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   value=s.prefix_hits)
-        pc = GaugeMetricFamily("splash_prefix_cache_blocks", "KV pages the prefix cache holds on each rank (in use "
-                               "or evictable)", labels=["rank"])
-        for r, n in enumerate(s.prefix_cached_blocks):
-            pc.add_metric([str(r)], float(n))
-        yield pc
+        yield _per_rank("splash_prefix_cache_blocks", "KV pages the prefix cache holds on each rank (in use or "
+                        "evictable)", enumerate(s.prefix_cached_blocks))
         yield GaugeMetricFamily("splash_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("splash_requests_waiting", "Requests queued for admission", value=s.waiting)
         if s.scheduler is not None:
             yield from _scheduler_metrics(s.scheduler)
 
 
+def _gauges(names: dict[str, tuple[str, str]], labels: list[str],
+            rows: Iterable[tuple[list[str], dict]]) -> Iterator[Metric]:
+    """One gauge family per ``names`` key, a series per row; a value None is NaN (every series exists from the
+    start, so scrapes do not grow)."""
+    fams = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h) in names.items()}
+    for key, values in rows:
+        for k, fam in fams.items():
+            fam.add_metric(key, float("nan") if values.get(k) is None else float(values[k]))
+    yield from fams.values()
+
+
 def _scheduler_metrics(sch: dict) -> Iterator[Metric]:
-    """The cost-model scheduler: predicted vs measured step time per layout, its correction, its decisions."""
     names = {"predicted": ("splash_predicted_step_seconds", "Cost-model prediction (corrected) of the last "
                            "executed step in each layout"),
-             "measured": ("splash_measured_step_seconds", "Measured time of the last executed step in each layout"),
+             "last_measured_s": ("splash_measured_step_seconds", "Measured time of the last executed step in each "
+                                 "layout"),
              "factor": ("splash_cost_model_factor", "Online correction factor (measured / predicted) per layout"),
-             "error": ("splash_prediction_error_ratio", "Median |predicted - measured| / measured per layout")}
-    fams = {k: GaugeMetricFamily(n, h, labels=["layout"]) for k, (n, h) in names.items()}
-    nan = float("nan")   # every series exists from the start (NaN until measured): scrapes do not grow
-    for lay, m in sorted(sch["model"].items()):
-        seen = m["last_predicted_s"] is not None
-        fams["predicted"].add_metric([lay], m["last_predicted_s"] * m["factor"] if seen else nan)
-        fams["measured"].add_metric([lay], m["last_measured_s"] if seen else nan)
-        fams["factor"].add_metric([lay], m["factor"])
-        fams["error"].add_metric([lay], nan if m["median_error"] is None else m["median_error"])
-    yield from fams.values()
-    dec = CounterMetricFamily("splash_layout_decisions", "Scheduler decisions at step boundaries, by verdict",
-                              labels=["verdict"])
-    for verdict in VERDICTS:
-        dec.add_metric([verdict], float(sch["decisions"].get(verdict, 0)))
-    yield dec
-    yield from _switch_metrics(sch.get("switch_cost") or {})
-
-
-def _switch_metrics(sw: dict) -> Iterator[Metric]:
-    """The scheduler's switch-cost correction: per direction observed, the last switch's corrected prediction and
-    measured added time, the learnt ratio and the median prediction error."""
+             "median_error": ("splash_prediction_error_ratio", "Median |predicted - measured| / measured per layout")}
+    rows = [([lay], {**m, "predicted": None if m["last_predicted_s"] is None
+                     else m["last_predicted_s"] * m["factor"]}) for lay, m in sorted(sch["model"].items())]
+    yield from _gauges(names, ["layout"], rows)
+    yield _family(CounterMetricFamily, "splash_layout_decisions", "Scheduler decisions at step boundaries, by "
+                  "verdict", ["verdict"], (([v], sch["decisions"].get(v, 0)) for v in VERDICTS))
     names = {"last_corrected_s": ("splash_switch_predicted_seconds", "Corrected predicted cost of the last "
                                   "switch in each direction"),
              "last_measured_s": ("splash_switch_measured_seconds", "Measured added time of the last switch step"),
              "ratio": ("splash_switch_cost_factor", "Online correction (measured / predicted) of the switch cost"),
              "median_error": ("splash_switch_prediction_error_ratio", "Median |predicted - measured| / measured "
                               "of the switch cost")}
-    fams = {k: GaugeMetricFamily(n, h, labels=["src", "dst"]) for k, (n, h) in names.items()}
-    for key, m in sorted((sw.get("directions") or {}).items()):
-        src, dst = key.split("->")
-        for k, fam in fams.items():
-            fam.add_metric([src, dst], float("nan") if m.get(k) is None else float(m[k]))
-    yield from fams.values()
+    directions = (sch.get("switch_cost") or {}).get("directions") or {}
+    yield from _gauges(names, ["src", "dst"], ((key.split("->"), m) for key, m in sorted(directions.items())))
 
 
 class Metrics:
@@ -137,7 +108,7 @@ class Metrics:
         r.register(_StateCollector(snapshot))
 
     def count_unrouted(self, status: int) -> None:
-        """An answer the HTTP protocol wrote before any route was read (408/431/400, splash.server.http)."""
+        """An answer the HTTP protocol wrote before any route was read (splash.server.http)."""
         self.requests.labels("other", str(status)).inc()
 
     def render(self) -> bytes:

@@ -1,20 +1,14 @@
-"""Turning a request's prompt (text, token ids, lists of either, chat messages) into checked token ids.
-
-Cheap checks come first and tokenising happens off the event loop and off the engine's critical path:
-* token-id prompts: length before vocabulary (a 1M-id list is rejected by its length alone);
-* text prompts: tokenised in a worker thread with ``encode_batch`` (the tokenizers library releases the GIL
-  there, so the engine thread and the event loop keep running). A text longer than ``CHARS_PER_TOKEN`` ×
-  ``max_model_len`` characters is first tokenised only up to that many characters: if that prefix alone
-  does not fit the context, the prompt is rejected without tokenising the rest.
+"""Turning a request's prompt (text, token ids, lists of either, chat messages) into checked token ids, with bounded
+work: a token-id prompt's length is checked before its vocabulary, and text is tokenised in a worker thread
+(``encode_batch`` releases the GIL), a text longer than ``CHARS_PER_TOKEN`` × ``max_model_len`` characters first
+only up to that many characters: if that prefix does not fit the context, the rest is never tokenised.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from splash import chat_template
 from splash.server import protocol as P
-from splash.server.agent import arguments_for_template
 from splash.tokenizer import Tokenizer
 
 CHARS_PER_TOKEN = 8   # no real text averages more characters per token than this
@@ -41,17 +35,13 @@ class PromptReader:
                              param=where)
         return ids
 
-    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
-        return self.tok.encode_batch(texts, add_special_tokens=special)
-
     async def encode(self, text: str, where: str, special: bool) -> list[int]:
-        """Token ids of ``text``, checked; see the module docstring for the bounded work."""
         cap = CHARS_PER_TOKEN * self.max_model_len
         if len(text) > cap:
-            head = (await asyncio.to_thread(self._encode, [text[:cap]], special))[0]
+            head = (await asyncio.to_thread(self.tok.encode_batch, [text[:cap]], special))[0]
             if len(head) >= self.max_model_len:
                 raise context_error(where, f"more than {len(head) - 1}", self.max_model_len)
-        ids = (await asyncio.to_thread(self._encode, [text], special))[0]
+        ids = (await asyncio.to_thread(self.tok.encode_batch, [text], special))[0]
         return self.check_ids(ids, where)
 
     async def completion(self, prompt: Any) -> list[list[int]]:
@@ -65,22 +55,10 @@ class PromptReader:
             return [await self.encode(x, f"prompt[{i}]", True) for i, x in enumerate(prompt)]
         return [self.check_ids(list(x), f"prompt[{i}]") for i, x in enumerate(prompt)]
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-               kwargs: dict | None = None) -> str:
-        """The model's chat template (splash.chat_template) with tools and chat_template_kwargs; the
-        tokenizer's simple template when the model ships none."""
-        template = self.tok.chat_template
-        if template is None:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
-        as_mapping = ".items()" in template and "arguments" in template
-        special = {k: v for k, v in (("bos_token", self.tok.bos_token), ("eos_token", self.tok.eos_token)) if v}
-        return chat_template.render(template, arguments_for_template(messages, as_mapping), tools=tools,
-                                    special_tokens=special, kwargs=kwargs)
-
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    kwargs: dict | None = None) -> list[int]:
         try:
-            text = self.render(messages, tools, kwargs)
+            text = self.tok.apply_chat_template(messages, tools=tools, kwargs=kwargs)
         except ValueError as e:
             raise P.APIError(400, str(e), param="messages") from None
         return await self.encode(text, "messages", False)

@@ -1,17 +1,8 @@
 """OpenAI-compatible request models (pydantic, strict) and the JSON shapes of responses and errors.
 
-Requests are validated strictly: a field of the wrong type (``"max_tokens": "8"``), an out-of-range value or an
-unknown field is a 400 naming the field, as OpenAI's API answers. Sampling parameters have vLLM's names and
-semantics (splash.engine.sampling): OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``logprobs``
-(completions: top-k int; chat: ``logprobs: true`` + ``top_logprobs``), ``echo``; vLLM's ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``,
-``skip_special_tokens``, ``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``return_token_ids``,
-``return_tokens_as_token_ids``. Inert OpenAI fields (``user``; chat ``metadata``, ``store``, ``service_tier``,
-``prompt_cache_key``, ``safety_identifier``) are accepted and ignored. The agent API — chat ``tools``,
-``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``chat_template_kwargs`` and vLLM's
-``structured_outputs`` (both endpoints) — is checked and served by splash.server.agent. What is not implemented is
-a 400 naming the field: a non-empty ``suffix``, ``best_of`` other than n, ``functions`` / ``function_call``,
-non-text content parts.
+A wrong type (``"max_tokens": "8"``), an out-of-range value or an unknown field is a 400 naming the field, as
+OpenAI answers. Sampling fields have vLLM's names and semantics (splash.engine.sampling); inert OpenAI fields are
+accepted and ignored; what is not implemented is a 400 naming the field.
 """
 from __future__ import annotations
 
@@ -22,19 +13,29 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splash.config.serve_config import LAYOUTS
-from splash.server.limits import QUOTE_CHARS, clip, quote
 
 MAX_N = 64
 MAX_STOP = 16
 MAX_LOGPROBS = 20        # top-k logprobs per token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
 MAX_PENALTY = 100.0      # repetition_penalty in [1 / MAX_PENALTY, MAX_PENALTY] (finite in float32; vLLM: > 0)
+QUOTE_CHARS = 64           # an error message shows at most this many characters of one client value
+MAX_MESSAGE_CHARS = 1024   # and an error message is never longer than this
 Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]   # what the sampler's tensors can hold
 
 
-class APIError(Exception):
-    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    s = repr(value)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}... ({len(s) - limit} more characters)"
 
+
+def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return message if len(message) <= limit else f"{message[:limit]}... (message cut at {limit} characters)"
+
+
+class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         message = clip(message)
@@ -49,6 +50,10 @@ class APIError(Exception):
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def internal_error(e: Exception) -> dict[str, Any]:
+    return error_body(f"internal error: {type(e).__name__}: {quote(str(e), 200)}", "internal_error")
 
 
 class _Strict(BaseModel):
@@ -98,11 +103,10 @@ class SamplingRequest(_Strict):
         return [s for s in stops if s]
 
     def check_neutral(self) -> None:
-        """400 for what is not implemented, or combinations that make no sense (named by field)."""
         self.logit_bias_ids()
 
     def logit_bias_ids(self) -> dict[int, float]:
-        """``logit_bias`` with int keys (OpenAI sends token ids as strings); 400 naming the bad key."""
+        """``logit_bias`` with int keys (OpenAI sends token ids as strings)."""
         out: dict[int, float] = {}
         for k, v in (self.logit_bias or {}).items():
             try:
@@ -118,8 +122,7 @@ class SamplingRequest(_Strict):
                            param="logit_bias")
         return out
 
-    def sample_logprobs(self) -> int | None:
-        """Top-k logprobs per generated token the engine computes (None: none)."""
+    def sample_logprobs(self) -> int | None:   # top-k logprobs per generated token (None: none)
         return None
 
 
@@ -176,11 +179,7 @@ class ChatCompletionRequest(SamplingRequest):
         super().check_neutral()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        self.check_content()
-
-    def check_content(self) -> None:
-        """Content given as parts must be text parts with string text (images and other parts: 400)."""
-        for i, m in enumerate(self.messages):
+        for i, m in enumerate(self.messages):   # content parts: text only (images and other parts: 400)
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
                 where, param = f"messages[{i}].content[{j}]", f"messages.{i}.content.{j}"
                 if part.get("type") != "text":
@@ -189,6 +188,18 @@ class ChatCompletionRequest(SamplingRequest):
                 if not isinstance(part.get("text"), str):
                     raise APIError(400, f"{where}.text must be a string, got {type(part.get('text')).__name__}",
                                    param=param)
+
+    def template_messages(self) -> list[dict]:
+        """Messages for the chat template: text parts joined with newlines (as vLLM), ``developer`` as ``system``."""
+        out = []
+        for m in self.messages:
+            d = m.model_dump(exclude_none=True)
+            if d.get("role") == "developer":
+                d["role"] = "system"
+            if isinstance(m.content, list):
+                d["content"] = "\n".join(part["text"] for part in m.content)
+            out.append(d)
+        return out
 
 
 class LayoutRequest(_Strict):
@@ -202,7 +213,6 @@ class LayoutRequest(_Strict):
 
 
 def validation_message(err: ValidationError) -> tuple[str, str | None]:
-    """('invalid value for field 'x': why (got ...)', 'x') from the first pydantic error."""
     e = err.errors(include_url=False)[0]
     loc = [str(p) for p in e.get("loc", ())]
     # strip the union-member tags pydantic adds to the location (e.g. 'str', 'list[int]')
@@ -231,7 +241,6 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
         raise APIError(400, "the request body is nested too deeply") from None
 
 
-# ---- responses ---------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -246,24 +255,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _choice(index: int, key: str, value: Any, finish: str | None, token_ids: list[int] | None) -> dict:
-    """One choice: its `key` ("text", "message" or "delta"), then vLLM's `token_ids` when asked for."""
-    choice: dict[str, Any] = {"index": index, key: value, "logprobs": None, "finish_reason": finish}
+def choice(index: int, key: str, value: Any, finish: str | None, token_ids: list[int] | None) -> dict:
+    """`key` is "text", "message" or "delta"; vLLM's `token_ids` when asked for."""
+    out: dict[str, Any] = {"index": index, key: value, "logprobs": None, "finish_reason": finish}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def completion_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, "text", text, finish, token_ids)
-
-
-def chat_choice(index: int, text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, "message", {"role": "assistant", "content": text}, finish, token_ids)
-
-
-def chat_delta_choice(index: int, delta: dict, finish: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, "delta", delta, finish, token_ids)
+        out["token_ids"] = token_ids
+    return out
 
 
 def envelope(obj_id: str, obj: str, created: int, model: str, choices: list[dict],
@@ -275,8 +272,8 @@ def envelope(obj_id: str, obj: str, created: int, model: str, choices: list[dict
 
 
 def check_stream_fields(req: Any, chat: bool) -> None:
-    """400s naming the field for streaming options that cannot apply (as vLLM answers them): ``stream_options``
-    without ``stream: true``; chat's ``prompt_logprobs`` while streaming (vLLM refuses it rather than drop it)."""
+    """Streaming options that cannot apply are 400s, as vLLM answers them (it refuses chat's streamed
+    ``prompt_logprobs`` rather than drop them)."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "'stream_options' can only be set when 'stream' is true", param="stream_options")
     if chat and req.stream and req.prompt_logprobs is not None:

@@ -1,20 +1,12 @@
 """Reasoning parsers (``--reasoning-parser``, vLLM's names): a model's ``<think>…</think>`` → ``reasoning_content``.
 
-* ``deepseek_r1``: the output is reasoning up to ``</think>`` and content after it; a leading ``<think>`` is dropped
-  (templates often put it in the prompt). Without ``</think>`` everything is reasoning (the model never finished
-  thinking).
-* ``glm45``: reasoning only when the output holds ``<think>`` and ``</think>`` (text before ``<think>`` is dropped,
-  as vLLM does); otherwise all of it is content (GLM's ``enable_thinking: false`` puts an empty
-  ``<think></think>`` in the prompt, so the answer carries no tags). Streaming: after a leading ``<think>`` the
-  text is reasoning until ``</think>``.
-* ``deepseek_v3``: DeepSeek-V3.1/V3.2's thinking switch: with ``chat_template_kwargs`` ``thinking`` (or
-  ``enable_thinking``) true it is ``deepseek_r1``, otherwise the output is all content.
-* Whatever the parser, when the prompt itself ends with ``<think>`` (GLM-5.x's and DeepSeek-V3.1's templates open
-  the thinking block in the prompt when thinking is on), the output starts inside the reasoning: ``deepseek_r1``'s
-  rule applies (reasoning until ``</think>``).
-
-``split`` parses a whole output; ``ReasoningStream`` is the streaming form, fed text deltas and returning
-(reasoning, content) increments; it holds back only a tail that could still be the start of a tag.
+* ``deepseek_r1``: reasoning up to ``</think>`` (a leading ``<think>`` dropped), content after; without
+  ``</think>`` all of it is reasoning.
+* ``glm45``: reasoning only when the output holds both tags (text before ``<think>`` dropped, as vLLM);
+  otherwise all content (``enable_thinking: false`` puts an empty ``<think></think>`` in the prompt).
+* ``deepseek_v3``: ``deepseek_r1`` with ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``, else content.
+* Whatever the parser, a prompt that ends with ``<think>`` (GLM-5.x's and DeepSeek-V3.1's templates with thinking
+  on) starts the output inside the reasoning: ``deepseek_r1``'s rule.
 """
 from __future__ import annotations
 
@@ -32,8 +24,7 @@ def _effective(name: str, kwargs: dict | None, opened: bool = False) -> str | No
 
 def split(name: str | None, text: str, kwargs: dict | None = None,
           opened: bool = False) -> tuple[str | None, str | None]:
-    """(reasoning_content, content) of a complete output; None where a part is empty/absent. ``opened``: the
-    prompt ends with ``<think>``."""
+    """(reasoning_content, content) of a complete output; None where a part is empty/absent."""
     name = _effective(name, kwargs, opened) if name else None
     if name is None:
         return None, text
@@ -63,7 +54,8 @@ def partial_tail(text: str, tag: str) -> int:
 
 
 class ReasoningStream:
-    """Streaming ``split``: ``feed(delta) -> (reasoning, content)`` increments, ``finish()`` the rest."""
+    """Streaming ``split``: ``feed(delta) -> (reasoning, content)`` increments, holding back only a tail that
+    could start a tag; ``finish()`` the rest."""
 
     def __init__(self, name: str | None, kwargs: dict | None = None, opened: bool = False) -> None:
         self.name = _effective(name, kwargs, opened) if name else None
@@ -99,7 +91,7 @@ class ReasoningStream:
         return r, c
 
     def finish(self) -> tuple[str, str]:
-        """What is held back at the end: a partial tag is text of the part it was in."""
+        """A partial tag held back at the end is text of the part it was in."""
         out, self.buf = self.buf, ""
         if self.state == "before" and self.name == "glm45":
             return "", out

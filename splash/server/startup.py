@@ -1,13 +1,11 @@
-"""Starting ``splash-serve`` on every rank without ever leaving a rank behind.
-
-Each phase that can fail (reading the config, checking the model directory and the listen address, building
-the model) ends with ``agree``: an all-gather of every rank's error (or None). If any rank failed, every rank
-learns the first message and stops, so a bad YAML or a missing checkpoint exits 2 on all ranks with the
-message — no rank is left waiting in a collective that its peers never reach.
+"""Starting ``splash-serve`` on every rank without ever leaving a rank behind: each phase that can fail ends with
+``agree`` (an all-gather of every rank's error), so a bad YAML or a missing checkpoint exits 2 on all ranks with
+the message and no rank waits in a collective its peers never reach.
 """
 from __future__ import annotations
 
 import socket
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,17 +17,14 @@ DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives 
 
 
 def agree(comm: Any, error: str | None) -> str | None:
-    """All-gather each rank's error; return the first one (by rank) or None on every rank."""
+    """The first rank's error, or None, on every rank."""
     errors = comm.all_gather_obj(error)
     return next((e for e in errors if e), None)
 
 
 def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on this rank; raise ConfigError on *every* rank if it raised ConfigError on any rank.
-
-    Returns ``fn()``'s value. Other exceptions are reported the same way (as a ConfigError naming the rank
-    and the exception) so startup never deadlocks on a crash.
-    """
+    """``fn()`` on this rank; a ConfigError on *every* rank if it raised on any (an exception other than
+    ConfigError is reported naming the rank), so startup never deadlocks on a crash."""
     result, error = None, None
     try:
         result = fn()
@@ -50,8 +45,8 @@ def check_parallel(cfg: ServeConfig, world_size: int) -> None:
 
 
 def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any]:
-    """(cfg with `parallel.backend: auto` resolved, the rank's Backend): a backend, attention kernel or package
-    this machine lacks is a ConfigError naming it (splash-serve exits 2 with it) — before any model is read."""
+    """(cfg with `parallel.backend: auto` resolved, the rank's Backend); what this machine lacks is a
+    ConfigError naming it, before any model is read."""
     import backends
     from splash.config.serve_config import apply_overrides
 
@@ -66,8 +61,7 @@ def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any
 
 
 def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = None) -> str:
-    """The pinned layout, or for auto the first of tp (when allowed) / the first allowed layout; with `num_heads`,
-    auto skips the head-sharded layouts (tp, dop) when `world` does not divide the heads."""
+    """The pinned layout, or auto's starting one (splash.layouts.layout.start_layout)."""
     lay = cfg.layout.layout
     if lay != "auto":
         return lay
@@ -95,8 +89,8 @@ ADMIN_TOKEN_ENV = "SPLASH_ADMIN_TOKEN"
 
 
 def resolve_admin_token(server: Any, environ: Any) -> str | None:
-    """The admin token: ``server.admin_token``, else the file ``server.admin_token_file``, else the environment
-    variable SPLASH_ADMIN_TOKEN (the last two keep it out of ``ps``). An empty token is refused."""
+    """``server.admin_token``, else ``server.admin_token_file``, else SPLASH_ADMIN_TOKEN (the last two keep it
+    out of ``ps``); an empty token is refused."""
     if server.admin_token is not None:
         return server.admin_token
     if server.admin_token_file is not None:
@@ -128,8 +122,7 @@ def start_watchdog(comm: Any, watchdog: Any, hosts: list[str]) -> Any:
 
 
 def quiet_decision_log(cfg: ServeConfig) -> None:
-    """Rank 0, after the engine is built: silence the scheduler's decision lines when ``server.log_decisions``
-    says so (by default under ``--quiet``, which promises only the serving and stopped lines)."""
+    """Silence the scheduler's decision lines unless ``server.log_decisions`` (default: not ``--quiet``)."""
     import logging
     wanted = cfg.server.log_decisions if cfg.server.log_decisions is not None else not cfg.server.quiet
     if not wanted:
@@ -137,7 +130,7 @@ def quiet_decision_log(cfg: ServeConfig) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """Rank 0 binds the HTTP socket early, so a busy port is a startup error like any other."""
+    """Bound early, so a busy port is a startup error like any other."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -156,23 +149,13 @@ class Built:
     engine: Any
     model_cfg: Any
     max_model_len: int
-    num_kv_blocks: int
-
-
-def _counting(get: Callable[[str], Any], tick: Callable[[], None]) -> Callable[[str], Any]:
-    def counted(name: str) -> Any:
-        out = get(name)
-        tick()
-        return out
-    return counted
 
 
 def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
                   weight_bytes: float, arch: str) -> Any:
     """The per-rank device memory budget (splash.layouts.device_budget) of `cfg` on an `arch` device ("sm_90",
-    "gfx942"; "" unknown): the KV pool in the bytes the pool stores there (an SM90 FlashInfer pool keeps an fp8
-    layer's rope key in e4m3: splash.attention.kernels.rope_fp8_pool) and the attention kernel's workspaces for
-    the paths that run there (backends.attention_workspace_bytes). ValueError when nothing is left for KV."""
+    "gfx942"; "" unknown), with the pool's bytes and the attention workspaces of that arch. ValueError when
+    nothing is left for KV."""
     import backends
     from splash.attention.kernels import rope_fp8_pool
     from splash.engine.llm import pool_kv_dtype
@@ -196,9 +179,8 @@ def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in
 
 
 def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int:
-    """Per-rank KV budget: cache.kv_cache_memory_bytes when given; else on a GPU the device memory budget from
-    cache.gpu_memory_utilization (device_budget on the device's arch, measured free/total memory); else the cpu
-    default."""
+    """Per-rank KV budget: cache.kv_cache_memory_bytes, else on a GPU the device budget from its measured
+    memory, else the cpu default."""
     c = cfg.cache
     info = backend.memory_info() if backend is not None else None
     if c.kv_cache_memory_bytes or info is None:
@@ -214,8 +196,7 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
 
 
 def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None, backend: Any = None) -> Built:
-    """Load the model on this rank and build its ModelRunner + Engine (same recipe as ``LLM``); tensors live on
-    `backend`'s device (cpu without one)."""
+    """This rank's model, ModelRunner and Engine (the recipe of ``LLM``) on `backend`'s device (cpu without one)."""
     from splash.attention.kernels import kv_rope_fp8
     from splash.engine.engine import Engine
     from splash.engine.llm import DTYPES, hybrid_states, kv_blocks_per_layout, load_model, pool_kv_dtype
@@ -246,18 +227,18 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
         raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
     layout = initial_layout(cfg, comm.size, mcfg.num_attention_heads)
     name = cfg.model.model or f"preset {cfg.model.preset}"
-    ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else None
-    try:
-        advance = ticker.__enter__() if ticker else (lambda: None)
+    ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else nullcontext(lambda: None)
+    with ticker as advance:
+        def counted(tensor: str) -> Any:   # each tensor read moves the progress bar
+            out = get(tensor)
+            advance()
+            return out
         try:
-            runner = ModelRunner(mcfg, _counting(get, advance), comm, layout, cfg.kv_dtype, cfg.block_size, blocks,
-                                 dtype, kv_dtypes, attention_backend=cfg.attention_backend, device=device,
+            runner = ModelRunner(mcfg, counted, comm, layout, cfg.kv_dtype, cfg.block_size, blocks, dtype,
+                                 kv_dtypes, attention_backend=cfg.attention_backend, device=device,
                                  streams=backend.streams() if backend is not None else None)
         except ValueError as e:
             raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
-    finally:
-        if ticker:
-            ticker.__exit__(None, None, None)
     s = cfg.scheduler
     try:
         engine = Engine(runner, step_comm, per_layout, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode,
@@ -278,20 +259,18 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     if engine.max_model_len < 2:
         raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
                           "request (capped by the KV pool), so no request fits; raise the KV budget")
-    return Built(engine, mcfg, engine.max_model_len, blocks)   # the engine caps max_model_len at the KV pool
+    return Built(engine, mcfg, engine.max_model_len)   # the engine caps max_model_len at the KV pool
 
 
 def data_communicator(cfg: ServeConfig, ctx: Any) -> Any:
-    """The communicator the model's collectives use (``cfg.communicator``), started on every rank; the control
-    plane (step plans, aborts, heartbeats) stays on ``ctx.comm`` (MPI). Call it under ``run_agreed`` after
-    ``check_communicator`` agreed, so no rank enters the rendezvous alone."""
+    """The model's communicator (``cfg.communicator``); the control plane stays on MPI. Call it under
+    ``run_agreed`` after ``check_communicator`` agreed, so no rank enters the rendezvous alone."""
     from splash.distributed import make_communicator
     return make_communicator(cfg.communicator, ctx, cfg.parallel.backend)
 
 
 def check_communicator(cfg: ServeConfig) -> None:
-    """ConfigError naming ``parallel.communicator`` when this machine cannot run it (checked before any
-    collective)."""
+    """ConfigError naming ``parallel.communicator`` when this machine cannot run it."""
     from splash.distributed.launch import check_communicator as check
     try:
         check(cfg.communicator, cfg.parallel.backend)

@@ -1,18 +1,12 @@
 """Structured output: what a request constrains its output to, and the grammar xgrammar compiles for it.
 
-A request names at most one constraint (two are a 400 naming the second):
-* OpenAI ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object),
-  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``;
-* vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or JSON text), ``json_object``
-  (true), ``regex``, ``choice`` (a list of strings: the output is one of them), ``grammar`` (xgrammar EBNF);
-* chat ``tool_choice`` ``"required"`` or a named function (``splash.server.tool_choice`` builds the schema).
-
-JSON is generated compact: schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
-a model cannot spend its tokens on whitespace between JSON tokens. Compilation runs in a worker thread (never on
-the event loop or the engine thread) through one ``xgrammar.GrammarCompiler`` per server, which caches compiled
-grammars by their source; a schema, regex or grammar that does not compile is a 400 whose message is xgrammar's
-(and one that has not compiled after COMPILE_TIMEOUT_S a 400 too). xgrammar releases the GIL while it compiles
-(measured: a 1.1 s compile left the other threads' longest pause at 5 ms), so the engine thread keeps stepping.
+A request names at most one constraint (a second is a 400 naming it): OpenAI's ``response_format``, vLLM's
+``structured_outputs`` (exactly one of STRUCTURED_KEYS), or chat's forced ``tool_choice``
+(splash.server.tool_choice). Schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
+a model cannot spend its tokens on whitespace. Compilation runs in a worker thread through one cached
+``xgrammar.GrammarCompiler`` per server; xgrammar releases the GIL while it compiles (measured: a 1.1 s compile
+left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. A constraint that does not
+compile (or not within COMPILE_TIMEOUT_S) is a 400 with xgrammar's message.
 """
 from __future__ import annotations
 
@@ -28,13 +22,13 @@ from splash.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
 COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile is answered with a 400
+ANY_OBJECT = '{"type": "object"}'   # json_object
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One constraint: ``kind`` is json (source: schema text), json_object, regex, choice (source: JSON list) or
-    grammar (EBNF); ``param`` names the request field it came from (for error messages)."""
+    """``kind``: json (source: schema text), regex or grammar (EBNF); ``param``: the request field it came from."""
     kind: str
     source: str
     param: str
@@ -52,14 +46,13 @@ def _schema_text(schema: Any, param: str) -> str:
 
 
 def from_response_format(rf: dict | None) -> GrammarSpec | None:
-    """The constraint of OpenAI's ``response_format`` (None for absent or text)."""
     if rf is None:
         return None
     kind = rf.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return GrammarSpec("json_object", "", "response_format")
+        return GrammarSpec("json", ANY_OBJECT, "response_format")
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("name"), str):
@@ -78,7 +71,6 @@ STRUCTURED_IGNORED = ("disable_any_whitespace", "disable_additional_properties",
 
 
 def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
-    """The constraint of vLLM's ``structured_outputs`` (exactly one of STRUCTURED_KEYS)."""
     if so is None:
         return None
     unknown = [k for k in so if k not in STRUCTURED_KEYS + STRUCTURED_IGNORED + ("structural_tag",)]
@@ -97,18 +89,17 @@ def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
     if key == "json":
         return GrammarSpec("json", _schema_text(value, param), param)
     if key == "json_object":
-        return GrammarSpec("json_object", "", param)
+        return GrammarSpec("json", ANY_OBJECT, param)
     if key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise APIError(400, f"'{param}' must be a non-empty list of non-empty strings", param=param)
-        return GrammarSpec("choice", json.dumps(value), param)
+        return GrammarSpec("grammar", choice_ebnf(value), param)
     if not isinstance(value, str) or not value:
         raise APIError(400, f"'{param}' must be a non-empty string", param=param)
     return GrammarSpec(key, value, param)
 
 
 def pick(*specs: GrammarSpec | None) -> GrammarSpec | None:
-    """The one constraint a request gives; a second one is a 400 naming it."""
     given = [s for s in specs if s is not None]
     if len(given) > 1:
         raise APIError(400, f"'{given[1].param.split('.')[0]}' cannot be combined with "
@@ -146,7 +137,7 @@ def tokenizer_info(tok: Tokenizer, vocab_size: int) -> Any:
 
 
 class GrammarCompiler:
-    """One xgrammar compiler per server (built on first use); ``compile`` runs in a worker thread."""
+    """Built on first use; ``compile`` runs in a worker thread."""
 
     def __init__(self, tok: Tokenizer, vocab_size: int) -> None:
         self.tok, self.vocab_size = tok, vocab_size
@@ -162,25 +153,18 @@ class GrammarCompiler:
             return self._compiler
 
     def compile_sync(self, spec: GrammarSpec) -> Any:
-        """The CompiledGrammar of ``spec``; APIError 400 naming ``spec.param`` when it does not compile."""
         c = self._get()
         try:
             if spec.kind == "json":
                 return c.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
                 return c.compile_regex(spec.source)
-            if spec.kind == "choice":
-                return c.compile_grammar(choice_ebnf(json.loads(spec.source)))
-            if spec.kind == "grammar":
-                return c.compile_grammar(spec.source)
+            return c.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's errors for bad schemas/regexes/EBNF
             lines = str(e).strip().splitlines()
             msg = _WHERE.sub("", lines[-1]) if lines else type(e).__name__
             raise APIError(400, f"'{spec.param}' cannot be compiled into a grammar: {msg[:500]}",
                            param=spec.param, code="invalid_grammar") from None
-        raise AssertionError(spec.kind)
 
     async def compile(self, spec: GrammarSpec | None) -> Any:
         if spec is None:

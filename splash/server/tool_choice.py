@@ -1,14 +1,9 @@
 """Chat ``tools`` and ``tool_choice``: checking them, and the forced calls of "required" / a named function.
 
-* ``tools``: a list of ``{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}``;
-  each function's ``parameters`` is a JSON schema (an object schema when absent).
-* ``tool_choice``: ``"none"`` (tools are shown to the template, no call is parsed), ``"auto"`` (the default with
-  tools: the model may call; its own call format is parsed by the tool parser, splash.server.tool_parsers),
-  ``"required"``, or ``{"type": "function", "function": {"name"}}``.
-* "required" constrains the output (as vLLM does) to a JSON array of ``{"name": <one of the tools>, "parameters":
-  <that tool's schema>}`` — at least one call, at most one with ``parallel_tool_calls: false``; a named function
-  constrains the output to its parameters' schema. The output becomes ``message.tool_calls`` (arguments as JSON
-  text), streamed as tool-call deltas.
+``"none"`` shows the tools to the template and parses no call; ``"auto"`` (the default with tools) parses the
+model's own call format (splash.server.tool_parsers). ``"required"`` constrains the output, as vLLM does, to a
+JSON array of ``{"name": <a tool>, "parameters": <its schema>}`` (at most one with ``parallel_tool_calls:
+false``); a named function constrains it to that function's parameters. The output becomes ``tool_calls``.
 """
 from __future__ import annotations
 
@@ -43,7 +38,7 @@ def _function(tool: Any, i: int) -> dict:
     return fn
 
 
-def read_tools(tools: list | None, tool_choice: Any, parallel: bool | None) -> ToolChoice:
+def read_tools(tools: list | None, tool_choice: Any) -> ToolChoice:
     fns = tuple(_function(t, i) for i, t in enumerate(tools or ()))
     names = [f["name"] for f in fns]
     if len(set(names)) != len(names):
@@ -72,7 +67,6 @@ def _params(fn: dict) -> dict:
 
 
 def forced_spec(tc: ToolChoice, parallel: bool | None) -> GrammarSpec | None:
-    """The constraint of "required" / a named function (None otherwise)."""
     if tc.mode == "named":
         fn = next(f for f in tc.tools if f["name"] == tc.name)
         return GrammarSpec("json", json.dumps(_params(fn), sort_keys=True), "tool_choice")
@@ -104,44 +98,23 @@ def forced_calls(tc: ToolChoice, text: str) -> list[dict] | None:
 
 
 def _value_end(s: str, i: int) -> int:
-    """Index just past the JSON value starting at s[i], or -1 while it is incomplete."""
-    if i >= len(s):
+    """Index just past the JSON value starting at s[i], or -1 while it is incomplete (a number or literal is
+    complete only once a delimiter follows it)."""
+    try:
+        end = _DECODER.raw_decode(s, i)[1]
+    except json.JSONDecodeError:
         return -1
-    if s[i] not in "{[\"":
-        j = i
-        while j < len(s) and s[j] not in ",}]":
-            j += 1
-        return j if j < len(s) else -1
-    depth, in_str, esc = 0, False, False
-    for j in range(i, len(s)):
-        ch = s[j]
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-                if depth == 0:
-                    return j + 1
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return -1
+    return end if s[i] in "{[\"" or (end < len(s) and s[end] in ",}]") else -1
 
 
+_DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*')
 _PARAMS = re.compile(r'\s*,\s*"parameters"\s*:\s*')
 
 
 def scan_calls(s: str) -> list[tuple[str, str]]:
-    """(name, arguments so far) of each call in a growing ``[{"name": …, "parameters": …}, …]`` (the order of
-    the keys is the schema's, splash.server.tool_choice)."""
+    """(name, arguments so far) of each call in a growing ``[{"name": …, "parameters": …}, …]`` (the keys in
+    the schema's order)."""
     out: list[tuple[str, str]] = []
     i = s.find("[") + 1 if "[" in s else len(s)
     while i < len(s):

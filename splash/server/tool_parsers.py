@@ -1,22 +1,16 @@
 """Tool-call parsers (``--tool-call-parser``, vLLM's names) for the formats GLM and DeepSeek models emit.
 
-* ``glm45`` (GLM-4.5 … GLM-5.x): ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>…</tool_call>``,
-  one block per call. A value stays a string when the tool's schema says the argument is a string; otherwise it
-  is read as JSON, and kept as a string when it is not JSON.
+* ``glm45``: ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>…</tool_call>``; a value is JSON
+  unless the tool's schema says the argument is a string (or it is not JSON).
 * ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
-  <｜tool▁call▁end｜>…<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
-  <｜tool▁call▁end｜>``. ARGS is JSON text, passed through as the call's arguments.
-* ``deepseek_v32`` (V3.2's DSML): ``<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter name="K"
-  string="true|false">V</｜DSML｜parameter>…</｜DSML｜invoke>…</｜DSML｜function_calls>``; ``string="false"``
-  values are JSON.
+  <｜tool▁call▁end｜>…``; ``deepseek_v31``: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (ARGS:
+  JSON text, passed through).
+* ``deepseek_v32`` (DSML): ``<｜DSML｜invoke name="NAME"><｜DSML｜parameter name="K" string="true|false">V
+  </｜DSML｜parameter>…``; ``string="false"`` values are JSON.
 
-``parse`` reads a whole output: the content before the first call section, and every complete call; an output
-whose section holds no complete call is all content (a malformed call is never lost and never an error).
-``ToolStream`` streams: content until the section starts (holding back only a tail that could begin the marker),
-then per call a first delta with its id and name, then its arguments as JSON text — DeepSeek's as they arrive,
-GLM's and DSML's (built from key/value pairs, so name and arguments) when the call closes. The deltas of a stream
-add up to ``parse``, except that a DeepSeek call cut short (max_tokens) has already streamed as a call when the end
-shows that it is content.
+An output whose call section holds no complete call is all content (a malformed call is never lost nor an error).
+Streaming, DeepSeek's arguments go out as they arrive, GLM's and DSML's (built from pairs) when the call closes;
+so a DeepSeek call cut short (max_tokens) has already streamed as a call when the end shows it is content.
 """
 from __future__ import annotations
 
@@ -87,45 +81,31 @@ class _DeepSeek(_Format):
     start = "<｜tool▁calls▁begin｜>"
     early = True
     call_start, sep, call_end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-    args_open, args_close = "", ""      # V3 wraps the arguments in a ```json fence
+    args_open, args_close = "", ""      # V3: ``function<sep>NAME`` then a ```json fence; V3.1: ``NAME<sep>``
 
     def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
         out = []
         for piece in section.split(self.call_start)[1:]:
-            head, has_sep, rest = piece.partition(self.sep)
-            if not has_sep:
+            head, has_sep, body = piece.partition(self.sep)
+            name, opened = head, has_sep
+            if self.args_open:
+                name, opened, body = body.partition(self.args_open)
+            if not has_sep or not opened or not name.strip():
                 out.append(Call(None, "", False))
                 break
-            name, opened = self._name(head, rest)
-            if name is None:
-                out.append(Call(None, "", False))
-                break
-            body = rest[opened:]
             close = self.args_close + self.call_end
             end = body.find(close)
             if end >= 0:
-                out.append(Call(name, body[:end], True))
+                out.append(Call(name.strip(), body[:end], True))
                 continue
             keep = partial_tail(body, close)
-            out.append(Call(name, body[:len(body) - keep], False))
+            out.append(Call(name.strip(), body[:len(body) - keep], False))
             break
         return out
-
-    def _name(self, head: str, rest: str) -> tuple[str | None, int]:
-        """(function name, where the arguments start in ``rest``); V3.1: the name precedes the separator."""
-        name = head.strip()
-        return (name or None), 0
 
 
 class _DeepSeekV3(_DeepSeek):
     args_open, args_close = "\n```json\n", "\n```"
-
-    def _name(self, head: str, rest: str) -> tuple[str | None, int]:
-        i = rest.find(self.args_open)
-        if i < 0:
-            return None, 0
-        name = rest[:i].strip()
-        return (name or None), i + len(self.args_open)
 
 
 class _DeepSeekV32(_Format):
@@ -162,7 +142,7 @@ def call_id() -> str:
 
 
 def parse(name: str, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
-    """(content, [{"name", "arguments"}]) of a complete output; see the module docstring."""
+    """(content, [{"name", "arguments"}]) of a complete output."""
     fmt = get(name)
     i = text.find(fmt.start)
     if i < 0:
@@ -173,18 +153,39 @@ def parse(name: str, text: str, tools: list[dict] | None = None) -> tuple[str | 
     return (text[:i] or None), [{"name": c.name, "arguments": c.arguments} for c in calls]
 
 
+class CallDeltas:
+    """OpenAI's streamed tool calls: a call's first delta ``{"index", "id", "type", "function": {"name",
+    "arguments": ""}}``, then ``{"index", "function": {"arguments"}}`` per growth of its arguments."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.sent: list[str] = []     # arguments sent per call
+
+    def __call__(self, calls: list[tuple[str, str]]) -> list[dict]:
+        """The deltas that bring the calls sent so far to ``calls`` [(name, arguments so far)]."""
+        out = []
+        for k, (name, args) in enumerate(calls):
+            if k == len(self.ids):
+                self.ids.append(call_id())
+                self.sent.append("")
+                out.append({"index": k, "id": self.ids[k], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            if len(args) > len(self.sent[k]) and args.startswith(self.sent[k]):
+                out.append({"index": k, "function": {"arguments": args[len(self.sent[k]):]}})
+                self.sent[k] = args
+        return out
+
+
 class ToolStream:
-    """Streaming ``parse``: ``feed(delta)`` → (content increment, [tool-call delta dicts]); ``finish()`` the same for
-    what was held back. Tool-call deltas have OpenAI's shape: ``{"index", "id", "type", "function": {"name",
-    "arguments"}}`` first, then ``{"index", "function": {"arguments"}}``."""
+    """Streaming ``parse``: ``feed(delta)`` → (content increment, [tool-call deltas]); ``finish()`` the same for
+    what was held back."""
 
     def __init__(self, name: str, tools: list[dict] | None = None) -> None:
         self.fmt, self.tools = get(name), tools
         self.text = ""
         self.sent_content = 0      # characters of text sent as content
         self.section: int | None = None
-        self.named: list[str] = []    # ids of the calls whose name went out
-        self.sent_args: list[str] = []
+        self.deltas = CallDeltas()
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self.text += delta
@@ -200,23 +201,11 @@ class ToolStream:
         return "", self._call_deltas(done_only=False)
 
     def _call_deltas(self, done_only: bool) -> list[dict]:
-        out = []
-        for k, c in enumerate(self.fmt.calls(self.text[self.section:], self.tools)):
-            if not c.name or (not c.done and (done_only or not self.fmt.early)):
-                continue
-            if k >= len(self.named):
-                self.named.append(call_id())
-                self.sent_args.append("")
-                out.append({"index": k, "id": self.named[k], "type": "function",
-                            "function": {"name": c.name, "arguments": ""}})
-            sent = self.sent_args[k]
-            if len(c.arguments) > len(sent) and c.arguments.startswith(sent):
-                out.append({"index": k, "function": {"arguments": c.arguments[len(sent):]}})
-                self.sent_args[k] = c.arguments
-        return out
-
+        early = self.fmt.early and not done_only   # only the last call can be unnamed or open
+        return self.deltas([(c.name, c.arguments) for c in self.fmt.calls(self.text[self.section:], self.tools)
+                            if c.name and (c.done or early)])
     def finish(self) -> tuple[str, list[dict]]:
-        """The end of the output: held-back text is content; a section with no complete call is content."""
+        """The end: held-back text, or a section with no complete call, is content."""
         if self.section is None:
             out, self.sent_content = self.text[self.sent_content:], len(self.text)
             return out, []

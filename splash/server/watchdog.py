@@ -1,17 +1,12 @@
 """Fault handling between ranks: a heartbeat watchdog, and the step-message channel the followers wait on.
 
-* ``Watchdog``: every rank keeps a TCP link to rank 0 on which both ends send a heartbeat byte every
-  ``interval`` (a daemon thread per rank; no MPI involved, so it runs while the main thread sits in a
-  collective or computes). It detects a *dead or stuck peer*, not a slow step: a step may take as long as it
-  needs while every rank's heartbeat thread keeps beating. Rank 0 aborts the job (``MPI.COMM_WORLD.Abort``,
-  which ends every rank) when a follower's link closes without a goodbye (the process died) or its
-  heartbeats stop for ``timeout_s`` (``server.collective_timeout_s``: SIGSTOP, a hung host); a follower does
-  the same about rank 0. The message names the rank. On a clean stop each end says goodbye first.
-* ``StepChannel``: wraps the engine's communicator so that ``broadcast_obj`` — the one call per step that
-  carries rank 0's step message — waits *politely* on the followers: a nonblocking broadcast of the message
-  length, polled with short sleeps once it has spun for ~2 ms. An idle server therefore costs no CPU on
-  ranks ≠ 0 (a blocking MPICH broadcast busy-polls a whole core) and Python signal handlers run while a
-  follower waits. Every other attribute is delegated to the wrapped communicator.
+``Watchdog``: every follower keeps a TCP link to rank 0 on which both ends beat every ``interval`` from a daemon
+thread (no MPI, so it runs while the main thread sits in a collective). It detects a dead or stuck peer, not a
+slow step: a link closed without a goodbye, or ``timeout_s`` (``server.collective_timeout_s``) without a beat,
+aborts every rank with a message naming the rank.
+``StepChannel``: the engine's communicator with a ``broadcast_obj`` that followers wait on politely (a
+nonblocking broadcast of the length, polled with short sleeps after ~2 ms of spinning), so an idle server costs no
+CPU on ranks ≠ 0 (MPICH's blocking broadcast busy-polls a core) and signal handlers run while they wait.
 """
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ SLEEP_S = 0.002         # then sleep this long between polls (idle server)
 
 
 def abort_job(message: str) -> None:
-    """Print ``message`` and end every rank. The short pause lets mpiexec relay the message before the
-    abort tears the job down (otherwise it can be lost with the pipe)."""
+    """Print ``message`` and end every rank (after a pause, so mpiexec relays the message before the abort)."""
     try:
         sys.stderr.flush()
         os.write(2, (message.rstrip("\n") + "\n").encode())
@@ -46,8 +40,6 @@ def abort_job(message: str) -> None:
 
 
 class Watchdog:
-    """Heartbeats between rank 0 (``serve``) and each follower (``connect``); see the module docstring."""
-
     BEAT, BYE = b".", b"B"
 
     def __init__(self, rank: int, timeout_s: float, abort: Callable[[str], None] = abort_job,
@@ -62,9 +54,8 @@ class Watchdog:
         self.fired: str | None = None
         self._thread: threading.Thread | None = None
 
-    # ---- setup --------------------------------------------------------------------------------------
     def serve(self, followers: tuple[int, ...], host: str = "127.0.0.1") -> tuple[str, int]:
-        """Rank 0: listen for the followers' links; returns the address they connect to."""
+        """Rank 0: listen for the followers' links; the address they connect to."""
         self._listen = socket.create_server((host, 0))
         self._listen.setblocking(False)
         self._expected = tuple(followers)
@@ -74,7 +65,6 @@ class Watchdog:
         return host, self._listen.getsockname()[1]
 
     def connect(self, address: tuple[str, int]) -> None:
-        """A follower: open the link to rank 0 and say who we are."""
         sock = socket.create_connection(address, timeout=max(5.0, self.timeout_s))
         sock.sendall(struct.pack("!i", self.rank))
         sock.setblocking(False)
@@ -86,7 +76,7 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Clean stop: say goodbye to every peer (so they do not take our exit for a death) and close."""
+        """Say goodbye to every peer (so they do not take our exit for a death) and close."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
@@ -101,7 +91,6 @@ class Watchdog:
         if self._listen is not None:
             self._listen.close()
 
-    # ---- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         pending: dict[socket.socket, bytes] = {}       # accepted, rank not yet read
         next_beat = 0.0
@@ -171,10 +160,8 @@ class Watchdog:
         for sock in list(self._peers.values()):
             try:
                 sock.send(self.BEAT)
-            except (BlockingIOError, InterruptedError):
-                pass   # the peer is not reading (stopped): its silence is what _check measures
             except OSError:
-                pass
+                pass   # the peer is not reading (stopped) or gone: _check and _receive tell which
 
     def _check(self, now: float) -> bool:
         for rank in self._expected:
@@ -194,22 +181,12 @@ class Watchdog:
 
 
 class StepChannel:
-    """The engine's communicator with a polite ``broadcast_obj`` (see the module docstring)."""
-
     def __init__(self, comm: Any) -> None:
         self._comm = comm
         self.messages = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
-
-    @property
-    def rank(self) -> int:
-        return self._comm.rank
-
-    @property
-    def size(self) -> int:
-        return self._comm.size
 
     def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
         mpi = getattr(self._comm, "mpi_comm", None)
@@ -223,14 +200,13 @@ class StepChannel:
             header[0] = len(data)
             mpi.Ibcast([header, MPI.INT64_T], root=root).Wait()
             mpi.Bcast([np.frombuffer(data, dtype=np.uint8), MPI.BYTE], root=root)
-            self.messages += 1
-            return obj
-        self._wait(mpi.Ibcast([header, MPI.INT64_T], root=root))
-        buf = np.empty(int(header[0]), dtype=np.uint8)
-        mpi.Bcast([buf, MPI.BYTE], root=root)
-        msg = pickle.loads(buf.tobytes())
+        else:
+            self._wait(mpi.Ibcast([header, MPI.INT64_T], root=root))
+            buf = np.empty(int(header[0]), dtype=np.uint8)
+            mpi.Bcast([buf, MPI.BYTE], root=root)
+            obj = pickle.loads(buf.tobytes())
         self.messages += 1
-        return msg
+        return obj
 
     @staticmethod
     def _wait(req: Any) -> None:
