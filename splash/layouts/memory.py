@@ -25,11 +25,11 @@ KPool weights with common). A family marked ``exact_weights`` is always counted 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from splash.layouts.layout import Layout, check_heads, parse_layout
-from splash.layouts.ownership import head_range, kv_holders, num_blocks
+from splash.layouts.ownership import head_range
 from splash.models.config import ModelConfig
 from splash.models.family import DENSE, FP32, Weight, describe
 
@@ -135,19 +135,6 @@ def state_snapshot_slots(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bo
     return max_num_seqs if describe(cfg).recurrent and prefix_caching else 0
 
 
-def state_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int,
-                         owners: Mapping[str, int | None]) -> tuple[int, ...]:
-    """Per-rank KDA state of the requests `owners` (request -> owner / CP anchor rank) in `layout`."""
-    layout = parse_layout(layout)
-    per = recurrent_state_bytes(cfg, layout, world)
-    if layout.shards_projections:
-        return tuple([per * len(owners)] * world)
-    out = [0] * world
-    for o in owners.values():
-        out[o or 0] += per
-    return tuple(out)
-
-
 def _indexer_params(cfg: ModelConfig) -> int:
     if cfg.index_head_dim <= 0:
         return 0
@@ -234,59 +221,6 @@ def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int, rope_fp8: b
     kv_bytes_per_token_layer."""
     return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i, rope_fp8)
                             for i in range(cfg.num_hidden_layers))
-
-
-@dataclass(frozen=True)
-class LayoutMemory:
-    """Per-rank memory of one layout (bytes). Common/projections/scratch/reserve are equal on every rank."""
-    layout: Layout
-    world: int
-    common: float
-    projections: float
-    kv_blocks: tuple[int, ...]
-    kv: tuple[int, ...]
-    scratch: int = 0
-    reserve: int = 0
-
-    def total(self, rank: int) -> float:
-        return self.common + self.projections + self.kv[rank] + self.scratch + self.reserve
-
-    @property
-    def peak(self) -> float:
-        """Largest per-rank total — what must fit the per-rank budget."""
-        return max(self.total(r) for r in range(self.world))
-
-
-def _kv_blocks_per_rank(layout: Layout, world: int, live_tokens: Mapping[str, tuple[int, int | None]] | None,
-                        block_size: int) -> list[int]:
-    blocks = [0] * world
-    for req, (tokens, owner) in (live_tokens or {}).items():
-        try:
-            holders = kv_holders(layout, num_blocks(tokens, block_size), owner, world)
-        except ValueError as e:
-            raise ValueError(f"request {req!r}: {e}") from None
-        for held in holders:
-            for r in held:
-                blocks[r] += 1
-    return blocks
-
-
-def per_rank_memory(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float, kv_dtype: str,
-                    live_tokens: Mapping[str, tuple[int, int | None]] | None, block_size: int,
-                    scratch_bytes: int = 0, reserve_bytes: int = 0,
-                    ffn_shards: int | None = None, weight_quant: str | None = None,
-                    rope_fp8: bool = False) -> LayoutMemory:
-    """Per-rank bytes of ``layout`` holding ``live_tokens`` (request -> (tokens, owner rank or None)).
-
-    Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``. ``rope_fp8``: rope_fp8_pool's.
-    """
-    layout = parse_layout(layout)
-    common = common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
-    proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant)
-    blocks = _kv_blocks_per_rank(layout, world, live_tokens, block_size)
-    per_block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
-    return LayoutMemory(layout, world, common, proj, tuple(blocks), tuple(b * per_block for b in blocks),
-                        scratch_bytes, reserve_bytes)
 
 
 @dataclass(frozen=True)
