@@ -62,34 +62,26 @@ class BlockManager:
         return [b for b in logical if b not in t]
 
     def ensure(self, req: str, logical: list[int]) -> list[tuple[int, int]]:
-        """Make sure `req` holds every logical block in `logical`; returns newly allocated (logical, physical).
+        """Make sure `req` holds every logical block in `logical`; -> newly allocated (logical, physical).
         All-or-nothing: raises OutOfBlocks without allocating anything if the pool is short."""
-        need = [b for b in dict.fromkeys(logical) if b not in self._tables.get(req, {})]
-        if len(need) > len(self._free):
-            raise OutOfBlocks(len(need), len(self._free))
-        table = self._tables.setdefault(req, {})
-        new = []
-        for b in need:
-            phys = self._free.pop()
-            self._ref[phys] = 1
-            table[b] = phys
-            new.append((b, phys))
-        return new
+        new = self.ensure_many([(req, logical)])
+        return new[0][1] if new else []
 
     def ensure_many(self, needs: list[tuple[str, list[int]]]) -> list[tuple[str, list[tuple[int, int]]]]:
         """`ensure` for one step's requests at once: [(req, logical blocks)] -> [(req, new (logical, physical))]
         for the requests that got blocks, handing out the ids `ensure` would in turn. All-or-nothing over the
         whole list (OutOfBlocks allocates nothing). O(requests + blocks), one pass."""
-        tables, free, out = self._tables, self._free, []
+        tables, free, out, created = self._tables, self._free, [], []
         for req, logical in needs:
             t = tables.get(req)
             if t is None:
                 t = tables[req] = {}
+                created.append(req)
             new = []
             for b in logical:
                 if b not in t:
                     if not free:
-                        self._undo(out + [(req, new)])
+                        self._undo(out + [(req, new)], created)
                         raise OutOfBlocks(sum(len(self.missing(r, list(dict.fromkeys(lg)))) for r, lg in needs),
                                           len(free))
                     t[b] = p = free.pop()
@@ -116,15 +108,16 @@ class BlockManager:
         deque(map(self._ref.__setitem__, phys, repeat(1)), maxlen=0)
         return phys
 
-    def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        """Give back what a failed `ensure_many` handed out, restoring the free list's order."""
+    def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]], created: list[str]) -> None:
+        """Give back what a failed `ensure_many` handed out (and the tables it created), restoring the free list's
+        order."""
         for req, new in reversed(allocated):
             t = self._tables[req]
             for b, p in reversed(new):
                 del t[b]
                 self._ref[p] = 0
                 self._free.append(p)
-        for req in [r for r, t in self._tables.items() if not t]:
+        for req in created:
             del self._tables[req]
 
     def _unref(self, phys: list[int]) -> list[int]:
@@ -139,13 +132,8 @@ class BlockManager:
     def discard(self, req: str, logical: list[int]) -> list[int]:
         """Drop the given logical blocks of `req` (those it holds); -> the physical ids freed (a block another request
         still references, or a cached one, stays)."""
-        table = self._tables.get(req)
-        if table is None:
-            return []
-        freed = self._unref([table.pop(b) for b in logical if b in table])
+        freed = self.detach(req, logical)
         self._free.extend(freed)
-        if not table:
-            del self._tables[req]
         return freed
 
     def detach(self, req: str, logical: list[int]) -> list[int]:
@@ -164,10 +152,7 @@ class BlockManager:
 
     def release(self, req: str) -> list[int]:
         """Drop every block of `req`; -> the physical ids freed."""
-        table = self._tables.pop(req, {})
-        freed = self._unref(list(table.values()))
-        self._free.extend(freed)
-        return freed
+        return self.discard(req, list(self.table(req)))
 
     # ---- prefix cache ------------------------------------------------------------------------------------
     @property
@@ -205,11 +190,7 @@ class BlockManager:
     def evict(self, hashes: list[int]) -> None:
         """Forget the cached blocks named `hashes` and free those no request references (the ledger evicts only
         those; one a request still references would stay with it, unnamed)."""
-        for h in hashes:
-            p = self._cached.pop(h)
-            del self._hash_of[p]
-            if not self._ref[p]:
-                self._free.append(p)
+        self._free.extend(self.forget(hashes))
 
     def block_of(self, h: int) -> int:
         """The physical block cached under `h`."""
