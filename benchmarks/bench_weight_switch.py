@@ -56,7 +56,7 @@ def switch(r: ModelRunner, dst: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     r.step(None, SwitchExecutor(r.ctx, m, "blocking", r.streams))
     r.comm.barrier()
-    return time.perf_counter() - t0, m.total_weight_recv_bytes[r.comm.rank]
+    return time.perf_counter() - t0, m.weight_recv_total[r.comm.rank]
 
 
 def measure(comm, preset: str, fmt: str, trials: int) -> list[tuple]:

@@ -119,7 +119,7 @@ def test_manifest_moves_recurrent_state(glm5):
     for r in range(2):
         n = sum(mv.dst_rank == r for mv in m.moves)
         heads = sum(mv.h1 - mv.h0 for mv in m.state_moves if mv.dst_rank == r)
-        assert n and m.total_kv_recv_bytes[r] == n * blk and m.total_weight_recv_bytes[r] == 0
+        assert n and m.kv_recv_total[r] == n * blk and m.weight_recv_total[r] == 0
         assert m.total_recv_bytes[r] == n * blk + heads * m.state_bytes_per_head > n * blk
 
 

@@ -57,5 +57,5 @@ def test_manifest_weight_totals_plain(src, dst, ckpts):
     cfg, _ = open_checkpoint(ckpts[None])
     m = plan_switch(src, dst, cfg, 2, {"a": ReqState(10, 0)}, 4, 4, "float32")
     gathered = [rank_weight_bytes(cfg, dst, 2, r, 4) - rank_weight_bytes(cfg, src, 2, r, 4) for r in range(2)]
-    assert m.total_weight_recv_bytes == tuple(max(0, g) for g in gathered)
-    assert m.weight_sent_total == m.total_weight_recv_bytes
+    assert m.weight_recv_total == tuple(max(0, g) for g in gathered)
+    assert m.weight_sent_total == m.weight_recv_total

@@ -30,7 +30,6 @@ from splash.switching.block_plan import BlockMove, CachedBlock, plan_blocks
 
 KEEP, DISCARD, ALL_GATHER, ALL_TO_ALL, REBUILD = "keep", "discard", "all_gather", "all_to_all", "rebuild"
 CONVERT = "convert"
-TRANSFERS = (ALL_GATHER, ALL_TO_ALL)
 METADATA_KINDS = ("block_table", "owner_map", "positions")
 
 
@@ -186,14 +185,6 @@ class Manifest:
     @property
     def state_sent_bytes(self) -> tuple[int, ...]:
         return self._state_bytes(recv=False)
-
-    @property
-    def total_weight_recv_bytes(self) -> tuple[float, ...]:
-        return self.weight_recv_total
-
-    @property
-    def total_kv_recv_bytes(self) -> tuple[int, ...]:
-        return self.kv_recv_total
 
     @property
     def total_recv_bytes(self) -> tuple[float, ...]:
