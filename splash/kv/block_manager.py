@@ -1,12 +1,8 @@
 """Block manager for one rank's paged KV pool — pure Python, no torch.
 
-Physical block ids are rank-local. Each request maps logical block index -> physical block; under CP a rank
-holds only some logical blocks of a request, so the table is a dict, not a list.
-
-Prefix caching: a full block can be registered under the hash of its tokens (and of the blocks before it); requests
-then share it by reference count (`attach`), and when its last reference goes it stays cached — evictable, not free
-— until rank 0 says to `evict` it (rank 0 decides every hit and eviction, from its mirror in the ledger, so every
-rank agrees on what is cached). A block no request references and no hash names is free.
+A request's table maps logical -> physical block (a dict: under CP a rank holds only some blocks). A full block
+may be named by its prefix hash; requests share it by reference count (`attach`), and with no reference left it
+stays cached until rank 0 says `evict` (rank 0 decides every hit and eviction, so every rank agrees).
 """
 from __future__ import annotations
 
@@ -68,9 +64,8 @@ class BlockManager:
         return new[0][1] if new else []
 
     def ensure_many(self, needs: list[tuple[str, list[int]]]) -> list[tuple[str, list[tuple[int, int]]]]:
-        """`ensure` for one step's requests at once: [(req, logical blocks)] -> [(req, new (logical, physical))]
-        for the requests that got blocks, handing out the ids `ensure` would in turn. All-or-nothing over the
-        whole list (OutOfBlocks allocates nothing). O(requests + blocks), one pass."""
+        """`ensure` for one step's requests: -> [(req, new (logical, physical))] for those that got blocks.
+        All-or-nothing over the whole list; one pass."""
         tables, free, out, created = self._tables, self._free, [], []
         for req, logical in needs:
             t = tables.get(req)
@@ -92,10 +87,8 @@ class BlockManager:
         return out
 
     def append_blocks(self, reqs: list[str], blocks: list[int]) -> list[int] | None:
-        """The decode case of `ensure_many`: request reqs[i] (distinct requests) gets logical block blocks[i],
-        which it does not hold yet; returns the physical ids (those `ensure` would hand out in turn), or None
-        (nothing allocated) when the case does not apply — a repeated request or an already held block: use
-        `ensure_many`. O(requests) in C loops (map over the tables), no per-request python."""
+        """The decode case of `ensure_many` (reqs[i], distinct, gets new logical block blocks[i]) in C loops: -> the
+        physical ids `ensure` would hand out, or None (nothing allocated) when the case does not apply."""
         tables, free, k = self._tables, self._free, len(reqs)
         tabs = list(map(tables.get, reqs))
         if None in tabs or len(set(reqs)) != k or any(map(dict.__contains__, tabs, blocks)):
@@ -168,8 +161,7 @@ class BlockManager:
         return h in self._cached
 
     def register(self, req: str, logical: int, h: int) -> bool:
-        """Name `req`'s full block `logical` by prefix hash `h` (unless `h` names a block already); -> whether it
-        did."""
+        """Name `req`'s full block `logical` by prefix hash `h` unless `h` names one already; -> whether it did."""
         if h in self._cached:
             return False
         p = self._tables[req][logical]
@@ -210,8 +202,8 @@ class BlockManager:
         return p
 
     def forget(self, hashes: list[int]) -> list[int]:
-        """`evict` without freeing: forget the hashes; -> the blocks no request references, for `free_physical` once
-        nothing reads them (a switch may still be sending them)."""
+        """`evict` without freeing: -> the blocks no request references, for `free_physical` once a switch has sent
+        them."""
         out = []
         for h in hashes:
             p = self._cached.pop(h)
