@@ -1,12 +1,9 @@
 """``splash-serve``: run under ``mpirun -n N``; rank 0 serves HTTP and drives the engine, the others follow.
 
-Startup is agreed between ranks phase by phase (``splash.server.startup``): a bad flag or YAML, a missing
-checkpoint or a busy port prints ``error: <message>`` once (rank 0) and every rank exits 2. Serving: rank 0
-runs the HTTP front end (``splash.server.frontend``) and the engine thread; ranks ≠ 0 run ``engine.follow()``
-until rank 0 broadcasts stop. SIGINT/SIGTERM on rank 0 (or on mpiexec, which forwards it) drains and stops
-every rank (exit 0); a follower that gets SIGINT/SIGTERM alone says so once and keeps serving (stop the job
-through rank 0 or mpiexec). The heartbeat watchdog (``server.collective_timeout_s``) aborts all ranks, naming
-the rank, when a rank dies or stops answering; a slow step is not a fault.
+Startup is agreed between ranks phase by phase (``splash.server.startup``): any error prints ``error: <message>``
+once (rank 0) and every rank exits 2. SIGINT/SIGTERM on rank 0 (or mpiexec) drains and stops every rank; a
+follower signalled alone says so and keeps serving. The heartbeat watchdog aborts all ranks when one dies or stops
+answering; a slow step is not a fault.
 """
 from __future__ import annotations
 
