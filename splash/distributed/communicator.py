@@ -1,12 +1,8 @@
 """Collective communication on tensors, passed explicitly to whoever needs it.
 
-`Communicator` is the interface; `MPICommunicator` implements it on CPU tensors with mpi4py
-(numpy views of contiguous tensors; dtypes MPI cannot reduce are summed in float32 and cast back;
-data-movement collectives always travel as bytes, so bf16/fp8 need no MPI type); and
-`SingleRankCommunicator` makes every op an identity so size-1 code paths make no MPI calls.
-
-Row convention: gathers and all-to-all move rows along dim 0; every rank passes the same trailing
-shape and dtype, even when it contributes zero rows.
+`MPICommunicator` moves data as bytes (so bf16/fp8 need no MPI type) and sums dtypes MPI cannot reduce in float32;
+`SingleRankCommunicator` makes size-1 paths call no MPI. Gathers and all-to-all move rows along dim 0; every rank
+passes the same trailing shape and dtype, even with zero rows.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -26,10 +23,7 @@ NATIVE_REDUCE = frozenset(
 
 
 class Handle:
-    """An in-flight collective: `wait()` returns the result tensor, `test()` polls completion.
-
-    Holds the send/receive buffers until the collective completes.
-    """
+    """An in-flight collective (holding its buffers until complete): `wait()` -> the result, `test()` polls."""
 
     def __init__(self, request: Any, finish: Callable[[], torch.Tensor], keep: Any = ()) -> None:
         self._request = request
@@ -64,12 +58,8 @@ class Handle:
 
 
 class Communicator(abc.ABC):
-    """Collectives over a fixed group of ranks.
-
-    Tensor ops return the result as a tensor. On a group of size > 1 it is a new tensor and the
-    input is left untouched; on a size-1 group it may be the input itself, so do not modify the
-    input afterwards while keeping the result.
-    """
+    """Collectives over a fixed group of ranks. Results are new tensors, except on a size-1 group, where one may be
+    the input itself (do not modify the input while keeping the result)."""
 
     @property
     @abc.abstractmethod
@@ -89,10 +79,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
-        """Dim-0 sizes may differ (incl. 0); concatenated in rank order.
-
-        `counts` (rows per rank) skips the count exchange when the caller knows it.
-        """
+        """Dim-0 sizes may differ (incl. 0); concatenated in rank order. `counts` skips the count exchange."""
 
     @abc.abstractmethod
     def all_to_allv(
@@ -101,10 +88,8 @@ class Communicator(abc.ABC):
         send_counts: Sequence[int],
         recv_counts: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """`t` holds rows for rank 0, then rank 1, ...; returns received rows in source-rank order.
-
-        `recv_counts=None` exchanges counts first (see `exchange_counts`).
-        """
+        """`t` holds rows for rank 0, then rank 1, ...; -> received rows in source-rank order (`recv_counts=None`
+        exchanges counts first)."""
 
     @abc.abstractmethod
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -162,8 +147,7 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[torch.Tensor, Sequence[int]]:
-    """An all-gatherv's checked inputs on `comm`: (t as contiguous rows, the per-rank row counts — all-gathered
-    when None); ValueError when t has no row dimension or the counts do not fit."""
+    """An all-gatherv's checked inputs: (t as contiguous rows, per-rank row counts, gathered when None)."""
     if t.dim() == 0:
         raise ValueError("all_gatherv needs a tensor with a row dimension")
     src = as_rows(t)
@@ -177,9 +161,7 @@ def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[t
 
 def alltoallv_rows(comm, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int] | None
                    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """An all-to-allv's checked inputs on `comm`: (t as contiguous rows, the empty output, send and receive sizes
-    in bytes per rank); the receive counts are exchanged when None. ValueError when t has no row dimension or the
-    counts do not fit."""
+    """An all-to-allv's checked inputs: (t as contiguous rows, the output, send and receive bytes per rank)."""
     if t.dim() == 0:
         raise ValueError("all_to_allv needs a tensor with a row dimension")
     src = as_rows(t)
@@ -198,11 +180,7 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _displs(counts: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
+    return [0, *accumulate(counts)][:len(counts)]
 
 
 class SingleRankCommunicator(Communicator):
