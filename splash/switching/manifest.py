@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
 from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_params,
                                    projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
-from splash.layouts.ownership import assign_owners, head_range, rebalance_owners
+from splash.layouts.ownership import assign_owners, head_range
 from splash.models.config import ModelConfig
 from splash.models.family import describe
 from splash.switching.block_plan import BlockMove, CachedBlock, plan_blocks
@@ -206,8 +206,6 @@ def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str,
         fixed.update({r: s.src_owner for r, s in requests.items()
                       if s.dst_owner is None and s.src_owner is not None})
     free = {r: s.num_tokens for r, s in requests.items() if r not in fixed}
-    if not fixed:
-        return rebalance_owners(free, world, capacity, block_size=block_size)
     existing = {r: (o, requests[r].num_tokens) for r, o in fixed.items()}
     return {**fixed, **assign_owners(free, existing, world, capacity, block_size=block_size)}
 
