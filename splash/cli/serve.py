@@ -8,6 +8,7 @@ answering; a slow step is not a fault.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import socket
@@ -25,13 +26,8 @@ class _QuietExit(Exception):
 
 
 def _load_config(argv: Sequence[str] | None, rank: int):
-    devnull = open(os.devnull, "w") if rank else None  # --help prints once
-    with redirect_stdout(devnull) if devnull else nullcontext():
-        try:
-            return build_config(argv)
-        finally:
-            if devnull:
-                devnull.close()
+    with redirect_stdout(io.StringIO()) if rank else nullcontext():   # --help prints once
+        return build_config(argv)
 
 
 def _ignore_stop_signals(rank: int) -> None:

@@ -147,7 +147,8 @@ class PageTable:
         self._fit_cols(len(items))
         self.logical[r, :len(items)] = torch.tensor([b for b, _ in items], dtype=torch.int32, device=self.device)
         self.pages[r, :len(items)] = torch.tensor([p for _, p in items], dtype=torch.int32, device=self.device)
-        self._set_count(req, r, len(items), items[-1][0])
+        self.npages[r] = len(items)
+        self._count[req], self._last[req] = len(items), items[-1][0]
 
     @torch.inference_mode()
     def release(self, req: str) -> None:
@@ -165,10 +166,6 @@ class PageTable:
         self._free.append(r)
 
     # ---- internals ---------------------------------------------------------------------------------------
-    def _set_count(self, req: str, r: int, n: int, last: int) -> None:
-        self.npages[r] = n
-        self._count[req], self._last[req] = n, last
-
     @torch.inference_mode()
     def _new_row(self, req: str) -> int:
         if not self._free:

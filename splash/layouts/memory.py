@@ -30,11 +30,6 @@ FP32_BYTES = 4
 CONVERT_CHUNK_SLOTS = 4096  # tokens a KV format conversion dequantises at once (bounds its fp32 scratch)
 
 
-def _check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (allowed: {', '.join(KV_DTYPES)})")
-
-
 def layer_has_indexer_keys(cfg: ModelConfig, layer: int | None) -> bool:
     """Layer `layer` (None: the widest) keeps DSA indexer keys: it runs its own indexer (`ModelFamily.index_layers`;
     a "shared" layer reuses another's selection and stores none)."""
@@ -62,7 +57,8 @@ def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None 
     """Bytes of KV per token of one layer (default: the widest MLA layer) with scales and DSA indexer keys; 0 for
     a KDA layer. Quantised: the FlashMLA FP8 layout (d_c bytes + an fp32 scale per 128 + d_r rope values in bf16,
     or e4m3 in a `rope_fp8` pool); indexer keys (glm5_next keeps two vectors) 1 byte each + a scale per 128."""
-    _check_kv_dtype(kv_dtype)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (allowed: {', '.join(KV_DTYPES)})")
     fam = describe(cfg)
     if layer is not None and fam.pool_layer(layer) is None:
         return 0

@@ -52,7 +52,7 @@ class SwitchExecutor:
         self.state = None
         if r.family.recurrent:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
             from splash.switching.state_transfer import StateHandoff
-            self.state = StateHandoff(r, m, self.dst.linear_heads)
+            self.state = StateHandoff(r, m)
             self.state.begin()
         if self.w_action == DISCARD:
             for i, lw in enumerate(r.weights.layers):

@@ -114,7 +114,7 @@ class Manifest:
         return _state_heads(self.src, self.linear_heads, self.world, rank, dict(self.src_owners).get(req)) \
             or range(self.linear_heads if held is None else held)
 
-    def dst_heads_of(self, req: str, rank: int, _heads: range | None = None) -> range | None:
+    def dst_heads_of(self, req: str, rank: int) -> range | None:
         """KDA heads of `req` that `rank` holds after the switch (None: none)."""
         return _state_heads(self.dst, self.linear_heads, self.world, rank, self.owners.get(req))
 

@@ -109,8 +109,8 @@ class StateHandoff:
     layer j's only when it runs. `begin` stores each destination tensor at once (kept rows copied in; the source
     tensors kept aside for sending)."""
 
-    def __init__(self, ctx, manifest, dst_heads: range):
-        self.r, self.m, self.dst_heads = ctx, manifest, dst_heads  # ctx: splash.attention.context.RankContext
+    def __init__(self, ctx, manifest):
+        self.r, self.m = ctx, manifest  # ctx: splash.attention.context.RankContext
         self.handles: dict[int, object] = {}
 
     def begin(self) -> None:
@@ -125,7 +125,7 @@ class StateHandoff:
             self.rcounts[mv.src_rank] += (mv.h1 - mv.h0) * r.states.width
         self.new: dict[str, tuple[torch.Tensor, range]] = {}
         for req in set(self.old) | {mv.req for mv in self.recv}:
-            need = m.dst_heads_of(req, me, self.dst_heads)
+            need = m.dst_heads_of(req, me)
             if need is None:
                 r.states.release(req)
                 continue
