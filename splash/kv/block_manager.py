@@ -58,14 +58,12 @@ class BlockManager:
         return [b for b in logical if b not in t]
 
     def ensure(self, req: str, logical: list[int]) -> list[tuple[int, int]]:
-        """Make sure `req` holds every logical block in `logical`; -> newly allocated (logical, physical).
-        All-or-nothing: raises OutOfBlocks without allocating anything if the pool is short."""
+        """Make sure `req` holds `logical`; -> newly allocated (logical, physical). All-or-nothing (OutOfBlocks)."""
         new = self.ensure_many([(req, logical)])
         return new[0][1] if new else []
 
     def ensure_many(self, needs: list[tuple[str, list[int]]]) -> list[tuple[str, list[tuple[int, int]]]]:
-        """`ensure` for one step's requests: -> [(req, new (logical, physical))] for those that got blocks.
-        All-or-nothing over the whole list; one pass."""
+        """`ensure` for one step's requests: -> [(req, new pages)] for those that got any. All-or-nothing."""
         tables, free, out, created = self._tables, self._free, [], []
         for req, logical in needs:
             t = tables.get(req)
@@ -102,8 +100,7 @@ class BlockManager:
         return phys
 
     def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]], created: list[str]) -> None:
-        """Give back what a failed `ensure_many` handed out (and the tables it created), restoring the free list's
-        order."""
+        """Give back what a failed `ensure_many` handed out and created, restoring the free list's order."""
         for req, new in reversed(allocated):
             t = self._tables[req]
             for b, p in reversed(new):
@@ -123,8 +120,7 @@ class BlockManager:
         return out
 
     def discard(self, req: str, logical: list[int]) -> list[int]:
-        """Drop the given logical blocks of `req` (those it holds); -> the physical ids freed (a block another request
-        still references, or a cached one, stays)."""
+        """Drop `req`'s `logical` blocks; -> the physical ids freed (shared or cached ones stay)."""
         freed = self.detach(req, logical)
         self._free.extend(freed)
         return freed

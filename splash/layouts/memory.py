@@ -152,8 +152,7 @@ def common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quan
 
 def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float,
                               weight_quant: str | None = None) -> float:
-    """Bytes of Q-B/KV-B/O over all layers on the rank holding the most (quantised shards can differ by a shared
-    partial scale block)."""
+    """Bytes of Q-B/KV-B/O over all layers on the rank holding the most (shards may share a scale block)."""
     layout = parse_layout(layout)
     check_heads(layout, cfg.num_attention_heads, world)
     if weight_quant is not None or describe(cfg).exact_weights:

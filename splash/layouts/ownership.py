@@ -103,8 +103,7 @@ def kv_copies(layout: Layout | str, world: int) -> int:
 
 
 def distinct_kv_tokens(layout: Layout | str, blocks_per_rank: int, block_size: int, world: int) -> int:
-    """Distinct KV tokens a group of ``world`` ranks with ``blocks_per_rank`` usable blocks each holds in
-    ``layout``."""
+    """Distinct KV tokens ``world`` ranks of ``blocks_per_rank`` usable blocks hold in ``layout``."""
     return blocks_per_rank * block_size * world // kv_copies(layout, world)
 
 

@@ -22,8 +22,7 @@ from splash.layouts.ownership import block_holders, cp_block_rank, kv_holders, n
 
 @dataclass(frozen=True)
 class CachedBlock:
-    """An idle cached block: hash ``h`` of logical block ``block_idx`` on ``rank`` in the source (listed oldest
-    first)."""
+    """An idle cached block: hash ``h`` of logical block ``block_idx`` on ``rank`` (listed oldest first)."""
     h: int
     block_idx: int
     rank: int
@@ -54,8 +53,7 @@ class BlockPlan:
 
 
 def _pick_source(holders, block_idx: int, world: int) -> int:
-    """Sender of a missing block: its CP home rank when that holds it (spreads senders out of TP), else the lowest
-    holder."""
+    """Sender of a missing block: its CP home rank if that holds it (spreads senders), else the lowest holder."""
     home = cp_block_rank(block_idx, world)
     return home if home in holders else min(holders)
 

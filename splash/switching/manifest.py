@@ -119,8 +119,7 @@ class Manifest:
         return _state_heads(self.dst, self.linear_heads, self.world, rank, self.owners.get(req))
 
     def freed_at_handoff(self, rank: int) -> tuple[tuple[str, int], ...]:
-        """`rank`'s discards that it sends nowhere: nothing reads them after the boundary, so they are freed before
-        the handoff step appends."""
+        """`rank`'s discards it sends nowhere: freed at the boundary, before the handoff step appends."""
         sent = {(mv.req, mv.block_idx) for mv in self.moves if mv.src_rank == rank and mv.h is None}
         hashed = dict(self.req_hashes)
         return tuple((q, b) for q, b in self.discard[rank] if (q, b) not in sent and b >= len(hashed.get(q, ())))

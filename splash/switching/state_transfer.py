@@ -20,8 +20,7 @@ _QUANT = {"f_b": (True, True), "b": (True, False), "g_b": (True, True), "o": (Fa
 
 
 def _split(w: KDAWeights) -> tuple[dict[str, torch.Tensor], dict[str, tuple[QuantWeight, bool, int]]]:
-    """Every head-indexed part of `w`: plain ones with heads as dim 0, quantised ones as (QuantWeight, by rows,
-    rows/columns per head)."""
+    """Every head-indexed part of `w`: plain ones heads first, quantised ones as (weight, by rows, per head)."""
     H, d = w.num_heads, w.head_dim
     hid = w.f_a.shape[1]
     plain = {"conv": w.conv.view(3, H, d, -1).transpose(0, 1), "dt_bias": w.dt_bias.view(H, d),
@@ -85,8 +84,7 @@ def pack_kda(w: KDAWeights) -> torch.Tensor:
 
 
 def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int) -> KDAWeights:
-    """All heads from every rank's packed shard (rank order; equal head shards of `w`'s shapes). Quantised parts
-    are reassembled with their scale blocks bit for bit (qweight.cat_rows / cat_cols)."""
+    """All heads from every rank's packed shard (rank order; each shaped as `w`), bit for bit."""
     plain, quant = _split(w)
     per = num_heads // world
     pieces: dict[str, list] = {k: [] for k in list(plain) + list(quant)}
