@@ -61,13 +61,8 @@ class Communicator(abc.ABC):
     """Collectives over a fixed group of ranks. Results are new tensors, except on a size-1 group, where one may be
     the input itself (do not modify the input while keeping the result)."""
 
-    @property
-    @abc.abstractmethod
-    def rank(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def size(self) -> int: ...
+    rank: int   # this process's rank in the group
+    size: int
 
     @abc.abstractmethod
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -186,13 +181,8 @@ def _displs(counts: Sequence[int]) -> list[int]:
 class SingleRankCommunicator(Communicator):
     """A group of one: every op is the identity (no MPI calls)."""
 
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def size(self) -> int:
-        return 1
+    rank = 0
+    size = 1
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -237,21 +227,8 @@ class MPICommunicator(Communicator):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self._comm = mpi_comm
-        self._rank = mpi_comm.Get_rank()
-        self._size = mpi_comm.Get_size()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def mpi_comm(self) -> Any:
-        return self._comm
+        self.mpi_comm = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
 
     # --- plans: (args, finish) shared by blocking and nonblocking forms ---
 
@@ -283,56 +260,56 @@ class MPICommunicator(Communicator):
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         args, finish = self._plan_all_reduce(t)
-        self._comm.Allreduce(*args)
+        self.mpi_comm.Allreduce(*args)
         return finish()
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = as_rows(t)
-        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
-        self._comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        self.mpi_comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
         return out
 
     def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
         args, finish = self._plan_all_gatherv(t, counts)
-        self._comm.Allgatherv(*args)
+        self.mpi_comm.Allgatherv(*args)
         return finish()
 
     def all_to_allv(self, t, send_counts, recv_counts=None) -> torch.Tensor:
         args, finish = self._plan_all_to_allv(t, send_counts, recv_counts)
-        self._comm.Alltoallv(*args)
+        self.mpi_comm.Alltoallv(*args)
         return finish()
 
     def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
-        _check_counts("send_counts", send_counts, self._size)
-        recv = np.empty(self._size, dtype=np.int64)
-        self._comm.Alltoall(np.asarray(send_counts, dtype=np.int64), recv)
+        _check_counts("send_counts", send_counts, self.size)
+        recv = np.empty(self.size, dtype=np.int64)
+        self.mpi_comm.Alltoall(np.asarray(send_counts, dtype=np.int64), recv)
         return recv.tolist()
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         src = t.detach().contiguous()
-        buf = src if self._rank == root else torch.empty_like(src)
-        self._comm.Bcast([_bytes(buf), self._MPI.BYTE], root=root)
+        buf = src if self.rank == root else torch.empty_like(src)
+        self.mpi_comm.Bcast([_bytes(buf), self._MPI.BYTE], root=root)
         return buf
 
     def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
-        return self._comm.bcast(obj, root=root)
+        return self.mpi_comm.bcast(obj, root=root)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
-        return self._comm.allgather(obj)
+        return self.mpi_comm.allgather(obj)
 
     def barrier(self) -> None:
-        self._comm.Barrier()
+        self.mpi_comm.Barrier()
 
     # --- nonblocking (count exchanges, when needed, are blocking) ---
 
     def iall_reduce(self, t: torch.Tensor) -> Handle:
         args, finish = self._plan_all_reduce(t)
-        return Handle(self._comm.Iallreduce(*args), finish, args)
+        return Handle(self.mpi_comm.Iallreduce(*args), finish, args)
 
     def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
         args, finish = self._plan_all_gatherv(t, counts)
-        return Handle(self._comm.Iallgatherv(*args), finish, args)
+        return Handle(self.mpi_comm.Iallgatherv(*args), finish, args)
 
     def iall_to_allv(self, t, send_counts, recv_counts=None) -> Handle:
         args, finish = self._plan_all_to_allv(t, send_counts, recv_counts)
-        return Handle(self._comm.Ialltoallv(*args), finish, args)
+        return Handle(self.mpi_comm.Ialltoallv(*args), finish, args)

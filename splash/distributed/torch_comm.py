@@ -62,23 +62,11 @@ class TorchCommunicator(Communicator):
         if (dist.get_rank(), dist.get_world_size()) != (mpi.rank, mpi.size):
             raise RuntimeError(f"torch.distributed rank {dist.get_rank()}/{dist.get_world_size()} does not match "
                                f"MPI rank {mpi.rank}/{mpi.size}")
-        self._mpi = mpi
+        self._mpi, self.rank, self.size = mpi, mpi.rank, mpi.size
+        self.mpi_comm = getattr(mpi, "mpi_comm", None)   # the control plane's, for StepChannel and the watchdog
         self.device = torch.device(device)
         self.backend = dist.get_backend()
         self._reduce_native = _NCCL_REDUCE if self.backend == "nccl" else NATIVE_REDUCE
-
-    @property
-    def rank(self) -> int:
-        return self._mpi.rank
-
-    @property
-    def size(self) -> int:
-        return self._mpi.size
-
-    @property
-    def mpi_comm(self) -> Any:
-        """The MPI communicator of the control plane (StepChannel and the watchdog use it)."""
-        return self._mpi.mpi_comm
 
     # --- plans shared by the blocking and nonblocking forms ---
 
