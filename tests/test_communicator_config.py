@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from splash.cli.args import build_config, build_parser
-from splash.config import ConfigError, ServeConfig, apply_overrides, load_serve_config
+from splash.config.serve_config import ServeConfig, apply_overrides, load_serve_config
+from splash.errors import ConfigError
 from splash.config.serve_config import default_communicator
 from splash.server import startup
 

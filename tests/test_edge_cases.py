@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splash.config import ServeConfig, apply_overrides
+from splash.config.serve_config import ServeConfig, apply_overrides
 from splash.distributed.communicator import SingleRankCommunicator
 from splash.engine.engine import Engine
 from splash.models.presets import preset_config
@@ -70,7 +70,7 @@ def test_auto_server_engine_builds_on_three_ranks_with_eight_heads(tiny_ckpt):
     cfg = apply_overrides(ServeConfig(), {"model": str(ckpt), "kv_cache_memory_bytes": 1 << 20})
     built = build_engine(cfg, comm, comm)
     assert built.engine.layout == "dp_attn"
-    from splash.config import ConfigError
+    from splash.errors import ConfigError
     with pytest.raises(ConfigError, match="tp"):
         build_engine(apply_overrides(cfg, {"layout": "tp"}), comm, comm)
 
@@ -82,7 +82,7 @@ class _FourRanks(SingleRankCommunicator):
 def test_budget_with_no_page_in_an_allowed_layout_fails_at_startup():
     """At 4 ranks, 1 MB of fp8 KV budget cannot even hold dp_attn/cp's replicated projections: max_model_len would
     be 0 and every request rejected, so the server must refuse to start and say which field to change."""
-    from splash.config import ConfigError
+    from splash.errors import ConfigError
     comm = _FourRanks()
     cfg = apply_overrides(ServeConfig(), {"layout": "dop", "kv_cache_memory_bytes": 1_000_000,
                                           "kv_cache_dtype": "fp8_e4m3", "block_size": 4})

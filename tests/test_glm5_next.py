@@ -119,7 +119,7 @@ def test_manifest_moves_recurrent_state(glm5):
     for r in range(2):
         n = sum(mv.dst_rank == r for mv in m.moves)
         heads = sum(mv.h1 - mv.h0 for mv in m.state_moves if mv.dst_rank == r)
-        assert n and m.total_kv_recv_bytes[r] == n * blk and m.total_weight_recv_bytes[r] == 0
+        assert n and m.kv_recv_total[r] == n * blk and m.weight_recv_total[r] == 0
         assert m.total_recv_bytes[r] == n * blk + heads * m.state_bytes_per_head > n * blk
 
 
@@ -153,7 +153,7 @@ def test_pool_equals_memory_model(kv_dtype, glm5, comm):
 
 def test_memory_model_counts_state(glm5, comm):
     """The KDA state the runner holds per request equals the memory model's, per layout; capacity reserves it."""
-    from splash.layouts.memory import kv_block_bytes, kv_capacity_tokens, recurrent_state_bytes, state_bytes_per_rank
+    from splash.layouts.memory import kv_block_bytes, kv_capacity_tokens, recurrent_state_bytes
 
     path = glm5("topk_low")[0]
     cfg, get = open_checkpoint(path)
@@ -161,11 +161,11 @@ def test_memory_model_counts_state(glm5, comm):
     prompts = random_prompts([5, 9], seed=5)
     reqs = [StepRequest(f"r{i}", 0, len(p)) for i, p in enumerate(prompts)]
     runner.step(StepBatch.build(reqs, prompts, [True, True]))
-    assert runner.states.nbytes() == sum(state_bytes_per_rank(cfg, "tp", 1, {"r0": 0, "r1": 0}))
+    assert runner.states.nbytes() == 2 * recurrent_state_bytes(cfg, "tp", 1)
     # 2 KDA layers x 8 heads x (8*8 + 3*8*3) fp32
     assert recurrent_state_bytes(cfg, "tp", 1) == 2 * 8 * (64 + 72) * 4
     assert recurrent_state_bytes(cfg, "tp", 2) * 2 == recurrent_state_bytes(cfg, "dp_attn", 2)
-    assert state_bytes_per_rank(cfg, "dp_attn", 2, {"a": 0, "b": 0}) == (2 * recurrent_state_bytes(cfg, "cp", 2), 0)
+    assert recurrent_state_bytes(cfg, "dp_attn", 2) == recurrent_state_bytes(cfg, "cp", 2)
     budget = 1 << 20
     plain = kv_capacity_tokens(cfg, "dop", 2, budget, 4, "float32", 4)
     held = kv_capacity_tokens(cfg, "dop", 2, budget, 4, "float32", 4, state_requests=16)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from splash.cli.args import build_config
-from splash.config import ConfigError, ServeConfig, load_serve_config
-from splash.config.serve_config import ServerSection
+from splash.config.serve_config import ServeConfig, ServerSection, load_serve_config
+from splash.errors import ConfigError
 from splash.server.startup import resolve_admin_token
 
 REPO = Path(__file__).resolve().parents[1]

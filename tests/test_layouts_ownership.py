@@ -4,8 +4,7 @@ from hypothesis import strategies as st
 
 from splash.layouts.layout import Layout, start_layout
 from splash.layouts.ownership import (NoCapacity, assign_owners, block_holders, blocks_held, cp_block_rank,
-                                      distinct_kv_tokens, head_range, kv_copies, kv_holders, num_blocks,
-                                      rebalance_owners)
+                                      distinct_kv_tokens, head_range, kv_copies, kv_holders, num_blocks)
 
 
 def test_head_range_sharded_and_replicated():
@@ -77,11 +76,11 @@ def test_assign_owners_rounds_to_blocks():
     assert assign_owners({"a": 64}, {}, 1, 100, block_size=64) == {"a": 0}
 
 
-def test_rebalance_owners_balances_and_is_deterministic():
+def test_fresh_owners_balance_and_are_deterministic():
     reqs = {f"r{i}": 1000 for i in range(8)}
-    owners = rebalance_owners(reqs, 4, None)
+    owners = assign_owners(reqs, {}, 4, None)
     assert sorted(owners.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert rebalance_owners(dict(reversed(list(reqs.items()))), 4, None) == owners
+    assert assign_owners(dict(reversed(list(reqs.items()))), {}, 4, None) == owners
 
 
 @settings(max_examples=200, deadline=None)
@@ -89,7 +88,7 @@ def test_rebalance_owners_balances_and_is_deterministic():
        st.sampled_from([1, 2, 4, 8]), st.one_of(st.none(), st.integers(0, 40000)))
 def test_assign_owners_properties(reqs, world, cap):
     try:
-        owners = rebalance_owners(reqs, world, cap)
+        owners = assign_owners(reqs, {}, world, cap)
     except NoCapacity as e:
         assert cap is not None and e.request in reqs
         return

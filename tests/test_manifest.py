@@ -75,7 +75,7 @@ def test_received_bytes_equal_block_moves():
         for r in range(4):
             assert m.kv_recv_bytes[r] == blk * sum(mv.dst_rank == r for mv in m.moves)
             assert m.kv_sent_bytes[r] == blk * sum(mv.src_rank == r for mv in m.moves)
-            assert m.total_kv_recv_bytes[r] == m.kv_recv_bytes[r] * GLM.num_hidden_layers
+            assert m.kv_recv_total[r] == m.kv_recv_bytes[r] * GLM.num_hidden_layers
         assert sum(m.kv_recv_bytes) == sum(m.kv_sent_bytes)
         assert sum(m.weight_recv_bytes) == pytest.approx(sum(m.weight_sent_bytes))
 
@@ -84,7 +84,7 @@ def test_weight_bytes_deepseek_v3():
     m = plan(TP, DP, world=8, cfg=DSV3, reqs={})
     assert m.weight_recv_bytes == (switch_receive_bytes(DSV3, TP, DP, 8, 2),) * 8
     assert m.weight_recv_bytes[0] / (1 << 20) == pytest.approx(287, abs=0.5)
-    assert m.total_weight_recv_bytes[0] == pytest.approx(m.weight_recv_bytes[0] * 61)
+    assert m.weight_recv_total[0] == pytest.approx(m.weight_recv_bytes[0] * 61)
     assert not m.moves and m.kv_recv_bytes == (0,) * 8
 
 

@@ -3,8 +3,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splash.layouts.layout import Layout
-from splash.layouts.memory import (common_params, kv_bytes_per_token_layer, kv_capacity_tokens, matrix_bytes,
-                                   per_rank_memory, projection_bytes_per_rank, projection_params,
+from splash.layouts.ownership import kv_holders, num_blocks
+from splash.layouts.memory import (common_bytes, common_params, kv_block_bytes, kv_bytes_per_token_layer,
+                                   kv_capacity_tokens, matrix_bytes, projection_bytes_per_rank, projection_params,
                                    projection_recv_bytes, projection_shard_bytes, rank_weight_bytes,
                                    switch_receive_bytes)
 from splash.models.config import model_config_from_dict
@@ -81,27 +82,33 @@ def test_indexer_weights_counted(glm):
     assert common_params(glm) - common_params(no_dsa) == per_layer * 78
 
 
+def _kv_blocks(layout, world, live, block_size):
+    """Per rank, the KV blocks of `live` (request -> (tokens, owner)) it holds in `layout`."""
+    blocks = [0] * world
+    for tokens, owner in live.values():
+        for held in kv_holders(layout, num_blocks(tokens, block_size), owner, world):
+            for r in held:
+                blocks[r] += 1
+    return tuple(blocks)
+
+
 def test_per_rank_memory_kv_placement(glm):
     live = {"a": (1000, 0), "b": (64, 1), "c": (65, 1)}
     blk = 788 * 64 * 78
-    tp = per_rank_memory(glm, Layout.TP, 4, 1, "fp8_e4m3", live, 64)
-    assert tp.kv_blocks == (16 + 1 + 2,) * 4
-    dop = per_rank_memory(glm, Layout.DOP, 4, 1, "fp8_e4m3", live, 64)
-    assert dop.kv_blocks == (16, 3, 0, 0) and dop.kv == (16 * blk, 3 * blk, 0, 0)
-    dp = per_rank_memory(glm, Layout.DP_ATTN, 4, 1, "fp8_e4m3", live, 64)
-    assert dp.kv_blocks == dop.kv_blocks
-    cp = per_rank_memory(glm, Layout.CP, 4, 1, "fp8_e4m3", live, 64)
+    assert kv_block_bytes(glm, "fp8_e4m3", 64) == blk
+    tp = _kv_blocks(Layout.TP, 4, live, 64)
+    assert tp == (16 + 1 + 2,) * 4
+    dop = _kv_blocks(Layout.DOP, 4, live, 64)
+    assert dop == (16, 3, 0, 0)
+    assert _kv_blocks(Layout.DP_ATTN, 4, live, 64) == dop
+    cp = _kv_blocks(Layout.CP, 4, live, 64)
     # CP: block round-robin rotated by each request's anchor rank (its owner): a from 0, b and c from 1
-    assert cp.kv_blocks == (4, 4 + 1 + 1, 4 + 1, 4)
-    assert sum(cp.kv_blocks) == sum(dop.kv_blocks) == tp.kv_blocks[0]
-    assert dp.projections == pytest.approx(4 * dop.projections)
-    assert tp.projections == dop.projections and dp.projections == cp.projections
-    assert dp.common == dop.common == tp.common == cp.common
-    assert dop.total(0) == dop.common + dop.projections + dop.kv[0] and dop.peak == dop.total(0)
-    none = per_rank_memory(glm, Layout.CP, 4, 1, "fp8_e4m3", None, 64, scratch_bytes=5, reserve_bytes=7)
-    assert none.kv == (0,) * 4 and none.total(2) == none.common + none.projections + 12
-    with pytest.raises(ValueError, match="'x'"):
-        per_rank_memory(glm, Layout.DOP, 4, 1, "fp8_e4m3", {"x": (10, None)}, 64)
+    assert cp == (4, 4 + 1 + 1, 4 + 1, 4)
+    assert sum(cp) == sum(dop) == tp[0]
+    proj = {lay: projection_bytes_per_rank(glm, lay, 4, 1) for lay in Layout}
+    assert proj[Layout.DP_ATTN] == pytest.approx(4 * proj[Layout.DOP])
+    assert proj[Layout.TP] == proj[Layout.DOP] and proj[Layout.DP_ATTN] == proj[Layout.CP]
+    assert common_bytes(glm, 4, 1, None) == common_params(glm, 4)
 
 
 def test_capacity_ordering_glm_fp8_t8(glm):
@@ -196,7 +203,7 @@ def test_capacity_with_quantised_weights(glm):
         freed = caps[Layout.DOP].room_bytes_per_rank - caps[Layout.DP_ATTN].room_bytes_per_rank
         assert freed == (projection_shard_bytes(glm, range(64), 2, q)
                          - projection_shard_bytes(glm, range(8), 2, q)) * 78
-        mem = per_rank_memory(glm, Layout.DOP, 8, 2, "fp8_e4m3", None, 64, weight_quant=q)
-        assert mem.common + mem.projections == max(rank_weight_bytes(glm, Layout.DOP, 8, r, 2, q) for r in range(8))
+        model = common_bytes(glm, 8, 2, q) + projection_bytes_per_rank(glm, Layout.DOP, 8, 2, q)
+        assert model == max(rank_weight_bytes(glm, Layout.DOP, 8, r, 2, q) for r in range(8))
     with pytest.raises(ValueError, match="nf4"):
         matrix_bytes(4, 4, 1, "nf4")

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from splash.cli.args import build_config, build_parser, main_guard
-from splash.config import (
+from splash.config.serve_config import (
     CacheSection,
-    ConfigError,
     ServeConfig,
     apply_overrides,
     load_serve_config,
 )
 from splash.config.yaml_loader import parse_size
+from splash.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

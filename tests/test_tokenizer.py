@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splash.config import ConfigError
+from splash.errors import ConfigError
 from splash.tokenizer import (
     BYTE_SPECIAL_TOKENS,
     IncrementalDetokenizer,

@@ -1,9 +1,5 @@
-"""Command-line flags of ``splash-serve``: YAML config first, then the flags actually given override it.
-
-Every flag maps to one ServeConfig field (the table ``FLAGS``); flags default to ``argparse.SUPPRESS`` so
-the parsed namespace holds only what the user typed, which is exactly the override dict. A flag's choices are
-its field's (``serve_config``), and sizes such as '64MiB' are parsed by the config as YAML values are.
-"""
+"""Command-line flags of ``splash-serve``: each overrides one ServeConfig field (``FLAGS``; choices are the field's).
+Flags default to ``argparse.SUPPRESS``, so the parsed namespace is exactly the override dict."""
 from __future__ import annotations
 
 import argparse
@@ -162,10 +158,7 @@ def build_parser(prog: str = "splash-serve") -> argparse.ArgumentParser:
 
 
 def build_config(argv: Sequence[str] | None = None) -> ServeConfig:
-    """Parse ``argv`` (default ``sys.argv[1:]``): load --config if given, then apply the flags given.
-
-    Raises ConfigError for any bad flag, file or value. ``--help`` prints and exits 0 (argparse).
-    """
+    """Parse ``argv``: load --config if given, then apply the flags given (ConfigError for anything bad)."""
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config", None)
     args.pop("check", None)
@@ -174,10 +167,7 @@ def build_config(argv: Sequence[str] | None = None) -> ServeConfig:
 
 
 def main_guard(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Decorator: run ``fn``; on ConfigError print 'error: <msg>' to stderr and return 2, else fn's code.
-
-    Usage: ``main = main_guard(_main)`` then ``sys.exit(main())``.
-    """
+    """Decorator: run ``fn``; on ConfigError print 'error: <msg>' to stderr and return 2, else fn's code."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> int:
         try:

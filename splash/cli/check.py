@@ -1,11 +1,8 @@
 """``splash-serve --config X --check``: validate a serving config on this machine and print what would run.
 
-One process, no MPI job, no model weights read: the config (every field, as at start), the model (its
-config.json when the directory is here, else the splash-sim preset named like `server.served_model_name`), the
-world size (parallel.world_size, else the hardware profile's group), the layouts that fit its heads, the backend
-and attention kernel (and whether this machine has them), and the per-rank memory budget with each layout's KV
-capacity. Exit 0 when the config is valid, even if this machine lacks the hardware (the report says what start
-would refuse); exit 2 for an invalid config.
+One process, no MPI job, no weights read (a model directory that is not here is the splash-sim preset named like
+`server.served_model_name`). Exit 0 when the config is valid, even if this machine lacks the hardware (the report
+says what start would refuse); exit 2 for an invalid config.
 """
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """``splash-serve``: run under ``mpirun -n N``; rank 0 serves HTTP and drives the engine, the others follow.
 
-Startup is agreed between ranks phase by phase (``splash.server.startup``): a bad flag or YAML, a missing
-checkpoint or a busy port prints ``error: <message>`` once (rank 0) and every rank exits 2. Serving: rank 0
-runs the HTTP front end (``splash.server.frontend``) and the engine thread; ranks ≠ 0 run ``engine.follow()``
-until rank 0 broadcasts stop. SIGINT/SIGTERM on rank 0 (or on mpiexec, which forwards it) drains and stops
-every rank (exit 0); a follower that gets SIGINT/SIGTERM alone says so once and keeps serving (stop the job
-through rank 0 or mpiexec). The heartbeat watchdog (``server.collective_timeout_s``) aborts all ranks, naming
-the rank, when a rank dies or stops answering; a slow step is not a fault.
+Startup is agreed between ranks phase by phase (``splash.server.startup``): any error prints ``error: <message>``
+once (rank 0) and every rank exits 2. SIGINT/SIGTERM on rank 0 (or mpiexec) drains and stops every rank; a
+follower signalled alone says so and keeps serving. The heartbeat watchdog aborts all ranks when one dies or stops
+answering; a slow step is not a fault.
 """
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import socket
@@ -28,13 +26,8 @@ class _QuietExit(Exception):
 
 
 def _load_config(argv: Sequence[str] | None, rank: int):
-    devnull = open(os.devnull, "w") if rank else None  # --help prints once
-    with redirect_stdout(devnull) if devnull else nullcontext():
-        try:
-            return build_config(argv)
-        finally:
-            if devnull:
-                devnull.close()
+    with redirect_stdout(io.StringIO()) if rank else nullcontext():   # --help prints once
+        return build_config(argv)
 
 
 def _ignore_stop_signals(rank: int) -> None:

@@ -1,21 +1,9 @@
 """Serving configuration: frozen dataclasses loaded from YAML, overridden by CLI flags (no torch).
 
-A YAML file has up to six sections, each a mapping (field names follow vLLM where vLLM has one)::
-
-    model:     {model, preset, dtype, seed, tokenizer, max_model_len}
-    parallel:  {world_size, backend, attention_backend, communicator}
-    layout:    {layout, allowed_layouts, switch_mode, switch_margin, hardware_profile}
-    cache:     {kv_cache_dtype, layout_kv_dtypes, block_size, gpu_memory_utilization, kv_cache_memory_bytes,
-                num_kv_blocks, enable_prefix_caching}
-    scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, preemption_mode}
-    server:    {host, port, admin_token, admin_token_file, served_model_name, quiet, collective_timeout_s,
-                max_request_body_bytes, read_timeout_s, max_seqs_per_request, max_waiting_seqs, drain_timeout_s,
-                tool_call_parser, reasoning_parser}
-
-Unknown keys, wrong types and out-of-range values are ``ConfigError``s naming the file and the field
-(``cache.block_size``). Every section is a frozen pydantic dataclass (strict: no string is taken for a number,
-no bool for an int) that validates itself when it is built, so a config built in code is checked the same way as
-one read from a file; ``ServeConfig`` adds the cross-section checks.
+A YAML file has up to six sections (``SECTIONS``; field names follow vLLM where vLLM has one). Unknown keys, wrong
+types and out-of-range values are ``ConfigError``s naming the file and the field (``cache.block_size``). Every
+section is a strict frozen pydantic dataclass that validates itself when built, so a config built in code is
+checked like one read from a file; ``ServeConfig`` adds the cross-section checks.
 """
 from __future__ import annotations
 
@@ -45,10 +33,8 @@ _ATTENTION_FOR_BACKEND = {"cpu": ("torch", "triton"), "cuda": ("torch", "flashin
 _DEFAULT_ATTENTION = {"cpu": "torch", "cuda": "flashinfer", "hip": "aiter", "auto": "torch"}
 KV_CACHE_DTYPES = KV_DTYPES
 Size = Annotated[int, BeforeValidator(lambda v: parse_size(v) if isinstance(v, str) else v)]   # 67108864, "64MiB"
-# Page sizes (cache.block_size) our Triton MLA kernel is compiled and checked for ahead of time on every GPU target
-# (splash.attention.kernels.triton_aot compiles each of them; tests/test_triton_aot.py). On a GPU every attention
-# kernel but the torch reference may run it (flashinfer / aiter fall back to it), so there the page size is one of
-# these; the first is the GPU default.
+# Page sizes our Triton MLA kernel is compiled and checked for ahead of time (splash.attention.kernels.triton_aot);
+# on a GPU every attention kernel but torch may fall back to it, so the page size is one of these (first: default).
 GPU_BLOCK_SIZES = (64,)
 CPU_BLOCK_SIZE = 16
 
@@ -63,8 +49,7 @@ def gpu_block_size_error(block_size: int, attention_backend: str) -> str | None:
 
 
 def _section(name: str):
-    """Make a config section: a frozen pydantic dataclass (strict, finite numbers) whose validation errors are
-    ConfigErrors naming ``name.field`` (yaml_loader.field_error)."""
+    """Make a config section: a strict frozen pydantic dataclass whose errors are ConfigErrors naming ``name.field``."""
     def make(cls: type) -> type:
         cls = pydantic.dataclasses.dataclass(cls, frozen=True,
                                              config=ConfigDict(strict=True, allow_inf_nan=False))
@@ -111,8 +96,7 @@ class ParallelSection:
 
 
 def default_communicator(backend: str) -> str:
-    """The data-plane communicator a device backend gets when the config names none: mpi on cpu (the engine
-    ran slower on gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on the GPU backends."""
+    """mpi on cpu (the engine ran slower on gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on GPUs."""
     return "mpi" if backend == "cpu" else "torch"
 
 
@@ -337,10 +321,7 @@ def _resolve_override_key(key: str) -> tuple[str, str]:
 
 
 def apply_overrides(cfg: ServeConfig, overrides: dict[str, Any], source: str = "overrides") -> ServeConfig:
-    """Return ``cfg`` with fields replaced; keys are field names ('port') or 'section.field' ('server.port').
-
-    Values are validated exactly as YAML values are; errors are prefixed with ``source``.
-    """
+    """``cfg`` with fields replaced (keys 'port' or 'server.port'), validated as YAML values are."""
     try:
         per_section: dict[str, dict[str, Any]] = {}
         for key, value in overrides.items():

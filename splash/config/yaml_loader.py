@@ -1,12 +1,5 @@
-"""Strict YAML → frozen-dataclass plumbing shared by the serving config (no torch).
-
-* ``read_yaml_mapping`` reads a file whose top level must be a mapping; syntax errors name the line,
-  duplicate keys are errors (PyYAML silently keeps the last one otherwise).
-* ``field_error`` turns pydantic's first complaint about a config section (a pydantic dataclass: types,
-  ranges and choices are validated there) into a ConfigError naming the field as ``section.field`` and what it
-  must be; the loader adds the file name in front.
-* ``unknown_key_error`` builds the "unknown key ... did you mean ..." message.
-"""
+"""Strict YAML → config plumbing (no torch): syntax errors name the line, duplicate keys are errors (PyYAML keeps
+the last one otherwise), and pydantic's complaints become ConfigErrors naming ``section.field``."""
 from __future__ import annotations
 
 import difflib
@@ -130,8 +123,7 @@ def _describe(value: Any) -> str:
 
 
 def field_error(e: ValidationError, section: str, cls: type) -> ConfigError:
-    """The first error of validating a config section (a pydantic dataclass) as a ConfigError naming the field
-    (``section.field``, a mapping's key after it) and what the field must be: its type, range or choices."""
+    """The first error of validating a config section as a ConfigError naming the field and what it must be."""
     err = e.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"] if not isinstance(p, int) and p != "[key]"]
     kind, value, ctx = err["type"], err["input"], err.get("ctx", {})

@@ -7,17 +7,14 @@ from splash.distributed.communicator import (
     SingleRankCommunicator,
 )
 from splash.distributed.launch import (
-    COMMUNICATORS,
     DistContext,
     init_dist,
     init_torch_distributed,
     make_communicator,
-    torch_dist_backend,
 )
 from splash.distributed.torch_comm import TorchCommunicator
 
 __all__ = [
-    "COMMUNICATORS",
     "Communicator",
     "DistContext",
     "Handle",
@@ -27,5 +24,4 @@ __all__ = [
     "init_dist",
     "init_torch_distributed",
     "make_communicator",
-    "torch_dist_backend",
 ]

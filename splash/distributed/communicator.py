@@ -1,12 +1,8 @@
 """Collective communication on tensors, passed explicitly to whoever needs it.
 
-`Communicator` is the interface; `MPICommunicator` implements it on CPU tensors with mpi4py
-(numpy views of contiguous tensors; dtypes MPI cannot reduce are summed in float32 and cast back;
-data-movement collectives always travel as bytes, so bf16/fp8 need no MPI type); and
-`SingleRankCommunicator` makes every op an identity so size-1 code paths make no MPI calls.
-
-Row convention: gathers and all-to-all move rows along dim 0; every rank passes the same trailing
-shape and dtype, even when it contributes zero rows.
+`MPICommunicator` moves data as bytes (so bf16/fp8 need no MPI type) and sums dtypes MPI cannot reduce in float32;
+`SingleRankCommunicator` makes size-1 paths call no MPI. Gathers and all-to-all move rows along dim 0; every rank
+passes the same trailing shape and dtype, even with zero rows.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -26,10 +23,7 @@ NATIVE_REDUCE = frozenset(
 
 
 class Handle:
-    """An in-flight collective: `wait()` returns the result tensor, `test()` polls completion.
-
-    Holds the send/receive buffers until the collective completes.
-    """
+    """An in-flight collective (holding its buffers until complete): `wait()` -> the result, `test()` polls."""
 
     def __init__(self, request: Any, finish: Callable[[], torch.Tensor], keep: Any = ()) -> None:
         self._request = request
@@ -64,20 +58,11 @@ class Handle:
 
 
 class Communicator(abc.ABC):
-    """Collectives over a fixed group of ranks.
+    """Collectives over a fixed group of ranks. Results are new tensors, except on a size-1 group, where one may be
+    the input itself (do not modify the input while keeping the result)."""
 
-    Tensor ops return the result as a tensor. On a group of size > 1 it is a new tensor and the
-    input is left untouched; on a size-1 group it may be the input itself, so do not modify the
-    input afterwards while keeping the result.
-    """
-
-    @property
-    @abc.abstractmethod
-    def rank(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def size(self) -> int: ...
+    rank: int   # this process's rank in the group
+    size: int
 
     @abc.abstractmethod
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -89,10 +74,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
-        """Dim-0 sizes may differ (incl. 0); concatenated in rank order.
-
-        `counts` (rows per rank) skips the count exchange when the caller knows it.
-        """
+        """Dim-0 sizes may differ (incl. 0); concatenated in rank order. `counts` skips the count exchange."""
 
     @abc.abstractmethod
     def all_to_allv(
@@ -101,10 +83,8 @@ class Communicator(abc.ABC):
         send_counts: Sequence[int],
         recv_counts: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """`t` holds rows for rank 0, then rank 1, ...; returns received rows in source-rank order.
-
-        `recv_counts=None` exchanges counts first (see `exchange_counts`).
-        """
+        """`t` holds rows for rank 0, then rank 1, ...; -> received rows in source-rank order (`recv_counts=None`
+        exchanges counts first)."""
 
     @abc.abstractmethod
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -162,8 +142,7 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[torch.Tensor, Sequence[int]]:
-    """An all-gatherv's checked inputs on `comm`: (t as contiguous rows, the per-rank row counts — all-gathered
-    when None); ValueError when t has no row dimension or the counts do not fit."""
+    """An all-gatherv's checked inputs: (t as contiguous rows, per-rank row counts, gathered when None)."""
     if t.dim() == 0:
         raise ValueError("all_gatherv needs a tensor with a row dimension")
     src = as_rows(t)
@@ -177,9 +156,7 @@ def gatherv_rows(comm, t: torch.Tensor, counts: Sequence[int] | None) -> tuple[t
 
 def alltoallv_rows(comm, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int] | None
                    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """An all-to-allv's checked inputs on `comm`: (t as contiguous rows, the empty output, send and receive sizes
-    in bytes per rank); the receive counts are exchanged when None. ValueError when t has no row dimension or the
-    counts do not fit."""
+    """An all-to-allv's checked inputs: (t as contiguous rows, the output, send and receive bytes per rank)."""
     if t.dim() == 0:
         raise ValueError("all_to_allv needs a tensor with a row dimension")
     src = as_rows(t)
@@ -198,23 +175,14 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _displs(counts: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
+    return [0, *accumulate(counts)][:len(counts)]
 
 
 class SingleRankCommunicator(Communicator):
     """A group of one: every op is the identity (no MPI calls)."""
 
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def size(self) -> int:
-        return 1
+    rank = 0
+    size = 1
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -259,21 +227,8 @@ class MPICommunicator(Communicator):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self._comm = mpi_comm
-        self._rank = mpi_comm.Get_rank()
-        self._size = mpi_comm.Get_size()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def mpi_comm(self) -> Any:
-        return self._comm
+        self.mpi_comm = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
 
     # --- plans: (args, finish) shared by blocking and nonblocking forms ---
 
@@ -305,56 +260,56 @@ class MPICommunicator(Communicator):
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         args, finish = self._plan_all_reduce(t)
-        self._comm.Allreduce(*args)
+        self.mpi_comm.Allreduce(*args)
         return finish()
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = as_rows(t)
-        out = torch.empty((self._size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
-        self._comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        self.mpi_comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
         return out
 
     def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
         args, finish = self._plan_all_gatherv(t, counts)
-        self._comm.Allgatherv(*args)
+        self.mpi_comm.Allgatherv(*args)
         return finish()
 
     def all_to_allv(self, t, send_counts, recv_counts=None) -> torch.Tensor:
         args, finish = self._plan_all_to_allv(t, send_counts, recv_counts)
-        self._comm.Alltoallv(*args)
+        self.mpi_comm.Alltoallv(*args)
         return finish()
 
     def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
-        _check_counts("send_counts", send_counts, self._size)
-        recv = np.empty(self._size, dtype=np.int64)
-        self._comm.Alltoall(np.asarray(send_counts, dtype=np.int64), recv)
+        _check_counts("send_counts", send_counts, self.size)
+        recv = np.empty(self.size, dtype=np.int64)
+        self.mpi_comm.Alltoall(np.asarray(send_counts, dtype=np.int64), recv)
         return recv.tolist()
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         src = t.detach().contiguous()
-        buf = src if self._rank == root else torch.empty_like(src)
-        self._comm.Bcast([_bytes(buf), self._MPI.BYTE], root=root)
+        buf = src if self.rank == root else torch.empty_like(src)
+        self.mpi_comm.Bcast([_bytes(buf), self._MPI.BYTE], root=root)
         return buf
 
     def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
-        return self._comm.bcast(obj, root=root)
+        return self.mpi_comm.bcast(obj, root=root)
 
     def all_gather_obj(self, obj: Any) -> list[Any]:
-        return self._comm.allgather(obj)
+        return self.mpi_comm.allgather(obj)
 
     def barrier(self) -> None:
-        self._comm.Barrier()
+        self.mpi_comm.Barrier()
 
     # --- nonblocking (count exchanges, when needed, are blocking) ---
 
     def iall_reduce(self, t: torch.Tensor) -> Handle:
         args, finish = self._plan_all_reduce(t)
-        return Handle(self._comm.Iallreduce(*args), finish, args)
+        return Handle(self.mpi_comm.Iallreduce(*args), finish, args)
 
     def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
         args, finish = self._plan_all_gatherv(t, counts)
-        return Handle(self._comm.Iallgatherv(*args), finish, args)
+        return Handle(self.mpi_comm.Iallgatherv(*args), finish, args)
 
     def iall_to_allv(self, t, send_counts, recv_counts=None) -> Handle:
         args, finish = self._plan_all_to_allv(t, send_counts, recv_counts)
-        return Handle(self._comm.Ialltoallv(*args), finish, args)
+        return Handle(self.mpi_comm.Ialltoallv(*args), finish, args)

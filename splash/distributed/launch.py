@@ -22,12 +22,8 @@ class DistContext:
 
 
 def init_dist() -> DistContext:
-    """Learn rank, size and node-local rank from MPI's `COMM_WORLD`.
-
-    Without `mpiexec`, mpi4py's singleton init gives one rank. A size-1 group gets a
-    `SingleRankCommunicator`; larger groups get an `MPICommunicator` on a duplicate of the
-    communicator, so our traffic never mixes with other users of it.
-    """
+    """Rank, size and node-local rank from MPI's `COMM_WORLD` (one rank without mpiexec); a larger group gets an
+    `MPICommunicator` on a duplicate of it, so our traffic never mixes with other users'."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -50,11 +46,8 @@ def set_threads(ctx: DistContext) -> int:
 
 
 def init_torch_distributed(ctx: DistContext, backend: str) -> None:
-    """Start a torch.distributed process group (e.g. "nccl", "gloo") over the MPI ranks.
-
-    Rank 0 opens a TCPStore on a free port and broadcasts the port over MPI. The store host is
-    $MASTER_ADDR, else 127.0.0.1 when all ranks share a node, else rank 0's hostname.
-    """
+    """Start a torch.distributed process group over the MPI ranks: rank 0 opens a TCPStore on a free port and
+    broadcasts it over MPI; host $MASTER_ADDR, else 127.0.0.1 on one node, else rank 0's hostname."""
     import torch.distributed as dist
 
     names = ctx.comm.all_gather_obj(socket.gethostname())
@@ -91,8 +84,7 @@ COMMUNICATORS = ("mpi", "torch")
 
 
 def torch_dist_backend(device_backend: str) -> str:
-    """The torch.distributed backend for a device backend: gloo on cpu, "nccl" on cuda and hip (torch's
-    "nccl" backend is NCCL on CUDA builds and RCCL on ROCm builds)."""
+    """gloo on cpu, "nccl" on cuda and hip (RCCL on ROCm builds)."""
     return "gloo" if device_backend == "cpu" else "nccl"
 
 
@@ -111,14 +103,9 @@ def check_communicator(kind: str, device_backend: str = "cpu") -> None:
 
 
 def make_communicator(kind: str, ctx: DistContext, device_backend: str = "cpu") -> Communicator:
-    """The data-plane communicator of `kind` ("mpi" | "torch") over `ctx`'s ranks.
-
-    "mpi" is `ctx.comm`. "torch" starts torch.distributed once per process (rendezvous over MPI, see
-    `init_torch_distributed`) with `torch_dist_backend(device_backend)` and wraps it in a `TorchCommunicator`
-    whose objects, counts and barriers still go over `ctx.comm`. A group of one needs no collectives: both kinds
-    give `ctx.comm` (a `SingleRankCommunicator`). The communicator's own tensors live on the cpu for gloo, on
-    cuda:<local_rank mod visible GPUs> for nccl.
-    """
+    """The data-plane communicator of `kind` ("mpi" | "torch") over `ctx`'s ranks: `ctx.comm` for mpi or a group
+    of one, else a `TorchCommunicator` (torch.distributed started once per process; its tensors on
+    cuda:<local_rank mod GPUs> for nccl)."""
     check_communicator(kind, device_backend)
     if kind == "mpi" or ctx.world_size == 1:
         return ctx.comm

@@ -1,18 +1,10 @@
 """Collectives over a torch.distributed process group: NCCL on CUDA torch, RCCL on ROCm torch, gloo on CPU.
 
-`TorchCommunicator` implements the `Communicator` interface on the tensor data plane and keeps MPI as the
-control plane: pickled objects (step plans, errors), row counts and barriers go over the MPI communicator the
-process group was rendezvoused on, so a count exchange never costs a device round trip and the watchdog /
-`StepChannel` still find an MPI communicator (`mpi_comm`) to poll and abort.
-
-What travels how (checked against torch 2.13's gloo, see tests/distributed):
-- every data-movement collective moves flat uint8 bytes, so bf16 / fp8 / int8 need no backend type
-  (gloo has no fp8 type at all);
-- all-gatherv pads each rank's rows to the largest count and all-gathers equal blocks (gloo's list
-  all-gather refuses uneven sizes); all-to-allv is `all_to_all_single` with byte split sizes;
-- all-reduce sums natively the dtypes MPI sums natively, plus fp16/bf16 on NCCL (its usual wire format);
-  anything else (fp8; bf16/fp16 on gloo, to match the MPI communicator bit for bit) is summed in float32
-  and cast back.
+Tensors go over the process group; objects, row counts and barriers stay on MPI (the control plane), so a count
+exchange costs no device round trip and the watchdog still has an MPI communicator to poll and abort. Data moves
+as flat uint8 bytes (gloo has no fp8 type); all-gatherv pads rows to the largest count (gloo's list all-gather
+refuses uneven sizes); all-reduce sums in float32 what MPI would (bf16/fp16 too on gloo, to match it bit for bit;
+natively on NCCL).
 """
 
 from __future__ import annotations
@@ -61,10 +53,8 @@ _Plan = tuple[Callable[[bool], Any], Callable[[], torch.Tensor], tuple[Any, ...]
 
 
 class TorchCommunicator(Communicator):
-    """Tensor collectives over the default torch.distributed group; objects, counts and barriers over `mpi`.
-
-    The group must span the same ranks in the same order as `mpi` (``init_torch_distributed`` builds it so).
-    """
+    """Tensor collectives over the default torch.distributed group (same ranks and order as `mpi`); objects,
+    counts and barriers over `mpi`."""
 
     def __init__(self, mpi: MPICommunicator, device: torch.device | str = "cpu") -> None:
         if not dist.is_initialized():
@@ -72,23 +62,11 @@ class TorchCommunicator(Communicator):
         if (dist.get_rank(), dist.get_world_size()) != (mpi.rank, mpi.size):
             raise RuntimeError(f"torch.distributed rank {dist.get_rank()}/{dist.get_world_size()} does not match "
                                f"MPI rank {mpi.rank}/{mpi.size}")
-        self._mpi = mpi
+        self._mpi, self.rank, self.size = mpi, mpi.rank, mpi.size
+        self.mpi_comm = getattr(mpi, "mpi_comm", None)   # the control plane's, for StepChannel and the watchdog
         self.device = torch.device(device)
         self.backend = dist.get_backend()
         self._reduce_native = _NCCL_REDUCE if self.backend == "nccl" else NATIVE_REDUCE
-
-    @property
-    def rank(self) -> int:
-        return self._mpi.rank
-
-    @property
-    def size(self) -> int:
-        return self._mpi.size
-
-    @property
-    def mpi_comm(self) -> Any:
-        """The MPI communicator of the control plane (StepChannel and the watchdog use it)."""
-        return self._mpi.mpi_comm
 
     # --- plans shared by the blocking and nonblocking forms ---
 

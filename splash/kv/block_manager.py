@@ -1,12 +1,8 @@
 """Block manager for one rank's paged KV pool — pure Python, no torch.
 
-Physical block ids are rank-local. Each request maps logical block index -> physical block; under CP a rank
-holds only some logical blocks of a request, so the table is a dict, not a list.
-
-Prefix caching: a full block can be registered under the hash of its tokens (and of the blocks before it); requests
-then share it by reference count (`attach`), and when its last reference goes it stays cached — evictable, not free
-— until rank 0 says to `evict` it (rank 0 decides every hit and eviction, from its mirror in the ledger, so every
-rank agrees on what is cached). A block no request references and no hash names is free.
+A request's table maps logical -> physical block (a dict: under CP a rank holds only some blocks). A full block
+may be named by its prefix hash; requests share it by reference count (`attach`), and with no reference left it
+stays cached until rank 0 says `evict` (rank 0 decides every hit and eviction, so every rank agrees).
 """
 from __future__ import annotations
 
@@ -62,34 +58,23 @@ class BlockManager:
         return [b for b in logical if b not in t]
 
     def ensure(self, req: str, logical: list[int]) -> list[tuple[int, int]]:
-        """Make sure `req` holds every logical block in `logical`; returns newly allocated (logical, physical).
-        All-or-nothing: raises OutOfBlocks without allocating anything if the pool is short."""
-        need = [b for b in dict.fromkeys(logical) if b not in self._tables.get(req, {})]
-        if len(need) > len(self._free):
-            raise OutOfBlocks(len(need), len(self._free))
-        table = self._tables.setdefault(req, {})
-        new = []
-        for b in need:
-            phys = self._free.pop()
-            self._ref[phys] = 1
-            table[b] = phys
-            new.append((b, phys))
-        return new
+        """Make sure `req` holds `logical`; -> newly allocated (logical, physical). All-or-nothing (OutOfBlocks)."""
+        new = self.ensure_many([(req, logical)])
+        return new[0][1] if new else []
 
     def ensure_many(self, needs: list[tuple[str, list[int]]]) -> list[tuple[str, list[tuple[int, int]]]]:
-        """`ensure` for one step's requests at once: [(req, logical blocks)] -> [(req, new (logical, physical))]
-        for the requests that got blocks, handing out the ids `ensure` would in turn. All-or-nothing over the
-        whole list (OutOfBlocks allocates nothing). O(requests + blocks), one pass."""
-        tables, free, out = self._tables, self._free, []
+        """`ensure` for one step's requests: -> [(req, new pages)] for those that got any. All-or-nothing."""
+        tables, free, out, created = self._tables, self._free, [], []
         for req, logical in needs:
             t = tables.get(req)
             if t is None:
                 t = tables[req] = {}
+                created.append(req)
             new = []
             for b in logical:
                 if b not in t:
                     if not free:
-                        self._undo(out + [(req, new)])
+                        self._undo(out + [(req, new)], created)
                         raise OutOfBlocks(sum(len(self.missing(r, list(dict.fromkeys(lg)))) for r, lg in needs),
                                           len(free))
                     t[b] = p = free.pop()
@@ -100,10 +85,8 @@ class BlockManager:
         return out
 
     def append_blocks(self, reqs: list[str], blocks: list[int]) -> list[int] | None:
-        """The decode case of `ensure_many`: request reqs[i] (distinct requests) gets logical block blocks[i],
-        which it does not hold yet; returns the physical ids (those `ensure` would hand out in turn), or None
-        (nothing allocated) when the case does not apply — a repeated request or an already held block: use
-        `ensure_many`. O(requests) in C loops (map over the tables), no per-request python."""
+        """The decode case of `ensure_many` (reqs[i], distinct, gets new logical block blocks[i]) in C loops: -> the
+        physical ids `ensure` would hand out, or None (nothing allocated) when the case does not apply."""
         tables, free, k = self._tables, self._free, len(reqs)
         tabs = list(map(tables.get, reqs))
         if None in tabs or len(set(reqs)) != k or any(map(dict.__contains__, tabs, blocks)):
@@ -116,15 +99,15 @@ class BlockManager:
         deque(map(self._ref.__setitem__, phys, repeat(1)), maxlen=0)
         return phys
 
-    def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        """Give back what a failed `ensure_many` handed out, restoring the free list's order."""
+    def _undo(self, allocated: list[tuple[str, list[tuple[int, int]]]], created: list[str]) -> None:
+        """Give back what a failed `ensure_many` handed out and created, restoring the free list's order."""
         for req, new in reversed(allocated):
             t = self._tables[req]
             for b, p in reversed(new):
                 del t[b]
                 self._ref[p] = 0
                 self._free.append(p)
-        for req in [r for r, t in self._tables.items() if not t]:
+        for req in created:
             del self._tables[req]
 
     def _unref(self, phys: list[int]) -> list[int]:
@@ -137,15 +120,9 @@ class BlockManager:
         return out
 
     def discard(self, req: str, logical: list[int]) -> list[int]:
-        """Drop the given logical blocks of `req` (those it holds); -> the physical ids freed (a block another request
-        still references, or a cached one, stays)."""
-        table = self._tables.get(req)
-        if table is None:
-            return []
-        freed = self._unref([table.pop(b) for b in logical if b in table])
+        """Drop `req`'s `logical` blocks; -> the physical ids freed (shared or cached ones stay)."""
+        freed = self.detach(req, logical)
         self._free.extend(freed)
-        if not table:
-            del self._tables[req]
         return freed
 
     def detach(self, req: str, logical: list[int]) -> list[int]:
@@ -164,10 +141,7 @@ class BlockManager:
 
     def release(self, req: str) -> list[int]:
         """Drop every block of `req`; -> the physical ids freed."""
-        table = self._tables.pop(req, {})
-        freed = self._unref(list(table.values()))
-        self._free.extend(freed)
-        return freed
+        return self.discard(req, list(self.table(req)))
 
     # ---- prefix cache ------------------------------------------------------------------------------------
     @property
@@ -183,8 +157,7 @@ class BlockManager:
         return h in self._cached
 
     def register(self, req: str, logical: int, h: int) -> bool:
-        """Name `req`'s full block `logical` by prefix hash `h` (unless `h` names a block already); -> whether it
-        did."""
+        """Name `req`'s full block `logical` by prefix hash `h` unless `h` names one already; -> whether it did."""
         if h in self._cached:
             return False
         p = self._tables[req][logical]
@@ -205,11 +178,7 @@ class BlockManager:
     def evict(self, hashes: list[int]) -> None:
         """Forget the cached blocks named `hashes` and free those no request references (the ledger evicts only
         those; one a request still references would stay with it, unnamed)."""
-        for h in hashes:
-            p = self._cached.pop(h)
-            del self._hash_of[p]
-            if not self._ref[p]:
-                self._free.append(p)
+        self._free.extend(self.forget(hashes))
 
     def block_of(self, h: int) -> int:
         """The physical block cached under `h`."""
@@ -229,8 +198,8 @@ class BlockManager:
         return p
 
     def forget(self, hashes: list[int]) -> list[int]:
-        """`evict` without freeing: forget the hashes; -> the blocks no request references, for `free_physical` once
-        nothing reads them (a switch may still be sending them)."""
+        """`evict` without freeing: -> the blocks no request references, for `free_physical` once a switch has sent
+        them."""
         out = []
         for h in hashes:
             p = self._cached.pop(h)

@@ -1,17 +1,10 @@
 """One rank's page tables as tensors, updated incrementally alongside the block manager.
 
-Every request this rank holds pages for has a row of two int32 tensors: `pages[row, j]` is the physical page of
-its j-th held page and `logical[row, j]` that page's logical block index (its positions are
-`logical * block_size + offset`), in increasing logical order. Under TP, DP-attn and DOP a rank holds every
-block of its requests (logical[row, j] = j); under CP it holds every T-th one (round-robin from the request's
-anchor), and the logical column says which. `npages[row]` counts the held pages.
-
-Updates cost O(pages changed): appending pages queues them for the row's end (as `array` columns; a decode
-step's one-page-per-request appends go through `append_pages` in C loops, see `ensure_step_pages`) and `flush`
-writes every queued page of the step in one scatter (the step's metadata flushes); releasing a request frees its row; a switch
-rewrites the rows of the requests whose pages it changed. Rows and columns grow by doubling (amortised
-O(1) per page). Attention reads the tables in place through each step's request rows
-(`splash.attention.metadata`), so nothing per step walks a request's history.
+A request's row holds `pages[row, j]`, the physical page of its j-th held page, and `logical[row, j]`, that page's
+logical block, in increasing order (under CP a rank holds every T-th block); `npages[row]` counts them. Updates
+cost O(pages changed): appends are queued as `array` columns and `flush` writes a step's in one scatter; a switch
+rewrites the rows it changed; rows and columns grow by doubling. Attention reads the tables in place, so nothing
+per step walks a request's history (at 256K tokens per-page python per step costs ~0.2 s).
 """
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ import torch
 
 def int_tensor(values: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
     """A 1-D int64 tensor on `device` from python ints, through an `array` buffer (several times faster than
-    `torch.tensor(list)`, which converts element by element); one copy when `device` is not the CPU."""
+    `torch.tensor(list)`)."""
     if not values:
         return torch.empty(0, dtype=torch.long, device=device)
     t = torch.frombuffer(array("q", values), dtype=torch.long)
@@ -107,8 +100,8 @@ class PageTable:
             count[req], last[req] = n + 1, b
 
     def append_pages(self, reqs: list[str], logical: list[int], phys: list[int]) -> None:
-        """The decode case of `append_many`: request reqs[i] (distinct, each with a row) gets one page (logical[i],
-        phys[i]) past its row's end. O(requests) in C loops; falls back to `append` when the case does not apply."""
+        """The decode case of `append_many` (reqs[i], distinct, gets page (logical[i], phys[i]) past its row's end)
+        in C loops; falls back to `append_many` when the case does not apply."""
         rows = list(map(self._row.get, reqs))
         last = list(map(self._last.get, reqs, repeat(-1)))
         if None in rows or not all(map(gt, logical, last)):
@@ -154,7 +147,8 @@ class PageTable:
         self._fit_cols(len(items))
         self.logical[r, :len(items)] = torch.tensor([b for b, _ in items], dtype=torch.int32, device=self.device)
         self.pages[r, :len(items)] = torch.tensor([p for _, p in items], dtype=torch.int32, device=self.device)
-        self._set_count(req, r, len(items), items[-1][0])
+        self.npages[r] = len(items)
+        self._count[req], self._last[req] = len(items), items[-1][0]
 
     @torch.inference_mode()
     def release(self, req: str) -> None:
@@ -172,10 +166,6 @@ class PageTable:
         self._free.append(r)
 
     # ---- internals ---------------------------------------------------------------------------------------
-    def _set_count(self, req: str, r: int, n: int, last: int) -> None:
-        self.npages[r] = n
-        self._count[req], self._last[req] = n, last
-
     @torch.inference_mode()
     def _new_row(self, req: str) -> int:
         if not self._free:
@@ -206,11 +196,9 @@ class PageTable:
 
 
 def ensure_step_pages(bm, tables: PageTable, reqs, keep=None) -> None:
-    """Allocate in `bm` (a `BlockManager`) the blocks the new tokens of the step requests `reqs` touch — those
-    `keep(q, block)` accepts, if given (CP: the blocks this rank holds) — and append them to `tables`, handing
-    out the physical ids a per-request `bm.ensure` in step order would. O(requests + new pages): in a decode
-    step the tokens that start a page take one block each in one block-manager call and one page-table call
-    (C loops, no per-request python beyond selecting them); a step with prefill chunks goes per request."""
+    """Allocate in `bm` the blocks the step's new tokens touch (those `keep(q, block)` accepts: CP's held ones) and
+    append them to `tables`, with the ids a per-request `bm.ensure` in step order would hand out. A decode step
+    takes its new pages in one block-manager and one page-table call (C loops)."""
     bs = tables.block_size
     if any(q.num_new > 1 for q in reqs):
         needs = []

@@ -1,30 +1,15 @@
 """Per-layer paged pools for the MLA latent KV (c_kv, k_rope and, when quantised, their scales).
 
-A slot is `physical_block * block_size + offset`. Blocks can be packed to raw bytes (data + scales, exactly as
-stored) so a layout switch moves them verbatim.
+A slot is `physical_block * block_size + offset`. Blocks pack to raw bytes exactly as stored, so a switch moves
+them verbatim. Each layer has its own KV dtype: a switch between dtypes converts layer by layer (`convert_layer`,
+block ids unchanged), so mid-handoff some layers are in the destination's format and later ones in the source's.
 
-Each layer has its own storage format (`kv_dtype_of(layer)`): a switch between layouts of different KV dtype
-converts the pool layer by layer (`convert_layer`: dequantise to fp32, requantise; physical block ids are
-unchanged), so during a live handoff the layers already converted are in the destination's format while later
-layers are still in the source's. `pack_blocks`/`unpack_blocks` always move a layer's bytes in its current format.
-
-DSA models keep one indexer key per token (index_dim values) in the layers that run an indexer
-(`index_layers`), in the same blocks and the same format family: fp32/bf16 as the latent, or FP8/INT8 with one
-fp32 scale per 128 values under a quantised KV dtype (DeepSeek-V3.2's FP8 indexer cache). They are part of the
-layer's block bytes, so a switch packs, moves and converts them with the KV blocks they index. `index_parts` > 1
-stores that many index_dim vectors per token side by side, each quantised on its own (GLM-5.3-Flash's KPool:
-the key and the pool gate logits, splash.models.kpool).
-
-On a GPU (`fused`, default: the device is not the CPU) a bf16 layer (FUSED_DTYPES) stores latent and rope key side
-by side in one tensor `fused[layer]` [blocks, block_size, d_c + d_r], and `ckv[layer]` / `kpe[layer]` are views
-of its two column ranges (token stride d_c + d_r): trtllm-gen MLA and AITER read exactly that [pages, page, 576]
-buffer, so the vendor wrappers hand them the pool itself with the requests' own page tables, and FlashInfer's
-split-layout wrapper takes the two strided views. Every other layer keeps separate contiguous ckv / kpe tensors
-(`fused[layer]` None): quantised layers carry their scales beside the latent, and on the CPU the torch kernel's
-bf16 GEMMs over strided views measured 1.7x slower (docs/benchmarks.md), while its C kernel walks contiguous
-fp32 pages. With `rope_fp8` (FlashInfer on SM90, whose FP8 MLA reads an e4m3 rope cache with one per-tensor
-scale) an fp8_e4m3 layer stores its rope key in e4m3 at quant.ROPE_FP8_SCALE instead of bf16. A switch moves a
-layer's bytes in its own layout; every rank of a job has the same one.
+DSA indexer keys (`index_parts` vectors of index_dim per token, each quantised on its own: GLM-5.3-Flash's KPool
+keeps key and gate logits) live in the same blocks and format family as the latent, so they move and convert with
+it. On a GPU (`fused`) a bf16 layer stores latent and rope key in one [blocks, page, d_c + d_r] tensor, the buffer
+trtllm-gen MLA and AITER read as is; `ckv`/`kpe` are views of it. Other layers keep separate contiguous tensors
+(on the CPU bf16 GEMMs over strided views measured 1.7x slower, docs/benchmarks.md). With `rope_fp8` (FlashInfer's
+FP8 MLA on SM90) an fp8_e4m3 layer stores its rope key in e4m3 at quant.ROPE_FP8_SCALE.
 """
 from __future__ import annotations
 
@@ -104,8 +89,7 @@ class PagedLatentCache:
         return [t for t in (self.ikey[layer], self.iscale[layer]) if t is not None]
 
     def _parts(self, layer: int) -> list[torch.Tensor]:
-        """Every tensor of the layer's blocks: latent, rope (, scales) (, indexer keys (, their scales)); a fused
-        layer's latent and rope are its one fused tensor."""
+        """Every tensor of the layer's blocks (a fused layer's latent and rope are its one fused tensor)."""
         latent = [self.fused[layer]] if self.fused[layer] is not None else self._latent(layer)
         return latent + self._index(layer)
 
@@ -135,11 +119,9 @@ class PagedLatentCache:
 
     # ---- format conversion -------------------------------------------------------------------------------
     def convert_layer(self, layer: int, kv_dtype: str, blocks: Sequence[int] | None = None) -> bool:
-        """Re-store `layer` in `kv_dtype` (dequantise to fp32 → requantise / cast), keeping block ids.
-
-        Only the contents of `blocks` (default: every block) are carried over; the others start zeroed. The old
-        and new tensors of this one layer coexist until it returns (the transient a switch must budget for).
-        Returns False (and does nothing) when the layer is already in `kv_dtype`."""
+        """Re-store `layer` in `kv_dtype` through fp32, keeping block ids and the contents of `blocks` (default:
+        all; the others start zeroed). Old and new tensors of this one layer coexist (the transient a switch
+        budgets for). False when the layer is already in `kv_dtype`."""
         quant.storage_dtypes(kv_dtype)  # validates the name
         if kv_dtype == self.layer_dtypes[layer]:
             return False

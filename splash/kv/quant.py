@@ -19,17 +19,15 @@ def is_quantized(kv_dtype: str) -> bool:
     return kv_dtype in _QMAX
 
 
+_STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.bfloat16),
+            "fp8_e4m3": (torch.float8_e4m3fn, torch.bfloat16), "int8": (torch.int8, torch.bfloat16)}
+
+
 def storage_dtypes(kv_dtype: str) -> tuple[torch.dtype, torch.dtype]:
     """(latent storage dtype, rope storage dtype)."""
-    if kv_dtype == "float32":
-        return torch.float32, torch.float32
-    if kv_dtype == "bfloat16":
-        return torch.bfloat16, torch.bfloat16
-    if kv_dtype == "fp8_e4m3":
-        return torch.float8_e4m3fn, torch.bfloat16
-    if kv_dtype == "int8":
-        return torch.int8, torch.bfloat16
-    raise ValueError(f"kv_cache_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if kv_dtype not in _STORAGE:
+        raise ValueError(f"kv_cache_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    return _STORAGE[kv_dtype]
 
 
 # An fp8 rope key (`rope_fp8` pools: FlashInfer's FP8 MLA reads the rope cache in fp8 with one per-tensor scale,

@@ -1,17 +1,10 @@
 """Per-request recurrent state of KDA linear-attention layers (GLM-5.3-Flash), held by request, not by block.
 
-A request's state on a rank is one fp32 tensor [L_lin, H_held, W]: for each KDA layer and each head this rank
-holds, the recurrent matrix S [d, d] then the short-conv inputs [3, d, K−1] (W = d·d + 3·d·(K−1),
-splash.models.kda.state_width). Which heads a rank holds follows the layout (splash.attention.hybrid): a
-head-range slice of every request (TP, DOP) or all heads of the requests it owns (DP-attn, CP). A switch moves
-whole rows of heads between ranks byte-exact (splash.switching.executor).
-
-Prefix-cache snapshots (splash.engine.state_snapshots, rank 0 decides every one): a copy of a request's state at a
-block boundary, named by the prefix hash of the block ending there, in the same form ([L_lin, H_held, W], this
-rank's heads). The step message names the boundaries to snapshot (`plan_snapshots`); the KDA layers fill each
-snapshot's layer row as they pass the boundary (`boundaries`, `keep`); a request starting on cached blocks takes a
-copy of the snapshot at their end (`restore`). Snapshots go when rank 0 says (`drop_snapshots`) and all of them at a
-layout switch (`clear_snapshots`).
+A request's state on a rank is one fp32 tensor [L_lin, H_held, W]: per KDA layer and held head, the recurrent
+matrix S [d, d] then the short-conv inputs [3, d, K−1] (splash.models.kda.state_width); the heads held follow the
+layout, and a switch moves whole rows of heads byte-exact. Prefix-cache snapshots (rank 0 decides every one) are
+copies of that tensor at a block boundary, named by the prefix hash of the block ending there, filled layer by
+layer as the KDA layers pass the boundary; a layout switch drops them all.
 """
 from __future__ import annotations
 

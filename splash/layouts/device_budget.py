@@ -1,17 +1,9 @@
 """Device memory budget of one rank from `cache.gpu_memory_utilization` — pure, no torch.
 
-    budget = device_memory_budget(cfg, world, device_bytes, 0.90, weight_bytes=2, kv_dtype="fp8_e4m3",
-                                  block_size=64, max_num_batched_tokens=16384, max_num_seqs=512)
-    budget.kv_pool_bytes      # -> the KV budget the engine sizes its pool with (kv_blocks_per_layout)
-
-The same memory model as the scheduler (splash.layouts.memory): usable = device × utilization − memory already
-in use (the CUDA/HIP context, other processes: `in_use_bytes`, measured at start as total − free). From it come,
-in order: the weights (common state + the most compact layout's Q-B/KV-B/O, as `kv_blocks_per_layout` counts
-them: a layout that replicates the projections spends KV blocks on them), activation scratch for one step, graph
-memory (CUDA/HIP graphs; 0 — none are captured yet), and the switch headroom — one layer's buffers on top of the
-layouts' footprint (design.md §4): the largest per-layer projection all-gather a switch receives, plus one layer's
-share of the KV pool (the blocks a layer moves, or the old + new tensors of a layer whose KV format converts).
-What remains is the KV pool, whole blocks.
+usable = device × utilization − memory in use at start; from it come the weights (common + the most compact
+layout's projections: a replicating layout spends KV blocks on the rest), one step's scratch, graphs (none yet),
+and the switch headroom — one layer's buffers on top of the footprint (design.md §4): the largest per-layer
+projection all-gather plus one layer's share of the pool (what a layer moves or converts). The rest is the KV pool.
 """
 from __future__ import annotations
 
@@ -50,8 +42,7 @@ class DeviceBudget:
 
 
 def scratch_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, elem_bytes: float) -> int:
-    """Activations of one step (an estimate: a few hidden-sized buffers, the attention projections' outputs,
-    the widest FFN intermediate) + the attention kernels' scratch + fp32 logits of the sampled rows."""
+    """Activations of one step (an estimate) + the attention kernels' scratch + fp32 logits of the sampled rows."""
     h = cfg.num_attention_heads
     attn = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + h * (cfg.qk_head_dim + cfg.kv_lora_rank + cfg.v_head_dim)
     inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.num_experts_per_tok))
@@ -64,10 +55,8 @@ def device_memory_budget(cfg: ModelConfig, world: int, device_bytes: int, utiliz
                          in_use_bytes: int = 0, graph_bytes: int = 0, layouts=LAYOUT_NAMES,
                          weight_quant: str | None = None, attention_workspace_bytes: int = 0,
                          rope_fp8: bool = False) -> DeviceBudget:
-    """The per-rank budget (see the module doc). ValueError when the weights and buffers alone do not fit.
-    `attention_workspace_bytes`: what the attention kernel allocates for itself on top of the step's scratch
-    (the vendor kernels' workspaces for the paths that run: backends.attention_workspace_bytes), counted with
-    the scratch. `rope_fp8`: the pool stores an fp8 layer's rope key in e4m3 (splash.layouts.memory)."""
+    """The per-rank budget (see the module doc); ValueError when the weights and buffers alone do not fit.
+    `attention_workspace_bytes` (the vendor kernels' own workspaces) counts with the scratch."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     usable = int(device_bytes * utilization) - in_use_bytes

@@ -54,10 +54,7 @@ _ALIASES = {"tp": Layout.TP, "dp_attn": Layout.DP_ATTN, "dp-attn": Layout.DP_ATT
 
 
 def parse_layout(name: str | Layout) -> Layout:
-    """Layout from a name ("tp", "dp_attn", "dp-attn", "dp", "cp", "dop"; case-insensitive).
-
-    Raises ValueError naming the bad value and the allowed names.
-    """
+    """Layout from a name (case-insensitive, aliases allowed); ValueError naming the allowed names."""
     if isinstance(name, Layout):
         return name
     if isinstance(name, str):
@@ -84,9 +81,8 @@ def heads_fit(layout: str | Layout, num_heads: int, world: int) -> bool:
 
 @dataclass(frozen=True)
 class RankAttention:
-    """What one rank's attention kernel is handed under a layout: the query heads it attends, the layout's KV
-    dtype, and whether its pages are split by position (CP: every T-th block, which the vendor kernels' causal
-    masks do not take)."""
+    """What one rank's attention kernel is handed under a layout (`position_split`: CP's every T-th block, which
+    vendor kernels' causal masks do not take)."""
     heads: int
     kv_dtype: str
     position_split: bool

@@ -1,35 +1,22 @@
 """Per-rank memory model of the four layouts — analytic, usable at paper scale with no tensors.
 
-Per-rank memory = common + projections(layout) + KV(layout) + scratch + reserve, where
-- common: everything but Q-B/KV-B/O (embeddings, LM head, norms, Q-A, KV-A, DSA indexer, FFN/MoE). FFN/MoE is
-  TP-sharded over the group identically in every layout, so common is layout-independent;
-- projections: Q-B + KV-B + O per layer, divided by the group size when sharded (TP, DOP), whole when
-  replicated (DP-attn, CP);
-- KV: latent + rope (+ scales, + DSA indexer keys), in whole paged-cache blocks. TP keeps every token on
-  every rank (MLA heads all read the whole latent); DP-attn/DOP keep a request on its owner; CP keeps each
-  block on its round-robin home.
-Weight bytes are ``params × weight_bytes`` by default (no quantisation). With ``weight_quant`` ("fp8": FP8 E4M3 +
-an fp32 scale per 128×128 block, "int8": INT8 + an fp32 scale per output row) every linear weight (Q-A, KV-A,
-Q-B, KV-B, O, FFN/MoE projections, indexer wq_b/wk) is counted in real stored bytes — 1 byte per element plus the
-scales each rank's shard carries, including the partial blocks a shard shares with its neighbour when a head or
-FFN shard does not start on a 128-row/column boundary (GLM-5.x KV-B: 448 rows per head); embeddings, LM head,
-norms and the MoE router stay in the compute dtype (router and its bias in fp32). ``rank_weight_bytes`` gives one
-rank's exact total as the engine stores it — what ``splash.models.weights.resident_bytes`` measures.
-
-What a model family adds beyond MLA + FFN comes from its description (splash.models.family), never from testing
-which family a config is: which layers hold paged KV and which per-request recurrent state, which run an indexer
-and how many vectors it keeps per token, and the weights it adds (`Weight`s: a hybrid's KDA layers hold no
-Q-A/KV-A but their own common weights, their head-shardable ones count with the projections, and its mHC and
-KPool weights with common). A family marked ``exact_weights`` is always counted exactly, plain or quantised.
+Per-rank memory = common + projections(layout) + KV(layout) + scratch + reserve. Common (embeddings, LM head, norms,
+Q-A, KV-A, DSA indexer, and FFN/MoE, sharded alike in every layout) is layout-independent; Q-B/KV-B/O are divided
+by the group when sharded (TP, DOP), whole when replicated (DP-attn, CP); KV is whole blocks where the ownership
+model places them. Weights are ``params × weight_bytes``, or with ``weight_quant`` (fp8: a scale per 128×128 block,
+int8: per output row) their stored bytes, including the scale blocks a shard shares with its neighbour when it does
+not start on a 128 boundary (GLM-5.x KV-B: 448 rows per head). ``rank_weight_bytes`` is what
+``splash.models.weights.resident_bytes`` measures. What a model family adds (KDA layers, indexers, extra weights)
+comes from its description (splash.models.family), never from testing which family a config is.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from splash.layouts.layout import Layout, check_heads, parse_layout
-from splash.layouts.ownership import head_range, kv_holders, num_blocks
+from splash.layouts.ownership import head_range, kv_copies
 from splash.models.config import ModelConfig
 from splash.models.family import DENSE, FP32, Weight, describe
 
@@ -43,35 +30,23 @@ FP32_BYTES = 4
 CONVERT_CHUNK_SLOTS = 4096  # tokens a KV format conversion dequantises at once (bounds its fp32 scratch)
 
 
-def _check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (allowed: {', '.join(KV_DTYPES)})")
-
-
 def layer_has_indexer_keys(cfg: ModelConfig, layer: int | None) -> bool:
-    """Layer `layer` keeps DSA indexer keys: it runs its own indexer (indexer_types "full"; a "shared" layer
-    reuses another's selection and stores none; a hybrid family: its MLA layers with a full KPool indexer —
-    `ModelFamily.index_layers`). None: the widest layer. A config with an index_head_dim but no indexer_types
-    (analysis-only shapes) counts keys in every layer."""
+    """Layer `layer` (None: the widest) keeps DSA indexer keys: it runs its own indexer (`ModelFamily.index_layers`;
+    a "shared" layer reuses another's selection and stores none)."""
     if cfg.index_head_dim <= 0:
         return False
     return layer is None or layer in describe(cfg).index_layers
 
 
 ROPE_FP8_DTYPES = ("fp8_e4m3",)   # KV dtypes whose rope key a `rope_fp8` pool stores in e4m3 (1 byte a value)
-# Attention kernels whose FP8 MLA reads an e4m3 rope key, by the compute capability (major) it runs on: FlashInfer
-# 0.7.4's FP8 MLA (fa3 with kv-per-tensor scales, `_fa_common`) is SM90 only and reads the rope cache in fp8 at one
-# per-tensor scale (backends.cuda.flashinfer_mla takes its FP8_SM_MAJOR from here).
+# Attention kernels whose FP8 MLA reads an e4m3 rope key, by compute capability major: FlashInfer 0.7.4's FP8 MLA
+# is SM90 only and reads the rope cache in fp8 at one per-tensor scale.
 ROPE_FP8_SM_MAJOR = {"flashinfer": 9}
 
 
 def rope_fp8_pool(kernel: str, arch: str) -> bool:
-    """Whether the pools of the `kernel` attention kernel on an `arch` device ("sm_90", "gfx942", "cpu"; "" unknown)
-    store an fp8_e4m3 layer's rope key in e4m3 (PagedLatentCache `rope_fp8`). The one decision every byte count of
-    the pool follows: the pool itself, capacity and the device budget, the switch planner's blocks and headroom
-    (splash.switching.manifest, splash.engine.layout_policy.control) and the cost model's KV bytes
-    (splash.costmodel.step_cost) — they are handed its answer (`rope_fp8`) and count with
-    kv_bytes_per_token_layer."""
+    """Whether `kernel`'s pools on an `arch` device ("sm_90", "gfx942", "cpu"; "" unknown) store an fp8_e4m3
+    layer's rope key in e4m3: the one decision every byte count of the pool follows (they are handed `rope_fp8`)."""
     major = ROPE_FP8_SM_MAJOR.get(kernel)
     digits = arch.removeprefix("sm_")
     return major is not None and arch.startswith("sm_") and digits.isdigit() and int(digits) // 10 == major
@@ -79,16 +54,11 @@ def rope_fp8_pool(kernel: str, arch: str) -> bool:
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str, layer: int | None = None,
                              rope_fp8: bool = False) -> int:
-    """Bytes of KV history per token of one layer (default: the widest MLA layer), including scales and DSA
-    indexer keys (only in layers that run an indexer); 0 for a hybrid model's KDA layer (per-request state).
-
-    float32/bfloat16: (d_c + d_r) × 4/2. fp8_e4m3/int8 (FlashMLA FP8 layout): d_c bytes of latent + one fp32
-    scale per 128-element group + d_r rope values kept in bf16 — or in e4m3 for an fp8_e4m3 layer of a
-    `rope_fp8` pool (splash.kv.paged_cache: what the attention path reads, splash.attention.kernels.kv_rope_fp8).
-    Indexer keys (when the layer has them; glm5_next keeps two vectors, key and pool gate logits, each quantised
-    on its own): in a quantised cache 1 byte each + one fp32 scale per 128, otherwise the cache's element size.
-    """
-    _check_kv_dtype(kv_dtype)
+    """Bytes of KV per token of one layer (default: the widest MLA layer) with scales and DSA indexer keys; 0 for
+    a KDA layer. Quantised: the FlashMLA FP8 layout (d_c bytes + an fp32 scale per 128 + d_r rope values in bf16,
+    or e4m3 in a `rope_fp8` pool); indexer keys (glm5_next keeps two vectors) 1 byte each + a scale per 128."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (allowed: {', '.join(KV_DTYPES)})")
     fam = describe(cfg)
     if layer is not None and fam.pool_layer(layer) is None:
         return 0
@@ -112,9 +82,8 @@ def projection_params(cfg: ModelConfig) -> int:
 
 
 def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) -> int:
-    """Bytes of one request's KDA state (every KDA layer) on a rank holding it in `layout`: its head slice
-    where projections are sharded (TP, DOP: on every rank), all heads where it is owner-run (DP-attn, CP: on
-    the owner). 0 for models without KDA layers. fp32, as splash.kv.recurrent stores it."""
+    """Bytes of one request's KDA state (every KDA layer, fp32) on a rank holding it in `layout`: a head slice
+    where projections are sharded, all heads on the owner otherwise; 0 without KDA layers."""
     kda = describe(cfg).linear
     if kda is None:
         return 0
@@ -123,29 +92,14 @@ def recurrent_state_bytes(cfg: ModelConfig, layout: Layout | str, world: int) ->
 
 
 def states_per_rank(layout: Layout | str, states: int, world: int) -> int:
-    """KDA states a rank keeps when the group keeps `states` of them (running requests' states, or prefix-cache
-    snapshots): a head slice of each on every rank where projections are sharded (TP, DOP), each whole on one
-    rank — ⌈states / world⌉ per rank when balanced — where the request's owner runs it (DP-attn, CP)."""
+    """KDA states a rank keeps when the group keeps `states`: a slice of each where projections are sharded, else
+    ⌈states / world⌉ whole ones (balanced owners)."""
     return states if parse_layout(layout).shards_projections else -(-states // world)
 
 
 def state_snapshot_slots(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool) -> int:
-    """Prefix-cache snapshots of KDA state the group keeps (splash.engine.state_snapshots): as many as running
-    requests, so a hybrid model with the cache on reserves twice the state; 0 without KDA layers or the cache."""
+    """Prefix-cache snapshots of KDA state the group keeps: as many as running requests (so twice the state)."""
     return max_num_seqs if describe(cfg).recurrent and prefix_caching else 0
-
-
-def state_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int,
-                         owners: Mapping[str, int | None]) -> tuple[int, ...]:
-    """Per-rank KDA state of the requests `owners` (request -> owner / CP anchor rank) in `layout`."""
-    layout = parse_layout(layout)
-    per = recurrent_state_bytes(cfg, layout, world)
-    if layout.shards_projections:
-        return tuple([per * len(owners)] * world)
-    out = [0] * world
-    for o in owners.values():
-        out[o or 0] += per
-    return tuple(out)
 
 
 def _indexer_params(cfg: ModelConfig) -> int:
@@ -173,11 +127,7 @@ def _attn_common_params(cfg: ModelConfig) -> int:
 
 
 def common_params(cfg: ModelConfig, ffn_shards: int = 1) -> float:
-    """Parameters per rank of the layout-independent state over the whole model.
-
-    Embeddings + LM head (unless tied) + final norm + per layer: norms, Q-A, KV-A, DSA indexer, and FFN/MoE
-    divided by ``ffn_shards`` (FFN/MoE is sharded over the group the same way in every layout).
-    """
+    """Parameters per rank of the layout-independent state (FFN/MoE divided by ``ffn_shards``)."""
     if ffn_shards < 1:
         raise ValueError(f"ffn_shards must be positive, got {ffn_shards}")
     fam = describe(cfg)
@@ -202,9 +152,7 @@ def common_bytes(cfg: ModelConfig, shards: int, weight_bytes: float, weight_quan
 
 def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float,
                               weight_quant: str | None = None) -> float:
-    """Bytes of Q-B/KV-B/O over all layers held by one rank: /world when sharded, whole when replicated.
-    With ``weight_quant``: stored bytes incl. scales, of the rank holding the most (shards can differ by a
-    shared partial scale block)."""
+    """Bytes of Q-B/KV-B/O over all layers on the rank holding the most (shards may share a scale block)."""
     layout = parse_layout(layout)
     check_heads(layout, cfg.num_attention_heads, world)
     if weight_quant is not None or describe(cfg).exact_weights:
@@ -215,12 +163,8 @@ def projection_bytes_per_rank(cfg: ModelConfig, layout: Layout | str, world: int
 
 def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str, world: int,
                          weight_bytes: float, weight_quant: str | None = None) -> float:
-    """Projection bytes one rank receives per layer on a src→dst switch.
-
-    sharded→replicated all-gathers the (world-1)/world of Q-B/KV-B/O it lacks; every other direction keeps or
-    discards and receives nothing. With ``weight_quant``: stored bytes incl. the scales, for the rank that
-    receives the most (``projection_recv_bytes`` gives each rank's).
-    """
+    """Projection bytes per layer the rank receiving the most gets on src→dst: sharded→replicated all-gathers the
+    (world-1)/world it lacks; every other direction receives nothing."""
     if weight_quant is not None:
         return max(projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world))
     src, dst = parse_layout(src), parse_layout(dst)
@@ -230,63 +174,9 @@ def switch_receive_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str,
 
 
 def kv_block_bytes(cfg: ModelConfig, kv_dtype: str, block_size: int, rope_fp8: bool = False) -> int:
-    """Bytes of one paged-cache block over all layers (a hybrid model's KDA layers hold none); `rope_fp8` as in
-    kv_bytes_per_token_layer."""
+    """Bytes of one paged-cache block over all layers (KDA layers hold none)."""
     return block_size * sum(kv_bytes_per_token_layer(cfg, kv_dtype, i, rope_fp8)
                             for i in range(cfg.num_hidden_layers))
-
-
-@dataclass(frozen=True)
-class LayoutMemory:
-    """Per-rank memory of one layout (bytes). Common/projections/scratch/reserve are equal on every rank."""
-    layout: Layout
-    world: int
-    common: float
-    projections: float
-    kv_blocks: tuple[int, ...]
-    kv: tuple[int, ...]
-    scratch: int = 0
-    reserve: int = 0
-
-    def total(self, rank: int) -> float:
-        return self.common + self.projections + self.kv[rank] + self.scratch + self.reserve
-
-    @property
-    def peak(self) -> float:
-        """Largest per-rank total — what must fit the per-rank budget."""
-        return max(self.total(r) for r in range(self.world))
-
-
-def _kv_blocks_per_rank(layout: Layout, world: int, live_tokens: Mapping[str, tuple[int, int | None]] | None,
-                        block_size: int) -> list[int]:
-    blocks = [0] * world
-    for req, (tokens, owner) in (live_tokens or {}).items():
-        try:
-            holders = kv_holders(layout, num_blocks(tokens, block_size), owner, world)
-        except ValueError as e:
-            raise ValueError(f"request {req!r}: {e}") from None
-        for held in holders:
-            for r in held:
-                blocks[r] += 1
-    return blocks
-
-
-def per_rank_memory(cfg: ModelConfig, layout: Layout | str, world: int, weight_bytes: float, kv_dtype: str,
-                    live_tokens: Mapping[str, tuple[int, int | None]] | None, block_size: int,
-                    scratch_bytes: int = 0, reserve_bytes: int = 0,
-                    ffn_shards: int | None = None, weight_quant: str | None = None,
-                    rope_fp8: bool = False) -> LayoutMemory:
-    """Per-rank bytes of ``layout`` holding ``live_tokens`` (request -> (tokens, owner rank or None)).
-
-    Owners are needed for DP-attn/DOP only. ``ffn_shards`` defaults to ``world``. ``rope_fp8``: rope_fp8_pool's.
-    """
-    layout = parse_layout(layout)
-    common = common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
-    proj = projection_bytes_per_rank(cfg, layout, world, weight_bytes, weight_quant)
-    blocks = _kv_blocks_per_rank(layout, world, live_tokens, block_size)
-    per_block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
-    return LayoutMemory(layout, world, common, proj, tuple(blocks), tuple(b * per_block for b in blocks),
-                        scratch_bytes, reserve_bytes)
 
 
 @dataclass(frozen=True)
@@ -311,13 +201,8 @@ def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budge
                        reserve_bytes: int = 0, ffn_shards: int | None = None,
                        weight_quant: str | None = None, state_requests: int = 0,
                        rope_fp8: bool = False) -> CapacityReport:
-    """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget.
-
-    TP stores every token on every rank, so its distinct capacity equals one rank's; DP-attn, CP and DOP store
-    each block once, so theirs is world × per-rank blocks. ``state_requests``: KDA states kept in the group
-    (hybrid models: running requests' and prefix-cache snapshots), per rank as `states_per_rank` counts them.
-    ``rope_fp8``: the pool stores an fp8 layer's rope key in e4m3 (kv_bytes_per_token_layer).
-    """
+    """Distinct KV tokens (whole blocks) the group can hold in ``layout`` under a per-rank byte budget, with room
+    for ``state_requests`` KDA states (running requests' and snapshots)."""
     layout = parse_layout(layout)
     per_rank_reqs = states_per_rank(layout, state_requests, world)
     fixed = (common_bytes(cfg, ffn_shards or world, weight_bytes, weight_quant)
@@ -326,7 +211,7 @@ def kv_capacity_tokens(cfg: ModelConfig, layout: Layout | str, world: int, budge
     room = max(0.0, budget_bytes_per_rank - fixed)
     per_block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     per_rank = int(room // per_block) if per_block > 0 else 0
-    distinct = per_rank if layout == Layout.TP else world * per_rank
+    distinct = world * per_rank // kv_copies(layout, world)
     return CapacityReport(layout, world, block_size, per_block, room, per_rank, distinct, distinct * block_size)
 
 
@@ -338,10 +223,8 @@ def _touched(start: int, n: int) -> int:
 
 def matrix_bytes(rows: int, cols: int, elem_bytes: float, weight_quant: str | None = None, row0: int = 0,
                  col0: int = 0) -> float:
-    """Stored bytes of rows [row0, row0 + rows) × columns [col0, col0 + cols) of one linear weight.
-
-    Plain: elements × elem_bytes. fp8: 1 byte per element + 4 per scale block the range touches. int8: 1 byte per
-    element + 4 per row (a column range keeps every row's scale)."""
+    """Stored bytes of rows [row0, row0 + rows) × columns [col0, col0 + cols) of one linear weight: fp8 with the
+    scale blocks the range touches, int8 with every row's scale."""
     if weight_quant is None:
         return rows * cols * elem_bytes
     if weight_quant == "fp8":
@@ -379,9 +262,7 @@ def _ffn_bytes(cfg: ModelConfig, layer: int, shard: int, shards: int, e: float, 
 
 def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: float,
                           weight_quant: str | None = None) -> float:
-    """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`): per layer its
-    block norms, FFN/MoE shard and the weights its family adds to every layer, plus an MLA layer's Q-A/KV-A and
-    indexer (where it runs one) or a KDA layer's common weights."""
+    """Exact stored bytes of the layout-independent state on `rank` (FFN/MoE sharded over `world`)."""
     fam, h, e, wq = describe(cfg), cfg.hidden_size, elem_bytes, weight_quant
     emb = cfg.vocab_size * h * e
     total = emb + (0 if cfg.tie_word_embeddings else emb) + h * e
@@ -403,8 +284,7 @@ def common_bytes_per_rank(cfg: ModelConfig, rank: int, world: int, elem_bytes: f
 
 def rank_projection_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: int, elem_bytes: float,
                           weight_quant: str | None = None) -> float:
-    """`rank`'s layout-dependent weights over all layers, as stored: Q-B/KV-B/O of its MLA heads × the MLA layers,
-    plus (a family with KDA layers) its KDA heads' shardable weights × the KDA layers."""
+    """`rank`'s layout-dependent weights over all layers as stored: its MLA heads' Q-B/KV-B/O and KDA heads'."""
     fam = describe(cfg)
     heads = head_range(cfg.num_attention_heads, world, rank, layout)
     total = projection_shard_bytes(cfg, heads, elem_bytes, weight_quant) * fam.num_pool_layers
@@ -423,8 +303,7 @@ def rank_weight_bytes(cfg: ModelConfig, layout: Layout | str, world: int, rank: 
 
 def projection_recv_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str, world: int, rank: int,
                           elem_bytes: float, weight_quant: str | None = None) -> float:
-    """Projection bytes `rank` receives per layer on src→dst: the other ranks' shards as stored (scales and
-    shared partial blocks included) on sharded→replicated, else nothing."""
+    """Projection bytes `rank` receives per layer on src→dst: the other ranks' shards as stored, or nothing."""
     src, dst = parse_layout(src), parse_layout(dst)
     if not (src.shards_projections and not dst.shards_projections):
         return 0.0
@@ -434,8 +313,7 @@ def projection_recv_bytes(cfg: ModelConfig, src: Layout | str, dst: Layout | str
 
 # ---- weights a model family adds (splash.models.family) -----------------------------------------------------------
 def stored_bytes(weights: Iterable[Weight], elem_bytes: float, weight_quant: str | None = None) -> float:
-    """Stored bytes of `weights`: fp32 ones 4 per element; dense ones in the compute dtype; linear ones as the
-    checkpoint stores them (`matrix_bytes`: with the scale blocks their range touches when quantised)."""
+    """Stored bytes of `weights`: fp32 ones 4 per element, dense ones in the compute dtype, linear ones as stored."""
     total: float = 0   # stays an int where every term is (quantised shards): as the manifest reports them
     for w in weights:
         if w.storage == FP32:

@@ -43,17 +43,9 @@ def head_range(num_heads: int, world: int, rank: int, layout: Layout | str) -> r
 
 
 def cp_block_rank(block_idx: int, world: int) -> int:
-    """Home rank of logical KV block ``block_idx`` of a request under CP: block round-robin.
-
-    Round-robin over blocks (not contiguous position ranges) spreads every request's history evenly over the
-    ranks, including the growing tail that decode appends to, so per-rank attention work and KV memory stay
-    balanced at every length. The block is the unit of the paged cache, so a position's home rank depends only
-    on its block index and never changes while the request appends tokens — no re-sharding as it grows.
-
-    Callers pass ``block_idx + anchor``, where the anchor is the rank the scheduler assigned to the request at
-    admission (its owner in the ledger, least-loaded first), so the first blocks of many short requests do not
-    all land on rank 0.
-    """
+    """Home rank of logical KV block ``block_idx`` under CP: round-robin over blocks, so every request's history,
+    decode tail included, stays balanced at every length and a block's home never changes as it grows. Callers
+    pass ``block_idx + anchor`` (the request's least-loaded-first owner), so short requests do not all start on 0."""
     _check_world(world)
     return block_idx % world
 
@@ -88,9 +80,8 @@ def kv_holders(layout: Layout | str, num_blocks: int, owner: int | None, world: 
 
 
 def blocks_held(layout: Layout | str, owner: int | None, b0: int, b1: int, world: int) -> list[int]:
-    """Per rank, how many of a request's logical blocks [b0, b1) it holds (owner: the DP-attn/DOP owner or the CP
-    anchor) — the count `kv_holders` gives, in closed form: O(world), not O(blocks), so rank 0's scheduler does no
-    per-step work proportional to context."""
+    """Per rank, how many of a request's logical blocks [b0, b1) it holds: `kv_holders`' count in O(world), so the
+    scheduler does no per-step work proportional to context."""
     kind, n = kv_ownership_of(layout), max(0, b1 - b0)
     if kind == KV_ALL:
         return [n] * world
@@ -112,8 +103,7 @@ def kv_copies(layout: Layout | str, world: int) -> int:
 
 
 def distinct_kv_tokens(layout: Layout | str, blocks_per_rank: int, block_size: int, world: int) -> int:
-    """Distinct KV tokens a group of ``world`` ranks with ``blocks_per_rank`` usable blocks each holds in
-    ``layout``."""
+    """Distinct KV tokens ``world`` ranks of ``blocks_per_rank`` usable blocks hold in ``layout``."""
     return blocks_per_rank * block_size * world // kv_copies(layout, world)
 
 
@@ -123,13 +113,9 @@ def _placement_cost(tokens: int, block_size: int) -> int:
 
 def assign_owners(new_requests: Mapping[str, int], existing: Mapping[str, tuple[int, int]], world: int,
                   capacity_tokens_per_rank: int | None, *, block_size: int = 1) -> dict[str, int]:
-    """Owner ranks for ``new_requests`` (request -> KV tokens), given ``existing`` (request -> (owner, tokens)).
-
-    Greedy, largest request first (ties by request id): each goes to the least-loaded rank by KV tokens, ties
-    broken by request count, then rank id, among ranks where it fits within ``capacity_tokens_per_rank``
-    (None: unbounded). Token counts are rounded up to whole ``block_size`` blocks. Deterministic. Raises
-    NoCapacity naming the first request that fits nowhere (greedy: a different packing might still exist).
-    """
+    """Owner ranks for ``new_requests`` (request -> KV tokens) given ``existing`` (request -> (owner, tokens)):
+    greedy, largest first, each to the least-loaded rank (whole blocks) where it fits; NoCapacity names the first
+    that fits nowhere (a different packing might still exist)."""
     _check_world(world)
     loads = [0] * world
     counts = [0] * world
@@ -151,8 +137,3 @@ def assign_owners(new_requests: Mapping[str, int], existing: Mapping[str, tuple[
         counts[best] += 1
     return placed
 
-
-def rebalance_owners(requests: Mapping[str, int], world: int, capacity_tokens_per_rank: int | None, *,
-                     block_size: int = 1) -> dict[str, int]:
-    """Owners for all ``requests`` placed fresh (entering DP-attn/DOP from TP or CP): balanced, deterministic."""
-    return assign_owners(requests, {}, world, capacity_tokens_per_rank, block_size=block_size)

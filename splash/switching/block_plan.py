@@ -1,27 +1,15 @@
 """Which KV blocks a switch moves, keeps, re-shares and drops, planned per physical block. Pure, no torch.
 
-A rank's pool holds one physical block per prefix hash (splash.kv.block_manager): the requests that start on a
-cached prefix reference that one block, and blocks no running request references stay cached (idle) until evicted.
-So the unit a switch moves is the physical block, not the request's logical block:
+A rank's pool holds one physical block per prefix hash, shared by the requests that start on it, so the unit a
+switch moves is the physical block: a private block is (request, logical block); a hash-named one is its hash on
+the rank holding it, and a rank that already holds that hash lets the request take it by reference (``attach``),
+so k requests sharing a prefix cost one block per receiving rank, not k.
 
-- a request's private block (not named by a hash) is identified by (request, logical block), as before;
-- a hash-named block is identified by its hash on the rank holding it. If the destination needs it on rank r and r
-  already holds a block of that hash (another request's, or an idle one), the request takes r's block by reference
-  (``attach``: nothing moves); otherwise one move brings it to r, and every request needing it there shares that one
-  copy. k running requests sharing a prefix therefore cost one block per receiving rank, not k.
-
-Idle cached blocks (``CachedBlock``: no running request references them) either travel with the switch or are
-dropped. The rule (docs/layouts.md, "Prefix cache across a switch"): newest first, an idle block is kept where the
-destination layout would look it up — for the request owner (DP-attn/DOP) or CP anchor that cached it, which is
-where it lies unless the switch re-homes it; under TP on every rank — when
-
-1. it fits: each destination rank keeps idle blocks only within ``cap`` (the caller's figure: its usable pool less
-   the handoff step's reserve) less the blocks running requests reference there after the switch; a block that does
-   not fit is dropped, and
-2. it is worth its bytes: a copy already on the rank costs nothing; one that would have to be sent is moved only when
-   ``move_cached`` (the caller's cost verdict, splash.costmodel.step_cost.cached_moves_pay) says a block's transfer
-   costs less than the recompute it is expected to save. A block needed on several ranks (TP) is kept on all or
-   none: a lookup needs every holder.
+Idle cached blocks (``CachedBlock``), newest first, are kept where the destination layout would look them up (the
+owner / CP anchor that cached them; under TP every rank) when they fit under ``cap`` less the blocks running
+requests reference there, and when a copy is already there or ``move_cached`` (the cost model's verdict that a
+transfer costs less than the recompute it saves) lets them move; a block TP needs on several ranks is kept on all
+or none (docs/layouts.md, "Prefix cache across a switch").
 """
 from __future__ import annotations
 
@@ -34,8 +22,7 @@ from splash.layouts.ownership import block_holders, cp_block_rank, kv_holders, n
 
 @dataclass(frozen=True)
 class CachedBlock:
-    """An idle cached block: prefix hash ``h`` of logical block ``block_idx``, held by ``rank`` in the source
-    layout. Callers list them oldest first (the cache's LRU order)."""
+    """An idle cached block: hash ``h`` of logical block ``block_idx`` on ``rank`` (listed oldest first)."""
     h: int
     block_idx: int
     rank: int
@@ -43,9 +30,8 @@ class CachedBlock:
 
 @dataclass(frozen=True)
 class BlockMove:
-    """KV block ``block_idx`` travels from ``src_rank`` to ``dst_rank`` (all layers). ``h`` None: request ``req``'s
-    private block. ``h`` set: the block named by prefix hash ``h`` (the receiver names its copy ``h``; ``req`` is the
-    first request sharing it, "" for an idle cached block)."""
+    """KV block ``block_idx`` travels ``src_rank`` → ``dst_rank`` (all layers): ``req``'s private block, or (``h``
+    set) the block named ``h`` (``req``: the first request sharing it, "" for an idle one)."""
     req: str
     block_idx: int
     src_rank: int
@@ -67,8 +53,7 @@ class BlockPlan:
 
 
 def _pick_source(holders, block_idx: int, world: int) -> int:
-    """Sender of a missing block: the block's CP home rank when it holds it (spreads senders round-robin when
-    every rank holds everything), else the lowest-numbered holder. Deterministic on every rank."""
+    """Sender of a missing block: its CP home rank if that holds it (spreads senders), else the lowest holder."""
     home = cp_block_rank(block_idx, world)
     return home if home in holders else min(holders)
 
@@ -105,9 +90,8 @@ def _holdings(src: Layout, dst: Layout, world: int, requests: Mapping, owners: M
 def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners: Mapping[str, int],
                 block_size: int, cached: Sequence[CachedBlock] = (), cap: Sequence[int] | None = None,
                 move_cached: bool = True) -> BlockPlan:
-    """Per physical block: moves (deduplicated by block and destination rank), keeps, discards, re-shares, and the
-    idle cached blocks kept or dropped by the module's rule. ``requests``: req -> ReqState (``hashes``: its leading
-    hash-named blocks); ``owners``: destination owners / CP anchors."""
+    """Moves (one per block and destination rank), keeps, discards, re-shares and idle blocks kept or dropped, by
+    the module's rule. ``requests``: req -> ReqState; ``owners``: destination owners / CP anchors."""
     moves: list[BlockMove] = []
     keep = [[] for _ in range(world)]
     discard = [[] for _ in range(world)]
@@ -131,21 +115,19 @@ def plan_blocks(src: Layout, dst: Layout, world: int, requests: Mapping, owners:
         before, after, hashes = layouts[req]
         for b, (have, need) in enumerate(zip(before, after)):
             h = hashes[b] if b < len(hashes) else None
-            private += h is None
-            if h is None:
-                for r in need:
-                    in_use[r] += 1
             for r in sorted(have):
                 (keep if r in need else discard)[r].append((req, b))
+            if h is None:
+                private += 1
+                for r in need:
+                    in_use[r] += 1
+                moves += [BlockMove(req, b, _pick_source(have, b, world), r) for r in sorted(need - have)]
+                continue
             for r in sorted(need):
-                if h is not None:
-                    named[r][h] = None
+                named[r][h] = None
             for r in sorted(need - have):
-                if h is None:
-                    moves.append(BlockMove(req, b, _pick_source(have, b, world), r))
-                else:
-                    bring(h, b, r, req)
-                    attach[r].append((req, b, h))
+                bring(h, b, r, req)
+                attach[r].append((req, b, h))
     shared = {h for per in named for h in per}
     in_use = [n + len(named[r]) for r, n in enumerate(in_use)]
     room = None if cap is None else [c - n for c, n in zip(cap, in_use)]

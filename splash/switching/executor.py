@@ -1,18 +1,10 @@
 """Apply a switch manifest on this rank: reuse resident state, move the rest, hand off at a step boundary.
 
-Live mode: the step that follows the boundary already runs in the destination layout; layer l+1's missing
-state (KV blocks through a nonblocking all-to-all, projections through a nonblocking all-gather) is in flight
-while layer l computes, and layer l waits only for its own. Blocking mode moves every layer first, then runs —
-the baseline every overhead figure is compared with.
-
-Streams (GPU): each layer's transfer — packing, the collectives, unpacking into the pool / weights — is issued on
-the backend's side stream (`streams`, backends.base.DeviceStreams) and ends with an event; the compute
-stream waits on that event right before the layer runs, so layer l+1's transfer overlaps layer l's compute and
-is ordered before layer l+1. On CPU (`NullStreams`, or no `streams`) every stream call is a no-op.
-
-KV format: when the destination stores KV in another dtype (manifest ``kv_format`` = ``convert``), each layer's
-blocks move in the source format (both sides still hold that layer in it) and the layer is then converted in
-place of its old tensors — live: right before the layer runs; blocking: every layer before the step.
+Live mode: the step after the boundary already runs in the destination layout; layer l+1's missing state (KV
+blocks by nonblocking all-to-all, projections by nonblocking all-gather) is in flight while layer l computes, and
+each layer waits only for its own. Blocking mode (the baseline for overhead figures) moves every layer first. On a
+GPU each layer's transfer runs on the backend's side stream and ends with an event the compute stream waits on
+right before the layer. A layer whose KV dtype changes moves in the source format, then converts.
 """
 from __future__ import annotations
 
@@ -44,8 +36,7 @@ class SwitchExecutor:
 
     # ---- set-up at the step boundary ------------------------------------------------------------------
     def begin(self) -> LayoutState:
-        """Set up the handoff; -> the destination's LayoutState (idempotent: the engine begins it before the
-        step's cache operations, the runner again when it adopts the destination)."""
+        """Set up the handoff; -> the destination's LayoutState (idempotent: the engine and the runner both call it)."""
         if self.dst is not None:
             return self.dst
         r, m, me = self.r, self.m, self.r.comm.rank
@@ -61,13 +52,12 @@ class SwitchExecutor:
         self.state = None
         if r.family.recurrent:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
             from splash.switching.state_transfer import StateHandoff
-            self.state = StateHandoff(r, m, self.dst.linear_heads)
+            self.state = StateHandoff(r, m)
             self.state.begin()
         if self.w_action == DISCARD:
             for i, lw in enumerate(r.weights.layers):
                 lw.attn = self._slice(i, lw.attn, self.dst.heads)
-        # blocks holding KV after the moves (kept + received, cached ones too); blocks the step allocates later hold
-        # none yet
+        # blocks holding KV after the moves (kept, received, cached): what a dtype conversion carries over
         self.held = sorted({p for req in bm.requests() for p in bm.table(req).values()}
                            | {bm.block_of(h) for h in bm.cached_hashes()})
         if self.mode == "blocking":
@@ -77,7 +67,7 @@ class SwitchExecutor:
                 self._convert(layer)
         return self.dst
 
-    # ---- layer kinds (splash.models.family): MLA layers hold KV blocks, KDA layers per-request state ------------
+    # ---- layer kinds: MLA layers hold KV blocks, KDA layers per-request state ---------------------------------
     def _linear(self, layer: int) -> bool:
         return self.r.family.is_recurrent(layer)
 
@@ -137,8 +127,7 @@ class SwitchExecutor:
         self.streams.wait(event)
 
     def _convert(self, layer: int) -> None:
-        """Re-store `layer`'s held blocks in the destination's KV dtype (after its moves landed; only this
-        layer's tensors change, so other layers' transfers may be in flight)."""
+        """Re-store `layer`'s held blocks in the destination's KV dtype, once its moves landed."""
         if layer in self.to_convert:
             self.to_convert.discard(layer)
             cl = self.r.family.pool_layer(layer)

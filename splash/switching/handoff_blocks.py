@@ -1,13 +1,8 @@
-"""One rank's block bookkeeping at a switch's boundary: what the manifest's block plan does to its block manager.
-Pure, no torch — the switch executor moves the data; the prefix-cache property test (tests/test_prefix_cache.py)
-applies the same bookkeeping to every rank's block manager without any.
+"""One rank's block bookkeeping at a switch's boundary (pure; the switch executor moves the data).
 
-Order (every rank the same): pick the blocks to send (from the source placement), drop the requests' references the
-destination does not need here, forget the hashes the destination does not name here (blocks nothing reads any more
-are freed now, those still being sent once the step is done), allocate the blocks arriving (a hash-named one is
-named on arrival) and let requests take hash-named blocks here by reference. Requests released at this boundary
-(``gone``) were freed before the switch: their private blocks neither travel nor arrive, and their hash-named blocks,
-idle now, travel like any other the destination names.
+Order: pick the blocks to send, drop the references and hashes the destination does not need here (freed now,
+or once the step has sent them), allocate the arriving blocks, attach hash-named ones. Requests released at this
+boundary (``gone``) move no private block; their hash-named blocks, idle now, travel like any other.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Switch manifest planner: what each rank keeps, discards and receives on a src→dst layout switch. Pure.
 
-Every rank builds the same manifest at a step boundary from replicated metadata (request lengths and owners),
-so no rank needs to ask another what it holds. Per state kind the action is one of
-``keep`` / ``discard`` / ``all_gather`` / ``all_to_all`` (the paper's table, see ``WEIGHT_ACTION`` and
-``kv_action``); metadata kinds (block tables, owner map, positions) are ``rebuild``: derived locally from the
-destination layout and the new owners, never communicated (every rank already knows every request's length).
-DSA indexer keys move with the KV blocks they index (same action, same blocks); their bytes, like the FP8
-scales, are part of ``kv_bytes_per_token_layer``.
-
-KV format (``kv_format``): resident and moved blocks are reused verbatim only when the destination stores KV
-in the same dtype with the same scales and position convention. Scales are per token and per 128-element
-group in every quantised format, and every layout caches the rope key already rotated at its absolute
-position, so the dtype decides: equal → ``keep``; different → ``convert`` (each layer is dequantised to fp32
-and requantised in the destination dtype after its moves, block ids unchanged). Moved blocks travel in the
-source format, so the byte figures use the source dtype.
+Every rank builds the same manifest at a step boundary from replicated metadata (request lengths and owners), so
+no rank asks another what it holds. Per state kind the action is keep / discard / all_gather / all_to_all (the
+paper's table: ``weight_action``, ``kv_action``); metadata (block tables, owner map, positions) is ``rebuild``:
+derived locally, never sent. DSA indexer keys move with the blocks they index. KV blocks are reused verbatim when
+the KV dtype is equal (scales are per token and every layout caches the rope key rotated at its absolute
+position); otherwise each layer is converted after its moves, so moved blocks travel in the source format.
 """
 from __future__ import annotations
 
@@ -23,21 +15,19 @@ from dataclasses import dataclass
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
 from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_params,
                                    projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
-from splash.layouts.ownership import assign_owners, head_range, rebalance_owners
+from splash.layouts.ownership import assign_owners, head_range
 from splash.models.config import ModelConfig
 from splash.models.family import describe
 from splash.switching.block_plan import BlockMove, CachedBlock, plan_blocks
 
 KEEP, DISCARD, ALL_GATHER, ALL_TO_ALL, REBUILD = "keep", "discard", "all_gather", "all_to_all", "rebuild"
 CONVERT = "convert"
-TRANSFERS = (ALL_GATHER, ALL_TO_ALL)
 METADATA_KINDS = ("block_table", "owner_map", "positions")
 
 
 @dataclass(frozen=True)
 class ReqState:
-    """One live request: its KV length and its owner rank before and after the switch (None: not owner-based
-    / let the planner choose)."""
+    """One live request: its KV length and owner before and after the switch (None: not owner-based / planner's)."""
     num_tokens: int
     src_owner: int | None = None
     dst_owner: int | None = None
@@ -74,15 +64,13 @@ def kv_action(src: Layout | str, dst: Layout | str) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The plan of one switch; byte figures are per rank per layer unless named ``total_``.
+    """The plan of one switch; byte figures are per rank per layer unless their name says total.
 
-    Order of effect: ``moves`` are sent from the source layout's placement first; ``discard`` frees blocks only
-    after (a rank may send a block it then discards, e.g. CP→DP-attn) — except the discards a rank sends nowhere
-    (``freed_at_handoff``), which are freed at the boundary, before the handoff step appends. Moves are listed once
-    per physical block and destination rank (a prefix block k requests share moves once: splash.switching.block_plan),
-    keep and discard once per (request, logical block); all apply identically to every layer. With the prefix cache,
-    ``attach`` re-shares hash-named blocks on the receiving side, ``named`` is every hash a rank's pool names after
-    the switch (``cached_kept``: the idle ones kept, oldest first), and ``dropped`` the hashes it forgets.
+    ``moves`` are sent from the source placement first; ``discard`` frees blocks only after (a rank may send a block
+    it then discards, e.g. CP→DP-attn), except those it sends nowhere (``freed_at_handoff``), freed at the boundary.
+    Moves are listed once per physical block and destination rank (splash.switching.block_plan); all apply to every
+    layer. Prefix cache: ``attach`` re-shares hash-named blocks, ``named`` is every hash a rank names after the
+    switch (``cached_kept``: the idle ones, oldest first), ``dropped`` those it forgets.
     """
     src: Layout
     dst: Layout
@@ -93,8 +81,7 @@ class Manifest:
     moves: tuple[BlockMove, ...]
     keep: tuple[tuple[tuple[str, int], ...], ...]     # per rank: (req, block) held and still needed
     discard: tuple[tuple[tuple[str, int], ...], ...]  # per rank: (req, block) held and no longer needed
-    kv_block_bytes_layer: int  # one block of the widest layer (DSA: a GLM "shared" layer has no indexer keys, so
-    # the per-layer KV bytes are exact when every layer runs its indexer, else an upper bound; totals are exact)
+    kv_block_bytes_layer: int  # one block of the widest layer (an upper bound where some skip the indexer)
     weight_recv_bytes: tuple[float, ...]
     weight_sent_bytes: tuple[float, ...]
     kv_recv_bytes: tuple[int, ...]
@@ -102,20 +89,17 @@ class Manifest:
     src_kv_dtype: str = "float32"
     dst_kv_dtype: str = "float32"
     dst_kv_block_bytes_layer: int = 0  # one block of one layer in the destination format
-    # hybrid (glm5_next) models: per-request KDA state, moved after the source's last update (state_moves)
+    # hybrid (glm5_next) models: per-request KDA state
     linear_heads: int = 0
     src_owners: tuple[tuple[str, int], ...] = ()
     state_moves: tuple[StateMove, ...] = ()
     state_bytes_per_head: int = 0     # one head of one request over every KDA layer
-    # totals over every layer, exact per rank (the ``total_`` figures): KV only in the layers holding paged KV (a
-    # hybrid model's MLA layers; indexer keys only where an indexer runs), projections per layer kind (hybrid:
-    # Q-B/KV-B/O of MLA layers, KDA projections of KDA layers); the KDA state moved is ``state_recv_bytes``
+    # totals over every layer, exact per rank (KV only in layers holding paged KV; KDA state: state_recv_bytes)
     kv_recv_total: tuple[int, ...] = ()
     kv_sent_total: tuple[int, ...] = ()
     weight_recv_total: tuple[float, ...] = ()
     weight_sent_total: tuple[float, ...] = ()
-    # prefix cache (per rank): re-shared hash-named blocks, the hashes named after the switch, the idle cached blocks
-    # kept and the hashes dropped; blocks running requests reference after; distinct KV blocks in the switch
+    # prefix cache, per rank (see the class doc); blocks running requests reference after; distinct blocks moved
     req_hashes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     attach: tuple[tuple[tuple[str, int, int], ...], ...] = ()
     named: tuple[tuple[int, ...], ...] = ()
@@ -130,14 +114,12 @@ class Manifest:
         return _state_heads(self.src, self.linear_heads, self.world, rank, dict(self.src_owners).get(req)) \
             or range(self.linear_heads if held is None else held)
 
-    def dst_heads_of(self, req: str, rank: int, _heads: range | None = None) -> range | None:
+    def dst_heads_of(self, req: str, rank: int) -> range | None:
         """KDA heads of `req` that `rank` holds after the switch (None: none)."""
         return _state_heads(self.dst, self.linear_heads, self.world, rank, self.owners.get(req))
 
     def freed_at_handoff(self, rank: int) -> tuple[tuple[str, int], ...]:
-        """`rank`'s discards that it sends nowhere: nothing reads them once the boundary is passed, so they are
-        freed before the handoff step appends its tokens (a discarded block that is also sent stays until the step
-        ends)."""
+        """`rank`'s discards it sends nowhere: freed at the boundary, before the handoff step appends."""
         sent = {(mv.req, mv.block_idx) for mv in self.moves if mv.src_rank == rank and mv.h is None}
         hashed = dict(self.req_hashes)
         return tuple((q, b) for q, b in self.discard[rank] if (q, b) not in sent and b >= len(hashed.get(q, ())))
@@ -154,8 +136,7 @@ class Manifest:
 
     @property
     def shared_moves(self) -> int:
-        """Moves carrying a hash-named block that running requests share (once per receiving rank, not per
-        request)."""
+        """Moves carrying a hash-named block running requests share (once per receiving rank)."""
         return sum(1 for mv in self.moves if mv.h is not None and mv.req != "")
 
     @property
@@ -188,14 +169,6 @@ class Manifest:
         return self._state_bytes(recv=False)
 
     @property
-    def total_weight_recv_bytes(self) -> tuple[float, ...]:
-        return self.weight_recv_total
-
-    @property
-    def total_kv_recv_bytes(self) -> tuple[int, ...]:
-        return self.kv_recv_total
-
-    @property
     def total_recv_bytes(self) -> tuple[float, ...]:
         """Every byte each rank receives in the switch: projections + KV blocks + KDA state, all layers."""
         return tuple(w + k + s for w, k, s in zip(self.weight_recv_total, self.kv_recv_total, self.state_recv_bytes))
@@ -222,9 +195,7 @@ class Manifest:
 
 def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
                     capacity: int | None, block_size: int) -> dict[str, int]:
-    """Destination owners: given ones kept; else the source owner (DP-attn↔DOP); else balanced placement.
-    For CP the 'owner' is the anchor rank that rotates the request's block round-robin: the given one, else
-    the source's (the scheduler keeps one per request in every layout), else 0."""
+    """Destination owners (CP: anchors): given ones kept; else the source owner; else balanced placement (CP: 0)."""
     if dst == Layout.CP:
         return {r: next((o for o in (s.dst_owner, s.src_owner) if o is not None), 0) for r, s in requests.items()}
     if not dst.owner_based:
@@ -234,15 +205,12 @@ def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str,
         fixed.update({r: s.src_owner for r, s in requests.items()
                       if s.dst_owner is None and s.src_owner is not None})
     free = {r: s.num_tokens for r, s in requests.items() if r not in fixed}
-    if not fixed:
-        return rebalance_owners(free, world, capacity, block_size=block_size)
     existing = {r: (o, requests[r].num_tokens) for r, o in fixed.items()}
     return {**fixed, **assign_owners(free, existing, world, capacity, block_size=block_size)}
 
 
 def _state_heads(lay: Layout, heads: int, world: int, rank: int, owner: int | None) -> range | None:
-    """KDA heads of a request that `rank` holds in `lay`: a head slice of every request where projections are
-    sharded (TP, DOP); all heads on the owner (DP-attn; CP: the anchor rank) otherwise."""
+    """KDA heads of a request that `rank` holds in `lay`: its slice where sharded, else all on the owner / anchor."""
     if lay.shards_projections:
         return head_range(heads, world, rank, lay)
     return range(heads) if owner == rank or (owner is None and rank == 0) else None
@@ -250,8 +218,7 @@ def _state_heads(lay: Layout, heads: int, world: int, rank: int, owner: int | No
 
 def plan_state_moves(src: Layout, dst: Layout, world: int, heads: int, requests: Mapping[str, ReqState],
                      owners: Mapping[str, int]) -> list[StateMove]:
-    """Per-request KDA state: for every rank, the heads the destination gives it that it does not hold yet,
-    from the rank that holds them in the source. Requests with no KV yet have no state."""
+    """Per-request KDA state: each rank gets the heads the destination gives it that it lacks, from their holder."""
     moves: list[StateMove] = []
     for req in sorted(requests):
         st = requests[req]
@@ -277,8 +244,7 @@ def plan_state_moves(src: Layout, dst: Layout, world: int, heads: int, requests:
 
 def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
                            weight_quant: str | None = None) -> tuple[list[float], list[float]]:
-    """Per-layer projection bytes each rank receives / sends; quantised weights travel in stored form (values +
-    the scale blocks of each shard), so their figures are exact per rank."""
+    """Per-layer projection bytes each rank receives / sends (quantised: as stored, exact per rank)."""
     if weight_quant is not None:
         recv = [projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world)]
         if weight_action(src, dst) != ALL_GATHER:
@@ -317,15 +283,9 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
                 move_cached: bool = False, rope_fp8: bool = False) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
 
-    Destination owners (DP-attn/DOP) come from ``dst_owner``, else ``src_owner`` when the source is
-    owner-based, else balanced placement (``rebalance_owners``/``assign_owners``) within the optional capacity.
-    ``src_kv_dtype``/``dst_kv_dtype`` (default ``kv_dtype``) are the two layouts' KV storage formats.
-    ``weight_quant`` ("fp8"/"int8", None = plain ``weight_bytes`` per element) is how the projections are stored.
-    ``rope_fp8``: the pool keeps an fp8 layer's rope key in e4m3 (splash.layouts.memory.rope_fp8_pool), so its
-    blocks are counted, moved and converted in those bytes.
-    Prefix cache: ``ReqState.hashes`` name each request's shared leading blocks; ``cached`` lists the idle cached
-    blocks (oldest first), kept by the rule of splash.switching.block_plan where each destination rank's blocks in use
-    leave room under ``cached_cap`` blocks (None: unbounded), moved only when ``move_cached``.
+    ``src_kv_dtype``/``dst_kv_dtype`` default to ``kv_dtype``. Prefix cache: ``cached`` lists the idle cached blocks
+    (oldest first), kept by the rule of splash.switching.block_plan under ``cached_cap`` blocks per rank (None:
+    unbounded), moved only when ``move_cached``.
     """
     src_kv, dst_kv = src_kv_dtype or kv_dtype, dst_kv_dtype or kv_dtype
     src, dst = parse_layout(src), parse_layout(dst)
@@ -368,9 +328,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
 def _weight_totals(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
                    weight_quant: str | None, w_recv: list[float],
                    w_sent: list[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Projection bytes per rank over every layer: the per-layer MLA figures × the MLA layers, plus (hybrid
-    models) the KDA projections gathered in the same directions, each rank's head shard as stored (values +
-    the scale blocks it touches when quantised)."""
+    """Projection bytes per rank over every layer: MLA layers', plus KDA layers' shards gathered the same way."""
     fam = describe(cfg)
     n_mla = fam.num_pool_layers
     recv, sent = [w * n_mla for w in w_recv], [w * n_mla for w in w_sent]

@@ -1,11 +1,8 @@
 """Handoff pieces of hybrid (glm5_next) models: KDA projections by head and per-request recurrent state.
 
-KDA projections follow the MLA projections' placement (head-sharded in TP/DOP, replicated in DP-attn/CP), so
-they are all-gathered / sliced exactly when Q-B/KV-B/O are; every head-indexed part travels as raw bytes
-(head dimension first) and quantised ones (FP8/INT8: q, k, v, o, and the gate projections where a checkpoint
-stores them quantised) as their values plus exactly the scale blocks of the shard, so the receiver rebuilds the
-weights and scales bit for bit. The recurrent + conv state moves
-per request and per head range as raw fp32 rows (splash.kv.recurrent), so it survives byte-exact.
+KDA projections follow Q-B/KV-B/O's placement, so they are gathered / sliced when those are; every head-indexed
+part travels as raw bytes, heads first (quantised ones with exactly their shard's scale blocks), and the state as
+raw fp32 rows per request and head range, so both arrive bit for bit.
 """
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ _QUANT = {"f_b": (True, True), "b": (True, False), "g_b": (True, True), "o": (Fa
 
 
 def _split(w: KDAWeights) -> tuple[dict[str, torch.Tensor], dict[str, tuple[QuantWeight, bool, int]]]:
-    """Every head-indexed part of `w`: plain ones as tensors with heads as dim 0, quantised ones as
-    (QuantWeight, by rows, rows/columns per head); q, k, v of a RowStack are parts qkv0..2."""
+    """Every head-indexed part of `w`: plain ones heads first, quantised ones as (weight, by rows, per head)."""
     H, d = w.num_heads, w.head_dim
     hid = w.f_a.shape[1]
     plain = {"conv": w.conv.view(3, H, d, -1).transpose(0, 1), "dt_bias": w.dt_bias.view(H, d),
@@ -88,8 +84,7 @@ def pack_kda(w: KDAWeights) -> torch.Tensor:
 
 
 def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int) -> KDAWeights:
-    """All heads from every rank's packed shard (rank order; equal head shards of `w`'s shapes). Quantised parts
-    are reassembled with their scale blocks bit for bit (qweight.cat_rows / cat_cols)."""
+    """All heads from every rank's packed shard (rank order; each shaped as `w`), bit for bit."""
     plain, quant = _split(w)
     per = num_heads // world
     pieces: dict[str, list] = {k: [] for k in list(plain) + list(quant)}
@@ -107,17 +102,13 @@ def unpack_kda(w: KDAWeights, gathered: torch.Tensor, world: int, num_heads: int
 
 
 class StateHandoff:
-    """Moves per-request KDA state for a manifest's ``state_moves``: one all-to-all of raw fp32 rows per KDA
-    layer, issued beside that layer's KV transfer and landed right before the layer runs.
+    """Moves per-request KDA state (``state_moves``): one all-to-all per KDA layer, beside its KV transfer, landed
+    right before the layer runs. Sound per layer: every state is final at the boundary and the next step touches
+    layer j's only when it runs. `begin` stores each destination tensor at once (kept rows copied in; the source
+    tensors kept aside for sending)."""
 
-    Sound per layer because every request's state is final at the step boundary (the source's last update was
-    the previous step) and the step that follows reads and writes layer j's state only when KDA layer j runs.
-    `begin` puts each request's destination tensor [L, H_dst, W] in the store at once (rows this rank keeps are
-    copied in for every layer; the source tensors are kept aside, unchanged, for sending), so a KDA layer finds
-    every request it runs; `start_layer(j)` sends layer j's rows, `finish_layer(j)` writes the received ones."""
-
-    def __init__(self, ctx, manifest, dst_heads: range):
-        self.r, self.m, self.dst_heads = ctx, manifest, dst_heads  # ctx: splash.attention.context.RankContext
+    def __init__(self, ctx, manifest):
+        self.r, self.m = ctx, manifest  # ctx: splash.attention.context.RankContext
         self.handles: dict[int, object] = {}
 
     def begin(self) -> None:
@@ -132,7 +123,7 @@ class StateHandoff:
             self.rcounts[mv.src_rank] += (mv.h1 - mv.h0) * r.states.width
         self.new: dict[str, tuple[torch.Tensor, range]] = {}
         for req in set(self.old) | {mv.req for mv in self.recv}:
-            need = m.dst_heads_of(req, me, self.dst_heads)
+            need = m.dst_heads_of(req, me)
             if need is None:
                 r.states.release(req)
                 continue

@@ -1,11 +1,8 @@
 """Moving attention projections between head-sharded and replicated placement (one layer at a time).
 
-Weights travel in their stored form: plain weights as compute-dtype values, quantised ones (FP8/INT8) as their
-bytes plus exactly the scale blocks of the sender's shard (splash.models.qweight), never dequantised; the
-receiver reassembles the original weight and scales bit for bit. Packed fp32 projections (splash.native.packed:
-Q-B and O) travel packed: every part is moved as a tensor whose first dimension runs over heads (a head's Q-B strips;
-O's packed columns, transposed), so shards concatenate and slice along it. Common state (Q-A, KV-A and their
-stacked [Q-A ; KV-A]) is carried over as is — the same tensors, never a second copy.
+Weights travel as stored, never dequantised: quantised ones with exactly the scale blocks of the sender's shard,
+packed fp32 ones (splash.native.packed) packed, every part with heads as its first dimension so shards concatenate
+and slice along it; the receiver rebuilds them bit for bit. Common state (Q-A, KV-A) is not touched.
 """
 from __future__ import annotations
 
@@ -19,9 +16,7 @@ from splash.models.weights import AttnWeights
 
 
 def _head_rows(w: AttnWeights) -> list[torch.Tensor]:
-    """Q-B, W_UK, W_UV and O as tensors whose first dimension runs over this rank's heads (head-major: a head's
-    rows are contiguous); O is column-sharded, so its transpose (packed: its [K, N / 16, 16] view) — views where
-    the stored form allows, for slicing."""
+    """Q-B, W_UK, W_UV and O (column-sharded: transposed) as views whose first dimension runs over heads."""
     q_b = w.q_b.packed if isinstance(w.q_b, PackedLinear) else w.q_b
     o = w.o.packed.transpose(0, 1) if isinstance(w.o, PackedLinear) else w.o.T
     return [q_b, w.w_uk, w.w_uv, o]
@@ -51,8 +46,7 @@ def pack_shard(w: AttnWeights) -> torch.Tensor:
 
 
 def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -> tuple[tuple, tuple, int]:
-    """(data shape, scale shape, offset in first block) of the shard for `heads` of the full weight that the
-    local shard `q` (rows/cols of `per_head` per head) belongs to."""
+    """(data shape, scale shape, offset in first block) of the shard for `heads` of the weight `q` is a shard of."""
     a0, n = heads.start * per_head, len(heads) * per_head
     other = q.shape[1] if by_rows else q.shape[0]
     data = (n, other) if by_rows else (other, n)
@@ -64,8 +58,7 @@ def shard_geometry(q: QuantWeight, heads: range, per_head: int, by_rows: bool) -
 
 def take_quant_shard(gathered: torch.Tensor, off: int, q: QuantWeight, heads: range, per_head: int,
                      by_rows: bool) -> tuple[QuantWeight, int]:
-    """The shard for `heads` of the weight local shard `q` belongs to, read from the packed bytes `gathered` at
-    `off` (its values, then its scale blocks, as `QuantWeight.tensors` packs them) -> (shard, offset past it)."""
+    """The shard for `heads` of `q`'s weight, read from the packed bytes `gathered` at `off` -> (shard, next off)."""
     dshape, sshape, a_off = shard_geometry(q, heads, per_head, by_rows)
     nd, ns = dshape[0] * dshape[1] * q.data.element_size(), sshape[0] * sshape[1] * 4
     data = gathered[off:off + nd].clone().view(q.data.dtype).view(dshape)

@@ -111,7 +111,7 @@ def instrument(llm: LLM, model_dir, log: list) -> None:
         src = switch.m.src.value if switch is not None else r.layout   # the engine adopts before the step
         logits = step(batch, switch)
         if switch is not None:
-            want = switch.m.total_weight_recv_bytes[r.comm.rank]
+            want = switch.m.weight_recv_total[r.comm.rank]
             assert received[0] == want, \
                 f"{src}->{r.layout}: received {received[0]} weight bytes, manifest {want}"
             received[0] = 0
