@@ -386,7 +386,7 @@ class Engine:
         return {lay: distinct_kv_tokens(lay, self.ledger.cap(lay), bs, w) for lay in self.control.allowed}
 
     def kv_used_tokens(self) -> int:
-        return sum(tokens for tokens, _ in self.ledger.reqs.values())
+        return sum(e.tokens for e in self.ledger.reqs.values())
 
     def prefix_cache_stats(self) -> tuple[int, int, list[int]]:
         """(prompt tokens looked up, of them found cached, cached blocks per rank) since the start."""

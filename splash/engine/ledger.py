@@ -20,6 +20,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from splash.engine.state_snapshots import StateSnapshots
 from splash.layouts.layout import KV_POSITION, kv_ownership_of
@@ -30,6 +31,14 @@ def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
 
+class Entry(NamedTuple):
+    """One request on the ledger: the tokens its blocks hold, its owner (DP-attn/DOP owner, CP anchor) and the tokens
+    it may reach (prompt + max_tokens; 0 when not given)."""
+    tokens: int
+    owner: int
+    final: int = 0
+
+
 @dataclass
 class KVLedger:
     world: int
@@ -38,8 +47,7 @@ class KVLedger:
     layout: str
     capacity: dict[str, int] = field(default_factory=dict)  # usable blocks per rank per layout (default: all)
     used: list[int] = field(default_factory=list)
-    reqs: dict[str, list[int]] = field(default_factory=dict)  # req -> [tokens, owner]
-    final: dict[str, int] = field(default_factory=dict)       # req -> tokens it may reach (prompt + max_tokens)
+    reqs: dict[str, Entry] = field(default_factory=dict)
     prefix: bool = False                                      # the prefix cache is on
     shared: dict[str, list[int]] = field(default_factory=dict)   # req -> hashes of its leading cached blocks
     snapshots: StateSnapshots | None = None   # a hybrid model's KDA state snapshots (a hit must end at one)
@@ -69,7 +77,7 @@ class KVLedger:
         return blocks_held(layout or self.layout, owner, b0, b1, self.world)
 
     def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
-        tokens, own = self.reqs.get(req, [0, owner])
+        tokens, own, _ = self.reqs.get(req, (0, owner, 0))
         return self.blocks_needed(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
     def short_ranks(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
@@ -81,24 +89,22 @@ class KVLedger:
     def holder_counts(self) -> list[int]:
         """Per rank, how many requests hold blocks there."""
         out = [0] * self.world
-        for tokens, owner in self.reqs.values():
+        for tokens, owner, _ in self.reqs.values():
             for r, n in enumerate(self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))):
                 out[r] += n > 0
         return out
 
     def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)
-        if final is not None and req not in self.reqs:
-            self.final[req] = final
-        entry = self.reqs.setdefault(req, [0, owner])
-        entry[0] = max(entry[0], new_tokens)
+        e = self.reqs.get(req) or Entry(0, owner, final or 0)
+        self.reqs[req] = e._replace(tokens=max(e.tokens, new_tokens))
         for r in range(self.world):
             self.used[r] += need[r]
 
     def frees(self, req: str) -> list[int]:
         """Per rank, the blocks `release(req)` would give back: those of its blocks no other request references (its
         own, and cached ones only it uses; the latter become evictable)."""
-        tokens, owner = self.reqs[req]
+        tokens, owner, _ = self.reqs[req]
         shared = self.shared.get(req, ())
         out = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
         for i, h in enumerate(shared):
@@ -111,8 +117,7 @@ class KVLedger:
         switched to `layout` as `relayout` switches (without new owners, keeping no idle cached block) when it is not
         this ledger's."""
         led = KVLedger(self.world, blocks_per_rank, self.block_size, self.layout, prefix=self.prefix)
-        led.used, led.final = list(self.used), dict(self.final)
-        led.reqs = {r: list(v) for r, v in self.reqs.items()}
+        led.used, led.reqs = list(self.used), dict(self.reqs)
         led.shared = {r: list(v) for r, v in self.shared.items()}
         led.refs = [dict(d) for d in self.refs]
         led.lru = [OrderedDict(d) for d in self.lru]
@@ -124,19 +129,13 @@ class KVLedger:
     def release(self, req: str) -> None:
         if req not in self.reqs:
             return
-        tokens, owner = self.reqs.pop(req)
-        self.final.pop(req, None)
-        shared = self.shared.pop(req, ())
-        need = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
-        for r in range(self.world):
-            self.used[r] -= need[r]
-        for i, h in enumerate(shared):
+        self.used = [u - n for u, n in zip(self.used, self.frees(req))]
+        owner = self.reqs.pop(req).owner
+        for i, h in enumerate(self.shared.pop(req, ())):
             for r in self.holders(i, owner):
-                refs = self.refs[r]
-                refs[h] -= 1
-                if not refs[h]:
+                self.refs[r][h] -= 1
+                if not self.refs[r][h]:   # no request uses it now: evictable
                     self.lru[r][h] = next(self._tick)
-                    self.used[r] -= 1
 
     # ---- prefix cache (rank 0's mirror of every rank's) --------------------------------------------------------
     def lookup(self, hashes: list[int], owner: int) -> tuple[int, list[int]]:
@@ -157,9 +156,7 @@ class KVLedger:
 
     def attach(self, req: str, owner: int, hashes: list[int], final: int | None = None) -> None:
         """A new request starts on the cached blocks `hashes` (its first len(hashes) blocks), by reference."""
-        self.reqs[req] = [len(hashes) * self.block_size, owner]
-        if final is not None:
-            self.final[req] = final
+        self.reqs[req] = Entry(len(hashes) * self.block_size, owner, final or 0)
         self.shared[req] = list(hashes)
         if self.snapshots is not None and hashes:
             self.snapshots.touch(hashes[-1], owner)
@@ -175,7 +172,7 @@ class KVLedger:
     def register(self, req: str, block: int, h: int) -> bool:
         """`req`'s full block `block` (its next after its cached ones) becomes cached under `h`, unless `h` is
         cached already; -> whether it did (then the ranks register it too)."""
-        tokens, owner = self.reqs[req]
+        tokens, owner, _ = self.reqs[req]
         shared = self.shared.setdefault(req, [])
         if block != len(shared) or (block + 1) * self.block_size > tokens:
             return False
@@ -236,9 +233,9 @@ class KVLedger:
         preempt them (measured in docs/benchmarks.md, the rollout at capacity). Under CP every anchor carries the same
         load (a request's blocks are dealt over all ranks), so a cached prefix decides the anchor."""
         counts, ends = [0] * self.world, [0] * self.world
-        for req, (tokens, o) in self.reqs.items():
+        for tokens, o, final in self.reqs.values():
             counts[o] += 1
-            ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
+            ends[o] += _blocks(max(tokens, final), self.block_size)
         room = self.cap()
         if kv_ownership_of(self.layout) == KV_POSITION:
             # CP deals every request's blocks round-robin over all ranks from its anchor: no anchor carries more
@@ -250,13 +247,13 @@ class KVLedger:
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
     def owner(self, req: str) -> int:
-        return self.reqs[req][1]
+        return self.reqs[req].owner
 
     def usage_under(self, layout: str, owners: dict[str, int] | None = None, shared: bool = False) -> list[int]:
         """Per-rank blocks the live requests would use under `layout` (with optional new owners); `shared`: a cached
         block several of them reference counts once (as a switch leaves it), else once per request."""
         used = [0] * self.world
-        for req, (tokens, owner) in self.reqs.items():
+        for req, (tokens, owner, _) in self.reqs.items():
             o = owners.get(req, owner) if owners else owner
             need = self.blocks_needed(o, 0, _blocks(tokens, self.block_size), layout)
             used = [a + b for a, b in zip(used, need)]
@@ -271,7 +268,7 @@ class KVLedger:
         for req, hashes in self.shared.items():
             if req not in self.reqs:
                 continue
-            o = owners.get(req, self.reqs[req][1]) if owners else self.reqs[req][1]
+            o = owners.get(req, self.reqs[req].owner) if owners else self.reqs[req].owner
             for i, h in enumerate(hashes):
                 for r in self.holders(i, o, layout):
                     refs[r][h] = refs[r].get(h, 0) + 1
@@ -308,5 +305,5 @@ class KVLedger:
             self.block_of = {h: b for h, b in self.block_of.items() if h in live}
         if owners:
             for req, o in owners.items():
-                self.reqs[req][1] = o
+                self.reqs[req] = self.reqs[req]._replace(owner=o)
         self.layout = layout

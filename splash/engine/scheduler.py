@@ -163,7 +163,7 @@ class Scheduler:
         frees blocks on a rank lacking room — blocks it holds that no other running request shares (a shared block
         stays with the others, so preempting a request for it frees nothing). In DP-attn/DOP that is the newest on
         `req`'s owner: the newest anywhere may live on another rank, and freeing it would not help."""
-        owner = self.ledger.reqs.get(req.req_id, (0, 0))[1]
+        owner = self.ledger.reqs[req.req_id].owner if req.req_id in self.ledger.reqs else 0
         short = self.ledger.short_ranks(req.req_id, req.num_cached + min(req.pending, budget), owner)
         for r in reversed(self.running):
             if r is req:
@@ -215,7 +215,7 @@ class Scheduler:
         anywhere = kv_ownership_of(led.layout) == KV_ALL   # else a block lives where its request's owner puts it
         while k < len(hashes):
             rid = self._computing.get(hashes[k])
-            if rid not in led.reqs or not (anywhere or led.reqs[rid][1] == owner):
+            if rid not in led.reqs or not (anywhere or led.reqs[rid].owner == owner):
                 break
             k += 1
         return k
@@ -245,7 +245,7 @@ class Scheduler:
         end = req.num_cached + n
         if owner is None:
             known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
-            owner = known[1] if known is not None else self.ledger.pick_owner()
+            owner = known.owner if known is not None else self.ledger.pick_owner()
         if self.ledger.short_ranks(req.req_id, end, owner):
             return None
         self.ledger.grow(req.req_id, end, owner, final=min(len(req.prompt) + req.max_tokens, req.max_len))
@@ -371,7 +371,7 @@ class Scheduler:
             if self.ledger.prefix or not self._blocked_on_every_owner(self.waiting[0]):   # may fit once the
                 # owner choice moves (or the cache's blocks it would start on are evicted)
                 return min(steps, min(-r.num_cached % bs for r in run))   # steps before any request's next block
-        owners = [led.reqs[r.req_id][1] for r in run]
+        owners = [led.reqs[r.req_id].owner for r in run]
 
         def fits(j: int) -> bool:
             used, cap = list(led.used), led.cap()
@@ -390,7 +390,7 @@ class Scheduler:
         """Apply `steps` steady decode steps (`steady_decode_steps`) at once, each request sampling `token`: what
         `steps` rounds of `schedule` + `update` would do."""
         for r in self.running:
-            self.ledger.grow(r.req_id, r.num_cached + steps, self.ledger.reqs[r.req_id][1])
+            self.ledger.grow(r.req_id, r.num_cached + steps, self.ledger.reqs[r.req_id].owner)
             r.num_cached += steps
             r.output.extend([token] * steps)
         if self.ledger.prefix:   # what the run's steps' evictions and registrations leave (steady_decode_steps)
