@@ -220,30 +220,23 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rids: list[str]):
         """(req ids, tokens, logprobs) of the rows that could be sampled: all rows at once
-        (splash.engine.sampler); if that raises, row by row, and a request whose row cannot be sampled fails alone
-        (recorded in `failed`, aborted after this step)."""
+        (splash.engine.sampler); if that raises, row by row. A request whose row cannot be sampled, or whose grammar
+        failed (splash.engine.grammar), fails alone (recorded in `failed`, aborted after this step)."""
         try:
             toks, lps = self.sampler.sample(logits, rids)
-            return self._drop_failed_grammars(rids, toks, lps)
         except Exception:  # noqa: BLE001 — find the row(s) at fault below
-            pass
-        ok, toks, lps = [], [], []
-        for i, rid in enumerate(rids):
-            try:
-                t, lp = self.sampler.sample(logits[i:i + 1], [rid])
-            except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
-                self.failed.append(RequestFailure(rid, e))
-                continue
-            ok.append(rid)
-            toks += t
-            lps += lp
-        return self._drop_failed_grammars(ok, toks, lps)
-
-    def _drop_failed_grammars(self, rids: list[str], toks: list[int], lps: list):
-        """Rows whose grammar failed this step (splash.engine.grammar) fail alone; the rest stand."""
+            ok, toks, lps = [], [], []
+            for i, rid in enumerate(rids):
+                try:
+                    t, lp = self.sampler.sample(logits[i:i + 1], [rid])
+                except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
+                    self.failed.append(RequestFailure(rid, e))
+                    continue
+                ok.append(rid)
+                toks += t
+                lps += lp
+            rids = ok
         bad = self.sampler.take_failed()
-        if not bad:
-            return rids, toks, lps
         self.failed += [RequestFailure(rid, e) for rid, e in bad.items()]
         keep = [i for i, r in enumerate(rids) if r not in bad]
         return [rids[i] for i in keep], [toks[i] for i in keep], [lps[i] for i in keep]
@@ -315,12 +308,9 @@ class Engine:
         return logits
 
     def _apply_cache_before(self, msg: StepMessage, switch=None) -> None:
-        """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
-        become cached, released requests drop theirs, a switch hands off its blocks (cached ones kept, moved or
-        dropped as its manifest says; a hybrid model's KDA state snapshots are dropped), evictions free blocks, and
-        requests starting on cached blocks take them (those this rank holds in the layout the step runs in) and, for
-        a hybrid model, their KDA state from the snapshot at the end of those blocks (where this rank holds it), then
-        dropped snapshots go and the step's snapshots to take are noted."""
+        """The message's block bookkeeping on this rank, in the ledger's order: registrations, releases, the switch's
+        handoff, evictions, cache hits (this rank's blocks of them, and a hybrid model's KDA state from the snapshot
+        at their end), then the snapshots to drop and to take."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
         for reg in msg.register:
             if reg.block in r.bm.table(reg.req_id):
