@@ -8,10 +8,9 @@ argmax; random rows are divided by their temperature → min_p → top_k → top
 one exponential race per row (argmax of p / q, q ~ Exp(1)), q drawn from the request's own generator when it
 is seeded and from the sampler's shared one otherwise.
 
-Every step costs a fixed number of tensor ops over [rows, vocab]; the Python loops are over requests (to
-gather their parameters and, for seeded requests, their noise) and over logit_bias / stop ids, never over the
-vocabulary. A request's penalty state is its output-token counts (a [vocab] tensor kept up to date here) and,
-with a repetition penalty, a mask of its prompt tokens.
+Every step costs a fixed number of tensor ops over [rows, vocab]; Python loops only over requests, never over the
+vocabulary. A request's penalty state is its output-token counts ([vocab]) and, with a repetition penalty, a mask
+of its prompt tokens.
 
 Logprobs are of the distribution the token was sampled from: after bias, min_tokens and penalties, and for
 random rows after temperature and the min_p/top_k/top_p masks (vLLM's "processed" logprobs; -inf is reported
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from splash.engine.grammar import GrammarRows
-from splash.engine.sampling import SamplingParams, make_generator
+from splash.engine.sampling import SamplingParams
 
 NEG_INF_LOGPROB = -9999.0
 
@@ -109,8 +108,10 @@ class Sampler:
         stops = torch.tensor(stops, dtype=torch.long, device=dev)
         if params.grammar is not None:
             self.grammars.add(req_id, params.grammar, stop_ids)
-        self.states[req_id] = _State(params, make_generator(params, dev), stops, bias_ids, bias_vals, prompt_mask,
-                                     counts, grammar=params.grammar is not None)
+        # a seeded random request draws from its own generator, the others from the shared one
+        gen = None if params.greedy or params.seed is None else torch.Generator(device=dev).manual_seed(params.seed)
+        self.states[req_id] = _State(params, gen, stops, bias_ids, bias_vals, prompt_mask, counts,
+                                     grammar=params.grammar is not None)
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
