@@ -188,22 +188,18 @@ class KVLedger:
     def evictions(self) -> list[list[int]]:
         """Per rank, the oldest evictable blocks to give up so that its blocks in use and cached fit its capacity
         (forgotten here; the ranks free them before the step allocates)."""
-        cap, out = self.cap(), []
-        for r in range(self.world):
-            n = self.used[r] + len(self.lru[r]) - cap
-            gone = []
-            while n > 0 and self.lru[r]:
-                h, _ = self.lru[r].popitem(last=False)
-                del self.refs[r][h]
-                gone.append(h)
-                n -= 1
-            out.append(gone)
-        self._snapshots_gone(out)
-        return out
+        return self._evict([self.used[r] + len(self.lru[r]) - self.cap() for r in range(self.world)])
 
-    def _snapshots_gone(self, evicted: list[list[int]]) -> None:
+    def _evict(self, counts: list[int]) -> list[list[int]]:
+        """Per rank, forget its `counts[r]` oldest evictable blocks (as many as it has) -> their hashes."""
+        out = []
+        for r, n in enumerate(counts):
+            out.append([self.lru[r].popitem(last=False)[0] for _ in range(min(n, len(self.lru[r])))])
+            for h in out[-1]:
+                del self.refs[r][h]
         if self.snapshots is not None:
-            self.snapshots.blocks_gone([h for gone in evicted for h in gone], self.cached_anywhere)
+            self.snapshots.blocks_gone([h for gone in out for h in gone], self.cached_anywhere)
+        return out
 
     def cached_anywhere(self, h: int) -> bool:
         """Some rank's prefix cache names `h`."""
@@ -211,14 +207,7 @@ class KVLedger:
 
     def evict_unused(self) -> list[list[int]]:
         """Every evictable block on every rank (POST /reset_prefix_cache), forgotten here; blocks requests use stay."""
-        out = []
-        for r in range(self.world):
-            out.append(list(self.lru[r]))
-            for h in out[-1]:
-                del self.refs[r][h]
-            self.lru[r].clear()
-        self._snapshots_gone(out)
-        return out
+        return self._evict([len(lru) for lru in self.lru])
 
     def cached_blocks(self) -> list[int]:
         """Per rank, the blocks its prefix cache names (in use or evictable)."""
