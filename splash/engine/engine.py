@@ -23,7 +23,8 @@ from splash.engine.messages import (BlockHash, EngineRequest, PerRank, RequestFa
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
-from splash.engine.state_snapshots import state_holders
+from splash.engine.state_snapshots import StateSnapshots, state_holders
+from splash.layouts.memory import state_snapshot_slots
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
 
 _log = logging.getLogger("splash.engine")
@@ -57,7 +58,12 @@ class Engine:
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.max_num_seqs = max_num_seqs
-        self.set_prefix_caching(enable_prefix_caching)
+        # a hybrid (glm5_next) model's prefix cache also keeps snapshots of its KDA state at block boundaries
+        # (splash.engine.state_snapshots), as many as splash.layouts.memory.state_snapshot_slots budgets for
+        self.ledger.prefix = bool(enable_prefix_caching)
+        slots = state_snapshot_slots(runner.cfg, max_num_seqs, self.ledger.prefix)
+        if slots:
+            self.ledger.snapshots = StateSnapshots(comm.size, runner.block_size, runner.layout, slots)
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, _PromptLogprobs] = {}
         self.failed: list[RequestFailure] = []   # requests whose sampling raised (see take_failures)
@@ -96,18 +102,6 @@ class Engine:
         if params.prompt_logprobs is not None:
             self._plp[req_id] = _PromptLogprobs(params.prompt_logprobs)
         return req_id
-
-    def set_prefix_caching(self, on: bool) -> None:
-        """Turn the prefix cache on or off (before the first request). A hybrid (glm5_next) model also keeps
-        snapshots of its KDA state at block boundaries (splash.engine.state_snapshots), as many as
-        splash.layouts.memory.state_snapshot_slots reserves in the budget."""
-        from splash.engine.state_snapshots import StateSnapshots
-        from splash.layouts.memory import state_snapshot_slots
-
-        led, cfg = self.ledger, self.runner.cfg
-        led.prefix = bool(on)
-        slots = state_snapshot_slots(cfg, self.max_num_seqs, led.prefix)
-        led.snapshots = StateSnapshots(led.world, led.block_size, led.layout, slots) if slots else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache); -> how many, over the ranks. The
