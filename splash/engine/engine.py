@@ -57,7 +57,6 @@ class Engine:
         kv_tokens = min(self.ledger.cap(a) for a in allowed_layouts) * runner.block_size
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
-        self.max_num_seqs = max_num_seqs
         # a hybrid (glm5_next) model's prefix cache also keeps snapshots of its KDA state at block boundaries
         # (splash.engine.state_snapshots), as many as splash.layouts.memory.state_snapshot_slots budgets for
         self.ledger.prefix = bool(enable_prefix_caching)

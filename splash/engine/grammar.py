@@ -1,15 +1,10 @@
 """Per-request grammar state on rank 0: the token mask of structured output (xgrammar), applied by the sampler.
 
-A request whose ``SamplingParams.grammar`` is set (an ``xgrammar.CompiledGrammar``, compiled off the engine thread
-by ``splash.server.structured``) gets one ``GrammarMatcher`` here when it is added. Each step the sampler asks
-``GrammarRows.mask`` for the rows of the step that have a grammar: every matcher writes its allowed next tokens
-into one bitmask ([rows, ceil(V/32)] int32), and xgrammar's CPU kernel sets the other logits to -inf. After
-sampling, ``accept`` advances each matcher by its token.
-
-A grammar can only fail its own request: a matcher that raises while filling its mask, or that rejects the sampled
-token, is reported in ``failed`` (the engine aborts that request after the step; the rest of the batch is sampled
-as usual). The grammar's state lives only here, keyed by request id, so it does not care which layout or rank holds
-the request's KV: a live layout switch never touches it.
+A request whose ``SamplingParams.grammar`` is set (compiled off the engine thread by ``splash.server.structured``)
+gets one ``GrammarMatcher``; each step its allowed tokens go into one bitmask for the step's rows and xgrammar's
+kernel masks the rest. A grammar can only fail its own request: a matcher that raises or rejects the sampled token
+is reported in ``failed`` and the engine aborts that request alone. The state is keyed by request id only, so a
+layout switch never touches it.
 """
 from __future__ import annotations
 
@@ -24,8 +19,6 @@ def _xgr():
 
 
 class GrammarRows:
-    """The matchers of the running requests that have a grammar; see the module docstring."""
-
     def __init__(self, vocab_size: int) -> None:
         self.vocab = vocab_size
         self.matchers: dict[str, Any] = {}

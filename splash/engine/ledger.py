@@ -3,15 +3,10 @@
 Which ranks hold a logical block is the ownership model's answer (`splash.layouts.ownership.block_holders`,
 `blocks_held`), so the scheduler admits against exactly the blocks each rank's real pool will allocate.
 
-With the prefix cache on, the ledger is also the one truth of what every rank caches: per rank, the prefix hashes
-of the full blocks its pool keeps cached, with how many requests reference each; those no request references are
-evictable, oldest first. `used` counts the blocks requests hold (a shared block once); cached blocks no request
-holds are not in it, and `evictions` names the oldest ones a rank must give up so that in-use and cached blocks stay
-within the layout's capacity. Every hit, registration and eviction decided here travels in the step message, so the
-ranks' block managers never decide one themselves. A layout switch keeps the cache (`relayout` with the switch's
-manifest): blocks shared by running requests stay shared where the destination holds them (moved once, re-shared by
-the receiving rank), idle cached blocks are kept or dropped as the manifest's rule says (splash.switching.block_plan),
-so the mirror stays exact; without a manifest it forgets the cache and charges shared blocks to each request.
+With the prefix cache on, it is also the one truth of what every rank caches (per rank: prefix hash -> requests
+referencing it; unreferenced ones are evictable, oldest first). `used` counts blocks requests hold, a shared one
+once. Every hit, registration and eviction is decided here and travels in the step message, so the ranks' block
+managers never decide one themselves. A switch keeps the cache as its manifest plans it (`relayout`).
 """
 from __future__ import annotations
 
@@ -214,24 +209,20 @@ class KVLedger:
         return [len(refs) for refs in self.refs]
 
     def pick_owner(self, saved: dict[int, int] | None = None, end_blocks: int = 0) -> int:
-        """Least-loaded rank: by the blocks its requests will hold at their end (tokens they may reach, prompt +
-        max_tokens, as given to `grow`; their present tokens when more or not given) less the blocks `saved` there
-        (a cached prefix the new request would start on; only where its `end_blocks` fit beside those ends), then
-        blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL
-        rollout's long requests (the same prompt length as its short ones) pile up on one DOP owner, which must then
-        preempt them (measured in docs/benchmarks.md, the rollout at capacity). Under CP every anchor carries the same
-        load (a request's blocks are dealt over all ranks), so a cached prefix decides the anchor."""
+        """Least-loaded rank: by the blocks its requests will hold at their end less the blocks `saved` there (a
+        cached prefix the new request would start on), then blocks held now, request count, id. Balancing only what
+        requests hold now would pile an RL rollout's long requests onto one DOP owner, which must then preempt them
+        (docs/benchmarks.md, the rollout at capacity)."""
         counts, ends = [0] * self.world, [0] * self.world
         for tokens, o, final in self.reqs.values():
             counts[o] += 1
             ends[o] += _blocks(max(tokens, final), self.block_size)
         room = self.cap()
         if kv_ownership_of(self.layout) == KV_POSITION:
-            # CP deals every request's blocks round-robin over all ranks from its anchor: no anchor carries more
-            # load than another, so only a saving (then blocks held now, ...) tells them apart
+            # CP deals every request's blocks over all ranks: no anchor carries more load, only a saving differs
             ends, room = [sum(ends)] * self.world, room * self.world
-        # a saving counts only where the request could also be carried to its end: a preempted request's cache
-        # lives on the owner that ran out of room, and the saving would send it back there to be preempted again
+        # a saving counts only where the request also fits to its end (else a preempted request's own cache would
+        # send it back to the owner that ran out of room)
         saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= room}
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 

@@ -67,15 +67,10 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
                          weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None,
                          state_requests: int = 0, rope_fp8: bool = False) -> dict[str, int]:
-    """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
-
-    The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
-    the projections spends the difference on them, so it holds that many fewer blocks. The count comes from
-    the one capacity model, ``splash.layouts.memory.kv_capacity_tokens``, given the memory of a rank holding
-    that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
-    pool is the largest entry. Hybrid (glm5_next) models also keep `state_requests` KDA states (`hybrid_states`:
-    running requests' and prefix-cache snapshots) inside the same budget (splash.layouts.memory.recurrent_state_bytes).
-    `rope_fp8`: the pool stores an fp8 layer's rope key in e4m3 (splash.attention.kernels.kv_rope_fp8)."""
+    """Usable KV blocks per rank in each layout (splash.layouts.memory.kv_capacity_tokens) for a per-rank budget
+    that is the KV pool of the most compact layout (head-sharded projections): a layout replicating the projections
+    spends the difference on them. The physical pool is the largest entry. A hybrid model's `state_requests` KDA
+    states (`hybrid_states`) live in the same budget; `rope_fp8`: the pool keeps an fp8 layer's rope key in e4m3."""
     from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
 
     block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
