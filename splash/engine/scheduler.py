@@ -16,6 +16,7 @@ every rank. docs/architecture.md (splash.engine) tells the policy at length.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections import deque
@@ -210,12 +211,6 @@ class Scheduler:
         bs = self.ledger.block_size
         return [req.block_hash(i, bs) for i in range((req.num_tokens - 1) // bs)]
 
-    def _blocked_on_every_owner(self, req: Request) -> bool:
-        """Whether `req` would be refused (`_admissible`) whichever rank it went to: then decode, which only adds
-        blocks and holders, cannot let it in before some request finishes."""
-        return not any(self._fits(self.ledger.growth(req.req_id, req.num_cached + req.pending, owner))
-                       for owner in range(self.ledger.world))
-
     def _piece(self, req: Request, budget: int, owner: int | None = None) -> StepItem | None:
         n = min(req.pending, budget)
         if n <= 0 or (n < req.pending and not self.chunked_prefill):
@@ -342,27 +337,22 @@ class Scheduler:
         if steps <= 0:
             return 0
         led, bs = self.ledger, self.ledger.block_size
-        kv_blocked = self.waiting and len(run) < self.max_num_seqs and len(run) < self.budget
-        if kv_blocked:
-            if self._admissible(self.waiting[0]) is not None:
+        if self.waiting and len(run) < self.max_num_seqs and len(run) < self.budget:   # a request waits for KV
+            w, end = self.waiting[0], self.waiting[0].num_cached + self.waiting[0].pending
+            if self._admissible(w) is not None:
                 return 0
-            if self.ledger.prefix or not self._blocked_on_every_owner(self.waiting[0]):   # may fit once the
-                # owner choice moves (or the cache's blocks it would start on are evicted)
-                return min(steps, min(-r.num_cached % bs for r in run))   # steps before any request's next block
-        owners = [led.reqs[r.req_id].owner for r in run]
+            # unless no rank would take it (decode only adds blocks), it may fit once the owner choice moves (or the
+            # cached blocks it would start on are evicted): stop before any request's next block
+            if led.prefix or any(self._fits(led.growth(w.req_id, end, o)) for o in range(led.world)):
+                return min(steps, min(-r.num_cached % bs for r in run))
+        owners, cap = [led.reqs[r.req_id].owner for r in run], led.cap()
 
-        def fits(j: int) -> bool:
-            used, cap = list(led.used), led.cap()
-            for r, o in zip(run, owners):
-                for k, n in enumerate(led.growth(r.req_id, r.num_cached + j, o)):
-                    used[k] += n
-            return all(u <= cap for u in used)
+        def fits(j: int) -> bool:   # every rank has room for every running request's next j tokens
+            need = zip(*(led.growth(r.req_id, r.num_cached + j, o) for r, o in zip(run, owners)))
+            return all(u + sum(n) <= cap for u, n in zip(led.used, need))
 
-        lo, hi = 0, steps   # the largest j with fits(j): growth only adds blocks, so fits is monotone
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+        # the largest j with fits(j): growth only adds blocks, so fits is monotone
+        return bisect.bisect_left(range(1, steps + 1), True, key=lambda j: not fits(j))
 
     def advance_decode(self, steps: int, token: int) -> None:
         """Apply `steps` steady decode steps (`steady_decode_steps`) at once, each request sampling `token`: what
