@@ -58,9 +58,7 @@ def logprob_rows(lp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[
     """TokenLogprobs of `tokens` [n] under log-probabilities `lp` [n, V], with the top ks[i] of row i."""
     chosen = lp.gather(1, tokens[:, None])
     rank = ((lp > chosen).sum(-1) + 1).tolist()
-    kmax = max(ks, default=0)
-    top_v, top_i = (lp.topk(kmax, -1) if kmax else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    top_v, top_i = (t.tolist() for t in lp.topk(max(ks, default=0), -1))
     out = []
     for i, (t, v) in enumerate(zip(tokens.tolist(), chosen[:, 0].tolist())):
         top = tuple((top_i[i][j], _clean(top_v[i][j])) for j in range(ks[i]))
@@ -144,7 +142,7 @@ class Sampler:
         st = [self.states[r] for r in req_ids]
         x = self.processed(logits, req_ids)
         tokens = x.argmax(-1)
-        rand = [i for i, s in enumerate(st) if not s.params.greedy]   # temperature < SAMPLING_EPS: greedy
+        rand = [i for i, s in enumerate(st) if not s.params.greedy]
         if rand:
             rows = torch.tensor(rand, dtype=torch.long, device=x.device)
             tokens[rows] = self._race(torch.softmax(x[rows], -1), [st[i] for i in rand])
