@@ -237,12 +237,9 @@ class Engine:
     # ---- prompt logprobs: the logits of prompt rows, only for requests that ask --------------------------
     def _prompt_logit_items(self, plan) -> list[int]:
         """Items whose rows' logits every rank returns besides the sampled rows (the step message names them)."""
-        out, reqs = [], self.scheduler.requests
-        for i, s in enumerate(plan.items):
-            acc = self._plp.get(s.req_id)
-            if acc is not None and not acc.delivered and s.start_pos < len(reqs[s.req_id].prompt) - 1:
-                out.append(i)
-        return out
+        reqs, plp = self.scheduler.requests, self._plp
+        return [i for i, s in enumerate(plan.items) if s.req_id in plp and not plp[s.req_id].delivered
+                and s.start_pos < len(reqs[s.req_id].prompt) - 1]
 
     def _take_prompt_logprobs(self, plan, items: list[int], logits: torch.Tensor) -> None:
         """Row p of a piece predicts token p + 1: keep the prompt tokens 1..P-1 not yet recorded."""
@@ -250,14 +247,11 @@ class Engine:
         for i in items:
             s = plan.items[i]
             n = len(s.tokens) - (1 if s.sample else 0)
-            plp, req = self._plp[s.req_id], self.scheduler.requests[s.req_id]
-            acc = plp.got
-            first = len(acc) - s.start_pos   # rows before this one were recorded by an earlier piece
-            stop = min(n, len(req.prompt) - 1 - s.start_pos)
-            if stop > max(first, 0):
-                lo = max(first, 0)
-                targets = req.prompt[s.start_pos + lo + 1:s.start_pos + stop + 1]
-                acc += prompt_logprobs(logits[row + lo:row + stop], targets, plp.k)
+            plp, p0, prompt = self._plp[s.req_id], s.start_pos, self.scheduler.requests[s.req_id].prompt
+            lo = max(len(plp.got) - p0, 0)   # rows before were recorded by an earlier piece
+            stop = min(n, len(prompt) - 1 - p0)
+            if stop > lo:
+                plp.got += prompt_logprobs(logits[row + lo:row + stop], prompt[p0 + lo + 1:p0 + stop + 1], plp.k)
             row += n
 
     def _deliver_prompt_logprobs(self, req_id: str) -> list[TokenLogprobs] | None:
