@@ -41,7 +41,7 @@ class StateSnapshots:
         self.layout = layout
         self.per_rank = states_per_rank(layout, self.slots, self.world)
         self.held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.world)]   # LRU, oldest first
-        self.pending: dict[int, list[int]] = {}      # hash -> ranks: taken in the step being run, not settled
+        self.pending: dict[int, None] = {}           # taken in the step being run, not settled (in order)
         self.latest: dict[str, int] = {}             # running request -> hash of its newest past-prompt snapshot
         self.drops: list[list[int]] = [[] for _ in range(self.world)]   # per rank, for the next step message
 
@@ -82,7 +82,7 @@ class StateSnapshots:
                 return False
         for r in ranks:
             self.held[r][h] = None
-        self.pending[h] = ranks
+        self.pending[h] = None
         if latest:
             prev = self.latest.get(req)
             if prev is not None and prev not in self.pending:
@@ -137,9 +137,7 @@ class StateSnapshots:
     def settle(self, cached, running) -> None:
         """After the step's blocks were registered: keep its snapshots whose block `cached(h)` is cached on some
         rank, drop the others; forget which snapshot is the newest of requests no longer `running`."""
-        for h in self.pending:
-            if not cached(h):
-                self._drop(h)
+        self.blocks_gone(self.pending, cached)
         self.pending = {}
         self.latest = {q: h for q, h in self.latest.items() if q in running}
 
