@@ -69,11 +69,7 @@ class Request:
     def token_slice(self, a: int, b: int) -> tuple[int, ...]:
         """tokens[a:b] without building prompt + output (O(b - a), not O(context))."""
         p = len(self.prompt)
-        if b <= p:
-            return tuple(self.prompt[a:b])
-        if a >= p:
-            return tuple(self.output[a - p:b - p])
-        return tuple(self.prompt[a:]) + tuple(self.output[:b - p])
+        return tuple(self.prompt[a:b]) + tuple(self.output[max(a - p, 0):max(b - p, 0)])
 
 
 IN_FLIGHT = "in flight"   # `Scheduler._admissible`: the request waits for blocks a running request is computing
