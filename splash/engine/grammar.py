@@ -13,11 +13,6 @@ from typing import Any
 import torch
 
 
-def _xgr():
-    import xgrammar
-    return xgrammar
-
-
 class GrammarRows:
     def __init__(self, vocab_size: int) -> None:
         self.vocab = vocab_size
@@ -26,7 +21,7 @@ class GrammarRows:
 
     def add(self, req_id: str, compiled: Any, stop_ids) -> None:
         """A matcher for ``compiled`` whose end is one of ``stop_ids`` (the request's EOS and stop_token_ids)."""
-        xgr = _xgr()
+        import xgrammar as xgr   # only requests with a grammar need it
         stops = sorted(int(t) for t in stop_ids if 0 <= int(t) < self.vocab)
         self.matchers[req_id] = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
 
@@ -40,7 +35,7 @@ class GrammarRows:
         rows = [i for i, r in enumerate(req_ids) if r in self.matchers and r not in self.failed]
         if not rows:
             return None
-        xgr = _xgr()
+        import xgrammar as xgr
         bitmask = torch.full((len(req_ids), (self.vocab + 31) // 32), -1, dtype=torch.int32)
         ok = []
         for i in rows:

@@ -126,7 +126,7 @@ class ModelRunner:
             self.tables.append(req, new)
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch, switch=None) -> torch.Tensor:
+    def step(self, batch: StepBatch | None, switch=None) -> torch.Tensor:
         """Execute one step on this rank; returns logits [len(sample_rows), vocab] (identical on all ranks).
         `switch` (a SwitchExecutor) hands off to a new layout at this step boundary: the step runs in the
         destination layout and each layer waits only for its own transferred state."""
@@ -134,7 +134,7 @@ class ModelRunner:
         if switch is not None:
             self.adopt(switch.begin())
             before = switch.before_layer
-        if not batch.reqs:
+        if batch is None or not batch.reqs:
             if switch is not None:
                 for layer in range(self.cfg.num_hidden_layers):
                     switch.before_layer(layer)

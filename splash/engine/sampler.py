@@ -1,12 +1,10 @@
 """The batch sampler (rank 0 only): every sampling parameter applied to all rows of a step at once.
 
-Order (vLLM v1's): logits in fp32 → the structured-output grammar mask (splash.engine.grammar: tokens the request's
-grammar forbids become -inf) → logit_bias → min_tokens (not on grammar rows: there the grammar says where the output
-may end) (EOS and stop_token_ids masked) → penalties
-(repetition on prompt + output tokens, then frequency and presence on output tokens) → greedy rows take the
-argmax; random rows are divided by their temperature → min_p → top_k → top_p (on the top_k survivors) →
-one exponential race per row (argmax of p / q, q ~ Exp(1)), q drawn from the request's own generator when it
-is seeded and from the sampler's shared one otherwise.
+Order (vLLM v1's), in fp32: grammar mask (splash.engine.grammar) → logit_bias → min_tokens (EOS and stop ids
+masked; not on grammar rows, whose grammar says where the output may end) → penalties (repetition on prompt + output
+tokens, then frequency and presence on output tokens) → greedy rows take the argmax; random rows: temperature → min_p
+→ top_k → top_p (on the top_k survivors) → one exponential race (argmax of p / q, q ~ Exp(1), drawn from the
+request's own generator when it is seeded, else from the sampler's shared one).
 
 Every step costs a fixed number of tensor ops over [rows, vocab]; Python loops only over requests, never over the
 vocabulary. A request's penalty state is its output-token counts ([vocab]) and, with a repetition penalty, a mask
