@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from splash.attention.batch import StepBatch
+from splash.costmodel.step_cost import cached_moves_pay
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
@@ -26,6 +27,7 @@ from splash.engine.scheduler import Request, Scheduler
 from splash.engine.state_snapshots import StateSnapshots, state_holders
 from splash.layouts.memory import state_snapshot_slots
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
+from splash.models.weights import resident_bytes
 
 _log = logging.getLogger("splash.engine")
 
@@ -157,7 +159,6 @@ class Engine:
         transfer is priced, so none is made."""
         if self.auto is None or dst in (None, self.layout) or not self.ledger.prefix or not any(self.ledger.lru):
             return False
-        from splash.costmodel.step_cost import cached_moves_pay
         s = self.scheduler
         try:
             return cached_moves_pay(self.auto.model, dst, s.prefix_hits / max(1, s.prefix_queries), s.budget)
@@ -324,7 +325,6 @@ class Engine:
             r.states.plan_snapshots([(s.req_id, (s.block + 1) * bs, s.hash) for s in msg.snapshot])
 
     def _local_weight_bytes(self) -> int:
-        from splash.models.weights import resident_bytes
         return resident_bytes(getattr(self.runner, "weights", None))
 
     def _switch_executor(self, sw: SwitchPlan | None, gone=()):

@@ -15,7 +15,8 @@ from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
 from splash.layouts.layout import LAYOUT_NAMES, heads_fit, start_layout
-from splash.layouts.memory import kv_block_bytes
+from splash.layouts.memory import (common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank,
+                                   state_snapshot_slots)
 from splash.models.family import describe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -71,8 +72,6 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
     that is the KV pool of the most compact layout (head-sharded projections): a layout replicating the projections
     spends the difference on them. The physical pool is the largest entry. A hybrid model's `state_requests` KDA
     states (`hybrid_states`) live in the same budget; `rope_fp8`: the pool keeps an fp8 layer's rope key in e4m3."""
-    from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
-
     block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     usable = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]  # others: not at this world
     base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
@@ -85,7 +84,6 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
 
 def hybrid_states(cfg, max_num_seqs: int, prefix_caching: bool) -> int:
     """KDA states a hybrid model's budget holds: every running request's, and the prefix cache's snapshots."""
-    from splash.layouts.memory import state_snapshot_slots
     if not describe(cfg).recurrent:
         return 0
     return max_num_seqs + state_snapshot_slots(cfg, max_num_seqs, prefix_caching)
