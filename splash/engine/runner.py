@@ -12,7 +12,6 @@ import torch
 
 from splash.attention.batch import StepBatch
 from splash.attention.context import LayoutState, RankContext, layout_state
-from splash.attention.kernels import kv_rope_fp8, make_kernel
 from splash.engine.hybrid_setup import build_hybrid
 from splash.engine.rank_model import build_dense
 from splash.kv import quant
@@ -50,6 +49,8 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
                  layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", streams=None):
+        from splash.attention.kernels import kv_rope_fp8, make_kernel   # late: tests stand in for these
+
         layout = parse_layout(layout).value
         # every tensor of this rank lives on `device`; `streams` (backends.base) runs switch transfers on a side
         # stream (None: inline, as on CPU)
