@@ -15,7 +15,6 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from splash.engine.state_snapshots import StateSnapshots
 from splash.layouts.layout import KV_POSITION, kv_ownership_of
@@ -26,7 +25,8 @@ def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
 
-class Entry(NamedTuple):
+@dataclass(slots=True)
+class Entry:
     """One request on the ledger: the tokens its blocks hold, its owner (DP-attn/DOP owner, CP anchor) and the tokens
     it may reach (prompt + max_tokens; 0 when not given)."""
     tokens: int
@@ -72,7 +72,8 @@ class KVLedger:
         return blocks_held(layout or self.layout, owner, b0, b1, self.world)
 
     def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
-        tokens, own, _ = self.reqs.get(req, (0, owner, 0))
+        e = self.reqs.get(req)
+        tokens, own = (e.tokens, e.owner) if e is not None else (0, owner)
         return self.blocks_needed(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
     def short_ranks(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
@@ -84,24 +85,25 @@ class KVLedger:
     def holder_counts(self) -> list[int]:
         """Per rank, how many requests hold blocks there."""
         out = [0] * self.world
-        for tokens, owner, _ in self.reqs.values():
-            for r, n in enumerate(self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))):
+        for e in self.reqs.values():
+            for r, n in enumerate(self.blocks_needed(e.owner, 0, _blocks(e.tokens, self.block_size))):
                 out[r] += n > 0
         return out
 
     def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)
-        e = self.reqs.get(req) or Entry(0, owner, final or 0)
-        self.reqs[req] = e._replace(tokens=max(e.tokens, new_tokens))
+        e = self.reqs.get(req)
+        if e is None:
+            e = self.reqs[req] = Entry(0, owner, final or 0)
+        e.tokens = max(e.tokens, new_tokens)
         for r in range(self.world):
             self.used[r] += need[r]
 
     def frees(self, req: str) -> list[int]:
         """Per rank, the blocks `release(req)` would give back: those of its blocks no other request references (its
         own, and cached ones only it uses; the latter become evictable)."""
-        tokens, owner, _ = self.reqs[req]
-        shared = self.shared.get(req, ())
-        out = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
+        e, shared = self.reqs[req], self.shared.get(req, ())
+        owner, out = e.owner, self.blocks_needed(e.owner, len(shared), _blocks(e.tokens, self.block_size))
         for i, h in enumerate(shared):
             for r in self.holders(i, owner):
                 out[r] += self.refs[r].get(h) == 1
@@ -112,7 +114,7 @@ class KVLedger:
         switched to `layout` as `relayout` switches (without new owners, keeping no idle cached block) when it is not
         this ledger's."""
         led = KVLedger(self.world, blocks_per_rank, self.block_size, self.layout, prefix=self.prefix)
-        led.used, led.reqs = list(self.used), dict(self.reqs)
+        led.used, led.reqs = list(self.used), {r: Entry(e.tokens, e.owner, e.final) for r, e in self.reqs.items()}
         led.shared = {r: list(v) for r, v in self.shared.items()}
         led.refs = [dict(d) for d in self.refs]
         led.lru = [OrderedDict(d) for d in self.lru]
@@ -167,7 +169,7 @@ class KVLedger:
     def register(self, req: str, block: int, h: int) -> bool:
         """`req`'s full block `block` (its next after its cached ones) becomes cached under `h`, unless `h` is
         cached already; -> whether it did (then the ranks register it too)."""
-        tokens, owner, _ = self.reqs[req]
+        tokens, owner = self.reqs[req].tokens, self.reqs[req].owner
         shared = self.shared.setdefault(req, [])
         if block != len(shared) or (block + 1) * self.block_size > tokens:
             return False
@@ -214,9 +216,9 @@ class KVLedger:
         requests hold now would pile an RL rollout's long requests onto one DOP owner, which must then preempt them
         (docs/benchmarks.md, the rollout at capacity)."""
         counts, ends = [0] * self.world, [0] * self.world
-        for tokens, o, final in self.reqs.values():
-            counts[o] += 1
-            ends[o] += _blocks(max(tokens, final), self.block_size)
+        for e in self.reqs.values():
+            counts[e.owner] += 1
+            ends[e.owner] += _blocks(max(e.tokens, e.final), self.block_size)
         room = self.cap()
         if kv_ownership_of(self.layout) == KV_POSITION:
             # CP deals every request's blocks over all ranks: no anchor carries more load, only a saving differs
@@ -226,16 +228,18 @@ class KVLedger:
         saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= room}
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
-    def owner(self, req: str) -> int:
-        return self.reqs[req].owner
+    def owner(self, req: str) -> int | None:
+        """`req`'s owner (DP-attn/DOP owner, CP anchor); None when it holds nothing here."""
+        e = self.reqs.get(req)
+        return None if e is None else e.owner
 
     def usage_under(self, layout: str, owners: dict[str, int] | None = None, shared: bool = False) -> list[int]:
         """Per-rank blocks the live requests would use under `layout` (with optional new owners); `shared`: a cached
         block several of them reference counts once (as a switch leaves it), else once per request."""
         used = [0] * self.world
-        for req, (tokens, owner, _) in self.reqs.items():
-            o = owners.get(req, owner) if owners else owner
-            need = self.blocks_needed(o, 0, _blocks(tokens, self.block_size), layout)
+        for req, e in self.reqs.items():
+            o = owners.get(req, e.owner) if owners else e.owner
+            need = self.blocks_needed(o, 0, _blocks(e.tokens, self.block_size), layout)
             used = [a + b for a, b in zip(used, need)]
         if shared:
             refs = self._refs_under(layout, owners)
@@ -285,5 +289,5 @@ class KVLedger:
             self.block_of = {h: b for h, b in self.block_of.items() if h in live}
         if owners:
             for req, o in owners.items():
-                self.reqs[req] = self.reqs[req]._replace(owner=o)
+                self.reqs[req].owner = o
         self.layout = layout

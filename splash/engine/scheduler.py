@@ -69,7 +69,11 @@ class Request:
     def token_slice(self, a: int, b: int) -> tuple[int, ...]:
         """tokens[a:b] without building prompt + output (O(b - a), not O(context))."""
         p = len(self.prompt)
-        return tuple(self.prompt[a:b]) + tuple(self.output[max(a - p, 0):max(b - p, 0)])
+        if b <= p:
+            return tuple(self.prompt[a:b])
+        if a >= p:
+            return tuple(self.output[a - p:b - p])
+        return tuple(self.prompt[a:]) + tuple(self.output[:b - p])
 
 
 IN_FLIGHT = "in flight"   # `Scheduler._admissible`: the request waits for blocks a running request is computing
@@ -145,7 +149,7 @@ class Scheduler:
         frees blocks on a rank lacking room — blocks it holds that no other running request shares (a shared block
         stays with the others, so preempting a request for it frees nothing). In DP-attn/DOP that is the newest on
         `req`'s owner: the newest anywhere may live on another rank, and freeing it would not help."""
-        owner = self.ledger.reqs[req.req_id].owner if req.req_id in self.ledger.reqs else 0
+        owner = self.ledger.owner(req.req_id) or 0
         short = self.ledger.short_ranks(req.req_id, req.num_cached + min(req.pending, budget), owner)
         for r in reversed(self.running):
             if r is req:
@@ -213,8 +217,9 @@ class Scheduler:
             return None
         end = req.num_cached + n
         if owner is None:
-            known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
-            owner = known.owner if known is not None else self.ledger.pick_owner()
+            owner = self.ledger.owner(req.req_id)
+            if owner is None:   # a new request (pick_owner is O(requests))
+                owner = self.ledger.pick_owner()
         if self.ledger.short_ranks(req.req_id, end, owner):
             return None
         self.ledger.grow(req.req_id, end, owner, final=req.final_tokens)
