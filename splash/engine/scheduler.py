@@ -181,13 +181,13 @@ class Scheduler:
         need = led.blocks_needed(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
         if revive:
             need = [a + b for a, b in zip(need, revive)]
-        return (owner, hashes[:k]) if self._fits(need) else None
+        return (owner, hashes[:k]) if self._fits(need, led.holder_counts()) else None
 
-    def _fits(self, need: list[int]) -> bool:
-        """Whether a joining request needing `need` blocks per rank fits, with a spare block per running request
-        on each rank it needs (room for their next blocks)."""
-        led, spare = self.ledger, self.ledger.holder_counts()
-        return not any(n and led.used[r] + n + spare[r] > led.cap() for r, n in enumerate(need))
+    def _fits(self, need: list[int], spare: list[int]) -> bool:
+        """Whether a joining request needing `need` blocks per rank fits, with a spare block per request holding
+        blocks there (`spare`: `KVLedger.holder_counts`, room for their next blocks) on each rank it needs."""
+        used, cap = self.ledger.used, self.ledger.cap()
+        return not any(n and used[r] + n + spare[r] > cap for r, n in enumerate(need))
 
     def _in_flight(self, hashes: list[int], k: int, owner: int) -> int:
         """How far `hashes` reach past their `k` cached blocks with blocks running requests are computing now where
@@ -344,7 +344,8 @@ class Scheduler:
                 return 0
             # unless no rank would take it (decode only adds blocks), it may fit once the owner choice moves (or the
             # cached blocks it would start on are evicted): stop before any request's next block
-            if led.prefix or any(self._fits(led.growth(w.req_id, end, o)) for o in range(led.world)):
+            spare = None if led.prefix else led.holder_counts()
+            if spare is None or any(self._fits(led.growth(w.req_id, end, o), spare) for o in range(led.world)):
                 return min(steps, min(-r.num_cached % bs for r in run))
         owners, cap = [led.reqs[r.req_id].owner for r in run], led.cap()
 
