@@ -34,10 +34,9 @@ _log = logging.getLogger("splash.engine")
 
 @dataclass
 class _PromptLogprobs:
-    """A request's prompt logprobs (`prompt_logprobs` = k), gathered piece by piece and delivered once."""
+    """A request's prompt logprobs (`prompt_logprobs` = k), gathered piece by piece until they are delivered."""
     k: int
     got: list[TokenLogprobs] = field(default_factory=list)
-    delivered: bool = False
 
 
 class Engine:
@@ -239,8 +238,7 @@ class Engine:
     def _prompt_logit_items(self, plan) -> list[int]:
         """Items whose rows' logits every rank returns besides the sampled rows (the step message names them)."""
         reqs, plp = self.scheduler.requests, self._plp
-        return [i for i, s in enumerate(plan.items) if s.req_id in plp and not plp[s.req_id].delivered
-                and s.start_pos < len(reqs[s.req_id].prompt) - 1]
+        return [i for i, s in enumerate(plan.items) if s.req_id in plp and s.start_pos < len(reqs[s.req_id].prompt) - 1]
 
     def _take_prompt_logprobs(self, plan, items: list[int], logits: torch.Tensor) -> None:
         """Row p of a piece predicts token p + 1: keep the prompt tokens 1..P-1 not yet recorded."""
@@ -256,11 +254,8 @@ class Engine:
             row += n
 
     def _deliver_prompt_logprobs(self, req_id: str) -> list[TokenLogprobs] | None:
-        acc = self._plp.get(req_id)
-        if acc is None or acc.delivered:
-            return None
-        acc.delivered = True
-        return acc.got
+        acc = self._plp.pop(req_id, None)   # delivered once, with the request's first token
+        return None if acc is None else acc.got
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests whose sampling failed since the last call; they are already aborted."""
