@@ -29,7 +29,7 @@ def step_by_step(sched: Scheduler, max_steps: int = 20_000, tokens=None):
         now = {r.req_id for r in sched.running}
         if sched.num_preemptions != preempted:
             events += [(step, "preempt", rid, None) for rid in sorted(before - now)]
-        events += [(step, "admit", rid, led.reqs[rid][1]) for rid in sorted(now - before)]
+        events += [(step, "admit", rid, led.owner(rid)) for rid in sorted(now - before)]
         sampled = {it.req_id: -1 if tokens is None else next(tokens) for it in plan.items if it.sample}
         work += len(sampled)
         events += [(step, "finish", r.req_id, None) for r in sched.update(plan, sampled)]
@@ -199,7 +199,7 @@ def live_engines_with_shared_prefixes(draw):
 def _all_views(sched: Scheduler) -> list[ReqView]:
     led = sched.ledger
     left = lambda r: min(r.max_tokens - len(r.output), r.max_len - r.num_tokens)   # noqa: E731
-    return ([ReqView(r.req_id, r.num_cached, r.pending, left(r), led.reqs[r.req_id][1]) for r in sched.running]
+    return ([ReqView(r.req_id, r.num_cached, r.pending, left(r), led.owner(r.req_id)) for r in sched.running]
             + [ReqView(r.req_id, 0, r.pending, left(r), None, running=False) for r in sched.waiting])
 
 

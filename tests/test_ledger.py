@@ -87,4 +87,4 @@ def test_owners_balance_what_requests_will_hold_at_their_end():
     led.grow("short", 80, 1, final=80)
     assert led.used == [4, 5] and led.pick_owner() == 1
     led.release("long")
-    assert led.final == {"short": 80} and led.pick_owner() == 0
+    assert [e.final for e in led.reqs.values()] == [80] and led.pick_owner() == 0

@@ -10,7 +10,7 @@ from hf_models import random_prompts
 
 from splash.engine.llm import LLM
 from splash.engine.sampler import Sampler
-from splash.engine.sampling import SamplingParams, make_generator
+from splash.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -109,4 +109,6 @@ def test_invalid_sampling_params(kwargs, field):
 def test_valid_sampling_params_defaults():
     sp = SamplingParams(stop_token_ids=[3, 4])
     assert sp.stop_token_ids == (3, 4) and sp.max_tokens == 16 and not sp.greedy
-    assert SamplingParams(temperature=0).greedy and make_generator(SamplingParams(temperature=0)) is None
+    s = Sampler(8)
+    s.add("g", [1], SamplingParams(temperature=0, seed=3), ())
+    assert SamplingParams(temperature=0).greedy and s.states["g"].gen is None   # greedy draws no noise

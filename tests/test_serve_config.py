@@ -261,6 +261,17 @@ def test_build_engine_uses_layout_kv_dtypes():
     assert built.engine.control.kv_dtypes["dop"] == "int8"
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_build_engine_honours_enable_prefix_caching(on):
+    from splash.config.serve_config import serve_config_from_dict
+    from splash.distributed.communicator import SingleRankCommunicator
+    from splash.server.startup import build_engine
+
+    cfg = serve_config_from_dict({"cache": {"enable_prefix_caching": on, "kv_cache_memory_bytes": "1MiB"}})
+    comm = SingleRankCommunicator()
+    assert build_engine(cfg, comm, comm).engine.ledger.prefix is on
+
+
 def test_gpu_page_size_is_one_the_kernels_were_compiled_for():
     """On a GPU every attention kernel but the torch reference may run our Triton kernel (flashinfer and aiter fall
     back to it), compiled ahead of time (tests/test_triton_aot.py) for GPU_BLOCK_SIZES only: another page size is

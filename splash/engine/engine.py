@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from splash.attention.batch import StepBatch
+from splash.costmodel.step_cost import cached_moves_pay
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
@@ -23,18 +24,19 @@ from splash.engine.messages import (BlockHash, EngineRequest, PerRank, RequestFa
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
-from splash.engine.state_snapshots import state_holders
+from splash.engine.state_snapshots import StateSnapshots, state_holders
+from splash.layouts.memory import state_snapshot_slots
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
+from splash.models.weights import resident_bytes
 
 _log = logging.getLogger("splash.engine")
 
 
 @dataclass
 class _PromptLogprobs:
-    """A request's prompt logprobs (`prompt_logprobs` = k), gathered piece by piece and delivered once."""
+    """A request's prompt logprobs (`prompt_logprobs` = k), gathered piece by piece until they are delivered."""
     k: int
     got: list[TokenLogprobs] = field(default_factory=list)
-    delivered: bool = False
 
 
 class Engine:
@@ -56,8 +58,12 @@ class Engine:
         kv_tokens = min(self.ledger.cap(a) for a in allowed_layouts) * runner.block_size
         self.max_model_len = min(max_model_len or runner.cfg.max_position_embeddings, kv_tokens)
         self.scheduler = Scheduler(self.ledger, max_num_seqs, max_num_batched_tokens, preemption_mode)
-        self.max_num_seqs = max_num_seqs
-        self.set_prefix_caching(enable_prefix_caching)
+        # a hybrid (glm5_next) model's prefix cache also keeps snapshots of its KDA state at block boundaries
+        # (splash.engine.state_snapshots), as many as splash.layouts.memory.state_snapshot_slots budgets for
+        self.ledger.prefix = bool(enable_prefix_caching)
+        slots = state_snapshot_slots(runner.cfg, max_num_seqs, self.ledger.prefix)
+        if slots:
+            self.ledger.snapshots = StateSnapshots(comm.size, runner.block_size, runner.layout, slots)
         self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
         self._plp: dict[str, _PromptLogprobs] = {}
         self.failed: list[RequestFailure] = []   # requests whose sampling raised (see take_failures)
@@ -96,18 +102,6 @@ class Engine:
         if params.prompt_logprobs is not None:
             self._plp[req_id] = _PromptLogprobs(params.prompt_logprobs)
         return req_id
-
-    def set_prefix_caching(self, on: bool) -> None:
-        """Turn the prefix cache on or off (before the first request). A hybrid (glm5_next) model also keeps
-        snapshots of its KDA state at block boundaries (splash.engine.state_snapshots), as many as
-        splash.layouts.memory.state_snapshot_slots reserves in the budget."""
-        from splash.engine.state_snapshots import StateSnapshots
-        from splash.layouts.memory import state_snapshot_slots
-
-        led, cfg = self.ledger, self.runner.cfg
-        led.prefix = bool(on)
-        slots = state_snapshot_slots(cfg, self.max_num_seqs, led.prefix)
-        led.snapshots = StateSnapshots(led.world, led.block_size, led.layout, slots) if slots else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache); -> how many, over the ranks. The
@@ -164,7 +158,6 @@ class Engine:
         transfer is priced, so none is made."""
         if self.auto is None or dst in (None, self.layout) or not self.ledger.prefix or not any(self.ledger.lru):
             return False
-        from splash.costmodel.step_cost import cached_moves_pay
         s = self.scheduler
         try:
             return cached_moves_pay(self.auto.model, dst, s.prefix_hits / max(1, s.prefix_queries), s.budget)
@@ -220,30 +213,23 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, rids: list[str]):
         """(req ids, tokens, logprobs) of the rows that could be sampled: all rows at once
-        (splash.engine.sampler); if that raises, row by row, and a request whose row cannot be sampled fails alone
-        (recorded in `failed`, aborted after this step)."""
+        (splash.engine.sampler); if that raises, row by row. A request whose row cannot be sampled, or whose grammar
+        failed (splash.engine.grammar), fails alone (recorded in `failed`, aborted after this step)."""
         try:
             toks, lps = self.sampler.sample(logits, rids)
-            return self._drop_failed_grammars(rids, toks, lps)
         except Exception:  # noqa: BLE001 — find the row(s) at fault below
-            pass
-        ok, toks, lps = [], [], []
-        for i, rid in enumerate(rids):
-            try:
-                t, lp = self.sampler.sample(logits[i:i + 1], [rid])
-            except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
-                self.failed.append(RequestFailure(rid, e))
-                continue
-            ok.append(rid)
-            toks += t
-            lps += lp
-        return self._drop_failed_grammars(ok, toks, lps)
-
-    def _drop_failed_grammars(self, rids: list[str], toks: list[int], lps: list):
-        """Rows whose grammar failed this step (splash.engine.grammar) fail alone; the rest stand."""
+            ok, toks, lps = [], [], []
+            for i, rid in enumerate(rids):
+                try:
+                    t, lp = self.sampler.sample(logits[i:i + 1], [rid])
+                except Exception as e:  # noqa: BLE001 — a request that cannot be sampled fails alone
+                    self.failed.append(RequestFailure(rid, e))
+                    continue
+                ok.append(rid)
+                toks += t
+                lps += lp
+            rids = ok
         bad = self.sampler.take_failed()
-        if not bad:
-            return rids, toks, lps
         self.failed += [RequestFailure(rid, e) for rid, e in bad.items()]
         keep = [i for i, r in enumerate(rids) if r not in bad]
         return [rids[i] for i in keep], [toks[i] for i in keep], [lps[i] for i in keep]
@@ -251,12 +237,8 @@ class Engine:
     # ---- prompt logprobs: the logits of prompt rows, only for requests that ask --------------------------
     def _prompt_logit_items(self, plan) -> list[int]:
         """Items whose rows' logits every rank returns besides the sampled rows (the step message names them)."""
-        out, reqs = [], self.scheduler.requests
-        for i, s in enumerate(plan.items):
-            acc = self._plp.get(s.req_id)
-            if acc is not None and not acc.delivered and s.start_pos < len(reqs[s.req_id].prompt) - 1:
-                out.append(i)
-        return out
+        reqs, plp = self.scheduler.requests, self._plp
+        return [i for i, s in enumerate(plan.items) if s.req_id in plp and s.start_pos < len(reqs[s.req_id].prompt) - 1]
 
     def _take_prompt_logprobs(self, plan, items: list[int], logits: torch.Tensor) -> None:
         """Row p of a piece predicts token p + 1: keep the prompt tokens 1..P-1 not yet recorded."""
@@ -264,22 +246,16 @@ class Engine:
         for i in items:
             s = plan.items[i]
             n = len(s.tokens) - (1 if s.sample else 0)
-            plp, req = self._plp[s.req_id], self.scheduler.requests[s.req_id]
-            acc = plp.got
-            first = len(acc) - s.start_pos   # rows before this one were recorded by an earlier piece
-            stop = min(n, len(req.prompt) - 1 - s.start_pos)
-            if stop > max(first, 0):
-                lo = max(first, 0)
-                targets = req.prompt[s.start_pos + lo + 1:s.start_pos + stop + 1]
-                acc += prompt_logprobs(logits[row + lo:row + stop], targets, plp.k)
+            plp, p0, prompt = self._plp[s.req_id], s.start_pos, self.scheduler.requests[s.req_id].prompt
+            lo = max(len(plp.got) - p0, 0)   # rows before were recorded by an earlier piece
+            stop = min(n, len(prompt) - 1 - p0)
+            if stop > lo:
+                plp.got += prompt_logprobs(logits[row + lo:row + stop], prompt[p0 + lo + 1:p0 + stop + 1], plp.k)
             row += n
 
     def _deliver_prompt_logprobs(self, req_id: str) -> list[TokenLogprobs] | None:
-        acc = self._plp.get(req_id)
-        if acc is None or acc.delivered:
-            return None
-        acc.delivered = True
-        return acc.got
+        acc = self._plp.pop(req_id, None)   # delivered once, with the request's first token
+        return None if acc is None else acc.got
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests whose sampling failed since the last call; they are already aborted."""
@@ -315,12 +291,9 @@ class Engine:
         return logits
 
     def _apply_cache_before(self, msg: StepMessage, switch=None) -> None:
-        """The message's block bookkeeping on this rank, in the ledger's order: the blocks the last step filled
-        become cached, released requests drop theirs, a switch hands off its blocks (cached ones kept, moved or
-        dropped as its manifest says; a hybrid model's KDA state snapshots are dropped), evictions free blocks, and
-        requests starting on cached blocks take them (those this rank holds in the layout the step runs in) and, for
-        a hybrid model, their KDA state from the snapshot at the end of those blocks (where this rank holds it), then
-        dropped snapshots go and the step's snapshots to take are noted."""
+        """The message's block bookkeeping on this rank, in the ledger's order: registrations, releases, the switch's
+        handoff, evictions, cache hits (this rank's blocks of them, and a hybrid model's KDA state from the snapshot
+        at their end), then the snapshots to drop and to take."""
         r, me, world = self.runner, self.comm.rank, self.comm.size
         for reg in msg.register:
             if reg.block in r.bm.table(reg.req_id):
@@ -347,7 +320,6 @@ class Engine:
             r.states.plan_snapshots([(s.req_id, (s.block + 1) * bs, s.hash) for s in msg.snapshot])
 
     def _local_weight_bytes(self) -> int:
-        from splash.models.weights import resident_bytes
         return resident_bytes(getattr(self.runner, "weights", None))
 
     def _switch_executor(self, sw: SwitchPlan | None, gone=()):
@@ -386,7 +358,7 @@ class Engine:
         return {lay: distinct_kv_tokens(lay, self.ledger.cap(lay), bs, w) for lay in self.control.allowed}
 
     def kv_used_tokens(self) -> int:
-        return sum(tokens for tokens, _ in self.ledger.reqs.values())
+        return sum(e.tokens for e in self.ledger.reqs.values())
 
     def prefix_cache_stats(self) -> tuple[int, int, list[int]]:
         """(prompt tokens looked up, of them found cached, cached blocks per rank) since the start."""

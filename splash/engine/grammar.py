@@ -1,15 +1,10 @@
 """Per-request grammar state on rank 0: the token mask of structured output (xgrammar), applied by the sampler.
 
-A request whose ``SamplingParams.grammar`` is set (an ``xgrammar.CompiledGrammar``, compiled off the engine thread
-by ``splash.server.structured``) gets one ``GrammarMatcher`` here when it is added. Each step the sampler asks
-``GrammarRows.mask`` for the rows of the step that have a grammar: every matcher writes its allowed next tokens
-into one bitmask ([rows, ceil(V/32)] int32), and xgrammar's CPU kernel sets the other logits to -inf. After
-sampling, ``accept`` advances each matcher by its token.
-
-A grammar can only fail its own request: a matcher that raises while filling its mask, or that rejects the sampled
-token, is reported in ``failed`` (the engine aborts that request after the step; the rest of the batch is sampled
-as usual). The grammar's state lives only here, keyed by request id, so it does not care which layout or rank holds
-the request's KV: a live layout switch never touches it.
+A request whose ``SamplingParams.grammar`` is set (compiled off the engine thread by ``splash.server.structured``)
+gets one ``GrammarMatcher``; each step its allowed tokens go into one bitmask for the step's rows and xgrammar's
+kernel masks the rest. A grammar can only fail its own request: a matcher that raises or rejects the sampled token
+is reported in ``failed`` and the engine aborts that request alone. The state is keyed by request id only, so a
+layout switch never touches it.
 """
 from __future__ import annotations
 
@@ -18,14 +13,7 @@ from typing import Any
 import torch
 
 
-def _xgr():
-    import xgrammar
-    return xgrammar
-
-
 class GrammarRows:
-    """The matchers of the running requests that have a grammar; see the module docstring."""
-
     def __init__(self, vocab_size: int) -> None:
         self.vocab = vocab_size
         self.matchers: dict[str, Any] = {}
@@ -33,7 +21,7 @@ class GrammarRows:
 
     def add(self, req_id: str, compiled: Any, stop_ids) -> None:
         """A matcher for ``compiled`` whose end is one of ``stop_ids`` (the request's EOS and stop_token_ids)."""
-        xgr = _xgr()
+        import xgrammar as xgr   # only requests with a grammar need it
         stops = sorted(int(t) for t in stop_ids if 0 <= int(t) < self.vocab)
         self.matchers[req_id] = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
 
@@ -47,7 +35,7 @@ class GrammarRows:
         rows = [i for i, r in enumerate(req_ids) if r in self.matchers and r not in self.failed]
         if not rows:
             return None
-        xgr = _xgr()
+        import xgrammar as xgr
         bitmask = torch.full((len(req_ids), (self.vocab + 31) // 32), -1, dtype=torch.int32)
         ok = []
         for i in rows:

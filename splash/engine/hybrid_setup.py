@@ -1,10 +1,7 @@
 """Build one rank of a hybrid (glm5_next) model: weights, MLA + indexer pools, per-request KDA state.
 
-Only MLA layers own paged KV: one pool layer per MLA layer (``family.pool_layer`` maps a model layer to it) holding the
-latent (no rope key: NoPE) and, in layers with a full indexer, the KPool vectors per token (indexer key + pool
-gate logits, ``index_parts`` = 2), all in the layout's KV dtype form (FP8/INT8 + an fp32 scale per 128 under a
-quantised KV dtype, as DSA's indexer keys); KDA layers keep per-request state (``family.state_row`` maps a model
-layer to its row in splash.kv.recurrent.RecurrentStates; splash.models.family).
+Only MLA layers own paged KV (NoPE: no rope key; layers with a full indexer also keep the KPool vectors, indexer key
++ pool gate logits, ``index_parts`` = 2); KDA layers keep per-request state (splash.kv.recurrent).
 """
 from __future__ import annotations
 

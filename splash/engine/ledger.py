@@ -3,15 +3,10 @@
 Which ranks hold a logical block is the ownership model's answer (`splash.layouts.ownership.block_holders`,
 `blocks_held`), so the scheduler admits against exactly the blocks each rank's real pool will allocate.
 
-With the prefix cache on, the ledger is also the one truth of what every rank caches: per rank, the prefix hashes
-of the full blocks its pool keeps cached, with how many requests reference each; those no request references are
-evictable, oldest first. `used` counts the blocks requests hold (a shared block once); cached blocks no request
-holds are not in it, and `evictions` names the oldest ones a rank must give up so that in-use and cached blocks stay
-within the layout's capacity. Every hit, registration and eviction decided here travels in the step message, so the
-ranks' block managers never decide one themselves. A layout switch keeps the cache (`relayout` with the switch's
-manifest): blocks shared by running requests stay shared where the destination holds them (moved once, re-shared by
-the receiving rank), idle cached blocks are kept or dropped as the manifest's rule says (splash.switching.block_plan),
-so the mirror stays exact; without a manifest it forgets the cache and charges shared blocks to each request.
+With the prefix cache on, it is also the one truth of what every rank caches (per rank: prefix hash -> requests
+referencing it; unreferenced ones are evictable, oldest first). `used` counts blocks requests hold, a shared one
+once. Every hit, registration and eviction is decided here and travels in the step message, so the ranks' block
+managers never decide one themselves. A switch keeps the cache as its manifest plans it (`relayout`).
 """
 from __future__ import annotations
 
@@ -30,6 +25,15 @@ def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
 
+@dataclass(slots=True)
+class Entry:
+    """One request on the ledger: the tokens its blocks hold, its owner (DP-attn/DOP owner, CP anchor) and the tokens
+    it may reach (prompt + max_tokens; 0 when not given)."""
+    tokens: int
+    owner: int
+    final: int = 0
+
+
 @dataclass
 class KVLedger:
     world: int
@@ -38,8 +42,7 @@ class KVLedger:
     layout: str
     capacity: dict[str, int] = field(default_factory=dict)  # usable blocks per rank per layout (default: all)
     used: list[int] = field(default_factory=list)
-    reqs: dict[str, list[int]] = field(default_factory=dict)  # req -> [tokens, owner]
-    final: dict[str, int] = field(default_factory=dict)       # req -> tokens it may reach (prompt + max_tokens)
+    reqs: dict[str, Entry] = field(default_factory=dict)
     prefix: bool = False                                      # the prefix cache is on
     shared: dict[str, list[int]] = field(default_factory=dict)   # req -> hashes of its leading cached blocks
     snapshots: StateSnapshots | None = None   # a hybrid model's KDA state snapshots (a hit must end at one)
@@ -69,7 +72,8 @@ class KVLedger:
         return blocks_held(layout or self.layout, owner, b0, b1, self.world)
 
     def growth(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
-        tokens, own = self.reqs.get(req, [0, owner])
+        e = self.reqs.get(req)
+        tokens, own = (e.tokens, e.owner) if e is not None else (0, owner)
         return self.blocks_needed(own, _blocks(tokens, self.block_size), _blocks(new_tokens, self.block_size))
 
     def short_ranks(self, req: str, new_tokens: int, owner: int = 0) -> list[int]:
@@ -81,26 +85,25 @@ class KVLedger:
     def holder_counts(self) -> list[int]:
         """Per rank, how many requests hold blocks there."""
         out = [0] * self.world
-        for tokens, owner in self.reqs.values():
-            for r, n in enumerate(self.blocks_needed(owner, 0, _blocks(tokens, self.block_size))):
+        for e in self.reqs.values():
+            for r, n in enumerate(self.blocks_needed(e.owner, 0, _blocks(e.tokens, self.block_size))):
                 out[r] += n > 0
         return out
 
     def grow(self, req: str, new_tokens: int, owner: int = 0, final: int | None = None) -> None:
         need = self.growth(req, new_tokens, owner)
-        if final is not None and req not in self.reqs:
-            self.final[req] = final
-        entry = self.reqs.setdefault(req, [0, owner])
-        entry[0] = max(entry[0], new_tokens)
+        e = self.reqs.get(req)
+        if e is None:
+            e = self.reqs[req] = Entry(0, owner, final or 0)
+        e.tokens = max(e.tokens, new_tokens)
         for r in range(self.world):
             self.used[r] += need[r]
 
     def frees(self, req: str) -> list[int]:
         """Per rank, the blocks `release(req)` would give back: those of its blocks no other request references (its
         own, and cached ones only it uses; the latter become evictable)."""
-        tokens, owner = self.reqs[req]
-        shared = self.shared.get(req, ())
-        out = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
+        e, shared = self.reqs[req], self.shared.get(req, ())
+        owner, out = e.owner, self.blocks_needed(e.owner, len(shared), _blocks(e.tokens, self.block_size))
         for i, h in enumerate(shared):
             for r in self.holders(i, owner):
                 out[r] += self.refs[r].get(h) == 1
@@ -111,8 +114,7 @@ class KVLedger:
         switched to `layout` as `relayout` switches (without new owners, keeping no idle cached block) when it is not
         this ledger's."""
         led = KVLedger(self.world, blocks_per_rank, self.block_size, self.layout, prefix=self.prefix)
-        led.used, led.final = list(self.used), dict(self.final)
-        led.reqs = {r: list(v) for r, v in self.reqs.items()}
+        led.used, led.reqs = list(self.used), {r: Entry(e.tokens, e.owner, e.final) for r, e in self.reqs.items()}
         led.shared = {r: list(v) for r, v in self.shared.items()}
         led.refs = [dict(d) for d in self.refs]
         led.lru = [OrderedDict(d) for d in self.lru]
@@ -124,19 +126,13 @@ class KVLedger:
     def release(self, req: str) -> None:
         if req not in self.reqs:
             return
-        tokens, owner = self.reqs.pop(req)
-        self.final.pop(req, None)
-        shared = self.shared.pop(req, ())
-        need = self.blocks_needed(owner, len(shared), _blocks(tokens, self.block_size))
-        for r in range(self.world):
-            self.used[r] -= need[r]
-        for i, h in enumerate(shared):
+        self.used = [u - n for u, n in zip(self.used, self.frees(req))]
+        owner = self.reqs.pop(req).owner
+        for i, h in enumerate(self.shared.pop(req, ())):
             for r in self.holders(i, owner):
-                refs = self.refs[r]
-                refs[h] -= 1
-                if not refs[h]:
+                self.refs[r][h] -= 1
+                if not self.refs[r][h]:   # no request uses it now: evictable
                     self.lru[r][h] = next(self._tick)
-                    self.used[r] -= 1
 
     # ---- prefix cache (rank 0's mirror of every rank's) --------------------------------------------------------
     def lookup(self, hashes: list[int], owner: int) -> tuple[int, list[int]]:
@@ -157,9 +153,7 @@ class KVLedger:
 
     def attach(self, req: str, owner: int, hashes: list[int], final: int | None = None) -> None:
         """A new request starts on the cached blocks `hashes` (its first len(hashes) blocks), by reference."""
-        self.reqs[req] = [len(hashes) * self.block_size, owner]
-        if final is not None:
-            self.final[req] = final
+        self.reqs[req] = Entry(len(hashes) * self.block_size, owner, final or 0)
         self.shared[req] = list(hashes)
         if self.snapshots is not None and hashes:
             self.snapshots.touch(hashes[-1], owner)
@@ -175,7 +169,7 @@ class KVLedger:
     def register(self, req: str, block: int, h: int) -> bool:
         """`req`'s full block `block` (its next after its cached ones) becomes cached under `h`, unless `h` is
         cached already; -> whether it did (then the ranks register it too)."""
-        tokens, owner = self.reqs[req]
+        tokens, owner = self.reqs[req].tokens, self.reqs[req].owner
         shared = self.shared.setdefault(req, [])
         if block != len(shared) or (block + 1) * self.block_size > tokens:
             return False
@@ -191,22 +185,18 @@ class KVLedger:
     def evictions(self) -> list[list[int]]:
         """Per rank, the oldest evictable blocks to give up so that its blocks in use and cached fit its capacity
         (forgotten here; the ranks free them before the step allocates)."""
-        cap, out = self.cap(), []
-        for r in range(self.world):
-            n = self.used[r] + len(self.lru[r]) - cap
-            gone = []
-            while n > 0 and self.lru[r]:
-                h, _ = self.lru[r].popitem(last=False)
-                del self.refs[r][h]
-                gone.append(h)
-                n -= 1
-            out.append(gone)
-        self._snapshots_gone(out)
-        return out
+        return self._evict([self.used[r] + len(self.lru[r]) - self.cap() for r in range(self.world)])
 
-    def _snapshots_gone(self, evicted: list[list[int]]) -> None:
+    def _evict(self, counts: list[int]) -> list[list[int]]:
+        """Per rank, forget its `counts[r]` oldest evictable blocks (as many as it has) -> their hashes."""
+        out = []
+        for r, n in enumerate(counts):
+            out.append([self.lru[r].popitem(last=False)[0] for _ in range(min(n, len(self.lru[r])))])
+            for h in out[-1]:
+                del self.refs[r][h]
         if self.snapshots is not None:
-            self.snapshots.blocks_gone([h for gone in evicted for h in gone], self.cached_anywhere)
+            self.snapshots.blocks_gone([h for gone in out for h in gone], self.cached_anywhere)
+        return out
 
     def cached_anywhere(self, h: int) -> bool:
         """Some rank's prefix cache names `h`."""
@@ -214,51 +204,42 @@ class KVLedger:
 
     def evict_unused(self) -> list[list[int]]:
         """Every evictable block on every rank (POST /reset_prefix_cache), forgotten here; blocks requests use stay."""
-        out = []
-        for r in range(self.world):
-            out.append(list(self.lru[r]))
-            for h in out[-1]:
-                del self.refs[r][h]
-            self.lru[r].clear()
-        self._snapshots_gone(out)
-        return out
+        return self._evict([len(lru) for lru in self.lru])
 
     def cached_blocks(self) -> list[int]:
         """Per rank, the blocks its prefix cache names (in use or evictable)."""
         return [len(refs) for refs in self.refs]
 
     def pick_owner(self, saved: dict[int, int] | None = None, end_blocks: int = 0) -> int:
-        """Least-loaded rank: by the blocks its requests will hold at their end (tokens they may reach, prompt +
-        max_tokens, as given to `grow`; their present tokens when more or not given) less the blocks `saved` there
-        (a cached prefix the new request would start on; only where its `end_blocks` fit beside those ends), then
-        blocks held now, then request count, then id. Balancing what requests hold now alone would let an RL
-        rollout's long requests (the same prompt length as its short ones) pile up on one DOP owner, which must then
-        preempt them (measured in docs/benchmarks.md, the rollout at capacity). Under CP every anchor carries the same
-        load (a request's blocks are dealt over all ranks), so a cached prefix decides the anchor."""
+        """Least-loaded rank: by the blocks its requests will hold at their end less the blocks `saved` there (a
+        cached prefix the new request would start on), then blocks held now, request count, id. Balancing only what
+        requests hold now would pile an RL rollout's long requests onto one DOP owner, which must then preempt them
+        (docs/benchmarks.md, the rollout at capacity)."""
         counts, ends = [0] * self.world, [0] * self.world
-        for req, (tokens, o) in self.reqs.items():
-            counts[o] += 1
-            ends[o] += _blocks(max(tokens, self.final.get(req, 0)), self.block_size)
+        for e in self.reqs.values():
+            counts[e.owner] += 1
+            ends[e.owner] += _blocks(max(e.tokens, e.final), self.block_size)
         room = self.cap()
         if kv_ownership_of(self.layout) == KV_POSITION:
-            # CP deals every request's blocks round-robin over all ranks from its anchor: no anchor carries more
-            # load than another, so only a saving (then blocks held now, ...) tells them apart
+            # CP deals every request's blocks over all ranks: no anchor carries more load, only a saving differs
             ends, room = [sum(ends)] * self.world, room * self.world
-        # a saving counts only where the request could also be carried to its end: a preempted request's cache
-        # lives on the owner that ran out of room, and the saving would send it back there to be preempted again
+        # a saving counts only where the request also fits to its end (else a preempted request's own cache would
+        # send it back to the owner that ran out of room)
         saved = {r: n for r, n in (saved or {}).items() if ends[r] + end_blocks <= room}
         return min(range(self.world), key=lambda r: (ends[r] - saved.get(r, 0), self.used[r], counts[r], r))
 
-    def owner(self, req: str) -> int:
-        return self.reqs[req][1]
+    def owner(self, req: str) -> int | None:
+        """`req`'s owner (DP-attn/DOP owner, CP anchor); None when it holds nothing here."""
+        e = self.reqs.get(req)
+        return None if e is None else e.owner
 
     def usage_under(self, layout: str, owners: dict[str, int] | None = None, shared: bool = False) -> list[int]:
         """Per-rank blocks the live requests would use under `layout` (with optional new owners); `shared`: a cached
         block several of them reference counts once (as a switch leaves it), else once per request."""
         used = [0] * self.world
-        for req, (tokens, owner) in self.reqs.items():
-            o = owners.get(req, owner) if owners else owner
-            need = self.blocks_needed(o, 0, _blocks(tokens, self.block_size), layout)
+        for req, e in self.reqs.items():
+            o = owners.get(req, e.owner) if owners else e.owner
+            need = self.blocks_needed(o, 0, _blocks(e.tokens, self.block_size), layout)
             used = [a + b for a, b in zip(used, need)]
         if shared:
             refs = self._refs_under(layout, owners)
@@ -271,7 +252,7 @@ class KVLedger:
         for req, hashes in self.shared.items():
             if req not in self.reqs:
                 continue
-            o = owners.get(req, self.reqs[req][1]) if owners else self.reqs[req][1]
+            o = owners.get(req, self.reqs[req].owner) if owners else self.reqs[req].owner
             for i, h in enumerate(hashes):
                 for r in self.holders(i, o, layout):
                     refs[r][h] = refs[r].get(h, 0) + 1
@@ -308,5 +289,5 @@ class KVLedger:
             self.block_of = {h: b for h, b in self.block_of.items() if h in live}
         if owners:
             for req, o in owners.items():
-                self.reqs[req][1] = o
+                self.reqs[req].owner = o
         self.layout = layout

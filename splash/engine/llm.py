@@ -15,7 +15,8 @@ from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
 from splash.engine.sampler import TokenLogprobs
 from splash.engine.sampling import SamplingParams
 from splash.layouts.layout import LAYOUT_NAMES, heads_fit, start_layout
-from splash.layouts.memory import kv_block_bytes
+from splash.layouts.memory import (common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank,
+                                   state_snapshot_slots)
 from splash.models.family import describe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -67,17 +68,10 @@ def pool_kv_dtype(cfg, kv_dtypes) -> str:
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
                          weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None,
                          state_requests: int = 0, rope_fp8: bool = False) -> dict[str, int]:
-    """Usable KV blocks per rank in each layout for a per-rank budget of KV + attention projections.
-
-    The budget is the KV pool of the most compact layout (head-sharded projections); a layout that replicates
-    the projections spends the difference on them, so it holds that many fewer blocks. The count comes from
-    the one capacity model, ``splash.layouts.memory.kv_capacity_tokens``, given the memory of a rank holding
-    that pool (in whole blocks), the common weights and the most compact layout's projections. The physical
-    pool is the largest entry. Hybrid (glm5_next) models also keep `state_requests` KDA states (`hybrid_states`:
-    running requests' and prefix-cache snapshots) inside the same budget (splash.layouts.memory.recurrent_state_bytes).
-    `rope_fp8`: the pool stores an fp8 layer's rope key in e4m3 (splash.attention.kernels.kv_rope_fp8)."""
-    from splash.layouts.memory import common_bytes, kv_capacity_tokens, projection_bytes_per_rank
-
+    """Usable KV blocks per rank in each layout (splash.layouts.memory.kv_capacity_tokens) for a per-rank budget
+    that is the KV pool of the most compact layout (head-sharded projections): a layout replicating the projections
+    spends the difference on them. The physical pool is the largest entry. A hybrid model's `state_requests` KDA
+    states (`hybrid_states`) live in the same budget; `rope_fp8`: the pool keeps an fp8 layer's rope key in e4m3."""
     block = kv_block_bytes(cfg, kv_dtype, block_size, rope_fp8)
     usable = [lay for lay in layouts if heads_fit(lay, cfg.num_attention_heads, world)]  # others: not at this world
     base = min(projection_bytes_per_rank(cfg, lay, world, weight_bytes, weight_quant) for lay in usable)
@@ -90,7 +84,6 @@ def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget
 
 def hybrid_states(cfg, max_num_seqs: int, prefix_caching: bool) -> int:
     """KDA states a hybrid model's budget holds: every running request's, and the prefix cache's snapshots."""
-    from splash.layouts.memory import state_snapshot_slots
     if not describe(cfg).recurrent:
         return 0
     return max_num_seqs + state_snapshot_slots(cfg, max_num_seqs, prefix_caching)

@@ -1,14 +1,7 @@
-"""The records that cross the engine's boundaries (pure data, no torch), one per boundary:
-
-- `EngineRequest`: what the API hands the engine for one sequence (its prompt ids and validated sampling params);
-- `StepMessage` (of `StepItem`s, and the prefix cache's `BlockHash`es and `CacheHit`s) or `StopMessage`: what rank
-  0 broadcasts to every rank each step. Every rank acts on the same message in the same order, so the collectives of
-  a step always line up. A `StepItem` is also what the attention executors read of a request's piece
-  (splash.attention.batch.StepPiece): the ranks hand the items to the step batch as they arrive;
-- `TokenEvent`: what the engine hands back to the API per sampled token, and `RequestFailure` per request that
-  failed alone (its sampling or grammar raised; the engine has aborted it).
-
-The scheduler's own per-request state (`splash.engine.scheduler.Request`) stays inside the engine.
+"""The records that cross the engine's boundaries (pure data, no torch), one per boundary: `EngineRequest` (API ->
+engine), `StepMessage` / `StopMessage` (rank 0 -> every rank, each step; every rank acts on it in the same order, so
+a step's collectives line up; its `StepItem`s go to the step batch as they are, splash.attention.batch.StepPiece),
+`TokenEvent` and `RequestFailure` (engine -> API). The scheduler's `Request` stays inside the engine.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What one rank builds of a model before it serves: weights, the step model, the paged KV pool and (hybrid
-models) the per-request recurrent state — handed to the runner whole, as one `RankModel`.
-
-The dense families (deepseek_v3 / v32, glm_moe_dsa) are built here (`build_dense`), a hybrid family (glm5_next)
-by its own builder (splash.engine.hybrid_setup.build_hybrid). Either takes this rank's heads and KV dtype from a
-`LayoutState`.
+"""What one rank builds of a model before it serves (`RankModel`, handed to the runner whole): the dense families
+here, a hybrid family by splash.engine.hybrid_setup; either takes this rank's heads and KV dtype from a `LayoutState`.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from splash.engine.rank_model import build_dense
 from splash.kv import quant
 from splash.kv.block_manager import BlockManager
 from splash.kv.page_table import PageTable
-from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
+from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS, parse_layout
 from splash.models.config import ModelConfig
 from splash.models.family import describe
 
@@ -26,8 +26,6 @@ def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None =
                              field: str = "layout_kv_dtypes") -> dict[str, str]:
     """KV dtype of every layout: `default`, replaced per layout by `overrides` (layout name → KV dtype).
     ValueError naming `field` on an unknown layout or dtype."""
-    from splash.layouts.layout import parse_layout
-
     if default not in quant.KV_DTYPES:
         raise ValueError(f"kv_cache_dtype {default!r} is not one of {', '.join(quant.KV_DTYPES)}")
     out = dict.fromkeys(LAYOUTS, default)
@@ -51,8 +49,7 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype = torch.float32,
                  layout_kv_dtypes: Mapping[str, str] | None = None, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", streams=None):
-        from splash.attention.kernels import kv_rope_fp8, make_kernel
-        from splash.layouts.layout import parse_layout
+        from splash.attention.kernels import kv_rope_fp8, make_kernel   # late: tests stand in for these
 
         layout = parse_layout(layout).value
         # every tensor of this rank lives on `device`; `streams` (backends.base) runs switch transfers on a side
@@ -128,7 +125,6 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: StepBatch | None, switch=None) -> torch.Tensor:
         """Execute one step on this rank; returns logits [len(sample_rows), vocab] (identical on all ranks).
-
         `switch` (a SwitchExecutor) hands off to a new layout at this step boundary: the step runs in the
         destination layout and each layer waits only for its own transferred state."""
         before = None

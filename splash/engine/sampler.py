@@ -1,17 +1,14 @@
 """The batch sampler (rank 0 only): every sampling parameter applied to all rows of a step at once.
 
-Order (vLLM v1's): logits in fp32 → the structured-output grammar mask (splash.engine.grammar: tokens the request's
-grammar forbids become -inf) → logit_bias → min_tokens (not on grammar rows: there the grammar says where the output
-may end) (EOS and stop_token_ids masked) → penalties
-(repetition on prompt + output tokens, then frequency and presence on output tokens) → greedy rows take the
-argmax; random rows are divided by their temperature → min_p → top_k → top_p (on the top_k survivors) →
-one exponential race per row (argmax of p / q, q ~ Exp(1)), q drawn from the request's own generator when it
-is seeded and from the sampler's shared one otherwise.
+Order (vLLM v1's), in fp32: grammar mask (splash.engine.grammar) → logit_bias → min_tokens (EOS and stop ids
+masked; not on grammar rows, whose grammar says where the output may end) → penalties (repetition on prompt + output
+tokens, then frequency and presence on output tokens) → greedy rows take the argmax; random rows: temperature → min_p
+→ top_k → top_p (on the top_k survivors) → one exponential race (argmax of p / q, q ~ Exp(1), drawn from the
+request's own generator when it is seeded, else from the sampler's shared one).
 
-Every step costs a fixed number of tensor ops over [rows, vocab]; the Python loops are over requests (to
-gather their parameters and, for seeded requests, their noise) and over logit_bias / stop ids, never over the
-vocabulary. A request's penalty state is its output-token counts (a [vocab] tensor kept up to date here) and,
-with a repetition penalty, a mask of its prompt tokens.
+Every step costs a fixed number of tensor ops over [rows, vocab]; Python loops only over requests, never over the
+vocabulary. A request's penalty state is its output-token counts ([vocab]) and, with a repetition penalty, a mask
+of its prompt tokens.
 
 Logprobs are of the distribution the token was sampled from: after bias, min_tokens and penalties, and for
 random rows after temperature and the min_p/top_k/top_p masks (vLLM's "processed" logprobs; -inf is reported
@@ -24,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from splash.engine.grammar import GrammarRows
-from splash.engine.sampling import SamplingParams, make_generator
+from splash.engine.sampling import SamplingParams
 
 NEG_INF_LOGPROB = -9999.0
 
@@ -59,9 +56,7 @@ def logprob_rows(lp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[
     """TokenLogprobs of `tokens` [n] under log-probabilities `lp` [n, V], with the top ks[i] of row i."""
     chosen = lp.gather(1, tokens[:, None])
     rank = ((lp > chosen).sum(-1) + 1).tolist()
-    kmax = max(ks, default=0)
-    top_v, top_i = (lp.topk(kmax, -1) if kmax else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    top_v, top_i = (t.tolist() for t in lp.topk(max(ks, default=0), -1))
     out = []
     for i, (t, v) in enumerate(zip(tokens.tolist(), chosen[:, 0].tolist())):
         top = tuple((top_i[i][j], _clean(top_v[i][j])) for j in range(ks[i]))
@@ -109,8 +104,10 @@ class Sampler:
         stops = torch.tensor(stops, dtype=torch.long, device=dev)
         if params.grammar is not None:
             self.grammars.add(req_id, params.grammar, stop_ids)
-        self.states[req_id] = _State(params, make_generator(params, dev), stops, bias_ids, bias_vals, prompt_mask,
-                                     counts, grammar=params.grammar is not None)
+        # a seeded random request draws from its own generator, the others from the shared one
+        gen = None if params.greedy or params.seed is None else torch.Generator(device=dev).manual_seed(params.seed)
+        self.states[req_id] = _State(params, gen, stops, bias_ids, bias_vals, prompt_mask, counts,
+                                     grammar=params.grammar is not None)
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -143,7 +140,7 @@ class Sampler:
         st = [self.states[r] for r in req_ids]
         x = self.processed(logits, req_ids)
         tokens = x.argmax(-1)
-        rand = [i for i, s in enumerate(st) if not s.params.greedy]   # temperature < SAMPLING_EPS: greedy
+        rand = [i for i, s in enumerate(st) if not s.params.greedy]
         if rand:
             rows = torch.tensor(rand, dtype=torch.long, device=x.device)
             tokens[rows] = self._race(torch.softmax(x[rows], -1), [st[i] for i in rand])

@@ -8,11 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 MAX_LOGPROBS = 20        # OpenAI's limit for top_logprobs / completions logprobs
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
-F32_TINY = float(torch.finfo(torch.float32).tiny)   # the sampler computes in float32: smaller magnitudes vanish
+F32_TINY = 2.0 ** -126   # float32's smallest normal: the sampler computes in float32, smaller magnitudes vanish
 MAX_REPETITION_PENALTY = 100.0
 MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY   # logits / penalty must stay finite in float32
 
@@ -89,12 +87,3 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-
-def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
-    """A private generator for a seeded random request; None for greedy and unseeded requests (those draw from
-    the sampler's shared generator)."""
-    if params.greedy or params.seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(params.seed)
-    return g

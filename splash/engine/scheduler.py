@@ -1,41 +1,22 @@
 """Continuous batching with chunked prefill and KV-aware admission — pure Python, no torch.
 
-Policy: every step first gives each running request its next piece (one decode token, or the next prefill
-chunk) in admission order, then admits waiting requests while the token budget, `max_num_seqs` and KV
-capacity allow (a waiting request's whole prompt must fit, with a spare block per running request). When a
-running request cannot grow because the pool is full, the most recently admitted running request whose release
-frees blocks on the full rank (any, in TP; the request's owner's, in DP-attn/DOP) is preempted and recomputed later
-(vLLM's default "recompute"); with `preemption_mode="queue"` the request that cannot grow simply waits for this step.
-A new request's owner is the rank whose requests will hold the fewest blocks at their end (`KVLedger.pick_owner`).
-With ``chunked_prefill`` off, a prompt is never split: it is scheduled only in a step whose remaining token budget
-holds all of it (the serving config then requires ``max_num_batched_tokens >= max_model_len``, so every prompt
-fits an empty step).
+Each step gives every running request its next piece (a decode token or the next prefill chunk) in admission order,
+then admits waiting requests while the token budget, `max_num_seqs` and KV capacity allow: a joining request's whole
+pending context must fit its ranks, with a spare block there per running request, so a full pool never takes a
+request back a chunk at a time only to preempt it again. A running request that cannot grow preempts the newest
+running request whose release frees blocks on the rank lacking room (vLLM's "recompute"; blocks shared with other
+requests free nothing); `preemption_mode="queue"` makes it wait a step instead. A new request's owner is
+`KVLedger.pick_owner`'s. Without chunked prefill a prompt is scheduled only in a step whose budget holds all of it.
 
-Prefix cache (when the ledger's is on): a request joining — new, or preempted and back — starts on the longest run
-of its leading full blocks the cache holds where it would live (at least its last token is computed), and its owner
-(DP-attn/DOP owner, CP anchor) is the rank with the fewest end-of-request blocks less the blocks a hit there saves
-(where the request also fits beside those ends; under CP no anchor carries more load, so the hit decides): a cached
-prefix is worth as many blocks of load — and so are blocks in flight there (below), once waited for. After each step
-the full blocks a request has computed are registered in the cache (a block whose hash is cached already is not,
-nor any after it). The step plan carries the hits (`attach`), the registrations of the step before (`register`)
-and the evictions (`evict`) to every rank.
-
-A prompt is computed once however many requests send it together (n samples of one prompt, identical prompts): a
-waiting request whose next uncached block is one a running request is computing right now where it would hold it
-(under DP-attn/DOP: on the same owner; CP: the same anchor) — in flight, not cached yet — is not admitted; it keeps
-its place in the queue (requests behind it may be admitted) until that request has registered the block, and then
-starts on it.
-(vLLM shares an n > 1 request's prompt the same way, through its prefix cache.) A request computing blocks stops
-being waited for when it is preempted, aborted or finished, or when one of its blocks turns out cached already (it
-registers none after that).
-
-Preemption counts shared blocks: a victim's release frees only its blocks no other running request references, so a
-request that would free nothing on the rank lacking room is never chosen (preempting it would lose its work and
-leave the rank as full); among those that would, the newest goes (the least work lost, vLLM's order). Its shared
-blocks stay in use by the others, and cached, so it starts on them again when it comes back.
+With the prefix cache on, a joining request starts on the longest cached run of its leading full blocks where it
+would live (its last token is always computed), and a request whose next uncached block a running request is
+computing there right now waits (keeping its place) until that block is registered, so a prompt sent n times is
+prefilled once. Each step's plan carries the hits (`attach`), the last step's registrations and the evictions to
+every rank. docs/architecture.md (splash.engine) tells the policy at length.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections import deque
@@ -73,6 +54,11 @@ class Request:
         return hs[i]
 
     @property
+    def final_tokens(self) -> int:
+        """The tokens it may reach (prompt + max_tokens, within max_len)."""
+        return min(len(self.prompt) + self.max_tokens, self.max_len)
+
+    @property
     def pending(self) -> int:
         return len(self.prompt) + len(self.output) - self.num_cached
 
@@ -105,7 +91,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._release: list[str] = []
         self._registered: list[BlockHash] = []
-        self._evict_extra: list[list[int]] = []   # evictions asked for between steps (reset_prefix_cache)
+        self._evict: list[list[int]] = []   # per rank, cached blocks the next plan frees
         self._computing: dict[int, str] = {}      # prefix hash -> the running request computing that block now
         self.num_preemptions = 0
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached, at first admission
@@ -133,7 +119,7 @@ class Scheduler:
             self._free(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._release or self._evict_extra)
+        return bool(self.waiting or self.running or self._release or self._evict)
 
     def _free(self, req: Request) -> None:
         self.ledger.release(req.req_id)
@@ -163,7 +149,7 @@ class Scheduler:
         frees blocks on a rank lacking room — blocks it holds that no other running request shares (a shared block
         stays with the others, so preempting a request for it frees nothing). In DP-attn/DOP that is the newest on
         `req`'s owner: the newest anywhere may live on another rank, and freeing it would not help."""
-        owner = self.ledger.reqs.get(req.req_id, (0, 0))[1]
+        owner = self.ledger.owner(req.req_id) or 0
         short = self.ledger.short_ranks(req.req_id, req.num_cached + min(req.pending, budget), owner)
         for r in reversed(self.running):
             if r is req:
@@ -175,14 +161,9 @@ class Scheduler:
         return self.running[-1]
 
     def _admissible(self, req: Request) -> tuple[int, list[int]] | None:
-        """A waiting request joins only when all of its pending tokens — the whole prompt, or a preempted request's
-        whole context — fit the ranks it will live on, with one spare block there per running request (room for
-        their next blocks). Admitting whatever chunk fits would let a full pool take a preempted request back a chunk
-        at a time, only to preempt it again a few steps later (at capacity a DP-attn rollout re-prefilled a
-        2,048-token chunk every step: docs/benchmarks.md, the rollout at capacity). Blocks the prefix cache holds for
-        it are not needed again (those evictable now are: they come back into use). -> (the owner it would get, the
-        cached blocks' hashes it starts on), None, or IN_FLIGHT when the next block it would compute is one a running
-        request is computing now (it waits for that block to be cached)."""
+        """Whether all of `req`'s pending tokens fit where it would live (`_fits`; cached blocks it starts on are not
+        needed again, but evictable ones come back into use) -> (its owner, the cached blocks' hashes it starts on),
+        None, or IN_FLIGHT when its next block is one a running request is computing there now."""
         led = self.ledger
         hashes = self._prefix(req)
         found = {}
@@ -190,7 +171,7 @@ class Scheduler:
             same = kv_ownership_of(led.layout) == KV_ALL
             first = led.lookup(hashes, 0) if same else None
             found = {o: first if same else led.lookup(hashes, o) for o in range(led.world)}
-        end = -(-min(len(req.prompt) + req.max_tokens, req.max_len) // led.block_size)
+        end = -(-req.final_tokens // led.block_size)
         # blocks in flight where it would hold them save as much as cached ones, once it has waited for them
         reach = {o: self._in_flight(hashes, k, o) for o, (k, _) in found.items()}
         owner = led.pick_owner(reach, end)
@@ -200,11 +181,13 @@ class Scheduler:
         need = led.blocks_needed(owner, k, -(-(req.num_cached + req.pending) // led.block_size))
         if revive:
             need = [a + b for a, b in zip(need, revive)]
-        spare = led.holder_counts()
-        cap = led.cap()
-        if any(n and led.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
-            return None
-        return owner, hashes[:k]
+        return (owner, hashes[:k]) if self._fits(need, led.holder_counts()) else None
+
+    def _fits(self, need: list[int], spare: list[int]) -> bool:
+        """Whether a joining request needing `need` blocks per rank fits, with a spare block per request holding
+        blocks there (`spare`: `KVLedger.holder_counts`, room for their next blocks) on each rank it needs."""
+        used, cap = self.ledger.used, self.ledger.cap()
+        return not any(n and used[r] + n + spare[r] > cap for r, n in enumerate(need))
 
     def _in_flight(self, hashes: list[int], k: int, owner: int) -> int:
         """How far `hashes` reach past their `k` cached blocks with blocks running requests are computing now where
@@ -215,7 +198,7 @@ class Scheduler:
         anywhere = kv_ownership_of(led.layout) == KV_ALL   # else a block lives where its request's owner puts it
         while k < len(hashes):
             rid = self._computing.get(hashes[k])
-            if rid not in led.reqs or not (anywhere or led.reqs[rid][1] == owner):
+            if rid not in led.reqs or not (anywhere or led.reqs[rid].owner == owner):
                 break
             k += 1
         return k
@@ -228,27 +211,18 @@ class Scheduler:
         bs = self.ledger.block_size
         return [req.block_hash(i, bs) for i in range((req.num_tokens - 1) // bs)]
 
-    def _blocked_on_every_owner(self, req: Request) -> bool:
-        """Whether `req` would be refused (`_admissible`) whichever rank it went to: then decode, which only adds
-        blocks and holders, cannot let it in before some request finishes."""
-        led, spare, cap = self.ledger, self.ledger.holder_counts(), self.ledger.cap()
-        for owner in range(led.world):
-            need = led.growth(req.req_id, req.num_cached + req.pending, owner)
-            if not any(n and led.used[r] + n + spare[r] > cap for r, n in enumerate(need)):
-                return False
-        return True
-
     def _piece(self, req: Request, budget: int, owner: int | None = None) -> StepItem | None:
         n = min(req.pending, budget)
         if n <= 0 or (n < req.pending and not self.chunked_prefill):
             return None
         end = req.num_cached + n
         if owner is None:
-            known = self.ledger.reqs.get(req.req_id)  # pick_owner is O(requests): only for new requests
-            owner = known[1] if known is not None else self.ledger.pick_owner()
+            owner = self.ledger.owner(req.req_id)
+            if owner is None:   # a new request (pick_owner is O(requests))
+                owner = self.ledger.pick_owner()
         if self.ledger.short_ranks(req.req_id, end, owner):
             return None
-        self.ledger.grow(req.req_id, end, owner, final=min(len(req.prompt) + req.max_tokens, req.max_len))
+        self.ledger.grow(req.req_id, end, owner, final=req.final_tokens)
         toks = req.token_slice(req.num_cached, end)
         return StepItem(req.req_id, req.num_cached, toks, end == req.num_tokens, owner)
 
@@ -281,7 +255,7 @@ class Scheduler:
             owner, hit = got
             first = not req.counted and self.ledger.prefix and req.cacheable
             if hit:
-                self.ledger.attach(req.req_id, owner, hit, final=min(len(req.prompt) + req.max_tokens, req.max_len))
+                self.ledger.attach(req.req_id, owner, hit, final=req.final_tokens)
                 req.num_cached = len(hit) * self.ledger.block_size
             item = self._piece(req, budget, owner)
             if item is None:
@@ -306,12 +280,11 @@ class Scheduler:
             # every running request is blocked on KV and nothing can be admitted: waiting would deadlock,
             # so fall back to recompute for the newest request (the oldest alone always fits the pool)
             self._preempt(self.running[-1])
-        evict = self.ledger.evictions() if self.ledger.prefix else []
-        if self._evict_extra:
-            evict = [a + b for a, b in zip(self._evict_extra, evict or [[]] * len(self._evict_extra))]
+        if self.ledger.prefix:
+            self._add_evictions(self.ledger.evictions())
         plan = StepMessage(tuple(items), tuple(self._release), attach=tuple(attach), register=tuple(self._registered),
-                           evict=tuple(map(tuple, evict)))
-        self._release, self._registered, self._evict_extra = [], [], []
+                           evict=tuple(map(tuple, self._evict)))
+        self._release, self._registered, self._evict = [], [], []
         return plan
 
     def _register(self, req: Request) -> None:
@@ -329,7 +302,7 @@ class Scheduler:
 
     def pending_evictions(self) -> bool:
         """Whether evictions asked for between steps (`reset_prefix_cache`) still wait for the next step."""
-        return any(self._evict_extra)
+        return any(self._evict)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request uses (POST /reset_prefix_cache; the ranks free them with the next
@@ -337,8 +310,12 @@ class Scheduler:
         if not self.ledger.prefix:
             return 0
         gone = self.ledger.evict_unused()
-        self._evict_extra = [a + b for a, b in zip(self._evict_extra, gone)] if self._evict_extra else gone
+        self._add_evictions(gone)
         return sum(map(len, gone))
+
+    def _add_evictions(self, gone: list[list[int]]) -> None:
+        """Per rank, cached blocks the next plan frees (after those asked for before)."""
+        self._evict = [a + b for a, b in zip(self._evict, gone)] if self._evict else gone
 
     def handoff_reserve_blocks(self) -> int:
         """Blocks per rank the step that carries a layout switch may append: its tokens in whole blocks, plus a
@@ -350,13 +327,10 @@ class Scheduler:
     def steady_decode_steps(self, limit: int) -> int:
         """How many of the next steps (at most `limit`) `schedule` would only give each running request its next
         decode token — admitting, finishing, chunking and preempting nobody — so `advance_decode` may apply them at
-        once. Such a step changes the ledger only where a request crosses into a new block: with a request waiting
-        for KV, the run ends before the first crossing (admission is judged on the blocks in use); otherwise before
-        the first step some rank would lack a block for (preemption). With the prefix cache on, the blocks the run
-        fills are registered and the cached blocks its growth needs evicted at its end (`advance_decode`): as
-        step by step, since a run admits and releases nothing (evictions take the oldest unused blocks either way,
-        and registering a request's own new blocks changes no count). A request waiting for KV then ends the run
-        before the first crossing whatever the owners (the blocks a hit would save may be evicted by the growth)."""
+        once. Only a request crossing into a new block changes the ledger: with a request waiting for KV the run ends
+        before the first crossing (with the prefix cache on, whatever the owners: growth may evict the blocks a hit
+        would save), else before the first step some rank would lack a block for. A run admits and releases nothing,
+        so registering and evicting at its end (`advance_decode`) leaves what step by step would."""
         run = self.running
         if not run or len(run) > self.budget or any(r.pending != 1 for r in run):
             return 0
@@ -364,38 +338,33 @@ class Scheduler:
         if steps <= 0:
             return 0
         led, bs = self.ledger, self.ledger.block_size
-        kv_blocked = self.waiting and len(run) < self.max_num_seqs and len(run) < self.budget
-        if kv_blocked:
-            if self._admissible(self.waiting[0]) is not None:
+        if self.waiting and len(run) < self.max_num_seqs and len(run) < self.budget:   # a request waits for KV
+            w, end = self.waiting[0], self.waiting[0].num_cached + self.waiting[0].pending
+            if self._admissible(w) is not None:
                 return 0
-            if self.ledger.prefix or not self._blocked_on_every_owner(self.waiting[0]):   # may fit once the
-                # owner choice moves (or the cache's blocks it would start on are evicted)
-                return min(steps, min(-r.num_cached % bs for r in run))   # steps before any request's next block
-        owners = [led.reqs[r.req_id][1] for r in run]
+            # unless no rank would take it (decode only adds blocks), it may fit once the owner choice moves (or the
+            # cached blocks it would start on are evicted): stop before any request's next block
+            spare = None if led.prefix else led.holder_counts()
+            if spare is None or any(self._fits(led.growth(w.req_id, end, o), spare) for o in range(led.world)):
+                return min(steps, min(-r.num_cached % bs for r in run))
+        owners, cap = [led.reqs[r.req_id].owner for r in run], led.cap()
 
-        def fits(j: int) -> bool:
-            used, cap = list(led.used), led.cap()
-            for r, o in zip(run, owners):
-                for k, n in enumerate(led.growth(r.req_id, r.num_cached + j, o)):
-                    used[k] += n
-            return all(u <= cap for u in used)
+        def fits(j: int) -> bool:   # every rank has room for every running request's next j tokens
+            need = zip(*(led.growth(r.req_id, r.num_cached + j, o) for r, o in zip(run, owners)))
+            return all(u + sum(n) <= cap for u, n in zip(led.used, need))
 
-        lo, hi = 0, steps   # the largest j with fits(j): growth only adds blocks, so fits is monotone
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+        # the largest j with fits(j): growth only adds blocks, so fits is monotone
+        return bisect.bisect_left(range(1, steps + 1), True, key=lambda j: not fits(j))
 
     def advance_decode(self, steps: int, token: int) -> None:
         """Apply `steps` steady decode steps (`steady_decode_steps`) at once, each request sampling `token`: what
         `steps` rounds of `schedule` + `update` would do."""
         for r in self.running:
-            self.ledger.grow(r.req_id, r.num_cached + steps, self.ledger.reqs[r.req_id][1])
+            self.ledger.grow(r.req_id, r.num_cached + steps, self.ledger.reqs[r.req_id].owner)
             r.num_cached += steps
             r.output.extend([token] * steps)
         if self.ledger.prefix:   # what the run's steps' evictions and registrations leave (steady_decode_steps)
-            gone = self.ledger.evictions()
-            self._evict_extra = [a + b for a, b in zip(self._evict_extra, gone)] if self._evict_extra else gone
+            self._add_evictions(self.ledger.evictions())
             for r in self.running:
                 self._register(r)
 

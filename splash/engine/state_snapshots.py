@@ -1,27 +1,15 @@
 """Rank 0's record of the KDA state snapshots every rank keeps for the prefix cache — pure Python, no torch.
 
-A hybrid model (glm5_next) can start a request on cached KV blocks only if its KDA layers can start from the
-recurrent (and short-conv) state at the end of those blocks. As vLLM (Mamba state kept on the block grid: a hit
-resumes only at a block boundary that has one) and SGLang (MambaRadixCache: a match stops at the last tree node that
-holds a Mamba state) do, a copy of a request's state — a snapshot — is taken at chosen block boundaries and named by
-the prefix hash of the full block that ends there; a hit is cut back to the last of its blocks that has a snapshot.
-The hash covers every token up to the boundary, so a snapshot is the state of exactly the tokens a hit skips.
-
-Where (bounded, at most three per request while it runs): the last full block a later request with the same prompt
-could hit (the block before the one of the prompt's last token: an n-sample or a repeated prompt resumes there);
-the end of the run of its prompt's leading blocks that are cached already, where it parts from earlier prompts (a
-shared system prompt: later requests sharing only that part resume there); and, past the prompt's boundary, every
-block boundary the request crosses, keeping only its latest (the next turn of a conversation resends this one's tokens
-and resumes at its last full block) — the previous one of the request goes when it takes a newer. Who holds one: the ranks that run the request's KDA layers (`state_holders`: a head slice on every rank in TP
-and DOP, the whole state on the owner in DP-attn and the CP anchor), each a slot out of `per_rank` — the group's
-`slots` counted per rank as splash.layouts.memory counts KDA states, inside the KV budget. A full rank gives up its
-least recently used snapshot, never one taken in the same step.
-
-Lifetime: a snapshot is taken during a step (the step message names it: request, block, hash) and kept after that
-step only if its block is then cached (`settle`: the block was registered, or its hash was cached already); it goes
-when the last rank caching its block evicts it (`blocks_gone`), or to make room, and every snapshot goes at a layout
-switch, with the cache (the running requests' own states move with the switch). Every drop travels in the next step
-message, so no rank decides one itself.
+A hybrid model (glm5_next) can start a request on cached KV blocks only from its KDA layers' state at the end of
+those blocks, so, as vLLM (Mamba state on the block grid) and SGLang (MambaRadixCache) do, a copy of a request's state
+is taken at chosen block boundaries, named by the prefix hash of the block ending there, and a hit is cut back to
+its last block with one. At most three per running request: the block before its prompt's last token's (where a
+repeat of the prompt resumes), the end of its prompt's already-cached leading run (a shared system prompt), and its
+latest full block past the prompt (the next turn of a conversation), replacing its previous one. They live on the
+ranks that run the request's KDA layers (`state_holders`), `per_rank` slots each, counted in the KV budget as
+splash.layouts.memory counts KDA states; a full rank drops its least recently used one not taken this step.
+A snapshot survives its step only if its block is then cached (`settle`), goes when no rank caches its block any
+more (`blocks_gone`), and all go at a layout switch. Every take and drop travels in the step message.
 """
 from __future__ import annotations
 
@@ -53,7 +41,7 @@ class StateSnapshots:
         self.layout = layout
         self.per_rank = states_per_rank(layout, self.slots, self.world)
         self.held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.world)]   # LRU, oldest first
-        self.pending: dict[int, list[int]] = {}      # hash -> ranks: taken in the step being run, not settled
+        self.pending: dict[int, None] = {}           # taken in the step being run, not settled (in order)
         self.latest: dict[str, int] = {}             # running request -> hash of its newest past-prompt snapshot
         self.drops: list[list[int]] = [[] for _ in range(self.world)]   # per rank, for the next step message
 
@@ -94,7 +82,7 @@ class StateSnapshots:
                 return False
         for r in ranks:
             self.held[r][h] = None
-        self.pending[h] = ranks
+        self.pending[h] = None
         if latest:
             prev = self.latest.get(req)
             if prev is not None and prev not in self.pending:
@@ -149,9 +137,7 @@ class StateSnapshots:
     def settle(self, cached, running) -> None:
         """After the step's blocks were registered: keep its snapshots whose block `cached(h)` is cached on some
         rank, drop the others; forget which snapshot is the newest of requests no longer `running`."""
-        for h in self.pending:
-            if not cached(h):
-                self._drop(h)
+        self.blocks_gone(self.pending, cached)
         self.pending = {}
         self.latest = {q: h for q, h in self.latest.items() if q in running}
 

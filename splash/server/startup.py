@@ -243,12 +243,12 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     try:
         engine = Engine(runner, step_comm, per_layout, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode,
                         cfg.model.max_model_len, cfg.layout.switch_mode, tuple(cfg.layout.allowed_layouts),
-                        hardware_profile=cfg.hardware_profile, switch_margin=cfg.layout.switch_margin)
+                        hardware_profile=cfg.hardware_profile, switch_margin=cfg.layout.switch_margin,
+                        enable_prefix_caching=c.enable_prefix_caching)
     except ValueError as e:
         field = "layout.hardware_profile" if "profile" in str(e) else "layout.allowed_layouts"
         raise ConfigError(f"field {field!r}: {e}") from None
     engine.scheduler.chunked_prefill = s.enable_chunked_prefill
-    engine.set_prefix_caching(c.enable_prefix_caching)
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)

@@ -136,12 +136,12 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
         steps += 1
         run = sched.steady_decode_steps(1 << 30)
         if run > 0:
-            loads = [RowLoad(1, r.num_cached, ledger.reqs[r.req_id][1]) for r in sched.running]
+            loads = [RowLoad(1, r.num_cached, ledger.owner(r.req_id)) for r in sched.running]
             dt = step_seconds(charge, setup.model, layout, loads)
             if pending:   # the queue changes at the next arrival
                 run = max(1, min(run, math.ceil((pending[0].arrive - t) / dt)))
             observe(layout, loads, dt + switch_s, switch_s > 0)
-            mid = [RowLoad(1, r.num_cached + run // 2, ledger.reqs[r.req_id][1]) for r in sched.running]
+            mid = [RowLoad(1, r.num_cached + run // 2, ledger.owner(r.req_id)) for r in sched.running]
             t += step_seconds(charge, setup.model, layout, mid) * run if run > 1 else dt
             res.output_tokens += run * len(sched.running)
             sched.advance_decode(run, -1)

@@ -425,7 +425,7 @@ def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
     """The scheduler's running and waiting requests (the first `max_num_seqs` waiting) as ReqViews."""
     def left(r) -> int:
         return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.reqs.get(r.req_id, (0, None))[1])
+    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.owner(r.req_id))
            for r in scheduler.running]
     for i, r in enumerate(scheduler.waiting):
         if i >= scheduler.max_num_seqs:

@@ -120,7 +120,7 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
         replayed += 1
         run = sched.steady_decode_steps(1 << 30)
         if run > 0:
-            rows = [(1, r.num_cached + run // 2, led.reqs[r.req_id][1]) for r in sched.running]
+            rows = [(1, r.num_cached + run // 2, led.owner(r.req_id)) for r in sched.running]
             segments.append(Segment(rows, run, False, run * len(rows), len(rows)))
             work += run * len(sched.running)
             sched.advance_decode(run, _TOKEN)
@@ -136,7 +136,7 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
         if trace:
             if sched.num_preemptions != preempted:
                 events += [(step, "preempt", rid, None) for rid in sorted(before - now)]
-            events += [(step, "admit", rid, led.reqs[rid][1]) for rid in sorted(now - before)]
+            events += [(step, "admit", rid, led.owner(rid)) for rid in sorted(now - before)]
         if not plan.items:
             if not sched.running and sched.waiting:   # fits no empty pool: left out, not waited for
                 gone = sched.waiting.popleft()
@@ -160,7 +160,7 @@ def boundary(sched: Scheduler) -> tuple[tuple, ...]:
 
     def left(r) -> int:
         return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    return (*((r.req_id, r.num_cached, r.pending, left(r), led.reqs[r.req_id][1], True) for r in sched.running),
+    return (*((r.req_id, r.num_cached, r.pending, left(r), led.owner(r.req_id), True) for r in sched.running),
             *((r.req_id, 0, r.pending, left(r), None, False) for r in sched.waiting))
 
 
