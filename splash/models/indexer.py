@@ -9,21 +9,11 @@ selection and has no indexer weights), with H_i = index_n_heads, d_i = index_hea
 - score:             I(s, t) = Σ_h w_h(s) · ReLU(q_h(s) · k(t) · d_i^-1/2)
 - selection:         the top-k positions t ≤ s by I(s, t) (every visible position when fewer than k)
 
-The rope is applied to the first d_r dims of q and k (the rest pass), non-interleaved (half-split) for
-DeepSeek-V3.2 and interleaved for GLM-5.x (transformers' DeepseekV32Indexer / GlmMoeDsaIndexer); d_r = 0 is a
-NoPE indexer. ``cos``/``sin`` are the half-width tables of splash.models.rope.Rope (YaRN factor included).
-All math is fp32. The reference's Hadamard rotation and FP8 scoring kernel are dropped (the rotation is
-orthogonal, so dot products are unchanged; FP8 is storage precision): the keys are stored in the KV cache's
-dtype by the cache, not here.
-
-The functions take plain tensors so every layout (and other model files) can call them on the rows it holds:
-
-    w = load_indexer(get, "model.layers.3.self_attn.indexer.", rope_dim=cfg.qk_rope_head_dim, interleave=True)
-    k = indexer_keys(w, x, cos, sin)                        # [n, d_i]  (store these in the paged cache)
-    q, hw = indexer_queries(w, q_resid, x, cos, sin)        # [n, H_i, d_i], [n, H_i]
-    s = index_scores(q, hw, keys)                           # keys [G, T, d_i], q [G, Q, H_i, d_i] -> [G, Q, T]
-    idx, ok = select_topk(s, visible, k_top)                # [..., min(k, T)] positions into T, and validity
-                                                            # (exact ties: the earlier position, see order_keys)
+The rope is applied to the first d_r dims of q and k, half-split for DeepSeek-V3.2 and interleaved for GLM-5.x
+(transformers' DeepseekV32Indexer / GlmMoeDsaIndexer); d_r = 0 is a NoPE indexer. All math is fp32. The
+reference's Hadamard rotation (orthogonal: dot products unchanged) and FP8 scoring (storage precision) are
+dropped; the cache stores the keys in its KV dtype. The functions take plain tensors, so every layout calls them
+on the rows it holds.
 """
 from __future__ import annotations
 
@@ -134,20 +124,13 @@ def order_keys(scores: torch.Tensor, positions: torch.Tensor, visible: torch.Ten
     return key.masked_fill(~visible, NO_KEY)
 
 
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of `scores` [..., T] among `visible` [..., T] (bool) -> (indices [..., min(k, T)] long into T,
-    valid [..., min(k, T)] bool). A row with fewer than k visible positions gets all of them (valid) and
-    padding (invalid). Exact ties break towards the earlier position (`positions` [..., T], broadcastable;
-    default: the order of T), by order_keys — not as torch.topk happens to (transformers' indexer uses it)."""
-    idx, ok, _ = select_topk_keys(scores, visible, k, positions)
-    return idx, ok
-
-
 def select_topk_keys(scores: torch.Tensor, visible: torch.Tensor, k: int,
                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As select_topk, also returning the selected order keys (NO_KEY where invalid): what a CP rank sends as
-    its candidates for the global top-k (splash.attention.dsa.global_topk)."""
+    """Top-k of `scores` [..., T] among `visible` [..., T] -> (indices [..., min(k, T)] into T, valid, their order
+    keys: NO_KEY where invalid; what a CP rank sends as candidates, splash.attention.dsa.global_topk). A row with
+    fewer than k visible positions gets all of them and invalid padding. Exact ties break towards the earlier
+    position (`positions` [..., T], broadcastable; default: T's order) by order_keys, not as torch.topk happens
+    to (transformers' indexer uses it)."""
     kk = min(k, scores.shape[-1])
     if positions is None:
         positions = torch.arange(scores.shape[-1], device=scores.device)

@@ -34,6 +34,15 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def take_rows(w, r0: int, r1: int):
+    """Rows [r0, r1) of a plain or quantised weight, with their own storage (and their scale blocks)."""
+    return w.rows(r0, r1) if isinstance(w, QuantWeight) else owned(w[r0:r1])
+
+
+def take_cols(w, c0: int, c1: int):
+    return w.cols(c0, c1) if isinstance(w, QuantWeight) else owned(w[:, c0:c1])
+
+
 def scale_blocks(start: int, n: int) -> tuple[int, int]:
     """(first block, block count) touched by elements [start, start + n)."""
     return start // BLOCK, -(-(start + n) // BLOCK) - start // BLOCK
