@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from splash.models.linear import linear
+from splash.models.rope import rotate_torch
 
 K_NORM_EPS = 1e-6  # the indexer's k LayerNorm epsilon (fixed in the reference implementations)
 
@@ -71,16 +72,7 @@ def _rotate(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """Rope on the first `rope_dim` dims of x [n, ..., d_i]; cos/sin [n, rope_dim / 2]."""
     if w.rope_dim == 0:
         return x
-    rot, rest = x[..., :w.rope_dim], x[..., w.rope_dim:]
-    extra = x.dim() - 2
-    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
-    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)
-    if w.interleave:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        half = w.rope_dim // 2
-        x1, x2 = rot[..., :half], rot[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+    return torch.cat([rotate_torch(x[..., :w.rope_dim], cos, sin, w.interleave), x[..., w.rope_dim:]], dim=-1)
 
 
 def indexer_keys(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
