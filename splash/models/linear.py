@@ -37,11 +37,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
-def dense(w) -> torch.Tensor:
-    """A weight as a tensor in the compute dtype (a quantised one dequantised for this use)."""
-    return w if isinstance(w, torch.Tensor) else w.dequant()
-
-
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [n, in] @ w [out, in]ᵀ -> [n, out]."""
     if isinstance(w, torch.Tensor):
