@@ -44,28 +44,21 @@ class IndexerWeights:
         return self.head_dim ** -0.5
 
 
-def indexer_names(prefix: str) -> dict[str, str]:
-    """Checkpoint tensor names of one layer's indexer (prefix e.g. "model.layers.0.self_attn.indexer.")."""
-    return {"wq_b": prefix + "wq_b.weight", "wk": prefix + "wk.weight", "k_norm": prefix + "k_norm.weight",
-            "k_norm_bias": prefix + "k_norm.bias", "weights_proj": prefix + "weights_proj.weight"}
-
-
 def indexer_shapes(prefix: str, hidden: int, q_in: int, n_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape the config implies, for the loader's shape checks."""
-    n = indexer_names(prefix)
-    return {n["wq_b"]: (n_heads * head_dim, q_in), n["wk"]: (head_dim, hidden), n["k_norm"]: (head_dim,),
-            n["k_norm_bias"]: (head_dim,), n["weights_proj"]: (n_heads, hidden)}
+    """Checkpoint tensor name -> shape the config implies (prefix e.g. "model.layers.0.self_attn.indexer.")."""
+    return {prefix + "wq_b.weight": (n_heads * head_dim, q_in), prefix + "wk.weight": (head_dim, hidden),
+            prefix + "k_norm.weight": (head_dim,), prefix + "k_norm.bias": (head_dim,),
+            prefix + "weights_proj.weight": (n_heads, hidden)}
 
 
 def load_indexer(get, prefix: str, n_heads: int, head_dim: int, rope_dim: int, interleave: bool) -> IndexerWeights:
     """One layer's indexer weights from a tensor getter ``get(name) -> tensor`` (common state: every rank holds
     all of it in every layout)."""
-    n = indexer_names(prefix)
-    wp = get(n["weights_proj"])
+    wp = get(prefix + "weights_proj.weight")
     wp = wp.float() if isinstance(wp, torch.Tensor) else wp.dequant().float()
-    return IndexerWeights(wq_b=get(n["wq_b"]), wk=get(n["wk"]), k_norm=get(n["k_norm"]).float(),
-                          k_norm_bias=get(n["k_norm_bias"]).float(), weights_proj=wp, n_heads=n_heads,
-                          head_dim=head_dim, rope_dim=rope_dim, interleave=interleave)
+    return IndexerWeights(wq_b=get(prefix + "wq_b.weight"), wk=get(prefix + "wk.weight"),
+                          k_norm=get(prefix + "k_norm.weight").float(), k_norm_bias=get(prefix + "k_norm.bias").float(),
+                          weights_proj=wp, n_heads=n_heads, head_dim=head_dim, rope_dim=rope_dim, interleave=interleave)
 
 
 def _rotate(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
