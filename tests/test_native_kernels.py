@@ -266,6 +266,7 @@ def test_wrong_arguments_are_errors_not_memory_corruption():
         (lambda: ops.swiglu(r(4, 20)), "multiple of 8"),
         (lambda: ops.moe_route(r(4, 16), r(8), 4, 2, 4, True, 1.0), "bias must have 16"),
         (lambda: ops.moe_sort(torch.tensor([[0, 99]]), r(1, 2), 16), r"experts in \[0, 16\)"),
+        (lambda: ops.uv_heads(r(4, 2, 32), r(2, 16, 16)), r"uv_t must be \[2, 32"),
         (lambda: ops.absorb_rope(r(4, 2, 24), r(2, 8, 32), cos, sin, 16, True), r"w_uk must be \[2, 16"),
         (lambda: ops.linear_packed(x, r(3, 40, 16)), r"packed \[..., N/16, 64, 16\]"),   # K mismatch
         (lambda: ops.grouped_gemm(x, r(2, 3, 64, 16), torch.tensor([3, 9])), "sum to at most"),

@@ -91,6 +91,7 @@ def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
     return linear(_uv_heads(o_lat, w.uv_t()), w.o)
 
 
+@fast_path("uv_heads")
 def _uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor:
     """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h: õ_h @ W_UV_hᵀ)."""
     o = bmm(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]

@@ -4,9 +4,9 @@
 ≈ 8, attend_latent ≈ 14, a cache read/write ≈ 4. `FUSED` (the profile's `fused_kernels`, off in the shipped cpu
 profile: on two decode grids it predicted no better, docs/benchmarks.md cost model round 9): where SPLASH's CPU
 kernels run, each layout's MLA projections are one `mla_project` call (TP / DP-attn: [Q-A ; KV-A] through
-q̃; CP / DOP: a query half and a latent half, on their own rows) plus its output buffers, a MoE layer's routing,
-row order, routed experts and shared expert four calls, a dense MLP one. Stages the kernels do not change keep the
-eager count. Pure Python, no torch.
+q̃; CP / DOP: a query half and a latent half, on their own rows) plus its output buffers, W_UV one `uv_heads`
+call, a MoE layer's routing, row order, routed experts and shared expert four calls, a dense MLP one. Stages
+the kernels do not change keep the eager count. Pure Python, no torch.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ EAGER = {
 FUSED = {**EAGER,
          "qkv_a": {"tp": 5, "dp_attn": 8, "cp": 8, "dop": 11},   # Q-B and the absorb are in the same call
          "q_b_absorb": {"tp": 0, "dp_attn": 0, "cp": 0, "dop": 0},
+         "uv_o": {"tp": 4, "dp_attn": 4, "cp": 4, "dop": 6},
          "ffn_dense": 2, "moe_fixed": 14, "moe_per_expert": 0}
 
 

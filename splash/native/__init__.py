@@ -38,6 +38,7 @@ SIGNATURES = {
                                  P, P]),
     "absorb_rope": (None, [P, I64, ctypes.c_int, I64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int, ctypes.c_int,
                            ctypes.c_int, P, P, P]),
+    "uv_heads": (None, [P, I64, ctypes.c_int, ctypes.c_int, P, ctypes.c_int, P]),
     "mla_project": (ctypes.c_int, [P, I64, ctypes.c_int, I64, ctypes.c_int, P, ctypes.c_int, P, P, ctypes.c_int,
                                    ctypes.c_int, ctypes.c_int, P, ctypes.c_int, ctypes.c_int, P, F32, ctypes.c_int, P, P,
                                    P, P, P, P]),

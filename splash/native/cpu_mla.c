@@ -6,9 +6,9 @@
    a running (max, sum, output) per head. Scratch is heads x (d_c + block) floats per call, whatever the batch and
    context.
 
-   absorb_rope, mla_project: the per-head GEMM before the attention (q_nope @ W_UK with the rotated q_rope into the
-   absorbed queries), reading the per-head weights in place, and a layout's projections up to the attention in one
-   call. */
+   absorb_rope, uv_heads, mla_project: the per-head GEMMs around the attention (q_nope @ W_UK with the rotated
+   q_rope into the absorbed queries; õ @ W_UV^T into O's input), reading the per-head weights in place, and a
+   layout's projections up to the attention in one call. */
 #include "kernels.h"
 
 /* Scores of keys j0 .. j0 + R - 1 of a page against 8 heads: st[j][0..8] = scale * (c_j . q_h + kr_j . qr_h), with
@@ -158,6 +158,14 @@ void absorb_rope(const float *q, int64_t n, int H, int64_t ldq, int qk, int d_no
         gemm_strips(q + (int64_t)h * qk, n, d_nope, ldq, wuk + (int64_t)h * d_nope * d_c, 16, d_c, d_c,
                     out + h * D, H * D);
     if (d_r) rope_to(q + d_nope, n, H, ldq, qk, d_r, interleave, cos, sin, out + d_c, H * D, D);
+}
+
+/* W_UV per head: o [n, H * d_v] with o[r, h d_v .. (h + 1) d_v] = ol[r, h] @ W_UV^T[h], ol [n, H, d_c] contiguous,
+   W_UV^T [H, d_c, d_v] row-major (16-column strips read in place). d_v % 16 == 0. */
+void uv_heads(const float *ol, int64_t n, int H, int d_c, const float *wuvt, int d_v, float *out) {
+    for (int h = 0; h < H; h++)
+        gemm_strips(ol + (int64_t)h * d_c, n, d_c, (int64_t)H * d_c, wuvt + (int64_t)h * d_c * d_v, 16, d_v, d_v,
+                    out + (int64_t)h * d_v, (int64_t)H * d_v);
 }
 
 /* MLA's projections of n rows up to the attention, one call (each step as its own kernel computes it). `parts`:

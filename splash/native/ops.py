@@ -166,6 +166,19 @@ def _absorb_rope(q, w_uk, cos, sin, d_nope, interleave):
     return out
 
 
+@_op("uv_heads(Tensor o_lat, Tensor uv_t) -> Tensor")
+def _uv_heads(o_lat, uv_t):
+    _f32("uv_heads", "o_lat", o_lat, 3, contiguous=True)
+    _f32("uv_heads", "uv_t", uv_t, 3, contiguous=True)
+    n, H, d_c = o_lat.shape
+    d_v = uv_t.shape[2]
+    _need(tuple(uv_t.shape[:2]) == (H, d_c) and d_v % 16 == 0, "uv_heads",
+          lambda: f"uv_t must be [{H}, {d_c}, d_v] with d_v % 16 == 0, got {tuple(uv_t.shape)}")
+    out = _empty(n, H * d_v)
+    native.lib().uv_heads(o_lat.data_ptr(), n, H, d_c, uv_t.data_ptr(), d_v, out.data_ptr())
+    return out
+
+
 @_op("mla_project(Tensor x, Tensor wa, Tensor q_a_norm, Tensor q_b, Tensor w_uk, Tensor kv_a_norm, Tensor cos, "
      "Tensor sin, int parts, int heads, int d_nope, int d_r, float eps, bool interleave) -> Tensor[]")
 def _mla_project(x, wa, q_a_norm, q_b, w_uk, kv_a_norm, cos, sin, parts, heads, d_nope, d_r, eps, interleave):
@@ -324,6 +337,12 @@ def absorb_rope(q, w_uk, d_nope, cos, sin, interleave):
     if (q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2] and w_uk.is_contiguous()
             and w_uk.shape[2] % 16 == 0 and cos.is_contiguous() and sin.is_contiguous() and _on(q, w_uk, cos, sin)):
         return torch.ops.splash.absorb_rope(q, w_uk, cos, sin, d_nope, interleave)
+    return None
+
+
+def uv_heads(o_lat, uv_t):
+    if o_lat.is_contiguous() and uv_t.is_contiguous() and uv_t.shape[-1] % 16 == 0 and _on(o_lat, uv_t):
+        return torch.ops.splash.uv_heads(o_lat, uv_t)
     return None
 
 
