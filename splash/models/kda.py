@@ -27,8 +27,8 @@ CHUNK = 16  # tokens per chunk of the chunk-parallel prefill (`chunk_recurrence`
 
 @dataclass
 class KDAWeights:
-    """Plain tensors, or (FP8/INT8 checkpoints, ``--quantization``) QuantWeights of the head rows / columns with
-    exactly the scale blocks they touch (splash.models.qweight); conv, dt_bias, A_log, o_norm stay fp32/plain."""
+    """Plain tensors, or QuantWeights of the head rows / columns (splash.models.qweight); conv, dt_bias, A_log and
+    o_norm stay plain."""
     qkv: torch.Tensor       # [3 * H_l * d, hidden]: q, k, v rows of the local heads (quantised: RowStack [q; k; v])
     conv: torch.Tensor      # [3, H_l * d, K] fp32 depthwise conv taps (q, k, v channels of the local heads)
     f_a: torch.Tensor       # [d, hidden] (common)
@@ -191,9 +191,8 @@ def kda_rows(w: KDAWeights, x: torch.Tensor, state: torch.Tensor, eps: float,
 def kda_forward(w: KDAWeights, x: torch.Tensor, spans: list[range], states: list[torch.Tensor], eps: float,
                 lower_bound: float | None, cuts: list[list[int]] | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
-    """Rows x [N, hidden] grouped into per-request `spans` with their states -> (this rank's partial O output
-    [N, hidden], new states in span order, per span its states after each of `cuts[i]` rows — increasing offsets
-    in (0, len(span)], prefix-cache snapshots; the recurrence is run in pieces split there)."""
+    """Rows x [N, hidden] in per-request `spans` with their states -> (this rank's partial O output [N, hidden],
+    new states in span order, per span its states after each of `cuts[i]` rows: prefix-cache snapshots)."""
     pre = torch.empty(x.shape[0], w.num_heads * w.head_dim, dtype=x.dtype, device=x.device)
     new, taken = [], []
     for i, (rr, st) in enumerate(zip(spans, states)):

@@ -2,15 +2,10 @@
 
     TRITON_INTERPRET=0 python -m splash.attention.kernels.triton_aot      # one JSON line per compile
 
-Triton compiles for a `GPUTarget` without the device, so what a launch would need is known on CPU: shared memory
-per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, gfx950 160 KiB, sm_90 / sm_100
-227 KiB, sm_120 99 KiB), register spills (NVIDIA: the cubin's STACK from cuobjdump; AMD: the AMDGCN's private
-segment), and whether the products run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the
-AMDGCN). `planned_shapes` is every launch shape TritonMLAKernel can choose
-(splash.attention.kernels.triton_mla.launch_config) for 8…128 heads per rank, each pool format (`pool_formats`:
-the KV dtypes, and on SM90 the fp8 pool with an e4m3 rope key), the two rope widths of the shipped models and
-every page size a GPU config may choose (splash.config.serve_config.GPU_BLOCK_SIZES, which refuses any other);
-tests/test_triton_aot.py checks them all.
+Triton compiles for a `GPUTarget` without the device, so on CPU we know a launch's shared memory per block (against
+the target's limit), register spills (NVIDIA: cuobjdump's STACK; AMD: the private segment) and whether its products
+run on the matrix units (mma / wgmma / tcgen05.mma in PTX, v_mfma in AMDGCN), for every launch shape
+TritonMLAKernel can choose (`planned_shapes`); tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
 
