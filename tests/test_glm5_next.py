@@ -269,7 +269,8 @@ def test_family_description(glm5):
     assert dict(fam.state_rows) == {l: j for j, l in enumerate(lin)} and fam.state_row(mla[0]) is None
     assert (fam.attention_heads, fam.linear_heads) == (cfg.num_attention_heads, cfg.hybrid.linear_num_heads)
     hy = cfg.hybrid
-    assert fam.linear.state_bytes_per_head == 4 * hy.state_floats_per_head() * len(lin)
+    d, K = hy.linear_head_dim, hy.linear_conv_kernel_dim   # fp32 recurrent [d, d] + conv inputs 3·d·(K−1) a head
+    assert fam.linear.state_bytes_per_head == 4 * (d * d + 3 * d * (K - 1)) * len(lin)
     assert fam.index_layers == {i for i in mla if hy.indexer_types[i] == "full"} and fam.index_vectors == 2
     dense = describe(preset_config("tiny-mla"))
     assert not dense.recurrent and dense.linear_heads == 0 and dense.linear is None and not dense.layer_extra

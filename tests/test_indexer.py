@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.models.indexer import (NO_KEY, index_scores, indexer_keys, indexer_queries, load_indexer, select_topk,
+from splash.models.indexer import (NO_KEY, index_scores, indexer_keys, indexer_queries, load_indexer,
                                    select_topk_keys)
 from splash.models.rope import Rope
 
@@ -60,7 +60,7 @@ def test_topk_matches_hf(model_type, topk):
     keys = indexer_keys(w, x[0], cos, sin)
     q, hw = indexer_queries(w, q_resid[0], x[0], cos, sin)
     scores = index_scores(q[None], hw[None], keys[None], w.softmax_scale)[0]
-    idx, ok = select_topk(scores, causal, topk)
+    idx, ok = select_topk_keys(scores, causal, topk)[:2]
     assert idx.shape == ref.shape
     for s in range(T):
         want = {int(t) for t in ref[s] if t <= s}
@@ -114,7 +114,7 @@ def test_ties_break_by_position_in_any_order():
     want = [{5, 1, 2, 3}, {4, 1, 3, 6}]
     shuffled = torch.randperm(8, generator=torch.Generator().manual_seed(3))
     for perm in (torch.arange(8), shuffled, torch.arange(7, -1, -1)):
-        idx, ok = select_topk(scores[:, perm], visible[:, perm], 4, positions=perm)
+        idx, ok = select_topk_keys(scores[:, perm], visible[:, perm], 4, positions=perm)[:2]
         assert [set(perm[i[o]].tolist()) for i, o in zip(idx, ok)] == want, perm
-    assert torch.equal(select_topk(torch.zeros(1, 23), torch.ones(1, 23, dtype=torch.bool), 8)[0].sort().values,
+    assert torch.equal(select_topk_keys(torch.zeros(1, 23), torch.ones(1, 23, dtype=torch.bool), 8)[0].sort().values,
                        torch.arange(8)[None])

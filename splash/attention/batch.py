@@ -34,9 +34,9 @@ class StepPiece(Protocol):
 class StepRequest:
     """A `StepPiece` built by hand."""
     req_id: str
-    start_pos: int   # tokens already in the KV history before this step
-    num_new: int     # query rows this step (prefill chunk length, or 1 in decode)
-    owner: int = 0   # owner rank under DP-attn / DOP
+    start_pos: int
+    num_new: int
+    owner: int = 0
 
     @property
     def end_pos(self) -> int:

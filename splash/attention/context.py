@@ -1,13 +1,8 @@
 """The per-rank state an attention executor (and the switch executor) works on, passed in explicitly.
 
-`RankContext` is what does not change with the layout: the communicator, the model's config and weights, the
-paged pool and its block manager / page table, the attention kernel (`attn`), the rope tables and (hybrid models) the
-per-request recurrent state. A switch changes the *contents* of some of these in place (a layer's projections,
-a pool's KV format, which blocks a request holds), never the objects, so one context serves every layout.
-
-`LayoutState` is what does: the layout, the attention (and KDA) heads this rank holds in it, the layout's KV
-dtype. Which layers hold KV blocks or recurrent state, and which heads shard, the model's family says
-(splash.models.family). The runner holds one and replaces it whole (`ModelRunner.adopt`) when a switch hands off.
+`RankContext` does not change with the layout (a switch changes the contents of its objects, never the objects);
+`LayoutState` does: the layout, the MLA (and KDA) heads held in it, its KV dtype. The runner replaces the latter
+whole when a switch hands off (`ModelRunner.adopt`).
 """
 from __future__ import annotations
 
@@ -51,9 +46,7 @@ class RankContext:
 
     def plan_step(self, reqs, keep=None, cp: tuple[int, int] | None = None) -> AttnMetadata:
         """A layout executor's step set-up for the requests `reqs` it attends: allocate the blocks their new tokens
-        touch (those `keep(q, block)` accepts, if given), append them to the page table
-        (`splash.kv.page_table.ensure_step_pages`), build the step's metadata (`cp`: CP placement, see
-        `build_metadata`) and plan the attention kernel on it -> the metadata."""
+        touch (those `keep(q, block)` accepts), build the step's metadata and plan the kernel on it."""
         ensure_step_pages(self.blocks, self.tables, reqs, keep)
         meta = build_metadata(reqs, self.tables, cp)
         self.attn.plan(meta)

@@ -1,21 +1,14 @@
 """DSA on the paged cache: indexer keys beside the latent KV, per-layer top-k selection, sparse MLA over it.
 
-Per layer with an indexer (splash.models.indexer), each step:
-1. the keys of the new tokens this rank stores go to the indexer key cache at the same slots as their latent;
-2. the rows this rank attends score the positions this rank holds for their request (one vectorised pass per
-   request group, keys read through the page table) and keep the top-k visible positions (t ≤ the row's);
-3. the selection — physical slots [N, K] + validity — goes into the step's metadata as ``meta.sparse[layer]``,
-   and the attention kernel attends only those slots (``sparse_attend``): no second gather of the history.
-A "shared" layer takes its source layer's selection as it is (same block table, so the same slots). When no
-row of the step can see more than top-k positions the selection is everything visible: the layer stays dense
-(``meta.sparse[layer] = None``) — the same keys, without scoring.
+Per layer with an indexer (splash.models.indexer), each step: the new tokens' indexer keys go to the cache at their
+latent's slots; the rows this rank attends score the positions it holds for their request (one pass per request
+group, keys read through the page table) and keep the top-k visible ones; the selection (physical slots + validity)
+becomes ``meta.sparse[layer]``, which the kernel attends in place. A "shared" layer reuses its source layer's
+selection; when no row sees more than top-k positions the layer stays dense (``None``), without scoring.
 
-Placement per layout (the caller passes its rows): TP — every rank stores every key and selects the same top-k
-(same inputs, same math); DP-attn / DOP — the owner stores its requests' keys and selects for their rows; CP —
-each rank scores the positions it holds, the per-rank top-k candidates are all-gathered, the global
-top-k over them decides which local positions each rank attends, and the partial outputs merge exactly by LSE.
-Candidates travel as order keys (splash.models.indexer.order_keys: score, then the earlier position on an exact
-tie), so the global top-k is the one-rank top-k even when scores tie (e.g. a zero query scores every key 0).
+Placement: TP, every rank stores every key and selects the same; DP-attn / DOP, the owner; CP, each rank scores the
+positions it holds, and the all-gathered per-rank candidates decide the global top-k. Candidates travel as order
+keys (score, then the earlier position on a tie), so the global top-k is the one-rank top-k even on ties.
 """
 from __future__ import annotations
 
@@ -108,10 +101,9 @@ def global_topk(keys: torch.Tensor, comm, k: int) -> torch.Tensor:
 
 
 def select_layer(r, layer: int, meta, key_in: tuple, q_in: tuple, cp_comm=None) -> None:
-    """Run layer `layer`'s DSA step on rank context `r` (splash.attention.context): store the new keys, then set ``meta.sparse[layer]``.
-
-    key_in = (x, cos, sin) of the rows whose KV this rank stores (meta.write_rows order); q_in = (x, q_resid,
-    cos, sin) of the rows this rank attends (meta's rows). cp_comm: the group, under CP (global top-k)."""
+    """Layer `layer`'s DSA step on rank context `r`: store the new keys, then set ``meta.sparse[layer]``. key_in =
+    (x, cos, sin) of the rows this rank stores (meta.write_rows order); q_in = (x, q_resid, cos, sin) of the rows it
+    attends. cp_comm: the group, under CP (global top-k)."""
     cfg = r.cfg
     if not cfg.has_indexer(layer):
         meta.sparse[layer] = meta.sparse.get(cfg.indexer_source(layer))

@@ -45,9 +45,8 @@ class OwnerGroups:
 
     def attend_at_owners(self, comm, q: torch.Tensor, attend) -> torch.Tensor:
         """DOP: this rank's heads' queries q [N, H_l, D] of every step row -> their õ [N, H_l, d_c] in step order,
-        each row attended with all heads by its owner (`attend(q_own [n, H, D]) -> õ [n, H, d_c]` runs the owner's
-        kernel over its n rows). A variable all-to-all sends each owner its rows (ranks with none still join), the
-        reverse one returns the per-head outputs: one row per request in decode, never the context."""
+        each row attended with all heads by its owner (`attend` runs the owner's kernel over its rows). Two variable
+        all-to-alls carry the rows there and the per-head outputs back: one row per request in decode."""
         T = comm.size
         if T == 1:
             return attend(q)

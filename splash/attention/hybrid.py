@@ -1,20 +1,13 @@
 """GLM-5.3-Flash attention blocks in each layout: KDA linear-attention layers and NoPE MLA-DSA (KPool) layers.
 
-KDA placement (its state is per request; the recurrence is per head and sequential in positions):
-- TP, DOP — head-sharded: the layout already shards projections by head, so rank r runs KDA heads H_r of every
-  request's rows and holds exactly those heads' state; O over H_r is a partial sum → all-reduce (as MLA's O).
-- DP-attn, CP — owner-run: projections are replicated, so the request's owner (CP: its anchor rank) runs all
-  heads of its rows and holds the whole state; outputs return by a variable all-gather. CP shards *positions*
-  of the KV history, but a recurrence has no per-position history to shard (its state is already a fixed-size
-  summary of every past position), and splitting the scan over ranks would serialise them; so under CP the
-  KDA layers run owner-run while the MLA layers are position-sharded.
+KDA state is per request and its recurrence sequential in positions. TP and DOP shard projections by head, so rank r
+runs KDA heads H_r of every row and holds those heads' state (O is a partial sum, all-reduced). DP-attn and CP
+replicate projections, so the request's owner (CP: its anchor) runs all heads and holds the whole state, outputs
+returning by a variable all-gather: a recurrence has no per-position history for CP to shard (its state already
+summarises every past position), and splitting the scan over ranks would serialise them.
 
-MLA-DSA placement (as deepseek_v3 / DSA layers: each layout's executor plans the step's metadata, the kernel
-reads the pages in place): the rank that attends a request holds its whole latent history and its KPool
-vectors (TP: every rank, heads sharded; DP-attn: owner, all heads; DOP: owner, queries of all heads arrive by
-all-to-all), stores the new tokens' vectors and selects the pools itself (splash.attention.kpool) into the
-metadata's per-layer subset, then runs the attention kernel with a rope width of 0 (NoPE). CP (position-sharded
-history): a global top-k over the pools each rank holds, partial outputs merged exactly by LSE.
+The MLA-DSA layers are placed like DSA layers (splash.attention.dsa), select pools with splash.attention.kpool and
+run the step's kernel with a rope width of 0.
 """
 from __future__ import annotations
 
@@ -100,8 +93,8 @@ class HybridAttention:
         return qa, torch.bmm(q.transpose(0, 1), w.uk()).transpose(0, 1)
 
     def _store_select(self, layer: int, xw: torch.Tensor, q_in: tuple, cp: bool = False) -> int:
-        """Store the latent of rows `xw` (meta.write_rows order) and their KPool vectors, and set the layer's
-        selection for the rows q_in = (x, Q-A output) this rank attends; -> the pool layer."""
+        """Store the latent and KPool vectors of rows `xw` (meta.write_rows order) and select for the rows q_in =
+        (x, Q-A output) this rank attends; -> the pool layer."""
         r, meta = self.r, self.base.meta
         cl, w = r.family.pool_layer(layer), r.weights.layers[layer].attn
         c = rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
@@ -109,8 +102,7 @@ class HybridAttention:
         kpool.select_layer(r, layer, cl, meta, xw, q_in, cp_comm=r.comm if cp else None)
         return cl
 
-    def _attend(self, cl: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step kernel over the paged cache (and the layer's selection): NoPE, so a rope width of 0."""
+    def _attend(self, cl: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:   # NoPE: rope width 0
         return self.r.attn.run(cl, q, q.new_empty(*q.shape[:2], 0), self.r.cache)
 
     def _mla_tp(self, layer: int, x: torch.Tensor) -> torch.Tensor:

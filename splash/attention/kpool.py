@@ -1,23 +1,11 @@
 """KPool selection (GLM-5.3-Flash's NoPE MLA-DSA layers) on the paged cache, as DSA's per-layer subset.
 
-Per MLA layer with a full indexer (splash.models.kpool), each step:
-1. the new tokens' indexer keys and pool gate logits this rank stores go to the cache at their latent's slots
-   (`cache.write_index`: in the KV dtype's form, FP8/INT8 + an fp32 scale per 128 under quantised KV);
-2. the rows this rank attends score the complete pools this rank holds of their request — one vectorised pass
-   per request group (all decode requests together, each prefill alone), the stored vectors read through the
-   page table; a pool is the P = index_kpool consecutive columns of a page row (P divides the block size, or
-   the rank holds the request's pages 0..n−1 contiguously) — and keep the best ``index_topk // P`` pools
-   ending at or before the row's position; the row's own incomplete pool (the tail) is added where it is held;
-3. the selection — physical slots [N, (k + 1) · P] + validity — goes into the step's metadata as
-   ``meta.sparse[layer]`` (splash.attention.dsa.SparseSelection), and the attention kernel attends just
-   those slots in place (no gather of the history). A "shared" layer takes the previous layer's selection. When
-   every row selects all its complete pools and the tail, the selection is every visible position: the layer
-   stays dense (``meta.sparse[layer] = None``).
-
-Placement per layout follows DSA (the caller passes its rows): TP — every rank stores every key and selects the
-same pools; DP-attn / DOP — the owner; CP — each rank scores the pools it holds (a pool lies in one block), the
-per-rank candidate scores are all-gathered, the global top-k decides which of its pools each rank attends, the
-tail is attended by the rank holding it, and the partial outputs merge exactly by LSE.
+Per MLA layer with a full indexer (splash.models.kpool), each step: the new tokens' indexer keys and pool gate
+logits go to the cache at their latent's slots; the rows this rank attends score the complete pools it holds of
+their request (a pool is P = index_kpool consecutive columns of a page row) and keep the best ``index_topk // P``
+ending at or before the row's position, plus the row's own incomplete pool (the tail) where it is held; the
+selection becomes ``meta.sparse[layer]`` as in splash.attention.dsa, including its placement per layout (under CP
+a pool lies in one block, the tail is attended by the rank holding it).
 """
 from __future__ import annotations
 
@@ -89,9 +77,8 @@ def local_candidates(cache, layer: int, meta, w: KPoolWeights, q: torch.Tensor, 
 
 
 def select_layer(r, layer: int, cl: int, meta, key_x: torch.Tensor, q_in: tuple, cp_comm=None) -> None:
-    """Layer `layer` (pool layer `cl`) of glm5_next on rank context `r` (splash.attention.context): store the new tokens' KPool vectors, then set
-    ``meta.sparse[cl]``. key_x: the normed inputs of the rows whose KV this rank stores (meta.write_rows order);
-    q_in = (x, q_resid) of the rows this rank attends (meta's rows). cp_comm: the group, under CP."""
+    """Layer `layer` (pool layer `cl`) on rank context `r`: store the new tokens' KPool vectors, then set
+    ``meta.sparse[cl]``; as dsa.select_layer, with key_x the stored rows' inputs and q_in = (x, q_resid)."""
     hy, w = r.cfg.hybrid, r.weights.layers[layer].indexer
     if w is None:  # "shared": the previous indexed layer's selection, as it is (same blocks, same slots)
         meta.sparse[cl] = meta.sparse.get(cl - 1)

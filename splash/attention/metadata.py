@@ -1,15 +1,10 @@
 """A step's attention metadata on one rank: built in O(requests + new tokens), never O(context).
 
-Query rows are CSR over the step's local requests (`qo_indptr`); each request points at its row of the rank's
-page table (`splash.kv.page_table.PageTable`, read in place: `pages`, and `logical` for the positions of CP's
-non-contiguous pages) with `num_pages`, `kv_len` (held tokens visible to its last query) and
-`kv_last_page_len`. A key at position t is visible to a query row at position p when t <= p (causal within a
-prefill chunk and over the history; the unwritten tail of a last page lies past every query). New KV goes to
-`write_slots` (slot = physical page × block_size + offset), from rows `write_rows`. DSA layers add their
-per-layer subset of keys per row, `sparse[layer]` (set by splash.attention.dsa as each layer runs).
-
-Kernels that want FlashInfer-style CSR pages (`kv_indptr`, `kv_indices`) get them from `csr()`: one vectorised
-gather over the held pages, computed on demand and cached for the step.
+Query rows are CSR over the step's local requests (`qo_indptr`); each request points at its row of the rank's page
+table (read in place: `pages`, and `logical` for CP's non-contiguous pages). A key at position t is visible to a
+query row at position p when t <= p. New KV goes to `write_slots` (page × block_size + offset) from rows
+`write_rows`; DSA layers add their per-row selection, `sparse[layer]`. Vendor kernels get `kv_len`,
+`kv_last_page_len` and FlashInfer-style CSR pages (`csr()`), computed on demand and cached for the step.
 """
 from __future__ import annotations
 
@@ -86,10 +81,8 @@ _req_id, _num_new, _start_pos = attrgetter("req_id"), attrgetter("num_new"), att
 
 def build_metadata(reqs: Sequence[StepPiece], tables: PageTable, cp: tuple[int, int] | None = None) -> AttnMetadata:
     """Metadata for `reqs` (this rank's requests of the step, in row order), whose new tokens' pages are already
-    in `tables`. `cp=(world, rank)`: CP placement — block b of a request anchored at rank a lives on rank
-    (b + a) % world (`splash.layouts.ownership.cp_block_rank`), where it is the request's (b // world)-th page;
-    None: this rank holds every block of `reqs`. Python work is one pass over the requests; the rest is a few
-    tensor ops over the requests and the new tokens."""
+    in `tables`. `cp=(world, rank)`: block b of a request anchored at rank a lives on rank (b + a) % world
+    (`splash.layouts.ownership.cp_block_rank`) as its (b // world)-th page there; None: every block is here."""
     bs = tables.block_size
     tables.flush()
     rows = tables.rows(list(map(_req_id, reqs)))   # a request holding no page here yet gets an (empty) row

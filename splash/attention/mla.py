@@ -1,7 +1,7 @@
-"""Absorbed MLA building blocks shared by every layout (torch reference, fp32 math).
-
-Per head h: q̃_h = [q_nope_h · W_UK_h ; q_rope_h], score_h(t) = q̃_h · [c_kv(t) ; k_rope(t)] × scale,
-õ_h = Σ_t p_h(t) c_kv(t), LSE_h = log Σ_t exp(score_h(t)), o_h = õ_h · W_UV_hᵀ, then O.
+"""Absorbed MLA building blocks shared by every layout (torch reference, fp32 math): per head h,
+q̃_h = [q_nope_h · W_UK_h ; q_rope_h], score_h(t) = q̃_h · [c_kv(t) ; k_rope(t)] × scale, õ_h = Σ_t p_h(t) c_kv(t),
+LSE_h = log Σ_t exp(score_h(t)), o_h = õ_h · W_UV_hᵀ, then O. The `parts` argument of the fused functions names
+which outputs of the CPU kernel `mla_project` they stand for.
 """
 from __future__ import annotations
 
@@ -49,7 +49,6 @@ def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, 
 @fast_path("mla_project")
 def _query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """latent_query's (q̃, normed Q-A output); `parts` 1 names these outputs of the fused kernel."""
     qa = x if w.q_a is None else rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
     return _absorb(cfg, rope, w, qa, cos, sin), qa
 
@@ -57,7 +56,6 @@ def _query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: t
 @fast_path("mla_project")
 def _new_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """new_latent_kv's (c_kv, k_rope); `parts` 2 names these outputs of the fused kernel."""
     return _latent(cfg, rope, w, linear(x, w.kv_a), cos, sin)
 
 
@@ -83,7 +81,6 @@ def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tens
 @fast_path("mla_project")
 def _query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
-    """(q̃, c_kv, k_rope, normed Q-A output) with Q-A and KV-A as one GEMM."""
     qa, kv = linear(x, w.qkv_a).split([w.q_a.shape[0], w.kv_a.shape[0]], dim=-1)
     qa = rms_norm(qa, w.q_a_norm, cfg.rms_norm_eps)
     return (_absorb(cfg, rope, w, qa, cos, sin), *_latent(cfg, rope, w, kv, cos, sin), qa)
@@ -108,10 +105,8 @@ def attend(kernel, layer: int, q: torch.Tensor, cache, d_c: int) -> tuple[torch.
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact combine of partial attention over disjoint key sets.
-
-    o [R, n, H, d_c], lse [R, n, H] (natural log, -inf where a part saw no key) -> (õ [n, H, d_c], LSE [n, H]).
-    """
+    """Exact combine of partial attention over disjoint key sets: o [R, n, H, d_c], lse [R, n, H] (natural log,
+    -inf where a part saw no key) -> (õ [n, H, d_c], LSE [n, H])."""
     total = torch.logsumexp(lse, dim=0)
     safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     w = torch.exp(lse - safe[None])

@@ -22,6 +22,8 @@ class AttentionExecutor(Protocol):
 
 
 class DeepseekV3Model:
+    swiglu_limit: float | None = None
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, comm, device=None):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
@@ -31,7 +33,8 @@ class DeepseekV3Model:
 
     def _ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         fw = self.w.layers[layer].ffn
-        y = ffn.mlp(fw, x) if isinstance(fw, MLPWeights) else ffn.moe(self.cfg, fw, x)
+        lim = self.swiglu_limit
+        y = ffn.mlp(fw, x, lim) if isinstance(fw, MLPWeights) else ffn.moe(self.cfg, fw, x, lim)
         return self.comm.all_reduce(y) if self.comm.size > 1 else y
 
     def forward(self, batch: StepBatch, attn: AttentionExecutor, before_layer=None) -> torch.Tensor:

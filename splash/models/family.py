@@ -1,14 +1,9 @@
 """What differs between the model families at run time and in memory, described once from the config (pure data,
-no torch).
-
-A dense family (deepseek_v3 / v32, glm_moe_dsa) has MLA in every layer: layer l keeps its KV in pool layer l.
-A hybrid family (glm5_next) interleaves KDA linear-attention layers with MLA layers: only the MLA layers hold
-paged KV (pool layer j = the j-th MLA layer), each KDA layer holds per-request recurrent state instead (state
-row j = the j-th KDA layer), and the KDA projections are sharded by KDA head exactly where the MLA projections
-are sharded by attention head. Its MLA layers' indexer (KPool) stores a second vector per token, and every layer
-carries mHC residual-stream weights. The runner, the executors, the switch executor, the memory model and the
-manifest planner ask this description instead of testing which family a config is; the weights a family adds
-beyond MLA + FFN are listed here as `Weight`s, which the memory model (splash.layouts.memory) counts in stored bytes.
+no torch). A dense family (deepseek_v3 / v32, glm_moe_dsa) has MLA in every layer (pool layer l = layer l). A hybrid
+family (glm5_next) interleaves KDA layers, which hold per-request recurrent state (state row j = the j-th KDA
+layer) and shard by KDA head where MLA shards by attention head, with MLA layers (pool layer j = the j-th MLA
+layer) whose KPool indexer stores a second vector per token; every layer carries mHC weights. The runner,
+executors, switch executor, memory model and manifest planner ask this instead of testing the family.
 """
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ STATE_BYTES = 4   # recurrent state is fp32 (splash.kv.recurrent)
 
 @dataclass(frozen=True)
 class Weight:
-    """One stored weight as a rows × cols matrix (a vector: one column) — or the slice of it a rank holds, whose
-    first row / column is row0 / col0 (a quantised slice carries the scale blocks its range touches)."""
+    """A stored weight (or the slice a rank holds, from row0 / col0) as rows × cols; a vector is one column."""
     rows: int
     cols: int
     storage: str = LINEAR
@@ -41,10 +35,8 @@ class Weight:
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """The KDA layers of a hybrid family: per layer, weights every rank holds whole (f_a, g_a, o_norm) and weights
-    sharded by KDA head where MLA projections are sharded by attention head (q/k/v rows, O columns, the gates f_b,
-    g_b, b and the fp32 conv taps, dt_bias, A_log — splash.models.kda.KDAWeights); per request, fp32 state of
-    each head (recurrent [d, d] + conv inputs 3·d·(K−1)) in every KDA layer."""
+    """A hybrid family's KDA layers: weights held whole (`common_weights`) and sharded by KDA head
+    (`shard_weights`, splash.models.kda.KDAWeights); per request, fp32 state per head in every KDA layer."""
     heads: int
     head_dim: int
     conv_kernel: int
@@ -57,8 +49,7 @@ class LinearAttention:
         return LINEAR if self.quantized_gates else DENSE
 
     @property
-    def state_bytes_per_head(self) -> int:
-        """One request's state of one KDA head over every KDA layer."""
+    def state_bytes_per_head(self) -> int:   # one request's, over every KDA layer
         d = self.head_dim
         return STATE_BYTES * (d * d + 3 * d * (self.conv_kernel - 1)) * self.num_layers
 
@@ -94,27 +85,21 @@ class ModelFamily:
     exact_weights: bool = False
 
     @property
-    def linear_heads(self) -> int:
-        """KDA heads (their projections and state shard by these); 0: no KDA layers."""
+    def linear_heads(self) -> int:   # KDA heads (their projections and state shard by these)
         return self.linear.heads if self.linear is not None else 0
 
     @property
-    def recurrent(self) -> bool:
-        """Some layer keeps per-request recurrent state (it moves per request in a switch; a prefix-cache hit resumes
-        it from a snapshot, splash.engine.state_snapshots)."""
+    def recurrent(self) -> bool:   # some layer keeps per-request recurrent state
         return bool(self.state_rows)
 
     @property
     def num_pool_layers(self) -> int:
-        """Layers holding paged KV: the MLA layers."""
         return len(self.pool_layers)
 
-    def pool_layer(self, layer: int) -> int | None:
-        """The pool layer holding model layer `layer`'s KV blocks; None for a layer that holds none (KDA)."""
+    def pool_layer(self, layer: int) -> int | None:   # None: the layer holds no KV blocks (KDA)
         return self.pool_layers.get(layer)
 
     def state_row(self, layer: int) -> int | None:
-        """Model layer `layer`'s row in the per-request recurrent state; None for a layer without state."""
         return self.state_rows.get(layer)
 
     def is_recurrent(self, layer: int) -> bool:

@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from splash.models import ffn
 from splash.models.build import check_ffn_shardable
 from splash.models.config import ModelConfig
+from splash.models.deepseek import DeepseekV3Model
 from splash.models.kda import KDAWeights, kda_from_full
 from splash.models.kpool import IndexerWeights, indexer_from_full
-from splash.models.linear import linear
 from splash.models.norm import rms_norm
 from splash.native.packed import pack_linear
 from splash.models.weights import AttnWeights, MLPWeights, MoEWeights, attention_from_full, mlp_from_full, \
@@ -121,15 +120,10 @@ def hyper_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, strea
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 
 
-class Glm5NextModel:
+class Glm5NextModel(DeepseekV3Model):
     def __init__(self, cfg: ModelConfig, weights: HybridWeights, comm):
-        self.cfg, self.w, self.comm = cfg, weights, comm
+        self.cfg, self.w, self.comm, self.swiglu_limit = cfg, weights, comm, cfg.hybrid.swiglu_limit
         self.rope = None  # NoPE: positions enter only through causality
-
-    def _ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        fw, limit = self.w.layers[layer].ffn, self.cfg.hybrid.swiglu_limit
-        y = ffn.mlp(fw, x, limit) if isinstance(fw, MLPWeights) else ffn.moe(self.cfg, fw, x, limit)
-        return self.comm.all_reduce(y) if self.comm.size > 1 else y
 
     def forward(self, batch: StepBatch, attn, before_layer=None) -> torch.Tensor:
         """Every layer over the step's rows; -> final-normed hidden states of `batch.sample_rows` [S, hidden]."""
@@ -147,6 +141,3 @@ class Glm5NextModel:
             streams = hyper_merge(post, comb, self._ffn(i, rms_norm(h, lw.post_norm, cfg.rms_norm_eps)), streams)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=x.device)
         return rms_norm(streams[rows].mean(dim=1), self.w.norm, cfg.rms_norm_eps)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.w.lm_head).float()

@@ -36,14 +36,6 @@ class HybridConfig:
     # quantization_config does not exclude them (`--quantization` and most releases keep them dense)
     quantized_gates: bool = False
 
-    def linear_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
-
-    def state_floats_per_head(self) -> int:
-        """fp32 values of one request's KDA state per head per layer: recurrent [dk, dv] + conv 3·dk·(K−1)."""
-        d = self.linear_head_dim
-        return d * d + 3 * d * (self.linear_conv_kernel_dim - 1)
-
 
 def flatten_glm5_next(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """The text model's fields of a ``Glm5NextConfig`` dict (``text_config``), with the top-level model_type."""
@@ -61,7 +53,6 @@ def flatten_glm5_next(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _per_layer(raw: dict[str, Any], name: str, n: int, allowed: tuple[str, ...], default: list[str],
                where: str) -> tuple[str, ...]:
-
     vals = raw.get(name)
     if vals is None:
         vals = default
@@ -97,7 +88,6 @@ def _fullmatch(pattern: str, name: str) -> bool:
 
 def hybrid_from_hf(raw: dict[str, Any], where: str) -> HybridConfig:
     """HybridConfig from the (flattened) text config; ConfigError naming the field when it cannot run."""
-
     n = raw["num_hidden_layers"]
     layer_types = _per_layer(raw, "layer_types", n, (LINEAR, INDEXED),
                              [LINEAR if i % 4 != 3 else INDEXED for i in range(n)], where)

@@ -9,21 +9,11 @@ selection and has no indexer weights), with H_i = index_n_heads, d_i = index_hea
 - score:             I(s, t) = Σ_h w_h(s) · ReLU(q_h(s) · k(t) · d_i^-1/2)
 - selection:         the top-k positions t ≤ s by I(s, t) (every visible position when fewer than k)
 
-The rope is applied to the first d_r dims of q and k (the rest pass), non-interleaved (half-split) for
-DeepSeek-V3.2 and interleaved for GLM-5.x (transformers' DeepseekV32Indexer / GlmMoeDsaIndexer); d_r = 0 is a
-NoPE indexer. ``cos``/``sin`` are the half-width tables of splash.models.rope.Rope (YaRN factor included).
-All math is fp32. The reference's Hadamard rotation and FP8 scoring kernel are dropped (the rotation is
-orthogonal, so dot products are unchanged; FP8 is storage precision): the keys are stored in the KV cache's
-dtype by the cache, not here.
-
-The functions take plain tensors so every layout (and other model files) can call them on the rows it holds:
-
-    w = load_indexer(get, "model.layers.3.self_attn.indexer.", rope_dim=cfg.qk_rope_head_dim, interleave=True)
-    k = indexer_keys(w, x, cos, sin)                        # [n, d_i]  (store these in the paged cache)
-    q, hw = indexer_queries(w, q_resid, x, cos, sin)        # [n, H_i, d_i], [n, H_i]
-    s = index_scores(q, hw, keys)                           # keys [G, T, d_i], q [G, Q, H_i, d_i] -> [G, Q, T]
-    idx, ok = select_topk(s, visible, k_top)                # [..., min(k, T)] positions into T, and validity
-                                                            # (exact ties: the earlier position, see order_keys)
+The rope is applied to the first d_r dims of q and k, half-split for DeepSeek-V3.2 and interleaved for GLM-5.x
+(transformers' DeepseekV32Indexer / GlmMoeDsaIndexer); d_r = 0 is a NoPE indexer. All math is fp32. The
+reference's Hadamard rotation (orthogonal: dot products unchanged) and FP8 scoring (storage precision) are
+dropped; the cache stores the keys in its KV dtype. The functions take plain tensors, so every layout calls them
+on the rows it holds.
 """
 from __future__ import annotations
 
@@ -32,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from splash.models.linear import linear
+from splash.models.rope import rotate_torch
 
 K_NORM_EPS = 1e-6  # the indexer's k LayerNorm epsilon (fixed in the reference implementations)
 
@@ -53,44 +44,28 @@ class IndexerWeights:
         return self.head_dim ** -0.5
 
 
-def indexer_names(prefix: str) -> dict[str, str]:
-    """Checkpoint tensor names of one layer's indexer (prefix e.g. "model.layers.0.self_attn.indexer.")."""
-    return {"wq_b": prefix + "wq_b.weight", "wk": prefix + "wk.weight", "k_norm": prefix + "k_norm.weight",
-            "k_norm_bias": prefix + "k_norm.bias", "weights_proj": prefix + "weights_proj.weight"}
-
-
 def indexer_shapes(prefix: str, hidden: int, q_in: int, n_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape the config implies, for the loader's shape checks."""
-    n = indexer_names(prefix)
-    return {n["wq_b"]: (n_heads * head_dim, q_in), n["wk"]: (head_dim, hidden), n["k_norm"]: (head_dim,),
-            n["k_norm_bias"]: (head_dim,), n["weights_proj"]: (n_heads, hidden)}
+    """Checkpoint tensor name -> shape the config implies (prefix e.g. "model.layers.0.self_attn.indexer.")."""
+    return {prefix + "wq_b.weight": (n_heads * head_dim, q_in), prefix + "wk.weight": (head_dim, hidden),
+            prefix + "k_norm.weight": (head_dim,), prefix + "k_norm.bias": (head_dim,),
+            prefix + "weights_proj.weight": (n_heads, hidden)}
 
 
 def load_indexer(get, prefix: str, n_heads: int, head_dim: int, rope_dim: int, interleave: bool) -> IndexerWeights:
     """One layer's indexer weights from a tensor getter ``get(name) -> tensor`` (common state: every rank holds
     all of it in every layout)."""
-    n = indexer_names(prefix)
-    wp = get(n["weights_proj"])
+    wp = get(prefix + "weights_proj.weight")
     wp = wp.float() if isinstance(wp, torch.Tensor) else wp.dequant().float()
-    return IndexerWeights(wq_b=get(n["wq_b"]), wk=get(n["wk"]), k_norm=get(n["k_norm"]).float(),
-                          k_norm_bias=get(n["k_norm_bias"]).float(), weights_proj=wp, n_heads=n_heads,
-                          head_dim=head_dim, rope_dim=rope_dim, interleave=interleave)
+    return IndexerWeights(wq_b=get(prefix + "wq_b.weight"), wk=get(prefix + "wk.weight"),
+                          k_norm=get(prefix + "k_norm.weight").float(), k_norm_bias=get(prefix + "k_norm.bias").float(),
+                          weights_proj=wp, n_heads=n_heads, head_dim=head_dim, rope_dim=rope_dim, interleave=interleave)
 
 
 def _rotate(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rope on the first `rope_dim` dims of x [n, ..., d_i]; cos/sin [n, rope_dim / 2]."""
     if w.rope_dim == 0:
         return x
-    rot, rest = x[..., :w.rope_dim], x[..., w.rope_dim:]
-    extra = x.dim() - 2
-    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
-    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)
-    if w.interleave:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        half = w.rope_dim // 2
-        x1, x2 = rot[..., :half], rot[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+    return torch.cat([rotate_torch(x[..., :w.rope_dim], cos, sin, w.interleave), x[..., w.rope_dim:]], dim=-1)
 
 
 def indexer_keys(w: IndexerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,20 +109,13 @@ def order_keys(scores: torch.Tensor, positions: torch.Tensor, visible: torch.Ten
     return key.masked_fill(~visible, NO_KEY)
 
 
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of `scores` [..., T] among `visible` [..., T] (bool) -> (indices [..., min(k, T)] long into T,
-    valid [..., min(k, T)] bool). A row with fewer than k visible positions gets all of them (valid) and
-    padding (invalid). Exact ties break towards the earlier position (`positions` [..., T], broadcastable;
-    default: the order of T), by order_keys — not as torch.topk happens to (transformers' indexer uses it)."""
-    idx, ok, _ = select_topk_keys(scores, visible, k, positions)
-    return idx, ok
-
-
 def select_topk_keys(scores: torch.Tensor, visible: torch.Tensor, k: int,
                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As select_topk, also returning the selected order keys (NO_KEY where invalid): what a CP rank sends as
-    its candidates for the global top-k (splash.attention.dsa.global_topk)."""
+    """Top-k of `scores` [..., T] among `visible` [..., T] -> (indices [..., min(k, T)] into T, valid, their order
+    keys: NO_KEY where invalid; what a CP rank sends as candidates, splash.attention.dsa.global_topk). A row with
+    fewer than k visible positions gets all of them and invalid padding. Exact ties break towards the earlier
+    position (`positions` [..., T], broadcastable; default: T's order) by order_keys, not as torch.topk happens
+    to (transformers' indexer uses it)."""
     kk = min(k, scores.shape[-1])
     if positions is None:
         positions = torch.arange(scores.shape[-1], device=scores.device)

@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from splash.models.linear import linear
-from splash.models.qweight import QuantWeight, RowStack, is_quantized, owned
+from splash.models.qweight import RowStack, is_quantized, owned, take_cols, take_rows
 
 CHUNK = 16  # tokens per chunk of the chunk-parallel prefill (`chunk_recurrence`); 1: prefill token by token too
 
 
 @dataclass
 class KDAWeights:
-    """Plain tensors, or (FP8/INT8 checkpoints, ``--quantization``) QuantWeights of the head rows / columns with
-    exactly the scale blocks they touch (splash.models.qweight); conv, dt_bias, A_log, o_norm stay fp32/plain."""
+    """Plain tensors, or QuantWeights of the head rows / columns (splash.models.qweight); conv, dt_bias, A_log and
+    o_norm stay plain."""
     qkv: torch.Tensor       # [3 * H_l * d, hidden]: q, k, v rows of the local heads (quantised: RowStack [q; k; v])
     conv: torch.Tensor      # [3, H_l * d, K] fp32 depthwise conv taps (q, k, v channels of the local heads)
     f_a: torch.Tensor       # [d, hidden] (common)
@@ -48,21 +48,12 @@ class KDAWeights:
         return len(self.heads)
 
 
-def head_rows(w, r0: int, r1: int):
-    """Rows [r0, r1) of a plain or quantised weight, with its own storage (and its scale blocks)."""
-    return w.rows(r0, r1) if isinstance(w, QuantWeight) else owned(w[r0:r1])
-
-
-def head_cols(w, c0: int, c1: int):
-    return w.cols(c0, c1) if isinstance(w, QuantWeight) else owned(w[:, c0:c1])
-
-
 def kda_from_full(get, prefix: str, heads: range, head_dim: int) -> KDAWeights:
     """A rank's KDA weights for `heads` from a full-tensor getter (disk names of transformers' Glm5Next)."""
     d, h0, h1 = head_dim, heads.start * head_dim, heads.stop * head_dim
 
     def rows(name: str) -> torch.Tensor:
-        return head_rows(get(prefix + name), h0, h1)
+        return take_rows(get(prefix + name), h0, h1)
 
     q, k, v = (rows(f"{c}_proj.weight") for c in "qkv")
     qkv = RowStack([q, k, v]) if any(is_quantized(t) for t in (q, k, v)) else torch.cat([q, k, v])
@@ -70,9 +61,9 @@ def kda_from_full(get, prefix: str, heads: range, head_dim: int) -> KDAWeights:
     return KDAWeights(qkv=qkv, conv=conv.contiguous(), f_a=get(prefix + "f_a_proj.weight"),
                       f_b=rows("f_b_proj.weight"), dt_bias=rows("dt_bias").float(),
                       a_log=owned(get(prefix + "A_log")[heads.start:heads.stop].float()),
-                      b=head_rows(get(prefix + "b_proj.weight"), heads.start, heads.stop),
+                      b=take_rows(get(prefix + "b_proj.weight"), heads.start, heads.stop),
                       g_a=get(prefix + "g_a_proj.weight"), g_b=rows("g_b_proj.weight"),
-                      o_norm=get(prefix + "o_norm.weight"), o=head_cols(get(prefix + "o_proj.weight"), h0, h1),
+                      o_norm=get(prefix + "o_norm.weight"), o=take_cols(get(prefix + "o_proj.weight"), h0, h1),
                       heads=heads, head_dim=d)
 
 
@@ -87,7 +78,6 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def _conv(w: KDAWeights, mixed: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """mixed [n, 3, H_l, d] new conv inputs; conv_state [3, H_l, d, K−1] -> (silu(conv) [n, 3, H_l, d], new state)."""
-    n = mixed.shape[0]
     km1 = conv_state.shape[-1]
     seq = torch.cat([conv_state, mixed.permute(1, 2, 3, 0)], dim=-1)          # [3, H_l, d, K-1+n]
     taps = w.conv.view(3, w.num_heads, w.head_dim, -1)                          # [3, H_l, d, K]
@@ -201,9 +191,8 @@ def kda_rows(w: KDAWeights, x: torch.Tensor, state: torch.Tensor, eps: float,
 def kda_forward(w: KDAWeights, x: torch.Tensor, spans: list[range], states: list[torch.Tensor], eps: float,
                 lower_bound: float | None, cuts: list[list[int]] | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
-    """Rows x [N, hidden] grouped into per-request `spans` with their states -> (this rank's partial O output
-    [N, hidden], new states in span order, per span its states after each of `cuts[i]` rows — increasing offsets
-    in (0, len(span)], prefix-cache snapshots; the recurrence is run in pieces split there)."""
+    """Rows x [N, hidden] in per-request `spans` with their states -> (this rank's partial O output [N, hidden],
+    new states in span order, per span its states after each of `cuts[i]` rows: prefix-cache snapshots)."""
     pre = torch.empty(x.shape[0], w.num_heads * w.head_dim, dtype=x.dtype, device=x.device)
     new, taken = [], []
     for i, (rr, st) in enumerate(zip(spans, states)):

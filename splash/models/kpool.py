@@ -1,14 +1,8 @@
-"""GLM-5.3-Flash's DSA indexer with KPool selection: the lightning indexer of splash.models.indexer (NoPE:
-rope_dim 0) scoring pools of P = index_kpool consecutive positions instead of single positions.
-
-Per token the cache stores (beside the latent KV, same slots) two index_dim vectors: the indexer key
-k = LayerNorm(x W_kᵀ) (splash.models.indexer.indexer_keys) and the pool gate logits x W_gateᵀ. Pool j holds
-positions [jP, (j+1)P); a complete pool's key is Σ_t softmax_t(gate_t + ape_t) · k_t (per channel). A query at
-position p scores each complete pool ending at or before p with the indexer's score
-Σ_h w_h · relu(q_h · key_j / √d_I) (splash.models.indexer: queries from Q-A through ``wq_b``, head weights
-x W_wᵀ / √H_I) and keeps the best ``index_topk // P`` pools; its own incomplete pool (the tail, positions
-p+1−((p+1) mod P) … p) is always added. The selection depends only on positions ≤ p, whatever the chunking;
-splash.attention.kpool runs it on the paged cache.
+"""GLM-5.3-Flash's DSA indexer with KPool selection: splash.models.indexer's lightning indexer (NoPE) scoring pools
+of P = index_kpool consecutive positions. Per token the cache stores two vectors: the indexer key k and the pool
+gate logits x W_gateᵀ. A complete pool's key is Σ_t softmax_t(gate_t + ape_t) · k_t; a query scores the complete
+pools ending at or before its position with the indexer's score and keeps the best ``index_topk // P``, plus its own
+incomplete pool (the tail), so the selection depends only on positions ≤ p whatever the chunking.
 """
 from __future__ import annotations
 

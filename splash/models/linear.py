@@ -1,16 +1,10 @@
 """`linear(x, w)` = x @ wᵀ for the dense projections of the CPU reference backend, in one place.
 
-`w` is a plain tensor in the compute dtype, or a quantised weight in stored form (splash.models.qweight:
-FP8 block-scaled, INT8 per-channel, or a row stack of them), which is dequantised per use into the compute dtype
-— on CPU no FP8/INT8 GEMM is used, so the result is exactly the dequantised reference's.
-
-A oneDNN path with prepacked weights was measured (1.3–2× faster per projection in isolation on this AMD host,
-≈ 3% per decode step, within noise) and left out: it keeps a second, packed copy of every weight, which the
-memory model and the per-layout KV capacity do not budget for.
-
-bf16 weights and activations on a CPU without bf16 units (`bf16_units`: no AVX512-BF16 / AMX, e.g. this AVX2
-host) are multiplied in fp32 (operands upcast per use, result rounded to bf16), like the quantised weights'
-dequantise-per-use: no second copy of any weight is kept."""
+`w` is a plain tensor in the compute dtype, a packed weight (splash.native.packed), or a quantised weight in stored
+form (splash.models.qweight), dequantised per use: on CPU no FP8/INT8 GEMM runs, so the result is exactly the
+dequantised reference's. On a CPU without bf16 units, bf16 operands are multiplied in fp32 (`bf16_units`). Neither
+keeps a second copy of any weight (the memory model does not budget for one; see docs/benchmarks.md for oneDNN).
+"""
 from __future__ import annotations
 
 import functools
@@ -23,9 +17,8 @@ from splash.native.packed import PackedExperts, PackedLinear
 
 @functools.cache
 def bf16_units() -> bool:
-    """The CPU has bf16 GEMM units (AVX512-BF16 or AMX). Without them (AVX2 hosts) torch's bf16 GEMMs measured
-    3-7x slower than upcasting both operands and multiplying in fp32, so bf16 products are computed that way
-    (bf16 storage and results, fp32 products: at least as accurate as a bf16 GEMM)."""
+    """The CPU has bf16 GEMM units (AVX512-BF16 or AMX). Without them torch's bf16 GEMMs are 3-7x slower than
+    upcasting both operands to fp32 (bf16 results, at least as accurate), so bf16 products are computed that way."""
     cpu = torch.cpu
     return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
                 or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
@@ -42,11 +35,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.bfloat16 and a.device.type == "cpu" and not bf16_units():
         return torch.bmm(a.float(), b.float()).to(torch.bfloat16)
     return torch.bmm(a, b)
-
-
-def dense(w) -> torch.Tensor:
-    """A weight as a tensor in the compute dtype (a quantised one dequantised for this use)."""
-    return w if isinstance(w, torch.Tensor) else w.dequant()
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -67,21 +55,14 @@ def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
 
 @native.fast_path("grouped_gemm")
 def grouped_packed(x: torch.Tensor, stack: PackedExperts, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` grouped by expert (counts[e] rows each) @ each expert's weightᵀ -> [n, N]: SPLASH's CPU grouped
-    GEMM on the packed stack where it runs, else (e.g. the thread count changed since load) the plain stack's
-    GEMMs, unpacked per call."""
+    """SPLASH's grouped GEMM on a packed stack, else (the thread count changed since load) unpacked per call."""
     return grouped_linear(x, stack.unpacked().to(x.dtype), counts)
 
 
 def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` grouped by expert (the first counts[0] rows for expert 0, the next counts[1] for expert 1, ...)
-    -> each group @ stack[e]ᵀ, [n, out], experts without rows skipped.
-
-    A packed stack (splash.native.packed) runs SPLASH's CPU grouped GEMM. A plain stack on CPU goes through one
-    `torch._grouped_mm` call (one C++ loop of the same GEMMs: results identical to per-expert matmuls, without a
-    Python call, slice and transpose per expert). Quantised stacks (dequantised per used expert), bf16 on a CPU
-    without bf16 units (upcast per used expert, as `_mm` does) and other devices loop over the experts that have
-    rows."""
+    """Rows of `x` grouped by expert (counts[e] rows each, in expert order) -> each group @ stack[e]ᵀ, [n, out].
+    A plain CPU stack goes through one `torch._grouped_mm` (the same GEMMs, without a Python call per expert);
+    quantised stacks, bf16 without bf16 units and other devices loop over the experts that have rows."""
     if isinstance(stack, PackedExperts):
         return grouped_packed(x, stack, counts)
     upcast = x.dtype == torch.bfloat16 and not bf16_units()

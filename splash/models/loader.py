@@ -1,10 +1,9 @@
 """Load an HF checkpoint (config.json + safetensors, single or sharded with an index) into a rank's weights.
 
-Handles BF16/F16/F32 tensors, DeepSeek/GLM FP8 block-scaled weights (`weight_scale_inv`, 128×128 blocks) and
-compressed-tensors INT8 weights (`weight_scale` per output channel, symmetric: W8A8 or weight-only), both kept in
-their stored form (splash.models.qweight). `quantization="fp8"|"int8"` quantises a plain checkpoint's linear
-weights at load into the same forms. A tensor in any other quantised or integer form is an error naming the
-tensor and its format, never a cast. Every error names the file and the tensor or field.
+BF16/F16/F32 tensors; FP8 block-scaled (`weight_scale_inv`, 128×128) and compressed-tensors INT8 (`weight_scale`
+per output channel, symmetric) weights kept in stored form (splash.models.qweight); `quantization="fp8"|"int8"`
+quantises a plain checkpoint's linear weights at load. Any other quantised or integer form is an error naming the
+tensor and its format, never a cast; every error names the file and the tensor or field.
 """
 from __future__ import annotations
 

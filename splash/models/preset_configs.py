@@ -31,11 +31,7 @@ PRESETS["gpu-smoke-mla"] = {**PRESETS["tiny-mla"], "hidden_size": 256, "num_hidd
                             "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
 
 
-def preset_names() -> list[str]:
-    return sorted(PRESETS)
-
-
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r} (available: {', '.join(preset_names())})")
+        raise ValueError(f"unknown preset {name!r} (available: {', '.join(sorted(PRESETS))})")
     return model_config_from_dict(PRESETS[name], f"preset {name}")

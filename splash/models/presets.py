@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from splash.models.preset_configs import PRESETS, preset_config, preset_names  # noqa: F401 — the presets' API
+from splash.models.preset_configs import PRESETS, preset_config  # noqa: F401 — the presets' API
 from splash.models.weights import expected_shapes
 from splash.tokenizer import save_byte_tokenizer
 

@@ -1,19 +1,12 @@
-"""Quantised weights kept in their stored form: FP8 block-scaled and INT8 per-output-channel.
+"""Quantised weights kept in their stored form (scales held in fp32):
+- ``fp8``: FP8 E4M3 with one scale per 128×128 block, w = q × s (DeepSeek/GLM ``weight_scale_inv``);
+- ``int8``: INT8 with one scale per output row, w = q × s (compressed-tensors ``weight_scale`` [out, 1], symmetric).
 
-Two formats, both as checkpoints store them (scales are held in fp32; a bf16/fp16 checkpoint scale converts
-exactly):
-- ``fp8``: FP8 E4M3 values with one scale per 128×128 block, w = q × s (DeepSeek/GLM ``weight_scale_inv``);
-- ``int8``: INT8 values with one scale per output row, w = q × s (compressed-tensors ``weight_scale`` [out, 1],
-  symmetric, as llm-compressor writes W8A8 / weight-only INT8).
-
-A head or FFN shard of a weight is a row or column range of it. For ``fp8`` the range need not start on a block
-boundary (GLM-5.x KV-B: 448 rows per head = 3.5 blocks): a shard carries every scale block its rows/columns touch
-and the offset of its first row/column inside the first block, so concatenating the shards of all ranks
-(``cat_rows``/``cat_cols``) gives back the original values and scales bit for bit.
-
-Compute (CPU reference): ``linear`` dequantises per use into the compute dtype (``QuantWeight.dtype``) and runs the
-same GEMM as for a plain weight, so a quantised model computes exactly what the same engine computes on the
-dequantised checkpoint (identical weights in the compute dtype; any difference is reduction order, none on CPU).
+A head or FFN shard is a row or column range. An ``fp8`` range need not start on a block boundary (GLM-5.x KV-B:
+448 rows per head = 3.5 blocks): it carries every scale block it touches and its offset inside the first, so
+``cat_rows``/``cat_cols`` of all ranks' shards give back the original bit for bit. On CPU ``linear`` dequantises per
+use into the compute dtype, so a quantised model computes exactly what the engine computes on the dequantised
+checkpoint.
 """
 from __future__ import annotations
 
@@ -32,6 +25,15 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy with its own storage. `.contiguous()` of a row slice is a view that keeps the whole
     (unsharded) weight alive; a shard must not."""
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def take_rows(w, r0: int, r1: int):
+    """Rows [r0, r1) of a plain or quantised weight, with their own storage (and their scale blocks)."""
+    return w.rows(r0, r1) if isinstance(w, QuantWeight) else owned(w[r0:r1])
+
+
+def take_cols(w, c0: int, c1: int):
+    return w.cols(c0, c1) if isinstance(w, QuantWeight) else owned(w[:, c0:c1])
 
 
 def scale_blocks(start: int, n: int) -> tuple[int, int]:
@@ -186,15 +188,12 @@ def quantize(w: torch.Tensor, fmt: str, dtype: torch.dtype) -> QuantWeight:
     return QuantWeight(q, s, fmt, dtype)
 
 
-# Linear weights `--quantization` leaves in the compute dtype, as quantised hybrid-model checkpoints keep them
-# (cf. Qwen3-Next FP8's modules_to_not_convert: the linear-attention gate projections in_proj_a/b, A_log, conv1d,
-# dt_bias, norm): KDA's low-rank forget/output-gate projections and its beta projection. A checkpoint that stores
-# them quantised all the same loads (splash.models.kda shards either form).
+# KDA's gate and beta projections: `--quantization` keeps them in the compute dtype, as quantised hybrid checkpoints
+# do (cf. Qwen3-Next FP8's modules_to_not_convert); a checkpoint storing them quantised loads all the same.
 KEPT_DENSE = ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj")
 
 
 def quantized_at_load(name: str) -> bool:
-    """`--quantization` quantises this weight: a linear weight other than the ``KEPT_DENSE`` ones."""
     return is_linear_weight(name) and name.rsplit(".", 2)[-2] not in KEPT_DENSE
 
 

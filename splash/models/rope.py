@@ -56,10 +56,10 @@ class Rope:
         return rotate(x, cos, sin, self.interleave)
 
 
-@fast_path("rope")
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """RoPE of x [n, ..., dim] by cos/sin [n, dim/2] (broadcast over the middle dims); `interleave`: DeepSeek's
-    interleaved pairs (x0,x1),(x2,x3)..., output de-interleaved."""
+    interleaved pairs (x0,x1),(x2,x3)..., output de-interleaved. `rotate` is this behind the CPU kernel; the DSA
+    indexer calls it directly (its top-k breaks exact score ties, so its keys stay torch's on every path)."""
     extra = x.dim() - 2
     c = cos.view(cos.shape[0], *([1] * extra), cos.shape[1]).to(x.dtype)
     s = sin.view(sin.shape[0], *([1] * extra), sin.shape[1]).to(x.dtype)
@@ -69,3 +69,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+rotate = fast_path("rope")(rotate_torch)

@@ -1,13 +1,9 @@
 """Per-rank weight containers for the DeepSeek-V3 family and how a rank takes its shard.
 
-Attention projections (Q-B, KV-B, O) are held for a range of heads (all heads when replicated); KV-B is kept
-split into W_UK [H, d_nope, d_c] and W_UV [H, d_v, d_c] for the absorbed MLA form. FFN/MoE weights are
-TP-sharded over the group along the intermediate dimension, identically in every layout.
-
-Quantised checkpoints (splash.models.qweight) stay in stored form: every projection is a QuantWeight (or a
-RowStack of them), sharded by row/column ranges that carry their scale blocks; KV-B is kept whole as the local
-heads' rows (``kv_b``) and W_UK / W_UV are taken from it per use (``uk()`` / ``uv()``).
-`resident_bytes` measures what a rank's weights really occupy (every distinct storage once).
+Attention projections (Q-B, KV-B, O) are held for a range of heads; KV-B as W_UK [H, d_nope, d_c] and W_UV
+transposed for the absorbed MLA form, or, quantised (splash.models.qweight), whole as the local heads' rows
+(`kv_b`, dequantised per use by `uk()` / `uv_t()`). FFN/MoE weights are TP-sharded along the intermediate
+dimension, identically in every layout.
 """
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ import torch
 from splash.models.config import ModelConfig
 from splash.models.indexer import IndexerWeights, indexer_shapes
 from splash.native.packed import PackedExperts, PackedLinear, pack_attention, pack_experts, pack_linear
-from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned
+from splash.models.qweight import ExpertStack, QuantWeight, RowStack, is_quantized, owned, take_cols, take_rows
 
 
 @dataclass
@@ -38,14 +34,12 @@ class AttnWeights:
     kv_b: QuantWeight | None = None  # quantised KV-B rows of the local heads [H_l * (d_nope + d_v), d_c]
     d_nope: int = 0                  # qk_nope_head_dim, to split kv_b into W_UK / W_UV
 
-    def uk(self) -> torch.Tensor:
-        """W_UK [H_l, d_nope, d_c] in the compute dtype."""
+    def uk(self) -> torch.Tensor:   # W_UK [H_l, d_nope, d_c] in the compute dtype
         if self.kv_b is None:
             return self.w_uk
         return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, :self.d_nope]
 
-    def uv_t(self) -> torch.Tensor:
-        """W_UV transposed, [H_l, d_c, d_v], in the compute dtype."""
+    def uv_t(self) -> torch.Tensor:   # W_UV transposed, [H_l, d_c, d_v], in the compute dtype
         if self.kv_b is None:
             return self.w_uv
         return self.kv_b.dequant().view(len(self.heads), -1, self.kv_b.shape[1])[:, self.d_nope:].transpose(1, 2)
@@ -88,61 +82,42 @@ class ModelWeights:
 
 def shard_rows(w, shard: int, shards: int):
     n = w.shape[0] // shards
-    if isinstance(w, QuantWeight):
-        return w.rows(shard * n, (shard + 1) * n)
-    return owned(w[shard * n:(shard + 1) * n])
+    return take_rows(w, shard * n, (shard + 1) * n)
 
 
 def shard_cols(w, shard: int, shards: int):
     n = w.shape[-1] // shards
-    if isinstance(w, QuantWeight):
-        return w.cols(shard * n, (shard + 1) * n)
-    return w[..., shard * n:(shard + 1) * n].contiguous()
+    return take_cols(w, shard * n, (shard + 1) * n)
 
 
-def _quant_attention(cfg: ModelConfig, get, prefix: str, heads: range, kv_b: QuantWeight) -> AttnWeights:
-    """attention_from_full for quantised projections: row/column ranges of the stored form."""
-    qh, dn, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    h0, h1 = heads.start, heads.stop
-    kv_a, q_a, q_a_norm, qkv_a = get(prefix + "kv_a_proj_with_mqa.weight"), None, None, None
+def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> AttnWeights:
+    """A rank's attention weights for `heads` from a getter of full tensors; quantised projections stay in stored
+    form, as the row / column ranges of the local heads."""
+    H, dn, dv, dc = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    qh, h0, h1 = cfg.qk_head_dim, heads.start, heads.stop
+    kv_b, kv_a = get(prefix + "kv_b_proj.weight"), get(prefix + "kv_a_proj_with_mqa.weight")
+    quant, q_a, q_a_norm, qkv_a = isinstance(kv_b, QuantWeight), None, None, None
     if cfg.q_lora_rank is None:
         q_b = get(prefix + "q_proj.weight")
     else:
         q_a, q_a_norm = get(prefix + "q_a_proj.weight"), get(prefix + "q_a_layernorm.weight")
         q_b = get(prefix + "q_b_proj.weight")
-        qkv_a = RowStack([q_a, kv_a])
-    o = get(prefix + "o_proj.weight")
-    for name, w in (("kv_b_proj", kv_b), ("o_proj", o), ("q_b_proj", q_b)):
-        if not isinstance(w, QuantWeight):
-            raise ValueError(f"{prefix}{name}.weight: the attention projections must all be quantised or none "
-                             f"(got {type(w).__name__} beside quantised ones)")
-    return AttnWeights(q_a=q_a, q_a_norm=q_a_norm, q_b=q_b.rows(h0 * qh, h1 * qh), kv_a=kv_a,
-                       kv_a_norm=get(prefix + "kv_a_layernorm.weight"), w_uk=None, w_uv=None,
-                       o=o.cols(h0 * dv, h1 * dv), heads=heads, qkv_a=qkv_a,
-                       kv_b=kv_b.rows(h0 * (dn + dv), h1 * (dn + dv)), d_nope=dn)
-
-
-def attention_from_full(cfg: ModelConfig, get, prefix: str, heads: range) -> AttnWeights:
-    """Build a rank's attention weights for `heads` from a tensor getter `get(name) -> full tensor`."""
-    kv_b = get(prefix + "kv_b_proj.weight")
-    if isinstance(kv_b, QuantWeight):
-        return _quant_attention(cfg, get, prefix, heads, kv_b)
-    H, dn, dv, dc = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    qh = cfg.qk_head_dim
-    h0, h1 = heads.start, heads.stop
-    kv_a, qkv_a = get(prefix + "kv_a_proj_with_mqa.weight"), None
-    if cfg.q_lora_rank is None:
-        q_a, q_a_norm, q_b = None, None, get(prefix + "q_proj.weight")
-    else:
-        q_a, q_a_norm = get(prefix + "q_a_proj.weight"), get(prefix + "q_a_layernorm.weight")
-        q_b = get(prefix + "q_b_proj.weight")
-        if is_quantized(q_a) or is_quantized(kv_a):
+        if quant or is_quantized(q_a) or is_quantized(kv_a):
             qkv_a = RowStack([q_a, kv_a])
         elif q_a.dtype == kv_a.dtype:  # one [Q-A ; KV-A] weight; the split weights are row views of it (no copy)
             qkv_a = torch.cat([q_a, kv_a], dim=0)
             q_a, kv_a = qkv_a[:q_a.shape[0]], qkv_a[q_a.shape[0]:]
-    kv_b = kv_b.view(H, dn + dv, dc)
-    o = get(prefix + "o_proj.weight").view(cfg.hidden_size, H, dv)
+    o = get(prefix + "o_proj.weight")
+    if quant:
+        for name, w in (("o_proj", o), ("q_b_proj", q_b)):
+            if not isinstance(w, QuantWeight):
+                raise ValueError(f"{prefix}{name}.weight: the attention projections must all be quantised or none "
+                                 f"(got {type(w).__name__} beside quantised ones)")
+        return AttnWeights(q_a=q_a, q_a_norm=q_a_norm, q_b=q_b.rows(h0 * qh, h1 * qh), kv_a=kv_a,
+                           kv_a_norm=get(prefix + "kv_a_layernorm.weight"), w_uk=None, w_uv=None,
+                           o=o.cols(h0 * dv, h1 * dv), heads=heads, qkv_a=qkv_a,
+                           kv_b=kv_b.rows(h0 * (dn + dv), h1 * (dn + dv)), d_nope=dn)
+    kv_b, o = kv_b.view(H, dn + dv, dc), o.view(cfg.hidden_size, H, dv)
     return pack_attention(AttnWeights(
         q_a=q_a, q_a_norm=q_a_norm, q_b=owned(q_b.view(H, qh, -1)[h0:h1].reshape((h1 - h0) * qh, -1)),
         kv_a=kv_a, kv_a_norm=get(prefix + "kv_a_layernorm.weight"),

@@ -1,15 +1,8 @@
-"""SPLASH's own CPU kernels (cpu_gemm.c, cpu_rows.c, cpu_mla.c with kernels.h: x86-64 AVX2 + FMA, fp32,
-single-threaded), compiled on first use.
-
-The kernels are called as typed torch ops (splash.native.ops: a schema per kernel, arguments checked before any
-pointer reaches C); model code reaches them only through `fast_path`.
-
-The C sources are built with the system C compiler (`cc`, or $CC) into a shared library cached under
-$SPLASH_NATIVE_CACHE (default ~/.cache/splash/native), named by a hash of the source and flags, and loaded with
-ctypes; several processes building it at once each write a private file and rename it into place. `lib()` is None —
-and every caller keeps its torch path — when the CPU lacks AVX2/FMA, no compiler works, or SPLASH_NATIVE=0. The
-kernels run on one thread, so `enabled()` also asks for torch's intra-op thread count to be 1 (the serving default
-with one rank per core); with more threads torch's GEMMs parallelise and are used instead.
+"""SPLASH's own CPU kernels (cpu_*.c with kernels.h: x86-64 AVX2 + FMA, fp32, one thread), built on first use with
+the system C compiler ($CC or cc) into a library cached under $SPLASH_NATIVE_CACHE (default ~/.cache/splash/native)
+by a hash of source and flags; concurrent builders each write a private file and rename it into place. `lib()` is
+None, and every caller keeps its torch path, without AVX2/FMA, without a working compiler, or with SPLASH_NATIVE=0;
+`enabled()` also wants one torch intra-op thread (with more, torch's GEMMs parallelise and win).
 """
 from __future__ import annotations
 
@@ -55,7 +48,6 @@ SIGNATURES = {
 
 
 def cpu_supported() -> bool:
-    """x86-64 with AVX2 and FMA (read from /proc/cpuinfo; other systems: no)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
@@ -87,7 +79,6 @@ def _build() -> Path:
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (see the module doc); built and loaded once per process."""
     global _lib
     if _lib is False:
         _lib = None
@@ -121,14 +112,12 @@ def describe(threads: int | None = None) -> str:
 
 
 def enabled() -> bool:
-    """Use the kernels now: they are available and torch runs one intra-op thread."""
     return torch.get_num_threads() == 1 and (lib() if _lib is False else _lib) is not None
 
 
 def fast_path(name: str):
-    """Decorate a torch function with the kernel that stands for it: a call runs `splash.native.ops.<name>` (same
-    arguments), which returns the kernel's result where the kernel applies, else None and the torch function runs.
-    The one place where model code chooses between SPLASH's kernels and torch."""
+    """Decorate a torch function with its kernel: `splash.native.ops.<name>` (same arguments) returns the kernel's
+    result where it applies, else None and the torch function runs."""
     def wrap(torch_fn):
         @functools.wraps(torch_fn)
         def run(*args, **kw):

@@ -1,19 +1,10 @@
 """SPLASH's CPU kernels as typed torch ops (`torch.ops.splash.<name>`), and the routes that pick them.
 
-Each kernel is registered with a schema (`torch.library.define`), so the dispatcher rejects an argument of the
-wrong kind (a float where a tensor goes, a missing argument) by name; its CPU implementation then checks dtype,
-device, shape, strides and index ranges once and raises a ValueError naming the op and the argument before the C
-function (splash.native.lib) sees a pointer: a wrong call is an error, not a silent read or write out of bounds.
-(`torch.library.custom_op` was measured at 43 µs a call against 8 µs for define + impl: a row op would lose its
-gain to it.)
-
-The routes — the public functions below, one per kernel, with the signature of the torch function they stand for —
-say whether the kernel applies (kernels on, fp32 on CPU, the alignment the C code needs, packed weights) and run it,
-or return None. Model code never calls them: its torch reference is decorated with `splash.native.fast_path(name)`,
-the one place where "kernel if it applies, else torch" is decided (benchmarks/bench_decode_ab.py turns a route off
-to time the torch path). Measured against those torch paths (docs/benchmarks.md), a fused dense MLP and a separate
-weighted combine of expert outputs were within 10% of torch and were removed; every kernel here is more than 10%
-faster than its torch path but `linear_packed`, kept because O and Q-B are packed for the fused kernels.
+Each op has a schema (`torch.library.define` + impl: `custom_op` costs 43 µs a call, define + impl 8 µs), and its
+CPU implementation checks dtype, device, shape, strides and index ranges, raising a ValueError naming the op and
+the argument before C sees a pointer. The routes (public functions, with the signature of the torch function they
+stand for) run the kernel where it applies (kernels on, fp32 on CPU, the alignment the C code needs, packed
+weights) or return None; model code reaches them only through `splash.native.fast_path(name)`.
 """
 from __future__ import annotations
 
@@ -28,7 +19,6 @@ _IMPL = {}   # name -> the checked Python implementation (benchmarks/bench_decod
 
 
 def _op(schema: str):
-    """Register `schema` as splash::<name> with the decorated function as its CPU implementation."""
     name = schema.split("(", 1)[0]
 
     def register(fn):
@@ -81,8 +71,7 @@ def _packed(op: str, name: str, p: torch.Tensor, lead: int, K: int) -> tuple[int
     return (*p.shape[:lead], p.shape[-3] * STRIP, p.shape[-2])
 
 
-def _empty(*shape: int, dtype=torch.float32) -> torch.Tensor:
-    """A CPU output buffer (device and dtype explicit: a caller may have set other defaults)."""
+def _empty(*shape: int, dtype=torch.float32) -> torch.Tensor:   # explicit: a caller may have set other defaults
     return torch.empty(*shape, dtype=dtype, device=CPU)
 
 
@@ -274,7 +263,6 @@ def _moe_experts(x, tok, counts, weights, gate_up, down):
 @_op("mla_decode(Tensor rows, Tensor page_rows, Tensor npages, Tensor qpos, Tensor pages, Tensor logical, "
      "Tensor q_latent, Tensor q_rope, Tensor ckv, Tensor kpe, float scale) -> (Tensor, Tensor)")
 def _mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope, ckv, kpe, scale):
-    """Paged MLA over the fp32 pool, one entry per query row (q_latent / q_rope: views of one q̃, rows x heads)."""
     op = "mla_decode"
     _f32(op, "q_latent", q_latent, 3)
     _f32(op, "q_rope", q_rope, 3)
@@ -291,7 +279,7 @@ def _mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope,
         _need(t.dtype == torch.int32 and t.dim() == 2 and t.is_contiguous() and t.is_cpu, op,
               lambda: f"{name} must be a contiguous 2-D int32 CPU tensor")
     _need(logical.shape == pages.shape, op, "logical must match pages' shape")
-    G = rows.numel()   # one entry per query row (the engine's steps: every row)
+    G = rows.numel()
     _ints(op, "rows", rows, torch.int64, G, n)
     _ints(op, "page_rows", page_rows, torch.int64, G, pages.shape[0])
     _ints(op, "npages", npages, torch.int32, G)
@@ -359,9 +347,7 @@ def uv_heads(o_lat, uv_t):
 
 
 def mla_project(cfg, rope, w, x, cos, sin, parts=3):
-    """x [n, hidden] and AttnWeights whose projections are packed -> `parts` 3: [q̃, c_kv, k_rope, normed Q-A
-    output] (mla.query_and_latent's steps in one call); 1: [q̃, normed Q-A output] (latent_query's); 2: [c_kv,
-    k_rope] (new_latent_kv's)."""
+    """`parts` 3: [q̃, c_kv, k_rope, normed Q-A output]; 1: [q̃, normed Q-A output]; 2: [c_kv, k_rope]."""
     wa = {3: w.qkv_a, 1: w.q_a, 2: w.kv_a}[parts]
     if (not isinstance(wa, PackedLinear) or w.q_a is None or x.dim() != 2 or x.stride(1) != 1
             or (parts & 1 and (not isinstance(w.q_b, PackedLinear) or w.w_uk is None or not w.w_uk.is_contiguous()))
@@ -387,8 +373,6 @@ def grouped_gemm(x, stack, counts):
 
 
 def moe_experts(x, w, counts, tok, weights, limit):
-    """The routed experts of ffn._routed in one call: rows sorted by expert through each expert's packed SwiGLU
-    MLP, weighted sum back per token."""
     if (limit is None and isinstance(w.gate_up, PackedExperts) and isinstance(w.down, PackedExperts)
             and w.down.shape[1] % 8 == 0 and x.is_contiguous() and tok.is_contiguous() and weights.is_contiguous()
             and _on(x, weights)):

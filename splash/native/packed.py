@@ -1,13 +1,8 @@
-"""Weights stored for SPLASH's CPU GEMMs (splash.native): an [N, K] weight packed as [N / 16, K, 16] — strips of
-16 output columns, input-major — and MoE expert stacks [E, N, K] as [E, N / 16, K, 16], in the same memory as the
-plain tensors (the plain one is not kept).
-
-`pack_experts` / `pack_linear` pack a plain fp32 CPU weight when the native kernels are in use at load time (one
-intra-op thread) and its output width is a multiple of 16; otherwise they return it unchanged. Only weights that no
-layout switch rewrites are packed (MoE experts, dense MLPs and shared experts, an untied LM head), and the attention
-projections Q-B, O and [Q-A ; KV-A] (`pack_attention`) where a head's Q-B rows are whole strips: a layout switch
-moves them packed (splash.switching.weights_transfer). A packed weight still answers `shape`, `dtype` (and
-`stack[e]`, that expert's weight, unpacked) like the tensor it replaces.
+"""Weights stored for SPLASH's CPU GEMMs (splash.native): [N, K] packed as [N / 16, K, 16] (strips of 16 output
+columns, input-major), MoE stacks [E, N, K] as [E, N / 16, K, 16]; the plain tensor is not kept. Packed only when
+the kernels are on at load and N % 16 == 0, and only weights no layout switch rewrites — MoE experts, dense and
+shared MLPs, an untied LM head — plus Q-B, O and [Q-A ; KV-A] (`pack_attention`), which a switch moves packed
+(splash.switching.weights_transfer). A packed weight answers `shape`, `dtype` (and `stack[e]`) like the tensor.
 """
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ class PackedWeight:
         self.packed, self.shape = packed, torch.Size(shape)
         self.dtype, self.device = packed.dtype, packed.device
 
-    def unpacked(self) -> torch.Tensor:
-        """The plain weight (a copy)."""
+    def unpacked(self) -> torch.Tensor:   # a copy
         return self.packed.transpose(-1, -2).reshape(self.shape)
 
 
@@ -48,7 +42,6 @@ class PackedLinear(PackedWeight):
         return cls(None, packed, (packed.shape[0] * STRIP, packed.shape[1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ Wᵀ -> [M, N]."""
         return _linear(x, self)
 
 
@@ -63,7 +56,6 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def pack_linear(w: torch.Tensor):
-    """[N, K] -> PackedLinear when the native GEMM will run it, else `w` itself."""
     return PackedLinear(w) if _packable(w) else w
 
 
@@ -84,5 +76,4 @@ def pack_attention(w):
 
 
 def pack_experts(stack: torch.Tensor):
-    """[E, N, K] -> PackedExperts when the native grouped GEMM will run it, else `stack` itself."""
     return PackedExperts(stack) if _packable(stack) else stack

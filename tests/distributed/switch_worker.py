@@ -130,7 +130,8 @@ def directions(model_dir, ref, rank_print, comm=None, alternate=False) -> None:
                 LANDINGS.clear()
             got = drive(llm, ref["prompts_a"], ref["max_tokens_a"], {at: dst})
             if llm.runner.cfg.hybrid is not None:
-                check_landings(LANDINGS, llm.runner.cfg.hybrid.linear_layers(), f"{src}->{dst} {mode}", mode)
+                lin = [i for i, t in enumerate(llm.runner.cfg.hybrid.layer_types) if t == "linear_attention"]
+                check_landings(LANDINGS, lin, f"{src}->{dst} {mode}", mode)
             if got is not None:
                 assert got == want, f"{src}->{dst} {mode} at step {at}: {got} != {want}"
             assert llm.runner.layout == dst, f"{src}->{dst}: still {llm.runner.layout}"

@@ -1,23 +1,15 @@
-"""The MLA attention-kernel interface every layout uses, and the implementations behind it (chosen by name).
+"""The MLA attention-kernel interface every layout uses, and its implementations, chosen by name: "torch" (CPU
+reference), "triton" (ours), "flashinfer" (CUDA) or "aiter" (ROCm), the vendor ones living with their backends.
 
-    kernel = make_kernel(name, softmax_scale)       # "torch" (CPU reference), "triton" (our Triton kernels),
-                                                    # "flashinfer" (CUDA) or "aiter" (ROCm): backends/cuda, hip
-    kernel.plan(metadata)                           # once per step (splash.attention.metadata.AttnMetadata)
+    kernel = make_kernel(name, softmax_scale)
+    kernel.plan(metadata)                                        # once per step (splash.attention.metadata)
     o_latent, lse = kernel.run(layer, q_latent, q_rope, cache)   # per layer
 
-`q_latent` [N, H, d_c] and `q_rope` [N, H, d_r] are the absorbed queries of the metadata's rows (any number of
-heads H; d_r = 0 for a NoPE model such as GLM-5.3-Flash, whose pool stores a zero-width rope key); `cache` is
-the rank's `PagedLatentCache`, read in place through the page table in any of its formats (fp32, bf16, fp8_e4m3
-and int8 with per-token per-128-group scales, dequantised inside the kernel). Returns the latent output
-õ [N, H, d_c] fp32 and the natural-log LSE [N, H] fp32 (−inf, õ = 0 for a row that sees no key here), so CP's
-and DOP's merges need not know the kernel. Prefill chunks (causal within the chunk) and decode rows go in one
-call. A kernel whose native LSE is base 2 converts inside its wrapper. A DSA layer whose rows have a top-k
-selection (`meta.sparse[layer]`: DeepSeek-V3.2 / GLM-5.x by splash.attention.dsa, GLM-5.3-Flash's KPool pools
-by splash.attention.kpool) attends only the selected slots, in every kernel.
-
-The vendor kernels (flashinfer, aiter) live with their backends (backends/cuda, backends/hip) and are imported
-only when named; where a layer or step is outside their limits they run our Triton kernel instead
-(splash.attention.kernels.external lists the conversions at the boundary and the fallbacks).
+`q_latent` [N, H, d_c] / `q_rope` [N, H, d_r] (d_r = 0 for NoPE) are the absorbed queries of the metadata's rows
+(prefill chunks and decode rows in one call); `cache` is the rank's `PagedLatentCache` in any of its formats, read
+in place through the page table. Returns õ [N, H, d_c] and the natural-log LSE [N, H], both fp32 (−inf and õ = 0
+for a row that sees no key here), so CP's and DOP's merges need not know the kernel. A layer with a top-k
+selection (`meta.sparse[layer]`: splash.attention.dsa / kpool) attends only the selected slots, in every kernel.
 """
 from __future__ import annotations
 
@@ -41,8 +33,7 @@ class AttentionKernel(Protocol):
 
 
 def device_arch(device: str | torch.device) -> str:
-    """The device's arch by name: "sm_90" (a CUDA device of compute capability 9.0), "gfx942" (a ROCm device's
-    gcnArchName), "cpu" off a GPU."""
+    """The device's arch by name: "sm_90", "gfx942" (a ROCm device's gcnArchName), "cpu" off a GPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return "cpu"
@@ -53,7 +44,6 @@ def device_arch(device: str | torch.device) -> str:
 
 
 def kv_rope_fp8(name: str, device: str | torch.device) -> bool:
-    """rope_fp8_pool for the device itself."""
     return rope_fp8_pool(name, device_arch(device))
 
 

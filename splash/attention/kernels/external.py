@@ -1,25 +1,13 @@
-"""What the vendor attention kernels (FlashInfer, AITER) share behind our kernel interface: the boundary.
+"""What the vendor attention kernels (FlashInfer, AITER) share at the boundary of our kernel interface.
 
-Our interface (splash.attention.kernels): `plan(meta)` once per step, `run(layer, q_latent, q_rope, cache)` per
-layer → (õ fp32 [N, H, d_c], natural-log LSE fp32 [N, H]) over the paged latent cache with ckv [blocks, page,
-d_c] and kpe [blocks, page, d_r] (on a GPU, views of one fused tensor for a bf16 layer). Where a vendor kernel
-differs, the wrapper converts here:
-- LSE base: our LSE is natural log; a vendor call asks for base e explicitly (FlashInfer: `lse_mode="basee"` /
-  `return_lse_base="basee"`; AITER's is natural log), so nothing converts here.
-- page layout: trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer: a bf16 layer's pool is
-  stored exactly so (splash.kv.paged_cache.FUSED_DTYPES: `cache.fused[layer]`, ckv / kpe are views of it), so
-  the wrappers hand the vendor the pool itself and the requests' own page tables (`block_tables`, padded to the
-  width the vendor asks: trtllm-gen a multiple of 128 tokens) or CSR page lists: no copy of the KV per layer.
-- FP8 / INT8 KV: our quantised pool stores the latent as fp8/int8 with one fp32 scale per token per 128 values
-  and the rope key in bf16 — or, on SM90 with FlashInfer, in e4m3 at one fixed per-tensor scale (PagedLatentCache
-  `rope_fp8`), which is what FlashInfer's FP8 MLA reads, taking our per-token latent scales as `ckv_scale_arr`
-  (backends/cuda/flashinfer_mla.py). Elsewhere (trtllm-gen's dense FP8 MLA folds one per-tensor K scale into
-  bmm1/bmm2_scale; AITER takes per-tensor scales only)
-  quantised layers run our Triton kernel, which dequantises in place. So do CP steps (a rank's pages are every
-  T-th block: the vendors' causal masks assume contiguous positions) and shapes outside a vendor's limits
-  (`Fallback` records why, once per reason).
-- Sparse layers (a top-k selection in `meta.sparse[layer]`: DSA, KPool): neither vendor path takes our selection
-  of slots, so such a layer runs our Triton kernel's sparse path too.
+Our LSE is natural log: a vendor call asks for base e explicitly (FlashInfer `lse_mode="basee"`; AITER's is natural).
+trtllm-gen MLA and AITER read one fused [pages, page, d_c + d_r] buffer, which is how a bf16 layer's pool is stored
+(splash.kv.paged_cache.FUSED_DTYPES), so the wrappers hand over the pool and the requests' page tables
+(`block_tables`, padded to the vendor's width) or CSR page lists: no copy of the KV per layer. FlashInfer's FP8 MLA
+on SM90 reads our per-token latent scales (`ckv_scale_arr`) and an e4m3 rope key; other quantised layers, CP steps
+(a rank's pages are every T-th block, the vendors' causal masks assume contiguous positions), sparse layers
+(`meta.sparse[layer]`: no vendor takes our slot selection) and shapes outside a vendor's limits run our Triton
+kernel (`Fallback`, which logs each reason once).
 """
 from __future__ import annotations
 
@@ -33,10 +21,8 @@ _log = logging.getLogger("splash.attention")
 
 
 def block_tables(meta, width: int) -> torch.Tensor:
-    """[B, width] int32: request b's physical pages from the step's page table (`meta.pages`, read in place by
-    row), columns past its pages — up to its widest sibling's and the vendor's alignment — repeating its first
-    page (kernels read only up to its length). `width` comes from the caller's once-per-step host read; built
-    once per step, shared by every layer: nothing here syncs."""
+    """[B, width] int32: request b's physical pages (`meta.pages` by row), the columns past them repeating its first
+    page (kernels read only up to its length). Built once per step from the caller's host read: nothing syncs."""
     pages = meta.pages[meta.req_rows.long()]
     if pages.shape[1] == 0:   # no request holds a page here
         return torch.zeros(pages.shape[0], max(1, width), dtype=torch.int32, device=pages.device)

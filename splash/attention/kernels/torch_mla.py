@@ -1,26 +1,15 @@
 """`torch` MLA attention (the CPU backend's kernel): split-KV online softmax over the paged cache, read in place.
 
-Requests are grouped — all decode requests (one query row each) form one group, sorted by page count so the requests
-still active in a chunk are a prefix; each prefill request is a group of its query rows. A group walks its pages in
-chunks of at most `C` pages (ceil(pages / C) chunks of near-equal size): it gathers just those pages of the pool
-(`index_select` on page ids from the page table), dequantises them (fp8/int8 × their per-token per-128-group
-scales), scores the chunk, masks keys past each query's position, and folds the chunk into a running (max, sum, õ)
-in fp32. `C` is chosen so one chunk's buffers stay under `scratch_bytes` whatever the batch and context (at least
-one page per request), so the working set is bounded. Page ids and masks of a chunk depend only on the step, not the
-layer: they are computed on the first layer and reused by later ones while they fit `index_cache_bytes`. Multi-chunk
-walks gather into buffers the kernel keeps (grown to the largest chunk, so bounded by the budget) rather than fresh
-tensors.
+Decode requests form one group (sorted by page count, so those still active in a chunk are a prefix); each
+prefill request is a group of its rows. A group walks its pages in ceil(pages / C) near-equal chunks: it gathers
+those pages (`index_select` on page ids), dequantises fp8/int8, scores, masks keys past each query's position and
+folds the chunk into a running (max, sum, õ) in fp32. `C` keeps one chunk's buffers under `scratch_bytes` whatever
+the batch and context; page ids and masks depend only on the step, so later layers reuse them (within
+`index_cache_bytes`). Over an fp32 pool every row goes to the C kernel `splash::mla_decode` instead (when enabled).
 
-Over an fp32 pool, every row — decode rows and prefill chunks' rows alike — goes to SPLASH's C kernel instead
-(the typed op `splash::mla_decode` of splash.native.ops, when enabled: one thread, AVX2): it walks each row's pages
-through the page table without any gather, keys up to the row's own position, with an online softmax, in a scratch
-of heads x (d_c + d_r + 2 x block) floats whatever the batch and context.
-
-Math is fp32 by default. `compute_dtype="bfloat16"` (or "auto" when the model itself computes in bf16 on a CPU with
-AVX512-BF16/AMX units) feeds the two score/value GEMMs bf16 inputs; softmax statistics and the running output stay
-fp32. An fp32 model stays fp32 over every KV format (a bf16/fp8/int8 pool is dequantised exactly, so its tokens are
-the same in every layout: bf16 GEMM inputs there broke that on a CI host with bf16 units). On a CPU without bf16
-units (AVX2 only) torch's bf16 bmm measured 10–27x slower than fp32, so "auto" keeps fp32 there.
+Math is fp32; `compute_dtype="bfloat16"` (or "auto" for a bf16 model on a CPU with bf16 units) feeds the two
+GEMMs bf16 inputs, with fp32 softmax statistics. An fp32 model stays fp32 over every KV format, so its tokens are
+the same in every layout; without bf16 units torch's bf16 bmm is 10-27x slower, so "auto" keeps fp32 there.
 """
 from __future__ import annotations
 
@@ -34,10 +23,7 @@ from splash.native import ops as _ops  # noqa: F401  registers torch.ops.splash
 from splash.kv import quant
 from splash.models.linear import bf16_units
 
-# bound on one chunk's working buffers. With balanced chunks and kept gather buffers, decode steps measured the
-# same at 8-32 MiB on the 2-core CPU, and the prefill-heavy shifting workload ran faster at 32 MiB than at 24
-# (fewer chunks per prompt, so fewer merges of the running output; measured in docs/benchmarks.md, cost model).
-SCRATCH_BYTES = 32 << 20
+SCRATCH_BYTES = 32 << 20      # one chunk's working buffers (the choice is measured in docs/benchmarks.md)
 INDEX_CACHE_BYTES = 8 << 20   # page ids + masks kept across layers within a step
 
 
@@ -144,11 +130,8 @@ class TorchMLAKernel:
                 and cache.ckv[layer].is_contiguous() and cache.kpe[layer].is_contiguous() and native.enabled())
 
     def _native_run(self, layer: int, ql: torch.Tensor, qr: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row of the step by one `splash::mla_decode` call (splash.native.ops), each row's õ / LSE written
-        at its own index: an entry per query row, so a prefill chunk's rows each see the keys up to their own
-        position (causal within the chunk) and walk them page by page like decode rows. Against the chunked GEMM
-        path (bench_prefill_attention):
-        2.2-3.7x faster on fresh prompts, 1.4x with a history of 1-3x the chunk, 3-6% slower with 8-16x."""
+        """Every row of the step in one `splash::mla_decode` call: an entry per query row, so a prefill chunk's rows
+        each see the keys up to their own position."""
         meta = self.meta
         args = self._native_args.get("args")
         if args is None:   # per step: query rows, page-table rows, held pages, positions
@@ -258,9 +241,8 @@ class TorchMLAKernel:
 
 
 def chunk_spans(pages: int, C: int) -> list[tuple[int, int]]:
-    """(first page, pages) of each chunk when `pages` are walked in ceil(pages / C) chunks of near-equal size
-    (floor or ceil of pages / chunks) rather than full chunks and a remainder: as many chunks, none larger than
-    C, and none at the full scratch budget when a smaller one does."""
+    """(first page, pages) of each of ceil(pages / C) near-equal chunks (not full chunks and a remainder: none at
+    the full scratch budget when a smaller one does)."""
     n = -(-pages // C)
     return [(k * pages // n, (k + 1) * pages // n - k * pages // n) for k in range(n)]
 
@@ -290,11 +272,9 @@ def _read_pages(cache, layer: int, pid: torch.Tensor, dt: torch.dtype, bufs: dic
 
 
 def _take_pages(pool: torch.Tensor, flat: torch.Tensor, bufs: dict | None = None) -> torch.Tensor:
-    """pool[flat] for a [blocks, bs, width] pool, gathered as whole rows of its [blocks, bs * width] view (torch's
-    index_select copies rows of a 2-D tensor with one memcpy each; on 3-D it measured up to 4x slower here).
-    With `bufs`, into a buffer kept there per (dtype, row width) and grown to the largest gather: a fresh
-    multi-MB result is first-touched page by page whenever glibc serves it by mmap, which depends on the
-    process's allocation history (the same step measured 1x and 1.9x in two runs)."""
+    """pool[flat] for a [blocks, bs, width] pool, gathered as rows of its 2-D view (one memcpy a row; 3-D
+    index_select is up to 4x slower). With `bufs`, into a kept buffer grown to the largest gather: a fresh
+    multi-MB result would be first-touched page by page whenever glibc serves it by mmap."""
     if pool.numel() == 0:  # a zero-width pool (NoPE layers have no rope part)
         return pool.new_empty((flat.shape[0], *pool.shape[1:]))
     rows = pool.view(pool.shape[0], -1)

@@ -2,15 +2,10 @@
 
     TRITON_INTERPRET=0 python -m splash.attention.kernels.triton_aot      # one JSON line per compile
 
-Triton compiles for a `GPUTarget` without the device, so what a launch would need is known on CPU: shared memory
-per block (against the target's limit: gfx942 / gfx90a 64 KiB per workgroup, gfx950 160 KiB, sm_90 / sm_100
-227 KiB, sm_120 99 KiB), register spills (NVIDIA: the cubin's STACK from cuobjdump; AMD: the AMDGCN's private
-segment), and whether the products run on the matrix units (mma / wgmma / tcgen05.mma in the PTX, v_mfma in the
-AMDGCN). `planned_shapes` is every launch shape TritonMLAKernel can choose
-(splash.attention.kernels.triton_mla.launch_config) for 8…128 heads per rank, each pool format (`pool_formats`:
-the KV dtypes, and on SM90 the fp8 pool with an e4m3 rope key), the two rope widths of the shipped models and
-every page size a GPU config may choose (splash.config.serve_config.GPU_BLOCK_SIZES, which refuses any other);
-tests/test_triton_aot.py checks them all.
+Triton compiles for a `GPUTarget` without the device, so on CPU we know a launch's shared memory per block (against
+the target's limit), register spills (NVIDIA: cuobjdump's STACK; AMD: the private segment) and whether its products
+run on the matrix units (mma / wgmma / tcgen05.mma in PTX, v_mfma in AMDGCN), for every launch shape
+TritonMLAKernel can choose (`planned_shapes`); tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
 
@@ -33,14 +28,7 @@ TARGETS = {"sm_90": ("cuda", 90, 32, 232448), "sm_100": ("cuda", 100, 32, 232448
 HEADS_PER_RANK = range(8, 129)
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 DIMS = ((512, 64), (512, 0))     # (d_c, d_r): DeepSeek-V3.x / GLM-5.x; GLM-5.3-Flash (NoPE)
-
-def gpu_page_sizes() -> tuple[int, ...]:
-    """The page sizes (cache.block_size) a config may choose on a GPU: each is compiled here, no other is allowed."""
-    from splash.config.serve_config import GPU_BLOCK_SIZES
-    return GPU_BLOCK_SIZES
 MATRIX_OPS = re.compile(r"wgmma\.mma_async|mma\.sync|tcgen05\.mma|v_mfma")
-
-
 ROPE_FP8_POOL = "fp8_e4m3+rope_fp8"   # an fp8 pool whose rope key is e4m3 too (FlashInfer's FP8 MLA on SM90)
 # where some kernel's pools store such a key (splash.layouts.memory.rope_fp8_pool, the pool's own decision): sm_90
 ROPE_FP8_TARGETS = tuple(t for t in TARGETS if any(rope_fp8_pool(k, t) for k in ROPE_FP8_SM_MAJOR))
@@ -54,12 +42,13 @@ def pool_formats(target: str) -> tuple[str, ...]:
 
 def planned_shapes(target: str) -> list[tuple[str, int, int, int, int, int]]:
     """(pool format, head block, num_warps, d_c, d_r, page size) for every launch the kernel can choose on
-    `target`: every page size a GPU config allows (gpu_page_sizes)."""
+    `target`, over every page size a GPU config allows (GPU_BLOCK_SIZES refuses any other)."""
     from splash.attention.kernels.triton_mla import launch_config
+    from splash.config.serve_config import GPU_BLOCK_SIZES
     vendor = TARGETS[target][0]
     return sorted({(kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr, page)
                    for kv in pool_formats(target) for h in HEADS_PER_RANK for dc, dr in DIMS
-                   for page in gpu_page_sizes()})
+                   for page in GPU_BLOCK_SIZES})
 
 
 def _signature(pool: str) -> dict[str, str]:
@@ -109,16 +98,21 @@ def _spill_bytes(target: str, asm: dict) -> int:
     return max(int(x) for x in re.findall(r"\.private_segment_fixed_size:\s*(\d+)", asm["amdgcn"]))
 
 
-def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int, page: int) -> dict:
-    """Compile `mla_split` for one launch shape over a `pool` format of `page`-token pages; its resources and
-    matrix-unit count."""
+def _compile(target: str, kernel, sig: dict[str, str], const: dict, **options):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    backend, arch, warp, limit = TARGETS[target]
+    k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget(backend, arch, warp), options=options)
+    return k, dict(narrow_offsets=narrow_argument_offsets(k.asm["ttir"], sig), target=target,
+                   shared=k.metadata.shared, shared_limit=limit, spill_bytes=_spill_bytes(target, k.asm))
 
+
+def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int, page: int) -> dict:
+    """Compile `mla_split` for one launch shape over a `pool` format of `page`-token pages; its resources and
+    matrix-unit count."""
     from splash.attention.kernels import triton_mla as tm
     from splash.kv import quant
-    backend, arch, warp, limit = TARGETS[target]
     kv_dtype = pool.split("+")[0]
     bdc = tm.pow2(dc)
     fmt = tm.FORMATS[kv_dtype]
@@ -127,27 +121,17 @@ def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int,
                  GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32" and not rope_fp8,
                  HAS_ROPE=dr > 0, NSPLIT=1, DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False,
                  ROPE_FP8=rope_fp8, ROPE_SCALE=quant.ROPE_FP8_SCALE, **row_strides(kv_dtype, dc, dr))
-    k = triton.compile(ASTSource(tm.mla_split, _signature(pool), const),
-                       target=GPUTarget(backend, arch, warp), options={"num_warps": warps})
+    k, row = _compile(target, tm.mla_split, _signature(pool), const, num_warps=warps)
     text = k.asm.get("ptx") or k.asm["amdgcn"]
-    narrow = narrow_argument_offsets(k.asm["ttir"], _signature(pool))
-    return dict(narrow_offsets=narrow, kernel="mla_split", target=target, kv_dtype=pool, head_block=bh,
-                num_warps=warps, d_c=dc, d_r=dr, page=page, shared=k.metadata.shared, shared_limit=limit,
-                spill_bytes=_spill_bytes(target, k.asm), matrix_ops=len(MATRIX_OPS.findall(text)))
+    return dict(row, kernel="mla_split", kv_dtype=pool, head_block=bh, num_warps=warps, d_c=dc, d_r=dr, page=page,
+                matrix_ops=len(MATRIX_OPS.findall(text)))
 
 
 def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from splash.attention.kernels import triton_mla as tm
-    backend, arch, warp, limit = TARGETS[target]
     sig = {"OPART": "*fp32", "LPART": "*fp32", "O": "*fp32", "LSE": "*fp32"}
     const = dict(DC=dc, BDC=tm.pow2(dc, 1), NSPLIT=splits, BS=tm.pow2(splits, 1))
-    k = triton.compile(ASTSource(tm.mla_merge, sig, const), target=GPUTarget(backend, arch, warp))
-    return dict(narrow_offsets=narrow_argument_offsets(k.asm["ttir"], sig), kernel="mla_merge", target=target, shared=k.metadata.shared, shared_limit=limit,
-                spill_bytes=_spill_bytes(target, k.asm), splits=splits)
+    return dict(_compile(target, tm.mla_merge, sig, const)[1], kernel="mla_merge", splits=splits)
 
 
 def _run(job: tuple) -> dict:

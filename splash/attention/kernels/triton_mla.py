@@ -1,24 +1,14 @@
 """`triton` MLA attention: our own split-KV Triton kernels over the paged latent cache (NVIDIA and AMD alike).
 
-Kernel 1 (`mla_split`), grid (query rows, head blocks, splits): each program takes one query row (decode or a
-prefill-chunk row alike: its position decides what it sees) and a block of heads, walks its split of the row's
-held tokens in blocks of BLOCK_N — token t of the request here is offset t % page of page t // page, looked up
-in the page table in place — loads and dequantises the latent (fp32; bf16; fp8 e4m3 and int8 × their per-token
-per-128-group fp32 scales) and the rope key (fp32, bf16, or e4m3 at one per-tensor scale), scores
-q_lat·c + q_rope·k_rope, masks keys past the query's position (and CP's pages by their logical block), and keeps
-an online softmax; it writes the split's normalised partial õ and natural-log LSE.
-Kernel 2 (`mla_merge`), grid (rows, heads), merges the splits exactly.
-- Matrix units: over a bf16 / fp8 / int8 pool both products take bf16 operands (queries, dequantised keys,
-  probabilities) with fp32 accumulation, so they compile to mma / wgmma (NVIDIA) and MFMA (AMD); an fp32 pool
-  keeps exact fp32 products (CPU checks). Tolerance against the fp32 reference: that of bf16 GEMM inputs
-  (tests/test_attention_kernels.py, as for the torch kernel's bf16 compute).
-- Offsets are int64 (rows × heads × d_c passes 2^31 at 16K-row chunks × 128 heads).
-- Launch shape from `launch_config` (head block, warps per vendor and format) and `split_count` (one split for
-  any step with prefill rows; more only while the partials fit ATTN_SCRATCH_BYTES); tests/test_triton_aot.py
-  compiles every shape these can return for the shipped targets and checks shared memory, spills and the units.
-
-On a machine with no GPU the module sets TRITON_INTERPRET=1 before importing triton: the kernels then run in
-Triton's interpreter on CPU tensors (slow; it is how CI checks their math).
+`mla_split`, grid (query rows, head blocks, splits): one query row (decode or prefill alike: its position decides
+what it sees) and a block of heads walk a split of the row's held tokens, looked up in the page table in place;
+the latent is dequantised (bf16; fp8 e4m3 / int8 × per-token per-128-group scales) and the rope key (fp32, bf16,
+or e4m3 at one per-tensor scale), keys past the query's position masked, online softmax; it writes the split's
+partial õ and natural-log LSE, which `mla_merge` (grid rows × heads) merges exactly. Over a bf16 / fp8 / int8
+pool both products take bf16 operands with fp32 accumulation (matrix units: mma / wgmma / MFMA); an fp32 pool
+keeps exact fp32 products. Offsets are int64 (rows × heads × d_c passes 2^31 at 16K-row chunks × 128 heads).
+tests/test_triton_aot.py compiles every shape `launch_config` / `split_count` can return for the shipped targets.
+Without a GPU the module sets TRITON_INTERPRET=1 before importing triton (CI checks the math that way).
 """
 from __future__ import annotations
 
@@ -54,9 +44,8 @@ LAUNCH = {
 
 @triton.jit
 def _dot(a, b, DOT_BF16: tl.constexpr, EMULATED: tl.constexpr):
-    """a @ b with fp32 accumulate: bf16 operands on the matrix units (mma / wgmma / MFMA), fp32 ones exactly.
-    Triton's interpreter gets bf16 dots wrong, so there (EMULATED) the bf16 values are widened first: the same
-    products (a bf16 × bf16 product is exact in fp32), summed in fp32."""
+    """a @ b with fp32 accumulate. Triton's interpreter gets bf16 dots wrong, so there (EMULATED) the bf16 values
+    are widened first: the same products (exact in fp32), summed in fp32."""
     if DOT_BF16:
         if EMULATED:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
