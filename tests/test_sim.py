@@ -246,6 +246,7 @@ def test_owner_prefill_splits_the_budget_evenly():
     assert {r.owner for r in first} == set(range(8)) and all(r.new_tokens == 2048 for r in first)
     plain = _prefill_steps(16, 5000, 16384, 8, per_owner=False)
     assert {r.owner for r in plain[0]} == {0, 1, 2, 3}  # admission order: requests 0-3 (4 owners) fill the budget
+    assert _prefill_steps(4, 0, 512, 2, per_owner=False) == _prefill_steps(4, 0, 512, 2, per_owner=True) == []
 
 
 def test_owner_prefill_share_is_fixed_per_owner():
