@@ -274,18 +274,14 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             raise ConfigError(f"{where}: field {k!r} must be <= 1, got {kw[k]}")
         if kw.get(k, 0.0) > 0 and not kw.get("link_bytes_per_s"):
             raise ConfigError(f"{where}: field {k!r} needs link_bytes_per_s (the rate it is a share of)")
-    for k, allowed in (("switch_kv_volume", KV_VOLUMES), ("switch_overlap", OVERLAPS)):
+    for k, allowed in (("attention_combine", COMBINES), ("switch_kv_volume", KV_VOLUMES),
+                       ("switch_overlap", OVERLAPS)):
         if k in raw:
             if raw[k] not in allowed:
                 raise ConfigError(f"{where}: field {k!r} = {raw[k]!r} is not one of {', '.join(allowed)}")
             kw[k] = raw[k]
     if "provenance" in raw:
         kw["provenance"] = _provenance(where, raw["provenance"], names)
-    if "attention_combine" in raw:
-        if raw["attention_combine"] not in COMBINES:
-            raise ConfigError(f"{where}: field 'attention_combine' = {raw['attention_combine']!r} is not one of "
-                              f"{', '.join(COMBINES)}")
-        kw["attention_combine"] = raw["attention_combine"]
     for k in ("moe_grouped", "attention_row_kernel", "fused_kernels"):
         if k in raw:
             if not isinstance(raw[k], bool):
@@ -293,20 +289,13 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             kw[k] = raw[k]
     if "gemm_rows_flops_per_s" in raw:
         kw["gemm_rows_flops_per_s"] = _gemm_rows(where, raw["gemm_rows_flops_per_s"])
-    if "step_overhead_layout_s" in raw:
-        v = _mapping(where, "step_overhead_layout_s", raw["step_overhead_layout_s"])
-        for lay in v:
-            if lay not in LAYOUT_NAMES:
-                raise unknown_key_error(lay, f"{where}: step_overhead_layout_s", LAYOUT_NAMES, {})
-        kw["step_overhead_layout_s"] = {k: _positive(where, f"step_overhead_layout_s.{k}", x, allow_zero=True)
-                                        for k, x in v.items()}
-    if "prefill_attention_factor" in raw:
-        v = _mapping(where, "prefill_attention_factor", raw["prefill_attention_factor"])
-        for lay in v:
-            if lay not in LAYOUT_NAMES:
-                raise unknown_key_error(lay, f"{where}: prefill_attention_factor", LAYOUT_NAMES, {})
-        kw["prefill_attention_factor"] = {k: _positive(where, f"prefill_attention_factor.{k}", x)
-                                          for k, x in v.items()}
+    for key, allow_zero in (("step_overhead_layout_s", True), ("prefill_attention_factor", False)):
+        if key in raw:   # per layout
+            v = _mapping(where, key, raw[key])
+            for lay in v:
+                if lay not in LAYOUT_NAMES:
+                    raise unknown_key_error(lay, f"{where}: {key}", LAYOUT_NAMES, {})
+            kw[key] = {k: _positive(where, f"{key}.{k}", x, allow_zero) for k, x in v.items()}
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
     if "device_arch" in raw:
