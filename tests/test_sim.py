@@ -231,7 +231,7 @@ def test_trace_replays_without_the_cache_only_where_no_prompt_can_hit():
 
 
 def test_owner_prefill_splits_the_budget_evenly():
-    """--owner-prefill: each step's chunk budget is split over the owners with prompt left (no step exceeds the
+    """--prefill-split owner: each step's chunk budget is split over the owners with prompt left (no step exceeds the
     group's budget, every owner gets an equal share, every prompt token is prefilled once)."""
     from splash.sim.serving import _prefill_steps
     steps = _prefill_steps(16, 5000, 16384, 8, per_owner=True)
