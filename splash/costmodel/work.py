@@ -174,8 +174,9 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
     big temporaries. Split-KV kernel: chunks of pages bounded by the scratch budget, ≈ 18 eager ops each (the
     formulas of splash.attention.kernels.torch_mla.chunk_pages and chunk_spans)."""
     dc, dr = s.cfg.kv_lora_rank, s.cfg.qk_rope_head_dim
-    if s.scratch <= 0:
-        w.temps += [(b, 1) for b in attention_temps(reqs, rows, keys, heads, dc, dr)]
+    if s.scratch <= 0:  # one call's big fp32 temporaries: the gathered latent and rope keys, two score tensors
+        score = 8.0 * reqs * rows * heads * keys / 2
+        w.temps += [(4.0 * reqs * keys * dc, 1), (4.0 * reqs * keys * dr, 1), (score, 1), (score, 1)]
         w.attn_calls += 1
         return
     per_page = s.bs * (8 * (dc + dr) + rows * (8 * heads + 1)) + 16
@@ -193,12 +194,6 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
 
 
 MERGE_PASSES = 7  # acc·α (read, write), the chunk's p·V (write), their sum (read 2, write), the store (write)
-
-
-def attention_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
-    """The big fp32 temporaries of one attend call: the gathered latent and rope keys, two score tensors."""
-    return [4.0 * batch * keys * dc, 4.0 * batch * keys * dr, 8.0 * batch * rows * heads * keys / 2,
-            8.0 * batch * rows * heads * keys / 2]
 
 
 def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: float) -> None:
