@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from splash.costmodel import CostModel, RowLoad, load_profile, profile_from_dict
-from splash.costmodel.work import expected_active_experts, keys_here
+from splash.costmodel.work import cp_keys_here, expected_active_experts
 from splash.models.config import ConfigError, model_config_from_dict
 from splash.switching.manifest import ReqState, plan_switch
 
@@ -53,20 +53,18 @@ def test_profile_errors_name_the_key(tmp_path, cpu):
     assert load_profile(str(f)).name == "mine"
 
 
-def test_keys_here_counts_match_ownership():
+def test_cp_placement_counts_match_ownership():
     from splash.layouts.ownership import kv_holders
-    for lay in LAYOUTS:
-        for end, anchor, world, bs in [(1, 0, 2, 16), (100, 1, 2, 16), (4097, 3, 4, 16), (64, 2, 4, 64)]:
-            nb = -(-end // bs)
-            holders = kv_holders(lay, nb, anchor, world)
-            for r in range(world):
-                keys, blocks = keys_here(lay, end, anchor, r, world, bs)
-                assert blocks == sum(1 for h in holders if r in h)
-                assert keys == sum(min(bs, end - b * bs) for b, h in enumerate(holders) if r in h)
-            copies = world if lay == "tp" else 1
-            assert sum(keys_here(lay, end, anchor, r, world, bs)[0] for r in range(world)) == end * copies
-    # a CP chunk's new positions [10, 50) are written on their blocks' home ranks, once each
-    assert sum(keys_here("cp", 50, 1, r, 4, 16)[0] - keys_here("cp", 10, 1, r, 4, 16)[0] for r in range(4)) == 40
+    for end, anchor, world, bs in [(1, 0, 2, 16), (100, 1, 2, 16), (4097, 3, 4, 16), (64, 2, 4, 64)]:
+        nb = -(-end // bs)
+        holders = kv_holders("cp", nb, anchor, world)
+        for r in range(world):
+            keys, blocks = cp_keys_here(end, anchor, r, world, bs)
+            assert blocks == sum(1 for h in holders if r in h)
+            assert keys == sum(min(bs, end - b * bs) for b, h in enumerate(holders) if r in h)
+        assert sum(cp_keys_here(end, anchor, r, world, bs)[0] for r in range(world)) == end
+    # a chunk's new positions [10, 50) are written on their blocks' home ranks, once each
+    assert sum(cp_keys_here(50, 1, r, 4, 16)[0] - cp_keys_here(10, 1, r, 4, 16)[0] for r in range(4)) == 40
 
 
 def test_prediction_shape_and_stages(cfg, cpu):

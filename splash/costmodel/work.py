@@ -2,7 +2,7 @@
 
 The counts follow what splash/attention/*.py and splash/models/*.py execute (App. B stages: ``plan``, ``qkv_a``,
 ``q_b_absorb``, ``indexer``, ``attention``, ``uv_o``, ``exchange``, ``ffn``, ``ffn_all_reduce``, ``lm_head``,
-``other``); which rows a layout projects and which keys it attends the ownership model (splash.layouts) says.
+``other``); which rows a layout projects and which keys it attends follow the ownership model (splash.layouts).
 Pure Python, no torch.
 """
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splash.costmodel.op_counts import EAGER, ops
-from splash.layouts.layout import KV_OWNER, KV_POSITION, Layout, parse_layout
-from splash.layouts.ownership import block_holders, blocks_held
+from splash.layouts.layout import KV_ALL, KV_POSITION, Layout, parse_layout
 from splash.models.config import ModelConfig
 
 STAGES = ("plan", "qkv_a", "q_b_absorb", "indexer", "attention", "uv_o", "exchange", "ffn", "ffn_all_reduce",
@@ -109,14 +108,17 @@ class Shapes:
         return self.cfg.num_attention_heads // self.world
 
 
-def keys_here(layout: str | Layout, end: int, owner: int, rank: int, world: int, bs: int) -> tuple[int, int]:
-    """(positions < ``end``, blocks) of one request that ``rank`` holds, from the ownership model's block holders
-    (CP: the blocks round-robin from the anchor ``owner``; only the request's last block is partial)."""
+def cp_keys_here(end: int, anchor: int, rank: int, world: int, bs: int) -> tuple[int, int]:
+    """(positions < ``end``, blocks) of one request that ``rank`` holds under CP: its blocks round-robin from the
+    anchor (splash.layouts.ownership.block_holders, in closed form for the per-rank hot path; tests/test_costmodel.py
+    checks they agree). Only the request's last block is partial."""
     nb = -(-end // bs)
-    blocks = blocks_held(layout, owner, 0, nb, world)[rank]
+    first = (rank - anchor) % world  # first block index homed here
+    blocks = nb // world + (1 if first < nb % world else 0)
     if blocks == 0:
         return 0, 0
-    return blocks * bs - (nb * bs - end if rank in block_holders(layout, nb - 1, owner, world) else 0), blocks
+    last_block = first + (blocks - 1) * world
+    return (blocks - 1) * bs + min(bs, end - last_block * bs), blocks
 
 
 def attention_work(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int, new_here=None) -> None:
@@ -224,13 +226,16 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
         mine = sum(p.new for p in pieces if p.owner == rank)
         q_rows = mine if layout is Layout.DP_ATTN else N
         heads = s.heads_local if layout.shards_projections else H
-        here = [keys_here(layout, p.end, p.owner, rank, T, s.bs) for p in pieces]
-        # a request's KV rows are written where its blocks live: all of them (TP), the owner's, the homes' (CP)
-        new_here = [k - keys_here(layout, p.context, p.owner, rank, T, s.bs)[0] for p, (k, _) in zip(pieces, here)]
-        held = [(p, *h) for p, h in zip(pieces, here) if layout.kv_ownership != KV_OWNER or p.owner == rank]
+        kv = layout.kv_ownership
+        if kv == KV_POSITION:   # a chunk's KV rows are written on their blocks' home ranks
+            held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
+            new_here = [k - cp_keys_here(p.context, p.owner, rank, T, s.bs)[0] for p, k, _ in held]
+        else:
+            held = [(p, p.end, -(-p.end // s.bs)) for p in pieces if kv == KV_ALL or p.owner == rank]
+            new_here = None
+        kv_rows = sum(new_here) if new_here is not None else (N if kv == KV_ALL else mine)
         # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
-        _attention_block(s, st, layout, q_rows, sum(new_here), heads, H if layout is Layout.DOP else heads, held,
-                         new_here if layout.kv_ownership == KV_POSITION else None)
+        _attention_block(s, st, layout, q_rows, kv_rows, heads, H if layout is Layout.DOP else heads, held, new_here)
         _exchange(s, st["exchange"], layout, N, mine)
     st["ffn"] = ffn_work(s, N, moe)
     if T > 1:
@@ -277,7 +282,7 @@ def _cp_split(s: Shapes, ex: Work, pieces: list[Piece], rank: int) -> tuple[int,
         if hi > lo:
             mine.append(Piece(hi - lo, p.context + lo, p.owner, p.samples))
     held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
-    held += [(p, *keys_here(Layout.CP, p.end, p.owner, rank, T, s.bs)) for p in dec]
+    held += [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in dec]
     ex.ops += EAGER["exchange"]["cp"]
     ex.collective("all_gather", sum(p.end for p in pre) * (s.kv_tok + s.idx_tok))  # the pieces' histories
     ex.collective("all_gather", sum(p.new for p in pieces) * s.cfg.hidden_size * s.ab)   # outputs to all rows
