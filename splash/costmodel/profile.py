@@ -177,30 +177,28 @@ def _positive(where: str, key: str, v: Any, allow_zero: bool = False) -> float:
     return float(v)
 
 
-def _mapping(where: str, key: str, v: Any) -> Mapping[str, Any]:
+def _mapping(where: str, key: str, v: Any, allowed=None) -> Mapping[str, Any]:
+    """``v`` as a mapping whose keys are all in ``allowed`` (when given); errors name ``key``."""
     if not isinstance(v, Mapping):
         raise ConfigError(f"{where}: field {key!r} must be a mapping, got {type(v).__name__}")
+    for k in v if allowed is not None else ():
+        if k not in allowed:
+            raise unknown_key_error(k, f"{where}: {key}", allowed, {})
     return v
 
 
 def _gemm(where: str, raw: Any) -> dict[str, float]:
-    raw = _mapping(where, "gemm_flops_per_s", raw)
-    out = {}
-    for k, v in raw.items():
-        if k not in GEMM_DTYPES:
-            raise unknown_key_error(k, f"{where}: gemm_flops_per_s", GEMM_DTYPES, {})
-        out[k] = _positive(where, f"gemm_flops_per_s.{k}", v)
+    raw = _mapping(where, "gemm_flops_per_s", raw, GEMM_DTYPES)
+    out = {k: _positive(where, f"gemm_flops_per_s.{k}", v) for k, v in raw.items()}
     if "float32" not in out and "bfloat16" not in out:
         raise ConfigError(f"{where}: gemm_flops_per_s needs at least float32 or bfloat16")
     return out
 
 
 def _gemm_rows(where: str, raw: Any) -> dict[str, dict[int, float]]:
-    raw = _mapping(where, "gemm_rows_flops_per_s", raw)
+    raw = _mapping(where, "gemm_rows_flops_per_s", raw, GEMM_DTYPES)
     out = {}
     for d, table in raw.items():
-        if d not in GEMM_DTYPES:
-            raise unknown_key_error(d, f"{where}: gemm_rows_flops_per_s", GEMM_DTYPES, {})
         table = _mapping(where, f"gemm_rows_flops_per_s.{d}", table)
         rows = {}
         for r, v in table.items():
@@ -212,15 +210,10 @@ def _gemm_rows(where: str, raw: Any) -> dict[str, dict[int, float]]:
 
 
 def _collectives(where: str, raw: Any) -> dict[str, Collective]:
-    raw = _mapping(where, "collectives", raw)
+    raw = _mapping(where, "collectives", raw, COLLECTIVES)
     out = {}
     for k, v in raw.items():
-        if k not in COLLECTIVES:
-            raise unknown_key_error(k, f"{where}: collectives", COLLECTIVES, {})
-        v = _mapping(where, f"collectives.{k}", v)
-        for sub in v:
-            if sub not in ("alpha_s", "bytes_per_s"):
-                raise unknown_key_error(sub, f"{where}: collectives.{k}", ("alpha_s", "bytes_per_s"), {})
+        v = _mapping(where, f"collectives.{k}", v, ("alpha_s", "bytes_per_s"))
         if "alpha_s" not in v or "bytes_per_s" not in v:
             raise ConfigError(f"{where}: collectives.{k} needs alpha_s and bytes_per_s")
         out[k] = Collective(_positive(where, f"collectives.{k}.alpha_s", v["alpha_s"], allow_zero=True),
@@ -232,11 +225,9 @@ def _collectives(where: str, raw: Any) -> dict[str, Collective]:
 
 
 def _provenance(where: str, raw: Any, names: list[str]) -> dict[str, str]:
-    raw = _mapping(where, "provenance", raw)
+    raw = _mapping(where, "provenance", raw, names)
     out = {}
     for k, v in raw.items():
-        if k not in names:
-            raise unknown_key_error(k, f"{where}: provenance", names, {})
         kind = str(v).split(":", 1)[0].strip()
         if kind not in PROVENANCE_KINDS:
             raise ConfigError(f"{where}: provenance.{k} must start with one of "
@@ -291,10 +282,7 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
         kw["gemm_rows_flops_per_s"] = _gemm_rows(where, raw["gemm_rows_flops_per_s"])
     for key, allow_zero in (("step_overhead_layout_s", True), ("prefill_attention_factor", False)):
         if key in raw:   # per layout
-            v = _mapping(where, key, raw[key])
-            for lay in v:
-                if lay not in LAYOUT_NAMES:
-                    raise unknown_key_error(lay, f"{where}: {key}", LAYOUT_NAMES, {})
+            v = _mapping(where, key, raw[key], LAYOUT_NAMES)
             kw[key] = {k: _positive(where, f"{key}.{k}", x, allow_zero) for k, x in v.items()}
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
