@@ -68,7 +68,7 @@ class HardwareProfile:
     attention_scratch_bytes: float = 0.0  # split-KV kernel chunk budget (0: attention gathers whole histories)
     alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
     alloc_bytes_per_s: float = 0.0       # rate of first-touching fresh pages (glibc mmap'd temporaries)
-    # split-KV kernel structure (0 = not modelled, the behaviour before these keys existed):
+    # split-KV kernel structure (0 = not modelled):
     attention_merge_bytes_per_s: float = 0.0  # rate of a multi-chunk group's running-output merge traffic
     attention_cache_bytes: float = 0.0        # cache share of one rank: a chunk working set above it spills
     attention_spill_bytes_per_s: float = 0.0  # rate of re-reading the spilled part of a gathered chunk
@@ -96,8 +96,7 @@ class HardwareProfile:
     switch_kv_efficiency: float = 0.0
     switch_weight_efficiency: float = 0.0
     # the bytes a KV switch collective moves per rank: "received" (the manifest's state difference) or "logical"
-    # ((T-1)/T of the layer's whole live KV, whatever share a rank keeps: the paper's seven KV directions cost
-    # 3.47-3.81 ms a layer on B200 while their received bytes differ 8x, splash/costmodel/switch_cost.py)
+    # ((T-1)/T of the layer's whole live KV, whatever share a rank keeps: splash/costmodel/switch_cost.py)
     switch_kv_volume: str = "received"
     # how a live switch hides: "budget" (later layers hide behind overlap_fraction of a destination layer) or
     # "pipeline" (each layer's transfer runs under the previous layer's whole computation and shares the link
@@ -139,8 +138,8 @@ class HardwareProfile:
     def collective_seconds(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes`` (as `Collective` counts them): α + bytes/β, plus first-touching its
         result when that is a fresh allocation (at least ``alloc_threshold_bytes``: every communicator call
-        allocates its output). On this host's profile that doubles-to-triples a 64 MB collective's time
-        (docs/benchmarks.md, large collectives)."""
+        allocates its output: on the cpu profile that doubles-to-triples a 64 MB collective's time,
+        docs/benchmarks.md)."""
         t = self.collectives[kind].seconds(nbytes)
         if self.alloc_bytes_per_s > 0 and nbytes >= self.alloc_threshold_bytes:
             t += nbytes / self.alloc_bytes_per_s
