@@ -42,7 +42,7 @@ def main() -> None:
     cm = CostModel(model.cfg, c.ranks, prof, model.weight_dtype, model.kv_dtype, c.block_size, cp_prefill=c.cp_prefill)
     setup = SimSetup(model, prof, c.ranks, c.mem_fraction, c.block_size, c.chunk,
                      RUNTIME_RESERVE_BYTES if c.reserve is None else float(c.reserve),
-                     c.owner_prefill or c.prefill_split == "owner", c.storage, c.deployment, c.decode_layout,
+                     c.prefill_split == "owner", c.storage, c.deployment, c.decode_layout,
                      c.decode_ranks, c.decode_nodes)
     caps = capacities(setup)
     truth = draw_truth(cm, held_out_residuals(json.loads(Path(a.table).read_text())["rows"]), a.seed, a.kernels)

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from splash.costmodel import CostModel, RowLoad, load_profile, profile_from_dict
-from splash.costmodel.work import cp_keys_here, cp_new_rows_here, expected_active_experts, Piece
+from splash.costmodel.work import cp_keys_here, expected_active_experts
 from splash.models.config import ConfigError, model_config_from_dict
 from splash.switching.manifest import ReqState, plan_switch
 
@@ -63,8 +63,8 @@ def test_cp_placement_counts_match_ownership():
             assert blocks == sum(1 for h in holders if r in h)
             assert keys == sum(min(bs, end - b * bs) for b, h in enumerate(holders) if r in h)
         assert sum(cp_keys_here(end, anchor, r, world, bs)[0] for r in range(world)) == end
-    p = Piece(new=40, context=10, owner=1)
-    assert sum(cp_new_rows_here(p, r, 4, 16) for r in range(4)) == 40
+    # a chunk's new positions [10, 50) are written on their blocks' home ranks, once each
+    assert sum(cp_keys_here(50, 1, r, 4, 16)[0] - cp_keys_here(10, 1, r, 4, 16)[0] for r in range(4)) == 40
 
 
 def test_prediction_shape_and_stages(cfg, cpu):

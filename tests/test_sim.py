@@ -231,7 +231,7 @@ def test_trace_replays_without_the_cache_only_where_no_prompt_can_hit():
 
 
 def test_owner_prefill_splits_the_budget_evenly():
-    """--owner-prefill: each step's chunk budget is split over the owners with prompt left (no step exceeds the
+    """--prefill-split owner: each step's chunk budget is split over the owners with prompt left (no step exceeds the
     group's budget, every owner gets an equal share, every prompt token is prefilled once)."""
     from splash.sim.serving import _prefill_steps
     steps = _prefill_steps(16, 5000, 16384, 8, per_owner=True)
@@ -246,6 +246,7 @@ def test_owner_prefill_splits_the_budget_evenly():
     assert {r.owner for r in first} == set(range(8)) and all(r.new_tokens == 2048 for r in first)
     plain = _prefill_steps(16, 5000, 16384, 8, per_owner=False)
     assert {r.owner for r in plain[0]} == {0, 1, 2, 3}  # admission order: requests 0-3 (4 owners) fill the budget
+    assert _prefill_steps(4, 0, 512, 2, per_owner=False) == _prefill_steps(4, 0, 512, 2, per_owner=True) == []
 
 
 def test_owner_prefill_share_is_fixed_per_owner():

@@ -1,12 +1,9 @@
 """Eager ops per layer and stage that the cost model charges the per-op host overhead for, counted from the code.
 
-`EAGER`: the torch paths (splash/attention/mla.py, the executors, splash/models/ffn.py): rms_norm ≈ 8, rope.apply
-≈ 8, attend_latent ≈ 14, a cache read/write ≈ 4. `FUSED` (the profile's `fused_kernels`, off in the shipped cpu
-profile: on two decode grids it predicted no better, docs/benchmarks.md cost model round 9): where SPLASH's CPU
-kernels run, each layout's MLA projections are one `mla_project` call (TP / DP-attn: [Q-A ; KV-A] through
-q̃; CP / DOP: a query half and a latent half, on their own rows) plus its output buffers, W_UV one `uv_heads`
-call, a MoE layer's routing, row order, routed experts and shared expert four calls, a dense MLP one. Stages
-the kernels do not change keep the eager count. Pure Python, no torch.
+`EAGER`: the torch paths (splash/attention/mla.py, the executors, splash/models/ffn.py). `FUSED` (the profile's
+`fused_kernels`; off in the shipped cpu profile, where it predicted no better, docs/benchmarks.md): where SPLASH's
+CPU kernels run, each layout's MLA projections, W_UV, a MoE layer's four steps and a dense MLP are one call each;
+stages the kernels do not change keep the eager count. Pure Python, no torch.
 """
 from __future__ import annotations
 

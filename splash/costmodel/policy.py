@@ -1,7 +1,5 @@
-"""The switching rule of the transition-aware scheduler (paper §4.2), as one pure function. No torch.
-
-Used by ``splash-sim --trace`` and by the engine's live scheduler alike.
-"""
+"""The switching rule of the transition-aware scheduler (paper §4.2), as one pure function (the engine's and
+``splash-sim --trace``'s). No torch."""
 from __future__ import annotations
 
 import math
@@ -13,20 +11,17 @@ def choose_layout(current: str, predicted: Mapping[str, float], feasible: set[st
                   unit: str = "steps", uncertainty: Mapping[str, float] | None = None) -> tuple[str, str]:
     """(layout to run next, reason).
 
-    ``predicted``: step seconds per layout; ``feasible``: layouts whose memory (and switch headroom) allow them;
-    ``margin``: a candidate must be at least this fraction faster than ``current`` (0.1 = 10%);
-    ``remaining_steps``: steps the gain is expected to last (or, with ``predicted`` per output token and
-    ``unit="tokens"``, the output tokens it lasts for); ``switch_seconds``: exposed cost of switching from
-    ``current`` to each layout (missing = unknown = not taken); ``uncertainty``: per layout, a log-space
-    uncertainty of its prediction (e.g. a correction factor borrowed from other layouts; missing = 0).
+    ``predicted``: step seconds per layout (or, with ``unit="tokens"``, seconds per output token, and then
+    ``remaining_steps`` counts output tokens); ``feasible``: layouts whose memory and switch headroom allow them;
+    ``switch_seconds``: exposed cost of switching to each layout (missing: not taken); ``uncertainty``: per layout,
+    a log-space uncertainty of its prediction (missing: 0).
 
-    Rules: an infeasible layout is never chosen. If ``current`` is infeasible (or unpredicted), the fastest
-    feasible layout is taken whatever the margin and cost (staying is not an option). Otherwise a candidate
-    qualifies when ``predicted[c] <= (1 - margin) * predicted[current]`` and its payoff
-    ``(predicted[current] - predicted[c]) * remaining_steps`` exceeds its switch cost; among those the largest
-    net payoff wins (ties: faster, then name). The margin makes the rule hysteretic: at a crossover neither
-    layout beats the other by the margin, so it never flaps. A candidate is judged (margin and payoff) at its
-    pessimistic prediction ``predicted[c] * exp(uncertainty[c])``: its lead must survive its uncertainty.
+    An infeasible layout is never chosen; an infeasible or unpredicted ``current`` gives way to the fastest feasible
+    one whatever the margin and cost. Otherwise a candidate, judged at its pessimistic prediction
+    ``predicted[c] * exp(uncertainty[c])``, must be at least ``margin`` faster than ``current`` (hysteresis: at a
+    crossover neither beats the other by the margin, so the rule never flaps) and pay
+    ``(predicted[current] - predicted[c]) * remaining_steps`` more than its switch cost; the largest net payoff wins
+    (ties: faster, then name).
     """
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")

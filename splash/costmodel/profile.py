@@ -68,7 +68,7 @@ class HardwareProfile:
     attention_scratch_bytes: float = 0.0  # split-KV kernel chunk budget (0: attention gathers whole histories)
     alloc_threshold_bytes: float = 0.0   # temporaries at least this big are fresh pages each time (0: none)
     alloc_bytes_per_s: float = 0.0       # rate of first-touching fresh pages (glibc mmap'd temporaries)
-    # split-KV kernel structure (0 = not modelled, the behaviour before these keys existed):
+    # split-KV kernel structure (0 = not modelled):
     attention_merge_bytes_per_s: float = 0.0  # rate of a multi-chunk group's running-output merge traffic
     attention_cache_bytes: float = 0.0        # cache share of one rank: a chunk working set above it spills
     attention_spill_bytes_per_s: float = 0.0  # rate of re-reading the spilled part of a gathered chunk
@@ -96,8 +96,7 @@ class HardwareProfile:
     switch_kv_efficiency: float = 0.0
     switch_weight_efficiency: float = 0.0
     # the bytes a KV switch collective moves per rank: "received" (the manifest's state difference) or "logical"
-    # ((T-1)/T of the layer's whole live KV, whatever share a rank keeps: the paper's seven KV directions cost
-    # 3.47-3.81 ms a layer on B200 while their received bytes differ 8x, splash/costmodel/switch_cost.py)
+    # ((T-1)/T of the layer's whole live KV, whatever share a rank keeps: splash/costmodel/switch_cost.py)
     switch_kv_volume: str = "received"
     # how a live switch hides: "budget" (later layers hide behind overlap_fraction of a destination layer) or
     # "pipeline" (each layer's transfer runs under the previous layer's whole computation and shares the link
@@ -139,8 +138,8 @@ class HardwareProfile:
     def collective_seconds(self, kind: str, nbytes: float) -> float:
         """One collective of ``nbytes`` (as `Collective` counts them): α + bytes/β, plus first-touching its
         result when that is a fresh allocation (at least ``alloc_threshold_bytes``: every communicator call
-        allocates its output). On this host's profile that doubles-to-triples a 64 MB collective's time
-        (docs/benchmarks.md, large collectives)."""
+        allocates its output: on the cpu profile that doubles-to-triples a 64 MB collective's time,
+        docs/benchmarks.md)."""
         t = self.collectives[kind].seconds(nbytes)
         if self.alloc_bytes_per_s > 0 and nbytes >= self.alloc_threshold_bytes:
             t += nbytes / self.alloc_bytes_per_s
@@ -177,30 +176,28 @@ def _positive(where: str, key: str, v: Any, allow_zero: bool = False) -> float:
     return float(v)
 
 
-def _mapping(where: str, key: str, v: Any) -> Mapping[str, Any]:
+def _mapping(where: str, key: str, v: Any, allowed=None) -> Mapping[str, Any]:
+    """``v`` as a mapping whose keys are all in ``allowed`` (when given); errors name ``key``."""
     if not isinstance(v, Mapping):
         raise ConfigError(f"{where}: field {key!r} must be a mapping, got {type(v).__name__}")
+    for k in v if allowed is not None else ():
+        if k not in allowed:
+            raise unknown_key_error(k, f"{where}: {key}", allowed, {})
     return v
 
 
 def _gemm(where: str, raw: Any) -> dict[str, float]:
-    raw = _mapping(where, "gemm_flops_per_s", raw)
-    out = {}
-    for k, v in raw.items():
-        if k not in GEMM_DTYPES:
-            raise unknown_key_error(k, f"{where}: gemm_flops_per_s", GEMM_DTYPES, {})
-        out[k] = _positive(where, f"gemm_flops_per_s.{k}", v)
+    raw = _mapping(where, "gemm_flops_per_s", raw, GEMM_DTYPES)
+    out = {k: _positive(where, f"gemm_flops_per_s.{k}", v) for k, v in raw.items()}
     if "float32" not in out and "bfloat16" not in out:
         raise ConfigError(f"{where}: gemm_flops_per_s needs at least float32 or bfloat16")
     return out
 
 
 def _gemm_rows(where: str, raw: Any) -> dict[str, dict[int, float]]:
-    raw = _mapping(where, "gemm_rows_flops_per_s", raw)
+    raw = _mapping(where, "gemm_rows_flops_per_s", raw, GEMM_DTYPES)
     out = {}
     for d, table in raw.items():
-        if d not in GEMM_DTYPES:
-            raise unknown_key_error(d, f"{where}: gemm_rows_flops_per_s", GEMM_DTYPES, {})
         table = _mapping(where, f"gemm_rows_flops_per_s.{d}", table)
         rows = {}
         for r, v in table.items():
@@ -212,15 +209,10 @@ def _gemm_rows(where: str, raw: Any) -> dict[str, dict[int, float]]:
 
 
 def _collectives(where: str, raw: Any) -> dict[str, Collective]:
-    raw = _mapping(where, "collectives", raw)
+    raw = _mapping(where, "collectives", raw, COLLECTIVES)
     out = {}
     for k, v in raw.items():
-        if k not in COLLECTIVES:
-            raise unknown_key_error(k, f"{where}: collectives", COLLECTIVES, {})
-        v = _mapping(where, f"collectives.{k}", v)
-        for sub in v:
-            if sub not in ("alpha_s", "bytes_per_s"):
-                raise unknown_key_error(sub, f"{where}: collectives.{k}", ("alpha_s", "bytes_per_s"), {})
+        v = _mapping(where, f"collectives.{k}", v, ("alpha_s", "bytes_per_s"))
         if "alpha_s" not in v or "bytes_per_s" not in v:
             raise ConfigError(f"{where}: collectives.{k} needs alpha_s and bytes_per_s")
         out[k] = Collective(_positive(where, f"collectives.{k}.alpha_s", v["alpha_s"], allow_zero=True),
@@ -232,11 +224,9 @@ def _collectives(where: str, raw: Any) -> dict[str, Collective]:
 
 
 def _provenance(where: str, raw: Any, names: list[str]) -> dict[str, str]:
-    raw = _mapping(where, "provenance", raw)
+    raw = _mapping(where, "provenance", raw, names)
     out = {}
     for k, v in raw.items():
-        if k not in names:
-            raise unknown_key_error(k, f"{where}: provenance", names, {})
         kind = str(v).split(":", 1)[0].strip()
         if kind not in PROVENANCE_KINDS:
             raise ConfigError(f"{where}: provenance.{k} must start with one of "
@@ -274,18 +264,14 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             raise ConfigError(f"{where}: field {k!r} must be <= 1, got {kw[k]}")
         if kw.get(k, 0.0) > 0 and not kw.get("link_bytes_per_s"):
             raise ConfigError(f"{where}: field {k!r} needs link_bytes_per_s (the rate it is a share of)")
-    for k, allowed in (("switch_kv_volume", KV_VOLUMES), ("switch_overlap", OVERLAPS)):
+    for k, allowed in (("attention_combine", COMBINES), ("switch_kv_volume", KV_VOLUMES),
+                       ("switch_overlap", OVERLAPS)):
         if k in raw:
             if raw[k] not in allowed:
                 raise ConfigError(f"{where}: field {k!r} = {raw[k]!r} is not one of {', '.join(allowed)}")
             kw[k] = raw[k]
     if "provenance" in raw:
         kw["provenance"] = _provenance(where, raw["provenance"], names)
-    if "attention_combine" in raw:
-        if raw["attention_combine"] not in COMBINES:
-            raise ConfigError(f"{where}: field 'attention_combine' = {raw['attention_combine']!r} is not one of "
-                              f"{', '.join(COMBINES)}")
-        kw["attention_combine"] = raw["attention_combine"]
     for k in ("moe_grouped", "attention_row_kernel", "fused_kernels"):
         if k in raw:
             if not isinstance(raw[k], bool):
@@ -293,20 +279,10 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             kw[k] = raw[k]
     if "gemm_rows_flops_per_s" in raw:
         kw["gemm_rows_flops_per_s"] = _gemm_rows(where, raw["gemm_rows_flops_per_s"])
-    if "step_overhead_layout_s" in raw:
-        v = _mapping(where, "step_overhead_layout_s", raw["step_overhead_layout_s"])
-        for lay in v:
-            if lay not in LAYOUT_NAMES:
-                raise unknown_key_error(lay, f"{where}: step_overhead_layout_s", LAYOUT_NAMES, {})
-        kw["step_overhead_layout_s"] = {k: _positive(where, f"step_overhead_layout_s.{k}", x, allow_zero=True)
-                                        for k, x in v.items()}
-    if "prefill_attention_factor" in raw:
-        v = _mapping(where, "prefill_attention_factor", raw["prefill_attention_factor"])
-        for lay in v:
-            if lay not in LAYOUT_NAMES:
-                raise unknown_key_error(lay, f"{where}: prefill_attention_factor", LAYOUT_NAMES, {})
-        kw["prefill_attention_factor"] = {k: _positive(where, f"prefill_attention_factor.{k}", x)
-                                          for k, x in v.items()}
+    for key, allow_zero in (("step_overhead_layout_s", True), ("prefill_attention_factor", False)):
+        if key in raw:   # per layout
+            v = _mapping(where, key, raw[key], LAYOUT_NAMES)
+            kw[key] = {k: _positive(where, f"{key}.{k}", x, allow_zero) for k, x in v.items()}
     if "extra" in raw:
         kw["extra"] = dict(_mapping(where, "extra", raw["extra"]) or {})
     if "device_arch" in raw:

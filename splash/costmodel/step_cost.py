@@ -9,24 +9,24 @@ outside them (stage ``sync``).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splash.costmodel.profile import HardwareProfile
 from splash.costmodel.switch_cost import (cached_recv_bytes, kv_bytes_per_s, kv_layer_seconds, live_exposed_seconds,
                                           logical_kv_bytes_layer, weight_layer_seconds)
-from splash.costmodel.work import STAGES, Piece, Shapes, Work, dense_ffn_work, layer_work, step_extra
-from splash.layouts.layout import check_heads, parse_layout
+from splash.costmodel.work import STAGES, Piece, Shapes, Work, ffn_work, layer_work, step_extra
+from splash.layouts.layout import LAYOUT_NAMES, check_heads, parse_layout
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
 from splash.layouts.ownership import assign_owners
 from splash.models.config import ModelConfig
 
-LAYOUTS = ("tp", "dp_attn", "cp", "dop")
+LAYOUTS = LAYOUT_NAMES
 ELEM_BYTES = {"float32": 4.0, "bfloat16": 2.0, "fp8_e4m3": 1.0, "int8": 1.0}
 EXCHANGE_STAGES = ("exchange", "ffn_all_reduce")
-# CP prefill: "partials" = every rank attends all rows over its position shard, partial outputs + LSE all-gathered
-# (splash/attention/cp.py, the default); "split" = rows split over ranks, each piece's history all-gathered
-# (splash.costmodel.work._cp_split_layer; what splash-sim assumes for the paper's deployment)
+# CP prefill: "partials" as splash/attention/cp.py runs it (the default), "split" as splash-sim assumes the paper's
+# deployment runs it (splash.costmodel.work._cp_split)
 CP_PREFILL = ("partials", "split")
 
 
@@ -139,14 +139,13 @@ class CostModel:
         t += w.plan_blocks * p.plan_block_s + w.plan_requests * p.plan_request_s
         t += w.attn_calls * (p.attention_call_s if p.attention_call_s else 14 * p.op_overhead_s * p.ops_scale)
         if p.alloc_bytes_per_s > 0:
-            t += sum(b * n for b, n in w.temporaries() if b >= p.alloc_threshold_bytes) / p.alloc_bytes_per_s
+            t += sum(b * n for b, n in w.temps if b >= p.alloc_threshold_bytes) / p.alloc_bytes_per_s
         return t
 
     def collective_seconds(self, w: Work) -> float:
-        """The collectives' own time in a step: α + bytes/β of the isolated fit (and a fresh result's first touch,
-        `HardwareProfile.collective_seconds`) + ``collective_sync_s`` each."""
+        """The collectives' own time in a step: `HardwareProfile.collective_seconds` + ``collective_sync_s`` each."""
         p = self.profile
-        return sum(n * (p.collective_seconds(kind, b) + p.collective_sync_s) for kind, b, n in w.collectives())
+        return sum(n * (p.collective_seconds(kind, b) + p.collective_sync_s) for kind, b, n in w.exch)
 
     def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict[str, Work]]:
         s = self._shapes[layout]
@@ -159,7 +158,7 @@ class CostModel:
         for k, w in st.items():
             total[k].add(w, L if k != "ffn" or not self.n_moe else self.n_moe)
         if self.n_moe and self.n_dense:  # dense FFN layers (first_k_dense_replace)
-            total["ffn"].add(dense_ffn_work(s, sum(p.new for p in pieces)), self.n_dense)
+            total["ffn"].add(ffn_work(s, sum(p.new for p in pieces), moe=False), self.n_dense)
         for k, w in step_extra(s, pieces).items():
             total[k].add(w)
         secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
@@ -200,19 +199,11 @@ class CostModel:
         return out
 
     # ---- switching ------------------------------------------------------------------------------------
-    def prefill_seconds_per_token(self, layout: str, chunk: int) -> float:
-        """A prompt token's share of one `chunk`-token prefill step from position 0 (owner / CP anchor 0)."""
-        return self.step(layout, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds / chunk
-
     def switch(self, manifest, mode: str, step_seconds: float | None = None,
                step_link_share: float = 0.0) -> SwitchPrediction:
-        """Predicted cost of executing ``manifest`` (splash.switching.manifest.Manifest).
-
-        Per layer: the KV moves travel in one all-to-all(v) and the projections in one all-gather(v), as the
-        switch executor does; a conversion re-stores the held KV (read + write). ``blocking`` pays all of it.
-        ``live`` starts layer l+1's transfer while layer l computes; how much of it the destination step
-        (``step_seconds``; ``step_link_share`` of it in collectives) hides is the profile's ``switch_overlap``
-        (splash/costmodel/switch_cost.py)."""
+        """Predicted cost of executing ``manifest``: per layer one KV all-to-all(v), one projection all-gather(v)
+        (as the switch executor runs them) and a conversion's re-store; ``blocking`` pays all of it, ``live`` what
+        the destination step (``step_seconds``, ``step_link_share`` of it in collectives) does not hide."""
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
         L, T = manifest.num_layers, manifest.world
@@ -245,20 +236,18 @@ class CostModel:
 
 
 def _no_indexer(cfg: ModelConfig) -> ModelConfig:
-    import dataclasses
     return dataclasses.replace(cfg, index_head_dim=0, index_n_heads=0, index_topk=0)
 
 
 def cached_moves_pay(model, dst: str, hit_rate: float, chunk_tokens: int) -> bool:
     """Whether idle cached blocks are worth sending with a switch into `dst` (`model`: a CostModel): one block's
-    transfer over every layer costs less than the recompute a hit on it saves — its tokens' share of a prefill chunk
-    of `chunk_tokens` in `dst` — times `hit_rate`, the share of looked-up prompt tokens the cache has found so far (no
-    lookups yet: nothing is expected of it). A live switch hides part of the transfer behind the step; pricing all of
-    it, as a blocking switch pays it, keeps the rule on the cautious side."""
+    whole transfer (as a blocking switch pays it: the cautious side) costs less than the recompute a hit on it saves
+    — its tokens' share of a `chunk_tokens` prefill chunk in `dst` — times the cache's `hit_rate` so far."""
     if hit_rate <= 0:
         return False
     bs = model.block_size
     kv = model.kv_dtypes.get(dst, next(iter(model.kv_dtypes.values())))
     move_s = kv_block_bytes(model.cfg, kv, bs, model.rope_fp8) / kv_bytes_per_s(model.profile)
-    recompute_s = model.prefill_seconds_per_token(dst, max(bs, chunk_tokens)) * bs
+    chunk = max(bs, chunk_tokens)   # a prompt token's share of one chunk's prefill step from position 0
+    recompute_s = model.step(dst, [RowLoad(new_tokens=chunk, context=0, owner=0)]).seconds / chunk * bs
     return move_s < hit_rate * recompute_s

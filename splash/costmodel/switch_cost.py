@@ -1,33 +1,17 @@
-"""How a switch's per-layer primitives are priced and how a live switch hides them. Pure, no torch.
+"""How a switch's per-layer primitives are priced and how a live switch hides them; each mechanism is chosen by
+the hardware profile (the defaults keep the collectives-table pricing the CPU profile was measured with). No torch.
 
-Two mechanisms, each chosen by the hardware profile (the defaults keep the collectives-table pricing and the
-overlap budget that the CPU profile was measured with):
-
-**Per-primitive link efficiency** (``switch_kv_efficiency``, ``switch_weight_efficiency`` of ``link_bytes_per_s``):
-one layer's KV collective and projection all-gather each run at their own share of the rank's one-direction link
-rate. The shares are fitted on the paper's B200 per-layer costs only (splash/sim/fit.py); the H200 and DCU
-profiles carry the same shares and their own spec-sheet link rates.
-
-**Logical KV volume** (``switch_kv_volume: logical``): the paper's seven KV directions (all-gathers into TP,
-all-to-alls between CP and the request-owned layouts) cost 3.471-3.807 ms a layer on B200 at B = 16 x 256K,
-within 1.10x of each other, while the state each rank receives differs 8x between them (an all-gather into TP
-receives 7/8 of the layer's live KV, an all-to-all between CP and DOP 1/8 of that), and H200's DOP->CP follows "the
-linear B·s context trend". A pricing by received bytes cannot give that spread; pricing every KV collective at
-(T-1)/T of the layer's whole live KV — every rank's link carries the whole logical buffer, as an all-gather of the
-layer followed by local selection would — gives it (tests/test_switch_cost.py).
-
-**Pipelined live switch** (``switch_overlap: pipeline``): layer l+1's state moves while layer l computes (paper
-§4.1), so a live switch exposes the handoff (``switch_handoff_s``: what a discard-only switch costs), layer 0's
-transfer, each later layer's transfer beyond one layer of the step it runs in, and the delay the hidden transfers
-cause the step's own collectives, which share the link (App. G): ``switch_contention`` × hidden transfer × the
-share of the step spent in collectives. The handoff and the contention coefficient are fitted on B200's smallest
-and DOP->CP p50s (splash/sim/fit.py). ``budget`` is the older form: later layers hide behind ``overlap_fraction``
-of a layer.
-
-**Prefix cache** (splash.switching.block_plan): a switch moves each shared prefix block once per receiving rank, so
-the bytes priced above are already deduplicated; idle cached blocks the manifest sends are part of them too. Whether
-idle blocks may be sent at all is ``step_cost.cached_moves_pay``: one block's transfer at the KV collective's rate against the
-recompute it is expected to save (its tokens' share of a prefill chunk, times the cache's hit rate so far).
+- ``switch_kv_efficiency`` / ``switch_weight_efficiency``: a layer's KV collective and projection all-gather each
+  run at their own share of ``link_bytes_per_s`` (shares fitted on the paper's B200 per-layer costs, splash/sim/fit.py).
+- ``switch_kv_volume: logical``: every KV collective carries (T-1)/T of the layer's whole live KV, whatever a rank
+  receives — the paper's seven KV directions cost within 1.10x of each other on B200 while their received bytes
+  differ 8x (docs/benchmarks.md; tests/test_switch_cost.py).
+- ``switch_overlap: pipeline``: layer l+1's state moves while layer l computes (paper §4.1); the live switch exposes
+  the handoff, layer 0's transfer, what each later layer's exceeds one layer of the step, and the contention the
+  hidden transfers cause the step's own collectives (App. G). ``budget``: later layers hide behind
+  ``overlap_fraction`` of a layer.
+- Prefix cache: the manifest moves a shared block once per receiving rank, so its bytes are deduplicated already;
+  whether idle cached blocks are sent at all is ``step_cost.cached_moves_pay``.
 """
 from __future__ import annotations
 

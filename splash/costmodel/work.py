@@ -1,37 +1,20 @@
 """What one step asks of each rank, per stage and layout (FLOPs, bytes, collectives, ops) — counted, not timed.
 
-The counts follow what splash/attention/*.py and splash/models/*.py execute (App. B stages):
-- ``qkv_a``: Q-A and KV-A GEMMs (TP: all rows, fused; DP-attn: owned rows, fused; CP: Q-A on all rows, KV-A on
-  the rows whose position block is home here; DOP: Q-A on all rows, KV-A on owned rows);
-- ``q_b_absorb``: Q-B and the W_UK absorb (TP/DOP: local heads, all rows; DP-attn: all heads, owned rows;
-  CP: all heads, all rows);
-- ``indexer``: DSA indexer scoring (models with ``index_topk``; where the indexer keys live);
-- ``attention``: latent attention over the histories held here (decode rows padded to the longest held
-  history, as ``_pad_decode`` does; prefill rows see every visible key; with the profile's
-  ``attention_row_kernel``, each row its own visible keys: ``attn_rows.py``);
-- ``uv_o``: W_UV and O (TP/DOP: local heads, all rows; DP-attn: owned rows; CP: all rows, all heads);
-- ``exchange``: TP all-reduce; DP-attn all-gather(v); CP all-gather of partials (+ their merge);
-  DOP two all-to-all(v) + all-reduce;
-- ``ffn`` / ``ffn_all_reduce``: FFN/MoE slice on all rows (sharded /T in every layout) and its all-reduce;
-- ``lm_head``: replicated LM head on the sampled rows; ``plan``: per-step host work (block tables);
-  ``other``: norms and residuals.
+The counts follow what splash/attention/*.py and splash/models/*.py execute (App. B stages: ``plan``, ``qkv_a``,
+``q_b_absorb``, ``indexer``, ``attention``, ``uv_o``, ``exchange``, ``ffn``, ``ffn_all_reduce``, ``lm_head``,
+``other``); which rows a layout projects and which keys it attends follow the ownership model (splash.layouts).
 Pure Python, no torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splash.costmodel.attn_rows import row_attention
 from splash.costmodel.op_counts import EAGER, ops
-from splash.costmodel.cp_placement import cp_keys_here, cp_new_rows_here  # noqa: F401 (re-exported)
 from splash.layouts.layout import KV_ALL, KV_POSITION, Layout, parse_layout
 from splash.models.config import ModelConfig
 
 STAGES = ("plan", "qkv_a", "q_b_absorb", "indexer", "attention", "uv_o", "exchange", "ffn", "ffn_all_reduce",
           "lm_head", "other")
-
-OPS = EAGER   # the eager path's counts (op_counts.py); `ops()` picks the fused ones when they run
-
 
 @dataclass
 class Work:
@@ -40,11 +23,11 @@ class Work:
     act_bytes: float = 0.0
     attn_flops: float = 0.0
     kv_bytes: float = 0.0
-    exch: list[tuple] = field(default_factory=list)  # (collective, bytes) or (collective, bytes, count)
+    exch: list[tuple[str, float, float]] = field(default_factory=list)  # (collective, bytes, count)
     ops: float = 0.0
     plan_blocks: float = 0.0
     plan_requests: float = 0.0
-    temps: list = field(default_factory=list)  # large temporaries: bytes or (bytes, count)
+    temps: list[tuple[float, float]] = field(default_factory=list)  # large temporaries: (bytes, count)
     attn_calls: float = 0.0
     expert_ops: float = 0.0   # eager ops that run once per active expert (none with a grouped-GEMM MoE kernel)
     gemm_rows: dict = field(default_factory=dict)  # rows -> GEMM FLOPs at that row count (row-dependent rates)
@@ -67,24 +50,19 @@ class Work:
         self.attn_spill_bytes += times * other.attn_spill_bytes
         for r, f in other.gemm_rows.items():
             self.gemm_rows[r] = self.gemm_rows.get(r, 0.0) + times * f
-        self.exch += [(e[0], e[1], (e[2] if len(e) > 2 else 1) * times) for e in other.exch]
-        self.temps += [(t[0], t[1] * times) if isinstance(t, tuple) else (t, times) for t in other.temps]
+        self.exch += [(k, b, n * times) for k, b, n in other.exch]
+        self.temps += [(b, n * times) for b, n in other.temps]
 
-    def collectives(self):
-        """(kind, bytes, count) of every collective (entries added as (kind, bytes) count once)."""
-        return [(e[0], e[1], e[2] if len(e) > 2 else 1) for e in self.exch]
-
-    def temporaries(self):
-        """(bytes, count) of every large temporary."""
-        return [t if isinstance(t, tuple) else (t, 1) for t in self.temps]
+    def collective(self, kind: str, nbytes: float) -> None:
+        self.exch.append((kind, nbytes, 1))
 
     @property
     def exch_bytes(self) -> float:
-        return sum(b * n for _, b, n in self.collectives())
+        return sum(b * n for _, b, n in self.exch)
 
     @property
     def num_collectives(self) -> float:
-        return sum(n for _, _, n in self.collectives())
+        return sum(n for _, _, n in self.exch)
 
 
 @dataclass(frozen=True)
@@ -130,16 +108,30 @@ class Shapes:
         return self.cfg.num_attention_heads // self.world
 
 
+def cp_keys_here(end: int, anchor: int, rank: int, world: int, bs: int) -> tuple[int, int]:
+    """(positions < ``end``, blocks) of one request that ``rank`` holds under CP: its blocks round-robin from the
+    anchor (splash.layouts.ownership.block_holders, in closed form for the per-rank hot path; tests/test_costmodel.py
+    checks they agree). Only the request's last block is partial."""
+    nb = -(-end // bs)
+    first = (rank - anchor) % world  # first block index homed here
+    blocks = nb // world + (1 if first < nb % world else 0)
+    if blocks == 0:
+        return 0, 0
+    last_block = first + (blocks - 1) * world
+    return (blocks - 1) * bs + min(bs, end - last_block * bs), blocks
+
+
 def attention_work(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], heads: int, new_here=None) -> None:
-    """pieces: (piece, visible keys here, held blocks here); new_here: see row_attention. Decode rows pad to the
-    most held blocks."""
+    """pieces: (piece, visible keys here, held blocks here); ``new_here[i]``: how many of piece i's new positions
+    are among its keys here (default all; CP holds about 1/T of a chunk's). Decode rows pad to the most held
+    blocks, unless the profile's row kernel walks each row's own keys."""
     cfg = s.cfg
     dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     per_key = 2.0 * (2 * dc + dr) * heads
     topk = cfg.index_topk
     if s.row_kernel:
-        row_attention(w, pieces, per_key, s.kv_tok, s.prefill_attn, topk, new_here)
-        w.ops += OPS["attention"]["tp"] - 13  # plan tensors, cache read and write, the one kernel call
+        _row_attention(s, w, pieces, per_key, new_here)
+        w.ops += EAGER["attention"]["tp"] - 13  # plan tensors, cache read and write, the one kernel call
         return
     dec = [(p, k, b) for p, k, b in pieces if p.new == 1]
     if dec:
@@ -158,7 +150,25 @@ def attention_work(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], hea
             _group(s, w, 1, p.new, b, keys, heads)
     w.plan_requests += len(pieces)
     w.plan_blocks += sum(b for _, _, b in pieces)
-    w.ops += OPS["attention"]["tp"] - 14  # plan tensors, cache read and write; the kernel's ops per group below
+    w.ops += EAGER["attention"]["tp"] - 14  # plan tensors, cache read and write; the kernel's ops per group below
+
+
+def _row_attention(s: Shapes, w: Work, pieces, per_key: float, new_here) -> None:
+    """SPLASH's CPU row kernel (`mla_decode`, one call a layer): a decode row scores its request's keys here, row
+    j of an n-row chunk the history plus about new_here·(j + 1)/n of the chunk's own keys; a request's keys are
+    read from memory once. No padding, no chunks, no merges."""
+    topk = s.cfg.index_topk
+    for i, (p, k, _) in enumerate(pieces):
+        if p.new <= 0:
+            continue
+        own = p.new if new_here is None else new_here[i]
+        keys = min(k, topk) if topk else k
+        seen = keys if p.new == 1 or topk else max(0.0, keys - own * (p.new - 1) / (2 * p.new))
+        factor = 1.0 if p.new == 1 else s.prefill_attn
+        w.attn_flops += p.new * seen * per_key * factor
+        w.kv_bytes += (keys if not topk else min(k, p.new * topk)) * s.kv_tok * factor
+    w.plan_requests += len(pieces)
+    w.plan_blocks += sum(b for _, _, b in pieces)
 
 
 def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, heads: int) -> None:
@@ -166,8 +176,9 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
     big temporaries. Split-KV kernel: chunks of pages bounded by the scratch budget, ≈ 18 eager ops each (the
     formulas of splash.attention.kernels.torch_mla.chunk_pages and chunk_spans)."""
     dc, dr = s.cfg.kv_lora_rank, s.cfg.qk_rope_head_dim
-    if s.scratch <= 0:
-        w.temps += attention_temps(reqs, rows, keys, heads, dc, dr)
+    if s.scratch <= 0:  # one call's big fp32 temporaries: the gathered latent and rope keys, two score tensors
+        score = 8.0 * reqs * rows * heads * keys / 2
+        w.temps += [(4.0 * reqs * keys * dc, 1), (4.0 * reqs * keys * dr, 1), (score, 1), (score, 1)]
         w.attn_calls += 1
         return
     per_page = s.bs * (8 * (dc + dr) + rows * (8 * heads + 1)) + 16
@@ -187,12 +198,6 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
 MERGE_PASSES = 7  # acc·α (read, write), the chunk's p·V (write), their sum (read 2, write), the store (write)
 
 
-def attention_temps(batch: int, rows: int, keys: int, heads: int, dc: int, dr: int) -> list[float]:
-    """The big fp32 temporaries of one attend call: the gathered latent and rope keys, two score tensors."""
-    return [4.0 * batch * keys * dc, 4.0 * batch * keys * dr, 8.0 * batch * rows * heads * keys / 2,
-            8.0 * batch * rows * heads * keys / 2]
-
-
 def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: float) -> None:
     cfg = s.cfg
     if not cfg.index_topk:
@@ -204,31 +209,50 @@ def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: flo
     for p, k, _ in pieces:
         w.attn_flops += 2.0 * p.new * k * ih * idim
         w.kv_bytes += k * s.idx_tok
-    w.ops += OPS["indexer"]
+    w.ops += EAGER["indexer"]
 
 
 def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
     """Per-stage work of one layer on ``rank``."""
     layout = parse_layout(layout)
-    kv = layout.kv_ownership
-    if kv == KV_POSITION and s.cp_prefill == "split" and s.world > 1 and any(p.new > 1 for p in pieces):
-        return _cp_split_layer(s, pieces, rank, moe)
-    cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
-    H, Hl = cfg.num_attention_heads, s.heads_local
+    cfg, T, H = s.cfg, s.world, s.cfg.num_attention_heads
+    N = sum(p.new for p in pieces)
+    st = {k: Work() for k in STAGES}
+    if layout.kv_ownership == KV_POSITION and s.cp_prefill == "split" and T > 1 and any(p.new > 1 for p in pieces):
+        rows, held = _cp_split(s, st["exchange"], pieces, rank)
+        _attention_block(s, st, layout, rows, rows, H, H, held, None)
+    else:
+        # DP-attn projects only its own requests' rows (replicated weights); the others every row, for their heads
+        mine = sum(p.new for p in pieces if p.owner == rank)
+        q_rows = mine if layout is Layout.DP_ATTN else N
+        heads = s.heads_local if layout.shards_projections else H
+        kv = layout.kv_ownership
+        if kv == KV_POSITION:   # a chunk's KV rows are written on their blocks' home ranks
+            held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
+            new_here = [k - cp_keys_here(p.context, p.owner, rank, T, s.bs)[0] for p, k, _ in held]
+        else:
+            held = [(p, p.end, -(-p.end // s.bs)) for p in pieces if kv == KV_ALL or p.owner == rank]
+            new_here = None
+        kv_rows = sum(new_here) if new_here is not None else (N if kv == KV_ALL else mine)
+        # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
+        _attention_block(s, st, layout, q_rows, kv_rows, heads, H if layout is Layout.DOP else heads, held, new_here)
+        _exchange(s, st["exchange"], layout, N, mine)
+    st["ffn"] = ffn_work(s, N, moe)
+    if T > 1:
+        st["ffn_all_reduce"].collective("all_reduce", N * cfg.hidden_size * s.ab)
+        st["ffn_all_reduce"].ops += 1
+    st["other"].ops += EAGER["other"]
+    st["other"].act_bytes += 6 * N * cfg.hidden_size * s.ab
+    return st
+
+
+def _attention_block(s: Shapes, st: dict[str, Work], layout: Layout, q_rows: int, kv_rows: int, heads: int,
+                     attn_heads: int, held: list[tuple[Piece, int, int]], new_here) -> None:
+    """Q-A / KV-A, Q-B and the W_UK absorb, the indexer, attention, W_UV and O of one layer on one rank."""
+    cfg, wb, ab = s.cfg, s.wb, s.ab
     hid, dc, dr, dn, dv = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                            cfg.v_head_dim)
     q_in = cfg.q_lora_rank or hid
-    N = sum(p.new for p in pieces)
-    mine = [p for p in pieces if p.owner == rank]
-    n_own = sum(p.new for p in mine)
-    st = {k: Work() for k in STAGES}
-    # DP-attn projects only its own requests' rows (replicated weights); the others every row, for their heads
-    q_rows = n_own if layout is Layout.DP_ATTN else N
-    heads = Hl if layout.shards_projections else H
-    if kv == KV_POSITION:
-        kv_rows = sum(cp_new_rows_here(p, rank, T, s.bs) for p in pieces)
-    else:
-        kv_rows = N if kv == KV_ALL else n_own
     if cfg.q_lora_rank:
         _gemm(st["qkv_a"], q_rows, hid, q_in, wb, ab)
     _gemm(st["qkv_a"], kv_rows, hid, dc + dr, wb, ab)
@@ -236,44 +260,20 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     _gemm(st["q_b_absorb"], q_rows, q_in, heads * (dn + dr), wb, ab)
     _gemm(st["q_b_absorb"], q_rows, dn, heads * dc, wb, ab)   # W_UK absorb (bmm per head)
     st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", layout)
-    if kv == KV_ALL:
-        held = [(p, p.end, -(-p.end // s.bs)) for p in pieces]
-    elif kv == KV_POSITION:
-        held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
-    else:
-        held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
-    att_rows = sum(p.new for p, _, _ in held)
-    # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
-    # CP: a chunk's row sees its history here plus the chunk's own positions homed here before it
-    new_here = [cp_new_rows_here(p, rank, T, s.bs) for p in pieces] if kv == KV_POSITION else None
-    attention_work(s, st["attention"], held, H if layout is Layout.DOP else heads, new_here)
+    attention_work(s, st["attention"], held, attn_heads, new_here)
     _indexer(s, st["indexer"], held, q_rows)
-    o_rows = n_own if layout is Layout.DP_ATTN else N
-    _gemm(st["uv_o"], o_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
-    _gemm(st["uv_o"], o_rows, heads * dv, hid, wb, ab)       # O
+    _gemm(st["uv_o"], q_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
+    _gemm(st["uv_o"], q_rows, heads * dv, hid, wb, ab)       # O
     st["uv_o"].ops += ops(s.fused, "uv_o", layout)
-    _exchange(s, st["exchange"], layout, N, n_own, att_rows, pieces, rank)
-    ffn_work(s, st, N, moe)
-    if T > 1:
-        st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
-        st["ffn_all_reduce"].ops += 1
-    st["other"].ops += OPS["other"]
-    st["other"].act_bytes += 6 * N * hid * ab
-    return st
 
 
-def _cp_split_layer(s: Shapes, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
-    """CP with ``cp_prefill="split"`` (context-parallel prefill as SGLang's NSA prefill CP runs it): every prefill
-    piece's new rows are split evenly over the ranks; each rank gathers the piece's whole history (its latent KV and
-    indexer keys: one all-gather per layer), runs Q-A/KV-A, Q-B, indexer, attention (all heads) and O for its rows
-    only, and the step's outputs are all-gathered back to every row (as DP-attn's). The KV stays position-sharded
-    (each rank keeps its home blocks of the gathered history). Decode rows still attend by partial outputs + LSE,
-    which is cheaper for one row per request."""
-    cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
-    hid, dc, dr, dn, dv, H = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
-                              cfg.v_head_dim, cfg.num_attention_heads)
-    q_in = cfg.q_lora_rank or hid
-    N = sum(p.new for p in pieces)
+def _cp_split(s: Shapes, ex: Work, pieces: list[Piece], rank: int) -> tuple[int, list[tuple[Piece, int, int]]]:
+    """CP with ``cp_prefill="split"`` (SGLang's NSA context-parallel prefill): every prefill piece's new rows are
+    split evenly over the ranks; each rank gathers the piece's whole history (latent KV and indexer keys: one
+    all-gather a layer), runs the attention block for its rows only (all heads), and the outputs are all-gathered
+    back to every row. Decode rows still attend by partial outputs + LSE. Adds the exchange to ``ex``; returns
+    (rows projected here, held pieces)."""
+    T, H, dc = s.world, s.cfg.num_attention_heads, s.cfg.kv_lora_rank
     dec = [p for p in pieces if p.new == 1]
     pre = [p for p in pieces if p.new > 1]
     mine = []  # this rank's share of each prefill piece: rows [lo, hi) of the chunk, as a Piece of its own
@@ -281,66 +281,44 @@ def _cp_split_layer(s: Shapes, pieces: list[Piece], rank: int, moe: bool) -> dic
         lo, hi = rank * p.new // T, (rank + 1) * p.new // T
         if hi > lo:
             mine.append(Piece(hi - lo, p.context + lo, p.owner, p.samples))
-    rows = sum(p.new for p in mine) + len(dec)
-    st = {k: Work() for k in STAGES}
-    if cfg.q_lora_rank:
-        _gemm(st["qkv_a"], rows, hid, q_in, wb, ab)
-    _gemm(st["qkv_a"], rows, hid, dc + dr, wb, ab)
-    st["qkv_a"].ops += ops(s.fused, "qkv_a", "cp")
-    _gemm(st["q_b_absorb"], rows, q_in, H * (dn + dr), wb, ab)
-    _gemm(st["q_b_absorb"], rows, dn, H * dc, wb, ab)
-    st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", "cp")
     held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     held += [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in dec]
-    attention_work(s, st["attention"], held, H)
-    _indexer(s, st["indexer"], held, rows)
-    _gemm(st["uv_o"], rows, dc, H * dv, wb, ab)
-    _gemm(st["uv_o"], rows, H * dv, hid, wb, ab)
-    st["uv_o"].ops += ops(s.fused, "uv_o", "cp")
-    ex = st["exchange"]
-    ex.ops += OPS["exchange"]["cp"]
-    ex.exch.append(("all_gather", sum(p.end for p in pre) * (s.kv_tok + s.idx_tok)))  # the pieces' histories
-    ex.exch.append(("all_gather", N * hid * ab))                                     # outputs back to all rows
+    ex.ops += EAGER["exchange"]["cp"]
+    ex.collective("all_gather", sum(p.end for p in pre) * (s.kv_tok + s.idx_tok))  # the pieces' histories
+    ex.collective("all_gather", sum(p.new for p in pieces) * s.cfg.hidden_size * s.ab)   # outputs to all rows
     if dec:
-        part = len(dec) * (H * dc * ab + H * 4.0)
-        ex.exch.append(("all_gather", T * part))
+        part = len(dec) * (H * dc * s.ab + H * 4.0)
+        ex.collective("all_gather", T * part)
         ex.act_bytes += 4 * T * part
-    ffn_work(s, st, N, moe)
-    st["ffn_all_reduce"].exch.append(("all_reduce", N * hid * ab))
-    st["ffn_all_reduce"].ops += 1
-    st["other"].ops += OPS["other"]
-    st["other"].act_bytes += 6 * N * hid * ab
-    return st
+    return sum(p.new for p in mine) + len(dec), held
 
 
-def _exchange(s: Shapes, w: Work, layout: str, N: int, n_own: int, att_rows: int, pieces: list[Piece],
-              rank: int) -> None:
+def _exchange(s: Shapes, w: Work, layout: Layout, N: int, n_own: int) -> None:
     cfg, T, ab = s.cfg, s.world, s.ab
     hid, dc, dr, H, Hl = cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads, \
         s.heads_local
     if T == 1:
         return
-    w.ops += OPS["exchange"][layout]
-    layout = parse_layout(layout)
+    w.ops += EAGER["exchange"][layout.value]
     if layout is Layout.TP:
-        w.exch.append(("all_reduce", N * hid * ab))
+        w.collective("all_reduce", N * hid * ab)
     elif layout is Layout.DP_ATTN:
-        w.exch.append(("all_gather", N * hid * ab))
+        w.collective("all_gather", N * hid * ab)
         w.act_bytes += 2 * N * hid * ab
     elif layout is Layout.CP:
         part = N * (H * dc * ab + H * 4.0)  # partial output + fp32 LSE
-        w.exch.append(("all_gather", T * part))
+        w.collective("all_gather", T * part)
         w.act_bytes += 4 * T * part  # pack, logsumexp weights, weighted sum
         if cfg.index_topk:
-            w.exch.append(("all_gather", T * N * cfg.index_topk * 8.0))
+            w.collective("all_gather", T * N * cfg.index_topk * 8.0)
     else:  # dop
         d = dc + dr
         send_q = N * Hl * d * ab
         recv_q = n_own * T * Hl * d * ab
-        w.exch.append(("all_to_all", max(send_q, recv_q)))
+        w.collective("all_to_all", max(send_q, recv_q))
         send_o, recv_o = n_own * T * Hl * dc * ab, N * Hl * dc * ab
-        w.exch.append(("all_to_all", max(send_o, recv_o)))
-        w.exch.append(("all_reduce", N * hid * ab))
+        w.collective("all_to_all", max(send_o, recv_o))
+        w.collective("all_reduce", N * hid * ab)
         w.act_bytes += 2 * (send_q + recv_q + send_o + recv_o)
 
 
@@ -351,17 +329,15 @@ def expected_active_experts(n_experts: int, k: int, rows: float) -> float:
     return n_experts * (1.0 - (1.0 - k / n_experts) ** rows)
 
 
-def ffn_work(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
+def ffn_work(s: Shapes, N: int, moe: bool) -> Work:
+    """One FFN layer on ``N`` rows, sharded /T in every layout: a dense MLP, or router + routed + shared experts."""
     cfg, T, wb, ab = s.cfg, s.world, s.wb, s.ab
-    hid, w = cfg.hidden_size, st["ffn"]
+    hid, w = cfg.hidden_size, Work()
     if N <= 0:
-        return
+        return w
     if not moe:
-        inter = cfg.intermediate_size / T
-        _gemm(w, N, hid, 2 * inter, wb, ab)
-        _gemm(w, N, int(inter), hid, wb, ab)
-        w.ops += ops(s.fused, "ffn_dense")
-        return
+        _mlp(s, w, N, cfg.intermediate_size / T)
+        return w
     mi, E, k = cfg.moe_intermediate_size / T, cfg.n_routed_experts, cfg.num_experts_per_tok
     active = expected_active_experts(E, k, N)
     w.gemm_flops += 2.0 * N * hid * E * 4  # router (fp32, replicated)
@@ -373,16 +349,14 @@ def ffn_work(s: Shapes, st: dict[str, Work], N: int, moe: bool) -> None:
     w.ops += ops(s.fused, "moe_fixed")
     w.expert_ops += ops(s.fused, "moe_per_expert") * active
     if cfg.n_shared_experts:
-        inter = mi * cfg.n_shared_experts
-        _gemm(w, N, hid, 2 * inter, wb, ab)
-        _gemm(w, N, int(inter), hid, wb, ab)
-        w.ops += ops(s.fused, "ffn_dense")
+        _mlp(s, w, N, mi * cfg.n_shared_experts)
+    return w
 
 
-def dense_ffn_work(s: Shapes, rows: int) -> Work:
-    st = {"ffn": Work()}
-    ffn_work(s, st, rows, moe=False)
-    return st["ffn"]
+def _mlp(s: Shapes, w: Work, N: int, inter: float) -> None:
+    _gemm(w, N, s.cfg.hidden_size, 2 * inter, s.wb, s.ab)
+    _gemm(w, N, int(inter), s.cfg.hidden_size, s.wb, s.ab)
+    w.ops += ops(s.fused, "ffn_dense")
 
 
 def step_extra(s: Shapes, pieces: list[Piece]) -> dict[str, Work]:

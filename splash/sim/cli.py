@@ -66,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "history's latent KV + indexer keys per layer (SGLang's NSA context-parallel prefill); "
                          "partials attends every row on every rank over its position shard and all-gathers the "
                          "partial outputs + LSE, as this engine's CP does (decode rows always use partials)")
-    ap.add_argument("--owner-prefill", action="store_true", help="same as --prefill-split owner (kept for old scripts)")
     ap.add_argument("--reserve", type=parse_len, default=None,
                     help="bytes per rank the runtime holds besides weights and KV (default 3.2 GiB, derived from "
                          "the paper's B200 DOP pool: splash/sim/storage.py)")
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                        cp_prefill=a.cp_prefill)
         reserve = RUNTIME_RESERVE_BYTES if a.reserve is None else float(a.reserve)
         setup = SimSetup(model, prof, a.ranks, a.mem_fraction, a.block_size, a.chunk, reserve,
-                         a.owner_prefill or a.prefill_split == "owner", a.storage, a.deployment, a.decode_layout,
+                         a.prefill_split == "owner", a.storage, a.deployment, a.decode_layout,
                          a.decode_ranks, a.decode_nodes)
         caps = capacities(setup)
     except (ConfigError, ValueError) as e:

@@ -1,15 +1,9 @@
 """The scheduler under model error: a *truth* cost model whose per-kernel (per layout and stage) times differ from
-the nominal one by errors drawn from splash-sim's held-out residuals against the paper. ``splash-sim --trace
---truth-error`` charges every step and switch with the truth while ``auto`` plans with the nominal model and
-learns from what it is charged, as the engine learns from measured steps. Pure, no torch.
-
-Errors: one factor per kernel and one per switch direction, each 1 + s·|r| with r drawn uniformly from the residuals
-and s a random sign (the residuals' magnitudes, either way), from ``random.Random(seed)``. A stage that runs the same
-computation in every layout (COMMON_STAGES: the FFN/MoE and its all-reduce, the LM head, norms and residuals, the
-host's planning — splash/costmodel/work.py) is one kernel with one error, shared by the layouts; the stages whose
-work differs by layout (the attention block's GEMMs, the attention kernel, the indexer, the exchange's collectives,
-the peer wait and the overlap) get a factor per layout. ``kernels="per_layout"`` draws every (layout, stage) apart,
-as if the same FFN ran at a different efficiency in each layout.
+the nominal one by 1 + s·|r|, r drawn from splash-sim's held-out residuals against the paper and s a random sign
+(``random.Random(seed)``); one factor per switch direction likewise. ``splash-sim --trace --truth-error`` charges
+the truth while ``auto`` plans with the nominal model and learns from what it is charged. A stage that computes the
+same in every layout (COMMON_STAGES) is one kernel with one error shared by the layouts, unless
+``kernels="per_layout"``. Pure, no torch.
 """
 from __future__ import annotations
 
@@ -117,18 +111,12 @@ def experiment_cli(console, cm, setup, caps, trace: str, table_json: str, seeds:
     from splash.sim.workloads import BUILTIN, builtin
     try:
         residuals = held_out_residuals(json.loads(Path(table_json).read_text())["rows"])
-        if trace in BUILTIN:
-            def workload_for_seed(seed):
-                return builtin(trace, seed)
-        else:
-            fixed_work = load_workload(trace)
-
-            def workload_for_seed(seed):
-                return fixed_work
+        fixed = None if trace in BUILTIN else load_workload(trace)
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"splash-sim: {e}")
         return 2
-    rows = experiment(cm, setup, caps, workload_for_seed, residuals, seeds, margin, kernels)
+    rows = experiment(cm, setup, caps, lambda seed: builtin(trace, seed) if fixed is None else fixed, residuals,
+                      seeds, margin, kernels)
     t = Table(title=f"{trace} under model error ({len(residuals)} held-out residuals from {table_json}, {kernels} "
                     f"kernel errors): output tokens/s, all charged with the seed's truth")
     for col in ("seed", "auto", "TP", "DP-attn", "CP", "DOP", "oracle", "best fixed", "auto / best",

@@ -1,11 +1,7 @@
-"""Paper-scale model presets for splash-sim (public config.json values) and a loader for any config.json.
+"""Paper-scale model presets for splash-sim (public config.json values) and a loader for any config.json. No torch.
 
-No torch: the small CPU presets (tiny-mla, small-mla) come from splash.models.presets only when asked for, and
-that module imports torch.
-
-Hybrid models (glm5_next: KDA linear-attention layers interleaved with MLA layers) are split into the MLA
-layers, which the cost model and the memory model see as the model, and a count of linear layers whose cost
-and weights are the same in every layout (see SimModel).
+Hybrid models (glm5_next: KDA linear-attention layers interleaved with MLA layers) are split into the MLA layers,
+which the cost model and the memory model see as the model, and a count of layout-independent linear layers.
 """
 from __future__ import annotations
 
@@ -52,12 +48,10 @@ PRESETS: dict[str, tuple[dict[str, Any], str, str, str]] = {
 
 @dataclass(frozen=True)
 class SimModel:
-    """What splash-sim models: ``cfg`` holds the MLA layers only (num_hidden_layers = MLA layers); the
-    ``linear_layers`` (KDA) are modelled as layout-independent: their projections (q, k, v, gates, o ≈
-    5 · hidden · heads · head_dim parameters) are head-sharded over the group in every layout, their
-    recurrent state (heads · head_dim² fp32 per request) is read and written once per decode token, and
-    their FFN/MoE is sharded like every FFN. Assumptions, stated: SPLASH's ownership model covers the MLA
-    state; KDA layers are placed the same way in every layout."""
+    """What splash-sim models: ``cfg`` holds the MLA layers only; the ``linear_layers`` (KDA) are placed the same
+    way in every layout (an assumption: the ownership model covers the MLA state): their projections are
+    head-sharded, their recurrent state (heads · head_dim² fp32 a request) is read and written once a decode token,
+    their FFN/MoE is sharded like every FFN."""
     name: str
     cfg: ModelConfig
     full: ModelConfig

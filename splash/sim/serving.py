@@ -5,25 +5,23 @@ The serving model (stated, not measured):
   fit wait for the previous wave (the requests are identical, so continuous batching runs them in waves);
   TP's capacity is one rank's pool (it replicates the latent), DP-attn/DOP's is per owner (a request lives on
   one rank), CP's is the group's pool (position-sharded);
-- prefill is chunked: each step takes up to ``chunk`` prompt tokens; in the request-owned layouts
-  (``owner_prefill``, the default) each owner with prompt tokens left takes ``chunk // world`` of them, as SGLang's
-  DP-attention gives each DP rank ``chunked_prefill_size // dp_size`` (an idle owner's share is not handed on);
-  ``owner_prefill=False`` takes it in admission order, as this engine's scheduler does (one owner runs most of a
-  step's chunk). TP and CP spend it in admission order; how CP splits a chunk is the cost model's
-  ``cp_prefill``. Decode then runs one row per request per step;
+- prefill is chunked (``chunk`` prompt tokens a step: per owner in the request-owned layouts with ``owner_prefill``,
+  else in admission order, `_prefill_steps`; how CP splits a chunk is the cost model's ``cp_prefill``); decode then
+  runs one row per request per step;
 - throughput counts input + output tokens over the whole run (the paper's total throughput);
 - the linear-attention layers of a hybrid model (SimModel) cost the same in every layout.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from splash.costmodel.profile import HardwareProfile
 from splash.costmodel.step_cost import ELEM_BYTES, LAYOUTS, CostModel, RowLoad
-from splash.costmodel.work import Shapes, Work
-from splash.layouts.layout import KV_OWNER, KV_POSITION, kv_ownership_of, parse_layout
+from splash.costmodel.work import Shapes, Work, ffn_work
+from splash.layouts.layout import parse_layout
 from splash.layouts.memory import common_params, kv_capacity_tokens
-from splash.layouts.ownership import kv_copies
+from splash.layouts.ownership import blocks_held, kv_copies
 from splash.sim.presets import SimModel
 from splash.sim.storage import RUNTIME_RESERVE_BYTES, kv_share, storage_delta_bytes
 
@@ -69,7 +67,6 @@ def linear_common_bytes(m: SimModel, world: int) -> float:
     """Per-rank weight bytes of the linear layers (their FFN/MoE and attention weights, sharded /T)."""
     if not m.linear_layers:
         return 0.0
-    import dataclasses
     lin = dataclasses.replace(m.full, num_hidden_layers=m.linear_layers, first_k_dense_replace=m.linear_dense_layers,
                               index_head_dim=0, index_n_heads=0, q_lora_rank=None, kv_lora_rank=0,
                               qk_rope_head_dim=0, hybrid=None)  # plain FFN + norms view
@@ -93,7 +90,6 @@ def capacities(s: SimSetup) -> dict[str, object]:
     weights counted as stored (FP8/INT8 linears + scales; embeddings, LM head, norms in BF16), as the
     deployment's ``storage`` keeps them (splash.sim.storage), and — for a hybrid model under SGLang storage —
     the recurrent-state pool's share of the room taken out."""
-    import dataclasses
     m = s.model
     extra = linear_common_bytes(m, s.world) + s.reserve_bytes
     elem, quant = stored_weights(m.weight_dtype)
@@ -114,16 +110,12 @@ def capacities(s: SimSetup) -> dict[str, object]:
 
 
 def concurrency(s: SimSetup, caps: dict, layout: str, tokens: int) -> int:
-    """Requests of ``tokens`` KV tokens the layout holds at once."""
-    c = caps[layout]
-    blocks = -(-tokens // s.block_size)
-    kv = kv_ownership_of(layout)
-    if kv == KV_OWNER:
-        return s.world * (c.blocks_per_rank // blocks)
-    if kv == KV_POSITION:
-        per_rank = -(-blocks // s.world)  # block round-robin: a request takes up to ceil(blocks / T) on every rank
-        return c.blocks_per_rank // per_rank if per_rank else 0
-    return c.blocks_per_rank // blocks
+    """Requests of ``tokens`` KV tokens the layout holds at once: its busiest rank's blocks of one request (the
+    ownership model's), on every rank or — request-owned layouts — on its owner alone."""
+    per_rank = max(blocks_held(layout, 0, 0, -(-tokens // s.block_size), s.world))
+    if per_rank == 0:
+        return 0
+    return (s.world if parse_layout(layout).owner_based else 1) * (caps[layout].blocks_per_rank // per_rank)
 
 
 def linear_seconds(cm: CostModel, m: SimModel, rows: list[RowLoad]) -> float:
@@ -142,78 +134,44 @@ def linear_seconds(cm: CostModel, m: SimModel, rows: list[RowLoad]) -> float:
     w.kv_bytes = 2.0 * len(rows) * state / T   # each request's state read and written once per step
     w.ops = 30
     if T > 1:
-        w.exch += [("all_reduce", n * hid * ab)] * 2
+        w.exch += [("all_reduce", n * hid * ab, 1)] * 2
     per = cm.stage_seconds("attention", w)
-    ffn = Work()
     sh = Shapes(m.full, T, wb, ab, 0.0, 0.0, cm.block_size)
-    from splash.costmodel.work import ffn_work  # the MLA layers' FFN counting, reused for the linear layers' FFN
-    st = {"ffn": ffn}
-    ffn_work(sh, st, n, moe=True)
-    dense = Work()
-    ffn_work(sh, {"ffn": dense}, n, moe=False)
-    moe_layers = m.linear_layers - m.linear_dense_layers
-    return (m.linear_layers * per + moe_layers * cm.stage_seconds("ffn", ffn)
-            + m.linear_dense_layers * cm.stage_seconds("ffn", dense))
+    moe = ffn_work(sh, n, moe=True)   # the MLA layers' FFN counting, reused for the linear layers' FFN
+    return (m.linear_layers * per + (m.linear_layers - m.linear_dense_layers) * cm.stage_seconds("ffn", moe)
+            + m.linear_dense_layers * cm.stage_seconds("ffn", ffn_work(sh, n, moe=False)))
 
 
 def step_seconds(cm: CostModel, m: SimModel, layout: str, rows: list[RowLoad]) -> float:
     return cm.step(layout, rows).seconds + linear_seconds(cm, m, rows)
 
 
-def _chunks(reqs: list[int], input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
-    """Chunked prefill of requests ``reqs`` (request j has owner / anchor j % world) in admission order,
-    ``chunk`` prompt tokens a step."""
-    done = dict.fromkeys(reqs, 0)
-    steps, i = [], 0
-    while i < len(reqs):
-        budget, rows = chunk, []
-        while budget > 0 and i < len(reqs):
-            j = reqs[i]
-            take = min(budget, input_len - done[j])
-            rows.append(RowLoad(take, done[j], j % world, samples=done[j] + take == input_len))
-            done[j] += take
-            budget -= take
-            if done[j] == input_len:
-                i += 1
-        steps.append(rows)
-    return steps
-
-
-def _balanced_steps(k: int, input_len: int, chunk: int, world: int) -> list[list[RowLoad]]:
-    """Prefill steps of k requests with every owner that still has prompt tokens to prefill taking a fixed
-    ``chunk // world`` of them a step (from its own requests in admission order): SGLang's DP-attention divides
-    ``chunked_prefill_size`` by ``dp_size`` once at start-up (server_args ``_handle_data_parallelism``), and each DP
-    rank's scheduler fills its own share. An owner with nothing left runs an idle batch; its share is not handed
-    to the others, so fewer busy owners (B < T, the tail of a wave) means fewer tokens a step."""
-    done = dict.fromkeys(range(k), 0)
-    share = max(1, chunk // world)
+def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bool) -> list[list[RowLoad]]:
+    """Chunked prefill steps of k requests (request j on owner / anchor j % world): one ``chunk`` budget a step for
+    the group, spent in admission order (the engine's scheduler), or with ``per_owner`` a fixed ``chunk // world``
+    for every owner with prompt tokens left, spent on its own requests in admission order — SGLang's DP-attention
+    divides ``chunked_prefill_size`` by ``dp_size`` once at start-up (server_args ``_handle_data_parallelism``) and
+    an idle owner's share is not handed on, so fewer busy owners (B < T, a wave's tail) prefill fewer tokens a step."""
+    if input_len <= 0:
+        return []
+    groups = [list(range(o, k, world)) for o in range(min(k, world))] if per_owner else [list(range(k))]
+    share = max(1, chunk // world) if per_owner else chunk
+    done = [0] * k
     steps = []
-    while any(d < input_len for d in done.values()):
-        pending: dict[int, list[int]] = {}
-        for j, d in done.items():
-            if d < input_len:
-                pending.setdefault(j % world, []).append(j)
+    while any(groups):
         rows = []
-        for owner, reqs in sorted(pending.items()):
+        for g in groups:
             budget = share
-            for j in reqs:
-                if budget <= 0:
-                    break
+            while budget > 0 and g:
+                j = g[0]
                 take = min(budget, input_len - done[j])
-                rows.append(RowLoad(take, done[j], owner, samples=done[j] + take == input_len))
+                rows.append(RowLoad(take, done[j], j % world, samples=done[j] + take == input_len))
                 done[j] += take
                 budget -= take
+                if done[j] == input_len:
+                    g.pop(0)
         steps.append(rows)
     return steps
-
-
-def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bool) -> list[list[RowLoad]]:
-    """Prefill steps of k requests: one ``chunk`` budget per step for the group, taken in admission order (what
-    the engine's scheduler does), or with ``per_owner`` a fixed ``chunk // world`` per busy owner
-    (``_balanced_steps``)."""
-    if not per_owner:
-        return _chunks(list(range(k)), input_len, chunk, world)
-    return _balanced_steps(k, input_len, chunk, world)
 
 
 def prefill_seconds(cm: CostModel, s: SimSetup, layout: str, k: int, input_len: int) -> float:

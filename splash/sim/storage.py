@@ -1,28 +1,15 @@
-"""How the deployment being simulated stores its weights and state, per layout — the part of the capacity
-reading that depends on the serving stack, not on the model. Pure, no torch.
+"""How the simulated deployment stores its weights and state, per layout — the part of the capacity reading that
+depends on the serving stack, not on the model. Pure, no torch.
 
-``splash.layouts.memory`` counts what this engine stores (embedding and LM head replicated on every rank, W_UK /
-W_UV read in place from KV-B). The paper's capacity figures come from SGLang deployments (its
-``mem_fraction_static`` is the paper's "memory fraction 0.85", DP-attention is SGLang's ``--enable-dp-attention``,
-the FP8 KV is the FlashMLA layout of SGLang's NSA pool). ``STORAGE = "sglang"`` adds, per rank, what SGLang stores
-differently (each item from SGLang's model code, none fitted):
+``splash.layouts.memory`` counts what this engine stores. The paper's capacity figures come from SGLang
+deployments; ``"sglang"`` storage adds, per rank, what SGLang stores differently (each item read from SGLang's model
+code, none fitted; docs/benchmarks.md names the sources): a vocabulary-parallel embedding and LM head (the embedding
+replicated under DP-attention), BF16 W_UK / W_UV copies of KV-B (head-sharded with the projections), and for hybrid
+(KDA) models a recurrent-state pool of ratio / (1 + ratio) of the memory left after the weights.
 
-- **vocabulary-parallel embedding and LM head** (``VocabParallelEmbedding`` / ``ParallelLMHead``): 1/T of the
-  vocabulary per rank, BF16 — except that under DP-attention the embedding is replicated
-  (``VocabParallelEmbedding(..., enable_tp=not is_dp_attention_enabled())`` in its DeepSeek/GLM models; the LM head
-  stays vocabulary-parallel, ``enable_dp_lm_head`` being off by default);
-- **BF16 W_UK / W_UV copies** of KV-B (``post_load_weights``: on Blackwell an FP8 block-quantised ``kv_b_proj`` is
-  dequantised into BF16 ``w_kc`` / ``w_vc`` for the absorbed decode BMMs, INT8 likewise; ``kv_b_proj`` itself is
-  kept for the MHA prefill path): H × d_c × (d_nope + d_v) × 2 bytes per layer, head-sharded with the projections
-  (TP, DOP) or replicated (DP-attn, CP);
-- **recurrent-state pool** of hybrid (KDA) models: ``mamba_full_memory_ratio`` (0.9 by default) gives the state
-  pool ratio / (1 + ratio) of the memory left after the weights, the full-attention KV pool the rest.
-
-``RUNTIME_RESERVE_BYTES``: memory the runtime holds when it sizes the pool that is not weights (CUDA/HIP context,
-communicator and GEMM workspaces, allocator slack; SGLang measures free memory after loading, so it all comes out of
-the memory fraction). No source gives it; it is the one figure derived from the paper: B200's budget
-(0.85 × 178.35 GiB) − GLM-5.3's DOP weights stored as above − the paper's DOP pool (8,271,360 / 8 tokens ×
-61,464 B) = 3.44e9 B, rounded to 3.2 GiB. GLM-5.3-Flash on BW1000 then checks it (docs/benchmarks.md).
+``RUNTIME_RESERVE_BYTES``: memory the runtime holds besides weights and KV (context, workspaces, allocator slack).
+No source gives it; it is the one figure derived from the paper (B200's DOP pool of GLM-5.3, docs/benchmarks.md),
+3.44e9 B rounded to 3.2 GiB, and GLM-5.3-Flash on BW1000 checks it.
 """
 from __future__ import annotations
 

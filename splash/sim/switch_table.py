@@ -9,7 +9,7 @@ from splash.switching.manifest import ReqState, plan_switch
 def switch_step_rows(layout: str, batch: int, tokens: int, chunk: int, world: int) -> list[RowLoad]:
     """The step a switch at ``batch`` x ``tokens`` runs in: one prefill step of ``chunk`` tokens at that context
     (the paper's switch study holds B = 16 requests of 256K tokens, where steps are long-context prefill chunks),
-    split over the owners in DP-attn/DOP as splash-sim's prefill is (serving._balanced_steps), one request's chunk
+    split over the owners in DP-attn/DOP as splash-sim's prefill is (serving._prefill_steps), one request's chunk
     in TP/CP."""
     if parse_layout(layout).owner_based:
         return [RowLoad(chunk // world, tokens, o) for o in range(min(batch, world))]

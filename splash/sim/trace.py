@@ -1,17 +1,10 @@
-"""splash-sim --trace: replay a workload through the scheduler policy, against each fixed layout. No torch.
+"""splash-sim --trace: replay a workload through the engine's own scheduling code on a predicted clock. No torch.
 
-A workload file's requests are the ones `splash-bench workload` sends (`splash.workload`: the same prompts with
-their shared prefixes, samples, stagger and turns; a conversation's next turn is sent when its last one ends, its
-prompt the conversation so far). The replay runs the engine's own scheduling code on a predicted clock: requests
-arrive into the engine's `Scheduler` and `KVLedger` (admission, chunked prefill, owner placement, preemption and
-the prefix cache as the engine does them), and each step takes the cost model's predicted time. ``auto`` is the
-engine's `AutoLayout` behind its `LayoutController`, asked at each boundary as the engine asks it (`advise`, the
-manifest and headroom, `vet_pending`); the replay pays the switch's cost when it switches. By default auto's
-predictions are the replay's own step times and switch costs, so there is nothing to learn online (no
-observations, switch-cost ratio 1, no overhead budget). With a *truth* model (``replay(..., truth=)``,
-splash/sim/model_error.py) the replay charges the truth, auto still plans with the nominal model and is fed every
-step's charged time as the engine feeds it measured ones. Decode runs in which nothing else can happen are charged
-at once, up to the next arrival.
+A workload file's requests are the ones `splash-bench workload` sends (`splash.workload`); they arrive into the
+engine's `Scheduler` and `KVLedger` and each step takes the cost model's predicted time. ``auto`` is the engine's
+`AutoLayout` behind its `LayoutController`, asked at each boundary as the engine asks it; a switch costs its
+predicted time. Without a *truth* model auto's predictions are the replay's own times, so there is nothing to learn
+online; with one (splash/sim/model_error.py) the replay charges the truth and auto learns from what it is charged.
 """
 from __future__ import annotations
 
@@ -89,16 +82,11 @@ class _ReplayModel:
 
 def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1, truth=None,
            plan=None, prefix_caching: bool | None = None) -> Result:
-    """Serve ``workload`` in a fixed layout (``mode``) or with ``auto``, through the engine's own scheduling code:
-    its `Scheduler` and `KVLedger` (admission, chunked prefill, owner placement, preemption) and, for ``auto``, its
-    `AutoLayout` behind the same `LayoutController` (memory headroom, deferral) — only the clock is predicted.
-    Steps and switches are charged with ``truth`` (default: ``cm``); auto plans with ``plan`` (default: ``cm``)
-    and, when the charge differs from its model, learns from what each step was charged (AutoLayout.observe), as
-    the engine learns from measured steps (splash/sim/model_error.py). Decode runs in which nothing else can happen
-    are charged at once (`Scheduler.steady_decode_steps`), up to the next arrival. ``prefix_caching`` keeps the
-    engine's prefix cache in the ledger: a prompt starts on cached blocks, only computed rows are charged. None: on
-    where a prompt can hit (`_can_hit`), as the engine runs; elsewhere the cache cannot change the replay, only slow
-    it (its decode runs end at block boundaries while requests wait: dcu-burst.json 30 s -> 10 min)."""
+    """Serve ``workload`` in a fixed layout (``mode``) or with ``auto``. Steps and switches are charged with ``truth``
+    (default: ``cm``); auto plans with ``plan`` (default: ``cm``) and learns from what each step was charged when
+    that differs from its model. Decode runs in which nothing else can happen are charged at once
+    (`Scheduler.steady_decode_steps`), up to the next arrival. ``prefix_caching``: None turns the prefix cache on
+    where a prompt can hit (`_can_hit`); elsewhere it cannot change the replay, only slow it."""
     charge = truth if truth is not None else cm
     planner = plan if plan is not None else cm
     learn = charge is not planner

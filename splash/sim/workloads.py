@@ -12,9 +12,6 @@ import random
 
 from splash.sim.trace import Req
 
-BUILTIN = ("rl-rollout", "agentic")
-
-
 def rl_rollout(seed: int, n: int = 128) -> list[Req]:
     rng = random.Random(seed)
     out = []
@@ -36,8 +33,9 @@ def agentic(seed: int, sessions: int = 16, turns: int = 4) -> list[Req]:
 
 
 def builtin(name: str, seed: int) -> list[Req]:
-    if name == "rl-rollout":
-        return rl_rollout(seed)
-    if name == "agentic":
-        return agentic(seed)
-    raise ValueError(f"unknown workload {name!r} (built in: {', '.join(BUILTIN)}; or a workload file)")
+    if name not in BUILTIN:
+        raise ValueError(f"unknown workload {name!r} (built in: {', '.join(BUILTIN)}; or a workload file)")
+    return BUILTIN[name](seed)
+
+
+BUILTIN = {"rl-rollout": rl_rollout, "agentic": agentic}
