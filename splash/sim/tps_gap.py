@@ -1,4 +1,4 @@
-"""Where a tokens/s miss of the paper table could come from: for each published tokens/s figure of a
+"""Where a tokens/s or primitive miss of the paper table could come from: for each published tokens/s figure of a
 disaggregated sweep, what one stage of the batch's end-to-end time would have to be, by itself, to close the gap
 between splash-sim and the paper. Pure, no torch; ``splash-sim gap`` prints it.
 
@@ -27,6 +27,9 @@ And **the top-k's read of the logits**: the scoring kernel writes the FP32 logit
 compute in the profile's ``attention_combine: max``), and the top-k, a separate kernel after it, reads them back:
 at least 4 bytes a (row, key) at the spec sheet's HBM rate, on the rank that holds the rows (an owner's requests in
 DP-attn/DOP; 1/T of every request's rows in CP). Its seconds over a whole prompt are what it could add.
+
+It also prints, per hardware, the link rate its published per-layer switch primitives imply at the B200-fitted
+shares (splash.sim.fit.implied_link_rates), beside the profile's.
 """
 from __future__ import annotations
 
@@ -177,9 +180,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['nic_spec_bytes_per_s'] / 1e9:.0f})",
                   "—" if r["indexer_bound_ratio"] is None else f"{r['indexer_bound_ratio']:.2f}",
                   f"{r['topk_read_s']:.2f}")
-    Console(width=230).print(t)
+    con = Console(width=230)
+    con.print(t)
+    # the per-layer primitives' side of the same question: the link rate their published ranges imply
+    from splash.costmodel.profile import load_profile
+    from splash.sim.fit import implied_link_rates
+    links = {}
+    for hw in want:
+        links[hw] = implied_link_rates(hw)
+        spec = load_profile(hw).link_bytes_per_s
+        con.print(f"{hw}: link rate the published per-layer primitives imply at the B200 shares, GB/s each way: "
+                  + ", ".join(f"{k} {lo / 1e9:.0f}–{hi / 1e9:.0f}" for k, (lo, hi) in links[hw].items())
+                  + f" (profile: {spec / 1e9:.0f}, {load_profile(hw).provenance.get('link_bytes_per_s', '')})")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1, default=str))
+        Path(a.json).write_text(json.dumps({"rows": rows, "implied_link_rates": links}, indent=1, default=str))
     return 0
 
 
