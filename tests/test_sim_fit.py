@@ -20,3 +20,12 @@ def test_b200_rates_bracket_its_own_spec_link():
     spec = load_profile("b200").link_bytes_per_s
     for lo, hi in fit.implied_link_rates("b200").values():
         assert lo < spec < hi
+
+
+def test_blocking_from_primitives():
+    out = fit.blocking_from_primitives(0.012, 78, 3.8e-3, 0.3e-3)
+    assert out["blocking_s"] == pytest.approx(78 * 4.1e-3)
+    assert out["live_over_blocking"] == pytest.approx(0.012 / (78 * 4.1e-3))
+    b = fit.paper_blocking_bound()      # wired to the paper's B200 figures (78 layers, the primitives' high ends)
+    assert set(b) == {"blocking_s", "live_over_blocking", "paper_blocking_s", "paper_live_over_blocking_max"}
+    assert b["blocking_s"] == pytest.approx(78 * (3.807e-3 + 0.302e-3))

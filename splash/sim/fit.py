@@ -11,6 +11,11 @@ carry them).
 would reproduce that hardware's published per-layer primitives. Not a fit (no profile uses it): on H200, whose link
 is on a datasheet, it checks the shares transfer; on the DCU, whose link rate is an assumption, it says what rate the
 paper's figures point to, and whether the KV and the weight primitives point to the same one.
+
+``blocking_from_primitives``: what the paper's own B200 switch figures allow any model that prices a blocking
+switch as its per-layer primitives run back to back (splash-sim's, ``CostModel.switch(..., "blocking")``): the
+largest such blocking time for DOP->CP (its KV and projection primitives at the top of their published ranges,
+every layer) and the smallest live / blocking ratio it leaves once the live p50 is reproduced.
 """
 from __future__ import annotations
 
@@ -106,3 +111,22 @@ def live_switch(profile=None, batch: int = 16, tokens: int = 256_000, chunk: int
     target = float(by["b200.switch.dop_cp.live"]) * 1e-3
     kappa = max(0.0, target - exposed_no_contention) / ((L - 1) * hidden * share) if hidden * share else 0.0
     return {"switch_handoff_s": handoff, "switch_contention": kappa}
+
+
+def blocking_from_primitives(live_s: float, layers: int, kv_layer_s: float, weight_layer_s: float) -> dict[str, float]:
+    """{"blocking_s", "live_over_blocking"}: a blocking switch priced as ``layers`` × (KV + projection primitive)
+    and the live / blocking ratio that leaves for a live cost of ``live_s``."""
+    blocking = layers * (kv_layer_s + weight_layer_s)
+    return {"blocking_s": blocking, "live_over_blocking": live_s / blocking}
+
+
+def paper_blocking_bound() -> dict[str, float]:
+    """``blocking_from_primitives`` for B200 DOP->CP from the paper's figures alone (78 layers of GLM-5.3; the
+    primitives' high ends), beside the paper's blocking time and live / blocking high end."""
+    from splash.sim.presets import load_sim_model
+    by = {f.key: float(f.paper) for f in FIGURES if not isinstance(f.paper, str)}
+    out = blocking_from_primitives(by["b200.switch.dop_cp.live"] * 1e-3,
+                                   load_sim_model("glm-5.3").cfg.num_hidden_layers,
+                                   by["b200.prim.kv.max"] * 1e-3, by["b200.prim.weight.max"] * 1e-3)
+    return {**out, "paper_blocking_s": by["b200.switch.dop_cp.blocking"] * 1e-3,
+            "paper_live_over_blocking_max": by["b200.switch.saving.max"]}

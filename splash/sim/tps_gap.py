@@ -29,7 +29,8 @@ at least 4 bytes a (row, key) at the spec sheet's HBM rate, on the rank that hol
 DP-attn/DOP; 1/T of every request's rows in CP). Its seconds over a whole prompt are what it could add.
 
 It also prints, per hardware, the link rate its published per-layer switch primitives imply at the B200-fitted
-shares (splash.sim.fit.implied_link_rates), beside the profile's.
+shares (splash.sim.fit.implied_link_rates), beside the profile's, and for B200 what a blocking switch priced from
+the paper's own primitives can reach (splash.sim.fit.paper_blocking_bound).
 """
 from __future__ import annotations
 
@@ -192,8 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         con.print(f"{hw}: link rate the published per-layer primitives imply at the B200 shares, GB/s each way: "
                   + ", ".join(f"{k} {lo / 1e9:.0f}–{hi / 1e9:.0f}" for k, (lo, hi) in links[hw].items())
                   + f" (profile: {spec / 1e9:.0f}, {load_profile(hw).provenance.get('link_bytes_per_s', '')})")
+    blocking = None
+    if "b200" in want:
+        from splash.sim.fit import paper_blocking_bound
+        blocking = paper_blocking_bound()
+        con.print(f"b200 DOP->CP, the paper's primitives back to back (78 layers at their high ends): blocking "
+                  f"{blocking['blocking_s'] * 1e3:.1f} ms (paper {blocking['paper_blocking_s'] * 1e3:.1f}); "
+                  f"with the paper's live p50, live / blocking ≥ {blocking['live_over_blocking']:.4f} (paper's "
+                  f"high end {blocking['paper_live_over_blocking_max']:.4f})")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "implied_link_rates": links}, indent=1, default=str))
+        Path(a.json).write_text(json.dumps({"rows": rows, "implied_link_rates": links, "b200_blocking": blocking},
+                                           indent=1, default=str))
     return 0
 
 
