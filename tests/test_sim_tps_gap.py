@@ -59,3 +59,15 @@ def test_disaggregated_parts_sum_to_the_batch_time():
     parts = deploy.disaggregated_parts(cm, s, caps, "dp_attn", 16, 2000, 4, 8)   # two waves of 8
     assert sum(parts.values()) == pytest.approx(deploy.disaggregated_seconds(cm, s, caps, "dp_attn", 16, 2000, 4, 8))
     assert parts["handoff_s"] == pytest.approx(deploy.handoff_seconds(s, 8, 2000))   # only the last wave's shows
+
+
+def test_the_b200_decode_instance_binds_at_the_long_inputs():
+    """The B200 setup's decode (TP over 16 GPUs, splash/sim/paper_data.py) holds fewer than the sweep's 16 requests
+    at 256K and 512K, so its decode runs in waves there; at 64K all 16 fit."""
+    from splash.sim.paper import Evaluator
+    from splash.sim.paper_data import SETUPS
+    from splash.sim.serving import concurrency
+    st = SETUPS["b200"]
+    d, _, caps = deploy.decode_instance(Evaluator(st).sim)
+    held = {n: concurrency(d, caps, st.decode_layout, n + st.output_len) for n in (64_000, 256_000, 512_000)}
+    assert held[64_000] >= 16 and held[256_000] < 16 and held[512_000] < held[256_000]
