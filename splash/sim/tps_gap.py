@@ -9,9 +9,10 @@ the total (all input and output tokens over it), so each stage can be solved for
   priced). A factor that is the same at every position of one hardware and 1 on the others is a prefill rate that
   hardware reaches and the model does not price: a per-kernel efficiency, not a stage the model lacks.
 - **decode step**: the decode instance's mean seconds per output position that would close the gap (prefill and
-  handoff as priced), beside the one splash-sim prices. A decode-side cost is close to flat in the input length (the
-  DSA decode step reads top-k keys, and the indexer's per-step read of the history is a small share), so a needed
-  step that grows with the input length is not a decode cost.
+  handoff as priced), beside the one splash-sim prices. One decode step is close to flat in the input length (the
+  DSA decode step reads top-k keys, and the indexer's per-step read of the history is a small share), so a need
+  that grows with the input length is either not a decode cost or a decode instance that holds fewer requests at
+  longer inputs and decodes them in waves (its KV capacity binds).
 - **handoff rate**: the per-NIC rate at which the handoff (every prefill rank's share over its own NIC, fully
   exposed) would close the gap, beside the spec-sheet NIC rate.
 
