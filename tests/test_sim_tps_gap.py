@@ -71,3 +71,14 @@ def test_the_b200_decode_instance_binds_at_the_long_inputs():
     d, _, caps = deploy.decode_instance(Evaluator(st).sim)
     held = {n: concurrency(d, caps, st.decode_layout, n + st.output_len) for n in (64_000, 256_000, 512_000)}
     assert held[64_000] >= 16 and held[256_000] < 16 and held[512_000] < held[256_000]
+
+
+def test_gap_cli_writes_rows(tmp_path, capsys):
+    out = tmp_path / "gap.json"
+    assert g.main(["--only", "bw1000", "--json", str(out)]) == 0
+    import json
+    data = json.loads(out.read_text())
+    assert data["rows"] and {"prefill_factor", "decode_step_needed_s", "handoff_rate_needed"} <= set(data["rows"][0])
+    assert set(data["implied_link_rates"]["bw1000"]) == {"kv", "weight"} and data["b200_blocking"] is None
+    assert g.main(["--only", "a100"]) == 2
+    assert "unknown hardware a100" in capsys.readouterr().out
