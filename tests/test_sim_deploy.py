@@ -9,7 +9,7 @@ from splash.costmodel.step_cost import CostModel
 from splash.sim import deploy
 from splash.sim.presets import load_sim_model
 from splash.sim.deploy import throughput
-from splash.sim.serving import SimSetup, capacities, prefill_seconds
+from splash.sim.serving import SimSetup, capacities, concurrency, prefill_seconds
 
 
 def _setup(**kw):
@@ -60,3 +60,20 @@ def test_prefill_capacity_holds_prompts_only():
     assert throughput(cm, s, caps, "dp_attn", 8, n, 1024)["concurrency"] == 8
     assert not throughput(cm, col, caps, "dp_attn", 8, n, 1024)["feasible"]
     assert not throughput(cm, dataclasses.replace(s, decode_world=8), caps, "dp_attn", 8, n, 1024)["feasible"]
+
+
+def test_a_tp_decode_instance_decodes_in_waves_when_its_replicated_kv_binds():
+    """TP keeps every request's whole latent KV on every rank, so a TP decode instance holds one rank's pool of
+    requests at once however many ranks it has; a batch beyond that decodes in waves, one after another (the
+    B200 setup's decode: splash/sim/paper_data.py). DP-attn over the same ranks spreads requests over owners."""
+    s, _, _ = _setup(decode_layout="tp", decode_world=16, decode_nodes=2)
+    d, _, caps = deploy.decode_instance(s)
+    n, out = 256_000, 4
+    blocks = -(-(n + out) // s.block_size)
+    k = concurrency(d, caps, "tp", n + out)
+    assert k == caps["tp"].blocks_per_rank // blocks and 1 <= k < 16
+    full, rest = divmod(16, k)
+    want = full * deploy.decode_seconds(s, k, n, out) + (deploy.decode_seconds(s, rest, n, out) if rest else 0.0)
+    assert deploy.decode_seconds(s, 16, n, out) == pytest.approx(want, rel=1e-9)
+    dp = dataclasses.replace(s, decode_layout="dp_attn")
+    assert concurrency(deploy.decode_instance(dp)[0], deploy.decode_instance(dp)[2], "dp_attn", n + out) >= 16

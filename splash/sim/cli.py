@@ -4,6 +4,7 @@
     splash-sim --model glm-5.3-flash --hardware bw1000 --ranks 8 --trace workload.json
     splash-sim paper [--json FILE]      # the paper's figures beside splash-sim's (splash/sim/paper.py)
     splash-sim mechanisms [--only b200]  # what candidate mechanisms for DOP's lead predict (prefill_mechanisms.py)
+    splash-sim gap [--only b200]        # what one stage alone would need to close a tokens/s miss (tps_gap.py)
 
 Models: the presets glm-5.3, glm-5.3-flash, deepseek-v3.2, deepseek-v3 (public configs) or a model directory /
 config.json. Hardware: a profile name (configs/hardware: b200, h200, bw1000, cpu) or a profile YAML.
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["mechanisms"]:
         from splash.sim.prefill_mechanisms import main as mechanisms_main
         return mechanisms_main(argv[1:])
+    if argv[:1] == ["gap"]:
+        from splash.sim.tps_gap import main as gap_main
+        return gap_main(argv[1:])
     a = build_parser().parse_args(argv)
     from rich.console import Console
 

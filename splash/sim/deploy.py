@@ -88,9 +88,10 @@ def decode_seconds(s, batch: int, input_len: int, output_len: int) -> float:
     return t
 
 
-def disaggregated_seconds(cm, s, caps, layout: str, batch: int, input_len: int, output_len: int,
-                          k: int) -> float:
-    """End-to-end seconds of ``batch`` requests, ``k`` at once on the prefill instance in ``layout``."""
+def disaggregated_parts(cm, s, caps, layout: str, batch: int, input_len: int, output_len: int,
+                        k: int) -> dict[str, float]:
+    """{"prefill_s", "handoff_s" (exposed), "decode_s"} of ``batch`` requests, ``k`` at once on the prefill
+    instance in ``layout``; their sum is the batch's end-to-end time."""
     full, rest = divmod(batch, k)
     waves = [k] * full + ([rest] if rest else [])
     prefill = [prefill_seconds(cm, s, layout, n, input_len) for n in waves]
@@ -100,7 +101,15 @@ def disaggregated_seconds(cm, s, caps, layout: str, batch: int, input_len: int, 
     for p, h in zip(prefill, handoff):
         t += p
         free_at = max(free_at, t) + h
-    return free_at + decode_seconds(s, batch, input_len, output_len)
+    return {"prefill_s": t, "handoff_s": free_at - t,
+            "decode_s": decode_seconds(s, batch, input_len, output_len)}
+
+
+def disaggregated_seconds(cm, s, caps, layout: str, batch: int, input_len: int, output_len: int,
+                          k: int) -> float:
+    """End-to-end seconds of ``batch`` requests, ``k`` at once on the prefill instance in ``layout``."""
+    parts = disaggregated_parts(cm, s, caps, layout, batch, input_len, output_len, k)
+    return parts["prefill_s"] + parts["handoff_s"] + parts["decode_s"]
 
 
 def throughput(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, input_len: int,

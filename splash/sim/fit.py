@@ -6,6 +6,16 @@ projection all-gather reach, from the paper's B200 per-layer costs (§5.4: KV 3.
 ms at B = 16 x 256K) and the manifest planner's bytes for those switches. The geometric middle of each published
 range is the target. H200 and DCU use these shares unchanged (``tests/test_switch_cost.py`` checks the profiles
 carry them).
+
+``implied_link_rates``: the inverse, for held-out hardware: the one-direction link rate at which the B200 shares
+would reproduce that hardware's published per-layer primitives. Not a fit (no profile uses it): on H200, whose link
+is on a datasheet, it checks the shares transfer; on the DCU, whose link rate is an assumption, it says what rate the
+paper's figures point to, and whether the KV and the weight primitives point to the same one.
+
+``blocking_from_primitives``: what the paper's own B200 switch figures allow any model that prices a blocking
+switch as its per-layer primitives run back to back (splash-sim's, ``CostModel.switch(..., "blocking")``): the
+largest such blocking time for DOP->CP (its KV and projection primitives at the top of their published ranges,
+every layer) and the smallest live / blocking ratio it leaves once the live p50 is reproduced.
 """
 from __future__ import annotations
 
@@ -19,19 +29,50 @@ def _paper_range(key: str) -> tuple[float, float]:
     return float(by[f"{key}.min"]), float(by[f"{key}.max"])
 
 
-def switch_efficiencies(profile=None, batch: int = 16, tokens: int = 256_000) -> dict[str, float]:
-    """{"switch_kv_efficiency", "switch_weight_efficiency"} fitted on B200 (``profile``: b200 by default)."""
-    from splash.costmodel.profile import load_profile
+def _primitive_bytes(model: str, batch: int, tokens: int, T: int = 8) -> tuple[float, float]:
+    """(KV, projection) bytes of one layer's switch collectives on the busiest rank, as the profiles price them:
+    the KV at (T-1)/T of the layer's logical live KV, the projections as received; from DOP->CP, which moves both."""
     from splash.costmodel.switch_cost import logical_kv_bytes_layer
     from splash.sim.presets import load_sim_model
     from splash.switching.manifest import ReqState, plan_switch
-    prof = profile or load_profile("b200")
-    m, T = load_sim_model("glm-5.3"), 8
+    m = load_sim_model(model)
     reqs = {f"r{i}": ReqState(tokens, i % T) for i in range(batch)}
-    # DOP->CP moves both: its KV all-to-all and its projection all-gather
-    man = plan_switch("dop", "cp", m.cfg, T, reqs, 64, 1, m.kv_dtype)
-    kv_bytes = (T - 1) / T * logical_kv_bytes_layer(man)
-    w_bytes = max(man.weight_recv_bytes)
+    man = plan_switch("dop", "cp", m.cfg, T, reqs, 64, {"float32": 4, "bfloat16": 2}.get(m.weight_dtype, 1),
+                      m.kv_dtype)
+    return (T - 1) / T * logical_kv_bytes_layer(man), float(max(man.weight_recv_bytes))
+
+
+def implied_link_rate(seconds: float, nbytes: float, efficiency: float, alpha_s: float) -> float:
+    """The one-direction link rate at which ``nbytes`` at ``efficiency`` of it, plus ``alpha_s``, take ``seconds``
+    (the inverse of splash.costmodel.switch_cost's per-primitive pricing)."""
+    if seconds <= alpha_s:
+        raise ValueError(f"{seconds} s is not above the collective's latency {alpha_s} s")
+    return nbytes / (efficiency * (seconds - alpha_s))
+
+
+def implied_link_rates(hardware: str) -> dict[str, tuple[float, float]]:
+    """{"kv", "weight"}: the (low, high) link rate that the B200 efficiencies in ``hardware``'s profile would need
+    to reproduce its published per-layer primitive range (the range's high end gives the low rate)."""
+    from splash.costmodel.profile import load_profile
+    from splash.sim.paper_data import SETUPS
+    figs = {f.key: f for f in FIGURES}
+    prof = load_profile(SETUPS[hardware].hardware)
+    _, _, batch, tokens, _ = figs[f"{hardware}.prim.kv.min"].probe
+    kv, w = _primitive_bytes(SETUPS[hardware].model, batch, tokens)
+    out = {}
+    for what, nbytes, eff, coll in (("kv", kv, prof.switch_kv_efficiency, "all_to_all"),
+                                    ("weight", w, prof.switch_weight_efficiency, "all_gather")):
+        lo, hi = _paper_range(f"{hardware}.prim.{what}")
+        a = prof.collective(coll).alpha_s
+        out[what] = (implied_link_rate(hi * 1e-3, nbytes, eff, a), implied_link_rate(lo * 1e-3, nbytes, eff, a))
+    return out
+
+
+def switch_efficiencies(profile=None, batch: int = 16, tokens: int = 256_000) -> dict[str, float]:
+    """{"switch_kv_efficiency", "switch_weight_efficiency"} fitted on B200 (``profile``: b200 by default)."""
+    from splash.costmodel.profile import load_profile
+    prof = profile or load_profile("b200")
+    kv_bytes, w_bytes = _primitive_bytes("glm-5.3", batch, tokens)
     out = {}
     for name, nbytes, key, coll in (("switch_kv_efficiency", kv_bytes, "b200.prim.kv", "all_to_all"),
                                     ("switch_weight_efficiency", w_bytes, "b200.prim.weight", "all_gather")):
@@ -70,3 +111,22 @@ def live_switch(profile=None, batch: int = 16, tokens: int = 256_000, chunk: int
     target = float(by["b200.switch.dop_cp.live"]) * 1e-3
     kappa = max(0.0, target - exposed_no_contention) / ((L - 1) * hidden * share) if hidden * share else 0.0
     return {"switch_handoff_s": handoff, "switch_contention": kappa}
+
+
+def blocking_from_primitives(live_s: float, layers: int, kv_layer_s: float, weight_layer_s: float) -> dict[str, float]:
+    """{"blocking_s", "live_over_blocking"}: a blocking switch priced as ``layers`` × (KV + projection primitive)
+    and the live / blocking ratio that leaves for a live cost of ``live_s``."""
+    blocking = layers * (kv_layer_s + weight_layer_s)
+    return {"blocking_s": blocking, "live_over_blocking": live_s / blocking}
+
+
+def paper_blocking_bound() -> dict[str, float]:
+    """``blocking_from_primitives`` for B200 DOP->CP from the paper's figures alone (78 layers of GLM-5.3; the
+    primitives' high ends), beside the paper's blocking time and live / blocking high end."""
+    from splash.sim.presets import load_sim_model
+    by = {f.key: float(f.paper) for f in FIGURES if not isinstance(f.paper, str)}
+    out = blocking_from_primitives(by["b200.switch.dop_cp.live"] * 1e-3,
+                                   load_sim_model("glm-5.3").cfg.num_hidden_layers,
+                                   by["b200.prim.kv.max"] * 1e-3, by["b200.prim.weight.max"] * 1e-3)
+    return {**out, "paper_blocking_s": by["b200.switch.dop_cp.blocking"] * 1e-3,
+            "paper_live_over_blocking_max": by["b200.switch.saving.max"]}

@@ -65,9 +65,12 @@ class Figure:
 
 
 SETUPS: dict[str, Setup] = {
-    "b200": Setup("b200", "glm-5.3", "fitted", "disaggregated", 1024, "dp_attn", 16, 2, (
+    "b200": Setup("b200", "glm-5.3", "fitted", "disaggregated", 1024, "tp", 16, 2, (
         "App. C: prefill layouts swept on one node (8 GPUs), decode on 16 GPUs over two nodes; the decode "
-        "layout is not in the summary (DP-attention assumed, as the DCU study states for its decode)",
+        "layout is not in the summary: TP over the 16 (a plain two-node tensor-parallel instance), chosen on the "
+        "B200 tokens/s figures over DP-attention (the DCU study's stated decode); TP replicates each request's "
+        "latent KV on every rank, so the decode instance holds 1.79M tokens and decodes long batches in waves "
+        "(docs/benchmarks.md, issue 29 session 16)",
         "output length per request is not in the summary: 1,024 assumed",
         "K is decimal (1K = 1,000), as the paper's '16 resident at 512K' needs")),
     "h200": Setup("h200", "deepseek-v3.2", "held_out", "disaggregated", 1024, "dp_attn", 8, 1, (
