@@ -205,6 +205,23 @@ def test_predictions_stay_within_the_overhead_budget_of_the_steps_time():
     assert b.due(b.reeval_steps + 1, idle)                    # an idle boundary never waits for credit
 
 
+def test_summary_is_made_once_per_change():
+    """The server publishes `summary()` after every step: the last decision's dict and the factors' view are made
+    once per decision and per trained step, not once per call, and show the new values once those change."""
+    a = make(LinearCost(), observe_every=1)
+    reqs = decode_batch(2, 10)
+    a.record(a.propose(0, "tp", reqs, usage(reqs)))
+    s1, s2 = a.summary(), a.summary()
+    assert s1["last_decision"] is s2["last_decision"] and s1["model"] is s2["model"]
+    for _ in range(2):                            # the first observed step warms up and trains nothing
+        a.observe("tp", [(1, 10, 0)], 1.0)
+    s3 = a.summary()
+    assert s3["model"] is not s1["model"] and s3["model"]["tp"]["last_measured_s"] == 1.0
+    assert s3["model"]["tp"]["factor"] == round(a.factor("tp"), 4) != s1["model"]["tp"]["factor"]
+    a.record(a.propose(1, "tp", reqs, usage(reqs)))
+    assert a.summary()["last_decision"]["step"] == 1 and s3["last_decision"]["step"] == 0
+
+
 def test_observe_feeds_every_nth_step():
     m = LinearCost()
     a = make(m)
