@@ -60,7 +60,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splash.costmodel.policy import choose_layout
 from splash.engine.layout_policy.forecast import BatchForecast
@@ -69,6 +69,9 @@ from splash.engine.layout_policy.correction import LayoutStats, StepCorrection, 
 from splash.engine.layout_policy.decision import VERDICTS, CostModelLike, Decision, ReqView
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from splash.engine.messages import StepItem
 
 __all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
@@ -146,13 +149,13 @@ class AutoLayout:
     def switches(self):
         return self.switch_cost.records
 
-    def observe(self, layout: str, rows: Sequence[tuple[int, int, int | None]], measured_s: float,
-                switched: bool = False) -> None:
-        """An executed step in `layout`: rows are (new_tokens, context, owner). A step that carried a switch does
-        not train the step factor; its measured added time trains the switch-cost correction and sets the dwell."""
-        if layout not in self.stats or not rows or measured_s <= 0:
+    def observe(self, layout: str, items: Sequence[StepItem], measured_s: float, switched: bool = False) -> None:
+        """An executed step in `layout`: `items` are its pieces as the step message carried them (their rows are
+        made only for the steps that train). A step that carried a switch does not train the step factor; its
+        measured added time trains the switch-cost correction and sets the dwell."""
+        if layout not in self.stats or not items or measured_s <= 0:
             return
-        regime = "prefill" if any(n > 1 for n, _, _ in rows) else "decode"
+        regime = "prefill" if any(len(s.tokens) > 1 for s in items) else "decode"
         self._observed += 1
         self._since_switch_s += measured_s
         self.overhead.ran_s += measured_s
@@ -163,8 +166,8 @@ class AutoLayout:
         if (not switched and regime == "decode" and self._observed % self.observe_every
                 and self._observed > self._learn_until):
             return
-        pred = self.overhead.timed(self.model.step, layout, [self.row(n, c, o) for n, c, o in rows],
-                                   budgeted=False).seconds
+        pred = self.overhead.timed(self.model.step, layout, [self.row(len(s.tokens), s.start_pos, s.owner)
+                                                             for s in items], budgeted=False).seconds
         if pred <= 0:
             return
         if switched:
