@@ -15,6 +15,7 @@ finished past ``max_outstanding``; while draining (``begin_drain``) it refuses n
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import traceback
@@ -109,6 +110,11 @@ class EngineLoop:
 
     # ---- called from any thread ----------------------------------------------------------------------
     def start(self) -> "EngineLoop":
+        # The start-up heap (model, modules, app: ~200k objects) is not garbage. Frozen (as vLLM freezes its engine's
+        # after start-up), the full collections a burst of new objects triggers — auto's forecasts for a wave of
+        # arrivals — scan only what was made since; one over the whole heap took ~70 ms of rank 0's time between steps.
+        gc.collect()
+        gc.freeze()
         self._publish()
         self._thread.start()
         return self
@@ -170,6 +176,7 @@ class EngineLoop:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        gc.unfreeze()
 
     def _command(self, cmd: Callable[[], None]) -> None:
         with self._cond:
