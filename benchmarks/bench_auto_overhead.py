@@ -141,7 +141,8 @@ def main() -> None:
                   f"({gcs[k][1]:.3f} s); forecasts {ov.spent_s:.3f} s, observations {ov.observe_s:.3f} s")
         auto = engines["auto"].engine.auto
         print(f"auto layout: {engines['auto'].engine.layout}; verdicts {auto.verdicts}; "
-              f"overhead {auto.overhead.summary()}; replayed {auto.forecast.replayed}, followed {auto.forecast.followed}")
+              f"overhead {auto.overhead.summary()}; forecasts replayed {auto.forecast.replayed}, "
+              f"followed {auto.forecast.followed}")
 
 
 if __name__ == "__main__":

@@ -110,9 +110,9 @@ class EngineLoop:
 
     # ---- called from any thread ----------------------------------------------------------------------
     def start(self) -> "EngineLoop":
-        # The start-up heap (model, modules, app: ~200k objects) is not garbage. Frozen (as vLLM freezes its engine's
-        # after start-up), the full collections a burst of new objects triggers — auto's forecasts for a wave of
-        # arrivals — scan only what was made since; one over the whole heap took ~70 ms of rank 0's time between steps.
+        # The start-up heap (model, modules, app: ~200k objects) is not garbage. Frozen (as vLLM freezes its
+        # engine's after start-up), the full collections a burst of new objects triggers — auto's forecasts for a
+        # wave of arrivals — scan only what was made since; one over the whole heap took ~70 ms of rank 0's time.
         gc.collect()
         gc.freeze()
         self._publish()
