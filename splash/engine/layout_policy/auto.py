@@ -62,8 +62,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from splash.costmodel import RowLoad
 from splash.costmodel.policy import choose_layout
-from splash.engine.layout_policy.forecast import BatchForecast
+from splash.engine.layout_policy.forecast import BatchForecast, output_left
 from splash.engine.layout_policy.budget import PredictionBudget
 from splash.engine.layout_policy.correction import LayoutStats, StepCorrection, SwitchCorrection
 from splash.engine.layout_policy.decision import VERDICTS, CostModelLike, Decision, ReqView
@@ -90,18 +91,13 @@ PROBE_LEN_STEPS = LEARN_AFTER_SWITCH + 16   # a probe's way back must fit after 
 OVERHEAD_BUDGET = 0.02   # re-evaluations: at most this share of the executed steps' measured time
 
 
-def _row(new_tokens: int, context: int, owner: int | None):
-    from splash.costmodel import RowLoad   # torch-free
-    return RowLoad(new_tokens=new_tokens, context=context, owner=owner)
-
-
 class AutoLayout:
     """Chooses the layout for `layout: auto`; see the module docstring. One instance on rank 0."""
 
     def __init__(self, model: CostModelLike, allowed: Sequence[str], margin: float, *, block_size: int,
                  world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
                  max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
-                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row,
+                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=RowLoad,
                  clock=time.monotonic, timer=time.perf_counter, overhead_budget: float = OVERHEAD_BUDGET,
                  scheduler: Scheduler | None = None):
         """`scheduler`: the engine's, whose policy the forecast replays (default: one with `max_num_seqs` and
@@ -445,14 +441,12 @@ class AutoLayout:
 # ---- the engine's wiring ----------------------------------------------------------------------------------------
 def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
     """The scheduler's running and waiting requests (the first `max_num_seqs` waiting) as ReqViews."""
-    def left(r) -> int:
-        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.reqs.get(r.req_id, (0, None))[1])
+    out = [ReqView(r.req_id, r.num_cached, r.pending, output_left(r), ledger.reqs.get(r.req_id, (0, None))[1])
            for r in scheduler.running]
     for i, r in enumerate(scheduler.waiting):
         if i >= scheduler.max_num_seqs:
             break
-        out.append(ReqView(r.req_id, 0, r.pending, left(r), None, running=False))
+        out.append(ReqView(r.req_id, 0, r.pending, output_left(r), None, running=False))
     return out
 
 
