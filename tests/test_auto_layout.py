@@ -8,6 +8,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from splash.engine.layout_policy.auto import AutoLayout, ReqView
+from splash.engine.messages import StepItem
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
@@ -36,6 +37,11 @@ def make(model, margin=0.10, caps=None, world=2, max_num_seqs=64, **kw):
     return AutoLayout(model, LAYOUTS, margin, block_size=16, world=world,
                       capacity_blocks=caps or dict.fromkeys(LAYOUTS, 10_000), max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=2048, row=lambda n, c, o: (n, c, o), **kw)
+
+
+def pieces(rows):
+    """Rows (new tokens, context, owner) as the executed step's pieces `AutoLayout.observe` gets."""
+    return [StepItem(f"r{i}", c, (0,) * n, True, o) for i, (n, c, o) in enumerate(rows)]
 
 
 def decode_batch(n, ctx, remaining=100):
@@ -127,17 +133,17 @@ def test_online_factor_learns_measured_over_predicted():
     rows = [(1, 100, 0)] * 4
     pred = m.step("tp", rows).seconds
     for _ in range(40):
-        a.observe("tp", rows, 2.0 * pred)
+        a.observe("tp", pieces(rows), 2.0 * pred)
     assert abs(a.factor("tp") - 2.0) < 0.01
     assert a.stats["tp"].median_error is not None and a.stats["tp"].median_error < 0.05
     # a layout not visited yet takes the visited layouts' correction: it is not made to look cheaper
     assert abs(a.factor("dop") - 2.0) < 0.01
     for _ in range(40):
-        a.observe("dop", rows, 4.0 * pred)           # DOP is slower still: its own residual learns that
+        a.observe("dop", pieces(rows), 4.0 * pred)           # DOP is slower still: its own residual learns that
     assert abs(a.factor("dop") - 4.0) < 0.01 and abs(a.factor("tp") - 2.0) < 0.01
     assert abs(a.factor("cp") - 8 ** 0.5) < 0.05     # geometric mean of the visited ones
     before = a.factor("cp")
-    a.observe("cp", rows, 50.0, switched=True)       # a switch step records, does not train
+    a.observe("cp", pieces(rows), 50.0, switched=True)       # a switch step records, does not train
     assert a.factor("cp") == before and len(a.switches) == 1
 
 
@@ -147,10 +153,10 @@ def test_prefill_and_decode_steps_train_separate_factors():
     dec, pre = [(1, 100, 0)] * 4, [(512, 0, 0), (1, 100, 1)]
     assert a.factor("tp", "prefill") == 1.0                        # nothing seen: no correction
     for _ in range(40):
-        a.observe("tp", dec, 1.5 * m.step("tp", dec).seconds)
+        a.observe("tp", pieces(dec), 1.5 * m.step("tp", dec).seconds)
     assert abs(a.factor("tp", "prefill") - 1.5) < 0.01             # no prefill step yet: borrows decode's
     for _ in range(40):
-        a.observe("tp", pre, 3.0 * m.step("tp", pre).seconds)
+        a.observe("tp", pieces(pre), 3.0 * m.step("tp", pre).seconds)
     assert abs(a.factor("tp", "prefill") - 3.0) < 0.01 and abs(a.factor("tp") - 1.5) < 0.01
     assert abs(a.factor("dop", "prefill") - 3.0) < 0.01            # unvisited: the visited prefill mean
     # the prediction of a batch with a pending prompt charges its prefill steps at the prefill factor
@@ -191,7 +197,7 @@ def test_predictions_stay_within_the_overhead_budget_of_the_steps_time():
     assert m.calls >= 4 and abs(spent - m.calls * 1e-3) < 1e-9
     steps = 0
     while not a.due(a.reeval_steps + steps, reqs) and steps < 10_000:   # periodic re-evaluation waits for credit
-        a.observe("tp", [(1, 10, 0), (1, 10, 1)], 5e-3)      # 5 ms steps (every 8th observation predicts)
+        a.observe("tp", pieces([(1, 10, 0), (1, 10, 1)]), 5e-3)      # 5 ms steps (every 8th observation predicts)
         steps += 1
     o = a.summary()["overhead"]
     assert o["share"] <= 0.02 and spent / 0.02 / 5e-3 - 1 <= steps < 10_000
@@ -199,17 +205,50 @@ def test_predictions_stay_within_the_overhead_budget_of_the_steps_time():
     assert steps > a.reeval_steps                             # without the budget it would have come at 16
     idle = [ReqView("w", 0, 8, 8, None, running=False)]
     b = make(SlowCost(), timer=lambda: clock[0])
-    b.observe("tp", [(1, 10, 0)], 1e-3)
+    b.observe("tp", pieces([(1, 10, 0)]), 1e-3)
     b.overhead.spent_s = 1.0                                        # far over budget
     assert not b.due(b.reeval_steps, reqs)
     assert b.due(b.reeval_steps + 1, idle)                    # an idle boundary never waits for credit
+
+
+def test_observe_reads_the_steps_pieces_and_makes_rows_only_for_the_steps_that_train():
+    """`observe` gets the executed step's pieces as the step message carried them (the engine copies nothing per
+    step); the cost model's rows are made only for the steps that train (every observe_every-th decode step, every
+    prefill step)."""
+    made = []
+    a = AutoLayout(LinearCost(), LAYOUTS, 0.1, block_size=16, world=2, capacity_blocks=dict.fromkeys(LAYOUTS, 10_000),
+                   max_num_seqs=64, max_num_batched_tokens=2048,
+                   row=lambda n, c, o: made.append((n, c, o)) or (n, c, o))
+    step = pieces([(1, 100 + i, i % 2) for i in range(34)])
+    for _ in range(1 + a.observe_every):           # the first step warms up
+        a.observe("tp", step, 1e-2)
+    assert made == [(1, 100 + i, i % 2) for i in range(34)] and a.stats["tp"].n == 1
+    a.observe("tp", pieces([(64, 0, 0)]), 1e-2)
+    assert made[-1] == (64, 0, 0) and a.prefill_stats["tp"].n == 1
+
+
+def test_summary_is_made_once_per_change():
+    """The server publishes `summary()` after every step: the last decision's dict and the factors' view are made
+    once per decision and per trained step, not once per call, and show the new values once those change."""
+    a = make(LinearCost(), observe_every=1)
+    reqs = decode_batch(2, 10)
+    a.record(a.propose(0, "tp", reqs, usage(reqs)))
+    s1, s2 = a.summary(), a.summary()
+    assert s1["last_decision"] is s2["last_decision"] and s1["model"] is s2["model"]
+    for _ in range(2):                            # the first observed step warms up and trains nothing
+        a.observe("tp", pieces([(1, 10, 0)]), 1.0)
+    s3 = a.summary()
+    assert s3["model"] is not s1["model"] and s3["model"]["tp"]["last_measured_s"] == 1.0
+    assert s3["model"]["tp"]["factor"] == round(a.factor("tp"), 4) != s1["model"]["tp"]["factor"]
+    a.record(a.propose(1, "tp", reqs, usage(reqs)))
+    assert a.summary()["last_decision"]["step"] == 1 and s3["last_decision"]["step"] == 0
 
 
 def test_observe_feeds_every_nth_step():
     m = LinearCost()
     a = make(m)
     for _ in range(8):
-        a.observe("tp", [(1, 10, 0)], 1.0)
+        a.observe("tp", pieces([(1, 10, 0)]), 1.0)
     assert len(a.stats["tp"].errors) == 8 // a.observe_every
 
 
@@ -246,7 +285,7 @@ def test_a_failing_cost_model_keeps_the_layout_and_the_requests():
 def _visit(a, m, layout, factor, n=8):
     rows = [(1, 100, 0)] * 4
     for _ in range(n):
-        a.observe(layout, rows, factor * m.step(layout, rows).seconds)
+        a.observe(layout, pieces(rows), factor * m.step(layout, rows).seconds)
 
 
 def test_a_layout_on_a_borrowed_factor_is_entered_only_when_its_lead_survives():
@@ -286,7 +325,7 @@ def test_the_payoff_test_uses_the_learnt_switch_cost():
     rows = [(1, 100, 0)] * 4
     for _ in range(30):
         a.record(replace(d, verdict="switch"))
-        a.observe("tp", rows, m.step("tp", rows).seconds + 0.04, switched=True)
+        a.observe("tp", pieces(rows), m.step("tp", rows).seconds + 0.04, switched=True)
     assert a.summary()["switch_cost"]["directions"]["dop->tp"]["observed"] == 30
     a._since_switch_s = math.inf
     v = a.vet(a.propose(1, "dop", reqs, usage(reqs)), manifest=None)
@@ -299,16 +338,16 @@ def test_no_second_switch_within_the_dwell_after_a_costly_one():
     for lay in LAYOUTS:
         _visit(a, m, lay, 1.0)
     rows = [(1, 100, 0)] * 4
-    a.observe("dop", rows, m.step("dop", rows).seconds + 0.3, switched=True)   # the switch step added 0.3 s
+    a.observe("dop", pieces(rows), m.step("dop", rows).seconds + 0.3, switched=True)   # the switch step added 0.3 s
     assert a.summary()["switch_cost"]["dwell_s"] > 2.0                          # 4 x the 0.6 s round trip
     reqs = decode_batch(4, 100)
     d = a.propose(10, "dop", reqs, usage(reqs))
     assert (d.verdict, d.target) == ("dwell", "tp") and "dwell" in d.reason
     for _ in range(10):
-        a.observe("dop", rows, 0.25)                                            # 2.5 s of steps later
+        a.observe("dop", pieces(rows), 0.25)                                            # 2.5 s of steps later
     assert a.propose(20, "dop", reqs, usage(reqs)).verdict == "switch"
     # an infeasible current layout is left at once, dwell or not
-    a.observe("tp", rows, 1.0, switched=True)
+    a.observe("tp", pieces(rows), 1.0, switched=True)
     use = {**usage(reqs), "tp": [10**6, 10**6]}
     assert a.propose(21, "tp", reqs, use).verdict == "switch"
 
@@ -325,7 +364,7 @@ def test_a_bounded_history_of_decisions_is_kept_for_the_api():
     s = a.summary()
     assert len(s["history"]) == 64 and s["history"][-1]["step"] == 199 and s["history"][-1]["t_s"] > 0
     assert s["decisions"] == {"stay": 100, "switch": 100}
-    a.observe("tp", [(1, 100, 0)], 0.5, switched=True)
+    a.observe("tp", pieces([(1, 100, 0)]), 0.5, switched=True)
     names = {mf.name for mf in _scheduler_metrics(a.summary())}
     assert {"splash_switch_measured_seconds", "splash_switch_cost_factor", "splash_cost_model_factor"} <= names
 
@@ -334,17 +373,17 @@ def test_the_steps_after_a_switch_all_train_the_new_layout():
     m = LinearCost()
     a = make(m)
     rows = [(1, 10, 0)]
-    a.observe("dop", rows, 1.0, switched=True)
+    a.observe("dop", pieces(rows), 1.0, switched=True)
     for _ in range(16):
-        a.observe("dop", rows, 1.0)
+        a.observe("dop", pieces(rows), 1.0)
     assert a.stats["dop"].n == 8 + 8 // a.observe_every       # LEARN_AFTER_SWITCH steps, then every 8th
 
 
 def test_the_engines_first_step_does_not_train():
     a = make(LinearCost(), observe_every=1)
-    a.observe("tp", [(64, 0, 0)], 5.0)          # warm-up: lazy setup, first touches
+    a.observe("tp", pieces([(64, 0, 0)]), 5.0)          # warm-up: lazy setup, first touches
     assert a.prefill_stats["tp"].n == 0 and a.factor("tp", "prefill") == 1.0
-    a.observe("tp", [(64, 0, 0)], 5.0)
+    a.observe("tp", pieces([(64, 0, 0)]), 5.0)
     assert a.prefill_stats["tp"].n == 1
 
 
@@ -387,7 +426,7 @@ def test_a_probe_that_measured_slower_goes_back_without_the_margin():
     reqs = decode_batch(4, 100, remaining=10_000)
     a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
     assert a.last.probe and a.last.target == "dop"
-    a.observe("dop", [(1, 100, 0)] * 4, 3.0 * m.step("dop", [(1, 100, 0)] * 4).seconds, switched=True)
+    a.observe("dop", pieces([(1, 100, 0)] * 4), 3.0 * m.step("dop", [(1, 100, 0)] * 4).seconds, switched=True)
     _visit(a, m, "dop", 3.0 * 1.08, n=1)                     # measured once: not known yet, no verdict on it
     assert not a.propose(1, "dop", reqs, usage(reqs)).probe_return
     _visit(a, m, "dop", 3.0 * 1.08, n=12)                    # DOP runs 8% slower than the model says TP would
@@ -423,7 +462,7 @@ def test_a_current_layout_on_a_borrowed_factor_is_not_left_on_that_factor_alone(
 def _visit_prefill(a, m, layout, factor, n=8):
     rows = [(512, 0, 0)]
     for _ in range(n):
-        a.observe(layout, rows, factor * m.step(layout, rows).seconds)
+        a.observe(layout, pieces(rows), factor * m.step(layout, rows).seconds)
 
 
 FLAT = dict(per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
@@ -477,14 +516,14 @@ def test_the_way_out_of_a_probe_is_not_held_back_by_a_dwell():
     a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
     assert a.last.probe and a.last.target == "dop"
     rows = [(1, 100, 0)] * 4
-    a.observe("dop", rows, m.step("dop", rows).seconds + 0.3, switched=True)   # the probe's switch added 0.3 s
+    a.observe("dop", pieces(rows), m.step("dop", rows).seconds + 0.3, switched=True)   # the probe's switch added 0.3 s
     assert a.summary()["switch_cost"]["dwell_s"] == 0.0
     _visit(a, m, "dop", 1.5, n=12)                        # DOP measured 45% slower than TP: back at once
     d = a.propose(1, "dop", reqs, usage(reqs))
     assert (d.verdict, d.target) == ("switch", "tp")
     # a switch that is not a probe still sets the dwell
     a.record(a.vet(d, manifest=None))
-    a.observe("tp", rows, m.step("tp", rows).seconds + 0.3, switched=True)
+    a.observe("tp", pieces(rows), m.step("tp", rows).seconds + 0.3, switched=True)
     assert a.summary()["switch_cost"]["dwell_s"] > 2.0
 
 

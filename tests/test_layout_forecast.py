@@ -331,6 +331,21 @@ def test_auto_replays_no_forecast_while_nothing_changes(monkeypatch):
     assert len(replays) == len(LAYOUTS)
 
 
+def test_auto_describes_the_requests_only_when_an_evaluation_is_due(monkeypatch):
+    """The engine asks `AutoLayout.advise` at every step boundary; at one where no evaluation is due (most of them)
+    it describes no request: the request views are built once per evaluation, not once per step."""
+    import math
+    from splash.engine.layout_policy import auto as auto_mod
+    built, real = [], auto_mod.request_views
+    monkeypatch.setattr(auto_mod, "request_views", lambda *a: built.append(1) or real(*a))
+    live = _decoding(prefix=True)
+    a = make(LinearCost(), scheduler=live, overhead_budget=math.inf)
+    for step in range(64):
+        a.advise(step, "tp", live, live.ledger)
+        _advance(live, 1)
+    assert sum(a.verdicts.values()) >= 4 and len(built) == sum(a.verdicts.values())
+
+
 @settings(max_examples=120, deadline=None)
 @given(live_engines_with_shared_prefixes(), st.integers(1, 24))
 def test_a_followed_forecast_is_the_fresh_one(case, k):

@@ -180,9 +180,8 @@ class Engine:
         t0 = time.perf_counter()
         logits = self._execute(msg)
         if self.auto is not None and plan.items:
-            rows = [(len(s.tokens), s.start_pos, s.owner) for s in plan.items]
             try:
-                self.auto.observe(self.layout, rows, time.perf_counter() - t0, switched=switch is not None)
+                self.auto.observe(self.layout, plan.items, time.perf_counter() - t0, switched=switch is not None)
             except Exception:  # noqa: BLE001 — learning is best effort; the step's results stand
                 _log.exception("auto layout: online correction failed")
         rids = [s.req_id for s in plan.items if s.sample]

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from splash.costmodel.step_cost import ELEM_BYTES, LAYOUTS, RowLoad
 from splash.engine.ledger import KVLedger
+from splash.engine.messages import StepItem
 from splash.engine.scheduler import Request, Scheduler
 from splash.engine.layout_policy.correction import SwitchCorrection
 from splash.engine.layout_policy.auto import AutoLayout
@@ -106,9 +107,9 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
                                    tuple(allowed))
     reqs = {r.rid: r for r in workload}
 
-    def observe(layout, loads, seconds, switched):   # auto learns what a step was charged, as from a measured one
+    def observe(layout, items, seconds, switched):   # auto learns what a step was charged, as from a measured one
         if learn and auto is not None:
-            auto.observe(layout, [(rl.new_tokens, rl.context, rl.owner) for rl in loads], seconds, switched=switched)
+            auto.observe(layout, items, seconds, switched=switched)
     while pending or sched.running or sched.waiting:
         while pending and pending[0].arrive <= t:
             r = pending.pop(0)   # a request of no file: a token id of its own (below the replay's sampled -1)
@@ -128,7 +129,9 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             dt = step_seconds(charge, setup.model, layout, loads)
             if pending:   # the queue changes at the next arrival
                 run = max(1, min(run, math.ceil((pending[0].arrive - t) / dt)))
-            observe(layout, loads, dt + switch_s, switch_s > 0)
+            if learn:
+                observe(layout, [StepItem(r.req_id, r.num_cached, (-1,), True, ledger.owner(r.req_id))
+                                 for r in sched.running], dt + switch_s, switch_s > 0)
             mid = [RowLoad(1, r.num_cached + run // 2, ledger.owner(r.req_id)) for r in sched.running]
             t += step_seconds(charge, setup.model, layout, mid) * run if run > 1 else dt
             res.output_tokens += run * len(sched.running)
@@ -142,7 +145,7 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             continue
         loads = [RowLoad(len(it.tokens), it.start_pos, it.owner, samples=it.sample) for it in plan_.items]
         dt = step_seconds(charge, setup.model, layout, loads)
-        observe(layout, loads, dt + switch_s, switch_s > 0)
+        observe(layout, plan_.items, dt + switch_s, switch_s > 0)
         t += dt
         sampled = {it.req_id: -1 for it in plan_.items if it.sample}
         res.output_tokens += len(sampled)

@@ -159,6 +159,20 @@ def test_engine_thread_sleeps_when_idle(engine):
     assert cpu < 0.1, f"idle engine thread used {cpu:.2f}s of CPU in 0.5s"
 
 
+def test_engine_thread_runs_with_the_start_up_heap_frozen(engine):
+    """The objects alive when the engine thread starts are frozen for the cyclic GC (its full collections, which a
+    burst of forecasts triggers, then scan only newer objects) and released when it stops."""
+    import gc
+    from splash.server.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine, lambda fn: fn()).start()
+    try:
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        loop.stop(5)
+    assert gc.get_freeze_count() == 0
+
+
 def test_console_panel_shows_layout_switches_and_kv_bars():
     from rich.console import Console as RichConsole
 

@@ -60,15 +60,19 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from splash.costmodel import RowLoad
 from splash.costmodel.policy import choose_layout
-from splash.engine.layout_policy.forecast import BatchForecast
+from splash.engine.layout_policy.forecast import BatchForecast, output_left
 from splash.engine.layout_policy.budget import PredictionBudget
 from splash.engine.layout_policy.correction import LayoutStats, StepCorrection, SwitchCorrection
 from splash.engine.layout_policy.decision import VERDICTS, CostModelLike, Decision, ReqView
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from splash.engine.messages import StepItem
 
 __all__ = ["AutoLayout", "CostModelLike", "Decision", "ReqView", "VERDICTS"]
 
@@ -87,18 +91,13 @@ PROBE_LEN_STEPS = LEARN_AFTER_SWITCH + 16   # a probe's way back must fit after 
 OVERHEAD_BUDGET = 0.02   # re-evaluations: at most this share of the executed steps' measured time
 
 
-def _row(new_tokens: int, context: int, owner: int | None):
-    from splash.costmodel import RowLoad   # torch-free
-    return RowLoad(new_tokens=new_tokens, context=context, owner=owner)
-
-
 class AutoLayout:
     """Chooses the layout for `layout: auto`; see the module docstring. One instance on rank 0."""
 
     def __init__(self, model: CostModelLike, allowed: Sequence[str], margin: float, *, block_size: int,
                  world: int, capacity_blocks: Mapping[str, int], max_num_seqs: int,
                  max_num_batched_tokens: int, switch_mode: str = "live", reeval_steps: int = 16,
-                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=_row,
+                 min_interval: int = MIN_INTERVAL_STEPS, observe_every: int = OBSERVE_EVERY, row=RowLoad,
                  clock=time.monotonic, timer=time.perf_counter, overhead_budget: float = OVERHEAD_BUDGET,
                  scheduler: Scheduler | None = None):
         """`scheduler`: the engine's, whose policy the forecast replays (default: one with `max_num_seqs` and
@@ -112,6 +111,8 @@ class AutoLayout:
         self.steps = StepCorrection(self.allowed)
         self.switch_cost = SwitchCorrection()
         self.last: Decision | None = None
+        self._last_dict: dict | None = None     # `last` as a dict, once asked for
+        self._model_view: dict | None = None    # the factors and errors as `summary` shows them, once asked for
         self.history: deque = deque(maxlen=HISTORY)
         self.verdicts: dict[str, int] = {}
         self.clock, self._t0 = clock, clock()
@@ -144,13 +145,13 @@ class AutoLayout:
     def switches(self):
         return self.switch_cost.records
 
-    def observe(self, layout: str, rows: Sequence[tuple[int, int, int | None]], measured_s: float,
-                switched: bool = False) -> None:
-        """An executed step in `layout`: rows are (new_tokens, context, owner). A step that carried a switch does
-        not train the step factor; its measured added time trains the switch-cost correction and sets the dwell."""
-        if layout not in self.stats or not rows or measured_s <= 0:
+    def observe(self, layout: str, items: Sequence[StepItem], measured_s: float, switched: bool = False) -> None:
+        """An executed step in `layout`: `items` are its pieces as the step message carried them (their rows are
+        made only for the steps that train). A step that carried a switch does not train the step factor; its
+        measured added time trains the switch-cost correction and sets the dwell."""
+        if layout not in self.stats or not items or measured_s <= 0:
             return
-        regime = "prefill" if any(n > 1 for n, _, _ in rows) else "decode"
+        regime = "prefill" if any(len(s.tokens) > 1 for s in items) else "decode"
         self._observed += 1
         self._since_switch_s += measured_s
         self.overhead.ran_s += measured_s
@@ -161,8 +162,8 @@ class AutoLayout:
         if (not switched and regime == "decode" and self._observed % self.observe_every
                 and self._observed > self._learn_until):
             return
-        pred = self.overhead.timed(self.model.step, layout, [self.row(n, c, o) for n, c, o in rows],
-                                   budgeted=False).seconds
+        pred = self.overhead.timed(self.model.step, layout, [self.row(len(s.tokens), s.start_pos, s.owner)
+                                                             for s in items], budgeted=False).seconds
         if pred <= 0:
             return
         if switched:
@@ -178,6 +179,7 @@ class AutoLayout:
             self._learn_until = self._observed + LEARN_AFTER_SWITCH
             return
         self.steps.learn(layout, regime, pred, measured_s)
+        self._model_view = None
 
     def factor(self, layout: str, regime: str = "decode") -> float:
         """measured / predicted as learnt so far for `layout` in `regime` ("decode" or "prefill"); the visited
@@ -189,13 +191,19 @@ class AutoLayout:
         """Re-evaluate when the set of requests changed (at most every `min_interval` steps while requests run;
         at once at an idle boundary, where a switch moves no KV) or every `reeval_steps` steps (contexts grow) —
         while requests run, only within the overhead budget (a change not evaluated yet stays due)."""
-        sig = (tuple(sorted(r.req_id for r in reqs if r.running)), sum(1 for r in reqs if not r.running))
+        return self._due(step, [r.req_id for r in reqs if r.running], sum(1 for r in reqs if not r.running))
+
+    def _due(self, step: int, running: Sequence[str], waiting: int) -> bool:
+        """`due` from the running requests' ids and the number waiting: asked at every step boundary, so it
+        compares the set of requests only where the answer can depend on it."""
         since = step - self._sig_step
-        idle = not any(r.running for r in reqs)
-        if not idle and not self.overhead.credit():
+        if running and (since < min(self.min_interval, self.reeval_steps) or not self.overhead.credit()):
             return False
-        if since >= self.reeval_steps or (sig != self._sig and (idle or since >= self.min_interval)):
-            self._sig, self._sig_step = sig, step
+        sig = self._sig
+        same = (sig is not None and sig[1] == waiting and len(sig[0]) == len(running)
+                and all(rid in sig[0] for rid in running))
+        if since >= self.reeval_steps or not same:
+            self._sig, self._sig_step = (frozenset(running), waiting), step
             return True
         return False
 
@@ -343,7 +351,7 @@ class AutoLayout:
         """Remember (and log when it changed) the decision actually taken at this boundary."""
         if deferred:
             d = replace(d, verdict="defer", reason=f"{d.reason}; deferred: {deferred}")
-        prev, self.last = self.last, d
+        prev, self.last, self._last_dict = self.last, d, None
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if d.verdict == "switch":
             self._probe_trip = (d.current, d.target, self._probe_regime) if d.probe else None
@@ -351,9 +359,15 @@ class AutoLayout:
                 key = f"{d.target}/{self._probe_regime}"
                 self.probes[key] = self.probes.get(key, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
-            self.history.append(d.as_dict())
+            self.history.append(self._last_view())
             log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))
         return d
+
+    def _last_view(self) -> dict | None:
+        """The last decision as a dict, made once per decision (the server's snapshot asks after every step)."""
+        if self._last_dict is None and self.last is not None:
+            self._last_dict = self.last.as_dict()
+        return self._last_dict
 
     # ---- the engine's boundary -----------------------------------------------------------------------------------
     def advise(self, step: int, current: str, scheduler: Any, ledger: Any) -> str | None:
@@ -362,9 +376,10 @@ class AutoLayout:
         self._pending = None
         if not (scheduler.running or scheduler.waiting):
             return None
-        views = request_views(scheduler, ledger)
-        if not self.due(step, views):
+        if not self._due(step, [r.req_id for r in scheduler.running],
+                         min(len(scheduler.waiting), scheduler.max_num_seqs)):
             return None
+        views = request_views(scheduler, ledger)
         d = self.propose(step, current, views, {lay: ledger.usage_under(lay) for lay in self.allowed})
         if d.verdict != "switch":
             self.record(d)
@@ -405,15 +420,18 @@ class AutoLayout:
     def summary(self) -> dict:
         sw = self.switch_cost.summary()
         sw["dwell_s"], sw["since_switch_s"] = round(self._dwell_s, 4), round(min(self._since_switch_s, 1e9), 4)
-        return {"last_decision": self.last.as_dict() if self.last else None,
+        if self._model_view is None:   # it changes only when a step trains a factor
+            self._model_view = {
+                lay: {"factor": round(self.factor(lay), 4), "last_predicted_s": s.last_predicted,
+                      "last_measured_s": s.last_measured, "median_error": s.median_error,
+                      "uncertainty": round(self.steps.uncertainty(lay), 4),
+                      "prefill_factor": round(self.factor(lay, "prefill"), 4),
+                      "prefill_uncertainty": round(self.steps.uncertainty(lay, "prefill"), 4),
+                      "prefill_median_error": self.prefill_stats[lay].median_error}
+                for lay, s in self.stats.items()}
+        return {"last_decision": self._last_view(),
                 "decisions": dict(self.verdicts),
-                "model": {lay: {"factor": round(self.factor(lay), 4), "last_predicted_s": s.last_predicted,
-                                "last_measured_s": s.last_measured, "median_error": s.median_error,
-                                "uncertainty": round(self.steps.uncertainty(lay), 4),
-                                "prefill_factor": round(self.factor(lay, "prefill"), 4),
-                                "prefill_uncertainty": round(self.steps.uncertainty(lay, "prefill"), 4),
-                                "prefill_median_error": self.prefill_stats[lay].median_error}
-                          for lay, s in self.stats.items()},
+                "model": self._model_view,
                 "switches": list(self.switches), "switch_cost": sw, "probes": dict(self.probes),
                 "overhead": {**self.overhead.summary(), "forecasts_replayed": self.forecast.replayed,
                              "forecasts_followed": self.forecast.followed},
@@ -423,14 +441,12 @@ class AutoLayout:
 # ---- the engine's wiring ----------------------------------------------------------------------------------------
 def request_views(scheduler: Any, ledger: Any) -> list[ReqView]:
     """The scheduler's running and waiting requests (the first `max_num_seqs` waiting) as ReqViews."""
-    def left(r) -> int:
-        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    out = [ReqView(r.req_id, r.num_cached, r.pending, left(r), ledger.owner(r.req_id))
+    out = [ReqView(r.req_id, r.num_cached, r.pending, output_left(r), ledger.owner(r.req_id))
            for r in scheduler.running]
     for i, r in enumerate(scheduler.waiting):
         if i >= scheduler.max_num_seqs:
             break
-        out.append(ReqView(r.req_id, 0, r.pending, left(r), None, running=False))
+        out.append(ReqView(r.req_id, 0, r.pending, output_left(r), None, running=False))
     return out
 
 

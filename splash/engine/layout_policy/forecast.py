@@ -157,11 +157,13 @@ def boundary(sched: Scheduler) -> tuple[tuple, ...]:
     """The requests of `sched` as `request_views` shows them at a boundary: (request, cached tokens, pending, output
     tokens left, owner, running) each; a waiting request has none cached and no owner."""
     led = sched.ledger
+    return (*((r.req_id, r.num_cached, r.pending, output_left(r), led.owner(r.req_id), True) for r in sched.running),
+            *((r.req_id, 0, r.pending, output_left(r), None, False) for r in sched.waiting))
 
-    def left(r) -> int:
-        return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
-    return (*((r.req_id, r.num_cached, r.pending, left(r), led.owner(r.req_id), True) for r in sched.running),
-            *((r.req_id, 0, r.pending, left(r), None, False) for r in sched.waiting))
+
+def output_left(r: Request) -> int:
+    """Output tokens `r` may still make: its max_tokens, bounded by its max_len."""
+    return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
 
 
 def _along_decode(state) -> frozenset:
