@@ -128,7 +128,7 @@ def gap_rows(hardware: str) -> list[dict]:
     for t in tps_targets(hardware):
         for b, n in t["points"]:
             k = min(b, concurrency(s, ev.caps, t["layout"], n))
-            parts = disaggregated_parts(ev.cm, s, ev.caps, t["layout"], b, n, out_len, k)
+            parts = disaggregated_parts(ev.cm, s, t["layout"], b, n, out_len, k)
             tokens = b * (n + out_len)
             nic_bytes = b * n * kv_bytes_per_request_token(s) / s.world
             row = {"hardware": hardware, "figure": t["figure"], "layout": t["layout"], "batch": b, "input_len": n,
