@@ -6,14 +6,27 @@ from splash.costmodel import load_profile
 from splash.costmodel.step_cost import CostModel
 from splash.sim.paper_data import FIGURES, SETUPS
 from splash.sim.presets import load_sim_model
-from splash.layouts.memory import (common_bytes, kv_block_bytes, projection_bytes_per_rank, recurrent_state_bytes,
-                                   states_per_rank)
-from splash.sim.scenario import fingerprint, resident_limit, scenario_limit
+from splash.layouts.memory import (common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank,
+                                   recurrent_state_bytes, states_per_rank)
+from splash.sim.scenario import GIB, fingerprint, kv_tokens_per_input_token, scenario_limit
 from splash.sim.serving import (SimSetup, capacities, concurrency, prefill_seconds, stored_weights,
                                 wave_seconds)
 from splash.sim import deploy
 
 PAPER = {f.key: f.paper for f in FIGURES}
+
+
+def resident_limit(model, layout: str, batch: int = 16, world: int = 8, budget_gib: float = 52.8,
+                   kv_dtype: str | None = None) -> float:
+    """The other reading of the DCU scenario (docs/benchmarks.md): the longest nominal input of ``batch`` balanced
+    requests when the budget holds everything a rank keeps resident, as splash.layouts.memory counts it for the
+    whole model: every weight (FFN/MoE sharded over the group, the MLA and KDA projections sharded or replicated by
+    layout, embeddings, norms), the ``batch`` requests' KDA state, and their KV in ``kv_dtype`` (default the
+    model's)."""
+    elem, quant = stored_weights(model.weight_dtype)
+    cap = kv_capacity_tokens(model.full, layout, world, budget_gib * GIB, elem, kv_dtype or model.kv_dtype, 1,
+                             weight_quant=quant, state_requests=batch)
+    return cap.room_bytes_per_rank / (cap.block_bytes * kv_tokens_per_input_token(layout, batch, world))
 
 
 def test_papers_resident_count_is_distinct_capacity_over_length():

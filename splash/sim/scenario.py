@@ -10,13 +10,11 @@ input token in TP and ⌈B / T⌉ in the other three; KV bytes per token are the
 No accounting of that kind reproduces the paper's four limits, whatever the bytes: ``fingerprint`` computes what
 four limits say about the accounting behind them, and for any ownership accounting (one per-token size, weights
 equal in TP and DOP and equal in DP-attn and CP) TP's limit is DOP's × ⌈B/T⌉/B and CP's equals DP-attn's.
-``resident_limit`` is the other reading docs/benchmarks.md records: the budget holds everything a rank keeps
-resident as the engine counts it.
 """
 from __future__ import annotations
 
 from splash.layouts.layout import KV_ALL, kv_ownership_of
-from splash.layouts.memory import kv_bytes_per_token_layer, kv_capacity_tokens, projection_bytes_per_rank
+from splash.layouts.memory import kv_bytes_per_token_layer, projection_bytes_per_rank
 from splash.sim.paper_data import SCENARIO
 
 GIB = float(1 << 30)
@@ -37,19 +35,6 @@ def scenario_limit(model, layout: str, batch: int = SCENARIO["batch"], world: in
     room = budget_gib * GIB - weights
     per_token = kv_bytes_per_token_layer(cfg, model.kv_dtype) * cfg.num_hidden_layers
     return max(0.0, room / (per_token * kv_tokens_per_input_token(layout, batch, world)))
-
-
-def resident_limit(model, layout: str, batch: int = SCENARIO["batch"], world: int = SCENARIO["world"],
-                   budget_gib: float = SCENARIO["budget_gib"], kv_dtype: str | None = None) -> float:
-    """Longest nominal input of ``batch`` balanced requests when the budget holds everything a rank keeps resident,
-    as splash.layouts.memory counts it for the whole model (hybrid models included): every weight (FFN/MoE sharded
-    over the group, the MLA and KDA projections sharded or replicated by layout, embeddings, norms), the ``batch``
-    requests' KDA state, and their KV in ``kv_dtype`` (default the model's)."""
-    from splash.sim.serving import stored_weights
-    elem, quant = stored_weights(model.weight_dtype)
-    cap = kv_capacity_tokens(model.full, layout, world, budget_gib * GIB, elem, kv_dtype or model.kv_dtype, 1,
-                             weight_quant=quant, state_requests=batch)
-    return cap.room_bytes_per_rank / (cap.block_bytes * kv_tokens_per_input_token(layout, batch, world))
 
 
 def fingerprint(limits: dict[str, float], batch: int = SCENARIO["batch"],
