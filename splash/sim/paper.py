@@ -108,17 +108,17 @@ class Evaluator:
         self.cm = CostModel(m.cfg, 8, self.profile, m.weight_dtype, m.kv_dtype, self.sim.block_size,
                             cp_prefill="split")
         self.caps = capacities(self.sim)
-        self._tps: dict[tuple, dict] = {}
-        self._switch: dict[tuple, list[dict]] = {}
-        self._burst: dict[tuple, dict] = {}
+        self._cache: dict[tuple, object] = {}   # a sweep asks for the same points and switch tables many times
 
-    # throughput
+    def _memo(self, key: tuple, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
     def point(self, layout: str, batch: int, input_len: int) -> dict:
         from splash.sim.deploy import throughput
-        key = (layout, batch, input_len)
-        if key not in self._tps:
-            self._tps[key] = throughput(self.cm, self.sim, self.caps, layout, batch, input_len, self.setup.output_len)
-        return self._tps[key]
+        return self._memo(("tps", layout, batch, input_len), lambda: throughput(
+            self.cm, self.sim, self.caps, layout, batch, input_len, self.setup.output_len))
 
     def tps(self, layout: str, batch: int, input_len: int) -> float | None:
         p = self.point(layout, batch, input_len)
@@ -133,13 +133,9 @@ class Evaluator:
         x, y = self.tps(a, batch, input_len), self.tps(b, batch, input_len)
         return x / y if x and y else None
 
-    # switches
     def switches(self, batch: int, tokens: int) -> list[dict]:
         from splash.sim.switch_table import switch_costs
-        key = (batch, tokens)
-        if key not in self._switch:
-            self._switch[key] = switch_costs(self.cm, self.sim, batch, tokens)
-        return self._switch[key]
+        return self._memo(("switch", batch, tokens), lambda: switch_costs(self.cm, self.sim, batch, tokens))
 
     def evaluate(self, probe: tuple):
         kind, *a = probe
@@ -171,12 +167,9 @@ class Evaluator:
         if kind in ("primitive", "primitive_dir", "switch", "switch_range", "switch_saving", "switch_step_share"):
             return self._switch_probe(kind, a)
         if kind == "burst":
-            lay, batch, n, out, what = a
-            key = (lay, batch, n, out)
-            if key not in self._burst:
-                from splash.sim.serving import burst
-                self._burst[key] = burst(self.cm, self.sim, self.caps, lay, batch, n, out)
-            b = self._burst[key]
+            from splash.sim.serving import burst
+            *run, what = a     # (layout, batch, input, output), what
+            b = self._memo(("burst", *run), lambda: burst(self.cm, self.sim, self.caps, *run))
             return b[what] if b["feasible"] else None
         if kind == "scenario_limit":
             from splash.sim.scenario import scenario_limit
