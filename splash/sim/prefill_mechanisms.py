@@ -36,8 +36,8 @@ def prefill_transient_bytes(cfg, rows: int, keys: int) -> dict[str, float]:
 def largest_chunk_rows(cfg, keys: int, room: float) -> float:
     """The most query rows whose transients (``prefill_transient_bytes``) fit in ``room`` bytes at ``keys``
     (inf for a model without an indexer: no buffer grows with the rows)."""
-    fixed = keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * BF16
-    per_row = (keys * LOGIT_BYTES + cfg.index_topk * INDEX_BYTES) if cfg.index_topk else 0.0
+    fixed = sum(prefill_transient_bytes(cfg, 0, keys).values())
+    per_row = sum(prefill_transient_bytes(cfg, 1, keys).values()) - fixed
     if room < fixed:
         return 0
     return math.inf if per_row == 0 else int((room - fixed) // per_row)
@@ -47,12 +47,6 @@ def activation_room(s) -> float:
     """Bytes a rank has for prefill transients: (1 − memory fraction) × memory, the same in every layout (the KV
     pool is sized at the fraction, SGLang's ``mem_fraction_static``; replicated projections shrink the pool)."""
     return (1.0 - s.mem_fraction) * s.profile.memory_bytes
-
-
-def per_rank_chunk(layout: str, chunk: int, world: int) -> int:
-    """Query rows a rank runs in one full prefill step: its owner share (DP-attn/DOP, SGLang's
-    chunked_prefill_size // dp_size), its 1/T of the chunk (CP split), the whole chunk (TP)."""
-    return chunk if kv_ownership_of(layout) == KV_ALL else chunk // world
 
 
 def history_reread_seconds(cfg, kv_dtype: str, keys: int, bytes_per_s: float) -> float:
@@ -130,7 +124,9 @@ def mechanism_rows(hardware: str, points=None) -> list[dict]:
                 continue
             k = base["concurrency"]
             total = batch * (n + ev.setup.output_len) / base["tokens_per_s"]
-            r_chunk = per_rank_chunk(lay, s.chunk, s.world)
+            # query rows a rank runs in one full prefill step: an owner's share (DP-attn/DOP, SGLang's
+            # chunked_prefill_size // dp_size), 1/T of the chunk (CP split), the whole chunk (TP)
+            r_chunk = s.chunk if kv_ownership_of(lay) == KV_ALL else s.chunk // s.world
             transient = sum(prefill_transient_bytes(cfg, r_chunk, n).values())
             room = activation_room(s)
             # transients out of the pool's budget instead: admission shrinks so one chunk's buffers fit
