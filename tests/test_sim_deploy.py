@@ -34,7 +34,7 @@ def test_disaggregated_time_is_prefill_handoff_decode():
 
 def test_later_waves_hide_the_earlier_handoffs():
     s, cm, caps = _setup()
-    t2 = deploy.disaggregated_seconds(cm, s, caps, "dp_attn", 16, 2000, 0, 8)   # two waves of 8
+    t2 = sum(deploy.disaggregated_parts(cm, s, "dp_attn", 16, 2000, 0, 8).values())   # two waves of 8
     p = prefill_seconds(cm, s, "dp_attn", 8, 2000)
     h = deploy.handoff_seconds(s, 8, 2000)
     assert h < p and t2 == pytest.approx(2 * p + h)   # the first wave's handoff runs under the second's prefill

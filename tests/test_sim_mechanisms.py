@@ -6,14 +6,54 @@ from splash.costmodel import load_profile
 from splash.costmodel.step_cost import CostModel
 from splash.sim.paper_data import FIGURES, SETUPS
 from splash.sim.presets import load_sim_model
-from splash.layouts.memory import (common_bytes, kv_block_bytes, projection_bytes_per_rank, recurrent_state_bytes,
-                                   states_per_rank)
-from splash.sim.scenario import fingerprint, resident_limit, scenario_limit
+from splash.layouts.memory import (common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank,
+                                   recurrent_state_bytes, states_per_rank)
+from splash.sim.scenario import GIB, kv_tokens_per_input_token, scenario_limit
 from splash.sim.serving import (SimSetup, capacities, concurrency, prefill_seconds, stored_weights,
                                 wave_seconds)
 from splash.sim import deploy
 
 PAPER = {f.key: f.paper for f in FIGURES}
+
+
+def resident_limit(model, layout: str, batch: int = 16, world: int = 8, budget_gib: float = 52.8,
+                   kv_dtype: str | None = None) -> float:
+    """The other reading of the DCU scenario (docs/benchmarks.md): the longest nominal input of ``batch`` balanced
+    requests when the budget holds everything a rank keeps resident, as splash.layouts.memory counts it for the
+    whole model: every weight (FFN/MoE sharded over the group, the MLA and KDA projections sharded or replicated by
+    layout, embeddings, norms), the ``batch`` requests' KDA state, and their KV in ``kv_dtype`` (default the
+    model's)."""
+    elem, quant = stored_weights(model.weight_dtype)
+    cap = kv_capacity_tokens(model.full, layout, world, budget_gib * GIB, elem, kv_dtype or model.kv_dtype, 1,
+                             weight_quant=quant, state_requests=batch)
+    return cap.room_bytes_per_rank / (cap.block_bytes * kv_tokens_per_input_token(layout, batch, world))
+
+
+def fingerprint(limits: dict[str, float], batch: int = 16, world: int = 8) -> dict[str, float]:
+    """What four nominal-input limits (layout -> tokens) say about the per-rank accounting behind them, whatever
+    its bytes. Write a layout's budget as fixed(layout) + k(layout) × limit × b(layout), with k the KV tokens a
+    rank holds per input token (``kv_tokens_per_input_token``) and b the bytes of one request-token:
+
+    - ``tp_vs_dop``: b(TP) / b(DOP) when TP and DOP hold the same weights (both shard the projections). 1 in
+      every ownership accounting;
+    - ``cp_vs_dp``: b(CP) / b(DP-attn) when CP and DP-attn hold the same weights (both replicate them). 1 in every
+      ownership accounting;
+    - ``gap_tokens``: what DP-attn's replicas take beyond DOP's shards, in request-tokens (b(DOP) = b(DP-attn));
+    - ``replicated_share``: the share of the budget the replicated layout-dependent weights W take if the budget
+      holds nothing else than them and KV (W / T in TP/DOP): from DOP = W/T + k n_dop b and DP-attn = W + k n_dp b.
+    """
+    k_own = kv_tokens_per_input_token("dop", batch, world)
+    n = {lay: float(limits[lay]) for lay in ("tp", "dp_attn", "cp", "dop")}
+    gap = n["dop"] - n["dp_attn"]
+    if gap <= 0:
+        raise ValueError(f"DOP's limit ({n['dop']}) must exceed DP-attn's ({n['dp_attn']}): DOP shards what "
+                         "DP-attn replicates")
+    return {
+        "tp_vs_dop": k_own * n["dop"] / (kv_tokens_per_input_token("tp", batch, world) * n["tp"]),
+        "cp_vs_dp": n["dp_attn"] / n["cp"],
+        "gap_tokens": k_own * gap,
+        "replicated_share": world / (1.0 + (world - 1) * n["dop"] / gap),
+    }
 
 
 def test_papers_resident_count_is_distinct_capacity_over_length():

@@ -9,7 +9,7 @@ from splash.costmodel.step_cost import CostModel
 from splash.sim import deploy
 from splash.sim import tps_gap as g
 from splash.sim.presets import load_sim_model
-from splash.sim.serving import SimSetup, capacities
+from splash.sim.serving import SimSetup, prefill_seconds
 
 
 def test_each_stage_alone_closes_the_gap():
@@ -55,9 +55,10 @@ def test_disaggregated_parts_sum_to_the_batch_time():
     m = load_sim_model("glm-5.3")
     s = SimSetup(m, load_profile("b200"), 8, deployment="disaggregated")
     cm = CostModel(m.cfg, 8, s.profile, m.weight_dtype, m.kv_dtype, s.block_size, cp_prefill="split")
-    caps = capacities(s)
-    parts = deploy.disaggregated_parts(cm, s, caps, "dp_attn", 16, 2000, 4, 8)   # two waves of 8
-    assert sum(parts.values()) == pytest.approx(deploy.disaggregated_seconds(cm, s, caps, "dp_attn", 16, 2000, 4, 8))
+    parts = deploy.disaggregated_parts(cm, s, "dp_attn", 16, 2000, 4, 8)   # two waves of 8
+    assert sum(parts.values()) == pytest.approx(2 * prefill_seconds(cm, s, "dp_attn", 8, 2000)
+                                                + deploy.handoff_seconds(s, 8, 2000)
+                                                + deploy.decode_seconds(s, 16, 2000, 4))
     assert parts["handoff_s"] == pytest.approx(deploy.handoff_seconds(s, 8, 2000))   # only the last wave's shows
 
 

@@ -88,8 +88,7 @@ def decode_seconds(s, batch: int, input_len: int, output_len: int) -> float:
     return t
 
 
-def disaggregated_parts(cm, s, caps, layout: str, batch: int, input_len: int, output_len: int,
-                        k: int) -> dict[str, float]:
+def disaggregated_parts(cm, s, layout: str, batch: int, input_len: int, output_len: int, k: int) -> dict[str, float]:
     """{"prefill_s", "handoff_s" (exposed), "decode_s"} of ``batch`` requests, ``k`` at once on the prefill
     instance in ``layout``; their sum is the batch's end-to-end time."""
     full, rest = divmod(batch, k)
@@ -105,34 +104,27 @@ def disaggregated_parts(cm, s, caps, layout: str, batch: int, input_len: int, ou
             "decode_s": decode_seconds(s, batch, input_len, output_len)}
 
 
-def disaggregated_seconds(cm, s, caps, layout: str, batch: int, input_len: int, output_len: int,
-                          k: int) -> float:
-    """End-to-end seconds of ``batch`` requests, ``k`` at once on the prefill instance in ``layout``."""
-    parts = disaggregated_parts(cm, s, caps, layout, batch, input_len, output_len, k)
-    return parts["prefill_s"] + parts["handoff_s"] + parts["decode_s"]
-
-
 def throughput(cm: CostModel, s: SimSetup, caps: dict, layout: str, batch: int, input_len: int,
                output_len: int) -> dict[str, object]:
     """{"tokens_per_s", "feasible", "concurrency"} of serving ``batch`` requests in ``layout``."""
+    infeasible = {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
     try:
         cm.step(layout, [RowLoad(1, 1, 0)])
     except ValueError:
-        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-    if s.deployment == "disaggregated":
-        k = min(batch, concurrency(s, caps, layout, input_len))   # the prefill instance holds prompts only
-        if k == 0:
-            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-        try:
-            total = disaggregated_seconds(cm, s, caps, layout, batch, input_len, output_len, k)
-        except ValueError:   # the decode instance holds none of these requests
-            return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-        return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}
-    k = min(batch, concurrency(s, caps, layout, input_len + output_len))
+        return infeasible
+    disaggregated = s.deployment == "disaggregated"
+    # a disaggregated deployment's prefill instance holds prompts only
+    k = min(batch, concurrency(s, caps, layout, input_len if disaggregated else input_len + output_len))
     if k == 0:
-        return {"tokens_per_s": 0.0, "feasible": False, "concurrency": 0}
-    full, rest = divmod(batch, k)
-    total = full * wave_seconds(cm, s, layout, k, input_len, output_len)
-    if rest:
-        total += wave_seconds(cm, s, layout, rest, input_len, output_len)
+        return infeasible
+    if disaggregated:
+        try:
+            total = sum(disaggregated_parts(cm, s, layout, batch, input_len, output_len, k).values())
+        except ValueError:   # the decode instance holds none of these requests
+            return infeasible
+    else:
+        full, rest = divmod(batch, k)
+        total = full * wave_seconds(cm, s, layout, k, input_len, output_len)
+        if rest:
+            total += wave_seconds(cm, s, layout, rest, input_len, output_len)
     return {"tokens_per_s": batch * (input_len + output_len) / total, "feasible": True, "concurrency": k}

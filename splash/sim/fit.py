@@ -2,20 +2,12 @@
 Pure, no torch.
 
 ``switch_efficiencies``: the share of the B200 link rate (spec sheet) that a switch's per-layer KV collective and
-projection all-gather reach, from the paper's B200 per-layer costs (§5.4: KV 3.471-3.807 ms, weights 0.292-0.302
-ms at B = 16 x 256K) and the manifest planner's bytes for those switches. The geometric middle of each published
-range is the target. H200 and DCU use these shares unchanged (``tests/test_switch_cost.py`` checks the profiles
-carry them).
-
-``implied_link_rates``: the inverse, for held-out hardware: the one-direction link rate at which the B200 shares
-would reproduce that hardware's published per-layer primitives. Not a fit (no profile uses it): on H200, whose link
-is on a datasheet, it checks the shares transfer; on the DCU, whose link rate is an assumption, it says what rate the
-paper's figures point to, and whether the KV and the weight primitives point to the same one.
-
-``blocking_from_primitives``: what the paper's own B200 switch figures allow any model that prices a blocking
-switch as its per-layer primitives run back to back (splash-sim's, ``CostModel.switch(..., "blocking")``): the
-largest such blocking time for DOP->CP (its KV and projection primitives at the top of their published ranges,
-every layer) and the smallest live / blocking ratio it leaves once the live p50 is reproduced.
+projection all-gather reach, at the geometric middle of the paper's B200 per-layer ranges (§5.4, B = 16 x 256K),
+with the manifest planner's bytes; H200 and DCU use these shares unchanged (``tests/test_switch_cost.py``).
+``implied_link_rates``: the inverse for held-out hardware, a check rather than a fit: the link rate at which the
+B200 shares reproduce that hardware's published primitives. ``paper_blocking_bound``: the largest blocking DOP->CP
+time any model pricing a blocking switch as its per-layer primitives back to back can reach from the paper's own
+B200 figures, and the live / blocking ratio that leaves.
 """
 from __future__ import annotations
 
@@ -23,22 +15,27 @@ import math
 
 from splash.sim.paper_data import FIGURES
 
+PAPER = {f.key: f.paper for f in FIGURES}
+
 
 def _paper_range(key: str) -> tuple[float, float]:
-    by = {f.key: f.paper for f in FIGURES}
-    return float(by[f"{key}.min"]), float(by[f"{key}.max"])
+    return float(PAPER[f"{key}.min"]), float(PAPER[f"{key}.max"])
+
+
+def _dop_to_cp(m, batch: int, tokens: int, T: int = 8):
+    """The manifest of DOP->CP (which moves both KV and projections) for ``batch`` requests of ``tokens``."""
+    from splash.switching.manifest import ReqState, plan_switch
+    reqs = {f"r{i}": ReqState(tokens, i % T) for i in range(batch)}
+    return plan_switch("dop", "cp", m.cfg, T, reqs, 64, {"float32": 4, "bfloat16": 2}.get(m.weight_dtype, 1),
+                       m.kv_dtype)
 
 
 def _primitive_bytes(model: str, batch: int, tokens: int, T: int = 8) -> tuple[float, float]:
     """(KV, projection) bytes of one layer's switch collectives on the busiest rank, as the profiles price them:
-    the KV at (T-1)/T of the layer's logical live KV, the projections as received; from DOP->CP, which moves both."""
+    the KV at (T-1)/T of the layer's logical live KV, the projections as received."""
     from splash.costmodel.switch_cost import logical_kv_bytes_layer
     from splash.sim.presets import load_sim_model
-    from splash.switching.manifest import ReqState, plan_switch
-    m = load_sim_model(model)
-    reqs = {f"r{i}": ReqState(tokens, i % T) for i in range(batch)}
-    man = plan_switch("dop", "cp", m.cfg, T, reqs, 64, {"float32": 4, "bfloat16": 2}.get(m.weight_dtype, 1),
-                      m.kv_dtype)
+    man = _dop_to_cp(load_sim_model(model), batch, tokens, T)
     return (T - 1) / T * logical_kv_bytes_layer(man), float(max(man.weight_recv_bytes))
 
 
@@ -55,9 +52,8 @@ def implied_link_rates(hardware: str) -> dict[str, tuple[float, float]]:
     to reproduce its published per-layer primitive range (the range's high end gives the low rate)."""
     from splash.costmodel.profile import load_profile
     from splash.sim.paper_data import SETUPS
-    figs = {f.key: f for f in FIGURES}
     prof = load_profile(SETUPS[hardware].hardware)
-    _, _, batch, tokens, _ = figs[f"{hardware}.prim.kv.min"].probe
+    _, _, batch, tokens, _ = next(f.probe for f in FIGURES if f.key == f"{hardware}.prim.kv.min")
     kv, w = _primitive_bytes(SETUPS[hardware].model, batch, tokens)
     out = {}
     for what, nbytes, eff, coll in (("kv", kv, prof.switch_kv_efficiency, "all_to_all"),
@@ -92,23 +88,20 @@ def live_switch(profile=None, batch: int = 16, tokens: int = 256_000, chunk: int
     from splash.costmodel.step_cost import CostModel
     from splash.sim.presets import load_sim_model
     from splash.sim.switch_table import step_link_share, switch_step_rows
-    from splash.switching.manifest import ReqState, plan_switch
-    by = {f.key: f.paper for f in FIGURES}
     prof = profile or load_profile("b200")
     prof = dataclasses.replace(prof, **switch_efficiencies(prof, batch, tokens), switch_overlap="pipeline",
                                switch_handoff_s=0.0, switch_contention=0.0)
     m, T = load_sim_model("glm-5.3"), 8
     cm = CostModel(m.cfg, T, prof, m.weight_dtype, m.kv_dtype, 64, cp_prefill="split")
-    man = plan_switch("dop", "cp", m.cfg, T, {f"r{i}": ReqState(tokens, i % T) for i in range(batch)}, 64, 1,
-                      m.kv_dtype)
+    man = _dop_to_cp(m, batch, tokens, T)
     pred = cm.step("cp", switch_step_rows("cp", batch, tokens, chunk, T))
     share = step_link_share(pred)
     t = cm.switch(man, "blocking").per_layer_seconds
     L = man.num_layers
-    handoff = float(by["b200.switch.live.min"]) * 1e-3
+    handoff = float(PAPER["b200.switch.live.min"]) * 1e-3
     hidden = min(t, pred.seconds / L)
     exposed_no_contention = handoff + t + (L - 1) * (t - hidden)
-    target = float(by["b200.switch.dop_cp.live"]) * 1e-3
+    target = float(PAPER["b200.switch.dop_cp.live"]) * 1e-3
     kappa = max(0.0, target - exposed_no_contention) / ((L - 1) * hidden * share) if hidden * share else 0.0
     return {"switch_handoff_s": handoff, "switch_contention": kappa}
 
@@ -124,9 +117,8 @@ def paper_blocking_bound() -> dict[str, float]:
     """``blocking_from_primitives`` for B200 DOP->CP from the paper's figures alone (78 layers of GLM-5.3; the
     primitives' high ends), beside the paper's blocking time and live / blocking high end."""
     from splash.sim.presets import load_sim_model
-    by = {f.key: float(f.paper) for f in FIGURES if not isinstance(f.paper, str)}
-    out = blocking_from_primitives(by["b200.switch.dop_cp.live"] * 1e-3,
+    out = blocking_from_primitives(PAPER["b200.switch.dop_cp.live"] * 1e-3,
                                    load_sim_model("glm-5.3").cfg.num_hidden_layers,
-                                   by["b200.prim.kv.max"] * 1e-3, by["b200.prim.weight.max"] * 1e-3)
-    return {**out, "paper_blocking_s": by["b200.switch.dop_cp.blocking"] * 1e-3,
-            "paper_live_over_blocking_max": by["b200.switch.saving.max"]}
+                                   PAPER["b200.prim.kv.max"] * 1e-3, PAPER["b200.prim.weight.max"] * 1e-3)
+    return {**out, "paper_blocking_s": PAPER["b200.switch.dop_cp.blocking"] * 1e-3,
+            "paper_live_over_blocking_max": PAPER["b200.switch.saving.max"]}

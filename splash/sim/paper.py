@@ -108,17 +108,17 @@ class Evaluator:
         self.cm = CostModel(m.cfg, 8, self.profile, m.weight_dtype, m.kv_dtype, self.sim.block_size,
                             cp_prefill="split")
         self.caps = capacities(self.sim)
-        self._tps: dict[tuple, dict] = {}
-        self._switch: dict[tuple, list[dict]] = {}
-        self._burst: dict[tuple, dict] = {}
+        self._cache: dict[tuple, object] = {}   # a sweep asks for the same points and switch tables many times
 
-    # throughput
+    def _memo(self, key: tuple, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
     def point(self, layout: str, batch: int, input_len: int) -> dict:
         from splash.sim.deploy import throughput
-        key = (layout, batch, input_len)
-        if key not in self._tps:
-            self._tps[key] = throughput(self.cm, self.sim, self.caps, layout, batch, input_len, self.setup.output_len)
-        return self._tps[key]
+        return self._memo(("tps", layout, batch, input_len), lambda: throughput(
+            self.cm, self.sim, self.caps, layout, batch, input_len, self.setup.output_len))
 
     def tps(self, layout: str, batch: int, input_len: int) -> float | None:
         p = self.point(layout, batch, input_len)
@@ -133,13 +133,9 @@ class Evaluator:
         x, y = self.tps(a, batch, input_len), self.tps(b, batch, input_len)
         return x / y if x and y else None
 
-    # switches
     def switches(self, batch: int, tokens: int) -> list[dict]:
         from splash.sim.switch_table import switch_costs
-        key = (batch, tokens)
-        if key not in self._switch:
-            self._switch[key] = switch_costs(self.cm, self.sim, batch, tokens)
-        return self._switch[key]
+        return self._memo(("switch", batch, tokens), lambda: switch_costs(self.cm, self.sim, batch, tokens))
 
     def evaluate(self, probe: tuple):
         kind, *a = probe
@@ -147,14 +143,12 @@ class Evaluator:
             return self.tps(*a)
         if kind == "tps_range":
             lay, points, end = a
-            vals = [self.tps(lay, b, n) for b, n in points]
-            return None if None in vals else (min if end == "min" else max)(vals)
+            return _extreme([self.tps(lay, b, n) for b, n in points], end)
         if kind == "ratio":
             return self.ratio(*a)
         if kind == "ratio_range":
             x, y, points, end = a
-            vals = [self.ratio(x, y, b, n) for b, n in points]
-            return None if None in vals else (min if end == "min" else max)(vals)
+            return _extreme([self.ratio(x, y, b, n) for b, n in points], end)
         if kind == "leader":
             return self.leader(*a)
         if kind == "capacity":
@@ -170,17 +164,12 @@ class Evaluator:
             lay, batch, n, out, *per = a
             k = min(batch, concurrency(self.sim, self.caps, lay, n + out))
             return k / self.sim.world if per else k
-        if kind in ("primitive", "primitive_dir"):
-            return self._primitive(kind, a)
-        if kind in ("switch", "switch_range", "switch_saving", "switch_step_share"):
+        if kind in ("primitive", "primitive_dir", "switch", "switch_range", "switch_saving", "switch_step_share"):
             return self._switch_probe(kind, a)
         if kind == "burst":
-            lay, batch, n, out, what = a
-            key = (lay, batch, n, out)
-            if key not in self._burst:
-                from splash.sim.serving import burst
-                self._burst[key] = burst(self.cm, self.sim, self.caps, lay, batch, n, out)
-            b = self._burst[key]
+            from splash.sim.serving import burst
+            *run, what = a     # (layout, batch, input, output), what
+            b = self._memo(("burst", *run), lambda: burst(self.cm, self.sim, self.caps, *run))
             return b[what] if b["feasible"] else None
         if kind == "scenario_limit":
             from splash.sim.scenario import scenario_limit
@@ -189,34 +178,30 @@ class Evaluator:
             return None  # counted by table()
         raise ValueError(f"unknown probe {kind!r}")
 
-    def _primitive(self, kind: str, a: tuple) -> float | None:
-        if kind == "primitive":
-            what, batch, ctx, end = a
-            rows = self.switches(batch, ctx)
-        else:
+    def _switch_probe(self, kind: str, a: tuple) -> float | None:
+        if kind in ("primitive_dir", "switch"):     # one direction's: (src, dst, what, batch, ctx)
             src, dst, what, batch, ctx = a
             rows = [r for r in self.switches(batch, ctx) if (r["src"], r["dst"]) == (src, dst)]
-        vals = [r[f"{what}_layer_s"] * 1e3 for r in rows if r[f"{what}_layer_s"] > 0]
-        if not vals:
-            return None
-        return min(vals) if kind == "primitive" and end == "min" else max(vals)
-
-    def _switch_probe(self, kind: str, a: tuple) -> float | None:
-        if kind == "switch":
-            src, dst, mode, batch, ctx = a
-            r = next((r for r in self.switches(batch, ctx) if (r["src"], r["dst"]) == (src, dst)), None)
-            return None if r is None else r[f"{mode}_s"] * 1e3
-        if kind == "switch_range":
-            mode, batch, ctx, end = a
-            vals = [r[f"{mode}_s"] * 1e3 for r in self.switches(batch, ctx)]
-            return (min if end == "min" else max)(vals) if vals else None
-        if kind == "switch_saving":
-            batch, ctx, end = a
-            vals = [r["live_s"] / r["blocking_s"] for r in self.switches(batch, ctx) if r["recv_bytes"] > 0]
-            return (min if end == "min" else max)(vals) if vals else None
-        batch, ctx = a
+            if kind == "switch":
+                return rows[0][f"{what}_s"] * 1e3 if rows else None
+            return _extreme([r[f"{what}_layer_s"] * 1e3 for r in rows if r[f"{what}_layer_s"] > 0], "max")
+        if kind == "switch_step_share":
+            rows = self.switches(*a)
+            return max(r["live_s"] / r["dst_step_s"] for r in rows) if rows else None
+        *what, batch, ctx, end = a
         rows = self.switches(batch, ctx)
-        return max(r["live_s"] / r["dst_step_s"] for r in rows) if rows else None
+        if kind == "primitive":
+            vals = [r[f"{what[0]}_layer_s"] * 1e3 for r in rows if r[f"{what[0]}_layer_s"] > 0]
+        elif kind == "switch_range":
+            vals = [r[f"{what[0]}_s"] * 1e3 for r in rows]
+        else:   # switch_saving
+            vals = [r["live_s"] / r["blocking_s"] for r in rows if r["recv_bytes"] > 0]
+        return _extreme(vals, end)
+
+
+def _extreme(vals: list, end: str):
+    """min or max of ``vals`` (``end``); None when there are none or one is not expressible."""
+    return None if not vals or None in vals else (min if end == "min" else max)(vals)
 
 
 def simulate(figures: list[Figure], progress=None, scale: dict[str, float] | None = None) -> dict[str, object]:
@@ -240,11 +225,7 @@ def _fmt(v) -> str:
         return LAYOUT_NAMES.get(v, v)
     if isinstance(v, bool):
         return str(v).lower()
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) >= 100):
-        return f"{v:,.0f}"
-    if abs(v) >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.4g}"
+    return f"{v:,.0f}" if isinstance(v, int) or abs(v) >= 100 else f"{v:.4g}"
 
 
 def print_table(console, rows: list[dict]) -> None:

@@ -113,9 +113,16 @@ _DCU_LEADERS = [_lead("bw1000", b, n, "dop", "App. H.2 (DOP above CP at 256K-512
     [_lead("bw1000", 512, n, "dop", "App. H.2 (DOP leads at the largest batches)") for n in (32_000, 64_000)]
 
 
-def _range(hw, key, source, what, lo, hi, kind, probe_lo, probe_hi, note=""):
-    return [Figure(f"{hw}.{key}.min", hw, source, f"{what} (low end)", lo, kind, probe_lo, note),
-            Figure(f"{hw}.{key}.max", hw, source, f"{what} (high end)", hi, kind, probe_hi, note)]
+def _leaders(hw: str, source: str, leads: list[Figure]) -> list[Figure]:
+    """The leader rows and the row that counts how many of them match."""
+    return [*leads, Figure(f"{hw}.leaders", hw, source, "leader identity at the named positions", len(leads),
+                           "leader_share", ("leaders", [f.key for f in leads]))]
+
+
+def _range(hw, key, source, what, lo, hi, kind, probe, note=""):
+    """The low and high end of a published range; ``probe`` less its "min" | "max" end."""
+    return [Figure(f"{hw}.{key}.min", hw, source, f"{what} (low end)", lo, kind, (*probe, "min"), note),
+            Figure(f"{hw}.{key}.max", hw, source, f"{what} (high end)", hi, kind, (*probe, "max"), note)]
 
 
 FIGURES: list[Figure] = [
@@ -132,15 +139,13 @@ FIGURES: list[Figure] = [
            ("resident", "dop", 16, 512_000, 1024)),
     Figure("b200.resident.512K.dp", "b200", "§5.3", "requests resident at 512K, DP-attn", 12, "count",
            ("resident", "dp_attn", 16, 512_000, 1024)),
-    *_B200_LEADERS,
-    Figure("b200.leaders", "b200", "§5.2, Fig. 4", "leader identity at the named positions",
-           len(_B200_LEADERS), "leader_share", ("leaders", [f.key for f in _B200_LEADERS])),
+    *_leaders("b200", "§5.2, Fig. 4", _B200_LEADERS),
     *_range("b200", "tps.dop.long", "§5.2, Fig. 4", "DOP tokens/s at the long inputs (B=16)", 21_059, 23_470,
-            "tokens_per_s", ("tps_range", "dop", _LONG_B200, "min"), ("tps_range", "dop", _LONG_B200, "max"),
+            "tokens_per_s", ("tps_range", "dop", _LONG_B200),
             "the summary's 'four longest-input points' cannot be placed; 256K and 512K (where it names DOP the "
             "leader) are used"),
     *_range("b200", "ratio.dop_cp.long", "§5.2", "DOP / CP tokens/s at the long inputs", 1.034, 1.106, "ratio",
-            ("ratio_range", "dop", "cp", _LONG_B200, "min"), ("ratio_range", "dop", "cp", _LONG_B200, "max")),
+            ("ratio_range", "dop", "cp", _LONG_B200)),
     Figure("b200.tps.dop.128K.B256", "b200", "§5.2", "DOP tokens/s at 128K, B=256", 30_724, "tokens_per_s",
            ("tps", "dop", 256, 128_000)),
     Figure("b200.tps.cp.128K.B256", "b200", "§5.2", "CP tokens/s at 128K, B=256", 27_677, "tokens_per_s",
@@ -150,38 +155,36 @@ FIGURES: list[Figure] = [
     Figure("b200.ratio.dop_cp.128K.B4", "b200", "§5.2", "DOP / CP tokens/s at 128K, B=4 (trails by 35.1%)", 0.649,
            "ratio", ("ratio", "dop", "cp", 4, 128_000)),
     *_range("b200", "prim.kv", "§5.4, Fig. 5", "per-layer KV all-gather / all-to-all ms (B=16 x 256K)", 3.471,
-            3.807, "primitive_ms", ("primitive", "kv", *_SW, "min"), ("primitive", "kv", *_SW, "max")),
+            3.807, "primitive_ms", ("primitive", "kv", *_SW)),
     *_range("b200", "prim.weight", "§5.4, Fig. 5", "per-layer weight all-gather ms", 0.292, 0.302,
-            "primitive_ms", ("primitive", "weight", *_SW, "min"), ("primitive", "weight", *_SW, "max")),
+            "primitive_ms", ("primitive", "weight", *_SW)),
     *_range("b200", "switch.live", "Table 1, §5.5", "live switch p50 ms over the 12 directions", 0.02, 11.76,
-            "switch_ms", ("switch_range", "live", *_SW, "min"), ("switch_range", "live", *_SW, "max")),
+            "switch_ms", ("switch_range", "live", *_SW)),
     Figure("b200.switch.dop_cp.live", "b200", "Table 1", "DOP->CP live switch p50 ms", 11.76, "switch_ms",
            ("switch", "dop", "cp", "live", *_SW)),
     Figure("b200.switch.dop_cp.blocking", "b200", "Table 1", "DOP->CP blocking switch ms", 667.31, "switch_ms",
            ("switch", "dop", "cp", "blocking", *_SW)),
     *_range("b200", "switch.saving", "§5.5", "live / blocking over the networked directions", 1 - 0.9878,
-            1 - 0.9824, "switch_ms", ("switch_saving", *_SW, "min"), ("switch_saving", *_SW, "max")),
+            1 - 0.9824, "switch_ms", ("switch_saving", *_SW)),
     Figure("b200.switch.step_share", "b200", "Abstract, §5.5", "largest p50 overhead / destination step (< 0.51%)",
            0.0051, "bound_max", ("switch_step_share", *_SW)),
 
     # ---- H200, DeepSeek-V3.2 FP8, 1P1D (held out) -------------------------------------------------------------
-    *_H200_LEADERS,
-    Figure("h200.leaders", "h200", "App. I.2", "leader identity at the named positions", len(_H200_LEADERS),
-           "leader_share", ("leaders", [f.key for f in _H200_LEADERS])),
+    *_leaders("h200", "App. I.2", _H200_LEADERS),
     *_range("h200", "tps.dop.long", "App. I.2, Fig. 10", "DOP tokens/s at the three long-input points", 14_349,
-            18_584, "tokens_per_s", ("tps_range", "dop", _LONG_H200, "min"), ("tps_range", "dop", _LONG_H200, "max")),
+            18_584, "tokens_per_s", ("tps_range", "dop", _LONG_H200)),
     *_range("h200", "ratio.dop_cp.long", "App. I.2", "DOP / CP tokens/s at the long inputs", 1.042, 1.103, "ratio",
-            ("ratio_range", "dop", "cp", _LONG_H200, "min"), ("ratio_range", "dop", "cp", _LONG_H200, "max")),
+            ("ratio_range", "dop", "cp", _LONG_H200)),
     *_range("h200", "prim.weight", "App. I.3, Fig. 11", "per-layer weight all-gather ms", 0.6174, 0.6526,
-            "primitive_ms", ("primitive", "weight", *_SW_128, "min"), ("primitive", "weight", *_SW_128, "max")),
+            "primitive_ms", ("primitive", "weight", *_SW_128)),
     *_range("h200", "prim.kv", "App. I.3, Fig. 11", "per-layer KV collective ms", 3.6528, 4.0020, "primitive_ms",
-            ("primitive", "kv", *_SW_128, "min"), ("primitive", "kv", *_SW_128, "max")),
+            ("primitive", "kv", *_SW_128)),
     Figure("h200.prim.dop_cp", "h200", "App. I.3", "DOP->CP per-layer KV ms", 3.8870, "primitive_ms",
            ("primitive_dir", "dop", "cp", "kv", *_SW_128)),
     *_range("h200", "switch.live", "App. I.4, Table 8", "live switch p50 ms", 0.02, 9.65, "switch_ms",
-            ("switch_range", "live", *_SW_128, "min"), ("switch_range", "live", *_SW_128, "max")),
+            ("switch_range", "live", *_SW_128)),
     *_range("h200", "switch.saving", "App. I.4", "live / blocking over the networked directions", 1 - 0.9854,
-            1 - 0.9833, "switch_ms", ("switch_saving", *_SW_128, "min"), ("switch_saving", *_SW_128, "max")),
+            1 - 0.9833, "switch_ms", ("switch_saving", *_SW_128)),
     Figure("h200.switch.step_share", "h200", "App. I.4", "largest p50 overhead / destination step (< 1.39%)",
            0.0139, "bound_max", ("switch_step_share", *_SW_128)),
 
@@ -201,20 +204,17 @@ FIGURES: list[Figure] = [
       for what, label, kind, dop, dp in (("input_tokens_per_s", "input tokens/s", "tokens_per_s", 14_846.29, 11_228.56),
                                          ("mean_completion_s", "mean completion s", "latency_s", 516.84, 477.09))
       for lay, name, v in (("dop", "DOP", dop), ("dp_attn", "DP-attn", dp))],
-    *_DCU_LEADERS,
-    Figure("bw1000.leaders", "bw1000", "App. H.2", "leader identity at the named positions", len(_DCU_LEADERS),
-           "leader_share", ("leaders", [f.key for f in _DCU_LEADERS])),
+    *_leaders("bw1000", "App. H.2", _DCU_LEADERS),
     *_range("bw1000", "tps.dop.long", "App. H.2, Fig. 8", "DOP tokens/s at 256K-512K", 21_539, 23_436,
-            "tokens_per_s", ("tps_range", "dop", _LONG_DCU, "min"), ("tps_range", "dop", _LONG_DCU, "max")),
+            "tokens_per_s", ("tps_range", "dop", _LONG_DCU)),
     *_range("bw1000", "ratio.dop_cp.long", "App. H.2", "DOP / CP tokens/s at 256K-512K", 1.101, 1.115, "ratio",
-            ("ratio_range", "dop", "cp", _LONG_DCU, "min"), ("ratio_range", "dop", "cp", _LONG_DCU, "max")),
+            ("ratio_range", "dop", "cp", _LONG_DCU)),
     *_range("bw1000", "ratio.dop_dp.mid", "App. H.2", "DOP / DP-attn tokens/s at B=8/16/32, 32K and 64K",
-            1 - 0.069, 1 - 0.031, "ratio", ("ratio_range", "dop", "dp_attn", _DCU_MID, "min"),
-            ("ratio_range", "dop", "dp_attn", _DCU_MID, "max")),
+            1 - 0.069, 1 - 0.031, "ratio", ("ratio_range", "dop", "dp_attn", _DCU_MID)),
     *_range("bw1000", "prim.kv", "App. H.4, Fig. 9", "per-layer KV collective ms (B=16 x 128K)", 8.732, 9.813,
-            "primitive_ms", ("primitive", "kv", *_SW_128, "min"), ("primitive", "kv", *_SW_128, "max")),
+            "primitive_ms", ("primitive", "kv", *_SW_128)),
     *_range("bw1000", "prim.weight", "App. H.4, Fig. 9", "per-layer weight all-gather ms", 1.115, 1.332,
-            "primitive_ms", ("primitive", "weight", *_SW_128, "min"), ("primitive", "weight", *_SW_128, "max")),
+            "primitive_ms", ("primitive", "weight", *_SW_128)),
     *[Figure(f"bw1000.scenario.{lay}", "bw1000", "App. B.1", f"scenario nominal-input limit, {name}", v,
              "capacity", ("scenario_limit", lay))
       for lay, name, v in (("tp", "TP", 58_900), ("dp_attn", "DP-attn", 232_600), ("cp", "CP", 275_600),

@@ -1,18 +1,14 @@
-"""Candidate mechanisms for DOP's measured lead at long inputs (issue 29), each computed from the bytes and FLOPs of
-the model and the hardware, never fitted. ``splash-sim mechanisms`` prints what each predicts at the paper's
-positions; docs/benchmarks.md records the numbers. Pure, no torch.
+"""Candidate mechanisms for DOP's measured lead at long inputs, each computed from the model's and the hardware's
+bytes and FLOPs, never fitted; ``splash-sim mechanisms`` prints them at the paper's positions. Pure, no torch.
 
-1. **Transient memory per prefill chunk.** One rank's prefill of ``rows`` query rows over ``keys`` visible keys
-   holds, per layer (the buffers are reused layer to layer): the DSA indexer's fp32 logits [rows × keys] (DeepGEMM
+1. **Transient memory per prefill chunk**: the DSA indexer's fp32 logits [rows × keys] (DeepGEMM
    ``fp8_mqa_logits`` writes them whole before the top-k), the BF16 copy of the latent history the sparse prefill
-   kernel reads (SGLang's ``dequantize_k_cache_paged``: (d_c + d_r) × 2 bytes a key) and the top-k indices
-   [rows × top-k] int32. The room a layout leaves for them decides the largest chunk a rank can run; a smaller
-   chunk means more steps, each re-reading the history.
-2. **Indexer work per rank**: the indexer's scoring is rows × keys on whoever holds the keys (the owner; in CP's
-   split prefill every rank, for its rows); its projections run on every row in DOP (replicated weights).
-3. **Waves that wait for the handoff**: when a unit (an owner in DP-attn/DOP, the group in TP/CP) holds one request
-   at a time, its next request cannot be admitted until the previous one's KV has left over the inter-node link.
-4. **Exchange bytes per query row**, per layer, by layout (splash.costmodel.work._exchange / _cp_split_layer).
+   reads (SGLang's ``dequantize_k_cache_paged``) and the int32 top-k indices; the room left for them bounds the
+   chunk, and a smaller chunk re-reads the history more often.
+2. **Indexer work per rank**: scoring is rows × keys on whoever holds the keys; DOP runs its projections on every row.
+3. **Waves that wait for the handoff**: a unit holding one request at a time cannot admit the next until the
+   previous one's KV has left over the inter-node link.
+4. **Exchange bytes per query row**, per layer, by layout (splash.costmodel.work).
 """
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ import math
 
 from splash.layouts.layout import KV_ALL, KV_OWNER, kv_ownership_of, parse_layout
 from splash.layouts.memory import kv_bytes_per_token_layer
+from splash.sim.deploy import kv_bytes_per_request_token
 
 LOGIT_BYTES = 4.0    # fp32 indexer logits
 INDEX_BYTES = 4.0    # int32 top-k indices
@@ -39,26 +36,17 @@ def prefill_transient_bytes(cfg, rows: int, keys: int) -> dict[str, float]:
 def largest_chunk_rows(cfg, keys: int, room: float) -> float:
     """The most query rows whose transients (``prefill_transient_bytes``) fit in ``room`` bytes at ``keys``
     (inf for a model without an indexer: no buffer grows with the rows)."""
-    fixed = keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * BF16
-    per_row = (keys * LOGIT_BYTES + cfg.index_topk * INDEX_BYTES) if cfg.index_topk else 0.0
+    fixed = sum(prefill_transient_bytes(cfg, 0, keys).values())
+    per_row = sum(prefill_transient_bytes(cfg, 1, keys).values()) - fixed
     if room < fixed:
         return 0
     return math.inf if per_row == 0 else int((room - fixed) // per_row)
 
 
 def activation_room(s) -> float:
-    """Bytes a rank has for prefill transients: the serving stack sizes the KV pool at the memory fraction and
-    activations get the rest of the device, (1 − f) × memory — the same in every layout (SGLang's
-    ``mem_fraction_static``; the paper's "memory fraction 0.85"): the projections a layout replicates shrink its
-    pool, not this room. (Had the transients come out of the pool's budget instead, admission would shrink by
-    them: ``mechanism_rows``' ``resident_if_shared``.)"""
+    """Bytes a rank has for prefill transients: (1 − memory fraction) × memory, the same in every layout (the KV
+    pool is sized at the fraction, SGLang's ``mem_fraction_static``; replicated projections shrink the pool)."""
     return (1.0 - s.mem_fraction) * s.profile.memory_bytes
-
-
-def per_rank_chunk(layout: str, chunk: int, world: int) -> int:
-    """Query rows a rank runs in one full prefill step: its owner share (DP-attn/DOP, SGLang's
-    chunked_prefill_size // dp_size), its 1/T of the chunk (CP split), the whole chunk (TP)."""
-    return chunk if kv_ownership_of(layout) == KV_ALL else chunk // world
 
 
 def history_reread_seconds(cfg, kv_dtype: str, keys: int, bytes_per_s: float) -> float:
@@ -74,17 +62,14 @@ def indexer_scoring_seconds(cfg, rows: int, keys: int, flops_per_s: float) -> fl
 def request_handoff_seconds(s, layout: str, input_len: int) -> float:
     """One request's KV leaving the prefill instance: from its owner's NIC alone in DP-attn/DOP, from every
     rank's NIC in TP/CP (a share each)."""
-    cfg = s.model.cfg
-    nbytes = input_len * kv_bytes_per_token_layer(cfg, s.model.kv_dtype) * cfg.num_hidden_layers
     nics = 1 if kv_ownership_of(layout) == KV_OWNER else s.world
-    return nbytes / (nics * s.profile.inter_node_bytes_per_s)
+    return input_len * kv_bytes_per_request_token(s) / (nics * s.profile.inter_node_bytes_per_s)
 
 
 def exposed_wave_handoff_seconds(s, layout: str, batch: int, resident: int, input_len: int) -> float:
-    """Handoff time the prefill instance waits out: a unit (owner in DP-attn/DOP, group in TP/CP) that holds one
-    request at a time cannot start its next one until the previous one's KV has left; with two or more resident
-    it prefills the next while the handoff runs. The last request's handoff is exposed in every layout (already
-    charged by splash.sim.deploy), so this is the extra: (requests per unit − 1) handoffs when one is resident."""
+    """Handoff time beyond the last request's (which splash.sim.deploy charges): a unit (owner in DP-attn/DOP,
+    group in TP/CP) holding one request at a time waits out (requests per unit − 1) handoffs; two or more resident
+    prefill the next while it runs."""
     units = s.world if kv_ownership_of(layout) == KV_OWNER else 1
     per_unit_resident = resident // units
     per_unit_requests = -(-batch // units)
@@ -139,7 +124,9 @@ def mechanism_rows(hardware: str, points=None) -> list[dict]:
                 continue
             k = base["concurrency"]
             total = batch * (n + ev.setup.output_len) / base["tokens_per_s"]
-            r_chunk = per_rank_chunk(lay, s.chunk, s.world)
+            # query rows a rank runs in one full prefill step: an owner's share (DP-attn/DOP, SGLang's
+            # chunked_prefill_size // dp_size), 1/T of the chunk (CP split), the whole chunk (TP)
+            r_chunk = s.chunk if kv_ownership_of(lay) == KV_ALL else s.chunk // s.world
             transient = sum(prefill_transient_bytes(cfg, r_chunk, n).values())
             room = activation_room(s)
             # transients out of the pool's budget instead: admission shrinks so one chunk's buffers fit

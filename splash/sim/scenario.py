@@ -7,16 +7,14 @@ transient reserve (outside that budget). What splash-sim adds, from the ownershi
 request is replicated in TP, on its owner in DP-attn/DOP and position-sharded in CP, so a rank holds B tokens per
 input token in TP and ⌈B / T⌉ in the other three; KV bytes per token are the model's own (its KV dtype).
 
-No accounting of that kind reproduces the paper's four limits, whatever the bytes: ``fingerprint`` computes what
-four limits say about the accounting behind them, and for any ownership accounting (one per-token size, weights
-equal in TP and DOP and equal in DP-attn and CP) TP's limit is DOP's × ⌈B/T⌉/B and CP's equals DP-attn's.
-``resident_limit`` is the other reading docs/benchmarks.md records: the budget holds everything a rank keeps
-resident as the engine counts it.
+No accounting of that kind reproduces the paper's four limits, whatever the bytes (docs/benchmarks.md; the
+``fingerprint`` of tests/test_sim_mechanisms.py): in any ownership accounting TP's limit is DOP's × ⌈B/T⌉/B and
+CP's equals DP-attn's.
 """
 from __future__ import annotations
 
 from splash.layouts.layout import KV_ALL, kv_ownership_of
-from splash.layouts.memory import kv_bytes_per_token_layer, kv_capacity_tokens, projection_bytes_per_rank
+from splash.layouts.memory import kv_bytes_per_token_layer, projection_bytes_per_rank
 from splash.sim.paper_data import SCENARIO
 
 GIB = float(1 << 30)
@@ -37,44 +35,3 @@ def scenario_limit(model, layout: str, batch: int = SCENARIO["batch"], world: in
     room = budget_gib * GIB - weights
     per_token = kv_bytes_per_token_layer(cfg, model.kv_dtype) * cfg.num_hidden_layers
     return max(0.0, room / (per_token * kv_tokens_per_input_token(layout, batch, world)))
-
-
-def resident_limit(model, layout: str, batch: int = SCENARIO["batch"], world: int = SCENARIO["world"],
-                   budget_gib: float = SCENARIO["budget_gib"], kv_dtype: str | None = None) -> float:
-    """Longest nominal input of ``batch`` balanced requests when the budget holds everything a rank keeps resident,
-    as splash.layouts.memory counts it for the whole model (hybrid models included): every weight (FFN/MoE sharded
-    over the group, the MLA and KDA projections sharded or replicated by layout, embeddings, norms), the ``batch``
-    requests' KDA state, and their KV in ``kv_dtype`` (default the model's)."""
-    from splash.sim.serving import stored_weights
-    elem, quant = stored_weights(model.weight_dtype)
-    cap = kv_capacity_tokens(model.full, layout, world, budget_gib * GIB, elem, kv_dtype or model.kv_dtype, 1,
-                             weight_quant=quant, state_requests=batch)
-    return cap.room_bytes_per_rank / (cap.block_bytes * kv_tokens_per_input_token(layout, batch, world))
-
-
-def fingerprint(limits: dict[str, float], batch: int = SCENARIO["batch"],
-                world: int = SCENARIO["world"]) -> dict[str, float]:
-    """What four nominal-input limits (layout -> tokens) say about the per-rank accounting behind them, whatever
-    its bytes. Write a layout's budget as fixed(layout) + k(layout) × limit × b(layout), with k the KV tokens a
-    rank holds per input token (``kv_tokens_per_input_token``) and b the bytes of one request-token:
-
-    - ``tp_vs_dop``: b(TP) / b(DOP) when TP and DOP hold the same weights (both shard the projections). 1 in
-      every ownership accounting;
-    - ``cp_vs_dp``: b(CP) / b(DP-attn) when CP and DP-attn hold the same weights (both replicate them). 1 in every
-      ownership accounting;
-    - ``gap_tokens``: what DP-attn's replicas take beyond DOP's shards, in request-tokens (b(DOP) = b(DP-attn));
-    - ``replicated_share``: the share of the budget the replicated layout-dependent weights W take if the budget
-      holds nothing else than them and KV (W / T in TP/DOP): from DOP = W/T + k n_dop b and DP-attn = W + k n_dp b.
-    """
-    k_own = kv_tokens_per_input_token("dop", batch, world)
-    n = {lay: float(limits[lay]) for lay in ("tp", "dp_attn", "cp", "dop")}
-    gap = n["dop"] - n["dp_attn"]
-    if gap <= 0:
-        raise ValueError(f"DOP's limit ({n['dop']}) must exceed DP-attn's ({n['dp_attn']}): DOP shards what "
-                         "DP-attn replicates")
-    return {
-        "tp_vs_dop": k_own * n["dop"] / (kv_tokens_per_input_token("tp", batch, world) * n["tp"]),
-        "cp_vs_dp": n["dp_attn"] / n["cp"],
-        "gap_tokens": k_own * gap,
-        "replicated_share": world / (1.0 + (world - 1) * n["dop"] / gap),
-    }

@@ -1,37 +1,18 @@
-"""Where a tokens/s or primitive miss of the paper table could come from: for each published tokens/s figure of a
-disaggregated sweep, what one stage of the batch's end-to-end time would have to be, by itself, to close the gap
-between splash-sim and the paper. Pure, no torch; ``splash-sim gap`` prints it.
+"""What one stage alone would have to be to close each tokens/s miss of the paper table (``splash-sim gap``).
+Pure, no torch.
 
-A batch's end-to-end time in splash.sim.deploy is prefill + exposed KV handoff + decode. The paper's tokens/s fixes
-the total (all input and output tokens over it), so each stage can be solved for alone:
+A disaggregated batch's time (splash.sim.deploy) is prefill + exposed KV handoff + decode and the paper's tokens/s
+fixes the total, so each stage can be solved for alone: the **prefill factor** (one factor at every position of one
+hardware and 1 elsewhere is a per-kernel rate the model does not price, not a missing stage); the **decode step**
+per output position (nearly flat in the input length: a need growing with it is not a decode cost, or a decode
+instance that holds fewer requests at longer inputs and decodes in waves); the per-NIC **handoff rate**.
 
-- **prefill factor**: how many times slower the prefill instance would have to run (handoff and decode as
-  priced). A factor that is the same at every position of one hardware and 1 on the others is a prefill rate that
-  hardware reaches and the model does not price: a per-kernel efficiency, not a stage the model lacks.
-- **decode step**: the decode instance's mean seconds per output position that would close the gap (prefill and
-  handoff as priced), beside the one splash-sim prices. One decode step is close to flat in the input length (the
-  DSA decode step reads top-k keys, and the indexer's per-step read of the history is a small share), so a need
-  that grows with the input length is either not a decode cost or a decode instance that holds fewer requests at
-  longer inputs and decodes them in waves (its KV capacity binds).
-- **handoff rate**: the per-NIC rate at which the handoff (every prefill rank's share over its own NIC, fully
-  exposed) would close the gap, beside the spec-sheet NIC rate.
-
-And one bound computed from the spec sheet, not the paper: **the indexer's CUDA-core epilogue**. DeepGEMM's SM100
-``fp8_mqa_logits`` is "bounded by the cuda core" (deepseek-ai/DeepGEMM#227): after the FP8 q·k on the tensor cores
-every (row, key, head) score takes a ReLU and a multiply-accumulate by the head's weight in FP32 on the CUDA
-cores — two FP32 issue slots, 4 FLOPs at the spec sheet's FMA-counted FP32 rate (``EPILOGUE_FLOPS``). If that bound
-is below what splash-sim already charges for the scoring (its ``attention_flops_per_s``), the CUDA cores cannot
-make the indexer slower than priced. The FP32 (non-tensor) rate is the profile's ``extra.fp32_vector_flops_per_s``
-(spec sheet; absent where no datasheet exists).
-
-And **the top-k's read of the logits**: the scoring kernel writes the FP32 logits [rows × keys] (hidden under its
-compute in the profile's ``attention_combine: max``), and the top-k, a separate kernel after it, reads them back:
-at least 4 bytes a (row, key) at the spec sheet's HBM rate, on the rank that holds the rows (an owner's requests in
-DP-attn/DOP; 1/T of every request's rows in CP). Its seconds over a whole prompt are what it could add.
-
-It also prints, per hardware, the link rate its published per-layer switch primitives imply at the B200-fitted
-shares (splash.sim.fit.implied_link_rates), beside the profile's, and for B200 what a blocking switch priced from
-the paper's own primitives can reach (splash.sim.fit.paper_blocking_bound).
+Two spec-sheet bounds beside them: the SM100 indexer's CUDA-core epilogue (DeepGEMM's ``fp8_mqa_logits`` is "bounded
+by the cuda core", deepseek-ai/DeepGEMM#227: a ReLU and a head-weighted sum per (row, key, head) in FP32 at the
+profile's ``extra.fp32_vector_flops_per_s``), which cannot slow the indexer while it is below the scoring
+splash-sim prices; and the top-k's read of the FP32 logits the scoring kernel wrote (4 bytes a (row, key) at the
+HBM rate, on the rank holding the rows). It also prints the link rate each hardware's published switch primitives
+imply at the B200 shares and B200's blocking bound (splash.sim.fit).
 """
 from __future__ import annotations
 
@@ -95,10 +76,8 @@ def tps_targets(hardware: str) -> list[dict]:
     cannot be placed point by point, so every point of it gets the whole range."""
     from splash.sim.paper_data import FIGURES, SETUPS
     out, ranges = [], {}
-    for f in FIGURES:
+    for f in FIGURES if SETUPS[hardware].deployment == "disaggregated" else ():
         if f.hardware != hardware or f.kind != "tokens_per_s" or f.setup:
-            continue
-        if SETUPS[hardware].deployment != "disaggregated":
             continue
         kind, lay, *rest = f.probe
         if kind == "tps":
@@ -128,7 +107,7 @@ def gap_rows(hardware: str) -> list[dict]:
     for t in tps_targets(hardware):
         for b, n in t["points"]:
             k = min(b, concurrency(s, ev.caps, t["layout"], n))
-            parts = disaggregated_parts(ev.cm, s, ev.caps, t["layout"], b, n, out_len, k)
+            parts = disaggregated_parts(ev.cm, s, t["layout"], b, n, out_len, k)
             tokens = b * (n + out_len)
             nic_bytes = b * n * kv_bytes_per_request_token(s) / s.world
             row = {"hardware": hardware, "figure": t["figure"], "layout": t["layout"], "batch": b, "input_len": n,
