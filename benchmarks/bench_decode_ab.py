@@ -5,12 +5,13 @@ some kernels off (A), one with all on (B), run alternately.
 
 `--off` names routes of splash.native.ops (each then returns None, so the torch function it stands for runs),
 `pack_attention` / `pack_linear` / `pack_experts` (A's attention projections / dense MLPs, shared experts and LM
-head / MoE experts load plain, not packed, and run on torch's GEMMs), or `dispatcher` (A calls the kernels' checked
-Python implementations directly, skipping torch's dispatcher: A/B < 1 is what the dispatcher costs). Each pair
-times one engine then the other (the order alternating), each as max_tokens=1 then max_tokens=`--new` back to back, decode step = their
-CPU-time difference over the new tokens. Prints both engines' min and median step and the median of the per-pair
-ratios A/B (> 1: B, the kernels on, is faster): on a host whose speed drifts by tens of percent within minutes,
-the pairing is what makes a few-percent difference visible (an A/A run of one build gives 0.97-1.03 here).
+head / MoE experts load plain, not packed, and run on torch's GEMMs), or `dispatcher` (A reaches the kernels'
+checked Python implementations through `torch.ops.splash`, i.e. torch's dispatcher: A/B > 1 is what the dispatcher
+costs). Each pair times one engine then the other (the order alternating), each as max_tokens=1 then
+max_tokens=`--new` back to back, decode step = their CPU-time difference over the new tokens. Prints both engines'
+min and median step and the median of the per-pair ratios A/B (> 1: B, the kernels on, is faster): on a host whose
+speed drifts by tens of percent within minutes, the pairing is what makes a few-percent difference visible (an A/A
+run of one build gives 0.97-1.03 here).
 """
 from __future__ import annotations
 
@@ -46,11 +47,10 @@ def kernels_off(names: list[str]):
     saved += [(m, n, getattr(m, n)) for n in names if n in LOAD for m in LOAD[n]]
     for m, n, _ in saved:
         setattr(m, n, (lambda w: w) if n in LOAD else (lambda *a, **k: None))
-    if "dispatcher" in names:   # the routes reach the checked implementations without torch's dispatcher
-        ns = torch.ops.splash
-        saved += [(ns, n, getattr(ns, n)) for n in ops._IMPL]
-        for n, f in ops._IMPL.items():
-            setattr(ns, n, f)
+    if "dispatcher" in names:   # the routes reach the checked implementations through torch's dispatcher
+        saved += [(ops.checked, n, f) for n, f in vars(ops.checked).items()]
+        for n in list(vars(ops.checked)):
+            setattr(ops.checked, n, getattr(torch.ops.splash, n))
     try:
         yield
     finally:

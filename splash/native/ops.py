@@ -4,9 +4,12 @@ Each op has a schema (`torch.library.define` + impl: `custom_op` costs 43 µs a 
 CPU implementation checks dtype, device, shape, strides and index ranges, raising a ValueError naming the op and
 the argument before C sees a pointer. The routes (public functions, with the signature of the torch function they
 stand for) run the kernel where it applies (kernels on, fp32 on CPU, the alignment the C code needs, packed
-weights) or return None; model code reaches them only through `splash.native.fast_path(name)`.
+weights) or return None, calling the checked implementations (`checked.<name>`) without the dispatcher; model
+code reaches them only through `splash.native.fast_path(name)`.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -15,7 +18,9 @@ from splash.native.packed import STRIP, PackedExperts, PackedLinear
 
 CPU = torch.device("cpu")
 _LIB = torch.library.Library("splash", "FRAGMENT")
-_IMPL = {}   # name -> the checked Python implementation (benchmarks/bench_decode_ab.py --off dispatcher)
+# The checked implementations by name: what the routes call. torch's dispatcher in front of them costs ~4 µs a call,
+# 10% of a tiny model's decode step (docs/benchmarks.md); `torch.ops.splash.<name>` runs the same checks.
+checked = types.SimpleNamespace()
 
 
 def _op(schema: str):
@@ -24,8 +29,8 @@ def _op(schema: str):
     def register(fn):
         _LIB.define(schema)
         _LIB.impl(name, fn, "CPU")
-        _IMPL[name] = fn
-        return getattr(torch.ops.splash, name)
+        setattr(checked, name, fn)
+        return fn
     return register
 
 
@@ -303,46 +308,46 @@ def _on(*ts: torch.Tensor) -> bool:
 
 def rms_norm(x, w, eps):
     if x.dim() == 2 and x.shape[-1] % 8 == 0 and x.stride(1) == 1 and w.is_contiguous() and _on(x, w):
-        return torch.ops.splash.rms_norm(x, w, eps)
+        return checked.rms_norm(x, w, eps)
     return None
 
 
 def rope(x, cos, sin, interleave):
     if (x.dim() in (2, 3) and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and cos.is_contiguous()
             and sin.is_contiguous() and _on(x, cos, sin)):
-        return torch.ops.splash.rope(x, cos, sin, interleave)
+        return checked.rope(x, cos, sin, interleave)
     return None
 
 
 def swiglu(h, inter, limit=None):
     if limit is None and h.dim() == 2 and inter % 8 == 0 and h.stride(1) == 1 and _on(h):
-        return torch.ops.splash.swiglu(h)
+        return checked.swiglu(h)
     return None
 
 
 def moe_route(scores, bias, groups, topk_group, k, norm, scale):
     if scores.dim() == 2 and scores.is_contiguous() and bias.is_contiguous() and scores.shape[1] <= 1024 \
             and _on(scores, bias):
-        return torch.ops.splash.moe_route(scores, bias, groups, topk_group, k, norm, scale)
+        return checked.moe_route(scores, bias, groups, topk_group, k, norm, scale)
     return None
 
 
 def moe_sort(idx, weights, num_experts):
     if idx.dtype == torch.int64 and idx.is_contiguous() and weights.is_contiguous() and _on(weights):
-        return torch.ops.splash.moe_sort(idx, weights, num_experts)
+        return checked.moe_sort(idx, weights, num_experts)
     return None
 
 
 def absorb_rope(q, w_uk, d_nope, cos, sin, interleave):
     if (q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2] and w_uk.is_contiguous()
             and w_uk.shape[2] % 16 == 0 and cos.is_contiguous() and sin.is_contiguous() and _on(q, w_uk, cos, sin)):
-        return torch.ops.splash.absorb_rope(q, w_uk, cos, sin, d_nope, interleave)
+        return checked.absorb_rope(q, w_uk, cos, sin, d_nope, interleave)
     return None
 
 
 def uv_heads(o_lat, uv_t):
     if o_lat.is_contiguous() and uv_t.is_contiguous() and uv_t.shape[-1] % 16 == 0 and _on(o_lat, uv_t):
-        return torch.ops.splash.uv_heads(o_lat, uv_t)
+        return checked.uv_heads(o_lat, uv_t)
     return None
 
 
@@ -355,20 +360,20 @@ def mla_project(cfg, rope, w, x, cos, sin, parts=3):
             or not _on(x, w.q_a_norm, w.kv_a_norm, cos, sin)):
         return None
     uk, qb = (w.w_uk, w.q_b.packed) if parts & 1 else (_empty(0), _empty(0))
-    return torch.ops.splash.mla_project(x, wa.packed, w.q_a_norm, qb, uk, w.kv_a_norm, cos, sin, parts,
+    return checked.mla_project(x, wa.packed, w.q_a_norm, qb, uk, w.kv_a_norm, cos, sin, parts,
                                         len(w.heads), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rms_norm_eps,
                                         rope.interleave)
 
 
 def linear_packed(x, w):
     if x.stride(-1) == 1 and _on(x):
-        return torch.ops.splash.linear_packed(x, w.packed)
+        return checked.linear_packed(x, w.packed)
     return None
 
 
 def grouped_gemm(x, stack, counts):
     if _on(x):
-        return torch.ops.splash.grouped_gemm(x.contiguous(), stack.packed, counts.to(torch.int64).contiguous())
+        return checked.grouped_gemm(x.contiguous(), stack.packed, counts.to(torch.int64).contiguous())
     return None
 
 
@@ -376,5 +381,5 @@ def moe_experts(x, w, counts, tok, weights, limit):
     if (limit is None and isinstance(w.gate_up, PackedExperts) and isinstance(w.down, PackedExperts)
             and w.down.shape[1] % 8 == 0 and x.is_contiguous() and tok.is_contiguous() and weights.is_contiguous()
             and _on(x, weights)):
-        return torch.ops.splash.moe_experts(x, tok, counts.contiguous(), weights, w.gate_up.packed, w.down.packed)
+        return checked.moe_experts(x, tok, counts.contiguous(), weights, w.gate_up.packed, w.down.packed)
     return None
