@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import statistics
 
+from splash.bench.compare import figures, key_text
+from splash.bench.results import read_json
+
 
 def points(path: str) -> dict[tuple, float]:
-    with open(path) as f:
-        d = json.load(f)
-    return {(p["layout"], p["input_len"], p["batch_size"], p["output_len"]): p["output_tokens_per_s"] for p in d["points"]}
+    return figures(read_json(path), "output_tokens_per_s")
 
 
 def gmean(xs) -> float:
@@ -45,7 +45,7 @@ def main() -> None:
     print(f"new/old of the medians: geomean {gmean(med.values()):.3f}, per point {min(med.values()):.3f}-"
           f"{max(med.values()):.3f}")
     for k, v in med.items():
-        print(f"  {k[0]:8} in={k[1]:<5} B={k[2]:<4} out={k[3]:<4} {v:.3f}")
+        print(f"  {key_text(k)}: {v:.3f}")
 
 
 if __name__ == "__main__":
