@@ -180,11 +180,12 @@ def test_state_snapshot_is_the_state_of_its_tokens(glm5, comm):
     the budget reserves one slot per running request for snapshots when the cache is on."""
     from splash.engine.llm import hybrid_states
     from splash.layouts.memory import recurrent_state_bytes
+    from splash.kv.recurrent import SnapshotPoint
 
     cfg, get = open_checkpoint(glm5("topk_low")[0])
     runner = ModelRunner(cfg, get, comm, "tp", "float32", 4, 64)
     prompt = random_prompts([13], seed=3)[0]
-    runner.states.plan_snapshots([("a", 8, 77)])
+    runner.states.plan_snapshots([SnapshotPoint("a", 8, 77)])
     runner.step(StepBatch.build([StepRequest("a", 0, 13)], [prompt], [True]))
     runner.states.plan_snapshots([])
     runner.step(StepBatch.build([StepRequest("b", 0, 8)], [prompt[:8]], [True]))

@@ -43,7 +43,7 @@ class HybridAttention:
         sharded = self.layout.shards_projections
         reqs = batch.reqs if sharded else self.g.mine
         self.reqs, self.spans = reqs, row_ranges(reqs)
-        # prefix-cache snapshots this rank takes (its KDA rows cross a planned block boundary): (row offset, hash)
+        # prefix-cache snapshots this rank takes (its KDA rows cross a planned block boundary)
         self.snap_at = [r.states.boundaries(q.req_id, q.start_pos, q.start_pos + q.num_new) for q in reqs]
         self.rows = None if sharded else self.g.rows_mine
         self.states_ready = False
@@ -75,12 +75,12 @@ class HybridAttention:
         xs = x if self.rows is None else x[self.rows]
         states = [r.states.get(q.req_id)[li] for q in self.reqs]
         out, new, taken = kda_forward(r.weights.layers[layer].attn, xs, self.spans, states, cfg.rms_norm_eps,
-                                      cfg.hybrid.linear_lower_bound, [[c for c, _ in b] for b in self.snap_at])
+                                      cfg.hybrid.linear_lower_bound, [[b.offset for b in bs] for bs in self.snap_at])
         for st, s in zip(states, new):
             st.copy_(s)
         for points, got in zip(self.snap_at, taken):
-            for (_, h), s in zip(points, got):
-                r.states.keep(h, li, s)
+            for b, s in zip(points, got):
+                r.states.keep(b.hash, li, s)
         return mla.sum_over_ranks(r.comm, out) if self.rows is None else self.g.gather(r.comm, out)
 
     # ---- MLA-DSA ---------------------------------------------------------------------------------------------

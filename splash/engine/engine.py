@@ -25,6 +25,7 @@ from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 from splash.engine.state_snapshots import StateSnapshots, state_holders
+from splash.kv.recurrent import SnapshotPoint
 from splash.layouts.memory import state_snapshot_slots
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
 from splash.models.weights import resident_bytes
@@ -316,7 +317,7 @@ class Engine:
             if msg.unsnap:
                 r.states.drop_snapshots(msg.unsnap[me])
             bs = r.block_size
-            r.states.plan_snapshots([(s.req_id, (s.block + 1) * bs, s.hash) for s in msg.snapshot])
+            r.states.plan_snapshots(SnapshotPoint(s.req_id, (s.block + 1) * bs, s.hash) for s in msg.snapshot)
 
     def _local_weight_bytes(self) -> int:
         return resident_bytes(getattr(self.runner, "weights", None))

@@ -8,7 +8,22 @@ layer as the KDA layers pass the boundary; a layout switch drops them all.
 """
 from __future__ import annotations
 
+from typing import Iterable, NamedTuple
+
 import torch
+
+
+class SnapshotPoint(NamedTuple):
+    """Take a snapshot of `req_id`'s state after its tokens [0, position), named `hash`."""
+    req_id: str
+    position: int
+    hash: int
+
+
+class Boundary(NamedTuple):
+    """A planned snapshot inside one step's rows of a request: at row `offset`, named `hash`."""
+    offset: int
+    hash: int
 
 
 class RecurrentStates:
@@ -16,7 +31,7 @@ class RecurrentStates:
         self.num_layers, self.width, self.device = num_layers, width, device
         self.states: dict[str, torch.Tensor] = {}
         self.snapshots: dict[int, torch.Tensor] = {}      # prefix hash -> state at the end of that block
-        self.planned: dict[str, list[tuple[int, int]]] = {}   # req -> [(position, hash)] to snapshot this step
+        self.planned: dict[str, list[SnapshotPoint]] = {}   # req -> its snapshots this step
 
     def has(self, req: str) -> bool:
         return req in self.states
@@ -43,15 +58,15 @@ class RecurrentStates:
         return sum(t.nbytes for t in self.states.values())
 
     # ---- prefix-cache snapshots ----------------------------------------------------------------------------
-    def plan_snapshots(self, points: list[tuple[str, int, int]]) -> None:
-        """This step's snapshots: (req, position, hash) — `req`'s state after its tokens [0, position)."""
+    def plan_snapshots(self, points: Iterable[SnapshotPoint]) -> None:
+        """This step's snapshots."""
         self.planned = {}
-        for req, pos, h in points:
-            self.planned.setdefault(req, []).append((pos, h))
+        for p in points:
+            self.planned.setdefault(p.req_id, []).append(p)
 
-    def boundaries(self, req: str, start: int, end: int) -> list[tuple[int, int]]:
-        """(offset into the step's rows of `req` starting at `start`, hash) of its planned snapshots in (start, end]."""
-        return [(pos - start, h) for pos, h in self.planned.get(req, ()) if start < pos <= end]
+    def boundaries(self, req: str, start: int, end: int) -> list[Boundary]:
+        """`req`'s planned snapshots in (start, end], as offsets into its step rows that start at position `start`."""
+        return [Boundary(p.position - start, p.hash) for p in self.planned.get(req, ()) if start < p.position <= end]
 
     def keep(self, h: int, layer: int, state: torch.Tensor) -> None:
         """Row `layer` of snapshot `h` (allocated at its first layer) is `state` [H_held, W]."""
