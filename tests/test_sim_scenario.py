@@ -1,5 +1,5 @@
 """The DCU scenario of App. B.1 (splash.sim.scenario): the table's accounting, and the readings tested against the
-paper's four limits (docs/benchmarks.md, issue 29 session 17). Computation only; the limits' values are the table's."""
+paper's four limits — the mechanisms docs/benchmarks.md ("DCU rows") names for what the limits say."""
 import pytest
 
 from splash.costmodel import load_profile

@@ -4,15 +4,15 @@ per layout. Pure, no torch.
 What the summary states: B = 16, T = 8, "52.8 GiB per rank for attention weights and latent KV, and a separate
 1 GiB transient reserve"; the figure models GLM-5.3-Flash INT8 on BW1000. The KV dtype is not stated.
 
-The accounting (docs/benchmarks.md, issue 29 session 17): the 52.8 GiB holds everything a rank keeps resident
+The accounting (docs/benchmarks.md, "DCU rows"): the 52.8 GiB holds everything a rank keeps resident
 (``resident_fixed_bytes``) — the INT8 model as splash.layouts.memory counts it (FFN/MoE sharded over the group,
 embeddings, norms, and the attention projections of all layers, MLA and KDA, sharded in TP/DOP and replicated in
 DP-attn/CP), the BF16 W_UK / W_UV copies of KV-B the SGLang deployment keeps (splash.sim.storage), and the 1 GiB
 transient reserve — and the rest is latent KV of the MLA layers in BF16 (BW1000 has no FP8 units, configs/hardware/
 bw1000.yaml). A rank holds B tokens per input token in TP (a replicated latent) and ⌈B / T⌉ in the other three.
 The summary's words name only attention weights and KV in the budget; read that way (the MLA projections and FP8
-KV alone) the limits come out 7-15x the paper's, and no reading of those words comes within 25% (session 15's
-search). Nothing here is fitted to the four limits.
+KV alone) the limits come out 7-15x the paper's, and no reading of those words comes within 25% (1,024 such
+accountings, docs/benchmarks.md). Nothing here is fitted to the four limits.
 
 The request-owned layouts (DP-attn, DOP) still come out ~17% above the paper's: ``owner_factor`` and
 ``implied_fixed_bytes`` below test what that needs.
@@ -22,6 +22,7 @@ from __future__ import annotations
 from splash.layouts.layout import KV_ALL, kv_ownership_of, parse_layout
 from splash.layouts.memory import common_bytes, kv_block_bytes, projection_bytes_per_rank
 from splash.sim.paper_data import SCENARIO
+from splash.sim.storage import absorb_copy_bytes
 
 GIB = float(1 << 30)
 SCENARIO_KV_DTYPE = "bfloat16"   # BW1000 has no FP8 (configs/hardware/bw1000.yaml); the summary names no KV dtype
@@ -35,9 +36,9 @@ def kv_tokens_per_input_token(layout: str, batch: int, world: int) -> int:
 def resident_fixed_bytes(model, layout: str, world: int = SCENARIO["world"],
                          reserve_gib: float = SCENARIO["reserve_gib"]) -> float:
     """Bytes a rank keeps besides KV in ``layout``: the whole stored model (attention projections of every layer
-    sharded or replicated by layout), SGLang's BF16 W_UK / W_UV copies alike, and the transient reserve."""
+    sharded or replicated by layout), SGLang's BF16 W_UK / W_UV copies (placed as the projections are), and the
+    transient reserve."""
     from splash.sim.serving import stored_weights
-    from splash.sim.storage import absorb_copy_bytes
     elem, quant = stored_weights(model.weight_dtype)
     absorb = absorb_copy_bytes(model.cfg) * model.cfg.num_hidden_layers
     return (common_bytes(model.full, world, elem, quant)
@@ -55,7 +56,7 @@ def scenario_limit(model, layout: str, batch: int = SCENARIO["batch"], world: in
     return max(0.0, room / (per_token * kv_tokens_per_input_token(layout, batch, world)))
 
 
-# ---- readings of the scenario tested against the paper's four limits (docs/benchmarks.md, issue 29 session 17) ----
+# ---- readings of the scenario tested against the paper's four limits (docs/benchmarks.md) ----
 def owner_factor(lengths: list[float], world: int) -> float:
     """How much more the fullest owner holds than the mean rank when requests of ``lengths`` are placed on owners
     round-robin (request j on owner j % world): a request-owned layout (DP-attn, DOP) is bound by its fullest
