@@ -60,7 +60,7 @@ def test_glm_b200_capacity_paper():
 
 
 def test_flash_bw1000_capacity_per_owner():
-    """Issue 8 (c): GLM-5.3-Flash on BW1000 (64 GiB assumed), per owner: 1,118,656 (DOP) vs 940,224 (DP-attn) ±2%
+    """Issue 8 (c): GLM-5.3-Flash on BW1000 (64 GB HBM2e, read as 64 GiB), per owner: 1,118,656 (DOP) vs 940,224 (DP-attn) ±2%
     — a check of the storage model and of the reserve derived on B200, nothing fitted here."""
     caps = capacities(SimSetup(load_sim_model("glm-5.3-flash"), load_profile("bw1000"), 8))
     assert caps["dop"].tokens_per_rank == pytest.approx(1_118_656, rel=0.02)

@@ -113,8 +113,8 @@ def test_scenario_fingerprint_recovers_the_accounting_it_was_built_from():
 
 
 def test_no_ownership_accounting_has_the_papers_scenario_fingerprint():
-    """Both readings splash-sim has of the DCU scenario (the summary's words: projections + latent KV in 52.8 GiB;
-    everything resident, as the engine counts it, with FP8 or BF16 KV) store one request-token alike in TP and
+    """Every balanced reading splash-sim has of the DCU scenario (the table's, splash.sim.scenario; everything
+    resident, as the engine counts it, with FP8 or BF16 KV) stores one request-token alike in TP and
     DOP and in DP-attn and CP: their fingerprints are exactly 1. The paper's limits need TP and CP to store
     ~15% less per request-token than DOP and DP-attn (or different weights), and, if 52.8 GiB holds only the
     layout-dependent weights and KV, 45.5% of it (24 GiB) to be replicated weights — GLM-5.3-Flash's MLA + KDA
