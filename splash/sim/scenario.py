@@ -88,6 +88,6 @@ def implied_fixed_bytes(limits: dict[str, float], per_token_bytes: float, budget
     balanced share (``owner_factor``)."""
     out = {}
     for lay, n in limits.items():
-        k = kv_tokens_per_input_token(lay, batch, world) * (owner if lay in ("dp_attn", "dop") else 1.0)
+        k = kv_tokens_per_input_token(lay, batch, world) * (owner if parse_layout(lay).owner_based else 1.0)
         out[lay] = budget_bytes - k * n * per_token_bytes
     return out
