@@ -154,3 +154,20 @@ def test_dop_step_is_never_below_dp_attn_at_balanced_owners_whatever_the_shared_
         ex = pm.step_excess(cm, "dop", "dp_attn", rows)
         assert sum(ex.values()) >= 0.0
         assert ex["qkv_a"] > 0 and ex["exchange"] > 0 and ex["indexer"] >= 0
+
+
+def test_admission_waves_do_not_change_an_owner_layouts_prefill_work():
+    """Owners prefill their requests one after another at a fixed chunk share, so B = 16 requests prefilled at once
+    (two resident an owner) take the same steps, row for row, as two waves of eight (one resident an owner): a
+    larger pool changes admission, not the prefill's work (at a prompt that is not a whole number of shares, one step
+    a wave). What a wave adds is its handoff wait (mechanism 3)."""
+    from splash.sim.serving import _prefill_steps
+    chunk = 16_384
+    shape = lambda steps: [sorted((r.new_tokens, r.context) for r in rows) for rows in steps]
+    n = 20 * chunk // 8
+    wave = _prefill_steps(8, n, chunk, 8, per_owner=True)
+    assert shape(_prefill_steps(16, n, chunk, 8, per_owner=True)) == shape(wave) + shape(wave)
+    n = 40_000
+    at_once, wave = _prefill_steps(16, n, chunk, 8, True), _prefill_steps(8, n, chunk, 8, True)
+    assert sum(r.new_tokens for rows in at_once for r in rows) == 2 * sum(r.new_tokens for rows in wave for r in rows)
+    assert 0 <= 2 * len(wave) - len(at_once) <= 1
