@@ -88,6 +88,11 @@ def test_mechanism_rows_on_one_point(rows_16k):
         assert r["tokens_per_s_serial_waves"] <= r["tokens_per_s"]
         assert r["fit_rows"] >= r["rank_chunk_rows"]
     assert set(pm.leaders(rows, "tokens_per_s").values()) <= set(pm.LAYOUTS)
+    # B200's decode instance runs TP: swept into TP it is the same setup; the others decode differently
+    by = {r["layout"]: r for r in rows}
+    assert by["tp"]["tokens_per_s_swept_decode"] == pytest.approx(by["tp"]["tokens_per_s"])
+    assert by["dop"]["tokens_per_s_swept_decode"] != pytest.approx(by["dop"]["tokens_per_s"])
+    assert all(r["tokens_per_s_pd_gated"] > 0 and r["tokens_per_s_pd_overlap"] > 0 for r in rows)
 
 
 def test_mechanisms_cli_names_an_unknown_hardware(capsys):

@@ -12,7 +12,9 @@ bytes and FLOPs, never fitted; ``splash-sim mechanisms`` prints them at the pape
 5. **The prefill/decode pipeline**: the decode instance's room gates the prefill (SGLang's disaggregation
    pre-allocates a request's KV on the decode side before its prefill may start), or decode overlaps the prefill
    of later requests; either way the order in which a layout finishes its requests matters (``pd_makespan``).
-6. **Per-step dominance**: at balanced owners DOP's step is DP-attn's work plus its own, stage by stage, so no
+6. **Decode in the swept layout**: the decode instance (its ranks and nodes as the setup has them) runs the layout
+   the prefill instance sweeps, not a fixed one.
+7. **Per-step dominance**: at balanced owners DOP's step is DP-attn's work plus its own, stage by stage, so no
    rate the two layouts share can make DOP's step the shorter (``step_excess``).
 """
 from __future__ import annotations
@@ -156,6 +158,13 @@ def pd_tokens_per_s(ev, layout: str, batch: int, input_len: int, mode: str) -> f
     return batch * (input_len + out) / t
 
 
+def swept_decode_tokens_per_s(ev, layout: str, batch: int, input_len: int) -> float:
+    """Tokens/s of ``ev``'s disaggregated setup with its decode instance in ``layout`` too (0 when infeasible)."""
+    from splash.sim.deploy import throughput
+    s = dataclasses.replace(ev.sim, decode_layout=layout)
+    return throughput(ev.cm, s, ev.caps, layout, batch, input_len, ev.setup.output_len)["tokens_per_s"]
+
+
 def step_excess(cm, a: str, b: str, rows) -> dict[str, float]:
     """Stage by stage, how many seconds layout ``a``'s step exceeds ``b``'s on the busiest rank (negative: saves),
     ``rows`` a list of splash.costmodel.step_cost.RowLoad."""
@@ -223,6 +232,7 @@ def mechanism_rows(hardware: str, points=None) -> list[dict]:
                 "tokens_per_s_serial_waves": batch * (n + ev.setup.output_len) / (total + handoff),
                 "tokens_per_s_pd_gated": pd_tokens_per_s(ev, lay, batch, n, "gated"),
                 "tokens_per_s_pd_overlap": pd_tokens_per_s(ev, lay, batch, n, "overlap"),
+                "tokens_per_s_swept_decode": swept_decode_tokens_per_s(ev, lay, batch, n),
             })
     return rows
 
@@ -261,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             ("reread_over_scoring", "re-read/scoring"), ("step_ms", "last step ms"), ("indexer_ms", "indexer ms"),
             ("exchange_ms", "exchange ms"), ("exchange_bytes_per_row", "exch B/row"),
             ("exposed_handoff_s", "wave handoff s"), ("tokens_per_s_serial_waves", "tok/s serial waves"),
-            ("tokens_per_s_pd_gated", "tok/s PD gated"), ("tokens_per_s_pd_overlap", "tok/s PD overlap"))
+            ("tokens_per_s_pd_gated", "tok/s PD gated"), ("tokens_per_s_pd_overlap", "tok/s PD overlap"),
+            ("tokens_per_s_swept_decode", "tok/s swept decode"))
     t = Table(title="splash-sim: candidate mechanisms for DOP's lead (splash/sim/prefill_mechanisms.py)")
     for _, name in cols:
         t.add_column(name, justify="right")
@@ -269,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(*(_fmt(r[k]) for k, _ in cols))
     con = Console(width=230)
     con.print(t)
-    for field in ("tokens_per_s", "tokens_per_s_serial_waves", "tokens_per_s_pd_gated", "tokens_per_s_pd_overlap"):
+    for field in ("tokens_per_s", "tokens_per_s_serial_waves", "tokens_per_s_pd_gated", "tokens_per_s_pd_overlap",
+                  "tokens_per_s_swept_decode"):
         lead = leaders(rows, field)
         con.print(f"leaders by {field}: " + ", ".join(f"{hw} {b}x{n // 1000}K {v}" for (hw, b, n), v in lead.items()))
     if a.json:
