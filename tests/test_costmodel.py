@@ -369,3 +369,17 @@ def test_fused_kernels_count_the_fused_paths_ops(cfg, cpu):
             assert a.work[st]["gemm_flops"] == b.work[st]["gemm_flops"]
         assert a.work["exchange"]["ops"] == b.work["exchange"]["ops"]
         assert a.seconds < b.seconds
+
+
+def test_dop_projects_the_indexer_for_its_own_rows_only(cpu):
+    """DOP's owner scores and selects for its own requests' rows (splash/attention/dop.py: the indexer takes the
+    owner's rows), so its indexer work at balanced owners is DP-attn's; only Q-A and the head-sharded Q-B run on
+    every row."""
+    cfg = model_config_from_dict({**SMALL, "model_type": "deepseek_v32", "index_n_heads": 4, "index_head_dim": 32,
+                                  "index_topk": 64})
+    m = CostModel(cfg, 4, cpu, "float32", "float32")
+    rows = [RowLoad(32, 200, o) for o in range(4)]
+    dop, dp = m.step("dop", rows).work, m.step("dp_attn", rows).work
+    assert dop["indexer"]["gemm_flops"] == pytest.approx(dp["indexer"]["gemm_flops"])
+    assert dop["indexer"]["attn_flops"] == pytest.approx(dp["indexer"]["attn_flops"])
+    assert dop["qkv_a"]["gemm_flops"] > dp["qkv_a"]["gemm_flops"]

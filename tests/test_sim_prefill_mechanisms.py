@@ -88,9 +88,91 @@ def test_mechanism_rows_on_one_point(rows_16k):
         assert r["tokens_per_s_serial_waves"] <= r["tokens_per_s"]
         assert r["fit_rows"] >= r["rank_chunk_rows"]
     assert set(pm.leaders(rows, "tokens_per_s").values()) <= set(pm.LAYOUTS)
+    # B200's decode instance runs TP: swept into TP it is the same setup; the others decode differently
+    by = {r["layout"]: r for r in rows}
+    assert by["tp"]["tokens_per_s_swept_decode"] == pytest.approx(by["tp"]["tokens_per_s"])
+    assert by["dop"]["tokens_per_s_swept_decode"] != pytest.approx(by["dop"]["tokens_per_s"])
+    assert all(r["tokens_per_s_pd_gated"] > 0 and r["tokens_per_s_pd_overlap"] > 0 for r in rows)
 
 
 def test_mechanisms_cli_names_an_unknown_hardware(capsys):
     from splash.sim.cli import main
     assert main(["mechanisms", "--only", "b200,a100"]) == 2
     assert "unknown hardware a100" in capsys.readouterr().out
+
+
+def test_pd_makespan_serial_is_all_prefill_then_decode_waves():
+    # 16 requests on 8 units (2 each, 10 s apiece), handoff 1 s, 6 decode slots of 30 s: 20 + 1 + 3 waves
+    assert pm.pd_makespan(16, 8, 10.0, 30.0, 6, "serial", 1.0) == pytest.approx(20 + 1 + 90)
+    assert pm.pd_makespan(0, 8, 10.0, 30.0, 6, "gated") == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        pm.pd_makespan(4, 1, 1.0, 1.0, 1, "eager")
+    with pytest.raises(ValueError, match="slots"):
+        pm.pd_makespan(4, 1, 1.0, 1.0, 0, "gated")
+
+
+def test_pd_makespan_gated_holds_a_slot_from_prefill_start():
+    """Pre-allocation: with one decode slot every request prefills only after the previous one decoded; one unit
+    and one slot make the pipeline fully serial per request."""
+    assert pm.pd_makespan(3, 1, 2.0, 5.0, 1, "gated", 0.5) == pytest.approx(3 * (2 + 0.5 + 5))
+    # two units, two slots: both prefill at once, then both decode; the third waits for a slot
+    assert pm.pd_makespan(3, 2, 2.0, 5.0, 2, "gated") == pytest.approx(2 + 5 + 2 + 5)
+
+
+def test_pd_makespan_overlap_decodes_while_later_requests_prefill():
+    """One unit delivering a request every 2 s into one slot of 5 s: the decode chain sets the end (2 + 3 × 5);
+    the group-wide sequential delivery of CP beats eight owners delivering all at once when slots are few."""
+    assert pm.pd_makespan(3, 1, 2.0, 5.0, 1, "overlap") == pytest.approx(2 + 3 * 5)
+    assert pm.pd_makespan(3, 1, 2.0, 5.0, 3, "overlap") == pytest.approx(6 + 5)
+    seq = pm.pd_makespan(16, 1, 1.0, 10.0, 4, "overlap")       # one unit, 1 s a request
+    own = pm.pd_makespan(16, 8, 2 * 8 * 1.0 / 2, 10.0, 4, "overlap")   # eight owners, the same prefill work
+    assert seq < own
+    for mode in ("gated", "overlap"):   # never shorter than the decode chain, never longer than serial
+        t = pm.pd_makespan(16, 8, 4.0, 10.0, 6, mode)
+        assert -(-16 // 6) * 10.0 <= t
+        assert mode == "gated" or t <= pm.pd_makespan(16, 8, 4.0, 10.0, 6, "serial")
+
+
+def test_dop_step_is_never_below_dp_attn_at_balanced_owners_whatever_the_shared_rates():
+    """Per step at balanced owners, DOP runs DP-attn's attention, indexer and FFN work plus Q-A and the indexer's
+    projections on every row and the q̃/õ exchange; it saves only replicated weight reads, which a 2,048-row owner
+    chunk's compute-bound GEMMs hide. So scaling any rate both layouts share (here each by 1/4…4×, seeded) keeps
+    DOP's prefill step at or above DP-attn's: an outright DOP lead needs a per-layout term, not a shared one."""
+    import dataclasses
+    import random
+
+    from splash.costmodel.profile import Collective
+    from splash.costmodel.step_cost import CostModel, RowLoad
+    base = load_profile("b200")
+    rows = [RowLoad(2048, 256_000 - 2048, o) for o in range(8)]
+    rng = random.Random(29)
+    for _ in range(6):
+        f = {k: 4 ** rng.uniform(-1, 1) for k in ("gemm", "mem", "attn", "kv", "coll")}
+        prof = dataclasses.replace(
+            base, gemm_flops_per_s={k: v * f["gemm"] for k, v in base.gemm_flops_per_s.items()},
+            memory_bytes_per_s=base.memory_bytes_per_s * f["mem"],
+            attention_flops_per_s=base.attention_flops_per_s * f["attn"],
+            kv_read_bytes_per_s=base.kv_read_bytes_per_s * f["kv"],
+            collectives={k: Collective(c.alpha_s, c.bytes_per_s * f["coll"]) for k, c in base.collectives.items()},
+            overlap_fraction=rng.uniform(0.0, 1.0))
+        cm = CostModel(GLM.cfg, 8, prof, GLM.weight_dtype, GLM.kv_dtype, 64, cp_prefill="split")
+        ex = pm.step_excess(cm, "dop", "dp_attn", rows)
+        assert sum(ex.values()) >= 0.0
+        assert ex["qkv_a"] > 0 and ex["exchange"] > 0 and ex["indexer"] >= 0
+
+
+def test_admission_waves_do_not_change_an_owner_layouts_prefill_work():
+    """Owners prefill their requests one after another at a fixed chunk share, so B = 16 requests prefilled at once
+    (two resident an owner) take the same steps, row for row, as two waves of eight (one resident an owner): a
+    larger pool changes admission, not the prefill's work (at a prompt that is not a whole number of shares, one step
+    a wave). What a wave adds is its handoff wait (mechanism 3)."""
+    from splash.sim.serving import _prefill_steps
+    chunk = 16_384
+    shape = lambda steps: [sorted((r.new_tokens, r.context) for r in rows) for rows in steps]
+    n = 20 * chunk // 8
+    wave = _prefill_steps(8, n, chunk, 8, per_owner=True)
+    assert shape(_prefill_steps(16, n, chunk, 8, per_owner=True)) == shape(wave) + shape(wave)
+    n = 40_000
+    at_once, wave = _prefill_steps(16, n, chunk, 8, True), _prefill_steps(8, n, chunk, 8, True)
+    assert sum(r.new_tokens for rows in at_once for r in rows) == 2 * sum(r.new_tokens for rows in wave for r in rows)
+    assert 0 <= 2 * len(wave) - len(at_once) <= 1

@@ -261,7 +261,9 @@ def _attention_block(s: Shapes, st: dict[str, Work], layout: Layout, q_rows: int
     _gemm(st["q_b_absorb"], q_rows, dn, heads * dc, wb, ab)   # W_UK absorb (bmm per head)
     st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", layout)
     attention_work(s, st["attention"], held, attn_heads, new_here)
-    _indexer(s, st["indexer"], held, q_rows)
+    # the indexer projects the rows whose keys it scores: DOP's owner selects for its own rows only
+    # (splash/attention/dop.py), while its Q-A and Q-B above run on every row for the local heads
+    _indexer(s, st["indexer"], held, kv_rows if layout is Layout.DOP else q_rows)
     _gemm(st["uv_o"], q_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
     _gemm(st["uv_o"], q_rows, heads * dv, hid, wb, ab)       # O
     st["uv_o"].ops += ops(s.fused, "uv_o", layout)

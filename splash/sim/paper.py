@@ -160,10 +160,13 @@ class Evaluator:
         if kind == "freed_gib":
             return (self.caps[a[0]].room_bytes_per_rank - self.caps[a[1]].room_bytes_per_rank) / (1 << 30)
         if kind == "resident":
+            from splash.sim.residency import pooled_resident
             from splash.sim.serving import concurrency
-            lay, batch, n, out, *per = a
+            lay, batch, n, out, *how = a
+            if how == ["pooled"]:   # the layout's distinct pool over one request (splash.sim.residency)
+                return pooled_resident(self.caps[lay].distinct_tokens, n + out, batch)
             k = min(batch, concurrency(self.sim, self.caps, lay, n + out))
-            return k / self.sim.world if per else k
+            return k / self.sim.world if how == ["per_owner"] else k
         if kind in ("primitive", "primitive_dir", "switch", "switch_range", "switch_saving", "switch_step_share"):
             return self._switch_probe(kind, a)
         if kind == "burst":

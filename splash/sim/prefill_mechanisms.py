@@ -9,6 +9,13 @@ bytes and FLOPs, never fitted; ``splash-sim mechanisms`` prints them at the pape
 3. **Waves that wait for the handoff**: a unit holding one request at a time cannot admit the next until the
    previous one's KV has left over the inter-node link.
 4. **Exchange bytes per query row**, per layer, by layout (splash.costmodel.work).
+5. **The prefill/decode pipeline**: the decode instance's room gates the prefill (SGLang's disaggregation
+   pre-allocates a request's KV on the decode side before its prefill may start), or decode overlaps the prefill
+   of later requests; either way the order in which a layout finishes its requests matters (``pd_makespan``).
+6. **Decode in the swept layout**: the decode instance (its ranks and nodes as the setup has them) runs the layout
+   the prefill instance sweeps, not a fixed one.
+7. **Per-step dominance**: at balanced owners DOP's step is DP-attn's work plus its own, stage by stage, so no
+   rate the two layouts share can make DOP's step the shorter (``step_excess``).
 """
 from __future__ import annotations
 
@@ -91,9 +98,84 @@ def exchange_bytes_per_row(cfg, layout: str, act_bytes: float = BF16) -> float:
     return hid * act_bytes
 
 
+PD_MODES = ("serial", "gated", "overlap")
+
+
+def pd_makespan(batch: int, units: int, prefill_s: float, decode_s: float, slots: int, mode: str,
+                handoff_s: float = 0.0) -> float:
+    """End-to-end seconds of ``batch`` identical requests through a prefill instance of ``units`` independent
+    prefill units (the owners in DP-attn/DOP, the group in TP/CP), each prefilling its requests (request i on unit
+    i % units) one after another in ``prefill_s`` each, then ``handoff_s`` to move one, and a decode instance that
+    decodes ``slots`` requests at once in ``decode_s`` each (a long-context decode step's time barely depends on
+    its batch, so a slot's pace does not either). ``mode``:
+    - "serial": every prefill first, then every decode in waves of ``slots`` (splash.sim.deploy's model);
+    - "gated": SGLang's prefill/decode disaggregation: the decode side pre-allocates a request's KV before the
+      prefill side may start it, so a slot is held from prefill start to decode end;
+    - "overlap": a request decodes as soon as it is handed off and a slot is free; the prefill runs ahead."""
+    if mode not in PD_MODES:
+        raise ValueError(f"mode must be one of {', '.join(PD_MODES)}, got {mode!r}")
+    if batch <= 0:
+        return 0.0
+    if units < 1 or slots < 1:
+        raise ValueError(f"units and slots must be >= 1, got {units}, {slots}")
+    if mode == "serial":
+        return -(-batch // units) * prefill_s + handoff_s + -(-batch // slots) * decode_s
+    import heapq
+    unit_free = [0.0] * units
+    slot_free = [0.0] * slots          # a heap of the times the slots free up
+    end = 0.0
+    for i in range(batch):
+        u = i % units
+        slot = heapq.heappop(slot_free)
+        if mode == "gated":
+            done = max(unit_free[u], slot) + prefill_s
+            finish = done + handoff_s + decode_s
+        else:
+            done = unit_free[u] + prefill_s
+            finish = max(done + handoff_s, slot) + decode_s
+        unit_free[u] = done
+        heapq.heappush(slot_free, finish)
+        end = max(end, finish)
+    return end
+
+
+def pd_tokens_per_s(ev, layout: str, batch: int, input_len: int, mode: str) -> float:
+    """Tokens/s of the paper's disaggregated setup ``ev`` (a splash.sim.paper.Evaluator) under ``pd_makespan``'s
+    ``mode``: a unit's prefill of one request is the sim's prefill of one request per unit with every unit busy,
+    a slot's decode is the decode instance's wave of as many requests as it holds, the handoff is one request's
+    over its unit's NICs."""
+    from splash.sim.deploy import decode_instance, decode_seconds
+    from splash.sim.serving import concurrency, prefill_seconds
+    s, out = ev.sim, ev.setup.output_len
+    d, _, dcaps = decode_instance(s)
+    slots = min(batch, concurrency(d, dcaps, s.decode_layout, input_len + out))
+    if slots == 0:
+        raise ValueError(f"the decode instance holds no request of {input_len + out} tokens")
+    units = s.world if kv_ownership_of(layout) == KV_OWNER else 1
+    prefill = prefill_seconds(ev.cm, s, layout, min(batch, units), input_len)
+    t = pd_makespan(batch, units, prefill, decode_seconds(s, slots, input_len, out), slots, mode,
+                    request_handoff_seconds(s, layout, input_len))
+    return batch * (input_len + out) / t
+
+
+def swept_decode_tokens_per_s(ev, layout: str, batch: int, input_len: int) -> float:
+    """Tokens/s of ``ev``'s disaggregated setup with its decode instance in ``layout`` too (0 when infeasible)."""
+    from splash.sim.deploy import throughput
+    s = dataclasses.replace(ev.sim, decode_layout=layout)
+    return throughput(ev.cm, s, ev.caps, layout, batch, input_len, ev.setup.output_len)["tokens_per_s"]
+
+
+def step_excess(cm, a: str, b: str, rows) -> dict[str, float]:
+    """Stage by stage, how many seconds layout ``a``'s step exceeds ``b``'s on the busiest rank (negative: saves),
+    ``rows`` a list of splash.costmodel.step_cost.RowLoad."""
+    sa, sb = cm.step(a, rows).stages, cm.step(b, rows).stages
+    return {k: sa.get(k, 0.0) - sb.get(k, 0.0) for k in sorted(set(sa) | set(sb))}
+
+
 # ---- what each predicts at the paper's positions (`splash-sim mechanisms`) ----------------------------------
 
-POINTS = {"b200": ((16, 128_000), (16, 256_000), (16, 512_000), (128, 128_000)),
+POINTS = {"b200": ((16, 64_000), (16, 128_000), (16, 256_000), (16, 512_000), (128, 64_000), (128, 128_000),
+                   (256, 128_000)),
           "h200": ((16, 64_000), (16, 128_000), (16, 256_000)),
           "bw1000": ((16, 256_000), (16, 512_000))}
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
@@ -148,6 +230,9 @@ def mechanism_rows(hardware: str, points=None) -> list[dict]:
                 "exchange_bytes_per_row": exchange_bytes_per_row(cfg, lay),
                 "exposed_handoff_s": handoff,
                 "tokens_per_s_serial_waves": batch * (n + ev.setup.output_len) / (total + handoff),
+                "tokens_per_s_pd_gated": pd_tokens_per_s(ev, lay, batch, n, "gated"),
+                "tokens_per_s_pd_overlap": pd_tokens_per_s(ev, lay, batch, n, "overlap"),
+                "tokens_per_s_swept_decode": swept_decode_tokens_per_s(ev, lay, batch, n),
             })
     return rows
 
@@ -185,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             ("room_gib", "room GiB"), ("fit_rows", "rows fit"), ("resident_if_shared", "resident if shared"),
             ("reread_over_scoring", "re-read/scoring"), ("step_ms", "last step ms"), ("indexer_ms", "indexer ms"),
             ("exchange_ms", "exchange ms"), ("exchange_bytes_per_row", "exch B/row"),
-            ("exposed_handoff_s", "wave handoff s"), ("tokens_per_s_serial_waves", "tok/s serial waves"))
+            ("exposed_handoff_s", "wave handoff s"), ("tokens_per_s_serial_waves", "tok/s serial waves"),
+            ("tokens_per_s_pd_gated", "tok/s PD gated"), ("tokens_per_s_pd_overlap", "tok/s PD overlap"),
+            ("tokens_per_s_swept_decode", "tok/s swept decode"))
     t = Table(title="splash-sim: candidate mechanisms for DOP's lead (splash/sim/prefill_mechanisms.py)")
     for _, name in cols:
         t.add_column(name, justify="right")
@@ -193,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(*(_fmt(r[k]) for k, _ in cols))
     con = Console(width=230)
     con.print(t)
-    for field in ("tokens_per_s", "tokens_per_s_serial_waves"):
+    for field in ("tokens_per_s", "tokens_per_s_serial_waves", "tokens_per_s_pd_gated", "tokens_per_s_pd_overlap",
+                  "tokens_per_s_swept_decode"):
         lead = leaders(rows, field)
         con.print(f"leaders by {field}: " + ", ".join(f"{hw} {b}x{n // 1000}K {v}" for (hw, b, n), v in lead.items()))
     if a.json:
