@@ -42,7 +42,7 @@ def switch_costs(cm, setup, batch: int, tokens: int) -> list[dict]:
             live = cm.switch(man, "live", step, step_link_share(pred))
             blocking = cm.switch(man, "blocking", step)
             out.append({"src": src, "dst": dst, "recv_bytes": live.recv_bytes, "live_s": live.exposed_seconds,
-                        "blocking_s": blocking.exposed_seconds, "dst_step_s": step,
+                        "blocking_s": blocking.exposed_seconds, "transfer_s": blocking.seconds, "dst_step_s": step,
                         "kv_layer_s": live.kv_layer_seconds, "weight_layer_s": live.weight_layer_seconds})
     return out
 
