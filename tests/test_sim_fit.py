@@ -100,3 +100,21 @@ def test_the_blocking_extra_scales_with_the_bytes(b200_switches):
     shipped = _priced(ev, sim, mans)
     assert shipped["dop", "cp"]["blocking_s"] == pytest.approx(0.66731, rel=0.01)
     assert ev.profile.switch_blocking_factor == pytest.approx(c["factor"]["value"], rel=0.01)
+
+
+def test_the_b200_step_share_bound_needs_six_of_the_sims_prefill_chunks(b200_switches):
+    """'Largest p50 overhead / destination step < 0.51%' on B200: with every layer's compute longer than its
+    transfer, the live cost no longer depends on the step it hides in (DOP->CP is 11.77 ms at a 16K and a 96K
+    chunk alike), so the bound asks only for a destination interval of >= 11.76 / 0.0051 = 2.31 s. One 16,384-token
+    chunk at B = 16 x 256K (the sweeps' chunk, SGLang's default on B200) is 0.39-0.44 s outside TP; a 98,304-token
+    chunk (6x) meets the bound."""
+    ev, sim, mans = b200_switches
+    bound = fit.PAPER["b200.switch.step_share"]
+    share, live = {}, {}
+    for chunk in (16_384, 98_304):
+        rows = _priced(ev, dataclasses.replace(sim, chunk=chunk), mans)
+        share[chunk] = max(r["live_s"] / r["dst_step_s"] for r in rows.values())
+        live[chunk] = {d: r["live_s"] for d, r in rows.items()}
+    assert sim.chunk == 16_384 and share[16_384] > 5 * bound
+    assert share[98_304] <= bound
+    assert live[98_304] == pytest.approx(live[16_384], rel=1e-6)
