@@ -104,7 +104,8 @@ def test_a_blocking_switch_pays_its_factor_on_the_primitives():
     cms = {k: CostModel(m.cfg, 8, dataclasses.replace(b200, switch_blocking_factor=k), m.weight_dtype, m.kv_dtype,
                         64) for k in (1.0, 2.5)}
     one, more = (cms[k].switch(man, "blocking") for k in (1.0, 2.5))
-    assert one.exposed_seconds == pytest.approx(one.seconds) and one.seconds == pytest.approx(78 * one.per_layer_seconds)
+    assert one.exposed_seconds == pytest.approx(one.seconds)
+    assert one.seconds == pytest.approx(78 * one.per_layer_seconds)
     assert more.exposed_seconds == pytest.approx(2.5 * one.exposed_seconds)
     assert cms[2.5].switch(man, "live", 0.5).exposed_seconds == cms[1.0].switch(man, "live", 0.5).exposed_seconds
     assert load_profile("cpu").switch_blocking_factor == 1.0
