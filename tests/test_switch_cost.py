@@ -45,14 +45,14 @@ def test_logical_kv_volume_gives_the_papers_flat_kv_costs():
 def test_profiles_carry_the_b200_fit_unchanged():
     """b200.yaml's fitted numbers are what splash/sim/fit.py computes from the paper's B200 figures, and the
     held-out profiles carry the very same numbers (only their spec-sheet rates differ)."""
-    from splash.sim.fit import live_switch, switch_efficiencies
+    from splash.sim.fit import blocking_factor, live_switch, switch_efficiencies
     b200 = load_profile("b200")
-    fit = {**switch_efficiencies(b200), **live_switch(b200)}
+    fit = {**switch_efficiencies(b200), **live_switch(b200), **blocking_factor(b200)}
     for k, v in fit.items():
         assert getattr(b200, k) == pytest.approx(v, rel=0.01), k
     for hw in ("h200", "bw1000"):
         p = load_profile(hw)
-        for k in (*fit, "switch_kv_volume", "switch_overlap"):
+        for k in (*fit, "switch_kv_volume", "switch_overlap", "switch_contention_on"):
             assert getattr(p, k) == getattr(b200, k), (hw, k)
         assert p.link_bytes_per_s != b200.link_bytes_per_s
 
@@ -73,7 +73,8 @@ def test_every_gpu_profile_number_says_where_it_comes_from():
 
 
 def test_pipelined_live_switch():
-    p = dataclasses.replace(load_profile("b200"), switch_handoff_s=1e-4, switch_contention=0.5)
+    p = dataclasses.replace(load_profile("b200"), switch_handoff_s=1e-4, switch_contention=0.5,
+                            switch_contention_on="link")
     assert live_exposed_seconds(p, 0.0, 78, 1.0) == pytest.approx(1e-4)            # a discard: the handoff
     t, L = 1e-3, 10
     # the step's layers (2 ms) hide every later layer; the hidden part delays its collectives (20% of it)
@@ -81,8 +82,33 @@ def test_pipelined_live_switch():
     # a short step (0.4 ms a layer) exposes the rest of each layer's transfer
     short = live_exposed_seconds(p, t, L, 4e-4 * L, 0.0)
     assert short == pytest.approx(1e-4 + t + (L - 1) * (t - 4e-4))
+    # memory: the hidden share of the layer's bytes crosses HBM while the step computes, whatever its collectives
+    mem = dataclasses.replace(p, switch_contention_on="memory", memory_bytes_per_s=1e12)
+    nbytes = 4e8                                                                   # 0.4 ms at the HBM rate
+    assert live_exposed_seconds(mem, t, L, 2e-3 * L, 0.2, nbytes) == pytest.approx(1e-4 + t + (L - 1) * 0.5 * 4e-4)
+    assert live_exposed_seconds(mem, t, L, 2e-3 * L, 0.9, nbytes) == live_exposed_seconds(mem, t, L, 5e-3 * L, 0.0,
+                                                                                           nbytes)
+    # half the transfer hidden (0.5 ms a layer of compute): half its bytes slow the step, the rest is exposed
+    assert live_exposed_seconds(mem, t, L, 5e-4 * L, 0.0, nbytes) == pytest.approx(
+        1e-4 + t + (L - 1) * (t - 5e-4 + 0.5 * 0.5 * 4e-4))
     budget = dataclasses.replace(p, switch_overlap="budget", overlap_fraction=0.3)
     assert live_exposed_seconds(budget, t, L, 2e-3 * L) == pytest.approx(t + (L - 1) * (t - 0.3 * 2e-3))
+
+
+def test_a_blocking_switch_pays_its_factor_on_the_primitives():
+    """blocking = switch_blocking_factor x the per-layer primitives back to back; the live price does not use it."""
+    m = load_sim_model("glm-5.3")
+    reqs = {f"r{i}": ReqState(32_000, i % 8) for i in range(16)}
+    man = plan_switch("dop", "cp", m.cfg, 8, reqs, 64, 1, m.kv_dtype)
+    b200 = load_profile("b200")
+    cms = {k: CostModel(m.cfg, 8, dataclasses.replace(b200, switch_blocking_factor=k), m.weight_dtype, m.kv_dtype,
+                        64) for k in (1.0, 2.5)}
+    one, more = (cms[k].switch(man, "blocking") for k in (1.0, 2.5))
+    assert one.exposed_seconds == pytest.approx(one.seconds)
+    assert one.seconds == pytest.approx(78 * one.per_layer_seconds)
+    assert more.exposed_seconds == pytest.approx(2.5 * one.exposed_seconds)
+    assert cms[2.5].switch(man, "live", 0.5).exposed_seconds == cms[1.0].switch(man, "live", 0.5).exposed_seconds
+    assert load_profile("cpu").switch_blocking_factor == 1.0
 
 
 def test_switch_profile_fields_are_validated():
@@ -95,6 +121,10 @@ def test_switch_profile_fields_are_validated():
         profile_from_dict({**base, "switch_kv_volume": "bytes"})
     with pytest.raises(ConfigError, match="link_bytes_per_s"):
         profile_from_dict({**base, "switch_kv_efficiency": 0.8})
+    with pytest.raises(ConfigError, match="switch_contention_on"):
+        profile_from_dict({**base, "switch_contention_on": "hbm"})
+    with pytest.raises(ConfigError, match="switch_blocking_factor"):
+        profile_from_dict({**base, "switch_blocking_factor": 0})
     with pytest.raises(ConfigError, match="provenance.memory_bytes_per_s"):
         profile_from_dict({**base, "provenance": {"memory_bytes_per_s": "guess"}})
     with pytest.raises(ConfigError, match="nope"):

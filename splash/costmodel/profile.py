@@ -24,6 +24,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "broadcast")
 COMBINES = ("max", "sum")
 KV_VOLUMES = ("received", "logical")
 OVERLAPS = ("budget", "pipeline")
+CONTENTIONS = ("link", "memory")
 PROVENANCE_KINDS = ("spec", "fitted", "measured", "assumed")
 
 
@@ -103,7 +104,14 @@ class HardwareProfile:
     # with the step's own collectives; splash/costmodel/switch_cost.py)
     switch_overlap: str = "budget"
     switch_handoff_s: float = 0.0     # pipeline: the fixed cost of a live handoff (a discard-only switch's p50)
-    switch_contention: float = 0.0    # pipeline: delay of the step's collectives per second of hidden transfer
+    # pipeline: what a hidden transfer slows the step by. "link": it shares the link with the step's collectives
+    # (switch_contention = their delay per second of hidden transfer, in proportion to the step's collective share);
+    # "memory": its bytes cross HBM while the step computes (switch_contention = the step's delay per second those
+    # bytes take at memory_bytes_per_s). splash/costmodel/switch_cost.py
+    switch_contention_on: str = "link"
+    switch_contention: float = 0.0
+    # a blocking switch's time over its per-layer primitives back to back (1: the primitives alone)
+    switch_blocking_factor: float = 1.0
     # where each number comes from: field -> "spec: ...", "fitted: ... (to what)", "measured: ..." or "assumed: ..."
     provenance: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
@@ -257,6 +265,8 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
               "switch_handoff_s", "switch_contention"):
         if k in raw:
             kw[k] = _positive(where, k, raw[k], allow_zero=True)
+    if "switch_blocking_factor" in raw:
+        kw["switch_blocking_factor"] = _positive(where, "switch_blocking_factor", raw["switch_blocking_factor"])
     if kw.get("overlap_fraction", 0.0) > 1.0:
         raise ConfigError(f"{where}: field 'overlap_fraction' must be <= 1, got {kw['overlap_fraction']}")
     for k in ("switch_kv_efficiency", "switch_weight_efficiency"):
@@ -265,7 +275,7 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
         if kw.get(k, 0.0) > 0 and not kw.get("link_bytes_per_s"):
             raise ConfigError(f"{where}: field {k!r} needs link_bytes_per_s (the rate it is a share of)")
     for k, allowed in (("attention_combine", COMBINES), ("switch_kv_volume", KV_VOLUMES),
-                       ("switch_overlap", OVERLAPS)):
+                       ("switch_overlap", OVERLAPS), ("switch_contention_on", CONTENTIONS)):
         if k in raw:
             if raw[k] not in allowed:
                 raise ConfigError(f"{where}: field {k!r} = {raw[k]!r} is not one of {', '.join(allowed)}")

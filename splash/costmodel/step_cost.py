@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splash.costmodel.profile import HardwareProfile
-from splash.costmodel.switch_cost import (cached_recv_bytes, kv_bytes_per_s, kv_layer_seconds, live_exposed_seconds,
-                                          logical_kv_bytes_layer, weight_layer_seconds)
+from splash.costmodel.switch_cost import (blocking_seconds, cached_recv_bytes, kv_bytes_per_s, kv_layer_bytes,
+                                          kv_layer_seconds, live_exposed_seconds, logical_kv_bytes_layer,
+                                          weight_layer_bytes, weight_layer_seconds)
 from splash.costmodel.work import STAGES, Piece, Shapes, Work, ffn_work, layer_work, step_extra
 from splash.layouts.layout import LAYOUT_NAMES, check_heads, parse_layout
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
@@ -202,12 +203,13 @@ class CostModel:
     def switch(self, manifest, mode: str, step_seconds: float | None = None,
                step_link_share: float = 0.0) -> SwitchPrediction:
         """Predicted cost of executing ``manifest``: per layer one KV all-to-all(v), one projection all-gather(v)
-        (as the switch executor runs them) and a conversion's re-store; ``blocking`` pays all of it, ``live`` what
-        the destination step (``step_seconds``, ``step_link_share`` of it in collectives) does not hide."""
+        (as the switch executor runs them) and a conversion's re-store; ``blocking`` pays all of it (×
+        ``switch_blocking_factor``), ``live`` what the destination step (``step_seconds``, ``step_link_share`` of it
+        in collectives) does not hide and what the hidden part slows it by (switch_cost.live_exposed_seconds)."""
         if mode not in ("live", "blocking"):
             raise ValueError(f"switch mode must be 'live' or 'blocking', got {mode!r}")
         L, T = manifest.num_layers, manifest.world
-        per_layer, kv_t, w_t = [], [], []
+        per_layer, kv_t, w_t, nbytes = [], [], [], []
         logical = logical_kv_bytes_layer(manifest) if self.profile.switch_kv_volume == "logical" else None
         for r in range(T):
             kv = kv_layer_seconds(self.profile, manifest, r, logical)
@@ -215,12 +217,14 @@ class CostModel:
             per_layer.append(kv + w + self._convert_seconds(manifest, r))
             kv_t.append(kv)
             w_t.append(w)
+            nbytes.append(kv_layer_bytes(self.profile, manifest, r, logical) + weight_layer_bytes(manifest, r))
         t_layer = max(per_layer)
         total = t_layer * L
         if mode == "blocking" or L == 0:
-            exposed = total
+            exposed = blocking_seconds(self.profile, t_layer, L)
         else:
-            exposed = live_exposed_seconds(self.profile, t_layer, L, step_seconds, step_link_share)
+            exposed = live_exposed_seconds(self.profile, t_layer, L, step_seconds, step_link_share,
+                                           nbytes[per_layer.index(t_layer)])
         recv = max(manifest.total_recv_bytes, default=0.0)
         return SwitchPrediction(manifest.src.value, manifest.dst.value, mode, total, exposed, t_layer, recv,
                                 max(kv_t), max(w_t), max(cached_recv_bytes(manifest), default=0),

@@ -22,29 +22,46 @@ def step_link_share(pred) -> float:
     return coll / pred.seconds if pred.seconds > 0 else 0.0
 
 
-def switch_costs(cm, setup, batch: int, tokens: int) -> list[dict]:
-    """Every src→dst direction for ``batch`` live requests of ``tokens`` KV tokens (owners round-robin), the live
-    cost hidden behind the destination layout's step (``switch_step_rows``)."""
+def plan_directions(setup, batch: int, tokens: int) -> dict[tuple[str, str], object]:
+    """The manifest of every src→dst direction for ``batch`` live requests of ``tokens`` KV tokens (owners
+    round-robin); directions the model's heads cannot take are left out."""
     m, T = setup.model, setup.world
     reqs = {f"r{i}": ReqState(tokens, i % T) for i in range(batch)}
-    out = []
+    out = {}
     for src in LAYOUTS:
         for dst in LAYOUTS:
             if src == dst:
                 continue
             try:
-                man = plan_switch(src, dst, m.cfg, T, reqs, setup.block_size, {"float32": 4, "bfloat16": 2}.get(
-                    m.weight_dtype, 1), m.kv_dtype)
-                pred = cm.step(dst, switch_step_rows(dst, batch, tokens, setup.chunk, T))
+                out[src, dst] = plan_switch(src, dst, m.cfg, T, reqs, setup.block_size, {"float32": 4,
+                                            "bfloat16": 2}.get(m.weight_dtype, 1), m.kv_dtype)
             except ValueError:
                 continue
-            step = pred.seconds
-            live = cm.switch(man, "live", step, step_link_share(pred))
-            blocking = cm.switch(man, "blocking", step)
-            out.append({"src": src, "dst": dst, "recv_bytes": live.recv_bytes, "live_s": live.exposed_seconds,
-                        "blocking_s": blocking.exposed_seconds, "dst_step_s": step,
-                        "kv_layer_s": live.kv_layer_seconds, "weight_layer_s": live.weight_layer_seconds})
     return out
+
+
+def price_directions(cm, setup, manifests: dict, batch: int, tokens: int) -> list[dict]:
+    """Each planned direction priced by ``cm``: live (hidden behind the destination layout's step,
+    ``switch_step_rows``) and blocking."""
+    out = []
+    for (src, dst), man in manifests.items():
+        try:
+            pred = cm.step(dst, switch_step_rows(dst, batch, tokens, setup.chunk, setup.world))
+        except ValueError:
+            continue
+        step = pred.seconds
+        live = cm.switch(man, "live", step, step_link_share(pred))
+        blocking = cm.switch(man, "blocking", step)
+        out.append({"src": src, "dst": dst, "recv_bytes": live.recv_bytes, "live_s": live.exposed_seconds,
+                    "blocking_s": blocking.exposed_seconds, "transfer_s": blocking.seconds, "dst_step_s": step,
+                    "kv_layer_s": live.kv_layer_seconds, "weight_layer_s": live.weight_layer_seconds})
+    return out
+
+
+def switch_costs(cm, setup, batch: int, tokens: int) -> list[dict]:
+    """Every src→dst direction for ``batch`` live requests of ``tokens`` KV tokens (owners round-robin), the live
+    cost hidden behind the destination layout's step (``switch_step_rows``)."""
+    return price_directions(cm, setup, plan_directions(setup, batch, tokens), batch, tokens)
 
 
 def print_switch_costs(console, cm, setup, batch: int, tokens: int) -> None:
