@@ -148,7 +148,7 @@ class TorchMLAKernel:
             ql, qr = q[..., :ql.shape[2]], q[..., ql.shape[2]:]
         ckv, kpe = cache.ckv[layer], cache.kpe[layer]
         h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
-        o, lse = native_ops.checked.mla_decode(rows, prow, npg, qpos, pages, logical, ql, qr, ckv, kpe, self.scale)
+        o, lse = native_ops.mla_decode(rows, prow, npg, qpos, pages, logical, ql, qr, ckv, kpe, self.scale)
         hp = -(-h // 8) * 8   # what mla_decode allocates: õ, transposed queries, a page's scores and weights, stats
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, 4 * (h * d_c + (d_c + d_r) * hp + 2 * bs * hp + 4 * hp))
         return o, lse
