@@ -300,7 +300,7 @@ def test_decode_kernel_checks_its_page_table():
     k = TorchMLAKernel(SCALE)
     k.plan(meta)
     k.run(0, q[..., :32], q[..., 32:], cache)
-    rows, prow, npg, qpos, pages, logical = k._native_args["args"]
+    rows, prow, npg, qpos, pages, logical = k._native_args["args"].tensors
     args = [rows, prow, npg, qpos, pages, logical, q[..., :32], q[..., 32:], cache.ckv[0], cache.kpe[0], SCALE]
     for i, t, msg in ((1, prow + pages.shape[0], "page_rows must lie"), (0, rows + 2, "rows must lie"),
                       (2, npg.long(), "int32"), (6, q[..., :32].contiguous(), "views of one")):
@@ -345,8 +345,7 @@ def test_routes_send_the_kernels_only_what_the_checks_accept(monkeypatch):
         monkeypatch.setattr(ops.kernels, name, spy)
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    lin = lambda p: packed.PackedLinear(None, p, (1, 1))  # noqa: E731   (the routes read .packed only)
-    exp = lambda p: packed.PackedExperts(None, p, (1, 1, 1))  # noqa: E731
+    lin, exp = packed.PackedLinear.of_strips, lambda p: packed.PackedExperts(None, p)   # each checks its tensor
     cfg = model_config_from_dict(PACKABLE)
     w = _attn(cfg, range(2))
     rope = Rope(cfg)
@@ -361,7 +360,8 @@ def test_routes_send_the_kernels_only_what_the_checks_accept(monkeypatch):
     kernel.plan(state[4])
     q, cache = state[5], state[0]
     kernel.run(0, q[..., :32], q[..., 32:], cache)
-    dec = dict(zip(("rows", "prow", "npg", "qpos", "pages", "logical"), kernel._native_args["args"]))
+    names = ("rows", "prow", "npg", "qpos", "pages", "logical")
+    dec = dict(zip(names, kernel._native_args["args"].tensors))
     idx = torch.tensor([[0, 3], [5, 3], [1, 7], [3, 0]])
     cases = [
         (lambda t: ops.rms_norm(t["x"], t["w"], 1e-6), {"x": r(4, 64), "w": r(64)}),
@@ -385,8 +385,8 @@ def test_routes_send_the_kernels_only_what_the_checks_accept(monkeypatch):
         *[(lambda t, p=p: attn(t, p), {"x": r(4, 64), "cos": cos, "sin": sin, "qn": w.q_a_norm, "kn": w.kv_a_norm,
                                         "uk": w.w_uk, "qb": w.q_b.packed, "wa": (w.qkv_a if p == 3 else w.q_a).packed})
           for p in (3, 1)],
-        (lambda t: ops.mla_decode(*(t[k] for k in ("rows", "prow", "npg", "qpos", "pages", "logical", "ql", "qr",
-                                                   "ckv", "kpe")), SCALE),
+        (lambda t: ops.mla_decode(ops.decode_rows(*(t[k] for k in names)), t["ql"], t["qr"], t["ckv"], t["kpe"],
+                                  SCALE),
          {**dec, "ql": q[..., :32], "qr": q[..., 32:], "ckv": cache.ckv[0], "kpe": cache.kpe[0]}),
     ]
     for call, base in cases:
@@ -395,5 +395,5 @@ def test_routes_send_the_kernels_only_what_the_checks_accept(monkeypatch):
             for v in _variants(base[key]):
                 try:
                     call({**base, key: v})
-                except ValueError:   # the C code's own index checks, or mla_decode's checks naming the argument
-                    pass
+                except ValueError:   # a packed weight's or decode_rows' checks, the C code's own index checks, or
+                    pass             # mla_decode's checks naming the argument

@@ -86,23 +86,18 @@ def _empty(*shape: int, dtype=F32) -> torch.Tensor:   # explicit: a caller may h
     return torch.empty(*shape, dtype=dtype, device=CPU)
 
 
-# The routes' tests, each the conjunction of what the named checks above require (no message, no call per check).
-def _vec(t: torch.Tensor, n: int) -> bool:          # _f32(t, 1, contiguous) with n entries
-    return t.dtype == F32 and t.is_cpu and t.dim() == 1 and t.is_contiguous() and t.shape[0] == n
+# The routes' tests: each the conjunction of what the op's checks require, in as few tensor queries as it takes (one
+# `.shape` or `.stride()` read costs ~0.1-0.3 µs: ~40 kernel calls a decode step of the tiny model spend them).
+def _vec(t: torch.Tensor) -> bool:   # _f32(t, 1, contiguous); the caller compares the length
+    return t.dtype == F32 and t.is_cpu and t.is_contiguous() and t.dim() == 1
 
 
 def _table(t: torch.Tensor, n: int, half: int) -> bool:   # _cos_sin's
-    return t.dtype == F32 and t.is_cpu and t.dim() == 2 and t.is_contiguous() and t.shape[0] == n \
-        and t.shape[1] == half
+    return t.dtype == F32 and t.is_cpu and t.is_contiguous() and t.shape == (n, half)
 
 
-def _strips(p: torch.Tensor, lead: int, K: int) -> bool:   # _packed's
-    return p.dtype == F32 and p.is_cpu and p.dim() == lead + 3 and p.is_contiguous() and p.shape[-1] == STRIP \
-        and p.shape[-2] == K
-
-
-def _index(t: torch.Tensor, dtype: torch.dtype, n: int) -> bool:   # _ints'
-    return t.dtype == dtype and t.is_cpu and t.dim() == 1 and t.is_contiguous() and t.shape[0] == n
+def _rows(x: torch.Tensor) -> bool:   # _f32(x, 2): fp32 CPU [n, d] with unit-stride rows
+    return x.dtype == F32 and x.is_cpu and x.dim() == 2 and (x.is_contiguous() or x.stride(1) == 1)
 
 
 # ---- the typed kernels: each op's checks, then its C call ---------------------------------------------------
@@ -351,6 +346,19 @@ def _moe_experts(x, tok, counts, weights, gate_up, down):
     return out
 
 
+def _check_decode_rows(rows, page_rows, npages, qpos, pages, logical):
+    op = "mla_decode"
+    for name, t in (("pages", pages), ("logical", logical)):
+        _need(t.dtype == I32 and t.dim() == 2 and t.is_contiguous() and t.is_cpu, op,
+              lambda: f"{name} must be a contiguous 2-D int32 CPU tensor")
+    _need(logical.shape == pages.shape, op, "logical must match pages' shape")
+    G = rows.numel()
+    _ints(op, "rows", rows, I64, G)
+    _ints(op, "page_rows", page_rows, I64, G)
+    _ints(op, "npages", npages, I32, G)
+    _ints(op, "qpos", qpos, I64, G)
+
+
 def _check_mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope, ckv, kpe, scale):
     op = "mla_decode"
     _f32(op, "q_latent", q_latent, 3)
@@ -363,15 +371,7 @@ def _check_mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q
     blocks, bs = ckv.shape[:2]
     _need(d_c % 16 == 0 and d_r % 8 == 0 and ckv.shape[2] == d_c and tuple(kpe.shape) == (blocks, bs, d_r), op,
           lambda: f"pools must be ckv [blocks, bs, {d_c}], kpe [blocks, bs, {d_r}] with d_c % 16 == 0, d_r % 8 == 0")
-    for name, t in (("pages", pages), ("logical", logical)):
-        _need(t.dtype == I32 and t.dim() == 2 and t.is_contiguous() and t.is_cpu, op,
-              lambda: f"{name} must be a contiguous 2-D int32 CPU tensor")
-    _need(logical.shape == pages.shape, op, "logical must match pages' shape")
-    G = rows.numel()
-    _ints(op, "rows", rows, I64, G)
-    _ints(op, "page_rows", page_rows, I64, G)
-    _ints(op, "npages", npages, I32, G)
-    _ints(op, "qpos", qpos, I64, G)
+    _check_decode_rows(rows, page_rows, npages, qpos, pages, logical)
 
 
 @_op("mla_decode(Tensor rows, Tensor page_rows, Tensor npages, Tensor qpos, Tensor pages, Tensor logical, "
@@ -395,142 +395,151 @@ def _mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope,
 
 # ---- routes: the kernel where it applies, else None (the decorated torch function runs) ----------------------
 def rms_norm(x, w, eps):
-    if (x.dtype == F32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 8 == 0
-            and _vec(w, x.shape[1]) and native.enabled()):
-        return kernels.rms_norm(x, w, eps)
+    if _rows(x) and _vec(w) and native.enabled():
+        d = x.shape[1]
+        if d % 8 == 0 and w.shape[0] == d:
+            return kernels.rms_norm(x, w, eps)
     return None
 
 
 def rope(x, cos, sin, interleave):
-    if (x.dtype == F32 and x.is_cpu and x.dim() in (2, 3) and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
-            and _table(cos, x.shape[0], x.shape[-1] // 2) and _table(sin, x.shape[0], x.shape[-1] // 2)
-            and native.enabled()):
-        return kernels.rope(x, cos, sin, interleave)
+    if x.dtype == F32 and x.is_cpu and (x.is_contiguous() or x.stride(-1) == 1) and native.enabled():
+        s = x.shape
+        if len(s) in (2, 3) and s[-1] % 2 == 0 and _table(cos, s[0], s[-1] // 2) and _table(sin, s[0], s[-1] // 2):
+            return kernels.rope(x, cos, sin, interleave)
     return None
 
 
 def swiglu(h, inter, limit=None):
-    if (limit is None and h.dtype == F32 and h.is_cpu and h.dim() == 2 and h.stride(1) == 1 and inter % 8 == 0
-            and h.shape[1] == 2 * inter and native.enabled()):
+    if limit is None and inter % 8 == 0 and _rows(h) and h.shape[1] == 2 * inter and native.enabled():
         return kernels.swiglu(h)
     return None
 
 
 def moe_route(scores, bias, groups, topk_group, k, norm, scale):
-    if (scores.dtype == F32 and scores.is_cpu and scores.dim() == 2 and scores.is_contiguous()
-            and _vec(bias, scores.shape[1]) and _route_fits(scores.shape[1], groups, topk_group, k)
-            and native.enabled()):
-        return kernels.moe_route(scores, bias, groups, topk_group, k, norm, scale)
+    if scores.dtype == F32 and scores.is_cpu and scores.is_contiguous() and scores.dim() == 2 and _vec(bias) \
+            and native.enabled():
+        E = scores.shape[1]
+        if bias.shape[0] == E and _route_fits(E, groups, topk_group, k):
+            return kernels.moe_route(scores, bias, groups, topk_group, k, norm, scale)
     return None
 
 
 def moe_sort(idx, weights, num_experts):
-    if (idx.dtype == I64 and idx.is_cpu and idx.dim() == 2 and idx.is_contiguous() and weights.dtype == F32
+    if (idx.dtype == I64 and idx.is_cpu and idx.is_contiguous() and idx.dim() == 2 and weights.dtype == F32
             and weights.is_cpu and weights.is_contiguous() and weights.shape == idx.shape and native.enabled()):
         return kernels.moe_sort(idx, weights, num_experts)
     return None
 
 
 def absorb_rope(q, w_uk, d_nope, cos, sin, interleave):
-    if (q.dtype == F32 and q.is_cpu and q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and w_uk.dtype == F32 and w_uk.is_cpu and w_uk.dim() == 3 and w_uk.is_contiguous()
-            and w_uk.shape[0] == q.shape[1] and w_uk.shape[1] == d_nope and w_uk.shape[2] % 16 == 0
-            and q.shape[2] >= d_nope and (q.shape[2] - d_nope) % 2 == 0
-            and _table(cos, q.shape[0], (q.shape[2] - d_nope) // 2)
-            and _table(sin, q.shape[0], (q.shape[2] - d_nope) // 2) and native.enabled()):
-        return kernels.absorb_rope(q, w_uk, cos, sin, d_nope, interleave)
+    if (q.dtype == F32 and q.is_cpu and q.dim() == 3 and w_uk.dtype == F32 and w_uk.is_cpu and w_uk.is_contiguous()
+            and native.enabled()):
+        (n, H, qk), st, u = q.shape, q.stride(), w_uk.shape
+        d_r = qk - d_nope
+        if (st[2] == 1 and st[1] == qk and len(u) == 3 and u[0] == H and u[1] == d_nope and u[2] % 16 == 0
+                and d_r >= 0 and d_r % 2 == 0 and _table(cos, n, d_r // 2) and _table(sin, n, d_r // 2)):
+            return kernels.absorb_rope(q, w_uk, cos, sin, d_nope, interleave)
     return None
 
 
 def uv_heads(o_lat, uv_t):
-    if (o_lat.dtype == F32 and o_lat.is_cpu and o_lat.dim() == 3 and o_lat.is_contiguous() and uv_t.dtype == F32
-            and uv_t.is_cpu and uv_t.dim() == 3 and uv_t.is_contiguous() and uv_t.shape[0] == o_lat.shape[1]
-            and uv_t.shape[1] == o_lat.shape[2] and uv_t.shape[2] % 16 == 0 and native.enabled()):
-        return kernels.uv_heads(o_lat, uv_t)
+    if (o_lat.dtype == F32 and o_lat.is_cpu and o_lat.is_contiguous() and o_lat.dim() == 3 and uv_t.dtype == F32
+            and uv_t.is_cpu and uv_t.is_contiguous() and native.enabled()):
+        s, u = o_lat.shape, uv_t.shape
+        if len(u) == 3 and u[0] == s[1] and u[1] == s[2] and u[2] % 16 == 0:
+            return kernels.uv_heads(o_lat, uv_t)
     return None
 
 
 def mla_project(cfg, rope, w, x, cos, sin, parts=3):
     """`parts` 3: [q̃, c_kv, k_rope, normed Q-A output]; 1: [q̃, normed Q-A output]; 2: [c_kv, k_rope]."""
-    wa = {3: w.qkv_a, 1: w.q_a, 2: w.kv_a}.get(parts)
-    if not isinstance(wa, PackedLinear) or w.q_a is None or x.dtype != F32 or not x.is_cpu or x.dim() != 2 \
-            or x.stride(1) != 1:
+    wa = w.qkv_a if parts == 3 else w.q_a if parts == 1 else w.kv_a if parts == 2 else None
+    qn, kn = w.q_a_norm, w.kv_a_norm
+    if not (isinstance(wa, PackedLinear) and w.q_a is not None and _rows(x) and _vec(qn) and _vec(kn)
+            and native.enabled()):
         return None
-    qn, kn, d_r, n, hidden = w.q_a_norm, w.kv_a_norm, cfg.qk_rope_head_dim, x.shape[0], x.shape[1]
-    if (qn.dtype != F32 or not qn.is_cpu or qn.dim() != 1 or not qn.is_contiguous() or qn.shape[0] % 8
-            or kn.dtype != F32 or not kn.is_cpu or kn.dim() != 1 or not kn.is_contiguous() or kn.shape[0] % 16
-            or d_r < 0 or d_r % 2 or not _table(cos, n, d_r // 2) or not _table(sin, n, d_r // 2)):
+    (n, hidden), q_lora, d_c, d_r = x.shape, qn.shape[0], kn.shape[0], cfg.qk_rope_head_dim
+    width = (q_lora if parts & 1 else 0) + (d_c + d_r if parts & 2 else 0)
+    if (q_lora % 8 or d_c % 16 or d_r < 0 or d_r % 2 or wa.shape != (width, hidden)
+            or not _table(cos, n, d_r // 2) or not _table(sin, n, d_r // 2)):
         return None
-    q_lora, d_c, heads, d_nope = qn.shape[0], kn.shape[0], len(w.heads), cfg.qk_nope_head_dim
-    if not _strips(wa.packed, 0, hidden) or wa.packed.shape[0] * STRIP != (
-            (q_lora if parts & 1 else 0) + (d_c + d_r if parts & 2 else 0)):
-        return None
+    heads, d_nope = len(w.heads), cfg.qk_nope_head_dim
     if parts & 1:
         qb, uk = w.q_b, w.w_uk
-        if (not isinstance(qb, PackedLinear) or not _strips(qb.packed, 0, q_lora)
-                or qb.packed.shape[0] * STRIP != heads * (d_nope + d_r) or uk is None or uk.dtype != F32
-                or not uk.is_cpu or uk.dim() != 3 or not uk.is_contiguous() or uk.shape[0] != heads
-                or uk.shape[1] != d_nope or uk.shape[2] != d_c):
+        if (not isinstance(qb, PackedLinear) or qb.shape != (heads * (d_nope + d_r), q_lora) or uk is None
+                or uk.dtype != F32 or not uk.is_cpu or not uk.is_contiguous() or uk.shape != (heads, d_nope, d_c)):
             return None
         qb = qb.packed
     else:
         qb = uk = _empty(0)
-    if not native.enabled():
-        return None
     return kernels.mla_project(x, wa.packed, qn, qb, uk, kn, cos, sin, parts, heads, d_nope, d_r, cfg.rms_norm_eps,
                                rope.interleave)
 
 
 def linear_packed(x, w):
-    if (x.dtype == F32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and _strips(w.packed, 0, x.shape[1])
-            and native.enabled()):
-        return kernels.linear_packed(x, w.packed)
+    if isinstance(w, PackedLinear) and _rows(x) and native.enabled():
+        ws = w.shape
+        if len(ws) == 2 and ws[1] == x.shape[1]:
+            return kernels.linear_packed(x, w.packed)
     return None
 
 
 def mlp_packed(w, x, limit=None):
     gu, down = w.gate_up, w.down
-    if (limit is None and isinstance(gu, PackedLinear) and isinstance(down, PackedLinear) and x.dtype == F32
-            and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and _strips(gu.packed, 0, x.shape[1])
-            and _strips(down.packed, 0, gu.packed.shape[0] * STRIP // 2) and native.enabled()):
-        return kernels.mlp_packed(x, gu.packed, down.packed)
+    if (limit is None and isinstance(gu, PackedLinear) and isinstance(down, PackedLinear) and _rows(x)
+            and native.enabled()):
+        g, d = gu.shape, down.shape
+        if len(g) == 2 and len(d) == 2 and g[1] == x.shape[1] and d[1] * 2 == g[0]:
+            return kernels.mlp_packed(x, gu.packed, down.packed)
     return None
 
 
 def grouped_gemm(x, stack, counts):
-    p = stack.packed
-    if (x.dtype == F32 and x.is_cpu and x.dim() == 2 and _strips(p, 1, x.shape[1]) and counts.is_cpu
-            and counts.dim() == 1 and counts.shape[0] == p.shape[0] and native.enabled()):
-        return kernels.grouped_gemm(x.contiguous(), p, counts.to(I64).contiguous())
+    if (isinstance(stack, PackedExperts) and x.dtype == F32 and x.is_cpu and x.dim() == 2 and counts.is_cpu
+            and counts.dim() == 1 and native.enabled()):
+        s = stack.shape
+        if len(s) == 3 and s[2] == x.shape[1] and counts.shape[0] == s[0]:
+            return kernels.grouped_gemm(x.contiguous(), stack.packed, counts.to(I64).contiguous())
     return None
 
 
 def moe_experts(x, w, counts, tok, weights, limit):
     gu, down = w.gate_up, w.down
     if (limit is None and isinstance(gu, PackedExperts) and isinstance(down, PackedExperts) and x.dtype == F32
-            and x.is_cpu and x.dim() == 2 and x.is_contiguous() and _strips(gu.packed, 1, x.shape[1])
-            and _strips(down.packed, 1, gu.packed.shape[1] * STRIP // 2)
-            and down.packed.shape[0] == gu.packed.shape[0] and counts.is_cpu and counts.dtype == I64
-            and counts.dim() == 1 and counts.shape[0] == gu.packed.shape[0] and tok.dtype == I64 and tok.is_cpu
-            and tok.dim() == 1 and tok.is_contiguous() and _vec(weights, tok.shape[0]) and native.enabled()):
-        return kernels.moe_experts(x, tok, counts.contiguous(), weights, gu.packed, down.packed)
+            and x.is_cpu and x.is_contiguous() and x.dim() == 2 and counts.dtype == I64 and counts.is_cpu
+            and counts.dim() == 1 and tok.dtype == I64 and tok.is_cpu and tok.is_contiguous() and tok.dim() == 1
+            and _vec(weights) and native.enabled()):
+        g, d = gu.shape, down.shape
+        if (len(g) == 3 and len(d) == 3 and g[2] == x.shape[1] and d[2] * 2 == g[1] and d[0] == g[0]
+                and counts.shape[0] == g[0] and weights.shape == tok.shape):
+            return kernels.moe_experts(x, tok, counts.contiguous(), weights, gu.packed, down.packed)
     return None
 
 
-def mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope, ckv, kpe, scale):
+class DecodeRows:
+    """A step's per-row arrays for `mla_decode` — query rows, page-table rows, pages held, positions — and its page
+    table (physical and logical ids), checked once when made (`decode_rows`): the step's layers pass it unchanged."""
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self.tensors = tensors
+
+
+def decode_rows(rows, page_rows, npages, qpos, pages, logical) -> DecodeRows:
+    """The step's arrays after the op's checks on them (a ValueError naming the one that fails)."""
+    _check_decode_rows(rows, page_rows, npages, qpos, pages, logical)
+    return DecodeRows((rows, page_rows, npages, qpos, pages, logical))
+
+
+def mla_decode(step: DecodeRows, q_latent, q_rope, ckv, kpe, scale):
     """Every query row's attention, for the `torch` attention backend once it has chosen the kernel: the C call
-    where the arguments pass the test below, else the op's checks (they raise, naming the argument)."""
-    G = rows.shape[0] if rows.dim() == 1 else -1
-    if (q_latent.dtype == F32 and q_latent.is_cpu and q_latent.dim() == 3 and q_latent.stride(2) == 1
-            and q_rope.dtype == F32 and q_rope.is_cpu and q_rope.dim() == 3 and q_rope.stride(2) == 1
-            and q_rope.shape[:2] == q_latent.shape[:2] and q_rope.stride()[:2] == q_latent.stride()[:2]
-            and ckv.dtype == F32 and ckv.is_cpu and ckv.dim() == 3 and ckv.is_contiguous()
-            and kpe.dtype == F32 and kpe.is_cpu and kpe.dim() == 3 and kpe.is_contiguous()
-            and ckv.shape[2] == q_latent.shape[2] and q_latent.shape[2] % 16 == 0 and q_rope.shape[2] % 8 == 0
-            and kpe.shape[0] == ckv.shape[0] and kpe.shape[1] == ckv.shape[1] and kpe.shape[2] == q_rope.shape[2]
-            and pages.dtype == I32 and pages.is_cpu and pages.dim() == 2 and pages.is_contiguous()
-            and logical.dtype == I32 and logical.is_cpu and logical.is_contiguous() and logical.shape == pages.shape
-            and _index(rows, I64, G) and _index(page_rows, I64, G) and _index(npages, I32, G)
-            and _index(qpos, I64, G)):
-        return kernels.mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope, ckv, kpe, scale)
-    return checked.mla_decode(rows, page_rows, npages, qpos, pages, logical, q_latent, q_rope, ckv, kpe, scale)
+    where the layer's tensors pass the test below, else the op's checks (they raise, naming the argument)."""
+    if (type(step) is DecodeRows and q_latent.dtype == F32 and q_latent.is_cpu and q_rope.dtype == F32
+            and q_rope.is_cpu and ckv.dtype == F32 and ckv.is_cpu and ckv.is_contiguous() and kpe.dtype == F32
+            and kpe.is_cpu and kpe.is_contiguous()):
+        s, sr, st, c, k = q_latent.shape, q_rope.shape, q_latent.stride(), ckv.shape, kpe.shape
+        if (len(s) == 3 and len(sr) == 3 and st[2] == 1 and q_rope.stride() == st and s[:2] == sr[:2]
+                and len(c) == 3 and c[2] == s[2] and s[2] % 16 == 0 and sr[2] % 8 == 0 and k == (c[0], c[1], sr[2])):
+            return kernels.mla_decode(*step.tensors, q_latent, q_rope, ckv, kpe, scale)
+    return checked.mla_decode(*step.tensors, q_latent, q_rope, ckv, kpe, scale)
