@@ -8,8 +8,10 @@ the op and the argument — then the C call (`kernels.<name>`); the C code itsel
 run the kernel where it applies (kernels on, fp32 on CPU, the alignment the C code needs, packed weights) or return
 None. A route tests its arguments in one expression that covers everything the op's checks require (tests/
 test_native_kernels.py puts the checks behind every route to show it) and then calls `kernels.<name>` directly:
-the checks a second time and torch's dispatcher cost a tiny model's decode step 3-4 µs and ~4 µs a call
-(docs/benchmarks.md). Model code reaches the routes only through `splash.native.fast_path(name)`.
+the checks again in every route cost the tiny model's decode step 18%, torch's dispatcher another ~11%
+(docs/benchmarks.md, "Fixed-layout speed vs bcfac5e"). Packed weights are checked where they are made
+(splash.native.packed), `mla_decode`'s per-row arrays once a step (`decode_rows`). Model code reaches the routes only
+through `splash.native.fast_path(name)`.
 """
 from __future__ import annotations
 
