@@ -5,9 +5,10 @@ some kernels off (A), one with all on (B), run alternately.
 
 `--off` names routes of splash.native.ops (each then returns None, so the torch function it stands for runs),
 `pack_attention` / `pack_linear` / `pack_experts` (A's attention projections / dense MLPs, shared experts and LM
-head / MoE experts load plain, not packed, and run on torch's GEMMs), or `dispatcher` (A reaches the kernels'
-checked Python implementations through `torch.ops.splash`, i.e. torch's dispatcher: A/B > 1 is what the dispatcher
-costs). Each pair times one engine then the other (the order alternating), each as max_tokens=1 then
+head / MoE experts load plain, not packed, and run on torch's GEMMs), `checks` (A's routes run each op's checks
+before its C call, as `torch.ops.splash.<name>` does: A/B > 1 is what the checks would cost the routes, which test
+their arguments in one expression instead) or `dispatcher` (A's routes go through `torch.ops.splash`: the checks and
+torch's dispatcher). Each pair times one engine then the other (the order alternating), each as max_tokens=1 then
 max_tokens=`--new` back to back, decode step = their CPU-time difference over the new tokens. Prints both engines'
 min and median step and the median of the per-pair ratios A/B (> 1: B, the kernels on, is faster): on a host whose
 speed drifts by tens of percent within minutes, the pairing is what makes a few-percent difference visible (an A/A
@@ -37,20 +38,21 @@ from splash.native import ops  # noqa: E402
 
 LOAD = {"pack_attention": (model_weights,), "pack_linear": (model_weights, model_build),
         "pack_experts": (model_weights,)}   # packing at load: off leaves those weights plain
+ENTRY = {"checks": lambda: ops.checked, "dispatcher": lambda: torch.ops.splash}
 
 
 @contextlib.contextmanager
 def kernels_off(names: list[str]):
     """Within the block: the named routes return None (their torch functions run); a LOAD name leaves its weights
     plain (torch's GEMMs then)."""
-    saved = [(ops, n, getattr(ops, n)) for n in names if n not in LOAD and n != "dispatcher"]
+    saved = [(ops, n, getattr(ops, n)) for n in names if n not in LOAD and n not in ENTRY]
     saved += [(m, n, getattr(m, n)) for n in names if n in LOAD for m in LOAD[n]]
     for m, n, _ in saved:
         setattr(m, n, (lambda w: w) if n in LOAD else (lambda *a, **k: None))
-    if "dispatcher" in names:   # the routes reach the checked implementations through torch's dispatcher
-        saved += [(ops.checked, n, f) for n, f in vars(ops.checked).items()]
-        for n in list(vars(ops.checked)):
-            setattr(ops.checked, n, getattr(torch.ops.splash, n))
+    for entry in set(names) & set(ENTRY):   # the routes call the C through the checks (and the dispatcher)
+        saved += [(ops.kernels, n, f) for n, f in vars(ops.kernels).items()]
+        for n in list(vars(ops.kernels)):
+            setattr(ops.kernels, n, getattr(ENTRY[entry](), n))
     try:
         yield
     finally:
@@ -69,10 +71,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=33, help="new tokens per timed run")
     args = ap.parse_args()
     off = [n for arg in args.off for n in arg.split(",") if n]
-    bad = [n for n in off if n not in LOAD and n != "dispatcher" and not callable(getattr(ops, n, None))]
+    bad = [n for n in off if n not in LOAD and n not in ENTRY and not callable(getattr(ops, n, None))]
     if bad:
-        ap.error(f"--off: {', '.join(bad)} is not a route of splash.native.ops (nor dispatcher or one of "
-                 f"{', '.join(LOAD)})")
+        ap.error(f"--off: {', '.join(bad)} is not a route of splash.native.ops (nor one of "
+                 f"{', '.join([*ENTRY, *LOAD])})")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_deepseek(Path(tmp) / "bench", tokenizer=False, **BENCH_MODEL)

@@ -1,14 +1,14 @@
 """Each of SPLASH's CPU kernels against the torch path it stands for, at the call site, in one process.
 
-    .venv/bin/python benchmarks/bench_native_ops.py [NAME ...] [--reps 15]
+    .venv/bin/python benchmarks/bench_native_ops.py [NAME ...] [--reps 15] [--rows 32]
 
 NAME: routes of splash.native.ops (default: all timed here). Each call site of bench_decode_vs_hf's model (hidden
-256, 8 heads, kv_lora 128, q_lora 192, rope 32, 16 experts top-4, moe_inter 128; 32 rows, one thread) is timed with
-the route on (the kernel) and off (the route returns None, so the decorated torch function runs), the two
-alternating in order, 50 calls each, on the process CPU clock. The packed GEMMs are timed against what torch would
-run without packing: a plain weight's matmul (linear_packed) and `torch._grouped_mm` on the plain stack
-(grouped_gemm). Prints µs per call, medians, and the median of the
-per-rep ratios torch / kernel (> 1: the kernel is faster).
+256, 8 heads, kv_lora 128, q_lora 192, rope 32, 16 experts top-4, moe_inter 128; `--rows` rows, one thread) is
+timed with the route on (the kernel) and off (the route returns None, so the decorated torch function runs), the
+two alternating in order, 50 calls each, on the process CPU clock. The packed GEMMs are timed against what torch
+would run without packing: a plain weight's matmul (linear_packed) and `torch._grouped_mm` on the plain stack
+(grouped_gemm); `mlp_packed` against the unfused MLP (two packed GEMMs and SwiGLU, each its own kernel). Prints µs
+per call, medians, and the median of the per-rep ratios torch / kernel (> 1: the kernel is faster).
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def cases(n: int = 32) -> dict:
         "grouped_gemm": (lambda: ffn.grouped_linear(rows, stack_p, counts),
                          lambda: torch._grouped_mm(rows, stack.transpose(1, 2), offs=offs)),
         "moe_experts": lambda: ffn.moe(mcfg, mw, x),
+        "mlp_packed": lambda: ffn.mlp(shared, x),
     }
 
 
@@ -73,9 +74,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=32, help="rows of every call (1: one sequence's decode step)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    fns = cases()
+    fns = cases(args.rows)
     names = args.names or list(fns)
     res = {k: ([], []) for k in names}
     for rep in range(args.reps):

@@ -229,7 +229,8 @@ def test_packed_projections_fused_and_moved(monkeypatch):
 
 @needs_native
 def test_fused_moe_and_mlp_match_unfused(monkeypatch):
-    """moe_experts (gather, both expert GEMMs, SwiGLU, weighted sum) gives the unfused path's bits."""
+    """moe_experts (gather, both expert GEMMs, SwiGLU, weighted sum) and mlp_packed (both GEMMs, SwiGLU) give the
+    unfused path's bits."""
     import types
 
     from splash.models import ffn
@@ -245,9 +246,12 @@ def test_fused_moe_and_mlp_match_unfused(monkeypatch):
     w = MoEWeights(router=r(E, H), bias=r(E) * 0.1, gate_up=packed.pack_experts(r(E, 2 * inter, H)),
                    down=packed.pack_experts(r(E, H, inter)), shared=shared)
     x = r(37, H)
-    fused = ffn.moe(cfg, w, x)
+    fused, fused_mlp = ffn.moe(cfg, w, x), ffn.mlp(shared, x)
+    assert torch.equal(ffn.mlp(shared, x[3:5]), fused_mlp[3:5])   # a row does not depend on its batch
     monkeypatch.setattr(ops, "moe_experts", lambda *a: None)
     assert torch.equal(fused, ffn.moe(cfg, w, x))
+    monkeypatch.setattr(ops, "mlp_packed", lambda *a, **k: None)
+    assert torch.equal(fused_mlp, ffn.mlp(shared, x)) and torch.equal(fused, ffn.moe(cfg, w, x))
 
 
 @needs_native
@@ -279,8 +283,8 @@ def test_wrong_arguments_are_errors_not_memory_corruption():
     for call, msg in bad:
         with pytest.raises(ValueError, match=msg):
             call()
-    from splash.models.norm import rms_norm   # model code's call: the kernel's check, not a read past the weight
-    with pytest.raises(ValueError, match="rms_norm: weight must have 64"):
+    from splash.models.norm import rms_norm   # model code's call: the route refuses it, torch's shape error follows
+    with pytest.raises(RuntimeError, match="must match the size"):   # (the kernel would have read past the weight)
         rms_norm(x, r(56), 1e-6)
     with pytest.raises(RuntimeError, match="eps"):   # the schema: eps is a float, not a tensor or a name
         ops.rms_norm(x, r(64), "1e-6")
@@ -296,9 +300,100 @@ def test_decode_kernel_checks_its_page_table():
     k = TorchMLAKernel(SCALE)
     k.plan(meta)
     k.run(0, q[..., :32], q[..., 32:], cache)
-    rows, prow, npg, qpos, pages, logical = k._native_args["args"]
+    rows, prow, npg, qpos, pages, logical = k._native_args["args"].tensors
     args = [rows, prow, npg, qpos, pages, logical, q[..., :32], q[..., 32:], cache.ckv[0], cache.kpe[0], SCALE]
     for i, t, msg in ((1, prow + pages.shape[0], "page_rows must lie"), (0, rows + 2, "rows must lie"),
                       (2, npg.long(), "int32"), (6, q[..., :32].contiguous(), "views of one")):
         with pytest.raises(ValueError, match=msg):
             torch.ops.splash.mla_decode(*args[:i], t, *args[i + 1:])
+
+
+def _variants(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t`, and tensors like it wrong in one way each: another dtype, a row fewer or more, a column fewer (a strided
+    view and a copy), a last dim at stride 2, a dim more or fewer, the same shape not contiguous."""
+    out = [t, t.double() if t.is_floating_point() else t.int() if t.dtype == torch.int64 else t.long()]
+    if t.dim():
+        out += [t[:-1], torch.cat([t, t[:1]]), torch.stack([t, t], -1)[..., 0], t.unsqueeze(0), t.reshape(-1)]
+        out += [t[..., :-1], t[..., :-1].contiguous()] if t.shape[-1] > 1 else []
+        out += [t.transpose(0, -1).contiguous().transpose(0, -1)] if t.dim() > 1 else []
+    return out
+
+
+class _Refused(Exception):
+    pass
+
+
+@needs_native
+def test_routes_send_the_kernels_only_what_the_checks_accept(monkeypatch):
+    """A route tests its arguments in one expression and calls the C directly, without the op's checks (they cost
+    the tiny model's decode step ~25%). With the checks put back in front of every C call, each route gets valid
+    arguments and every one-argument variant of them (`_variants`, packed weights included): it either returns None
+    (torch's path) or passes arguments the checks accept — a route whose test missed a condition fails here."""
+    import dataclasses
+    import types
+
+    from splash.models.config import model_config_from_dict
+    from splash.models.rope import Rope
+    from splash.native import ops
+    for name, run in list(vars(ops.kernels).items()):
+        def spy(*a, _run=run, _check=getattr(ops.checked, name).check, _name=name):
+            try:
+                _check(*a)
+            except ValueError as e:
+                raise _Refused(f"route {_name} passed what its checks refuse: {e}") from e
+            return _run(*a)
+        monkeypatch.setattr(ops.kernels, name, spy)
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    lin, exp = packed.PackedLinear.of_strips, lambda p: packed.PackedExperts(None, p)   # each checks its tensor
+    cfg = model_config_from_dict(PACKABLE)
+    w = _attn(cfg, range(2))
+    rope = Rope(cfg)
+    cos, sin = rope.cos_sin(torch.arange(4) + 3)
+
+    def attn(t, parts):
+        a = dataclasses.replace(w, q_a_norm=t["qn"], kv_a_norm=t["kn"], w_uk=t["uk"], q_b=lin(t["qb"]),
+                                qkv_a=lin(t["wa"]), q_a=lin(t["wa"]) if parts == 1 else w.q_a)
+        return ops.mla_project(cfg, rope, a, t["x"], t["cos"], t["sin"], parts)
+    state = make_state("float32", 4, [(20, 1), (9, 1), (30, 3)])
+    kernel = TorchMLAKernel(SCALE)
+    kernel.plan(state[4])
+    q, cache = state[5], state[0]
+    kernel.run(0, q[..., :32], q[..., 32:], cache)
+    names = ("rows", "prow", "npg", "qpos", "pages", "logical")
+    dec = dict(zip(names, kernel._native_args["args"].tensors))
+    idx = torch.tensor([[0, 3], [5, 3], [1, 7], [3, 0]])
+    cases = [
+        (lambda t: ops.rms_norm(t["x"], t["w"], 1e-6), {"x": r(4, 64), "w": r(64)}),
+        (lambda t: ops.rope(t["x"], t["cos"], t["sin"], True), {"x": r(4, 2, 16), "cos": r(4, 8), "sin": r(4, 8)}),
+        (lambda t: ops.rope(t["x"], t["cos"], t["sin"], False), {"x": r(4, 16), "cos": r(4, 8), "sin": r(4, 8)}),
+        (lambda t: ops.swiglu(t["h"], 16), {"h": r(4, 32)}),
+        (lambda t: ops.moe_route(t["s"], t["b"], 4, 2, 4, True, 2.5), {"s": r(4, 16).sigmoid(), "b": r(16)}),
+        (lambda t: ops.moe_sort(t["i"], t["w"], 8), {"i": idx, "w": r(4, 2)}),
+        (lambda t: ops.absorb_rope(t["q"], t["uk"], 16, t["cos"], t["sin"], True),
+         {"q": r(4, 2, 24), "uk": r(2, 16, 32), "cos": r(4, 4), "sin": r(4, 4)}),
+        (lambda t: ops.uv_heads(t["o"], t["uv"]), {"o": r(4, 2, 32), "uv": r(2, 32, 16)}),
+        (lambda t: ops.linear_packed(t["x"], lin(t["p"])), {"x": r(4, 64), "p": r(3, 64, 16)}),
+        (lambda t: ops.mlp_packed(types.SimpleNamespace(gate_up=lin(t["gu"]), down=lin(t["d"])), t["x"]),
+         {"x": r(4, 64), "gu": r(4, 64, 16), "d": r(2, 32, 16)}),
+        (lambda t: ops.grouped_gemm(t["x"], exp(t["p"]), t["c"]),
+         {"x": r(4, 64), "p": r(2, 3, 64, 16), "c": torch.tensor([1, 3])}),
+        (lambda t: ops.moe_experts(t["x"], types.SimpleNamespace(gate_up=exp(t["gu"]), down=exp(t["d"])), t["c"],
+                                   t["tok"], t["w"], None),
+         {"x": r(4, 64), "gu": r(2, 4, 64, 16), "d": r(2, 4, 32, 16), "c": torch.tensor([3, 2]),
+          "tok": torch.tensor([0, 1, 3, 1, 2]), "w": r(5)}),
+        *[(lambda t, p=p: attn(t, p), {"x": r(4, 64), "cos": cos, "sin": sin, "qn": w.q_a_norm, "kn": w.kv_a_norm,
+                                        "uk": w.w_uk, "qb": w.q_b.packed, "wa": (w.qkv_a if p == 3 else w.q_a).packed})
+          for p in (3, 1)],
+        (lambda t: ops.mla_decode(ops.decode_rows(*(t[k] for k in names)), t["ql"], t["qr"], t["ckv"], t["kpe"],
+                                  SCALE),
+         {**dec, "ql": q[..., :32], "qr": q[..., 32:], "ckv": cache.ckv[0], "kpe": cache.kpe[0]}),
+    ]
+    for call, base in cases:
+        assert call(base) is not None   # valid arguments reach the kernel
+        for key in base:
+            for v in _variants(base[key]):
+                try:
+                    call({**base, key: v})
+                except ValueError:   # a packed weight's or decode_rows' checks, the C code's own index checks, or
+                    pass             # mla_decode's checks naming the argument

@@ -23,6 +23,7 @@ def _swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+@fast_path("mlp_packed")
 def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(x Gᵀ) * (x Uᵀ) then Dᵀ, with gate and up as one GEMM on [G ; U]."""
     if w.gate_up is None:

@@ -27,12 +27,12 @@ _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
-    "grouped_gemm": (None, [P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
+    "grouped_gemm": (ctypes.c_int, [P, I64, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
     "linear_packed": (None, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P]),
     "rms_norm": (None, [P, I64, ctypes.c_int, I64, P, F32, P]),
     "rope": (None, [P, I64, I64, I64, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
     "swiglu": (None, [P, I64, ctypes.c_int, I64, P]),
-    "mla_decode": (ctypes.c_int, [ctypes.c_int, P, P, P, P, P, P, I64, I64, ctypes.c_int, ctypes.c_int,
+    "mla_decode": (ctypes.c_int, [ctypes.c_int, P, I64, P, I64, P, P, P, P, I64, I64, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, P, P, I64, I64, P, P, F32, P, P]),
     "moe_route": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, F32,
                                  P, P]),
@@ -42,7 +42,9 @@ SIGNATURES = {
     "mla_project": (ctypes.c_int, [P, I64, ctypes.c_int, I64, ctypes.c_int, P, ctypes.c_int, P, P, ctypes.c_int,
                                    ctypes.c_int, ctypes.c_int, P, ctypes.c_int, ctypes.c_int, P, F32, ctypes.c_int, P, P,
                                    P, P, P, P]),
-    "moe_experts": (ctypes.c_int, [P, I64, ctypes.c_int, P, P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int, P]),
+    "mlp_packed": (ctypes.c_int, [P, I64, ctypes.c_int, I64, P, ctypes.c_int, P, ctypes.c_int, P]),
+    "moe_experts": (ctypes.c_int, [P, I64, ctypes.c_int, P, I64, P, P, ctypes.c_int, P, ctypes.c_int, P, ctypes.c_int,
+                                   P]),
     "moe_sort": (ctypes.c_int, [P, P, I64, ctypes.c_int, ctypes.c_int, P, P, P]),
 }
 

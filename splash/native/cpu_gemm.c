@@ -4,7 +4,8 @@
    row's result does not depend on which other rows share the call.
 
    linear_packed: one packed weight. grouped_gemm: the MoE experts' GEMMs over rows sorted by expert.
-   moe_experts: a MoE layer's routed experts (gather, both GEMMs, SwiGLU, weighted sum) in one call. */
+   mlp_packed: a packed SwiGLU MLP in one call. moe_experts: a MoE layer's routed experts (gather, both GEMMs,
+   SwiGLU, weighted sum) in one call. */
 #include "kernels.h"
 
 #define LOADW const float *wk = w + (int64_t)k * ldw; __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
@@ -75,25 +76,57 @@ void linear_packed(const float *x, int64_t M, int K, int64_t ldx, const float *w
     gemm_packed(x, M, K, ldx, wp, N, y);
 }
 
-/* Rows of x [sum(counts), K] grouped by expert -> y [sum(counts), N]; wp [E][N / 16][K][16]. */
-void grouped_gemm(const float *x, int K, const int64_t *counts, int E, const float *wp, int N, float *y) {
+/* Rows of x [sum(counts), K] grouped by expert -> y [sum(counts), N]; wp [E][N / 16][K][16]. Returns 0, or -1
+   (nothing computed) when a count is negative or they sum past x's M rows. */
+int grouped_gemm(const float *x, int64_t M, int K, const int64_t *counts, int E, const float *wp, int N, float *y) {
     int64_t r = 0;
+    for (int e = 0; e < E; e++) {
+        if (counts[e] < 0) return -1;
+        r += counts[e];
+    }
+    if (r > M) return -1;
+    r = 0;
     for (int e = 0; e < E; e++) {
         if (counts[e]) gemm_packed(x + r * K, counts[e], K, K, wp + (int64_t)e * N * K, N, y + r * N);
         r += counts[e];
     }
+    return 0;
+}
+
+/* A SwiGLU MLP on packed weights, one call: y [M, N] = swiglu(x [M, K] @ GU^T) @ D^T, GU [2 I, K] = [gate ; up] and
+   D [N, I] packed; rows in blocks of 64 so the intermediate [64, 3 I] scratch stays in cache. The same products,
+   sums and activation as linear_packed, swiglu, linear_packed. Returns 0, or -1 when scratch cannot be
+   allocated. I % 8 == 0. */
+int mlp_packed(const float *x, int64_t M, int K, int64_t ldx, const float *gu, int I, const float *d, int N, float *y) {
+    int64_t mb = M < 64 ? M : 64;
+    float *h = malloc(sizeof(float) * (size_t)(mb > 0 ? mb : 1) * 3 * I);
+    if (!h) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        int64_t r = M - m0 < mb ? M - m0 : mb;
+        gemm_packed(x + m0 * ldx, r, K, ldx, gu, 2 * I, h);
+        swiglu(h, r, I, 2 * I, h + r * 2 * I);
+        gemm_packed(h + r * 2 * I, r, I, I, d, N, y + m0 * N);
+    }
+    free(h);
+    return 0;
 }
 
 /* The routed experts of a MoE layer, one call: for each expert e with counts[e] rows (rows sorted by expert: token
    tok[i], weight w[i] of sorted row i), gather its tokens' rows of x [n, K], run the packed SwiGLU MLP of expert e
    (gate_up [E][2 I / 16][K][16], down [E][N / 16][I][16]), and add w[i] times each result row to out [n, N], which
    is zeroed first: what index_select, two grouped GEMMs, swiglu and the weighted index_add compute, in the same order.
-   Returns 0, or -1 when scratch cannot be allocated or a token is outside [0, n). */
-int moe_experts(const float *x, int64_t n, int K, const int64_t *tok, const int64_t *counts, const float *w, int E,
-                const float *gate_up, int I, const float *down, int N, float *out) {
+   tok and w have m entries. Returns 0; -1 when scratch cannot be allocated; -2 when a count is negative or they do
+   not sum to m; -3 when a token is outside [0, n) (the last two before anything is read through them). */
+int moe_experts(const float *x, int64_t n, int K, const int64_t *tok, int64_t m, const int64_t *counts,
+                const float *w, int E, const float *gate_up, int I, const float *down, int N, float *out) {
     int64_t most = 1, r = 0;
-    for (int e = 0; e < E; e++) { most = counts[e] > most ? counts[e] : most; r += counts[e]; }
-    for (int64_t i = 0; i < r; i++) if (tok[i] < 0 || tok[i] >= n) return -1;
+    for (int e = 0; e < E; e++) {
+        if (counts[e] < 0) return -2;
+        most = counts[e] > most ? counts[e] : most;
+        r += counts[e];
+    }
+    if (r != m) return -2;
+    for (int64_t i = 0; i < r; i++) if (tok[i] < 0 || tok[i] >= n) return -3;
     float *xs = malloc(sizeof(float) * (size_t)most * (K + 3 * I + N));
     if (!xs) return -1;
     float *h = xs + most * K, *a = h + most * 2 * I, *ys = a + most * I;

@@ -62,14 +62,19 @@ static const acc_fn ACCUM[7] = {0, accum1, accum2, accum3, accum4, accum5, accum
    Writes o [n, H, d_c] and lse [n, H] (natural log) at row qrow[g]; a row that sees no key gets o = 0, lse = -inf.
    d_c % 16 == 0, d_r % 8 == 0 (d_r may be 0). Per page: the scores of every (key, head) with heads in vector lanes,
    the online-softmax statistics for 8 heads at a time, then the page folded into the running output as a small
-   GEMM (heads x 16 latent columns per tile). Returns 0; -1 when scratch cannot be allocated; -2 when a page id
-   is outside [0, blocks) or a request claims more than P pages (nothing is read out of bounds). */
-int mla_decode(int G, const int64_t *qrow, const int64_t *prow, const int32_t *npages, const int64_t *qpos,
-               const int32_t *pages, const int32_t *logical, int64_t P, int64_t blocks, int H, int d_c, int d_r,
-               int bs,
+   GEMM (heads x 16 latent columns per tile). Every index is checked before anything is read through it: returns 0;
+   -1 when scratch cannot be allocated; -2 when a page id is outside [0, blocks) or a request claims more than P
+   pages; -3 when a query row is outside [0, n); -4 when a page-table row is outside [0, R). */
+int mla_decode(int G, const int64_t *qrow, int64_t n, const int64_t *prow, int64_t R, const int32_t *npages,
+               const int64_t *qpos, const int32_t *pages, const int32_t *logical, int64_t P, int64_t blocks, int H,
+               int d_c, int d_r, int bs,
                const float *ql, const float *qr, int64_t q_rs, int64_t q_hs, const float *ckv, const float *kpe,
                float scale, float *o, float *lse) {
     int HP = (H + 7) / 8 * 8, D = d_c + d_r;
+    for (int g = 0; g < G; g++) {
+        if (qrow[g] < 0 || qrow[g] >= n) return -3;
+        if (prow[g] < 0 || prow[g] >= R) return -4;
+    }
     float *buf = malloc(sizeof(float) * ((size_t)H * d_c + (size_t)D * HP + 2 * (size_t)bs * HP + 4 * (size_t)HP));
     if (!buf) return -1;
     float *acc = buf, *qt = acc + (size_t)H * d_c, *st = qt + (size_t)D * HP, *pt = st + (size_t)bs * HP;

@@ -1,6 +1,7 @@
 /* Declarations shared by SPLASH's CPU kernels (cpu_gemm.c, cpu_rows.c, cpu_mla.c: x86-64 AVX2 + FMA, fp32, one
-   thread), built together into one library by splash/native/__init__.py; called only from the typed torch ops of
-   splash/native/ops.py, which check every argument first. */
+   thread), built together into one library by splash/native/__init__.py; called only from splash/native/ops.py,
+   which checks every argument's dtype, device, shape and strides first. Index values (pages, rows, experts, tokens,
+   counts) are checked here, against the bounds passed in, before anything is read through them. */
 #ifndef SPLASH_KERNELS_H
 #define SPLASH_KERNELS_H
 #include <immintrin.h>

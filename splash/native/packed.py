@@ -14,13 +14,20 @@ STRIP = 16
 
 
 class PackedWeight:
-    """A weight [..., N, K] stored as [..., N / STRIP, K, STRIP] (contiguous)."""
+    """A weight [..., N, K] stored as [..., N / STRIP, K, STRIP] (contiguous fp32 on CPU). The packed tensor is checked
+    here, where the weight is made, so the kernels' routes (splash.native.ops) compare only `shape` against their
+    inputs; `packed` is not reassigned afterwards."""
 
-    def __init__(self, w: torch.Tensor | None, packed: torch.Tensor | None = None, shape: tuple | None = None):
+    def __init__(self, w: torch.Tensor | None, packed: torch.Tensor | None = None):
         if w is not None:
             *lead, N, K = w.shape
-            packed, shape = w.view(*lead, N // STRIP, STRIP, K).transpose(-1, -2).contiguous(), w.shape
-        self.packed, self.shape = packed, torch.Size(shape)
+            packed = w.view(*lead, N // STRIP, STRIP, K).transpose(-1, -2).contiguous()
+        if not (packed.dtype == torch.float32 and packed.is_cpu and packed.dim() >= 3 and packed.is_contiguous()
+                and packed.shape[-1] == STRIP):
+            raise ValueError(f"a packed weight must be a contiguous float32 CPU tensor [..., N/{STRIP}, K, {STRIP}], "
+                             f"got {packed.dtype} {tuple(packed.shape)} on {packed.device}")
+        self.packed = packed
+        self.shape = torch.Size((*packed.shape[:-3], packed.shape[-3] * STRIP, packed.shape[-2]))
         self.dtype, self.device = packed.dtype, packed.device
 
     def unpacked(self) -> torch.Tensor:   # a copy
@@ -39,7 +46,7 @@ class PackedLinear(PackedWeight):
     @classmethod
     def of_strips(cls, packed: torch.Tensor) -> "PackedLinear":
         """A packed [N / 16, K, 16] tensor (e.g. some strips of another: a view, no copy) as a weight [N, K]."""
-        return cls(None, packed, (packed.shape[0] * STRIP, packed.shape[1]))
+        return cls(None, packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self)

@@ -28,7 +28,7 @@ def _from_rows(w: AttnWeights, q_b: torch.Tensor, w_uk: torch.Tensor, w_uv: torc
     if isinstance(w.q_b, PackedLinear):
         q_b = PackedLinear.of_strips(q_b)
     if isinstance(w.o, PackedLinear):
-        o = PackedLinear(None, o_rows.transpose(0, 1).contiguous(), (w.o.shape[0], o_rows.shape[0]))
+        o = PackedLinear.of_strips(o_rows.transpose(0, 1).contiguous())
     else:
         o = o_rows.T.contiguous()
     return replace(w, q_b=q_b, w_uk=w_uk, w_uv=w_uv, o=o, heads=heads)

@@ -133,22 +133,21 @@ class TorchMLAKernel:
         """Every row of the step in one `splash::mla_decode` call: an entry per query row, so a prefill chunk's rows
         each see the keys up to their own position."""
         meta = self.meta
-        args = self._native_args.get("args")
-        if args is None:   # per step: query rows, page-table rows, held pages, positions
+        step = self._native_args.get("args")
+        if step is None:   # per step: query rows, page-table rows, held pages, positions, checked once
             gs = self.groups
             per_row = lambda g, t: t if g.q == 1 else t.repeat_interleave(g.q)  # noqa: E731
             rows = torch.cat([g.rows.long() for g in gs])
-            args = self._native_args["args"] = (
+            step = self._native_args["args"] = native_ops.decode_rows(
                 rows.contiguous(), torch.cat([per_row(g, meta.req_rows[g.reqs].long()) for g in gs]).contiguous(),
                 torch.cat([per_row(g, meta.num_pages[g.reqs].int()) for g in gs]).contiguous(),
                 meta.q_pos[rows].long().contiguous(), meta.pages.int().contiguous(), meta.logical.int().contiguous())
-        rows, prow, npg, qpos, pages, logical = args
-        if ql.stride(2) != 1 or qr.stride(2) != 1 or ql.stride()[:2] != qr.stride()[:2]:
+        st = ql.stride()
+        if st[2] != 1 or qr.stride() != st:
             q = torch.cat([ql, qr], dim=-1)   # not views of one q̃ (the engine's are): one copy holds both
             ql, qr = q[..., :ql.shape[2]], q[..., ql.shape[2]:]
-        ckv, kpe = cache.ckv[layer], cache.kpe[layer]
         h, d_c, d_r, bs = ql.shape[1], ql.shape[2], qr.shape[2], meta.block_size
-        o, lse = native_ops.checked.mla_decode(rows, prow, npg, qpos, pages, logical, ql, qr, ckv, kpe, self.scale)
+        o, lse = native_ops.mla_decode(step, ql, qr, cache.ckv[layer], cache.kpe[layer], self.scale)
         hp = -(-h // 8) * 8   # what mla_decode allocates: õ, transposed queries, a page's scores and weights, stats
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, 4 * (h * d_c + (d_c + d_r) * hp + 2 * bs * hp + 4 * hp))
         return o, lse
