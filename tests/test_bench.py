@@ -213,3 +213,15 @@ def test_workload_keeps_the_schedulers_decision_lines():
     text = ('junk\n2026-12-01 10:00:00 splash.layout_policy layout decision {"step": 3, "verdict": "switch"}\n'
             'splash.layout_policy layout decision {"step": 4, "verd\n')         # the last line cut by the log's end
     assert decision_log(text) == [{"step": 3, "verdict": "switch"}]
+
+
+def test_show_prints_a_sweep_again_and_refuses_other_kinds(tmp_path, capsys):
+    src = _write(tmp_path, "s.json", _sweep())
+    assert cli.main(["show", src, "--markdown", "--metric", "output_tokens_per_s"]) == 0
+    md = capsys.readouterr().out
+    assert "output tokens/s vs input length" in md and "output tokens/s vs batch size" in md
+    assert md.count("\n| 4 | 64 |") == 1 and "|---|" in md     # batch 4, input 64: one row in the first table
+    assert cli.main(["show", src]) == 0 and "total tokens/s vs input length" in capsys.readouterr().out
+    runs = {**_sweep(), "kind": "workload", "points": None, "runs": [{"mode": "auto", "output_tokens_per_s": 1.0}]}
+    assert cli.main(["show", _write(tmp_path, "w.json", runs)]) == 2
+    assert "showing a 'workload' result is not supported" in capsys.readouterr().err
