@@ -54,12 +54,26 @@ def test_environment_and_schema_round_trip(tmp_path):
     (lambda d: d["points"][0].update(output_tokens_per_s="fast"), "output_tokens_per_s"),
     (lambda d: d["points"][1].update(repeats=[]), "repeats"),
     (lambda d: (d.pop("points"), d.pop("runs", None)), "neither"),
+    (lambda d: d.pop("kind"), "no 'kind'"),
+    (lambda d: d.update(points={}), "'points' is not a list"),
+    (lambda d: d["points"].__setitem__(0, 5), r"points\[0\] is not an object"),
+    (lambda d: d.update(runs=[{"output_tokens_per_s": 1.0}]), r"runs\[0\] must be an object with a 'mode'"),
+    (lambda d: d.update(runs=[{"mode": "tp", "output_tokens_per_s": "1"}]), "output_tokens_per_s must be a number"),
+    (lambda d: d.update(runs=[{"mode": "tp", "output_tokens_per_s": 1.0, "timeline": [{"t_s": 0}]}]),
+     r"runs\[0\].timeline\[0\] needs t_s, step, layout, tokens_per_s"),
 ])
 def test_schema_rejects_bad_documents(breakage, message):
     doc = _sweep()
     breakage(doc)
     with pytest.raises(R.ResultError, match=message):
         R.validate(doc, "x.json")
+
+
+def test_a_result_must_be_an_object(tmp_path):
+    p = tmp_path / "list.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(R.ResultError, match="list.json: not a JSON object"):
+        R.read_json(p)
 
 
 def test_compare_no_regression_and_faster_exit_0(tmp_path, capsys):
