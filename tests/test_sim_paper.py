@@ -95,6 +95,14 @@ def test_evaluator_capacity_probes():
     assert ev.evaluate(("resident", "dop", 16, 512_000, 1024)) == 16
     lim = {k: ev.evaluate(("scenario_limit", k)) for k in ("tp", "dp_attn", "cp", "dop")}
     assert lim["dop"] > lim["cp"] == lim["dp_attn"] > lim["tp"] > 0
+    freed = ev.caps["dop"].room_bytes_per_rank - ev.caps["dp_attn"].room_bytes_per_rank
+    assert ev.evaluate(("freed_gib", "dop", "dp_attn")) == pytest.approx(freed / (1 << 30)) and freed > 0
+    assert ev.evaluate(("leaders",)) is None     # counted over the leader rows by table()
+
+
+def test_table_cells():
+    assert [paper._fmt(v) for v in (None, True, "dp_attn", 1234.4, 42, 0.123456)] == [
+        "—", "true", "DP-attn", "1,234", "42", "0.1235"]
 
 
 def test_wave_completions():
