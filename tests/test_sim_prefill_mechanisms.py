@@ -94,3 +94,20 @@ def test_mechanisms_cli_names_an_unknown_hardware(capsys):
     from splash.sim.cli import main
     assert main(["mechanisms", "--only", "b200,a100"]) == 2
     assert "unknown hardware a100" in capsys.readouterr().out
+
+
+def test_mechanisms_cli_prints_the_table_and_writes_the_rows(tmp_path, capsys, monkeypatch):
+    import json
+
+    from splash.sim.cli import main
+    monkeypatch.setitem(pm.POINTS, "b200", ((16, 16_000),))   # one position: seconds, not the paper's four
+    out = tmp_path / "m.json"
+    assert main(["mechanisms", "--only", "b200", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == list(pm.LAYOUTS) and {r["input_len"] for r in rows} == {16_000}
+    lead = pm.leaders(rows, "tokens_per_s")[("b200", 16, 16_000)]
+    assert f"leaders by tokens_per_s: b200 16x16K {lead}" in text
+    assert "candidate mechanisms for DOP's lead" in text
+    assert all(pm._fmt(r["tokens_per_s"]) in text for r in rows)     # each row's tokens/s as the table shows it
+    assert [pm._fmt(v) for v in ("dop", 3, float("inf"), 1234.4, 0.01234)] == ["dop", "3", "inf", "1,234", "0.0123"]
