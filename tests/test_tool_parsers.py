@@ -285,3 +285,19 @@ def test_a_forced_output_cut_short_is_content():
     assert msg == {"role": "assistant", "content": cut} and finish == "length"
     # a whole array that is not the calls' shape is content too
     assert message(mode, '[{"name": "get_weather"}]', "stop")[0]["content"] == '[{"name": "get_weather"}]'
+
+
+def test_forced_spec_is_the_schema_the_output_must_match():
+    """The grammar of a forced call: a named function's parameters (none: any object); "required": an array of
+    {name, parameters} per tool, at most one without parallel calls; "auto" and "none" force nothing."""
+    from splash.server.tool_choice import forced_spec
+    tools = [{"type": "function", "function": WEATHER}, {"type": "function", "function": {"name": "get_time"}}]
+    named = forced_spec(read_tools(tools, {"type": "function", "function": {"name": "get_time"}}), None)
+    assert (named.kind, named.param) == ("json", "tool_choice") and json.loads(named.source) == {"type": "object", "properties": {}}
+    req = json.loads(forced_spec(read_tools(tools, "required"), False).source)
+    assert req["maxItems"] == 1 and req["minItems"] == 1
+    names = [c["properties"]["name"]["enum"] for c in req["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert req["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["parameters"]
+    assert "maxItems" not in json.loads(forced_spec(read_tools(tools[:1], "required"), None).source)
+    assert forced_spec(read_tools(tools, "auto"), None) is None and forced_spec(read_tools(tools, "none"), None) is None
