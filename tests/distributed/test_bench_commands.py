@@ -78,7 +78,9 @@ def test_calibrate_times_collectives_inside_steps_and_prints_the_profile():
 
     text = _calibrate("--in-step-collectives")
     prof = profile_from_dict(yaml.safe_load(text), "printed profile")
-    assert 0 <= prof.collective_wait_fraction < 1 and prof.collective_sync_s >= 0
+    # timed inside real steps: some wait for the slower peer (a share of the time outside collectives, above 1 on
+    # a loaded host), where the default fit leaves it 0
+    assert prof.collective_wait_fraction > 0 and prof.collective_sync_s >= 0
     assert prof.prefill_attention_factor == {}      # measured only with --prefill-factors
 
 
