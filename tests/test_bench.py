@@ -239,3 +239,34 @@ def test_show_prints_a_sweep_again_and_refuses_other_kinds(tmp_path, capsys):
     runs = {**_sweep(), "kind": "workload", "points": None, "runs": [{"mode": "auto", "output_tokens_per_s": 1.0}]}
     assert cli.main(["show", _write(tmp_path, "w.json", runs)]) == 2
     assert "showing a 'workload' result is not supported" in capsys.readouterr().err
+
+
+def test_load_client_counts_failed_lost_mismatched_and_ok(monkeypatch):
+    """splash-bench load's bookkeeping: an HTTP error or a stream without [DONE] is failed, fewer tokens than asked
+    is lost, other tokens than the unswitched reference a mismatch; only the rest is ok."""
+    import asyncio
+    import random
+
+    from splash.bench import load
+    script = iter([("error", []), ("no [DONE]", [1, 2, 3]), ("short", [1, 2]), ("other", [1, 2, 4]), ("ok", [1, 2, 3])])
+
+    async def turn(client, t0, prompt, max_tokens, out):
+        kind, ids = next(script)
+        out.error = "RuntimeError: HTTP 500" if kind == "error" else None
+        out.ok, out.ttft = kind not in ("error", "no [DONE]"), 0.01
+        return ids
+
+    monkeypatch.setattr(load, "stream_turn", turn)
+    stats = load.Stats()
+    asyncio.run(load.client_task(None, [[5, 6]], [[1, 2, 3]], 3, 5, random.Random(0), stats))
+    assert (stats.ok, stats.failed, stats.lost, stats.mismatched) == (1, 2, 1, 1)
+    assert stats.errors == ["RuntimeError: HTTP 500"] and stats.tokens == 3 + 2 + 3 + 3 and len(stats.ttfts) == 4
+
+
+def test_load_targets_loopback_only():
+    from splash.bench.load import check_loopback
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"):
+        check_loopback(url)
+    for url in ("http://10.0.0.1:8000", "http://example.com"):
+        with pytest.raises(SystemExit, match="only targets loopback"):
+            check_loopback(url)
