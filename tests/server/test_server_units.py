@@ -265,3 +265,51 @@ def test_scheduler_line_before_any_prediction():
     line = _scheduler_line("tp", {"model": {"tp": {**SCHEDULER["model"]["tp"], "median_error": None}},
                                   "last_decision": {"verdict": "stay", "target": None, "reason": "tp leads"}})
     assert line == "step predicted 2.0 ms vs measured 2.5 ms; last decision: stay (tp leads)"
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("response_format", None, None),
+    ("response_format", {"type": "text"}, None),
+    ("response_format", {"type": "json_object"}, ("json", "ANY")),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": '{"type": "string"}'}},
+     ("json", '{"type": "string"}')),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": "{oops"}},
+     "'response_format.json_schema.schema' is not valid JSON"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+     "'response_format.json_schema.schema' must be a JSON schema object, got list"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, "must be an object with a 'name'"),
+    ("response_format", {"type": "xml"}, "'response_format.type' must be one of text, json_object, json_schema"),
+    ("structured_outputs", {"regex": "a+", "backend": "xgrammar"}, ("regex", "a+")),
+    ("structured_outputs", {"json_object": True}, ("json", "ANY")),
+    ("structured_outputs", {"choice": ["yes", "no"]}, ("grammar", None)),
+    ("structured_outputs", {"bogus": 1}, "unknown field 'structured_outputs.bogus'"),
+    ("structured_outputs", {"structural_tag": "t"}, "'structured_outputs.structural_tag' is not supported"),
+    ("structured_outputs", {}, "must set exactly one of json, json_object, regex, choice, grammar$"),
+    ("structured_outputs", {"regex": "a", "grammar": "b"}, r"\(got regex, grammar\)"),
+    ("structured_outputs", {"choice": ["a", ""]}, "'structured_outputs.choice' must be a non-empty list"),
+    ("structured_outputs", {"grammar": ""}, "'structured_outputs.grammar' must be a non-empty string"),
+])
+def test_output_constraints_are_read_or_refused_naming_the_field(field, value, want):
+    from splash.server import structured as S
+    read = S.from_response_format if field == "response_format" else S.from_structured_outputs
+    if isinstance(want, str):
+        with pytest.raises(APIError, match=want) as e:
+            read(value)
+        assert e.value.status == 400
+        return
+    spec = read(value)
+    if want is None:
+        assert spec is None
+        return
+    assert spec.kind == want[0] and spec.param.startswith(field)
+    if want[1] is not None:
+        assert spec.source == (S.ANY_OBJECT if want[1] == "ANY" else want[1])
+
+
+def test_one_output_constraint_per_request():
+    from splash.server import structured as S
+    a = S.from_response_format({"type": "json_object"})
+    b = S.from_structured_outputs({"regex": "x"})
+    assert S.pick(None, a) is a and S.pick(None, None) is None
+    with pytest.raises(APIError, match="'structured_outputs' cannot be combined with 'response_format'"):
+        S.pick(a, b)
