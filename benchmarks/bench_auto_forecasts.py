@@ -19,14 +19,14 @@ from splash.costmodel import CostModel, RowLoad, load_profile
 from splash.engine.layout_policy.auto import AutoLayout
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Request, Scheduler
-from splash.sim.presets import model_preset
+from splash.models.preset_configs import preset_config
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 BURST_STEP = 60
 
 
 def main() -> None:
-    model = CostModel(model_preset("small-mla"), 2, load_profile("cpu"), "float32", dict.fromkeys(LAYOUTS, "float32"),
+    model = CostModel(preset_config("small-mla"), 2, load_profile("cpu"), "float32", dict.fromkeys(LAYOUTS, "float32"),
                       16)
     led = KVLedger(2, 2000, 16, "tp", prefix=True)
     s = Scheduler(led, 64, 2048)

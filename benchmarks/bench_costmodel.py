@@ -31,9 +31,9 @@ LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 def predict(points: list[dict], world: int, preset: str, profile: str) -> None:
     from splash.costmodel import CostModel, RowLoad, load_profile
-    from splash.sim.presets import model_preset
+    from splash.models.preset_configs import preset_config
 
-    cm = CostModel(model_preset(preset), world, load_profile(profile), "float32", "float32", 16)
+    cm = CostModel(preset_config(preset), world, load_profile(profile), "float32", "float32", 16)
     for p in points:
         ctx = p.get("mean_context", p["context"] + 2 + p["steps"] // 2)  # mean position over the timed steps
         rows = [RowLoad(1, ctx, i % world) for i in range(p["batch"])]

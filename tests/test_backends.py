@@ -105,6 +105,17 @@ def test_check_with_a_model_type_not_loadable_yet(capsys, tmp_path):
 def test_check_rejects_a_bad_config(capsys):
     rc, out, err = _main(capsys, "--config", "configs/cpu.yaml", "--block-size", "0", "--check")
     assert rc == 2 and err.startswith("error: "), out + err
+    rc, out, err = _main(capsys, "--config", "configs/cpu.yaml", "--preset", "nope", "--check")
+    assert rc == 2 and "error: field 'model.preset': unknown preset 'nope' (available: " in err, out + err
+
+
+def test_check_of_a_model_directory_not_on_this_machine(capsys, tmp_path):
+    """Valid, but start would fail: the report names the directory (no preset is named like it)."""
+    missing = tmp_path / "no-such-model"
+    rc, out, err = _main(capsys, "--model", str(missing), "--check")
+    assert rc == 0, out + err
+    assert f"model     {missing}\n" in out and "ranks     2 (cpu profile group" in out
+    assert f"start would fail here:\n  - model directory {missing} is not on this machine" in out, out
 
 
 def test_installed_triton_targets_amd_archs_but_not_hygon_dcus():

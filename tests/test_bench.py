@@ -54,12 +54,26 @@ def test_environment_and_schema_round_trip(tmp_path):
     (lambda d: d["points"][0].update(output_tokens_per_s="fast"), "output_tokens_per_s"),
     (lambda d: d["points"][1].update(repeats=[]), "repeats"),
     (lambda d: (d.pop("points"), d.pop("runs", None)), "neither"),
+    (lambda d: d.pop("kind"), "no 'kind'"),
+    (lambda d: d.update(points={}), "'points' is not a list"),
+    (lambda d: d["points"].__setitem__(0, 5), r"points\[0\] is not an object"),
+    (lambda d: d.update(runs=[{"output_tokens_per_s": 1.0}]), r"runs\[0\] must be an object with a 'mode'"),
+    (lambda d: d.update(runs=[{"mode": "tp", "output_tokens_per_s": "1"}]), "output_tokens_per_s must be a number"),
+    (lambda d: d.update(runs=[{"mode": "tp", "output_tokens_per_s": 1.0, "timeline": [{"t_s": 0}]}]),
+     r"runs\[0\].timeline\[0\] needs t_s, step, layout, tokens_per_s"),
 ])
 def test_schema_rejects_bad_documents(breakage, message):
     doc = _sweep()
     breakage(doc)
     with pytest.raises(R.ResultError, match=message):
         R.validate(doc, "x.json")
+
+
+def test_a_result_must_be_an_object(tmp_path):
+    p = tmp_path / "list.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(R.ResultError, match="list.json: not a JSON object"):
+        R.read_json(p)
 
 
 def test_compare_no_regression_and_faster_exit_0(tmp_path, capsys):
@@ -213,3 +227,46 @@ def test_workload_keeps_the_schedulers_decision_lines():
     text = ('junk\n2026-12-01 10:00:00 splash.layout_policy layout decision {"step": 3, "verdict": "switch"}\n'
             'splash.layout_policy layout decision {"step": 4, "verd\n')         # the last line cut by the log's end
     assert decision_log(text) == [{"step": 3, "verdict": "switch"}]
+
+
+def test_show_prints_a_sweep_again_and_refuses_other_kinds(tmp_path, capsys):
+    src = _write(tmp_path, "s.json", _sweep())
+    assert cli.main(["show", src, "--markdown", "--metric", "output_tokens_per_s"]) == 0
+    md = capsys.readouterr().out
+    assert "output tokens/s vs input length" in md and "output tokens/s vs batch size" in md
+    assert md.count("\n| 4 | 64 |") == 1 and "|---|" in md     # batch 4, input 64: one row in the first table
+    assert cli.main(["show", src]) == 0 and "total tokens/s vs input length" in capsys.readouterr().out
+    runs = {**_sweep(), "kind": "workload", "points": None, "runs": [{"mode": "auto", "output_tokens_per_s": 1.0}]}
+    assert cli.main(["show", _write(tmp_path, "w.json", runs)]) == 2
+    assert "showing a 'workload' result is not supported" in capsys.readouterr().err
+
+
+def test_load_client_counts_failed_lost_mismatched_and_ok(monkeypatch):
+    """splash-bench load's bookkeeping: an HTTP error or a stream without [DONE] is failed, fewer tokens than asked
+    is lost, other tokens than the unswitched reference a mismatch; only the rest is ok."""
+    import asyncio
+    import random
+
+    from splash.bench import load
+    script = iter([("error", []), ("no [DONE]", [1, 2, 3]), ("short", [1, 2]), ("other", [1, 2, 4]), ("ok", [1, 2, 3])])
+
+    async def turn(client, t0, prompt, max_tokens, out):
+        kind, ids = next(script)
+        out.error = "RuntimeError: HTTP 500" if kind == "error" else None
+        out.ok, out.ttft = kind not in ("error", "no [DONE]"), 0.01
+        return ids
+
+    monkeypatch.setattr(load, "stream_turn", turn)
+    stats = load.Stats()
+    asyncio.run(load.client_task(None, [[5, 6]], [[1, 2, 3]], 3, 5, random.Random(0), stats))
+    assert (stats.ok, stats.failed, stats.lost, stats.mismatched) == (1, 2, 1, 1)
+    assert stats.errors == ["RuntimeError: HTTP 500"] and stats.tokens == 3 + 2 + 3 + 3 and len(stats.ttfts) == 4
+
+
+def test_load_targets_loopback_only():
+    from splash.bench.load import check_loopback
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"):
+        check_loopback(url)
+    for url in ("http://10.0.0.1:8000", "http://example.com"):
+        with pytest.raises(SystemExit, match="only targets loopback"):
+            check_loopback(url)

@@ -88,3 +88,14 @@ def test_a_template_error_is_a_value_error():
     tok = Tokenizer(build_byte_tokenizer(), chat_template="{{ raise_exception('roles!') }}")
     with pytest.raises(ValueError, match="roles!"):
         tok.apply_chat_template(CONVERSATIONS["plain"])
+
+
+def test_the_generation_tag_renders_its_body_as_transformers_does(hf_tok):
+    """``{% generation %}`` (the assistant-mask tag of some templates) renders its body unchanged."""
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
+                "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
+    ours = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert ours == "<user>hi<assistant>hello there"
+    assert ours == hf_tok.apply_chat_template(msgs, tokenize=False, chat_template=template)

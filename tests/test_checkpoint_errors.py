@@ -219,3 +219,37 @@ def test_bf16_checkpoint(tmp_path, comm):
     assert rel_err(prefill_logits(path, comm, torch.bfloat16), ref) < 0.05
     out = LLM(str(path), dtype="bfloat16", comm=comm).generate([PROMPT], None)[0]
     assert len(out.token_ids) >= 1
+
+
+def _glm(**changes):
+    from splash.sim.presets import PRESETS
+    return {**PRESETS["glm-5.3"][0], **changes}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_parameters": 3}, "field 'rope_parameters' must be an object, got int"),
+    ({"rope_parameters": {"rope_type": "linear"}}, "field 'rope_parameters.rope_type' = 'linear' is not supported"),
+    ({"quantization_config": [1]}, "field 'quantization_config' must be an object, got list"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}},
+     "field 'quantization_config.fmt' = 'e5m2' is not supported"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {}}},
+     "field 'quantization_config.config_groups' must be a non-empty object"),
+    ({"num_hidden_layers": -1}, "field 'num_hidden_layers' must be a non-negative integer, got -1"),
+    ({"num_attention_heads": 0}, "field 'num_attention_heads' must be positive"),
+    ({"n_group": 7}, r"field 'n_group' must divide n_routed_experts \(256\)"),
+    ({"index_head_dim": 8}, "field 'index_head_dim' must be at least qk_rope_head_dim"),
+])
+def test_config_json_errors_name_the_field(changes, message):
+    from splash.models.config import model_config_from_dict
+    with pytest.raises(ConfigError, match=f"^c.json: {message}"):
+        model_config_from_dict(_glm(**changes), "c.json")
+
+
+def test_config_json_mixtral_expert_count_and_eos_list():
+    """HF's other spellings: ``num_local_experts`` for the routed experts, a list of EOS ids."""
+    from splash.models.config import model_config_from_dict
+    raw = _glm(num_local_experts=64, eos_token_id=[3, 5])
+    del raw["n_routed_experts"]
+    cfg = model_config_from_dict(raw, "c.json")
+    assert cfg.n_routed_experts == 64 and cfg.eos_ids == (3, 5)
+    assert model_config_from_dict(_glm(eos_token_id=None), "c.json").eos_ids == ()

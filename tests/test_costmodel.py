@@ -1,5 +1,6 @@
 """Cost model: profiles, stage-wise step predictions, switch cost. Pure (no torch)."""
 import dataclasses
+import re
 
 import pytest
 
@@ -45,6 +46,21 @@ def test_profile_errors_name_the_key(tmp_path, cpu):
     with pytest.raises(ConfigError, match="device_arch' = 'hopper'"):
         profile_from_dict({**raw, "device_arch": "hopper"})
     assert profile_from_dict({**raw, "device_arch": "sm_90"}).device_arch == "sm_90"
+    for changes, message in (
+            ({"memory_bytes_per_s": "fast"}, "field 'memory_bytes_per_s' must be a number, got 'fast'"),
+            ({"memory_bytes_per_s": True}, "field 'memory_bytes_per_s' must be a number, got True"),
+            ({"collectives": [1]}, "field 'collectives' must be a mapping, got list"),
+            ({"gemm_flops_per_s": {"int8": 1e12}}, "gemm_flops_per_s needs at least float32 or bfloat16"),
+            ({"collectives": {**raw["collectives"], "broadcast": {"alpha_s": 1e-5}}},
+             "collectives.broadcast needs alpha_s and bytes_per_s"),
+            ({"switch_kv_efficiency": 1.5}, "field 'switch_kv_efficiency' must be <= 1, got 1.5")):
+        with pytest.raises(ConfigError, match=re.escape(f"p.yaml: {message}")):
+            profile_from_dict({**raw, **changes}, "p.yaml")
+    with pytest.raises(ConfigError, match="p.yaml: required field 'source' is missing"):
+        profile_from_dict({k: v for k, v in raw.items() if k != "source"}, "p.yaml")
+    assert profile_from_dict({**raw, "memory_bytes_per_s": "1.5e11"}).memory_bytes_per_s == 1.5e11  # YAML 1.1
+    with pytest.raises(ValueError, match="has no GEMM rate for 'int8' \\(has: float32"):
+        cpu.gemm_rate("int8")
     with pytest.raises(ConfigError, match="unknown hardware profile 'nope'"):
         load_profile("nope")
     import yaml

@@ -45,3 +45,8 @@ def test_importing_layouts_and_switching_does_not_import_torch():
             "splash.switching.handoff_blocks; assert 'torch' not in sys.modules, 'torch imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_layout_prints_as_its_name():
+    """A Layout in a message or an f-string reads as the name users type ("dop"), not Layout.DOP."""
+    assert str(Layout.DOP) == f"{Layout.DOP}" == "dop" and f"{Layout.DP_ATTN:>8}" == " dp_attn"

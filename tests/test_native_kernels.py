@@ -76,7 +76,7 @@ def test_packed_grouped_gemm_matches_torch():
 
 @needs_native
 def test_packed_stack_falls_back_with_more_threads():
-    """Packed at load (one thread), run later with two: the plain stack's GEMMs, same result."""
+    """Packed at load (one thread), run later with two: the plain stack's (weight's) GEMMs, same result."""
     w = _stack(seed=1)
     p = packed.pack_experts(w.clone())
     counts = torch.tensor([2, 2, 0, 1, 3])
@@ -90,6 +90,14 @@ def test_packed_stack_falls_back_with_more_threads():
     finally:
         torch.set_num_threads(1)
     assert torch.allclose(one, two, atol=1e-5, rtol=1e-5)
+    lin = torch.randn(32, 40)
+    pl = packed.pack_linear(lin.clone())    # a packed linear likewise: its unpacked weight's GEMM
+    torch.set_num_threads(2)
+    try:
+        got = pl(x)
+    finally:
+        torch.set_num_threads(1)
+    assert isinstance(pl, packed.PackedLinear) and torch.allclose(got, x @ lin.T, atol=1e-5, rtol=1e-5)
 
 
 def test_not_packed_when_unsuitable():

@@ -105,3 +105,26 @@ def test_decode_pages_written_inside_inference_mode():
         r = tables.row(q.req_id)
         assert tables.logical[r, :6].tolist() == list(range(6)) and int(tables.npages[r]) == 6
         assert tables.pages[r, :6].tolist() == [bm.table(q.req_id)[b] for b in range(6)]
+
+
+def test_append_pages_outside_the_decode_case_and_release_with_pages_queued():
+    """`append_pages` given a request without a row, or a page not past its row's end, takes `append_many`'s path:
+    the per-request path's table; releasing a request whose pages are still queued drops them, the rest land."""
+    def build(batched: bool) -> dict:
+        t = PageTable(4, rows=4, cols=4)
+        t.append("a", [(0, 10)])
+        t.flush()
+        for reqs, logical, phys in ((["a", "b"], [1, 0], [11, 20]), (["a"], [0], [12])):
+            if batched:
+                t.append_pages(reqs, logical, phys)
+            else:
+                for q, b, p in zip(reqs, logical, phys):
+                    t.append(q, [(b, p)])
+        t.append("c", [(0, 30), (1, 31)])
+        t.release("c")
+        t.flush()
+        return {q: (t.logical[t.row(q), :t.num_pages(q)].tolist(), t.pages[t.row(q), :t.num_pages(q)].tolist())
+                for q in t.requests()}
+
+    got = build(True)
+    assert got == build(False) and sorted(got) == ["a", "b"] and got["b"] == ([0], [20])

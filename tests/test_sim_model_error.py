@@ -1,5 +1,8 @@
 """The scheduler under model error (splash/sim/model_error.py): the truth charges steps and switches, auto plans
 with the nominal model and learns from what it was charged, the oracle plans with the truth. Small workloads."""
+import json
+import re
+
 import pytest
 
 from splash.costmodel import load_profile
@@ -104,3 +107,55 @@ def test_truth_kernels_common_to_every_layout_share_their_error(sim):
     assert all(shared.step_factor[k] == apart.step_factor[k] for k in own)
     with pytest.raises(ValueError, match="per_layout"):
         model_error.draw_truth(cm, res, seed=5, kernels="nope")
+
+
+TRACE = "groups:\n  - {at_s: 0, count: 3, prefix_len: 1024, input_len: 2000, output_len: 16}\n  - {at_s: 0.5, count: 2, input_len: 30000, output_len: 8}\n"
+
+
+def _paper_json(tmp_path):
+    by = {f.key: f for f in FIGURES}
+    rows = [{"figure": label(by["h200.tps.dop.long.min"]), "split": "held_out", "error": 0.2},
+            {"figure": label(by["h200.prim.kv.min"]), "split": "held_out", "error": -0.3}]
+    path = tmp_path / "paper.json"
+    path.write_text(json.dumps({"rows": rows}))
+    return path
+
+
+def test_trace_cli_replays_auto_and_every_layout(tmp_path, capsys):
+    """`splash-sim --trace FILE`: auto's timeline and a row per mode, auto compared with each."""
+    from splash.sim.cli import main
+
+    wl = tmp_path / "w.yaml"
+    wl.write_text(TRACE)
+    assert main(["--model", "glm-5.3", "--hardware", "b200", "--trace", str(wl)]) == 0
+    out = capsys.readouterr().out
+    words = " ".join(out.split())   # a title wraps at its table's width
+    assert "auto: layout timeline" in out and "5 requests, prefix cache on, predicted" in words
+    for mode in ("auto", *LAYOUTS):   # a row with its tokens/s and the share of prompt tokens found cached
+        assert re.search(rf"│\s*{mode} │\s*[\d,.]+ │.*│\s*\d+% │", out), mode
+    assert main(["--model", "glm-5.3", "--hardware", "b200", "--trace", str(wl), "--no-enable-prefix-caching"]) == 0
+    assert "5 requests, prefix cache off" in " ".join(capsys.readouterr().out.split())
+    assert main(["--model", "glm-5.3", "--hardware", "b200", "--trace", str(tmp_path / "none.yaml")]) == 2
+    assert "cannot read the workload" in capsys.readouterr().out
+
+
+def test_truth_error_cli_reports_every_seed(tmp_path, capsys):
+    """`splash-sim --trace FILE --truth-error PAPER_JSON`: per seed auto, the fixed layouts and the oracle, all
+    charged with that seed's truth; the JSON keeps the residuals and the rows."""
+    from splash.sim.cli import main
+
+    wl, out_json = tmp_path / "w.yaml", tmp_path / "err.json"
+    wl.write_text(TRACE)
+    base = ["--model", "glm-5.3", "--hardware", "b200", "--trace", str(wl), "--truth-error", str(_paper_json(tmp_path))]
+    assert main([*base, "--seeds", "1,2", "--truth-kernels", "per_layout", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "under model error (2 held-out residuals" in out and "over seeds [1, 2]" in out
+    doc = json.loads(out_json.read_text())
+    assert doc["kernels"] == "per_layout" and doc["residuals"] == [0.2, -0.3]
+    assert [r["seed"] for r in doc["seeds"]] == [1, 2]
+    for r in doc["seeds"]:
+        v = r["tokens_per_s"]
+        assert r["auto_vs_best"] == pytest.approx(v["auto"] / v[r["best_fixed"]])
+    assert main([*base, "--seeds", "1,x"]) == 2 and "--seeds: not a comma list" in capsys.readouterr().err
+    (tmp_path / "paper.json").write_text('{"rows": []}')
+    assert main(base) == 2 and "no held-out" in capsys.readouterr().out

@@ -95,6 +95,14 @@ def test_evaluator_capacity_probes():
     assert ev.evaluate(("resident", "dop", 16, 512_000, 1024)) == 16
     lim = {k: paper.Evaluator(SETUPS["bw1000"]).evaluate(("scenario_limit", k)) for k in ("tp", "dp_attn", "cp", "dop")}
     assert lim["dop"] > lim["cp"] == lim["dp_attn"] > lim["tp"] > 0
+    freed = ev.caps["dop"].room_bytes_per_rank - ev.caps["dp_attn"].room_bytes_per_rank
+    assert ev.evaluate(("freed_gib", "dop", "dp_attn")) == pytest.approx(freed / (1 << 30)) and freed > 0
+    assert ev.evaluate(("leaders",)) is None     # counted over the leader rows by table()
+
+
+def test_table_cells():
+    assert [paper._fmt(v) for v in (None, True, "dp_attn", 1234.4, 42, 0.123456)] == [
+        "—", "true", "DP-attn", "1,234", "42", "0.1235"]
 
 
 def test_wave_completions():
@@ -129,3 +137,52 @@ def test_scale_option():
     half = paper.Evaluator(SETUPS["b200"], {"memory_bytes": 0.5})
     assert half.profile.memory_bytes == base.profile.memory_bytes / 2
     assert half.evaluate(("capacity", "dop", "distinct")) < base.evaluate(("capacity", "dop", "distinct"))
+
+
+def test_evaluator_throughput_and_switch_probes_read_the_model():
+    """The tokens/s, leader, ratio and switch probes through the real model (H200, one switch table of B=2 x 16K):
+    each equals what it is derived from, a range its extreme, an infeasible or missing direction None."""
+    ev = paper.Evaluator(SETUPS["h200"])
+    pts = [(16, 64_000), (16, 128_000)]
+    tps = {(lay, b, n): ev.evaluate(("tps", lay, b, n)) for lay in ("tp", "dp_attn", "cp", "dop") for b, n in pts}
+    assert all(v is None or v > 0 for v in tps.values()) and tps[("dop", 16, 64_000)]
+    for b, n in pts:
+        feasible = {lay: v for (lay, bb, nn), v in tps.items() if (bb, nn) == (b, n) and v}
+        assert ev.evaluate(("leader", b, n)) == max(feasible, key=feasible.get)
+        assert ev.evaluate(("ratio", "dop", "cp", b, n)) == pytest.approx(tps[("dop", b, n)] / tps[("cp", b, n)])
+    assert ev.evaluate(("tps_range", "dop", pts, "min")) == min(tps[("dop", b, n)] for b, n in pts)
+    assert ev.evaluate(("ratio_range", "dop", "cp", pts, "max")) == pytest.approx(
+        max(tps[("dop", b, n)] / tps[("cp", b, n)] for b, n in pts))
+    rows = ev.switches(2, 16_000)
+    assert len(rows) == 12 and ev.switches(2, 16_000) is rows          # memoised: one table per (B, context)
+    row = next(r for r in rows if (r["src"], r["dst"]) == ("dop", "cp"))
+    assert ev.evaluate(("switch", "dop", "cp", "live", 2, 16_000)) == pytest.approx(row["live_s"] * 1e3)
+    assert ev.evaluate(("switch", "dop", "dop", "live", 2, 16_000)) is None    # no such direction
+    assert ev.evaluate(("primitive_dir", "dop", "cp", "kv", 2, 16_000)) == pytest.approx(row["kv_layer_s"] * 1e3)
+    kv = [r["kv_layer_s"] * 1e3 for r in rows if r["kv_layer_s"] > 0]
+    assert ev.evaluate(("primitive", "kv", 2, 16_000, "min")) == pytest.approx(min(kv))
+    assert ev.evaluate(("switch_range", "blocking", 2, 16_000, "max")) == pytest.approx(
+        max(r["blocking_s"] for r in rows) * 1e3)
+    assert ev.evaluate(("switch_saving", 2, 16_000, "min")) == pytest.approx(
+        min(r["live_s"] / r["blocking_s"] for r in rows if r["recv_bytes"] > 0))
+    assert ev.evaluate(("switch_step_share", 2, 16_000)) == pytest.approx(
+        max(r["live_s"] / r["dst_step_s"] for r in rows))
+    assert paper._extreme([1.0, None], "min") is None and paper._extreme([], "max") is None
+    with pytest.raises(ValueError, match="unknown probe"):
+        ev.evaluate(("nope",))
+
+
+def test_simulate_keeps_one_evaluator_per_setup(monkeypatch):
+    made = []
+
+    class Counting(paper.Evaluator):
+        def __init__(self, setup, scale=None):
+            made.append(setup)
+            super().__init__(setup, scale)
+
+    monkeypatch.setattr(paper, "Evaluator", Counting)
+    figs = [f for f in FIGURES if f.probe[0] in ("capacity", "capacity_ratio") and f.hardware == "b200"]
+    seen = []
+    values = paper.simulate(figs, progress=seen.append)
+    assert len(figs) >= 2 and seen == figs and len(made) == 1
+    assert all(values[f.key] > 0 for f in figs)

@@ -176,3 +176,20 @@ def test_admission_waves_do_not_change_an_owner_layouts_prefill_work():
     at_once, wave = _prefill_steps(16, n, chunk, 8, True), _prefill_steps(8, n, chunk, 8, True)
     assert sum(r.new_tokens for rows in at_once for r in rows) == 2 * sum(r.new_tokens for rows in wave for r in rows)
     assert 0 <= 2 * len(wave) - len(at_once) <= 1
+
+
+def test_mechanisms_cli_prints_the_table_and_writes_the_rows(tmp_path, capsys, monkeypatch):
+    import json
+
+    from splash.sim.cli import main
+    monkeypatch.setitem(pm.POINTS, "b200", ((16, 16_000),))   # one position: seconds, not the paper's four
+    out = tmp_path / "m.json"
+    assert main(["mechanisms", "--only", "b200", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == list(pm.LAYOUTS) and {r["input_len"] for r in rows} == {16_000}
+    lead = pm.leaders(rows, "tokens_per_s")[("b200", 16, 16_000)]
+    assert f"leaders by tokens_per_s: b200 16x16K {lead}" in text
+    assert "candidate mechanisms for DOP's lead" in text
+    assert all(pm._fmt(r["tokens_per_s"]) in text for r in rows)     # each row's tokens/s as the table shows it
+    assert [pm._fmt(v) for v in ("dop", 3, float("inf"), 1234.4, 0.01234)] == ["dop", "3", "inf", "1,234", "0.0123"]

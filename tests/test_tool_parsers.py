@@ -242,3 +242,62 @@ def test_config_offers_exactly_the_tool_call_parsers():
     """server.tool_call_parser's choices (which --tool-call-parser takes too) are auto, none and the parsers here."""
     from splash.config.serve_config import choices
     assert choices("tool_call_parser") == ("auto", "none", *tool_parsers.FORMATS)
+
+
+REQUIRED_OUT = ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}, '
+                '{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+
+
+@pytest.mark.parametrize("choice, text, want", [
+    ("required", REQUIRED_OUT, [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]),
+    ({"type": "function", "function": {"name": "get_time"}}, ' {"zone": "UTC"}', [("get_time", {"zone": "UTC"})]),
+])
+def test_forced_tool_calls_as_a_message_and_a_stream(choice, text, want):
+    """``tool_choice: "required"`` / a named function: the grammar-shaped output becomes ``tool_calls`` (the named
+    function's arguments as the model wrote them); streamed in any pieces, the argument deltas add up to them."""
+    tools = [{"type": "function", "function": WEATHER},
+             {"type": "function", "function": {"name": "get_time"}}]   # no parameters: any object
+    mode = OutputMode(None, None, read_tools(tools, choice), constrained=True)
+    msg, finish = message(mode, text, "stop")
+    assert finish == "tool_calls" and msg["content"] is None
+    assert _calls([c["function"] for c in msg["tool_calls"]]) == want
+    rng = random.Random(5)
+    for _ in range(20):
+        st = ChatStream(mode)
+        pieces = _splits(text, rng)
+        deltas = [st.feed(p, last=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        calls: dict[int, list] = {}
+        for d in deltas:
+            assert "content" not in d
+            for tc in d.get("tool_calls", ()):
+                got = calls.setdefault(tc["index"], ["", ""])
+                got[0] += tc["function"].get("name") or ""
+                got[1] += tc["function"].get("arguments", "")
+        assert [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())] == want
+        assert st.finish_reason("stop") == "tool_calls"
+
+
+def test_a_forced_output_cut_short_is_content():
+    mode = OutputMode(None, None, read_tools([{"type": "function", "function": WEATHER}], "required"),
+                      constrained=True)
+    cut = REQUIRED_OUT[:40]
+    msg, finish = message(mode, cut, "length")
+    assert msg == {"role": "assistant", "content": cut} and finish == "length"
+    # a whole array that is not the calls' shape is content too
+    assert message(mode, '[{"name": "get_weather"}]', "stop")[0]["content"] == '[{"name": "get_weather"}]'
+
+
+def test_forced_spec_is_the_schema_the_output_must_match():
+    """The grammar of a forced call: a named function's parameters (none: any object); "required": an array of
+    {name, parameters} per tool, at most one without parallel calls; "auto" and "none" force nothing."""
+    from splash.server.tool_choice import forced_spec
+    tools = [{"type": "function", "function": WEATHER}, {"type": "function", "function": {"name": "get_time"}}]
+    named = forced_spec(read_tools(tools, {"type": "function", "function": {"name": "get_time"}}), None)
+    assert (named.kind, named.param) == ("json", "tool_choice") and json.loads(named.source) == {"type": "object", "properties": {}}
+    req = json.loads(forced_spec(read_tools(tools, "required"), False).source)
+    assert req["maxItems"] == 1 and req["minItems"] == 1
+    names = [c["properties"]["name"]["enum"] for c in req["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert req["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["parameters"]
+    assert "maxItems" not in json.loads(forced_spec(read_tools(tools[:1], "required"), None).source)
+    assert forced_spec(read_tools(tools, "auto"), None) is None and forced_spec(read_tools(tools, "none"), None) is None

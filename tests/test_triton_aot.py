@@ -122,3 +122,8 @@ def test_every_gpu_page_size_is_in_the_compile_set():
     from splash.config.serve_config import GPU_BLOCK_SIZES
     for target in aot.TARGETS:
         assert {shape[-1] for shape in aot.planned_shapes(target)} == set(GPU_BLOCK_SIZES)
+
+
+def test_compiling_in_interpreter_mode_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert aot.main(["sm_90"]) == 2 and "set TRITON_INTERPRET=0" in capsys.readouterr().err

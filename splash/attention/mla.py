@@ -72,8 +72,6 @@ def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tens
     if w.q_a is None:
         qa = (x,) if want_qa else ()
         return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin), *qa
-    if w.qkv_a is None:  # AttnWeights rebuilt elsewhere (layout switch): stack once, reuse afterwards
-        w.qkv_a = torch.cat([w.q_a, w.kv_a], dim=0)
     out = _query_and_latent(cfg, rope, w, x, cos, sin, parts=3)
     return tuple(out) if want_qa else tuple(out[:3])
 

@@ -20,6 +20,7 @@ import argparse
 import statistics
 
 from splash.bench import results as R
+from splash.bench.results import pct
 from splash.cli.args import layout_list
 from splash.layouts.layout import LAYOUT_NAMES
 
@@ -47,11 +48,6 @@ def switch_to(st, dst: str, mode: str, dedupe: bool = True):
     st.owners.update(m.owners)
     st.last_recv_mb = max(m.total_recv_bytes) / 2**20
     return SwitchExecutor(r.ctx, m, mode, r.streams)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def direction(comm, a, src: str, dst: str) -> dict:
@@ -92,12 +88,12 @@ def switch_table(doc: dict):
                   + (["per request: MiB in", "per request: blocking p50 ms"] if shared else []))
     for r in doc["points"]:
         ready = statistics.median(r["ready_s"])
-        lp50, bp50 = pct(r["live_s"], 0.5), pct(r["blocking_s"], 0.5)
+        lp50, bp50 = pct(r["live_s"], 50), pct(r["blocking_s"], 50)
         ratio = f"{lp50 / bp50:.2f}" if bp50 > 0 else "n/a"
         t.add_row([f"{r['src']}->{r['dst']}", f"{r['recv_mib']:.1f}", f"{ready * 1e3:.2f}", f"{lp50 * 1e3:.2f}",
-                   f"{pct(r['live_s'], 0.95) * 1e3:.2f}", f"{100 * lp50 / ready:.1f}%", f"{bp50 * 1e3:.2f}",
-                   f"{pct(r['blocking_s'], 0.95) * 1e3:.2f}", ratio]
-                  + ([f"{r['per_request_recv_mib']:.1f}", f"{pct(r['per_request_s'], 0.5) * 1e3:.2f}"]
+                   f"{pct(r['live_s'], 95) * 1e3:.2f}", f"{100 * lp50 / ready:.1f}%", f"{bp50 * 1e3:.2f}",
+                   f"{pct(r['blocking_s'], 95) * 1e3:.2f}", ratio]
+                  + ([f"{r['per_request_recv_mib']:.1f}", f"{pct(r['per_request_s'], 50) * 1e3:.2f}"]
                      if "per_request_s" in r else []))
     return t
 

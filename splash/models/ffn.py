@@ -26,8 +26,6 @@ def _swiglu(h: torch.Tensor, inter: int, limit: float | None) -> torch.Tensor:
 @fast_path("mlp_packed")
 def mlp(w: MLPWeights, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(x Gᵀ) * (x Uᵀ) then Dᵀ, with gate and up as one GEMM on [G ; U]."""
-    if w.gate_up is None:
-        w.gate_up = torch.cat([w.gate, w.up], dim=0)
     inter = w.gate.shape[0] if w.gate is not None else w.gate_up.shape[0] // 2   # None: packed (splash.native.packed)
     h = linear(x, w.gate_up)
     return linear(_swiglu(h, inter, limit), w.down)

@@ -130,10 +130,6 @@ class RowStack:
         self.parts = parts
         self.dtype = parts[0].dtype
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
-
     def dequant(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequant(dtype) for p in self.parts])
@@ -148,9 +144,6 @@ class ExpertStack:
 
     def __getitem__(self, e: int):
         return self.experts[e]
-
-    def __len__(self) -> int:
-        return len(self.experts)
 
     @property
     def shape(self) -> torch.Size:

@@ -50,8 +50,8 @@ class MLPWeights:
     gate: torch.Tensor | None  # [I_l, hidden] (None when packed)
     up: torch.Tensor | None    # [I_l, hidden]
     down: torch.Tensor  # [hidden, I_l]
-    # [gate ; up] stacked [2 * I_l, hidden] for one GEMM (gate / up are views into it); None -> built on first use
-    gate_up: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # [gate ; up] stacked [2 * I_l, hidden] for one GEMM (gate / up are views into it, or its RowStack's parts)
+    gate_up: torch.Tensor = field(repr=False, compare=False)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -38,12 +39,10 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
+@dataclass(frozen=True)
 class HugeInt:
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
-
-    def __repr__(self) -> str:
-        return f"<an integer of {self.digits} digits>"
+    """An integer literal too long to convert: kept as its length, for find_unusable to refuse."""
+    digits: int
 
 
 def loads(raw: bytes) -> tuple[Any, bool]:

@@ -85,6 +85,8 @@ def _terminal_behind_mpiexec() -> bool:
 
 
 class Console:
+    status_every_s = 10.0   # not a terminal: one plain status line this often
+
     def __init__(self, quiet: bool = False) -> None:
         self.rich = RichConsole(stderr=True)
         if not self.rich.is_terminal and _terminal_behind_mpiexec():
@@ -132,8 +134,8 @@ class Console:
             return render_panel(snap, title, rate.update(time.monotonic(), snap.generated_tokens),
                                 time.monotonic() - t0)
 
-        if not self.live_ok:   # not a terminal: one status line every 10 s
-            while not self._stop.wait(10.0):
+        if not self.live_ok:
+            while not self._stop.wait(self.status_every_s):
                 snap = snapshot()
                 if snap is not None:
                     tps = rate.update(time.monotonic(), snap.generated_tokens)

@@ -108,11 +108,3 @@ def load_sim_model(name_or_path: str, weight_dtype: str | None = None, kv_dtype:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
     return sim_model(raw, str(p), weight_dtype or "bfloat16", kv_dtype or "bfloat16", str(p))
-
-
-def model_preset(name: str) -> ModelConfig:
-    """ModelConfig of a sim preset, or of a CPU preset (splash.models.preset_configs)."""
-    if name in PRESETS:
-        return load_sim_model(name).cfg
-    from splash.models.preset_configs import preset_config
-    return preset_config(name)

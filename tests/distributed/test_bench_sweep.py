@@ -89,3 +89,28 @@ def test_grid_subcommand_writes_a_comparable_result(tmp_path):
     assert doc["kind"] == "grid" and doc["complete"] and len(doc["points"]) == 2
     assert all(p["step_ms"] > 0 for p in doc["points"]) and "decode step ms" in res.stdout
     assert cli.main(["compare", str(out_json), str(out_json)]) == 0
+
+
+def test_sweep_refuses_to_overwrite_or_to_resume_a_different_sweep(tmp_path):
+    """Every rank stops with the same error (exit 2, said once) before the model loads, here a --resume of a sweep
+    whose settings differ; an existing --json without --resume or --force, and bad counts, are refused alike."""
+    import argparse
+
+    from splash.bench import sweep
+
+    out_json = tmp_path / "other.json"
+    doc = R.new_result("sweep", R.environment(backend="cpu", ranks=2, model={"name": "tiny-mla"}),
+                       {"layouts": ["tp"], "input_lens": [8], "batch_sizes": [1], "output_len": 7}, ["sweep"])
+    R.write_json(out_json, doc)
+    res = run_mpi(2, CLI, "sweep", *TINY, "--layouts", "tp", "--json", str(out_json), "--resume", timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.count("cannot resume, this sweep differs in output_len") == 1, res.stderr[-2000:]
+    assert R.read_json(out_json) == doc      # left as it was
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    for extra, message in ((["--json", str(out_json)], "exists: pass --resume to continue that sweep or --force"),
+                           (["--resume"], "--resume needs --json FILE"),
+                           (["--repeats", "0"], "--output-len and --repeats must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            sweep._check_args(p.parse_args([*TINY, *extra]))
+    sweep._check_args(p.parse_args([*TINY, "--json", str(out_json), "--force"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -188,3 +189,127 @@ def test_console_panel_shows_layout_switches_and_kv_bars():
     text = con.export_text()
     for needle in ("tp → dop", "pinned", "tp→dop: 2", "12.5", "3 running, 4 waiting", "[########............] 20/50"):
         assert needle in text, (needle, text)
+
+
+def _snap(**kw):
+    from splash.server.engine_loop import EngineSnapshot
+
+    base = dict(layout="tp", mode="auto", target=None, allowed_layouts=("tp", "dop"), switch_counts={},
+                kv_capacity={"tp": 800}, kv_used_tokens=10, kv_used_blocks=[1, 2], kv_blocks_per_rank=50, running=1,
+                waiting=0, steps=5, generated_tokens=6)
+    return EngineSnapshot(**{**base, **kw})
+
+
+SCHEDULER = {"model": {"tp": {"factor": 2.0, "last_predicted_s": 0.001, "last_measured_s": 0.0025,
+                              "median_error": 0.25}},
+             "last_decision": {"verdict": "switch", "target": "dop", "reason": "dop is faster"}}
+
+
+def test_live_console_panel_redraws_the_snapshot_with_the_cost_model_line(monkeypatch, capsys):
+    """Under mpiexec with a terminal (forced here by SPLASH_CONSOLE=live) rank 0 draws the live panel: "starting…"
+    until the engine has a snapshot, then the layout, the cost model's last prediction and decision."""
+    import time
+
+    from splash.server.console import Console
+
+    monkeypatch.setenv("SPLASH_CONSOLE", "live")
+    calls = []
+
+    def snapshot():
+        calls.append(1)
+        return None if len(calls) == 1 else _snap(scheduler=SCHEDULER, generated_tokens=60 * len(calls))
+
+    con = Console()
+    assert con.live_ok
+    with con.loading("loading weights", 2) as advance:   # the progress bar before the panel
+        advance()
+        advance()
+    con.start_panel(snapshot, "splash-serve test")
+    time.sleep(1.3)
+    con.stop_panel()
+    assert not con._thread.is_alive() and len(calls) >= 3
+    err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", capsys.readouterr().err)   # the terminal's escape codes
+    assert "loading weights" in err and "2/2" in err
+    assert "starting…" in err and "splash-serve test" in err
+    assert "step predicted 2.0 ms vs measured 2.5 ms (median error 25%)" in err
+    assert "last decision: switch → dop (dop is faster)" in err and "Ctrl-C to stop" in err
+
+
+def test_plain_console_logs_a_status_line_and_quiet_logs_nothing(monkeypatch, capsys):
+    import time
+
+    from splash.server.console import Console
+
+    monkeypatch.setenv("SPLASH_CONSOLE", "plain")
+    con = Console()
+    assert not con.live_ok
+    con.status_every_s = 0.05
+    totals = iter(range(0, 10_000, 100))
+    con.start_panel(lambda: _snap(generated_tokens=next(totals), switch_counts={("tp", "dop"): 1}), "t")
+    time.sleep(0.5)
+    con.stop_panel()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("splash-serve: layout tp (auto)")]
+    assert len(lines) >= 3 and "1 switches" in lines[-1] and "KV blocks/rank [1, 2]/50" in lines[-1]
+    assert float(lines[-1].split(" tok/s")[0].rsplit(" ", 1)[1]) > 0   # the rate of generated tokens
+    quiet = Console(quiet=True)
+    quiet.start_panel(lambda: _snap(), "t")
+    with quiet.loading("weights", 3) as advance:
+        advance()
+    assert quiet._thread is None and capsys.readouterr().err == ""
+
+
+def test_scheduler_line_before_any_prediction():
+    from splash.server.console import _scheduler_line
+
+    assert _scheduler_line("tp", {"model": {}, "last_decision": None}) == "no prediction yet"
+    line = _scheduler_line("tp", {"model": {"tp": {**SCHEDULER["model"]["tp"], "median_error": None}},
+                                  "last_decision": {"verdict": "stay", "target": None, "reason": "tp leads"}})
+    assert line == "step predicted 2.0 ms vs measured 2.5 ms; last decision: stay (tp leads)"
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("response_format", None, None),
+    ("response_format", {"type": "text"}, None),
+    ("response_format", {"type": "json_object"}, ("json", "ANY")),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": '{"type": "string"}'}},
+     ("json", '{"type": "string"}')),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": "{oops"}},
+     "'response_format.json_schema.schema' is not valid JSON"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+     "'response_format.json_schema.schema' must be a JSON schema object, got list"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, "must be an object with a 'name'"),
+    ("response_format", {"type": "xml"}, "'response_format.type' must be one of text, json_object, json_schema"),
+    ("structured_outputs", {"regex": "a+", "backend": "xgrammar"}, ("regex", "a+")),
+    ("structured_outputs", {"json_object": True}, ("json", "ANY")),
+    ("structured_outputs", {"choice": ["yes", "no"]}, ("grammar", None)),
+    ("structured_outputs", {"bogus": 1}, "unknown field 'structured_outputs.bogus'"),
+    ("structured_outputs", {"structural_tag": "t"}, "'structured_outputs.structural_tag' is not supported"),
+    ("structured_outputs", {}, "must set exactly one of json, json_object, regex, choice, grammar$"),
+    ("structured_outputs", {"regex": "a", "grammar": "b"}, r"\(got regex, grammar\)"),
+    ("structured_outputs", {"choice": ["a", ""]}, "'structured_outputs.choice' must be a non-empty list"),
+    ("structured_outputs", {"grammar": ""}, "'structured_outputs.grammar' must be a non-empty string"),
+])
+def test_output_constraints_are_read_or_refused_naming_the_field(field, value, want):
+    from splash.server import structured as S
+    read = S.from_response_format if field == "response_format" else S.from_structured_outputs
+    if isinstance(want, str):
+        with pytest.raises(APIError, match=want) as e:
+            read(value)
+        assert e.value.status == 400
+        return
+    spec = read(value)
+    if want is None:
+        assert spec is None
+        return
+    assert spec.kind == want[0] and spec.param.startswith(field)
+    if want[1] is not None:
+        assert spec.source == (S.ANY_OBJECT if want[1] == "ANY" else want[1])
+
+
+def test_one_output_constraint_per_request():
+    from splash.server import structured as S
+    a = S.from_response_format({"type": "json_object"})
+    b = S.from_structured_outputs({"regex": "x"})
+    assert S.pick(None, a) is a and S.pick(None, None) is None
+    with pytest.raises(APIError, match="'structured_outputs' cannot be combined with 'response_format'"):
+        S.pick(a, b)
