@@ -130,6 +130,35 @@ def test_a_compile_that_takes_too_long_is_a_400(tok, monkeypatch):
     assert e.value.param == "structured_outputs.regex"
 
 
+@pytest.mark.parametrize("kind, source", [("grammar", "root ::= root"), ("regex", r"[^\s\S]"),
+                                          ("grammar", r"root ::= [^\x00-\U0010FFFF]")])
+def test_a_grammar_that_admits_no_output_is_a_400(compiler, kind, source):
+    """It compiles, but no token (not even the end) may come first: the request would have nothing to sample."""
+    with pytest.raises(APIError) as e:
+        compiler.compile_sync(GrammarSpec(kind, source, "structured_outputs.x"))
+    assert e.value.status == 400 and e.value.param == "structured_outputs.x" and e.value.code == "invalid_grammar"
+    assert "admits no output" in e.value.message
+
+
+def test_a_grammar_dead_end_fails_its_request_as_the_clients_error(compiler):
+    """'a' may come first, then nothing may: the row fails with a ValueError (the request's own input at fault,
+    a 400 for its client), next to a free row that goes on."""
+    from splash.server.engine_loop import _failure
+
+    dead = compiler.compile_sync(GrammarSpec("grammar", r'root ::= "a" [^\x00-\U0010FFFF]', "x"))
+    s = Sampler(V, torch.Generator().manual_seed(4))
+    s.add("dead", [1], SamplingParams(max_tokens=8, grammar=dead), {EOS})
+    s.add("free", [1], SamplingParams(max_tokens=8), {EOS})
+    toks, _ = s.sample(torch.randn(2, V), ["dead", "free"])
+    assert toks[0] == ord("a") and not s.take_failed()
+    s.sample(torch.randn(2, V), ["dead", "free"])
+    failed = s.take_failed()
+    assert list(failed) == ["dead"] and isinstance(failed["dead"], ValueError)
+    told = _failure("dead", failed["dead"])
+    assert isinstance(told, ValueError) and "grammar allows no next token" in str(told)
+    assert type(_failure("x", RuntimeError("nan logits"))) is RuntimeError   # our fault stays a 500
+
+
 def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
     """One rank, the real engine on the tiny preset: the request whose grammar breaks is reported failed (and
     aborted) while the batch's other grammar requests finish with valid outputs."""

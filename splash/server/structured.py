@@ -136,6 +136,16 @@ def tokenizer_info(tok: Tokenizer, vocab_size: int) -> Any:
                              add_prefix_space=meta["add_prefix_space"])
 
 
+def _can_start(compiled: Any, vocab_size: int) -> bool:
+    """Whether some token (a stop token counts) is allowed first: a grammar whose language is empty ("root ::=
+    root", an empty character class) compiles, but would leave its request nothing to sample."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool((bitmask != 0).any())
+
+
 class GrammarCompiler:
     """Built on first use; ``compile`` runs in a worker thread."""
 
@@ -156,15 +166,20 @@ class GrammarCompiler:
         c = self._get()
         try:
             if spec.kind == "json":
-                return c.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "regex":
-                return c.compile_regex(spec.source)
-            return c.compile_grammar(spec.source)
+                compiled = c.compile_json_schema(spec.source, any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.source)
+            else:
+                compiled = c.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's errors for bad schemas/regexes/EBNF
             lines = str(e).strip().splitlines()
             msg = _WHERE.sub("", lines[-1]) if lines else type(e).__name__
             raise APIError(400, f"'{spec.param}' cannot be compiled into a grammar: {msg[:500]}",
                            param=spec.param, code="invalid_grammar") from None
+        if not _can_start(compiled, self.vocab_size):
+            raise APIError(400, f"'{spec.param}' admits no output: no token (not even the end) can start it",
+                           param=spec.param, code="invalid_grammar")
+        return compiled
 
     async def compile(self, spec: GrammarSpec | None) -> Any:
         if spec is None:
