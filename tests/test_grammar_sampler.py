@@ -159,6 +159,30 @@ def test_a_grammar_dead_end_fails_its_request_as_the_clients_error(compiler):
     assert type(_failure("x", RuntimeError("nan logits"))) is RuntimeError   # our fault stays a 500
 
 
+def test_slow_compiles_do_not_hold_the_default_executor(tok, monkeypatch):
+    """Text prompts are tokenised in asyncio's default executor: 40 compiles that run long (and keep running after
+    their 400) must not queue a tokenisation behind them; they wait in the compiler's own pool."""
+    import asyncio
+    import time
+
+    slow = GrammarCompiler(tok, V)
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(1.0))
+
+    async def main() -> float:
+        spec = GrammarSpec("regex", "a", "structured_outputs.regex")
+        compiles = [asyncio.ensure_future(slow.compile(spec)) for _ in range(40)]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await asyncio.to_thread(lambda: None)     # what a text prompt's tokenisation waits for
+        waited = time.monotonic() - t0
+        for c in compiles:
+            c.cancel()
+        await asyncio.gather(*compiles, return_exceptions=True)
+        return waited
+
+    assert asyncio.run(main()) < 0.5
+
+
 def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
     """One rank, the real engine on the tiny preset: the request whose grammar breaks is reported failed (and
     aborted) while the batch's other grammar requests finish with valid outputs."""

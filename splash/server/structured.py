@@ -5,8 +5,11 @@ A request names at most one constraint (a second is a 400 naming it): OpenAI's `
 (splash.server.tool_choice). Schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
 a model cannot spend its tokens on whitespace. Compilation runs in a worker thread through one cached
 ``xgrammar.GrammarCompiler`` per server; xgrammar releases the GIL while it compiles (measured: a 1.1 s compile
-left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. A constraint that does not
-compile (or not within COMPILE_TIMEOUT_S) is a 400 with xgrammar's message.
+left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. The compiles have a pool of
+their own (COMPILE_THREADS): a compile that times out still runs to its end, and in asyncio's default executor a few
+costly schemas would hold every worker for minutes, stalling each text prompt's tokenization behind them. A
+constraint that does not compile (or not within COMPILE_TIMEOUT_S, queueing included) is a 400 with xgrammar's
+message.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import asyncio
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,7 @@ from splash.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
 COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile is answered with a 400
+COMPILE_THREADS = 2       # grammar compiles at once; more wait in their pool, never in asyncio's default executor
 ANY_OBJECT = '{"type": "object"}'   # json_object
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
 
@@ -153,6 +158,7 @@ class GrammarCompiler:
         self.tok, self.vocab_size = tok, vocab_size
         self._compiler = None
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="splash-grammar")
 
     def _get(self) -> Any:
         with self._lock:
@@ -185,7 +191,8 @@ class GrammarCompiler:
         if spec is None:
             return None
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.compile_sync, spec), COMPILE_TIMEOUT_S)
-        except asyncio.TimeoutError:   # the worker finishes in the background (xgrammar releases the GIL)
+            work = asyncio.get_running_loop().run_in_executor(self._pool, self.compile_sync, spec)
+            return await asyncio.wait_for(work, COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:   # a queued compile is dropped; a running one finishes in the background
             raise APIError(400, f"'{spec.param}' did not compile into a grammar within {COMPILE_TIMEOUT_S:g} s",
                            param=spec.param, code="invalid_grammar") from None
