@@ -183,6 +183,40 @@ def test_slow_compiles_do_not_hold_the_default_executor(tok, monkeypatch):
     assert asyncio.run(main()) < 0.5
 
 
+_EXIT_WHILE_COMPILING = """
+import asyncio, sys, time
+from splash.server import structured
+from splash.server.protocol import APIError
+from splash.tokenizer import load_tokenizer
+structured.COMPILE_TIMEOUT_S = 0.1
+c = structured.GrammarCompiler(load_tokenizer(None, 320), 320)
+c.compile_sync = lambda spec: time.sleep(60)   # a compile xgrammar will not finish for a minute
+try:
+    asyncio.run(c.compile(structured.GrammarSpec("regex", "a", "structured_outputs.regex")))
+except APIError as e:
+    print(e.status, flush=True)
+"""
+
+
+def test_a_compile_still_running_does_not_hold_the_process_at_exit():
+    """The request got its 400, the server stops: the compile that is still running must not keep the process
+    (splash-serve's rank 0) alive until it ends."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_WHILE_COMPILING], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert out.strip() == "400" and proc.returncode == 0 and time.monotonic() - t0 < 20
+
+
 def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
     """One rank, the real engine on the tiny preset: the request whose grammar breaks is reported failed (and
     aborted) while the batch's other grammar requests finish with valid outputs."""

@@ -5,9 +5,10 @@ A request names at most one constraint (a second is a 400 naming it): OpenAI's `
 (splash.server.tool_choice). Schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
 a model cannot spend its tokens on whitespace. Compilation runs in a worker thread through one cached
 ``xgrammar.GrammarCompiler`` per server; xgrammar releases the GIL while it compiles (measured: a 1.1 s compile
-left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. The compiles have a pool of
-their own (COMPILE_THREADS): a compile that times out still runs to its end, and in asyncio's default executor a few
-costly schemas would hold every worker for minutes, stalling each text prompt's tokenization behind them. A
+left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. The compiles have daemon threads
+of their own (COMPILE_THREADS): a compile that times out still runs to its end (xgrammar cannot be interrupted), so in
+asyncio's default executor a few costly schemas would hold every worker for minutes, stalling each text prompt's
+tokenization behind them, and any pool Python joins at exit would hold a stopping server until they end. A
 constraint that does not compile (or not within COMPILE_TIMEOUT_S, queueing included) is a 400 with xgrammar's
 message.
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +153,37 @@ def _can_start(compiled: Any, vocab_size: int) -> bool:
     return bool((bitmask != 0).any())
 
 
+class _DaemonWorkers:
+    """`n` daemon threads running submitted calls in order (started on first use). concurrent.futures' pools are
+    joined when the interpreter exits; these are not, so a compile still running never delays a server's exit."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self.n, self.name = n, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        with self._lock:
+            if not self._started:
+                for i in range(self.n):
+                    threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True).start()
+                self._started = True
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():   # cancelled while queued (its request timed out)
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 — handed to the awaiting request
+                fut.set_exception(e)
+
+
 class GrammarCompiler:
     """Built on first use; ``compile`` runs in a worker thread."""
 
@@ -158,7 +191,7 @@ class GrammarCompiler:
         self.tok, self.vocab_size = tok, vocab_size
         self._compiler = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="splash-grammar")
+        self._workers = _DaemonWorkers(COMPILE_THREADS, "splash-grammar")
 
     def _get(self) -> Any:
         with self._lock:
@@ -191,7 +224,7 @@ class GrammarCompiler:
         if spec is None:
             return None
         try:
-            work = asyncio.get_running_loop().run_in_executor(self._pool, self.compile_sync, spec)
+            work = asyncio.wrap_future(self._workers.submit(self.compile_sync, spec))
             return await asyncio.wait_for(work, COMPILE_TIMEOUT_S)
         except asyncio.TimeoutError:   # a queued compile is dropped; a running one finishes in the background
             raise APIError(400, f"'{spec.param}' did not compile into a grammar within {COMPILE_TIMEOUT_S:g} s",
