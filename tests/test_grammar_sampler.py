@@ -183,6 +183,27 @@ def test_slow_compiles_do_not_hold_the_default_executor(tok, monkeypatch):
     assert asyncio.run(main()) < 0.5
 
 
+def test_a_request_waiting_for_its_compile_gets_a_503_once_the_server_drains(tok, monkeypatch):
+    """A stop signal came while the compile runs: the request is answered 503 within a poll, not left to outlive
+    the drain (uvicorn cancels what is left with a bare 500)."""
+    import asyncio
+    import time
+
+    stopping = [False]
+    slow = GrammarCompiler(tok, V, stopping=lambda: stopping[0])
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(3.0))
+
+    async def main() -> float:
+        asyncio.get_running_loop().call_later(0.2, lambda: stopping.__setitem__(0, True))
+        t0 = time.monotonic()
+        with pytest.raises(APIError) as e:
+            await slow.compile(GrammarSpec("regex", "a", "structured_outputs.regex"))
+        assert e.value.status == 503 and e.value.type == "service_unavailable"
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 1.0
+
+
 _EXIT_WHILE_COMPILING = """
 import asyncio, sys, time
 from splash.server import structured

@@ -121,6 +121,11 @@ class EngineLoop:
             self._done(len(reqs))
             raise
 
+    @property
+    def draining(self) -> bool:
+        """A stop signal came: no request is admitted any more."""
+        return self._draining
+
     def begin_drain(self) -> None:
         with self._cond:
             self._draining = True

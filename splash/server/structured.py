@@ -21,13 +21,14 @@ import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from splash.server.protocol import APIError
 from splash.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
 COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile is answered with a 400
+STOP_POLL_S = 0.1         # how often a request waiting for its compile checks whether the server is stopping
 COMPILE_THREADS = 2       # grammar compiles at once; more wait in their pool, never in asyncio's default executor
 ANY_OBJECT = '{"type": "object"}'   # json_object
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
@@ -185,10 +186,12 @@ class _DaemonWorkers:
 
 
 class GrammarCompiler:
-    """Built on first use; ``compile`` runs in a worker thread."""
+    """Built on first use; ``compile`` runs in a worker thread. ``stopping()`` says the server is draining: a request
+    still waiting for its compile then gets a 503 at once instead of outliving the drain (uvicorn would cancel it
+    with a bare 500)."""
 
-    def __init__(self, tok: Tokenizer, vocab_size: int) -> None:
-        self.tok, self.vocab_size = tok, vocab_size
+    def __init__(self, tok: Tokenizer, vocab_size: int, stopping: Callable[[], bool] = lambda: False) -> None:
+        self.tok, self.vocab_size, self.stopping = tok, vocab_size, stopping
         self._compiler = None
         self._lock = threading.Lock()
         self._workers = _DaemonWorkers(COMPILE_THREADS, "splash-grammar")
@@ -223,9 +226,18 @@ class GrammarCompiler:
     async def compile(self, spec: GrammarSpec | None) -> Any:
         if spec is None:
             return None
+        aio = asyncio.get_running_loop()
+        work = asyncio.wrap_future(self._workers.submit(self.compile_sync, spec))
+        deadline = aio.time() + COMPILE_TIMEOUT_S
         try:
-            work = asyncio.wrap_future(self._workers.submit(self.compile_sync, spec))
-            return await asyncio.wait_for(work, COMPILE_TIMEOUT_S)
-        except asyncio.TimeoutError:   # a queued compile is dropped; a running one finishes in the background
-            raise APIError(400, f"'{spec.param}' did not compile into a grammar within {COMPILE_TIMEOUT_S:g} s",
-                           param=spec.param, code="invalid_grammar") from None
+            while not work.done():
+                left = deadline - aio.time()
+                if self.stopping():
+                    raise APIError(503, "the server is shutting down", "service_unavailable")
+                if left <= 0:
+                    raise APIError(400, f"'{spec.param}' did not compile into a grammar within "
+                                        f"{COMPILE_TIMEOUT_S:g} s", param=spec.param, code="invalid_grammar")
+                await asyncio.wait({work}, timeout=min(STOP_POLL_S, left))
+        finally:
+            work.cancel()   # a queued compile is dropped; a running one finishes in the background
+        return work.result()
