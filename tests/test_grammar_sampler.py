@@ -183,6 +183,29 @@ def test_slow_compiles_do_not_hold_the_default_executor(tok, monkeypatch):
     assert asyncio.run(main()) < 0.5
 
 
+def test_a_compile_that_never_started_is_a_503_not_the_requests_400(tok, monkeypatch):
+    """Three slow compiles at once on COMPILE_THREADS (2) workers: the two that ran out their time are the
+    requests' 400s; the third waited in the queue the whole time, which says nothing about its grammar: a 503 with
+    Retry-After."""
+    import asyncio
+    import time
+
+    from splash.server import structured
+    assert structured.COMPILE_THREADS == 2
+    slow = GrammarCompiler(tok, V)
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(1.0))
+
+    async def main() -> list:
+        spec = GrammarSpec("regex", "a", "structured_outputs.regex")
+        return await asyncio.gather(*[slow.compile(spec) for _ in range(3)], return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert sorted(e.status for e in errors) == [400, 400, 503], errors
+    busy = next(e for e in errors if e.status == 503)
+    assert busy.type == "service_unavailable" and busy.headers == {"Retry-After": "5"}
+
+
 def test_a_request_waiting_for_its_compile_gets_a_503_once_the_server_drains(tok, monkeypatch):
     """A stop signal came while the compile runs: the request is answered 503 within a poll, not left to outlive
     the drain (uvicorn cancels what is left with a bare 500)."""

@@ -227,13 +227,17 @@ class GrammarCompiler:
         if spec is None:
             return None
         aio = asyncio.get_running_loop()
-        work = asyncio.wrap_future(self._workers.submit(self.compile_sync, spec))
+        job = self._workers.submit(self.compile_sync, spec)
+        work = asyncio.wrap_future(job)
         deadline = aio.time() + COMPILE_TIMEOUT_S
         try:
             while not work.done():
                 left = deadline - aio.time()
                 if self.stopping():
                     raise APIError(503, "the server is shutting down", "service_unavailable")
+                if left <= 0 and not job.running():   # never started: other requests' compiles held the workers
+                    raise APIError(503, f"the grammar compiler was busy with other requests for {COMPILE_TIMEOUT_S:g} "
+                                        "s; retry later", "service_unavailable", headers={"Retry-After": "5"})
                 if left <= 0:
                     raise APIError(400, f"'{spec.param}' did not compile into a grammar within "
                                         f"{COMPILE_TIMEOUT_S:g} s", param=spec.param, code="invalid_grammar")
