@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 NP ?= 4
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)

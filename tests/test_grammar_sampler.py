@@ -130,6 +130,137 @@ def test_a_compile_that_takes_too_long_is_a_400(tok, monkeypatch):
     assert e.value.param == "structured_outputs.regex"
 
 
+@pytest.mark.parametrize("kind, source", [("grammar", "root ::= root"), ("regex", r"[^\s\S]"),
+                                          ("grammar", r"root ::= [^\x00-\U0010FFFF]")])
+def test_a_grammar_that_admits_no_output_is_a_400(compiler, kind, source):
+    """It compiles, but no token (not even the end) may come first: the request would have nothing to sample."""
+    with pytest.raises(APIError) as e:
+        compiler.compile_sync(GrammarSpec(kind, source, "structured_outputs.x"))
+    assert e.value.status == 400 and e.value.param == "structured_outputs.x" and e.value.code == "invalid_grammar"
+    assert "admits no output" in e.value.message
+
+
+def test_a_grammar_dead_end_fails_its_request_as_the_clients_error(compiler):
+    """'a' may come first, then nothing may: the row fails with a ValueError (the request's own input at fault,
+    a 400 for its client), next to a free row that goes on."""
+    from splash.server.engine_loop import _failure
+
+    dead = compiler.compile_sync(GrammarSpec("grammar", r'root ::= "a" [^\x00-\U0010FFFF]', "x"))
+    s = Sampler(V, torch.Generator().manual_seed(4))
+    s.add("dead", [1], SamplingParams(max_tokens=8, grammar=dead), {EOS})
+    s.add("free", [1], SamplingParams(max_tokens=8), {EOS})
+    toks, _ = s.sample(torch.randn(2, V), ["dead", "free"])
+    assert toks[0] == ord("a") and not s.take_failed()
+    s.sample(torch.randn(2, V), ["dead", "free"])
+    failed = s.take_failed()
+    assert list(failed) == ["dead"] and isinstance(failed["dead"], ValueError)
+    told = _failure("dead", failed["dead"])
+    assert isinstance(told, ValueError) and "grammar allows no next token" in str(told)
+    assert type(_failure("x", RuntimeError("nan logits"))) is RuntimeError   # our fault stays a 500
+
+
+def test_slow_compiles_do_not_hold_the_default_executor(tok, monkeypatch):
+    """Text prompts are tokenised in asyncio's default executor: 40 compiles that run long (and keep running after
+    their 400) must not queue a tokenisation behind them; they wait in the compiler's own pool."""
+    import asyncio
+    import time
+
+    slow = GrammarCompiler(tok, V)
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(1.0))
+
+    async def main() -> float:
+        spec = GrammarSpec("regex", "a", "structured_outputs.regex")
+        compiles = [asyncio.ensure_future(slow.compile(spec)) for _ in range(40)]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await asyncio.to_thread(lambda: None)     # what a text prompt's tokenisation waits for
+        waited = time.monotonic() - t0
+        for c in compiles:
+            c.cancel()
+        await asyncio.gather(*compiles, return_exceptions=True)
+        return waited
+
+    assert asyncio.run(main()) < 0.5
+
+
+def test_a_compile_that_never_started_is_a_503_not_the_requests_400(tok, monkeypatch):
+    """Three slow compiles at once on COMPILE_THREADS (2) workers: the two that ran out their time are the
+    requests' 400s; the third waited in the queue the whole time, which says nothing about its grammar: a 503 with
+    Retry-After."""
+    import asyncio
+    import time
+
+    from splash.server import structured
+    assert structured.COMPILE_THREADS == 2
+    slow = GrammarCompiler(tok, V)
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(1.0))
+
+    async def main() -> list:
+        spec = GrammarSpec("regex", "a", "structured_outputs.regex")
+        return await asyncio.gather(*[slow.compile(spec) for _ in range(3)], return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert sorted(e.status for e in errors) == [400, 400, 503], errors
+    busy = next(e for e in errors if e.status == 503)
+    assert busy.type == "service_unavailable" and busy.headers == {"Retry-After": "5"}
+
+
+def test_a_request_waiting_for_its_compile_gets_a_503_once_the_server_drains(tok, monkeypatch):
+    """A stop signal came while the compile runs: the request is answered 503 within a poll, not left to outlive
+    the drain (uvicorn cancels what is left with a bare 500)."""
+    import asyncio
+    import time
+
+    stopping = [False]
+    slow = GrammarCompiler(tok, V, stopping=lambda: stopping[0])
+    monkeypatch.setattr(slow, "compile_sync", lambda spec: time.sleep(3.0))
+
+    async def main() -> float:
+        asyncio.get_running_loop().call_later(0.2, lambda: stopping.__setitem__(0, True))
+        t0 = time.monotonic()
+        with pytest.raises(APIError) as e:
+            await slow.compile(GrammarSpec("regex", "a", "structured_outputs.regex"))
+        assert e.value.status == 503 and e.value.type == "service_unavailable"
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 1.0
+
+
+_EXIT_WHILE_COMPILING = """
+import asyncio, sys, time
+from splash.server import structured
+from splash.server.protocol import APIError
+from splash.tokenizer import load_tokenizer
+structured.COMPILE_TIMEOUT_S = 0.1
+c = structured.GrammarCompiler(load_tokenizer(None, 320), 320)
+c.compile_sync = lambda spec: time.sleep(60)   # a compile xgrammar will not finish for a minute
+try:
+    asyncio.run(c.compile(structured.GrammarSpec("regex", "a", "structured_outputs.regex")))
+except APIError as e:
+    print(e.status, flush=True)
+"""
+
+
+def test_a_compile_still_running_does_not_hold_the_process_at_exit():
+    """The request got its 400, the server stops: the compile that is still running must not keep the process
+    (splash-serve's rank 0) alive until it ends."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_WHILE_COMPILING], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert out.strip() == "400" and proc.returncode == 0 and time.monotonic() - t0 < 20
+
+
 def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
     """One rank, the real engine on the tiny preset: the request whose grammar breaks is reported failed (and
     aborted) while the batch's other grammar requests finish with valid outputs."""

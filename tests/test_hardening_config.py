@@ -1,4 +1,4 @@
-"""Operator mistakes are refused at startup with a message naming the field (issue 14), the admin token can
+"""Operator mistakes are refused at startup with a message naming the field, the admin token can
 come from a file or the environment, and the pure modules stay free of torch (one list per fact)."""
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_pure_modules_import_no_torch():
 
 
 def test_top_level_api_is_lazy():
-    """Item 14: `from splash import LLM, SamplingParams`, without making `import splash` import torch."""
+    """`from splash import LLM, SamplingParams`, without making `import splash` import torch."""
     out = _python("import sys, splash; a = 'torch' in sys.modules\n"
                   "from splash import LLM, SamplingParams\n"
                   "from splash.engine.llm import LLM as L2\n"
@@ -93,7 +93,7 @@ def test_top_level_api_is_lazy():
 
 
 def test_one_list_per_fact():
-    """Item 15: the layout names, the KV dtypes and the head-divisibility rule each have one source."""
+    """The layout names, the KV dtypes and the head-divisibility rule each have one source."""
     from splash.cli.args import build_parser
     from splash.config import serve_config
     from splash.engine.layout_policy import control as layout_control
@@ -111,7 +111,7 @@ def test_one_list_per_fact():
 
 
 def test_chunked_prefill_off_never_splits_a_prompt():
-    """Item 13: --enable-chunked-prefill used to be parsed and ignored."""
+    """With chunked prefill off (--no-enable-chunked-prefill) no prompt is split across steps."""
     from splash.engine.ledger import KVLedger
     from splash.engine.scheduler import Request, Scheduler
 
@@ -134,7 +134,7 @@ def test_chunked_prefill_off_never_splits_a_prompt():
 
 
 def test_one_kv_capacity_model():
-    """Item 15: the engine's per-layout KV blocks come from the memory model's capacity function."""
+    """The engine's per-layout KV blocks come from the memory model's capacity function."""
     from splash.engine.llm import kv_blocks_per_layout
     from splash.layouts.memory import common_params, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank
     from splash.models.presets import preset_config

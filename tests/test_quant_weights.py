@@ -128,9 +128,9 @@ def test_projection_all_gather_payload(fmt, world):
 
 
 def test_switch_keeps_one_stacked_qkv_a():
-    """Issue 14 item 12: a switch used to rebuild AttnWeights without the stacked [Q-A ; KV-A], so the next step
-    stacked a second copy while the old views kept the first alive. Plain weights, a round trip through
-    all-gather and discard: resident bytes unchanged and the stack is the same tensor."""
+    """A switch carries the stacked [Q-A ; KV-A] over (rebuilt, the next step would stack a second copy while
+    the old views keep the first alive). Plain weights, a round trip through all-gather and discard: resident
+    bytes unchanged and the stack is the same tensor."""
     cfg = model_config_from_dict(GLM_LIKE)
     sd = {k: _random(*s, i) if len(s) == 2 else torch.ones(s)
           for i, (k, s) in enumerate(sorted(expected_shapes(cfg).items()))}

@@ -144,7 +144,8 @@ def refit_attention(raw: dict, rows: list[list[float]]) -> dict:
     """KV rate, FLOP rate, spill and merge rates from the isolated kernel calls ([features ×4, seconds]) and the
     in-step points ([features ×4, residual seconds, step seconds]) together. An in-step point whose residual is
     not positive, or under MIN_STEP_SHARE of its step, is dropped: the fit weighs rows by 1 / seconds, so one
-    such point would decide it (the degenerate fits of round 7: rates of 1e12-1e15). A refit whose median error
+    such point would decide it (fitted rates of 1e12-1e15: docs/benchmarks.md, "Round 8 (lead): the attention
+    refit no longer degenerates"). A refit whose median error
     exceeds MAX_REFIT_ERR is not used: the isolated fit's rates stay, and `extra` says why."""
     kept = [r for r in rows if r[4] > 0 and (len(r) < 6 or r[4] >= MIN_STEP_SHARE * r[5])]
     sol, err = nonneg_rel_lstsq(np.array([r[:4] + [1.0] for r in kept]), np.array([r[4] for r in kept]))

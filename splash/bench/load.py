@@ -13,7 +13,7 @@ reference pass run first. Exit status 0 only when all three counts are 0. ``--up
 into docs/benchmarks.md under "## Server load test (issue 5)"; ``--json FILE`` writes it as a splash-bench
 result (kind "load", one run), which ``splash-bench compare`` can compare with another.
 
-Abuse (issue 14, `splash.bench.load_abuse`), next to the well-behaved clients:
+Abuse (`splash.bench.load_abuse`), next to the well-behaved clients:
 
   # 16 clients that abandon long non-streaming requests after 0.5 s, 4 that send 9 MiB bodies, and a probe
   splash-bench load --launch --np 2 --clients 16 --abandon 16 --oversized 4 --probe-every 0.25

@@ -1,4 +1,4 @@
-"""Abusive clients for `splash-bench load` (issue 14), next to the well-behaved streaming clients: abandoners hang
+"""Abusive clients for `splash-bench load`, next to the well-behaved streaming clients: abandoners hang
 up on long non-streaming requests (the server must cancel them), oversizers send bodies over its limit (it must
 answer 413 without reading them), a prober's short-request latency is what the abuse costs; afterwards the KV in
 use must return to 0 (flags: `splash-bench load --help`)."""

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-LAYOUT_LABELS = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
+from splash.layouts.layout import LAYOUT_LABELS
 
 
 def layout_label(name: str) -> str:

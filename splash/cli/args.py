@@ -79,7 +79,7 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
     (("--num-kv-blocks",), "num_kv_blocks", int, "N", "exact number of KV pages per rank"),
     (("--enable-prefix-caching",), "enable_prefix_caching", _BOOL, None,
-     "reuse the KV of full blocks a prompt shares with earlier ones (on by default; not yet for glm5_next)"),
+     "reuse the KV of full blocks a prompt shares with earlier ones (on by default; glm5_next also keeps snapshots of its KDA state at block boundaries)"),
     (("--max-num-seqs",), "max_num_seqs", int, "N", "most requests in one batch"),
     (("--max-num-batched-tokens",), "max_num_batched_tokens", int, "N", "token budget of one step"),
     (("--enable-chunked-prefill",), "enable_chunked_prefill", _BOOL, None,

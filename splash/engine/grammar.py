@@ -49,10 +49,12 @@ class GrammarRows:
         if ok:
             bitmask_dev = bitmask.to(x.device)
             xgr.apply_token_bitmask_inplace(x, bitmask_dev, vocab_size=min(self.vocab, x.shape[-1]), indices=ok)
-            # a row whose bitmask allows no token at all would leave nothing to sample: its grammar failed
+            # a row whose bitmask allows no token at all would leave nothing to sample: the request's own grammar
+            # reached a dead end (its language is empty past this prefix), so it is the request's error (a 400)
             live = (bitmask[ok] != 0).any(-1).tolist()
             for i in (i for i, alive in zip(ok, live) if not alive):
-                self.failed[req_ids[i]] = RuntimeError("the grammar allows no next token")
+                self.failed[req_ids[i]] = ValueError("the request's grammar allows no next token after its output "
+                                                     "so far (it admits no complete output)")
         return bitmask
 
     def accept(self, req_ids: list[str], tokens: list[int]) -> None:

@@ -67,6 +67,8 @@ def parse_layout(name: str | Layout) -> Layout:
 
 # The layout names in their canonical order: the one list every other module uses.
 LAYOUT_NAMES: tuple[str, ...] = tuple(lay.value for lay in Layout)
+# How tables, figures and logs print each layout (the paper's spelling).
+LAYOUT_LABELS: dict[str, str] = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
 
 
 def kv_ownership_of(layout: str | Layout) -> str:

@@ -5,7 +5,7 @@ and the OutputMode that reads its output. The parsers default from the model's t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from splash.server import structured
 from splash.server.chat_output import OutputMode
@@ -37,8 +37,8 @@ class Prepared:
 
 class AgentAPI:
     def __init__(self, tok: Tokenizer, vocab_size: int, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
-        self.compiler = structured.GrammarCompiler(tok, vocab_size)
+                 reasoning_parser: str | None = None, stopping: Callable[[], bool] = lambda: False) -> None:
+        self.compiler = structured.GrammarCompiler(tok, vocab_size, stopping)
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     async def completion(self, req: Any) -> Any:

@@ -136,7 +136,8 @@ class _Handlers:
     def __init__(self, state: ServerState) -> None:
         self.s = state
         self.prompts = PromptReader(state.tokenizer, state.max_model_len, state.vocab_size)
-        self.agent = AgentAPI(state.tokenizer, state.vocab_size, state.tool_call_parser, state.reasoning_parser)
+        self.agent = AgentAPI(state.tokenizer, state.vocab_size, state.tool_call_parser, state.reasoning_parser,
+                              stopping=lambda: state.loop.draining)
         self.builder = ResponseBuilder()   # large bodies: built one at a time, off the event loop
 
     async def body(self, request: Request, model: type) -> Any:

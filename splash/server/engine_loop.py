@@ -58,6 +58,13 @@ class EngineSnapshot:
         return sum(self.switch_counts.values())
 
 
+def _failure(req_id: str, err: Exception) -> Exception:
+    """What the request's client is told about its failed row: a ValueError is the request's own input at fault
+    (its grammar reached a dead end) and stays one, so that the client gets a 400; anything else is ours (500)."""
+    cls = ValueError if isinstance(err, ValueError) else RuntimeError
+    return cls(f"sampling request {req_id} failed: {type(err).__name__}: {err}")
+
+
 class EngineLoop:
     CAPACITY_REFRESH_S = 1.0
 
@@ -113,6 +120,11 @@ class EngineLoop:
         except EngineStopped:
             self._done(len(reqs))
             raise
+
+    @property
+    def draining(self) -> bool:
+        """A stop signal came: no request is admitted any more."""
+        return self._draining
 
     def begin_drain(self) -> None:
         with self._cond:
@@ -219,7 +231,7 @@ class EngineLoop:
             self.metrics.steps.inc()
             if events:
                 self.metrics.generated_tokens.inc(len(events))
-        failed = [(req_id, RuntimeError(f"sampling request {req_id} failed: {type(err).__name__}: {err}"), True)
+        failed = [(req_id, _failure(req_id, err), True)
                   for req_id, err in self.engine.take_failures()]   # already aborted by the engine
         groups: dict[int, tuple[Sink, list[Any]]] = {}
         finished = 0

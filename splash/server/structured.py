@@ -5,23 +5,31 @@ A request names at most one constraint (a second is a 400 naming it): OpenAI's `
 (splash.server.tool_choice). Schemas compile with ``any_whitespace=False`` (vLLM's ``disable-any-whitespace``), so
 a model cannot spend its tokens on whitespace. Compilation runs in a worker thread through one cached
 ``xgrammar.GrammarCompiler`` per server; xgrammar releases the GIL while it compiles (measured: a 1.1 s compile
-left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. A constraint that does not
-compile (or not within COMPILE_TIMEOUT_S) is a 400 with xgrammar's message.
+left the other threads' longest pause at 5 ms), so the engine thread keeps stepping. The compiles have daemon threads
+of their own (COMPILE_THREADS): a compile that times out still runs to its end (xgrammar cannot be interrupted), so in
+asyncio's default executor a few costly schemas would hold every worker for minutes, stalling each text prompt's
+tokenization behind them, and any pool Python joins at exit would hold a stopping server until they end. A
+constraint that does not compile (or not within COMPILE_TIMEOUT_S, queueing included) is a 400 with xgrammar's
+message.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import re
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from splash.server.protocol import APIError
 from splash.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20   # xgrammar's compiled-grammar cache (LRU by bytes)
 COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile is answered with a 400
+STOP_POLL_S = 0.1         # how often a request waiting for its compile checks whether the server is stopping
+COMPILE_THREADS = 2       # grammar compiles at once; more wait in their pool, never in asyncio's default executor
 ANY_OBJECT = '{"type": "object"}'   # json_object
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")   # xgrammar's "[time] file.cc:line: " prefix
 
@@ -136,13 +144,57 @@ def tokenizer_info(tok: Tokenizer, vocab_size: int) -> Any:
                              add_prefix_space=meta["add_prefix_space"])
 
 
-class GrammarCompiler:
-    """Built on first use; ``compile`` runs in a worker thread."""
+def _can_start(compiled: Any, vocab_size: int) -> bool:
+    """Whether some token (a stop token counts) is allowed first: a grammar whose language is empty ("root ::=
+    root", an empty character class) compiles, but would leave its request nothing to sample."""
+    import xgrammar as xgr
 
-    def __init__(self, tok: Tokenizer, vocab_size: int) -> None:
-        self.tok, self.vocab_size = tok, vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool((bitmask != 0).any())
+
+
+class _DaemonWorkers:
+    """`n` daemon threads running submitted calls in order (started on first use). concurrent.futures' pools are
+    joined when the interpreter exits; these are not, so a compile still running never delays a server's exit."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self.n, self.name = n, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        with self._lock:
+            if not self._started:
+                for i in range(self.n):
+                    threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True).start()
+                self._started = True
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():   # cancelled while queued (its request timed out)
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 — handed to the awaiting request
+                fut.set_exception(e)
+
+
+class GrammarCompiler:
+    """Built on first use; ``compile`` runs in a worker thread. ``stopping()`` says the server is draining: a request
+    still waiting for its compile then gets a 503 at once instead of outliving the drain (uvicorn would cancel it
+    with a bare 500)."""
+
+    def __init__(self, tok: Tokenizer, vocab_size: int, stopping: Callable[[], bool] = lambda: False) -> None:
+        self.tok, self.vocab_size, self.stopping = tok, vocab_size, stopping
         self._compiler = None
         self._lock = threading.Lock()
+        self._workers = _DaemonWorkers(COMPILE_THREADS, "splash-grammar")
 
     def _get(self) -> Any:
         with self._lock:
@@ -156,21 +208,40 @@ class GrammarCompiler:
         c = self._get()
         try:
             if spec.kind == "json":
-                return c.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "regex":
-                return c.compile_regex(spec.source)
-            return c.compile_grammar(spec.source)
+                compiled = c.compile_json_schema(spec.source, any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.source)
+            else:
+                compiled = c.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's errors for bad schemas/regexes/EBNF
             lines = str(e).strip().splitlines()
             msg = _WHERE.sub("", lines[-1]) if lines else type(e).__name__
             raise APIError(400, f"'{spec.param}' cannot be compiled into a grammar: {msg[:500]}",
                            param=spec.param, code="invalid_grammar") from None
+        if not _can_start(compiled, self.vocab_size):
+            raise APIError(400, f"'{spec.param}' admits no output: no token (not even the end) can start it",
+                           param=spec.param, code="invalid_grammar")
+        return compiled
 
     async def compile(self, spec: GrammarSpec | None) -> Any:
         if spec is None:
             return None
+        aio = asyncio.get_running_loop()
+        job = self._workers.submit(self.compile_sync, spec)
+        work = asyncio.wrap_future(job)
+        deadline = aio.time() + COMPILE_TIMEOUT_S
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.compile_sync, spec), COMPILE_TIMEOUT_S)
-        except asyncio.TimeoutError:   # the worker finishes in the background (xgrammar releases the GIL)
-            raise APIError(400, f"'{spec.param}' did not compile into a grammar within {COMPILE_TIMEOUT_S:g} s",
-                           param=spec.param, code="invalid_grammar") from None
+            while not work.done():
+                left = deadline - aio.time()
+                if self.stopping():
+                    raise APIError(503, "the server is shutting down", "service_unavailable")
+                if left <= 0 and not job.running():   # never started: other requests' compiles held the workers
+                    raise APIError(503, f"the grammar compiler was busy with other requests for {COMPILE_TIMEOUT_S:g} "
+                                        "s; retry later", "service_unavailable", headers={"Retry-After": "5"})
+                if left <= 0:
+                    raise APIError(400, f"'{spec.param}' did not compile into a grammar within "
+                                        f"{COMPILE_TIMEOUT_S:g} s", param=spec.param, code="invalid_grammar")
+                await asyncio.wait({work}, timeout=min(STOP_POLL_S, left))
+        finally:
+            work.cancel()   # a queued compile is dropped; a running one finishes in the background
+        return work.result()

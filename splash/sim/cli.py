@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from splash.costmodel.step_cost import LAYOUTS
+from splash.layouts.layout import LAYOUT_LABELS
 from splash.sim.storage import RUNTIME_RESERVE_BYTES, STORAGES
 
-LAYOUT_NAMES = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
 
 
 def parse_len(text: str) -> int:
@@ -132,7 +132,7 @@ def print_points(console, points, title: str) -> None:
         t = Table(title=f"{title} — B={b}: predicted tokens/s (input + output)")
         t.add_column("input", justify="right")
         for k in LAYOUTS:
-            t.add_column(LAYOUT_NAMES[k], justify="right")
+            t.add_column(LAYOUT_LABELS[k], justify="right")
         t.add_column("leader (lead over runner-up)", justify="left")
         for p in (p for p in points if p["batch_size"] == b):
             lay, lead = p["layouts"], p["leader"]
@@ -146,7 +146,7 @@ def print_points(console, points, title: str) -> None:
                 cells.append(f"[bold]{txt}[/]" if k == lead else txt)
             rest = sorted((v["tokens_per_s"] for k, v in lay.items() if k != lead and v["feasible"]), reverse=True)
             gain = f"+{lay[lead]['tokens_per_s'] / rest[0] - 1:.1%}" if lead and rest and rest[0] > 0 else ""
-            t.add_row(_fmt_len(p["input_len"]), *cells, f"{LAYOUT_NAMES.get(lead, 'none')} {gain}")
+            t.add_row(_fmt_len(p["input_len"]), *cells, f"{LAYOUT_LABELS.get(lead, 'none')} {gain}")
         console.print(t)
 
 
@@ -158,7 +158,7 @@ def print_capacity(console, caps) -> None:
     dop = caps["dop"].distinct_tokens
     for k in LAYOUTS:
         c = caps[k]
-        t.add_row(LAYOUT_NAMES[k], f"{c.distinct_tokens:,}", f"{c.tokens_per_rank:,}",
+        t.add_row(LAYOUT_LABELS[k], f"{c.distinct_tokens:,}", f"{c.tokens_per_rank:,}",
                   f"{c.distinct_tokens / dop - 1:+.1%}" if dop else "—")
     console.print(t)
     if dop:

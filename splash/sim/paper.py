@@ -14,11 +14,11 @@ import json
 import math
 from pathlib import Path
 
+from splash.layouts.layout import LAYOUT_LABELS
 from splash.sim.paper_data import (CAPACITY_TOL, FIGURES, LEADER_SHARE, RATE_TOL, SETUPS, SWITCH_FACTOR, Figure,
                                    Setup)
 
 HW_NAMES = {"b200": "B200", "h200": "H200", "bw1000": "DCU"}
-LAYOUT_NAMES = {"tp": "TP", "dp_attn": "DP-attn", "cp": "CP", "dop": "DOP"}
 
 
 def _rel(sim: float, paper: float) -> float:
@@ -125,7 +125,7 @@ class Evaluator:
         return p["tokens_per_s"] if p["feasible"] else None
 
     def leader(self, batch: int, input_len: int) -> str | None:
-        feas = {k: self.tps(k, batch, input_len) for k in LAYOUT_NAMES}
+        feas = {k: self.tps(k, batch, input_len) for k in LAYOUT_LABELS}
         feas = {k: v for k, v in feas.items() if v}
         return max(feas, key=feas.get) if feas else None
 
@@ -225,7 +225,7 @@ def _fmt(v) -> str:
     if v is None:
         return "—"
     if isinstance(v, str):
-        return LAYOUT_NAMES.get(v, v)
+        return LAYOUT_LABELS.get(v, v)
     if isinstance(v, bool):
         return str(v).lower()
     return f"{v:,.0f}" if isinstance(v, int) or abs(v) >= 100 else f"{v:.4g}"

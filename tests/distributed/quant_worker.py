@@ -8,8 +8,8 @@ argv: ref.pt mode runs   (runs: comma-separated; "layouts": schemes, "switch": s
       every switch each rank's projections equal, bit for bit, a fresh load of the checkpoint in the current
       layout (all-gathers reassemble the stored values and scales); resident weight bytes equal the memory
       model before, between and after the switches (no hidden copy); the bytes each all-gather delivers equal
-      the manifest's weight_recv_bytes. Scheme "plain" runs the same on the fp32 checkpoint (issue 14: a
-      switch used to leave [Q-A ; KV-A] and its views both alive). Hybrid (glm5_next) schemes: the same checks,
+      the manifest's weight_recv_bytes. Scheme "plain" runs the same on the fp32 checkpoint (a switch
+      must not leave [Q-A ; KV-A] and its views both alive). Hybrid (glm5_next) schemes: the same checks,
       KDA projections included (resident bytes and the manifest's weight bytes count KDA and MLA layers each
       as stored).
 """

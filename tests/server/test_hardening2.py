@@ -1,4 +1,4 @@
-"""Hardening 2 (issue 32) without MPI: the real app, engine thread and uvicorn (with splash's h11 protocol) on one
+"""Request hardening without MPI: the real app, engine thread and uvicorn (with splash's h11 protocol) on one
 rank in process, on a loopback socket, so keep-alive connections and idle sockets are the real thing.
 
 Each check sends what a hostile client sends and asserts the answer for it alone: a 400 naming the field, a
@@ -132,9 +132,9 @@ BAD_BODIES = [   # (path, raw JSON body, the field the 400 must name)
 
 
 def test_unusable_values_are_400s_naming_the_field(engine):
-    """Issue 32 items 3 and 4: lone surrogates were a TypeError from the tokenizer, 5,000-digit integers the
-    int-parsing limit, top_k >= 2**63 an overflow in the sampler (all 500s); float32-underflowing top_p and
-    repetition_penalty were accepted and gave garbage (every token masked; NaN logprobs)."""
+    """Values nothing can use are 400s naming the field, never 500s or garbage: lone surrogates (the tokenizer
+    cannot take them), 5,000-digit integers (past the int-parsing limit), top_k >= 2**63 (overflows the sampler),
+    float32-underflowing top_p and repetition_penalty (every token masked; NaN logprobs)."""
     async def checks(url, _):
         reqs = [_request("POST", path, body.encode()) for path, body, _ in BAD_BODIES]
         answers = await _exchange(url, reqs + [_request("POST", "/v1/completions", GOOD)])
@@ -154,7 +154,7 @@ def test_unusable_values_are_400s_naming_the_field(engine):
 
 
 def test_error_messages_quote_a_bounded_prefix(engine):
-    """Issue 32 item 5: a 100,000-character input was echoed back whole."""
+    """An error message quotes a bounded prefix of a 100,000-character input, not the whole of it."""
     big = "z" * 100_000
     bodies = [("/v1/completions", {"prompt": [1], "model": big}), ("/v1/completions", {"prompt": [1], "n": big}),
               ("/v1/completions", {"prompt": [1], big: 1}),
@@ -173,8 +173,8 @@ def test_error_messages_quote_a_bounded_prefix(engine):
 
 
 def test_internal_errors_are_counted_and_keep_the_connection(engine, monkeypatch):
-    """Issue 32 item 3: the generic 500 path reset the next request on the same keep-alive connection, wrote a
-    traceback, and was missing from splash_requests_total (both endpoints)."""
+    """A server fault (the generic 500 path) leaves the keep-alive connection usable for the next request, writes
+    no traceback and is counted in splash_requests_total (both endpoints)."""
     from splash.server.prompts import PromptReader
 
     async def broken(self, *_):
@@ -203,7 +203,7 @@ def test_internal_errors_are_counted_and_keep_the_connection(engine, monkeypatch
 
 
 def test_stop_ids_covering_the_vocabulary_honour_min_tokens(engine):
-    """Issue 32 item 5: stop_token_ids covering the vocabulary with min_tokens 2 ended after 1 token."""
+    """min_tokens holds when stop_token_ids cover the whole vocabulary."""
     body = {**GOOD, "stop_token_ids": list(range(320)), "min_tokens": 2, "max_tokens": 5}
 
     async def checks(url, _):
@@ -232,9 +232,9 @@ def idle_socket_count(want: int) -> int:
 
 
 def test_idle_connections_close_after_the_read_timeout(engine):
-    """Issue 32 item 2: a connection that never sent a byte was never closed (300 still open after 150 s), so
-    enough of them exhausted the descriptors and blocked accept(). Now each gets a 408 and is closed
-    server.read_timeout_s after its accept, the server serves meanwhile, and its descriptors come back."""
+    """A connection that never sends a byte gets a 408 and is closed server.read_timeout_s after its accept
+    (else enough of them exhaust the descriptors and block accept()); the server serves meanwhile, and its
+    descriptors come back."""
     n = idle_socket_count(1000)
     assert n >= 200
 
@@ -267,7 +267,7 @@ def test_admission_cost_estimates_are_upper_bounds():
     from splash.server.admission_cost import MB, RequestShape, estimate, over_budget
 
     plp = estimate(RequestShape((3500,), 16, 1, None, 20))
-    # issue 32 measured this request's response at 79.2 MB (prompt logprobs were then per sample; the bytes are not)
+    # this request's response measured 79.2 MB (docs/benchmarks.md, "Hardening 2: a costly request's price")
     assert 79.2 * 1e6 <= plp.response_bytes <= 1.2 * 79.2 * 1e6
     assert plp.logprob_entries == 3499 * 21 * 16 and plp.driver == "prompt_logprobs"
     chat = estimate(RequestShape((3500,), 16, 1, None, 20, prompt_k_per_choice=False))
@@ -283,8 +283,8 @@ PLP_PROMPT = list(range(1, 201))
 
 
 def test_prompt_logprobs_are_computed_once_per_prompt_and_shared(engine, monkeypatch):
-    """Issue 32 item 1: prompt logprobs were computed once per sample (n x the rows), and chat computed n copies
-    to return one. Rows counted where the engine computes them."""
+    """Prompt logprobs are computed once per prompt (not once per sample, n x the rows), and chat computes one
+    copy to return one. Rows counted where the engine computes them."""
     import splash.engine.engine as eng
 
     rows = []
@@ -353,8 +353,8 @@ def test_request_cost_above_the_budget_is_a_400_naming_it(engine):
 
 
 def test_stream_options_and_usage_stats(engine):
-    """Issue 32 item 5: stream_options with stream false was accepted (vLLM: 400); continuous_usage_stats was
-    accepted and ignored; a streamed chat dropped prompt_logprobs silently (now a 400, as vLLM)."""
+    """As vLLM: stream_options with stream false is a 400; continuous_usage_stats puts the running usage on every
+    chunk; a streamed chat with prompt_logprobs is a 400."""
     opts = {"include_usage": True, "continuous_usage_stats": True}
 
     async def checks(url, _):

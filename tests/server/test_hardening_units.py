@@ -1,4 +1,4 @@
-"""Hardening (issue 14) without MPI: the real app + engine thread on one rank, in process (httpx's ASGI transport).
+"""Hardening without MPI: the real app + engine thread on one rank, in process (httpx's ASGI transport).
 
 Whatever one client sends, the worst it gets is an error for itself: each check below sends one bad request
 next to a good one and checks the status of the bad one, the tokens of the good one, and that the engine
@@ -60,7 +60,7 @@ def _ids(r: httpx.Response) -> list[int]:
 
 
 def test_tiny_temperature_is_greedy_and_a_sampling_failure_fails_one_request(engine, monkeypatch):
-    """Item 1: temperature 1e-40 used to overflow the logits to NaN and abort every rank."""
+    """Temperature 1e-40 samples greedily: 1/T would overflow the logits to NaN and abort every rank."""
     real = engine.sampler.sample
 
     def sample(logits, req_ids):   # a batch holding a request whose sampling raises (seed 666 marks it)
@@ -89,7 +89,8 @@ def test_tiny_temperature_is_greedy_and_a_sampling_failure_fails_one_request(eng
 
 
 def test_statuses_of_bad_bodies(engine):
-    """Item 11: each of these used to be a 500, a silent cap or an accepted body."""
+    """Bad bodies get 400s naming the field and a non-JSON content type a 415 (not a 500, a silent cap or an
+    accepted body); a body without a content type is read as JSON."""
     deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     chat_bad = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
     chat_img = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
@@ -143,7 +144,7 @@ def test_body_size_sequence_and_queue_limits(engine):
 
 
 def test_overlong_text_prompt_is_refused_without_tokenising_it_all(engine):
-    """Item 2: a huge text prompt is measured on a bounded prefix (the whole text took ~4 µs per character
+    """A huge text prompt is measured on a bounded prefix (the whole text took ~4 µs per character
     to tokenise here, holding the interpreter)."""
     text = "hello world " * 200_000   # 2.4 MB
 
@@ -159,7 +160,7 @@ def test_overlong_text_prompt_is_refused_without_tokenising_it_all(engine):
 
 
 def test_metrics_label_unknown_paths_as_one_value(engine):
-    """Item 9: random 404 paths do not grow /metrics."""
+    """Random 404 paths do not grow /metrics."""
     async def checks(c, _):
         for i in range(40):
             assert (await c.get(f"/random/{i}/x{i}")).status_code == 404
@@ -191,7 +192,7 @@ def test_health_reports_a_stalled_step_and_drain_refuses_new_requests(engine):
 
 
 def test_empty_bearer_token_never_matches():
-    """Item 5: an empty configured token used to accept 'Authorization: Bearer ' (empty)."""
+    """An empty configured token never matches, not even 'Authorization: Bearer ' (empty)."""
     state = ServerState(loop=EngineLoop.__new__(EngineLoop), tokenizer=TOK, metrics=None, model_name="m",
                         max_model_len=8, vocab_size=320, allowed_layouts=("tp",), host="0.0.0.0", admin_token="")
     for header in ("Bearer ", "Bearer", "", None):
@@ -216,7 +217,7 @@ def test_engine_loop_refuses_adds_while_draining(engine):
 
 
 def test_repeated_log_lines_are_rate_limited():
-    """Item 10: a deferred pin retried every step logged ~19 warnings a second."""
+    """A deferred pin retried every step is logged rate-limited (not ~19 warnings a second)."""
     import logging
 
     from splash.server.http import RateLimitFilter

@@ -1,6 +1,6 @@
 """The load-test path end to end (`splash-bench load`, wrapped by scripts/load_test.py): one tiny --launch run
 at mpiexec -n 2 — 2 streaming clients against the unswitched reference, one forced switch request, and every
-abuse client of issue 14 (an abandoner, an oversized body, a probe) — must exit 0 with nothing failed, lost or
+abuse client (an abandoner, an oversized body, a probe) — must exit 0 with nothing failed, lost or
 mismatched, the abusers answered as expected and the KV drained; the report names each of them."""
 from __future__ import annotations
 

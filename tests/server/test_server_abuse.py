@@ -1,4 +1,4 @@
-"""One real 2-rank server (mpiexec -n 2) taking abuse (issue 14): whatever one client sends, the worst it gets is
+"""One real 2-rank server (mpiexec -n 2) taking abuse: whatever one client sends, the worst it gets is
 an error for itself. Every check runs next to a greedy stream whose tokens must stay right, and ends with
 both ranks alive and /health 200. The module ends with SIGTERM to mpiexec while streams run (the drain).
 
@@ -130,7 +130,7 @@ def test_tiny_temperature_and_sizes(server, reference):
 
 
 def test_slow_and_broken_clients_are_timed_out_quietly(server, reference):
-    """Item 10: stalled headers or bodies get 408 after server.read_timeout_s; partial bodies followed by a
+    """Stalled headers or bodies get 408 after server.read_timeout_s; partial bodies followed by a
     disconnect leave no traceback in the log (the server runs with --quiet)."""
     with Witness(server.url, reference):
         t0 = time.monotonic()
@@ -145,7 +145,7 @@ def test_slow_and_broken_clients_are_timed_out_quietly(server, reference):
     time.sleep(0.5)
     log = server.output()
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
-    # --quiet (server.quiet) writes only the serving/stopped lines: no scheduler decision lines (issue 32 item 5)
+    # --quiet (server.quiet) writes only the serving/stopped lines: no scheduler decision lines
     assert "layout decision" not in log, log[-3000:]
 
 
@@ -154,7 +154,7 @@ def _fds(pid: int) -> int:
 
 
 def test_idle_sockets_are_closed_and_descriptors_come_back(server, reference):
-    """Issue 32 item 2: 1,000 sockets that never send a byte each get a 408 and are closed
+    """1,000 sockets that never send a byte each get a 408 and are closed
     server.read_timeout_s (2 s here) after their accept; meanwhile the server serves, and afterwards rank 0 holds
     as many descriptors as before."""
     import resource
@@ -195,7 +195,7 @@ def _rss_kb(pid: int, key: str) -> int:
 
 
 def test_the_costliest_admitted_request_twice_at_once(server):
-    """Issue 32 item 1: the worst request server.max_request_mb (8 MB here) admits — n = 16 (the sequence limit)
+    """The worst request server.max_request_mb (8 MB here) admits — n = 16 (the sequence limit)
     with prompt_logprobs 20 and the longest prompt the budget allows — sent twice at once: rank 0's peak RSS
     grows by less than 2 x the budget + 64 MB, /health answers in < 0.5 s throughout, and a prompt a little
     longer is a 400 naming the budget."""
@@ -300,7 +300,7 @@ def test_abandoned_requests_are_cancelled_and_the_queue_is_bounded(server, refer
 
 
 def test_unknown_paths_do_not_grow_metrics(server):
-    """Item 9."""
+    """Random 404 paths do not grow /metrics (they are counted as endpoint="other")."""
     def series() -> list[str]:
         return [ln for ln in httpx.get(f"{server.url}/metrics").text.splitlines()
                 if ln.startswith("splash_requests_total")]
@@ -504,7 +504,7 @@ def _events(r: httpx.Response) -> list[dict]:
 
 
 def test_schema_fuzz_no_5xx_and_no_rank_death(server):
-    """Issue 32: hypothesis over the whole request schema (every field of both models, from their JSON schema,
+    """Hypothesis over the whole request schema (every field of both models, from their JSON schema,
     with hostile values swapped in), stream on and off, against the 2-rank server with its fixed budget
     (server.max_request_mb 8): no 5xx, no internal error event in a stream, /health 200 after each."""
     from splash.server import protocol as P
@@ -538,7 +538,7 @@ def test_schema_fuzz_no_5xx_and_no_rank_death(server):
 
 
 def test_sigterm_to_mpiexec_ends_every_stream_properly(server):
-    """Item 6, last: SIGTERM to mpiexec with streams running and non-streaming requests waiting. Each stream
+    """Last in the module: SIGTERM to mpiexec with streams running and non-streaming requests waiting. Each stream
     ends with its completion or an error event, then [DONE]; each waiting request gets a 503 body; exit 0."""
     results: dict[int, object] = {}
     body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "return_token_ids": True}

@@ -153,6 +153,9 @@ def test_completions_structured_outputs(server):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
       "tool_choice": "required"}, "tool_choice"),
+    # they compile, but admit no output at all: the engine would have nothing to sample
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs.regex"),
 ])
 def test_bad_constraints_are_400_naming_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/chat/completions",
@@ -161,6 +164,26 @@ def test_bad_constraints_are_400_naming_the_field(server, body, param):
     err = r.json()["error"]
     assert err["param"] == param, err
     # and the server keeps serving
+    assert _chat(server.url, {"max_tokens": 2})["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_dead_ends_after_its_first_token_is_the_requests_400(server, stream):
+    """'a' is allowed first, then nothing is (an empty character class): the request fails alone with a client
+    error, not an internal_error."""
+    body = {"prompt": "x", "max_tokens": 8, "stream": stream,
+            "structured_outputs": {"grammar": 'root ::= "a" [^\\x00-\\U0010FFFF]'}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    if stream:
+        assert r.status_code == 200
+        errors = [json.loads(ln[6:])["error"] for ln in r.text.splitlines()
+                  if ln.startswith("data: {") and '"error"' in ln]
+        assert len(errors) == 1 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        err = errors[0]
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "grammar allows no next token" in err["message"], err
     assert _chat(server.url, {"max_tokens": 2})["choices"][0]["finish_reason"] in ("length", "stop")
 
 
