@@ -166,10 +166,13 @@ def output_left(r: Request) -> int:
     return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
 
 
-def _along_decode(state) -> frozenset:
+def _along_decode(state) -> tuple[frozenset, tuple]:
     """What a boundary keeps through decode steps (each running request's cached tokens + output left, and all
-    else): the key boundaries of one steady decode run share."""
-    return frozenset((rid, c + left if run else left, p, o, run) for rid, c, p, left, o, run in state)
+    else), and the waiting queue's order (admission is first come, first served): the key boundaries of one steady
+    decode run share."""
+    state = tuple(state)
+    return (frozenset((rid, c + left if run else left, p, o, run) for rid, c, p, left, o, run in state),
+            tuple(rid for rid, *_, run in state if not run))
 
 
 @dataclass
@@ -180,7 +183,7 @@ class _Kept:
     secs: list[float]                    # one step of each segment
     bounds: list[tuple[int, tuple]]      # (segments before it, `boundary`) of each boundary, in order
     ids: frozenset                       # the requests it replayed
-    index: dict[frozenset, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
+    index: dict[tuple, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
 
 
 class BatchForecast:
@@ -233,28 +236,32 @@ class BatchForecast:
     # steps until something the replay could not foresee happens: a request arrives, stops early on a stop token
     # or is aborted. A forecast asked at a later boundary whose requests are exactly as the replay had them at one
     # of its boundaries (or k steps into one of its steady decode runs) — each request's cached tokens, pending
-    # tokens, output left, owner, running or waiting — is the kept replay from there: answered from it (a run cut
-    # part way re-priced at its new middle context) instead of replayed and priced again. Not at the replay's
-    # start (asked again with no step run, it is replayed), and not while a request waits: its admission may find
-    # cached blocks that a fresh fork for another layout than the engine's would have dropped.
+    # tokens, output left, owner, running or waiting, the waiting ones in the same order — is the kept replay from
+    # there: answered from it (a run cut part way re-priced at its new middle context) instead of replayed and
+    # priced again. Not at the replay's start (asked again with no step run, it is replayed). While a request waits,
+    # only for the engine's own layout: its replay started from the engine's whole ledger, so the cache it evolved
+    # is the engine's; another layout's replay started from a fork that dropped the blocks idle then, and a fresh
+    # fork now would drop those idle now — blocks a waiting request's admission may or may not find.
     def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int):
         """(segments, seconds per step, admitted, served) of the kept forecast from the boundary the engine is at,
         or None when the engine did not follow it (or none is kept)."""
         kept = self._kept.get(lay)
         if kept is None or kept.key != (self.scheduler.ledger.layout, cap) or not reqs:
             return None
-        if any(not r.running or r.req_id not in kept.ids for r in reqs):   # waiting, or arrived since
+        if any(r.req_id not in kept.ids for r in reqs):   # arrived since
+            return None
+        if lay != kept.key[0] and any(not r.running for r in reqs):
             return None
         if kept.index is None:
             kept.index = {}
             for i, (_, state) in enumerate(kept.bounds):
                 kept.index.setdefault(_along_decode(state), []).append(i)
-        now = {r.req_id: r.cached for r in reqs}
-        for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, True)
+        now = {r.req_id: r.cached for r in reqs if r.running}
+        for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, r.running)
                                               for r in reqs), ()):
             seg_i, state = kept.bounds[b]
-            ks = {now[rid] - c for rid, c, *_ in state}
-            k = ks.pop()
+            ks = {now[rid] - c for rid, c, *_, run in state if run}
+            k = ks.pop() if ks else 0
             if ks or k < 0 or (b == 0 and k == 0):
                 continue
             if k:   # k steps into a steady decode run that starts at this boundary
