@@ -331,6 +331,29 @@ def test_auto_replays_no_forecast_while_nothing_changes(monkeypatch):
     assert len(replays) == len(LAYOUTS)
 
 
+def test_an_evaluation_counts_all_its_time_against_the_default_overhead_budget():
+    """By default the engine's evaluations take at most 1% of its steps' measured time (half of the 2% auto may cost
+    where it never switches; one evaluation may overshoot it before the next waits), and all of an evaluation counts:
+    the request views and each layout's usage it builds before predicting, not only the predictions."""
+    clock = [0.0]
+    live = _decoding()
+    led, usage = live.ledger, live.ledger.usage_under
+
+    def slow_usage(*args, **kw):   # 2 ms per layout on the scheduler's timer: here the evaluations' whole cost
+        clock[0] += 2e-3
+        return usage(*args, **kw)
+    led.usage_under = slow_usage
+    a = make(LinearCost(), 0.95, scheduler=live, timer=lambda: clock[0])   # a margin it stays within
+    for step in range(200):
+        a.advise(step, "tp", live, led)
+        plan = live.schedule()
+        a.observe("tp", plan.items, 20e-3)   # 20 ms steps
+        live.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+    evaluations, o = sum(a.verdicts.values()), a.overhead
+    assert evaluations >= 3 and o.spent_s == pytest.approx(evaluations * len(LAYOUTS) * 2e-3)
+    assert o.spent_s <= 0.01 * o.ran_s + len(LAYOUTS) * 2e-3
+
+
 def test_auto_describes_the_requests_only_when_an_evaluation_is_due(monkeypatch):
     """The engine asks `AutoLayout.advise` at every step boundary; at one where no evaluation is due (most of them)
     it describes no request: the request views are built once per evaluation, not once per step."""
