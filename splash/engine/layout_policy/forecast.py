@@ -67,6 +67,7 @@ class Replay:
     admitted: int                        # the most requests running at once
     served: set[str]
     events: list[tuple] | None = None    # (step, "admit" | "preempt" | "finish", request, owner)
+    complete: bool = True                # every request finished (not cut at max_steps)
 
 
 @dataclass
@@ -150,7 +151,7 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
         done = sched.update(plan, sampled)
         if trace:
             events += [(step, "finish", r.req_id, None) for r in done]
-    return Replay(segments, work, admitted, served, events)
+    return Replay(segments, work, admitted, served, events, not (sched.running or sched.waiting))
 
 
 def boundary(sched: Scheduler) -> tuple[tuple, ...]:
@@ -183,6 +184,7 @@ class _Kept:
     secs: list[float]                    # one step of each segment
     bounds: list[tuple[int, tuple]]      # (segments before it, `boundary`) of each boundary, in order
     ids: frozenset                       # the requests it replayed
+    complete: bool = True                # ... to their end (a replay cut at MAX_STEPS ends where a fresh one would not)
     index: dict[tuple, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
 
 
@@ -225,7 +227,7 @@ class BatchForecast:
             segments, secs = rp.segments, self.price(lay, rp.segments)
             admitted, served = rp.admitted, len(rp.served)
             self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), segments, secs, bounds,
-                                    frozenset(r.req_id for r in reqs))
+                                    frozenset(r.req_id for r in reqs), rp.complete)
         pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
         dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
         first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
@@ -241,7 +243,10 @@ class BatchForecast:
     # priced again. Not at the replay's start (asked again with no step run, it is replayed). While a request waits,
     # only for the engine's own layout: its replay started from the engine's whole ledger, so the cache it evolved
     # is the engine's; another layout's replay started from a fork that dropped the blocks idle then, and a fresh
-    # fork now would drop those idle now — blocks a waiting request's admission may or may not find.
+    # fork now would drop those idle now — blocks a waiting request's admission may or may not find. Those steps
+    # (admissions, their prefill chunks) are priced again, as `price` samples them for a fresh replay, and kept from
+    # here as a fresh replay would be kept: the figures, and so the decisions, are a fresh replay's; only the
+    # scheduler's replay is saved.
     def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int):
         """(segments, seconds per step, admitted, served) of the kept forecast from the boundary the engine is at,
         or None when the engine did not follow it (or none is kept)."""
@@ -250,7 +255,7 @@ class BatchForecast:
             return None
         if any(r.req_id not in kept.ids for r in reqs):   # arrived since
             return None
-        if lay != kept.key[0] and any(not r.running for r in reqs):
+        if any(not r.running for r in reqs) and (lay != kept.key[0] or not kept.complete):
             return None
         if kept.index is None:
             kept.index = {}
@@ -276,6 +281,11 @@ class BatchForecast:
                 rows = [(n, c - seg.count // 2 + k + left // 2, o) for n, c, o in seg.rows]
                 out_seg[0] = Segment(rows, left, False, left * len(rows), seg.running)
                 out_secs[0] = self.model.step(lay, [self.row(*r) for r in rows]).seconds
+            if len(now) < len(reqs):   # requests wait: priced, and kept, as a fresh replay from here would be
+                out_secs = self.price(lay, out_seg)
+                here = tuple((r.req_id, r.cached, r.pending, r.remaining, r.owner, r.running) for r in reqs)
+                bounds = [(0, here), *((i - seg_i, st) for i, st in kept.bounds[b + 1:])]
+                self._kept[lay] = _Kept(kept.key, out_seg, out_secs, bounds, frozenset(r.req_id for r in reqs))
             admitted = max([len(now), *(seg.running for seg in out_seg)])
             served = len(now.keys() | {rid for seg in out_seg for rid in seg.admitted})
             return out_seg, out_secs, admitted, served
