@@ -23,7 +23,7 @@ from splash.layouts.ownership import block_holders, blocks_held
 
 
 # The ownership model's answer per (layout, block, owner, world), remembered: the prefix cache asks it for every
-# shared block a request attaches, registers or releases (~40k times over the built-in workload's forecasts), and
+# shared block a request attaches, registers or releases (~60k times over the built-in mix's forecasts), and
 # answering it parses the layout each time. It depends on nothing else, so the cached answer is the answer.
 _block_holders = functools.lru_cache(maxsize=1 << 14)(block_holders)
 
