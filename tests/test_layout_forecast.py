@@ -331,6 +331,29 @@ def test_auto_replays_no_forecast_while_nothing_changes(monkeypatch):
     assert len(replays) == len(LAYOUTS)
 
 
+def test_an_evaluation_counts_all_its_time_against_the_default_overhead_budget():
+    """By default the engine's evaluations take at most 1% of its steps' measured time (half of the 2% auto may cost
+    where it never switches; one evaluation may overshoot it before the next waits), and all of an evaluation counts:
+    the request views and each layout's usage it builds before predicting, not only the predictions."""
+    clock = [0.0]
+    live = _decoding()
+    led, usage = live.ledger, live.ledger.usage_under
+
+    def slow_usage(*args, **kw):   # 2 ms per layout on the scheduler's timer: here the evaluations' whole cost
+        clock[0] += 2e-3
+        return usage(*args, **kw)
+    led.usage_under = slow_usage
+    a = make(LinearCost(), 0.95, scheduler=live, timer=lambda: clock[0])   # a margin it stays within
+    for step in range(200):
+        a.advise(step, "tp", live, led)
+        plan = live.schedule()
+        a.observe("tp", plan.items, 20e-3)   # 20 ms steps
+        live.update(plan, {it.req_id: 7 for it in plan.items if it.sample})
+    evaluations, o = sum(a.verdicts.values()), a.overhead
+    assert evaluations >= 3 and o.spent_s == pytest.approx(evaluations * len(LAYOUTS) * 2e-3)
+    assert o.spent_s <= 0.01 * o.ran_s + len(LAYOUTS) * 2e-3
+
+
 def test_auto_describes_the_requests_only_when_an_evaluation_is_due(monkeypatch):
     """The engine asks `AutoLayout.advise` at every step boundary; at one where no evaluation is due (most of them)
     it describes no request: the request views are built once per evaluation, not once per step."""
@@ -351,7 +374,8 @@ def test_auto_describes_the_requests_only_when_an_evaluation_is_due(monkeypatch)
 def test_a_followed_forecast_is_the_fresh_one(case, k):
     """Random engines with the prefix cache on, part way through requests that share prefixes: a forecast kept at one
     boundary and asked again k steps later is answered from the kept one whenever the engine's requests are where
-    its replay had them (always, for the engine's own layout, once none waits) — with a fresh replay's figures."""
+    its replay had them (always, for the engine's own layout, requests waiting or not) — with a fresh replay's
+    figures."""
     # Every segment priced: pricing samples at most MAX_*_PRICED segments and fills the rest from the nearest, and
     # a kept replay cut at a later boundary samples a different subset than a fresh replay of that tail; what is
     # checked here is that the kept steps are the fresh ones, not that two samplings agree.
@@ -360,7 +384,52 @@ def test_a_followed_forecast_is_the_fresh_one(case, k):
         _check_followed_is_fresh(case, k)
 
 
-def _check_followed_is_fresh(case, k) -> None:
+@settings(max_examples=120, deadline=None)
+@given(live_engines_with_shared_prefixes(), st.integers(1, 24))
+def test_a_followed_forecast_with_requests_waiting_is_priced_as_the_fresh_one(case, k):
+    """The same, with pricing sampled as it is served: a forecast followed while requests wait is priced as a fresh
+    replay of its steps samples them, and kept as a fresh replay from there would be kept, so its figures — and the
+    decisions made on them — are the fresh one's, then and later. (Two priced per kind: sampling bites more often.)"""
+    with mock.patch.object(forecast_mod, "MAX_PREFILL_PRICED", 2), \
+            mock.patch.object(forecast_mod, "MAX_DECODE_PRICED", 2):
+        _check_followed_is_fresh(case, k, only_waiting=True)
+
+
+def test_a_forecast_followed_while_requests_wait_is_kept_as_a_fresh_one(monkeypatch):
+    """Requests queued behind max_num_seqs, prompts in many chunks (more prefill steps than are priced): a forecast
+    for the engine's layout asked again while requests still wait is not replayed, and its figures are a fresh
+    replay's; asked again once none waits, it answers as a fresh replay made at the first would from itself."""
+    replays = _count_replays(monkeypatch)
+    row = lambda n, c, o: (n, c, o)  # noqa: E731
+    live = Scheduler(KVLedger(2, 400, 16, "tp", prefix=True), max_num_seqs=3, max_num_batched_tokens=48)
+    for i in range(9):
+        live.add(Request(f"r{i}", list(range(100 * i, 100 * i + 90 + 9 * i)), 20 + 5 * i))
+    forecast = BatchForecast(LinearCost(), row, world=2, block_size=16, scheduler=live)
+    forecast.waves("tp", _all_views(live), 400)
+    ref = None
+    for steps in (5, 0):
+        _advance(live, steps)
+        while not steps and live.waiting:   # the second time once none waits: followed as before, from what the
+            _advance(live, 1)               # first kept
+        views = _all_views(live)
+        assert all(v.running for v in views) == (not steps)
+        n = len(replays)
+        got = forecast.waves("tp", views, 400)
+        assert len(replays) == n
+        ref = ref or BatchForecast(LinearCost(), row, world=2, block_size=16, scheduler=live)
+        want = ref.waves("tp", views, 400)
+        assert (got.work, got.admitted, got.served) == (want.work, want.admitted, want.served)
+        assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
+            (want.prefill_s, want.decode_s, want.first_step_s), rel=1e-12)
+    assert forecast.followed == 2
+
+
+def _check_followed_is_fresh(case, k, only_waiting: bool = False) -> None:
+    """Asked at a boundary, then k steps later, then k // 2 + 1 steps after that: each answer is what a fresh replay
+    gives — at the second boundary against one replayed there, at the third against that one asked again (what it
+    would have kept: the engine replayed afresh at every boundary where a request waited). `only_waiting` (pricing
+    sampled): only where the earlier boundary had a request waiting (a forecast followed with none waiting keeps
+    its own sample of prices)."""
     world, bs, cap, lay, dst, groups, warm, policy = case
     live = Scheduler(KVLedger(world, cap, bs, lay, prefix=True), **policy)
     for g, (prompt, out, n) in enumerate(groups):
@@ -372,19 +441,28 @@ def _check_followed_is_fresh(case, k) -> None:
     forecast = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live)
     if not (live.running or live.waiting) or forecast.waves(dst, _all_views(live), cap) is None:
         return
-    _advance_with(live, k, fresh_tokens)
-    views = _all_views(live)
-    if not views:
-        return
-    got = forecast.waves(dst, views, cap)
-    want = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live).waves(dst, views, cap)
-    if dst == lay and all(v.running for v in views):
-        assert forecast.followed == 1
-    assert (got is None) == (want is None)
-    if got is not None:
-        assert (got.work, got.admitted, got.served) == (want.work, want.admitted, want.served)
-        assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
-            (want.prefill_s, want.decode_s, want.first_step_s), rel=1e-12)
+    ref, waited = None, False
+    for rnd, steps in enumerate((k, k // 2 + 1), start=1):
+        _advance_with(live, steps, fresh_tokens)
+        views = _all_views(live)
+        if not views:
+            return
+        got = forecast.waves(dst, views, cap)
+        if ref is None:
+            ref = BatchForecast(LinearCost(), row, world=world, block_size=bs, scheduler=live)
+        want = ref.waves(dst, views, cap)
+        waits = not all(v.running for v in views)
+        if dst == lay:
+            assert forecast.followed == rnd
+        if not only_waiting or (waits if rnd == 1 else waited):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert (got.work, got.admitted, got.served) == (want.work, want.admitted, want.served)
+                assert (got.prefill_s, got.decode_s, got.first_step_s) == pytest.approx(
+                    (want.prefill_s, want.decode_s, want.first_step_s), rel=1e-12)
+        if got is None:
+            return
+        waited = waits
 
 
 def _advance_with(live: Scheduler, steps: int, tokens) -> None:

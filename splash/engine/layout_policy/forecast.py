@@ -67,6 +67,7 @@ class Replay:
     admitted: int                        # the most requests running at once
     served: set[str]
     events: list[tuple] | None = None    # (step, "admit" | "preempt" | "finish", request, owner)
+    complete: bool = True                # every request finished (not cut at max_steps)
 
 
 @dataclass
@@ -150,7 +151,7 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
         done = sched.update(plan, sampled)
         if trace:
             events += [(step, "finish", r.req_id, None) for r in done]
-    return Replay(segments, work, admitted, served, events)
+    return Replay(segments, work, admitted, served, events, not (sched.running or sched.waiting))
 
 
 def boundary(sched: Scheduler) -> tuple[tuple, ...]:
@@ -166,10 +167,13 @@ def output_left(r: Request) -> int:
     return max(0, min(r.max_tokens - len(r.output), r.max_len - len(r.prompt) - len(r.output)))
 
 
-def _along_decode(state) -> frozenset:
+def _along_decode(state) -> tuple[frozenset, tuple]:
     """What a boundary keeps through decode steps (each running request's cached tokens + output left, and all
-    else): the key boundaries of one steady decode run share."""
-    return frozenset((rid, c + left if run else left, p, o, run) for rid, c, p, left, o, run in state)
+    else), and the waiting queue's order (admission is first come, first served): the key boundaries of one steady
+    decode run share."""
+    state = tuple(state)
+    return (frozenset((rid, c + left if run else left, p, o, run) for rid, c, p, left, o, run in state),
+            tuple(rid for rid, *_, run in state if not run))
 
 
 @dataclass
@@ -180,7 +184,8 @@ class _Kept:
     secs: list[float]                    # one step of each segment
     bounds: list[tuple[int, tuple]]      # (segments before it, `boundary`) of each boundary, in order
     ids: frozenset                       # the requests it replayed
-    index: dict[frozenset, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
+    complete: bool = True                # ... to their end (a replay cut at MAX_STEPS ends where a fresh one would not)
+    index: dict[tuple, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
 
 
 class BatchForecast:
@@ -222,7 +227,7 @@ class BatchForecast:
             segments, secs = rp.segments, self.price(lay, rp.segments)
             admitted, served = rp.admitted, len(rp.served)
             self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), segments, secs, bounds,
-                                    frozenset(r.req_id for r in reqs))
+                                    frozenset(r.req_id for r in reqs), rp.complete)
         pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
         dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
         first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
@@ -233,28 +238,35 @@ class BatchForecast:
     # steps until something the replay could not foresee happens: a request arrives, stops early on a stop token
     # or is aborted. A forecast asked at a later boundary whose requests are exactly as the replay had them at one
     # of its boundaries (or k steps into one of its steady decode runs) — each request's cached tokens, pending
-    # tokens, output left, owner, running or waiting — is the kept replay from there: answered from it (a run cut
-    # part way re-priced at its new middle context) instead of replayed and priced again. Not at the replay's
-    # start (asked again with no step run, it is replayed), and not while a request waits: its admission may find
-    # cached blocks that a fresh fork for another layout than the engine's would have dropped.
+    # tokens, output left, owner, running or waiting, the waiting ones in the same order — is the kept replay from
+    # there: answered from it (a run cut part way re-priced at its new middle context) instead of replayed and
+    # priced again. Not at the replay's start (asked again with no step run, it is replayed). While a request waits,
+    # only for the engine's own layout: its replay started from the engine's whole ledger, so the cache it evolved
+    # is the engine's; another layout's replay started from a fork that dropped the blocks idle then, and a fresh
+    # fork now would drop those idle now — blocks a waiting request's admission may or may not find. Those steps
+    # (admissions, their prefill chunks) are priced again, as `price` samples them for a fresh replay, and kept from
+    # here as a fresh replay would be kept: the figures, and so the decisions, are a fresh replay's; only the
+    # scheduler's replay is saved.
     def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int):
         """(segments, seconds per step, admitted, served) of the kept forecast from the boundary the engine is at,
         or None when the engine did not follow it (or none is kept)."""
         kept = self._kept.get(lay)
         if kept is None or kept.key != (self.scheduler.ledger.layout, cap) or not reqs:
             return None
-        if any(not r.running or r.req_id not in kept.ids for r in reqs):   # waiting, or arrived since
+        if any(r.req_id not in kept.ids for r in reqs):   # arrived since
+            return None
+        if any(not r.running for r in reqs) and (lay != kept.key[0] or not kept.complete):
             return None
         if kept.index is None:
             kept.index = {}
             for i, (_, state) in enumerate(kept.bounds):
                 kept.index.setdefault(_along_decode(state), []).append(i)
-        now = {r.req_id: r.cached for r in reqs}
-        for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, True)
+        now = {r.req_id: r.cached for r in reqs if r.running}
+        for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, r.running)
                                               for r in reqs), ()):
             seg_i, state = kept.bounds[b]
-            ks = {now[rid] - c for rid, c, *_ in state}
-            k = ks.pop()
+            ks = {now[rid] - c for rid, c, *_, run in state if run}
+            k = ks.pop() if ks else 0
             if ks or k < 0 or (b == 0 and k == 0):
                 continue
             if k:   # k steps into a steady decode run that starts at this boundary
@@ -269,6 +281,11 @@ class BatchForecast:
                 rows = [(n, c - seg.count // 2 + k + left // 2, o) for n, c, o in seg.rows]
                 out_seg[0] = Segment(rows, left, False, left * len(rows), seg.running)
                 out_secs[0] = self.model.step(lay, [self.row(*r) for r in rows]).seconds
+            if len(now) < len(reqs):   # requests wait: priced, and kept, as a fresh replay from here would be
+                out_secs = self.price(lay, out_seg)
+                here = tuple((r.req_id, r.cached, r.pending, r.remaining, r.owner, r.running) for r in reqs)
+                bounds = [(0, here), *((i - seg_i, st) for i, st in kept.bounds[b + 1:])]
+                self._kept[lay] = _Kept(kept.key, out_seg, out_secs, bounds, frozenset(r.req_id for r in reqs))
             admitted = max([len(now), *(seg.running for seg in out_seg)])
             served = len(now.keys() | {rid for seg in out_seg for rid in seg.admitted})
             return out_seg, out_secs, admitted, served
