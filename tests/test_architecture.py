@@ -73,7 +73,8 @@ def layout_name_comparisons(tree: ast.AST) -> list[int]:
 
 def layout_name_lookups(tree: ast.AST) -> list[int]:
     """Lines that key something by a layout's literal name, or test a name's prefix: a dict literal with a name as
-    a key (`{"tp": ...}`), `.get("dop")` / `.pop` / `.setdefault`, `.startswith("dp")` / `.endswith`."""
+    a key (`{"tp": ...}`), a subscript by a name (`caps["dop"]`), `.get("dop")` / `.pop` / `.setdefault`,
+    `.startswith("dp")` / `.endswith`."""
     def is_name(a: ast.AST) -> bool:
         return isinstance(a, ast.Constant) and a.value in LAYOUT_NAMES
 
@@ -83,6 +84,8 @@ def layout_name_lookups(tree: ast.AST) -> list[int]:
     out = []
     for n in ast.walk(tree):
         if isinstance(n, ast.Dict) and any(k is not None and is_name(k) for k in n.keys):
+            out.append(n.lineno)
+        elif isinstance(n, ast.Subscript) and is_name(n.slice):
             out.append(n.lineno)
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args:
             if n.func.attr in ("get", "pop", "setdefault") and is_name(n.args[0]):
@@ -96,12 +99,8 @@ def test_the_check_finds_name_comparisons():
     src = 'a = lay == "tp"\nb = lay in ("cp", "dop")\nc = "dp_attn" != lay\nd = lay.kv_ownership == "owner"\n'
     assert layout_name_comparisons(ast.parse(src)) == [1, 2, 3]
     src = ('a = {"tp": 1}\nb = d.get("dop")\nc = lay.startswith("dp")\nd = {"x": 1}.get("y")\n'
-           'e = lay.endswith("attn")\nf = s.startswith("d")\n')
-    assert layout_name_lookups(ast.parse(src)) == [1, 2, 3, 5]
-
-
-# a table of measured numbers per layout, read with the layout a caller asks about (not a name test)
-NAME_KEYED_DATA = {"splash/costmodel/op_counts.py"}
+           'e = lay.endswith("attn")\nf = s.startswith("d")\ng = caps["cp"].tokens\nh = x["dtype"]\n')
+    assert layout_name_lookups(ast.parse(src)) == [1, 2, 3, 5, 7]
 
 
 def test_no_layout_name_comparisons_outside_the_ownership_model():
@@ -112,7 +111,7 @@ def test_no_layout_name_comparisons_outside_the_ownership_model():
                 continue
             rel = p.relative_to(ROOT).as_posix()
             tree = ast.parse(p.read_text())
-            lines = layout_name_comparisons(tree) + ([] if rel in NAME_KEYED_DATA else layout_name_lookups(tree))
+            lines = layout_name_comparisons(tree) + layout_name_lookups(tree)
             found += [f"{rel}:{ln}" for ln in sorted(set(lines))]
     assert not found, "ask Layout properties (splash.layouts), not names: " + ", ".join(found)
 

@@ -5,7 +5,9 @@ import re
 import pytest
 
 from splash.costmodel import CostModel, RowLoad, load_profile, profile_from_dict
+from splash.costmodel.op_counts import ops
 from splash.costmodel.work import cp_keys_here, expected_active_experts
+from splash.layouts.layout import Layout
 from splash.models.config import ConfigError, model_config_from_dict
 from splash.switching.manifest import ReqState, plan_switch
 
@@ -385,6 +387,21 @@ def test_fused_kernels_count_the_fused_paths_ops(cfg, cpu):
             assert a.work[st]["gemm_flops"] == b.work[st]["gemm_flops"]
         assert a.work["exchange"]["ops"] == b.work["exchange"]["ops"]
         assert a.seconds < b.seconds
+
+
+# the op-count table as it was when keyed by layout names: stage -> (eager, fused), each per layout in the order
+# tp, dp_attn, cp, dop
+NAME_KEYED_OPS = {"qkv_a": ((12, 15, 14, 17), (5, 8, 8, 11)), "q_b_absorb": ((16,) * 4, (0,) * 4),
+                  "attention": ((22,) * 4,) * 2, "uv_o": ((7, 7, 7, 9), (4, 4, 4, 6)), "exchange": ((1, 4, 12, 14),) * 2,
+                  "ffn_dense": ((6,) * 4, (2,) * 4), "moe_fixed": ((40,) * 4, (14,) * 4),
+                  "moe_per_expert": ((2,) * 4, (0,) * 4), "other": ((20,) * 4,) * 2, "indexer": ((12,) * 4,) * 2}
+
+
+def test_op_counts_per_layout_are_the_name_keyed_tables():
+    """The op counts, keyed by Layout rather than by name, are every stage's and layout's old numbers."""
+    for stage, (eager, fused) in NAME_KEYED_OPS.items():
+        assert [ops(False, stage, lay) for lay in Layout] == list(eager), stage
+        assert [ops(True, stage, lay) for lay in Layout] == list(fused), stage
 
 
 def test_dop_projects_the_indexer_for_its_own_rows_only(cpu):

@@ -8,7 +8,7 @@ import pytest
 
 from splash.costmodel import load_profile
 from splash.layouts.memory import projection_params, projection_shard_bytes
-from splash.sim.cli import main, parse_len
+from splash.sim.cli import main, parse_len, print_capacity
 from splash.sim.presets import PRESETS, load_sim_model
 from splash.sim.serving import SimSetup, capacities, concurrency
 
@@ -77,6 +77,19 @@ def test_concurrency_per_layout():
     assert concurrency(s, caps, "dop", tok) == 16
     assert concurrency(s, caps, "dp_attn", tok) == 8 > concurrency(s, caps, "tp", tok)
     assert concurrency(s, caps, "dop", parse_len("512Ki") + 1024) == 8  # binary K would not fit two
+
+
+def test_capacity_table_compares_with_the_layout_that_holds_most():
+    """splash-sim's capacity table and line compare every layout with whichever holds the most distinct tokens (DOP
+    in the paper's setups), not with a layout named in the code."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+    caps = {k: SimpleNamespace(distinct_tokens=n, tokens_per_rank=n) for k, n in zip(LAYOUTS, (100, 200, 250, 240))}
+    con = Console(record=True, width=150)
+    print_capacity(con, caps)
+    text = con.export_text()
+    assert "vs CP" in text and "-4.0%" in text and "CP holds +150.0% vs TP, +25.0% vs DP-attn, +4.2% vs DOP." in text
 
 
 def test_cli_json_schema(tmp_path, capsys):

@@ -131,7 +131,7 @@ def attention_work(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], hea
     topk = cfg.index_topk
     if s.row_kernel:
         _row_attention(s, w, pieces, per_key, new_here)
-        w.ops += EAGER["attention"]["tp"] - 13  # plan tensors, cache read and write, the one kernel call
+        w.ops += EAGER["attention"] - 13  # plan tensors, cache read and write, the one kernel call
         return
     dec = [(p, k, b) for p, k, b in pieces if p.new == 1]
     if dec:
@@ -150,7 +150,7 @@ def attention_work(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], hea
             _group(s, w, 1, p.new, b, keys, heads)
     w.plan_requests += len(pieces)
     w.plan_blocks += sum(b for _, _, b in pieces)
-    w.ops += EAGER["attention"]["tp"] - 14  # plan tensors, cache read and write; the kernel's ops per group below
+    w.ops += EAGER["attention"] - 14  # plan tensors, cache read and write; the kernel's ops per group below
 
 
 def _row_attention(s: Shapes, w: Work, pieces, per_key: float, new_here) -> None:
@@ -219,7 +219,7 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     N = sum(p.new for p in pieces)
     st = {k: Work() for k in STAGES}
     if layout.kv_ownership == KV_POSITION and s.cp_prefill == "split" and T > 1 and any(p.new > 1 for p in pieces):
-        rows, held = _cp_split(s, st["exchange"], pieces, rank)
+        rows, held = _cp_split(s, st["exchange"], layout, pieces, rank)
         _attention_block(s, st, layout, rows, rows, H, H, held, None)
     else:
         # DP-attn projects only its own requests' rows (replicated weights); the others every row, for their heads
@@ -269,7 +269,8 @@ def _attention_block(s: Shapes, st: dict[str, Work], layout: Layout, q_rows: int
     st["uv_o"].ops += ops(s.fused, "uv_o", layout)
 
 
-def _cp_split(s: Shapes, ex: Work, pieces: list[Piece], rank: int) -> tuple[int, list[tuple[Piece, int, int]]]:
+def _cp_split(s: Shapes, ex: Work, layout: Layout, pieces: list[Piece],
+              rank: int) -> tuple[int, list[tuple[Piece, int, int]]]:
     """CP with ``cp_prefill="split"`` (SGLang's NSA context-parallel prefill): every prefill piece's new rows are
     split evenly over the ranks; each rank gathers the piece's whole history (latent KV and indexer keys: one
     all-gather a layer), runs the attention block for its rows only (all heads), and the outputs are all-gathered
@@ -285,7 +286,7 @@ def _cp_split(s: Shapes, ex: Work, pieces: list[Piece], rank: int) -> tuple[int,
             mine.append(Piece(hi - lo, p.context + lo, p.owner, p.samples))
     held = [(p, p.end, -(-p.end // s.bs)) for p in mine]
     held += [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in dec]
-    ex.ops += EAGER["exchange"]["cp"]
+    ex.ops += EAGER["exchange"][layout]
     ex.collective("all_gather", sum(p.end for p in pre) * (s.kv_tok + s.idx_tok))  # the pieces' histories
     ex.collective("all_gather", sum(p.new for p in pieces) * s.cfg.hidden_size * s.ab)   # outputs to all rows
     if dec:
@@ -301,7 +302,7 @@ def _exchange(s: Shapes, w: Work, layout: Layout, N: int, n_own: int) -> None:
         s.heads_local
     if T == 1:
         return
-    w.ops += EAGER["exchange"][layout.value]
+    w.ops += EAGER["exchange"][layout]
     if layout is Layout.TP:
         w.collective("all_reduce", N * hid * ab)
     elif layout is Layout.DP_ATTN:
