@@ -1,10 +1,9 @@
 """Eager ops per layer and stage that the cost model charges the per-op host overhead for, counted from the code.
 
-`EAGER`: the torch paths (splash/attention/mla.py, the executors, splash/models/ffn.py); a stage whose count
-differs by layout is keyed by `Layout` (each layout's executor runs its own ops there), the others are one number.
-`FUSED` (the profile's `fused_kernels`; off in the shipped cpu profile, where it predicted no better,
-docs/benchmarks.md): where SPLASH's CPU kernels run, each layout's MLA projections, W_UV, a MoE layer's four steps
-and a dense MLP are one call each; stages the kernels do not change keep the eager count. Pure Python, no torch.
+`EAGER`: the torch paths (splash/attention/mla.py, the executors, splash/models/ffn.py), keyed by `Layout` where each
+layout's executor runs its own ops. `FUSED` (the profile's `fused_kernels`; off in the shipped cpu profile, where it
+predicted no better, docs/benchmarks.md): where SPLASH's CPU kernels run, each layout's MLA projections, W_UV, a MoE
+layer's four steps and a dense MLP are one call each; stages the kernels do not change keep the eager count. No torch.
 """
 from __future__ import annotations
 
