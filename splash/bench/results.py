@@ -128,12 +128,16 @@ def env_differences(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
 
 
 # ---- documents ----------------------------------------------------------------------------------------
+def command_line(argv: Iterable[str] | None = None, prog: str = "splash-bench") -> str:
+    """The command as results and reports record it: `prog` and the arguments (default: this process's)."""
+    return f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}"
+
+
 def new_result(kind: str, environment: dict, config: dict, argv: Iterable[str] | None = None) -> dict:
     """A result with no points yet; `argv`: the splash-bench arguments (default: this process's)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     return {"schema": SCHEMA, "kind": kind,
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-            "command": "splash-bench " + " ".join(shlex.quote(a) for a in argv), "complete": False,
+            "command": command_line(argv), "complete": False,
             "environment": environment, "config": config, "points": []}
 
 

@@ -101,8 +101,8 @@ def prior_doc(args, config: dict) -> dict | None:
     for axis in ("layouts", "input_lens", "batch_sizes"):
         old[axis] = list(dict.fromkeys([*old.get(axis, []), *config[axis]]))
     doc["complete"] = False
-    command = R.new_result("sweep", {}, {}, getattr(args, "argv", None))["command"]
-    doc.setdefault("resumed", []).append({"command": command, "load_average": R.load_average()})
+    doc.setdefault("resumed", []).append({"command": R.command_line(getattr(args, "argv", None)),
+                                          "load_average": R.load_average()})
     return doc
 
 
