@@ -180,7 +180,7 @@ def measure_points(args, comm, doc: dict | None, points, measure, tables, line=N
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from splash.bench.tables import report_tables
+    from splash.bench.tables import print_tables
 
     bar = (Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
            if comm.rank == 0 else nullcontext())
@@ -197,7 +197,7 @@ def measure_points(args, comm, doc: dict | None, points, measure, tables, line=N
                 progress.advance(task)
     if comm.rank == 0:
         finish(doc, args.json)
-        report_tables(tables(doc), args.markdown)
+        print_tables(tables(doc), markdown_path=args.markdown)
     return 0
 
 
