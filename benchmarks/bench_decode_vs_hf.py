@@ -166,13 +166,10 @@ def write_result(args, res: dict, identical: int) -> None:
     """One run per engine (mode 'hf' / 'splash'), decode tokens/s on the CPU clock as output_tokens_per_s."""
     env = R.environment(backend="cpu", ranks=1, model={"name": "bench tiny deepseek_v3", "dtype": args.dtype,
                                                        "kv_cache_dtype": args.dtype, **BENCH_MODEL})
-    doc = R.new_result("vs-hf", env, {k: getattr(args, k) for k in ("threads", "batch", "prompt_len", "new",
-                                                                     "block_size", "repeats")})
-    doc.pop("points")
-    doc["runs"] = [{"mode": name, "output_tokens_per_s": r["cpu"]["decode_tps"], "clocks": {
-        k: r[k] for k in ("wall", "cpu")}} for name, r in res.items()]
-    doc["identical_requests"], doc["complete"] = identical, True
-    R.write_json(args.json, doc)
+    config = {k: getattr(args, k) for k in ("threads", "batch", "prompt_len", "new", "block_size", "repeats")}
+    runs = [{"mode": name, "output_tokens_per_s": r["cpu"]["decode_tps"], "clocks": {k: r[k] for k in ("wall", "cpu")}}
+            for name, r in res.items()]
+    R.write_runs(args.json, "vs-hf", env, config, None, runs, identical_requests=identical)
 
 
 @torch.no_grad()

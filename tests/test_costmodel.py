@@ -299,7 +299,7 @@ def test_collective_wait_once_per_step(cfg, cpu):
 
 
 def test_in_step_split_of_collectives():
-    """calibrate --in-step-collectives / bench_stages: a collective's own time is its time on the last rank to arrive,
+    """calibrate --in-step-collectives: a collective's own time is its time on the last rank to arrive,
     the slowest rank's excess over that is its wait for the peer (pure: no MPI, no torch)."""
     from splash.bench.calib_sync import split_wait
     early = {"total": 10.0, "seq": [3.0, 0.5, 2.0]}   # arrived first at every collective: waited

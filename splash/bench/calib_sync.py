@@ -8,7 +8,7 @@ By default (``collective_sync``) collective_sync_s is the per-collective residua
 collective's own time is its time on the last rank to arrive (it waited for nobody); beyond the isolated
 α + bytes/β that is ``collective_sync_s`` (the call's host work, cold buffers). The rest of the slowest rank's
 collective time is waiting for its peer, which follows the ranks' drift while they compute, not the number of
-collectives (DOP's 16 collectives per step wait as long as DP-attn's 8, benchmarks/bench_stages.py):
+collectives (DOP's 16 collectives per step wait as long as DP-attn's 8: docs/benchmarks.md, cost model round 6):
 ``collective_wait_fraction`` of the slowest rank's time outside collectives."""
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from splash.bench.calib_attention import attention_fit, attention_step_rows, refit_attention, row_kernel
+from splash.bench.calib_sync import collective_in_step, collective_sync, layout_overheads, prefill_attention_factors
 from splash.bench.calib_timing import ALLOC_THRESHOLD, STAT, partial_model, timeit
 
 
@@ -200,14 +201,13 @@ def fixed_cost_fit(preset: str, partial: dict, block_size: int, reps: int) -> fl
     return max(meas - pred.seconds, 0.0) / ops
 
 
-def measure(comm, args) -> dict:
+def measure(args, world: int, reps: int) -> dict:
     from splash.models.presets import preset_config
     cfg = preset_config(args.preset)
-    reps = 3 if args.quick else 9
     ov = op_overhead(reps)
     m = {"op": ov, "gemm": gemm_rates(cfg, reps), "gemm_rows": gemm_row_rates(cfg, reps),
-         "bw": stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, args.world)), "alloc": alloc_rate(reps)}
-    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, args.block_size, reps, args.world, ov)
+         "bw": stream_bandwidth(cfg, ov, reps, model_weight_bytes(cfg, world)), "alloc": alloc_rate(reps)}
+    kv_bw, attn_rate, call, scratch, fit = attention_fit(cfg, args.block_size, reps, world, ov)
     return {**m, "kv_bw": kv_bw, "attn": attn_rate, "call": call, "scratch": scratch,
             "fit": {"attention_fit_median_rel_err": fit["attention_fit_median_rel_err"]},
             "spill": fit["spill"], "merge": fit["merge"], "cache": fit["cache"], "attn_rows": fit["rows"]}
@@ -229,11 +229,11 @@ def _4g(v):
 
 def build_profile(comm, args) -> dict:
     import os
-    args.world = comm.size
-    every = comm.all_gather_obj(measure(comm, args))
+    reps, few = (3, 3) if args.quick else (9, 5)
+    every = comm.all_gather_obj(measure(args, comm.size, reps))
     m = {**_median(every), "fit": every[0]["fit"]}   # the first fit's error, as measured
     # on a loaded host (--clock cpu) the least-preempted repetition is the collective's own time: take the min
-    colls = collective_fits(comm, 3 if args.quick else 9, min if args.clock == "cpu" else None)
+    colls = collective_fits(comm, reps, min if args.clock == "cpu" else None)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     raw = {
@@ -265,26 +265,21 @@ def build_profile(comm, args) -> dict:
                   "attention_fit_call_s": _4g(m["call"]), **m["fit"]},
     }
     # the per-op overhead that matters is the real layer code's: fit it on a one-rank B=1 decode step
-    op = _median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size, 3 if args.quick else 9)))
+    op = _median(comm.all_gather_obj(fixed_cost_fit(args.preset, raw, args.block_size, reps)))
     op = max(op, m["op"])  # no eager op is cheaper than the trivial one (a noisy residual can undershoot)
     raw["op_overhead_s"], raw["attention_call_s"] = _4g(op), 0.0
     # the split-KV kernel: refit its rates with the attention inside real steps
-    step_rows = attention_step_rows(args.preset, raw, args.block_size, 3 if args.quick else 5)
+    step_rows = attention_step_rows(args.preset, raw, args.block_size, few)
     raw = refit_attention(raw, m["attn_rows"] + _median(comm.all_gather_obj(step_rows)))
-    if getattr(args, "in_step_collectives", False):
+    if args.in_step_collectives:
         # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
         # beyond everything else the model predicts (the in-step collective terms included)
-        from splash.bench.calib_sync import collective_in_step
-        sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
+        sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, few)
         raw["collective_sync_s"], raw["collective_wait_fraction"] = _4g(sync), _4g(wait)
-    from splash.bench.calib_sync import layout_overheads, prefill_attention_factors
-    per_layout = layout_overheads(comm, args.preset, raw, args.block_size, 3 if args.quick else 9)
-    raw["step_overhead_layout_s"] = _4g(per_layout)
-    if getattr(args, "prefill_factors", False):
-        factors = prefill_attention_factors(comm, args.preset, raw, args.block_size, 3 if args.quick else 5)
-        raw["prefill_attention_factor"] = _4g(factors)
-    if not getattr(args, "in_step_collectives", False):
-        from splash.bench.calib_sync import collective_sync
+    raw["step_overhead_layout_s"] = _4g(layout_overheads(comm, args.preset, raw, args.block_size, reps))
+    if args.prefill_factors:
+        raw["prefill_attention_factor"] = _4g(prefill_attention_factors(comm, args.preset, raw, args.block_size, few))
+    if not args.in_step_collectives:
         raw["collective_sync_s"] = _4g(collective_sync(comm, args.preset, raw, args.block_size, 3))
     return raw
 

@@ -36,11 +36,8 @@ def measure(comm, preset: str, layout: str, batch: int, ctx: int, steps: int) ->
     for _ in range(2):
         st.step()
     times = [st.step() for _ in range(steps)]
-    pt = {"layout": layout, "batch_size": batch, "context": ctx, "step_ms": 1e3 * statistics.median(times),
-          "steps_ms": [1e3 * t for t in times], "load_average": R.load_average()}
-    if comm.rank == 0:
-        print(f"{layout:>7} B={batch} L={ctx} {pt['step_ms']:.2f} ms", flush=True)
-    return pt
+    return {"layout": layout, "batch_size": batch, "context": ctx, "step_ms": 1e3 * statistics.median(times),
+            "steps_ms": [1e3 * t for t in times], "load_average": R.load_average()}
 
 
 def grid_table(doc: dict):
@@ -64,4 +61,6 @@ def run(args) -> int:
              "num_hidden_layers": preset_config(args.preset).num_hidden_layers}
     config = {"layouts": args.layouts, "batches": args.batches, "contexts": args.contexts, "steps": args.steps}
     points = [(args.preset, lay, b, c, args.steps) for b in args.batches for c in args.contexts for lay in args.layouts]
-    return R.measure_points(args, "grid", model, config, points, measure, grid_table)
+    comm, doc = R.mpi_result(args, "grid", model, config)
+    return R.measure_points(args, comm, doc, points, measure, lambda d: [grid_table(d)],
+                            lambda p: f"{p['layout']:>7} B={p['batch_size']} L={p['context']} {p['step_ms']:.2f} ms")

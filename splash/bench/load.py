@@ -29,7 +29,6 @@ import asyncio
 import ipaddress
 import os
 import random
-import shlex
 import sys
 import tempfile
 import time
@@ -219,8 +218,7 @@ def run(args) -> int:
     if bool(args.url) == bool(args.launch):
         print("error: give exactly one of --url or --launch", file=sys.stderr)
         return 2
-    command = getattr(args, "prog", "splash-bench") + " " + " ".join(
-        shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
+    command = R.command_line(getattr(args, "argv", None), getattr(args, "prog", "splash-bench"))
     proc, err = None, None
     args.load_before = os.getloadavg()[0]
     if args.launch:

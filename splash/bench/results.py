@@ -128,12 +128,16 @@ def env_differences(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
 
 
 # ---- documents ----------------------------------------------------------------------------------------
+def command_line(argv: Iterable[str] | None = None, prog: str = "splash-bench") -> str:
+    """The command as results and reports record it: `prog` and the arguments (default: this process's)."""
+    return f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}"
+
+
 def new_result(kind: str, environment: dict, config: dict, argv: Iterable[str] | None = None) -> dict:
     """A result with no points yet; `argv`: the splash-bench arguments (default: this process's)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     return {"schema": SCHEMA, "kind": kind,
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-            "command": "splash-bench " + " ".join(shlex.quote(a) for a in argv), "complete": False,
+            "command": command_line(argv), "complete": False,
             "environment": environment, "config": config, "points": []}
 
 
@@ -157,27 +161,43 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else 0.0)
 
 
-def measure_points(args, kind: str, model: dict, config: dict, points, measure, table) -> int:
-    """An mpirun command's loop: every rank runs ``measure(comm, *point)`` for each point; rank 0 keeps what it
-    returns in a `kind` result (rewritten to --json after every point), then prints ``table(doc)`` (and writes it
-    to --markdown)."""
-    from splash.bench.tables import report_tables
+def mpi_result(args, kind: str, model: dict, config: dict):
+    """(communicator, a new `kind` result on rank 0 and None elsewhere) of an mpirun command on CPU ranks."""
     from splash.distributed import init_dist
 
     comm = init_dist().comm
-    doc = None
-    if comm.rank == 0:
-        env = environment(backend="cpu", ranks=comm.size, model=model)
-        doc = new_result(kind, env, config, getattr(args, "argv", None))
-    for point in points:
-        res = measure(comm, *point)
-        if comm.rank == 0:
-            doc["points"].append(res)
-            if args.json:
-                write_json(args.json, doc)
+    if comm.rank != 0:
+        return comm, None
+    env = environment(backend="cpu", ranks=comm.size, model=model)
+    return comm, new_result(kind, env, config, getattr(args, "argv", None))
+
+
+def measure_points(args, comm, doc: dict | None, points, measure, tables, line=None) -> int:
+    """An mpirun command's loop: every rank runs ``measure(comm, *point)`` for each point; rank 0 keeps what it
+    returns in `doc` (rewritten to --json after every point) under a progress bar, printing ``line(result)``, then
+    prints ``tables(doc)`` (and writes them to --markdown)."""
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from splash.bench.tables import print_tables
+
+    bar = (Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+           if comm.rank == 0 else nullcontext())
+    with bar as progress:
+        task = progress.add_task(doc["kind"], total=len(points)) if progress else None
+        for point in points:
+            res = measure(comm, *point)
+            if progress:
+                doc["points"].append(res)
+                if args.json:
+                    write_json(args.json, doc)
+                if line:
+                    progress.console.print(line(res))
+                progress.advance(task)
     if comm.rank == 0:
         finish(doc, args.json)
-        report_tables([table(doc)], args.markdown)
+        print_tables(tables(doc), markdown_path=args.markdown)
     return 0
 
 

@@ -101,8 +101,8 @@ def prior_doc(args, config: dict) -> dict | None:
     for axis in ("layouts", "input_lens", "batch_sizes"):
         old[axis] = list(dict.fromkeys([*old.get(axis, []), *config[axis]]))
     doc["complete"] = False
-    command = R.new_result("sweep", {}, {}, getattr(args, "argv", None))["command"]
-    doc.setdefault("resumed", []).append({"command": command, "load_average": R.load_average()})
+    doc.setdefault("resumed", []).append({"command": R.command_line(getattr(args, "argv", None)),
+                                          "load_average": R.load_average()})
     return doc
 
 
@@ -180,21 +180,22 @@ def _sweep(args, cfg, ctx) -> int:
         env = R.environment(backend=st.backend, ranks=comm.size, model=st.describe_model(llm.cfg))
         env["threads_per_rank"] = threads
         doc = R.new_result("sweep", env, config, getattr(args, "argv", None))
-    todo = _todo(llm, comm, args, doc)
+    from splash.bench.show import sweep_tables
+
     try:
-        _loop(llm, comm, args, todo, doc)
+        return R.measure_points(args, comm, doc, _todo(llm, comm, args, doc),
+                                lambda comm, n, b, lay: measure(llm, comm, args, lay, n, b),
+                                lambda d: sweep_tables(d, args.metric), _line)
     except KeyboardInterrupt:
         if comm.rank == 0:
             print(f"\ninterrupted: {len(doc['points'])} points kept in {args.json or '(no --json)'}; "
                   "rerun with --resume to continue", file=sys.stderr)
         return 130
-    if comm.rank == 0:
-        from splash.bench.show import sweep_tables
-        from splash.bench.tables import report_tables
 
-        R.finish(doc, args.json)
-        report_tables(sweep_tables(doc, args.metric), args.markdown)
-    return 0
+
+def _line(pt: dict) -> str:
+    return (f"{pt['layout']:>7} in={pt['input_len']:<6} B={pt['batch_size']:<4} {pt['output_tokens_per_s']:9.1f} "
+            f"out tok/s {pt['total_tokens_per_s']:10.1f} total tok/s  ({pt['wall_s']:.2f} s)")
 
 
 def _todo(llm, comm, args, doc) -> list[tuple[int, int, str]]:
@@ -222,25 +223,3 @@ def _build(st, comm, first: str, blocks: int):
         raise
     except ValueError:  # e.g. the heads do not divide over the ranks: start replicated, skip that layout later
         return build_llm(st, comm, "dp_attn", blocks)
-
-
-def _loop(llm, comm, args, todo, doc) -> None:
-    from contextlib import nullcontext
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = (Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    transient=False) if comm.rank == 0 else nullcontext())
-    with bar as progress:
-        task = progress.add_task("sweep", total=len(todo)) if progress else None
-        for n, b, lay in todo:
-            if progress:
-                progress.update(task, description=f"{lay:>7} in={n} B={b}")
-            pt = measure(llm, comm, args, lay, n, b)
-            if comm.rank == 0:
-                doc["points"].append(pt)
-                if args.json:
-                    R.write_json(args.json, doc)
-                progress.console.print(f"{lay:>7} in={n:<6} B={b:<4} {pt['output_tokens_per_s']:9.1f} out tok/s "
-                                       f"{pt['total_tokens_per_s']:10.1f} total tok/s  ({pt['wall_s']:.2f} s)")
-                progress.advance(task)

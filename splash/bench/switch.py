@@ -103,4 +103,5 @@ def run(args) -> int:
     config = {"layouts": args.layouts, "batch": args.batch, "context": args.context, "trials": args.trials,
               "shared_prefix": args.shared_prefix}
     points = [(args, src, dst) for src in args.layouts for dst in args.layouts if src != dst]
-    return R.measure_points(args, "switch", model, config, points, direction, switch_table)
+    comm, doc = R.mpi_result(args, "switch", model, config)
+    return R.measure_points(args, comm, doc, points, direction, lambda d: [switch_table(d)])

@@ -53,17 +53,13 @@ def to_markdown(spec: TableSpec) -> str:
     return "\n".join(lines)
 
 
-def print_tables(specs: Iterable[TableSpec], console=None) -> None:
+def print_tables(specs: Sequence[TableSpec], console=None, markdown_path: str | None = None) -> None:
+    """Print `specs` to the console and, when `markdown_path` is given, write them there as markdown."""
     from rich.console import Console
 
     console = console or Console(width=160)
     for s in specs:
         console.print(to_rich(s))
-
-
-def report_tables(specs: Sequence[TableSpec], markdown_path: str | None = None) -> None:
-    """Print `specs` to the console and, when `markdown_path` is given, write them there as markdown."""
-    print_tables(specs)
     if markdown_path:
         with open(markdown_path, "w") as f:
             f.write("\n\n".join(to_markdown(s) for s in specs) + "\n")

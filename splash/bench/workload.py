@@ -136,7 +136,6 @@ def run_mode(args, mode: str, requests: list, workdir: Path,
         proc, url = launch(args.np, args.config, ["--log-decisions", "--layout", mode], extra, log_path)
     except RuntimeError as e:
         raise RuntimeError(f"{mode}: {e}") from None
-    rc = None
     try:
         outs, total, samples, final = asyncio.run(drive(url, requests, args.request_timeout))
     finally:

@@ -165,7 +165,7 @@ class CostModel:
         secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
         secs["plan"] += self.profile.step_overhead_s + self.profile.step_overhead_layout_s.get(layout, 0.0)
         # waiting for the slower peer: the ranks drift apart while they compute, by a share of the time between
-        # collectives, not by a fixed amount per collective (benchmarks/bench_stages.py measures both)
+        # collectives, not by a fixed amount per collective (calibrate --in-step-collectives measures both)
         secs["sync"] = 0.0
         if self.profile.collective_wait_fraction:
             coll = sum(self.collective_seconds(w) for w in total.values())
