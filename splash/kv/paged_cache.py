@@ -18,8 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from splash.kv import quant
-from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens convert_layer dequantises at once
-from splash.layouts.memory import ROPE_FP8_DTYPES
+from splash.layouts.memory import CONVERT_CHUNK_SLOTS, ROPE_FP8_DTYPES
 
 FUSED_DTYPES = ("bfloat16",)   # KV dtypes stored as one [blocks, page, d_c + d_r] tensor per layer (vendor format)
 
