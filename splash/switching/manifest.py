@@ -109,10 +109,10 @@ class Manifest:
     logical_blocks: int = 0
     kv_block_bytes_total: int = 0     # one block over every layer holding paged KV, as moved
 
-    def src_heads_of(self, req: str, rank: int, held: int | None = None) -> range:
-        """KDA heads of `req` that `rank` holds in the source layout."""
+    def src_heads_of(self, req: str, rank: int, held: int) -> range:
+        """KDA heads of `req` that `rank` holds in the source layout (else the first `held`: its stored state's)."""
         return _state_heads(self.src, self.linear_heads, self.world, rank, dict(self.src_owners).get(req)) \
-            or range(self.linear_heads if held is None else held)
+            or range(held)
 
     def dst_heads_of(self, req: str, rank: int) -> range | None:
         """KDA heads of `req` that `rank` holds after the switch (None: none)."""
