@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_params,
-                                   projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
+from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_recv_bytes,
+                                   projection_shard_bytes)
 from splash.layouts.ownership import assign_owners, head_range
 from splash.models.config import ModelConfig
 from splash.models.family import describe
@@ -224,20 +224,12 @@ def plan_state_moves(src: Layout, dst: Layout, world: int, heads: int, requests:
 
 def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
                            weight_quant: str | None = None) -> tuple[list[float], list[float]]:
-    """Per-layer projection bytes each rank receives / sends (quantised: as stored, exact per rank)."""
-    if weight_quant is not None:
-        recv = [projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world)]
-        if weight_action(src, dst) != ALL_GATHER:
-            return recv, [0.0] * world
-        sent = [projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, src), weight_bytes,
-                                       weight_quant) * (world - 1) for r in range(world)]
-        return recv, sent
-    recv = [switch_receive_bytes(cfg, src, dst, world, weight_bytes)] * world
+    """Per-layer projection bytes each rank receives / sends, as stored (quantised ones with their scales)."""
+    recv = [projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world)]
     if weight_action(src, dst) != ALL_GATHER:
         return recv, [0.0] * world
-    heads = cfg.num_attention_heads
-    per_head = projection_params(cfg) * weight_bytes / heads
-    sent = [len(head_range(heads, world, r, src)) * per_head * (world - 1) for r in range(world)]
+    sent = [projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, src), weight_bytes,
+                                   weight_quant) * (world - 1) for r in range(world)]
     return recv, sent
 
 
