@@ -134,11 +134,6 @@ def test_world_one_moves_nothing(dst, src):
     assert m.kv_recv_bytes == (0,) and m.weight_recv_bytes == (0.0,) and m.weight_sent_bytes == (0.0,)
 
 
-def test_describe_mentions_direction_and_moves():
-    text = plan(DOP, CP).describe()
-    assert "dop -> cp" in text and "KV block moves" in text and "all_to_all" in text
-
-
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(list(TABLE)), st.sampled_from([1, 2, 4, 8]),
        st.lists(st.tuples(st.integers(0, 200), st.integers(0, 7)), max_size=12))
@@ -178,11 +173,9 @@ def _fmt_plan(src, dst, src_kv, dst_kv, world=4):
 def test_kv_format_keep_or_convert():
     same = plan(TP, DOP)
     assert same.action("kv_format") == "keep" and not same.converts_kv
-    assert "kv_format keep" in same.describe() and "KV kept as bfloat16" in same.describe()
     m = _fmt_plan(TP, DOP, "float32", "fp8_e4m3")
     assert m.action("kv_format") == "convert" and m.converts_kv
     assert (m.src_kv_dtype, m.dst_kv_dtype) == ("float32", "fp8_e4m3")
-    assert "kv_format convert" in m.describe() and "float32 -> fp8_e4m3" in m.describe()
     # every other action and the placement do not depend on the format
     ref = plan(TP, DOP, kv_dtype="float32")
     assert [a for a in m.actions if a[0] != "kv_format"] == [a for a in ref.actions if a[0] != "kv_format"]

@@ -102,9 +102,6 @@ class Communicator(abc.ABC):
     def barrier(self) -> None: ...
 
     # Async variants: default to running the blocking op (a completed handle).
-    def iall_reduce(self, t: torch.Tensor) -> Handle:
-        return Handle.done(self.all_reduce(t))
-
     def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
         return Handle.done(self.all_gatherv(t, counts))
 
@@ -232,13 +229,6 @@ class MPICommunicator(Communicator):
 
     # --- plans: (args, finish) shared by blocking and nonblocking forms ---
 
-    def _plan_all_reduce(self, t: torch.Tensor) -> _Plan:
-        src = t.detach().contiguous()
-        work = src if src.dtype in NATIVE_REDUCE else src.to(torch.float32)
-        out = torch.empty_like(work)
-        args = (work.reshape(-1).numpy(), out.reshape(-1).numpy(), self._MPI.SUM)
-        return args, (lambda: out if out.dtype == t.dtype else out.to(t.dtype))
-
     def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
         src, counts = gatherv_rows(self, t, counts)
         row = math.prod(src.shape[1:]) * src.element_size()
@@ -259,9 +249,11 @@ class MPICommunicator(Communicator):
     # --- blocking ---
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        args, finish = self._plan_all_reduce(t)
-        self.mpi_comm.Allreduce(*args)
-        return finish()
+        src = t.detach().contiguous()
+        work = src if src.dtype in NATIVE_REDUCE else src.to(torch.float32)
+        out = torch.empty_like(work)
+        self.mpi_comm.Allreduce(work.reshape(-1).numpy(), out.reshape(-1).numpy(), self._MPI.SUM)
+        return out if out.dtype == t.dtype else out.to(t.dtype)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = as_rows(t)
@@ -301,10 +293,6 @@ class MPICommunicator(Communicator):
         self.mpi_comm.Barrier()
 
     # --- nonblocking (count exchanges, when needed, are blocking) ---
-
-    def iall_reduce(self, t: torch.Tensor) -> Handle:
-        args, finish = self._plan_all_reduce(t)
-        return Handle(self.mpi_comm.Iallreduce(*args), finish, args)
 
     def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
         args, finish = self._plan_all_gatherv(t, counts)

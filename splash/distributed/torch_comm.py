@@ -70,12 +70,6 @@ class TorchCommunicator(Communicator):
 
     # --- plans shared by the blocking and nonblocking forms ---
 
-    def _plan_all_reduce(self, t: torch.Tensor) -> _Plan:
-        src = t.detach().contiguous()
-        work = src.clone() if src.dtype in self._reduce_native else src.to(torch.float32)
-        run = lambda a: dist.all_reduce(work, async_op=a)  # noqa: E731
-        return run, (lambda: work if work.dtype == t.dtype else work.to(t.dtype)), (work,)
-
     def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
         src, counts = gatherv_rows(self, t, counts)
         trail, most = src.shape[1:], max(counts)
@@ -114,7 +108,10 @@ class TorchCommunicator(Communicator):
     # --- blocking ---
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        return self._blocking(self._plan_all_reduce(t))
+        src = t.detach().contiguous()
+        work = src.clone() if src.dtype in self._reduce_native else src.to(torch.float32)
+        dist.all_reduce(work)
+        return work if work.dtype == t.dtype else work.to(t.dtype)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = as_rows(t)
@@ -137,9 +134,6 @@ class TorchCommunicator(Communicator):
         return buf
 
     # --- nonblocking (count exchanges, when needed, are blocking and go over MPI) ---
-
-    def iall_reduce(self, t: torch.Tensor) -> Handle:
-        return self._async(self._plan_all_reduce(t))
 
     def iall_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> Handle:
         return self._async(self._plan_all_gatherv(t, counts))

@@ -29,12 +29,11 @@ class GrammarRows:
         self.matchers.pop(req_id, None)
         self.failed.pop(req_id, None)
 
-    def mask(self, x: torch.Tensor, req_ids: list[str]) -> torch.Tensor | None:
-        """Set the logits of ``x`` [B, V] that row i's grammar forbids to -inf, in place; returns the bitmask
-        ([B, W], rows without a grammar all ones) or None when no row has a grammar."""
+    def mask(self, x: torch.Tensor, req_ids: list[str]) -> None:
+        """Set the logits of ``x`` [B, V] that row i's grammar forbids to -inf, in place."""
         rows = [i for i, r in enumerate(req_ids) if r in self.matchers and r not in self.failed]
         if not rows:
-            return None
+            return
         import xgrammar as xgr
         bitmask = torch.full((len(req_ids), (self.vocab + 31) // 32), -1, dtype=torch.int32)
         ok = []
@@ -55,7 +54,6 @@ class GrammarRows:
             for i in (i for i, alive in zip(ok, live) if not alive):
                 self.failed[req_ids[i]] = ValueError("the request's grammar allows no next token after its output "
                                                      "so far (it admits no complete output)")
-        return bitmask
 
     def accept(self, req_ids: list[str], tokens: list[int]) -> None:
         """Advance each row's matcher by its sampled token (rows without a grammar, or failed, are skipped)."""

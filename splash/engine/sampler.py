@@ -45,7 +45,6 @@ class _State:
     prompt_mask: torch.Tensor | None        # [V] bool, with a repetition penalty
     counts: torch.Tensor | None             # [V] fp32 output-token counts, with any penalty
     num_out: int = 0
-    grammar: bool = False                   # the request's tokens are constrained by its grammar (GrammarRows)
 
 
 def _clean(v: float) -> float:
@@ -106,8 +105,7 @@ class Sampler:
             self.grammars.add(req_id, params.grammar, stop_ids)
         # a seeded random request draws from its own generator, the others from the shared one
         gen = None if params.greedy or params.seed is None else torch.Generator(device=dev).manual_seed(params.seed)
-        self.states[req_id] = _State(params, gen, stops, bias_ids, bias_vals, prompt_mask, counts,
-                                     grammar=params.grammar is not None)
+        self.states[req_id] = _State(params, gen, stops, bias_ids, bias_vals, prompt_mask, counts)
 
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -172,7 +170,7 @@ class Sampler:
     @staticmethod
     def _min_tokens(x: torch.Tensor, st: list[_State]) -> None:
         rows = [i for i, s in enumerate(st) if s.num_out < s.params.min_tokens and s.stop_ids.numel()
-                and not s.grammar]
+                and s.params.grammar is None]
         if rows:
             r = torch.cat([torch.full_like(st[i].stop_ids, i) for i in rows])
             x[r, torch.cat([st[i].stop_ids for i in rows])] = float("-inf")

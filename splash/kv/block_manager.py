@@ -47,15 +47,8 @@ class BlockManager:
     def table(self, req: str) -> dict[int, int]:
         return self._tables.get(req, {})
 
-    def has(self, req: str) -> bool:
-        return req in self._tables
-
     def requests(self) -> list[str]:
         return list(self._tables)
-
-    def missing(self, req: str, logical: list[int]) -> list[int]:
-        t = self._tables.get(req, {})
-        return [b for b in logical if b not in t]
 
     def ensure(self, req: str, logical: list[int]) -> list[tuple[int, int]]:
         """Make sure `req` holds `logical`; -> newly allocated (logical, physical). All-or-nothing (OutOfBlocks)."""
@@ -75,8 +68,7 @@ class BlockManager:
                 if b not in t:
                     if not free:
                         self._undo(out + [(req, new)], created)
-                        raise OutOfBlocks(sum(len(self.missing(r, list(dict.fromkeys(lg)))) for r, lg in needs),
-                                          len(free))
+                        raise OutOfBlocks(sum(len(set(lg) - self.table(r).keys()) for r, lg in needs), len(free))
                     t[b] = p = free.pop()
                     self._ref[p] = 1
                     new.append((b, p))

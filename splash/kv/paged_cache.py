@@ -18,8 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from splash.kv import quant
-from splash.layouts.memory import CONVERT_CHUNK_SLOTS  # noqa: F401 — tokens convert_layer dequantises at once
-from splash.layouts.memory import ROPE_FP8_DTYPES
+from splash.layouts.memory import CONVERT_CHUNK_SLOTS, ROPE_FP8_DTYPES
 
 FUSED_DTYPES = ("bfloat16",)   # KV dtypes stored as one [blocks, page, d_c + d_r] tensor per layer (vendor format)
 
@@ -111,11 +110,11 @@ class PagedLatentCache:
 
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Store new tokens' indexer keys [n, index_parts × index_dim] at `slots` (a layer that runs an indexer)."""
-        _encode_keys(self._index(layer), self.layer_dtypes[layer], slots, keys, self.index_parts)
+        _store(self._index(layer), self.layer_dtypes[layer], slots, keys, self.index_parts)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """fp32 indexer keys [..., index_parts × index_dim] at `slots` (any shape)."""
-        return _decode_keys(self._index(layer), slots, self.index_parts)
+        return _load(self._index(layer), slots, self.index_parts)
 
     # ---- format conversion -------------------------------------------------------------------------------
     def convert_layer(self, layer: int, kv_dtype: str, blocks: Sequence[int] | None = None) -> bool:
@@ -138,8 +137,7 @@ class PagedLatentCache:
             c, k = _decode(old, slots)
             _encode(new_parts, kv_dtype, slots, c, k)
             if old_idx:
-                _encode_keys(new_idx, kv_dtype, slots, _decode_keys(old_idx, slots, self.index_parts),
-                             self.index_parts)
+                _store(new_idx, kv_dtype, slots, _load(old_idx, slots, self.index_parts), self.index_parts)
         (self.ckv[layer], self.kpe[layer], self.scale[layer], self.ikey[layer], self.iscale[layer],
          self.fused[layer]) = new
         self.layer_dtypes[layer] = kv_dtype
@@ -166,14 +164,15 @@ class PagedLatentCache:
 def _encode(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, c_kv: torch.Tensor,
             k_pe: torch.Tensor) -> None:
     """Write fp latent/rope rows at `slots` of one layer's tensors [ckv, kpe(, scale)] stored as `kv_dtype`."""
-    ckv, kpe = _flat(parts[0]), _flat(parts[1])
-    if quant.is_quantized(kv_dtype):
-        q, s = quant.quantize(c_kv, kv_dtype)
-        ckv[slots] = q
-        _flat(parts[2])[slots] = s
-    else:
-        ckv[slots] = c_kv.to(ckv.dtype)
+    _store([parts[0], *parts[2:]], kv_dtype, slots, c_kv)
+    kpe = _flat(parts[1])
     kpe[slots] = quant.quantize_rope(k_pe) if kpe.dtype == quant.ROPE_FP8 else k_pe.to(kpe.dtype)
+
+
+def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 latent and rope rows at `slots` (any shape) of one layer's tensors [ckv, kpe(, scale)]."""
+    kpe = _flat(parts[1]).index_select(0, slots.reshape(-1)).view(*slots.shape, parts[1].shape[-1])
+    return _load([parts[0], *parts[2:]], slots), quant.dequantize_rope(kpe)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -181,40 +180,24 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0] * t.shape[1], t.shape[-1])
 
 
-def _decode(parts: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 latent and rope rows at `slots` (any shape) of one layer's tensors [ckv, kpe(, scale)]."""
-    flat = slots.reshape(-1)  # index_select on flat slots is several times faster than advanced indexing
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        return _flat(t).index_select(0, flat).view(*slots.shape, t.shape[-1])
-
-    ckv, kpe = take(parts[0]), quant.dequantize_rope(take(parts[1]))
-    if len(parts) > 2:
-        return quant.dequantize(ckv, take(parts[2])), kpe
-    return ckv.float(), kpe
-
-
-def _encode_keys(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, keys: torch.Tensor,
-                 n_vec: int = 1) -> None:
-    """Write fp indexer keys [n, n_vec × d] at `slots` of one layer's [ikey(, iscale)] stored as `kv_dtype`
-    (each of the n_vec vectors of a token quantised on its own)."""
-    ik = parts[0].view(-1, parts[0].shape[-1])
+def _store(parts: list[torch.Tensor], kv_dtype: str, slots: torch.Tensor, x: torch.Tensor, n_vec: int = 1) -> None:
+    """Write fp rows x [n, n_vec × d] at `slots` of one layer's [values(, scales)] stored as `kv_dtype` (the
+    latent, or indexer keys: each of a token's n_vec vectors quantised on its own)."""
+    vals = _flat(parts[0])
     if quant.is_quantized(kv_dtype):
-        n = keys.shape[0]
-        q, s = quant.quantize(keys.reshape(n * n_vec, keys.shape[-1] // n_vec), kv_dtype)
-        sc = parts[1].view(-1, parts[1].shape[-1])
-        ik[slots] = q.view(n, ik.shape[-1])
-        sc[slots] = s.view(n, sc.shape[-1])
+        n = x.shape[0]
+        q, s = quant.quantize(x.reshape(n * n_vec, x.shape[-1] // n_vec), kv_dtype)
+        scales = _flat(parts[1])
+        vals[slots] = q.view(n, vals.shape[-1])
+        scales[slots] = s.view(n, scales.shape[-1])
     else:
-        ik[slots] = keys.to(ik.dtype)
+        vals[slots] = x.to(vals.dtype)
 
 
-def _decode_keys(parts: list[torch.Tensor], slots: torch.Tensor, n_vec: int = 1) -> torch.Tensor:
-    flat, width = slots.reshape(-1), parts[0].shape[-1]
-    ik = parts[0].view(-1, width).index_select(0, flat)
+def _load(parts: list[torch.Tensor], slots: torch.Tensor, n_vec: int = 1) -> torch.Tensor:
+    """fp32 rows [..., n_vec × d] at `slots` (any shape) of one layer's [values(, scales)]."""
+    flat, width = slots.reshape(-1), parts[0].shape[-1]  # index_select on flat slots: several times faster
+    vals = _flat(parts[0]).index_select(0, flat).view(*slots.shape, n_vec, width // n_vec)
     if len(parts) > 1:
-        sc = parts[1].view(-1, parts[1].shape[-1]).index_select(0, flat)
-        m = flat.numel() * n_vec
-        keys = quant.dequantize(ik.view(m, width // n_vec), sc.view(m, sc.shape[-1] // n_vec))
-        return keys.reshape(*slots.shape, width)
-    return ik.float().view(*slots.shape, width)
+        vals = quant.dequantize(vals, _flat(parts[1]).index_select(0, flat).view(*slots.shape, n_vec, -1))
+    return vals.float().reshape(*slots.shape, width)

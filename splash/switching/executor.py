@@ -15,6 +15,7 @@ from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.switching import weights_transfer as wt
 from splash.switching.handoff_blocks import begin_blocks
 from splash.switching.manifest import ALL_GATHER, DISCARD, Manifest
+from splash.switching.state_transfer import StateHandoff, pack_kda, slice_kda, unpack_kda
 
 
 class SwitchExecutor:
@@ -51,7 +52,6 @@ class SwitchExecutor:
         self.dst = layout_state(m.dst.value, r.family, m.world, me, m.dst_kv_dtype)
         self.state = None
         if r.family.recurrent:  # per-request KDA state: one all-to-all per KDA layer, beside its KV
-            from splash.switching.state_transfer import StateHandoff
             self.state = StateHandoff(r, m)
             self.state.begin()
         if self.w_action == DISCARD:
@@ -73,7 +73,6 @@ class SwitchExecutor:
 
     def _slice(self, layer: int, w, heads: range):
         if self._linear(layer):
-            from splash.switching.state_transfer import slice_kda
             return slice_kda(w, self.dst.linear_heads)
         return wt.slice_heads(w, heads, self.r.cfg.qk_head_dim)
 
@@ -98,7 +97,6 @@ class SwitchExecutor:
             if self.w_action == ALL_GATHER:
                 attn = r.weights.layers[layer].attn
                 if self._linear(layer):
-                    from splash.switching.state_transfer import pack_kda
                     w = r.comm.iall_gatherv(pack_kda(attn))
                 else:
                     w = r.comm.iall_gatherv(wt.pack_shard(attn))
@@ -118,7 +116,6 @@ class SwitchExecutor:
             if w is not None:
                 lw = r.weights.layers[layer]
                 if self._linear(layer):
-                    from splash.switching.state_transfer import unpack_kda
                     lw.attn = unpack_kda(lw.attn, w.wait(), self.m.world, r.family.linear_heads)
                 else:
                     lw.attn = wt.unpack_full(lw.attn, w.wait(), self.m.world, r.cfg.num_attention_heads)

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splash.layouts.layout import KV_ALL, Layout, parse_layout
-from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_params,
-                                   projection_recv_bytes, projection_shard_bytes, switch_receive_bytes)
+from splash.layouts.memory import (kv_block_bytes, kv_bytes_per_token_layer, linear_shard_bytes, projection_recv_bytes,
+                                   projection_shard_bytes)
 from splash.layouts.ownership import assign_owners, head_range
 from splash.models.config import ModelConfig
 from splash.models.family import describe
@@ -109,10 +109,10 @@ class Manifest:
     logical_blocks: int = 0
     kv_block_bytes_total: int = 0     # one block over every layer holding paged KV, as moved
 
-    def src_heads_of(self, req: str, rank: int, held: int | None = None) -> range:
-        """KDA heads of `req` that `rank` holds in the source layout."""
+    def src_heads_of(self, req: str, rank: int, held: int) -> range:
+        """KDA heads of `req` that `rank` holds in the source layout (else the first `held`: its stored state's)."""
         return _state_heads(self.src, self.linear_heads, self.world, rank, dict(self.src_owners).get(req)) \
-            or range(self.linear_heads if held is None else held)
+            or range(held)
 
     def dst_heads_of(self, req: str, rank: int) -> range | None:
         """KDA heads of `req` that `rank` holds after the switch (None: none)."""
@@ -128,11 +128,6 @@ class Manifest:
         """`rank`'s dropped hash-named blocks it sends nowhere: freed at the boundary like `freed_at_handoff`."""
         sent = {mv.h for mv in self.moves if mv.src_rank == rank and mv.h is not None}
         return tuple(h for h in (self.dropped[rank] if self.dropped else ()) if h not in sent)
-
-    @property
-    def cached_moves(self) -> int:
-        """Moves carrying an idle cached block (one per receiving rank)."""
-        return sum(1 for mv in self.moves if mv.h is not None and mv.req == "")
 
     @property
     def shared_moves(self) -> int:
@@ -177,24 +172,9 @@ class Manifest:
     def total_sent_bytes(self) -> tuple[float, ...]:
         return tuple(w + k + s for w, k, s in zip(self.weight_sent_total, self.kv_sent_total, self.state_sent_bytes))
 
-    def describe(self) -> str:
-        mib = 1 << 20
-        acts = ", ".join(f"{k} {a}" for k, a in self.actions)
-        recv = max(self.total_recv_bytes, default=0.0) / mib
-        conv = (f"KV converted {self.src_kv_dtype} -> {self.dst_kv_dtype} after the moves (moved blocks travel as "
-                f"{self.src_kv_dtype}); " if self.converts_kv else f"KV kept as {self.dst_kv_dtype}; ")
-        return (f"{self.src.value} -> {self.dst.value} on {self.world} ranks, {self.num_layers} layers: {acts}; "
-                f"{conv}"
-                f"{len(self.moves)} KV block moves ({self.shared_moves} shared, {self.cached_moves} idle cached), "
-                f"{sum(len(d) for d in self.discard)} block discards, "
-                f"{sum(map(len, self.cached_kept))} idle cached blocks kept, "
-                f"{sum(map(len, self.dropped))} dropped; max per-rank receive "
-                f"{max(self.weight_recv_bytes, default=0.0) / mib:.1f} MiB W + "
-                f"{max(self.kv_recv_bytes, default=0) / mib:.1f} MiB KV per layer, {recv:.1f} MiB total")
-
 
 def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str, ReqState],
-                    capacity: int | None, block_size: int) -> dict[str, int]:
+                    block_size: int) -> dict[str, int]:
     """Destination owners (CP: anchors): given ones kept; else the source owner; else balanced placement (CP: 0)."""
     if dst == Layout.CP:
         return {r: next((o for o in (s.dst_owner, s.src_owner) if o is not None), 0) for r, s in requests.items()}
@@ -206,7 +186,7 @@ def _resolve_owners(src: Layout, dst: Layout, world: int, requests: Mapping[str,
                       if s.dst_owner is None and s.src_owner is not None})
     free = {r: s.num_tokens for r, s in requests.items() if r not in fixed}
     existing = {r: (o, requests[r].num_tokens) for r, o in fixed.items()}
-    return {**fixed, **assign_owners(free, existing, world, capacity, block_size=block_size)}
+    return {**fixed, **assign_owners(free, existing, world, None, block_size=block_size)}
 
 
 def _state_heads(lay: Layout, heads: int, world: int, rank: int, owner: int | None) -> range | None:
@@ -244,20 +224,12 @@ def plan_state_moves(src: Layout, dst: Layout, world: int, heads: int, requests:
 
 def _weight_bytes_per_rank(cfg: ModelConfig, src: Layout, dst: Layout, world: int, weight_bytes: float,
                            weight_quant: str | None = None) -> tuple[list[float], list[float]]:
-    """Per-layer projection bytes each rank receives / sends (quantised: as stored, exact per rank)."""
-    if weight_quant is not None:
-        recv = [projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world)]
-        if weight_action(src, dst) != ALL_GATHER:
-            return recv, [0.0] * world
-        sent = [projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, src), weight_bytes,
-                                       weight_quant) * (world - 1) for r in range(world)]
-        return recv, sent
-    recv = [switch_receive_bytes(cfg, src, dst, world, weight_bytes)] * world
+    """Per-layer projection bytes each rank receives / sends, as stored (quantised ones with their scales)."""
+    recv = [projection_recv_bytes(cfg, src, dst, world, r, weight_bytes, weight_quant) for r in range(world)]
     if weight_action(src, dst) != ALL_GATHER:
         return recv, [0.0] * world
-    heads = cfg.num_attention_heads
-    per_head = projection_params(cfg) * weight_bytes / heads
-    sent = [len(head_range(heads, world, r, src)) * per_head * (world - 1) for r in range(world)]
+    sent = [projection_shard_bytes(cfg, head_range(cfg.num_attention_heads, world, r, src), weight_bytes,
+                                   weight_quant) * (world - 1) for r in range(world)]
     return recv, sent
 
 
@@ -277,8 +249,7 @@ def _actions(cfg: ModelConfig, src: Layout, dst: Layout, moves: list[BlockMove],
 
 def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: int,
                 requests: Mapping[str, ReqState], block_size: int, weight_bytes: float, kv_dtype: str, *,
-                capacity_tokens_per_rank: int | None = None, src_kv_dtype: str | None = None,
-                dst_kv_dtype: str | None = None, weight_quant: str | None = None,
+                src_kv_dtype: str | None = None, dst_kv_dtype: str | None = None, weight_quant: str | None = None,
                 cached: Sequence[CachedBlock] = (), cached_cap: Sequence[int] | None = None,
                 move_cached: bool = False, rope_fp8: bool = False) -> Manifest:
     """Plan a src→dst switch for ``requests`` on ``world`` ranks (pure; identical on every rank).
@@ -297,7 +268,7 @@ def plan_switch(src: Layout | str, dst: Layout | str, cfg: ModelConfig, world: i
     for lay in (src, dst):
         if lay.shards_projections:
             head_range(cfg.num_attention_heads, world, 0, lay)  # validates world | num_heads
-    owners = _resolve_owners(src, dst, world, requests, capacity_tokens_per_rank, block_size)
+    owners = _resolve_owners(src, dst, world, requests, block_size)
     bp = plan_blocks(src, dst, world, requests, owners, block_size, cached, cached_cap, move_cached)
     moves, keep, discard = bp.moves, bp.keep, bp.discard
     blk = kv_bytes_per_token_layer(cfg, src_kv, rope_fp8=rope_fp8) * block_size  # moves happen before conversion

@@ -113,7 +113,9 @@ class StateHandoff:
 
     def begin(self) -> None:
         r, m, me = self.r, self.m, self.r.comm.rank
-        self.old = {req: (r.states.get(req), heads) for req, heads in self._held_before(me).items()}
+        # the source tensors, with the heads each holds (its width says how many)
+        old = {req: r.states.get(req) for req in r.states.requests()}
+        self.old = {req: (t, m.src_heads_of(req, me, t.shape[1])) for req, t in old.items()}
         self.sends = sorted((mv for mv in m.state_moves if mv.src_rank == me), key=lambda mv: mv.dst_rank)
         self.recv = sorted((mv for mv in m.state_moves if mv.dst_rank == me), key=lambda mv: mv.src_rank)
         self.counts, self.rcounts = [0] * m.world, [0] * m.world
@@ -137,14 +139,6 @@ class StateHandoff:
             r.states.put(req, st)
             self.new[req] = (st, need)
         self.pending = set(range(r.states.num_layers)) if m.state_moves else set()
-
-    def _held_before(self, me: int) -> dict[str, range]:
-        """Heads of each request this rank holds in the source layout (from the store: its state's width)."""
-        out = {}
-        for req in self.r.states.requests():
-            n = self.r.states.get(req).shape[1]
-            out[req] = self.m.src_heads_of(req, me, n)
-        return out
 
     def start_layer(self, j: int) -> None:
         """Issue KDA layer j's all-to-all (every rank issues it whenever the manifest moves any state)."""
