@@ -106,10 +106,12 @@ def test_statuses_of_bad_bodies(engine):
             c.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 2}',
                    headers={"content-type": "text/plain"}),
             c.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 2}'),   # no content type: JSON
+            c.post("/v1/completions", content=b'{"prompt": "\xff"}'),   # not UTF-8
             c.post("/v1/completions", json=GOOD))
 
-    deep_r, chat_r, img_r, mt_r, mct_r, plain_r, bare_r, good_r = _serve(engine, checks)
+    deep_r, chat_r, img_r, mt_r, mct_r, plain_r, bare_r, utf_r, good_r = _serve(engine, checks)
     assert deep_r.status_code == 400 and "nested too deep" in deep_r.json()["error"]["message"]
+    assert utf_r.status_code == 400 and utf_r.json()["error"]["code"] == "invalid_json", utf_r.text
     assert chat_r.status_code == 400 and chat_r.json()["error"]["param"] == "messages.0.content.0"
     assert img_r.status_code == 400 and "only text parts" in img_r.json()["error"]["message"]
     assert mt_r.status_code == 400 and mt_r.json()["error"]["code"] == "context_length_exceeded"
