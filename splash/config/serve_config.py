@@ -268,15 +268,6 @@ class ServeConfig:
             return Path(self.model.model.rstrip("/\\")).name or self.model.model
         return self.model.preset
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested dict (tuples as lists), suitable for yaml.safe_dump / logging."""
-        out = dataclasses.asdict(self)
-        for sec in out.values():
-            for k, v in sec.items():
-                if isinstance(v, tuple):
-                    sec[k] = list(v)
-        return out
-
 
 def _elsewhere(section: str | None) -> dict[str, str]:
     return {k: f"{s}.{k}" for k, s in FIELD_SECTION.items() if s != section}
