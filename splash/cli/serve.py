@@ -55,7 +55,7 @@ def _follow(engine, watchdog, rank: int) -> int:
 
 
 def _serve(argv: Sequence[str] | None = None) -> int:
-    from splash.distributed import init_dist
+    from splash.distributed import init_dist, make_communicator
     from splash.distributed.launch import describe_communicator, set_threads
     from splash.server import startup
     from splash.server.console import Console
@@ -70,7 +70,8 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
         cfg, backend = startup.run_agreed(comm, lambda: startup.resolve_backend(cfg, ctx.local_rank))
         startup.run_agreed(comm, lambda: startup.check_communicator(cfg))
-        data_comm = startup.run_agreed(comm, lambda: startup.data_communicator(cfg, ctx))  # MPI or torch
+        # the model's communicator (MPI or torch; the control plane stays on MPI), after every rank agreed it can run
+        data_comm = startup.run_agreed(comm, lambda: make_communicator(cfg.communicator, ctx, cfg.parallel.backend))
         sock, token = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
         if console:

@@ -262,13 +262,6 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     return Built(engine, mcfg, engine.max_model_len)   # the engine caps max_model_len at the KV pool
 
 
-def data_communicator(cfg: ServeConfig, ctx: Any) -> Any:
-    """The model's communicator (``cfg.communicator``); the control plane stays on MPI. Call it under
-    ``run_agreed`` after ``check_communicator`` agreed, so no rank enters the rendezvous alone."""
-    from splash.distributed import make_communicator
-    return make_communicator(cfg.communicator, ctx, cfg.parallel.backend)
-
-
 def check_communicator(cfg: ServeConfig) -> None:
     """ConfigError naming ``parallel.communicator`` when this machine cannot run it."""
     from splash.distributed.launch import check_communicator as check
