@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 GIB = 1 << 30
 _WEIGHT_BYTES = {"float32": 4, "bfloat16": 2}

@@ -18,7 +18,7 @@ from contextlib import nullcontext, redirect_stdout
 from typing import Sequence
 
 from splash.cli.args import build_config, main_guard
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 
 class _QuietExit(Exception):

@@ -18,9 +18,9 @@ import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from splash.config.yaml_loader import field_error, parse_size, read_yaml_mapping, unknown_key_error
+from splash.errors import ConfigError
 from splash.layouts.layout import LAYOUT_NAMES
 from splash.layouts.memory import KV_DTYPES
-from splash.models.config import ConfigError
 
 LAYOUTS = LAYOUT_NAMES
 HARDWARE_PROFILES = ("cpu", "h200", "b200", "bw1000")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
+from splash.errors import ConfigError
 from splash.layouts.layout import start_layout
-from splash.models.config import ConfigError
 
 DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
 
