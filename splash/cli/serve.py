@@ -112,7 +112,7 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
     tokenizer = load_tokenizer(cfg.tokenizer_path, built.model_cfg.vocab_size)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
                                                     built.model_cfg.model_type, tokenizer.chat_template)
-    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
+    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
                     admin_token=admin_token, world_size=world_size, limits=cfg.server,
                     max_outstanding_seqs=cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs,

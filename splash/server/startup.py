@@ -146,9 +146,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Built:
-    engine: Any
+    engine: Any      # its max_model_len is capped at the KV pool
     model_cfg: Any
-    max_model_len: int
 
 
 def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
@@ -259,7 +258,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     if engine.max_model_len < 2:
         raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
                           "request (capped by the KV pool), so no request fits; raise the KV budget")
-    return Built(engine, mcfg, engine.max_model_len)   # the engine caps max_model_len at the KV pool
+    return Built(engine, mcfg)
 
 
 def check_communicator(cfg: ServeConfig) -> None:
