@@ -146,6 +146,9 @@ def test_apply_overrides_errors():
         apply_overrides(ServeConfig(), {"prot": 1})
     with pytest.raises(ConfigError, match="server.port.*must be int"):
         apply_overrides(ServeConfig(), {"port": "x"})
+    for key in ("cache.port", ".port", "bogus.port", "server.port.x"):   # a qualified name names the field's section
+        with pytest.raises(ConfigError, match="unknown key"):
+            apply_overrides(ServeConfig(), {key: 9000})
 
 
 def test_sections_are_frozen():

@@ -304,10 +304,8 @@ def load_serve_config(path: str | Path) -> ServeConfig:
 
 def _resolve_override_key(key: str) -> tuple[str, str]:
     section, _, name = key.rpartition(".")
-    if section and section in SECTIONS and name in FIELD_SECTION and FIELD_SECTION[name] == section:
-        return section, name
-    if not section and key in FIELD_SECTION:
-        return FIELD_SECTION[key], key
+    if name in FIELD_SECTION and (key == name or section == FIELD_SECTION[name]):   # "port" or "server.port"
+        return FIELD_SECTION[name], name
     raise unknown_key_error(key, "the overridable fields", list(FIELD_SECTION), {})
 
 
