@@ -31,14 +31,11 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     return f"{s[:limit]}... ({len(s) - limit} more characters)"
 
 
-def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    return message if len(message) <= limit else f"{message[:limit]}... (message cut at {limit} characters)"
-
-
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        message = clip(message)
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}... (message cut at {MAX_MESSAGE_CHARS} characters)"
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers

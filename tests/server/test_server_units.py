@@ -86,6 +86,9 @@ def test_validation_messages_name_the_field():
     with pytest.raises(APIError, match="invalid layout"):
         parse_request(LayoutRequest, {"layout": "cp"}).check(("tp", "dop"))   # a layout, but not allowed
     parse_request(LayoutRequest, {"layout": "auto"}).check(("tp",))
+    long = APIError(400, "x" * 5000)   # no error message is longer than MAX_MESSAGE_CHARS (plus the note)
+    assert long.message == "x" * 1024 + "... (message cut at 1024 characters)" and long.body()["error"]["message"] == long.message
+    assert APIError(400, "y" * 1024).message == "y" * 1024
 
 
 def test_admin_rule():
