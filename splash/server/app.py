@@ -10,6 +10,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -194,7 +195,7 @@ class _Handlers:
         why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
         if why is not None:   # the worst case passes server.max_request_mb
             raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         flat_prompts, flat_params = [], []
         for prompt in prompts:
             for j in range(req.n):   # prompt logprobs: computed once per prompt, by its first sample

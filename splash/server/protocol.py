@@ -7,7 +7,6 @@ accepted and ignored; what is not implemented is a 400 naming the field.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -236,10 +235,6 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
         raise APIError(400, msg, param=param) from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

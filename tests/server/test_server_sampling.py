@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -154,6 +155,7 @@ def test_chat_logprobs_and_content_parts(api, hf, tok):
                                   "logprobs": True}),
     ])
     a, b = r1.json()["choices"][0], r2.json()["choices"][0]
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", r1.json()["id"]) and r1.json()["object"] == "chat.completion"
     assert a["token_ids"] == b["token_ids"] and a["message"]["content"] == b["message"]["content"]
     content = a["logprobs"]["content"]
     prompt = tok.encode(tok.apply_chat_template(plain), add_special_tokens=False)

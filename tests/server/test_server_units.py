@@ -139,8 +139,9 @@ def test_app_in_process(engine):
 
     r1, r2, lay, metrics_text, loop = asyncio.run(main())
     ids = r1.json()["choices"][0]["token_ids"]
-    assert len(ids) == 6
+    assert len(ids) == 6 and re.fullmatch(r"cmpl-[0-9a-f]{24}", r1.json()["id"])   # OpenAI's id shape
     chunks = [json.loads(x[6:]) for x in r2.text.split("\n\n") if x.startswith("data: {")]
+    assert {ch["id"] for ch in chunks} == {chunks[0]["id"]} != {r1.json()["id"]}   # one id per request
     assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == ids
     assert r2.text.rstrip().endswith("data: [DONE]")
     assert lay.status_code == 200
