@@ -1,5 +1,5 @@
-"""Starting ``splash-serve`` on every rank without ever leaving a rank behind: each phase that can fail ends with
-``agree`` (an all-gather of every rank's error), so a bad YAML or a missing checkpoint exits 2 on all ranks with
+"""Starting ``splash-serve`` on every rank without ever leaving a rank behind: each phase that can fail runs under
+``run_agreed`` (an all-gather of every rank's error), so a bad YAML or a missing checkpoint exits 2 on all ranks with
 the message and no rank waits in a collective its peers never reach.
 """
 from __future__ import annotations
@@ -16,12 +16,6 @@ from splash.layouts.layout import start_layout
 DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
 
 
-def agree(comm: Any, error: str | None) -> str | None:
-    """The first rank's error, or None, on every rank."""
-    errors = comm.all_gather_obj(error)
-    return next((e for e in errors if e), None)
-
-
 def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
     """``fn()`` on this rank; a ConfigError on *every* rank if it raised on any (an exception other than
     ConfigError is reported naming the rank), so startup never deadlocks on a crash."""
@@ -32,7 +26,7 @@ def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
         error = str(e)
     except Exception as e:  # noqa: BLE001 — turned into an agreed, reported error
         error = f"rank {comm.rank}: {type(e).__name__}: {e}"
-    agreed = agree(comm, error)
+    agreed = next((e for e in comm.all_gather_obj(error) if e), None)   # the first rank's error, on every rank
     if agreed is not None:
         raise ConfigError(agreed)
     return result
