@@ -91,13 +91,8 @@ class ParallelSection:
     world_size: int | None = Field(None, ge=1)   # None → the number of ranks mpirun started
     backend: Literal[BACKENDS] = "cpu"
     attention_backend: Literal[ATTENTION_BACKENDS] | None = None  # None → backend default
-    # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → default_communicator(backend)
+    # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → ServeConfig.communicator
     communicator: Literal[COMMUNICATORS] | None = None
-
-
-def default_communicator(backend: str) -> str:
-    """mpi on cpu (the engine ran slower on gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on GPUs."""
-    return "mpi" if backend == "cpu" else "torch"
 
 
 @_section("layout")
@@ -242,8 +237,9 @@ class ServeConfig:
 
     @property
     def communicator(self) -> str:
-        """parallel.communicator, None resolved by the backend (default_communicator)."""
-        return self.parallel.communicator or default_communicator(self.parallel.backend)
+        """parallel.communicator; None: mpi on cpu (the engine ran slower on gloo there, docs/benchmarks.md), torch
+        (NCCL / RCCL) on GPUs."""
+        return self.parallel.communicator or ("mpi" if self.parallel.backend == "cpu" else "torch")
 
     @property
     def attention_backend(self) -> str:
