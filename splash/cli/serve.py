@@ -115,10 +115,10 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
                     admin_token=admin_token, world_size=world_size, limits=cfg.server,
-                    max_outstanding_seqs=cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
-    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, title))
+    queue = cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs   # sequences beyond it are answered 429
+    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, title, queue))
 
 
 _guarded = main_guard(_serve)

@@ -54,12 +54,8 @@ class ServerState:
     world_size: int = 1
     created: int = field(default_factory=P.now)
     limits: ServerSection = field(default_factory=ServerSection)   # the request limits (config section server)
-    max_outstanding_seqs: int | None = None      # scheduler.max_num_seqs + server.max_waiting_seqs (429 beyond)
     tool_call_parser: str | None = None          # splash.server.agent.resolve_parsers
     reasoning_parser: str | None = None
-
-    def __post_init__(self) -> None:
-        self.loop.max_outstanding = self.max_outstanding_seqs
 
 
 def is_loopback(host: str) -> bool:

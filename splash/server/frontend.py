@@ -54,7 +54,7 @@ async def _drain(server: _Server, loop: EngineLoop, drain_s: float) -> None:
 
 
 async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Console, watchdog: Watchdog | None,
-                title: str) -> int:
+                title: str, max_outstanding: int | None = None) -> int:
     aio = asyncio.get_running_loop()
 
     def post(fn: Any) -> None:
@@ -65,7 +65,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
 
     allowed_layouts = engine.control.allowed   # the allowed layouts feasible on this model and world size
     metrics = Metrics(lambda: loop.snapshot)   # scraped only once the app below serves, when `loop` is bound
-    loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
+    loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, abort_job, max_outstanding)
     state = ServerState(loop=loop, metrics=metrics, allowed_layouts=allowed_layouts, **state_kw)
     app = create_app(state)
     quiet = console.quiet or console.live_ok

@@ -38,10 +38,11 @@ def _serve(engine, checks, max_outstanding_seqs=None, **limits):
         aio = asyncio.get_running_loop()
         holder = {}
         metrics = Metrics(lambda: holder["loop"].snapshot)
-        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
+        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics,
+                                           max_outstanding=max_outstanding_seqs)
         state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
                             vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"),
-                            limits=ServerSection(**limits), max_outstanding_seqs=max_outstanding_seqs)
+                            limits=ServerSection(**limits))
         loop.start()
         try:
             transport = httpx.ASGITransport(app=create_app(state))
