@@ -48,7 +48,6 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
-    allowed_layouts: tuple[str, ...]
     host: str = "127.0.0.1"
     admin_token: str | None = None
     world_size: int = 1
@@ -337,7 +336,7 @@ class _Handlers:
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.LayoutRequest)
-        req.check(self.s.allowed_layouts)
+        req.check(self.s.loop.allowed_layouts)
         try:
             await self.on_engine(self.s.loop.set_layout, req.layout)
         except ValueError as e:

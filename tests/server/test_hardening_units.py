@@ -41,8 +41,7 @@ def _serve(engine, checks, max_outstanding_seqs=None, **limits):
         loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics,
                                            max_outstanding=max_outstanding_seqs)
         state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
-                            vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"),
-                            limits=ServerSection(**limits))
+                            vocab_size=320, limits=ServerSection(**limits))
         loop.start()
         try:
             transport = httpx.ASGITransport(app=create_app(state))
@@ -197,7 +196,7 @@ def test_health_reports_a_stalled_step_and_drain_refuses_new_requests(engine):
 def test_empty_bearer_token_never_matches():
     """An empty configured token never matches, not even 'Authorization: Bearer ' (empty)."""
     state = ServerState(loop=EngineLoop.__new__(EngineLoop), tokenizer=TOK, metrics=None, model_name="m",
-                        max_model_len=8, vocab_size=320, allowed_layouts=("tp",), host="0.0.0.0", admin_token="")
+                        max_model_len=8, vocab_size=320, host="0.0.0.0", admin_token="")
     for header in ("Bearer ", "Bearer", "", None):
         with pytest.raises(APIError) as e:
             check_admin(state, header)

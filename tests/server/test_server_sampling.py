@@ -54,7 +54,7 @@ def api(ckpt, tok):
             metrics = Metrics(lambda: holder["loop"].snapshot)
             loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
             state = ServerState(loop=loop, tokenizer=tok, metrics=metrics, model_name=MODEL, max_model_len=1024,
-                                vocab_size=260, allowed_layouts=("tp",))
+                                vocab_size=260)
             loop.start()
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)),
