@@ -11,7 +11,6 @@ import asyncio
 import io
 import os
 import signal
-import socket
 import sys
 import traceback
 from contextlib import nullcontext, redirect_stdout
@@ -76,8 +75,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
         if console:
             console.log(f"splash-serve: tensor collectives on {describe_communicator(data_comm)}")
-        hosts = comm.all_gather_obj(socket.gethostname())
-        watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
+        watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s))
         step_comm = StepChannel(comm)
         set_threads(ctx)
         if console and getattr(backend, "name", backend) == "cpu":

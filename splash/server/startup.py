@@ -101,9 +101,9 @@ def resolve_admin_token(server: Any, environ: Any) -> str | None:
     return token.strip() if token else None
 
 
-def start_watchdog(comm: Any, watchdog: Any, hosts: list[str]) -> Any:
+def start_watchdog(comm: Any, watchdog: Any) -> Any:
     """Rank 0 listens (on loopback when every rank shares its host), broadcasts the address, followers connect."""
-    address = None
+    hosts, address = comm.all_gather_obj(socket.gethostname()), None
     if comm.rank == 0:
         one_host = len(set(hosts)) == 1
         address = watchdog.serve(tuple(range(1, comm.size)), "127.0.0.1" if one_host else "0.0.0.0")
