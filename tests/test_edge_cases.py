@@ -89,4 +89,4 @@ def test_budget_with_no_page_in_an_allowed_layout_fails_at_startup():
     with pytest.raises(ConfigError, match=r"cache\.kv_cache_memory_bytes.*'dp_attn'.*allowed_layouts"):
         build_engine(cfg, comm, comm)
     built = build_engine(apply_overrides(cfg, {"allowed_layouts": ["tp", "dop"]}), comm, comm)
-    assert built.max_model_len > 1 and built.engine.layout == "dop"
+    assert built.engine.max_model_len > 1 and built.engine.layout == "dop"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,12 @@ def _write(tmp_path: Path, text: str, name: str = "serve.yaml") -> Path:
     p = tmp_path / name
     p.write_text(text)
     return p
+
+
+def _as_yaml(cfg: ServeConfig) -> str:
+    """The config as a YAML file would hold it (tuples as lists)."""
+    import yaml
+    return yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))))
 
 
 def _error(path: Path) -> str:
@@ -139,6 +146,9 @@ def test_apply_overrides_errors():
         apply_overrides(ServeConfig(), {"prot": 1})
     with pytest.raises(ConfigError, match="server.port.*must be int"):
         apply_overrides(ServeConfig(), {"port": "x"})
+    for key in ("cache.port", ".port", "bogus.port", "server.port.x"):   # a qualified name names the field's section
+        with pytest.raises(ConfigError, match="unknown key"):
+            apply_overrides(ServeConfig(), {key: 9000})
 
 
 def test_sections_are_frozen():
@@ -224,19 +234,16 @@ def test_every_shipped_config_loads_and_parses_from_cli(path):
     assert build_config(["--config", str(path)]) == load_serve_config(path)
 
 
-def test_to_dict_round_trips(tmp_path):
-    import yaml
+def test_yaml_round_trips(tmp_path):
     cfg = load_serve_config(CONFIGS / "dcu.yaml")
-    p = _write(tmp_path, yaml.safe_dump(cfg.to_dict()))
+    p = _write(tmp_path, _as_yaml(cfg))
     assert load_serve_config(p) == cfg
 
 
 def test_layout_kv_dtypes(tmp_path):
-    import yaml
-
     cfg = load_serve_config(_write(tmp_path, "cache:\n  layout_kv_dtypes: {dop: fp8_e4m3, tp: bfloat16}\n"))
     assert cfg.cache.layout_kv_dtypes == {"dop": "fp8_e4m3", "tp": "bfloat16"}
-    assert load_serve_config(_write(tmp_path, yaml.safe_dump(cfg.to_dict()))) == cfg
+    assert load_serve_config(_write(tmp_path, _as_yaml(cfg))) == cfg
     assert ServeConfig().cache.layout_kv_dtypes is None
     err = _error(_write(tmp_path, "cache:\n  layout_kv_dtypes: {dopp: int8}\n"))
     assert "cache.layout_kv_dtypes" in err and "'dopp'" in err and "did you mean 'dop'" in err

@@ -8,7 +8,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from splash.config.serve_config import FIELD_SECTION, LAYOUTS, ServeConfig, apply_overrides, choices, load_serve_config
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 _EPILOG = """\
 examples:

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 GIB = 1 << 30
 _WEIGHT_BYTES = {"float32": 4, "bfloat16": 2}
@@ -85,7 +85,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
     from splash.engine.llm import kv_blocks_per_layout, pool_kv_dtype
     from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.ownership import distinct_kv_tokens
-    from splash.server.startup import device_budget
+    from splash.server.startup import DEFAULT_KV_BYTES, device_budget
 
     c = cfg.cache
     kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
@@ -93,7 +93,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
     wbytes = 1 if wq else _WEIGHT_BYTES[cfg.compute_dtype]
     arch = profile.device_arch if profile is not None and cfg.parallel.backend != "cpu" else ""
     if c.kv_cache_memory_bytes or cfg.parallel.backend == "cpu":
-        pool = c.kv_cache_memory_bytes or (64 << 20)
+        pool = c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
         out.append(f"memory    KV budget {pool / GIB:.3f} GiB per rank (cache.kv_cache_memory_bytes)")
     elif not (profile and profile.memory_bytes):
         out.append(f"memory    device memory unknown here (no hardware profile with memory_bytes); at start: "

@@ -11,14 +11,13 @@ import asyncio
 import io
 import os
 import signal
-import socket
 import sys
 import traceback
 from contextlib import nullcontext, redirect_stdout
 from typing import Sequence
 
 from splash.cli.args import build_config, main_guard
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 
 class _QuietExit(Exception):
@@ -55,7 +54,7 @@ def _follow(engine, watchdog, rank: int) -> int:
 
 
 def _serve(argv: Sequence[str] | None = None) -> int:
-    from splash.distributed import init_dist
+    from splash.distributed import init_dist, make_communicator
     from splash.distributed.launch import describe_communicator, set_threads
     from splash.server import startup
     from splash.server.console import Console
@@ -70,13 +69,13 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
         cfg, backend = startup.run_agreed(comm, lambda: startup.resolve_backend(cfg, ctx.local_rank))
         startup.run_agreed(comm, lambda: startup.check_communicator(cfg))
-        data_comm = startup.run_agreed(comm, lambda: startup.data_communicator(cfg, ctx))  # MPI or torch
+        # the model's communicator (MPI or torch; the control plane stays on MPI), after every rank agreed it can run
+        data_comm = startup.run_agreed(comm, lambda: make_communicator(cfg.communicator, ctx, cfg.parallel.backend))
         sock, token = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
         if console:
             console.log(f"splash-serve: tensor collectives on {describe_communicator(data_comm)}")
-        hosts = comm.all_gather_obj(socket.gethostname())
-        watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s), hosts)
+        watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s))
         step_comm = StepChannel(comm)
         set_threads(ctx)
         if console and getattr(backend, "name", backend) == "cpu":
@@ -111,13 +110,13 @@ def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_tok
     tokenizer = load_tokenizer(cfg.tokenizer_path, built.model_cfg.vocab_size)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
                                                     built.model_cfg.model_type, tokenizer.chat_template)
-    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=built.max_model_len,
+    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
                     vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
                     admin_token=admin_token, world_size=world_size, limits=cfg.server,
-                    max_outstanding_seqs=cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
-    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, title))
+    queue = cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs   # sequences beyond it are answered 429
+    return asyncio.run(serve(state_kw, engine, sock, console, watchdog, title, queue))
 
 
 _guarded = main_guard(_serve)

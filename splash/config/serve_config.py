@@ -18,9 +18,9 @@ import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from splash.config.yaml_loader import field_error, parse_size, read_yaml_mapping, unknown_key_error
+from splash.errors import ConfigError
 from splash.layouts.layout import LAYOUT_NAMES
 from splash.layouts.memory import KV_DTYPES
-from splash.models.config import ConfigError
 
 LAYOUTS = LAYOUT_NAMES
 HARDWARE_PROFILES = ("cpu", "h200", "b200", "bw1000")
@@ -91,13 +91,8 @@ class ParallelSection:
     world_size: int | None = Field(None, ge=1)   # None → the number of ranks mpirun started
     backend: Literal[BACKENDS] = "cpu"
     attention_backend: Literal[ATTENTION_BACKENDS] | None = None  # None → backend default
-    # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → default_communicator(backend)
+    # tensor collectives; step plans, aborts and heartbeats stay on MPI. None → ServeConfig.communicator
     communicator: Literal[COMMUNICATORS] | None = None
-
-
-def default_communicator(backend: str) -> str:
-    """mpi on cpu (the engine ran slower on gloo there, docs/benchmarks.md), torch (NCCL / RCCL) on GPUs."""
-    return "mpi" if backend == "cpu" else "torch"
 
 
 @_section("layout")
@@ -242,8 +237,9 @@ class ServeConfig:
 
     @property
     def communicator(self) -> str:
-        """parallel.communicator, None resolved by the backend (default_communicator)."""
-        return self.parallel.communicator or default_communicator(self.parallel.backend)
+        """parallel.communicator; None: mpi on cpu (the engine ran slower on gloo there, docs/benchmarks.md), torch
+        (NCCL / RCCL) on GPUs."""
+        return self.parallel.communicator or ("mpi" if self.parallel.backend == "cpu" else "torch")
 
     @property
     def attention_backend(self) -> str:
@@ -267,15 +263,6 @@ class ServeConfig:
         if self.model.model:
             return Path(self.model.model.rstrip("/\\")).name or self.model.model
         return self.model.preset
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested dict (tuples as lists), suitable for yaml.safe_dump / logging."""
-        out = dataclasses.asdict(self)
-        for sec in out.values():
-            for k, v in sec.items():
-                if isinstance(v, tuple):
-                    sec[k] = list(v)
-        return out
 
 
 def _elsewhere(section: str | None) -> dict[str, str]:
@@ -313,10 +300,8 @@ def load_serve_config(path: str | Path) -> ServeConfig:
 
 def _resolve_override_key(key: str) -> tuple[str, str]:
     section, _, name = key.rpartition(".")
-    if section and section in SECTIONS and name in FIELD_SECTION and FIELD_SECTION[name] == section:
-        return section, name
-    if not section and key in FIELD_SECTION:
-        return FIELD_SECTION[key], key
+    if name in FIELD_SECTION and (key == name or section == FIELD_SECTION[name]):   # "port" or "server.port"
+        return FIELD_SECTION[name], name
     raise unknown_key_error(key, "the overridable fields", list(FIELD_SECTION), {})
 
 

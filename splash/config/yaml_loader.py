@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
-from splash.models.config import ConfigError
+from splash.errors import ConfigError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

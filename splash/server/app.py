@@ -10,6 +10,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -47,18 +48,13 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
-    allowed_layouts: tuple[str, ...]
     host: str = "127.0.0.1"
     admin_token: str | None = None
     world_size: int = 1
     created: int = field(default_factory=P.now)
     limits: ServerSection = field(default_factory=ServerSection)   # the request limits (config section server)
-    max_outstanding_seqs: int | None = None      # scheduler.max_num_seqs + server.max_waiting_seqs (429 beyond)
     tool_call_parser: str | None = None          # splash.server.agent.resolve_parsers
     reasoning_parser: str | None = None
-
-    def __post_init__(self) -> None:
-        self.loop.max_outstanding = self.max_outstanding_seqs
 
 
 def is_loopback(host: str) -> bool:
@@ -194,7 +190,7 @@ class _Handlers:
         why = admission_cost.over_budget(cost, self.s.limits.max_request_mb, req.n)
         if why is not None:   # the worst case passes server.max_request_mb
             raise P.APIError(400, why, param=cost.driver, code="request_too_costly")
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         flat_prompts, flat_params = [], []
         for prompt in prompts:
             for j in range(req.n):   # prompt logprobs: computed once per prompt, by its first sample
@@ -340,7 +336,7 @@ class _Handlers:
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.LayoutRequest)
-        req.check(self.s.allowed_layouts)
+        req.check(self.s.loop.allowed_layouts)
         try:
             await self.on_engine(self.s.loop.set_layout, req.layout)
         except ValueError as e:

@@ -119,11 +119,9 @@ async def read_json(request: Request, max_body_bytes: int, read_timeout_s: float
         raise ClientGone() from None
     try:
         data, suspect = loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the JSON in the request body is nested too deeply", code="invalid_json") from None
-    except ValueError as e:   # any other literal the parser cannot turn into a value
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, or a literal the parser cannot turn into a value
         raise APIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from None
     bad = find_unusable(data) if suspect else None
     if bad is not None:

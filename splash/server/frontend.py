@@ -54,7 +54,7 @@ async def _drain(server: _Server, loop: EngineLoop, drain_s: float) -> None:
 
 
 async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Console, watchdog: Watchdog | None,
-                title: str) -> int:
+                title: str, max_outstanding: int | None = None) -> int:
     aio = asyncio.get_running_loop()
 
     def post(fn: Any) -> None:
@@ -63,10 +63,10 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
         except RuntimeError:   # the loop already closed (only at the very end of shutdown)
             pass
 
-    allowed_layouts = engine.control.allowed   # the allowed layouts feasible on this model and world size
     metrics = Metrics(lambda: loop.snapshot)   # scraped only once the app below serves, when `loop` is bound
-    loop = EngineLoop(engine, post, metrics, watchdog, allowed_layouts, on_fatal=abort_job)
-    state = ServerState(loop=loop, metrics=metrics, allowed_layouts=allowed_layouts, **state_kw)
+    # engine.control.allowed: the allowed layouts feasible on this model and world size
+    loop = EngineLoop(engine, post, metrics, watchdog, engine.control.allowed, abort_job, max_outstanding)
+    state = ServerState(loop=loop, metrics=metrics, **state_kw)
     app = create_app(state)
     quiet = console.quiet or console.live_ok
     read_s, drain_s = state.limits.read_timeout_s, state.limits.drain_timeout_s

@@ -8,7 +8,7 @@ its own decode (special tokens included), or ``token_id:<id>`` with vLLM's ``ret
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from splash.engine.sampler import TokenLogprobs
 from splash.server import protocol as P
@@ -16,15 +16,13 @@ from splash.server.generation import Choice, Delta, Generation
 from splash.tokenizer import Tokenizer
 
 
-class TokenText:
-    """id -> the text a logprob entry shows for it (cached: a vocabulary is bounded)."""
+TokenText = Callable[[int], str]   # id -> the text a logprob entry shows for it
 
-    def __init__(self, tok: Tokenizer, as_ids: bool = False) -> None:
-        self.as_ids = as_ids
-        self._decode = functools.cache(lambda tid: tok.decode([tid], skip_special_tokens=False))
 
-    def __call__(self, tid: int) -> str:
-        return f"token_id:{tid}" if self.as_ids else self._decode(tid)
+def token_text(tok: Tokenizer, as_ids: bool = False) -> TokenText:
+    if as_ids:
+        return lambda tid: f"token_id:{tid}"
+    return functools.cache(lambda tid: tok.decode([tid], skip_special_tokens=False))   # a vocabulary is bounded
 
 
 def completion_logprobs(text: TokenText, entries: Sequence[tuple[int, TokenLogprobs | None]], k: int,
@@ -79,7 +77,7 @@ class ResponseExtras:
     def __init__(self, tok: Tokenizer, req: P.SamplingRequest, gen: Generation, chat: bool) -> None:
         self.req, self.gen, self.chat = req, gen, chat
         self.k = req.sample_logprobs()
-        self.text = TokenText(tok, req.return_tokens_as_token_ids)
+        self.text = token_text(tok, req.return_tokens_as_token_ids)
         self.echo = gen.echo
         self.offset: dict[int, int] = {}      # text length already sent per choice (completions text_offset)
         self.started: set[int] = set()

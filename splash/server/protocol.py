@@ -7,7 +7,6 @@ accepted and ignored; what is not implemented is a 400 naming the field.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,14 +30,11 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     return f"{s[:limit]}... ({len(s) - limit} more characters)"
 
 
-def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    return message if len(message) <= limit else f"{message[:limit]}... (message cut at {limit} characters)"
-
-
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        message = clip(message)
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}... (message cut at {MAX_MESSAGE_CHARS} characters)"
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -239,10 +235,6 @@ def parse_request(model: type[BaseModel], data: Any) -> Any:
         raise APIError(400, msg, param=param) from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

@@ -28,16 +28,13 @@ def split(name: str | None, text: str, kwargs: dict | None = None,
     name = _effective(name, kwargs, opened) if name else None
     if name is None:
         return None, text
-    if name == "glm45":
+    if name == "glm45":   # both tags, or no reasoning at all
         if START not in text or END not in text:
             return None, text
         text = text.partition(START)[2]
         if END not in text:
             return None, text
-        r, _, c = text.partition(END)
-        return r, c or None
-    # deepseek_r1
-    if text.startswith(START):
+    elif text.startswith(START):   # deepseek_r1
         text = text[len(START):]
     if END not in text:
         return text, None

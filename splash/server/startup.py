@@ -1,5 +1,5 @@
-"""Starting ``splash-serve`` on every rank without ever leaving a rank behind: each phase that can fail ends with
-``agree`` (an all-gather of every rank's error), so a bad YAML or a missing checkpoint exits 2 on all ranks with
+"""Starting ``splash-serve`` on every rank without ever leaving a rank behind: each phase that can fail runs under
+``run_agreed`` (an all-gather of every rank's error), so a bad YAML or a missing checkpoint exits 2 on all ranks with
 the message and no rank waits in a collective its peers never reach.
 """
 from __future__ import annotations
@@ -10,16 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
+from splash.errors import ConfigError
 from splash.layouts.layout import start_layout
-from splash.models.config import ConfigError
 
 DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
-
-
-def agree(comm: Any, error: str | None) -> str | None:
-    """The first rank's error, or None, on every rank."""
-    errors = comm.all_gather_obj(error)
-    return next((e for e in errors if e), None)
 
 
 def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
@@ -32,7 +26,7 @@ def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
         error = str(e)
     except Exception as e:  # noqa: BLE001 — turned into an agreed, reported error
         error = f"rank {comm.rank}: {type(e).__name__}: {e}"
-    agreed = agree(comm, error)
+    agreed = next((e for e in comm.all_gather_obj(error) if e), None)   # the first rank's error, on every rank
     if agreed is not None:
         raise ConfigError(agreed)
     return result
@@ -107,9 +101,9 @@ def resolve_admin_token(server: Any, environ: Any) -> str | None:
     return token.strip() if token else None
 
 
-def start_watchdog(comm: Any, watchdog: Any, hosts: list[str]) -> Any:
+def start_watchdog(comm: Any, watchdog: Any) -> Any:
     """Rank 0 listens (on loopback when every rank shares its host), broadcasts the address, followers connect."""
-    address = None
+    hosts, address = comm.all_gather_obj(socket.gethostname()), None
     if comm.rank == 0:
         one_host = len(set(hosts)) == 1
         address = watchdog.serve(tuple(range(1, comm.size)), "127.0.0.1" if one_host else "0.0.0.0")
@@ -146,9 +140,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Built:
-    engine: Any
+    engine: Any      # its max_model_len is capped at the KV pool
     model_cfg: Any
-    max_model_len: int
 
 
 def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
@@ -259,14 +252,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     if engine.max_model_len < 2:
         raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
                           "request (capped by the KV pool), so no request fits; raise the KV budget")
-    return Built(engine, mcfg, engine.max_model_len)   # the engine caps max_model_len at the KV pool
-
-
-def data_communicator(cfg: ServeConfig, ctx: Any) -> Any:
-    """The model's communicator (``cfg.communicator``); the control plane stays on MPI. Call it under
-    ``run_agreed`` after ``check_communicator`` agreed, so no rank enters the rendezvous alone."""
-    from splash.distributed import make_communicator
-    return make_communicator(cfg.communicator, ctx, cfg.parallel.backend)
+    return Built(engine, mcfg)
 
 
 def check_communicator(cfg: ServeConfig) -> None:

@@ -15,6 +15,7 @@ message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import queue
 import re
@@ -206,13 +207,10 @@ class GrammarCompiler:
 
     def compile_sync(self, spec: GrammarSpec) -> Any:
         c = self._get()
+        compile_kind = {"json": functools.partial(c.compile_json_schema, any_whitespace=False),
+                        "regex": c.compile_regex, "grammar": c.compile_grammar}[spec.kind]
         try:
-            if spec.kind == "json":
-                compiled = c.compile_json_schema(spec.source, any_whitespace=False)
-            elif spec.kind == "regex":
-                compiled = c.compile_regex(spec.source)
-            else:
-                compiled = c.compile_grammar(spec.source)
+            compiled = compile_kind(spec.source)
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's errors for bad schemas/regexes/EBNF
             lines = str(e).strip().splitlines()
             msg = _WHERE.sub("", lines[-1]) if lines else type(e).__name__

@@ -51,7 +51,6 @@ class Watchdog:
         self._peers: dict[int, socket.socket] = {}     # rank -> socket (rank 0: followers; follower: {0: ...})
         self._seen: dict[int, float] = {}
         self._expected: tuple[int, ...] = ()
-        self.fired: str | None = None
         self._thread: threading.Thread | None = None
 
     def serve(self, followers: tuple[int, ...], host: str = "127.0.0.1") -> tuple[str, int]:
@@ -175,15 +174,13 @@ class Watchdog:
     def _fire(self, why: str) -> bool:
         if self._stop.is_set():
             return True
-        self.fired = f"splash-serve: rank {self.rank}: {why}; aborting all ranks"
-        self._abort(self.fired)
+        self._abort(f"splash-serve: rank {self.rank}: {why}; aborting all ranks")
         return True
 
 
 class StepChannel:
     def __init__(self, comm: Any) -> None:
         self._comm = comm
-        self.messages = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
@@ -204,8 +201,7 @@ class StepChannel:
             self._wait(mpi.Ibcast([header, MPI.INT64_T], root=root))
             buf = np.empty(int(header[0]), dtype=np.uint8)
             mpi.Bcast([buf, MPI.BYTE], root=root)
-            obj = pickle.loads(buf.tobytes())
-        self.messages += 1
+            return pickle.loads(buf.tobytes())
         return obj
 
     @staticmethod

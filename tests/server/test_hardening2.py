@@ -42,8 +42,7 @@ def _http(engine, checks, read_timeout_s: float = 30.0, **limits):
         metrics = Metrics(lambda: holder["loop"].snapshot)
         loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
         state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
-                            vocab_size=320, allowed_layouts=("tp",),
-                            limits=ServerSection(read_timeout_s=read_timeout_s, **limits))
+                            vocab_size=320, limits=ServerSection(read_timeout_s=read_timeout_s, **limits))
         sock = socket.create_server(("127.0.0.1", 0))
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                                 ws="none", http=protocol_class(32 * 1024, read_timeout_s, metrics.count_unrouted))

@@ -38,10 +38,10 @@ def _serve(engine, checks, max_outstanding_seqs=None, **limits):
         aio = asyncio.get_running_loop()
         holder = {}
         metrics = Metrics(lambda: holder["loop"].snapshot)
-        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
+        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics,
+                                           max_outstanding=max_outstanding_seqs)
         state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
-                            vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"),
-                            limits=ServerSection(**limits), max_outstanding_seqs=max_outstanding_seqs)
+                            vocab_size=320, limits=ServerSection(**limits))
         loop.start()
         try:
             transport = httpx.ASGITransport(app=create_app(state))
@@ -106,10 +106,12 @@ def test_statuses_of_bad_bodies(engine):
             c.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 2}',
                    headers={"content-type": "text/plain"}),
             c.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 2}'),   # no content type: JSON
+            c.post("/v1/completions", content=b'{"prompt": "\xff"}'),   # not UTF-8
             c.post("/v1/completions", json=GOOD))
 
-    deep_r, chat_r, img_r, mt_r, mct_r, plain_r, bare_r, good_r = _serve(engine, checks)
+    deep_r, chat_r, img_r, mt_r, mct_r, plain_r, bare_r, utf_r, good_r = _serve(engine, checks)
     assert deep_r.status_code == 400 and "nested too deep" in deep_r.json()["error"]["message"]
+    assert utf_r.status_code == 400 and utf_r.json()["error"]["code"] == "invalid_json", utf_r.text
     assert chat_r.status_code == 400 and chat_r.json()["error"]["param"] == "messages.0.content.0"
     assert img_r.status_code == 400 and "only text parts" in img_r.json()["error"]["message"]
     assert mt_r.status_code == 400 and mt_r.json()["error"]["code"] == "context_length_exceeded"
@@ -194,7 +196,7 @@ def test_health_reports_a_stalled_step_and_drain_refuses_new_requests(engine):
 def test_empty_bearer_token_never_matches():
     """An empty configured token never matches, not even 'Authorization: Bearer ' (empty)."""
     state = ServerState(loop=EngineLoop.__new__(EngineLoop), tokenizer=TOK, metrics=None, model_name="m",
-                        max_model_len=8, vocab_size=320, allowed_layouts=("tp",), host="0.0.0.0", admin_token="")
+                        max_model_len=8, vocab_size=320, host="0.0.0.0", admin_token="")
     for header in ("Bearer ", "Bearer", "", None):
         with pytest.raises(APIError) as e:
             check_admin(state, header)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -53,7 +54,7 @@ def api(ckpt, tok):
             metrics = Metrics(lambda: holder["loop"].snapshot)
             loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
             state = ServerState(loop=loop, tokenizer=tok, metrics=metrics, model_name=MODEL, max_model_len=1024,
-                                vocab_size=260, allowed_layouts=("tp",))
+                                vocab_size=260)
             loop.start()
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)),
@@ -122,9 +123,15 @@ def test_lm_eval_loglikelihood_body_matches_hf(api, hf):
 
 def test_echo_text_and_prompt_logprobs(api, hf, tok):
     prompt = random_prompts([9], seed=3)[0]
-    r1, r2 = api([("/v1/completions", {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "echo": True}),
-                  ("/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})])
+    r1, r2, r3 = api([
+        ("/v1/completions", {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "echo": True}),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 3, "logprobs": 1, "return_token_ids": True,
+                             "return_tokens_as_token_ids": True})])
     assert r1.json()["choices"][0]["text"].startswith("Hello there")
+    c3 = r3.json()["choices"][0]   # vLLM's return_tokens_as_token_ids: logprob entries name tokens by id
+    assert c3["logprobs"]["tokens"] == [f"token_id:{t}" for t in c3["token_ids"]] and len(c3["token_ids"]) == 3
+    assert all(k.startswith("token_id:") for top in c3["logprobs"]["top_logprobs"] for k in top)
     plp = r2.json()["choices"][0]["prompt_logprobs"]
     ref = torch.log_softmax(hf_logits(hf, prompt), -1)
     assert plp[0] is None and len(plp) == len(prompt)
@@ -148,6 +155,7 @@ def test_chat_logprobs_and_content_parts(api, hf, tok):
                                   "logprobs": True}),
     ])
     a, b = r1.json()["choices"][0], r2.json()["choices"][0]
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", r1.json()["id"]) and r1.json()["object"] == "chat.completion"
     assert a["token_ids"] == b["token_ids"] and a["message"]["content"] == b["message"]["content"]
     content = a["logprobs"]["content"]
     prompt = tok.encode(tok.apply_chat_template(plain), add_special_tokens=False)

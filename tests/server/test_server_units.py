@@ -86,6 +86,9 @@ def test_validation_messages_name_the_field():
     with pytest.raises(APIError, match="invalid layout"):
         parse_request(LayoutRequest, {"layout": "cp"}).check(("tp", "dop"))   # a layout, but not allowed
     parse_request(LayoutRequest, {"layout": "auto"}).check(("tp",))
+    long = APIError(400, "x" * 5000)   # no error message is longer than MAX_MESSAGE_CHARS (plus the note)
+    assert long.message == "x" * 1024 + "... (message cut at 1024 characters)" and long.body()["error"]["message"] == long.message
+    assert APIError(400, "y" * 1024).message == "y" * 1024
 
 
 def test_admin_rule():
@@ -118,9 +121,10 @@ def test_app_in_process(engine):
         aio = asyncio.get_running_loop()
         holder = {}
         metrics = Metrics(lambda: holder["loop"].snapshot)
-        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
+        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics,
+                                           allowed_layouts=("tp", "dp_attn", "dop"))
         state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=4096,
-                            vocab_size=320, allowed_layouts=("tp", "dp_attn", "cp", "dop"))
+                            vocab_size=320)
         loop.start()
         try:
             transport = httpx.ASGITransport(app=create_app(state))
@@ -129,18 +133,21 @@ def test_app_in_process(engine):
                 r1, r2 = await asyncio.gather(c.post("/v1/completions", json=body),
                                               c.post("/v1/completions", json={**body, "stream": True}))
                 lay = await c.post("/v1/layout", json={"layout": "dop"})
+                refused = await c.post("/v1/layout", json={"layout": "cp"})   # a layout, but not an allowed one
                 metrics_text = (await c.get("/metrics")).text
         finally:
             await asyncio.to_thread(loop.stop)
-        return r1, r2, lay, metrics_text, loop
+        return r1, r2, lay, refused, metrics_text, loop
 
-    r1, r2, lay, metrics_text, loop = asyncio.run(main())
+    r1, r2, lay, refused, metrics_text, loop = asyncio.run(main())
     ids = r1.json()["choices"][0]["token_ids"]
-    assert len(ids) == 6
+    assert len(ids) == 6 and re.fullmatch(r"cmpl-[0-9a-f]{24}", r1.json()["id"])   # OpenAI's id shape
     chunks = [json.loads(x[6:]) for x in r2.text.split("\n\n") if x.startswith("data: {")]
+    assert {ch["id"] for ch in chunks} == {chunks[0]["id"]} != {r1.json()["id"]}   # one id per request
     assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == ids
     assert r2.text.rstrip().endswith("data: [DONE]")
-    assert lay.status_code == 200
+    assert lay.status_code == 200 and lay.json()["allowed_layouts"] == ["tp", "dp_attn", "dop"]
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_layout"
     assert "splash_generated_tokens_total 12.0" in metrics_text
     assert not loop._thread.is_alive() and loop.error is None
 
