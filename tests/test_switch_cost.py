@@ -86,6 +86,21 @@ def test_every_gpu_profile_number_says_where_it_comes_from():
     assert load_profile("cpu").switch_overlap == "budget" and load_profile("cpu").link_bytes_per_s == 0
 
 
+def test_gpu_collectives_are_the_link_rate_through_the_ring_factors():
+    """A GPU profile's in-step collectives are its one-direction link rate (spec sheet; the DCU's assumed) at one
+    share every GPU profile carries (80%, assumed, fitted on no figure) through the ring factors at its group size:
+    all-gather and all-to-all put (T-1)/T of their counted bytes on a link, all-reduce 2(T-1)/T, broadcast all of
+    them. No hardware's collectives carry a rate of their own; a decode instance over two nodes scales them by the
+    NIC (tests/test_sim_deploy.py::test_decode_instance_over_two_nodes_pays_the_inter_node_link)."""
+    for hw in GPU:
+        p = load_profile(hw)
+        T, bus = p.extra["world"], 0.8 * p.link_bytes_per_s
+        want = {"all_gather": bus * T / (T - 1), "all_to_all": bus * T / (T - 1),
+                "all_reduce": bus * T / (2 * (T - 1)), "broadcast": bus}
+        for k, v in want.items():
+            assert p.collective(k).bytes_per_s == pytest.approx(v, rel=3e-3), (hw, k)
+
+
 def test_provenance_may_name_a_number_of_extra():
     base = {"name": "x", "source": "y", "gemm_flops_per_s": {"bfloat16": 1e12}, "memory_bytes_per_s": 1e11,
             "attention_flops_per_s": 1e12, "kv_read_bytes_per_s": 1e11, "extra": {"world": 8},
