@@ -293,17 +293,16 @@ def test_dop_prefill_steps_are_never_below_dp_attns_at_the_papers_dop_positions(
             assert step_seconds(ev.cm, ev.model, "dop", rows) >= step_seconds(ev.cm, ev.model, "dp_attn", rows), (n, ctx)
 
 
-def test_the_papers_dop_over_cp_at_the_long_inputs_needs_a_dop_prefill_below_dp_attns():
-    """B200, 16 x 256K: with CP's time, DOP's handoff and the shared decode as priced, the paper's lowest DOP / CP
-    at the long inputs (1.034, so at least that at every long input) needs DOP to prefill faster than DP-attn does,
-    which no DOP step allows (the test above): reaching it needs a per-layout term the summary does not give."""
-    ev, memo = _evaluator("b200"), {}
-    for n in (256_000,):
-        decode = deploy.decode_seconds(ev.sim, 16, n, ev.setup.output_len)
-        cp = _fixed_parts(ev, "cp", 16, n, memo) + decode
-        k = min(16, concurrency(ev.sim, ev.caps, "dop", n))
-        dop = deploy.disaggregated_parts(ev.cm, ev.sim, "dop", 16, n, 0, k)
-        dp = deploy.disaggregated_parts(ev.cm, ev.sim, "dp_attn", 16, n, 0,
-                                        min(16, concurrency(ev.sim, ev.caps, "dp_attn", n)))
-        need = cp / PAPER["b200.ratio.dop_cp.long.min"] - dop["handoff_s"] - decode
-        assert need < dp["prefill_s"] <= dop["prefill_s"], (n, need, dp["prefill_s"], dop["prefill_s"])
+@pytest.mark.parametrize("hw, n", [("b200", 256_000), ("h200", 64_000), ("bw1000", 256_000)])
+def test_the_papers_dop_over_cp_at_the_long_inputs_needs_a_dop_prefill_below_dp_attns(hw, n):
+    """At a long-input position of each hardware (B = 16), with CP's time, DOP's handoff and the shared decode as
+    priced, the paper's lowest DOP / CP at the long inputs (B200 1.034, H200 1.042, DCU 1.101: so at least that
+    at every long input) needs DOP to prefill faster than DP-attn does, which no DOP step allows (the test
+    above): reaching it needs a per-layout term the summary does not give."""
+    ev, memo = _evaluator(hw), {}
+    decode = deploy.decode_seconds(ev.sim, 16, n, ev.setup.output_len)
+    cp = _fixed_parts(ev, "cp", 16, n, memo) + decode
+    dop, dp = (deploy.disaggregated_parts(ev.cm, ev.sim, lay, 16, n, 0,
+                                          min(16, concurrency(ev.sim, ev.caps, lay, n))) for lay in ("dop", "dp_attn"))
+    need = cp / PAPER[f"{hw}.ratio.dop_cp.long.min"] - dop["handoff_s"] - decode
+    assert need < dp["prefill_s"] <= dop["prefill_s"], (need, dp["prefill_s"], dop["prefill_s"])
