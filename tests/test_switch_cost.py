@@ -67,22 +67,29 @@ def _numbers(raw) -> list[str]:
     return keys + [f"extra.{k}" for k in raw.get("extra") or {}]
 
 
-def test_every_gpu_profile_number_says_where_it_comes_from():
-    """Every number a shipped GPU profile file sets has a provenance entry (spec / fitted / measured / assumed);
-    every fitted one names a B200 figure and no held-out one, and a held-out profile carries B200's value of it."""
+def test_every_shipped_profile_number_says_where_it_comes_from():
+    """Every number a shipped profile file sets has a provenance entry (spec / fitted / measured / assumed). On the
+    GPU profiles every fitted one names a B200 figure and no held-out one, and a held-out profile carries B200's
+    value of it; the cpu profile's are what `splash-bench calibrate` writes (splash/bench/calib_provenance.py)."""
+    from splash.bench.calib_provenance import calibrated_provenance
     from splash.config.yaml_loader import read_yaml_mapping
-    from splash.costmodel.profile import hardware_dir
+    from splash.costmodel.profile import hardware_dir, profile_names
     b200 = load_profile("b200")
-    for hw in GPU:
+    assert set(GPU) | {"cpu"} <= set(profile_names())
+    for hw in profile_names():
         raw = read_yaml_mapping(hardware_dir() / f"{hw}.yaml")
         missing = [k for k in _numbers(raw) if k not in (raw.get("provenance") or {})]
         assert not missing, (hw, missing)
         p = load_profile(hw)
+        if hw not in GPU:
+            continue
         for k, v in p.provenance.items():
             if v.startswith("fitted"):
                 assert "paper" in v and "B200" in v, (hw, k, v)
                 assert not any(h in v for h in HELD_OUT_SOURCES), (hw, k, v)
                 assert getattr(p, k) == getattr(b200, k), (hw, k)
+    cpu = read_yaml_mapping(hardware_dir() / "cpu.yaml")
+    assert load_profile("cpu").provenance == calibrated_provenance(cpu)
     assert load_profile("cpu").switch_overlap == "budget" and load_profile("cpu").link_bytes_per_s == 0
 
 
