@@ -70,18 +70,20 @@ def test_papers_resident_count_is_distinct_capacity_over_length():
 
 
 def test_short_inputs_are_decode_bound_under_disaggregation():
-    """B200's sweeps vary the prefill layout with decode on a fixed instance: at 1K input and 1,024 output the
-    prefill of 16 requests is under 2% of a batch's end-to-end time, so every layout's throughput is within 2%
-    of the others and the leader there is set by effects below the model's resolution (TP in the paper)."""
+    """B200's sweeps vary the prefill layout with decode on a fixed instance (TP over 16 GPUs): at 1K and 4K input
+    and 1,024 output the prefill of 16 requests is under 5% of a batch's end-to-end time, so every layout's
+    throughput is within 1% of the others and the leader there is set by effects below the model's resolution
+    (TP in the paper at both)."""
     st = SETUPS["b200"]
     m = load_sim_model(st.model)
     s = SimSetup(m, load_profile(st.hardware), 8, deployment=st.deployment, decode_layout=st.decode_layout,
                  decode_world=st.decode_world, decode_nodes=st.decode_nodes)
     cm = CostModel(m.cfg, 8, s.profile, m.weight_dtype, m.kv_dtype, s.block_size, cp_prefill="split")
-    dec = deploy.decode_seconds(s, 16, 1000, st.output_len)
-    pre = {k: prefill_seconds(cm, s, k, 16, 1000) for k in ("tp", "dp_attn", "cp", "dop")}
-    assert max(pre.values()) < 0.02 * dec
-    assert max(pre.values()) - min(pre.values()) < 0.02 * (dec + min(pre.values()))
+    for n in (1000, 4000):
+        dec = deploy.decode_seconds(s, 16, n, st.output_len)
+        pre = {k: prefill_seconds(cm, s, k, 16, n) for k in ("tp", "dp_attn", "cp", "dop")}
+        assert max(pre.values()) < 0.05 * dec
+        assert max(pre.values()) - min(pre.values()) < 0.01 * (dec + min(pre.values()))
 
 
 def test_scenario_tp_to_dop_ratio_is_fixed_by_ownership():
