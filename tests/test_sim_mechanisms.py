@@ -70,18 +70,20 @@ def test_papers_resident_count_is_distinct_capacity_over_length():
 
 
 def test_short_inputs_are_decode_bound_under_disaggregation():
-    """B200's sweeps vary the prefill layout with decode on a fixed instance: at 1K input and 1,024 output the
-    prefill of 16 requests is under 2% of a batch's end-to-end time, so every layout's throughput is within 2%
-    of the others and the leader there is set by effects below the model's resolution (TP in the paper)."""
+    """B200's sweeps vary the prefill layout with decode on a fixed instance (TP over 16 GPUs): at 1K and 4K input
+    and 1,024 output the prefill of 16 requests is under 5% of a batch's end-to-end time, so every layout's
+    throughput is within 1% of the others and the leader there is set by effects below the model's resolution
+    (TP in the paper at both)."""
     st = SETUPS["b200"]
     m = load_sim_model(st.model)
-    s = SimSetup(m, load_profile(st.hardware), 8, deployment=st.deployment, decode_world=st.decode_world,
-                 decode_nodes=st.decode_nodes)
+    s = SimSetup(m, load_profile(st.hardware), 8, deployment=st.deployment, decode_layout=st.decode_layout,
+                 decode_world=st.decode_world, decode_nodes=st.decode_nodes)
     cm = CostModel(m.cfg, 8, s.profile, m.weight_dtype, m.kv_dtype, s.block_size, cp_prefill="split")
-    dec = deploy.decode_seconds(s, 16, 1000, st.output_len)
-    pre = {k: prefill_seconds(cm, s, k, 16, 1000) for k in ("tp", "dp_attn", "cp", "dop")}
-    assert max(pre.values()) < 0.02 * dec
-    assert max(pre.values()) - min(pre.values()) < 0.02 * (dec + min(pre.values()))
+    for n in (1000, 4000):
+        dec = deploy.decode_seconds(s, 16, n, st.output_len)
+        pre = {k: prefill_seconds(cm, s, k, 16, n) for k in ("tp", "dp_attn", "cp", "dop")}
+        assert max(pre.values()) < 0.05 * dec
+        assert max(pre.values()) - min(pre.values()) < 0.01 * (dec + min(pre.values()))
 
 
 def test_scenario_tp_to_dop_ratio_is_fixed_by_ownership():
@@ -194,3 +196,115 @@ def test_step_share_bounds_ask_for_a_longer_b200_interval_than_one_chunk():
         step[hw] = cm.step("cp", switch_step_rows("cp", 16, ctx, s.chunk, 8)).seconds
     assert step["h200"] >= implied["h200"]
     assert step["b200"] * 5 < implied["b200"]
+
+
+# ---- explanations of the remaining misses that had no test (audit of issue 29, session 18) -------------------------
+
+def _evaluator(hw: str):
+    """The setup `splash-sim paper` evaluates ``hw``'s figures with (deployment, decode instance, output length)."""
+    from splash.sim.paper import Evaluator
+    return Evaluator(SETUPS[hw])
+
+
+def _fixed_parts(ev, layout: str, batch: int, n: int, memo: dict) -> float:
+    """Prefill + exposed handoff of ``batch`` prompts of ``n`` tokens in ``layout`` on the prefill instance: what
+    the output length does not change (it holds prompts only; the decode instance is the same for every layout).
+    ``memo`` keeps each wave size's prefill, which the batch's equal waves repeat."""
+    def once(cm, s, lay, k, n_):
+        if (lay, k, n_) not in memo:
+            memo[(lay, k, n_)] = prefill_seconds(cm, s, lay, k, n_)
+        return memo[(lay, k, n_)]
+    k = min(batch, concurrency(ev.sim, ev.caps, layout, n))
+    real, deploy.prefill_seconds = deploy.prefill_seconds, once
+    try:
+        p = deploy.disaggregated_parts(ev.cm, ev.sim, layout, batch, n, 0, k)
+    finally:
+        deploy.prefill_seconds = real
+    return p["prefill_s"] + p["handoff_s"]
+
+
+def test_no_output_length_puts_the_128k_deficits_and_cps_b256_tokens_within_together():
+    """The summary gives no output length (1,024 assumed). A shorter one shrinks the fixed decode instance's share
+    of a batch: the DOP / CP deficits at 128K, B = 1 / 4 (paper 0.578 / 0.649) come within below ~750 tokens,
+    but CP's tokens/s at 128K, B = 256 (paper 27,677) is within only above ~850. Both move monotonically with the
+    output length (the same decode is added to both layouts' times; CP's long batch is decode-heavy), so no
+    output length puts all three within: the deficit rows' miss is not the assumed output length."""
+    from splash.sim.paper import judge
+    ev, n, memo = _evaluator("b200"), 128_000, {}
+    fixed = {(lay, b): _fixed_parts(ev, lay, b, n, memo) for lay in ("dop", "cp") for b in (1, 4)}
+    fixed[("cp", 256)] = _fixed_parts(ev, "cp", 256, n, memo)
+    rows = {"b200.ratio.dop_cp.128K.B1": "ratio", "b200.ratio.dop_cp.128K.B4": "ratio",
+            "b200.tps.cp.128K.B256": "tokens_per_s"}
+    grid = list(range(448, 1281, 64))
+    sims = {k: [] for k in rows}
+    for out in grid:
+        d = {b: deploy.decode_seconds(ev.sim, b, n, out) for b in (1, 4, 256)}
+        for b in (1, 4):
+            sims[f"b200.ratio.dop_cp.128K.B{b}"].append((fixed[("cp", b)] + d[b]) / (fixed[("dop", b)] + d[b]))
+        sims["b200.tps.cp.128K.B256"].append(256 * (n + out) / (fixed[("cp", 256)] + d[256]))
+    within = {k: [judge(kind, PAPER[k], v)[1] for v in sims[k]] for k, kind in rows.items()}
+    for k in ("b200.ratio.dop_cp.128K.B1", "b200.ratio.dop_cp.128K.B4"):
+        assert sims[k] == sorted(sims[k])                                     # rises with the output length
+    assert sims["b200.tps.cp.128K.B256"] == sorted(sims["b200.tps.cp.128K.B256"], reverse=True)
+    deficits = [a and b for a, b in zip(within["b200.ratio.dop_cp.128K.B1"], within["b200.ratio.dop_cp.128K.B4"])]
+    cp = within["b200.tps.cp.128K.B256"]
+    assert any(deficits) and any(cp) and not any(a and b for a, b in zip(deficits, cp))
+    last_deficit, first_cp = max(i for i, x in enumerate(deficits) if x), min(i for i, x in enumerate(cp) if x)
+    assert last_deficit + 1 < first_cp            # an output length between them misses all three
+    at_1024 = grid.index(1024)
+    assert not deficits[at_1024] and cp[at_1024]   # the shipped assumption: the table's misses
+
+
+def test_b200_cp_and_dp_attn_are_within_two_percent_at_128k():
+    """The paper's B200 leader at 16 x 128K is CP; in splash-sim CP and DP-attn are within 2% there (DP-attn leads
+    by ~1.3%), a lead below the model's resolution, as at 1K and 4K."""
+    ev = _evaluator("b200")
+    cp, dp = ev.tps("cp", 16, 128_000), ev.tps("dp_attn", 16, 128_000)
+    assert abs(cp / dp - 1.0) < 0.02
+
+
+def test_dcu_primitives_imply_one_link_rate_above_the_assumed_one():
+    """BW1000's link rate has no datasheet (the profile assumes 100 GB/s each way). Inverting the B200-fitted shares
+    on the DCU's published per-layer KV and weight ranges gives one rate for both families (their ranges overlap)
+    above 1.3x the assumption: the four DCU primitive rows miss by that one unknown number. The same inversion on
+    H200, whose NVLink rate is on its datasheet, comes within 5% of it for both families."""
+    from splash.sim.fit import implied_link_rates
+    dcu = implied_link_rates("bw1000")
+    lo, hi = max(r[0] for r in dcu.values()), min(r[1] for r in dcu.values())
+    assert lo < hi and lo > 1.3 * load_profile("bw1000").link_bytes_per_s
+    spec = load_profile("h200").link_bytes_per_s
+    for a, b in implied_link_rates("h200").values():
+        assert 0.95 * a < spec < 1.05 * b
+
+
+@pytest.mark.parametrize("hw", ["b200", "h200", "bw1000"])
+def test_dop_prefill_steps_are_never_below_dp_attns_at_the_papers_dop_positions(hw):
+    """At every position where the paper names DOP the leader, with the hardware's own model and profile, a DOP
+    prefill step (every owner its chunk share) is at least DP-attn's at the start, middle and end of the prompt. The
+    swept layouts share the decode instance and (test_admission_waves_do_not_change_an_owner_layouts_prefill_work)
+    an owner layout's prefill work does not depend on admission, so DOP cannot lead DP-attn there."""
+    from splash.costmodel.step_cost import RowLoad
+    from splash.sim.serving import step_seconds
+    ev = _evaluator(hw)
+    share = ev.sim.chunk // ev.sim.world
+    positions = [f.probe[1:] for f in FIGURES if f.hardware == hw and f.kind == "leader" and f.paper == "dop"]
+    assert positions
+    for _, n in positions:
+        for ctx in (0, n // 2, n - share):
+            rows = [RowLoad(share, ctx, o) for o in range(ev.sim.world)]
+            assert step_seconds(ev.cm, ev.model, "dop", rows) >= step_seconds(ev.cm, ev.model, "dp_attn", rows), (n, ctx)
+
+
+@pytest.mark.parametrize("hw, n", [("b200", 256_000), ("h200", 64_000), ("bw1000", 256_000)])
+def test_the_papers_dop_over_cp_at_the_long_inputs_needs_a_dop_prefill_below_dp_attns(hw, n):
+    """At a long-input position of each hardware (B = 16), with CP's time, DOP's handoff and the shared decode as
+    priced, the paper's lowest DOP / CP at the long inputs (B200 1.034, H200 1.042, DCU 1.101: so at least that
+    at every long input) needs DOP to prefill faster than DP-attn does, which no DOP step allows (the test
+    above): reaching it needs a per-layout term the summary does not give."""
+    ev, memo = _evaluator(hw), {}
+    decode = deploy.decode_seconds(ev.sim, 16, n, ev.setup.output_len)
+    cp = _fixed_parts(ev, "cp", 16, n, memo) + decode
+    dop, dp = (deploy.disaggregated_parts(ev.cm, ev.sim, lay, 16, n, 0,
+                                          min(16, concurrency(ev.sim, ev.caps, lay, n))) for lay in ("dop", "dp_attn"))
+    need = cp / PAPER[f"{hw}.ratio.dop_cp.long.min"] - dop["handoff_s"] - decode
+    assert need < dp["prefill_s"] <= dop["prefill_s"], (need, dp["prefill_s"], dop["prefill_s"])

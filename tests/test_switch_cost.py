@@ -57,19 +57,65 @@ def test_profiles_carry_the_b200_fit_unchanged():
         assert p.link_bytes_per_s != b200.link_bytes_per_s
 
 
-def test_every_gpu_profile_number_says_where_it_comes_from():
-    skip = {"name", "source", "extra", "provenance"}
-    for hw in GPU:
+HELD_OUT_SOURCES = ("H200", "DCU", "BW1000", "App. H", "App. I", "Table 8")
+
+
+def _numbers(raw) -> list[str]:
+    """Every number a profile file sets: its keys but name, source and provenance (zeros included: a 0 says "not
+    modelled", itself a choice), and each key of ``extra`` as ``extra.<key>``."""
+    keys = [k for k in raw if k not in ("name", "source", "provenance", "extra")]
+    return keys + [f"extra.{k}" for k in raw.get("extra") or {}]
+
+
+def test_every_shipped_profile_number_says_where_it_comes_from():
+    """Every number a shipped profile file sets has a provenance entry (spec / fitted / measured / assumed). On the
+    GPU profiles every fitted one names a B200 figure and no held-out one, and a held-out profile carries B200's
+    value of it; the cpu profile's are what `splash-bench calibrate` writes (splash/bench/calib_provenance.py)."""
+    from splash.bench.calib_provenance import calibrated_provenance
+    from splash.config.yaml_loader import read_yaml_mapping
+    from splash.costmodel.profile import hardware_dir, profile_names
+    b200 = load_profile("b200")
+    assert set(GPU) | {"cpu"} <= set(profile_names())
+    for hw in profile_names():
+        raw = read_yaml_mapping(hardware_dir() / f"{hw}.yaml")
+        missing = [k for k in _numbers(raw) if k not in (raw.get("provenance") or {})]
+        assert not missing, (hw, missing)
         p = load_profile(hw)
-        for f in dataclasses.fields(p):
-            v = getattr(p, f.name)
-            if f.name in skip or v in (0, 0.0, {}, False, "") or f.name.endswith("_kernel"):
-                continue
-            assert f.name in p.provenance, (hw, f.name)
+        if hw not in GPU:
+            continue
         for k, v in p.provenance.items():
             if v.startswith("fitted"):
-                assert "paper" in v and ("§5.4" in v or "Table 1" in v), (hw, k)   # fitted to B200 figures only
+                assert "paper" in v and "B200" in v, (hw, k, v)
+                assert not any(h in v for h in HELD_OUT_SOURCES), (hw, k, v)
+                assert getattr(p, k) == getattr(b200, k), (hw, k)
+    cpu = read_yaml_mapping(hardware_dir() / "cpu.yaml")
+    assert load_profile("cpu").provenance == calibrated_provenance(cpu)
     assert load_profile("cpu").switch_overlap == "budget" and load_profile("cpu").link_bytes_per_s == 0
+
+
+def test_gpu_collectives_are_the_link_rate_through_the_ring_factors():
+    """A GPU profile's in-step collectives are its one-direction link rate (spec sheet; the DCU's assumed) at one
+    share every GPU profile carries (80%, assumed, fitted on no figure) through the ring factors at its group size:
+    all-gather and all-to-all put (T-1)/T of their counted bytes on a link, all-reduce 2(T-1)/T, broadcast all of
+    them. No hardware's collectives carry a rate of their own; a decode instance over two nodes scales them by the
+    NIC (tests/test_sim_deploy.py::test_decode_instance_over_two_nodes_pays_the_inter_node_link)."""
+    for hw in GPU:
+        p = load_profile(hw)
+        T, bus = p.extra["world"], 0.8 * p.link_bytes_per_s
+        want = {"all_gather": bus * T / (T - 1), "all_to_all": bus * T / (T - 1),
+                "all_reduce": bus * T / (2 * (T - 1)), "broadcast": bus}
+        for k, v in want.items():
+            assert p.collective(k).bytes_per_s == pytest.approx(v, rel=3e-3), (hw, k)
+
+
+def test_provenance_may_name_a_number_of_extra():
+    base = {"name": "x", "source": "y", "gemm_flops_per_s": {"bfloat16": 1e12}, "memory_bytes_per_s": 1e11,
+            "attention_flops_per_s": 1e12, "kv_read_bytes_per_s": 1e11, "extra": {"world": 8},
+            "collectives": {k: {"alpha_s": 0, "bytes_per_s": 1e9}
+                            for k in ("all_reduce", "all_gather", "all_to_all", "broadcast")}}
+    assert profile_from_dict({**base, "provenance": {"extra.world": "spec: 8 a node"}}).provenance
+    with pytest.raises(ConfigError, match="extra.nope"):
+        profile_from_dict({**base, "provenance": {"extra.nope": "spec: x"}})
 
 
 def test_pipelined_live_switch():

@@ -312,8 +312,11 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 
 
 def run(args) -> int:
+    import dataclasses
+
     import yaml
 
+    from splash.bench.calib_provenance import calibrated_provenance
     from splash.costmodel.profile import profile_from_dict, save_profile
     from splash.distributed import init_dist
 
@@ -323,6 +326,8 @@ def run(args) -> int:
     raw = build_profile(comm, args)
     if comm.rank == 0:
         prof = profile_from_dict(raw, "calibrate output")
+        prof = dataclasses.replace(prof, provenance=calibrated_provenance(
+            prof.to_dict(), getattr(args, "in_step_collectives", False), getattr(args, "prefill_factors", False)))
         if args.out:
             save_profile(prof, args.out, HEADER)
             print(f"wrote {args.out}", flush=True)

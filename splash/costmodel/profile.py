@@ -112,7 +112,8 @@ class HardwareProfile:
     switch_contention: float = 0.0
     # a blocking switch's time over its per-layer primitives back to back (1: the primitives alone)
     switch_blocking_factor: float = 1.0
-    # where each number comes from: field -> "spec: ...", "fitted: ... (to what)", "measured: ..." or "assumed: ..."
+    # where each number comes from: field (or "extra.<key>") -> "spec: ...", "fitted: ... (to what)", "measured: ..."
+    # or "assumed: ..."
     provenance: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # free-form notes (e.g. calibrate's raw fits)
     # the GPU's arch ("sm_90", "sm_100", "gfx942"; "" unknown): `splash-serve --check` sizes the KV pool and the
@@ -280,8 +281,9 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
             if raw[k] not in allowed:
                 raise ConfigError(f"{where}: field {k!r} = {raw[k]!r} is not one of {', '.join(allowed)}")
             kw[k] = raw[k]
-    if "provenance" in raw:
-        kw["provenance"] = _provenance(where, raw["provenance"], names)
+    if "provenance" in raw:   # a field, or one number of `extra` as "extra.<key>"
+        extra_keys = [f"extra.{k}" for k in (raw.get("extra") or {})]
+        kw["provenance"] = _provenance(where, raw["provenance"], names + extra_keys)
     for k in ("moe_grouped", "attention_row_kernel", "fused_kernels"):
         if k in raw:
             if not isinstance(raw[k], bool):

@@ -69,6 +69,11 @@ def test_calibrate_writes_a_profile_the_cost_model_uses(tmp_path):
     assert all(f > 0 for f in prof.prefill_attention_factor.values())
     assert sorted(prof.gemm_rows_flops_per_s["float32"]) == [1, 4, 16, 64, 256, 1024, 2048]
     assert prof.collective_sync_s >= 0 and prof.collective_wait_fraction == 0.0   # the residual fit, not timed
+    # every number it wrote says where it comes from (as the shipped cpu profile's do)
+    from splash.bench.calib_provenance import calibrated_provenance
+    written = yaml.safe_load(out.read_text())
+    assert prof.provenance == calibrated_provenance(written, prefill_factors=True)
+    assert prof.provenance["prefill_attention_factor"].startswith("measured")
     cm = CostModel(preset_config("tiny-mla"), 2, prof, "float32", "float32", 16)
     assert all(cm.step(lay, [RowLoad(1, 64, 0), RowLoad(1, 64, 1)]).seconds > 0 for lay in LAYOUTS)
 
@@ -82,6 +87,7 @@ def test_calibrate_times_collectives_inside_steps_and_prints_the_profile():
     # a loaded host), where the default fit leaves it 0
     assert prof.collective_wait_fraction > 0 and prof.collective_sync_s >= 0
     assert prof.prefill_attention_factor == {}      # measured only with --prefill-factors
+    assert prof.provenance["collective_wait_fraction"].startswith("measured")
 
 
 WORKLOAD = """groups:
