@@ -219,8 +219,8 @@ def test_packed_projections_fused_and_moved(monkeypatch):
     assert w.q_a.packed.untyped_storage().data_ptr() == w.qkv_a.packed.untyped_storage().data_ptr()
     rope, x = Rope(cfg), torch.randn(5, cfg.hidden_size)
     cos, sin = rope.cos_sin(torch.arange(5) + 3)
-    steps = (lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin, True),   # TP, DP-attn
-             lambda: mla.latent_query(cfg, rope, w, x, cos, sin, True),       # CP, DOP
+    steps = (lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin),   # TP, DP-attn
+             lambda: mla.latent_query(cfg, rope, w, x, cos, sin),       # CP, DOP
              lambda: mla.new_latent_kv(cfg, rope, w, x, cos, sin))
     fused = [f() for f in steps]
     monkeypatch.setattr(ops, "mla_project", lambda *a, **k: None)

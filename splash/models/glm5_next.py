@@ -122,20 +122,20 @@ def hyper_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, strea
 
 class Glm5NextModel(DeepseekV3Model):
     def __init__(self, cfg: ModelConfig, weights: HybridWeights, comm):
-        self.cfg, self.w, self.comm, self.swiglu_limit = cfg, weights, comm, cfg.hybrid.swiglu_limit
-        self.rope = None  # NoPE: positions enter only through causality
+        super().__init__(cfg, weights, comm)   # NoPE (qk_rope_head_dim 0): the rope's cos / sin are [n, 0]
+        self.swiglu_limit = cfg.hybrid.swiglu_limit
 
     def forward(self, batch: StepBatch, attn, before_layer=None) -> torch.Tensor:
         """Every layer over the step's rows; -> final-normed hidden states of `batch.sample_rows` [S, hidden]."""
         cfg = self.cfg
         x = self.w.embed[batch.token_ids]
         streams = x.unsqueeze(1).expand(-1, cfg.hybrid.hc_mult, -1).contiguous()
-        empty = torch.empty(x.shape[0], 0, device=x.device)
+        cos, sin = self.rope.cos_sin(batch.positions)
         for i, lw in enumerate(self.w.layers):
             if before_layer is not None:
                 before_layer(i)
             post, comb, h = hyper_weights(cfg, lw.hc_attn, streams)
-            out = attn.attention(i, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), empty, empty)
+            out = attn.attention(i, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), cos, sin)
             streams = hyper_merge(post, comb, out, streams)
             post, comb, h = hyper_weights(cfg, lw.hc_ffn, streams)
             streams = hyper_merge(post, comb, self._ffn(i, rms_norm(h, lw.post_norm, cfg.rms_norm_eps)), streams)
