@@ -9,7 +9,7 @@ import torch
 
 from splash.attention import dsa, kpool
 from splash.models.config import ModelConfig
-from splash.models.linear import bmm, linear
+from splash.models.linear import linear, matmul
 from splash.models.norm import rms_norm
 from splash.models.rope import Rope, rotate
 from splash.models.weights import AttnWeights
@@ -28,7 +28,7 @@ def _absorb_heads(q: torch.Tensor, uk: torch.Tensor, d_nope: int, cos: torch.Ten
                   interleave: bool) -> torch.Tensor:
     """Q-B's output [n, H, d_nope + d_r] and W_UK [H, d_nope, d_c] -> q̃ = [q_nope · W_UK ; RoPE(q_rope)]."""
     q_nope, q_pe = q.split([d_nope, q.shape[2] - d_nope], dim=-1)
-    q_lat = bmm(q_nope.transpose(0, 1), uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
+    q_lat = matmul(q_nope.transpose(0, 1), uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
     return torch.cat([q_lat, rotate(q_pe, cos, sin, interleave)], dim=-1)
 
 
@@ -91,7 +91,7 @@ def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
 @fast_path("uv_heads")
 def _uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor:
     """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h: õ_h @ W_UV_hᵀ)."""
-    o = bmm(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
+    o = matmul(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
     return o.transpose(0, 1).reshape(o_lat.shape[0], o_lat.shape[1] * uv_t.shape[2])
 
 
