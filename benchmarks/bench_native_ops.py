@@ -48,7 +48,7 @@ def cases(n: int = 32) -> dict:
     mw = MoEWeights(router=r(E, 256), bias=r(E) * 0.1, gate_up=packed.pack_experts(r(E, 2 * inter, 256)),
                     down=packed.pack_experts(r(E, 256, inter)), shared=shared)
     idx, wt = ffn.route(mcfg, mw, x)
-    counts, tok, ws = ffn._expert_order(mcfg, idx, wt)
+    counts, tok, ws = ffn.sort_rows(idx, wt, E)
     h, ol, qa, q_pe, nw = r(n, 2 * inter), r(n, 8, 128), r(n, 192), r(n, 8, 32), torch.rand(256, generator=g)
     lm, stack = r(1024, 256), r(E, 2 * inter, 256)   # the LM head; the experts' gate_up
     lm_p, stack_p, rows = packed.pack_linear(lm.clone()), packed.pack_experts(stack.clone()), x.repeat(4, 1)
@@ -58,7 +58,7 @@ def cases(n: int = 32) -> dict:
         "rope": lambda: rope.apply(q_pe, cos, sin),
         "swiglu": lambda: ffn._swiglu(h, inter, None),
         "moe_route": lambda: ffn.route(mcfg, mw, x),
-        "moe_sort": lambda: ffn._expert_order(mcfg, idx, wt),
+        "moe_sort": lambda: ffn.sort_rows(idx, wt, E),
         "absorb_rope": lambda: mla._absorb(cfg, rope, w, qa, cos, sin),
         "uv_heads": lambda: mla.out_projection(w, ol),
         "mla_project": lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin),
