@@ -37,7 +37,6 @@ class Rope:
 
     def __init__(self, cfg: ModelConfig, device="cpu"):
         dim = cfg.qk_rope_head_dim
-        self.dim = dim
         self.interleave = cfg.rope_interleave
         if cfg.rope.rope_type == "yarn":
             self.inv_freq, self.scale = _yarn_inv_freq(cfg.rope, dim, device)
