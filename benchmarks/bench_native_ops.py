@@ -22,7 +22,7 @@ import torch
 from splash.attention import mla
 from splash.models import ffn, norm
 from splash.models.config import model_config_from_dict
-from splash.models.rope import Rope
+from splash.models.rope import Rope, rotate
 from splash.models.weights import MLPWeights, MoEWeights, attention_from_full, expected_shapes
 from splash.native import ops, packed
 
@@ -55,7 +55,7 @@ def cases(n: int = 32) -> dict:
     offs = counts.cumsum(0).to(torch.int32)
     return {
         "rms_norm": lambda: norm.rms_norm(x, nw, 1e-6),
-        "rope": lambda: rope.apply(q_pe, cos, sin),
+        "rope": lambda: rotate(q_pe, cos, sin, rope.interleave),
         "swiglu": lambda: ffn._swiglu(h, inter, None),
         "moe_route": lambda: ffn.route(mcfg, mw, x),
         "moe_sort": lambda: ffn.sort_rows(idx, wt, E),

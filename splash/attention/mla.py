@@ -36,7 +36,7 @@ def _latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, kv: torch.Tensor, cos:
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KV-A output [n, d_c + d_r] -> (normed latent c_kv [n, d_c], rotated k_rope [n, d_r])."""
     c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rope.apply(k_pe, cos, sin)
+    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rotate(k_pe, cos, sin, rope.interleave)
 
 
 def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
