@@ -62,7 +62,7 @@ def cases(n: int = 32) -> dict:
         "absorb_rope": lambda: mla._absorb(cfg, rope, w, qa, cos, sin),
         "uv_heads": lambda: mla.out_projection(w, ol),
         "mla_project": lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin),
-        "linear_packed": (lambda: lm_p(x), lambda: x @ lm.T),
+        "linear_packed": (lambda: packed.packed_linear(x, lm_p), lambda: x @ lm.T),
         "grouped_gemm": (lambda: ffn.grouped_linear(rows, stack_p, counts),
                          lambda: torch._grouped_mm(rows, stack.transpose(1, 2), offs=offs)),
         "moe_experts": lambda: ffn.moe(mcfg, mw, x),

@@ -94,7 +94,7 @@ def test_packed_stack_falls_back_with_more_threads():
     pl = packed.pack_linear(lin.clone())    # a packed linear likewise: its unpacked weight's GEMM
     torch.set_num_threads(2)
     try:
-        got = pl(x)
+        got = packed.packed_linear(x, pl)
     finally:
         torch.set_num_threads(1)
     assert isinstance(pl, packed.PackedLinear) and torch.allclose(got, x @ lin.T, atol=1e-5, rtol=1e-5)
@@ -131,7 +131,7 @@ def test_packed_linear_and_row_ops_match_torch():
     p = packed.pack_linear(w.clone())
     assert isinstance(p, packed.PackedLinear) and p.shape == w.shape and torch.equal(p.unpacked(), w)
     x = torch.randn(13, 56, generator=g)[:, 8:48]
-    assert torch.allclose(p(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(packed.packed_linear(x, p), x @ w.T, atol=1e-5, rtol=1e-5)
     xs, nw = torch.randn(9, 80, generator=g)[:, :64], torch.randn(64, generator=g)
     ref = xs * xs.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * nw
     assert torch.allclose(ops.rms_norm(xs, nw, 1e-6), ref, atol=1e-5, rtol=1e-5)

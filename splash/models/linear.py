@@ -12,7 +12,7 @@ import functools
 import torch
 
 from splash import native
-from splash.native.packed import PackedExperts, PackedLinear
+from splash.native.packed import PackedExperts, PackedLinear, packed_linear
 
 
 @functools.cache
@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return matmul(x, w.T)
     if isinstance(w, PackedLinear):
-        return w(x)
+        return packed_linear(x, w)
     return matmul(x, w.dequant().T)
 
 
