@@ -22,7 +22,7 @@ import torch
 from splash.attention import mla
 from splash.models import ffn, norm
 from splash.models.config import model_config_from_dict
-from splash.models.rope import Rope
+from splash.models.rope import Rope, rotate
 from splash.models.weights import MLPWeights, MoEWeights, attention_from_full, expected_shapes
 from splash.native import ops, packed
 
@@ -48,21 +48,21 @@ def cases(n: int = 32) -> dict:
     mw = MoEWeights(router=r(E, 256), bias=r(E) * 0.1, gate_up=packed.pack_experts(r(E, 2 * inter, 256)),
                     down=packed.pack_experts(r(E, 256, inter)), shared=shared)
     idx, wt = ffn.route(mcfg, mw, x)
-    counts, tok, ws = ffn._expert_order(mcfg, idx, wt)
+    counts, tok, ws = ffn.sort_rows(idx, wt, E)
     h, ol, qa, q_pe, nw = r(n, 2 * inter), r(n, 8, 128), r(n, 192), r(n, 8, 32), torch.rand(256, generator=g)
     lm, stack = r(1024, 256), r(E, 2 * inter, 256)   # the LM head; the experts' gate_up
     lm_p, stack_p, rows = packed.pack_linear(lm.clone()), packed.pack_experts(stack.clone()), x.repeat(4, 1)
     offs = counts.cumsum(0).to(torch.int32)
     return {
         "rms_norm": lambda: norm.rms_norm(x, nw, 1e-6),
-        "rope": lambda: rope.apply(q_pe, cos, sin),
+        "rope": lambda: rotate(q_pe, cos, sin, rope.interleave),
         "swiglu": lambda: ffn._swiglu(h, inter, None),
         "moe_route": lambda: ffn.route(mcfg, mw, x),
-        "moe_sort": lambda: ffn._expert_order(mcfg, idx, wt),
+        "moe_sort": lambda: ffn.sort_rows(idx, wt, E),
         "absorb_rope": lambda: mla._absorb(cfg, rope, w, qa, cos, sin),
         "uv_heads": lambda: mla.out_projection(w, ol),
         "mla_project": lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin),
-        "linear_packed": (lambda: lm_p(x), lambda: x @ lm.T),
+        "linear_packed": (lambda: packed.packed_linear(x, lm_p), lambda: x @ lm.T),
         "grouped_gemm": (lambda: ffn.grouped_linear(rows, stack_p, counts),
                          lambda: torch._grouped_mm(rows, stack.transpose(1, 2), offs=offs)),
         "moe_experts": lambda: ffn.moe(mcfg, mw, x),

@@ -15,7 +15,8 @@ from splash.attention.batch import StepBatch, StepRequest
 from splash.engine.llm import LLM
 from splash.engine.runner import ModelRunner
 from splash.models.config import ConfigError, load_model_config
-from splash.models.loader import FP8_BLOCK, CheckpointError, open_checkpoint
+from splash.models.loader import CheckpointError, open_checkpoint
+from splash.models.qweight import BLOCK
 
 PROMPT = random_prompts([21], seed=21)[0]
 
@@ -23,7 +24,7 @@ PROMPT = random_prompts([21], seed=21)[0]
 def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """The reference dequantisation: w [out, in] fp8 with scale_inv [ceil(out/128), ceil(in/128)] -> fp32."""
     out, inn = w.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inn]
+    s = scale_inv.float().repeat_interleave(BLOCK, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inn]
     return w.float() * s
 
 

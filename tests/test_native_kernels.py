@@ -94,7 +94,7 @@ def test_packed_stack_falls_back_with_more_threads():
     pl = packed.pack_linear(lin.clone())    # a packed linear likewise: its unpacked weight's GEMM
     torch.set_num_threads(2)
     try:
-        got = pl(x)
+        got = packed.packed_linear(x, pl)
     finally:
         torch.set_num_threads(1)
     assert isinstance(pl, packed.PackedLinear) and torch.allclose(got, x @ lin.T, atol=1e-5, rtol=1e-5)
@@ -131,7 +131,7 @@ def test_packed_linear_and_row_ops_match_torch():
     p = packed.pack_linear(w.clone())
     assert isinstance(p, packed.PackedLinear) and p.shape == w.shape and torch.equal(p.unpacked(), w)
     x = torch.randn(13, 56, generator=g)[:, 8:48]
-    assert torch.allclose(p(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(packed.packed_linear(x, p), x @ w.T, atol=1e-5, rtol=1e-5)
     xs, nw = torch.randn(9, 80, generator=g)[:, :64], torch.randn(64, generator=g)
     ref = xs * xs.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * nw
     assert torch.allclose(ops.rms_norm(xs, nw, 1e-6), ref, atol=1e-5, rtol=1e-5)
@@ -177,14 +177,14 @@ def test_moe_route_sort_match_torch(E, G, tg, k, monkeypatch):
     w = types.SimpleNamespace(router=torch.randn(E, 64, generator=g), bias=torch.randn(E, generator=g) * 0.1)
     x = torch.randn(37, 64, generator=g)
     fast = [ffn.route(cfg, w, x)]
-    fast += [ffn._expert_order(cfg, *fast[0])]
+    fast += [ffn.sort_rows(*fast[0], E)]
     for name in ("moe_route", "moe_sort"):
         monkeypatch.setattr(ops, name, lambda *a: None)
     idx, wt = ffn.route(cfg, w, x)
     (i1, o1), (i2, o2) = fast[0][0].sort(-1), idx.sort(-1)
     assert torch.equal(i1, i2)
     torch.testing.assert_close(fast[0][1].gather(1, o1), wt.gather(1, o2), rtol=3e-7, atol=0)
-    order = ffn._expert_order(cfg, *fast[0])
+    order = ffn.sort_rows(*fast[0], E)
     assert all(torch.equal(a, b) for a, b in zip(fast[1], order))
 
 
@@ -219,8 +219,8 @@ def test_packed_projections_fused_and_moved(monkeypatch):
     assert w.q_a.packed.untyped_storage().data_ptr() == w.qkv_a.packed.untyped_storage().data_ptr()
     rope, x = Rope(cfg), torch.randn(5, cfg.hidden_size)
     cos, sin = rope.cos_sin(torch.arange(5) + 3)
-    steps = (lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin, True),   # TP, DP-attn
-             lambda: mla.latent_query(cfg, rope, w, x, cos, sin, True),       # CP, DOP
+    steps = (lambda: mla.query_and_latent(cfg, rope, w, x, cos, sin),   # TP, DP-attn
+             lambda: mla.latent_query(cfg, rope, w, x, cos, sin),       # CP, DOP
              lambda: mla.new_latent_kv(cfg, rope, w, x, cos, sin))
     fused = [f() for f in steps]
     monkeypatch.setattr(ops, "mla_project", lambda *a, **k: None)

@@ -112,7 +112,7 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
     (ptrs, kw), = seen
     assert ptrs == {p: t for p, t in want.items() if t.startswith("*")}
     assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
-    assert {k: kw[k] for k in ("ROW_C", "ROW_R")} == aot.row_strides(kv_dtype, 16, 4)
+    assert (kw["ROW_C"], kw["ROW_R"]) == aot.row_strides(kv_dtype, 16, 4)
     assert kw["ROPE_FP8"] == (pool == aot.ROPE_FP8_POOL)
 
 

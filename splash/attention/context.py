@@ -35,7 +35,7 @@ class RankContext:
     cfg: Any                     # splash.models.config.ModelConfig
     family: ModelFamily          # layer kinds: which layers hold KV blocks (pool layer), which recurrent state
     comm: Any                    # this rank's communicator (splash.distributed)
-    weights: Any                 # ModelWeights / HybridWeights: a switch replaces `layers[i].attn` in place
+    weights: Any                 # ModelWeights: a switch replaces `layers[i].attn` in place
     cache: Any                   # splash.kv.paged_cache.PagedLatentCache (one pool layer per KV-holding layer)
     blocks: Any                  # splash.kv.block_manager.BlockManager of the pool
     tables: Any                  # splash.kv.page_table.PageTable: the block manager's tables as tensors

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention import dsa, mla
+from splash.attention import mla
 from splash.attention.batch import StepBatch, StepPiece
 from splash.attention.context import RankContext
 from splash.layouts.layout import Layout
@@ -26,11 +26,10 @@ class CPAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r, cfg, p = self.r, self.r.cfg, self.meta
         w = r.weights.layers[layer].attn
-        q, qa = mla.latent_query(cfg, r.rope, w, x, cos, sin, want_qa=True)
+        q, qa = mla.latent_query(cfg, r.rope, w, x, cos, sin)
         wr = p.write_rows
         c, kpe = mla.new_latent_kv(cfg, r.rope, w, x[wr], cos[wr], sin[wr])
-        r.cache.write(layer, p.write_slots, c, kpe)
-        if cfg.has_dsa:  # keys stored with their positions; global top-k over every rank's candidates
-            dsa.select_layer(r, layer, p, (x[wr], cos[wr], sin[wr]), (x, qa, cos, sin), cp_comm=r.comm)
-        o, lse = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)  # partial over this rank's positions
+        # DSA: keys stored with their positions; global top-k over every rank's candidates
+        cl = mla.store_and_select(r, layer, p, c, kpe, (x[wr], cos[wr], sin[wr]), (x, qa, cos, sin), cp_comm=r.comm)
+        o, lse = mla.attend(r.attn, cl, q, r.cache, cfg.kv_lora_rank)  # partial over this rank's positions
         return mla.out_projection(w, mla.merge_over_ranks(r.comm, o, lse))

@@ -6,25 +6,23 @@ replicate projections, so the request's owner (CP: its anchor) runs all heads an
 returning by a variable all-gather: a recurrence has no per-position history for CP to shard (its state already
 summarises every past position), and splitting the scan over ranks would serialise them.
 
-The MLA-DSA layers are placed like DSA layers (splash.attention.dsa), select pools with splash.attention.kpool and
-run the step's kernel with a rope width of 0.
+The MLA-DSA layers run in the layout's MLA executor, placed like DSA layers (splash.attention.dsa), with a rope width
+of 0; they select pools with splash.attention.kpool.
 """
 from __future__ import annotations
 
 import torch
 
-from splash.attention import kpool, mla
+from splash.attention import mla
 from splash.attention.batch import StepBatch, row_ranges
 from splash.attention.context import LayoutState
 from splash.attention.grouping import OwnerGroups
-from splash.layouts.layout import KV_POSITION, Layout, parse_layout
+from splash.layouts.layout import KV_POSITION, parse_layout
 from splash.models.kda import kda_forward
-from splash.models.linear import linear
-from splash.models.norm import rms_norm
 
 
 class HybridAttention:
-    """Wraps the MLA executor of a layout (its block allocation and metadata) and runs both layer kinds."""
+    """Wraps the MLA executor of a layout (its block allocation, metadata and MLA layers) and runs the KDA layers."""
 
     def __init__(self, state: LayoutState, base):
         # base.r: this rank's state (splash.attention.context); state.linear_heads: the KDA heads held here
@@ -63,8 +61,7 @@ class HybridAttention:
     def attention(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.r.family.is_recurrent(layer):
             return self._kda(layer, x)
-        return {Layout.TP: self._mla_tp, Layout.DP_ATTN: self._mla_dp, Layout.CP: self._mla_cp,
-                Layout.DOP: self._mla_dop}[self.layout](layer, x)
+        return self.base.attention(layer, x, cos, sin)   # NoPE MLA-DSA: cos / sin are [n, 0]
 
     # ---- KDA -------------------------------------------------------------------------------------------------
     def _kda(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -82,51 +79,3 @@ class HybridAttention:
             for b, s in zip(points, got):
                 r.states.keep(b.hash, li, s)
         return mla.sum_over_ranks(r.comm, out) if self.rows is None else self.g.gather(r.comm, out)
-
-    # ---- MLA-DSA ---------------------------------------------------------------------------------------------
-    def _query(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden] -> (Q-A output [n, q_lora], absorbed queries q̃ [n, H_l, d_c]) for this rank's heads."""
-        cfg, w = self.r.cfg, self.r.weights.layers[layer].attn
-        n = x.shape[0]
-        qa = rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps)
-        q = linear(qa, w.q_b).view(n, len(w.heads), cfg.qk_nope_head_dim)
-        return qa, torch.bmm(q.transpose(0, 1), w.uk()).transpose(0, 1)
-
-    def _store_select(self, layer: int, xw: torch.Tensor, q_in: tuple, cp: bool = False) -> int:
-        """Store the latent and KPool vectors of rows `xw` (meta.write_rows order) and select for the rows q_in =
-        (x, Q-A output) this rank attends; -> the pool layer."""
-        r, meta = self.r, self.base.meta
-        cl, w = r.family.pool_layer(layer), r.weights.layers[layer].attn
-        c = rms_norm(linear(xw, w.kv_a), w.kv_a_norm, r.cfg.rms_norm_eps)
-        r.cache.write(cl, meta.write_slots, c, c.new_empty(c.shape[0], 0))
-        kpool.select_layer(r, layer, cl, meta, xw, q_in, cp_comm=r.comm if cp else None)
-        return cl
-
-    def _attend(self, cl: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:   # NoPE: rope width 0
-        return self.r.attn.run(cl, q, q.new_empty(*q.shape[:2], 0), self.r.cache)
-
-    def _mla_tp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        qa, q = self._query(layer, x)
-        o, _ = self._attend(self._store_select(layer, x, (x, qa)), q)
-        return mla.sum_over_ranks(self.r.comm, mla.out_projection(self.r.weights.layers[layer].attn, o))
-
-    def _mla_dp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        xm = x[self.rows]
-        qa, q = self._query(layer, xm)
-        o, _ = self._attend(self._store_select(layer, xm, (xm, qa)), q)
-        return self.g.gather(self.r.comm, mla.out_projection(self.r.weights.layers[layer].attn, o))
-
-    def _mla_cp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        r = self.r
-        qa, q = self._query(layer, x)
-        cl = self._store_select(layer, x[self.base.meta.write_rows], (x, qa), cp=True)
-        o, lse = self._attend(cl, q)                     # partial over this rank's positions (and selection)
-        return mla.out_projection(r.weights.layers[layer].attn, mla.merge_over_ranks(r.comm, o, lse))
-
-    def _mla_dop(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        r, g = self.r, self.g
-        qa, q = self._query(layer, x)                                    # q̃ of local heads, all rows
-        xm = x[g.rows_mine]
-        cl = self._store_select(layer, xm, (xm, qa[g.rows_mine]))
-        o = g.attend_at_owners(r.comm, q, lambda q_own: self._attend(cl, q_own)[0])
-        return mla.sum_over_ranks(r.comm, mla.out_projection(r.weights.layers[layer].attn, o))

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from splash.attention import dsa, kpool
 from splash.models.config import ModelConfig
-from splash.models.linear import bmm, linear
+from splash.models.linear import linear, matmul
 from splash.models.norm import rms_norm
 from splash.models.rope import Rope, rotate
 from splash.models.weights import AttnWeights
@@ -27,7 +28,7 @@ def _absorb_heads(q: torch.Tensor, uk: torch.Tensor, d_nope: int, cos: torch.Ten
                   interleave: bool) -> torch.Tensor:
     """Q-B's output [n, H, d_nope + d_r] and W_UK [H, d_nope, d_c] -> q̃ = [q_nope · W_UK ; RoPE(q_rope)]."""
     q_nope, q_pe = q.split([d_nope, q.shape[2] - d_nope], dim=-1)
-    q_lat = bmm(q_nope.transpose(0, 1), uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
+    q_lat = matmul(q_nope.transpose(0, 1), uk).transpose(0, 1)  # [n, H, d_c]; bmm beats einsum here
     return torch.cat([q_lat, rotate(q_pe, cos, sin, interleave)], dim=-1)
 
 
@@ -35,15 +36,14 @@ def _latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, kv: torch.Tensor, cos:
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KV-A output [n, d_c + d_r] -> (normed latent c_kv [n, d_c], rotated k_rope [n, d_r])."""
     c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rope.apply(k_pe, cos, sin)
+    return rms_norm(c, w.kv_a_norm, cfg.rms_norm_eps), rotate(k_pe, cos, sin, rope.interleave)
 
 
 def latent_query(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, want_qa: bool = False):
-    """x [n, hidden] -> absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads (and, with `want_qa`,
-    the normed Q-A output [n, q_lora] the DSA indexer reads, as a pair)."""
-    q, qa = _query(cfg, rope, w, x, cos, sin, parts=1)
-    return (q, qa) if want_qa else q
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, hidden] -> (absorbed queries q̃ [n, H_local, d_c + d_r] for this rank's heads, the normed Q-A output
+    [n, q_lora] the DSA indexer reads)."""
+    return tuple(_query(cfg, rope, w, x, cos, sin, parts=1))
 
 
 @fast_path("mla_project")
@@ -66,14 +66,13 @@ def new_latent_kv(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor,
 
 
 def query_and_latent(cfg: ModelConfig, rope: Rope, w: AttnWeights, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, want_qa: bool = False) -> tuple[torch.Tensor, ...]:
+                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`latent_query` and `new_latent_kv` of the same rows, with Q-A and KV-A as one GEMM on [Q-A ; KV-A]
-    -> (q̃, c_kv, k_rope), plus the normed Q-A output as a fourth item with `want_qa` (DSA)."""
+    -> (q̃, c_kv, k_rope, normed Q-A output)."""
     if w.q_a is None:
-        qa = (x,) if want_qa else ()
-        return latent_query(cfg, rope, w, x, cos, sin), *new_latent_kv(cfg, rope, w, x, cos, sin), *qa
-    out = _query_and_latent(cfg, rope, w, x, cos, sin, parts=3)
-    return tuple(out) if want_qa else tuple(out[:3])
+        q, qa = latent_query(cfg, rope, w, x, cos, sin)
+        return q, *new_latent_kv(cfg, rope, w, x, cos, sin), qa
+    return tuple(_query_and_latent(cfg, rope, w, x, cos, sin, parts=3))
 
 
 @fast_path("mla_project")
@@ -92,8 +91,22 @@ def out_projection(w: AttnWeights, o_lat: torch.Tensor) -> torch.Tensor:
 @fast_path("uv_heads")
 def _uv_heads(o_lat: torch.Tensor, uv_t: torch.Tensor) -> torch.Tensor:
     """õ [n, H, d_c] and W_UV transposed [H, d_c, d_v] -> O's input [n, H * d_v] (head h: õ_h @ W_UV_hᵀ)."""
-    o = bmm(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
+    o = matmul(o_lat.to(uv_t.dtype).transpose(0, 1), uv_t)  # [H, n, d_v]
     return o.transpose(0, 1).reshape(o_lat.shape[0], o_lat.shape[1] * uv_t.shape[2])
+
+
+def store_and_select(r, layer: int, meta, c: torch.Tensor, kpe: torch.Tensor, key_in: tuple, q_in: tuple,
+                     cp_comm=None) -> int:
+    """Write the new latent KV of the rows this rank stores to the layer's pool layer, then, for a DSA or KPool
+    layer, their indexer vectors and the step's selection for the rows it attends (splash.attention.dsa /
+    kpool.select_layer: key_in = (x, cos, sin), q_in = (x, q_resid, cos, sin)); -> the pool layer."""
+    cl = r.family.pool_layer(layer)
+    r.cache.write(cl, meta.write_slots, c, kpe)
+    if r.family.index_vectors == 2:   # KPool: an indexer key and pool gate logits per token
+        kpool.select_layer(r, layer, cl, meta, key_in[0], q_in[:2], cp_comm)
+    elif r.cfg.has_dsa:
+        dsa.select_layer(r, layer, meta, key_in, q_in, cp_comm)
+    return cl
 
 
 def attend(kernel, layer: int, q: torch.Tensor, cache, d_c: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from splash.attention import dsa, mla
+from splash.attention import mla
 from splash.attention.batch import StepBatch
 from splash.attention.context import RankContext
 
@@ -11,14 +11,12 @@ from splash.attention.context import RankContext
 def attend_stored_rows(r: RankContext, meta, layer: int, x: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor) -> torch.Tensor:
     """Rows x whose KV this rank stores, every one of them (`meta.write_rows` is 0..n-1 in order: TP's every row,
-    DP-attn's rows of the requests it owns) -> this rank's O output of them over its heads. DSA: the rank stores
-    their indexer keys and selects for them (under TP every rank the same top-k: same inputs, same math)."""
+    DP-attn's rows of the requests it owns) -> this rank's O output of them over its heads. DSA / KPool: the rank
+    stores their indexer vectors and selects for them (under TP every rank the same top-k: same inputs, same math)."""
     cfg, w = r.cfg, r.weights.layers[layer].attn
-    q, c, kpe, *qa = mla.query_and_latent(cfg, r.rope, w, x, cos, sin, want_qa=cfg.has_dsa)
-    r.cache.write(layer, meta.write_slots, c, kpe)
-    if cfg.has_dsa:
-        dsa.select_layer(r, layer, meta, (x, cos, sin), (x, *qa, cos, sin))
-    o, _ = mla.attend(r.attn, layer, q, r.cache, cfg.kv_lora_rank)
+    q, c, kpe, qa = mla.query_and_latent(cfg, r.rope, w, x, cos, sin)
+    cl = mla.store_and_select(r, layer, meta, c, kpe, (x, cos, sin), (x, qa, cos, sin))
+    o, _ = mla.attend(r.attn, cl, q, r.cache, cfg.kv_lora_rank)
     return mla.out_projection(w, o)
 
 

@@ -38,20 +38,30 @@ def check_ffn_shardable(cfg: ModelConfig, shards: int) -> None:
             raise ConfigError(f"config.json: field {name!r} = {v} is not divisible by the world size {shards}")
 
 
+def ffn_from_full(cfg: ModelConfig, get: Getter, prefix: str, layer: int, shard: int, shards: int):
+    """Layer `layer`'s MLP or MoE (`prefix` its ``mlp.``), FFN slice `shard` of `shards`."""
+    if cfg.is_moe_layer(layer):
+        return moe_from_full(cfg, get, prefix, shard, shards)
+    return mlp_from_full(get, prefix, shard, shards)
+
+
+def model_weights(cfg: ModelConfig, get: Getter, prefix: str, layers: list) -> ModelWeights:
+    """`layers` with the embedding and final norm under `prefix` (``model.``) and the LM head."""
+    embed = get(prefix + "embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else pack_linear(get("lm_head.weight"))
+    return ModelWeights(embed=embed, norm=get(prefix + "norm.weight"), lm_head=lm_head, layers=layers)
+
+
 def build_weights(cfg: ModelConfig, get: Getter, heads: range, shard: int, shards: int) -> ModelWeights:
     """Weights for one rank: attention projections for `heads`, FFN slice `shard` of `shards`."""
     check_ffn_shardable(cfg, shards)
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        ffn = (moe_from_full(cfg, get, p + "mlp.", shard, shards) if cfg.is_moe_layer(i)
-               else mlp_from_full(get, p + "mlp.", shard, shards))
         idx = (load_indexer(get, p + "self_attn.indexer.", cfg.index_n_heads, cfg.index_head_dim,
                             cfg.qk_rope_head_dim, cfg.index_rope_interleave) if cfg.has_indexer(i) else None)
         layers.append(LayerWeights(input_norm=get(p + "input_layernorm.weight"),
                                    post_norm=get(p + "post_attention_layernorm.weight"),
-                                   attn=attention_from_full(cfg, get, p + "self_attn.", heads), ffn=ffn,
-                                   indexer=idx))
-    embed = get("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else pack_linear(get("lm_head.weight"))
-    return ModelWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers)
+                                   attn=attention_from_full(cfg, get, p + "self_attn.", heads),
+                                   ffn=ffn_from_full(cfg, get, p + "mlp.", i, shard, shards), indexer=idx))
+    return model_weights(cfg, get, "model.", layers)

@@ -55,13 +55,9 @@ def _select(scores: torch.Tensor, bias: torch.Tensor, g: int, topk_group: int, k
     return idx, weights * scale
 
 
-def _expert_order(cfg: ModelConfig, idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(rows per expert, token of each row sorted by expert — tokens ascending within one —, its weight)."""
-    return _sort_rows(idx, weights, cfg.n_routed_experts)
-
-
 @fast_path("moe_sort")
-def _sort_rows(idx: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+def sort_rows(idx: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(rows per expert, token of each row sorted by expert — tokens ascending within one —, its weight)."""
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -82,7 +78,7 @@ def moe(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, limit: float | None = 
     """Token rows are sorted by expert once; the experts' two GEMMs each run as one grouped call over the sorted
     rows (`grouped_linear`: experts without rows skipped), the activation runs once over all rows, and one
     weighted scatter (index_add) sums the results back per token."""
-    counts, tok, wsort = _expert_order(cfg, *route(cfg, w, x))
+    counts, tok, wsort = sort_rows(*route(cfg, w, x), cfg.n_routed_experts)
     out = _routed(x, w, counts, tok, wsort, limit)
     if w.shared is not None:
         out = out + mlp(w.shared, x, limit)

@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from splash.models.build import check_ffn_shardable
+from splash.models.build import check_ffn_shardable, ffn_from_full, model_weights
 from splash.models.config import ModelConfig
 from splash.models.deepseek import DeepseekV3Model
 from splash.models.kda import KDAWeights, kda_from_full
 from splash.models.kpool import IndexerWeights, indexer_from_full
 from splash.models.norm import rms_norm
-from splash.native.packed import pack_linear
-from splash.models.weights import AttnWeights, MLPWeights, MoEWeights, attention_from_full, mlp_from_full, \
-    moe_from_full
+from splash.models.weights import AttnWeights, MLPWeights, ModelWeights, MoEWeights, attention_from_full
 
 if TYPE_CHECKING:   # the engine hands the model a batch; the model never builds one
     from splash.attention.batch import StepBatch
@@ -46,14 +44,6 @@ class HybridLayerWeights:
     indexer: IndexerWeights | None = None     # full indexer layers only
 
 
-@dataclass
-class HybridWeights:
-    embed: torch.Tensor
-    norm: torch.Tensor
-    lm_head: torch.Tensor
-    layers: list[HybridLayerWeights]
-
-
 def text_prefix(get) -> str:
     """Disk prefix of the text model: ``model.language_model.`` (Glm5NextForConditionalGeneration) or ``model.``."""
     try:
@@ -64,7 +54,7 @@ def text_prefix(get) -> str:
 
 
 def build_hybrid_weights(cfg: ModelConfig, get, heads: range, linear_heads: range, shard: int,
-                         shards: int) -> HybridWeights:
+                         shards: int) -> ModelWeights:
     """One rank's weights: MLA projections for `heads`, KDA projections for `linear_heads`, FFN slice `shard`.
     Quantised (FP8/INT8) weights stay in stored form (splash.models.qweight.quantized_at_load says which)."""
     check_ffn_shardable(cfg, shards)
@@ -76,22 +66,14 @@ def build_hybrid_weights(cfg: ModelConfig, get, heads: range, linear_heads: rang
         if cfg.is_linear_layer(i):
             attn, idx = kda_from_full(get, a, linear_heads, hy.linear_head_dim), None
         else:
-            attn = attention_from_full(cfg, _ungrouped(get, pre), a.replace(pre, "model.", 1), heads)
+            attn = attention_from_full(cfg, get, a, heads)
             idx = indexer_from_full(get, a) if hy.indexer_types[i] == "full" else None
-        f = (moe_from_full(cfg, get, p + "mlp.", shard, shards) if cfg.is_moe_layer(i)
-             else mlp_from_full(get, p + "mlp.", shard, shards))
+        f = ffn_from_full(cfg, get, p + "mlp.", i, shard, shards)
         hc = [HyperWeights(get(p + f"hc_{k}_fn").float(), get(p + f"hc_{k}_base").float(),
                            get(p + f"hc_{k}_scale").float()) for k in ("attn", "ffn")]
         layers.append(HybridLayerWeights(get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"),
                                          attn, f, hc[0], hc[1], idx))
-    embed = get(pre + "embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else pack_linear(get("lm_head.weight"))
-    return HybridWeights(embed=embed, norm=get(pre + "norm.weight"), lm_head=lm_head, layers=layers)
-
-
-def _ungrouped(get, pre: str):
-    """attention_from_full reads ``model.layers.*``; map that to the checkpoint's text prefix."""
-    return lambda name: get(name.replace("model.", pre, 1))
+    return model_weights(cfg, get, pre, layers)
 
 
 def hyper_weights(cfg: ModelConfig, w: HyperWeights, streams: torch.Tensor):
@@ -121,21 +103,21 @@ def hyper_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, strea
 
 
 class Glm5NextModel(DeepseekV3Model):
-    def __init__(self, cfg: ModelConfig, weights: HybridWeights, comm):
-        self.cfg, self.w, self.comm, self.swiglu_limit = cfg, weights, comm, cfg.hybrid.swiglu_limit
-        self.rope = None  # NoPE: positions enter only through causality
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, comm):   # layers: HybridLayerWeights
+        super().__init__(cfg, weights, comm)   # NoPE (qk_rope_head_dim 0): the rope's cos / sin are [n, 0]
+        self.swiglu_limit = cfg.hybrid.swiglu_limit
 
     def forward(self, batch: StepBatch, attn, before_layer=None) -> torch.Tensor:
         """Every layer over the step's rows; -> final-normed hidden states of `batch.sample_rows` [S, hidden]."""
         cfg = self.cfg
         x = self.w.embed[batch.token_ids]
         streams = x.unsqueeze(1).expand(-1, cfg.hybrid.hc_mult, -1).contiguous()
-        empty = torch.empty(x.shape[0], 0, device=x.device)
+        cos, sin = self.rope.cos_sin(batch.positions)
         for i, lw in enumerate(self.w.layers):
             if before_layer is not None:
                 before_layer(i)
             post, comb, h = hyper_weights(cfg, lw.hc_attn, streams)
-            out = attn.attention(i, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), empty, empty)
+            out = attn.attention(i, rms_norm(h, lw.input_norm, cfg.rms_norm_eps), cos, sin)
             streams = hyper_merge(post, comb, out, streams)
             post, comb, h = hyper_weights(cfg, lw.hc_ffn, streams)
             streams = hyper_merge(post, comb, self._ffn(i, rms_norm(h, lw.post_norm, cfg.rms_norm_eps)), streams)

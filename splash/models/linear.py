@@ -12,7 +12,7 @@ import functools
 import torch
 
 from splash import native
-from splash.native.packed import PackedExperts, PackedLinear
+from splash.native.packed import PackedExperts, PackedLinear, packed_linear
 
 
 @functools.cache
@@ -24,33 +24,21 @@ def bf16_units() -> bool:
                 or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-def _mm(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_units():
-        return (x.float() @ wt.float()).to(torch.bfloat16)
-    return x @ wt
-
-
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, with bf16 operands multiplied in fp32 on a CPU without bf16 units (see `bf16_units`)."""
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (2-D, or batched 3-D as torch.bmm), with bf16 operands multiplied in fp32 on a CPU without bf16 units
+    (see `bf16_units`)."""
     if a.dtype == torch.bfloat16 and a.device.type == "cpu" and not bf16_units():
-        return torch.bmm(a.float(), b.float()).to(torch.bfloat16)
-    return torch.bmm(a, b)
+        return (a.float() @ b.float()).to(torch.bfloat16)
+    return a @ b
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [n, in] @ w [out, in]ᵀ -> [n, out]."""
     if isinstance(w, torch.Tensor):
-        return _mm(x, w.T)
+        return matmul(x, w.T)
     if isinstance(w, PackedLinear):
-        return w(x)
-    return _mm(x, w.dequant().T)
-
-
-def expert_linear(x: torch.Tensor, stack, e: int) -> torch.Tensor:
-    """x @ stack[e]ᵀ for one expert of a stacked weight [E, out, in]."""
-    if isinstance(stack, torch.Tensor):
-        return _mm(x, stack[e].T)
-    return _mm(x, stack[e].dequant().T)
+        return packed_linear(x, w)
+    return matmul(x, w.dequant().T)
 
 
 @native.fast_path("grouped_gemm")
@@ -71,6 +59,6 @@ def grouped_linear(x: torch.Tensor, stack, counts: torch.Tensor) -> torch.Tensor
     out, start = [], 0
     for e, c in enumerate(counts.tolist()):
         if c:
-            out.append(expert_linear(x[start:start + c], stack, e))
+            out.append(linear(x[start:start + c], stack[e]))   # a tensor, or a QuantWeight
             start += c
     return torch.cat(out) if out else x.new_zeros(0, stack.shape[1])

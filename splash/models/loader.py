@@ -15,11 +15,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from splash.models.config import ConfigError, ModelConfig, load_model_config
-from splash.models.qweight import FP8, INT8, WEIGHT_QUANTS, QuantWeight, is_linear_weight, quantize, \
+from splash.models.qweight import BLOCK, FP8, INT8, WEIGHT_QUANTS, QuantWeight, is_linear_weight, quantize, \
     quantized_at_load
 from splash.models.weights import expected_shapes
 
-FP8_BLOCK = 128
 SUPPORTED = ("supported: BF16/F16/F32; FP8 E4M3 + weight_scale_inv per 128×128 block; "
              "INT8 + weight_scale per output channel (compressed-tensors int-quantized)")
 
@@ -108,7 +107,7 @@ class CheckpointReader:
                                    f"quantised ({SUPPORTED})")
         if t.dtype == torch.float8_e4m3fn and base + "weight_scale_inv" in self.map:
             fmt, scale = FP8, self._raw(base + "weight_scale_inv")
-            want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
+            want = (-(-t.shape[0] // BLOCK), -(-t.shape[1] // BLOCK))
             if tuple(scale.shape) != want:
                 raise self._fail(name, f"is FP8 with weight_scale_inv of shape {tuple(scale.shape)}, not the "
                                        f"{want} of 128×128 blocks ({SUPPORTED})")

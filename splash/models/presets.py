@@ -1,14 +1,11 @@
 """Seeded random-weight presets (no download needed): the weights of the configs in `preset_configs`."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
-from splash.models.preset_configs import PRESETS, preset_config  # noqa: F401 — the presets' API
+from splash.models.preset_configs import preset_config
 from splash.models.weights import expected_shapes
-from splash.tokenizer import save_byte_tokenizer
+
 
 def preset_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random weights, scaled so activations stay O(1) and logits are well separated."""
@@ -31,15 +28,3 @@ def preset_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
 def preset_getter(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     sd = preset_state_dict(name, seed)
     return lambda key: sd[key].to(torch.float32 if key.endswith(("gate.weight", "bias")) else dtype)
-
-
-def save_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the preset as an HF checkpoint directory (config.json + model.safetensors + tokenizer.json)."""
-    from safetensors.torch import save_file
-
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
-    save_file(preset_state_dict(name, seed), str(d / "model.safetensors"))
-    save_byte_tokenizer(d)
-    return d

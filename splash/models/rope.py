@@ -33,11 +33,10 @@ def _yarn_inv_freq(r: RopeConfig, dim: int, device) -> tuple[torch.Tensor, float
 
 
 class Rope:
-    """Computes cos/sin per position and rotates the rope part of queries and keys."""
+    """cos/sin tables per position (`rotate` applies them to the rope part of queries and keys)."""
 
     def __init__(self, cfg: ModelConfig, device="cpu"):
         dim = cfg.qk_rope_head_dim
-        self.dim = dim
         self.interleave = cfg.rope_interleave
         if cfg.rope.rope_type == "yarn":
             self.inv_freq, self.scale = _yarn_inv_freq(cfg.rope, dim, device)
@@ -50,10 +49,6 @@ class Rope:
         """Half-width cos/sin [n, dim/2] for the given positions (already multiplied by the YaRN factor)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [n, ..., dim]; cos/sin [n, dim/2] broadcast over the middle dims."""
-        return rotate(x, cos, sin, self.interleave)
 
 
 def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -77,7 +77,7 @@ class ModelWeights:
     embed: torch.Tensor    # [V, hidden]
     norm: torch.Tensor     # [hidden]
     lm_head: torch.Tensor  # [V, hidden]
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]   # glm5_next: HybridLayerWeights (splash.models.glm5_next)
 
 
 def shard_rows(w, shard: int, shards: int):

@@ -48,12 +48,9 @@ class PackedLinear(PackedWeight):
         """A packed [N / 16, K, 16] tensor (e.g. some strips of another: a view, no copy) as a weight [N, K]."""
         return cls(None, packed)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self)
-
 
 @native.fast_path("linear_packed")
-def _linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     return x @ w.unpacked().to(x.dtype).T   # e.g. the thread count changed since load
 
 

@@ -192,3 +192,21 @@ class HealthPoller:
     def stop(self) -> float:
         out, _ = self.proc.communicate("stop\n", timeout=60)
         return float(out)
+
+
+def save_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a random-weight preset as an HF checkpoint directory (config.json + model.safetensors +
+    tokenizer.json)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from splash.models.preset_configs import PRESETS
+    from splash.models.presets import preset_state_dict
+    from splash.tokenizer import save_byte_tokenizer
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
+    save_file(preset_state_dict(name, seed), str(d / "model.safetensors"))
+    save_byte_tokenizer(d)
+    return d

@@ -13,12 +13,11 @@ import time
 
 import httpx
 import pytest
-from server_util import mpiexec_path, offline_reference, run_server
+from server_util import mpiexec_path, offline_reference, run_server, save_preset
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from splash.models.presets import save_preset  # noqa: E402
 from splash.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")

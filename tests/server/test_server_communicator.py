@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_util import ServerProc, mpiexec_path, offline_reference, write_config
+from server_util import ServerProc, mpiexec_path, offline_reference, save_preset, write_config
 
-from splash.models.presets import save_preset
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
 TOKEN = "comm-admin"

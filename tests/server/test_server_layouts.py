@@ -17,12 +17,11 @@ import threading
 
 import httpx
 import pytest
-from server_util import mpiexec_path, offline_reference, run_server
+from server_util import mpiexec_path, offline_reference, run_server, save_preset
 
 from splash.engine.llm import kv_blocks_per_layout
 from splash.layouts.memory import rank_weight_bytes
 from splash.models.config import load_model_config
-from splash.models.presets import save_preset
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

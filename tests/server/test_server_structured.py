@@ -13,13 +13,12 @@ import threading
 
 import httpx
 import pytest
-from server_util import mpiexec_path, run_server
+from server_util import mpiexec_path, run_server, save_preset
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from splash.models.presets import save_preset  # noqa: E402
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")
 TOKEN = "grammar-admin"

@@ -86,14 +86,6 @@ class TorchMLAKernel:
         per_page = bs * (8 * (d_c + d_r) + g.q * (8 * heads + 1)) + 16
         return max(1, min(g.max_pages, self.scratch_budget // max(1, len(g.reqs) * per_page)))
 
-    def scratch_bound(self, heads: int, d_c: int, d_r: int) -> int:
-        """The most bytes one chunk of this step's plan may allocate (what `chunk_pages` bounds)."""
-        bs, worst = self.meta.block_size, 0
-        for g in self.groups:
-            c = self.chunk_pages(g, heads, d_c, d_r, bs)
-            worst = max(worst, len(g.reqs) * c * (bs * (8 * (d_c + d_r) + g.q * (8 * heads + 1)) + 16))
-        return worst
-
     # ---- per layer ----------------------------------------------------------------------------------------
     def run(self, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
             cache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,11 +65,11 @@ def _signature(pool: str) -> dict[str, str]:
     return sig
 
 
-def row_strides(kv_dtype: str, dc: int, dr: int) -> dict[str, int]:
+def row_strides(kv_dtype: str, dc: int, dr: int) -> tuple[int, int]:
     """The pool's token strides TritonMLAKernel.run passes for a `kv_dtype` layer (splash.kv.paged_cache)."""
     from splash.kv.paged_cache import FUSED_DTYPES
     row = dc + dr if kv_dtype in FUSED_DTYPES else None
-    return dict(ROW_C=row or dc, ROW_R=(row or dr) if dr else 1)
+    return row or dc, (row or dr) if dr else 1
 
 
 def narrow_argument_offsets(ttir: str, args) -> list[str]:
@@ -112,15 +112,9 @@ def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int,
     """Compile `mla_split` for one launch shape over a `pool` format of `page`-token pages; its resources and
     matrix-unit count."""
     from splash.attention.kernels import triton_mla as tm
-    from splash.kv import quant
-    kv_dtype = pool.split("+")[0]
-    bdc = tm.pow2(dc)
-    fmt = tm.FORMATS[kv_dtype]
-    rope_fp8 = pool == ROPE_FP8_POOL
-    const = dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=tm.pow2(dr), BH=bh, BN=tm.BLOCK_N, PAGE=page,
-                 GROUPS=-(-dc // 128), FMT=fmt, ROPE_BF16=kv_dtype != "float32" and not rope_fp8,
-                 HAS_ROPE=dr > 0, NSPLIT=1, DOT_BF16=fmt != 0, GW=min(128, bdc), EMULATED=False,
-                 ROPE_FP8=rope_fp8, ROPE_SCALE=quant.ROPE_FP8_SCALE, **row_strides(kv_dtype, dc, dr))
+    kv_dtype, rope_fp8 = pool.split("+")[0], pool == ROPE_FP8_POOL
+    const = tm.split_constants(kv_dtype, dc, dr, bh, page, 1, kv_dtype != "float32" and not rope_fp8, rope_fp8,
+                               *row_strides(kv_dtype, dc, dr))
     k, row = _compile(target, tm.mla_split, _signature(pool), const, num_warps=warps)
     text = k.asm.get("ptx") or k.asm["amdgcn"]
     return dict(row, kernel="mla_split", kv_dtype=pool, head_block=bh, num_warps=warps, d_c=dc, d_r=dr, page=page,

@@ -166,6 +166,16 @@ def launch_config(vendor: str, heads: int, kv_dtype: str) -> tuple[int, int]:
     return min(cap, pow2(heads)), warps
 
 
+def split_constants(kv_dtype: str, dc: int, dr: int, bh: int, page: int, splits: int, rope_bf16: bool,
+                    rope_fp8: bool, row_c: int, row_r: int) -> dict:
+    """`mla_split`'s compile-time arguments for one launch: what TritonMLAKernel.run passes and triton_aot compiles."""
+    bdc, fmt = pow2(dc), FORMATS[kv_dtype]
+    return dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=BLOCK_N, PAGE=page, GROUPS=quant.num_groups(dc),
+                FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=splits, DOT_BF16=fmt != 0,
+                GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, ROW_C=row_c, ROW_R=row_r, ROPE_FP8=rope_fp8,
+                ROPE_SCALE=quant.ROPE_FP8_SCALE)
+
+
 def split_count(rows: int, heads: int, d_c: int, decode_only: bool, longest_blocks: int, max_splits: int,
                 scratch_bytes: int = ATTN_SCRATCH_BYTES) -> int:
     """Splits of each row's keys. More than one only for a decode-only step whose partials (rows × heads × splits
@@ -206,7 +216,7 @@ class TritonMLAKernel:
         if n == 0:
             return o, lse
         kv_dtype = cache.kv_dtype_of(layer)
-        fmt = FORMATS[kv_dtype]
+        fmt = FORMATS[kv_dtype]   # the operand dtype below: what the AOT check compiles
         ckv = cache.ckv[layer]
         ckv = {1: ckv.view(torch.int16), 2: ckv.view(torch.uint8)}.get(fmt, ckv)
         kpe = cache.kpe[layer] if dr else torch.zeros(1, device=dev)
@@ -216,7 +226,7 @@ class TritonMLAKernel:
         elif rope_fp8:
             kpe = kpe.view(torch.uint8)
         scale = cache.scale[layer] if cache.scale[layer] is not None else torch.zeros(1, device=dev)
-        qdt = torch.float32 if fmt == 0 else torch.bfloat16   # the operand dtype: what the AOT check compiles
+        qdt = torch.float32 if fmt == 0 else torch.bfloat16
         ql = q_latent.to(qdt).contiguous()
         qr = q_rope.to(qdt).contiguous() if dr else torch.zeros(n, h, 1, dtype=qdt, device=dev)
         S = split_count(n, h, dc, self.decode_only, self.blocks, self.max_splits)
@@ -225,14 +235,11 @@ class TritonMLAKernel:
         opart = o if S == 1 else torch.empty(n, h, S, dc, dtype=torch.float32, device=dev)
         lpart = lse if S == 1 else torch.empty(n, h, S, dtype=torch.float32, device=dev)
         bh, warps = launch_config(self.vendor, h, kv_dtype)
-        bdc = pow2(dc)
         mla_split[(n, triton.cdiv(h, bh), S)](
             ql, qr, ckv, kpe, scale, meta.pages, meta.logical, meta.num_pages, meta.row_req, meta.req_rows,
-            meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale,
-            DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=BLOCK_N, PAGE=meta.block_size,
-            GROUPS=quant.num_groups(dc), FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=S,
-            DOT_BF16=fmt != 0, GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, ROW_C=ckv.stride(1),
-            ROW_R=kpe.stride(1) if dr else 1, ROPE_FP8=rope_fp8, ROPE_SCALE=quant.ROPE_FP8_SCALE, num_warps=warps)
+            meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale, num_warps=warps,
+            **split_constants(kv_dtype, dc, dr, bh, meta.block_size, S, rope_bf16, rope_fp8, ckv.stride(1),
+                              kpe.stride(1) if dr else 1))
         if S > 1:
             mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=pow2(dc, 1), NSPLIT=S, BS=pow2(S, 1))
         return o, lse
