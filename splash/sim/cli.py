@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how DP-attn/DOP spend a step's --chunk prefill budget: owner (default): each owner "
                          "with prompt tokens left takes chunk // ranks a step, as SGLang's DP-attention gives each "
                          "DP rank chunked_prefill_size // dp_size (an idle owner's share is not handed on); "
-                         "admission takes it in admission order, as this engine's scheduler does")
+                         "admission takes it in admission order, as this engine's scheduler does (--trace always runs "
+                         "the engine's scheduler, so it ignores this flag)")
     ap.add_argument("--cp-prefill", choices=("split", "partials"), default="split",
                     help="CP prefill: split (default) splits each chunk's rows over the ranks and all-gathers the "
                          "history's latent KV + indexer keys per layer (SGLang's NSA context-parallel prefill); "
