@@ -262,10 +262,10 @@ def test_build_engine_uses_layout_kv_dtypes():
     cfg = serve_config_from_dict({"layout": {"layout": "dop"}, "cache": {
         "layout_kv_dtypes": {"dop": "int8"}, "kv_cache_memory_bytes": "1MiB"}})
     comm = SingleRankCommunicator()
-    built = build_engine(cfg, comm, comm)
-    runner = built.engine.runner
+    engine = build_engine(cfg, comm, comm)
+    runner = engine.runner
     assert runner.kv_dtype == runner.cache.kv_dtype == "int8" and runner.layout_kv_dtypes["tp"] == "float32"
-    assert built.engine.control.kv_dtypes["dop"] == "int8"
+    assert engine.control.kv_dtypes["dop"] == "int8"
 
 
 @pytest.mark.parametrize("on", [False, True])
@@ -276,7 +276,7 @@ def test_build_engine_honours_enable_prefix_caching(on):
 
     cfg = serve_config_from_dict({"cache": {"enable_prefix_caching": on, "kv_cache_memory_bytes": "1MiB"}})
     comm = SingleRankCommunicator()
-    assert build_engine(cfg, comm, comm).engine.ledger.prefix is on
+    assert build_engine(cfg, comm, comm).ledger.prefix is on
 
 
 def test_gpu_page_size_is_one_the_kernels_were_compiled_for():
