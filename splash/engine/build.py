@@ -134,11 +134,11 @@ class EngineArgs:
 
 
 class BuildStep(ValueError):
-    """A build step that failed, named: "model", "kv_dtypes", "pool", "runner" or "engine"."""
+    """A ValueError from one build step: "model", "pool", "runner" (`layout`: the one built) or "engine"."""
 
-    def __init__(self, step: str, error: ValueError, layout: str | None = None):
-        super().__init__(str(error))
-        self.step, self.layout = step, layout   # layout: the one being built
+    def __init__(self, step: str, message: str, layout: str | None = None):
+        super().__init__(message)
+        self.step, self.layout = step, layout
 
 
 @contextmanager
@@ -146,9 +146,7 @@ def _step(name: str, strict: bool, layout: str | None = None):
     try:
         yield
     except ValueError as e:
-        if not strict:
-            raise
-        raise BuildStep(name, e, layout) from e
+        raise BuildStep(name, str(e), layout) if strict else e
 
 
 def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *, kv_budget: Callable[[Any], int] | None = None,
@@ -162,14 +160,12 @@ def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *, kv_budge
     to word."""
     with _step("model", strict):
         mcfg, get = load_model(args.model, args.preset, DTYPES[args.dtype], args.seed, args.quantization)
-    with _step("kv_dtypes", strict):
-        kv_dtypes = args.kv_dtypes()
     blocks: int | dict[str, int] = args.num_kv_blocks or args.kv_blocks(
         mcfg, comm.size, kv_budget(mcfg) if kv_budget else args.kv_cache_memory_bytes,
         kv_rope_fp8(args.attention_backend, args.device))
     physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
     if strict and physical < 1:
-        raise BuildStep("pool", ValueError("the KV budget holds no KV page"))
+        raise BuildStep("pool", "the KV budget holds no KV page")
     layout = args.initial_layout(comm.size, mcfg.num_attention_heads)
     with loading(len(expected_shapes(mcfg))) if loading else nullcontext(lambda: None) as advance:
         def counted(tensor: str) -> Any:   # each tensor read moves the progress bar
@@ -178,7 +174,7 @@ def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *, kv_budge
             return out
         with _step("runner", strict, layout):
             runner = ModelRunner(mcfg, counted, comm, layout, args.kv_cache_dtype, args.block_size, physical,
-                                 DTYPES[args.dtype], kv_dtypes, args.attention_backend, device=args.device,
+                                 DTYPES[args.dtype], args.kv_dtypes(), args.attention_backend, device=args.device,
                                  streams=streams)
     with _step("engine", strict):
         engine = Engine(runner, step_comm or comm, blocks, args.max_num_seqs, args.max_num_batched_tokens,

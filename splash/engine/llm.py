@@ -37,6 +37,25 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def on_rank0(comm, engine, fn):
+    """Run `fn()` on rank 0 while the other ranks follow `engine`; every rank returns its result (or raises
+    its exception). `fn` drives `engine.step()`; the engine is stopped on rank 0 whatever happens."""
+    if comm.rank != 0:
+        engine.follow()
+        res = comm.broadcast_obj(None)
+    else:
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 — the followers fail the same way instead of waiting forever
+            res = e
+        finally:
+            engine.stop()
+        res = comm.broadcast_obj(res)
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
 class LLM:
     def __init__(self, model: str | None = None, preset: str | None = None, *, comm=None, **kwargs):
         """`kwargs` are `EngineArgs`' (splash.engine.build: vLLM's names); with a pinned `layout` the engine
@@ -56,20 +75,7 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Every rank calls this with the same arguments; every rank returns the same outputs (or raises the
         same error)."""
-        if self.comm.rank != 0:
-            self.engine.follow()
-            result = self.comm.broadcast_obj(None)
-        else:
-            try:
-                result = self._drive(prompts, params or SamplingParams())
-            except Exception as e:  # let the followers fail the same way instead of waiting forever
-                result = e
-            finally:
-                self.engine.stop()
-            result = self.comm.broadcast_obj(result)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return on_rank0(self.comm, self.engine, lambda: self._drive(prompts, params or SamplingParams()))
 
     def _drive(self, prompts, params) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -193,7 +193,6 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     except BuildStep as e:   # worded for the config's fields
         raise ConfigError({
             "model": f"field 'model.preset': {e}",
-            "kv_dtypes": f"cache.{e}",   # names cache.kv_cache_dtype or cache.layout_kv_dtypes
             "pool": "the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it",
             "runner": f"cannot build layout {e.layout!r} on {comm.size} rank(s): {e}",
             "engine": f"field {'layout.hardware_profile' if 'profile' in str(e) else 'layout.allowed_layouts'!r}: {e}",
