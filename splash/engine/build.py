@@ -34,12 +34,6 @@ def load_model(model: str | None, preset: str | None, dtype: torch.dtype, seed: 
     return preset_config(name), quantizing_getter(preset_getter(name, seed, dtype), quantization, dtype)
 
 
-def pool_kv_dtype(cfg, kv_dtypes) -> str:
-    """The widest of the layouts' KV dtypes: the pool is sized in it, so every layout's format fits the budget
-    with the same block count (a narrower layout leaves bytes spare)."""
-    return max(dict.fromkeys(kv_dtypes), key=lambda d: kv_block_bytes(cfg, d, 1))
-
-
 def kv_blocks_per_layout(cfg, world: int, kv_dtype: str, block_size: int, budget_bytes: int,
                          weight_bytes: int, layouts=LAYOUT_NAMES, weight_quant: str | None = None,
                          state_requests: int = 0, rope_fp8: bool = False) -> dict[str, int]:
@@ -66,15 +60,12 @@ def hybrid_states(cfg, max_num_seqs: int, prefix_caching: bool) -> int:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """What an engine is built from. `layout` pins a layout (the engine stays there unless `engine.request_layout`
-    moves it) or is "auto": start in TP (DP-attn when the world does not divide the heads) and let the cost-model
-    scheduler on `hardware_profile` switch among `allowed_layouts`. `layout_kv_dtypes` gives a layout its own KV
-    dtype (e.g. {"dop": "fp8_e4m3"}); the others use `kv_cache_dtype`. The pool is sized in the widest of them and
-    keeps its block count on a switch: `num_kv_blocks` pages per rank, else as many as `kv_cache_memory_bytes` per
-    rank holds in each layout. `quantization` ("fp8" | "int8", vLLM's name) quantises a plain checkpoint's linear
-    weights at load; FP8 and INT8 checkpoints stay quantised without it (splash.models.qweight).
-    `attention_backend` names the MLA attention kernel (splash.attention.kernels: torch or triton). `device` is
-    where every tensor of the engine lives (a backend's device, e.g. "cuda:0")."""
+    """What an engine is built from. `layout` pins one or is "auto": start in TP (DP-attn when the world does not
+    divide the heads) and let the cost model on `hardware_profile` switch among `allowed_layouts`.
+    `layout_kv_dtypes` gives a layout its own KV dtype (e.g. {"dop": "fp8_e4m3"}), the others use `kv_cache_dtype`;
+    the pool, sized in the widest, is `num_kv_blocks` pages per rank, else what `kv_cache_memory_bytes` per rank
+    holds. `quantization` ("fp8" | "int8") quantises a plain checkpoint's linear weights at load (splash.models.
+    qweight). `attention_backend`: splash.attention.kernels; `device`: where the engine's tensors live."""
     model: str | None = None
     preset: str | None = None
     dtype: str = "float32"
@@ -121,7 +112,9 @@ class EngineArgs:
         return resolve_layout_kv_dtypes(self.kv_cache_dtype, self.layout_kv_dtypes)
 
     def pool_kv_dtype(self, mcfg) -> str:
-        return pool_kv_dtype(mcfg, self.kv_dtypes().values())
+        """The widest of the layouts' KV dtypes: the pool is sized in it, so every layout's format fits the budget
+        with the same block count (a narrower layout leaves bytes spare)."""
+        return max(dict.fromkeys(self.kv_dtypes().values()), key=lambda d: kv_block_bytes(mcfg, d, 1))
 
     def weight_quant(self, mcfg) -> str | None:
         return self.quantization or mcfg.quantization
@@ -149,19 +142,18 @@ def _step(name: str, strict: bool, layout: str | None = None):
         raise BuildStep(name, str(e), layout) if strict else e
 
 
-def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *, kv_budget: Callable[[Any], int] | None = None,
+def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *,
+                 kv_budget: Callable[[Any], int | None] | None = None,
                  loading: Callable[[int], ContextManager[Callable[[], None]]] | None = None, streams: Any = None,
                  strict: bool = False) -> Engine:
-    """This rank's model, ModelRunner and Engine. `step_comm` carries the step plans (default `comm`);
-    `kv_budget(model_cfg)` is the per-rank KV budget in bytes (default `args.kv_cache_memory_bytes`);
-    `loading(tensors)` yields an `advance()` called per tensor read; `streams` run switch transfers
-    (backends.base). `strict` (splash-serve): a pool without a page is refused before the weights load (without it
-    each request is refused as too long), and a ValueError comes as a `BuildStep` naming the step, for the caller
-    to word."""
+    """This rank's Engine. `step_comm` carries step plans (default `comm`); `kv_budget(model_cfg)`: the KV bytes
+    per rank (None: `args.kv_cache_memory_bytes`); `loading(tensors)` yields an `advance()` per tensor read;
+    `streams` run switch transfers (backends.base). `strict` (splash-serve): a pool without a page is refused before
+    the weights load, and a ValueError comes as a `BuildStep` for the caller to word."""
     with _step("model", strict):
         mcfg, get = load_model(args.model, args.preset, DTYPES[args.dtype], args.seed, args.quantization)
     blocks: int | dict[str, int] = args.num_kv_blocks or args.kv_blocks(
-        mcfg, comm.size, kv_budget(mcfg) if kv_budget else args.kv_cache_memory_bytes,
+        mcfg, comm.size, (kv_budget and kv_budget(mcfg)) or args.kv_cache_memory_bytes,
         kv_rope_fp8(args.attention_backend, args.device))
     physical = max(blocks.values()) if isinstance(blocks, dict) else blocks
     if strict and physical < 1:

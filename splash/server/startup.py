@@ -10,8 +10,6 @@ from typing import Any, Callable
 from splash.config.serve_config import ServeConfig
 from splash.errors import ConfigError
 
-DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
-
 
 def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
     """``fn()`` on this rank; a ConfigError on *every* rank if it raised on any (an exception other than
@@ -137,26 +135,22 @@ def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in
     from splash.layouts.device_budget import device_memory_budget
     from splash.layouts.layout import rank_attention
 
-    c, s, args = cfg.cache, cfg.scheduler, engine_args(cfg)
-    allowed = args.allowed_layouts
+    a, lays = engine_args(cfg), cfg.layout.allowed_layouts
     workspaces = backends.attention_workspace_bytes(
-        cfg.attention_backend, rank_attention(allowed, mcfg.num_attention_heads, world, args.kv_dtypes()),
-        min(s.max_num_seqs, s.max_num_batched_tokens), arch, (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim),
-        cfg.block_size)
-    return device_memory_budget(mcfg, world, device_bytes, c.gpu_memory_utilization, weight_bytes,
-                                args.pool_kv_dtype(mcfg), cfg.block_size, s.max_num_batched_tokens, s.max_num_seqs,
-                                in_use_bytes=in_use_bytes, layouts=allowed, weight_quant=args.weight_quant(mcfg),
-                                attention_workspace_bytes=workspaces,
-                                rope_fp8=rope_fp8_pool(cfg.attention_backend, arch))
+        a.attention_backend, rank_attention(lays, mcfg.num_attention_heads, world, a.kv_dtypes()),
+        min(a.max_num_seqs, a.max_num_batched_tokens), arch, (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim), a.block_size)
+    return device_memory_budget(mcfg, world, device_bytes, cfg.cache.gpu_memory_utilization, weight_bytes,
+                                a.pool_kv_dtype(mcfg), a.block_size, a.max_num_batched_tokens, a.max_num_seqs,
+                                in_use_bytes=in_use_bytes, layouts=tuple(lays), weight_quant=a.weight_quant(mcfg),
+                                attention_workspace_bytes=workspaces, rope_fp8=rope_fp8_pool(a.attention_backend, arch))
 
 
-def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int:
-    """Per-rank KV budget: cache.kv_cache_memory_bytes, else on a GPU the device budget from its measured
-    memory, else the cpu default."""
-    c = cfg.cache
+def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int | None:
+    """Per-rank KV budget on a GPU when cache.kv_cache_memory_bytes is unset: the device budget from its measured
+    memory (None elsewhere: the engine takes cache.kv_cache_memory_bytes or its default)."""
     info = backend.memory_info() if backend is not None else None
-    if c.kv_cache_memory_bytes or info is None:
-        return c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+    if cfg.cache.kv_cache_memory_bytes or info is None:
+        return None
     from splash.attention.kernels import device_arch
 
     free, total = info
@@ -173,7 +167,7 @@ def engine_args(cfg: ServeConfig, device: str = "cpu") -> Any:
 
     m, c, s, lay = cfg.model, cfg.cache, cfg.scheduler, cfg.layout
     return EngineArgs(m.model, m.preset, cfg.compute_dtype, lay.layout, cfg.kv_dtype, cfg.block_size, c.num_kv_blocks,
-                      c.kv_cache_memory_bytes or DEFAULT_KV_BYTES, s.max_num_seqs, s.max_num_batched_tokens,
+                      c.kv_cache_memory_bytes or EngineArgs.kv_cache_memory_bytes, s.max_num_seqs, s.max_num_batched_tokens,
                       s.preemption_mode, m.max_model_len, m.seed, lay.switch_mode, c.layout_kv_dtypes, m.quantization,
                       cfg.attention_backend, tuple(lay.allowed_layouts), cfg.hardware_profile, lay.switch_margin,
                       device, c.enable_prefix_caching, s.enable_chunked_prefill)
