@@ -39,9 +39,7 @@ def build_llm(args, comm, layout: str, blocks: int):
     from splash.engine.llm import LLM
 
     args = dataclasses.replace(args, layout=layout, num_kv_blocks=args.num_kv_blocks or blocks)
-    llm = LLM(comm=comm, **dataclasses.asdict(args))
-    llm.engine.request_layout(layout)
-    return llm
+    return LLM(comm=comm, **dataclasses.asdict(args))
 
 
 def layout_unavailable(llm, layout: str) -> str | None:

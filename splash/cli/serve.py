@@ -106,7 +106,6 @@ def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, admin_to
 
     mcfg = engine.runner.cfg
     startup.quiet_decision_log(cfg)
-    engine.request_layout(cfg.layout.layout)   # a pinned layout, or auto
     tokenizer = load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
                                                     mcfg.model_type, tokenizer.chat_template)

@@ -65,11 +65,8 @@ class LLM:
             from splash.distributed import init_dist
             comm = init_dist().comm
         self.comm = comm
-        pinned = args.layout != "auto"
-        self.engine = build_engine(replace(args, hardware_profile=None) if pinned else args, comm)
+        self.engine = build_engine(args if args.layout == "auto" else replace(args, hardware_profile=None), comm)
         self.runner, self.cfg = self.engine.runner, self.engine.runner.cfg
-        if pinned:
-            self.engine.request_layout(args.layout)
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
