@@ -169,10 +169,10 @@ def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *,
                                  DTYPES[args.dtype], args.kv_dtypes(), args.attention_backend, device=args.device,
                                  streams=streams)
     with _step("engine", strict):
-        engine = Engine(runner, step_comm or comm, blocks, args.max_num_seqs, args.max_num_batched_tokens,
-                        args.preemption_mode, args.max_model_len, args.switch_mode, tuple(args.allowed_layouts),
-                        hardware_profile=args.hardware_profile, switch_margin=args.switch_margin,
-                        enable_prefix_caching=args.enable_prefix_caching)
+        engine = Engine(runner, comm if step_comm is None else step_comm, blocks, args.max_num_seqs,
+                        args.max_num_batched_tokens, args.preemption_mode, args.max_model_len, args.switch_mode,
+                        tuple(args.allowed_layouts), hardware_profile=args.hardware_profile,
+                        switch_margin=args.switch_margin, enable_prefix_caching=args.enable_prefix_caching)
         engine.request_layout(args.layout)   # a pinned layout stays unless request_layout moves it; or auto
     engine.scheduler.chunked_prefill = args.enable_chunked_prefill
     return engine

@@ -166,11 +166,16 @@ def engine_args(cfg: ServeConfig, device: str = "cpu") -> Any:
     from splash.engine.build import EngineArgs
 
     m, c, s, lay = cfg.model, cfg.cache, cfg.scheduler, cfg.layout
-    return EngineArgs(m.model, m.preset, cfg.compute_dtype, lay.layout, cfg.kv_dtype, cfg.block_size, c.num_kv_blocks,
-                      c.kv_cache_memory_bytes or EngineArgs.kv_cache_memory_bytes, s.max_num_seqs, s.max_num_batched_tokens,
-                      s.preemption_mode, m.max_model_len, m.seed, lay.switch_mode, c.layout_kv_dtypes, m.quantization,
-                      cfg.attention_backend, tuple(lay.allowed_layouts), cfg.hardware_profile, lay.switch_margin,
-                      device, c.enable_prefix_caching, s.enable_chunked_prefill)
+    return EngineArgs(
+        m.model, m.preset, dtype=cfg.compute_dtype, seed=m.seed, quantization=m.quantization,
+        max_model_len=m.max_model_len, layout=lay.layout, allowed_layouts=tuple(lay.allowed_layouts),
+        switch_mode=lay.switch_mode, switch_margin=lay.switch_margin, hardware_profile=cfg.hardware_profile,
+        kv_cache_dtype=cfg.kv_dtype, layout_kv_dtypes=c.layout_kv_dtypes, block_size=cfg.block_size,
+        num_kv_blocks=c.num_kv_blocks, enable_prefix_caching=c.enable_prefix_caching,
+        kv_cache_memory_bytes=c.kv_cache_memory_bytes or EngineArgs.kv_cache_memory_bytes,   # its cpu default
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        preemption_mode=s.preemption_mode, enable_chunked_prefill=s.enable_chunked_prefill,
+        attention_backend=cfg.attention_backend, device=device)
 
 
 def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None, backend: Any = None) -> Any:
