@@ -270,3 +270,27 @@ def test_load_targets_loopback_only():
     for url in ("http://10.0.0.1:8000", "http://example.com"):
         with pytest.raises(SystemExit, match="only targets loopback"):
             check_loopback(url)
+
+
+def test_sweep_runs_the_engine_its_serving_config_describes():
+    """splash-bench sweep builds the engine splash-serve builds from the same config (splash.server.startup.
+    engine_args: prefix caching, sequence limit, allowed layouts...), pinned in the layout measured, and records
+    those settings in the result as JSON that compares equal on --resume."""
+    from types import SimpleNamespace
+
+    from splash.bench.driver import build_llm
+    from splash.bench.sweep import sweep_config
+    from splash.config.serve_config import ServeConfig, apply_overrides
+    from splash.distributed.communicator import SingleRankCommunicator
+    from splash.server.startup import engine_args
+
+    cfg = apply_overrides(ServeConfig(), {"enable_prefix_caching": False, "max_num_seqs": 5,
+                                          "allowed_layouts": ["tp", "dop"]})
+    eng = build_llm(engine_args(cfg), SingleRankCommunicator(), "dop", 64).engine
+    assert (eng.layout, eng.ledger.prefix, eng.scheduler.max_num_seqs, eng.auto) == ("dop", False, 5, None)
+    with pytest.raises(ValueError):
+        eng.request_layout("cp")   # not an allowed layout of this config
+    axes = SimpleNamespace(layouts=["dop"], input_lens=[16], batch_sizes=[1], output_len=4, warmup=0, repeats=1,
+                           seed=0)
+    rec = sweep_config(axes, engine_args(cfg), 1, 1)["engine"]
+    assert json.loads(json.dumps(rec)) == rec and rec["enable_prefix_caching"] is False

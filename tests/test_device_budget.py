@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from splash.engine.llm import kv_blocks_per_layout
+from splash.engine.build import kv_blocks_per_layout
 from splash.layouts.device_budget import device_memory_budget
 from splash.layouts.memory import common_bytes, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank
 from splash.sim.presets import load_sim_model

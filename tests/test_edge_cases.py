@@ -15,7 +15,7 @@ from splash.config.serve_config import ServeConfig, apply_overrides
 from splash.distributed.communicator import SingleRankCommunicator
 from splash.engine.engine import Engine
 from splash.models.presets import preset_config
-from splash.server.startup import build_engine, initial_layout
+from splash.server.startup import build_engine, engine_args
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
@@ -51,13 +51,13 @@ def test_repin_after_deferral_then_auto_then_pin():
 
 def test_auto_initial_layout_skips_head_sharded_layouts_that_do_not_divide():
     cfg = ServeConfig()
-    assert initial_layout(cfg) == "tp"
-    assert initial_layout(cfg, 4, 8) == "tp"
-    assert initial_layout(cfg, 3, 8) == "dp_attn"
+    assert engine_args(cfg).initial_layout() == "tp"
+    assert engine_args(cfg).initial_layout(4, 8) == "tp"
+    assert engine_args(cfg).initial_layout(3, 8) == "dp_attn"
     only = apply_overrides(cfg, {"allowed_layouts": ["dop", "cp"]})
-    assert initial_layout(only, 3, 8) == "cp" and initial_layout(only, 2, 8) == "dop"
+    assert engine_args(only).initial_layout(3, 8) == "cp" and engine_args(only).initial_layout(2, 8) == "dop"
     pinned = apply_overrides(cfg, {"layout": "tp"})
-    assert initial_layout(pinned, 3, 8) == "tp"   # a pinned layout is kept (and then fails clearly)
+    assert engine_args(pinned).initial_layout(3, 8) == "tp"   # a pinned layout is kept (and then fails clearly)
 
 
 class _ThreeRanks(SingleRankCommunicator):
@@ -68,8 +68,8 @@ def test_auto_server_engine_builds_on_three_ranks_with_eight_heads(tiny_ckpt):
     ckpt = tiny_ckpt("div3", intermediate_size=96, moe_intermediate_size=48)   # FFN shards over 3, heads do not
     comm = _ThreeRanks()
     cfg = apply_overrides(ServeConfig(), {"model": str(ckpt), "kv_cache_memory_bytes": 1 << 20})
-    built = build_engine(cfg, comm, comm)
-    assert built.engine.layout == "dp_attn"
+    engine = build_engine(cfg, comm, comm)
+    assert engine.layout == "dp_attn"
     from splash.errors import ConfigError
     with pytest.raises(ConfigError, match="tp"):
         build_engine(apply_overrides(cfg, {"layout": "tp"}), comm, comm)
@@ -88,5 +88,5 @@ def test_budget_with_no_page_in_an_allowed_layout_fails_at_startup():
                                           "kv_cache_dtype": "fp8_e4m3", "block_size": 4})
     with pytest.raises(ConfigError, match=r"cache\.kv_cache_memory_bytes.*'dp_attn'.*allowed_layouts"):
         build_engine(cfg, comm, comm)
-    built = build_engine(apply_overrides(cfg, {"allowed_layouts": ["tp", "dop"]}), comm, comm)
-    assert built.engine.max_model_len > 1 and built.engine.layout == "dop"
+    engine = build_engine(apply_overrides(cfg, {"allowed_layouts": ["tp", "dop"]}), comm, comm)
+    assert engine.max_model_len > 1 and engine.layout == "dop"

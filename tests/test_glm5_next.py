@@ -178,7 +178,7 @@ def test_state_snapshot_is_the_state_of_its_tokens(glm5, comm):
     """A prefix-cache snapshot taken inside a prefill piece is the KDA state of exactly the tokens before its
     boundary (what a later request computing only those tokens holds), is restored as a copy, goes when dropped, and
     the budget reserves one slot per running request for snapshots when the cache is on."""
-    from splash.engine.llm import hybrid_states
+    from splash.engine.build import hybrid_states
     from splash.layouts.memory import recurrent_state_bytes
     from splash.kv.recurrent import SnapshotPoint
 

@@ -121,7 +121,7 @@ def test_sm90_capacity_is_the_pools_real_bytes(monkeypatch):
     the budget's block is the bytes that pool really allocates, start sizes the pool with it, and --check
     prints that capacity. Off SM90 the rope key stays bf16, and so does the count."""
     from splash.attention import kernels
-    from splash.engine.llm import kv_blocks_per_layout
+    from splash.engine.build import kv_blocks_per_layout
     from splash.kv.paged_cache import PagedLatentCache
     from splash.layouts.memory import kv_block_bytes
     from splash.server import startup

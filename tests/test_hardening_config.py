@@ -135,7 +135,7 @@ def test_chunked_prefill_off_never_splits_a_prompt():
 
 def test_one_kv_capacity_model():
     """The engine's per-layout KV blocks come from the memory model's capacity function."""
-    from splash.engine.llm import kv_blocks_per_layout
+    from splash.engine.build import kv_blocks_per_layout
     from splash.layouts.memory import common_params, kv_block_bytes, kv_capacity_tokens, projection_bytes_per_rank
     from splash.models.presets import preset_config
 

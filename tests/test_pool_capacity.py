@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from splash.distributed.communicator import SingleRankCommunicator
-from splash.engine.llm import LLM, kv_blocks_per_layout
+from splash.engine.build import kv_blocks_per_layout
+from splash.engine.llm import LLM
 from splash.kv.paged_cache import PagedLatentCache
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer, projection_bytes_per_rank
 from splash.models.presets import preset_config
@@ -72,10 +73,10 @@ def test_switch_plans_headroom_and_cost_model_count_the_pools_bytes(monkeypatch)
     the pool holds — not a bf16 rope key's."""
     from splash.attention import kernels
     from splash.costmodel.step_cost import RowLoad
-    from splash.engine import llm as llm_module
+    from splash.engine import build as build_module
     from splash.switching.manifest import ReqState
     monkeypatch.setattr(kernels, "kv_rope_fp8", lambda name, device: True)
-    monkeypatch.setattr(llm_module, "kv_rope_fp8", lambda name, device: True)
+    monkeypatch.setattr(build_module, "kv_rope_fp8", lambda name, device: True)
     llm = LLM(preset="tiny-mla", layout="auto", kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=1 << 20,
               comm=SingleRankCommunicator())
     pool, eng, bs = llm.runner.cache, llm.engine, llm.runner.block_size

@@ -262,10 +262,10 @@ def test_build_engine_uses_layout_kv_dtypes():
     cfg = serve_config_from_dict({"layout": {"layout": "dop"}, "cache": {
         "layout_kv_dtypes": {"dop": "int8"}, "kv_cache_memory_bytes": "1MiB"}})
     comm = SingleRankCommunicator()
-    built = build_engine(cfg, comm, comm)
-    runner = built.engine.runner
+    engine = build_engine(cfg, comm, comm)
+    runner = engine.runner
     assert runner.kv_dtype == runner.cache.kv_dtype == "int8" and runner.layout_kv_dtypes["tp"] == "float32"
-    assert built.engine.control.kv_dtypes["dop"] == "int8"
+    assert engine.control.kv_dtypes["dop"] == "int8"
 
 
 @pytest.mark.parametrize("on", [False, True])
@@ -276,7 +276,38 @@ def test_build_engine_honours_enable_prefix_caching(on):
 
     cfg = serve_config_from_dict({"cache": {"enable_prefix_caching": on, "kv_cache_memory_bytes": "1MiB"}})
     comm = SingleRankCommunicator()
-    assert build_engine(cfg, comm, comm).engine.ledger.prefix is on
+    assert build_engine(cfg, comm, comm).ledger.prefix is on
+
+
+class _TwoRanks:
+    """A world of two for building one rank's engine: only the size matters, building needs no collective."""
+    size, rank = 2, 0
+
+
+def test_serve_check_and_the_offline_llm_size_and_build_one_engine():
+    """splash-serve, --check and LLM take their engine from one recipe (splash.engine.build): the same config gives
+    the same per-layout pool, start layout, KV dtypes and scheduler settings, and --check prints that pool."""
+    from splash.cli import check
+    from splash.engine.llm import LLM
+    from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS
+    from splash.layouts.ownership import distinct_kv_tokens
+    from splash.server.startup import build_engine, engine_args
+
+    cfg = apply_overrides(ServeConfig(), {"kv_cache_memory_bytes": 1 << 20, "world_size": 2, "block_size": 8,
+                                          "layout_kv_dtypes": {"dop": "int8"}, "enable_prefix_caching": False,
+                                          "max_num_seqs": 7, "allowed_layouts": ["tp", "dp_attn", "dop"]})
+    served = build_engine(cfg, _TwoRanks(), _TwoRanks())
+    offline = LLM(comm=_TwoRanks(), **dataclasses.asdict(engine_args(cfg))).engine
+    caps = {lay: served.ledger.cap(lay) for lay in LAYOUTS}
+    assert caps["dop"] == caps["tp"] > caps["dp_attn"] > 0   # replicated projections take KV room
+    for e in (served, offline):
+        assert {lay: e.ledger.cap(lay) for lay in LAYOUTS} == caps
+        assert (e.layout, e.max_model_len, e.ledger.prefix, e.scheduler.max_num_seqs) == ("tp", caps["dp_attn"] * 8,
+                                                                                          False, 7)
+        assert e.runner.layout_kv_dtypes == {**dict.fromkeys(LAYOUTS, "float32"), "dop": "int8"}
+    kv_line = next(line for line in check.report(cfg)[0] if line.startswith("KV "))
+    assert kv_line.endswith(", ".join(f"{lay} {distinct_kv_tokens(lay, served.ledger.cap(lay), 8, 2):,}"
+                                      for lay in cfg.layout.allowed_layouts))
 
 
 def test_gpu_page_size_is_one_the_kernels_were_compiled_for():

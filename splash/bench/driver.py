@@ -10,48 +10,21 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from splash.engine.llm import on_rank0
 from splash.engine.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """What the sweep takes from a serving config (splash.config.serve_config.ServeConfig)."""
-    model: str | None
-    preset: str
-    dtype: str
-    kv_cache_dtype: str
-    layout_kv_dtypes: dict | None
-    block_size: int
-    num_kv_blocks: int | None
-    max_model_len: int | None
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    preemption_mode: str
-    switch_mode: str
-    seed: int
-    backend: str
-
-    @classmethod
-    def from_config(cls, cfg) -> "EngineSettings":
-        c, s = cfg.cache, cfg.scheduler
-        return cls(cfg.model.model, cfg.model.preset, cfg.compute_dtype, cfg.kv_dtype, c.layout_kv_dtypes,
-                   cfg.block_size, c.num_kv_blocks, cfg.model.max_model_len, s.max_num_seqs,
-                   s.max_num_batched_tokens, s.preemption_mode,
-                   cfg.layout.switch_mode, cfg.model.seed, cfg.parallel.backend)
-
-    def model_name(self) -> str:
-        return os.path.basename(self.model.rstrip("/")) if self.model else self.preset
-
-    def describe_model(self, mcfg) -> dict[str, Any]:
-        return {"name": self.model_name(), "source": self.model or f"preset {self.preset}",
-                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
-                "layout_kv_dtypes": self.layout_kv_dtypes, "block_size": self.block_size,
-                "num_hidden_layers": mcfg.num_hidden_layers, "hidden_size": mcfg.hidden_size,
-                "num_attention_heads": mcfg.num_attention_heads, "kv_lora_rank": mcfg.kv_lora_rank,
-                "qk_rope_head_dim": mcfg.qk_rope_head_dim, "vocab_size": mcfg.vocab_size}
+def describe_model(args, mcfg) -> dict[str, Any]:
+    """The model a sweep ran (`args`: its splash.engine.build.EngineArgs), for the result's environment."""
+    return {"name": os.path.basename(args.model.rstrip("/")) if args.model else args.preset,
+            "source": args.model or f"preset {args.preset}", "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype, "layout_kv_dtypes": args.layout_kv_dtypes,
+            "block_size": args.block_size, "num_hidden_layers": mcfg.num_hidden_layers,
+            "hidden_size": mcfg.hidden_size, "num_attention_heads": mcfg.num_attention_heads,
+            "kv_lora_rank": mcfg.kv_lora_rank, "qk_rope_head_dim": mcfg.qk_rope_head_dim,
+            "vocab_size": mcfg.vocab_size}
 
 
 def pool_blocks(max_batch: int, max_tokens: int, block_size: int) -> int:
@@ -60,14 +33,13 @@ def pool_blocks(max_batch: int, max_tokens: int, block_size: int) -> int:
     return max_batch * (-(-max_tokens // block_size) + 1) + 8
 
 
-def build_llm(st: EngineSettings, comm, layout: str, blocks: int):
-    """The LLM on this rank, started in `layout` and pinned there (no automatic switching)."""
+def build_llm(args, comm, layout: str, blocks: int):
+    """The LLM of `args` (splash.engine.build.EngineArgs) on this rank, started in `layout` and pinned there (no
+    automatic switching), with `blocks` KV pages unless `args` gives a count."""
     from splash.engine.llm import LLM
 
-    kw = {k: v for k, v in dataclasses.asdict(st).items() if k != "backend"}   # the rest are LLM's own names
-    llm = LLM(**{**kw, "num_kv_blocks": st.num_kv_blocks or blocks}, layout=layout, comm=comm)
-    llm.engine.request_layout(layout)
-    return llm
+    args = dataclasses.replace(args, layout=layout, num_kv_blocks=args.num_kv_blocks or blocks)
+    return LLM(comm=comm, **dataclasses.asdict(args))
 
 
 def layout_unavailable(llm, layout: str) -> str | None:
@@ -79,25 +51,6 @@ def layout_unavailable(llm, layout: str) -> str | None:
     finally:
         llm.engine.control.request(llm.engine.layout)
     return None
-
-
-def on_rank0(comm, engine, fn):
-    """Run `fn()` on rank 0 while the other ranks follow `engine`; every rank returns its result (or raises
-    its exception). `fn` drives `engine.step()`; the engine is stopped on rank 0 whatever happens."""
-    if comm.rank != 0:
-        engine.follow()
-        res = comm.broadcast_obj(None)
-    else:
-        try:
-            res = fn()
-        except Exception as e:  # noqa: BLE001 — the followers fail the same way instead of waiting forever
-            res = e
-        finally:
-            engine.stop()
-        res = comm.broadcast_obj(res)
-    if isinstance(res, Exception):
-        raise res
-    return res
 
 
 def switch_to(llm, comm, layout: str) -> None:

@@ -70,12 +70,13 @@ def serve_config(args):
     return apply_overrides(cfg, over, "splash-bench sweep flags") if over else cfg
 
 
-def sweep_config(args, settings, ranks: int, threads: int) -> dict:
+def sweep_config(args, engine_args, ranks: int, threads: int) -> dict:
     import dataclasses
+    engine = {**dataclasses.asdict(engine_args), "allowed_layouts": list(engine_args.allowed_layouts)}   # as JSON
     return {"layouts": list(args.layouts), "input_lens": list(args.input_lens),
             "batch_sizes": list(args.batch_sizes), "output_len": args.output_len, "warmup": args.warmup,
             "repeats": args.repeats, "seed": args.seed, "ranks": ranks, "threads_per_rank": threads,
-            "engine": dataclasses.asdict(settings)}
+            "engine": engine}
 
 
 def _check_args(args) -> None:
@@ -157,11 +158,12 @@ def run(args) -> int:
 
 
 def _sweep(args, cfg, ctx) -> int:
-    from splash.bench.driver import EngineSettings, pool_blocks
+    from splash.bench.driver import describe_model, pool_blocks
     from splash.distributed.launch import set_threads
+    from splash.server.startup import engine_args
 
     comm, threads = ctx.comm, set_threads(ctx)
-    st = EngineSettings.from_config(cfg)
+    st = engine_args(cfg)   # the engine splash-serve builds from this config
     config = sweep_config(args, st, comm.size, threads)
     doc, err = None, None   # a bad --resume file fails before the model loads
     if comm.rank == 0:
@@ -177,7 +179,7 @@ def _sweep(args, cfg, ctx) -> int:
     except ValueError as e:  # the same on every rank (model and world size do not fit)
         return _error(comm, e)
     if comm.rank == 0 and doc is None:
-        env = R.environment(backend=st.backend, ranks=comm.size, model=st.describe_model(llm.cfg))
+        env = R.environment(backend=cfg.parallel.backend, ranks=comm.size, model=describe_model(st, llm.cfg))
         env["threads_per_rank"] = threads
         doc = R.new_result("sweep", env, config, getattr(args, "argv", None))
     from splash.bench.show import sweep_tables

@@ -13,7 +13,6 @@ from typing import Any
 from splash.errors import ConfigError
 
 GIB = 1 << 30
-_WEIGHT_BYTES = {"float32": 4, "bfloat16": 2}
 _SIM_QUANT = {"fp8_e4m3": "fp8", "int8": "int8"}   # a sim preset's weight dtype -> the memory model's weight_quant
 
 
@@ -82,18 +81,14 @@ def _world(cfg, profile) -> tuple[int, str]:
 
 def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
     from splash.attention.kernels import rope_fp8_pool
-    from splash.engine.llm import kv_blocks_per_layout, pool_kv_dtype
-    from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.ownership import distinct_kv_tokens
-    from splash.server.startup import DEFAULT_KV_BYTES, device_budget
+    from splash.server.startup import device_budget, engine_args
 
-    c = cfg.cache
-    kv = pool_kv_dtype(mcfg, resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes).values())
-    wq = cfg.model.quantization or mcfg.quantization
-    wbytes = 1 if wq else _WEIGHT_BYTES[cfg.compute_dtype]
+    c, args = cfg.cache, engine_args(cfg)   # start sizes the pool from the same settings (splash.engine.build)
+    kv = args.pool_kv_dtype(mcfg)
     arch = profile.device_arch if profile is not None and cfg.parallel.backend != "cpu" else ""
     if c.kv_cache_memory_bytes or cfg.parallel.backend == "cpu":
-        pool = c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+        pool = args.kv_cache_memory_bytes
         out.append(f"memory    KV budget {pool / GIB:.3f} GiB per rank (cache.kv_cache_memory_bytes)")
     elif not (profile and profile.memory_bytes):
         out.append(f"memory    device memory unknown here (no hardware profile with memory_bytes); at start: "
@@ -101,7 +96,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
         return
     else:
         try:
-            b = device_budget(cfg, mcfg, world, int(profile.memory_bytes), 0, wbytes, arch)
+            b = device_budget(cfg, mcfg, world, int(profile.memory_bytes), 0, args.weight_bytes, arch)
         except ValueError as e:
             out.append(f"memory    does not fit: {e}")
             return
@@ -110,7 +105,7 @@ def _budget(cfg, mcfg, world: int, profile, out: list[str]) -> None:
         out += [f"            {name:22s} {v / GIB:9.2f} GiB" for name, v in b.rows()]
         pool = b.kv_pool_bytes
     rope_fp8 = rope_fp8_pool(cfg.attention_backend, arch)
-    per = kv_blocks_per_layout(mcfg, world, kv, cfg.block_size, pool, wbytes, weight_quant=wq, rope_fp8=rope_fp8)
+    per = args.kv_blocks(mcfg, world, pool, rope_fp8)
     caps = ", ".join(f"{lay} {distinct_kv_tokens(lay, n, cfg.block_size, world):,}" for lay, n in per.items()
                      if lay in cfg.layout.allowed_layouts)
     rope = " (rope key in e4m3: FlashInfer's FP8 MLA)" if rope_fp8 and kv == "fp8_e4m3" else ""

@@ -81,14 +81,14 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         if console and getattr(backend, "name", backend) == "cpu":
             from splash import native
             console.log(f"splash-serve: CPU kernels {native.describe()}")
-        built = startup.run_agreed(comm, lambda: startup.build_engine(cfg, data_comm, step_comm, console, backend))
+        engine = startup.run_agreed(comm, lambda: startup.build_engine(cfg, data_comm, step_comm, console, backend))
     except ConfigError:
         if rank != 0:
             raise _QuietExit() from None
         raise
     if rank != 0:
-        return _follow(built.engine, watchdog, rank)
-    return _serve_rank0(cfg, built, sock, console, watchdog, ctx.world_size, token)
+        return _follow(engine, watchdog, rank)
+    return _serve_rank0(cfg, engine, sock, console, watchdog, ctx.world_size, token)
 
 
 def _rank0_checks(cfg):
@@ -98,20 +98,19 @@ def _rank0_checks(cfg):
     return startup.bind_socket(cfg.server.host, cfg.server.port), token
 
 
-def _serve_rank0(cfg, built, sock, console, watchdog, world_size: int, admin_token: str | None) -> int:
+def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, admin_token: str | None) -> int:
     from splash.server import startup
     from splash.server.agent import resolve_parsers
     from splash.server.frontend import serve
     from splash.tokenizer import load_tokenizer
 
-    engine = built.engine
+    mcfg = engine.runner.cfg
     startup.quiet_decision_log(cfg)
-    engine.request_layout(cfg.layout.layout)   # a pinned layout, or auto
-    tokenizer = load_tokenizer(cfg.tokenizer_path, built.model_cfg.vocab_size)
+    tokenizer = load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
-                                                    built.model_cfg.model_type, tokenizer.chat_template)
+                                                    mcfg.model_type, tokenizer.chat_template)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
-                    vocab_size=built.model_cfg.vocab_size, host=cfg.server.host,
+                    vocab_size=mcfg.vocab_size, host=cfg.server.host,
                     admin_token=admin_token, world_size=world_size, limits=cfg.server,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"

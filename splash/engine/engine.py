@@ -50,7 +50,7 @@ class Engine:
         """`hardware_profile` (a name under configs/hardware/ or a profile .yaml) turns on the cost-model
         scheduler for `auto` mode; without one, auto stays in the start layout."""
         self.runner, self.comm = runner, comm
-        # blocks_per_rank: the physical pool, or per-layout usable blocks (splash.engine.llm.kv_blocks_per_layout).
+        # blocks_per_rank: the physical pool, or per-layout usable blocks (splash.engine.build.kv_blocks_per_layout).
         caps = blocks_per_rank if isinstance(blocks_per_rank, dict) else {}
         physical = max(caps.values()) if caps else blocks_per_rank
         self.ledger = KVLedger(comm.size, physical, runner.block_size, runner.layout, dict(caps))

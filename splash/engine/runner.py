@@ -22,10 +22,9 @@ from splash.models.config import ModelConfig
 from splash.models.family import describe
 
 
-def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None,
-                             field: str = "layout_kv_dtypes") -> dict[str, str]:
+def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """KV dtype of every layout: `default`, replaced per layout by `overrides` (layout name → KV dtype).
-    ValueError naming `field` on an unknown layout or dtype."""
+    ValueError naming layout_kv_dtypes on an unknown layout or dtype."""
     if default not in quant.KV_DTYPES:
         raise ValueError(f"kv_cache_dtype {default!r} is not one of {', '.join(quant.KV_DTYPES)}")
     out = dict.fromkeys(LAYOUTS, default)
@@ -33,9 +32,9 @@ def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None =
         try:
             lay = parse_layout(name).value
         except ValueError:
-            raise ValueError(f"{field}: unknown layout {name!r} (layouts: {', '.join(LAYOUTS)})") from None
+            raise ValueError(f"layout_kv_dtypes: unknown layout {name!r} (layouts: {', '.join(LAYOUTS)})") from None
         if kv not in quant.KV_DTYPES:
-            raise ValueError(f"{field}[{name!r}] = {kv!r} is not one of {', '.join(quant.KV_DTYPES)}")
+            raise ValueError(f"layout_kv_dtypes[{name!r}] = {kv!r} is not one of {', '.join(quant.KV_DTYPES)}")
         out[lay] = kv
     return out
 

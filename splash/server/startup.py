@@ -5,15 +5,10 @@ the message and no rank waits in a collective its peers never reach.
 from __future__ import annotations
 
 import socket
-from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
 from splash.errors import ConfigError
-from splash.layouts.layout import start_layout
-
-DEFAULT_KV_BYTES = 64 << 20   # per-rank KV budget on cpu when the config gives none
 
 
 def run_agreed(comm: Any, fn: Callable[[], Any]) -> Any:
@@ -52,14 +47,6 @@ def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any
     except backends.BackendUnavailable as e:
         raise backends.BackendUnavailable(f"field 'parallel.attention_backend': {e}") from None
     return cfg, backend
-
-
-def initial_layout(cfg: ServeConfig, world: int = 1, num_heads: int | None = None) -> str:
-    """The pinned layout, or auto's starting one (splash.layouts.layout.start_layout)."""
-    lay = cfg.layout.layout
-    if lay != "auto":
-        return lay
-    return start_layout(cfg.layout.allowed_layouts, num_heads, world).value
 
 
 def validate_model(cfg: ServeConfig) -> None:
@@ -138,12 +125,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-@dataclass
-class Built:
-    engine: Any      # its max_model_len is capped at the KV pool
-    model_cfg: Any
-
-
 def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in_use_bytes: int,
                   weight_bytes: float, arch: str) -> Any:
     """The per-rank device memory budget (splash.layouts.device_budget) of `cfg` on an `arch` device ("sm_90",
@@ -151,33 +132,25 @@ def device_budget(cfg: ServeConfig, mcfg: Any, world: int, device_bytes: int, in
     nothing is left for KV."""
     import backends
     from splash.attention.kernels import rope_fp8_pool
-    from splash.engine.llm import pool_kv_dtype
-    from splash.engine.runner import resolve_layout_kv_dtypes
     from splash.layouts.device_budget import device_memory_budget
     from splash.layouts.layout import rank_attention
 
-    c, s = cfg.cache, cfg.scheduler
-    kv_dtypes = resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes)
-    allowed = tuple(cfg.layout.allowed_layouts)
+    a, lays = engine_args(cfg), cfg.layout.allowed_layouts
     workspaces = backends.attention_workspace_bytes(
-        cfg.attention_backend, rank_attention(allowed, mcfg.num_attention_heads, world, kv_dtypes),
-        min(s.max_num_seqs, s.max_num_batched_tokens), arch, (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim),
-        cfg.block_size)
-    return device_memory_budget(mcfg, world, device_bytes, c.gpu_memory_utilization, weight_bytes,
-                                pool_kv_dtype(mcfg, kv_dtypes.values()), cfg.block_size, s.max_num_batched_tokens,
-                                s.max_num_seqs, in_use_bytes=in_use_bytes, layouts=allowed,
-                                weight_quant=cfg.model.quantization or mcfg.quantization,
-                                attention_workspace_bytes=workspaces,
-                                rope_fp8=rope_fp8_pool(cfg.attention_backend, arch))
+        a.attention_backend, rank_attention(lays, mcfg.num_attention_heads, world, a.kv_dtypes()),
+        min(a.max_num_seqs, a.max_num_batched_tokens), arch, (mcfg.kv_lora_rank, mcfg.qk_rope_head_dim), a.block_size)
+    return device_memory_budget(mcfg, world, device_bytes, cfg.cache.gpu_memory_utilization, weight_bytes,
+                                a.pool_kv_dtype(mcfg), a.block_size, a.max_num_batched_tokens, a.max_num_seqs,
+                                in_use_bytes=in_use_bytes, layouts=tuple(lays), weight_quant=a.weight_quant(mcfg),
+                                attention_workspace_bytes=workspaces, rope_fp8=rope_fp8_pool(a.attention_backend, arch))
 
 
-def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int:
-    """Per-rank KV budget: cache.kv_cache_memory_bytes, else on a GPU the device budget from its measured
-    memory, else the cpu default."""
-    c = cfg.cache
+def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weight_bytes: int) -> int | None:
+    """Per-rank KV budget on a GPU when cache.kv_cache_memory_bytes is unset: the device budget from its measured
+    memory (None elsewhere: the engine takes cache.kv_cache_memory_bytes or its default)."""
     info = backend.memory_info() if backend is not None else None
-    if c.kv_cache_memory_bytes or info is None:
-        return c.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+    if cfg.cache.kv_cache_memory_bytes or info is None:
+        return None
     from splash.attention.kernels import device_arch
 
     free, total = info
@@ -188,60 +161,41 @@ def kv_budget_bytes(cfg: ServeConfig, mcfg: Any, world: int, backend: Any, weigh
     return b.kv_pool_bytes
 
 
-def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None, backend: Any = None) -> Built:
-    """This rank's model, ModelRunner and Engine (the recipe of ``LLM``) on `backend`'s device (cpu without one)."""
-    from splash.attention.kernels import kv_rope_fp8
-    from splash.engine.engine import Engine
-    from splash.engine.llm import DTYPES, hybrid_states, kv_blocks_per_layout, load_model, pool_kv_dtype
-    from splash.engine.runner import ModelRunner, resolve_layout_kv_dtypes
-    from splash.models.weights import expected_shapes
+def engine_args(cfg: ServeConfig, device: str = "cpu") -> Any:
+    """The serving config's engine settings (splash.engine.build.EngineArgs) on `device`."""
+    from splash.engine.build import EngineArgs
 
-    import torch
+    m, c, s, lay = cfg.model, cfg.cache, cfg.scheduler, cfg.layout
+    return EngineArgs(
+        m.model, m.preset, dtype=cfg.compute_dtype, seed=m.seed, quantization=m.quantization,
+        max_model_len=m.max_model_len, layout=lay.layout, allowed_layouts=tuple(lay.allowed_layouts),
+        switch_mode=lay.switch_mode, switch_margin=lay.switch_margin, hardware_profile=cfg.hardware_profile,
+        kv_cache_dtype=cfg.kv_dtype, layout_kv_dtypes=c.layout_kv_dtypes, block_size=cfg.block_size,
+        num_kv_blocks=c.num_kv_blocks, enable_prefix_caching=c.enable_prefix_caching,
+        kv_cache_memory_bytes=c.kv_cache_memory_bytes or EngineArgs.kv_cache_memory_bytes,   # its cpu default
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        preemption_mode=s.preemption_mode, enable_chunked_prefill=s.enable_chunked_prefill,
+        attention_backend=cfg.attention_backend, device=device)
 
-    dtype = DTYPES[cfg.compute_dtype]
-    try:
-        mcfg, get = load_model(cfg.model.model, cfg.model.preset, dtype, cfg.model.seed, cfg.model.quantization)
-    except ValueError as e:
-        raise ConfigError(f"field 'model.preset': {e}") from None
-    c = cfg.cache
-    try:
-        kv_dtypes = resolve_layout_kv_dtypes(cfg.kv_dtype, c.layout_kv_dtypes, "cache.layout_kv_dtypes")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    device = backend.device if backend is not None else "cpu"
-    per_layout = c.num_kv_blocks or kv_blocks_per_layout(   # the pool is sized in the widest layout KV dtype
-        mcfg, comm.size, pool_kv_dtype(mcfg, kv_dtypes.values()), cfg.block_size,
-        kv_budget_bytes(cfg, mcfg, comm.size, backend, torch.finfo(dtype).bits // 8), torch.finfo(dtype).bits // 8,
-        weight_quant=cfg.model.quantization or mcfg.quantization,
-        state_requests=hybrid_states(mcfg, cfg.scheduler.max_num_seqs, c.enable_prefix_caching),
-        rope_fp8=kv_rope_fp8(cfg.attention_backend, device))
-    blocks = max(per_layout.values()) if isinstance(per_layout, dict) else per_layout
-    if blocks < 1:
-        raise ConfigError("the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it")
-    layout = initial_layout(cfg, comm.size, mcfg.num_attention_heads)
+
+def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = None, backend: Any = None) -> Any:
+    """This rank's Engine (splash.engine.build, the recipe of ``LLM``) on `backend`'s device (cpu without one),
+    its max_model_len capped at the KV pool; a config it cannot serve is a ConfigError naming the field."""
+    from splash.engine.build import BuildStep, build_engine as build
+
+    args = engine_args(cfg, backend.device if backend is not None else "cpu")
     name = cfg.model.model or f"preset {cfg.model.preset}"
-    ticker = console.loading(f"loading {name}", len(expected_shapes(mcfg))) if console else nullcontext(lambda: None)
-    with ticker as advance:
-        def counted(tensor: str) -> Any:   # each tensor read moves the progress bar
-            out = get(tensor)
-            advance()
-            return out
-        try:
-            runner = ModelRunner(mcfg, counted, comm, layout, cfg.kv_dtype, cfg.block_size, blocks, dtype,
-                                 kv_dtypes, attention_backend=cfg.attention_backend, device=device,
-                                 streams=backend.streams() if backend is not None else None)
-        except ValueError as e:
-            raise ConfigError(f"cannot build layout {layout!r} on {comm.size} rank(s): {e}") from None
-    s = cfg.scheduler
     try:
-        engine = Engine(runner, step_comm, per_layout, s.max_num_seqs, s.max_num_batched_tokens, s.preemption_mode,
-                        cfg.model.max_model_len, cfg.layout.switch_mode, tuple(cfg.layout.allowed_layouts),
-                        hardware_profile=cfg.hardware_profile, switch_margin=cfg.layout.switch_margin,
-                        enable_prefix_caching=c.enable_prefix_caching)
-    except ValueError as e:
-        field = "layout.hardware_profile" if "profile" in str(e) else "layout.allowed_layouts"
-        raise ConfigError(f"field {field!r}: {e}") from None
-    engine.scheduler.chunked_prefill = s.enable_chunked_prefill
+        engine = build(args, comm, step_comm, strict=True, streams=backend.streams() if backend is not None else None,
+                       kv_budget=lambda mcfg: kv_budget_bytes(cfg, mcfg, comm.size, backend, args.weight_bytes),
+                       loading=(lambda n: console.loading(f"loading {name}", n)) if console else None)
+    except BuildStep as e:   # worded for the config's fields
+        raise ConfigError({
+            "model": f"field 'model.preset': {e}",
+            "pool": "the KV budget (cache.kv_cache_memory_bytes) holds no KV page; raise it",
+            "runner": f"cannot build layout {e.layout!r} on {comm.size} rank(s): {e}",
+            "engine": f"field {'layout.hardware_profile' if 'profile' in str(e) else 'layout.allowed_layouts'!r}: {e}",
+        }[e.step]) from None
     # every allowed layout must hold a request (the engine caps max_model_len at the smallest): a layout whose
     # replicated projections eat the whole budget would leave max_model_len 0 and reject every request
     tight = min(cfg.layout.allowed_layouts, key=engine.ledger.cap)
@@ -252,7 +206,7 @@ def build_engine(cfg: ServeConfig, comm: Any, step_comm: Any, console: Any = Non
     if engine.max_model_len < 2:
         raise ConfigError(f"field 'model.max_model_len': the engine allows {engine.max_model_len} token(s) per "
                           "request (capped by the KV pool), so no request fits; raise the KV budget")
-    return Built(engine, mcfg)
+    return engine
 
 
 def check_communicator(cfg: ServeConfig) -> None:

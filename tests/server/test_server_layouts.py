@@ -19,7 +19,7 @@ import httpx
 import pytest
 from server_util import mpiexec_path, offline_reference, run_server, save_preset
 
-from splash.engine.llm import kv_blocks_per_layout
+from splash.engine.build import kv_blocks_per_layout
 from splash.layouts.memory import rank_weight_bytes
 from splash.models.config import load_model_config
 
