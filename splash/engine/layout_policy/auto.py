@@ -32,16 +32,21 @@ HISTORY decisions that changed are kept for the API.
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
 whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
-which is not measured yet in the regime the next steps run in (its uncertainty there at least PROBE_MIN_UNCERTAINTY
-beyond the current layout's), may be entered to measure it: at most MAX_PROBES times per layout and regime, and
-only when twice the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's
-predicted time for the work left. A probe measures the next steps' regime, not another one its lead may rest on:
-that one's steps come only after the next ones, which the probe would run in a layout not measured there. The
-LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A probe is a measurement, not a
-commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
-probed layout is measured in the probe's regime and the layout it came from is faster on its point prediction,
-the controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal
-rule decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
+which is not measured yet in a regime (its uncertainty there at least PROBE_MIN_UNCERTAINTY beyond the current
+layout's, or at least PROBE_MIN_UNCERTAINTY where the current layout's is below it), may be entered to measure it:
+at most MAX_PROBES times per layout and regime, and only when twice the switch's corrected cost (there and back) is
+within PROBE_BUDGET of the current layout's predicted time for the work left. The regime the next steps run in comes
+first. A probe for the other one must first run the steps before that regime's first step in a layout that may be
+slow at them, so it also pays, within the same budget, what those steps cost in the candidate at the pessimistic
+end of its uncertainty beyond what they cost in the current layout (`Forecast.until_s`); the forecast knows only the
+requests that are here, so when arrivals keep that regime from coming, the probe ends unmeasured (below), is not
+counted, and that layout is not probed ahead of that regime again. No probe is taken while another has not measured
+its regime (leaving would throw its measurement away). The LEARN_AFTER_SWITCH steps after any switch all train the
+new layout's factor. A probe is a measurement, not a commitment: it sets no dwell (its round trip was paid for when
+it was vetted), and once the probed layout is measured in the probe's regime — or once the steps since it ran
+PROBE_LEAD_SLACK x what it was priced for (PROBE_BUDGET of the work left, plus the steps before its regime) without
+measuring it — and the layout it came from is faster on its point prediction, the controller goes back without the
+margin (the payoff must still exceed the switch's cost); otherwise the normal rule decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
 the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
 run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
 layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
@@ -257,7 +262,11 @@ class AutoLayout:
                 gain = per_tok[current] - per_tok[back[0]]
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
-            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
+            # the regime the next steps run in: the current layout's forecast says (a prompt waiting for room
+            # comes after decode steps)
+            first = until.get(current)
+            regime = (("prefill" if first["prefill"][0] == 0 else "decode") if first
+                      else "prefill" if any(r.pending > 1 for r in reqs) else "decode")
             probe = self._probe_target(current, per_tok, unc, regime, until, total.get(current, 0.0))
             if probe is not None:
                 self._probe_for = (probe[2], probe[4], probe[2] != regime)
@@ -336,8 +345,10 @@ class AutoLayout:
                         continue   # its forecast never runs a step of that regime: nothing to measure
                     lead = max(0.0, k_hi - (c_pt if math.isfinite(c_pt) else 0.0))
                 opt = t * math.exp(-unc[k])
+                if reg != regime and t >= cur:
+                    continue   # ahead of its regime a probe costs more and may not measure: it needs a point lead
                 if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
-                    best = (opt, k, lead, PROBE_LEAD_SLACK * (k_hi + PROBE_BUDGET * left))
+                    best = (opt, k, lead, (PROBE_LEAD_SLACK * (k_hi + PROBE_BUDGET * left) if reg != regime else math.inf))
             if best is not None:
                 opt, k, lead, within = best
                 first = "" if reg == regime else f"; {lead:.4g}s more than {current} before its first {reg} step"
