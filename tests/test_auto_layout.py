@@ -604,32 +604,11 @@ def test_a_probe_for_the_regime_after_the_next_steps_is_priced_by_the_steps_befo
     assert a.vet(replace(d, probe_lead_s=0.45), manifest=None).verdict == "not_worth_it"
     a.record(v)
     assert a.probes == {"dop/decode": 1} and a._probe_trip[2] == "decode"
-    # ahead of its regime a probe needs a point lead, not only an optimistic one: DOP 3% behind TP is not probed
+    # paying more than its round trip, a probe needs a point lead, not only an optimistic one: DOP 3% behind TP
+    # is not probed ahead of its decode steps
     m2, b, _ = _ahead_probe()
     m2.fixed["dop"] = 1.03e-3
     assert not b.propose(0, "tp", reqs, usage(reqs)).probe
-    # and a prompt that waits for room does not make the next steps prefill: the forecast's first step is decode
-    waiting = decode_batch(4, 100, remaining=10_000) + [ReqView("w", 0, 512, 10_000, None, running=False)]
-    c = make(m2, observe_every=1, max_num_seqs=4)
-    _visit(c, m2, "tp", 1.0, n=40)
-    _visit_prefill(c, m2, "tp", 1.0, n=40)
-    _visit_prefill(c, m2, "dop", 1.2, n=40)
-    d = c.propose(0, "tp", waiting, usage(waiting))
-    assert (d.target, d.probe) == ("dop", True) and "in decode" in d.reason and d.probe_lead_s == 0
-
-
-def test_no_probe_is_taken_while_a_probe_has_not_measured_its_regime():
-    m, a, reqs = _ahead_probe()
-    d = a.propose(0, "tp", reqs, usage(reqs))
-    assert (d.target, d.probe) == ("dop", True) and "in decode" in d.reason
-    a.record(a.vet(d, manifest=None))
-    m.fixed["cp"] = 1e-3      # CP, measured nowhere, now predicted as fast as TP: a prefill probe candidate
-    # in DOP, its decode not measured yet: CP is not probed in prefill now (DOP's probe would end unmeasured)
-    d = a.propose(1, "dop", reqs, usage(reqs))
-    assert not d.probe and d.verdict != "switch"
-    a._probe_trip = None      # with no probe open, the same boundary probes CP
-    d = a.propose(2, "dop", reqs, usage(reqs))
-    assert (d.target, d.probe) == ("cp", True) and "in prefill" in d.reason
 
 
 def test_a_probe_whose_regime_does_not_come_by_its_deadline_ends_unmeasured():

@@ -38,15 +38,16 @@ at most MAX_PROBES times per layout and regime, and only when twice the switch's
 within PROBE_BUDGET of the current layout's predicted time for the work left. The regime the next steps run in comes
 first. A probe for the other one must first run the steps before that regime's first step in a layout that may be
 slow at them, so it also pays, within the same budget, what those steps cost in the candidate at the pessimistic
-end of its uncertainty beyond what they cost in the current layout (`Forecast.until_s`); the forecast knows only the
-requests that are here, so when arrivals keep that regime from coming, the probe ends unmeasured (below), is not
-counted, and that layout is not probed ahead of that regime again. No probe is taken while another has not measured
-its regime (leaving would throw its measurement away). The LEARN_AFTER_SWITCH steps after any switch all train the
+end of its uncertainty beyond what they cost in the current layout (`Forecast.until_s`), and where that is more than
+nothing it needs its point prediction to lead, not only its optimistic end; the forecast knows only the requests
+that are here, so when arrivals keep that regime from coming, the probe ends unmeasured (below), is not counted, and
+that layout is not probed ahead of that regime again. The LEARN_AFTER_SWITCH steps after any switch all train the
 new layout's factor. A probe is a measurement, not a commitment: it sets no dwell (its round trip was paid for when
-it was vetted), and once the probed layout is measured in the probe's regime — or once the steps since it ran
-PROBE_LEAD_SLACK x what it was priced for (PROBE_BUDGET of the work left, plus the steps before its regime) without
-measuring it — and the layout it came from is faster on its point prediction, the controller goes back without the
-margin (the payoff must still exceed the switch's cost); otherwise the normal rule decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
+it was vetted), and once the probed layout is measured in the probe's regime — or, for a probe ahead of its regime,
+once the steps since it ran PROBE_LEAD_SLACK x what it was priced for (PROBE_BUDGET of the work left, plus the steps
+before its regime) without measuring it — and the layout it came from is faster on its point prediction, the
+controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule
+decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
 the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
 run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
 layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
@@ -90,8 +91,8 @@ HISTORY = 64             # decisions kept for GET /v1/layout (those that changed
 MAX_PROBES = 1           # probes per layout and regime: entering it when only its optimistic prediction leads
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
-PROBE_LEAD_SLACK = 2.0   # a probe whose regime is not measured within this many times the step seconds it was priced
-                         # for (PROBE_BUDGET of the work left, plus the steps before its regime's first) ends unmeasured
+PROBE_LEAD_SLACK = 2.0   # a probe ahead of its regime not measured within this many times the step seconds it was
+                         # priced for (PROBE_BUDGET of the work left, plus the steps before its regime) ends unmeasured
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
 PROBE_LEN_STEPS = LEARN_AFTER_SWITCH + 16   # a probe's way back must fit after this many decode steps (the steps
                                             # that measure it, then up to a full re-evaluation interval)
@@ -262,11 +263,7 @@ class AutoLayout:
                 gain = per_tok[current] - per_tok[back[0]]
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
-            # the regime the next steps run in: the current layout's forecast says (a prompt waiting for room
-            # comes after decode steps)
-            first = until.get(current)
-            regime = (("prefill" if first["prefill"][0] == 0 else "decode") if first
-                      else "prefill" if any(r.pending > 1 for r in reqs) else "decode")
+            regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
             probe = self._probe_target(current, per_tok, unc, regime, until, total.get(current, 0.0))
             if probe is not None:
                 self._probe_for = (probe[2], probe[4], probe[2] != regime)
@@ -313,17 +310,17 @@ class AutoLayout:
                       left: float = 0.0) -> tuple[str, str, str, float, float] | None:
         """The layout to probe at this boundary, why, the regime the probe measures, what it runs before that
         regime's first step beyond the current layout (seconds, pessimistic) and the step seconds within which it
-        should have measured it (PROBE_LEAD_SLACK x the candidate's pessimistic lead and PROBE_BUDGET of `left`, the
-        current layout's seconds for the work left) — or None (see the module docstring):
+        should have measured it (inf for the next steps' regime; else PROBE_LEAD_SLACK x the candidate's pessimistic
+        lead and PROBE_BUDGET of `left`, the current layout's seconds for the work left) — or None (see the module
+        docstring):
         the one whose optimistic prediction leads most, among those leading by the margin optimistically and not
         measured yet in the regime, with probes left there; not within the dwell. `regime` (the next steps') first;
         then the other one, whose probe must first run the steps before that regime's first step in a layout that
         may be slow at them: it is priced by them, at the candidate's pessimistic end against the current layout's
-        point prediction, on top of its round trip (`vet`)."""
+        point prediction, on top of its round trip (`vet`), and where that is more than nothing it needs a point
+        lead."""
         if self._since_switch_s < self._dwell_s or current not in per_tok:
             return None
-        if self._probe_trip is not None and self._probe_trip[1] == current:
-            return None   # a probe not measured yet: another one now would leave before it measured anything
         cur = per_tok[current]
         other = "prefill" if regime == "decode" else "decode"
         for reg in (regime, other):
@@ -344,11 +341,12 @@ class AutoLayout:
                     if not math.isfinite(k_hi):
                         continue   # its forecast never runs a step of that regime: nothing to measure
                     lead = max(0.0, k_hi - (c_pt if math.isfinite(c_pt) else 0.0))
+                    if lead > 0 and t >= cur:
+                        continue   # it pays more than its round trip and may not measure: it needs a point lead
                 opt = t * math.exp(-unc[k])
-                if reg != regime and t >= cur:
-                    continue   # ahead of its regime a probe costs more and may not measure: it needs a point lead
                 if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
-                    best = (opt, k, lead, (PROBE_LEAD_SLACK * (k_hi + PROBE_BUDGET * left) if reg != regime else math.inf))
+                    within = PROBE_LEAD_SLACK * (k_hi + PROBE_BUDGET * left) if reg != regime else math.inf
+                    best = (opt, k, lead, within)
             if best is not None:
                 opt, k, lead, within = best
                 first = "" if reg == regime else f"; {lead:.4g}s more than {current} before its first {reg} step"
