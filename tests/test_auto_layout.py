@@ -7,6 +7,8 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
+
 from splash.engine.layout_policy.auto import AutoLayout, ReqView
 from splash.engine.messages import StepItem
 
@@ -573,3 +575,77 @@ def test_a_probe_is_taken_only_when_its_way_back_fits_in_memory():
     assert "way back to tp would not fit" in a.last.reason and "handoff peak 56 blocks" in a.last.reason
     a, d = probe(56)
     assert d is not None and d.dst == "dp_attn" and a.last.verdict == "switch" and a.probes == {"dp_attn/decode": 1}
+
+
+def _ahead_probe():
+    """TP measured in both regimes, DOP in prefill only (20% slower there than the model says); a prompt is
+    prefilling, so the next steps carry prefill, while the forecast is decode-dominated: DOP leads TP by 3% on its
+    point prediction, on the decode factor it borrows from TP."""
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.97e-3}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "dop", 1.2, n=40)
+    reqs = decode_batch(4, 100, remaining=10_000) + [ReqView("p", 0, 512, 10_000, 0)]
+    return m, a, reqs
+
+
+def test_a_probe_for_the_regime_after_the_next_steps_is_priced_by_the_steps_before_it():
+    m, a, reqs = _ahead_probe()
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in decode" in d.reason
+    # its price: the prefill step before DOP's first decode step at DOP's pessimistic end, less TP's
+    u = a.steps.uncertainty("dop", "prefill")
+    assert d.probe_lead_s == pytest.approx(0.97e-3 * a.factor("dop", "prefill") * math.exp(u) - 1e-3, rel=1e-6)
+    assert d.probe_lead_s > 0
+    v = a.vet(d, manifest=None)
+    assert v.verdict == "switch" and "before its regime" in v.reason
+    # the same probe with more before its regime than the budget leaves (5% of TP's 10 s, less 2 x 0.05 s) is not
+    assert a.vet(replace(d, probe_lead_s=0.45), manifest=None).verdict == "not_worth_it"
+    a.record(v)
+    assert a.probes == {"dop/decode": 1} and a._probe_trip[2] == "decode"
+    # paying more than its round trip, a probe needs a point lead, not only an optimistic one: DOP 3% behind TP
+    # is not probed ahead of its decode steps
+    m2, b, _ = _ahead_probe()
+    m2.fixed["dop"] = 1.03e-3
+    assert not b.propose(0, "tp", reqs, usage(reqs)).probe
+
+
+def test_a_probe_whose_regime_does_not_come_by_its_deadline_ends_unmeasured():
+    m, a, reqs = _ahead_probe()
+    a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
+    assert a._probe_trip[:3] == ("tp", "dop", "decode")
+    _visit_prefill(a, m, "dop", 1.2, n=20)             # prompts keep coming: no decode step yet
+    a.propose(1, "dop", reqs, usage(reqs))
+    assert a._probe_trip is not None
+    # past twice what it was priced for (its lead and 5% of the ~10 s left) it ends: DOP still leads TP on its point
+    # prediction, so it stays; it measured nothing, so it is not counted, and DOP is not probed ahead of its decode
+    # steps again
+    _visit_prefill(a, m, "dop", 1.2, n=1200)
+    d = a.propose(2, "dop", reqs, usage(reqs))
+    assert not d.probe_return and a._probe_trip is None
+    assert a.probes["dop/decode"] == 0 and "dop/decode" in a._unmet
+    assert not a.propose(3, "tp", reqs, usage(reqs)).probe
+    dec = decode_batch(4, 100, remaining=10_000)          # once decode steps are next, DOP's decode may be probed
+    assert a.propose(4, "tp", dec, usage(dec)).probe
+    # at its deadline, with TP faster on its point prediction (the stand-in now predicts DOP 5% slower), it returns
+    b_m, b, _ = _ahead_probe()
+    b.record(b.vet(b.propose(0, "tp", reqs, usage(reqs)), manifest=None))
+    _visit_prefill(b, b_m, "dop", 1.2, n=1200)
+    b_m.fixed["dop"] = 1.05e-3
+    d = b.propose(1, "dop", reqs, usage(reqs))
+    assert (d.target, d.probe_return) == ("tp", True) and "did not come" in d.reason
+
+
+def test_a_layout_measured_once_is_probed_from_one_measured_where_its_uncertainty_could_make_it_lead():
+    # TP measured twice in decode (x1.09 uncertain), DOP once (x1.13): DOP is not measured by the standard a probe's
+    # trip ends on, and its combined uncertainty (x1.16) could make it lead: it is probed, though it is not 0.1
+    # less known than TP
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1.03e-3}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=3)                      # the first step warms up: two measurements
+    _visit(a, m, "dop", 1.0, n=1)
+    assert a.steps.uncertainty("tp") < 0.1 <= a.steps.uncertainty("dop") < a.steps.uncertainty("tp") + 0.1
+    reqs = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True)

@@ -32,16 +32,22 @@ HISTORY decisions that changed are kept for the API.
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
 whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
-which is not measured yet in the regime the next steps run in (its uncertainty there at least PROBE_MIN_UNCERTAINTY
-beyond the current layout's), may be entered to measure it: at most MAX_PROBES times per layout and regime, and
-only when twice the switch's corrected cost (there and back) is within PROBE_BUDGET of the current layout's
-predicted time for the work left. A probe measures the next steps' regime, not another one its lead may rest on:
-that one's steps come only after the next ones, which the probe would run in a layout not measured there. The
-LEARN_AFTER_SWITCH steps after any switch all train the new layout's factor. A probe is a measurement, not a
-commitment: it sets no dwell (its round trip was paid for when it was vetted), and once the
-probed layout is measured in the probe's regime and the layout it came from is faster on its point prediction,
-the controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal
-rule decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
+which is not measured yet in a regime (its uncertainty there at least PROBE_MIN_UNCERTAINTY beyond the current
+layout's, or at least PROBE_MIN_UNCERTAINTY where the current layout's is below it), may be entered to measure it:
+at most MAX_PROBES times per layout and regime, and only when twice the switch's corrected cost (there and back) is
+within PROBE_BUDGET of the current layout's predicted time for the work left. The regime the next steps run in comes
+first. A probe for the other one must first run the steps before that regime's first step in a layout that may be
+slow at them, so it also pays, within the same budget, what those steps cost in the candidate at the pessimistic
+end of its uncertainty beyond what they cost in the current layout (`Forecast.until_s`), and where that is more than
+nothing it needs its point prediction to lead, not only its optimistic end; the forecast knows only the requests
+that are here, so when arrivals keep that regime from coming, the probe ends unmeasured (below), is not counted, and
+that layout is not probed ahead of that regime again. The LEARN_AFTER_SWITCH steps after any switch all train the
+new layout's factor. A probe is a measurement, not a commitment: it sets no dwell (its round trip was paid for when
+it was vetted), and once the probed layout is measured in the probe's regime — or, for a probe ahead of its regime,
+once the steps since it ran PROBE_LEAD_SLACK x what it was priced for (PROBE_BUDGET of the work left, plus the steps
+before its regime) without measuring it — and the layout it came from is faster on its point prediction, the
+controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule
+decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
 the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
 run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
 layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
@@ -85,6 +91,8 @@ HISTORY = 64             # decisions kept for GET /v1/layout (those that changed
 MAX_PROBES = 1           # probes per layout and regime: entering it when only its optimistic prediction leads
 PROBE_BUDGET = 0.05      # ... only when its round trip's corrected switch cost is within this of the work left
 PROBE_MIN_UNCERTAINTY = 0.1   # ... and only when its uncertainty (log) is at least this: a layout not measured yet
+PROBE_LEAD_SLACK = 2.0   # a probe ahead of its regime not measured within this many times the step seconds it was
+                         # priced for (PROBE_BUDGET of the work left, plus the steps before its regime) ends unmeasured
 LEARN_AFTER_SWITCH = 8   # steps after a switch that all train the new layout's factor (not every observe_every-th)
 PROBE_LEN_STEPS = LEARN_AFTER_SWITCH + 16   # a probe's way back must fit after this many decode steps (the steps
                                             # that measure it, then up to a full re-evaluation interval)
@@ -121,8 +129,11 @@ class AutoLayout:
         self._dwell_s = 0.0               # ... that must pass before the next voluntary one
         self._learn_until = 0             # observed-step count up to which every step trains
         self.probes: dict[str, int] = {}                    # "layout/regime" -> probes taken
-        self._probe_regime = "decode"                       # the regime of the probe proposed at this boundary
-        self._probe_trip: tuple[str, str, str] | None = None   # (from, into, regime) of the probe not resolved yet
+        # the regime of the probe proposed at this boundary, and the step seconds within which its steps should come
+        self._probe_for: tuple[str, float, bool] = ("decode", math.inf, False)
+        # (from, into, regime, deadline in executed step seconds, ahead of its regime) of the probe not resolved yet
+        self._probe_trip: tuple[str, str, str, float, bool] | None = None
+        self._unmet: set[str] = set()   # "layout/regime" probed ahead of its regime, whose steps did not come
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -217,7 +228,7 @@ class AutoLayout:
 
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
-        per_tok, total, admitted, infeasible, work_of, step_s, unc = {}, {}, {}, {}, {}, {}, {}
+        per_tok, total, admitted, infeasible, work_of, step_s, unc, until = {}, {}, {}, {}, {}, {}, {}, {}
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -236,6 +247,7 @@ class AutoLayout:
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
+            until[lay] = self._until(lay, fc.until_s)
         unc = self._relative(current, unc)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
@@ -252,11 +264,12 @@ class AutoLayout:
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
             regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
-            probe = self._probe_target(current, per_tok, unc, regime)
+            probe = self._probe_target(current, per_tok, unc, regime, until, total.get(current, 0.0))
             if probe is not None:
-                self._probe_regime = probe[2]
+                self._probe_for = (probe[2], probe[4], probe[2] != regime)
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
-                                payoff_s=(per_tok[current] - per_tok[probe[0]]) * base["work_tokens"], **base)
+                                payoff_s=(per_tok[current] - per_tok[probe[0]]) * base["work_tokens"],
+                                probe_lead_s=probe[3], **base)
             best = min(per_tok, key=per_tok.get)
             point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
             verdict = "stay" if best == current else "uncertain" if point else "below_margin"
@@ -282,30 +295,65 @@ class AutoLayout:
         u_cur = unc.get(current, 0.0)
         return {k: 0.0 if k == current else math.hypot(u, u_cur) for k, u in unc.items()}
 
+    def _until(self, lay: str, until_s: Mapping[str, float]) -> dict[str, tuple[float, float]]:
+        """Per regime, the corrected seconds `lay` runs before that regime's first step (the other regime's steps):
+        at the point prediction and at the pessimistic end of its uncertainty."""
+        out = {}
+        for reg, secs in until_s.items():
+            other = "prefill" if reg == "decode" else "decode"
+            t = secs * self.factor(lay, other)
+            out[reg] = (t, t * math.exp(self.steps.uncertainty(lay, other)))
+        return out
+
     def _probe_target(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
-                      regime: str) -> tuple[str, str, str] | None:
-        """The layout to probe at this boundary, why, and the regime the probe measures — or None (see the module
-        docstring): the one whose optimistic prediction leads most, among those leading by the margin
-        optimistically and not measured yet in `regime` (the regime the next steps run in: a probe for the other
-        one would run every step up to it in a layout not measured there), with probes left there; not within the
-        dwell."""
+                      regime: str, until: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
+                      left: float = 0.0) -> tuple[str, str, str, float, float] | None:
+        """The layout to probe at this boundary, why, the regime the probe measures, what it runs before that
+        regime's first step beyond the current layout (seconds, pessimistic) and the step seconds within which it
+        should have measured it (inf for the next steps' regime; else PROBE_LEAD_SLACK x the candidate's pessimistic
+        lead and PROBE_BUDGET of `left`, the current layout's seconds for the work left) — or None (see the module
+        docstring):
+        the one whose optimistic prediction leads most, among those leading by the margin optimistically and not
+        measured yet in the regime, with probes left there; not within the dwell. `regime` (the next steps') first;
+        then the other one, whose probe must first run the steps before that regime's first step in a layout that
+        may be slow at them: it is priced by them, at the candidate's pessimistic end against the current layout's
+        point prediction, on top of its round trip (`vet`), and where that is more than nothing it needs a point
+        lead."""
         if self._since_switch_s < self._dwell_s or current not in per_tok:
             return None
-        cur, best = per_tok[current], None
-        for k, t in per_tok.items():
-            fresh = self.steps.uncertainty(k, regime) - self.steps.uncertainty(current, regime)
-            if (k == current or fresh < PROBE_MIN_UNCERTAINTY or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY
-                    or self.probes.get(f"{k}/{regime}", 0) >= MAX_PROBES):
-                continue
-            opt = t * math.exp(-unc[k])
-            if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
-                best = (opt, k)
-        if best is None:
-            return None
-        opt, k = best
-        return k, (f"probe {k} in {regime}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
-                   f"{1 - opt / cur:.1%} at the optimistic end of its uncertainty (x{math.exp(unc[k]):.3g}), "
-                   f"not measured in {regime} yet"), regime
+        cur = per_tok[current]
+        other = "prefill" if regime == "decode" else "decode"
+        for reg in (regime, other):
+            best = None
+            for k, t in per_tok.items():
+                # not measured there (the trip's test), and less known there than the current layout: by
+                # PROBE_MIN_UNCERTAINTY, or at all when the current layout is measured there
+                u_k, u_cur = self.steps.uncertainty(k, reg), self.steps.uncertainty(current, reg)
+                fresh = u_k - u_cur >= PROBE_MIN_UNCERTAINTY or u_cur < PROBE_MIN_UNCERTAINTY <= u_k
+                if (k == current or not fresh or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY
+                        or self.probes.get(f"{k}/{reg}", 0) >= MAX_PROBES
+                        or (reg != regime and f"{k}/{reg}" in self._unmet)):
+                    continue
+                lead, k_hi = 0.0, 0.0
+                if reg != regime:
+                    k_hi = (until or {}).get(k, {}).get(reg, (math.inf, math.inf))[1]
+                    c_pt = (until or {}).get(current, {}).get(reg, (0.0, 0.0))[0]
+                    if not math.isfinite(k_hi):
+                        continue   # its forecast never runs a step of that regime: nothing to measure
+                    lead = max(0.0, k_hi - (c_pt if math.isfinite(c_pt) else 0.0))
+                    if lead > 0 and t >= cur:
+                        continue   # it pays more than its round trip and may not measure: it needs a point lead
+                opt = t * math.exp(-unc[k])
+                if opt <= (1 - self.margin) * cur and (best is None or opt < best[0]):
+                    within = PROBE_LEAD_SLACK * (k_hi + PROBE_BUDGET * left) if reg != regime else math.inf
+                    best = (opt, k, lead, within)
+            if best is not None:
+                opt, k, lead, within = best
+                first = "" if reg == regime else f"; {lead:.4g}s more than {current} before its first {reg} step"
+                return k, (f"probe {k} in {reg}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
+                           f"{1 - opt / cur:.1%} at the optimistic end of its uncertainty (x{math.exp(unc[k]):.3g}), "
+                           f"not measured in {reg} yet{first}"), reg, lead, within
+        return None
 
     def _probe_return(self, current: str, per_tok: Mapping[str, float]) -> tuple[str, str] | None:
         """After a probe into `current`: once it is measured in the regime the probe was for, the layout it came
@@ -316,14 +364,21 @@ class AutoLayout:
         if trip is None or trip[1] != current:
             self._probe_trip = None
             return None
-        origin, _, regime = trip
-        if self.steps.uncertainty(current, regime) >= PROBE_MIN_UNCERTAINTY:
+        origin, _, regime, deadline, ahead = trip
+        measured = self.steps.uncertainty(current, regime) < PROBE_MIN_UNCERTAINTY
+        if not measured and self.overhead.ran_s <= deadline:
             return None   # not measured yet: the normal rule decides meanwhile
         self._probe_trip = None
+        if not measured and ahead:   # it measured nothing: not counted, but not tried again ahead of its regime
+            key = f"{current}/{regime}"
+            self.probes[key] -= 1
+            self._unmet.add(key)
         if origin not in per_tok or per_tok[origin] >= per_tok[current]:
             return None
-        return origin, (f"back to {origin}: the probe measured {current} "
-                        f"{per_tok[current] / per_tok[origin] - 1:.1%} slower in {regime}")
+        what = (f"the probe measured {current} {per_tok[current] / per_tok[origin] - 1:.1%} slower in {regime}"
+                if measured else f"its {regime} steps did not come within its deadline, and {current} is "
+                f"{per_tok[current] / per_tok[origin] - 1:.1%} slower on its point prediction")
+        return origin, f"back to {origin}: {what}"
 
     def vet(self, d: Decision, manifest: Any) -> Decision:
         """The same rule with the planned switch's predicted exposed cost: switch only when the payoff exceeds it
@@ -334,9 +389,10 @@ class AutoLayout:
         per_tok = d.seconds_per_token
         if d.probe:
             left = d.batch_seconds.get(d.current, 0.0)
-            ok = 2 * cost <= PROBE_BUDGET * left
+            ok = 2 * cost + d.probe_lead_s <= PROBE_BUDGET * left
+            lead = f" + {d.probe_lead_s:.4g}s before its regime" if d.probe_lead_s else ""
             lay, why = (d.target if ok else d.current), (
-                f"{d.reason}: round trip 2 x {cost:.4g}s {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
+                f"{d.reason}: round trip 2 x {cost:.4g}s{lead} {'<=' if ok else '>'} {PROBE_BUDGET:.0%} of the "
                 f"{left:.4g}s left in {d.current}")
         else:   # going back from a probe that measured slower: no margin, at the point prediction; the payoff
             # must still pay the switch
@@ -355,9 +411,10 @@ class AutoLayout:
         prev, self.last, self._last_dict = self.last, d, None
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if d.verdict == "switch":
-            self._probe_trip = (d.current, d.target, self._probe_regime) if d.probe else None
+            reg, within, ahead = self._probe_for   # its deadline counts the steps' measured seconds from here
+            self._probe_trip = (d.current, d.target, reg, self.overhead.ran_s + within, ahead) if d.probe else None
             if d.probe:
-                key = f"{d.target}/{self._probe_regime}"
+                key = f"{d.target}/{self._probe_for[0]}"
                 self.probes[key] = self.probes.get(key, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
             self.history.append(self._last_view())

@@ -54,6 +54,7 @@ class Decision:
     t_s: float = 0.0                                                    # seconds since the scheduler started
     probe: bool = False                      # entering `target` to measure it (its lead is within its uncertainty)
     probe_return: bool = False               # leaving a probed layout that measured slower for where it came from
+    probe_lead_s: float = 0.0                # a probe's steps before its regime's first one, beyond the current's
 
     def as_dict(self) -> dict:
         r6 = lambda d: {k: round(v, 6) for k, v in d.items()}  # noqa: E731
@@ -65,4 +66,5 @@ class Decision:
                 "switch_s": round(self.switch_s, 6), "work_tokens": self.work_tokens,
                 "step_s": r6(self.step_s), "uncertainty": r6(self.uncertainty),
                 "switch_raw_s": round(self.switch_raw_s, 6), "t_s": round(self.t_s, 3),
-                "probe": self.probe, "probe_return": self.probe_return}
+                "probe": self.probe, "probe_return": self.probe_return,
+                "probe_lead_s": round(self.probe_lead_s, 6)}

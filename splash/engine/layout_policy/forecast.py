@@ -22,8 +22,9 @@ charged for its uncached tokens only — and waits, as the engine does, for the 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splash.engine.layout_policy.decision import CostModelLike, ReqView
 from splash.engine.ledger import KVLedger
@@ -44,6 +45,9 @@ class Forecast:
     work: int            # output tokens made
     admitted: int        # the most requests running at once
     served: int          # requests that ran at all
+    # per regime, the other regime's seconds run before that regime's first step (inf: it has none), so a probe
+    # for a regime the next steps do not run in can be priced by what it must run before it measures anything
+    until_s: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -154,6 +158,16 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
     return Replay(segments, work, admitted, served, events, not (sched.running or sched.waiting))
 
 
+def _until(secs: Sequence[float], segments: Sequence[Segment], prefill: bool) -> float:
+    """Seconds of the steps before the first one of the `prefill` kind (inf when none comes)."""
+    t = 0.0
+    for s, seg in zip(secs, segments):
+        if seg.prefill == prefill:
+            return t
+        t += s * seg.count
+    return math.inf
+
+
 def boundary(sched: Scheduler) -> tuple[tuple, ...]:
     """The requests of `sched` as `request_views` shows them at a boundary: (request, cached tokens, pending, output
     tokens left, owner, running) each; a waiting request has none cached and no owner."""
@@ -231,7 +245,8 @@ class BatchForecast:
         pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
         dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
         first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
-        return Forecast(pre, dec, first, sum(seg.work for seg in segments), admitted, served)
+        return Forecast(pre, dec, first, sum(seg.work for seg in segments), admitted, served,
+                        {"decode": _until(secs, segments, False), "prefill": _until(secs, segments, True)})
 
     # ---- a forecast the engine followed ----------------------------------------------------------------------
     # The engine's scheduler runs the same policy on the same state as the replay did, so it makes the replay's
