@@ -114,6 +114,7 @@ BAD_BODIES = [   # (path, raw JSON body, the field the 400 must name)
      f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": {SURROGATE}}}]}}]}}',
      "messages.0.content.0.text"),
     ("/v1/completions", f'{{"prompt": [1], "stop": [{SURROGATE}]}}', "stop.0"),
+    ("/v1/completions", '{"prompt": [1], "max_tokens": 2, "logit_bias": {"\\ud800": 1}}', "logit_bias.\\ud800"),
     ("/v1/completions", '{"prompt": [1], "max_tokens": ' + "9" * 5000 + "}", "max_tokens"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "seed": -' + "1" * 5000 + "}", "seed"),
     ("/v1/completions", '{"prompt": [1], "top_k": 9223372036854775808}', "top_k"),
