@@ -138,7 +138,10 @@ class _Handlers:
 
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
-        return P.parse_request(model, await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s))
+        data = await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s)
+        if model is P.ChatCompletionRequest and isinstance(data, dict):
+            self.prompts.check_message_count(data.get("messages"))   # before validation, whose cost grows with them
+        return P.parse_request(model, data)
 
     def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
         """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
@@ -226,7 +229,8 @@ class _Handlers:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check(req, 1, chat=True)
         agent = await self.agent.chat(req)
-        prompt = await self.prompts.chat(req.template_messages(), agent.tools, agent.mode.template_kwargs)
+        messages = await asyncio.to_thread(req.template_messages)
+        prompt = await self.prompts.chat(messages, agent.tools, agent.mode.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -20,7 +21,7 @@ from splash.server.app import ServerState, create_app
 from splash.server.engine_loop import EngineLoop
 from splash.server.http import protocol_class
 from splash.server.metrics import Metrics
-from splash.tokenizer import load_tokenizer
+from splash.tokenizer import Tokenizer, build_byte_tokenizer, load_tokenizer
 
 TOK = load_tokenizer(None, 320)
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
@@ -34,14 +35,14 @@ def engine():
     return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
 
 
-def _http(engine, checks, read_timeout_s: float = 30.0, **limits):
+def _http(engine, checks, read_timeout_s: float = 30.0, tokenizer=TOK, **limits):
     """Run ``checks(url, state)`` (async) against uvicorn serving a fresh app on ``engine``; returns its result."""
     async def main():
         aio = asyncio.get_running_loop()
         holder = {}
         metrics = Metrics(lambda: holder["loop"].snapshot)
         loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
-        state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
+        state = ServerState(loop=loop, tokenizer=tokenizer, metrics=metrics, model_name="tiny-mla", max_model_len=512,
                             vocab_size=320, limits=ServerSection(read_timeout_s=read_timeout_s, **limits))
         sock = socket.create_server(("127.0.0.1", 0))
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
@@ -373,3 +374,50 @@ def test_stream_options_and_usage_stats(engine):
     used = [e["usage"]["completion_tokens"] for e in events]
     assert len(events) >= 6 and used == sorted(used) and used[-1] == 6 and used[0] >= 1, used
     assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
+
+
+def test_chat_message_count_is_bounded_before_validation(engine):
+    """Validating and rendering a chat costs time per message, on rank 0 (8 MiB of empty messages: about 1 s of
+    validation and, with a model's Jinja template, 3 s of rendering). Each message takes at least one token, so
+    max_model_len (512 here) messages or more are refused before any is validated: the 400 names the count, not the
+    bad role of the last message. One message fewer is read as usual (its bad role is the error)."""
+    many = [{"role": "user", "content": ""}] * 511
+
+    async def checks(url, _):
+        return await _exchange(url, [_request("POST", "/v1/chat/completions", {"messages": many + [{"role": "x"}]}),
+                                     _request("POST", "/v1/chat/completions", {"messages": many[1:] + [{"role": "x"}]}),
+                                     _request("POST", "/v1/chat/completions", CHAT)])
+
+    (s1, r1), (s2, r2), (s3, _) = _http(engine, checks)
+    e1, e2 = json.loads(r1)["error"], json.loads(r2)["error"]
+    assert s1 == 400 and e1["param"] == "messages" and e1["code"] == "context_length_exceeded", e1
+    assert "512 messages" in e1["message"], e1
+    assert s2 == 400 and e2["param"] == "messages.510.role", e2
+    assert s3 == 200
+
+
+class _RecordingTokenizer(Tokenizer):
+    """The byte tokenizer, noting the thread each chat template render runs on."""
+
+    def __init__(self) -> None:
+        super().__init__(build_byte_tokenizer(), bos_token="<|bos|>", eos_token="<|eos|>")
+        self.threads: list[threading.Thread] = []
+
+    def apply_chat_template(self, *args, **kwargs) -> str:
+        self.threads.append(threading.current_thread())
+        return super().apply_chat_template(*args, **kwargs)
+
+
+def test_chat_template_renders_off_the_event_loop(engine):
+    """A model's Jinja template is Python that runs for seconds over thousands of messages or tools: it runs in a
+    worker thread, so the event loop (every stream, /health) keeps its turns."""
+    tok = _RecordingTokenizer()
+
+    async def checks(url, _):
+        loop_thread = threading.current_thread()
+        r = await _post(url, "/v1/chat/completions", CHAT)
+        return loop_thread, r
+
+    loop_thread, r = _http(engine, checks, tokenizer=tok)
+    assert r.status_code == 200 and tok.threads, r.text
+    assert all(t is not loop_thread for t in tok.threads), tok.threads
