@@ -89,13 +89,20 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class ClientTooSlow(Exception):
+    """No part of a client's answer could be written for server.read_timeout_s: its connection is closed."""
+
+
 class _CountRequests:
     """Counts answered requests by route (``other`` for unknown paths, so random paths cannot grow /metrics) and
     status. An exception no handler answered becomes a counted 500 here and is not re-raised, so uvicorn keeps
-    the keep-alive connection instead of resetting it."""
+    the keep-alive connection instead of resetting it. A client whose answer cannot be written for
+    ``send_timeout_s`` (it stopped reading, or reads too slowly to make room in its socket buffers) is dropped,
+    so what its answer holds on rank 0 (a finished response, a stream's queued events) is let go."""
 
-    def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
+    def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset(),
+                 send_timeout_s: float = 30.0) -> None:
+        self.app, self.metrics, self.routes, self.send_timeout_s = app, metrics, routes, send_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -110,10 +117,18 @@ class _CountRequests:
             if message["type"] == "http.response.start":
                 started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
+            try:   # uvicorn's send waits while the client's buffers are full
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except asyncio.TimeoutError:
+                raise ClientTooSlow(f"no part of the answer could be written for {self.send_timeout_s:g}s "
+                                    "(server.read_timeout_s): the client is not reading; closing the connection") \
+                    from None
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except ClientTooSlow as e:
+            _log.warning("%s %s: %s", scope.get("method"), endpoint, e)
+            raise   # uvicorn closes the connection; the response's generator ends, cancelling what still runs
         except Exception as e:  # noqa: BLE001 — one request fails, never the connection or the server
             _log.error("internal error answering %s %s: %s: %s", scope.get("method"), endpoint, type(e).__name__,
                        P.quote(str(e), 200))
@@ -397,5 +412,6 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     routes = frozenset(getattr(r, "path", "") for r in app.routes)
-    app.add_middleware(_CountRequests, metrics=state.metrics, routes=routes)
+    app.add_middleware(_CountRequests, metrics=state.metrics, routes=routes,
+                       send_timeout_s=state.limits.read_timeout_s)
     return app

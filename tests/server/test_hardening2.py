@@ -35,7 +35,7 @@ def engine():
     return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
 
 
-def _http(engine, checks, read_timeout_s: float = 30.0, tokenizer=TOK, **limits):
+def _http(engine, checks, read_timeout_s: float = 30.0, tokenizer=TOK, send_buffer: int | None = None, **limits):
     """Run ``checks(url, state)`` (async) against uvicorn serving a fresh app on ``engine``; returns its result."""
     async def main():
         aio = asyncio.get_running_loop()
@@ -45,6 +45,8 @@ def _http(engine, checks, read_timeout_s: float = 30.0, tokenizer=TOK, **limits)
         state = ServerState(loop=loop, tokenizer=tokenizer, metrics=metrics, model_name="tiny-mla", max_model_len=512,
                             vocab_size=320, limits=ServerSection(read_timeout_s=read_timeout_s, **limits))
         sock = socket.create_server(("127.0.0.1", 0))
+        if send_buffer is not None:   # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                                 ws="none", http=protocol_class(32 * 1024, read_timeout_s, metrics.count_unrouted))
         server = uvicorn.Server(config)
@@ -421,3 +423,42 @@ def test_chat_template_renders_off_the_event_loop(engine):
     loop_thread, r = _http(engine, checks, tokenizer=tok)
     assert r.status_code == 200 and tok.threads, r.text
     assert all(t is not loop_thread for t in tok.threads), tok.threads
+
+
+def _read_until_quiet(s: socket.socket, quiet_s: float) -> tuple[bytes, bool]:
+    """(what arrived, whether the server closed the connection) reading until EOF or `quiet_s` of silence."""
+    s.settimeout(quiet_s)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+        return out, True
+    except TimeoutError:
+        return out, False
+    except ConnectionResetError:
+        return out, True
+
+
+def test_a_client_that_takes_none_of_its_answer_is_dropped(engine):
+    """A client that sends a request and reads nothing holds its answer on rank 0 once the socket buffers are full
+    (a finished response, a stream's queued events): after server.read_timeout_s without taking a byte, its
+    connection is closed; other clients are served."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 48, "n": 4, "logprobs": 20, "ignore_eos": True, "stream": True}
+
+    async def checks(url, _):
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        s.connect((host, int(port)))
+        try:
+            s.sendall(_request("POST", "/v1/completions", body))
+            await asyncio.sleep(4)   # the answer (~100 KB of events) fills the buffers and waits
+            data, closed = await asyncio.to_thread(_read_until_quiet, s, 5.0)
+        finally:
+            s.close()
+        return data, closed, await _post(url, "/v1/completions", GOOD)
+
+    data, closed, good = _http(engine, checks, read_timeout_s=1.0, send_buffer=4096)
+    assert data.startswith(b"HTTP/1.1 200") and len(data) > 4096, data[:200]
+    assert closed and b"data: [DONE]" not in data, (closed, len(data), data[-200:])
+    assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 6
