@@ -10,6 +10,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -89,6 +90,16 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+if sys.version_info >= (3, 11):
+    async def _within(aw: Any, timeout_s: float) -> Any:
+        """``aw`` awaited with a deadline: 3 µs where ``asyncio.wait_for`` costs 9 (it wraps ``aw`` in a task),
+        and it runs once per streamed chunk."""
+        async with asyncio.timeout(timeout_s):
+            return await aw
+else:
+    _within = asyncio.wait_for
+
+
 class ClientTooSlow(Exception):
     """No part of a client's answer could be written for server.read_timeout_s: its connection is closed."""
 
@@ -118,8 +129,8 @@ class _CountRequests:
                 started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             try:   # uvicorn's send waits while the client's buffers are full
-                await asyncio.wait_for(send(message), self.send_timeout_s)
-            except asyncio.TimeoutError:
+                await _within(send(message), self.send_timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
                 raise ClientTooSlow(f"no part of the answer could be written for {self.send_timeout_s:g}s "
                                     "(server.read_timeout_s): the client is not reading; closing the connection") \
                     from None
