@@ -103,7 +103,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("--max-request-body-bytes",), "max_request_body_bytes", str, "BYTES",
      "larger request bodies are answered 413"),
     (("--read-timeout-s",), "read_timeout_s", float, "SECONDS",
-     "a request's headers and body must arrive within this (408)"),
+     "a request's headers and body must arrive within this (408); a client whose answer cannot be written for "
+     "this long (it is not reading) is disconnected"),
     (("--max-seqs-per-request",), "max_seqs_per_request", int, "N",
      "most sequences (prompts x n) in one request (400 beyond)"),
     (("--max-request-mb",), "max_request_mb", float, "MB",

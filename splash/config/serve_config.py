@@ -148,7 +148,8 @@ class ServerSection:
     log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet
     collective_timeout_s: float = Field(60.0, gt=0.0)  # a peer silent this long (no heartbeat) is dead or hung
     max_request_body_bytes: Size = Field(8 << 20, ge=1)  # larger bodies get 413
-    read_timeout_s: float = Field(30.0, gt=0.0)  # a request's headers and body must arrive within this (408)
+    read_timeout_s: float = Field(30.0, gt=0.0)  # a request's headers and body must arrive within this (408), and
+    #                                              a client must take some of its answer within it (else dropped)
     max_seqs_per_request: int = Field(256, ge=1)  # prompts × n of one request (400 beyond)
     max_request_mb: float = Field(256.0, gt=0.0)  # a request's worst-case rank-0 memory / response size (400 beyond)
     max_waiting_seqs: int = Field(1024, ge=0)    # sequences queued beyond scheduler.max_num_seqs (429 beyond)

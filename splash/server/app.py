@@ -10,6 +10,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -89,13 +90,30 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+if sys.version_info >= (3, 11):
+    async def _within(aw: Any, timeout_s: float) -> Any:
+        """``aw`` awaited with a deadline: 3 µs where ``asyncio.wait_for`` costs 9 (it wraps ``aw`` in a task),
+        and it runs once per streamed chunk."""
+        async with asyncio.timeout(timeout_s):
+            return await aw
+else:
+    _within = asyncio.wait_for
+
+
+class ClientTooSlow(Exception):
+    """No part of a client's answer could be written for server.read_timeout_s: its connection is closed."""
+
+
 class _CountRequests:
     """Counts answered requests by route (``other`` for unknown paths, so random paths cannot grow /metrics) and
     status. An exception no handler answered becomes a counted 500 here and is not re-raised, so uvicorn keeps
-    the keep-alive connection instead of resetting it."""
+    the keep-alive connection instead of resetting it. A client whose answer cannot be written for
+    ``send_timeout_s`` (it stopped reading, or reads too slowly to make room in its socket buffers) is dropped,
+    so what its answer holds on rank 0 (a finished response, a stream's queued events) is let go."""
 
-    def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset()) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
+    def __init__(self, app: Any, metrics: Metrics, routes: frozenset[str] = frozenset(),
+                 send_timeout_s: float = 30.0) -> None:
+        self.app, self.metrics, self.routes, self.send_timeout_s = app, metrics, routes, send_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -110,10 +128,18 @@ class _CountRequests:
             if message["type"] == "http.response.start":
                 started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
+            try:   # uvicorn's send waits while the client's buffers are full
+                await _within(send(message), self.send_timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise ClientTooSlow(f"no part of the answer could be written for {self.send_timeout_s:g}s "
+                                    "(server.read_timeout_s): the client is not reading; closing the connection") \
+                    from None
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except ClientTooSlow as e:
+            _log.warning("%s %s: %s", scope.get("method"), endpoint, e)
+            raise   # uvicorn closes the connection; the response's generator ends, cancelling what still runs
         except Exception as e:  # noqa: BLE001 — one request fails, never the connection or the server
             _log.error("internal error answering %s %s: %s: %s", scope.get("method"), endpoint, type(e).__name__,
                        P.quote(str(e), 200))
@@ -138,7 +164,10 @@ class _Handlers:
 
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
-        return P.parse_request(model, await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s))
+        data = await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s)
+        if model is P.ChatCompletionRequest and isinstance(data, dict):
+            self.prompts.check_message_count(data.get("messages"))   # before validation, whose cost grows with them
+        return P.parse_request(model, data)
 
     def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
         """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
@@ -226,7 +255,8 @@ class _Handlers:
         req = await self.body(request, P.ChatCompletionRequest)
         self.check(req, 1, chat=True)
         agent = await self.agent.chat(req)
-        prompt = await self.prompts.chat(req.template_messages(), agent.tools, agent.mode.template_kwargs)
+        messages = await asyncio.to_thread(req.template_messages)
+        prompt = await self.prompts.chat(messages, agent.tools, agent.mode.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
@@ -393,5 +423,6 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     routes = frozenset(getattr(r, "path", "") for r in app.routes)
-    app.add_middleware(_CountRequests, metrics=state.metrics, routes=routes)
+    app.add_middleware(_CountRequests, metrics=state.metrics, routes=routes,
+                       send_timeout_s=state.limits.read_timeout_s)
     return app

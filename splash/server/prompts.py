@@ -1,7 +1,8 @@
 """Turning a request's prompt (text, token ids, lists of either, chat messages) into checked token ids, with bounded
-work: a token-id prompt's length is checked before its vocabulary, and text is tokenised in a worker thread
-(``encode_batch`` releases the GIL), a text longer than ``CHARS_PER_TOKEN`` × ``max_model_len`` characters first
-only up to that many characters: if that prefix does not fit the context, the rest is never tokenised.
+work: a token-id prompt's length is checked before its vocabulary, a chat's message count before its messages are
+validated; the chat template is rendered, and text tokenised (``encode_batch`` releases the GIL), in worker threads;
+a text longer than ``CHARS_PER_TOKEN`` × ``max_model_len`` characters is first tokenised only up to that many
+characters: if that prefix does not fit the context, the rest is never tokenised.
 """
 from __future__ import annotations
 
@@ -55,10 +56,19 @@ class PromptReader:
             return [await self.encode(x, f"prompt[{i}]", True) for i, x in enumerate(prompt)]
         return [self.check_ids(list(x), f"prompt[{i}]") for i, x in enumerate(prompt)]
 
+    def check_message_count(self, messages: Any) -> None:
+        """Every message a chat template renders takes at least one token, and one must be left to generate: more
+        messages than that cannot fit, and are refused before their (per-message) validation and rendering."""
+        if isinstance(messages, list) and len(messages) >= self.max_model_len:
+            raise P.APIError(400, f"'messages' has {len(messages)} messages, but the model's context (max_model_len) "
+                                  f"is {self.max_model_len} tokens: each message takes at least one token, and at "
+                                  "least one token must be left to generate", param="messages",
+                             code="context_length_exceeded")
+
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    kwargs: dict | None = None) -> list[int]:
-        try:
-            text = self.tok.apply_chat_template(messages, tools=tools, kwargs=kwargs)
+        try:   # in a worker thread: a Jinja template over many messages or tools runs for seconds of Python
+            text = await asyncio.to_thread(self.tok.apply_chat_template, messages, tools=tools, kwargs=kwargs)
         except ValueError as e:
             raise P.APIError(400, str(e), param="messages") from None
         return await self.encode(text, "messages", False)

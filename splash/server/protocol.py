@@ -30,11 +30,18 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     return f"{s[:limit]}... ({len(s) - limit} more characters)"
 
 
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its ``\\udXXX`` escape, so it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
             message = f"{message[:MAX_MESSAGE_CHARS]}... (message cut at {MAX_MESSAGE_CHARS} characters)"
+        # a client's field name or value can hold a lone surrogate: shown escaped, as UTF-8 cannot carry it
+        message, param = printable(message), None if param is None else printable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -20,7 +21,7 @@ from splash.server.app import ServerState, create_app
 from splash.server.engine_loop import EngineLoop
 from splash.server.http import protocol_class
 from splash.server.metrics import Metrics
-from splash.tokenizer import load_tokenizer
+from splash.tokenizer import Tokenizer, build_byte_tokenizer, load_tokenizer
 
 TOK = load_tokenizer(None, 320)
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
@@ -34,16 +35,18 @@ def engine():
     return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
 
 
-def _http(engine, checks, read_timeout_s: float = 30.0, **limits):
+def _http(engine, checks, read_timeout_s: float = 30.0, tokenizer=TOK, send_buffer: int | None = None, **limits):
     """Run ``checks(url, state)`` (async) against uvicorn serving a fresh app on ``engine``; returns its result."""
     async def main():
         aio = asyncio.get_running_loop()
         holder = {}
         metrics = Metrics(lambda: holder["loop"].snapshot)
         loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
-        state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
+        state = ServerState(loop=loop, tokenizer=tokenizer, metrics=metrics, model_name="tiny-mla", max_model_len=512,
                             vocab_size=320, limits=ServerSection(read_timeout_s=read_timeout_s, **limits))
         sock = socket.create_server(("127.0.0.1", 0))
+        if send_buffer is not None:   # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                                 ws="none", http=protocol_class(32 * 1024, read_timeout_s, metrics.count_unrouted))
         server = uvicorn.Server(config)
@@ -114,6 +117,7 @@ BAD_BODIES = [   # (path, raw JSON body, the field the 400 must name)
      f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": {SURROGATE}}}]}}]}}',
      "messages.0.content.0.text"),
     ("/v1/completions", f'{{"prompt": [1], "stop": [{SURROGATE}]}}', "stop.0"),
+    ("/v1/completions", '{"prompt": [1], "max_tokens": 2, "logit_bias": {"\\ud800": 1}}', "logit_bias.\\ud800"),
     ("/v1/completions", '{"prompt": [1], "max_tokens": ' + "9" * 5000 + "}", "max_tokens"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "seed": -' + "1" * 5000 + "}", "seed"),
     ("/v1/completions", '{"prompt": [1], "top_k": 9223372036854775808}', "top_k"),
@@ -372,3 +376,89 @@ def test_stream_options_and_usage_stats(engine):
     used = [e["usage"]["completion_tokens"] for e in events]
     assert len(events) >= 6 and used == sorted(used) and used[-1] == 6 and used[0] >= 1, used
     assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
+
+
+def test_chat_message_count_is_bounded_before_validation(engine):
+    """Validating and rendering a chat costs time per message, on rank 0 (8 MiB of empty messages: about 1 s of
+    validation and, with a model's Jinja template, 3 s of rendering). Each message takes at least one token, so
+    max_model_len (512 here) messages or more are refused before any is validated: the 400 names the count, not the
+    bad role of the last message. One message fewer is read as usual (its bad role is the error)."""
+    many = [{"role": "user", "content": ""}] * 511
+
+    async def checks(url, _):
+        return await _exchange(url, [_request("POST", "/v1/chat/completions", {"messages": many + [{"role": "x"}]}),
+                                     _request("POST", "/v1/chat/completions", {"messages": many[1:] + [{"role": "x"}]}),
+                                     _request("POST", "/v1/chat/completions", CHAT)])
+
+    (s1, r1), (s2, r2), (s3, _) = _http(engine, checks)
+    e1, e2 = json.loads(r1)["error"], json.loads(r2)["error"]
+    assert s1 == 400 and e1["param"] == "messages" and e1["code"] == "context_length_exceeded", e1
+    assert "512 messages" in e1["message"], e1
+    assert s2 == 400 and e2["param"] == "messages.510.role", e2
+    assert s3 == 200
+
+
+class _RecordingTokenizer(Tokenizer):
+    """The byte tokenizer, noting the thread each chat template render runs on."""
+
+    def __init__(self) -> None:
+        super().__init__(build_byte_tokenizer(), bos_token="<|bos|>", eos_token="<|eos|>")
+        self.threads: list[threading.Thread] = []
+
+    def apply_chat_template(self, *args, **kwargs) -> str:
+        self.threads.append(threading.current_thread())
+        return super().apply_chat_template(*args, **kwargs)
+
+
+def test_chat_template_renders_off_the_event_loop(engine):
+    """A model's Jinja template is Python that runs for seconds over thousands of messages or tools: it runs in a
+    worker thread, so the event loop (every stream, /health) keeps its turns."""
+    tok = _RecordingTokenizer()
+
+    async def checks(url, _):
+        loop_thread = threading.current_thread()
+        r = await _post(url, "/v1/chat/completions", CHAT)
+        return loop_thread, r
+
+    loop_thread, r = _http(engine, checks, tokenizer=tok)
+    assert r.status_code == 200 and tok.threads, r.text
+    assert all(t is not loop_thread for t in tok.threads), tok.threads
+
+
+def _read_until_quiet(s: socket.socket, quiet_s: float) -> tuple[bytes, bool]:
+    """(what arrived, whether the server closed the connection) reading until EOF or `quiet_s` of silence."""
+    s.settimeout(quiet_s)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+        return out, True
+    except TimeoutError:
+        return out, False
+    except ConnectionResetError:
+        return out, True
+
+
+def test_a_client_that_takes_none_of_its_answer_is_dropped(engine):
+    """A client that sends a request and reads nothing holds its answer on rank 0 once the socket buffers are full
+    (a finished response, a stream's queued events): after server.read_timeout_s without taking a byte, its
+    connection is closed; other clients are served."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 48, "n": 4, "logprobs": 20, "ignore_eos": True, "stream": True}
+
+    async def checks(url, _):
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        s.connect((host, int(port)))
+        try:
+            s.sendall(_request("POST", "/v1/completions", body))
+            await asyncio.sleep(4)   # the answer (~100 KB of events) fills the buffers and waits
+            data, closed = await asyncio.to_thread(_read_until_quiet, s, 5.0)
+        finally:
+            s.close()
+        return data, closed, await _post(url, "/v1/completions", GOOD)
+
+    data, closed, good = _http(engine, checks, read_timeout_s=1.0, send_buffer=4096)
+    assert data.startswith(b"HTTP/1.1 200") and len(data) > 4096, data[:200]
+    assert closed and b"data: [DONE]" not in data, (closed, len(data), data[-200:])
+    assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 6
