@@ -270,7 +270,9 @@ class BatchForecast:
     # fork now would drop those idle now — blocks a waiting request's admission may or may not find. Those steps
     # (admissions, their prefill chunks) are priced again, as `price` samples them for a fresh replay, and kept from
     # here as a fresh replay would be kept: the figures, and so the decisions, are a fresh replay's; only the
-    # scheduler's replay is saved.
+    # scheduler's replay is saved. With none waiting, another layout's kept replay (the cache on) is followed only
+    # where no request joins the running ones from there on: a request preempted later is taken back on the blocks
+    # that replay's cache holds, and it holds blocks a fresh fork would drop (those it left idle itself).
     def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int):
         """(segments, seconds per step, admitted, served) of the kept forecast from the boundary the engine is at,
         or None when the engine did not follow it (or none is kept)."""
