@@ -395,6 +395,26 @@ def test_a_followed_forecast_with_requests_waiting_is_priced_as_the_fresh_one(ca
         _check_followed_is_fresh(case, k, only_waiting=True)
 
 
+@pytest.mark.parametrize("case, k", [
+    ((2, 2, 54, "cp", "dp_attn", [([1] * 12, 1, 1), ([1] * 12, 16, 2), ([1] * 15, 1, 2), ([1] * 12, 16, 4)], 2,
+      dict(max_num_seqs=7, max_num_batched_tokens=24, preemption_mode="recompute")), 1),
+    ((3, 4, 41, "dop", "tp", [([3, 1, 2, 1, 3, 2, 3, 3, 2], 3, 2), ([3, 1, 3, 1, 1], 32, 4),
+                              ([3, 1, 2, 1, 3, 2, 3, 1, 1], 22, 1), ([3, 1, 2, 1, 3, 2, 2], 29, 1),
+                              ([3, 1, 2, 1, 3, 2, 2, 2, 1], 28, 1)], 7,
+      dict(max_num_seqs=7, max_num_batched_tokens=8, preemption_mode="queue")), 15),
+])
+def test_another_layouts_followed_forecast_that_readmits_a_preempted_request_is_replayed(case, k):
+    """The first: the engine in CP with the prefix cache on; DP-attn's forecast, kept while a 15-token prompt waits,
+    has it prefilled on rank 1 and finished, and later preempts a request there that is taken back in the same step,
+    on the finished prompt's idle blocks (their hashes lead its prompt's). Asked again one step on (none waiting), a
+    fresh replay forks the engine's ledger, whose switch drops idle blocks: the request recomputes all 27 tokens in
+    two chunks, where the kept replay found 12 cached. (A saved hypothesis example of the property tests above; the
+    second, a DOP engine and TP's forecast with `preemption_mode: queue`, one a random search found.)"""
+    with mock.patch.object(forecast_mod, "MAX_PREFILL_PRICED", 10 ** 9), \
+            mock.patch.object(forecast_mod, "MAX_DECODE_PRICED", 10 ** 9):
+        _check_followed_is_fresh(case, k)
+
+
 def test_a_forecast_followed_while_requests_wait_is_kept_as_a_fresh_one(monkeypatch):
     """Requests queued behind max_num_seqs, prompts in many chunks (more prefill steps than are priced): a forecast
     for the engine's layout asked again while requests still wait is not replayed, and its figures are a fresh

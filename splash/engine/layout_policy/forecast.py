@@ -54,13 +54,15 @@ class Forecast:
 class Segment:
     """`count` consecutive steps of one shape, charged as `count` x the step of `rows` (new tokens, context,
     owner); `work`: the output tokens they sample, `running`: the requests running in them, `admitted`: those that
-    started running with them."""
+    started running with them, `joins`: whether a request was admitted in them (also one preempted and taken back in
+    the same step, which `admitted` does not name)."""
     rows: list[tuple[int, int, int | None]]
     count: int
     prefill: bool
     work: int = 0
     running: int = 0
     admitted: tuple[str, ...] = ()
+    joins: bool = False
 
 
 @dataclass
@@ -132,7 +134,7 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
             step += run
             continue
         before = {r.req_id for r in sched.running}
-        preempted = sched.num_preemptions
+        preempted, waiting = sched.num_preemptions, len(sched.waiting)
         plan = sched.schedule()
         step += 1
         now = {r.req_id for r in sched.running}
@@ -149,8 +151,10 @@ def replay(sched: Scheduler, max_steps: int = MAX_STEPS, trace: bool = False,
             continue
         rows = [(len(it.tokens), it.start_pos, it.owner) for it in plan.items]
         sampled = {it.req_id: _TOKEN for it in plan.items if it.sample}
+        # admissions leave the queue shorter than it was with this step's preempted requests added
+        joins = len(sched.waiting) < waiting + sched.num_preemptions - preempted
         segments.append(Segment(rows, 1, any(n > 1 for n, _, _ in rows), len(sampled), len(now),
-                                tuple(sorted(now - before))))
+                                tuple(sorted(now - before)), joins))
         work += len(sampled)
         done = sched.update(plan, sampled)
         if trace:
@@ -190,6 +194,10 @@ def _along_decode(state) -> tuple[frozenset, tuple]:
             tuple(rid for rid, *_, run in state if not run))
 
 
+def _last_admit(segments: Sequence[Segment]) -> int:
+    return next((i for i in range(len(segments) - 1, -1, -1) if segments[i].joins), -1)
+
+
 @dataclass
 class _Kept:
     """A layout's last replayed forecast and the boundaries it passed."""
@@ -199,6 +207,7 @@ class _Kept:
     bounds: list[tuple[int, tuple]]      # (segments before it, `boundary`) of each boundary, in order
     ids: frozenset                       # the requests it replayed
     complete: bool = True                # ... to their end (a replay cut at MAX_STEPS ends where a fresh one would not)
+    last_admit: int = -1                 # the last segment that admits a request (-1: none does)
     index: dict[tuple, list[int]] | None = None   # `_along_decode` -> boundaries (built when first asked)
 
 
@@ -241,7 +250,7 @@ class BatchForecast:
             segments, secs = rp.segments, self.price(lay, rp.segments)
             admitted, served = rp.admitted, len(rp.served)
             self._kept[lay] = _Kept((self.scheduler.ledger.layout, cap), segments, secs, bounds,
-                                    frozenset(r.req_id for r in reqs), rp.complete)
+                                    frozenset(r.req_id for r in reqs), rp.complete, _last_admit(segments))
         pre = sum(s * seg.count for s, seg in zip(secs, segments) if seg.prefill)
         dec = sum(s * seg.count for s, seg in zip(secs, segments) if not seg.prefill)
         first = next((s for s, seg in zip(secs, segments) if not seg.prefill), 0.0)
@@ -261,7 +270,9 @@ class BatchForecast:
     # fork now would drop those idle now — blocks a waiting request's admission may or may not find. Those steps
     # (admissions, their prefill chunks) are priced again, as `price` samples them for a fresh replay, and kept from
     # here as a fresh replay would be kept: the figures, and so the decisions, are a fresh replay's; only the
-    # scheduler's replay is saved.
+    # scheduler's replay is saved. With none waiting, another layout's kept replay (the cache on) is followed only
+    # where no request joins the running ones from there on: a request preempted later is taken back on the blocks
+    # that replay's cache holds, and it holds blocks a fresh fork would drop (those it left idle itself).
     def _followed(self, lay: str, reqs: Sequence[ReqView], cap: int):
         """(segments, seconds per step, admitted, served) of the kept forecast from the boundary the engine is at,
         or None when the engine did not follow it (or none is kept)."""
@@ -276,13 +287,17 @@ class BatchForecast:
             kept.index = {}
             for i, (_, state) in enumerate(kept.bounds):
                 kept.index.setdefault(_along_decode(state), []).append(i)
+        # another layout's replay, prefix cache on: its cache holds blocks a fresh fork would drop (idle in the
+        # engine now, or left idle by the replay itself), so only a tail that admits nothing (no request waiting
+        # nor taken back after a preemption: admission is all that reads the cache) is a fresh replay's
+        cache_blind = lay == kept.key[0] or not self.scheduler.ledger.prefix
         now = {r.req_id: r.cached for r in reqs if r.running}
         for b in kept.index.get(_along_decode((r.req_id, r.cached, r.pending, r.remaining, r.owner, r.running)
                                               for r in reqs), ()):
             seg_i, state = kept.bounds[b]
             ks = {now[rid] - c for rid, c, *_, run in state if run}
             k = ks.pop() if ks else 0
-            if ks or k < 0 or (b == 0 and k == 0):
+            if ks or k < 0 or (b == 0 and k == 0) or (not cache_blind and seg_i <= kept.last_admit):
                 continue
             if k:   # k steps into a steady decode run that starts at this boundary
                 if seg_i >= len(kept.segments) or kept.segments[seg_i].prefill or k >= kept.segments[seg_i].count:
@@ -300,7 +315,8 @@ class BatchForecast:
                 out_secs = self.price(lay, out_seg)
                 here = tuple((r.req_id, r.cached, r.pending, r.remaining, r.owner, r.running) for r in reqs)
                 bounds = [(0, here), *((i - seg_i, st) for i, st in kept.bounds[b + 1:])]
-                self._kept[lay] = _Kept(kept.key, out_seg, out_secs, bounds, frozenset(r.req_id for r in reqs))
+                self._kept[lay] = _Kept(kept.key, out_seg, out_secs, bounds, frozenset(r.req_id for r in reqs),
+                                        last_admit=_last_admit(out_seg))
             admitted = max([len(now), *(seg.running for seg in out_seg)])
             served = len(now.keys() | {rid for seg in out_seg for rid in seg.admitted})
             return out_seg, out_secs, admitted, served
