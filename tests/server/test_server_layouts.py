@@ -60,7 +60,8 @@ server: {{port: 0, quiet: true, admin_token: {TOKEN}}}
 def _streams_with_switch(url: str, prompts: list[list[int]], target: str, model: str,
                          max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[bool]]:
     """Start one streaming request per prompt; once all have tokens, pin ``target``; return their tokens and
-    whether each was still running when the pin was accepted."""
+    whether each was still running when the pin was accepted. The last stream asks for 4x ``max_tokens`` so that on a
+    fast host one is surely still running when the pin lands (callers compare the first tokens only)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     got: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
@@ -69,7 +70,8 @@ def _streams_with_switch(url: str, prompts: list[list[int]], target: str, model:
 
     def run(i: int) -> None:
         try:
-            stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens,
+            n = max_tokens * (4 if i == len(prompts) - 1 else 1)
+            stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=n,
                                                temperature=0, stream=True,
                                                extra_body={"return_token_ids": True, "ignore_eos": True})
             first = True
