@@ -40,7 +40,7 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("--preset",), "preset", str, "NAME", "random-weight preset used when no --model is given"),
     (("--dtype",), "dtype", str, None,
      "compute dtype; auto = float32 on cpu, bfloat16 on GPUs"),
-    (("--seed",), "seed", int, "N", "random seed (preset weights, sampling)"),
+    (("--seed",), "seed", int, "N", "random seed of the preset's weights and of sampling for requests without a seed"),
     (("--tokenizer",), "tokenizer", str, "DIR", "tokenizer directory if not the model directory"),
     (("--max-model-len",), "max_model_len", int, "N", "longest prompt+output in tokens"),
     (("--quantization",), "quantization", str, None,

@@ -172,7 +172,8 @@ def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *,
         engine = Engine(runner, comm if step_comm is None else step_comm, blocks, args.max_num_seqs,
                         args.max_num_batched_tokens, args.preemption_mode, args.max_model_len, args.switch_mode,
                         tuple(args.allowed_layouts), hardware_profile=args.hardware_profile,
-                        switch_margin=args.switch_margin, enable_prefix_caching=args.enable_prefix_caching)
+                        switch_margin=args.switch_margin, enable_prefix_caching=args.enable_prefix_caching,
+                        seed=args.seed)
         engine.request_layout(args.layout)   # a pinned layout stays unless request_layout moves it; or auto
     engine.scheduler.chunked_prefill = args.enable_chunked_prefill
     return engine

@@ -46,9 +46,10 @@ class Engine:
                  max_model_len: int | None = None, switch_mode: str = "live",
                  allowed_layouts: tuple[str, ...] = ("tp", "dp_attn", "cp", "dop"),
                  hardware_profile: str | None = None, switch_margin: float = 0.10,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, seed: int | None = None):
         """`hardware_profile` (a name under configs/hardware/ or a profile .yaml) turns on the cost-model
-        scheduler for `auto` mode; without one, auto stays in the start layout."""
+        scheduler for `auto` mode; without one, auto stays in the start layout. `seed` seeds the sampling of the
+        requests that bring no seed of their own (vLLM's --seed); None: a fresh seed each run."""
         self.runner, self.comm = runner, comm
         # blocks_per_rank: the physical pool, or per-layout usable blocks (splash.engine.build.kv_blocks_per_layout).
         caps = blocks_per_rank if isinstance(blocks_per_rank, dict) else {}
@@ -65,7 +66,9 @@ class Engine:
         slots = state_snapshot_slots(runner.cfg, max_num_seqs, self.ledger.prefix)
         if slots:
             self.ledger.snapshots = StateSnapshots(comm.size, runner.block_size, runner.layout, slots)
-        self.sampler = Sampler(runner.cfg.vocab_size, device=getattr(runner, "device", "cpu"))
+        device = getattr(runner, "device", "cpu")
+        shared = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        self.sampler = Sampler(runner.cfg.vocab_size, shared, device=device)
         self._plp: dict[str, _PromptLogprobs] = {}
         self.failed: list[RequestFailure] = []   # requests whose sampling raised (see take_failures)
         self.num_steps = 0
