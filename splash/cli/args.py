@@ -51,8 +51,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "naming what is missing; cuda/hip are not verified on hardware yet (docs/backends.md)"),
     (("--attention-backend",), "attention_backend", str, None,
      "MLA attention kernel: torch (reference), triton (our paged split-KV kernel), flashinfer (cuda) or aiter "
-     "(hip); flashinfer/aiter fall back to triton where their constraints fail (GPU kernels not yet verified on "
-     "hardware, docs/backends.md)"),
+     "(hip); default: torch on cpu, flashinfer on cuda, aiter on hip; flashinfer/aiter fall back to triton where "
+     "their constraints fail (GPU kernels not yet verified on hardware, docs/backends.md)"),
     (("--communicator",), "communicator", str, None,
      "tensor collectives: mpi (mpi4py) or torch (torch.distributed, gloo on cpu); step plans and aborts stay "
      "on MPI; default: mpi on cpu, torch on cuda/hip"),
@@ -67,16 +67,18 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("--switch-margin",), "switch_margin", float, "F",
      "switch only if the new layout is predicted faster by this fraction"),
     (("--hardware-profile",), "hardware_profile", str, "NAME|PATH",
-     "cost-model profile: cpu, h200, b200, bw1000, or a profile .yaml"),
+     "cost-model profile of layout auto: cpu, h200, b200, bw1000, or a profile .yaml; default: cpu on the cpu "
+     "backend, none on GPUs (auto then stays in its start layout: set one there)"),
     (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str, None,
      "KV cache storage dtype; auto = compute dtype"),
     (("--block-size",), "block_size", int, "N",
      "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "F",
      "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
-     "(splash.layouts.device_budget); unused on cpu, where --kv-cache-memory-bytes sets the KV budget"),
+     "(splash.layouts.device_budget) unless --kv-cache-memory-bytes or --num-kv-blocks is set; unused on cpu"),
     (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", str, "BYTES",
-     "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (used on cpu)"),
+     "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (default on cpu: 64MiB; on GPUs it replaces the "
+     "--gpu-memory-utilization budget)"),
     (("--num-kv-blocks",), "num_kv_blocks", int, "N", "exact number of KV pages per rank"),
     (("--enable-prefix-caching",), "enable_prefix_caching", _BOOL, None,
      "reuse the KV of full blocks a prompt shares with earlier ones (on by default; glm5_next also keeps snapshots of its KDA state at block boundaries)"),

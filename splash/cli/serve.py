@@ -36,8 +36,8 @@ def _ignore_stop_signals(rank: int) -> None:
     def on_signal(signum, _frame) -> None:
         if not told:
             told.append(True)
-            os.write(2, f"splash-serve: rank {rank}: ignoring {signal.Signals(signum).name}; stop the job by "
-                        f"signalling rank 0 or mpiexec\n".encode())
+            os.write(2, f"splash-serve: rank {rank}: ignoring {signal.Signals(signum).name}: a follower stops on "
+                        f"rank 0's word (signal rank 0 or mpiexec, which passes a signal to every rank)\n".encode())
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)

@@ -101,7 +101,7 @@ class LayoutSection:
     allowed_layouts: tuple[Literal[LAYOUTS], ...] = Field(LAYOUTS, strict=False)   # a YAML list
     switch_mode: Literal["live", "blocking"] = "live"
     switch_margin: float = Field(0.10, ge=0.0)   # switch only when predicted >= 10% faster
-    hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → auto
+    hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → cpu on cpu, else none
 
     def __post_init__(self) -> None:
         hp = self.hardware_profile
@@ -248,7 +248,8 @@ class ServeConfig:
 
     @property
     def hardware_profile(self) -> str | None:
-        """layout.hardware_profile; None on GPUs means 'detect from the device name' (server's job)."""
+        """layout.hardware_profile; unset: cpu on the cpu backend, None on GPUs (no profile is guessed from the
+        device: `auto` then stays in its start layout, which `splash-serve --check` reports)."""
         hp = self.layout.hardware_profile
         return "cpu" if hp is None and self.parallel.backend == "cpu" else hp
 
