@@ -57,3 +57,91 @@ def test_the_readme_names_every_metric_the_server_exports_and_no_other():
     exported = _exported_metric_names()
     assert exported - readme == set(), "exported but not in the README"
     assert readme - exported == set(), "in the README but not exported"
+
+
+def _help_text(words: list[str], capsys) -> str | None:
+    """The --help text of the command a documented line runs (`words` from its program on), or None for a command
+    that is not SPLASH's (make, curl, pip, ...)."""
+    import runpy
+    import sys
+
+    import pytest
+
+    if words[0].rsplit("/", 1)[-1].startswith("python") and words[1].endswith(".py"):
+        words = words[1:]   # python scripts/NAME.py ...
+    prog, rest = words[0].rsplit("/", 1)[-1], words[1:]
+    sub = [rest[0]] if rest and not rest[0].startswith("-") else []
+    if prog == "splash-sim":
+        from splash.sim.cli import main
+        call = lambda: main(sub + ["--help"])   # noqa: E731
+    elif prog == "splash-bench":
+        from splash.bench.cli import main
+        call = lambda: main(sub + ["--help"])   # noqa: E731
+    elif prog == "splash-serve":
+        from splash.cli.args import build_parser
+        return build_parser().format_help()
+    elif prog == "python" and rest[:1] == ["-m"] and rest[1].startswith("splash.bench."):
+        from splash.bench.cli import main
+        call = lambda: main([rest[1].rsplit(".", 1)[-1], "--help"])   # noqa: E731
+    elif prog == "load_test.py":
+        def call():
+            argv, sys.argv = sys.argv, [words[0], "--help"]
+            try:
+                runpy.run_path(str(README.parent / "scripts" / "load_test.py"), run_name="__main__")
+            finally:
+                sys.argv = argv
+    else:
+        return None
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ex:
+        call()
+    assert ex.value.code == 0, words
+    return capsys.readouterr().out
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """(where, words) of every command line in the README's bash blocks and configs/*.yaml headers, with the
+    environment assignments, mpirun/mpiexec and their -n N stripped."""
+    import shlex
+
+    lines = []
+    block = False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            block = line.startswith("```bash")
+        elif block:
+            lines.append(("README.md", line))
+    for path in sorted((README.parent / "configs").glob("*.yaml")):
+        lines += [(path.name, ln[1:]) for ln in path.read_text().splitlines() if re.match(r"#\s+(mpirun|splash-)", ln)]
+    out, pending = [], ""
+    for where, line in lines:
+        line = pending + line.split(" #")[0].split("\t#")[0]
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1] + " "
+            continue
+        pending = ""
+        words = shlex.split(line, comments=True)
+        while words and ("=" in words[0] and not words[0].startswith("-")):
+            words = words[1:]
+        if words and words[0].rsplit("/", 1)[-1] in ("mpirun", "mpiexec"):
+            words = words[3:] if words[1:2] == ["-n"] else words[1:]
+        if words:
+            out.append((where, words))
+    return out
+
+
+def test_every_documented_command_takes_the_flags_it_is_shown_with(capsys):
+    """README: "every command it shows must run as shown" — at least, each SPLASH command line of the README and of
+    configs/*.yaml names a subcommand and flags that command has, and the input files it names exist."""
+    seen = 0
+    for where, words in _documented_commands():
+        text = _help_text(words, capsys)
+        if text is None:
+            continue
+        seen += 1
+        for flag in (w.split("=")[0] for w in words[1:] if w.startswith("--")):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), f"{where}: {' '.join(words)}: {flag}"
+        for opt, value in zip(words, words[1:]):
+            if opt in ("--config", "--workload", "--trace") and value.endswith((".yaml", ".json")):
+                assert (README.parent / value).exists(), f"{where}: {' '.join(words)}: {value}"
+    assert seen >= 20
