@@ -238,8 +238,8 @@ def build_profile(comm, args) -> dict:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     raw = {
         "name": args.name,
-        "source": (f"splash-bench calibrate, {comm.size} ranks, preset {args.preset}, {args.stat}, {stamp}, "
-                   f"load average {load:.2f} at the end"),
+        "source": (f"splash-bench calibrate, {comm.size} ranks, preset {args.preset}, {args.stat}, "
+                   f"clock {args.clock}, {stamp}, load average {load:.2f} at the end"),
         "gemm_flops_per_s": _4g(m["gemm"]),
         "memory_bytes_per_s": _4g(m["bw"]),
         "attention_flops_per_s": _4g(m["attn"]),
@@ -285,13 +285,13 @@ def build_profile(comm, args) -> dict:
 
 
 HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see the source line below for when/where):
-#   OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python -m splash.bench.calibrate --preset small-mla --clock cpu --out configs/hardware/cpu.yaml
+#   {command}
 # --clock cpu: the one-rank microbenchmarks are timed by the thread's CPU time (the host is shared by other
 # jobs); collectives by the wall clock, their least-preempted (min) repetition; the per-layout step overheads
 # and collective_sync_s (real 2-rank steps, same clock) as bench_costmodel measures: median over repetitions of
 # the least-preempted of 3 steps.
-# fused_kernels (not written: false): count ops as splash/costmodel/op_counts.py FUSED. Measured no better on
-# two decode grids (docs/benchmarks.md, cost model round 9), as moe_grouped before it.
+# fused_kernels: false (true: count ops as splash/costmodel/op_counts.py FUSED). Measured no better on two decode
+# grids (docs/benchmarks.md, cost model round 9), as moe_grouped before it.
 # attention_row_kernel: true when SPLASH's C kernel runs every fp32 row (one intra-op thread, AVX2): each row
 # walks its own visible keys, one call a layer; the split-KV terms below then describe only quantised pools.
 # attention_combine: sum — the torch kernel gathers each chunk of pages into a copy, then runs the bmm's.
@@ -311,6 +311,16 @@ HEADER = """# CPU hardware profile, measured by `splash-bench calibrate` (see th
 """
 
 
+def command_line(args, world: int) -> str:
+    """The command that measured a profile, as its header records it (the one run, not a fixed example)."""
+    import os
+    import shlex
+
+    argv = getattr(args, "argv", None) or ["calibrate"]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + f"mpiexec -n {world} splash-bench {shlex.join(argv)}"
+
+
 def run(args) -> int:
     import dataclasses
 
@@ -328,11 +338,12 @@ def run(args) -> int:
         prof = profile_from_dict(raw, "calibrate output")
         prof = dataclasses.replace(prof, provenance=calibrated_provenance(
             prof.to_dict(), getattr(args, "in_step_collectives", False), getattr(args, "prefill_factors", False)))
+        header = HEADER.format(command=command_line(args, comm.size))
         if args.out:
-            save_profile(prof, args.out, HEADER)
+            save_profile(prof, args.out, header)
             print(f"wrote {args.out}", flush=True)
         else:
-            print(HEADER + yaml.safe_dump(prof.to_dict(), sort_keys=False), flush=True)
+            print(header + yaml.safe_dump(prof.to_dict(), sort_keys=False), flush=True)
     comm.barrier()
     return 0
 

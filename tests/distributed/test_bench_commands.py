@@ -62,6 +62,10 @@ def test_calibrate_writes_a_profile_the_cost_model_uses(tmp_path):
     prof = load_profile(str(out))   # validated as every shipped profile is
     assert prof.name == "cpu-test" and "2 ranks, preset tiny-mla, min" in prof.source
     assert out.read_text().startswith("# CPU hardware profile, measured by `splash-bench calibrate`")
+    # the header names the command that ran (not a fixed example), and the source line its clock
+    command = out.read_text().splitlines()[1]
+    assert "mpiexec -n 2 splash-bench calibrate" in command and "--clock cpu --stat min" in command, command
+    assert "min, clock cpu," in prof.source
     assert all(v > 0 for v in prof.gemm_flops_per_s.values())
     assert prof.memory_bytes_per_s > 0 and prof.kv_read_bytes_per_s > 0 and prof.op_overhead_s > 0
     assert all(c.alpha_s >= 0 and c.bytes_per_s > 0 for c in prof.collectives.values())
