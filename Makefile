@@ -1,5 +1,6 @@
 # The two commands a new user needs: `make serve` runs the default job, `make test` runs the tests.
-# Both create (or reuse) .venv and install what they need; torch is pinned to the local CPU build.
+# Both create (or reuse) .venv and install what they need; torch is pinned to $(TORCH), which pip resolves to the
+# local CPU wheel on this project's machines (from PyPI alone, Linux x86-64 gets the CUDA build).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
