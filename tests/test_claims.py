@@ -145,3 +145,18 @@ def test_every_documented_command_takes_the_flags_it_is_shown_with(capsys):
             if opt in ("--config", "--workload", "--trace") and value.endswith((".yaml", ".json")):
                 assert (README.parent / value).exists(), f"{where}: {' '.join(words)}: {value}"
     assert seen >= 20
+
+
+def test_the_python_floor_pyproject_declares_runs_the_code():
+    """pyproject's `requires-python` is a promise: vermin (the minimum-version detector) finds nothing in splash/,
+    backends/ or scripts/ that needs a newer Python than its floor."""
+    import subprocess
+    import sys
+    import tomllib
+
+    floor = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor.startswith(">="), floor
+    res = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations", "--eval-annotations",
+                          f"-t={floor[2:].strip()}-", "splash", "backends", "scripts"],
+                         cwd=README.parent, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
