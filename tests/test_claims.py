@@ -99,20 +99,11 @@ def _help_text(words: list[str], capsys) -> str | None:
     return capsys.readouterr().out
 
 
-def _documented_commands() -> list[tuple[str, list[str]]]:
-    """(where, words) of every command line in the README's bash blocks and configs/*.yaml headers, with the
-    environment assignments, mpirun/mpiexec and their -n N stripped."""
+def _command_words(lines: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(where, words) of each command in `lines` (continuations joined, comments, environment assignments,
+    mpirun/mpiexec and their -n N stripped; the `[ ]` of optional parts dropped)."""
     import shlex
 
-    lines = []
-    block = False
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            block = line.startswith("```bash")
-        elif block:
-            lines.append(("README.md", line))
-    for path in sorted((README.parent / "configs").glob("*.yaml")):
-        lines += [(path.name, ln[1:]) for ln in path.read_text().splitlines() if re.match(r"#\s+(mpirun|splash-)", ln)]
     out, pending = [], ""
     for where, line in lines:
         line = pending + line.split(" #")[0].split("\t#")[0]
@@ -120,7 +111,8 @@ def _documented_commands() -> list[tuple[str, list[str]]]:
             pending = line.rstrip()[:-1] + " "
             continue
         pending = ""
-        words = shlex.split(line, comments=True)
+        words = [w for w in shlex.split(line.replace("[", " ").replace("]", " "), comments=True)
+                 if w not in ("...", "…")]
         while words and ("=" in words[0] and not words[0].startswith("-")):
             words = words[1:]
         if words and words[0].rsplit("/", 1)[-1] in ("mpirun", "mpiexec"):
@@ -130,11 +122,45 @@ def _documented_commands() -> list[tuple[str, list[str]]]:
     return out
 
 
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """Every command line in the README's bash blocks and configs/*.yaml headers."""
+    lines = []
+    block = False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            block = line.startswith("```bash")
+        elif block:
+            lines.append(("README.md", line))
+    for path in sorted((README.parent / "configs").glob("*.yaml")):
+        lines += [(path.name, ln[1:]) for ln in path.read_text().splitlines() if re.match(r"#\s+(mpirun|splash-)", ln)]
+    return _command_words(lines)
+
+
+def _help_examples(capsys) -> list[tuple[str, list[str]]]:
+    """Every example command line in the --help texts of splash-serve, splash-sim (and its subcommands) and every
+    splash-bench subcommand."""
+    from splash.bench.cli import SUBCOMMANDS
+
+    commands = [["splash-serve"], ["splash-sim"], *(["splash-sim", s] for s in ("paper", "mechanisms", "gap")),
+                *(["splash-bench", s] for s in SUBCOMMANDS)]
+    lines = []
+    example = re.compile(r"^\s+(OMP_NUM_THREADS=\S+\s+)?(\S*/)?(mpirun|mpiexec|splash-(serve|sim|bench))\s")
+    for cmd in commands:
+        text = _help_text(cmd, capsys)
+        pending = False
+        for line in text.splitlines():
+            if example.match(line) or pending:
+                lines.append((" ".join(cmd) + " --help", line))
+                pending = line.rstrip().endswith("\\")
+    return _command_words(lines)
+
+
 def test_every_documented_command_takes_the_flags_it_is_shown_with(capsys):
-    """README: "every command it shows must run as shown" — at least, each SPLASH command line of the README and of
-    configs/*.yaml names a subcommand and flags that command has, and the input files it names exist."""
+    """README: "every command it shows must run as shown" — at least, each SPLASH command line of the README, of
+    configs/*.yaml and of the commands' own --help examples names a subcommand and flags that command has, and the
+    input files it names exist."""
     seen = 0
-    for where, words in _documented_commands():
+    for where, words in _documented_commands() + _help_examples(capsys):
         text = _help_text(words, capsys)
         if text is None:
             continue

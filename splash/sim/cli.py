@@ -1,7 +1,7 @@
 """splash-sim: predicted throughput per attention layout at paper scale, from the cost model. No torch, no MPI.
 
     splash-sim --model glm-5.3 --hardware b200 --ranks 8 --batch-sizes 16 --input-lens 1K,4K,16K,64K,128K,256K,512K
-    splash-sim --model glm-5.3-flash --hardware bw1000 --ranks 8 --trace workload.json
+    splash-sim --model glm-5.3-flash --hardware bw1000 --ranks 8 --trace benchmarks/workloads/rl-rollout-samples.yaml
     splash-sim paper [--json FILE]      # the paper's figures beside splash-sim's (splash/sim/paper.py)
     splash-sim mechanisms [--only b200]  # what candidate mechanisms for DOP's lead predict (prefill_mechanisms.py)
     splash-sim gap [--only b200]        # what one stage alone would need to close a tokens/s miss (tps_gap.py)
