@@ -186,3 +186,15 @@ def test_the_python_floor_pyproject_declares_runs_the_code():
                           f"-t={floor[2:].strip()}-", "splash", "backends", "scripts"],
                          cwd=README.parent, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def test_the_fields_without_a_flag_are_the_ones_configs_cpu_yaml_names():
+    """configs/cpu.yaml: "Every field but parallel.world_size and cache.layout_kv_dtypes can be overridden by the
+    matching flag" (it said every field)."""
+    from splash.cli.args import FLAGS
+    from splash.config.serve_config import FIELD_SECTION
+
+    without = {f"{FIELD_SECTION[name]}.{name}" for name in set(FIELD_SECTION) - {f[1] for f in FLAGS}}
+    header = (README.parent / "configs" / "cpu.yaml").read_text().split("\n\n")[0]
+    named = set(re.findall(r"\b(?:model|parallel|layout|cache|scheduler|server)\.[a-z_]+", header))
+    assert without == named == {"parallel.world_size", "cache.layout_kv_dtypes"}
