@@ -29,11 +29,18 @@ until a switch was observed), and after a switch the controller stays at least D
 measured cost (in step seconds) before switching again, unless the current layout becomes infeasible. The last
 HISTORY decisions that changed are kept for the API.
 
+A measured factor is certain only for batches like those it was learnt on: the model's error sits in stages (one
+layout's FFN slow, another's attention), so when the batch's shape moves — fewer rows, longer contexts — the stage
+mix of its decode steps moves, and a layout's decode factor learnt elsewhere (in a layout auto left behind) carries
+an uncertainty that grows with the distance between the mixes (`correction`, `_decode_shape`); the layout in use
+keeps being measured where the batch is.
+
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
 whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
-which is not measured yet in a regime (its uncertainty there at least PROBE_MIN_UNCERTAINTY beyond the current
-layout's, or at least PROBE_MIN_UNCERTAINTY where the current layout's is below it), may be entered to measure it:
+which is not measured yet in a regime, or measured there on batches of another shape only (its uncertainty there
+at least PROBE_MIN_UNCERTAINTY beyond the current layout's, or at least PROBE_MIN_UNCERTAINTY where the current
+layout's is below it), may be entered to measure it:
 at most MAX_PROBES times per layout and regime, and only when twice the switch's corrected cost (there and back) is
 within PROBE_BUDGET of the current layout's predicted time for the work left. The regime the next steps run in comes
 first. A probe for the other one must first run the steps before that regime's first step in a layout that may be
