@@ -239,7 +239,7 @@ class AutoLayout:
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc, until = {}, {}, {}, {}, {}, {}, {}, {}
-        self._shape = self._decode_shape(reqs)
+        self._shape = self._decode_shape(reqs, current)
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -293,13 +293,14 @@ class AutoLayout:
                   else (per_tok[current] - per_tok[lay] * math.exp(unc.get(lay, 0.0))) * base["work_tokens"])
         return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
 
-    def _decode_shape(self, reqs: Sequence[ReqView]) -> dict[str, dict[str, float]]:
+    def _decode_shape(self, reqs: Sequence[ReqView], current: str) -> dict[str, dict[str, float]]:
         """Per layout whose decode factor was learnt with a stage mix, the stage mix of one decode step of the running
-        requests there (the batch as it is now): what that factor is judged against (`_uncertainty`)."""
+        requests there (the batch as it is now): what that factor is judged against (`_uncertainty`). Not for
+        `current`: its steps measure it on this batch, so its factor follows the batch's shape as it moves."""
         rows = [self.row(1, r.cached, r.owner) for r in reqs if r.running and r.cached > 0]
         out = {}
         for lay, st in self.stats.items():
-            if rows and st.n and st.mix is not None:
+            if rows and lay != current and st.n and st.mix is not None:
                 mix = stage_mix(getattr(self.model.step(lay, rows), "stages", None))
                 if mix is not None:
                     out[lay] = mix
