@@ -682,10 +682,24 @@ def test_a_layout_measured_on_a_batch_of_another_shape_is_probed_again():
     assert a.steps.uncertainty("tp") < 0.1                   # measured 39 times: known where it was measured
     d = a.propose(0, "dop", long_, usage(long_))
     assert (d.verdict, d.target, d.probe) == ("switch", "tp", True) and "stage mix" in d.reason
-    assert d.uncertainty["tp"] > 0.1 and d.seconds_per_token["tp"] < d.seconds_per_token["dop"]
+    assert d.seconds_per_token["tp"] < d.seconds_per_token["dop"]
+    assert d.uncertainty["tp"] < 0.1    # the normal rule's: the shape widens only what a probe is judged by
     # the same TP measured on this shape of batch: known, and 2% is below the margin
     b = make(m, observe_every=1, caps=dict.fromkeys(LAYOUTS, 100_000))
     _visit_batch(b, m, "tp", long_, 1.0)
     _visit_batch(b, m, "dop", long_, 1.0)
     d = b.propose(0, "dop", long_, usage(long_))
     assert (d.verdict, d.probe) == ("below_margin", False) and d.uncertainty["tp"] < 0.1
+
+
+def test_a_layout_measured_on_another_shape_is_entered_on_its_measured_lead():
+    # as above, but TP now leads DOP by 15% on its point prediction (its own measured factor): the normal rule takes
+    # it — the shape's bound is no evidence against that factor, so it does not make the lead "uncertain"
+    m = StagedCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-3},
+                   per_kv={"tp": 0.85e-7, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-7})
+    short, long_ = decode_batch(64, 100), decode_batch(4, 100_000, remaining=10_000)
+    a = make(m, observe_every=1, caps=dict.fromkeys(LAYOUTS, 100_000))
+    _visit_batch(a, m, "tp", short, 1.0)
+    _visit_batch(a, m, "dop", long_, 1.0)
+    d = a.propose(0, "dop", long_, usage(long_))
+    assert (d.verdict, d.target, d.probe) == ("switch", "tp", False)

@@ -31,9 +31,12 @@ HISTORY decisions that changed are kept for the API.
 
 A measured factor is certain only for batches like those it was learnt on: the model's error sits in stages (one
 layout's FFN slow, another's attention), so when the batch's shape moves — fewer rows, longer contexts — the stage
-mix of its decode steps moves, and a layout's decode factor learnt elsewhere (in a layout auto left behind) carries
-an uncertainty that grows with the distance between the mixes (`correction`, `_decode_shape`); the layout in use
-keeps being measured where the batch is.
+mix of its decode steps moves, and a layout's decode factor learnt elsewhere (in a layout auto left behind) may be
+off by up to a bound that grows with the distance between the mixes (`correction`, `_decode_shape`); the layout in
+use keeps being measured where the batch is. That bound widens what a *probe* (below) is judged by — the layout
+could lead here, and a bounded round trip measures it — but not the normal rule: a worst-case bound is no evidence
+against the layout's own measured factor, which stays its best estimate, so it does not hold auto back from a
+switch that factor supports.
 
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
@@ -240,6 +243,7 @@ class AutoLayout:
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc, until = {}, {}, {}, {}, {}, {}, {}, {}
         self._shape = self._decode_shape(reqs, current)
+        unc_probe = {}   # a probe's uncertainty: also how far the batch moved from where a factor was learnt
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -253,13 +257,16 @@ class AutoLayout:
             pre, dec, first, work = fc.prefill_s, fc.decode_s, fc.first_step_s, fc.work
             secs = pre * fp + dec * f
             # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones)
-            hi = (pre * fp * math.exp(self._uncertainty(lay, "prefill"))
-                  + dec * f * math.exp(self._uncertainty(lay, "decode")))
+            hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
+                  + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
+            hi_probe = (pre * fp * math.exp(self._uncertainty(lay, "prefill"))
+                        + dec * f * math.exp(self._uncertainty(lay, "decode")))
+            unc_probe[lay] = math.log(hi_probe / secs) if secs > 0 and hi_probe > 0 else 0.0
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
-        unc = self._relative(current, unc)
+        unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
                     step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
@@ -275,7 +282,7 @@ class AutoLayout:
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
             regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
-            probe = self._probe_target(current, per_tok, unc, regime, until, total.get(current, 0.0))
+            probe = self._probe_target(current, per_tok, unc_probe, regime, until, total.get(current, 0.0))
             if probe is not None:
                 self._probe_for = (probe[2], probe[4], probe[2] != regime)
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
@@ -307,10 +314,10 @@ class AutoLayout:
         return out
 
     def _uncertainty(self, lay: str, regime: str) -> float:
-        """`StepCorrection.uncertainty` of `lay` in `regime` for the batch now: a decode factor learnt at another
-        stage mix than a decode step of this batch has (`_decode_shape`) is less certain for it. Prefill is judged
-        without: its steps' mix moves within one prompt (a chunk at no context and at 100K), so its factor is an
-        average over shapes already."""
+        """`StepCorrection.uncertainty` of `lay` in `regime` for the batch now, as a probe is judged by: a decode
+        factor learnt at another stage mix than a decode step of this batch has (`_decode_shape`) is less certain for
+        it. Prefill is judged without: its steps' mix moves within one prompt (a chunk at no context and at 100K), so
+        its factor is an average over shapes already."""
         return self.steps.uncertainty(lay, regime, self._shape.get(lay) if regime == "decode" else None)
 
     def _relative(self, current: str, unc: Mapping[str, float]) -> dict[str, float]:
