@@ -82,11 +82,14 @@ def test_a_factor_learnt_at_one_stage_mix_is_uncertain_at_another():
     base = c.uncertainty("tp")
     assert math.isclose(c.uncertainty("tp", mix=wide), base)                  # where it was learnt: as before
     long_ = {"ffn": 0.3, "attention": 0.7}           # a few long ones: the attention's
-    assert math.isclose(c.uncertainty("tp", mix=long_), base + STAGE_SPREAD * 0.6)   # L1 distance 0.6
+    assert math.isclose(c.uncertainty("tp", mix=long_), STAGE_SPREAD * 0.6)   # L1 distance 0.6
     assert c.uncertainty("dop", mix=long_) == c.uncertainty("dop")            # borrowed: its spread covers it
     for _ in range(40):                               # measured where the batch is now: certain there again
         c.learn("tp", "decode", 1.0, 2.0, stages=long_)
     assert c.uncertainty("tp", mix=long_) - c.uncertainty("tp") < 0.01 < c.uncertainty("tp", mix=wide) - base
+    c.learn("dop", "decode", 1.0, 2.0, stages=wide)   # measured once: its factor is half the borrowed prior, whose
+    near = {"ffn": 0.55, "attention": 0.45}          # spread bounds a small move of the mix already
+    assert c.uncertainty("dop", mix=near) == c.uncertainty("dop") > STAGE_SPREAD * 0.1
     c.learn("tp", "decode", 1.0, 2.0)                 # a model without stages: no mix to judge by
     assert c.uncertainty("tp", mix=wide) == c.uncertainty("tp")
 

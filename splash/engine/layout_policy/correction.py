@@ -18,10 +18,13 @@ Two things are learnt from the run:
   the attention 0.4x. On a batch of another shape (fewer rows: the FFN's share falls; longer contexts: the
   attention's rises) the same stage errors add up to another factor, by at most STAGE_SPREAD (how far, in log, one
   stage's error may sit from the step's) x the L1 distance between the two mixes (Σ_g Δshare_g · e_g with |e_g| ≤
-  STAGE_SPREAD). That bound is added to a measured factor's uncertainty when the caller says the mix of the steps
-  the factor is for: a layout measured on 128 short requests is uncertain again on 13 long ones — the steps of the
+  STAGE_SPREAD). When the caller says the mix of the steps the factor is for, a measured factor's uncertainty is at
+  least that bound: a layout measured on 128 short requests is uncertain again on 13 long ones — the steps of the
   layout in use keep its mix where the batch is, a layout left behind keeps the mix it was measured at — so the
-  scheduler can measure it again there (probe it) instead of trusting a factor the batch has moved away from.
+  scheduler can measure it again there (probe it) instead of trusting a factor the batch has moved away from. At
+  least, not on top: while a layout has few measurements its factor is still mostly the borrowed prior, whose
+  spread (of the layouts' whole-step factors around their mean, at any mix) already bounds what a mix adds; once
+  its own measurements dominate, what they miss is the batch having moved.
 - **Switch cost** (`SwitchCorrection`): the measured added time of each executed switch step (its time less the
   step's corrected prediction) over the switch's predicted exposed cost, per direction (src → dst), likewise
   in log space. The prediction is floored at SWITCH_FLOOR_S (a switch that moves nothing still rebuilds state and
@@ -122,13 +125,13 @@ class StepCorrection:
     def uncertainty(self, layout: str, regime: str = "decode", mix: Mapping[str, float] | None = None) -> float:
         """Log-space uncertainty of `factor(layout, regime)`: the visited layouts' spread (at least
         BORROW_UNCERTAINTY) over 1 + the layout's own measurements in the regime; with `mix` (the stage mix of
-        the steps the factor is for, `stage_mix`), plus STAGE_SPREAD x its distance from the mix the layout's
-        own factor was learnt at (see the module docstring; a borrowed factor's spread covers it already)."""
+        the steps the factor is for, `stage_mix`), at least STAGE_SPREAD x its distance from the mix the layout's
+        own factor was learnt at (see the module docstring)."""
         seen, mean = self._seen(regime), self._mean(regime) or 0.0
         spread = max([BORROW_UNCERTAINTY] + [abs(x - mean) for x in seen])
         st = self.by_regime[regime][layout]
         learnt = st.mix if st.n and mix else None
-        return spread / (1 + st.n) + (STAGE_SPREAD * mix_distance(learnt, mix) if learnt else 0.0)
+        return max(spread / (1 + st.n), STAGE_SPREAD * mix_distance(learnt, mix) if learnt else 0.0)
 
     def learn(self, layout: str, regime: str, predicted: float, measured: float,
               stages: Mapping[str, float] | None = None) -> None:
