@@ -71,3 +71,34 @@ def test_a_step_counts_by_its_predicted_time():
     for _ in range(3):
         c.learn("tp", "prefill", 0.3, 0.6)       # full 2048-token chunks: 2x
     assert c.factor("tp", "prefill") < 2.2       # a per-step log average would give 2.8
+
+
+def test_a_factor_learnt_at_one_stage_mix_is_uncertain_at_another():
+    from splash.engine.layout_policy.correction import STAGE_SPREAD
+    c = StepCorrection(L)
+    wide = {"ffn": 0.6, "attention": 0.4}            # many short requests: the FFN's share is large
+    for _ in range(40):
+        c.learn("tp", "decode", 1.0, 2.0, stages=wide)
+    base = c.uncertainty("tp")
+    assert math.isclose(c.uncertainty("tp", mix=wide), base)                  # where it was learnt: as before
+    long_ = {"ffn": 0.3, "attention": 0.7}           # a few long ones: the attention's
+    assert math.isclose(c.uncertainty("tp", mix=long_), STAGE_SPREAD * 0.6)   # L1 distance 0.6
+    assert c.uncertainty("dop", mix=long_) == c.uncertainty("dop")            # borrowed: its spread covers it
+    for _ in range(40):                               # measured where the batch is now: certain there again
+        c.learn("tp", "decode", 1.0, 2.0, stages=long_)
+    assert c.uncertainty("tp", mix=long_) - c.uncertainty("tp") < 0.01 < c.uncertainty("tp", mix=wide) - base
+    c.learn("dop", "decode", 1.0, 2.0, stages=wide)   # measured once: its factor is half the borrowed prior, whose
+    near = {"ffn": 0.55, "attention": 0.45}          # spread bounds a small move of the mix already
+    assert c.uncertainty("dop", mix=near) == c.uncertainty("dop") > STAGE_SPREAD * 0.1
+    c.learn("tp", "decode", 1.0, 2.0)                 # a model without stages: no mix to judge by
+    assert c.uncertainty("tp", mix=wide) == c.uncertainty("tp")
+
+
+def test_the_learnt_mix_weighs_steps_by_their_predicted_time_as_the_factor_does():
+    c = StepCorrection(L)
+    c.learn("tp", "decode", 1.0, 1.0, stages={"ffn": 1.0})
+    c.learn("tp", "decode", 3.0, 3.0, stages={"attention": 3.0})
+    st = c.by_regime["decode"]["tp"]
+    w = 1 / 3                                         # the second measurement's weight (n = 2)
+    assert math.isclose(st.mix["attention"], w * 3.0 / ((1 - w) * 1.0 + w * 3.0))
+    assert math.isclose(sum(st.mix.values()), 1.0)

@@ -29,11 +29,21 @@ until a switch was observed), and after a switch the controller stays at least D
 measured cost (in step seconds) before switching again, unless the current layout becomes infeasible. The last
 HISTORY decisions that changed are kept for the API.
 
+A measured factor is certain only for batches like those it was learnt on: the model's error sits in stages (one
+layout's FFN slow, another's attention), so when the batch's shape moves — fewer rows, longer contexts — the stage
+mix of its decode steps moves, and a layout's decode factor learnt elsewhere (in a layout auto left behind) may be
+off by up to a bound that grows with the distance between the mixes (`correction`, `_decode_shape`); the layout in
+use keeps being measured where the batch is. That bound widens what a *probe* (below) is judged by — the layout
+could lead here, and a bounded round trip measures it — but not the normal rule: a worst-case bound is no evidence
+against the layout's own measured factor, which stays its best estimate, so it does not hold auto back from a
+switch that factor supports.
+
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
 whose *optimistic* prediction — its point prediction divided by its uncertainty factor — leads by the margin, and
-which is not measured yet in a regime (its uncertainty there at least PROBE_MIN_UNCERTAINTY beyond the current
-layout's, or at least PROBE_MIN_UNCERTAINTY where the current layout's is below it), may be entered to measure it:
+which is not measured yet in a regime, or measured there on batches of another shape only (its uncertainty there
+at least PROBE_MIN_UNCERTAINTY beyond the current layout's, or at least PROBE_MIN_UNCERTAINTY where the current
+layout's is below it), may be entered to measure it:
 at most MAX_PROBES times per layout and regime, and only when twice the switch's corrected cost (there and back) is
 within PROBE_BUDGET of the current layout's predicted time for the work left. The regime the next steps run in comes
 first. A probe for the other one must first run the steps before that regime's first step in a layout that may be
@@ -72,7 +82,8 @@ from splash.costmodel import RowLoad
 from splash.costmodel.policy import choose_layout
 from splash.engine.layout_policy.forecast import BatchForecast, output_left
 from splash.engine.layout_policy.budget import PredictionBudget
-from splash.engine.layout_policy.correction import LayoutStats, StepCorrection, SwitchCorrection
+from splash.engine.layout_policy.correction import (LayoutStats, StepCorrection, SwitchCorrection, mix_distance,
+                                                     stage_mix)
 from splash.engine.layout_policy.decision import VERDICTS, CostModelLike, Decision, ReqView
 from splash.engine.ledger import KVLedger
 from splash.engine.scheduler import Scheduler
@@ -134,6 +145,7 @@ class AutoLayout:
         # (from, into, regime, deadline in executed step seconds, ahead of its regime) of the probe not resolved yet
         self._probe_trip: tuple[str, str, str, float, bool] | None = None
         self._unmet: set[str] = set()   # "layout/regime" probed ahead of its regime, whose steps did not come
+        self._shape: dict[str, dict[str, float]] = {}   # per layout, the stage mix of a decode step of the batch now
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -174,8 +186,9 @@ class AutoLayout:
         if (not switched and regime == "decode" and self._observed % self.observe_every
                 and self._observed > self._learn_until):
             return
-        pred = self.overhead.timed(self.model.step, layout, [self.row(len(s.tokens), s.start_pos, s.owner)
-                                                             for s in items], budgeted=False).seconds
+        p = self.overhead.timed(self.model.step, layout, [self.row(len(s.tokens), s.start_pos, s.owner)
+                                                          for s in items], budgeted=False)
+        pred = p.seconds
         if pred <= 0:
             return
         if switched:
@@ -190,7 +203,7 @@ class AutoLayout:
             self._since_switch_s, self._dwell_s = 0.0, 0.0 if probe else DWELL_RATIO * 2 * added
             self._learn_until = self._observed + LEARN_AFTER_SWITCH
             return
-        self.steps.learn(layout, regime, pred, measured_s)
+        self.steps.learn(layout, regime, pred, measured_s, getattr(p, "stages", None))
         self._model_view = None
 
     def factor(self, layout: str, regime: str = "decode") -> float:
@@ -229,6 +242,8 @@ class AutoLayout:
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc, until = {}, {}, {}, {}, {}, {}, {}, {}
+        self._shape = self._decode_shape(reqs, current)
+        unc_probe = {}   # a probe's uncertainty: also how far the batch moved from where a factor was learnt
         for lay in self.allowed:
             used = usage.get(lay)
             cap = self.capacity_blocks.get(lay, 0)
@@ -244,11 +259,14 @@ class AutoLayout:
             # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones)
             hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
                   + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
+            hi_probe = (pre * fp * math.exp(self._uncertainty(lay, "prefill"))
+                        + dec * f * math.exp(self._uncertainty(lay, "decode")))
+            unc_probe[lay] = math.log(hi_probe / secs) if secs > 0 and hi_probe > 0 else 0.0
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
             unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
-        unc = self._relative(current, unc)
+        unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
                     step_s=step_s, uncertainty=unc, t_s=self.clock() - self._t0)
@@ -264,7 +282,7 @@ class AutoLayout:
                 return Decision(verdict="switch", target=back[0], reason=f"{why}; {back[1]}", probe_return=True,
                                 payoff_s=gain * base["work_tokens"], **base)
             regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
-            probe = self._probe_target(current, per_tok, unc, regime, until, total.get(current, 0.0))
+            probe = self._probe_target(current, per_tok, unc_probe, regime, until, total.get(current, 0.0))
             if probe is not None:
                 self._probe_for = (probe[2], probe[4], probe[2] != regime)
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
@@ -281,6 +299,26 @@ class AutoLayout:
         payoff = (math.inf if current not in per_tok
                   else (per_tok[current] - per_tok[lay] * math.exp(unc.get(lay, 0.0))) * base["work_tokens"])
         return Decision(verdict="switch", target=lay, reason=why, payoff_s=payoff, **base)
+
+    def _decode_shape(self, reqs: Sequence[ReqView], current: str) -> dict[str, dict[str, float]]:
+        """Per layout whose decode factor was learnt with a stage mix, the stage mix of one decode step of the running
+        requests there (the batch as it is now): what that factor is judged against (`_uncertainty`). Not for
+        `current`: its steps measure it on this batch, so its factor follows the batch's shape as it moves."""
+        rows = [self.row(1, r.cached, r.owner) for r in reqs if r.running and r.cached > 0]
+        out = {}
+        for lay, st in self.stats.items():
+            if rows and lay != current and st.n and st.mix is not None:
+                mix = stage_mix(getattr(self.model.step(lay, rows), "stages", None))
+                if mix is not None:
+                    out[lay] = mix
+        return out
+
+    def _uncertainty(self, lay: str, regime: str) -> float:
+        """`StepCorrection.uncertainty` of `lay` in `regime` for the batch now, as a probe is judged by: a decode
+        factor learnt at another stage mix than a decode step of this batch has (`_decode_shape`) is less certain for
+        it. Prefill is judged without: its steps' mix moves within one prompt (a chunk at no context and at 100K), so
+        its factor is an average over shapes already."""
+        return self.steps.uncertainty(lay, regime, self._shape.get(lay) if regime == "decode" else None)
 
     def _relative(self, current: str, unc: Mapping[str, float]) -> dict[str, float]:
         """Each candidate's uncertainty relative to `current` (whose own entry is 0). A borrowed factor is the
@@ -302,7 +340,7 @@ class AutoLayout:
         for reg, secs in until_s.items():
             other = "prefill" if reg == "decode" else "decode"
             t = secs * self.factor(lay, other)
-            out[reg] = (t, t * math.exp(self.steps.uncertainty(lay, other)))
+            out[reg] = (t, t * math.exp(self._uncertainty(lay, other)))
         return out
 
     def _probe_target(self, current: str, per_tok: Mapping[str, float], unc: Mapping[str, float],
@@ -328,7 +366,7 @@ class AutoLayout:
             for k, t in per_tok.items():
                 # not measured there (the trip's test), and less known there than the current layout: by
                 # PROBE_MIN_UNCERTAINTY, or at all when the current layout is measured there
-                u_k, u_cur = self.steps.uncertainty(k, reg), self.steps.uncertainty(current, reg)
+                u_k, u_cur = self._uncertainty(k, reg), self._uncertainty(current, reg)
                 fresh = u_k - u_cur >= PROBE_MIN_UNCERTAINTY or u_cur < PROBE_MIN_UNCERTAINTY <= u_k
                 if (k == current or not fresh or unc.get(k, 0.0) < PROBE_MIN_UNCERTAINTY
                         or self.probes.get(f"{k}/{reg}", 0) >= MAX_PROBES
@@ -352,8 +390,17 @@ class AutoLayout:
                 first = "" if reg == regime else f"; {lead:.4g}s more than {current} before its first {reg} step"
                 return k, (f"probe {k} in {reg}: {1 - per_tok[k] / cur:.1%} faster on its point prediction, "
                            f"{1 - opt / cur:.1%} at the optimistic end of its uncertainty (x{math.exp(unc[k]):.3g}), "
-                           f"not measured in {reg} yet{first}"), reg, lead, within
+                           f"{self._known(k, reg)}{first}"), reg, lead, within
         return None
+
+    def _known(self, lay: str, regime: str) -> str:
+        """What `lay`'s factor in `regime` rests on, for a probe's reason."""
+        st = self.steps.by_regime[regime][lay]
+        if not st.n:
+            return f"not measured in {regime} yet"
+        now = self._shape.get(lay) if regime == "decode" else None
+        away = f" at a stage mix {mix_distance(st.mix, now):.3g} (L1) from this batch's" if now and st.mix else ""
+        return f"its {regime} factor learnt on {st.n} steps{away}"
 
     def _probe_return(self, current: str, per_tok: Mapping[str, float]) -> tuple[str, str] | None:
         """After a probe into `current`: once it is measured in the regime the probe was for, the layout it came
@@ -365,7 +412,7 @@ class AutoLayout:
             self._probe_trip = None
             return None
         origin, _, regime, deadline, ahead = trip
-        measured = self.steps.uncertainty(current, regime) < PROBE_MIN_UNCERTAINTY
+        measured = self._uncertainty(current, regime) < PROBE_MIN_UNCERTAINTY
         if not measured and self.overhead.ran_s <= deadline:
             return None   # not measured yet: the normal rule decides meanwhile
         self._probe_trip = None

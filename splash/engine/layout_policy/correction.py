@@ -12,6 +12,19 @@ Two things are learnt from the run:
   layouts' factors around that mean, at least BORROW_UNCERTAINTY, shrinking as 1/(1 + n) with the layout's own
   measurements. The scheduler inflates a candidate's prediction by exp(uncertainty), so a layout is entered on a
   borrowed factor only when its lead survives the uncertainty.
+- **Shape** (the same `StepCorrection`): a whole-step factor is the average of its stages' errors weighted by the
+  stages' shares of the steps it was learnt on (its *stage mix*: the same exponentially weighted sums, per stage of
+  the prediction), and a stage's error need not be the step's — in one layout the FFN may run 1.4x its model and
+  the attention 0.4x. On a batch of another shape (fewer rows: the FFN's share falls; longer contexts: the
+  attention's rises) the same stage errors add up to another factor, by at most STAGE_SPREAD (how far, in log, one
+  stage's error may sit from the step's) x the L1 distance between the two mixes (Σ_g Δshare_g · e_g with |e_g| ≤
+  STAGE_SPREAD). When the caller says the mix of the steps the factor is for, a measured factor's uncertainty is at
+  least that bound: a layout measured on 128 short requests is uncertain again on 13 long ones — the steps of the
+  layout in use keep its mix where the batch is, a layout left behind keeps the mix it was measured at — so the
+  scheduler can measure it again there (probe it) instead of trusting a factor the batch has moved away from. At
+  least, not on top: while a layout has few measurements its factor is still mostly the borrowed prior, whose
+  spread (of the layouts' whole-step factors around their mean, at any mix) already bounds what a mix adds; once
+  its own measurements dominate, what they miss is the batch having moved.
 - **Switch cost** (`SwitchCorrection`): the measured added time of each executed switch step (its time less the
   step's corrected prediction) over the switch's predicted exposed cost, per direction (src → dst), likewise
   in log space. The prediction is floored at SWITCH_FLOOR_S (a switch that moves nothing still rebuilds state and
@@ -23,12 +36,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 FACTOR_ALPHA = 0.2          # weight of the newest measurement once a factor has 1/FACTOR_ALPHA - 1 samples
 FACTOR_BOUNDS = (0.05, 20.0)
 BORROW_UNCERTAINTY = 0.25   # log-space uncertainty of a borrowed step factor at least (x1.28)
+STAGE_SPREAD = 0.5          # how far (log) one stage's error may sit from its step's: splash-sim's held-out tokens/s
+                            # and per-layer primitive rows against the paper miss by -9% ... +72% (log 0.54)
 SWITCH_FLOOR_S = 0.005      # a switch's predicted exposed cost is taken as at least this
 SWITCH_PRIOR_RATIO = 10.0   # measured / predicted switch cost before any switch was observed (conservative)
 SWITCH_BOUNDS = (0.5, 200.0)
@@ -49,6 +64,7 @@ class LayoutStats:
     n: int = 0                            # measurements that trained it
     sum_pred: float = 0.0                 # the weighted sums
     sum_meas: float = 0.0
+    sum_stages: dict = field(default_factory=dict)   # stage -> weighted sum of its predicted seconds (the mix)
     last_predicted: float | None = None   # raw model seconds of the last executed step in this layout
     last_measured: float | None = None
     errors: deque = field(default_factory=lambda: deque(maxlen=64))   # |corrected − measured| / measured
@@ -56,6 +72,25 @@ class LayoutStats:
     @property
     def median_error(self) -> float | None:
         return statistics.median(self.errors) if self.errors else None
+
+    @property
+    def mix(self) -> dict[str, float] | None:
+        """Each stage's share of the predicted seconds the factor was learnt on (None: no stages were given)."""
+        if not self.sum_stages or self.sum_pred <= 0:
+            return None
+        return {k: v / self.sum_pred for k, v in self.sum_stages.items()}
+
+
+def stage_mix(stages: Mapping[str, float] | None) -> dict[str, float] | None:
+    """A prediction's stage seconds as shares of their sum (a stage may be negative: time hidden by overlap);
+    None when there are none to share."""
+    total = sum(stages.values()) if stages else 0.0
+    return {k: v / total for k, v in stages.items()} if total > 0 else None
+
+
+def mix_distance(a: Mapping[str, float], b: Mapping[str, float]) -> float:
+    """L1 distance between two stage mixes (a stage missing from one has share 0 there)."""
+    return sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
 
 
 class StepCorrection:
@@ -87,14 +122,21 @@ class StepCorrection:
         lvl = self._level(layout, regime)
         return 1.0 if lvl is None else math.exp(lvl)
 
-    def uncertainty(self, layout: str, regime: str = "decode") -> float:
+    def uncertainty(self, layout: str, regime: str = "decode", mix: Mapping[str, float] | None = None) -> float:
         """Log-space uncertainty of `factor(layout, regime)`: the visited layouts' spread (at least
-        BORROW_UNCERTAINTY) over 1 + the layout's own measurements in the regime."""
+        BORROW_UNCERTAINTY) over 1 + the layout's own measurements in the regime; with `mix` (the stage mix of
+        the steps the factor is for, `stage_mix`), at least STAGE_SPREAD x its distance from the mix the layout's
+        own factor was learnt at (see the module docstring)."""
         seen, mean = self._seen(regime), self._mean(regime) or 0.0
         spread = max([BORROW_UNCERTAINTY] + [abs(x - mean) for x in seen])
-        return spread / (1 + self.by_regime[regime][layout].n)
+        st = self.by_regime[regime][layout]
+        learnt = st.mix if st.n and mix else None
+        return max(spread / (1 + st.n), STAGE_SPREAD * mix_distance(learnt, mix) if learnt else 0.0)
 
-    def learn(self, layout: str, regime: str, predicted: float, measured: float) -> None:
+    def learn(self, layout: str, regime: str, predicted: float, measured: float,
+              stages: Mapping[str, float] | None = None) -> None:
+        """One executed step: its predicted (raw model) and measured seconds, and the prediction's seconds per
+        stage where the model gives them (they carry the factor's stage mix)."""
         st = self.by_regime[regime][layout]
         st.errors.append(abs(predicted * self.factor(layout, regime) - measured) / measured)
         st.last_predicted, st.last_measured = predicted, measured
@@ -105,6 +147,13 @@ class StepCorrection:
             st.sum_pred, st.sum_meas = (0.0, 0.0) if prior is None else (predicted, predicted * math.exp(prior))
         st.n += 1
         w = 1.0 if st.sum_pred == 0 else max(FACTOR_ALPHA, 1.0 / (st.n + 1))
+        share = stage_mix(stages)
+        if share is None:    # a model without stages: the mix is not known from here on
+            st.sum_stages = {}
+        else:                # the prior pseudo-step (when there is one) counts at this step's mix
+            base = st.sum_stages or {k: st.sum_pred * v for k, v in share.items()}
+            st.sum_stages = {k: (1 - w) * base.get(k, 0.0) + w * predicted * share.get(k, 0.0)
+                             for k in base.keys() | share.keys()}
         st.sum_pred = (1 - w) * st.sum_pred + w * predicted
         st.sum_meas = (1 - w) * st.sum_meas + w * meas
         st.level = math.log(st.sum_meas / st.sum_pred)
