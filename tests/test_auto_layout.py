@@ -669,16 +669,22 @@ def _visit_batch(a, m, layout, reqs, factor, n=40):
         a.observe(layout, pieces(rows), factor * m.step(layout, rows).seconds)
 
 
-def test_a_layout_measured_on_a_batch_of_another_shape_is_probed_again():
-    # TP measured on 64 short requests (its steps mostly FFN and fixed costs), then auto moved to DOP; now 4 long
-    # requests run (attention-bound), TP 2% ahead on its point prediction: below the margin, and TP's factor was
-    # learnt at a stage mix this batch does not have, so its error here is not known — it is probed
+def _tp_measured_short_then_dop_long(tp_per_kv):
+    """TP measured on 64 short requests, then DOP on 4 long ones (the batch now): (model, long batch, auto)."""
     m = StagedCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-3},
-                   per_kv={"tp": 0.98e-7, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-7})
+                   per_kv={"tp": tp_per_kv, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-7})
     short, long_ = decode_batch(64, 100), decode_batch(4, 100_000, remaining=10_000)
     a = make(m, observe_every=1, caps=dict.fromkeys(LAYOUTS, 100_000))
     _visit_batch(a, m, "tp", short, 1.0)
     _visit_batch(a, m, "dop", long_, 1.0)
+    return m, long_, a
+
+
+def test_a_layout_measured_on_a_batch_of_another_shape_is_probed_again():
+    # TP measured on 64 short requests (its steps mostly FFN and fixed costs), then auto moved to DOP; now 4 long
+    # requests run (attention-bound), TP 2% ahead on its point prediction: below the margin, and TP's factor was
+    # learnt at a stage mix this batch does not have, so its error here is not known — it is probed
+    m, long_, a = _tp_measured_short_then_dop_long(0.98e-7)
     assert a.steps.uncertainty("tp") < 0.1                   # measured 39 times: known where it was measured
     d = a.propose(0, "dop", long_, usage(long_))
     assert (d.verdict, d.target, d.probe) == ("switch", "tp", True) and "stage mix" in d.reason
@@ -695,11 +701,6 @@ def test_a_layout_measured_on_a_batch_of_another_shape_is_probed_again():
 def test_a_layout_measured_on_another_shape_is_entered_on_its_measured_lead():
     # as above, but TP now leads DOP by 15% on its point prediction (its own measured factor): the normal rule takes
     # it — the shape's bound is no evidence against that factor, so it does not make the lead "uncertain"
-    m = StagedCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-3},
-                   per_kv={"tp": 0.85e-7, "dp_attn": 1.0, "cp": 1.0, "dop": 1e-7})
-    short, long_ = decode_batch(64, 100), decode_batch(4, 100_000, remaining=10_000)
-    a = make(m, observe_every=1, caps=dict.fromkeys(LAYOUTS, 100_000))
-    _visit_batch(a, m, "tp", short, 1.0)
-    _visit_batch(a, m, "dop", long_, 1.0)
+    _, long_, a = _tp_measured_short_then_dop_long(0.85e-7)
     d = a.propose(0, "dop", long_, usage(long_))
     assert (d.verdict, d.target, d.probe) == ("switch", "tp", False)
