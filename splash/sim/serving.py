@@ -142,8 +142,15 @@ def linear_seconds(cm: CostModel, m: SimModel, rows: list[RowLoad]) -> float:
             + m.linear_dense_layers * cm.stage_seconds("ffn", ffn_work(sh, n, moe=False)))
 
 
+def step_stages(cm: CostModel, m: SimModel, layout: str, rows: list[RowLoad]) -> tuple[float, dict[str, float]]:
+    """A step's seconds and its seconds per stage: the cost model's stages plus the linear-attention layers'."""
+    p = cm.step(layout, rows)
+    lin = linear_seconds(cm, m, rows)
+    return p.seconds + lin, ({**p.stages, "linear": lin} if lin else p.stages)
+
+
 def step_seconds(cm: CostModel, m: SimModel, layout: str, rows: list[RowLoad]) -> float:
-    return cm.step(layout, rows).seconds + linear_seconds(cm, m, rows)
+    return step_stages(cm, m, layout, rows)[0]
 
 
 def _prefill_steps(k: int, input_len: int, chunk: int, world: int, per_owner: bool) -> list[list[RowLoad]]:

@@ -19,7 +19,7 @@ from splash.engine.scheduler import Request, Scheduler
 from splash.engine.layout_policy.correction import SwitchCorrection
 from splash.engine.layout_policy.auto import AutoLayout
 from splash.engine.layout_policy.control import LayoutController
-from splash.sim.serving import linear_seconds, step_seconds
+from splash.sim.serving import step_seconds, step_stages
 from splash.workload import load_workload as read_workload, make_requests
 
 
@@ -75,10 +75,8 @@ class _ReplayModel:
         self.cm, self.setup = cm, setup
 
     def step(self, layout, rows):
-        rows = list(rows)
-        p = self.cm.step(layout, rows)
-        lin = linear_seconds(self.cm, self.setup.model, rows)   # as `step_seconds` adds them
-        return SimpleNamespace(seconds=p.seconds + lin, stages={**p.stages, "linear": lin} if lin else p.stages)
+        seconds, stages = step_stages(self.cm, self.setup.model, layout, list(rows))
+        return SimpleNamespace(seconds=seconds, stages=stages)
 
     def switch(self, manifest, mode, step_seconds=None):
         return self.cm.switch(manifest, mode, step_seconds)

@@ -256,15 +256,13 @@ class AutoLayout:
             f, fp = self.factor(lay), self.factor(lay, "prefill")
             pre, dec, first, work = fc.prefill_s, fc.decode_s, fc.first_step_s, fc.work
             secs = pre * fp + dec * f
-            # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones)
-            hi = (pre * fp * math.exp(self.steps.uncertainty(lay, "prefill"))
-                  + dec * f * math.exp(self.steps.uncertainty(lay, "decode")))
-            hi_probe = (pre * fp * math.exp(self._uncertainty(lay, "prefill"))
-                        + dec * f * math.exp(self._uncertainty(lay, "decode")))
-            unc_probe[lay] = math.log(hi_probe / secs) if secs > 0 and hi_probe > 0 else 0.0
             total[lay], per_tok[lay], admitted[lay] = secs, secs / work, fc.admitted
             work_of[lay], step_s[lay] = work, first * f
-            unc[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
+            # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones), as
+            # the normal rule and as a probe judge it
+            for out, u in ((unc, self.steps.uncertainty), (unc_probe, self._uncertainty)):
+                hi = pre * fp * math.exp(u(lay, "prefill")) + dec * f * math.exp(u(lay, "decode"))
+                out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
         unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
