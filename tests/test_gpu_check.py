@@ -186,3 +186,21 @@ def test_two_ranks_run_the_collectives_and_print_per_rank_rows(tmp_path):
     rows = {row["check"]: row["result"] for row in json.loads(out_json.read_text())}
     assert rows == {"[rank 0] comm TorchCommunicator": "PASS", "[rank 1] comm TorchCommunicator": "PASS"}
     assert "[rank 1] comm TorchCommunicator" in r.stdout and "2 rank(s) on cpu" in r.stdout
+
+
+def test_a_switched_completion_may_first_differ_only_at_a_near_tie():
+    """gpu-check's live-switch row on a GPU whose kernel differs by layout: the runs may part only where each run's
+    token is among the other's top logprobs; a token outside them (lost or wrong state) fails, as does any
+    difference where one kernel serves every layout (exact)."""
+    from gpu_check_serve import first_divergence
+
+    def choice(tokens, tops):
+        return {"logprobs": {"tokens": tokens, "top_logprobs": tops}}
+    base = choice(["a", "b", "c"], [{"a": -0.1}, {"b": -0.70, "x": -0.71}, {"c": -0.2}])
+    assert first_divergence(base, base) == (None, True, "same 3 tokens")
+    near = choice(["a", "x", "q"], [{"a": -0.1}, {"x": -0.69, "b": -0.72}, {"q": -0.3}])
+    at, tie, detail = first_divergence(base, near)
+    assert (at, tie) == (1, True) and "near tie: logprob gap 0.010" in detail
+    far = choice(["a", "z", "c"], [{"a": -0.1}, {"z": -0.1, "b": -5.0}, {"c": -0.2}])
+    at, tie, detail = first_divergence(base, far)
+    assert (at, tie) == (1, False) and "NOT a near tie" in detail

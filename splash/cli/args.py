@@ -50,11 +50,11 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "FP8/INT8 checkpoints stay quantised without it"),
     (("--backend",), "backend", str, None,
      "device backend: cpu, cuda (NVIDIA), hip (AMD/DCU) or auto (what this machine has); start fails (exit 2) "
-     "naming what is missing; cuda/hip are not verified on hardware yet (docs/backends.md)"),
+     "naming what is missing; cuda has run on one H200 at one rank only, hip never on hardware (docs/backends.md)"),
     (("--attention-backend",), "attention_backend", str, None,
      "MLA attention kernel: torch (reference), triton (our paged split-KV kernel), flashinfer (cuda) or aiter "
      "(hip); default: torch on cpu, flashinfer on cuda, aiter on hip; flashinfer/aiter fall back to triton where "
-     "their constraints fail (GPU kernels not yet verified on hardware, docs/backends.md)"),
+     "their constraints fail (flashinfer and triton checked on one H200; aiter never on hardware; docs/backends.md)"),
     (("--communicator",), "communicator", str, None,
      "tensor collectives: mpi (mpi4py) or torch (torch.distributed, gloo on cpu); step plans and aborts stay "
      "on MPI; default: mpi on cpu, torch on cuda/hip"),
