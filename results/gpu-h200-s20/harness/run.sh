@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# device-tool harness (not part of the product): install the carried packages, then scripts/gpu-check.sh
+export PYTHONUNBUFFERED=1
+G=.gpu; S=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target $S $G/*.whl 2>&1 | grep -v WARNING
+tar xJf $G/fi.tar.xz -C $S && tar xJf $G/fi-src.tar.xz -C $S && tar xJf $G/mpich-slim.tar.xz -C /tmp
+export PYTHONPATH=$S:$PWD PATH=/tmp/mpich-slim/bin:$PATH MPI4PY_LIBMPI=/tmp/mpich-slim/lib/libmpi.so.12
+export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 - <<'PY'
+import sys, torch, triton, flashinfer, mpi4py, xgrammar, fastapi
+from mpi4py import MPI
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "flashinfer", flashinfer.__version__, "mpi4py", mpi4py.__version__, MPI.Get_library_version()[:14],
+      torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+PY
+GPU_CHECK_JSON=$OUT/gpu-check.json PYTHON=python3 GPU_CHECK_TIMEOUT_S=${1:-400} scripts/gpu-check.sh --ranks 1 2>&1 | tee $OUT/gpu-check.log
+echo "rc=${PIPESTATUS[0]}"
