@@ -10,11 +10,14 @@
   error, relative |õ| error, and which path ran (vendor kernel or Triton fallback);
 - timing: decode attention of B requests × C tokens per kernel against the HBM floor, bytes of KV read /
   the hardware profile's kv_read_bytes_per_s (b200/h200/bw1000 by device name, or --hbm-gbs);
-- comm: the torch.distributed communicator (splash.distributed.torch_comm.TorchCommunicator) on this device:
-  all-reduce, all-gather(v), all-to-all(v) with uneven splits, broadcast, fp8/int8 as bytes, against the values every rank can compute;
+- comm: the communicator splash-serve would use on this device — torch.distributed (TorchCommunicator: NCCL, one
+  rank per GPU), or MPI through host memory when there are more ranks than GPUs (--ranks above the GPU count; NCCL
+  refuses two ranks on one GPU): all-reduce, all-gather(v), all-to-all(v) with uneven splits, broadcast, fp8/int8
+  as bytes, against the values every rank can compute;
 - serve: splash-serve on `--ranks` ranks of this machine (preset gpu-smoke-mla: 512 + 64 dims, so the vendor
-  kernel runs; --dry-run: tiny-mla on cpu) — the same greedy completion pinned in each layout, and a long one
-  while POST /v1/layout switches live through every layout: every answer must equal TP's.
+  kernel runs; --dry-run: tiny-mla on cpu; `--communicator mpi` when ranks share GPUs) — the same greedy
+  completion pinned in each layout, and a long one while POST /v1/layout switches live through every layout
+  (scripts/gpu_check_serve.py says what it must equal).
 Each row is printed as its check ends (under mpirun, per rank); an exception inside a check is that check's FAIL
 row. At the end: the PASS/FAIL/SKIP table, the rows appended to --json, exit 1 on any FAIL. At one rank the checks
 that need two (collectives across GPUs, layouts that differ across ranks) are SKIP rows saying so.
@@ -211,10 +214,14 @@ def check_comm(args, backend) -> None:
     from splash.distributed.launch import init_torch_distributed
     from splash.distributed.torch_comm import TorchCommunicator
     ctx = init_dist()
-    if not dist.is_initialized():
-        init_torch_distributed(ctx, "nccl" if backend.is_gpu else "gloo")
     dev, T, r = backend.device, ctx.world_size, ctx.rank
-    comm = TorchCommunicator(ctx.comm, dev)
+    from gpu_check_serve import shares_gpus
+    if shares_gpus(backend, T):   # NCCL refuses two ranks on one GPU: what splash-serve then runs, MPI via host
+        comm = ctx.comm
+    else:
+        if not dist.is_initialized():
+            init_torch_distributed(ctx, "nccl" if backend.is_gpu else "gloo")
+        comm = TorchCommunicator(ctx.comm, dev)
     x = torch.arange(6, dtype=torch.float32, device=dev).view(3, 2) + r
     ok = {"all_reduce": torch.equal(comm.all_reduce(x).cpu(), sum(torch.arange(6.).view(3, 2) + i for i in range(T)))}
     rows = comm.all_gatherv(x[:r % 3 + 1], [i % 3 + 1 for i in range(T)]).cpu()
@@ -227,7 +234,7 @@ def check_comm(args, backend) -> None:
     ok["fp8 bytes"] = torch.equal(comm.all_gather(f8).float().cpu(), torch.tensor([[0.5, -2.0]] * T))
     i8 = torch.tensor([[-7, 9]], dtype=torch.int8, device=dev)
     ok["int8 bcast"] = torch.equal(comm.broadcast(i8 + r, root=0).cpu(), torch.tensor([[-7, 9]], dtype=torch.int8))
-    row("comm TorchCommunicator", f"{T} rank(s) on {backend.device}: " + ", ".join(
+    row("comm collectives", f"{T} rank(s) on {backend.device}, {type(comm).__name__}: " + ", ".join(
         f"{k} {'ok' if v else 'WRONG'}" for k, v in ok.items()), all(ok.values()))
 
 
@@ -240,7 +247,7 @@ def main(argv=None) -> int:
     if "kernels" in parts:
         check_kernels(args, backend)
     if "comm" in parts:
-        guarded("comm TorchCommunicator", check_comm, args, backend)
+        guarded("comm collectives", check_comm, args, backend)
         if SIZE == 1:
             row("comm across ranks", "1 rank: the collectives across GPUs need >= 2 (mpirun -n N, N GPUs)", "SKIP")
     if SIZE > 1 and ("kernels" in parts or "comm" in parts):   # under mpirun: every rank's rows, to rank 0

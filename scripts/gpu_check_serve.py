@@ -19,8 +19,18 @@ from splash.bench.serve_proc import launch, stop
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
 
 
+def shares_gpus(backend, ranks: int) -> bool:
+    """More ranks than GPUs (gpu-check --ranks N on a machine with fewer): some share one, where NCCL refuses to
+    run, so their collectives go over MPI through host memory (`--communicator mpi`)."""
+    if not backend.is_gpu:
+        return False
+    import torch
+    return ranks > torch.cuda.device_count()
+
+
 def _flags(args, backend) -> list[str]:
     flags = ["--layout", "tp", "--backend", backend.name, "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+    flags += ["--communicator", "mpi"] if shares_gpus(backend, args.ranks) else []
     return flags + (["--preset", "tiny-mla", "--dtype", "float32", "--kv-cache-memory-bytes", "16MiB"]
                     if args.dry_run else
                     ["--preset", "gpu-smoke-mla", "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16",
@@ -100,6 +110,9 @@ def _live(url: str, row, n_long: int, check: str, exact: bool) -> None:
 
 def check_serve(args, backend, row) -> None:
     n_long = 24 if args.dry_run else 128
+    if shares_gpus(backend, args.ranks):
+        row("serve ranks share GPUs", f"{args.ranks} ranks: collectives over MPI through host memory "
+            "(--communicator mpi; NCCL takes one rank per GPU)", None)
     _served(args, _flags(args, backend), row, lambda url: (
         _pinned(url, row), _live(url, row, n_long, "serve live switches", exact=args.dry_run)))
     if not args.dry_run:   # one kernel in every layout: switching itself must not change a single token

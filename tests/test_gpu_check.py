@@ -50,7 +50,7 @@ def test_dry_run_passes_end_to_end(tmp_path):
         for kv in ("bfloat16", "fp8_e4m3"):
             for step in ("decode", "mixed"):
                 assert f"attention triton {kv} H={heads} {step}" in out, out
-    for part in ("decode time torch", "comm TorchCommunicator", "comm across ranks", "serve tp ", "serve dop ",
+    for part in ("decode time torch", "comm collectives", "comm across ranks", "serve tp ", "serve dop ",
                  "serve live switches", "== gpu-check: PASS"):
         assert part in out, out
     rows = {r["check"]: r["result"] for r in json.loads(out_json.read_text())}
@@ -74,7 +74,7 @@ def test_rows_print_as_they_run_and_a_failing_check_is_one_row(monkeypatch, caps
     assert gpu_check.main(["--dry-run", "--part", "kernels,comm"]) == 1
     out = capsys.readouterr().out
     assert out.index("decode time torch") < out.index("comm starting")     # printed before the next check ran
-    assert "comm TorchCommunicator" in out and "FAIL  RuntimeError: no nvcc for the JIT" in out
+    assert "comm collectives" in out and "FAIL  RuntimeError: no nvcc for the JIT" in out
     assert out.index("no nvcc") < out.index("comm across ranks") < out.index("== gpu-check results")
     gpu_check.ROWS.clear()
 
@@ -184,8 +184,8 @@ def test_two_ranks_run_the_collectives_and_print_per_rank_rows(tmp_path):
                        timeout=240, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {row["check"]: row["result"] for row in json.loads(out_json.read_text())}
-    assert rows == {"[rank 0] comm TorchCommunicator": "PASS", "[rank 1] comm TorchCommunicator": "PASS"}
-    assert "[rank 1] comm TorchCommunicator" in r.stdout and "2 rank(s) on cpu" in r.stdout
+    assert rows == {"[rank 0] comm collectives": "PASS", "[rank 1] comm collectives": "PASS"}
+    assert "[rank 1] comm collectives" in r.stdout and "2 rank(s) on cpu" in r.stdout
 
 
 def test_a_switched_completion_may_first_differ_only_at_a_near_tie():
@@ -204,3 +204,17 @@ def test_a_switched_completion_may_first_differ_only_at_a_near_tie():
     far = choice(["a", "z", "c"], [{"a": -0.1}, {"z": -0.1, "b": -5.0}, {"c": -0.2}])
     at, tie, detail = first_divergence(base, far)
     assert (at, tie) == (1, False) and "NOT a near tie" in detail
+
+
+def test_ranks_beyond_the_gpus_share_them_over_mpi(monkeypatch):
+    """`--ranks 2` on a one-GPU machine: NCCL refuses two ranks on one GPU, so the server gets
+    `--communicator mpi` (GPU tensors through host memory) and the comm row checks that communicator."""
+    from types import SimpleNamespace
+
+    from gpu_check_serve import _flags, shares_gpus
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu, cpu = SimpleNamespace(is_gpu=True, name="cuda"), SimpleNamespace(is_gpu=False, name="cpu")
+    assert shares_gpus(gpu, 2) and not shares_gpus(gpu, 1) and not shares_gpus(cpu, 4)
+    flags = lambda backend, ranks: _flags(SimpleNamespace(ranks=ranks, dry_run=False), backend)  # noqa: E731
+    assert flags(gpu, 2)[flags(gpu, 2).index("--communicator") + 1] == "mpi"
+    assert "--communicator" not in flags(gpu, 1)

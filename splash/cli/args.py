@@ -56,8 +56,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "(hip); default: torch on cpu, flashinfer on cuda, aiter on hip; flashinfer/aiter fall back to triton where "
      "their constraints fail (flashinfer and triton checked on one H200; aiter never on hardware; docs/backends.md)"),
     (("--communicator",), "communicator", str, None,
-     "tensor collectives: mpi (mpi4py) or torch (torch.distributed, gloo on cpu); step plans and aborts stay "
-     "on MPI; default: mpi on cpu, torch on cuda/hip"),
+     "tensor collectives: mpi (mpi4py; GPU tensors through host memory, for ranks that share a GPU) or torch "
+     "(torch.distributed: gloo on cpu, NCCL/RCCL on GPUs); step plans and aborts stay on MPI; default: mpi on "
+     "cpu, torch on cuda/hip"),
     (("--tool-call-parser",), "tool_call_parser", str, None,
      "the model's tool-call format (vLLM's names); auto: from the model's type"),
     (("--reasoning-parser",), "reasoning_parser", str, None,

@@ -1,7 +1,8 @@
 """Collective communication on tensors, passed explicitly to whoever needs it.
 
 `MPICommunicator` moves data as bytes (so bf16/fp8 need no MPI type) and sums dtypes MPI cannot reduce in float32;
-`SingleRankCommunicator` makes size-1 paths call no MPI. Gathers and all-to-all move rows along dim 0; every rank
+a GPU tensor goes through host memory (copied out, moved, copied back to its device), which is what lets ranks that
+share one GPU, where NCCL refuses, run together; `SingleRankCommunicator` makes size-1 paths call no MPI. Gathers and all-to-all move rows along dim 0; every rank
 passes the same trailing shape and dtype, even with zero rows.
 """
 
@@ -166,6 +167,16 @@ def alltoallv_rows(comm, t: torch.Tensor, send_counts: Sequence[int], recv_count
     return src, out, [c * row for c in send_counts], [c * row for c in recv_counts]
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or its copy in host memory when it lives on a device (mpi4py reads and writes host buffers)."""
+    return t if t.device.type == "cpu" else t.detach().to("cpu")
+
+
+def _back(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A collective's host result `out`, on the device `like` lives on (a new tensor there, made by `like` itself)."""
+    return out if like.device.type == "cpu" else like.new_empty(out.shape, dtype=out.dtype).copy_(out)
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """Flat uint8 numpy view sharing memory with contiguous `t`."""
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -218,7 +229,7 @@ _Plan = tuple[tuple[Any, ...], Callable[[], torch.Tensor]]
 
 
 class MPICommunicator(Communicator):
-    """Collectives on CPU tensors over an mpi4py communicator (buffer interface, no pickling)."""
+    """Collectives over an mpi4py communicator (buffer interface, no pickling); device tensors through host memory."""
 
     def __init__(self, mpi_comm: Any) -> None:
         from mpi4py import MPI
@@ -230,36 +241,36 @@ class MPICommunicator(Communicator):
     # --- plans: (args, finish) shared by blocking and nonblocking forms ---
 
     def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
-        src, counts = gatherv_rows(self, t, counts)
+        src, counts = gatherv_rows(self, _host(t), counts)
         row = math.prod(src.shape[1:]) * src.element_size()
-        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype, device=src.device)
+        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype)
         nbytes = [c * row for c in counts]
         byte = self._MPI.BYTE
         args = ([_bytes(src), byte], [_bytes(out), (nbytes, _displs(nbytes)), byte])
-        return args, (lambda: out)
+        return args, (lambda: _back(out, t))
 
     def _plan_all_to_allv(
         self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int] | None
     ) -> _Plan:
-        src, out, sb, rb = alltoallv_rows(self, t, send_counts, recv_counts)
+        src, out, sb, rb = alltoallv_rows(self, _host(t), send_counts, recv_counts)
         byte = self._MPI.BYTE
         args = ([_bytes(src), (sb, _displs(sb)), byte], [_bytes(out), (rb, _displs(rb)), byte])
-        return args, (lambda: out)
+        return args, (lambda: _back(out, t))
 
     # --- blocking ---
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        src = t.detach().contiguous()
+        src = _host(t).detach().contiguous()
         work = src if src.dtype in NATIVE_REDUCE else src.to(torch.float32)
         out = torch.empty_like(work)
         self.mpi_comm.Allreduce(work.reshape(-1).numpy(), out.reshape(-1).numpy(), self._MPI.SUM)
-        return out if out.dtype == t.dtype else out.to(t.dtype)
+        return _back(out if out.dtype == t.dtype else out.to(t.dtype), t)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        src = as_rows(t)
-        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        src = as_rows(_host(t))
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype)
         self.mpi_comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
-        return out
+        return _back(out, t)
 
     def all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor:
         args, finish = self._plan_all_gatherv(t, counts)
@@ -278,10 +289,10 @@ class MPICommunicator(Communicator):
         return recv.tolist()
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        src = t.detach().contiguous()
+        src = _host(t).detach().contiguous()
         buf = src if self.rank == root else torch.empty_like(src)
         self.mpi_comm.Bcast([_bytes(buf), self._MPI.BYTE], root=root)
-        return buf
+        return _back(buf, t)
 
     def broadcast_obj(self, obj: Any, root: int = 0) -> Any:
         return self.mpi_comm.bcast(obj, root=root)

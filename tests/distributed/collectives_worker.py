@@ -1,7 +1,8 @@
 """Run under `mpiexec -n N`: checks every collective against values every rank can rebuild.
 
-Usage: collectives_worker.py collectives [mpi|torch]: every check on the MPI communicator or on the
-torch.distributed one (gloo here, started by init_torch_distributed's MPI rendezvous).
+Usage: collectives_worker.py collectives [mpi|torch|mpi-device]: every check on the MPI communicator or on the
+torch.distributed one (gloo here, started by init_torch_distributed's MPI rendezvous); mpi-device: the MPI
+communicator handed GPU tensors (device_standin.OnDevice), each result required back on the device.
 Exits non-zero (MPI Abort) on any mismatch.
 """
 
@@ -14,6 +15,7 @@ import sys
 import traceback
 
 import torch
+from device_standin import OnDevice, on_device
 
 from splash.distributed import (
     Communicator,
@@ -162,19 +164,75 @@ def check_objects(ctx: DistContext) -> None:
     comm.barrier()
 
 
+def _from_device(r: torch.Tensor) -> torch.Tensor:
+    assert isinstance(r, OnDevice), f"a collective of device tensors returned a {type(r).__name__} on {r.device}"
+    return r.cpu()
+
+
+class _HostHandle:
+    def __init__(self, h) -> None:
+        self.h, self.got = h, None
+
+    def test(self) -> bool:
+        return self.h.test()
+
+    def wait(self) -> torch.Tensor:
+        if self.got is None:
+            self.got = _from_device(self.h.wait())
+        return self.got
+
+
+class ViaDevice(Communicator):
+    """The checks' view of `inner` handed device tensors: inputs go in as OnDevice, results must come back so."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+
+    def all_reduce(self, t):
+        return _from_device(self.inner.all_reduce(on_device(t)))
+
+    def all_gather(self, t):
+        return _from_device(self.inner.all_gather(on_device(t)))
+
+    def all_gatherv(self, t, counts=None):
+        return _from_device(self.inner.all_gatherv(on_device(t), counts))
+
+    def all_to_allv(self, t, send_counts, recv_counts=None):
+        return _from_device(self.inner.all_to_allv(on_device(t), send_counts, recv_counts))
+
+    def broadcast(self, t, root=0):
+        return _from_device(self.inner.broadcast(on_device(t), root))
+
+    def iall_gatherv(self, t, counts=None):
+        return _HostHandle(self.inner.iall_gatherv(on_device(t), counts))
+
+    def iall_to_allv(self, t, send_counts, recv_counts=None):
+        return _HostHandle(self.inner.iall_to_allv(on_device(t), send_counts, recv_counts))
+
+    def broadcast_obj(self, obj, root=0):
+        return self.inner.broadcast_obj(obj, root)
+
+    def all_gather_obj(self, obj):
+        return self.inner.all_gather_obj(obj)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+
 TENSOR_CHECKS = (check_all_reduce, check_all_gather, check_all_gatherv, check_all_to_allv, check_broadcast,
                  check_async)
 
 
 def run_collectives(ctx: DistContext, kind: str = "mpi") -> None:
-    ctx = dataclasses.replace(ctx, comm=make_communicator(kind, ctx))
-    want = {"mpi": MPICommunicator, "torch": TorchCommunicator}[kind]
+    ctx = dataclasses.replace(ctx, comm=make_communicator(kind.removesuffix("-device"), ctx))
+    want = {"mpi": MPICommunicator, "torch": TorchCommunicator, "mpi-device": MPICommunicator}[kind]
     assert isinstance(ctx.comm, want), f"{kind}: got {type(ctx.comm).__name__}"
     check_objects(ctx)
     seq = _torch_collectives() if kind == "torch" else 0
+    comm = ViaDevice(ctx.comm) if kind.endswith("-device") else ctx.comm
     for dt in DTYPES:
         for fn in TENSOR_CHECKS:
-            fn(ctx.comm, dt)
+            fn(comm, dt)
     ctx.comm.barrier()
     if kind == "torch":
         import torch.distributed as dist

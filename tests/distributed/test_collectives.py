@@ -29,6 +29,13 @@ def test_collectives_real_ranks(nprocs, kind):
     _assert_ok(run_mpi(nprocs, WORKER, "collectives", kind, timeout=120), nprocs, f"collectives {kind}")
 
 
+@needs_mpi
+def test_mpi_communicator_moves_device_tensors_through_host_memory():
+    """Ranks that share one GPU (NCCL refuses them) use the MPI communicator: handed GPU tensors (a stand-in that,
+    like a CUDA tensor, cannot be viewed as numpy), every collective gives the same bytes, on the device."""
+    _assert_ok(run_mpi(2, WORKER, "collectives", "mpi-device", timeout=120), 2, "collectives mpi-device")
+
+
 def test_init_dist_without_mpirun():
     ctx = init_dist()
     assert (ctx.rank, ctx.world_size, ctx.local_rank) == (0, 1, 0)
