@@ -6,8 +6,9 @@
 - kernels: each attention kernel this device runs (cuda: flashinfer + triton; hip: aiter + triton; cpu: triton
   under the interpreter) against the torch reference kernel on the same paged cache — decode and mixed
   prefill + decode steps, DeepSeek/GLM dims (512 latent + 64 rope, 64-token pages; --dry-run: tiny dims), 16, 64
-  and 128 heads, bf16 and fp8 KV, requests of different page counts (odd ones, the widest 15 pages) — max |LSE|
-  error, relative |õ| error, and which path ran (vendor kernel or Triton fallback);
+  and 128 heads, bf16 and fp8 KV, requests of different page counts (odd ones, the widest 15 pages), and DSA
+  (sparse) steps at 64 heads, each row attending 256 selected slots — max |LSE| error, relative |õ| error, and
+  which path ran (vendor kernel or Triton fallback);
 - timing: decode attention of B requests × C tokens per kernel against the HBM floor, bytes of KV read /
   the hardware profile's kv_read_bytes_per_s (b200/h200/bw1000 by device name, or --hbm-gbs);
 - comm: the communicator splash-serve would use on this device — torch.distributed (TorchCommunicator: NCCL, one
@@ -125,6 +126,24 @@ def make_state(device, batch: int, context: int, dc: int, dr: int, heads: int, p
     return cache, meta, q[..., :dc].contiguous(), q[..., dc:].contiguous()
 
 
+def with_selection(state, k: int, seed: int = 1):
+    """`state` with a DSA top-k selection on its layer: each query row attends `k` random slots among the keys it
+    sees (a third of the rows leave their last 3 entries unselected, as a CP rank's lost candidates do)."""
+    import torch
+
+    from splash.attention.dsa import SparseSelection, held_slots
+    cache, meta, ql, qr = state
+    dev = meta.q_pos.device
+    slots, pos, held = held_slots(meta, torch.arange(meta.num_reqs, device=dev))
+    sees = held[meta.row_req] & (pos[meta.row_req] <= meta.q_pos[:, None])
+    score = torch.rand(sees.shape, generator=torch.Generator(device="cpu").manual_seed(seed)).to(dev)
+    idx = score.masked_fill(~sees, -1.0).topk(min(k, sees.shape[1]), dim=1).indices
+    valid = sees.gather(1, idx)
+    valid[::3, -3:] = False
+    meta.sparse[0] = SparseSelection(slots[meta.row_req].gather(1, idx) * valid, valid)
+    return state
+
+
 def run_kernel(name, scale, state):
     from splash.attention.kernels import make_kernel
     cache, meta, ql, qr = state
@@ -136,6 +155,7 @@ def run_kernel(name, scale, state):
 
 HEADS = (16, 64, 128)                       # per rank: a TP shard, a DP-attn / DOP owner, all of DeepSeek's
 KV_DTYPES = ("bfloat16", "fp8_e4m3")        # the vendor path and (fp8) the Triton path every shipped config uses
+TOPK = 256                                  # sparse (DSA) rows: keys each query row selects (V3.2 / GLM-5: 2048)
 
 
 def check_kernels(args, backend) -> None:
@@ -148,6 +168,11 @@ def check_kernels(args, backend) -> None:
                 case = f"{kv} H={heads} {'mixed' if mixed else 'decode'}"
                 guarded(f"attention {case}", check_case, backend, scale, case,
                         make_state(backend.device, batch, ctx, heads=heads, **dims, mixed=mixed, kv_dtype=kv))
+        for mixed in (False, True):   # DSA layers: every kernel attends the selected slots (vendors: via Triton)
+            case = f"{kv} H={HEADS[1]} sparse {'mixed' if mixed else 'decode'}"
+            k = 8 if args.dry_run else TOPK
+            guarded(f"attention {case}", lambda c=case, m=mixed: check_sparse_case(backend, scale, c, with_selection(
+                make_state(backend.device, batch, ctx, heads=HEADS[1], **dims, mixed=m, kv_dtype=kv), k)))
     guarded("decode time", time_decode, args, backend, dict(dims, heads=HEADS[0]), scale)
 
 
@@ -165,6 +190,32 @@ def check_case(backend, scale, case, state) -> None:
         paths = getattr(k, "paths", {name: 1})
         row(f"attention {name} {case}", f"via {','.join(paths)}: |dLSE| {err_l:.1e}, |do|/|o| {err_o:.1e}",
             err_l < 6e-2 and err_o < 2e-2)
+
+
+def sparse_reference(scale, state):
+    """fp32 attention of each query row over exactly its selected keys, read back from the cache (õ, LSE)."""
+    import torch
+    cache, meta, ql, qr = state
+    sel = meta.sparse[0]
+    c, k = cache.read(0, sel.slots)                                      # [N, K, dc], [N, K, dr]
+    s = (torch.einsum("nhc,nkc->nhk", ql.float(), c) + torch.einsum("nhr,nkr->nhk", qr.float(), k)) * scale
+    s = s.masked_fill(~sel.valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("nhk,nkc->nhc", torch.softmax(s, dim=-1), c), lse
+
+
+def check_sparse_case(backend, scale, case, state) -> None:
+    """Every kernel on a DSA layer (the torch one included: a sparse layer runs `dsa.sparse_attend` in torch ops
+    whatever the kernel, there being no Triton sparse kernel yet) against `sparse_reference`; a vendor kernel must
+    not have run its own (dense) path on it."""
+    o_ref, lse_ref = sparse_reference(scale, state)
+    for name in ["torch"] + kernel_names(backend):
+        k, o, lse = run_kernel(name, scale, state)
+        err_l = float((lse - lse_ref).abs().max())
+        err_o = float((o - o_ref).abs().max() / o_ref.abs().max().clamp_min(1e-30))
+        vendor = set(getattr(k, "paths", {})) - {"triton"}
+        row(f"attention {name} {case}", f"dsa.sparse_attend{' (vendor ran: ' + ','.join(vendor) + ')' if vendor else ''}"
+            f": |dLSE| {err_l:.1e}, |do|/|o| {err_o:.1e}", not vendor and err_l < 6e-2 and err_o < 2e-2)
 
 
 def hbm_bytes_per_s(args, backend) -> tuple[float, str]:

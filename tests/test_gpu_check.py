@@ -50,6 +50,10 @@ def test_dry_run_passes_end_to_end(tmp_path):
         for kv in ("bfloat16", "fp8_e4m3"):
             for step in ("decode", "mixed"):
                 assert f"attention triton {kv} H={heads} {step}" in out, out
+    for kv in ("bfloat16", "fp8_e4m3"):
+        for step in ("decode", "mixed"):
+            assert f"attention torch {kv} H=64 sparse {step}" in out and f"attention triton {kv} H=64 sparse {step}" \
+                in out, out
     for part in ("decode time torch", "comm collectives", "comm across ranks", "serve tp ", "serve dop ",
                  "serve live switches", "== gpu-check: PASS"):
         assert part in out, out
@@ -58,7 +62,7 @@ def test_dry_run_passes_end_to_end(tmp_path):
     assert rows["serve live switches"] == rows["attention triton fp8_e4m3 H=128 decode"] == "PASS"
     table = r.stdout[r.stdout.rindex("== gpu-check results"):]                      # the table comes last
     assert "serve live switches" in table and "attention triton bfloat16 H=16 decode" in table
-    assert "gpu-check: PASS (18 PASS, 0 FAIL, 2 SKIP, 1 info)" in table
+    assert "gpu-check: PASS (26 PASS, 0 FAIL, 2 SKIP, 1 info)" in table
 
 
 def test_rows_print_as_they_run_and_a_failing_check_is_one_row(monkeypatch, capsys):
@@ -218,3 +222,34 @@ def test_ranks_beyond_the_gpus_share_them_over_mpi(monkeypatch):
     flags = lambda backend, ranks: _flags(SimpleNamespace(ranks=ranks, dry_run=False), backend)  # noqa: E731
     assert flags(gpu, 2)[flags(gpu, 2).index("--communicator") + 1] == "mpi"
     assert "--communicator" not in flags(gpu, 1)
+
+
+def test_a_kernel_that_ignores_the_dsa_selection_fails_the_sparse_rows(monkeypatch, capsys):
+    """The sparse rows compare every kernel with fp32 attention over exactly the selected keys: one that attends
+    every key it sees (the selection dropped) passes the dense rows and fails the sparse ones."""
+    import dataclasses
+
+    from splash.attention import kernels
+
+    real = kernels.make_kernel
+
+    class Dense:
+        def __init__(self, k):
+            self.k, self.paths = k, {"triton": 1}
+
+        def plan(self, meta):
+            self.k.plan(dataclasses.replace(meta, sparse={}))
+
+        def run(self, *a):
+            return self.k.run(*a)
+
+    monkeypatch.setattr(kernels, "make_kernel", lambda n, s: Dense(real("torch", s)) if n == "dense" else real(n, s))
+    monkeypatch.setattr(gpu_check, "kernel_names", lambda backend: ["dense"])
+    monkeypatch.setattr(gpu_check, "time_decode", lambda *a: None)
+    gpu_check.ROWS.clear()
+    assert gpu_check.main(["--dry-run", "--part", "kernels"]) == 1
+    rows = {c: r for c, _, r in gpu_check.ROWS}
+    assert rows["attention dense bfloat16 H=64 decode"] == rows["attention torch fp8_e4m3 H=64 sparse mixed"] == "PASS"
+    assert rows["attention dense bfloat16 H=64 sparse decode"] == rows["attention dense fp8_e4m3 H=64 sparse mixed"] \
+        == "FAIL"
+    gpu_check.ROWS.clear()
