@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from backends.base import Backend, BackendUnavailable
+from backends.base import Backend, BackendUnavailable, ranks_on_gpu
 
 NAMES = ("cpu", "cuda", "hip", "auto")
 # the attention kernels each backend can run, its default, and the Python packages each kernel needs
@@ -82,8 +82,9 @@ def _check_gpu(name: str) -> int:
     return count
 
 
-def get_backend(name: str, local_rank: int = 0, attention: str | None = None) -> Backend:
-    """The backend `name` for the rank with node-local index `local_rank` (its GPU is local_rank % GPUs).
+def get_backend(name: str, local_rank: int = 0, attention: str | None = None, local_size: int = 1) -> Backend:
+    """The backend `name` for the rank with node-local index `local_rank` of `local_size` (its GPU is
+    local_rank % GPUs; with more ranks than GPUs, ranks share one and each budgets its share of the memory).
 
     `attention` (a kernel name) is checked too: BackendUnavailable when the backend cannot run it or a package
     it needs is missing."""
@@ -95,7 +96,7 @@ def get_backend(name: str, local_rank: int = 0, attention: str | None = None) ->
         backend = Backend("cpu", "cpu")
     else:
         count = _check_gpu(name)
-        backend = Backend(name, f"cuda:{local_rank % count}")
+        backend = Backend(name, f"cuda:{local_rank % count}", ranks_on_gpu(local_rank, local_size, count))
         import torch
         torch.cuda.set_device(backend.device)   # kernels that launch on "the current device" (Triton, AITER) too
     if attention is not None:

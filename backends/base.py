@@ -76,10 +76,23 @@ class DeviceStreams:
                 t.record_stream(self.compute)
 
 
+def ranks_on_gpu(local_rank: int, local_size: int, gpus: int) -> int:
+    """How many of a node's `local_size` ranks share the GPU of `local_rank` (rank r runs on GPU r % gpus)."""
+    return len(range(local_rank % gpus, max(local_size, local_rank + 1), gpus))
+
+
+def share_of(free: int, total: int, ranks: int) -> tuple[int, int]:
+    """(free, total) of one of `ranks` equal shares of a GPU measured (free, total): a share of the total, less a
+    share of what is in use then (the ranks start together; what one of them has taken counts against all)."""
+    in_use = (total - free) // ranks
+    return total // ranks - in_use, total // ranks
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str                  # cpu | cuda | hip
     device_name: str           # "cpu" or "cuda:N" (ROCm devices are torch "cuda" devices too)
+    ranks_on_device: int = 1   # this node's ranks on that GPU (more ranks than GPUs: they share)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -98,12 +111,13 @@ class Backend:
         return self._cache["streams"]
 
     def memory_info(self) -> tuple[int, int] | None:
-        """(free, total) device bytes; None on CPU (no device memory to measure: budgets come from the config)."""
+        """(free, total) device bytes of this rank's share of its GPU: the GPU's, divided among the ranks on it
+        (each would otherwise budget the whole GPU for itself); None on CPU (budgets come from the config)."""
         if not self.is_gpu:
             return None
         import torch
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(free), int(total)
+        return share_of(int(free), int(total), self.ranks_on_device)
 
     def describe(self) -> str:
         if not self.is_gpu:

@@ -83,7 +83,8 @@ def backend_of(args):
     vendor kernels launch where the tensors are."""
     import backends
     from splash.distributed import init_dist
-    return backends.get_backend("cpu" if args.dry_run else args.device, init_dist().local_rank)
+    ctx = init_dist()
+    return backends.get_backend("cpu" if args.dry_run else args.device, ctx.local_rank, local_size=ctx.local_size)
 
 
 def kernel_names(backend) -> list[str]:

@@ -167,3 +167,21 @@ def test_gpu_backend_makes_its_device_current(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
     assert backends.get_backend("cuda", 6).device == torch.device("cuda:2")
     assert current == [torch.device("cuda:2")]
+
+
+def test_ranks_that_share_a_gpu_each_budget_their_share_of_it(monkeypatch):
+    """More ranks than GPUs (rank r on GPU r % GPUs): each rank's memory_info is its equal share of the GPU — the
+    total split, less its share of what is in use — so two ranks on one GPU do not both budget all of it."""
+    from backends.base import ranks_on_gpu, share_of
+
+    assert [ranks_on_gpu(r, 2, 1) for r in range(2)] == [2, 2]
+    assert [ranks_on_gpu(r, 3, 2) for r in range(3)] == [2, 1, 2]        # GPU 0: ranks 0 and 2; GPU 1: rank 1
+    assert [ranks_on_gpu(r, 8, 8) for r in range(8)] == [1] * 8
+    assert share_of(60, 100, 1) == (60, 100) and share_of(60, 100, 2) == (30, 50)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 << 30, 140 << 30))
+    assert backends.Backend("cuda", "cuda:0", 2).memory_info() == (35 << 30, 70 << 30)
+    assert backends.Backend("cuda", "cuda:0").memory_info() == (70 << 30, 140 << 30)
+    monkeypatch.setattr(backends, "_check_gpu", lambda name: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert backends.get_backend("cuda", 1, local_size=2).ranks_on_device == 2
+    assert backends.get_backend("cuda", 0).ranks_on_device == 1

@@ -79,7 +79,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "F",
      "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
-     "(splash.layouts.device_budget) unless --kv-cache-memory-bytes or --num-kv-blocks is set; unused on cpu"),
+     "(splash.layouts.device_budget) unless --kv-cache-memory-bytes or --num-kv-blocks is set; ranks that share "
+     "a GPU (more ranks than GPUs) each take an equal share of it; unused on cpu"),
     (("--kv-cache-memory-bytes",), "kv_cache_memory_bytes", str, "BYTES",
      "explicit per-rank KV cache budget, e.g. 67108864 or 64MiB (default on cpu: 64MiB; on GPUs it replaces the "
      "--gpu-memory-utilization budget)"),

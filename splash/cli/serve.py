@@ -67,7 +67,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = startup.run_agreed(comm, lambda: _load_config(argv, rank))
         startup.run_agreed(comm, lambda: startup.check_parallel(cfg, ctx.world_size))
-        cfg, backend = startup.run_agreed(comm, lambda: startup.resolve_backend(cfg, ctx.local_rank))
+        cfg, backend = startup.run_agreed(comm, lambda: startup.resolve_backend(cfg, ctx.local_rank, ctx.local_size))
         startup.run_agreed(comm, lambda: startup.check_communicator(cfg))
         # the model's communicator (MPI or torch; the control plane stays on MPI), after every rank agreed it can run
         data_comm = startup.run_agreed(comm, lambda: make_communicator(cfg.communicator, ctx, cfg.parallel.backend))

@@ -33,13 +33,13 @@ def check_parallel(cfg: ServeConfig, world_size: int) -> None:
         raise ConfigError(f"field 'parallel.world_size' = {ws} but mpirun started {world_size} rank(s)")
 
 
-def resolve_backend(cfg: ServeConfig, local_rank: int) -> tuple[ServeConfig, Any]:
-    """(cfg with `parallel.backend: auto` resolved, the rank's Backend); what this machine lacks is a
-    ConfigError naming it, before any model is read."""
+def resolve_backend(cfg: ServeConfig, local_rank: int, local_size: int = 1) -> tuple[ServeConfig, Any]:
+    """(cfg with `parallel.backend: auto` resolved, the Backend of the node's `local_rank`-th of `local_size`
+    ranks); what this machine lacks is a ConfigError naming it, before any model is read."""
     import backends
     from splash.config.serve_config import apply_overrides
 
-    backend = backends.get_backend(cfg.parallel.backend, local_rank)
+    backend = backends.get_backend(cfg.parallel.backend, local_rank, local_size=local_size)
     if backend.name != cfg.parallel.backend:
         cfg = apply_overrides(cfg, {"backend": backend.name}, source="parallel.backend: auto")
     try:
