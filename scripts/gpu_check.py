@@ -220,14 +220,14 @@ def check_sparse_case(backend, scale, case, state) -> None:
 
 
 def hbm_bytes_per_s(args, backend) -> tuple[float, str]:
-    from splash.costmodel.profile import load_profile
+    from splash.costmodel.profile import load_profile, profile_for_device
     if args.hbm_gbs:
         return args.hbm_gbs * 1e9, "--hbm-gbs"
     name = "cpu"
     if backend.is_gpu:
         import torch
-        dev = torch.cuda.get_device_name(backend.device).upper()
-        name = next((p for key, p in (("B200", "b200"), ("H200", "h200"), ("BW", "bw1000")) if key in dev), None)
+        dev = torch.cuda.get_device_name(backend.device)
+        name = profile_for_device(dev)
         if name is None:
             return 0.0, f"no profile for {dev} (give --hbm-gbs)"
     return load_profile(name).kv_read_bytes_per_s, f"{name} profile"

@@ -185,3 +185,26 @@ def test_ranks_that_share_a_gpu_each_budget_their_share_of_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert backends.get_backend("cuda", 1, local_size=2).ranks_on_device == 2
     assert backends.get_backend("cuda", 0).ranks_on_device == 1
+
+
+def test_a_gpu_without_a_configured_profile_takes_the_one_its_name_matches(monkeypatch):
+    """layout.hardware_profile unset on a GPU: start takes the shipped profile the device's name matches, so auto
+    prices layouts for that part; a profile the config names wins; an unknown GPU gets none."""
+    from splash.cli.args import build_config
+    from splash.costmodel.profile import profile_for_device
+    from splash.server import startup
+
+    assert [profile_for_device(n) for n in ("NVIDIA H200", "NVIDIA B200", "NVIDIA H100 80GB HBM3")] == \
+        ["h200", "b200", None]
+    monkeypatch.setattr(backends, "_check_gpu", lambda name: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(backends, "missing_packages", lambda kernel: [])
+    name = ["NVIDIA H200"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name[0])
+    bare = build_config(["--backend", "cuda", "--attention-backend", "torch"])
+    assert bare.hardware_profile is None
+    assert startup.resolve_backend(bare, 0)[0].hardware_profile == "h200"
+    told = build_config(["--backend", "cuda", "--attention-backend", "torch", "--hardware-profile", "b200"])
+    assert startup.resolve_backend(told, 0)[0].hardware_profile == "b200"
+    name[0] = "NVIDIA H100 80GB HBM3"
+    assert startup.resolve_backend(bare, 0)[0].hardware_profile is None

@@ -84,18 +84,19 @@ def test_rows_print_as_they_run_and_a_failing_check_is_one_row(monkeypatch, caps
 
 
 def test_backend_comes_from_the_launchers_local_rank(monkeypatch):
-    """The node-local rank is the project's launcher's (MPI's shared-memory split, for every MPI), not an Open MPI
-    environment variable."""
+    """The node-local rank and count are the project's launcher's (MPI's shared-memory split, for every MPI), not an
+    Open MPI environment variable; the count says how many ranks share a GPU."""
     import types
 
     import backends
     import splash.distributed as dist
     seen = []
-    monkeypatch.setattr(dist, "init_dist", lambda: types.SimpleNamespace(local_rank=3))
-    monkeypatch.setattr(backends, "get_backend", lambda name, local_rank: seen.append((name, local_rank)))
+    monkeypatch.setattr(dist, "init_dist", lambda: types.SimpleNamespace(local_rank=3, local_size=4))
+    monkeypatch.setattr(backends, "get_backend", lambda name, local_rank, local_size: seen.append(
+        (name, local_rank, local_size)))
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK", raising=False)
     gpu_check.backend_of(gpu_check.parse(["--device", "cuda"]))
-    assert seen == [("cuda", 3)]
+    assert seen == [("cuda", 3, 4)]
 
 
 def test_a_wrong_kernel_fails(monkeypatch, capsys):

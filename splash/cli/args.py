@@ -72,7 +72,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "switch only if the new layout is predicted faster by this fraction"),
     (("--hardware-profile",), "hardware_profile", str, "NAME|PATH",
      "cost-model profile of layout auto: cpu, h200, b200, bw1000, or a profile .yaml; default: cpu on the cpu "
-     "backend, none on GPUs (auto then stays in its start layout: set one there)"),
+     "backend, on a GPU the profile its name matches (H200, B200, BW1000), else none (auto then stays in its "
+     "start layout: set one)"),
     (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str, None,
      "KV cache storage dtype; auto = compute dtype"),
     (("--block-size",), "block_size", int, "N",

@@ -67,7 +67,8 @@ def _backend_line(cfg):
         backends.check_attention(b.name, cfg.attention_backend)
     except backends.BackendUnavailable as e:
         return cfg, line, str(e)
-    return cfg, line, None
+    from splash.server.startup import profile_from_device
+    return profile_from_device(cfg, b), line, None
 
 
 def _world(cfg, profile) -> tuple[int, str]:
@@ -121,18 +122,19 @@ def report(cfg) -> tuple[list[str], list[str]]:
     mcfg, source, unservable = _model(cfg)
     if unservable:
         problems.append(unservable)
-    hp = cfg.hardware_profile
-    profile = load_profile(hp) if hp else None
-    world, wsrc = _world(cfg, profile)
     cfg, backend, why = _backend_line(cfg)
     if why:
         problems.insert(0, why)
+    hp = cfg.hardware_profile
+    profile = load_profile(hp) if hp else None
+    world, wsrc = _world(cfg, profile)
     out = [f"config    valid ({cfg.model_name})",
            f"model     {source}" + (f": {mcfg.model_type}, {mcfg.num_hidden_layers} MLA layers, "
                                     f"{mcfg.num_attention_heads} heads" if mcfg else ""),
            f"ranks     {world} ({wsrc})",
            f"backend   {backend}; attention {cfg.parallel.attention_backend or 'default'} -> {cfg.attention_backend}"
-           f"; compute {cfg.compute_dtype}; profile {hp or 'none (auto stays in its start layout)'}"]
+           f"; compute {cfg.compute_dtype}; profile {hp or 'none (auto stays in its start layout)'}"
+           + (' (from the GPU\'s name)' if hp and cfg.layout.hardware_profile is None else '')]
     if cfg.parallel.backend == "cpu":
         from splash import native
         out.append(f"kernels   {native.describe(threads=1)} with one rank per core; torch's with more threads")

@@ -249,8 +249,8 @@ class ServeConfig:
 
     @property
     def hardware_profile(self) -> str | None:
-        """layout.hardware_profile; unset: cpu on the cpu backend, None on GPUs (no profile is guessed from the
-        device: `auto` then stays in its start layout, which `splash-serve --check` reports)."""
+        """layout.hardware_profile; unset: cpu on the cpu backend; on GPUs splash-serve's start sets it from the
+        device's name (startup.profile_from_device; an unknown GPU: None, and `auto` stays in its start layout)."""
         hp = self.layout.hardware_profile
         return "cpu" if hp is None and self.parallel.backend == "cpu" else hp
 

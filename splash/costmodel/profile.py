@@ -305,6 +305,18 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
     return HardwareProfile(**kw)
 
 
+# A GPU's name (torch.cuda.get_device_name) → the shipped profile of that part: splash-serve's profile when
+# layout.hardware_profile is unset on a GPU, and gpu-check's HBM floor. Matched as a substring of the upper-cased name
+# (NVIDIA names its SXM parts plainly: "NVIDIA H200", seen on one; an H200 NVL matches too, on its NVLink bridges).
+DEVICE_PROFILES = (("B200", "b200"), ("H200", "h200"), ("BW1000", "bw1000"))
+
+
+def profile_for_device(device_name: str) -> str | None:
+    """The shipped profile of the GPU named `device_name`, or None when none is known for it."""
+    up = device_name.upper()
+    return next((p for key, p in DEVICE_PROFILES if key in up), None)
+
+
 def hardware_dir() -> Path:
     env = os.environ.get("SPLASH_HARDWARE_DIR")
     return Path(env) if env else Path(__file__).resolve().parents[2] / "configs" / "hardware"

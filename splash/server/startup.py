@@ -46,7 +46,21 @@ def resolve_backend(cfg: ServeConfig, local_rank: int, local_size: int = 1) -> t
         backends.check_attention(backend.name, cfg.attention_backend, backend.device)
     except backends.BackendUnavailable as e:
         raise backends.BackendUnavailable(f"field 'parallel.attention_backend': {e}") from None
-    return cfg, backend
+    return profile_from_device(cfg, backend), backend
+
+
+def profile_from_device(cfg: ServeConfig, backend: Any) -> ServeConfig:
+    """cfg, its layout.hardware_profile taken from the GPU's name when unset (an H200 → h200:
+    splash.costmodel.profile.profile_for_device), so auto prices layouts for the part it runs on without being told."""
+    if cfg.layout.hardware_profile is not None or not backend.is_gpu:
+        return cfg
+    import torch
+
+    from splash.config.serve_config import apply_overrides
+    from splash.costmodel.profile import profile_for_device
+    name = torch.cuda.get_device_name(backend.device)
+    hp = profile_for_device(name)
+    return cfg if hp is None else apply_overrides(cfg, {"hardware_profile": hp}, source=f"the GPU's name ({name})")
 
 
 def validate_model(cfg: ServeConfig) -> None:
