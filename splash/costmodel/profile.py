@@ -307,7 +307,8 @@ def profile_from_dict(raw: Mapping[str, Any], where: str = "hardware profile") -
 
 # A GPU's name (torch.cuda.get_device_name) → the shipped profile of that part: splash-serve's profile when
 # layout.hardware_profile is unset on a GPU, and gpu-check's HBM floor. Matched as a substring of the upper-cased name
-# (NVIDIA names its SXM parts plainly: "NVIDIA H200", seen on one; an H200 NVL matches too, on its NVLink bridges).
+# (NVIDIA names its SXM parts plainly: "NVIDIA H200", seen on one; an H200 NVL matches too, on its NVLink bridges;
+# what a Hygon BW1000 reports has not been seen: a name without "BW1000" gets no profile).
 DEVICE_PROFILES = (("B200", "b200"), ("H200", "h200"), ("BW1000", "bw1000"))
 
 
