@@ -243,7 +243,7 @@ class MPICommunicator(Communicator):
     def _plan_all_gatherv(self, t: torch.Tensor, counts: Sequence[int] | None) -> _Plan:
         src, counts = gatherv_rows(self, _host(t), counts)
         row = math.prod(src.shape[1:]) * src.element_size()
-        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype)
+        out = torch.empty((sum(counts), *src.shape[1:]), dtype=src.dtype, device="cpu")
         nbytes = [c * row for c in counts]
         byte = self._MPI.BYTE
         args = ([_bytes(src), byte], [_bytes(out), (nbytes, _displs(nbytes)), byte])
@@ -268,7 +268,7 @@ class MPICommunicator(Communicator):
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = as_rows(_host(t))
-        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype)
+        out = torch.empty((self.size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device="cpu")
         self.mpi_comm.Allgather([_bytes(src), self._MPI.BYTE], [_bytes(out), self._MPI.BYTE])
         return _back(out, t)
 
