@@ -102,3 +102,20 @@ def test_the_learnt_mix_weighs_steps_by_their_predicted_time_as_the_factor_does(
     w = 1 / 3                                         # the second measurement's weight (n = 2)
     assert math.isclose(st.mix["attention"], w * 3.0 / ((1 - w) * 1.0 + w * 3.0))
     assert math.isclose(sum(st.mix.values()), 1.0)
+
+
+def test_a_gpu_step_is_timed_once_its_kernels_have_run(monkeypatch):
+    """On a GPU the host returns from a step while its kernels still run: the time auto learns from is read after
+    the device is synchronised (else it would learn launch times); on CPU nothing is synchronised."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from splash.engine.engine import step_seconds
+
+    done = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (time.sleep(0.05), done.append(device)))
+    t0 = time.perf_counter()
+    assert step_seconds(t0, SimpleNamespace(is_cuda=True, device="cuda:1")) >= 0.05 and done == ["cuda:1"]
+    assert step_seconds(time.perf_counter(), torch.zeros(2)) < 0.05 and done == ["cuda:1"]

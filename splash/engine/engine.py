@@ -33,6 +33,15 @@ from splash.models.weights import resident_bytes
 _log = logging.getLogger("splash.engine")
 
 
+def step_seconds(t0: float, out: torch.Tensor) -> float:
+    """Seconds from `t0` until the step that made `out` has run: on a GPU the host returns while the step's kernels
+    still run, so the device is synchronised first (the sampling right after waits for the logits anyway); without
+    it auto would learn launch times."""
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    return time.perf_counter() - t0
+
+
 @dataclass
 class _PromptLogprobs:
     """A request's prompt logprobs (`prompt_logprobs` = k), gathered piece by piece until they are delivered."""
@@ -185,7 +194,7 @@ class Engine:
         logits = self._execute(msg)
         if self.auto is not None and plan.items:
             try:
-                self.auto.observe(self.layout, plan.items, time.perf_counter() - t0, switched=switch is not None)
+                self.auto.observe(self.layout, plan.items, step_seconds(t0, logits), switched=switch is not None)
             except Exception:  # noqa: BLE001 — learning is best effort; the step's results stand
                 _log.exception("auto layout: online correction failed")
         rids = [s.req_id for s in plan.items if s.sample]
