@@ -704,3 +704,40 @@ def test_a_layout_measured_on_another_shape_is_entered_on_its_measured_lead():
     _, long_, a = _tp_measured_short_then_dop_long(0.85e-7)
     d = a.propose(0, "dop", long_, usage(long_))
     assert (d.verdict, d.target, d.probe) == ("switch", "tp", False)
+
+
+def _chained_probe(cp_decode_measured: bool):
+    """TP measured in both regimes, CP in prefill only. A decode probe TP -> CP is taken; before CP's decode is
+    measured, a prompt arrives and DOP's prefill probe qualifies from CP: the chained probe of per_layout agentic
+    seed 6 (docs/benchmarks.md, issue 29 session 20)."""
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 0.97e-3, "dop": 0.98e-3}, **FLAT)
+    a = make(m, observe_every=1)
+    _visit(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "cp", 1.0, n=40)
+    dec = decode_batch(4, 100, remaining=10_000)
+    d = a.propose(0, "tp", dec, usage(dec))
+    assert (d.verdict, d.target, d.probe) == ("switch", "cp", True) and "in decode" in d.reason
+    a.record(a.vet(d, manifest=None))
+    assert a.probes == {"cp/decode": 1}
+    if cp_decode_measured:
+        _visit(a, m, "cp", 1.0, n=40)
+    reqs = dec + [ReqView("p", 0, 512, 10_000, 0)]
+    d = a.propose(1, "cp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in prefill" in d.reason
+    a.record(a.vet(d, manifest=None))
+    return m, a, dec
+
+
+def test_a_probe_cut_short_by_a_chained_probe_before_it_measured_is_not_counted():
+    m, a, dec = _chained_probe(cp_decode_measured=False)
+    # CP's decode probe measured nothing: it is not counted, so CP may be probed in decode again
+    assert a.probes == {"cp/decode": 0, "dop/prefill": 1}
+    _visit_prefill(a, m, "dop", 1.5, n=40)
+    a.record(a.vet(a.propose(2, "dop", dec, usage(dec)), manifest=None))    # DOP measured slower: back to CP
+    assert a.last.current == "dop" and a.last.target == "cp"
+    d = a.propose(3, "tp", dec, usage(dec))
+    assert (d.verdict, d.target, d.probe) == ("switch", "cp", True)
+    # a probe that measured its regime before the chain is counted as before
+    _, b, _ = _chained_probe(cp_decode_measured=True)
+    assert b.probes == {"cp/decode": 1, "dop/prefill": 1}

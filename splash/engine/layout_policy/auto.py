@@ -456,6 +456,7 @@ class AutoLayout:
         prev, self.last, self._last_dict = self.last, d, None
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if d.verdict == "switch":
+            self._refund_cut_probe(d)
             reg, within, ahead = self._probe_for   # its deadline counts the steps' measured seconds from here
             self._probe_trip = (d.current, d.target, reg, self.overhead.ran_s + within, ahead) if d.probe else None
             if d.probe:
@@ -465,6 +466,19 @@ class AutoLayout:
             self.history.append(self._last_view())
             log.info("layout decision %s", json.dumps(self.history[-1], sort_keys=True))
         return d
+
+    def _refund_cut_probe(self, d: Decision) -> None:
+        """A probe chained from a probed layout before that one was measured in its probe's regime (prefill prompts
+        arrived during a decode probe, and another layout's prefill probe qualified): the first probe measured
+        nothing, so it is not counted against that layout's probes — it may be probed there again, as a probe ahead
+        of its regime that measured nothing is (`_probe_return`). The chain itself is not refused: it is how a
+        layout that leads in the new regime is found (shared agentic seed 6, docs/benchmarks.md)."""
+        trip = self._probe_trip
+        if trip is None or not d.probe or trip[1] != d.current:
+            return
+        if self._uncertainty(d.current, trip[2]) >= PROBE_MIN_UNCERTAINTY:
+            key = f"{d.current}/{trip[2]}"
+            self.probes[key] = max(0, self.probes.get(key, 0) - 1)
 
     def _last_view(self) -> dict | None:
         """The last decision as a dict, made once per decision (the server's snapshot asks after every step)."""
