@@ -57,7 +57,9 @@ it was vetted), and once the probed layout is measured in the probe's regime —
 once the steps since it ran PROBE_LEAD_SLACK x what it was priced for (PROBE_BUDGET of the work left, plus the steps
 before its regime) without measuring it — and the layout it came from is faster on its point prediction, the
 controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule
-decides from there. Its round trip must also fit in memory: a probe is taken only when the switch back passes
+decides from there. A probe left for another probe before it measured its regime (prompts arrived during a decode
+probe, and another layout's prefill probe qualified: the chain is how a layout leading in the new regime is found)
+measured nothing, so it is not counted either. Its round trip must also fit in memory: a probe is taken only when the switch back passes
 the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
 run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
 layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
