@@ -59,8 +59,8 @@ before its regime) without measuring it — and the layout it came from is faste
 controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule
 decides from there. A probe left for another probe before it measured its regime (prompts arrived during a decode
 probe, and another layout's prefill probe qualified: the chain is how a layout leading in the new regime is found)
-measured nothing, so it is not counted either. Its round trip must also fit in memory: a probe is taken only when the switch back passes
-the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
+measured nothing, so it is not counted either. Its round trip must also fit in memory: a probe is taken only when
+the switch back passes the controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may
 run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
 layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
 slower until the pool drains.
@@ -474,7 +474,7 @@ class AutoLayout:
         arrived during a decode probe, and another layout's prefill probe qualified): the first probe measured
         nothing, so it is not counted against that layout's probes — it may be probed there again, as a probe ahead
         of its regime that measured nothing is (`_probe_return`). The chain itself is not refused: it is how a
-        layout that leads in the new regime is found (shared agentic seed 6, docs/benchmarks.md)."""
+        layout that leads in the new regime is found."""
         trip = self._probe_trip
         if trip is None or not d.probe or trip[1] != d.current:
             return
