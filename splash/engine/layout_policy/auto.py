@@ -61,8 +61,8 @@ decides from there. A probe left for another probe before it measured its regime
 probe, and another layout's prefill probe qualified: the chain is how a layout leading in the new regime is found)
 measured nothing, so it is not counted either. Its round trip must also fit in memory: a probe is taken only when
 the switch back passes the controller's headroom check (`LayoutController.way_back`) for the running requests grown
-by what the probe may run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed
-layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
+by what the probe may run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that
+measure the probed layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
 slower until the pool drains.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
