@@ -329,4 +329,5 @@ class TritonMLAKernel:
         self.launches["mla_sparse" if sel is not None else "mla_split"] += 1
         if S > 1:
             mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=pow2(dc, 1), NSPLIT=S, BS=pow2(S, 1))
+            self.launches["mla_merge"] += 1
         return o, lse
