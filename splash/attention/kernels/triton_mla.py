@@ -39,7 +39,8 @@ BLOCK_N = 16      # keys per inner step
 MAX_SPLITS = 8    # splits of a row's keys (more parallelism for long contexts on a GPU)
 # (head block cap, num_warps) per vendor and KV format, chosen from the ahead-of-time compiles that
 # tests/test_triton_aot.py repeats for sm_90 / sm_100 (NVIDIA) and gfx942 / gfx90a (AMD): the largest head block
-# whose shared memory fits the target (gfx942: 64 KiB per workgroup) and that spills no registers.
+# whose shared memory fits the target (gfx942: 64 KiB per workgroup) and that spills no registers. The sparse
+# kernel launches the same tiles (it needs up to 256 B less shared memory: no page-table loads).
 LAUNCH = {
     "cuda": {"float32": (16, 8), "bfloat16": (32, 8), "fp8_e4m3": (16, 8), "int8": (16, 8)},
     "hip": {"float32": (16, 4), "bfloat16": (32, 4), "fp8_e4m3": (32, 4), "int8": (32, 4)},
