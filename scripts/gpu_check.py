@@ -8,7 +8,7 @@
   prefill + decode steps, DeepSeek/GLM dims (512 latent + 64 rope, 64-token pages; --dry-run: tiny dims), 16, 64
   and 128 heads, bf16 and fp8 KV, requests of different page counts (odd ones, the widest 15 pages), and DSA
   (sparse) steps at 64 heads, each row attending 256 selected slots — max |LSE| error, relative |õ| error, and
-  which path ran (vendor kernel or Triton fallback);
+  which path ran (vendor kernel or Triton fallback; on a DSA layer the Triton sparse kernel);
 - timing: decode attention of B requests × C tokens per kernel against the HBM floor, bytes of KV read /
   the hardware profile's kv_read_bytes_per_s (b200/h200/bw1000 by device name, or --hbm-gbs);
 - comm: the communicator splash-serve would use on this device — torch.distributed (TorchCommunicator: NCCL, one
@@ -205,18 +205,32 @@ def sparse_reference(scale, state):
     return torch.einsum("nhk,nkc->nhc", torch.softmax(s, dim=-1), c), lse
 
 
+def sparse_path(name: str, k) -> tuple[str, bool]:
+    """Which path attended a DSA layer, and whether it is the one `name` must take: the torch kernel its
+    dsa.sparse_attend; triton, and a vendor kernel through its Triton fallback, our sparse kernel (mla_sparse) —
+    never a vendor path, which attends every page."""
+    if name == "torch":
+        return "dsa.sparse_attend", True
+    vendor = set(getattr(k, "paths", {})) - {"triton"}
+    if vendor:
+        return f"vendor ran: {','.join(sorted(vendor))}", False
+    triton = k if hasattr(k, "launches") else getattr(getattr(k, "fallback", None), "kernel", None)
+    ran = getattr(triton, "launches", {}).get("mla_sparse", 0) > 0
+    return ("via triton mla_sparse" if ran else "the Triton sparse kernel did not run"), ran
+
+
 def check_sparse_case(backend, scale, case, state) -> None:
-    """Every kernel on a DSA layer (the torch one included: a sparse layer runs `dsa.sparse_attend` in torch ops
-    whatever the kernel, there being no Triton sparse kernel yet) against `sparse_reference`; a vendor kernel must
-    not have run its own (dense) path on it."""
+    """Every kernel on a DSA layer (torch: dsa.sparse_attend; triton, and flashinfer / aiter through their Triton
+    fallback: the Triton sparse kernel mla_sparse) against `sparse_reference`; a vendor kernel must not have run
+    its own (dense) path on it, nor a Triton one its dense kernel."""
     o_ref, lse_ref = sparse_reference(scale, state)
     for name in ["torch"] + kernel_names(backend):
         k, o, lse = run_kernel(name, scale, state)
         err_l = float((lse - lse_ref).abs().max())
         err_o = float((o - o_ref).abs().max() / o_ref.abs().max().clamp_min(1e-30))
-        vendor = set(getattr(k, "paths", {})) - {"triton"}
-        row(f"attention {name} {case}", f"dsa.sparse_attend{' (vendor ran: ' + ','.join(vendor) + ')' if vendor else ''}"
-            f": |dLSE| {err_l:.1e}, |do|/|o| {err_o:.1e}", not vendor and err_l < 6e-2 and err_o < 2e-2)
+        path, right = sparse_path(name, k)
+        row(f"attention {name} {case}", f"{path}: |dLSE| {err_l:.1e}, |do|/|o| {err_o:.1e}",
+            right and err_l < 6e-2 and err_o < 2e-2)
 
 
 def hbm_bytes_per_s(args, backend) -> tuple[float, str]:

@@ -277,3 +277,93 @@ def test_chunk_spans_are_balanced():
         sizes = [n for _, n in spans]
         assert len(spans) == -(-pages // C) and max(sizes) <= C and max(sizes) - min(sizes) <= 1
         assert [j for j, _ in spans] == [sum(sizes[:i]) for i in range(len(sizes))] and sum(sizes) == pages
+
+
+# ---- Triton sparse (DSA) kernel: mla_sparse against dsa.sparse_attend (interpreter) -----------------------------
+def select_slots(meta, K: int, seed: int = 0, none_row: int = 0):
+    """A DSA selection on layer 0 as the indexer leaves it: each row's K entries drawn (with repeats: a slot may be
+    selected twice) from the slots its request holds; entries at positions past the row's, and a quarter more, are
+    invalid (padding, a CP rank's lost candidates) with slot 0; row `none_row` selects nothing."""
+    from splash.attention.dsa import SparseSelection, held_slots
+    g = torch.Generator().manual_seed(seed)
+    slots, pos, held = held_slots(meta, torch.arange(meta.num_reqs))
+    n = meta.num_rows
+    idx = torch.randint(0, slots.shape[1], (n, K), generator=g)
+    valid = (held[meta.row_req].gather(1, idx) & (pos[meta.row_req].gather(1, idx) <= meta.q_pos[:, None])
+             & (torch.rand(n, K, generator=g) > 0.25))
+    if none_row is not None:
+        valid[none_row] = False
+    meta.sparse[0] = SparseSelection(slots[meta.row_req].gather(1, idx) * valid, valid)
+    return meta.sparse[0]
+
+
+def _sparse_tol(kv_dtype: str) -> dict:
+    """fp32 pools: exact fp32 products (to 1e-5); bf16 / fp8 / int8: the dense kernel's bf16-operand tolerance."""
+    return {} if kv_dtype == "float32" else _tol(kv_dtype)
+
+
+def check_sparse(state, K: int, splits: bool = False, seed: int = 0, **tol):
+    """The Triton kernel on a layer with a selection: its sparse kernel ran (split partials merged when `splits`)
+    and equals dsa.sparse_attend over the same slots; a row with no valid slot: õ = 0, LSE = −inf."""
+    from splash.attention.dsa import sparse_attend
+    cache, _, _, _, meta, q = state
+    dc = cache.kv_lora_rank
+    sel = select_slots(meta, K, seed)
+    k = _triton()
+    k.plan(meta)
+    o, lse = k.run(0, q[..., :dc], q[..., dc:], cache)
+    o_ref, lse_ref = sparse_attend(q[..., :dc], q[..., dc:], cache, 0, sel, SCALE)
+    assert k.launches["mla_sparse"] == 1 and not k.launches["mla_split"]
+    assert (k.launches["mla_merge"] == 1) == splits
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isinf(lse), ~fin) and not fin[0].any() and fin[1:].any()
+    assert torch.equal(o[~fin], torch.zeros_like(o[~fin]))
+    atol, rel_o = tol.get("atol", 1e-5), tol.get("rel_o")     # fp32 pools: the same fp32 sums in another order
+    assert torch.allclose(lse[fin], lse_ref[fin], atol=atol, rtol=atol), (lse - lse_ref).abs()[fin].max()
+    if rel_o is None:
+        assert torch.allclose(o, o_ref, atol=atol, rtol=atol), (o - o_ref).abs().max()
+    else:
+        assert (o - o_ref).abs().max() <= rel_o * o_ref.abs().max(), (o - o_ref).abs().max() / o_ref.abs().max()
+    return sel
+
+
+SPARSE_DECODE = [(70, 1), (9, 1), (33, 1), (50, 1)]   # decode-only: a selection of K > 16 takes several splits
+
+
+@pytest.mark.parametrize("kv_dtype", quant.KV_DTYPES)
+@pytest.mark.parametrize("K,heads", [(5, 3), (37, 20)])   # K under one block / over two, not a multiple of 16
+def test_triton_sparse_kernel_matches_sparse_attend_mixed(kv_dtype, K, heads):
+    """A mixed step (prefill chunk + decode rows: one split) over every KV format; 20 heads = two head blocks where
+    the cap is 16, one masked block of 32 elsewhere; duplicate slots count twice, as in sparse_attend."""
+    sel = check_sparse(make_state(kv_dtype, 4, TINY, dc=16, dr=4, heads=heads), K, **_sparse_tol(kv_dtype))
+    rows = [s[v].tolist() for s, v in zip(sel.slots, sel.valid)]
+    assert K < 16 or any(len(r) > len(set(r)) for r in rows)        # the draw did select some slot twice
+
+
+@pytest.mark.parametrize("kv_dtype", quant.KV_DTYPES)
+def test_triton_sparse_kernel_decode_splits_merge(kv_dtype):
+    """A decode-only step: 37 selected entries = 3 blocks = 3 splits, merged by the dense kernel's mla_merge."""
+    check_sparse(make_state(kv_dtype, 4, SPARSE_DECODE, dc=16, dr=4, heads=2), 37, splits=True, seed=1,
+                 **_sparse_tol(kv_dtype))
+
+
+@pytest.mark.parametrize("kv_dtype,fused,rope_fp8,dr", [("bfloat16", True, False, 4), ("fp8_e4m3", None, True, 4),
+                                                        ("bfloat16", True, False, 0), ("fp8_e4m3", None, False, 0)])
+def test_triton_sparse_kernel_gpu_pool_layouts(kv_dtype, fused, rope_fp8, dr):
+    """The GPU's pools: bf16 fused [blocks, page, d_c + d_r] (strided latent and rope), fp8 with an e4m3 rope key
+    (SM90), and NoPE (rope width 0, GLM-5.3-Flash), each in a mixed and a decode-only step."""
+    for specs, splits in ((TINY, False), (SPARSE_DECODE, True)):
+        check_sparse(make_state(kv_dtype, 4, specs, dc=16, dr=dr, heads=4, fused=fused, rope_fp8=rope_fp8), 21,
+                     splits=splits, **_sparse_tol(kv_dtype))
+
+
+def test_triton_sparse_kernel_empty_selection():
+    """A selection of width 0 (nothing to attend here): õ = 0 and LSE = −inf without a launch."""
+    from splash.attention.dsa import SparseSelection
+    cache, _, _, _, meta, q = make_state("float32", 4, TINY, dc=16, dr=4)
+    meta.sparse[0] = SparseSelection(torch.zeros(meta.num_rows, 0, dtype=torch.long),
+                                     torch.zeros(meta.num_rows, 0, dtype=torch.bool))
+    k = _triton()
+    k.plan(meta)
+    o, lse = k.run(0, q[..., :16], q[..., 16:], cache)
+    assert not k.launches and torch.equal(o, torch.zeros_like(o)) and torch.isinf(lse).all() and (lse < 0).all()

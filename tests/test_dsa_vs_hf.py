@@ -31,9 +31,11 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def make_runner(path, comm, kv_dtype="float32", block_size=4, num_blocks=64, **cfg_changes) -> ModelRunner:
+def make_runner(path, comm, kv_dtype="float32", block_size=4, num_blocks=64, attention_backend="torch",
+                **cfg_changes) -> ModelRunner:
     cfg, get = open_checkpoint(path)
-    return ModelRunner(dataclasses.replace(cfg, **cfg_changes), get, comm, "tp", kv_dtype, block_size, num_blocks)
+    return ModelRunner(dataclasses.replace(cfg, **cfg_changes), get, comm, "tp", kv_dtype, block_size, num_blocks,
+                       attention_backend=attention_backend)
 
 
 @pytest.mark.parametrize("variant", sorted(DSA_VARIANTS))
@@ -42,6 +44,19 @@ def test_prefill_logits_match_hf(variant, tiny_ckpt, hf_ref, comm):
     runner = make_runner(tiny_ckpt(variant), comm)
     n = len(prompt)
     ours = runner.step(StepBatch([StepRequest("a", 0, n)], torch.tensor(prompt), torch.arange(n), list(range(n))))
+    assert rel_err(ours, hf_logits(hf_ref(variant), prompt)) < RTOL
+
+
+@pytest.mark.parametrize("variant", ["v32_sparse", "glm_sparse"])
+def test_triton_sparse_kernel_prefill_logits_match_hf(variant, tiny_ckpt, hf_ref, comm):
+    """The engine on `attention_backend="triton"` (interpreter): every layer of the prefill is sparse (top-k 8 <
+    29 positions), attended by the Triton sparse kernel over an fp32 pool, and the logits are transformers'."""
+    pytest.importorskip("triton")
+    prompt = random_prompts([29], seed=1)[0]
+    runner = make_runner(tiny_ckpt(variant), comm, attention_backend="triton")
+    n = len(prompt)
+    ours = runner.step(StepBatch([StepRequest("a", 0, n)], torch.tensor(prompt), torch.arange(n), list(range(n))))
+    assert runner.attn.name == "triton" and runner.attn.launches == {"mla_sparse": runner.cfg.num_hidden_layers}
     assert rel_err(ours, hf_logits(hf_ref(variant), prompt)) < RTOL
 
 

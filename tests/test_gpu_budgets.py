@@ -212,10 +212,11 @@ def _count_host_reads(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("kernel", ["flashinfer-sm90", "flashinfer-sm90-fp8", "flashinfer-sm100", "aiter", "triton"])
+@pytest.mark.parametrize("kernel", ["flashinfer-sm90", "flashinfer-sm90-fp8", "flashinfer-sm100", "aiter", "triton",
+                                    "triton-sparse"])
 def test_no_host_read_per_layer(monkeypatch, kernel):
     """plan() may read the step's sizes from the device once; run() — once per layer — never does (a host read
-    per layer stalls the GPU 61 times a step)."""
+    per layer stalls the GPU 61 times a step); on a DSA layer (triton-sparse) neither does the sparse kernel's."""
     from vendor_standins import install_aiter, install_flashinfer
     pytest.importorskip("triton")
     if kernel.startswith("flashinfer"):
@@ -228,8 +229,11 @@ def test_no_host_read_per_layer(monkeypatch, kernel):
     else:
         from splash.attention.kernels.triton_mla import TritonMLAKernel
         k = TritonMLAKernel(SCALE)
-    kv = "fp8_e4m3" if kernel in ("triton", "flashinfer-sm90-fp8") else "bfloat16"
+    kv = "fp8_e4m3" if kernel.startswith("triton") or kernel == "flashinfer-sm90-fp8" else "bfloat16"
     cache, _, _, _, meta, q = _state(kv, FI_DECODE[3], 16, rope_fp8=kernel.endswith("fp8"))
+    if kernel == "triton-sparse":
+        from test_attention_kernels import select_slots
+        select_slots(meta, 20)
     reads = _count_host_reads(monkeypatch)
     k.plan(meta)
     k.run(0, q[..., :512], q[..., 512:], cache)     # the step's first layer may build per-step state
@@ -238,5 +242,7 @@ def test_no_host_read_per_layer(monkeypatch, kernel):
     for _ in range(3):                               # every further layer: none
         k.run(0, q[..., :512], q[..., 512:], cache)
     assert reads == first, reads[len(first):]
+    if kernel.startswith("triton"):
+        assert set(k.launches) == {"mla_sparse" if kernel == "triton-sparse" else "mla_split", "mla_merge"}
     if kernel.startswith("flashinfer"):
         assert k.paths == {want[kernel]: 4}                # the vendor path ran (not the fallback)

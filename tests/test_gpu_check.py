@@ -235,8 +235,8 @@ def test_a_kernel_that_ignores_the_dsa_selection_fails_the_sparse_rows(monkeypat
     real = kernels.make_kernel
 
     class Dense:
-        def __init__(self, k):
-            self.k, self.paths = k, {"triton": 1}
+        def __init__(self, k):   # it claims the Triton sparse kernel ran: only its numbers can fail the rows
+            self.k, self.paths, self.launches = k, {"triton": 1}, {"mla_sparse": 1}
 
         def plan(self, meta):
             self.k.plan(dataclasses.replace(meta, sparse={}))
@@ -253,4 +253,37 @@ def test_a_kernel_that_ignores_the_dsa_selection_fails_the_sparse_rows(monkeypat
     assert rows["attention dense bfloat16 H=64 decode"] == rows["attention torch fp8_e4m3 H=64 sparse mixed"] == "PASS"
     assert rows["attention dense bfloat16 H=64 sparse decode"] == rows["attention dense fp8_e4m3 H=64 sparse mixed"] \
         == "FAIL"
+    gpu_check.ROWS.clear()
+
+
+def test_sparse_rows_say_the_triton_sparse_kernel_ran(monkeypatch):
+    """On a DSA layer the triton row must have run our sparse kernel (mla_sparse) and says so; the same numbers from
+    the torch path (sparse_attend, what the Triton kernel ran before mla_sparse) fail the row. The detail of the
+    other rows names their path."""
+    from splash.attention.dsa import sparse_attend
+    from splash.attention.kernels import triton_mla as tm
+
+    monkeypatch.setattr(gpu_check, "kernel_names", lambda backend: ["triton"])
+    monkeypatch.setattr(gpu_check, "check_case", lambda *a: None)      # the sparse rows only
+    monkeypatch.setattr(gpu_check, "time_decode", lambda *a: None)
+    gpu_check.ROWS.clear()
+    assert gpu_check.main(["--dry-run", "--part", "kernels"]) == 0
+    rows = {c: (d, r) for c, d, r in gpu_check.ROWS}
+    for kv in ("bfloat16", "fp8_e4m3"):
+        for step in ("decode", "mixed"):
+            detail, result = rows[f"attention triton {kv} H=64 sparse {step}"]
+            assert result == "PASS" and detail.startswith("via triton mla_sparse:"), detail
+            assert rows[f"attention torch {kv} H=64 sparse {step}"][0].startswith("dsa.sparse_attend:")
+    real = tm.TritonMLAKernel.run
+
+    def torch_sparse(self, layer, ql, qr, cache):
+        sel = self.meta.sparse.get(layer)
+        return real(self, layer, ql, qr, cache) if sel is None else sparse_attend(ql, qr, cache, layer, sel, self.scale)
+
+    monkeypatch.setattr(tm.TritonMLAKernel, "run", torch_sparse)
+    gpu_check.ROWS.clear()
+    assert gpu_check.main(["--dry-run", "--part", "kernels"]) == 1
+    rows = {c: (d, r) for c, d, r in gpu_check.ROWS}
+    detail, result = rows["attention triton bfloat16 H=64 sparse decode"]
+    assert result == "FAIL" and detail.startswith("the Triton sparse kernel did not run"), detail
     gpu_check.ROWS.clear()

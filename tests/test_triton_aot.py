@@ -1,6 +1,6 @@
 """Our Triton MLA kernels compiled ahead of time for sm_90, sm_100, sm_120, gfx942, gfx950 and gfx90a on this CPU (Triton compiles
 for a GPUTarget without the device): every launch shape TritonMLAKernel can choose for 8…128 heads per rank and
-each KV format fits the target's shared memory, spills no registers, keeps argument offsets int64 and, for
+each KV format, of the dense kernel (mla_split) and of the DSA layers' sparse kernel (mla_sparse), fits the target's shared memory, spills no registers, keeps argument offsets int64 and, for
 bf16 / fp8 / int8 pools, runs its products on the matrix units. The compiles run in a subprocess (the test
 session's Triton is in interpreter mode); Triton's cache makes reruns take seconds (first run ~2-3 min)."""
 from __future__ import annotations
@@ -28,31 +28,34 @@ def compiled() -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-@pytest.mark.timeout(900)   # a cold Triton cache compiles ~75 kernels (2-3 min here)
+@pytest.mark.timeout(900)   # a cold Triton cache compiles ~150 kernels (173 s here, session 20)
 def test_every_planned_launch_compiles_within_the_target(compiled):
     for row in compiled:
         assert row["shared"] <= row["shared_limit"], row
         assert row["spill_bytes"] == 0, row
         assert row["narrow_offsets"] == [], row
-        if row["kernel"] == "mla_split" and row["kv_dtype"] != "float32":
+        if row["kernel"] in ("mla_split", "mla_sparse") and row["kv_dtype"] != "float32":
             assert row["matrix_ops"] > 0, row      # mma / wgmma (PTX) or MFMA (AMDGCN)
 
 
 @pytest.mark.timeout(900)
 def test_the_planner_only_picks_compiled_launches(compiled):
     """Each (target, heads 8…128, KV dtype, dims, page size a GPU config allows) the kernel can be asked for maps to
-    a launch compiled above."""
+    a launch compiled above: of mla_split, and (any page size: it reads physical slots) of mla_sparse."""
     from splash.config.serve_config import GPU_BLOCK_SIZES
-    done = {(r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"], r["page"])
-            for r in compiled if r["kernel"] == "mla_split"}
+    done = {(r["kernel"], r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"], r["page"])
+            for r in compiled if r["kernel"] in ("mla_split", "mla_sparse")}
     assert {r["target"] for r in compiled} == set(aot.TARGETS)
     for target, (vendor, *_) in aot.TARGETS.items():
         for kv in aot.pool_formats(target):
             for h in aot.HEADS_PER_RANK:
                 for dc, dr in aot.DIMS:
+                    launch = launch_config(vendor, h, kv.split("+")[0])
+                    assert ("mla_sparse", target, kv, *launch, dc, dr, None) in done
                     for page in GPU_BLOCK_SIZES:
-                        assert (target, kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr, page) in done
-    assert ("sm_90", aot.ROPE_FP8_POOL) in {(r["target"], r["kv_dtype"]) for r in compiled if r["kernel"] == "mla_split"}
+                        assert ("mla_split", target, kv, *launch, dc, dr, page) in done
+    for kernel in ("mla_split", "mla_sparse"):
+        assert ("sm_90", aot.ROPE_FP8_POOL) in {(r["target"], r["kv_dtype"]) for r in compiled if r["kernel"] == kernel}
 
 
 def test_narrow_offset_check_catches_int32_row_offsets(tmp_path):
@@ -81,20 +84,22 @@ for wide in (False, True):
     assert out.stdout.split() == ["1", "0"]
 
 
+@pytest.mark.parametrize("kernel", ["mla_split", "mla_sparse"])
 @pytest.mark.parametrize("kv_dtype", aot.KV_DTYPES + (aot.ROPE_FP8_POOL,))
-def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
-    """What TritonMLAKernel passes to mla_split (pointer dtypes, constexprs: token strides of the GPU's pools,
-    the e4m3 rope key) over a pool in the GPU's layout is what the AOT check compiled."""
+def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype, kernel):
+    """What TritonMLAKernel passes to mla_split (a dense layer) or mla_sparse (a layer with a DSA selection) —
+    pointer dtypes, constexprs: token strides of the GPU's pools, the e4m3 rope key — over a pool in the GPU's
+    layout is what the AOT check compiled."""
     import torch
-    from test_attention_kernels import SCALE, TINY, make_state
+    from test_attention_kernels import SCALE, TINY, make_state, select_slots
 
     from splash.attention.kernels import triton_mla as tm
     pool, kv_dtype = kv_dtype, kv_dtype.split("+")[0]
-    want = aot._signature(pool)
+    want = aot._signature(pool, kernel)
     names = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int16: "*i16", torch.uint8: "*u8",
              torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
     seen = []
-    real = tm.mla_split
+    real = getattr(tm, kernel)
 
     class Spy:
         def __getitem__(self, grid):
@@ -103,9 +108,11 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
                 return real[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(tm, "mla_split", Spy())
+    monkeypatch.setattr(tm, kernel, Spy())
     cache, _, _, _, meta, q = make_state(kv_dtype, 4, TINY, dc=16, dr=4, fused=True,
                                          rope_fp8=pool == aot.ROPE_FP8_POOL)
+    if kernel == "mla_sparse":
+        select_slots(meta, 5)
     k = tm.TritonMLAKernel(SCALE)
     k.plan(meta)
     k.run(0, q[..., :16], q[..., 16:], cache)
@@ -114,6 +121,7 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype):
     assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
     assert (kw["ROW_C"], kw["ROW_R"]) == aot.row_strides(kv_dtype, 16, 4)
     assert kw["ROPE_FP8"] == (pool == aot.ROPE_FP8_POOL)
+    assert ("PAGE" in kw) == (kernel == "mla_split")
 
 
 def test_every_gpu_page_size_is_in_the_compile_set():

@@ -5,7 +5,8 @@
 Triton compiles for a `GPUTarget` without the device, so on CPU we know a launch's shared memory per block (against
 the target's limit), register spills (NVIDIA: cuobjdump's STACK; AMD: the private segment) and whether its products
 run on the matrix units (mma / wgmma / tcgen05.mma in PTX, v_mfma in AMDGCN), for every launch shape
-TritonMLAKernel can choose (`planned_shapes`); tests/test_triton_aot.py checks them all.
+TritonMLAKernel can choose: `mla_split` (`planned_shapes`), the DSA layers' `mla_sparse` (`sparse_shapes`) and
+`mla_merge`; tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
 
@@ -51,18 +52,21 @@ def planned_shapes(target: str) -> list[tuple[str, int, int, int, int, int]]:
                    for page in GPU_BLOCK_SIZES})
 
 
-def _signature(pool: str) -> dict[str, str]:
+# each kernel's pointer arguments beyond the pool's (QL, QR, CKV, KPE, SCALE first, OPART, LPART last) and its scalars
+_INDEX_ARGS = {"mla_split": {"PAGES": "*i32", "LOGICAL": "*i32", "NUM_PAGES": "*i32", "ROW_REQ": "*i64",
+                             "REQ_ROWS": "*i64", "QPOS": "*i64"},
+               "mla_sparse": {"SLOTS": "*i64", "VALID": "*u8"}}   # SparseSelection's slots; its mask as bytes
+_SCALARS = {"mla_split": {"H": "i32", "PCOLS": "i32", "tokens_per_split": "i32", "sm_scale": "fp32"},
+            "mla_sparse": {"H": "i32", "K": "i32", "slots_per_split": "i32", "sm_scale": "fp32"}}
+
+
+def _signature(pool: str, kernel: str = "mla_split") -> dict[str, str]:
     kv_dtype = pool.split("+")[0]
     ckv = {"float32": "*fp32", "bfloat16": "*i16", "fp8_e4m3": "*u8", "int8": "*i8"}[kv_dtype]
     kpe = "*u8" if pool == ROPE_FP8_POOL else "*fp32" if kv_dtype == "float32" else "*i16"
-    ptrs = ("QL", "QR", "CKV", "KPE", "SCALE", "PAGES", "LOGICAL", "NUM_PAGES", "ROW_REQ", "REQ_ROWS", "QPOS",
-            "OPART", "LPART")
-    sig = {p: "*i32" for p in ptrs}
     q = "*fp32" if kv_dtype == "float32" else "*bf16"      # TritonMLAKernel.run casts the queries so
-    sig.update(QL=q, QR=q, CKV=ckv, KPE=kpe, SCALE="*fp32", OPART="*fp32", LPART="*fp32",
-               ROW_REQ="*i64", REQ_ROWS="*i64", QPOS="*i64")
-    sig.update(H="i32", PCOLS="i32", tokens_per_split="i32", sm_scale="fp32")
-    return sig
+    return dict(QL=q, QR=q, CKV=ckv, KPE=kpe, SCALE="*fp32", **_INDEX_ARGS[kernel], OPART="*fp32", LPART="*fp32",
+                **_SCALARS[kernel])
 
 
 def row_strides(kv_dtype: str, dc: int, dr: int) -> tuple[int, int]:
@@ -108,17 +112,33 @@ def _compile(target: str, kernel, sig: dict[str, str], const: dict, **options):
                    shared=k.metadata.shared, shared_limit=limit, spill_bytes=_spill_bytes(target, k.asm))
 
 
-def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int, page: int) -> dict:
-    """Compile `mla_split` for one launch shape over a `pool` format of `page`-token pages; its resources and
-    matrix-unit count."""
-    from splash.attention.kernels import triton_mla as tm
+def _pool_args(pool: str, dc: int, dr: int) -> tuple[str, bool, bool, int, int]:
+    """(KV dtype, rope_bf16, rope_fp8, latent / rope token strides) of a `pool` format, as TritonMLAKernel._pool
+    finds them in the GPU's pools."""
     kv_dtype, rope_fp8 = pool.split("+")[0], pool == ROPE_FP8_POOL
-    const = tm.split_constants(kv_dtype, dc, dr, bh, page, 1, kv_dtype != "float32" and not rope_fp8, rope_fp8,
-                               *row_strides(kv_dtype, dc, dr))
-    k, row = _compile(target, tm.mla_split, _signature(pool), const, num_warps=warps)
+    return kv_dtype, kv_dtype != "float32" and not rope_fp8, rope_fp8, *row_strides(kv_dtype, dc, dr)
+
+
+def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int, page: int,
+                  kernel: str = "mla_split") -> dict:
+    """Compile `mla_split` (or with kernel="mla_sparse", the sparse kernel, which takes no page size) for one launch
+    shape over a `pool` format of `page`-token pages; its resources and matrix-unit count."""
+    from splash.attention.kernels import triton_mla as tm
+    kv_dtype, *fmt = _pool_args(pool, dc, dr)
+    if kernel == "mla_split":
+        const = tm.split_constants(kv_dtype, dc, dr, bh, page, 1, *fmt)
+    else:
+        const = tm.sparse_constants(kv_dtype, dc, dr, bh, 1, *fmt)
+    k, row = _compile(target, getattr(tm, kernel), _signature(pool, kernel), const, num_warps=warps)
     text = k.asm.get("ptx") or k.asm["amdgcn"]
-    return dict(row, kernel="mla_split", kv_dtype=pool, head_block=bh, num_warps=warps, d_c=dc, d_r=dr, page=page,
-                matrix_ops=len(MATRIX_OPS.findall(text)))
+    return dict(row, kernel=kernel, kv_dtype=pool, head_block=bh, num_warps=warps, d_c=dc, d_r=dr,
+                page=page if kernel == "mla_split" else None, matrix_ops=len(MATRIX_OPS.findall(text)))
+
+
+def sparse_shapes(target: str) -> list[tuple[str, int, int, int, int]]:
+    """(pool format, head block, num_warps, d_c, d_r) of every `mla_sparse` launch on `target`: the dense kernel's
+    launches (the same LAUNCH table), less the page size (selected slots are physical, any page)."""
+    return sorted({shape[:-1] for shape in planned_shapes(target)})
 
 
 def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:
@@ -129,12 +149,17 @@ def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:
 
 
 def _run(job: tuple) -> dict:
-    return compile_merge(job[1]) if job[0] == "merge" else compile_split(*job[1:])
+    if job[0] == "merge":
+        return compile_merge(job[1])
+    if job[0] == "sparse":
+        return compile_split(*job[1:], page=None, kernel="mla_sparse")
+    return compile_split(*job[1:])
 
 
 def jobs(targets=tuple(TARGETS)) -> list[tuple]:
     out = [("merge", t) for t in targets]
-    return out + [("split", t, *shape) for t in targets for shape in planned_shapes(t)]
+    out += [("split", t, *shape) for t in targets for shape in planned_shapes(t)]
+    return out + [("sparse", t, *shape) for t in targets for shape in sparse_shapes(t)]
 
 
 def main(argv: list[str]) -> int:
