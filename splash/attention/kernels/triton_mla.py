@@ -59,8 +59,15 @@ def _dot(a, b, DOT_BF16: tl.constexpr, EMULATED: tl.constexpr):
 
 
 @triton.jit
-def _load_queries(QL, QR, qrow, hmask, offs_c, offs_r, DC: tl.constexpr, DR: tl.constexpr, DOT_BF16: tl.constexpr):
-    """The head block's latent [BH, BDC] and rope [BH, BDR] queries, as the products take them."""
+def _start_rows(QL, QR, row, hb, H, DC: tl.constexpr, DR: tl.constexpr, BDC: tl.constexpr, BDR: tl.constexpr,
+                BH: tl.constexpr, DOT_BF16: tl.constexpr):
+    """A program's head block of query row `row`: its query rows and mask, the offsets over d_c / d_r, the latent
+    [BH, BDC] and rope [BH, BDR] queries as the products take them, and an empty online softmax (m, l, acc)."""
+    offs_h = hb * BH + tl.arange(0, BH)
+    offs_c = tl.arange(0, BDC)
+    offs_r = tl.arange(0, BDR)
+    hmask = offs_h < H
+    qrow = row * H + offs_h
     ql = tl.load(QL + qrow[:, None] * DC + offs_c[None, :], mask=hmask[:, None] & (offs_c[None, :] < DC), other=0.0)
     qr = tl.load(QR + qrow[:, None] * DR + offs_r[None, :], mask=hmask[:, None] & (offs_r[None, :] < DR), other=0.0)
     if DOT_BF16:  # matrix-unit operands (mma / wgmma / MFMA): bf16 in, fp32 accumulate
@@ -69,7 +76,8 @@ def _load_queries(QL, QR, qrow, hmask, offs_c, offs_r, DC: tl.constexpr, DR: tl.
     else:
         ql = ql.to(tl.float32)
         qr = qr.to(tl.float32)
-    return ql, qr
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    return qrow, hmask, offs_c, offs_r, ql, qr, m_i, tl.zeros([BH], tl.float32), tl.zeros([BH, BDC], tl.float32)
 
 
 @triton.jit
@@ -143,15 +151,8 @@ def mla_split(QL, QR, CKV, KPE, SCALE, PAGES, LOGICAL, NUM_PAGES, ROW_REQ, REQ_R
     prow = tl.load(REQ_ROWS + req).to(tl.int64)
     n_tok = tl.load(NUM_PAGES + req) * PAGE
     qpos = tl.load(QPOS + row)
-    offs_h = hb * BH + tl.arange(0, BH)
-    offs_c = tl.arange(0, BDC)
-    offs_r = tl.arange(0, BDR)
-    hmask = offs_h < H
-    qrow = row * H + offs_h
-    ql, qr = _load_queries(QL, QR, qrow, hmask, offs_c, offs_r, DC, DR, DOT_BF16)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, BDC], tl.float32)
+    qrow, hmask, offs_c, offs_r, ql, qr, m_i, l_i, acc = _start_rows(QL, QR, row, hb, H, DC, DR, BDC, BDR, BH,
+                                                                     DOT_BF16)
     start = sp * tokens_per_split
     stop = tl.minimum(start + tokens_per_split, n_tok)
     for t0 in range(start, stop, BN):
@@ -178,15 +179,8 @@ def mla_sparse(QL, QR, CKV, KPE, SCALE, SLOTS, VALID, OPART, LPART, H, K, slots_
     # splash.attention.dsa.sparse_attend
     row = tl.program_id(0).to(tl.int64)
     hb, sp = tl.program_id(1), tl.program_id(2)
-    offs_h = hb * BH + tl.arange(0, BH)
-    offs_c = tl.arange(0, BDC)
-    offs_r = tl.arange(0, BDR)
-    hmask = offs_h < H
-    qrow = row * H + offs_h
-    ql, qr = _load_queries(QL, QR, qrow, hmask, offs_c, offs_r, DC, DR, DOT_BF16)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, BDC], tl.float32)
+    qrow, hmask, offs_c, offs_r, ql, qr, m_i, l_i, acc = _start_rows(QL, QR, row, hb, H, DC, DR, BDC, BDR, BH,
+                                                                     DOT_BF16)
     start = sp * slots_per_split
     stop = tl.minimum(start + slots_per_split, K)
     for j0 in range(start, stop, BN):
