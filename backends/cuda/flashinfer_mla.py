@@ -1,4 +1,5 @@
-"""`flashinfer` MLA attention behind our kernel interface (NVIDIA; the SM90 paths checked on one H200, trtllm-gen never on hardware).
+"""`flashinfer` MLA attention behind our kernel interface (NVIDIA; the SM90 paths checked on one H200,
+trtllm-gen never on hardware).
 
 Calls are in flashinfer 0.7's current keyword forms (TESTED range in backends.cuda.flashinfer_api, which also holds
 the recorded signatures tests/test_vendor_kernels.py binds every call to), and name the backend and the LSE base

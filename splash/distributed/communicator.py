@@ -2,8 +2,8 @@
 
 `MPICommunicator` moves data as bytes (so bf16/fp8 need no MPI type) and sums dtypes MPI cannot reduce in float32;
 a GPU tensor goes through host memory (copied out, moved, copied back to its device), which is what lets ranks that
-share one GPU, where NCCL refuses, run together; `SingleRankCommunicator` makes size-1 paths call no MPI. Gathers and all-to-all move rows along dim 0; every rank
-passes the same trailing shape and dtype, even with zero rows.
+share one GPU, where NCCL refuses, run together; `SingleRankCommunicator` makes size-1 paths call no MPI. Gathers and
+all-to-all move rows along dim 0; every rank passes the same trailing shape and dtype, even with zero rows.
 """
 
 from __future__ import annotations
