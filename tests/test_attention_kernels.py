@@ -227,7 +227,7 @@ def test_triton_kernel_decode_splits_merge_exactly(kv_dtype):
     of 16 where the cap is 16."""
     k = _triton()
     check(k, make_state(kv_dtype, 4, [(70, 1), (9, 1), (33, 1)], dc=16, dr=4, heads=32), **_tol(kv_dtype))
-    assert k.blocks == 5
+    assert k.longest == 72 and k.launches["mla_merge"] == 1        # 18 pages of 4 = 5 key blocks of 16: 5 splits
 
 
 def test_triton_split_count_bounds_the_scratch():
@@ -302,7 +302,7 @@ def _sparse_tol(kv_dtype: str) -> dict:
     return {} if kv_dtype == "float32" else _tol(kv_dtype)
 
 
-def check_sparse(state, K: int, splits: bool = False, seed: int = 0, **tol):
+def check_sparse(state, K: int, splits: bool = False, seed: int = 0, table: str | None = None, **tol):
     """The Triton kernel on a layer with a selection: its sparse kernel ran (split partials merged when `splits`)
     and equals dsa.sparse_attend over the same slots; a row with no valid slot: õ = 0, LSE = −inf."""
     from splash.attention.dsa import sparse_attend
@@ -310,6 +310,7 @@ def check_sparse(state, K: int, splits: bool = False, seed: int = 0, **tol):
     dc = cache.kv_lora_rank
     sel = select_slots(meta, K, seed)
     k = _triton()
+    k.table = table or k.table
     k.plan(meta)
     o, lse = k.run(0, q[..., :dc], q[..., dc:], cache)
     o_ref, lse_ref = sparse_attend(q[..., :dc], q[..., dc:], cache, 0, sel, SCALE)
@@ -355,6 +356,24 @@ def test_triton_sparse_kernel_gpu_pool_layouts(kv_dtype, fused, rope_fp8, dr):
     for specs, splits in ((TINY, False), (SPARSE_DECODE, True)):
         check_sparse(make_state(kv_dtype, 4, specs, dc=16, dr=dr, heads=4, fused=fused, rope_fp8=rope_fp8), 21,
                      splits=splits, **_sparse_tol(kv_dtype))
+
+
+@pytest.mark.parametrize("kv_dtype,fused,rope_fp8", [("bfloat16", True, False), ("fp8_e4m3", None, True)])
+def test_triton_kernels_with_the_sm90_launch_table(kv_dtype, fused, rope_fp8):
+    """The launches an SM90 GPU takes (32 keys per step, 4 warps, 2 stages; timed on an H200) over its pools, in the
+    interpreter: dense mixed and decode-only (split partials merged) and sparse, against the references."""
+    from splash.attention.kernels.triton_mla import LAUNCH, launch_config
+    assert LAUNCH["sm_90"][kv_dtype][2] == 32 != LAUNCH["cuda"][kv_dtype][2]
+    pools = dict(dc=16, dr=4, fused=fused, rope_fp8=rope_fp8)
+    for specs, heads, merged in ((TINY, 20, 0), ([(70, 1), (9, 1), (33, 1)], 32, 1)):
+        k = _triton()
+        k.table = "sm_90"
+        check(k, make_state(kv_dtype, 4, specs, heads=heads, **pools), **_tol(kv_dtype))
+        assert k.launches["mla_merge"] == merged
+        assert k.last_launch == (*launch_config("sm_90", heads, kv_dtype), 3 if merged else 1)   # 72 keys: 3 × 32
+    for specs, splits in ((TINY, False), (SPARSE_DECODE, True)):
+        check_sparse(make_state(kv_dtype, 4, specs, heads=4, **pools), 37, splits=splits, table="sm_90",
+                     **_sparse_tol(kv_dtype))
 
 
 def test_triton_sparse_kernel_empty_selection():

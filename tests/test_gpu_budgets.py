@@ -15,7 +15,7 @@ from test_vendor_kernels import FI_DECODE, _state
 import backends
 from backends.cuda import flashinfer_mla as fi
 from backends.hip import aiter_mla as ai
-from splash.attention.kernels.triton_mla import BLOCK_N, MAX_SPLITS, split_count
+from splash.attention.kernels.triton_mla import MAX_SPLITS, split_count
 from splash.cli import check
 from splash.cli.args import build_config
 from splash.costmodel.profile import load_profile
@@ -72,7 +72,7 @@ def test_kernel_scratch_and_workspaces_fit_the_budget(name, cfg, mcfg, world):
     max_len = cfg.model.max_model_len or mcfg.max_position_embeddings
     for h in per_rank:
         for rows, decode_only in ((s.max_num_batched_tokens, False), (s.max_num_seqs, True)):
-            splits = split_count(rows, h, mcfg.kv_lora_rank, decode_only, -(-max_len // BLOCK_N), MAX_SPLITS)
+            splits = split_count(rows, h, mcfg.kv_lora_rank, decode_only, max_len, MAX_SPLITS)   # ≥ any block count
             partials = 0 if splits == 1 else rows * h * splits * (mcfg.kv_lora_rank + 1) * 4
             assert partials <= ATTN_SCRATCH_BYTES, (name, h, rows, splits)
     # what the kernel keeps in int32: token positions and page columns (bounded by the context), tile offsets;

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 from splash.attention.kernels import triton_aot as aot  # noqa: E402
-from splash.attention.kernels.triton_mla import launch_config  # noqa: E402
+from splash.attention.kernels.triton_mla import MEASURED, launch_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +32,10 @@ def compiled() -> list[dict]:
 def test_every_planned_launch_compiles_within_the_target(compiled):
     for row in compiled:
         assert row["shared"] <= row["shared_limit"], row
-        assert row["spill_bytes"] == 0, row
+        # spills only where the launch was timed fastest on that hardware (triton_mla.MEASURED)
+        timed = row["kernel"] != "mla_merge" and \
+            row["kv_dtype"].split("+")[0] in MEASURED.get(aot.target_table(row["target"]), ())
+        assert row["spill_bytes"] == 0 or timed, row
         assert row["narrow_offsets"] == [], row
         if row["kernel"] in ("mla_split", "mla_sparse") and row["kv_dtype"] != "float32":
             assert row["matrix_ops"] > 0, row      # mma / wgmma (PTX) or MFMA (AMDGCN)
@@ -43,14 +46,15 @@ def test_the_planner_only_picks_compiled_launches(compiled):
     """Each (target, heads 8…128, KV dtype, dims, page size a GPU config allows) the kernel can be asked for maps to
     a launch compiled above: of mla_split, and (any page size: it reads physical slots) of mla_sparse."""
     from splash.config.serve_config import GPU_BLOCK_SIZES
-    done = {(r["kernel"], r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["d_c"], r["d_r"], r["page"])
+    done = {(r["kernel"], r["target"], r["kv_dtype"], r["head_block"], r["num_warps"], r["block_n"], r["num_stages"],
+             r["d_c"], r["d_r"], r["page"])
             for r in compiled if r["kernel"] in ("mla_split", "mla_sparse")}
     assert {r["target"] for r in compiled} == set(aot.TARGETS)
-    for target, (vendor, *_) in aot.TARGETS.items():
+    for target in aot.TARGETS:
         for kv in aot.pool_formats(target):
             for h in aot.HEADS_PER_RANK:
                 for dc, dr in aot.DIMS:
-                    launch = launch_config(vendor, h, kv.split("+")[0])
+                    launch = launch_config(aot.target_table(target), h, kv.split("+")[0])
                     assert ("mla_sparse", target, kv, *launch, dc, dr, None) in done
                     for page in GPU_BLOCK_SIZES:
                         assert ("mla_split", target, kv, *launch, dc, dr, page) in done
@@ -118,7 +122,8 @@ def test_runtime_launch_matches_the_compiled_signature(monkeypatch, kv_dtype, ke
     k.run(0, q[..., :16], q[..., 16:], cache)
     (ptrs, kw), = seen
     assert ptrs == {p: t for p, t in want.items() if t.startswith("*")}
-    assert (kw["BH"], kw["num_warps"]) == launch_config("cuda", 2, kv_dtype) and kw["EMULATED"] is True
+    assert (kw["BH"], kw["num_warps"], kw["BN"], kw.get("num_stages")) == launch_config("cuda", 2, kv_dtype)
+    assert kw["EMULATED"] is True
     assert (kw["ROW_C"], kw["ROW_R"]) == aot.row_strides(kv_dtype, 16, 4)
     assert kw["ROPE_FP8"] == (pool == aot.ROPE_FP8_POOL)
     assert ("PAGE" in kw) == (kernel == "mla_split")
@@ -135,3 +140,20 @@ def test_every_gpu_page_size_is_in_the_compile_set():
 def test_compiling_in_interpreter_mode_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert aot.main(["sm_90"]) == 2 and "set TRITON_INTERPRET=0" in capsys.readouterr().err
+
+
+def test_the_kernel_takes_its_launch_table_from_the_gpu(monkeypatch):
+    """SM90 GPUs launch the H200-timed table, other NVIDIA GPUs the spill-free one, AMD its own; the AOT check
+    compiles each target with the table its GPUs take."""
+    import torch
+
+    from splash.attention.kernels import triton_mla as tm
+    monkeypatch.setattr(tm, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for major, table in ((9, "sm_90"), (10, "cuda"), (12, "cuda"), (8, "cuda")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, m=major: (m, 0))
+        assert tm.TritonMLAKernel(1.0).table == table
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert tm.TritonMLAKernel(1.0).table == "hip"
+    assert {t: aot.target_table(t) for t in aot.TARGETS} == {
+        "sm_90": "sm_90", "sm_100": "cuda", "sm_120": "cuda", "gfx942": "hip", "gfx950": "hip", "gfx90a": "hip"}

@@ -50,7 +50,7 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "FP8/INT8 checkpoints stay quantised without it"),
     (("--backend",), "backend", str, None,
      "device backend: cpu, cuda (NVIDIA), hip (AMD/DCU) or auto (what this machine has); start fails (exit 2) "
-     "naming what is missing; cuda has run on one H200 at one rank only, hip never on hardware (docs/backends.md)"),
+     "naming what is missing; cuda has run on one H200 only (1 and 2 ranks), hip never on hardware (docs/backends.md)"),
     (("--attention-backend",), "attention_backend", str, None,
      "MLA attention kernel: torch (reference), triton (our paged split-KV kernel), flashinfer (cuda) or aiter "
      "(hip); default: torch on cpu, flashinfer on cuda, aiter on hip; flashinfer/aiter fall back to triton where "

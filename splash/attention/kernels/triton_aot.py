@@ -41,13 +41,20 @@ def pool_formats(target: str) -> tuple[str, ...]:
     return KV_DTYPES + ((ROPE_FP8_POOL,) if target in ROPE_FP8_TARGETS else ())
 
 
-def planned_shapes(target: str) -> list[tuple[str, int, int, int, int, int]]:
-    """(pool format, head block, num_warps, d_c, d_r, page size) for every launch the kernel can choose on
-    `target`, over every page size a GPU config allows (GPU_BLOCK_SIZES refuses any other)."""
+def target_table(target: str) -> str:
+    """The LAUNCH table TritonMLAKernel uses on `target`'s GPUs."""
+    from splash.attention.kernels.triton_mla import launch_table
+    vendor, arch = TARGETS[target][:2]
+    return launch_table(vendor, arch // 10 if vendor == "cuda" else None)
+
+
+def planned_shapes(target: str) -> list[tuple]:
+    """(pool format, head block, num_warps, keys per step, num_stages, d_c, d_r, page size) for every launch the
+    kernel can choose on `target`, over every page size a GPU config allows (GPU_BLOCK_SIZES refuses any other)."""
     from splash.attention.kernels.triton_mla import launch_config
     from splash.config.serve_config import GPU_BLOCK_SIZES
-    vendor = TARGETS[target][0]
-    return sorted({(kv, *launch_config(vendor, h, kv.split("+")[0]), dc, dr, page)
+    table = target_table(target)
+    return sorted({(kv, *launch_config(table, h, kv.split("+")[0]), dc, dr, page)
                    for kv in pool_formats(target) for h in HEADS_PER_RANK for dc, dr in DIMS
                    for page in GPU_BLOCK_SIZES})
 
@@ -119,24 +126,26 @@ def _pool_args(pool: str, dc: int, dr: int) -> tuple[str, bool, bool, int, int]:
     return kv_dtype, kv_dtype != "float32" and not rope_fp8, rope_fp8, *row_strides(kv_dtype, dc, dr)
 
 
-def compile_split(target: str, pool: str, bh: int, warps: int, dc: int, dr: int, page: int,
-                  kernel: str = "mla_split") -> dict:
+def compile_split(target: str, pool: str, bh: int, warps: int, bn: int, stages: int | None, dc: int, dr: int,
+                  page: int, kernel: str = "mla_split") -> dict:
     """Compile `mla_split` (or with kernel="mla_sparse", the sparse kernel, which takes no page size) for one launch
     shape over a `pool` format of `page`-token pages; its resources and matrix-unit count."""
     from splash.attention.kernels import triton_mla as tm
     kv_dtype, *fmt = _pool_args(pool, dc, dr)
     if kernel == "mla_split":
-        const = tm.split_constants(kv_dtype, dc, dr, bh, page, 1, *fmt)
+        const = tm.split_constants(kv_dtype, dc, dr, bh, bn, page, 1, *fmt)
     else:
-        const = tm.sparse_constants(kv_dtype, dc, dr, bh, 1, *fmt)
-    k, row = _compile(target, getattr(tm, kernel), _signature(pool, kernel), const, num_warps=warps)
+        const = tm.sparse_constants(kv_dtype, dc, dr, bh, bn, 1, *fmt)
+    k, row = _compile(target, getattr(tm, kernel), _signature(pool, kernel), const, num_warps=warps,
+                      **({"num_stages": stages} if stages else {}))
     text = k.asm.get("ptx") or k.asm["amdgcn"]
-    return dict(row, kernel=kernel, kv_dtype=pool, head_block=bh, num_warps=warps, d_c=dc, d_r=dr,
-                page=page if kernel == "mla_split" else None, matrix_ops=len(MATRIX_OPS.findall(text)))
+    return dict(row, kernel=kernel, kv_dtype=pool, head_block=bh, num_warps=warps, block_n=bn, num_stages=stages,
+                d_c=dc, d_r=dr, page=page if kernel == "mla_split" else None,
+                matrix_ops=len(MATRIX_OPS.findall(text)))
 
 
-def sparse_shapes(target: str) -> list[tuple[str, int, int, int, int]]:
-    """(pool format, head block, num_warps, d_c, d_r) of every `mla_sparse` launch on `target`: the dense kernel's
+def sparse_shapes(target: str) -> list[tuple]:
+    """(pool format, head block, num_warps, keys per step, num_stages, d_c, d_r) of every `mla_sparse` launch on `target`: the dense kernel's
     launches (the same LAUNCH table), less the page size (selected slots are physical, any page)."""
     return sorted({shape[:-1] for shape in planned_shapes(target)})
 

@@ -35,16 +35,23 @@ from splash.kv import quant  # noqa: E402
 from splash.layouts.device_budget import ATTN_SCRATCH_BYTES  # noqa: E402
 
 FORMATS = {"float32": 0, "bfloat16": 1, "fp8_e4m3": 2, "int8": 3}
-BLOCK_N = 16      # keys per inner step
 MAX_SPLITS = 8    # splits of a row's keys (more parallelism for long contexts on a GPU)
-# (head block cap, num_warps) per vendor and KV format, chosen from the ahead-of-time compiles that
-# tests/test_triton_aot.py repeats for sm_90 / sm_100 (NVIDIA) and gfx942 / gfx90a (AMD): the largest head block
-# whose shared memory fits the target (gfx942: 64 KiB per workgroup) and that spills no registers. The sparse
-# kernel launches the same tiles (it needs up to 256 B less shared memory: no page-table loads).
+# (head block cap, num_warps, keys per inner step, num_stages or None for the backend's default) per launch table
+# and KV format. "cuda" (NVIDIA but SM90) and "hip" hold the largest head block whose ahead-of-time compile fits the
+# target's shared memory (gfx942: 64 KiB per workgroup) and spills no registers (tests/test_triton_aot.py, for
+# sm_100 / sm_120 / gfx942 / gfx950 / gfx90a); no hardware has timed them. "sm_90" (H100 / H200) holds, for the
+# formats in MEASURED, the fastest launch of an H200 sweep (docs/benchmarks.md "Triton launch sweep on an H200"):
+# 4 warps and 32 keys per step spill 40-480 B of registers there and still ran 1.5-2.9x faster than the spill-free
+# 8-warp, 16-key launch. The sparse kernel launches the same tiles (no page-table loads).
+_SPILL_FREE = {"float32": (16, 8, 16, None), "bfloat16": (32, 8, 16, None), "fp8_e4m3": (16, 8, 16, None),
+               "int8": (16, 8, 16, None)}
 LAUNCH = {
-    "cuda": {"float32": (16, 8), "bfloat16": (32, 8), "fp8_e4m3": (16, 8), "int8": (16, 8)},
-    "hip": {"float32": (16, 4), "bfloat16": (32, 4), "fp8_e4m3": (32, 4), "int8": (32, 4)},
+    "cuda": _SPILL_FREE,
+    "sm_90": dict(_SPILL_FREE, bfloat16=(32, 4, 32, 2), fp8_e4m3=(16, 4, 32, 2)),
+    "hip": {"float32": (16, 4, 16, None), "bfloat16": (32, 4, 16, None), "fp8_e4m3": (32, 4, 16, None),
+            "int8": (32, 4, 16, None)},
 }
+MEASURED = {"sm_90": ("bfloat16", "fp8_e4m3")}   # launch tables timed on hardware (their register spills allowed)
 
 
 @triton.jit
@@ -217,28 +224,34 @@ def pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
-def launch_config(vendor: str, heads: int, kv_dtype: str) -> tuple[int, int]:
-    """(head block, num_warps) for `heads` query heads on this rank over a `kv_dtype` pool: the head block is the
-    heads rounded up to a power of two (at least 16, tl.dot's smallest tile), capped per vendor and format."""
-    cap, warps = LAUNCH[vendor][kv_dtype]
-    return min(cap, pow2(heads)), warps
+def launch_table(vendor: str, sm_major: int | None = None) -> str:
+    """The LAUNCH table a device uses: "hip" on AMD, "sm_90" on an SM90 NVIDIA GPU, "cuda" on any other."""
+    return "hip" if vendor == "hip" else "sm_90" if sm_major == 9 else "cuda"
 
 
-def sparse_constants(kv_dtype: str, dc: int, dr: int, bh: int, splits: int, rope_bf16: bool, rope_fp8: bool,
-                     row_c: int, row_r: int) -> dict:
+def launch_config(table: str, heads: int, kv_dtype: str) -> tuple[int, int, int, int | None]:
+    """(head block, num_warps, keys per inner step, num_stages) for `heads` query heads on this rank over a
+    `kv_dtype` pool: the head block is the heads rounded up to a power of two (at least 16, tl.dot's smallest tile),
+    capped per launch table and format."""
+    cap, warps, keys, stages = LAUNCH[table][kv_dtype]
+    return min(cap, pow2(heads)), warps, keys, stages
+
+
+def sparse_constants(kv_dtype: str, dc: int, dr: int, bh: int, bn: int, splits: int, rope_bf16: bool,
+                     rope_fp8: bool, row_c: int, row_r: int) -> dict:
     """`mla_sparse`'s compile-time arguments for one launch (the pool's format, dims, tile): what
     TritonMLAKernel.run passes and triton_aot compiles; `mla_split` takes these and the page size."""
     bdc, fmt = pow2(dc), FORMATS[kv_dtype]
-    return dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=BLOCK_N, GROUPS=quant.num_groups(dc),
+    return dict(DC=dc, DR=max(dr, 1), BDC=bdc, BDR=pow2(dr), BH=bh, BN=bn, GROUPS=quant.num_groups(dc),
                 FMT=fmt, ROPE_BF16=rope_bf16, HAS_ROPE=dr > 0, NSPLIT=splits, DOT_BF16=fmt != 0,
                 GW=min(quant.GROUP, bdc), EMULATED=INTERPRETED, ROW_C=row_c, ROW_R=row_r, ROPE_FP8=rope_fp8,
                 ROPE_SCALE=quant.ROPE_FP8_SCALE)
 
 
-def split_constants(kv_dtype: str, dc: int, dr: int, bh: int, page: int, splits: int, rope_bf16: bool,
+def split_constants(kv_dtype: str, dc: int, dr: int, bh: int, bn: int, page: int, splits: int, rope_bf16: bool,
                     rope_fp8: bool, row_c: int, row_r: int) -> dict:
     """`mla_split`'s compile-time arguments for one launch: what TritonMLAKernel.run passes and triton_aot compiles."""
-    return dict(sparse_constants(kv_dtype, dc, dr, bh, splits, rope_bf16, rope_fp8, row_c, row_r), PAGE=page)
+    return dict(sparse_constants(kv_dtype, dc, dr, bh, bn, splits, rope_bf16, rope_fp8, row_c, row_r), PAGE=page)
 
 
 def split_count(rows: int, heads: int, d_c: int, decode_only: bool, longest_blocks: int, max_splits: int,
@@ -258,13 +271,15 @@ class TritonMLAKernel:
     def __init__(self, softmax_scale: float, max_splits: int = MAX_SPLITS):
         self.scale, self.max_splits, self.meta = softmax_scale, max_splits, None
         self.launches = collections.Counter()   # kernel launches by name (gpu-check says which ran)
-        self.vendor = "hip" if torch.version.hip else "cuda"
+        self.last_launch: tuple = ()             # (head block, num_warps, keys per step, num_stages, splits)
+        gpu = torch.cuda.is_available() and not INTERPRETED
+        self.table = launch_table("hip" if torch.version.hip else "cuda",
+                                  torch.cuda.get_device_capability()[0] if gpu else None)
 
     def plan(self, meta) -> None:
         """Keys per split from the longest held row: O(requests), one host read per step."""
         self.meta = meta
-        longest = int(meta.num_pages.max()) * meta.block_size if meta.num_reqs else 0
-        self.blocks = -(-longest // BLOCK_N)
+        self.longest = int(meta.num_pages.max()) * meta.block_size if meta.num_reqs else 0
         self.decode_only = meta.num_rows == meta.num_reqs
 
     @staticmethod
@@ -303,25 +318,27 @@ class TritonMLAKernel:
         qdt = torch.float32 if kv_dtype == "float32" else torch.bfloat16
         ql = q_latent.to(qdt).contiguous()
         qr = q_rope.to(qdt).contiguous() if dr else torch.zeros(n, h, 1, dtype=qdt, device=dev)
-        blocks = self.blocks if sel is None else -(-sel.slots.shape[1] // BLOCK_N)   # shapes only: no host read
+        bh, warps, bn, stages = launch_config(self.table, h, kv_dtype)
+        opts = dict(num_warps=warps, **({"num_stages": stages} if stages else {}))
+        blocks = -(-(self.longest if sel is None else sel.slots.shape[1]) // bn)   # shapes only: no host read
         S = split_count(n, h, dc, self.decode_only, blocks, self.max_splits)
-        per_split = max(BLOCK_N, -(-blocks // S) * BLOCK_N)
+        per_split = max(bn, -(-blocks // S) * bn)
         # one split: the kernel writes the result itself; more: partials, then the exact merge
         opart = o if S == 1 else torch.empty(n, h, S, dc, dtype=torch.float32, device=dev)
         lpart = lse if S == 1 else torch.empty(n, h, S, dtype=torch.float32, device=dev)
-        bh, warps = launch_config(self.vendor, h, kv_dtype)
         grid = (n, triton.cdiv(h, bh), S)
         if sel is None:
             mla_split[grid](
                 ql, qr, ckv, kpe, scale, meta.pages, meta.logical, meta.num_pages, meta.row_req, meta.req_rows,
-                meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale, num_warps=warps,
-                **split_constants(kv_dtype, dc, dr, bh, meta.block_size, S, *fmt_args))
+                meta.q_pos, opart, lpart, h, meta.pages.shape[1], per_split, self.scale, **opts,
+                **split_constants(kv_dtype, dc, dr, bh, bn, meta.block_size, S, *fmt_args))
         else:
             mla_sparse[grid](
                 ql, qr, ckv, kpe, scale, sel.slots.contiguous(), sel.valid.contiguous().view(torch.uint8), opart,
-                lpart, h, sel.slots.shape[1], per_split, self.scale, num_warps=warps,
-                **sparse_constants(kv_dtype, dc, dr, bh, S, *fmt_args))
+                lpart, h, sel.slots.shape[1], per_split, self.scale, **opts,
+                **sparse_constants(kv_dtype, dc, dr, bh, bn, S, *fmt_args))
         self.launches["mla_sparse" if sel is not None else "mla_split"] += 1
+        self.last_launch = (bh, warps, bn, stages, S)
         if S > 1:
             mla_merge[(n * h,)](opart, lpart, o, lse, DC=dc, BDC=pow2(dc, 1), NSPLIT=S, BS=pow2(S, 1))
             self.launches["mla_merge"] += 1
