@@ -155,7 +155,7 @@ def run_kernel(name, scale, state):
 
 
 HEADS = (16, 64, 128)                       # per rank: a TP shard, a DP-attn / DOP owner, all of DeepSeek's
-KV_DTYPES = ("bfloat16", "fp8_e4m3")        # the vendor path and (fp8) the Triton path every shipped config uses
+KV_DTYPES = ("bfloat16", "fp8_e4m3", "int8")   # vendor paths (bf16, SM90 fp8), Triton's fp8 (shipped configs), int8 (dcu)
 TOPK = 256                                  # sparse (DSA) rows: keys each query row selects (V3.2 / GLM-5: 2048)
 
 

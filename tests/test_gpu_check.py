@@ -47,10 +47,10 @@ def test_dry_run_passes_end_to_end(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     for heads in (16, 64, 128):
-        for kv in ("bfloat16", "fp8_e4m3"):
+        for kv in gpu_check.KV_DTYPES:
             for step in ("decode", "mixed"):
                 assert f"attention triton {kv} H={heads} {step}" in out, out
-    for kv in ("bfloat16", "fp8_e4m3"):
+    for kv in gpu_check.KV_DTYPES:
         for step in ("decode", "mixed"):
             assert f"attention torch {kv} H=64 sparse {step}" in out and f"attention triton {kv} H=64 sparse {step}" \
                 in out, out
@@ -62,7 +62,7 @@ def test_dry_run_passes_end_to_end(tmp_path):
     assert rows["serve live switches"] == rows["attention triton fp8_e4m3 H=128 decode"] == "PASS"
     table = r.stdout[r.stdout.rindex("== gpu-check results"):]                      # the table comes last
     assert "serve live switches" in table and "attention triton bfloat16 H=16 decode" in table
-    assert "gpu-check: PASS (26 PASS, 0 FAIL, 2 SKIP, 1 info)" in table
+    assert "gpu-check: PASS (36 PASS, 0 FAIL, 2 SKIP, 1 info)" in table
 
 
 def test_rows_print_as_they_run_and_a_failing_check_is_one_row(monkeypatch, capsys):
@@ -269,7 +269,7 @@ def test_sparse_rows_say_the_triton_sparse_kernel_ran(monkeypatch):
     gpu_check.ROWS.clear()
     assert gpu_check.main(["--dry-run", "--part", "kernels"]) == 0
     rows = {c: (d, r) for c, d, r in gpu_check.ROWS}
-    for kv in ("bfloat16", "fp8_e4m3"):
+    for kv in gpu_check.KV_DTYPES:
         for step in ("decode", "mixed"):
             detail, result = rows[f"attention triton {kv} H=64 sparse {step}"]
             assert result == "PASS" and detail.startswith("via triton mla_sparse:"), detail

@@ -60,6 +60,7 @@ def main() -> int:
     p.add_argument("--cap-s", type=float, default=100.0, help="time cap of the first phase")
     p.add_argument("--focused", action="store_true", help="the second run: around the shipped launch (32 keys, "
                    "4 warps): splits × stages × head-block cap, bf16 and fp8, 16 / 64 / 128 heads, and the DSA layer")
+    p.add_argument("--kv", default="bfloat16,fp8_e4m3", help="KV formats of --focused")
     a = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dims = dict(dc=32, dr=8, page=16) if a.dry_run else dict(dc=512, dr=64, page=64)
@@ -124,11 +125,12 @@ def main() -> int:
 
 def focused(a, sweep) -> int:
     heads = (16,) if a.dry_run else (16, 64, 128)
-    for kv in ("bfloat16", "fp8_e4m3"):
+    for kv in a.kv.split(","):
         for h in heads:
             caps = (16, 32) if h > 16 else (16,)
-            sweep(f"focused {kv} H={h}", kv, h, [(32, s, cap, 4, st) for s in (8, 16) for st in (2, 3) for cap in caps],
-                  30)
+            spill_free = [(16, 8, cap, 8, None) for cap in caps]     # the "cuda" table's kind of launch
+            sweep(f"focused {kv} H={h}", kv, h, [(32, s, cap, 4, st) for s in (8, 16) for st in (2, 3) for cap in caps]
+                  + spill_free, 30)
         sweep(f"focused sparse {kv} H=64 k=2048", kv, 16 if a.dry_run else 64,
               [(32, s, cap, 4, st) for s in (8, 16) for st in (2, 3) for cap in (16, 32)], 30,
               sparse_k=8 if a.dry_run else 2048, ctx=64 if a.dry_run else 8192)

@@ -40,18 +40,18 @@ MAX_SPLITS = 8    # splits of a row's keys (more parallelism for long contexts o
 # and KV format. "cuda" (NVIDIA but SM90) and "hip" hold the largest head block whose ahead-of-time compile fits the
 # target's shared memory (gfx942: 64 KiB per workgroup) and spills no registers (tests/test_triton_aot.py, for
 # sm_100 / sm_120 / gfx942 / gfx950 / gfx90a); no hardware has timed them. "sm_90" (H100 / H200) holds, for the
-# formats in MEASURED, the fastest launch of an H200 sweep (docs/benchmarks.md "Triton launch sweep on an H200"):
-# 4 warps and 32 keys per step spill 40-480 B of registers there and still ran 1.5-2.9x faster than the spill-free
-# 8-warp, 16-key launch. The sparse kernel launches the same tiles (no page-table loads).
+# formats in MEASURED, the fastest launch of an H200 sweep (docs/benchmarks.md "Second GPU run"): 4 warps and 32
+# keys per step spill 40-480 B of registers there and still ran 1.6-2.8x faster than the spill-free 8-warp, 16-key
+# launch. float32 pools were not timed. The sparse kernel launches the same tiles (no page-table loads).
 _SPILL_FREE = {"float32": (16, 8, 16, None), "bfloat16": (32, 8, 16, None), "fp8_e4m3": (16, 8, 16, None),
                "int8": (16, 8, 16, None)}
 LAUNCH = {
     "cuda": _SPILL_FREE,
-    "sm_90": dict(_SPILL_FREE, bfloat16=(32, 4, 32, 2), fp8_e4m3=(16, 4, 32, 2)),
+    "sm_90": dict(_SPILL_FREE, bfloat16=(32, 4, 32, 2), fp8_e4m3=(16, 4, 32, 2), int8=(16, 4, 32, 2)),
     "hip": {"float32": (16, 4, 16, None), "bfloat16": (32, 4, 16, None), "fp8_e4m3": (32, 4, 16, None),
             "int8": (32, 4, 16, None)},
 }
-MEASURED = {"sm_90": ("bfloat16", "fp8_e4m3")}   # launch tables timed on hardware (their register spills allowed)
+MEASURED = {"sm_90": ("bfloat16", "fp8_e4m3", "int8")}   # launch tables timed on hardware (their register spills allowed)
 
 
 @triton.jit
