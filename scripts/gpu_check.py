@@ -6,7 +6,7 @@
 - kernels: each attention kernel this device runs (cuda: flashinfer + triton; hip: aiter + triton; cpu: triton
   under the interpreter) against the torch reference kernel on the same paged cache — decode and mixed
   prefill + decode steps, DeepSeek/GLM dims (512 latent + 64 rope, 64-token pages; --dry-run: tiny dims), 16, 64
-  and 128 heads, bf16 and fp8 KV, requests of different page counts (odd ones, the widest 15 pages), and DSA
+  and 128 heads, bf16, fp8 and int8 KV, requests of different page counts (odd ones, the widest 15 pages), and DSA
   (sparse) steps at 64 heads, each row attending 256 selected slots — max |LSE| error, relative |õ| error, and
   which path ran (vendor kernel or Triton fallback; on a DSA layer the Triton sparse kernel);
 - timing: decode attention of B requests × C tokens per kernel against the HBM floor, bytes of KV read /
