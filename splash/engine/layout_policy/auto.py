@@ -215,8 +215,10 @@ class AutoLayout:
 
     def factor(self, layout: str, regime: str = "decode") -> float:
         """measured / predicted as learnt so far for `layout` in `regime` ("decode" or "prefill"); the visited
-        layouts' mean when not visited yet; the other regime's factor when no layout has run in this one."""
-        return self.steps.factor(layout, regime)
+        layouts' mean when not visited yet; the other regime's factor when no layout has run in this one — for
+        decode, counted by the overlap of its stage mix with a decode step of the batch at the last evaluation
+        (`_decode_shape`, `StepCorrection.factor`)."""
+        return self.steps.factor(layout, regime, self._shape.get(layout) if regime == "decode" else None)
 
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
@@ -308,11 +310,15 @@ class AutoLayout:
     def _decode_shape(self, reqs: Sequence[ReqView], current: str) -> dict[str, dict[str, float]]:
         """Per layout whose decode factor was learnt with a stage mix, the stage mix of one decode step of the running
         requests there (the batch as it is now): what that factor is judged against (`_uncertainty`). Not for
-        `current`: its steps measure it on this batch, so its factor follows the batch's shape as it moves."""
+        `current`: its steps measure it on this batch, so its factor follows the batch's shape as it moves. While no
+        layout has run a decode step, per layout whose prefill factor has a mix (the current one too: its steps
+        measure prefill, not decode): what that factor, borrowed for decode, counts by (`factor`)."""
         rows = [self.row(1, r.cached, r.owner) for r in reqs if r.running and r.cached > 0]
+        borrowed = not any(st.n for st in self.stats.values())
         out = {}
         for lay, st in self.stats.items():
-            if rows and lay != current and st.n and st.mix is not None:
+            if rows and (borrowed and self.prefill_stats[lay].mix is not None
+                         or lay != current and st.n and st.mix is not None):
                 mix = stage_mix(getattr(self.model.step(lay, rows), "stages", None))
                 if mix is not None:
                     out[lay] = mix
