@@ -17,7 +17,8 @@ regime — steps that carry prefill chunks and decode-only steps — since the m
 long prompt's attention runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
 slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
-for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
+for lack of measurements; a regime nothing has run in yet borrows the other regime's factor — for decode, by the
+overlap of the stage mix it was learnt at with a decode step's (below), the rest the layouts' mean. A borrowed factor
 carries an uncertainty (`correction`): what it misses is the layout's own deviation from the visited layouts' mean,
 which is independent from layout to layout, so a candidate is judged at its prediction inflated by its uncertainty
 and the current layout's combined as independent errors (root of the sum of squares). It is entered only when its
@@ -36,7 +37,10 @@ off by up to a bound that grows with the distance between the mixes (`correction
 use keeps being measured where the batch is. That bound widens what a *probe* (below) is judged by — the layout
 could lead here, and a bounded round trip measures it — but not the normal rule: a worst-case bound is no evidence
 against the layout's own measured factor, which stays its best estimate, so it does not hold auto back from a
-switch that factor supports.
+switch that factor supports. A decode factor borrowed from the layout's own prefill factor (no layout
+has run a decode step: every step carried a prompt chunk) is judged by the same mixes: it counts by their overlap
+(`correction`), since a long chunk's time lies in the indexer, the attention and the exchange, a decode step's in
+the FFN, and a stage's error need not be the step's.
 
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
