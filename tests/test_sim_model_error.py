@@ -159,33 +159,3 @@ def test_truth_error_cli_reports_every_seed(tmp_path, capsys):
     assert main([*base, "--seeds", "1,x"]) == 2 and "--seeds: not a comma list" in capsys.readouterr().err
     (tmp_path / "paper.json").write_text('{"rows": []}')
     assert main(base) == 2 and "no held-out" in capsys.readouterr().out
-
-
-def test_an_open_probe_is_judged_within_a_steady_decode_run(sim, monkeypatch):
-    """A probe taken before a long steady decode run (nothing finishes or arrives in it) returns at the engine's next
-    evaluations — the replay stops the run there while the probe is open — instead of being charged the whole run in
-    the layout it measured slower."""
-    from splash.sim import trace
-    cm, s, caps = sim
-    slow_dp = model_error.TruthModel(cm, {("dp_attn", st): 2.0 for st in
-                                          (*model_error.STAGES, *model_error.EXTRA_STAGES)})
-
-    class Forced(trace.AutoLayout):   # probes DP-attn in decode once, at the first decode boundary
-        def _probe_target(self, current, per_tok, unc, regime, until=None, left=0.0):
-            if regime == "decode" and current == "tp" and not self.probes:
-                return "dp_attn", "forced probe", "decode", 0.0, float("inf")
-            return None
-
-    build = trace._scheduler
-
-    def forced(*a, **kw):
-        auto = build(*a, **kw)
-        auto.__class__ = Forced
-        return auto
-    monkeypatch.setattr(trace, "_scheduler", forced)
-    work = [Req(f"r{i}", 0.0, 1000, 3000) for i in range(8)]   # one prefill step, then one decode run to the end
-    res = replay(cm, s, caps, work, "auto", truth=slow_dp)
-    moves = [(t, move) for t, move, _ in res.timeline]
-    assert [m for _, m in moves] == ["tp→dp_attn", "dp_attn→tp"], res.timeline
-    # back within a few dozen of the 3,000 decode steps
-    assert moves[1][0] - moves[0][0] < 0.05 * res.total_s, moves

@@ -87,8 +87,7 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
     """Serve ``workload`` in a fixed layout (``mode``) or with ``auto``. Steps and switches are charged with ``truth``
     (default: ``cm``); auto plans with ``plan`` (default: ``cm``) and learns from what each step was charged when
     that differs from its model. Decode runs in which nothing else can happen are charged at once
-    (`Scheduler.steady_decode_steps`), up to the next arrival — and, while auto's probe is open, up to the
-    evaluation that judges it. ``prefix_caching``: None turns the prefix cache on
+    (`Scheduler.steady_decode_steps`), up to the next arrival. ``prefix_caching``: None turns the prefix cache on
     where a prompt can hit (`_can_hit`); elsewhere it cannot change the replay, only slow it."""
     charge = truth if truth is not None else cm
     planner = plan if plan is not None else cm
@@ -126,12 +125,6 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             switch_s = t - t0 if layout != before else 0.0
         steps += 1
         run = sched.steady_decode_steps(1 << 30)
-        if run > 0 and auto is not None and auto.probing:
-            # the engine judges an open probe at its next evaluation (every `reeval_steps` steps while the requests
-            # stay the same): the run stops there, not at the next finish or arrival, which could charge the probe
-            # for the whole run; the step carrying the switch runs alone, so the steps after it train the factor
-            run = 1 if switch_s > 0 else min(run, auto.reeval_steps)
-            steps += run - 1
         if run > 0:
             loads = [RowLoad(1, r.num_cached, ledger.owner(r.req_id)) for r in sched.running]
             dt = step_seconds(charge, setup.model, layout, loads)

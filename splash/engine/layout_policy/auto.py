@@ -212,11 +212,6 @@ class AutoLayout:
         self.steps.learn(layout, regime, pred, measured_s, getattr(p, "stages", None))
         self._model_view = None
 
-    @property
-    def probing(self) -> bool:
-        """Whether a probe's trip is open: its return is judged at the next evaluations."""
-        return self._probe_trip is not None
-
     def factor(self, layout: str, regime: str = "decode") -> float:
         """measured / predicted as learnt so far for `layout` in `regime` ("decode" or "prefill"); the visited
         layouts' mean when not visited yet; the other regime's factor when no layout has run in this one — for
