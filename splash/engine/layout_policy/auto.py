@@ -152,6 +152,7 @@ class AutoLayout:
         self._probe_trip: tuple[str, str, str, float, bool] | None = None
         self._unmet: set[str] = set()   # "layout/regime" probed ahead of its regime, whose steps did not come
         self._shape: dict[str, dict[str, float]] = {}   # per layout, the stage mix of a decode step of the batch now
+        self._regime_s: dict[str, dict[str, float]] = {}   # per layout, its forecast's corrected seconds per regime
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -250,6 +251,7 @@ class AutoLayout:
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc, until = {}, {}, {}, {}, {}, {}, {}, {}
+        self._regime_s = {}
         self._shape = self._decode_shape(reqs, current)
         unc_probe = {}   # a probe's uncertainty: also how far the batch moved from where a factor was learnt
         for lay in self.allowed:
@@ -272,6 +274,7 @@ class AutoLayout:
                 hi = pre * fp * math.exp(u(lay, "prefill")) + dec * f * math.exp(u(lay, "decode"))
                 out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
+            self._regime_s[lay] = {"prefill": pre * fp, "decode": dec * f}
         unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
@@ -385,10 +388,15 @@ class AutoLayout:
                 lead, k_hi = 0.0, 0.0
                 if reg != regime:
                     k_hi = (until or {}).get(k, {}).get(reg, (math.inf, math.inf))[1]
-                    c_pt = (until or {}).get(current, {}).get(reg, (0.0, 0.0))[0]
+                    k_pt = (until or {}).get(k, {}).get(reg, (math.inf, math.inf))[0]
                     if not math.isfinite(k_hi):
                         continue   # its forecast never runs a step of that regime: nothing to measure
-                    lead = max(0.0, k_hi - (c_pt if math.isfinite(c_pt) else 0.0))
+                    # what those steps' work costs in the current layout: at the ratio of the two layouts' seconds
+                    # for the batch's steps of that (other) regime — not the current layout's own time before its
+                    # first step of `reg`, which is shorter when it runs the same prompts later (its pool is full)
+                    oth = "prefill" if reg == "decode" else "decode"
+                    k_o, c_o = self._regime_s.get(k, {}).get(oth, 0.0), self._regime_s.get(current, {}).get(oth, 0.0)
+                    lead = max(0.0, k_hi - (k_pt * c_o / k_o if k_o > 0 else 0.0))
                     if lead > 0 and t >= cur:
                         continue   # it pays more than its round trip and may not measure: it needs a point lead
                 opt = t * math.exp(-unc[k])
