@@ -612,6 +612,22 @@ def test_a_probe_for_the_regime_after_the_next_steps_is_priced_by_the_steps_befo
     assert not b.propose(0, "tp", reqs, usage(reqs)).probe
 
 
+
+def test_an_ahead_probe_is_priced_beyond_the_same_work_in_the_current_layout():
+    # TP's pool is full: the waiting prompt is admitted there only once the running requests finish, so TP's forecast
+    # decodes first and prefills later; DOP admits it at once. DOP's prefill step before its first decode step is
+    # work TP does too (later, and slower): it is priced beyond what it costs in TP — nothing here — not beyond TP's
+    # own time before its first decode step, which is 0 (shared agentic seed 4, docs/benchmarks.md session 21)
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.9e-3}, **FLAT)
+    a = make(m, observe_every=1, caps={**dict.fromkeys(LAYOUTS, 10_000), "tp": 60})
+    _visit(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "dop", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=50) + [ReqView("p", 0, 512, 200, None, running=False)]
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in decode" in d.reason
+    assert d.probe_lead_s == 0.0
+
 def test_a_probe_whose_regime_does_not_come_by_its_deadline_ends_unmeasured():
     m, a, reqs = _ahead_probe()
     a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
