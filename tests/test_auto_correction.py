@@ -119,3 +119,23 @@ def test_a_gpu_step_is_timed_once_its_kernels_have_run(monkeypatch):
     t0 = time.perf_counter()
     assert step_seconds(t0, SimpleNamespace(is_cuda=True, device="cuda:1")) >= 0.05 and done == ["cuda:1"]
     assert step_seconds(time.perf_counter(), torch.zeros(2)) < 0.05 and done == ["cuda:1"]
+
+
+def test_a_factor_borrowed_from_the_other_regime_counts_by_the_overlap_of_the_mixes():
+    c = StepCorrection(L)
+    chunks = {"attention": 0.9, "ffn": 0.1}          # DOP's prefill steps: long chunks, attention-bound
+    short = {"attention": 0.1, "ffn": 0.9}           # CP's: short prompts, FFN-bound — as a decode step is
+    for _ in range(40):
+        c.learn("dop", "prefill", 1.0, 0.5, stages=chunks)
+        c.learn("cp", "prefill", 1.0, 1.5, stages=short)
+    lvl = {k: c.by_regime["prefill"][k].level for k in ("dop", "cp")}
+    mean = (lvl["dop"] + lvl["cp"]) / 2
+    decode = {"attention": 0.1, "ffn": 0.9}
+    assert math.isclose(c.factor("dop", "decode"), math.exp(lvl["dop"]))    # no mix given: the other regime's
+    # L1 distance 1.6: 20% of a decode step's time lies where DOP's prefill factor was learnt, the rest is the mean
+    assert math.isclose(c.factor("dop", "decode", decode), math.exp(0.2 * lvl["dop"] + 0.8 * mean))
+    assert math.isclose(c.factor("cp", "decode", decode), math.exp(lvl["cp"]))   # the same mix: its own
+    assert math.isclose(c.factor("tp", "decode", decode), math.exp(mean))       # nothing of its own: the mean
+    assert math.isclose(c.factor("dop", "decode", {"overlap": -0.5, "ffn": 1.5}), math.exp(mean))   # at least 0
+    c.learn("tp", "decode", 1.0, 1.0, stages=decode)  # a layout ran decode: the decode mean is borrowed, as before
+    assert c.factor("dop", "decode", decode) == c.factor("dop", "decode")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from splash.engine.layout_policy.auto import AutoLayout, ReqView
+from splash.engine.layout_policy.correction import mix_distance, stage_mix
 from splash.engine.messages import StepItem
 
 LAYOUTS = ("tp", "dp_attn", "cp", "dop")
@@ -611,6 +612,22 @@ def test_a_probe_for_the_regime_after_the_next_steps_is_priced_by_the_steps_befo
     assert not b.propose(0, "tp", reqs, usage(reqs)).probe
 
 
+
+def test_an_ahead_probe_is_priced_beyond_the_same_work_in_the_current_layout():
+    # TP's pool is full: the waiting prompt is admitted there only once the running requests finish, so TP's forecast
+    # decodes first and prefills later; DOP admits it at once. DOP's prefill step before its first decode step is
+    # work TP does too (later, and slower): it is priced beyond what it costs in TP — nothing here — not beyond TP's
+    # own time before its first decode step, which is 0 (shared agentic seed 4, docs/benchmarks.md session 21)
+    m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.9e-3}, **FLAT)
+    a = make(m, observe_every=1, caps={**dict.fromkeys(LAYOUTS, 10_000), "tp": 60})
+    _visit(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "tp", 1.0, n=40)
+    _visit_prefill(a, m, "dop", 1.0, n=40)
+    reqs = decode_batch(4, 100, remaining=50) + [ReqView("p", 0, 512, 200, None, running=False)]
+    d = a.propose(0, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("switch", "dop", True) and "in decode" in d.reason
+    assert d.probe_lead_s == 0.0
+
 def test_a_probe_whose_regime_does_not_come_by_its_deadline_ends_unmeasured():
     m, a, reqs = _ahead_probe()
     a.record(a.vet(a.propose(0, "tp", reqs, usage(reqs)), manifest=None))
@@ -741,3 +758,26 @@ def test_a_probe_cut_short_by_a_chained_probe_before_it_measured_is_not_counted(
     # a probe that measured its regime before the chain is counted as before
     _, b, _ = _chained_probe(cp_decode_measured=True)
     assert b.probes == {"cp/decode": 1, "dop/prefill": 1}
+
+
+def test_a_decode_factor_borrowed_from_prefill_counts_by_the_overlap_of_the_stage_mixes():
+    # No decode step has run (every step carried a prompt chunk, as in agentic): DOP's prefill factor (x0.6) was
+    # learnt on attention-bound chunks, CP's (x1.2) on short prompts whose mix is a decode step's. Borrowed whole,
+    # DOP's x0.6 would make it the faster decoder; it tells about the decode step's time only where the two mixes
+    # overlap, the rest is the layouts' mean, and CP leads (shared agentic seed 11, docs/benchmarks.md session 21)
+    m = StagedCost(fixed={"tp": 1.0, "dp_attn": 1.0, "cp": 1e-3, "dop": 1.8e-3},
+                   per_kv={"tp": 1.0, "dp_attn": 1.0, "cp": 1e-8, "dop": 1e-8}, per_row=dict.fromkeys(LAYOUTS, 1e-5))
+    a = make(m, observe_every=1, caps=dict.fromkeys(LAYOUTS, 100_000))
+    for lay, rows, factor in (("dop", [(512, 1_000_000, 0)], 0.6), ("cp", [(64, 0, 0)], 1.2)):
+        for _ in range(40):
+            a.observe(lay, pieces(rows), factor * m.step(lay, rows).seconds)
+    dec = decode_batch(4, 100, remaining=1000)
+    d = a.propose(0, "dop", dec, usage(dec))
+    assert d.seconds_per_token["cp"] < 0.9 * d.seconds_per_token["dop"]
+    pre = {k: a.prefill_stats[k] for k in ("dop", "cp")}
+    overlap = 1 - mix_distance(pre["dop"].mix, stage_mix(m.step("dop", [(1, 100, 0)] * 4).stages)) / 2
+    mean = (pre["dop"].level + pre["cp"].level) / 2
+    assert overlap < 0.3 and math.isclose(a.factor("dop"), math.exp(overlap * pre["dop"].level + (1 - overlap) * mean))
+    _visit(a, m, "tp", 1.0)     # a layout measured decode: the others borrow the decode mean, whatever the mix
+    a.propose(1, "dop", dec, usage(dec))
+    assert a.factor("dop") == a.steps.factor("dop") == a.factor("cp")

@@ -17,7 +17,8 @@ regime — steps that carry prefill chunks and decode-only steps — since the m
 long prompt's attention runs in many kernel chunks; decode rows in one or two) and a factor learnt on one must not
 rescale the other. A layout not visited yet in a regime gets the mean correction of those that were (a machine
 slower or busier than its profile is so for all of them), so it does not look cheaper than the visited ones merely
-for lack of measurements; a regime nothing has run in yet borrows the other regime's factor. A borrowed factor
+for lack of measurements; a regime nothing has run in yet borrows the other regime's factor — for decode, by the
+overlap of the stage mix it was learnt at with a decode step's (below), the rest the layouts' mean. A borrowed factor
 carries an uncertainty (`correction`): what it misses is the layout's own deviation from the visited layouts' mean,
 which is independent from layout to layout, so a candidate is judged at its prediction inflated by its uncertainty
 and the current layout's combined as independent errors (root of the sum of squares). It is entered only when its
@@ -36,7 +37,10 @@ off by up to a bound that grows with the distance between the mixes (`correction
 use keeps being measured where the batch is. That bound widens what a *probe* (below) is judged by — the layout
 could lead here, and a bounded round trip measures it — but not the normal rule: a worst-case bound is no evidence
 against the layout's own measured factor, which stays its best estimate, so it does not hold auto back from a
-switch that factor supports.
+switch that factor supports. A decode factor borrowed from the layout's own prefill factor (no layout
+has run a decode step: every step carried a prompt chunk) is judged by the same mixes: it counts by their overlap
+(`correction`), since a long chunk's time lies in the indexer, the attention and the exchange, a decode step's in
+the FFN, and a stage's error need not be the step's.
 
 *Probing* (optimism under uncertainty): the model's error differs by layout (each runs its own attention kernels
 and collectives), so a layout ranked behind the current one may be the faster one; only running it tells. A layout
@@ -148,6 +152,7 @@ class AutoLayout:
         self._probe_trip: tuple[str, str, str, float, bool] | None = None
         self._unmet: set[str] = set()   # "layout/regime" probed ahead of its regime, whose steps did not come
         self._shape: dict[str, dict[str, float]] = {}   # per layout, the stage mix of a decode step of the batch now
+        self._regime_s: dict[str, dict[str, float]] = {}   # per layout, its forecast's corrected seconds per regime
         self._sig: tuple | None = None
         self._sig_step = -1 << 30
         self.overhead = PredictionBudget(overhead_budget, timer)
@@ -210,8 +215,10 @@ class AutoLayout:
 
     def factor(self, layout: str, regime: str = "decode") -> float:
         """measured / predicted as learnt so far for `layout` in `regime` ("decode" or "prefill"); the visited
-        layouts' mean when not visited yet; the other regime's factor when no layout has run in this one."""
-        return self.steps.factor(layout, regime)
+        layouts' mean when not visited yet; the other regime's factor when no layout has run in this one — for
+        decode, counted by the overlap of its stage mix with a decode step of the batch at the last evaluation
+        (`_decode_shape`, `StepCorrection.factor`)."""
+        return self.steps.factor(layout, regime, self._shape.get(layout) if regime == "decode" else None)
 
     # ---- the choice ------------------------------------------------------------------------------------------
     def due(self, step: int, reqs: Sequence[ReqView]) -> bool:
@@ -244,6 +251,7 @@ class AutoLayout:
     def _propose(self, step: int, current: str, reqs: Sequence[ReqView],
                  usage: Mapping[str, Sequence[int]]) -> Decision:
         per_tok, total, admitted, infeasible, work_of, step_s, unc, until = {}, {}, {}, {}, {}, {}, {}, {}
+        self._regime_s = {}
         self._shape = self._decode_shape(reqs, current)
         unc_probe = {}   # a probe's uncertainty: also how far the batch moved from where a factor was learnt
         for lay in self.allowed:
@@ -266,6 +274,7 @@ class AutoLayout:
                 hi = pre * fp * math.exp(u(lay, "prefill")) + dec * f * math.exp(u(lay, "decode"))
                 out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
+            self._regime_s[lay] = {"prefill": pre * fp, "decode": dec * f}
         unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
@@ -303,11 +312,15 @@ class AutoLayout:
     def _decode_shape(self, reqs: Sequence[ReqView], current: str) -> dict[str, dict[str, float]]:
         """Per layout whose decode factor was learnt with a stage mix, the stage mix of one decode step of the running
         requests there (the batch as it is now): what that factor is judged against (`_uncertainty`). Not for
-        `current`: its steps measure it on this batch, so its factor follows the batch's shape as it moves."""
+        `current`: its steps measure it on this batch, so its factor follows the batch's shape as it moves. While no
+        layout has run a decode step, per layout whose prefill factor has a mix (the current one too: its steps
+        measure prefill, not decode): what that factor, borrowed for decode, counts by (`factor`)."""
         rows = [self.row(1, r.cached, r.owner) for r in reqs if r.running and r.cached > 0]
+        borrowed = not any(st.n for st in self.stats.values())
         out = {}
         for lay, st in self.stats.items():
-            if rows and lay != current and st.n and st.mix is not None:
+            if rows and (borrowed and self.prefill_stats[lay].mix is not None
+                         or lay != current and st.n and st.mix is not None):
                 mix = stage_mix(getattr(self.model.step(lay, rows), "stages", None))
                 if mix is not None:
                     out[lay] = mix
@@ -375,10 +388,15 @@ class AutoLayout:
                 lead, k_hi = 0.0, 0.0
                 if reg != regime:
                     k_hi = (until or {}).get(k, {}).get(reg, (math.inf, math.inf))[1]
-                    c_pt = (until or {}).get(current, {}).get(reg, (0.0, 0.0))[0]
+                    k_pt = (until or {}).get(k, {}).get(reg, (math.inf, math.inf))[0]
                     if not math.isfinite(k_hi):
                         continue   # its forecast never runs a step of that regime: nothing to measure
-                    lead = max(0.0, k_hi - (c_pt if math.isfinite(c_pt) else 0.0))
+                    # what those steps' work costs in the current layout: at the ratio of the two layouts' seconds
+                    # for the batch's steps of that (other) regime — not the current layout's own time before its
+                    # first step of `reg`, which is shorter when it runs the same prompts later (its pool is full)
+                    oth = "prefill" if reg == "decode" else "decode"
+                    k_o, c_o = self._regime_s.get(k, {}).get(oth, 0.0), self._regime_s.get(current, {}).get(oth, 0.0)
+                    lead = max(0.0, k_hi - (k_pt * c_o / k_o if k_o > 0 else 0.0))
                     if lead > 0 and t >= cur:
                         continue   # it pays more than its round trip and may not measure: it needs a point lead
                 opt = t * math.exp(-unc[k])

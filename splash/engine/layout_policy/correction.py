@@ -25,6 +25,11 @@ Two things are learnt from the run:
   least, not on top: while a layout has few measurements its factor is still mostly the borrowed prior, whose
   spread (of the layouts' whole-step factors around their mean, at any mix) already bounds what a mix adds; once
   its own measurements dominate, what they miss is the batch having moved.
+  The same holds for a factor borrowed from the other regime (no layout has run this one yet): a layout's prefill
+  factor is learnt on steps whose mix may be far from its decode steps' (long chunks: indexer, attention and the
+  exchange; decode: the FFN), so, given the mix of the steps it is for, it counts by the *overlap* of the two mixes
+  (Σ_g min(share_g, share'_g) = 1 − L1/2: the share of the step's time in stages weighted as where it was learnt)
+  and the rest is the other regime's mean over the layouts — what a layout borrows where it has learnt nothing.
 - **Switch cost** (`SwitchCorrection`): the measured added time of each executed switch step (its time less the
   step's corrected prediction) over the switch's predicted exposed cost, per direction (src → dst), likewise
   in log space. The prediction is floored at SWITCH_FLOOR_S (a switch that moves nothing still rebuilds state and
@@ -116,10 +121,18 @@ class StepCorrection:
                 return lvl
         return None
 
-    def factor(self, layout: str, regime: str = "decode") -> float:
+    def factor(self, layout: str, regime: str = "decode", mix: Mapping[str, float] | None = None) -> float:
         """measured / predicted for `layout` in `regime`; the visited layouts' mean when not visited yet; the
-        other regime's when no layout has run in this one; 1 when nothing has run."""
+        other regime's when no layout has run in this one; 1 when nothing has run. With `mix` (the stage mix of the
+        steps the factor is for), a factor borrowed from the layout's own in the other regime counts by the overlap
+        of the two mixes (see the module docstring)."""
         lvl = self._level(layout, regime)
+        other = "prefill" if regime == "decode" else "decode"
+        own = self.by_regime[other][layout]
+        if mix and lvl is not None and own.level is not None and own.mix and not self._seen(regime):
+            # Σ_g min(share_g, share'_g) where no share is negative (time hidden by overlap can be)
+            overlap = max(0.0, 1.0 - mix_distance(own.mix, mix) / 2)
+            lvl = overlap * own.level + (1.0 - overlap) * self._mean(other)
         return 1.0 if lvl is None else math.exp(lvl)
 
     def uncertainty(self, layout: str, regime: str = "decode", mix: Mapping[str, float] | None = None) -> float:
