@@ -94,7 +94,7 @@ def test_glm5_next_directions_and_state(glm5_reference, nprocs, modes):
     """glm5_next: all 12 directions, live and blocking, keep the unswitched tokens and free the pools (2 ranks;
     4-rank tokens in every layout are test_layouts_dist's, kept short for the suite's time); the per-request KDA
     state is byte-exact across each switch and lands where the destination puts it (2 and 4 ranks)."""
-    out = "".join(_run(nprocs, glm5_reference, mode, layouts=GLM5_LAYOUTS) for mode in modes)
+    out = _run(nprocs, glm5_reference, "+".join(modes), layouts=GLM5_LAYOUTS)
     for s in GLM5_LAYOUTS:
         for d in GLM5_LAYOUTS:
             if s != d:
@@ -170,10 +170,28 @@ def test_cp_directions_at_block_16_with_exact_ties(tie_refs, variant):
             assert f"rank {r}: {d} {('live', 'blocking')[i % 2]} OK" in res.stdout, res.stdout
 
 
-@pytest.mark.parametrize("nprocs,kv_dtype", [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"),
-                                             (4, "int8")])
-def test_random_switch_chain(reference, nprocs, kv_dtype):
-    out = _run(nprocs, reference, "chain", kv_dtype)
+CHAINS = [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"), (4, "int8")]
+
+
+@pytest.fixture(scope="module")
+def chain_runs(reference):
+    """`chain_runs(nprocs) -> stdout`: every CHAINS KV dtype of that rank count in one launch (rank start-up and
+    the reference load once, not per dtype; a failing chain aborts the launch: every test of that rank count fails)."""
+    cache: dict[int, object] = {}
+
+    def get(nprocs: int) -> str:
+        if nprocs not in cache:
+            kv = ",".join(kv for n, kv in CHAINS if n == nprocs)
+            cache[nprocs] = run_mpi(nprocs, WORKER, *map(str, reference), "chain", kv, timeout=400)
+        res = cache[nprocs]
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return res.stdout
+    return get
+
+
+@pytest.mark.parametrize("nprocs,kv_dtype", CHAINS)
+def test_random_switch_chain(chain_runs, nprocs, kv_dtype):
+    out = chain_runs(nprocs)
     for mode in ("live", "blocking"):
         assert f"rank 0: chain {kv_dtype} {mode} OK" in out, out
 
