@@ -5,8 +5,8 @@
 Triton compiles for a `GPUTarget` without the device, so on CPU we know a launch's shared memory per block (against
 the target's limit), register spills (NVIDIA: cuobjdump's STACK; AMD: the private segment) and whether its products
 run on the matrix units (mma / wgmma / tcgen05.mma in PTX, v_mfma in AMDGCN), for every launch shape
-TritonMLAKernel can choose: `mla_split` (`planned_shapes`), the DSA layers' `mla_sparse` (`sparse_shapes`) and
-`mla_merge`; tests/test_triton_aot.py checks them all.
+TritonMLAKernel can choose: `mla_split` (`planned_shapes`), the DSA layers' `mla_sparse` (`sparse_shapes`: the
+largest tile of each launch) and `mla_merge`; tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
 
