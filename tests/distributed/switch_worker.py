@@ -366,7 +366,9 @@ def main() -> None:
     def rank_print(msg: str) -> None:
         print(f"rank {rank}: {msg}", flush=True)
 
+    from near_ties import restore
     for mode in mode.split("+"):   # several modes (and chains of several KV dtypes) share one launch
+        restore()                  # each with the library's own router and DSA selection (convert wraps them)
         if mode == "directions":
             directions(model_dir, ref, rank_print, comm_from_argv(sys.argv[5:6]), sys.argv[6:7] == ["alternate"])
         elif mode == "chain":
