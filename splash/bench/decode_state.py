@@ -17,6 +17,8 @@ from splash.engine.runner import ModelRunner
 from splash.layouts.ownership import kv_holders
 from splash.models.presets import preset_config, preset_getter
 
+FILL_CHUNK_SLOTS = 65536   # random KV written per call: bounds the fp32 transient (128 MiB at a 512-wide latent)
+
 
 class DecodeState:
     def __init__(self, comm, preset: str, layout: str, batch: int, context: int, block_size: int = 16,
@@ -35,6 +37,7 @@ class DecodeState:
         r, bs, me = self.runner, self.runner.block_size, self.comm.rank
         g = torch.Generator().manual_seed(0)
         nb = -(-self.L // bs)
+        slots = []   # every fresh slot this rank holds, written a chunk at a time (a call per block: ~1e5 calls)
         for rid, owner in self.owners.items():
             held = [b for b, h in enumerate(kv_holders(r.layout, nb, owner, self.comm.size)) if me in h]
             hit = [(b, self.hashes[b]) for b in held if b < len(self.hashes) and r.bm.cached(self.hashes[b])]
@@ -45,13 +48,13 @@ class DecodeState:
             for b in held:
                 if b < len(self.hashes) and not r.bm.cached(self.hashes[b]):
                     r.bm.register(rid, b, self.hashes[b])
-            fresh = [b for b in held if b not in dict(hit)]
-            for layer in range(r.cfg.num_hidden_layers):
-                for b in fresh:
-                    n = min(bs, self.L - b * bs)
-                    slots = torch.arange(t[b] * bs, t[b] * bs + n)
-                    r.cache.write(layer, slots, torch.randn(n, r.cfg.kv_lora_rank, generator=g),
-                                  torch.randn(n, r.cfg.qk_rope_head_dim, generator=g))
+            slots += [torch.arange(t[b] * bs, t[b] * bs + min(bs, self.L - b * bs))
+                      for b in held if b not in dict(hit)]
+        slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+        for layer in range(r.cfg.num_hidden_layers):
+            for part in slots.split(FILL_CHUNK_SLOTS):
+                r.cache.write(layer, part, torch.randn(len(part), r.cfg.kv_lora_rank, generator=g),
+                              torch.randn(len(part), r.cfg.qk_rope_head_dim, generator=g))
 
     def batch(self) -> StepBatch:
         reqs = [StepRequest(rid, self.pos[rid], 1, self.owners[rid]) for rid in self.owners]

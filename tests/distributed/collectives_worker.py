@@ -253,15 +253,17 @@ def _torch_collectives() -> int:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "collectives"
     ctx = init_dist()
-    try:
-        {"collectives": run_collectives}[mode](ctx, *sys.argv[2:])
-    except BaseException:
-        traceback.print_exc()
-        print(f"rank {ctx.rank}: FAILED", file=sys.stderr, flush=True)
-        from mpi4py import MPI
+    # argv[2]: communicator kinds joined by "," (one launch checks each in turn; "torch" last: it ends its group)
+    for kind in (sys.argv[2].split(",") if len(sys.argv) > 2 else ["mpi"]):
+        try:
+            {"collectives": run_collectives}[mode](ctx, kind)
+        except BaseException:
+            traceback.print_exc()
+            print(f"rank {ctx.rank}: FAILED", file=sys.stderr, flush=True)
+            from mpi4py import MPI
 
-        MPI.COMM_WORLD.Abort(1)
-    print(f"rank {ctx.rank}/{ctx.world_size}: {' '.join([mode, *sys.argv[2:]])} OK", flush=True)
+            MPI.COMM_WORLD.Abort(1)
+        print(f"rank {ctx.rank}/{ctx.world_size}: {mode} {kind} OK", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Worker for test_layouts_dist: every layout on real ranks must reproduce the reference tokens and logits.
 
 argv: model_dir ref.pt kv_dtype layout[,layout...] [communicator: mpi (default) | torch]
+model_dir and ref.pt may each be several, joined by "," (one launch checks each model in turn; its lines then
+start with its model directory's parent's name)
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from splash.engine.llm import LLM
 from splash.engine.sampling import SamplingParams
 
 
-def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str, comm=None) -> None:
+def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str, comm=None, tag: str = "") -> None:
     llm = LLM(model_dir, layout=layout, kv_cache_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
               num_kv_blocks=256, comm=comm)
     rank = llm.comm.rank
@@ -36,15 +38,18 @@ def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str, comm=Non
     err = ((logits - want).abs().max() / want.abs().max()).item()
     assert err < 1e-4, f"{layout}: probe logits rel err {err}"
     kind = type(llm.comm).__name__
-    print(f"rank {rank}/{llm.comm.size} {layout} {kv_dtype} OK ({kind}, logit rel err {err:.2e})", flush=True)
+    print(f"{tag}rank {rank}/{llm.comm.size} {layout} {kv_dtype} OK ({kind}, logit rel err {err:.2e})", flush=True)
 
 
 def main() -> None:
-    model_dir, ref_path, kv_dtype, layouts = sys.argv[1:5]
-    ref = torch.load(ref_path)
+    model_dirs, ref_paths, kv_dtype, layouts = sys.argv[1:5]
     comm = comm_from_argv(sys.argv[5:6])
-    for layout in layouts.split(","):
-        check_layout(model_dir, ref, kv_dtype, layout, comm)
+    several = "," in model_dirs
+    for model_dir, ref_path in zip(model_dirs.split(","), ref_paths.split(","), strict=True):
+        ref = torch.load(ref_path)
+        tag = f"{Path(model_dir).parent.name}: " if several else ""
+        for layout in layouts.split(","):
+            check_layout(model_dir, ref, kv_dtype, layout, comm, tag)
 
 
 if __name__ == "__main__":

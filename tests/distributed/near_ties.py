@@ -112,6 +112,14 @@ class RouteCheck:
         ffn.route = checked
 
 
+def restore() -> None:
+    """Unwrap the MoE router and the DSA selection again (a worker that runs several modes in one process)."""
+    import splash.models.ffn as ffn
+    ffn.route = _ROUTE.get("route", ffn.route)
+    dsa.select_layer = _select_layer
+    _SELECTION_CHECKS.clear()
+
+
 _SELECTION_CHECKS: dict[int, "SelectionCheck"] = {}  # id of a runner's RankContext -> its check
 
 

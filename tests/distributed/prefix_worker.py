@@ -139,7 +139,9 @@ def main() -> None:
                 assert st[0] > 0, f"{d}: no prefix-cache hit {st}"
                 print(f"rank 0: {d} {mode} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
     elif mode in ("kept", "kept-moved"):
-        for d in sys.argv[3].split(","):
+        # argv[2:]: (mode, directions) pairs, each mode's directions in turn (both modes share one launch)
+        pairs = list(zip(sys.argv[2::2], sys.argv[3::2]))
+        for mode, d in [(m, d) for m, dirs in pairs for d in dirs.split(",")]:
             src, dst = d.split("->")
             move = mode == "kept-moved"
             on, st = run(model_dir, src, {10: dst}, True, one_turn_then_next, move_cached=move)

@@ -366,16 +366,20 @@ def main() -> None:
     def rank_print(msg: str) -> None:
         print(f"rank {rank}: {msg}", flush=True)
 
-    if mode == "directions":
-        directions(model_dir, ref, rank_print, comm_from_argv(sys.argv[5:6]), sys.argv[6:7] == ["alternate"])
-    elif mode == "chain":
-        chain(model_dir, ref, kv_dtype, rank_print)
-    elif mode == "states":
-        states(model_dir, ref, rank_print)
-    elif mode == "convert":
-        convert(model_dir, ref, rank_print)
-    else:
-        defer(model_dir, ref, rank_print)
+    from near_ties import restore
+    for mode in mode.split("+"):   # several modes (and chains of several KV dtypes) share one launch
+        restore()                  # each with the library's own router and DSA selection (convert wraps them)
+        if mode == "directions":
+            directions(model_dir, ref, rank_print, comm_from_argv(sys.argv[5:6]), sys.argv[6:7] == ["alternate"])
+        elif mode == "chain":
+            for kv in kv_dtype.split(","):
+                chain(model_dir, ref, kv, rank_print)
+        elif mode == "states":
+            states(model_dir, ref, rank_print)
+        elif mode == "convert":
+            convert(model_dir, ref, rank_print)
+        else:
+            defer(model_dir, ref, rank_print)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,34 @@ def _assert_ok(proc, nprocs: int, mode: str) -> None:
     assert done == set(range(nprocs)), proc.stdout
 
 
+KINDS = {2: "mpi,mpi-device,torch", 4: "mpi,torch"}   # per rank count, checked in turn by one launch
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """`launches(nprocs)`: the worker's run of KINDS[nprocs] (rank start-up once per rank count, not per kind)."""
+    cache: dict = {}
+
+    def get(nprocs: int):
+        if nprocs not in cache:
+            cache[nprocs] = run_mpi(nprocs, WORKER, "collectives", KINDS[nprocs], timeout=180)
+        return cache[nprocs]
+    return get
+
+
 @needs_mpi
 @pytest.mark.parametrize("kind", ["mpi", "torch"])
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_collectives_real_ranks(nprocs, kind):
+def test_collectives_real_ranks(launches, nprocs, kind):
     """The same checks on the MPI communicator and on the torch.distributed one (gloo on CPU)."""
-    _assert_ok(run_mpi(nprocs, WORKER, "collectives", kind, timeout=120), nprocs, f"collectives {kind}")
+    _assert_ok(launches(nprocs), nprocs, f"collectives {kind}")
 
 
 @needs_mpi
-def test_mpi_communicator_moves_device_tensors_through_host_memory():
+def test_mpi_communicator_moves_device_tensors_through_host_memory(launches):
     """Ranks that share one GPU (NCCL refuses them) use the MPI communicator: handed GPU tensors (a stand-in that,
     like a CUDA tensor, cannot be viewed as numpy), every collective gives the same bytes, on the device."""
-    _assert_ok(run_mpi(2, WORKER, "collectives", "mpi-device", timeout=120), 2, "collectives mpi-device")
+    _assert_ok(launches(2), 2, "collectives mpi-device")
 
 
 def test_init_dist_without_mpirun():

@@ -47,9 +47,7 @@ def _greedy(hf, prompts: list[list[int]], max_tokens: list[int]) -> list[list[in
     return [hf_greedy(hf, [p], m)[0] for p, m in zip(prompts, max_tokens)]
 
 
-@pytest.fixture(scope="module", params=sorted(ARCH_CASES))
-def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
-    arch = request.param
+def _reference(arch: str, tmp_path_factory) -> tuple[Path, Path]:
     make, load, (len_a, max_a), (len_b, max_b), steps, _ = ARCH_CASES[arch]
     d = tmp_path_factory.mktemp(f"layouts_{arch}")
     model_dir = make(d / "model")
@@ -62,22 +60,47 @@ def reference(request, tmp_path_factory) -> tuple[str, Path, Path]:
            "prompts_b": prompts_b, "max_tokens_b": max_b, "tokens_b": _greedy(hf, prompts_b, max_b),
            "probe": probe, "probe_logits": hf_logits(hf, probe)}
     torch.save(ref, d / "ref.pt")
-    return arch, model_dir, d / "ref.pt"
+    return model_dir, d / "ref.pt"
+
+
+def _archs(nprocs: int, communicator: str) -> list[str]:
+    """The architectures run at `nprocs` ranks on `communicator` (torch: one architecture checks it)."""
+    return [a for a in sorted(ARCH_CASES) if nprocs in ARCH_CASES[a][5] and
+            (communicator == "mpi" or a == "deepseek_v3")]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """`launches(nprocs, communicator) -> (result, {arch: model_dir})`: one launch checks every architecture of
+    that rank count in turn (rank start-up once, not per architecture; each line names its model's directory). A
+    failing architecture aborts the launch, so every test of that launch then fails with its output."""
+    refs: dict[str, tuple[Path, Path]] = {}
+    runs: dict[tuple, object] = {}
+
+    def get(nprocs: int, communicator: str):
+        if (nprocs, communicator) not in runs:
+            archs = _archs(nprocs, communicator)
+            for a in archs:
+                if a not in refs:
+                    refs[a] = _reference(a, tmp_path_factory)
+            runs[nprocs, communicator] = run_mpi(
+                nprocs, "tests/distributed/layouts_worker.py", ",".join(str(refs[a][0]) for a in archs),
+                ",".join(str(refs[a][1]) for a in archs), "float32", LAYOUTS, communicator, timeout=280)
+        return runs[nprocs, communicator], {a: refs[a][0] for a in refs}
+    return get
 
 
 @pytest.mark.parametrize("nprocs,communicator", [(1, "mpi"), (2, "mpi"), (4, "mpi"), (4, "torch")])
-def test_every_layout_matches_transformers(reference, nprocs, communicator):
+@pytest.mark.parametrize("arch", sorted(ARCH_CASES))
+def test_every_layout_matches_transformers(launches, arch, nprocs, communicator):
     """communicator torch: the data plane on torch.distributed (gloo here), the control plane on MPI."""
-    arch, model_dir, ref = reference
-    if nprocs not in ARCH_CASES[arch][5]:
-        pytest.skip(f"{arch} on {nprocs} rank(s) is covered elsewhere")
-    if communicator == "torch" and arch != "deepseek_v3":
-        pytest.skip("the torch communicator is checked on one architecture")
-    res = run_mpi(nprocs, "tests/distributed/layouts_worker.py", str(model_dir), str(ref), "float32", LAYOUTS,
-                  communicator, timeout=240)
+    if arch not in _archs(nprocs, communicator):
+        pytest.skip(f"{arch} on {nprocs} rank(s) over {communicator} is covered elsewhere")
+    res, model_dirs = launches(nprocs, communicator)
     assert res.returncode == 0, res.stdout + res.stderr
+    tag = f"{model_dirs[arch].parent.name}: " if len(_archs(nprocs, communicator)) > 1 else ""
     kind = {"mpi": "MPICommunicator" if nprocs > 1 else "SingleRankCommunicator", "torch": "TorchCommunicator"}
     for layout in LAYOUTS.split(","):
         for r in range(nprocs):
-            want = f"rank {r}/{nprocs} {layout} float32 OK ({kind[communicator]}"
+            want = f"{tag}rank {r}/{nprocs} {layout} float32 OK ({kind[communicator]}"
             assert want in res.stdout, res.stdout + res.stderr

@@ -54,8 +54,11 @@ def test_cached_blocks_kept_across_a_switch_give_hits(models):
     """Idle cached blocks survive a switch where they lie (DP-attn -> DOP, TP -> CP) and, when the cost verdict says
     so, travel (into TP: to every rank; CP -> DP-attn: gathered to the anchor): the next turn after the switch starts
     on them."""
-    _ok(run_mpi(2, WORKER, models("moe_yarn"), "kept", "dp_attn->dop,tp->cp", timeout=600), 2)
-    _ok(run_mpi(2, WORKER, models("moe_yarn"), "kept-moved", "dp_attn->tp,cp->dp_attn", timeout=600), 2)
+    out = run_mpi(2, WORKER, models("moe_yarn"), "kept", "dp_attn->dop,tp->cp", "kept-moved", "dp_attn->tp,cp->dp_attn",
+                  timeout=600)
+    _ok(out, 4)
+    for line in ("dp_attn->dop kept OK", "tp->cp kept OK", "dp_attn->tp kept-moved OK", "cp->dp_attn kept-moved OK"):
+        assert f"rank 0: {line}" in out.stdout, out.stdout
 
 
 def test_four_ranks_under_pressure(models):

@@ -94,7 +94,7 @@ def test_glm5_next_directions_and_state(glm5_reference, nprocs, modes):
     """glm5_next: all 12 directions, live and blocking, keep the unswitched tokens and free the pools (2 ranks;
     4-rank tokens in every layout are test_layouts_dist's, kept short for the suite's time); the per-request KDA
     state is byte-exact across each switch and lands where the destination puts it (2 and 4 ranks)."""
-    out = "".join(_run(nprocs, glm5_reference, mode, layouts=GLM5_LAYOUTS) for mode in modes)
+    out = _run(nprocs, glm5_reference, "+".join(modes), layouts=GLM5_LAYOUTS)
     for s in GLM5_LAYOUTS:
         for d in GLM5_LAYOUTS:
             if s != d:
@@ -112,9 +112,12 @@ def test_glm5_next_directions_and_state(glm5_reference, nprocs, modes):
 @pytest.mark.parametrize("variant,nprocs,communicator", [("moe_yarn", 2, "mpi"), ("moe_yarn", 4, "mpi"),
                                                          ("v32_sparse", 2, "mpi"), ("glm_sparse", 4, "mpi"),
                                                          ("moe_yarn", 2, "torch")])
-def test_all_directions_live_and_blocking(refs, variant, nprocs, communicator):
+def test_all_directions_live_and_blocking(refs, moe_runs, variant, nprocs, communicator):
     torch_run = communicator == "torch"
-    out = _run(nprocs, refs(variant), "directions", "float32", communicator, *(["alternate"] if torch_run else []))
+    if (variant, communicator) == ("moe_yarn", "mpi"):
+        out = moe_runs(nprocs)
+    else:
+        out = _run(nprocs, refs(variant), "directions", "float32", communicator, *(["alternate"] if torch_run else []))
     kind = {"mpi": "MPICommunicator", "torch": "TorchCommunicator"}[communicator]
     for i, d in enumerate(DIRECTIONS):
         for mode in (("live", "blocking")[i % 2],) if torch_run else ("live", "blocking"):
@@ -170,25 +173,47 @@ def test_cp_directions_at_block_16_with_exact_ties(tie_refs, variant):
             assert f"rank {r}: {d} {('live', 'blocking')[i % 2]} OK" in res.stdout, res.stdout
 
 
-@pytest.mark.parametrize("nprocs,kv_dtype", [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"),
-                                             (4, "int8")])
-def test_random_switch_chain(reference, nprocs, kv_dtype):
-    out = _run(nprocs, reference, "chain", kv_dtype)
+CHAINS = [(2, "float32"), (4, "float32"), (2, "fp8_e4m3"), (2, "int8"), (4, "int8")]
+# the moe_yarn cases over MPI, per rank count, run by one launch each: directions, the CHAINS of that rank count,
+# KV-dtype conversion and (2 ranks) the deferred switch
+MOE_MODES = {2: "directions+chain+convert+defer", 4: "directions+chain+convert"}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(reference):
+    """`moe_runs(nprocs) -> stdout` of that rank count's MOE_MODES launch (rank start-up, model and reference load
+    once per rank count, not per case). Each test asserts its own OK lines; a failing mode aborts the launch, so
+    every test of that rank count then fails with its output."""
+    cache: dict[int, object] = {}
+
+    def get(nprocs: int) -> str:
+        if nprocs not in cache:
+            kv = ",".join(kv for n, kv in CHAINS if n == nprocs)
+            cache[nprocs] = run_mpi(nprocs, WORKER, *map(str, reference), MOE_MODES[nprocs], kv, "mpi", timeout=280)
+        res = cache[nprocs]
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return res.stdout
+    return get
+
+
+@pytest.mark.parametrize("nprocs,kv_dtype", CHAINS)
+def test_random_switch_chain(moe_runs, nprocs, kv_dtype):
+    out = moe_runs(nprocs)
     for mode in ("live", "blocking"):
         assert f"rank 0: chain {kv_dtype} {mode} OK" in out, out
 
 
 @pytest.mark.parametrize("variant,nprocs", [("moe_yarn", 2), ("moe_yarn", 4), ("glm_sparse", 2)])
-def test_switch_between_kv_dtypes_converts(refs, variant, nprocs):
+def test_switch_between_kv_dtypes_converts(refs, moe_runs, variant, nprocs):
     """tp float32 -> dop fp8 -> tp -> cp int8 -> dp_attn bf16 -> tp -> dop -> dp_attn, live and blocking, from
     mid-prefill: against an unswitched run converted at the same boundaries (up to rounding; DSA selections and
     tokens the same but for near-tie flips, pinned and printed); no block leaks."""
-    out = _run(nprocs, refs(variant), "convert")
+    out = moe_runs(nprocs) if variant == "moe_yarn" else _run(nprocs, refs(variant), "convert")
     for mode in ("live", "blocking"):
         for r in range(nprocs):
             assert f"rank {r}: convert {mode} OK" in out, out
 
 
-def test_switch_without_headroom_is_deferred(reference):
-    out = _run(2, reference, "defer")
+def test_switch_without_headroom_is_deferred(moe_runs):
+    out = moe_runs(2)
     assert "rank 0: defer OK" in out, out

@@ -5,8 +5,8 @@
 Triton compiles for a `GPUTarget` without the device, so on CPU we know a launch's shared memory per block (against
 the target's limit), register spills (NVIDIA: cuobjdump's STACK; AMD: the private segment) and whether its products
 run on the matrix units (mma / wgmma / tcgen05.mma in PTX, v_mfma in AMDGCN), for every launch shape
-TritonMLAKernel can choose: `mla_split` (`planned_shapes`), the DSA layers' `mla_sparse` (`sparse_shapes`) and
-`mla_merge`; tests/test_triton_aot.py checks them all.
+TritonMLAKernel can choose: `mla_split` (`planned_shapes`), the DSA layers' `mla_sparse` (`sparse_shapes`: the
+largest tile of each launch) and `mla_merge`; tests/test_triton_aot.py checks them all.
 """
 from __future__ import annotations
 
@@ -145,9 +145,17 @@ def compile_split(target: str, pool: str, bh: int, warps: int, bn: int, stages: 
 
 
 def sparse_shapes(target: str) -> list[tuple]:
-    """(pool format, head block, num_warps, keys per step, num_stages, d_c, d_r) of every `mla_sparse` launch on `target`: the dense kernel's
-    launches (the same LAUNCH table), less the page size (selected slots are physical, any page)."""
-    return sorted({shape[:-1] for shape in planned_shapes(target)})
+    """(pool format, head block, num_warps, keys per step, num_stages, d_c, d_r) of the `mla_sparse` launches compiled
+    for `target`: of the dense kernel's launches (the same LAUNCH table) less the page size (selected slots are
+    physical, any page), for each pool format and (warps, keys, stages, d_c) only the largest tile: the largest head
+    block and rope width. The smaller launches are the same code on smaller tiles (d_r = 0 prunes the rope code),
+    which need no more shared memory or registers; `mla_split` is compiled at every tile, matrix units included."""
+    worst: dict[tuple, tuple] = {}
+    for kv, bh, warps, bn, stages, dc, dr, _page in planned_shapes(target):
+        key = (kv, warps, bn, stages, dc)
+        seen = worst.get(key, (bh, dr))
+        worst[key] = (max(seen[0], bh), max(seen[1], dr))
+    return sorted((kv, bh, warps, bn, stages, dc, dr) for (kv, warps, bn, stages, dc), (bh, dr) in worst.items())
 
 
 def compile_merge(target: str, splits: int = 8, dc: int = 512) -> dict:

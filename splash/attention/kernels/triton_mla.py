@@ -10,7 +10,7 @@ of its pages; the key blocks go through the same `_attend_block` (gather, dequan
 Over a bf16 / fp8 / int8 pool both products take bf16 operands with fp32 accumulation (matrix units: mma / wgmma /
 MFMA); an fp32 pool keeps exact fp32 products. Offsets are int64 (rows × heads × d_c passes 2^31 at 16K-row chunks
 × 128 heads). tests/test_triton_aot.py compiles every shape `launch_config` / `split_count` can return for the
-shipped targets, for both kernels.
+shipped targets (of `mla_sparse`, each launch's largest tile).
 Without a GPU the module sets TRITON_INTERPRET=1 before importing triton (CI checks the math that way).
 """
 from __future__ import annotations
