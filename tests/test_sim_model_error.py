@@ -195,13 +195,19 @@ def test_an_open_probe_is_judged_within_a_steady_decode_run(sim, monkeypatch):
                 return "dp_attn", "forced probe", "decode", 0.0, float("inf")
             return None
 
-    _keep_auto(monkeypatch, Forced)
+    made = _keep_auto(monkeypatch, Forced)
     # finishes every 50 steps, the probe at the fifth, then one run of ~2,700 steps
     work = [Req(f"s{i}", 0.0, 1000, 50 * (i + 1)) for i in range(6)] + [Req(f"l{i}", 0.0, 1000, 3000) for i in range(4)]
     res = replay(cm, s, caps, work, "auto", truth=slow_dp)
     moves = [(t, move) for t, move, _ in res.timeline]
     assert [m for _, m in moves] == ["tp→dp_attn", "dp_attn→tp"], res.timeline
     assert moves[1][0] - moves[0][0] < 0.05 * res.total_s, moves   # back within a hundred or so steps
+    # ... at the first re-evaluation after it: each of the probe's steps was observed, so its 16 steps measured it
+    auto = made[0]
+    switches = [d["step"] for d in auto.history if d["verdict"] == "switch"]
+    assert switches[1] - switches[0] == auto.reeval_steps, switches
+    from splash.engine.layout_policy.auto import LEARN_AFTER_SWITCH
+    assert auto.stats["dp_attn"].n >= LEARN_AFTER_SWITCH   # every step after the switch trained, as in the engine
 
 
 def test_auto_is_evaluated_at_every_finish_of_a_steady_decode(sim, monkeypatch):
