@@ -89,8 +89,8 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
     that differs from its model. Decode runs in which nothing else can happen are charged at once
     (`Scheduler.steady_decode_steps`), up to the next arrival — and, while auto's probe is open, up to its next
     re-evaluation (`AutoLayout.steps_to_due`). The step count auto sees counts every step, as the engine's does.
-    ``prefix_caching``: None turns the prefix cache on
-    where a prompt can hit (`_can_hit`); elsewhere it cannot change the replay, only slow it."""
+    ``prefix_caching``: None turns the prefix cache on where a prompt can hit (`_can_hit`); elsewhere it cannot
+    change the replay, only slow it."""
     charge = truth if truth is not None else cm
     planner = plan if plan is not None else cm
     learn = charge is not planner
@@ -144,7 +144,7 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
                 observe(layout, items, dt + switch_s, switch_s > 0)
                 for _ in range(run - 1 if probing else 0):
                     observe(layout, items, each, False)
-            steps += run
+            steps += run   # the engine's counter: `_due`'s minimum interval and re-evaluations count steps
             t += each * run if run > 1 else dt
             res.output_tokens += run * len(sched.running)
             sched.advance_decode(run, -1)
