@@ -159,3 +159,72 @@ def test_truth_error_cli_reports_every_seed(tmp_path, capsys):
     assert main([*base, "--seeds", "1,x"]) == 2 and "--seeds: not a comma list" in capsys.readouterr().err
     (tmp_path / "paper.json").write_text('{"rows": []}')
     assert main(base) == 2 and "no held-out" in capsys.readouterr().out
+
+
+def _keep_auto(monkeypatch, cls=None):
+    """The replay's AutoLayout (as `cls` when given), kept to read after the replay."""
+    from splash.sim import trace
+    made, build = [], trace._scheduler
+
+    def keep(*a, **kw):
+        auto = build(*a, **kw)
+        if cls is not None:
+            auto.__class__ = cls
+        made.append(auto)
+        return auto
+    monkeypatch.setattr(trace, "_scheduler", keep)
+    return made
+
+
+def test_an_open_probe_is_judged_within_a_steady_decode_run(sim, monkeypatch):
+    """A probe taken before a long steady decode run (nothing finishes or arrives in it) returns at the engine's next
+    evaluations — the replay stops the run there while the probe is open — instead of being charged the whole run in
+    the layout it measured slower."""
+    from splash.sim import trace
+    cm, s, caps = sim
+    slow_dp = model_error.TruthModel(cm, {("dp_attn", st): 2.0 for st in
+                                          (*model_error.STAGES, *model_error.EXTRA_STAGES)})
+
+    class Forced(trace.AutoLayout):   # probes DP-attn in decode once, when 5 requests run
+        def advise(self, step, current, scheduler, ledger):
+            self.running = len(scheduler.running)
+            return super().advise(step, current, scheduler, ledger)
+
+        def _probe_target(self, current, per_tok, unc, regime, until=None, left=0.0):
+            if regime == "decode" and current == "tp" and not self.probes and self.running == 5:
+                return "dp_attn", "forced probe", "decode", 0.0, float("inf")
+            return None
+
+    made = _keep_auto(monkeypatch, Forced)
+    # finishes every 50 steps, the probe at the fifth, then one run of ~2,700 steps
+    work = [Req(f"s{i}", 0.0, 1000, 50 * (i + 1)) for i in range(6)] + [Req(f"l{i}", 0.0, 1000, 3000) for i in range(4)]
+    res = replay(cm, s, caps, work, "auto", truth=slow_dp)
+    moves = [(t, move) for t, move, _ in res.timeline]
+    assert [m for _, m in moves] == ["tp→dp_attn", "dp_attn→tp"], res.timeline
+    assert moves[1][0] - moves[0][0] < 0.05 * res.total_s, moves   # back within a hundred or so steps
+    # ... at the first re-evaluation after it: each of the probe's steps was observed, so its 16 steps measured it
+    auto = made[0]
+    switches = [d["step"] for d in auto.history if d["verdict"] == "switch"]
+    assert switches[1] - switches[0] == auto.reeval_steps, switches
+    from splash.engine.layout_policy.auto import LEARN_AFTER_SWITCH
+    assert auto.stats["dp_attn"].n >= LEARN_AFTER_SWITCH   # every step after the switch trained, as in the engine
+
+
+def test_auto_is_evaluated_at_every_finish_of_a_steady_decode(sim, monkeypatch):
+    """The step count auto is asked at counts every step of a steady decode run, as the engine's does: a request
+    finishing after a run of 50 steps is evaluated at once, not `min_interval` boundaries (whole runs) later."""
+    from splash.sim import trace
+    cm, s, caps = sim
+    seen = []
+
+    class Spy(trace.AutoLayout):
+        def _evaluate(self, step, current, scheduler, ledger):
+            seen.append((step, len(scheduler.running)))
+            return super()._evaluate(step, current, scheduler, ledger)
+
+    _keep_auto(monkeypatch, Spy)
+    work = [Req(f"s{i}", 0.0, 1000, 50 * (i + 1)) for i in range(6)]
+    res = replay(cm, s, caps, work, "auto")
+    assert res.output_tokens == sum(50 * (i + 1) for i in range(6))
+    assert {n for _, n in seen} >= {6, 5, 4, 3, 2, 1}, seen   # each finish changed the set: each was evaluated
+    assert max(st for st, _ in seen) >= 250, seen              # the count is in steps, not boundaries
