@@ -136,8 +136,7 @@ def compile_split(target: str, pool: str, bh: int, warps: int, bn: int, stages: 
         const = tm.split_constants(kv_dtype, dc, dr, bh, bn, page, 1, *fmt)
     else:
         const = tm.sparse_constants(kv_dtype, dc, dr, bh, bn, 1, *fmt)
-    k, row = _compile(target, getattr(tm, kernel), _signature(pool, kernel), const, num_warps=warps,
-                      **({"num_stages": stages} if stages else {}))
+    k, row = _compile(target, getattr(tm, kernel), _signature(pool, kernel), const, **tm.launch_options(warps, stages))
     text = k.asm.get("ptx") or k.asm["amdgcn"]
     return dict(row, kernel=kernel, kv_dtype=pool, head_block=bh, num_warps=warps, block_n=bn, num_stages=stages,
                 d_c=dc, d_r=dr, page=page if kernel == "mla_split" else None,

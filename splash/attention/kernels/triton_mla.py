@@ -237,6 +237,12 @@ def launch_config(table: str, heads: int, kv_dtype: str) -> tuple[int, int, int,
     return min(cap, pow2(heads)), warps, keys, stages
 
 
+def launch_options(warps: int, stages: int | None) -> dict:
+    """The launch options of a LAUNCH entry, as TritonMLAKernel.run passes them and triton_aot compiles them
+    (no num_stages: the backend's default)."""
+    return dict(num_warps=warps, **({"num_stages": stages} if stages else {}))
+
+
 def sparse_constants(kv_dtype: str, dc: int, dr: int, bh: int, bn: int, splits: int, rope_bf16: bool,
                      rope_fp8: bool, row_c: int, row_r: int) -> dict:
     """`mla_sparse`'s compile-time arguments for one launch (the pool's format, dims, tile): what
@@ -277,7 +283,7 @@ class TritonMLAKernel:
                                   torch.cuda.get_device_capability()[0] if gpu else None)
 
     def plan(self, meta) -> None:
-        """Keys per split from the longest held row: O(requests), one host read per step."""
+        """The longest held row, whose key blocks `run` splits: O(requests), one host read per step."""
         self.meta = meta
         self.longest = int(meta.num_pages.max()) * meta.block_size if meta.num_reqs else 0
         self.decode_only = meta.num_rows == meta.num_reqs
@@ -319,7 +325,7 @@ class TritonMLAKernel:
         ql = q_latent.to(qdt).contiguous()
         qr = q_rope.to(qdt).contiguous() if dr else torch.zeros(n, h, 1, dtype=qdt, device=dev)
         bh, warps, bn, stages = launch_config(self.table, h, kv_dtype)
-        opts = dict(num_warps=warps, **({"num_stages": stages} if stages else {}))
+        opts = launch_options(warps, stages)
         blocks = -(-(self.longest if sel is None else sel.slots.shape[1]) // bn)   # shapes only: no host read
         S = split_count(n, h, dc, self.decode_only, blocks, self.max_splits)
         per_split = max(bn, -(-blocks // S) * bn)
