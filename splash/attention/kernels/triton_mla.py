@@ -51,7 +51,7 @@ LAUNCH = {
     "hip": {"float32": (16, 4, 16, None), "bfloat16": (32, 4, 16, None), "fp8_e4m3": (32, 4, 16, None),
             "int8": (32, 4, 16, None)},
 }
-MEASURED = {"sm_90": ("bfloat16", "fp8_e4m3", "int8")}   # launch tables timed on hardware (their register spills allowed)
+MEASURED = {"sm_90": ("bfloat16", "fp8_e4m3", "int8")}   # timed on hardware: their register spills are allowed
 
 
 @triton.jit
