@@ -47,6 +47,7 @@ PROVENANCE = {
     "extra.attention_fit_points": "measured: in-step points the attention refit kept",
     "extra.attention_fit_dropped": "measured: in-step points the attention refit dropped",
     "extra.attention_refit": "measured: why the attention refit was not used",
+    "extra.in_step_collectives_timed": "measured: collective calls timed inside real steps (--in-step-collectives)",
 }
 # the numbers two options decide: (option off, option on)
 BY_OPTION = {

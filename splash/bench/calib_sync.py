@@ -80,13 +80,16 @@ def isolated_collective_seconds(cm, lay: str, rows) -> float:
     return mk(bare).step(lay, rows).seconds - mk(free).step(lay, rows).seconds
 
 
-def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: int) -> tuple[float, float]:
-    """(collective_sync_s, collective_wait_fraction): medians over SYNC_POINTS × every layout × repetitions."""
+def collective_in_step(comm, preset: str, partial: dict, block_size: int,
+                       reps: int) -> tuple[float, float, int]:
+    """(collective_sync_s, collective_wait_fraction, collectives timed): the two terms are medians over SYNC_POINTS
+    × every layout × repetitions; the count says how many collective calls they were measured on. The fraction may
+    be 0 when the slowest rank arrives last at every collective (it waits for nobody)."""
     from splash.bench.decode_state import DecodeState
     from splash.costmodel import RowLoad
     cm = partial_model(preset, comm.size, partial, block_size)
     timer = CollectiveTimer(comm, STAT["clock"])
-    own, frac = [], []
+    own, frac, timed = [], [], 0
     try:
         for b, ctx in SYNC_POINTS:
             for lay in LAYOUT_NAMES:
@@ -96,10 +99,11 @@ def collective_in_step(comm, preset: str, partial: dict, block_size: int, reps: 
                                                             for i in range(b)])
                 own += [(g["own"] - iso) / g["count"] for g in got if g["count"]]
                 frac += [g["wait"] / g["outside"] for g in got if g["count"] and g["outside"] > 0]
+                timed += sum(g["count"] for g in got)
                 del st
     finally:
         timer.close()
-    return max(0.0, statistics.median(own)), max(0.0, statistics.median(frac))
+    return max(0.0, statistics.median(own)), max(0.0, statistics.median(frac)), timed
 
 
 def collective_sync(comm, preset: str, partial: dict, block_size: int, reps: int) -> float:

@@ -274,8 +274,9 @@ def build_profile(comm, args) -> dict:
     if args.in_step_collectives:
         # measured directly (calib_sync), before the per-layout fixed costs, which are then what a real step takes
         # beyond everything else the model predicts (the in-step collective terms included)
-        sync, wait = collective_in_step(comm, args.preset, raw, args.block_size, few)
+        sync, wait, timed = collective_in_step(comm, args.preset, raw, args.block_size, few)
         raw["collective_sync_s"], raw["collective_wait_fraction"] = _4g(sync), _4g(wait)
+        raw["extra"]["in_step_collectives_timed"] = timed
     raw["step_overhead_layout_s"] = _4g(layout_overheads(comm, args.preset, raw, args.block_size, reps))
     if args.prefill_factors:
         raw["prefill_attention_factor"] = _4g(prefill_attention_factors(comm, args.preset, raw, args.block_size, few))

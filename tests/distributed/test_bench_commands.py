@@ -87,9 +87,11 @@ def test_calibrate_times_collectives_inside_steps_and_prints_the_profile():
 
     text = _calibrate("--in-step-collectives")
     prof = profile_from_dict(yaml.safe_load(text), "printed profile")
-    # timed inside real steps: some wait for the slower peer (a share of the time outside collectives, above 1 on
-    # a loaded host), where the default fit leaves it 0
-    assert prof.collective_wait_fraction > 0 and prof.collective_sync_s >= 0
+    # timed inside real steps: every collective of 2 shapes x 4 layouts x the repetitions (the default fit times
+    # none). The wait itself is a share of the time outside collectives (above 1 on a loaded host) and 0 when the
+    # slowest rank arrives last at every collective, so only its sign is fixed (split_wait: tests/test_costmodel.py)
+    assert prof.extra["in_step_collectives_timed"] >= 8 and prof.collective_wait_fraction >= 0
+    assert prof.collective_sync_s >= 0
     assert prof.prefill_attention_factor == {}      # measured only with --prefill-factors
     assert prof.provenance["collective_wait_fraction"].startswith("measured")
 
