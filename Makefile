@@ -22,7 +22,7 @@ serve: install
 	$(BIN)/mpiexec -n $(NP) $(BIN)/splash-serve --config configs/cpu.yaml
 
 test: install
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest tests
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest tests -n 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -78,3 +78,29 @@ def torch_kernels(monkeypatch):
     same weights at the last fp32 bits, where one form (quantised: dequantised per call) always runs torch's GEMM."""
     from splash import native
     monkeypatch.setattr(native, "enabled", lambda: False)
+
+
+# Under pytest-xdist (`make test` runs `-n 2`) every test that starts ranks (mpiexec: the distributed and server
+# suites, gpu-check's two-rank launch) is one unit that one worker runs in order, so no two MPI jobs busy-poll the 2
+# cores at once (measured: splitting the server suite off as a second unit cost 12% more CPU in spinning ranks); the
+# other tests go a file at a time (module fixtures built once) to whichever worker is free. (xdist's own
+# `--dist loadgroup` marks do not reach its scheduler under pytest 9.2: it rewrites `item._nodeid`, which pytest
+# no longer reads.)
+RANK_TESTS = ("tests/test_gpu_check.py::test_two_ranks_run_the_collectives_and_print_per_rank_rows",)
+
+
+def _xdist_unit(nodeid: str) -> str:
+    path = Path(nodeid.split("::", 1)[0])
+    ranks = path.parent.name in ("distributed", "server") or nodeid.startswith(RANK_TESTS)
+    return "ranks" if ranks else str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RanksInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_unit(nodeid)
+
+    return RanksInOrder(config, log)
