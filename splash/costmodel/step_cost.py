@@ -10,6 +10,7 @@ outside them (stage ``sync``).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from splash.costmodel.profile import HardwareProfile
 from splash.costmodel.switch_cost import (blocking_seconds, cached_recv_bytes, kv_bytes_per_s, kv_layer_bytes,
                                           kv_layer_seconds, live_exposed_seconds, logical_kv_bytes_layer,
                                           weight_layer_bytes, weight_layer_seconds)
-from splash.costmodel.work import STAGES, Piece, Shapes, Work, ffn_work, layer_work, step_extra
+from splash.costmodel.work import STAGES, Piece, Shapes, Work, ffn_work, layer_work, rank_key, step_extra
 from splash.layouts.layout import LAYOUT_NAMES, check_heads, parse_layout
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
 from splash.layouts.ownership import assign_owners
@@ -29,6 +30,10 @@ EXCHANGE_STAGES = ("exchange", "ffn_all_reduce")
 # CP prefill: "partials" as splash/attention/cp.py runs it (the default), "split" as splash-sim assumes the paper's
 # deployment runs it (splash.costmodel.work._cp_split)
 CP_PREFILL = ("partials", "split")
+# predictions a CostModel keeps (`step`: a pure function of its layout and rows). The layout scheduler asks the same
+# step more than once — an executed step observed as it was predicted, the steps of one steady decode run trained on
+# the same rows, a simulator charging a step the scheduler then observes — at milliseconds a prediction
+STEP_MEMO = 256
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class CostModel:
                                        fused=profile.fused_kernels)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
+        self._memo: OrderedDict = OrderedDict()   # (layout, rows) -> StepPrediction, the STEP_MEMO last asked
 
     # ---- owners ---------------------------------------------------------------------------------------
     def pieces(self, rows: Sequence[RowLoad]) -> list[Piece]:
@@ -177,10 +183,34 @@ class CostModel:
         return secs, total
 
     def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
+        """The step's predicted seconds (its busiest rank's) and that rank's stages. The same prediction object for
+        the same layout and rows while it is among the last STEP_MEMO asked: callers must not change it."""
         check_heads(layout, self.cfg.num_attention_heads, self.world)
         layout = parse_layout(layout).value
+        try:
+            key = (layout, tuple(rows))
+            hit = self._memo.get(key)
+        except TypeError:   # rows of a type that cannot be a key
+            key = hit = None
+        if hit is not None:
+            self._memo.move_to_end(key)
+            return hit
+        p = self._step(layout, rows)
+        if key is not None:
+            self._memo[key] = p
+            while len(self._memo) > STEP_MEMO:
+                self._memo.popitem(last=False)
+        return p
+
+    def _step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
         pieces = self.pieces(rows)
-        per = [self._rank_stages(layout, pieces, r) for r in range(self.world)]
+        done: dict = {}   # ranks that do the same work (`rank_key`) share one count
+        per = []
+        for r in range(self.world):
+            k = rank_key(layout, pieces, r)
+            if k not in done:
+                done[k] = self._rank_stages(layout, pieces, r)
+            per.append(done[k])
         totals = tuple(sum(s.values()) for s, _ in per)
         busiest = max(range(self.world), key=lambda r: totals[r])
         work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,

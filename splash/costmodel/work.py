@@ -246,6 +246,19 @@ def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool
     return st
 
 
+def rank_key(layout: str, pieces: list[Piece], rank: int):
+    """What `layer_work` on ``rank`` depends on beyond what every rank sees (``pieces``): ranks with equal keys do
+    the same work. TP: nothing (every rank projects every row for its heads and holds every request's KV); DP-attn
+    and DOP: the (new, context) of the pieces the rank owns, in order; CP: the rank itself (it holds every request's
+    blocks from its own offset)."""
+    kv = parse_layout(layout).kv_ownership
+    if kv == KV_ALL:
+        return ()
+    if kv == KV_POSITION:
+        return rank
+    return tuple((p.new, p.context) for p in pieces if p.owner == rank)
+
+
 def _attention_block(s: Shapes, st: dict[str, Work], layout: Layout, q_rows: int, kv_rows: int, heads: int,
                      attn_heads: int, held: list[tuple[Piece, int, int]], new_here) -> None:
     """Q-A / KV-A, Q-B and the W_UK absorb, the indexer, attention, W_UV and O of one layer on one rank."""
