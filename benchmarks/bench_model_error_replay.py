@@ -94,9 +94,10 @@ def main() -> None:
     res = trace.replay(cm, setup, caps, builtin(a.workload, a.seed), "auto" if a.mode == "oracle" else a.mode,
                        c.margin, truth=truth, plan=truth if a.mode == "oracle" else None)
     auto = made[0] if made else None
+    cpu = {k: round(v, 3) for k, v in auto.cpu.items()} if auto else {}
     out = {"workload": a.workload, "kernels": a.kernels, "seed": a.seed, "mode": a.mode,
            "tokens_per_s": res.output_tokens_per_s, "switches": res.switches,
-           "cpu_s": round(time.process_time() - t0, 1), **({k: round(v, 3) for k, v in auto.cpu.items()} if auto else {}),
+           "cpu_s": round(time.process_time() - t0, 1), **cpu,
            "timeline": res.timeline, "decisions": auto.kept if auto else [],
            "truth_factors": {f"{lay}/{st}": f for (lay, st), f in truth.step_factor.items()}}
     if a.json:
