@@ -416,3 +416,36 @@ def test_dop_projects_the_indexer_for_its_own_rows_only(cpu):
     assert dop["indexer"]["gemm_flops"] == pytest.approx(dp["indexer"]["gemm_flops"])
     assert dop["indexer"]["attn_flops"] == pytest.approx(dp["indexer"]["attn_flops"])
     assert dop["qkv_a"]["gemm_flops"] > dp["qkv_a"]["gemm_flops"]
+
+
+def test_ranks_doing_the_same_work_share_one_count_and_a_prediction_is_kept(cfg, cpu, monkeypatch):
+    """`step` counts a rank's work once per `rank_key` (TP: once; DP-attn/DOP: once per distinct owned pieces; CP:
+    per rank) and keeps its last predictions — the same floats as counting every rank, every time."""
+    import random
+
+    from splash.costmodel import step_cost
+
+    cm = CostModel(cfg, 4, cpu, "bfloat16", "bfloat16", block_size=16)
+    rng = random.Random(7)
+    counted = []
+    real = CostModel._rank_stages
+    monkeypatch.setattr(CostModel, "_rank_stages", lambda self, lay, pieces, r: counted.append(r) or
+                        real(self, lay, pieces, r))
+    for lay in LAYOUTS:
+        for trial in range(12):
+            rows = [RowLoad(rng.choice([1, 1, 40]), rng.randrange(0, 3000), rng.choice([None, 0, 1, 2, 3]),
+                            rng.random() < 0.8) for _ in range(rng.choice([1, 3, 9]))]
+            counted.clear()
+            p = cm.step(lay, rows)
+            pieces = cm.pieces(rows)
+            every = [real(cm, lay, pieces, r) for r in range(4)]
+            assert p.per_rank == tuple(sum(s.values()) for s, _ in every)
+            assert p.stages == every[p.per_rank.index(p.seconds)][0] and p.seconds == max(p.per_rank)
+            owned = {tuple((q.new, q.context) for q in pieces if q.owner == r) for r in range(4)}
+            assert len(counted) == {"tp": 1, "cp": 4}.get(lay, len(owned))
+            counted.clear()
+            assert cm.step(lay, list(rows)) is p and not counted   # asked again: kept, not counted again
+    assert len(cm._memo) == 48
+    monkeypatch.setattr(step_cost, "STEP_MEMO", 5)
+    cm.step("tp", [RowLoad(1, 10, 0)])
+    assert len(cm._memo) == 5

@@ -178,8 +178,8 @@ def _keep_auto(monkeypatch, cls=None):
 
 def test_an_open_probe_is_judged_within_a_steady_decode_run(sim, monkeypatch):
     """A probe taken before a long steady decode run (nothing finishes or arrives in it) returns at the engine's next
-    evaluations — the replay stops the run there while the probe is open — instead of being charged the whole run in
-    the layout it measured slower."""
+    evaluations — the replay stops every run there, as the engine evaluates — instead of being charged the whole run
+    in the layout it measured slower."""
     from splash.sim import trace
     cm, s, caps = sim
     slow_dp = model_error.TruthModel(cm, {("dp_attn", st): 2.0 for st in
@@ -228,3 +228,27 @@ def test_auto_is_evaluated_at_every_finish_of_a_steady_decode(sim, monkeypatch):
     assert res.output_tokens == sum(50 * (i + 1) for i in range(6))
     assert {n for _, n in seen} >= {6, 5, 4, 3, 2, 1}, seen   # each finish changed the set: each was evaluated
     assert max(st for st, _ in seen) >= 250, seen              # the count is in steps, not boundaries
+
+
+def test_auto_is_asked_at_the_engines_cadence_within_a_steady_decode_run(sim, monkeypatch):
+    """Outside a probe too, a steady decode run stops at auto's next re-evaluation — every `reeval_steps` steps while
+    the requests stay the same, as the engine's `_due` has it — and each of its steps is observed: a ~3,000-step run
+    in which nothing finishes or arrives is re-evaluated about every 16 steps, not once, and auto sees every step."""
+    from splash.sim import trace
+    cm, s, caps = sim
+    seen = []
+
+    class Spy(trace.AutoLayout):
+        def _evaluate(self, step, current, scheduler, ledger):
+            seen.append(step)
+            return super()._evaluate(step, current, scheduler, ledger)
+
+    made = _keep_auto(monkeypatch, Spy)
+    work = [Req(f"l{i}", 0.0, 1000, 3000) for i in range(4)]
+    truth = model_error.TruthModel(cm, {("tp", "ffn"): 1.1})   # a truth, so that auto observes what it is charged
+    res = replay(cm, s, caps, work, "auto", truth=truth)
+    auto = made[0]
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert len(seen) >= 3000 // auto.reeval_steps and max(gaps) == auto.reeval_steps, seen[:8]
+    # every executed step was observed: the prefill step (it samples each request's first token), then each decode step
+    assert auto._observed == res.output_tokens // len(work), (auto._observed, res.output_tokens)

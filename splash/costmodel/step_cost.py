@@ -10,6 +10,7 @@ outside them (stage ``sync``).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,8 @@ from splash.costmodel.profile import HardwareProfile
 from splash.costmodel.switch_cost import (blocking_seconds, cached_recv_bytes, kv_bytes_per_s, kv_layer_bytes,
                                           kv_layer_seconds, live_exposed_seconds, logical_kv_bytes_layer,
                                           weight_layer_bytes, weight_layer_seconds)
-from splash.costmodel.work import STAGES, Piece, Shapes, Work, ffn_work, layer_work, step_extra
+from splash.costmodel.work import (STAGES, LayerRows, Piece, Shapes, Work, ffn_work, keys_work, layer_rows, rank_key,
+                                   rows_work, step_extra)
 from splash.layouts.layout import LAYOUT_NAMES, check_heads, parse_layout
 from splash.layouts.memory import kv_block_bytes, kv_bytes_per_token_layer
 from splash.layouts.ownership import assign_owners
@@ -29,6 +31,13 @@ EXCHANGE_STAGES = ("exchange", "ffn_all_reduce")
 # CP prefill: "partials" as splash/attention/cp.py runs it (the default), "split" as splash-sim assumes the paper's
 # deployment runs it (splash.costmodel.work._cp_split)
 CP_PREFILL = ("partials", "split")
+# predictions a CostModel keeps (`step`: a pure function of its layout and rows). The layout scheduler asks the same
+# step more than once — an executed step observed as it was predicted, the steps of one steady decode run trained on
+# the same rows, a simulator charging a step the scheduler then observes — at milliseconds a prediction
+STEP_MEMO = 256
+ROWS_MEMO = 4096   # stage counts and seconds kept per row counts (`CostModel._rows_stages`), cleared when full
+# the stages whose work depends on the keys each row attends (`work.keys_work`), counted at every step
+KEY_STAGES = ("plan", "attention", "indexer")
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,8 @@ class CostModel:
                                        fused=profile.fused_kernels)
         self.n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         self.n_dense = cfg.num_hidden_layers - self.n_moe
+        self._memo: OrderedDict = OrderedDict()   # (layout, rows) -> StepPrediction, the STEP_MEMO last asked
+        self._rows: dict = {}                      # `_rows_stages`
 
     # ---- owners ---------------------------------------------------------------------------------------
     def pieces(self, rows: Sequence[RowLoad]) -> list[Piece]:
@@ -150,37 +161,97 @@ class CostModel:
 
     def _rank_stages(self, layout: str, pieces: list[Piece], rank: int) -> tuple[dict[str, float], dict[str, Work]]:
         s = self._shapes[layout]
-        st = layer_work(s, layout, pieces, rank, moe=self.n_moe > 0)
-        att = st["attention"]  # the attention plan is built once per step, not per layer
-        total = {k: Work() for k in STAGES}
-        total["plan"].add(Work(plan_blocks=att.plan_blocks, plan_requests=att.plan_requests))
-        att.plan_blocks = att.plan_requests = 0.0
+        r, held, new_here, ex = layer_rows(s, layout, pieces, rank)
+        keys = keys_work(s, r, held, new_here)
+        att = keys["attention"]  # the attention plan is built once per step, not per layer
+        rows = self._rows_stages(layout, r, pieces)
         L = self.cfg.num_hidden_layers
-        for k, w in st.items():
-            total[k].add(w, L if k != "ffn" or not self.n_moe else self.n_moe)
-        if self.n_moe and self.n_dense:  # dense FFN layers (first_k_dense_replace)
-            total["ffn"].add(ffn_work(s, sum(p.new for p in pieces), moe=False), self.n_dense)
-        for k, w in step_extra(s, pieces).items():
-            total[k].add(w)
-        secs = {k: self.stage_seconds(k, w) for k, w in total.items()}
+        total, secs, coll = {}, {}, {}
+        for k in STAGES:
+            if k in rows:
+                total[k], secs[k], coll[k] = rows[k]
+                continue
+            w = total[k] = Work()
+            if k == "plan":
+                w.add(Work(plan_blocks=att.plan_blocks, plan_requests=att.plan_requests))
+                att.plan_blocks = att.plan_requests = 0.0
+            elif k == "indexer":
+                layer = Work()
+                layer.add(rows["layer_indexer"])
+                layer.add(keys["indexer"])   # its projections and its scoring count different fields
+                w.add(layer, L)
+            else:   # the attention; the exchange of CP's split prefill
+                w.add(att if k == "attention" else ex, L)
+            secs[k], coll[k] = self.stage_seconds(k, w), self.collective_seconds(w)
         secs["plan"] += self.profile.step_overhead_s + self.profile.step_overhead_layout_s.get(layout, 0.0)
         # waiting for the slower peer: the ranks drift apart while they compute, by a share of the time between
         # collectives, not by a fixed amount per collective (calibrate --in-step-collectives measures both)
         secs["sync"] = 0.0
         if self.profile.collective_wait_fraction:
-            coll = sum(self.collective_seconds(w) for w in total.values())
-            if coll:
-                secs["sync"] = self.profile.collective_wait_fraction * (sum(secs.values()) - coll)
+            c = sum(coll[k] for k in STAGES)
+            if c:
+                secs["sync"] = self.profile.collective_wait_fraction * (sum(secs.values()) - c)
         hide = min(sum(secs[k] for k in EXCHANGE_STAGES),
                    self.profile.overlap_fraction * (secs["attention"] + secs["indexer"]))
         secs["overlap"] = -hide
         return secs, total
 
+    def _rows_stages(self, layout: str, r: LayerRows, pieces: list[Piece]) -> dict:
+        """Per stage whose work depends on row counts only (all but KEY_STAGES, and the exchange of CP's split
+        prefill), its step's work on the rank (L layers, the dense FFN layers, the per-step extras), seconds and
+        collective seconds — counted once per layout, `LayerRows` and sampled rows; and the layer's indexer
+        projections (`layer_indexer`)."""
+        samples = sum(1 for p in pieces if p.samples)
+        key = (layout, r, samples)
+        out = self._rows.get(key)
+        if out is not None:
+            return out
+        s = self._shapes[layout]
+        st = rows_work(s, layout, r, moe=self.n_moe > 0)
+        L = self.cfg.num_hidden_layers
+        total = {k: Work() for k in STAGES if k not in KEY_STAGES and (k != "exchange" or r.exchange)}
+        for k, w in total.items():
+            w.add(st[k], L if k != "ffn" or not self.n_moe else self.n_moe)
+        if self.n_moe and self.n_dense:  # dense FFN layers (first_k_dense_replace)
+            total["ffn"].add(ffn_work(s, sum(p.new for p in pieces), moe=False), self.n_dense)
+        for k, w in step_extra(s, pieces).items():
+            total[k].add(w)
+        out = {k: (w, self.stage_seconds(k, w), self.collective_seconds(w)) for k, w in total.items()}
+        out["layer_indexer"] = st["indexer"]
+        if len(self._rows) >= ROWS_MEMO:
+            self._rows.clear()
+        self._rows[key] = out
+        return out
+
     def step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
+        """The step's predicted seconds (its busiest rank's) and that rank's stages. The same prediction object for
+        the same layout and rows while it is among the last STEP_MEMO asked: callers must not change it."""
         check_heads(layout, self.cfg.num_attention_heads, self.world)
         layout = parse_layout(layout).value
+        try:
+            key = (layout, tuple(rows))
+            hit = self._memo.get(key)
+        except TypeError:   # rows of a type that cannot be a key
+            key = hit = None
+        if hit is not None:
+            self._memo.move_to_end(key)
+            return hit
+        p = self._step(layout, rows)
+        if key is not None:
+            self._memo[key] = p
+            while len(self._memo) > STEP_MEMO:
+                self._memo.popitem(last=False)
+        return p
+
+    def _step(self, layout: str, rows: Sequence[RowLoad]) -> StepPrediction:
         pieces = self.pieces(rows)
-        per = [self._rank_stages(layout, pieces, r) for r in range(self.world)]
+        done: dict = {}   # ranks that do the same work (`rank_key`) share one count
+        per = []
+        for r in range(self.world):
+            k = rank_key(layout, pieces, r)
+            if k not in done:
+                done[k] = self._rank_stages(layout, pieces, r)
+            per.append(done[k])
         totals = tuple(sum(s.values()) for s, _ in per)
         busiest = max(range(self.world), key=lambda r: totals[r])
         work = {k: {"gemm_flops": w.gemm_flops, "weight_bytes": w.weight_bytes, "attn_flops": w.attn_flops,

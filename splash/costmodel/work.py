@@ -198,7 +198,8 @@ def _group(s: Shapes, w: Work, reqs: int, rows: int, pages: int, keys: int, head
 MERGE_PASSES = 7  # acc·α (read, write), the chunk's p·V (write), their sum (read 2, write), the store (write)
 
 
-def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: float) -> None:
+def _indexer_rows(s: Shapes, w: Work, rows: float) -> None:
+    """The DSA indexer's projections of ``rows`` and its eager ops (its key scoring: `_indexer_keys`)."""
     cfg = s.cfg
     if not cfg.index_topk:
         return
@@ -206,64 +207,135 @@ def _indexer(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]], rows: flo
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
     _gemm(w, rows, q_in, ih * idim, s.wb, s.ab)         # wq_b
     _gemm(w, rows, cfg.hidden_size, idim + ih, s.wb, s.ab)  # wk + weights_proj
+    w.ops += EAGER["indexer"]
+
+
+def _indexer_keys(s: Shapes, w: Work, pieces: list[tuple[Piece, int, int]]) -> None:
+    """The DSA indexer scoring each piece's visible keys here."""
+    cfg = s.cfg
+    if not cfg.index_topk:
+        return
+    ih, idim = cfg.index_n_heads, cfg.index_head_dim
     for p, k, _ in pieces:
         w.attn_flops += 2.0 * p.new * k * ih * idim
         w.kv_bytes += k * s.idx_tok
-    w.ops += EAGER["indexer"]
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """What one layer's stages on a rank depend on besides the keys each row attends (attention, the indexer's
+    scoring, the attention plan): row counts. Ranks and steps with equal LayerRows do the same work there."""
+    n: int              # rows in the step
+    q_rows: int         # rows projected here (Q-A, Q-B, W_UV, O)
+    kv_rows: int        # rows whose KV is written here (KV-A)
+    heads: int          # heads projected here
+    attn_heads: int     # heads attended here
+    idx_rows: int       # rows the indexer projects here
+    mine: int           # rows of requests this rank owns
+    exchange: bool      # the layout's exchange (False: CP's split prefill, which gathers histories: `_cp_split`)
+
+
+def layer_rows(s: Shapes, layout: str, pieces: list[Piece],
+               rank: int) -> tuple[LayerRows, list[tuple[Piece, int, int]], list | None, Work | None]:
+    """One layer on ``rank``: its row counts, the pieces it attends (piece, visible keys here, held blocks here),
+    how many of each piece's new positions are among its keys here (None: all) and, for CP's split prefill, its
+    exchange (which depends on the pieces' histories)."""
+    layout = parse_layout(layout)
+    T, H = s.world, s.cfg.num_attention_heads
+    N = sum(p.new for p in pieces)
+    if layout.kv_ownership == KV_POSITION and s.cp_prefill == "split" and T > 1 and any(p.new > 1 for p in pieces):
+        ex = Work()
+        rows, held = _cp_split(s, ex, layout, pieces, rank)
+        return LayerRows(N, rows, rows, H, H, rows, 0, False), held, None, ex
+    # DP-attn projects only its own requests' rows (replicated weights); the others every row, for their heads
+    mine = sum(p.new for p in pieces if p.owner == rank)
+    q_rows = mine if layout is Layout.DP_ATTN else N
+    heads = s.heads_local if layout.shards_projections else H
+    kv = layout.kv_ownership
+    if kv == KV_POSITION:   # a chunk's KV rows are written on their blocks' home ranks
+        held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
+        # a decode row's one new position is here when its block is homed here (the keys here before it: one fewer)
+        new_here = [int((p.owner + p.context // s.bs) % T == rank) if p.new == 1
+                    else k - cp_keys_here(p.context, p.owner, rank, T, s.bs)[0] for p, k, _ in held]
+    else:
+        held = [(p, p.end, -(-p.end // s.bs)) for p in pieces if kv == KV_ALL or p.owner == rank]
+        new_here = None
+    kv_rows = sum(new_here) if new_here is not None else (N if kv == KV_ALL else mine)
+    # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T; the indexer
+    # projects the rows whose keys it scores: DOP's owner selects for its own rows only (splash/attention/dop.py),
+    # while its Q-A and Q-B run on every row for the local heads
+    dop = layout is Layout.DOP
+    return (LayerRows(N, q_rows, kv_rows, heads, H if dop else heads, kv_rows if dop else q_rows, mine, True),
+            held, new_here, None)
+
+
+def rows_work(s: Shapes, layout: str, r: LayerRows, moe: bool) -> dict[str, Work]:
+    """Per-stage work of one layer that depends on its row counts only: all but the attention and the indexer's
+    scoring (`keys_work`), and the exchange of CP's split prefill (`layer_rows`)."""
+    layout = parse_layout(layout)
+    cfg, T = s.cfg, s.world
+    st = {k: Work() for k in STAGES}
+    _attention_rows(s, st, layout, r)
+    if r.exchange:
+        _exchange(s, st["exchange"], layout, r.n, r.mine)
+    st["ffn"] = ffn_work(s, r.n, moe)
+    if T > 1:
+        st["ffn_all_reduce"].collective("all_reduce", r.n * cfg.hidden_size * s.ab)
+        st["ffn_all_reduce"].ops += 1
+    st["other"].ops += EAGER["other"]
+    st["other"].act_bytes += 6 * r.n * cfg.hidden_size * s.ab
+    return st
+
+
+def keys_work(s: Shapes, r: LayerRows, held: list[tuple[Piece, int, int]], new_here) -> dict[str, Work]:
+    """Per-stage work of one layer that depends on the keys each row attends: the attention (its plan too) and the
+    indexer's scoring."""
+    st = {"attention": Work(), "indexer": Work()}
+    attention_work(s, st["attention"], held, r.attn_heads, new_here)
+    _indexer_keys(s, st["indexer"], held)
+    return st
 
 
 def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
     """Per-stage work of one layer on ``rank``."""
-    layout = parse_layout(layout)
-    cfg, T, H = s.cfg, s.world, s.cfg.num_attention_heads
-    N = sum(p.new for p in pieces)
-    st = {k: Work() for k in STAGES}
-    if layout.kv_ownership == KV_POSITION and s.cp_prefill == "split" and T > 1 and any(p.new > 1 for p in pieces):
-        rows, held = _cp_split(s, st["exchange"], layout, pieces, rank)
-        _attention_block(s, st, layout, rows, rows, H, H, held, None)
-    else:
-        # DP-attn projects only its own requests' rows (replicated weights); the others every row, for their heads
-        mine = sum(p.new for p in pieces if p.owner == rank)
-        q_rows = mine if layout is Layout.DP_ATTN else N
-        heads = s.heads_local if layout.shards_projections else H
-        kv = layout.kv_ownership
-        if kv == KV_POSITION:   # a chunk's KV rows are written on their blocks' home ranks
-            held = [(p, *cp_keys_here(p.end, p.owner, rank, T, s.bs)) for p in pieces]
-            new_here = [k - cp_keys_here(p.context, p.owner, rank, T, s.bs)[0] for p, k, _ in held]
-        else:
-            held = [(p, p.end, -(-p.end // s.bs)) for p in pieces if kv == KV_ALL or p.owner == rank]
-            new_here = None
-        kv_rows = sum(new_here) if new_here is not None else (N if kv == KV_ALL else mine)
-        # DOP's owner attends its rows for every head (the all-to-all brought it all heads' q̃): H, not H/T
-        _attention_block(s, st, layout, q_rows, kv_rows, heads, H if layout is Layout.DOP else heads, held, new_here)
-        _exchange(s, st["exchange"], layout, N, mine)
-    st["ffn"] = ffn_work(s, N, moe)
-    if T > 1:
-        st["ffn_all_reduce"].collective("all_reduce", N * cfg.hidden_size * s.ab)
-        st["ffn_all_reduce"].ops += 1
-    st["other"].ops += EAGER["other"]
-    st["other"].act_bytes += 6 * N * cfg.hidden_size * s.ab
+    r, held, new_here, ex = layer_rows(s, layout, pieces, rank)
+    st = rows_work(s, layout, r, moe)
+    keys = keys_work(s, r, held, new_here)
+    st["attention"] = keys["attention"]
+    st["indexer"].add(keys["indexer"])   # its projections and its scoring count different fields
+    if ex is not None:
+        st["exchange"] = ex
     return st
 
 
-def _attention_block(s: Shapes, st: dict[str, Work], layout: Layout, q_rows: int, kv_rows: int, heads: int,
-                     attn_heads: int, held: list[tuple[Piece, int, int]], new_here) -> None:
-    """Q-A / KV-A, Q-B and the W_UK absorb, the indexer, attention, W_UV and O of one layer on one rank."""
+def rank_key(layout: str, pieces: list[Piece], rank: int):
+    """What `layer_work` on ``rank`` depends on beyond what every rank sees (``pieces``): ranks with equal keys do
+    the same work. TP: nothing (every rank projects every row for its heads and holds every request's KV); DP-attn
+    and DOP: the (new, context) of the pieces the rank owns, in order; CP: the rank itself (it holds every request's
+    blocks from its own offset)."""
+    kv = parse_layout(layout).kv_ownership
+    if kv == KV_ALL:
+        return ()
+    if kv == KV_POSITION:
+        return rank
+    return tuple((p.new, p.context) for p in pieces if p.owner == rank)
+
+
+def _attention_rows(s: Shapes, st: dict[str, Work], layout: Layout, r: LayerRows) -> None:
+    """Q-A / KV-A, Q-B and the W_UK absorb, the indexer's projections, W_UV and O of one layer on one rank."""
     cfg, wb, ab = s.cfg, s.wb, s.ab
     hid, dc, dr, dn, dv = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                            cfg.v_head_dim)
     q_in = cfg.q_lora_rank or hid
+    q_rows, heads = r.q_rows, r.heads
     if cfg.q_lora_rank:
         _gemm(st["qkv_a"], q_rows, hid, q_in, wb, ab)
-    _gemm(st["qkv_a"], kv_rows, hid, dc + dr, wb, ab)
+    _gemm(st["qkv_a"], r.kv_rows, hid, dc + dr, wb, ab)
     st["qkv_a"].ops += ops(s.fused, "qkv_a", layout)
     _gemm(st["q_b_absorb"], q_rows, q_in, heads * (dn + dr), wb, ab)
     _gemm(st["q_b_absorb"], q_rows, dn, heads * dc, wb, ab)   # W_UK absorb (bmm per head)
     st["q_b_absorb"].ops += ops(s.fused, "q_b_absorb", layout)
-    attention_work(s, st["attention"], held, attn_heads, new_here)
-    # the indexer projects the rows whose keys it scores: DOP's owner selects for its own rows only
-    # (splash/attention/dop.py), while its Q-A and Q-B above run on every row for the local heads
-    _indexer(s, st["indexer"], held, kv_rows if layout is Layout.DOP else q_rows)
+    _indexer_rows(s, st["indexer"], r.idx_rows)
     _gemm(st["uv_o"], q_rows, dc, heads * dv, wb, ab)        # W_UV (bmm per head)
     _gemm(st["uv_o"], q_rows, heads * dv, hid, wb, ab)       # O
     st["uv_o"].ops += ops(s.fused, "uv_o", layout)

@@ -87,8 +87,9 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
     """Serve ``workload`` in a fixed layout (``mode``) or with ``auto``. Steps and switches are charged with ``truth``
     (default: ``cm``); auto plans with ``plan`` (default: ``cm``) and learns from what each step was charged when
     that differs from its model. Decode runs in which nothing else can happen are charged at once
-    (`Scheduler.steady_decode_steps`), up to the next arrival — and, while auto's probe is open, up to its next
-    re-evaluation (`AutoLayout.steps_to_due`). The step count auto sees counts every step, as the engine's does.
+    (`Scheduler.steady_decode_steps`), up to the next arrival — and, with auto, up to its next re-evaluation
+    (`AutoLayout.steps_to_due`), each step observed: auto is asked and learns at the engine's cadence. The step count
+    auto sees counts every step, as the engine's does.
     ``prefix_caching``: None turns the prefix cache on where a prompt can hit (`_can_hit`); elsewhere it cannot
     change the replay, only slow it."""
     charge = truth if truth is not None else cm
@@ -131,18 +132,17 @@ def replay(cm, setup, caps, workload: list[Req], mode: str, margin: float = 0.1,
             dt = step_seconds(charge, setup.model, layout, loads)
             if pending:   # the queue changes at the next arrival
                 run = max(1, min(run, math.ceil((pending[0].arrive - t) / dt)))
-            # while auto's probe is open the run stops where the engine would next re-evaluate (every `reeval_steps`
-            # steps while the requests stay the same), so the probe is judged there, not at the next finish; each of
-            # its steps is observed, as in the engine, so the probe's deadline and training count them
-            probing = auto is not None and auto.probing
-            if probing:
+            # with auto the run stops where the engine would next re-evaluate (every `reeval_steps` steps while the
+            # requests stay the same: contexts grow, a probe is judged), not at the next finish; each of its steps is
+            # observed, as in the engine, so the dwell, a probe's deadline and the training count them
+            if auto is not None:
                 run = min(run, auto.steps_to_due(steps))
             mid = [RowLoad(1, r.num_cached + run // 2, ledger.owner(r.req_id)) for r in sched.running]
             each = step_seconds(charge, setup.model, layout, mid) if run > 1 else dt
             if learn:
                 items = [StepItem(r.req_id, r.num_cached, (-1,), True, ledger.owner(r.req_id)) for r in sched.running]
                 observe(layout, items, dt + switch_s, switch_s > 0)
-                for _ in range(run - 1 if probing else 0):
+                for _ in range(run - 1):
                     observe(layout, items, each, False)
             steps += run   # the engine's counter: `_due`'s minimum interval and re-evaluations count steps
             t += each * run if run > 1 else dt

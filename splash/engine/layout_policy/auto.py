@@ -241,11 +241,6 @@ class AutoLayout:
             return True
         return False
 
-    @property
-    def probing(self) -> bool:
-        """Whether a probe's trip is open: its return is judged at the next evaluations (`_probe_return`)."""
-        return self._probe_trip is not None
-
     def steps_to_due(self, step: int) -> int:
         """How many steps from boundary `step` (at least 1) until a re-evaluation falls due while the requests stay
         the same (`_due`: every `reeval_steps` steps): a simulator that charges steady decode steps together stops
