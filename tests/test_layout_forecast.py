@@ -491,3 +491,17 @@ def _advance_with(live: Scheduler, steps: int, tokens) -> None:
             return
         plan = live.schedule()
         live.update(plan, {it.req_id: next(tokens) for it in plan.items if it.sample})
+
+
+def test_a_clones_made_up_block_hashes_do_not_depend_on_the_process_hash_seed():
+    """The ledger breaks eviction ties by block hash; a clone's blocks past its original's tokens must hash the same
+    in every process, or a forecast (auto's decisions, splash-sim's replays) differs with PYTHONHASHSEED."""
+    import os
+    import subprocess
+    import sys
+    code = ("from splash.engine.layout_policy.forecast import _Clone\n"
+            "c = _Clone('req-7', range(40), 8)\n"
+            "print([c.block_hash(i, 16) for i in range(4)])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(outs) == 1, outs

@@ -22,6 +22,7 @@ charged for its uncached tokens only — and waits, as the engine does, for the 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,7 +90,10 @@ class _Clone(Request):
                 return o.hashes[i]
             if (i + 1) * block_size <= o.num_tokens:
                 return o.block_hash(i, block_size)
-        return hash((self.req_id, i))
+        # not Python's hash(): a str's is salted per process, and the ledger breaks eviction ties by block hash,
+        # so a forecast (and auto's decision) would depend on PYTHONHASHSEED
+        h = hashlib.blake2b(f"{self.req_id}\0{i}".encode(), digest_size=8, person=b"forecast")
+        return int.from_bytes(h.digest(), "little")
 
 
 def clone_requests(reqs: Sequence[ReqView], ledger: KVLedger, sched: Scheduler,
