@@ -8,9 +8,8 @@ decision and two trees compared byte for byte. Pure Python, no torch.
 
 Prints tokens/s, switches, the evaluations and their CPU seconds (`AutoLayout._evaluate`, what the engine's overhead
 budget charges; `observe`), then the switch timeline; --json writes those with `decisions` (every decision recorded,
-`dataclasses.asdict` of each `Decision`, floats in full) and `truth_factors`. PYTHONHASHSEED: the forecast's clones
-hash their made-up blocks with Python's salted `hash` (`forecast._Clone.block_hash`), so floats may differ in the last
-digits from process to process without it.
+`dataclasses.asdict` of each `Decision`, floats in full) and `truth_factors`. (PYTHONHASHSEED=0 was needed before
+session 22's fix of `forecast._Clone.block_hash`, which hashed with Python's salted `hash`; it is harmless now.)
 """
 from __future__ import annotations
 
