@@ -87,12 +87,16 @@ def torch_kernels(monkeypatch):
 # `--dist loadgroup` marks do not reach its scheduler under pytest 9.2: it rewrites `item._nodeid`, which pytest
 # no longer reads.)
 RANK_TESTS = ("tests/test_gpu_check.py::test_two_ranks_run_the_collectives_and_print_per_rank_rows",)
+# the server suite's files that run the app, the engine loop or the watchdog in this process (no mpiexec)
+IN_PROCESS = frozenset(f"tests/server/{f}.py" for f in ("test_hardening2", "test_hardening_units",
+                                                        "test_server_sampling", "test_server_units", "test_watchdog"))
 
 
 def _xdist_unit(nodeid: str) -> str:
-    path = Path(nodeid.split("::", 1)[0])
-    ranks = path.parent.name in ("distributed", "server") or nodeid.startswith(RANK_TESTS)
-    return "ranks" if ranks else str(path)
+    file = nodeid.split("::", 1)[0]
+    folder = Path(file).parent.name
+    ranks = (folder in ("distributed", "server") and file not in IN_PROCESS) or nodeid.startswith(RANK_TESTS)
+    return "ranks" if ranks else file
 
 
 @pytest.hookimpl(optionalhook=True)
