@@ -2,11 +2,13 @@
 generation (1 rank, or a layout + live switches on several ranks) still gives transformers' tokens — so no tensor
 on the engine's path is created without the engine's device (a meta tensor would fail or give no data).
 
-argv: model_dir ref.pt layout [switch_to,...]   (switch_to: pinned at steps 2, 5, 8, ... in order)
+argv: (model_dir ref.pt layout switch_to,...) repeated: one job per four arguments, run in turn in one launch
+  (switch_to: pinned at steps 2, 5, 8, ... in order; may be empty). Each line names its job's model directory.
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -14,9 +16,7 @@ from splash.engine.llm import LLM
 from splash.engine.sampling import SamplingParams
 
 
-def main() -> None:
-    model_dir, ref_path, layout = sys.argv[1:4]
-    switches = sys.argv[4].split(",") if len(sys.argv) > 4 and sys.argv[4] else []
+def job(model_dir: str, ref_path: str, layout: str, switches: list[str]) -> None:
     ref = torch.load(ref_path)
     from splash.distributed import init_dist
     comm = init_dist().comm
@@ -46,8 +46,20 @@ def main() -> None:
             assert not todo and eng.layout == (switches[-1] if switches else layout), (todo, eng.layout)
     finally:
         torch.set_default_device(None)
-    print(f"rank {comm.rank}/{comm.size} {layout} {','.join(switches)} meta-default OK", flush=True)
+    tag = Path(model_dir).parent.name
+    print(f"{tag}: rank {comm.rank}/{comm.size} {layout} {','.join(switches)} meta-default OK", flush=True)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    assert len(args) % 4 == 0, f"argv: (model_dir ref.pt layout switches) repeated, got {args}"
+    for i in range(0, len(args), 4):   # several models share one launch: rank start-up once
+        model_dir, ref_path, layout, switches = args[i:i + 4]
+        job(model_dir, ref_path, layout, switches.split(",") if switches else [])
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_util import run_worker
+
+    run_worker(main)

@@ -1,26 +1,29 @@
 """Worker for test_prefix_dist: the prefix cache changes no token, in every layout and through live switches.
 
-argv: model_dir mode [directions]
-  mode "directions": for each "src->dst" (comma-separated; default all 12), one run with the cache and one without,
-      each starting in src (the switch live, or blocking for every other direction): requests sharing a long stem arrive over the run (a multi-turn agent's growing
-      conversation and n samples of one prompt), the layout switches live to dst part way through, and later
-      arrivals find the earlier ones' blocks cached; the greedy tokens of both runs must be equal and the cached
-      run must have hit. Pools end with every request's blocks released (cached blocks only).
+argv: job [job ...], each job one argument "label model_dir mode [arg ...]" (space-separated), run in turn in one
+  launch; rank 0 prints each job's lines as "rank 0: label: ...".
+  mode "directions" [directions]: for each "src->dst" (comma-separated; default all 12), one run with the cache
+      and one without, each starting in src (the switch live, or blocking for every other direction): requests
+      sharing a long stem arrive over the run (a multi-turn agent's growing conversation and n samples of one
+      prompt), the layout switches live to dst part way through, and later arrivals find the earlier ones' blocks
+      cached; the greedy tokens of both runs must be equal and the cached run must have hit. Pools end with every
+      request's blocks released (cached blocks only).
   mode "pressure" [max_num_seqs]: a pool too small for the batch (preemption + eviction + n samples + switches every
       few steps); same check.
-  mode "samples": 8 samples of one 37-token prompt sent together (4 greedy, 4 seeded random), in [layouts]: the
-      same tokens with and without the cache, and with it the prompt is prefilled once — the other 7 samples find
-      all its 9 full blocks (block size 4) cached, computing only their last token's block.
-  mode "kept" / "kept-moved": for each direction, one request finishes (its blocks cached, idle), the layout switches
-      with nothing running, and the same conversation's next turn arrives after the switch: it must start on the
-      blocks the switch kept (kept-moved: the cost verdict forced to "send", so blocks that must travel are moved
-      too), with the same greedy tokens as without the cache.
+  mode "samples" [layouts]: 8 samples of one 37-token prompt sent together (4 greedy, 4 seeded random), in each
+      layout: the same tokens with and without the cache, and with it the prompt is prefilled once — the other 7
+      samples find all its 9 full blocks (block size 4) cached, computing only their last token's block.
+  mode "kept" / "kept-moved" directions [mode directions ...]: for each direction, one request finishes (its blocks
+      cached, idle), the layout switches with nothing running, and the same conversation's next turn arrives after
+      the switch: it must start on the blocks the switch kept (kept-moved: the cost verdict forced to "send", so
+      blocks that must travel are moved too), with the same greedy tokens as without the cache.
 With a hybrid model (glm5_next) hits resume the KDA layers from state snapshots; every rank's snapshots must match
 rank 0's record of them at the end.
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from splash.engine.llm import LLM
 from splash.engine.sampling import SamplingParams
@@ -123,11 +126,11 @@ def check_snapshots(llm: LLM) -> None:
     assert len(held[me]) <= bound, (me, len(held[me]), bound)
 
 
-def main() -> None:
-    model_dir, mode = sys.argv[1], sys.argv[2]
+def job(model_dir: str, args: list[str], say) -> None:
+    """One job: mode args[0] with its arguments args[1:] on the model in model_dir; `say` prints a rank-0 line."""
+    mode = args[0]
     if mode == "directions":
-        dirs = sys.argv[3].split(",") if len(sys.argv) > 3 else [f"{s}->{d}" for s in LAYOUTS for d in LAYOUTS
-                                                                  if s != d]
+        dirs = args[1].split(",") if len(args) > 1 else [f"{s}->{d}" for s in LAYOUTS for d in LAYOUTS if s != d]
         for i, d in enumerate(dirs):
             src, dst = d.split("->")
             at = {2 + i % 5: dst}
@@ -137,10 +140,10 @@ def main() -> None:
             if on is not None:
                 assert on == off, f"{d}: tokens differ with the prefix cache\n{on}\n{off}"
                 assert st[0] > 0, f"{d}: no prefix-cache hit {st}"
-                print(f"rank 0: {d} {mode} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
+                say(f"{d} {mode} OK hits {st[0]}/{st[1]} prompt tokens")
     elif mode in ("kept", "kept-moved"):
-        # argv[2:]: (mode, directions) pairs, each mode's directions in turn (both modes share one launch)
-        pairs = list(zip(sys.argv[2::2], sys.argv[3::2]))
+        # args: (mode, directions) pairs, each mode's directions in turn
+        pairs = list(zip(args[::2], args[1::2]))
         for mode, d in [(m, d) for m, dirs in pairs for d in dirs.split(",")]:
             src, dst = d.split("->")
             move = mode == "kept-moved"
@@ -149,29 +152,37 @@ def main() -> None:
             if on is not None:
                 assert on == off, f"{d}: tokens differ with the prefix cache\n{on}\n{off}"
                 assert st[3] == 1 and st[0] == 36, f"{d}: the next turn did not start on the kept blocks {st}"
-                print(f"rank 0: {d} {mode} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
+                say(f"{d} {mode} OK hits {st[0]}/{st[1]} prompt tokens")
     elif mode == "pressure":
         seq = {25: "dop", 40: "cp", 55: "tp"}
-        # argv[3]: max_num_seqs (a hybrid model keeps as many KDA state snapshots: a few make them compete too)
-        kw = {"max_num_seqs": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+        # args[1]: max_num_seqs (a hybrid model keeps as many KDA state snapshots: a few make them compete too)
+        kw = {"max_num_seqs": int(args[1])} if len(args) > 1 else {}
         on, st = run(model_dir, "tp", seq, True, long_outputs, num_kv_blocks=64, **kw)
         off, st_off = run(model_dir, "tp", seq, False, long_outputs, num_kv_blocks=64, **kw)
         if on is not None:
             assert on == off, f"tokens differ with the prefix cache under pressure\n{on}\n{off}"
             assert st[0] > 0 and st[2] + st_off[2] > 0 and st[3] >= 2, (st, st_off)
-            print(f"rank 0: pressure OK hits {st[0]}/{st[1]} preemptions {st[2]}/{st_off[2]} switches {st[3]}",
-                  flush=True)
+            say(f"pressure OK hits {st[0]}/{st[1]} preemptions {st[2]}/{st_off[2]} switches {st[3]}")
     elif mode == "samples":
-        for lay in sys.argv[3].split(",") if len(sys.argv) > 3 else LAYOUTS:
+        for lay in args[1].split(",") if len(args) > 1 else LAYOUTS:
             on, st = run(model_dir, lay, {}, True, samples_workload)
             off, _ = run(model_dir, lay, {}, False, samples_workload)
             if on is not None:
                 assert on == off, f"{lay}: tokens differ with the prefix cache\n{on}\n{off}"
                 assert st[0] == 7 * 36, f"{lay}: the prompt was prefilled more than once: hits {st}"
-                print(f"rank 0: samples {lay} OK hits {st[0]}/{st[1]} prompt tokens", flush=True)
+                say(f"samples {lay} OK hits {st[0]}/{st[1]} prompt tokens")
     else:
         raise SystemExit(f"unknown mode {mode}")
 
 
+def main() -> None:
+    for spec in sys.argv[1:]:   # several jobs (models, modes) share one launch: rank start-up once
+        label, model_dir, *args = spec.split(" ")
+        job(model_dir, args, lambda msg, label=label: print(f"rank 0: {label}: {msg}", flush=True))
+
+
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_util import run_worker
+
+    run_worker(main)

@@ -1,6 +1,7 @@
 """Worker for test_quant_dist: FP8 / INT8 weights on real ranks, in every layout and through every switch.
 
-argv: ref.pt mode runs   (runs: comma-separated; "layouts": schemes, "switch": scheme:live|blocking)
+argv: (ref.pt mode runs) repeated: one job per three arguments, run in turn in one launch   (runs: comma-separated;
+  "layouts": schemes, "switch": scheme:live|blocking)
   mode "layouts": the quantised checkpoint of each scheme in each of the four layouts gives transformers'
       greedy tokens on the dequantised checkpoint; every rank's resident weight bytes equal the memory model.
   mode "switch": one run whose layout walks all 12 directions (tp→dp_attn→tp→cp→tp→dop→dp_attn→cp→
@@ -138,20 +139,23 @@ def switch(ref, scheme, mode, rank_print) -> None:
 
 
 def main() -> None:
-    ref_path, mode, runs = sys.argv[1:4]
-    ref = torch.load(ref_path)
+    args = sys.argv[1:]
+    assert len(args) % 3 == 0, f"argv: (ref.pt mode runs) repeated, got {args}"
     import splash.distributed as dist
     rank = dist.init_dist().rank
 
     def rank_print(msg: str) -> None:
         print(f"rank {rank}: {msg}", flush=True)
 
-    for run in runs.split(","):
-        if mode == "layouts":
-            layouts(ref, run, rank_print)
-        else:
-            scheme, how = run.split(":")
-            switch(ref, scheme, how, rank_print)
+    for i in range(0, len(args), 3):   # several checkpoints and modes share one launch: rank start-up once
+        ref_path, mode, runs = args[i:i + 3]
+        ref = torch.load(ref_path)
+        for run in runs.split(","):
+            if mode == "layouts":
+                layouts(ref, run, rank_print)
+            else:
+                scheme, how = run.split(":")
+                switch(ref, scheme, how, rank_print)
 
 
 if __name__ == "__main__":

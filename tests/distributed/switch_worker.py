@@ -1,8 +1,10 @@
 """Worker for test_switching: live/blocking layout switches mid-generation on real ranks change no token.
 
-argv: model_dir ref.pt mode [kv_dtype] [communicator: mpi (default) | torch] [alternate]
-env: SPLASH_TEST_LAYOUTS (layouts to switch between), SPLASH_TEST_DIRECTIONS ("src->dst,..." for "directions"),
-  SPLASH_TEST_BLOCK_SIZE (KV block size, default 4)
+argv: job [:: job ...], run in turn in one launch; job: model_dir ref.pt mode[+mode...] [kv_dtype[,kv_dtype...]]
+  [communicator: mpi (default) | torch] [alternate] [key=value ...], keys: tag (each line then reads
+  "rank r: tag: ..."), layouts (to switch between, "tp,dp_attn,..."), directions ("src->dst,..." for "directions"),
+  block_size (KV block size); their defaults from env: SPLASH_TEST_LAYOUTS, SPLASH_TEST_DIRECTIONS,
+  SPLASH_TEST_BLOCK_SIZE (else every layout, every direction, 4)
   mode "directions": all 12 src->dst directions, live and blocking, switched at a random step (step 1 is
       mid-prefill of the chunked 30-token prompt), against transformers' tokens; pools end fully free. With
       communicator torch the layers' and the switches' collectives run on torch.distributed (gloo here);
@@ -355,31 +357,46 @@ def convert(model_dir, ref, rank_print) -> None:
 
 
 def main() -> None:
+    global LAYOUTS, PAIRS, BLOCK_SIZE
     from mpi_util import comm_from_argv
+    from near_ties import restore
 
-    model_dir, ref_path, mode = sys.argv[1:4]
-    kv_dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
-    ref = torch.load(ref_path)
     import splash.distributed as dist
     rank = dist.init_dist().rank
-
-    def rank_print(msg: str) -> None:
-        print(f"rank {rank}: {msg}", flush=True)
-
-    from near_ties import restore
-    for mode in mode.split("+"):   # several modes (and chains of several KV dtypes) share one launch
-        restore()                  # each with the library's own router and DSA selection (convert wraps them)
-        if mode == "directions":
-            directions(model_dir, ref, rank_print, comm_from_argv(sys.argv[5:6]), sys.argv[6:7] == ["alternate"])
-        elif mode == "chain":
-            for kv in kv_dtype.split(","):
-                chain(model_dir, ref, kv, rank_print)
-        elif mode == "states":
-            states(model_dir, ref, rank_print)
-        elif mode == "convert":
-            convert(model_dir, ref, rank_print)
+    defaults = LAYOUTS, PAIRS, BLOCK_SIZE
+    jobs: list[list[str]] = [[]]
+    for a in sys.argv[1:]:
+        if a == "::":
+            jobs.append([])
         else:
-            defer(model_dir, ref, rank_print)
+            jobs[-1].append(a)
+    for job in jobs:   # several models, modes and communicators share one launch: rank start-up once
+        opts = dict(a.split("=", 1) for a in job if "=" in a)
+        args = [a for a in job if "=" not in a]
+        model_dir, ref_path, modes = args[:3]
+        kv_dtype = args[3] if len(args) > 3 else "float32"
+        ref = torch.load(ref_path)
+        # this job's knobs, read by make / directions / states / chain (each job sets all three)
+        LAYOUTS = tuple(opts["layouts"].split(",")) if "layouts" in opts else defaults[0]
+        PAIRS = opts.get("directions", defaults[1])
+        BLOCK_SIZE = int(opts.get("block_size", defaults[2]))
+
+        def rank_print(msg: str, tag=opts.get("tag")) -> None:
+            print(f"rank {rank}: {tag}: {msg}" if tag else f"rank {rank}: {msg}", flush=True)
+
+        for mode in modes.split("+"):   # several modes (and chains of several KV dtypes) per job
+            restore()                   # each with the library's own router and DSA selection (convert wraps them)
+            if mode == "directions":
+                directions(model_dir, ref, rank_print, comm_from_argv(args[4:5]), args[5:6] == ["alternate"])
+            elif mode == "chain":
+                for kv in kv_dtype.split(","):
+                    chain(model_dir, ref, kv, rank_print)
+            elif mode == "states":
+                states(model_dir, ref, rank_print)
+            elif mode == "convert":
+                convert(model_dir, ref, rank_print)
+            else:
+                defer(model_dir, ref, rank_print)
 
 
 if __name__ == "__main__":

@@ -48,14 +48,31 @@ def _reference(d: Path, variant: str) -> tuple[Path, Path]:
     return model_dir, d / "ref.pt"
 
 
-@pytest.mark.parametrize("variant,nprocs,layout,switches", [("moe_yarn", 1, "tp", "dop,cp"),
-                                                            ("moe_yarn", 2, "tp", "dp_attn,cp,dop,tp"),
-                                                            ("glm_sparse", 2, "tp", "cp,dop"),
-                                                            ("glm5_next", 2, "tp", "dp_attn,cp,dop,tp")])
-def test_meta_default_device_gives_transformers_tokens(refs, variant, nprocs, layout, switches):
-    model_dir, ref = refs(variant)
-    res = run_mpi(nprocs, "tests/distributed/device_worker.py", str(model_dir), str(ref), layout, switches,
-                  timeout=180)
+# variant -> rank count, layout, switches; the cases of one rank count share one launch
+CASES = [("moe_yarn", 1, "tp", "dop,cp"), ("moe_yarn", 2, "tp", "dp_attn,cp,dop,tp"), ("glm_sparse", 2, "tp", "cp,dop"),
+         ("glm5_next", 2, "tp", "dp_attn,cp,dop,tp")]
+
+
+@pytest.fixture(scope="module")
+def launches(refs):
+    """`launches(nprocs)`: one launch runs every CASES entry of that rank count in turn (rank start-up once, not
+    per model; each line names its model's directory). A failing case aborts the launch, so every test of that
+    launch then fails with its output."""
+    runs: dict[int, object] = {}
+
+    def get(nprocs: int):
+        if nprocs not in runs:
+            args = [str(a) for v, n, layout, switches in CASES if n == nprocs for a in (*refs(v), layout, switches)]
+            runs[nprocs] = run_mpi(nprocs, "tests/distributed/device_worker.py", *args, timeout=280)
+        return runs[nprocs]
+    return get
+
+
+@pytest.mark.parametrize("variant,nprocs,layout,switches", CASES)
+def test_meta_default_device_gives_transformers_tokens(refs, launches, variant, nprocs, layout, switches):
+    model_dir, _ = refs(variant)
+    res = launches(nprocs)
     assert res.returncode == 0, res.stdout + res.stderr
     for r in range(nprocs):
-        assert f"rank {r}/{nprocs} {layout} {switches} meta-default OK" in res.stdout, res.stdout + res.stderr
+        want = f"{model_dir.parent.name}: rank {r}/{nprocs} {layout} {switches} meta-default OK"
+        assert want in res.stdout, res.stdout + res.stderr

@@ -34,49 +34,78 @@ def models(tmp_path_factory):
     return get
 
 
-def _ok(proc, expect: int) -> None:
+# label -> (rank count, model variant, mode and its arguments); the jobs of one rank count share one launch
+JOBS = {
+    "directions": (2, "moe_yarn", ["directions"]),
+    "v32_sparse": (2, "v32_sparse", ["directions", "tp->cp,cp->dop,dop->dp_attn,dp_attn->tp"]),
+    "glm_sparse": (2, "glm_sparse", ["directions", "tp->cp,cp->dop,dop->dp_attn,dp_attn->tp"]),
+    "kept": (2, "moe_yarn", ["kept", "dp_attn->dop,tp->cp", "kept-moved", "dp_attn->tp,cp->dp_attn"]),
+    "samples": (2, "moe_yarn", ["samples", "tp,cp"]),
+    # every layout as source and as destination (all 12 directions pass too: docs/benchmarks.md, prefix caching)
+    "glm5_next": (2, "glm5_next", ["directions", "tp->dp_attn,dp_attn->cp,cp->dop,dop->tp"]),
+    "pressure": (4, "moe_yarn", ["pressure"]),
+    # max_num_seqs 5: as many KDA state snapshots, so they are evicted for room as well as with their blocks
+    "glm5_next_pressure": (4, "glm5_next", ["pressure", "5"]),
+}
+
+
+@pytest.fixture(scope="module")
+def launches(models):
+    """`launches(nprocs)`: one launch runs every JOBS entry of that rank count in turn (rank start-up once, not per
+    job; each rank-0 line names its job). A failing job aborts the launch, so every test of that launch then fails
+    with its output."""
+    runs: dict[int, object] = {}
+
+    def get(nprocs: int):
+        if nprocs not in runs:
+            jobs = [" ".join([label, str(models(variant)), *args])
+                    for label, (n, variant, args) in JOBS.items() if n == nprocs]
+            runs[nprocs] = run_mpi(nprocs, WORKER, *jobs, timeout=280)   # under pytest-timeout's 300 s
+        return runs[nprocs]
+    return get
+
+
+def _ok(launches, label: str, expect: int) -> list[str]:
+    """The job's launch exited 0 and printed exactly `expect` OK lines for the job; returns them."""
+    proc = launches(JOBS[label][0])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert out.count(" OK ") == expect, out[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank 0: {label}: ") and " OK " in ln]
+    assert len(lines) == expect, out[-4000:]
+    return lines
 
 
-def test_every_direction_with_and_without_the_cache(models):
-    _ok(run_mpi(2, WORKER, models("moe_yarn"), "directions", timeout=600), 12)
+def test_every_direction_with_and_without_the_cache(launches):
+    _ok(launches, "directions", 12)
 
 
 @pytest.mark.parametrize("variant", ["v32_sparse", "glm_sparse"])
-def test_dsa_models_cache_their_indexer_keys(models, variant):
-    _ok(run_mpi(2, WORKER, models(variant), "directions", "tp->cp,cp->dop,dop->dp_attn,dp_attn->tp",
-                timeout=600), 4)
+def test_dsa_models_cache_their_indexer_keys(launches, variant):
+    _ok(launches, variant, 4)
 
 
-def test_cached_blocks_kept_across_a_switch_give_hits(models):
+def test_cached_blocks_kept_across_a_switch_give_hits(launches):
     """Idle cached blocks survive a switch where they lie (DP-attn -> DOP, TP -> CP) and, when the cost verdict says
     so, travel (into TP: to every rank; CP -> DP-attn: gathered to the anchor): the next turn after the switch starts
     on them."""
-    out = run_mpi(2, WORKER, models("moe_yarn"), "kept", "dp_attn->dop,tp->cp", "kept-moved", "dp_attn->tp,cp->dp_attn",
-                  timeout=600)
-    _ok(out, 4)
+    lines = "\n".join(_ok(launches, "kept", 4))
     for line in ("dp_attn->dop kept OK", "tp->cp kept OK", "dp_attn->tp kept-moved OK", "cp->dp_attn kept-moved OK"):
-        assert f"rank 0: {line}" in out.stdout, out.stdout
+        assert f"rank 0: kept: {line}" in lines, lines
 
 
-def test_four_ranks_under_pressure(models):
-    _ok(run_mpi(4, WORKER, models("moe_yarn"), "pressure", timeout=600), 1)
+def test_four_ranks_under_pressure(launches):
+    _ok(launches, "pressure", 1)
 
 
-def test_n_samples_sent_together_prefill_their_prompt_once(models):
+def test_n_samples_sent_together_prefill_their_prompt_once(launches):
     """n = 8 of one prompt at once (greedy and seeded): the same tokens with and without the cache, and one prefill
     (TP, and CP, whose anchor the cached prefix decides)."""
-    _ok(run_mpi(2, WORKER, models("moe_yarn"), "samples", "tp,cp", timeout=600), 2)
+    _ok(launches, "samples", 2)
 
 
-def test_glm5_next_resumes_kda_state_from_snapshots(models):
-    # every layout as source and as destination (all 12 directions pass too: docs/benchmarks.md, prefix caching)
-    _ok(run_mpi(2, WORKER, models("glm5_next"), "directions", "tp->dp_attn,dp_attn->cp,cp->dop,dop->tp",
-                timeout=600), 4)
+def test_glm5_next_resumes_kda_state_from_snapshots(launches):
+    _ok(launches, "glm5_next", 4)
 
 
-def test_glm5_next_four_ranks_under_pressure(models):
-    # max_num_seqs 5: as many KDA state snapshots, so they are evicted for room as well as with their blocks
-    _ok(run_mpi(4, WORKER, models("glm5_next"), "pressure", "5", timeout=600), 1)
+def test_glm5_next_four_ranks_under_pressure(launches):
+    _ok(launches, "glm5_next_pressure", 1)

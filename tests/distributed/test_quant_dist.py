@@ -62,37 +62,50 @@ def glm5_reference(tmp_path_factory) -> Path:
     return d / "ref.pt"
 
 
-def _run(nprocs: int, ref: Path, *args: str) -> str:
-    res = run_mpi(nprocs, WORKER, str(ref), *args, timeout=400)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
+SWITCH_RUNS = {2: ["fp8:live", "int8:blocking", "plain:live"], 4: ["int8:live", "fp8:blocking"]}
+GLM5_RUNS = ["glm5_fp8:live", "glm5_int8:live"]   # 2 ranks
+
+
+@pytest.fixture(scope="module")
+def launches(reference, glm5_reference):
+    """`launches(nprocs) -> stdout`: one launch per rank count runs, in turn, the layouts (fp8, int8), the
+    SWITCH_RUNS of that rank count and (2 ranks) GLM5_RUNS (rank start-up once, not per test; the lines name their
+    scheme). A failing run aborts the launch, so every test of that rank count then fails with its output."""
+    runs: dict[int, object] = {}
+
+    def get(nprocs: int) -> str:
+        if nprocs not in runs:
+            jobs = [str(reference), "layouts", "fp8,int8", str(reference), "switch", ",".join(SWITCH_RUNS[nprocs])]
+            if nprocs == 2:
+                jobs += [str(glm5_reference), "switch", ",".join(GLM5_RUNS)]
+            runs[nprocs] = run_mpi(nprocs, WORKER, *jobs, timeout=280)   # under pytest-timeout's 300 s
+        res = runs[nprocs]
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return res.stdout
+    return get
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_every_layout_matches_dequantised_reference(reference, nprocs):
-    out = _run(nprocs, reference, "layouts", "fp8,int8")
+def test_every_layout_matches_dequantised_reference(launches, nprocs):
+    out = launches(nprocs)
     for scheme in ("fp8", "int8"):
         for layout in ("tp", "dp_attn", "cp", "dop"):
             for r in range(nprocs):
                 assert f"rank {r}: layouts {scheme} {layout} OK" in out, out
 
 
-SWITCH_RUNS = {2: ["fp8:live", "int8:blocking", "plain:live"], 4: ["int8:live", "fp8:blocking"]}
-
-
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_all_switch_directions_keep_stored_weights(reference, nprocs):
-    out = _run(nprocs, reference, "switch", ",".join(SWITCH_RUNS[nprocs]))
+def test_all_switch_directions_keep_stored_weights(launches, nprocs):
+    out = launches(nprocs)
     for run in SWITCH_RUNS[nprocs]:
         scheme, mode = run.split(":")
         for r in range(nprocs):
             assert f"rank {r}: switch {scheme} {mode} OK (12 directions)" in out, out
 
 
-def test_glm5_next_quantised_switches_keep_tokens(glm5_reference):
-    runs = ["glm5_fp8:live", "glm5_int8:live"]
-    out = _run(2, glm5_reference, "switch", ",".join(runs))
-    for run in runs:
+def test_glm5_next_quantised_switches_keep_tokens(launches):
+    out = launches(2)
+    for run in GLM5_RUNS:
         scheme, mode = run.split(":")
         for r in range(2):
             assert f"rank {r}: switch {scheme} {mode} OK (12 directions)" in out, out
