@@ -3,7 +3,7 @@ model's and hardware's bytes and FLOPs. What they predict at the paper's positio
 import pytest
 
 from splash.costmodel import load_profile
-from splash.costmodel.work import Piece, Shapes, layer_work
+from splash.costmodel.work import Piece, Shapes, layer_rows, rows_work
 from splash.layouts.memory import kv_bytes_per_token_layer
 from splash.sim import prefill_mechanisms as pm
 from splash.sim.presets import load_sim_model
@@ -63,10 +63,11 @@ def test_exchange_bytes_per_row_match_the_cost_models_counts():
     s = Shapes(cfg, T, 1.0, ab, 656.0, 132.0, 64)
     N = 16_384
     pieces = [Piece(N // T, 100_000, o) for o in range(T)]
-    a2a = sum(T * e[1] for e in layer_work(s, "dop", pieces, 0, moe=True)["exchange"].exch if e[0] == "all_to_all")
-    ar = sum(e[1] for e in layer_work(s, "dop", pieces, 0, moe=True)["exchange"].exch if e[0] == "all_reduce")
+    exchange = lambda lay: rows_work(s, lay, layer_rows(s, lay, pieces, 0)[0], moe=True)["exchange"].exch  # noqa: E731
+    a2a = sum(T * e[1] for e in exchange("dop") if e[0] == "all_to_all")
+    ar = sum(e[1] for e in exchange("dop") if e[0] == "all_reduce")
     assert (a2a + ar) / N == pytest.approx(pm.exchange_bytes_per_row(cfg, "dop"))
-    gather = layer_work(s, "dp_attn", pieces, 0, moe=True)["exchange"].exch
+    gather = exchange("dp_attn")
     assert gather[0][1] / N == pytest.approx(pm.exchange_bytes_per_row(cfg, "dp_attn"))
     assert pm.exchange_bytes_per_row(cfg, "dop") / pm.exchange_bytes_per_row(cfg, "dp_attn") > 10
 

@@ -296,23 +296,11 @@ def keys_work(s: Shapes, r: LayerRows, held: list[tuple[Piece, int, int]], new_h
     return st
 
 
-def layer_work(s: Shapes, layout: str, pieces: list[Piece], rank: int, moe: bool) -> dict[str, Work]:
-    """Per-stage work of one layer on ``rank``."""
-    r, held, new_here, ex = layer_rows(s, layout, pieces, rank)
-    st = rows_work(s, layout, r, moe)
-    keys = keys_work(s, r, held, new_here)
-    st["attention"] = keys["attention"]
-    st["indexer"].add(keys["indexer"])   # its projections and its scoring count different fields
-    if ex is not None:
-        st["exchange"] = ex
-    return st
-
-
 def rank_key(layout: str, pieces: list[Piece], rank: int):
-    """What `layer_work` on ``rank`` depends on beyond what every rank sees (``pieces``): ranks with equal keys do
-    the same work. TP: nothing (every rank projects every row for its heads and holds every request's KV); DP-attn
-    and DOP: the (new, context) of the pieces the rank owns, in order; CP: the rank itself (it holds every request's
-    blocks from its own offset)."""
+    """What a layer's work on ``rank`` (`layer_rows`, `rows_work`, `keys_work`) depends on beyond what every rank
+    sees (``pieces``): ranks with equal keys do the same work. TP: nothing (every rank projects every row for its
+    heads and holds every request's KV); DP-attn and DOP: the (new, context) of the pieces the rank owns, in order;
+    CP: the rank itself (it holds every request's blocks from its own offset)."""
     kv = parse_layout(layout).kv_ownership
     if kv == KV_ALL:
         return ()
