@@ -427,3 +427,62 @@ def test_flashinfer_logs_the_path_once_per_layer_kind(monkeypatch, caplog):
     assert said == ["flashinfer attention: wrapper-fp8 for fp8_e4m3 layers (16 heads)",
                     "flashinfer attention: wrapper for bfloat16 layers (16 heads)"]
     assert kernel.paths == {"wrapper-fp8": 6, "wrapper": 6}
+
+
+def _flashinfer_tree(root, calls: dict, version: str = "0.7.4") -> None:
+    """A flashinfer source tree under `root` whose CALLS have the signatures `calls` gives (overloads decorated
+    `@overload`, methods in their class, defaults as the recorded source), beside a dist-info naming `version`."""
+    import os
+
+    from backends.cuda import flashinfer_api
+
+    def sig(params, method):
+        out, marked = ["self"] if method else [], False
+        for i, (name, kind, default) in enumerate(params):
+            if kind == "kwonly" and not marked:
+                out.append("*")
+            marked = marked or kind in ("varargs", "kwonly")
+            out.append({"varargs": "*", "varkw": "**"}.get(kind, "") + name
+                       + (f"={default}" if default is not None else ""))
+            if kind == "posonly" and (i + 1 == len(params) or params[i + 1][1] != "posonly"):
+                out.append("/")
+        return ", ".join(out)
+
+    files: dict[str, dict] = {}
+    for call, (path, cls, name) in flashinfer_api.CALLS.items():
+        rec, ind = calls[call], "    " if cls else ""
+        defs = [f"{ind}@overload\n{ind}def {name}({sig(p, bool(cls))}): ...\n" for p in rec["overloads"]]
+        defs.append(f"{ind}def {name}({sig(rec['impl'], bool(cls))}):\n{ind}    return None\n")
+        files.setdefault(path, {}).setdefault(cls, []).extend(defs)
+    for path, by_cls in files.items():
+        src = ["from typing import overload\n"]
+        for cls, defs in by_cls.items():
+            src.append((f"class {cls}:\n" if cls else "") + "".join(defs))
+        full = os.path.join(root, "flashinfer", path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w") as f:
+            f.write("\n".join(src))
+    os.makedirs(os.path.join(root, f"flashinfer_python-{version}.dist-info"))
+
+
+def test_the_flashinfer_recorder_reads_back_a_tree_with_the_recorded_signatures(tmp_path, capsys):
+    """`python -m backends.cuda.flashinfer_api TREE [--check]` (how the record is re-read for a new release): on a
+    tree written from the record it gives the record, byte for byte as committed, and --check passes; one
+    parameter renamed in the tree, --check fails naming that call."""
+    import copy
+
+    from backends.cuda import flashinfer_api
+    want = flashinfer_api.load()
+    _flashinfer_tree(tmp_path / "same", want["calls"])
+    assert flashinfer_api.main([str(tmp_path / "same")]) == 0
+    assert capsys.readouterr().out == open(flashinfer_api.RECORD).read()
+    assert flashinfer_api.main([str(tmp_path / "same"), "--check"]) == 0
+    assert "same signatures" in capsys.readouterr().out
+
+    changed = copy.deepcopy(want["calls"])
+    changed["BatchMLAPagedAttentionWrapper.run"]["impl"][0][0] = "query"
+    _flashinfer_tree(tmp_path / "new", changed, version="0.8.0")
+    assert flashinfer_api.main([str(tmp_path / "new"), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "flashinfer 0.8.0 vs recorded 0.7.4: differs in BatchMLAPagedAttentionWrapper.run" in out
+    assert flashinfer_api.main([]) == 2
