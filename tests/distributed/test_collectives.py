@@ -24,10 +24,10 @@ def _assert_ok(proc, nprocs: int, mode: str) -> None:
 KINDS = {2: "mpi,mpi-device,torch", 4: "mpi,torch"}   # per rank count, checked in turn by one launch
 
 
-def collectives_job(nprocs: int) -> tuple[str, ...]:
+def launch_jobs(nprocs: int, tmp_path_factory, tiny_ckpt) -> list[tuple[str, ...]]:
     """This file's worker job at `nprocs` ranks: KINDS[nprocs] in turn (rank start-up once per rank count, not per
     kind), run in tests/distributed/conftest.py's shared launch."""
-    return WORKER, "collectives", KINDS[nprocs]
+    return [(WORKER, "collectives", KINDS[nprocs])]
 
 
 @needs_mpi

@@ -3,9 +3,9 @@ transformers (reference sampler) and one unswitched rank (worker: sampling_worke
 from __future__ import annotations
 
 
-def sampling_job(tiny_ckpt) -> tuple[str, ...]:
+def launch_jobs(nprocs: int, tmp_path_factory, tiny_ckpt) -> list[tuple[str, ...]]:
     """This file's worker job, run in tests/distributed/conftest.py's shared 2-rank launch."""
-    return "tests/distributed/sampling_worker.py", str(tiny_ckpt("dense"))
+    return [("tests/distributed/sampling_worker.py", str(tiny_ckpt("dense")))] if nprocs == 2 else []
 
 
 def test_sampling_through_live_switches(shared_launches):
