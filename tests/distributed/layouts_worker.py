@@ -2,7 +2,7 @@
 
 argv: model_dir ref.pt kv_dtype layout[,layout...] [communicator: mpi (default) | torch]
 model_dir and ref.pt may each be several, joined by "," (one launch checks each model in turn; its lines then
-start with its model directory's parent's name)
+start with its model directory's parent's name); so may the communicator, one per model (one: every model's)
 """
 from __future__ import annotations
 
@@ -43,13 +43,18 @@ def check_layout(model_dir: str, ref: dict, kv_dtype: str, layout: str, comm=Non
 
 def main() -> None:
     model_dirs, ref_paths, kv_dtype, layouts = sys.argv[1:5]
-    comm = comm_from_argv(sys.argv[5:6])
-    several = "," in model_dirs
-    for model_dir, ref_path in zip(model_dirs.split(","), ref_paths.split(","), strict=True):
+    kinds = (sys.argv[5] if len(sys.argv) > 5 else "mpi").split(",")
+    models = model_dirs.split(",")
+    comms: dict[str, object] = {}   # torch.distributed starts once, for the first model on it
+    several = len(models) > 1
+    for i, (model_dir, ref_path) in enumerate(zip(models, ref_paths.split(","), strict=True)):
+        kind = kinds[i] if len(kinds) > 1 else kinds[0]
+        if kind not in comms:
+            comms[kind] = comm_from_argv([kind])
         ref = torch.load(ref_path)
         tag = f"{Path(model_dir).parent.name}: " if several else ""
         for layout in layouts.split(","):
-            check_layout(model_dir, ref, kv_dtype, layout, comm, tag)
+            check_layout(model_dir, ref, kv_dtype, layout, comms[kind], tag)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,15 @@ def run_mpi(
         return subprocess.CompletedProcess(cmd, 124, out, f"{err}\n[run_mpi] timed out after {timeout}s")
 
 
+def run_jobs(nprocs: int, jobs: list[tuple[str, ...]], timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """One launch that runs each `(worker script, *args)` job in turn (tests/distributed/jobs_worker.py): rank
+    start-up once for workers of different files at one rank count. Their lines must not collide."""
+    args: list[str] = []
+    for job in jobs:
+        args += [*(["::"] if args else []), *map(str, job)]
+    return run_mpi(nprocs, "tests/distributed/jobs_worker.py", *args, timeout=timeout)
+
+
 def run_worker(main) -> None:
     """Run a worker's `main()` on one rank; on any failure print it and abort the whole MPI job, so the other
     ranks are not left waiting in a collective (the test then fails at once instead of timing out)."""

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from mpi_util import mpiexec_path, run_mpi
+from mpi_util import mpiexec_path
 
 from splash.distributed import DistContext, Handle, SingleRankCommunicator, init_dist, make_communicator
 
@@ -24,31 +24,25 @@ def _assert_ok(proc, nprocs: int, mode: str) -> None:
 KINDS = {2: "mpi,mpi-device,torch", 4: "mpi,torch"}   # per rank count, checked in turn by one launch
 
 
-@pytest.fixture(scope="module")
-def launches():
-    """`launches(nprocs)`: the worker's run of KINDS[nprocs] (rank start-up once per rank count, not per kind)."""
-    cache: dict = {}
-
-    def get(nprocs: int):
-        if nprocs not in cache:
-            cache[nprocs] = run_mpi(nprocs, WORKER, "collectives", KINDS[nprocs], timeout=180)
-        return cache[nprocs]
-    return get
+def launch_jobs(nprocs: int, tmp_path_factory, tiny_ckpt) -> list[tuple[str, ...]]:
+    """This file's worker job at `nprocs` ranks: KINDS[nprocs] in turn (rank start-up once per rank count, not per
+    kind), run in tests/distributed/conftest.py's shared launch."""
+    return [(WORKER, "collectives", KINDS[nprocs])]
 
 
 @needs_mpi
 @pytest.mark.parametrize("kind", ["mpi", "torch"])
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_collectives_real_ranks(launches, nprocs, kind):
+def test_collectives_real_ranks(shared_launches, nprocs, kind):
     """The same checks on the MPI communicator and on the torch.distributed one (gloo on CPU)."""
-    _assert_ok(launches(nprocs), nprocs, f"collectives {kind}")
+    _assert_ok(shared_launches(nprocs), nprocs, f"collectives {kind}")
 
 
 @needs_mpi
-def test_mpi_communicator_moves_device_tensors_through_host_memory(launches):
+def test_mpi_communicator_moves_device_tensors_through_host_memory(shared_launches):
     """Ranks that share one GPU (NCCL refuses them) use the MPI communicator: handed GPU tensors (a stand-in that,
     like a CUDA tensor, cannot be viewed as numpy), every collective gives the same bytes, on the device."""
-    _assert_ok(launches(2), 2, "collectives mpi-device")
+    _assert_ok(shared_launches(2), 2, "collectives mpi-device")
 
 
 def test_init_dist_without_mpirun():

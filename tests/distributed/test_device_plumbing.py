@@ -18,16 +18,19 @@ from hf_glm5_next import make_tiny_glm5_next  # noqa: E402
 from mpi_util import run_mpi  # noqa: E402
 
 
+_REFS: dict[str, tuple[Path, Path]] = {}   # variant -> (model_dir, ref.pt), built once (module and shared launch)
+
+
+def _refs(variant: str, tmp_path_factory) -> tuple[Path, Path]:
+    if variant not in _REFS:
+        _REFS[variant] = _reference(tmp_path_factory.mktemp(f"device_{variant}"), variant)
+    return _REFS[variant]
+
+
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    """`refs(variant) -> (model_dir, ref.pt)`, built once per module."""
-    cache: dict[str, tuple[Path, Path]] = {}
-
-    def get(variant: str) -> tuple[Path, Path]:
-        if variant not in cache:
-            cache[variant] = _reference(tmp_path_factory.mktemp(f"device_{variant}"), variant)
-        return cache[variant]
-    return get
+    """`refs(variant) -> (model_dir, ref.pt)`."""
+    return lambda variant: _refs(variant, tmp_path_factory)
 
 
 def _reference(d: Path, variant: str) -> tuple[Path, Path]:
@@ -49,21 +52,34 @@ def _reference(d: Path, variant: str) -> tuple[Path, Path]:
 
 
 # variant -> rank count, layout, switches; the cases of one rank count share one launch
+WORKER = "tests/distributed/device_worker.py"
 CASES = [("moe_yarn", 1, "tp", "dop,cp"), ("moe_yarn", 2, "tp", "dp_attn,cp,dop,tp"), ("glm_sparse", 2, "tp", "cp,dop"),
          ("glm5_next", 2, "tp", "dp_attn,cp,dop,tp")]
 
 
+def _args(nprocs: int, tmp_path_factory) -> list[str]:
+    """device_worker's arguments for every CASES entry of that rank count (one job per model, run in turn; each
+    line names its model's directory)."""
+    return [str(a) for v, n, layout, switches in CASES if n == nprocs
+            for a in (*_refs(v, tmp_path_factory), layout, switches)]
+
+
+def launch_jobs(nprocs: int, tmp_path_factory, tiny_ckpt) -> list[tuple[str, ...]]:
+    """This file's 2-rank cases, run in tests/distributed/conftest.py's shared launch."""
+    return [(WORKER, *_args(nprocs, tmp_path_factory))] if nprocs > 1 else []
+
+
 @pytest.fixture(scope="module")
-def launches(refs):
-    """`launches(nprocs)`: one launch runs every CASES entry of that rank count in turn (rank start-up once, not
-    per model; each line names its model's directory). A failing case aborts the launch, so every test of that
-    launch then fails with its output."""
+def launches(tmp_path_factory, shared_launches):
+    """`launches(nprocs)`: the one-rank cases in a launch of their own, the others in the shared launch of their
+    rank count. A failing case aborts its launch, so every test of that launch then fails with its output."""
     runs: dict[int, object] = {}
 
     def get(nprocs: int):
+        if nprocs > 1:
+            return shared_launches(nprocs)
         if nprocs not in runs:
-            args = [str(a) for v, n, layout, switches in CASES if n == nprocs for a in (*refs(v), layout, switches)]
-            runs[nprocs] = run_mpi(nprocs, "tests/distributed/device_worker.py", *args, timeout=280)
+            runs[nprocs] = run_mpi(nprocs, WORKER, *_args(nprocs, tmp_path_factory), timeout=280)
         return runs[nprocs]
     return get
 

@@ -69,24 +69,31 @@ def _archs(nprocs: int, communicator: str) -> list[str]:
             (communicator == "mpi" or a == "deepseek_v3")]
 
 
+def _jobs(nprocs: int) -> list[tuple[str, str]]:
+    """(architecture, communicator) of the one launch at `nprocs` ranks: each architecture of that rank count over
+    MPI, then (4 ranks) the torch communicator's."""
+    return [(a, c) for c in ("mpi", "torch") for a in _archs(nprocs, c) if c == "mpi" or nprocs == 4]
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """`launches(nprocs, communicator) -> (result, {arch: model_dir})`: one launch checks every architecture of
-    that rank count in turn (rank start-up once, not per architecture; each line names its model's directory). A
-    failing architecture aborts the launch, so every test of that launch then fails with its output."""
+    """`launches(nprocs) -> (result, {arch: model_dir})`: one launch checks every _jobs(nprocs) job in turn (rank
+    start-up once per rank count, not per architecture or communicator; each line names its model's directory and
+    its communicator). A failing job aborts the launch, so every test of that launch then fails with its output."""
     refs: dict[str, tuple[Path, Path]] = {}
-    runs: dict[tuple, object] = {}
+    runs: dict[int, object] = {}
 
-    def get(nprocs: int, communicator: str):
-        if (nprocs, communicator) not in runs:
-            archs = _archs(nprocs, communicator)
-            for a in archs:
+    def get(nprocs: int):
+        if nprocs not in runs:
+            jobs = _jobs(nprocs)
+            for a, _ in jobs:
                 if a not in refs:
                     refs[a] = _reference(a, tmp_path_factory)
-            runs[nprocs, communicator] = run_mpi(
-                nprocs, "tests/distributed/layouts_worker.py", ",".join(str(refs[a][0]) for a in archs),
-                ",".join(str(refs[a][1]) for a in archs), "float32", LAYOUTS, communicator, timeout=280)
-        return runs[nprocs, communicator], {a: refs[a][0] for a in refs}
+            runs[nprocs] = run_mpi(
+                nprocs, "tests/distributed/layouts_worker.py", ",".join(str(refs[a][0]) for a, _ in jobs),
+                ",".join(str(refs[a][1]) for a, _ in jobs), "float32", LAYOUTS, ",".join(c for _, c in jobs),
+                timeout=280)
+        return runs[nprocs], {a: refs[a][0] for a in refs}
     return get
 
 
@@ -96,9 +103,9 @@ def test_every_layout_matches_transformers(launches, arch, nprocs, communicator)
     """communicator torch: the data plane on torch.distributed (gloo here), the control plane on MPI."""
     if arch not in _archs(nprocs, communicator):
         pytest.skip(f"{arch} on {nprocs} rank(s) over {communicator} is covered elsewhere")
-    res, model_dirs = launches(nprocs, communicator)
+    res, model_dirs = launches(nprocs)
     assert res.returncode == 0, res.stdout + res.stderr
-    tag = f"{model_dirs[arch].parent.name}: " if len(_archs(nprocs, communicator)) > 1 else ""
+    tag = f"{model_dirs[arch].parent.name}: " if len(_jobs(nprocs)) > 1 else ""
     kind = {"mpi": "MPICommunicator" if nprocs > 1 else "SingleRankCommunicator", "torch": "TorchCommunicator"}
     for layout in LAYOUTS.split(","):
         for r in range(nprocs):

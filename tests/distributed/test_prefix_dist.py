@@ -16,25 +16,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_glm5_next import VARIANTS as GLM_VARIANTS  # noqa: E402
 from hf_glm5_next import make_tiny_glm5_next  # noqa: E402
 from hf_models import DSA_VARIANTS, VARIANTS, make_tiny_deepseek  # noqa: E402
-from mpi_util import run_mpi  # noqa: E402
 
 WORKER = "tests/distributed/prefix_worker.py"
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            d = tmp_path_factory.mktemp(f"prefix_{variant}")
-            cache[variant] = (make_tiny_glm5_next(d / "model", **GLM_VARIANTS["topk_low"]) if variant == "glm5_next"
-                              else make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant]))
-        return cache[variant]
-    return get
+_MODELS: dict[str, Path] = {}   # variant -> checkpoint, written once
 
 
-# label -> (rank count, model variant, mode and its arguments); the jobs of one rank count share one launch
+def _model(variant: str, tmp_path_factory) -> Path:
+    if variant not in _MODELS:
+        d = tmp_path_factory.mktemp(f"prefix_{variant}")
+        _MODELS[variant] = (make_tiny_glm5_next(d / "model", **GLM_VARIANTS["topk_low"]) if variant == "glm5_next"
+                            else make_tiny_deepseek(d / "model", **{**VARIANTS, **DSA_VARIANTS}[variant]))
+    return _MODELS[variant]
+
+
 JOBS = {
     "directions": (2, "moe_yarn", ["directions"]),
     "v32_sparse": (2, "v32_sparse", ["directions", "tp->cp,cp->dop,dop->dp_attn,dp_attn->tp"]),
@@ -49,20 +45,19 @@ JOBS = {
 }
 
 
-@pytest.fixture(scope="module")
-def launches(models):
-    """`launches(nprocs)`: one launch runs every JOBS entry of that rank count in turn (rank start-up once, not per
-    job; each rank-0 line names its job). A failing job aborts the launch, so every test of that launch then fails
-    with its output."""
-    runs: dict[int, object] = {}
+def launch_jobs(nprocs: int, tmp_path_factory, tiny_ckpt) -> list[tuple[str, ...]]:
+    """This file's job at `nprocs` ranks, run in tests/distributed/conftest.py's shared launch: every JOBS entry of
+    that rank count in turn (each rank-0 line names its JOBS label)."""
+    specs = [" ".join([label, str(_model(variant, tmp_path_factory)), *args])
+             for label, (n, variant, args) in JOBS.items() if n == nprocs]
+    return [(WORKER, *specs)] if specs else []
 
-    def get(nprocs: int):
-        if nprocs not in runs:
-            jobs = [" ".join([label, str(models(variant)), *args])
-                    for label, (n, variant, args) in JOBS.items() if n == nprocs]
-            runs[nprocs] = run_mpi(nprocs, WORKER, *jobs, timeout=280)   # under pytest-timeout's 300 s
-        return runs[nprocs]
-    return get
+
+@pytest.fixture(scope="module")
+def launches(shared_launches):
+    """`launches(nprocs)`: the shared launch of that rank count. A failing job aborts it, so every test of that
+    launch then fails with its output."""
+    return shared_launches
 
 
 def _ok(launches, label: str, expect: int) -> list[str]:

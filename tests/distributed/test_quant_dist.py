@@ -17,7 +17,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_glm5_next import QUANT_KEEP, make_tiny_glm5_next  # noqa: E402
 from hf_models import VARIANTS, hf_greedy, load_hf, make_tiny_deepseek, random_prompts  # noqa: E402
-from mpi_util import run_mpi  # noqa: E402
 from quant_ckpt import write_quantized  # noqa: E402
 
 WORKER = "tests/distributed/quant_worker.py"
@@ -25,7 +24,6 @@ QMODEL = dict(VARIANTS["moe_yarn"], hidden_size=160, intermediate_size=288, q_lo
               qk_nope_head_dim=24, v_head_dim=32)
 
 
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("quant_dist")
     src = make_tiny_deepseek(d / "src", **QMODEL)
@@ -40,7 +38,6 @@ def reference(tmp_path_factory) -> Path:
     return d / "ref.pt"
 
 
-@pytest.fixture(scope="module")
 def glm5_reference(tmp_path_factory) -> Path:
     from splash.distributed import SingleRankCommunicator
     from splash.engine.llm import LLM
@@ -66,20 +63,28 @@ SWITCH_RUNS = {2: ["fp8:live", "int8:blocking", "plain:live"], 4: ["int8:live", 
 GLM5_RUNS = ["glm5_fp8:live", "glm5_int8:live"]   # 2 ranks
 
 
-@pytest.fixture(scope="module")
-def launches(reference, glm5_reference):
-    """`launches(nprocs) -> stdout`: one launch per rank count runs, in turn, the layouts (fp8, int8), the
-    SWITCH_RUNS of that rank count and (2 ranks) GLM5_RUNS (rank start-up once, not per test; the lines name their
-    scheme). A failing run aborts the launch, so every test of that rank count then fails with its output."""
-    runs: dict[int, object] = {}
+_REFS: dict[str, Path] = {}   # built once, for both rank counts
 
+
+def launch_jobs(nprocs: int, tmp_path_factory, tiny_ckpt) -> list[tuple[str, ...]]:
+    """This file's job at `nprocs` ranks, run in tests/distributed/conftest.py's shared launch: the layouts (fp8,
+    int8), the SWITCH_RUNS of that rank count and (2 ranks) GLM5_RUNS, in turn (the lines name their scheme)."""
+    for name, make in (("moe", reference), ("glm5", glm5_reference)):
+        if name not in _REFS:
+            _REFS[name] = make(tmp_path_factory)
+    moe = str(_REFS["moe"])
+    args = [moe, "layouts", "fp8,int8", moe, "switch", ",".join(SWITCH_RUNS[nprocs])]
+    if nprocs == 2:
+        args += [str(_REFS["glm5"]), "switch", ",".join(GLM5_RUNS)]
+    return [(WORKER, *args)]
+
+
+@pytest.fixture(scope="module")
+def launches(shared_launches):
+    """`launches(nprocs) -> stdout` of the shared launch of that rank count; a failing run aborts it, so every
+    test of that rank count then fails with its output."""
     def get(nprocs: int) -> str:
-        if nprocs not in runs:
-            jobs = [str(reference), "layouts", "fp8,int8", str(reference), "switch", ",".join(SWITCH_RUNS[nprocs])]
-            if nprocs == 2:
-                jobs += [str(glm5_reference), "switch", ",".join(GLM5_RUNS)]
-            runs[nprocs] = run_mpi(nprocs, WORKER, *jobs, timeout=280)   # under pytest-timeout's 300 s
-        res = runs[nprocs]
+        res = shared_launches(nprocs)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         return res.stdout
     return get

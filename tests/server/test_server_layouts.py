@@ -14,6 +14,7 @@ offline batch of the round's prompts."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -61,26 +62,31 @@ def _streams_with_switch(url: str, prompts: list[list[int]], target: str, model:
                          max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[bool]]:
     """Start one streaming request per prompt; once all have tokens, pin ``target``; return their tokens and
     whether each was still running when the pin was accepted. The last stream asks for 4x ``max_tokens`` so that on a
-    fast host one is surely still running when the pin lands (callers compare the first tokens only)."""
+    fast host one is surely still running when the pin lands; callers compare the first ``max_tokens`` only, so once
+    the pin is accepted and it has those, the client closes it (its unchecked tail would be ~3/4 of the streaming
+    time) and waits until the server has cancelled it: the next round starts on an idle server, as before."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     got: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     started = threading.Barrier(len(prompts) + 1, timeout=60)
+    pinned = threading.Event()
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            n = max_tokens * (4 if i == len(prompts) - 1 else 1)
-            stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=n,
-                                               temperature=0, stream=True,
-                                               extra_body={"return_token_ids": True, "ignore_eos": True})
-            first = True
-            for chunk in stream:
-                for ch in chunk.choices:
-                    got[i] += ch.model_extra["token_ids"]
-                if first and got[i]:
-                    first = False
-                    started.wait()
+            long = i == len(prompts) - 1
+            with client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens * (4 if long else 1),
+                                           temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True}) as stream:
+                first = True
+                for chunk in stream:
+                    for ch in chunk.choices:
+                        got[i] += ch.model_extra["token_ids"]
+                    if first and got[i]:
+                        first = False
+                        started.wait()
+                    if long and pinned.is_set() and len(got[i]) >= max_tokens:
+                        break
             done[i] = True
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
@@ -97,11 +103,21 @@ def _streams_with_switch(url: str, prompts: list[list[int]], target: str, model:
         raise AssertionError(f"a stream failed before the switch to {target}: {errors}") from None
     r = httpx.post(f"{url}/v1/layout", json={"layout": target}, headers=AUTH, timeout=30)
     in_flight = [not d for d in done]
+    pinned.set()
     assert r.status_code == 200, r.text
     for t in threads:
         t.join(120)
     assert not errors, f"streams failed while switching to {target}: {errors}"
+    deadline = time.monotonic() + 30
+    while _metric(url, "splash_requests_running") or _metric(url, "splash_requests_waiting"):
+        assert time.monotonic() < deadline, "the closed stream is still running on the server"
+        time.sleep(0.05)
     return got, in_flight
+
+
+def _metric(url: str, name: str) -> float:
+    return sum(s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+               for s in fam.samples if s.name == name)
 
 
 def _switches(url: str) -> dict[tuple[str, str], float]:
