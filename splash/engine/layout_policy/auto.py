@@ -276,7 +276,7 @@ class AutoLayout:
             work_of[lay], step_s[lay] = work, first * f
             # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones), as
             # the normal rule and as a probe judge it
-            for out, u in ((unc, self.steps.uncertainty), (unc_probe, self._uncertainty)):
+            for out, u in ((unc, self._unmeasured), (unc_probe, self._uncertainty)):
                 hi = pre * fp * math.exp(u(lay, "prefill")) + dec * f * math.exp(u(lay, "decode"))
                 out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
@@ -331,6 +331,15 @@ class AutoLayout:
                 if mix is not None:
                     out[lay] = mix
         return out
+
+    def _unmeasured(self, lay: str, regime: str) -> float:
+        """`StepCorrection.uncertainty` of `lay` in `regime` as the normal rule judges it: 0 once the factor counts as
+        measured (below PROBE_MIN_UNCERTAINTY, where no probe would measure it again). A candidate's uncertainty
+        shrinks only with its own steps, which staying never runs: a residual one, counted here, would hold a
+        measured layout that leads by the margin on its point prediction out for good — too certain to be probed,
+        too uncertain to be entered — so a measured layout is held to the margin alone."""
+        u = self.steps.uncertainty(lay, regime)
+        return u if u >= PROBE_MIN_UNCERTAINTY else 0.0
 
     def _uncertainty(self, lay: str, regime: str) -> float:
         """`StepCorrection.uncertainty` of `lay` in `regime` for the batch now, as a probe is judged by: a decode
