@@ -23,8 +23,10 @@ carries an uncertainty (`correction`): what it misses is the layout's own deviat
 which is independent from layout to layout, so a candidate is judged at its prediction inflated by its uncertainty
 and the current layout's combined as independent errors (root of the sum of squares). It is entered only when its
 lead survives that: two layouts on the same borrowed factor do not compare as measured, and a current layout not
-measured yet is not left on its own borrowed factor (the steps it runs measure it). Before any step was measured
-nothing tells the layouts apart, and the model's predictions are compared as they are. The switch-cost prediction
+measured yet is not left on its own borrowed factor (the steps it runs measure it). A factor whose uncertainty is below
+PROBE_MIN_UNCERTAINTY counts as measured, for this rule as for a probe: it is judged at its point prediction and the
+margin alone (its residual uncertainty shrinks only with its own steps, which staying never runs, and no probe would
+take it). Before any step was measured nothing tells the layouts apart, and the model's predictions are compared as they are. The switch-cost prediction
 is corrected online too, per direction, from the measured added time of the switch steps (a conservative ratio
 until a switch was observed), and after a switch the controller stays at least DWELL_RATIO x the round trip's
 measured cost (in step seconds) before switching again, unless the current layout becomes infeasible. The last
