@@ -23,10 +23,8 @@ carries an uncertainty (`correction`): what it misses is the layout's own deviat
 which is independent from layout to layout, so a candidate is judged at its prediction inflated by its uncertainty
 and the current layout's combined as independent errors (root of the sum of squares). It is entered only when its
 lead survives that: two layouts on the same borrowed factor do not compare as measured, and a current layout not
-measured yet is not left on its own borrowed factor (the steps it runs measure it). A factor whose uncertainty is below
-PROBE_MIN_UNCERTAINTY counts as measured, for this rule as for a probe: it is judged at its point prediction and the
-margin alone (its residual uncertainty shrinks only with its own steps, which staying never runs, and no probe would
-take it). Before any step was measured nothing tells the layouts apart, and the model's predictions are compared as they are. The switch-cost prediction
+measured yet is not left on its own borrowed factor (the steps it runs measure it). Before any step was measured
+nothing tells the layouts apart, and the model's predictions are compared as they are. The switch-cost prediction
 is corrected online too, per direction, from the measured added time of the switch steps (a conservative ratio
 until a switch was observed), and after a switch the controller stays at least DWELL_RATIO x the round trip's
 measured cost (in step seconds) before switching again, unless the current layout becomes infeasible. The last
@@ -278,7 +276,7 @@ class AutoLayout:
             work_of[lay], step_s[lay] = work, first * f
             # pessimistic: each regime's factor at its uncertainty (borrowed factors are the uncertain ones), as
             # the normal rule and as a probe judge it
-            for out, u in ((unc, self._unmeasured), (unc_probe, self._uncertainty)):
+            for out, u in ((unc, self.steps.uncertainty), (unc_probe, self._uncertainty)):
                 hi = pre * fp * math.exp(u(lay, "prefill")) + dec * f * math.exp(u(lay, "decode"))
                 out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
@@ -333,15 +331,6 @@ class AutoLayout:
                 if mix is not None:
                     out[lay] = mix
         return out
-
-    def _unmeasured(self, lay: str, regime: str) -> float:
-        """`StepCorrection.uncertainty` of `lay` in `regime` as the normal rule judges it: 0 once the factor counts as
-        measured (below PROBE_MIN_UNCERTAINTY, where no probe would measure it again). A candidate's uncertainty
-        shrinks only with its own steps, which staying never runs: a residual one, counted here, would hold a
-        measured layout that leads by the margin on its point prediction out for good — too certain to be probed,
-        too uncertain to be entered — so a measured layout is held to the margin alone."""
-        u = self.steps.uncertainty(lay, regime)
-        return u if u >= PROBE_MIN_UNCERTAINTY else 0.0
 
     def _uncertainty(self, lay: str, regime: str) -> float:
         """`StepCorrection.uncertainty` of `lay` in `regime` for the batch now, as a probe is judged by: a decode
