@@ -399,6 +399,7 @@ def test_a_measured_layout_leading_on_its_point_prediction_only_is_probed_again(
     a = make(m, observe_every=1)
     _visit(a, m, "tp", 3.0, n=200)
     _visit(a, m, "dop", 3.0, n=2)
+    a.probes["dop/decode"] = 1                 # as by the probe that measured it
     reqs = decode_batch(4, 100, remaining=10_000)
     d = a.propose(0, "tp", reqs, usage(reqs))
     assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.target, d.probe) == ("switch", "dop", True)
@@ -406,7 +407,7 @@ def test_a_measured_layout_leading_on_its_point_prediction_only_is_probed_again(
     v = a.vet(d, manifest=None)
     assert v.verdict == "switch" and "round trip" in v.reason        # vetted as any probe: its round trip
     a.record(v)
-    assert a.probes == {"dop/decode": 1}
+    assert a.probes == {"dop/decode": 1, "dop/decode/again": 1}
     rows = [(1, 100, 0)] * 4
     a.observe("dop", pieces(rows), 3.0 * m.step("dop", rows).seconds, switched=True)
     _visit(a, m, "dop", 4.8, n=2)              # DOP runs 1.6x what it was measured at: on 4 steps, not judged

@@ -66,14 +66,15 @@ probe, and another layout's prefill probe qualified: the chain is how a layout l
 measured nothing, so it is not counted either. A layout measured in the next steps' regime (its uncertainty there
 below PROBE_MIN_UNCERTAINTY, so no probe above takes it) that leads by the margin on its point prediction but not once
 its residual uncertainty is counted would be held out for as long as auto stays: that uncertainty shrinks only with
-its own steps. It is probed again instead — the same probe (counted against the same MAX_PROBES, vetted by the same
-budget) — where the current layout is measured there too (else staying measures the current one), and the trip
-ends once its steps there at least doubled (plus one): the probe's measurements then weigh as much as the earlier
-ones, and the return judges it at the refreshed point prediction. Its round trip must also fit in memory: a probe
-is taken only when the switch back passes the controller's headroom check (`LayoutController.way_back`) for the
-running requests grown by what the probe may run — each its pending prefill plus up to PROBE_LEN_STEPS more output
-tokens (the steps that measure the probed layout and the re-evaluation that brings the return) — so a probe cannot
-strand the batch in a layout it measured slower until the pool drains.
+its own steps. It is probed again instead — the same probe, vetted by the same budget, at most MAX_PROBES times per
+layout and regime apart from the probes above (they measured it; this measures it again where it is held out) —
+where the current layout is measured there too (else staying measures the current one), and the trip ends once its
+steps there at least doubled (plus one): the probe's measurements then weigh as much as the earlier ones, and the
+return judges it at the refreshed point prediction. Its round trip must also fit in memory: a probe is taken only when
+the switch back passes the controller's headroom check (`LayoutController.way_back`) for the running requests grown
+by what the probe may run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that
+measure the probed layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a
+layout it measured slower until the pool drains.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -151,7 +152,7 @@ class AutoLayout:
         self._since_switch_s = math.inf   # measured step seconds since the last switch
         self._dwell_s = 0.0               # ... that must pass before the next voluntary one
         self._learn_until = 0             # observed-step count up to which every step trains
-        self.probes: dict[str, int] = {}                    # "layout/regime" -> probes taken
+        self.probes: dict[str, int] = {}    # "layout/regime" -> probes taken ("layout/regime/again": of it measured)
         # the regime of the probe proposed at this boundary, and the step seconds within which its steps should come
         # ... whether it is ahead of that regime, and for a probe of a measured layout its steps there before it
         self._probe_for: tuple[str, float, bool, int | None] = ("decode", math.inf, False, None)
@@ -436,10 +437,10 @@ class AutoLayout:
         """A probe of `k`, measured in `regime`, that leads by the margin on its point prediction but not once its
         residual uncertainty is counted (see the module docstring): `k`'s steps in `regime` so far, or None when
         it is not taken — `k` or `current` not measured there (a probe's own case, or staying measures the current
-        layout), its probes there spent, within the dwell, or while `current`'s own probe has not measured it (its
-        return judges that)."""
+        layout), its probes of this kind there spent, within the dwell, or while `current`'s own probe has not
+        measured it (its return judges that)."""
         trip = self._probe_trip
-        if (self._since_switch_s < self._dwell_s or self.probes.get(f"{k}/{regime}", 0) >= MAX_PROBES
+        if (self._since_switch_s < self._dwell_s or self.probes.get(f"{k}/{regime}/again", 0) >= MAX_PROBES
                 or (trip is not None and trip[1] == current)
                 or max(self._uncertainty(k, regime), self._uncertainty(current, regime)) >= PROBE_MIN_UNCERTAINTY):
             return None
@@ -524,7 +525,7 @@ class AutoLayout:
             self._probe_trip = ((d.current, d.target, reg, self.overhead.ran_s + within, ahead, again) if d.probe
                                 else None)
             if d.probe:
-                key = f"{d.target}/{self._probe_for[0]}"
+                key = f"{d.target}/{self._probe_for[0]}" + ("" if self._probe_for[3] is None else "/again")
                 self.probes[key] = self.probes.get(key, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
             self.history.append(self._last_view())
@@ -541,7 +542,7 @@ class AutoLayout:
         if trip is None or not d.probe or trip[1] != d.current:
             return
         if not self._trip_measured(d.current, trip[2], trip[5]):
-            key = f"{d.current}/{trip[2]}"
+            key = f"{d.current}/{trip[2]}" + ("" if trip[5] is None else "/again")
             self.probes[key] = max(0, self.probes.get(key, 0) - 1)
 
     def _last_view(self) -> dict | None:
