@@ -399,7 +399,7 @@ def test_a_measured_layout_leading_on_its_point_prediction_only_is_probed_again(
     a = make(m, observe_every=1)
     _visit(a, m, "tp", 3.0, n=200)
     _visit(a, m, "dop", 3.0, n=2)
-    a.probes["dop/decode"] = 1                 # as by the probe that measured it
+    a.probes["dop/decode"] = 1                 # spent by the probe that measured it: it does not bar this one
     reqs = decode_batch(4, 100, remaining=10_000)
     d = a.propose(0, "tp", reqs, usage(reqs))
     assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.target, d.probe) == ("switch", "dop", True)

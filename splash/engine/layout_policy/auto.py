@@ -290,6 +290,7 @@ class AutoLayout:
                 out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
             self._regime_s[lay] = {"prefill": pre * fp, "decode": dec * f}
+        u_cur = unc.get(current, 0.0)   # the current layout's own uncertainty: staying shrinks it
         unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
@@ -314,7 +315,9 @@ class AutoLayout:
                                 probe_lead_s=probe[3], **base)
             best = min(per_tok, key=per_tok.get)
             point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
-            again = self._probe_again(current, best, regime) if point else None
+            # held out by its own residual uncertainty, not by the current layout's
+            own = point and per_tok[best] * math.exp(u_cur) <= (1 - self.margin) * per_tok[current]
+            again = self._probe_again(current, best, regime) if own else None
             if again is not None:
                 self._probe_for = (regime, math.inf, False, again)
                 return Decision(verdict="switch", target=best, probe=True, reason=(
