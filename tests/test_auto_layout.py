@@ -427,6 +427,13 @@ def test_a_measured_layout_leading_on_its_point_prediction_only_is_probed_again(
     _visit(b, b.model, "tp", 3.0, n=200)
     _visit(b, b.model, "dop", 3.0, n=2)
     assert (b.propose(0, "tp", reqs, usage(reqs)).verdict, b.probes) == ("below_margin", {})
+    # nor one held out by the current layout's uncertainty as much as by its own: staying shrinks that (TP measured
+    # twice too: 15% ahead, 7.6% with TP's uncertainty alone)
+    c = make(m, observe_every=1)
+    m.fixed["dop"] = 0.85e-3
+    _visit(c, m, "tp", 3.0, n=3)
+    _visit(c, m, "dop", 3.0, n=2)
+    assert (c.propose(0, "tp", reqs, usage(reqs)).verdict, c.probes) == ("uncertain", {})
 
 
 def test_a_layout_behind_on_its_point_prediction_is_probed_when_its_uncertainty_could_make_it_lead():

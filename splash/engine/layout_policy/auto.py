@@ -64,17 +64,18 @@ controller goes back without the margin (the payoff must still exceed the switch
 decides from there. A probe left for another probe before it measured its regime (prompts arrived during a decode
 probe, and another layout's prefill probe qualified: the chain is how a layout leading in the new regime is found)
 measured nothing, so it is not counted either. A layout measured in the next steps' regime (its uncertainty there
-below PROBE_MIN_UNCERTAINTY, so no probe above takes it) that leads by the margin on its point prediction but not once
-its residual uncertainty is counted would be held out for as long as auto stays: that uncertainty shrinks only with
-its own steps. It is probed again instead — the same probe, vetted by the same budget, at most MAX_PROBES times per
-layout and regime apart from the probes above (they measured it; this measures it again where it is held out) —
-where the current layout is measured there too (else staying measures the current one), and the trip ends once its
-steps there at least doubled (plus one): the probe's measurements then weigh as much as the earlier ones, and the
-return judges it at the refreshed point prediction. Its round trip must also fit in memory: a probe is taken only when
-the switch back passes the controller's headroom check (`LayoutController.way_back`) for the running requests grown
-by what the probe may run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that
-measure the probed layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a
-layout it measured slower until the pool drains.
+below PROBE_MIN_UNCERTAINTY, so no probe above takes it) that leads by the margin on its point prediction, and with
+the current layout's uncertainty (staying shrinks that), but not once its own residual uncertainty is counted too,
+would be held out for as long as auto stays: its own uncertainty shrinks only with its own steps. It is probed again
+instead — the same probe, vetted by the same budget, at most MAX_PROBES times per layout and regime apart from the
+probes above (they measured it; this measures it again where it is held out) — where the current layout is measured
+there too (else staying measures the current one), and the trip ends once its steps there at least doubled (plus
+one): the probe's measurements then weigh as much as the earlier ones, and the return judges it at the refreshed
+point prediction. Its round trip must also fit in memory: a probe is taken only when the switch back passes the
+controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may run —
+each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed layout and
+the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured slower until
+the pool drains.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -437,11 +438,11 @@ class AutoLayout:
         return None
 
     def _probe_again(self, current: str, k: str, regime: str) -> int | None:
-        """A probe of `k`, measured in `regime`, that leads by the margin on its point prediction but not once its
-        residual uncertainty is counted (see the module docstring): `k`'s steps in `regime` so far, or None when
-        it is not taken — `k` or `current` not measured there (a probe's own case, or staying measures the current
-        layout), its probes of this kind there spent, within the dwell, or while `current`'s own probe has not
-        measured it (its return judges that)."""
+        """A probe of `k`, measured in `regime`, that leads by the margin on its point prediction and with the current
+        layout's uncertainty but not once its own residual uncertainty is counted too (see the module docstring):
+        `k`'s steps in `regime` so far, or None when it is not taken — `k` or `current` not measured there (a
+        probe's own case, or staying measures the current layout), its probes of this kind there spent, within the
+        dwell, or while `current`'s own probe has not measured it (its return judges that)."""
         trip = self._probe_trip
         if (self._since_switch_s < self._dwell_s or self.probes.get(f"{k}/{regime}/again", 0) >= MAX_PROBES
                 or (trip is not None and trip[1] == current)
