@@ -153,7 +153,7 @@ class AutoLayout:
         self._since_switch_s = math.inf   # measured step seconds since the last switch
         self._dwell_s = 0.0               # ... that must pass before the next voluntary one
         self._learn_until = 0             # observed-step count up to which every step trains
-        self.probes: dict[str, int] = {}    # "layout/regime" -> probes taken ("layout/regime/again": of it measured)
+        self.probes: dict[str, int] = {}    # "layout/regime" -> probes taken; "layout/regime/again": once measured
         # the regime of the probe proposed at this boundary, and the step seconds within which its steps should come
         # ... whether it is ahead of that regime, and for a probe of a measured layout its steps there before it
         self._probe_for: tuple[str, float, bool, int | None] = ("decode", math.inf, False, None)
