@@ -390,15 +390,50 @@ def test_the_engines_first_step_does_not_train():
     assert a.prefill_stats["tp"].n == 1
 
 
-def test_a_measured_layout_is_not_probed_on_a_small_residual_uncertainty():
+def test_a_measured_layout_leading_on_its_point_prediction_only_is_probed_again():
+    # DOP measured twice: uncertainty 0.25 / 3 beyond TP's, below PROBE_MIN_UNCERTAINTY (no probe of a layout not
+    # measured takes it), 15% ahead on its point prediction, 7.7% with that uncertainty: the normal rule holds it out,
+    # and staying in TP would never shrink it — DOP is probed again
     m = LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.85e-3},
                    per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0))
     a = make(m, observe_every=1)
     _visit(a, m, "tp", 3.0, n=200)
-    _visit(a, m, "dop", 3.0, n=2)                  # measured twice: uncertainty 0.25 / 3 beyond TP's
+    _visit(a, m, "dop", 3.0, n=2)
+    a.probes["dop/decode"] = 1                 # spent by the probe that measured it: it does not bar this one
     reqs = decode_batch(4, 100, remaining=10_000)
     d = a.propose(0, "tp", reqs, usage(reqs))
-    assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.probe) == ("uncertain", False)
+    assert 0 < d.uncertainty["dop"] < 0.1 and (d.verdict, d.target, d.probe) == ("switch", "dop", True)
+    assert "probe dop again in decode" in d.reason
+    v = a.vet(d, manifest=None)
+    assert v.verdict == "switch" and "round trip" in v.reason        # vetted as any probe: its round trip
+    a.record(v)
+    assert a.probes == {"dop/decode": 1, "dop/decode/again": 1}
+    rows = [(1, 100, 0)] * 4
+    a.observe("dop", pieces(rows), 3.0 * m.step("dop", rows).seconds, switched=True)
+    _visit(a, m, "dop", 4.8, n=2)              # DOP runs 1.6x what it was measured at: on 4 steps, not judged
+    d = a.propose(1, "dop", reqs, usage(reqs))  # yet (nor TP probed back from within the trip)
+    assert not d.probe_return and not d.probe and a._probe_trip is not None
+    _visit(a, m, "dop", 4.8, n=1)              # 5 steps: the probe's weigh as much as the earlier ones
+    d = a.propose(2, "dop", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe_return) == ("switch", "tp", True) and "measured dop" in d.reason
+    a.record(a.vet(d, manifest=None))
+    # its probe spent, DOP leading by the margin on its point prediction again is not probed a second time
+    m.fixed["dop"] = 0.88e-3 * a.factor("tp") / a.factor("dop")
+    d = a.propose(3, "tp", reqs, usage(reqs))
+    assert (d.verdict, d.target, d.probe) == ("uncertain", "dop", False)
+    # a measured layout ahead by less than the margin on its point prediction is not probed
+    b = make(LinearCost(fixed={"tp": 1e-3, "dp_attn": 1.0, "cp": 1.0, "dop": 0.92e-3},
+                        per_kv=dict.fromkeys(LAYOUTS, 0.0), per_row=dict.fromkeys(LAYOUTS, 0.0)), observe_every=1)
+    _visit(b, b.model, "tp", 3.0, n=200)
+    _visit(b, b.model, "dop", 3.0, n=2)
+    assert (b.propose(0, "tp", reqs, usage(reqs)).verdict, b.probes) == ("below_margin", {})
+    # nor one held out by the current layout's uncertainty as much as by its own: staying shrinks that (TP measured
+    # twice too: 15% ahead, 7.6% with TP's uncertainty alone)
+    c = make(m, observe_every=1)
+    m.fixed["dop"] = 0.85e-3
+    _visit(c, m, "tp", 3.0, n=3)
+    _visit(c, m, "dop", 3.0, n=2)
+    assert (c.propose(0, "tp", reqs, usage(reqs)).verdict, c.probes) == ("uncertain", {})
 
 
 def test_a_layout_behind_on_its_point_prediction_is_probed_when_its_uncertainty_could_make_it_lead():

@@ -63,11 +63,19 @@ before its regime) without measuring it — and the layout it came from is faste
 controller goes back without the margin (the payoff must still exceed the switch's cost); otherwise the normal rule
 decides from there. A probe left for another probe before it measured its regime (prompts arrived during a decode
 probe, and another layout's prefill probe qualified: the chain is how a layout leading in the new regime is found)
-measured nothing, so it is not counted either. Its round trip must also fit in memory: a probe is taken only when
-the switch back passes the controller's headroom check (`LayoutController.way_back`) for the running requests grown
-by what the probe may run — each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that
-measure the probed layout and the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured
-slower until the pool drains.
+measured nothing, so it is not counted either. A layout measured in the next steps' regime (its uncertainty there
+below PROBE_MIN_UNCERTAINTY, so no probe above takes it) that leads by the margin on its point prediction, and with
+the current layout's uncertainty (staying shrinks that), but not once its own residual uncertainty is counted too,
+would be held out for as long as auto stays: its own uncertainty shrinks only with its own steps. It is probed again
+instead — the same probe, vetted by the same budget, at most MAX_PROBES times per layout and regime apart from the
+probes above (they measured it; this measures it again where it is held out) — where the current layout is measured
+there too (else staying measures the current one), and the trip ends once its steps there at least doubled (plus
+one): the probe's measurements then weigh as much as the earlier ones, and the return judges it at the refreshed
+point prediction. Its round trip must also fit in memory: a probe is taken only when the switch back passes the
+controller's headroom check (`LayoutController.way_back`) for the running requests grown by what the probe may run —
+each its pending prefill plus up to PROBE_LEN_STEPS more output tokens (the steps that measure the probed layout and
+the re-evaluation that brings the return) — so a probe cannot strand the batch in a layout it measured slower until
+the pool drains.
 
 Re-evaluations may take at most OVERHEAD_BUDGET of the steps' measured time: a due one waits for that credit (not
 at an idle boundary), so millisecond decode steps are not slowed by predictions that take about as long.
@@ -145,11 +153,13 @@ class AutoLayout:
         self._since_switch_s = math.inf   # measured step seconds since the last switch
         self._dwell_s = 0.0               # ... that must pass before the next voluntary one
         self._learn_until = 0             # observed-step count up to which every step trains
-        self.probes: dict[str, int] = {}                    # "layout/regime" -> probes taken
+        self.probes: dict[str, int] = {}    # "layout/regime" -> probes taken; "layout/regime/again": once measured
         # the regime of the probe proposed at this boundary, and the step seconds within which its steps should come
-        self._probe_for: tuple[str, float, bool] = ("decode", math.inf, False)
-        # (from, into, regime, deadline in executed step seconds, ahead of its regime) of the probe not resolved yet
-        self._probe_trip: tuple[str, str, str, float, bool] | None = None
+        # ... whether it is ahead of that regime, and for a probe of a measured layout its steps there before it
+        self._probe_for: tuple[str, float, bool, int | None] = ("decode", math.inf, False, None)
+        # (from, into, regime, deadline in executed step seconds, ahead of its regime, steps there before it) of the
+        # probe not resolved yet
+        self._probe_trip: tuple[str, str, str, float, bool, int | None] | None = None
         self._unmet: set[str] = set()   # "layout/regime" probed ahead of its regime, whose steps did not come
         self._shape: dict[str, dict[str, float]] = {}   # per layout, the stage mix of a decode step of the batch now
         self._regime_s: dict[str, dict[str, float]] = {}   # per layout, its forecast's corrected seconds per regime
@@ -281,6 +291,7 @@ class AutoLayout:
                 out[lay] = math.log(hi / secs) if secs > 0 and hi > 0 else 0.0
             until[lay] = self._until(lay, fc.until_s)
             self._regime_s[lay] = {"prefill": pre * fp, "decode": dec * f}
+        u_cur = unc.get(current, 0.0)   # the current layout's own uncertainty: staying shrinks it
         unc, unc_probe = self._relative(current, unc), self._relative(current, unc_probe)
         base = dict(step=step, current=current, seconds_per_token=per_tok, batch_seconds=total, admitted=admitted,
                     infeasible=infeasible, margin=self.margin, work_tokens=max(work_of.values(), default=0),
@@ -299,12 +310,21 @@ class AutoLayout:
             regime = "prefill" if any(r.pending > 1 for r in reqs) else "decode"
             probe = self._probe_target(current, per_tok, unc_probe, regime, until, total.get(current, 0.0))
             if probe is not None:
-                self._probe_for = (probe[2], probe[4], probe[2] != regime)
+                self._probe_for = (probe[2], probe[4], probe[2] != regime, None)
                 return Decision(verdict="switch", target=probe[0], probe=True, reason=f"{why}; {probe[1]}",
                                 payoff_s=(per_tok[current] - per_tok[probe[0]]) * base["work_tokens"],
                                 probe_lead_s=probe[3], **base)
             best = min(per_tok, key=per_tok.get)
             point = best != current and per_tok[best] <= (1 - self.margin) * per_tok[current]
+            # held out by its own residual uncertainty, not by the current layout's
+            own = point and per_tok[best] * math.exp(u_cur) <= (1 - self.margin) * per_tok[current]
+            again = self._probe_again(current, best, regime) if own else None
+            if again is not None:
+                self._probe_for = (regime, math.inf, False, again)
+                return Decision(verdict="switch", target=best, probe=True, reason=(
+                    f"{why}; probe {best} again in {regime}: {1 - per_tok[best] / per_tok[current]:.1%} faster on "
+                    f"its point prediction, its {regime} factor learnt on {again} steps"),
+                    payoff_s=(per_tok[current] - per_tok[best]) * base["work_tokens"], **base)
             verdict = "stay" if best == current else "uncertain" if point else "below_margin"
             return Decision(verdict=verdict, target=None if best == current else best, reason=why, **base)
         if current in per_tok and self._since_switch_s < self._dwell_s:
@@ -417,6 +437,28 @@ class AutoLayout:
                            f"{self._known(k, reg)}{first}"), reg, lead, within
         return None
 
+    def _probe_again(self, current: str, k: str, regime: str) -> int | None:
+        """A probe of `k`, measured in `regime`, that leads by the margin on its point prediction and with the current
+        layout's uncertainty but not once its own residual uncertainty is counted too (see the module docstring):
+        `k`'s steps in `regime` so far, or None when it is not taken — `k` or `current` not measured there (a
+        probe's own case, or staying measures the current layout), its probes of this kind there spent, within the
+        dwell, or while `current`'s own probe has not measured it (its return judges that)."""
+        trip = self._probe_trip
+        if (self._since_switch_s < self._dwell_s or self.probes.get(f"{k}/{regime}/again", 0) >= MAX_PROBES
+                or (trip is not None and trip[1] == current)
+                or max(self._uncertainty(k, regime), self._uncertainty(current, regime)) >= PROBE_MIN_UNCERTAINTY):
+            return None
+        return self.steps.by_regime[regime][k].n
+
+    def _trip_measured(self, lay: str, regime: str, again: int | None) -> bool:
+        """Whether the probe into `lay` measured it in `regime`: its uncertainty there below PROBE_MIN_UNCERTAINTY;
+        for a probe of a layout measured there already (`again`: its steps before the probe), also its steps there
+        at least doubled, plus one — the probe's own measurements weigh as much as the earlier ones, and its
+        residual uncertainty has halved."""
+        if self._uncertainty(lay, regime) >= PROBE_MIN_UNCERTAINTY:
+            return False
+        return again is None or self.steps.by_regime[regime][lay].n >= 2 * again + 1
+
     def _known(self, lay: str, regime: str) -> str:
         """What `lay`'s factor in `regime` rests on, for a probe's reason."""
         st = self.steps.by_regime[regime][lay]
@@ -435,8 +477,8 @@ class AutoLayout:
         if trip is None or trip[1] != current:
             self._probe_trip = None
             return None
-        origin, _, regime, deadline, ahead = trip
-        measured = self._uncertainty(current, regime) < PROBE_MIN_UNCERTAINTY
+        origin, _, regime, deadline, ahead, again = trip
+        measured = self._trip_measured(current, regime, again)
         if not measured and self.overhead.ran_s <= deadline:
             return None   # not measured yet: the normal rule decides meanwhile
         self._probe_trip = None
@@ -483,10 +525,11 @@ class AutoLayout:
         self.verdicts[d.verdict] = self.verdicts.get(d.verdict, 0) + 1
         if d.verdict == "switch":
             self._refund_cut_probe(d)
-            reg, within, ahead = self._probe_for   # its deadline counts the steps' measured seconds from here
-            self._probe_trip = (d.current, d.target, reg, self.overhead.ran_s + within, ahead) if d.probe else None
+            reg, within, ahead, again = self._probe_for   # its deadline counts the steps' measured seconds from here
+            self._probe_trip = ((d.current, d.target, reg, self.overhead.ran_s + within, ahead, again) if d.probe
+                                else None)
             if d.probe:
-                key = f"{d.target}/{self._probe_for[0]}"
+                key = f"{d.target}/{self._probe_for[0]}" + ("" if self._probe_for[3] is None else "/again")
                 self.probes[key] = self.probes.get(key, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
             self.history.append(self._last_view())
@@ -502,8 +545,8 @@ class AutoLayout:
         trip = self._probe_trip
         if trip is None or not d.probe or trip[1] != d.current:
             return
-        if self._uncertainty(d.current, trip[2]) >= PROBE_MIN_UNCERTAINTY:
-            key = f"{d.current}/{trip[2]}"
+        if not self._trip_measured(d.current, trip[2], trip[5]):
+            key = f"{d.current}/{trip[2]}" + ("" if trip[5] is None else "/again")
             self.probes[key] = max(0, self.probes.get(key, 0) - 1)
 
     def _last_view(self) -> dict | None:
