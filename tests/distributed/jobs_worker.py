@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from mpi_util import REPO_ROOT, run_worker  # noqa: E402
+from mpi_util import REPO_ROOT, run_worker, split_jobs  # noqa: E402
 
 
 def run_job(script: str, *args: str) -> None:
@@ -26,13 +26,7 @@ def run_job(script: str, *args: str) -> None:
 
 
 def main() -> None:
-    jobs: list[list[str]] = [[]]
-    for a in sys.argv[1:]:
-        if a == "::":
-            jobs.append([])
-        else:
-            jobs[-1].append(a)
-    for job in jobs:
+    for job in split_jobs(sys.argv[1:]):
         run_job(*job)
 
 

@@ -61,6 +61,17 @@ def run_jobs(nprocs: int, jobs: list[tuple[str, ...]], timeout: float = 120.0) -
     return run_mpi(nprocs, "tests/distributed/jobs_worker.py", *args, timeout=timeout)
 
 
+def split_jobs(argv: list[str]) -> list[list[str]]:
+    """A shared launch's argv (`job args :: job args ...`, as `run_jobs` and test_switching join them) as its jobs."""
+    jobs: list[list[str]] = [[]]
+    for a in argv:
+        if a == "::":
+            jobs.append([])
+        else:
+            jobs[-1].append(a)
+    return jobs
+
+
 def run_worker(main) -> None:
     """Run a worker's `main()` on one rank; on any failure print it and abort the whole MPI job, so the other
     ranks are not left waiting in a collective (the test then fails at once instead of timing out)."""

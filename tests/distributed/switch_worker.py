@@ -358,19 +358,13 @@ def convert(model_dir, ref, rank_print) -> None:
 
 def main() -> None:
     global LAYOUTS, PAIRS, BLOCK_SIZE
-    from mpi_util import comm_from_argv
+    from mpi_util import comm_from_argv, split_jobs
     from near_ties import restore
 
     import splash.distributed as dist
     rank = dist.init_dist().rank
     defaults = LAYOUTS, PAIRS, BLOCK_SIZE
-    jobs: list[list[str]] = [[]]
-    for a in sys.argv[1:]:
-        if a == "::":
-            jobs.append([])
-        else:
-            jobs[-1].append(a)
-    for job in jobs:   # several models, modes and communicators share one launch: rank start-up once
+    for job in split_jobs(sys.argv[1:]):   # several models, modes and communicators share one launch: rank start-up once
         opts = dict(a.split("=", 1) for a in job if "=" in a)
         args = [a for a in job if "=" not in a]
         model_dir, ref_path, modes = args[:3]
