@@ -20,6 +20,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from hf_models import DSA_VARIANTS, VARIANTS, load_hf, make_tiny_deepseek
 
+# MPICH's ranks busy-poll while they wait in a collective; on this 2-core host the tests' two- and four-rank jobs
+# share the cores with each other and with the other xdist worker, so a waiting rank that spins takes the core the
+# rank it waits for needs. These make a waiting rank sleep briefly instead (measured: the whole suite 611.6 ->
+# 518.5 s, its CPU 1,020 -> 790 s; docs/benchmarks.md "Session 23 (lead)"). Rank processes inherit them through
+# os.environ; other MPI libraries ignore them.
+os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+
 # The tiny models are latency-bound: one thread avoids OpenMP spin-waits on this shared 2-core machine, where a
 # second thread that is descheduled by another process makes every small op wait (measured: 100x slower steps).
 torch.set_num_threads(1)
