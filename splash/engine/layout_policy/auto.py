@@ -125,6 +125,12 @@ OVERHEAD_BUDGET = 0.01   # re-evaluations: at most this share of the executed st
                          # auto may cost where it never switches: the rest is observations and noise)
 
 
+def _probe_key(lay: str, regime: str, again: bool = False) -> str:
+    """The key `AutoLayout.probes` counts a probe of `lay` in `regime` under: a probe of a measured layout again
+    (`_probe_again`) apart from the probes that measure a layout."""
+    return f"{lay}/{regime}" + ("/again" if again else "")
+
+
 class AutoLayout:
     """Chooses the layout for `layout: auto`; see the module docstring. One instance on rank 0."""
 
@@ -444,7 +450,7 @@ class AutoLayout:
         probe's own case, or staying measures the current layout), its probes of this kind there spent, within the
         dwell, or while `current`'s own probe has not measured it (its return judges that)."""
         trip = self._probe_trip
-        if (self._since_switch_s < self._dwell_s or self.probes.get(f"{k}/{regime}/again", 0) >= MAX_PROBES
+        if (self._since_switch_s < self._dwell_s or self.probes.get(_probe_key(k, regime, True), 0) >= MAX_PROBES
                 or (trip is not None and trip[1] == current)
                 or max(self._uncertainty(k, regime), self._uncertainty(current, regime)) >= PROBE_MIN_UNCERTAINTY):
             return None
@@ -529,7 +535,7 @@ class AutoLayout:
             self._probe_trip = ((d.current, d.target, reg, self.overhead.ran_s + within, ahead, again) if d.probe
                                 else None)
             if d.probe:
-                key = f"{d.target}/{self._probe_for[0]}" + ("" if self._probe_for[3] is None else "/again")
+                key = _probe_key(d.target, self._probe_for[0], self._probe_for[3] is not None)
                 self.probes[key] = self.probes.get(key, 0) + 1
         if prev is None or (prev.verdict, prev.target, prev.current) != (d.verdict, d.target, d.current):
             self.history.append(self._last_view())
@@ -546,7 +552,7 @@ class AutoLayout:
         if trip is None or not d.probe or trip[1] != d.current:
             return
         if not self._trip_measured(d.current, trip[2], trip[5]):
-            key = f"{d.current}/{trip[2]}" + ("" if trip[5] is None else "/again")
+            key = _probe_key(d.current, trip[2], trip[5] is not None)
             self.probes[key] = max(0, self.probes.get(key, 0) - 1)
 
     def _last_view(self) -> dict | None:
