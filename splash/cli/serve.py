@@ -55,7 +55,7 @@ def _follow(engine, watchdog, rank: int) -> int:
 
 def _serve(argv: Sequence[str] | None = None) -> int:
     from splash.distributed import init_dist, make_communicator
-    from splash.distributed.launch import describe_communicator, set_threads
+    from splash.distributed.launch import YIELD_ENV, describe_communicator, set_threads
     from splash.server import startup
     from splash.server.console import Console
     from splash.server.watchdog import StepChannel, Watchdog
@@ -75,6 +75,10 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
         if console:
             console.log(f"splash-serve: tensor collectives on {describe_communicator(data_comm)}")
+            if ctx.waits_yield:
+                settings = ", ".join(f"{k}={os.environ[k]}" for k in YIELD_ENV)
+                console.log(f"splash-serve: {ctx.local_size} ranks on {os.cpu_count()} cores here: "
+                            f"waiting ranks yield their core ({settings})")
         watchdog = startup.start_watchdog(comm, Watchdog(rank, cfg.server.collective_timeout_s))
         step_comm = StepChannel(comm)
         set_threads(ctx)

@@ -19,11 +19,35 @@ class DistContext:
     local_rank: int
     comm: Communicator
     local_size: int = 1
+    waits_yield: bool = False  # MPICH's waiting ranks yield their core (more ranks than cores here)
+
+
+# MPICH's settings (read at MPI_Init) that make a rank waiting in a collective sleep in its progress loop instead
+# of busy-polling. Without them, with more ranks than cores on a node, a waiting rank takes the core the rank it
+# waits for needs (docs/benchmarks.md "MPICH's waiting ranks yield in splash-serve (session 24)").
+YIELD_ENV = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
+
+
+def yield_when_oversubscribed(environ=os.environ, cores: int | None = None) -> bool:
+    """Before MPI starts: when the launcher puts more ranks on this node than it has cores, ask MPICH's waiting
+    ranks to yield (a value the user set is kept). True when the ranks here are oversubscribed. Where a core per
+    rank exists, busy-polling answers a collective soonest, so nothing is set."""
+    local = environ.get("MPI_LOCALNRANKS") or environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    try:
+        ranks = int(local) if local else 0
+    except ValueError:
+        return False
+    if ranks <= (cores if cores is not None else os.cpu_count() or 1):
+        return False
+    for name, value in YIELD_ENV.items():
+        environ.setdefault(name, value)
+    return True
 
 
 def init_dist() -> DistContext:
     """Rank, size and node-local rank from MPI's `COMM_WORLD` (one rank without mpiexec); a larger group gets an
     `MPICommunicator` on a duplicate of it, so our traffic never mixes with other users'."""
+    waits_yield = yield_when_oversubscribed()
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -32,7 +56,8 @@ def init_dist() -> DistContext:
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
     comm: Communicator = MPICommunicator(world.Dup()) if size > 1 else SingleRankCommunicator()
-    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm, local_size=local_size)
+    return DistContext(rank=rank, world_size=size, local_rank=local_rank, comm=comm, local_size=local_size,
+                       waits_yield=waits_yield)
 
 
 def set_threads(ctx: DistContext) -> int:
