@@ -11,7 +11,7 @@ import pytest
 from splash.cli.args import build_config
 from splash.config.serve_config import ServeConfig, ServerSection, load_serve_config
 from splash.errors import ConfigError
-from splash.server.startup import resolve_admin_token
+from splash.server.startup import resolve_admin_token, resolve_api_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +32,7 @@ def _load_error(tmp_path: Path, text: str) -> str:
     ("server:\n  admin_token: ''\n", ["server.admin_token", "empty"]),
     ("server:\n  admin_token: '  '\n", ["server.admin_token", "empty"]),
     ("server:\n  admin_token: a\n  admin_token_file: /x\n", ["admin_token_file", "both"]),
+    ("server:\n  api_key: ' '\n", ["server.api_key", "empty"]),
     ("server:\n  max_request_body_bytes: 0\n", ["server.max_request_body_bytes"]),
 ])
 def test_bad_values_name_the_field(tmp_path, text, needles):
@@ -58,6 +59,15 @@ def test_admin_token_from_file_or_environment(tmp_path):
         resolve_admin_token(ServerSection(admin_token_file=str(tmp_path / "empty")), {})
     with pytest.raises(ConfigError, match="admin_token_file.*cannot read"):
         resolve_admin_token(ServerSection(admin_token_file=str(tmp_path / "missing")), {})
+
+
+def test_api_key_from_the_config_or_environment():
+    assert resolve_api_key(ServerSection(api_key="cfg"), {"SPLASH_API_KEY": "env"}) == "cfg"
+    assert resolve_api_key(ServerSection(), {"SPLASH_API_KEY": " env\n"}) == "env"
+    assert resolve_api_key(ServerSection(), {}) is None
+    with pytest.raises(ConfigError, match="SPLASH_API_KEY.*empty"):
+        resolve_api_key(ServerSection(), {"SPLASH_API_KEY": "  "})
+    assert build_config(["--api-key", "k1"]).server.api_key == "k1"
 
 
 def test_shipped_configs_still_load():

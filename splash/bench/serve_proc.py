@@ -28,6 +28,7 @@ def launch(np_: int, config: str | None, flags: list[str], server_args: str, log
     cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", *(["--config", config] if config else []),
            "--port", "0", "--host", "127.0.0.1", "--quiet", *flags, *shlex.split(server_args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.pop("SPLASH_API_KEY", None)   # a loopback benchmark server; its clients send no key
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
                             start_new_session=True)

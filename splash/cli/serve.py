@@ -71,7 +71,7 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         startup.run_agreed(comm, lambda: startup.check_communicator(cfg))
         # the model's communicator (MPI or torch; the control plane stays on MPI), after every rank agreed it can run
         data_comm = startup.run_agreed(comm, lambda: make_communicator(cfg.communicator, ctx, cfg.parallel.backend))
-        sock, token = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
+        sock, secrets = startup.run_agreed(comm, lambda: _rank0_checks(cfg) if rank == 0 else (None, None))
         console = Console(quiet=cfg.server.quiet) if rank == 0 else None
         if console:
             console.log(f"splash-serve: tensor collectives on {describe_communicator(data_comm)}")
@@ -92,17 +92,18 @@ def _serve(argv: Sequence[str] | None = None) -> int:
         raise
     if rank != 0:
         return _follow(engine, watchdog, rank)
-    return _serve_rank0(cfg, engine, sock, console, watchdog, ctx.world_size, token)
+    return _serve_rank0(cfg, engine, sock, console, watchdog, ctx.world_size, secrets)
 
 
 def _rank0_checks(cfg):
     from splash.server import startup
     startup.validate_model(cfg)
-    token = startup.resolve_admin_token(cfg.server, os.environ)
-    return startup.bind_socket(cfg.server.host, cfg.server.port), token
+    secrets = {"admin_token": startup.resolve_admin_token(cfg.server, os.environ),
+               "api_key": startup.resolve_api_key(cfg.server, os.environ)}
+    return startup.bind_socket(cfg.server.host, cfg.server.port), secrets
 
 
-def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, admin_token: str | None) -> int:
+def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, secrets: dict) -> int:
     from splash.server import startup
     from splash.server.agent import resolve_parsers
     from splash.server.frontend import serve
@@ -115,7 +116,7 @@ def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, admin_to
                                                     mcfg.model_type, tokenizer.chat_template)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
                     vocab_size=mcfg.vocab_size, host=cfg.server.host,
-                    admin_token=admin_token, world_size=world_size, limits=cfg.server,
+                    world_size=world_size, limits=cfg.server, **secrets,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
     queue = cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs   # sequences beyond it are answered 429

@@ -144,6 +144,7 @@ class ServerSection:
     port: int = Field(8000, ge=0, le=65535)      # 0 → any free port (tests)
     admin_token: str | None = None               # required by the admin endpoints when set (see below)
     admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
+    api_key: str | None = None                   # when set, every /v1 route needs 'Authorization: Bearer KEY'
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
     log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet
@@ -160,10 +161,10 @@ class ServerSection:
     reasoning_parser: Literal["auto", "none", "glm45", "deepseek_r1", "deepseek_v3"] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("admin_token", "admin_token_file"):
+        for name in ("admin_token", "admin_token_file", "api_key"):
             value = getattr(self, name)
             if value is not None and not value.strip():
-                raise ConfigError(f"field 'server.{name}' is empty: an empty token would let anyone in; set a "
+                raise ConfigError(f"field 'server.{name}' is empty: an empty key would let anyone in; set a "
                                   f"non-empty one or leave it null")
         if self.admin_token is not None and self.admin_token_file is not None:
             raise ConfigError("fields 'server.admin_token' and 'server.admin_token_file' are both set; give one")

@@ -51,6 +51,7 @@ class ServerState:
     vocab_size: int
     host: str = "127.0.0.1"
     admin_token: str | None = None
+    api_key: str | None = None                   # every /v1 route needs it as a bearer token when set
     world_size: int = 1
     created: int = field(default_factory=P.now)
     limits: ServerSection = field(default_factory=ServerSection)   # the request limits (config section server)
@@ -78,12 +79,47 @@ def check_admin(state: ServerState, authorization: str | None) -> None:
     if not state.admin_token:   # None, or an empty token (refused at startup; never a key that anyone holds)
         raise P.APIError(403, f"layout control is disabled: the server listens on {state.host} (not loopback) "
                               "and server.admin_token is not set", "permission_error")
-    scheme, _, token = (authorization or "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode(),
-                                                                          state.admin_token.encode()):
+    if not bearer_matches(authorization, state.admin_token):
         raise P.APIError(401, "missing or invalid admin token: send 'Authorization: Bearer <server.admin_token>'",
                          "authentication_error", code="invalid_token")
+
+
+def bearer_matches(authorization: str | None, secret: str) -> bool:
+    """``Authorization: Bearer <secret>``, compared in constant time; an empty secret never matches."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return scheme.lower() == "bearer" and bool(token) and bool(secret) and hmac.compare_digest(token.encode(),
+                                                                                             secret.encode())
+
+
+ADMIN_ROUTES = frozenset({("POST", "/v1/layout"), ("POST", "/reset_prefix_cache")})
+
+
+class _RequireAPIKey:
+    """vLLM's --api-key rule: with ``server.api_key`` set, a request to a /v1 route or an admin route without
+    ``Authorization: Bearer <key>`` is a 401 before its body is read. An admin route whose admin token is
+    required checks that token instead (one Authorization header cannot carry both); /health and /metrics stay
+    open."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        s = self.state
+        if scope["type"] == "http" and s.api_key is not None and self._guarded(scope):
+            auth = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            if not bearer_matches(auth, s.api_key):
+                error = P.APIError(401, "missing or invalid API key: send 'Authorization: Bearer <server.api_key>'",
+                                   "authentication_error", code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _guarded(self, scope: dict) -> bool:
+        path, method = scope.get("path", ""), scope.get("method", "")
+        if (method, path) in ADMIN_ROUTES:
+            return not admin_token_required(self.state.host, self.state.admin_token)
+        return method != "OPTIONS" and (path == "/v1" or path.startswith("/v1/"))
 
 
 def _sse(obj: Any) -> str:
@@ -423,6 +459,7 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     routes = frozenset(getattr(r, "path", "") for r in app.routes)
+    app.add_middleware(_RequireAPIKey, state=state)   # inside the count: its 401s are counted like every answer
     app.add_middleware(_CountRequests, metrics=state.metrics, routes=routes,
                        send_timeout_s=state.limits.read_timeout_s)
     return app

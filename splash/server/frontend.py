@@ -82,7 +82,8 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     drain = asyncio.ensure_future(_drain(server, loop, drain_s))
     host, port = sock.getsockname()[:2]
     console.log(f"splash-serve: serving {state.model_name} on http://{host}:{port} "
-                f"({state.world_size} rank(s), layout {loop.snapshot.layout})")
+                f"({state.world_size} rank(s), layout {loop.snapshot.layout}"
+                f"{', API key required' if state.api_key else ''})")
     console.start_panel(lambda: loop.snapshot, title)
     try:
         await server.serve(sockets=[sock])

@@ -96,10 +96,22 @@ def resolve_admin_token(server: Any, environ: Any) -> str | None:
         if not token:
             raise ConfigError(f"field 'server.admin_token_file': {server.admin_token_file!r} is empty")
         return token
-    token = environ.get(ADMIN_TOKEN_ENV)
-    if token is not None and not token.strip():
-        raise ConfigError(f"environment variable {ADMIN_TOKEN_ENV} is set but empty; unset it or give a token")
-    return token.strip() if token else None
+    return _env_secret(environ, ADMIN_TOKEN_ENV)
+
+
+API_KEY_ENV = "SPLASH_API_KEY"
+
+
+def resolve_api_key(server: Any, environ: Any) -> str | None:
+    """``server.api_key``, else SPLASH_API_KEY (out of ``ps``, as vLLM's VLLM_API_KEY); an empty key is refused."""
+    return server.api_key if server.api_key is not None else _env_secret(environ, API_KEY_ENV)
+
+
+def _env_secret(environ: Any, name: str) -> str | None:
+    value = environ.get(name)
+    if value is not None and not value.strip():
+        raise ConfigError(f"environment variable {name} is set but empty; unset it or give a value")
+    return value.strip() if value else None
 
 
 def start_watchdog(comm: Any, watchdog: Any) -> Any:
