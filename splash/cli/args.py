@@ -102,7 +102,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "SPLASH_ADMIN_TOKEN environment variable)"),
     (("--admin-token-file",), "admin_token_file", str, "PATH", "read the admin token from this file"),
     (("--served-model-name",), "served_model_name", str, "NAME", "model name reported by the API"),
-    (("--quiet",), "quiet", _BOOL, None, "no live console dashboard, only the serving/stopped lines"),
+    (("--quiet",), "quiet", _BOOL, None,
+     "no live console dashboard: only a line each for the tensor collectives and (on cpu) the CPU kernels, the "
+     "serving/stopped lines and errors"),
     (("--log-decisions",), "log_decisions", _BOOL, None,
      "write the scheduler's 'layout decision {json}' lines to stderr (default: unless --quiet)"),
     (("--collective-timeout-s",), "collective_timeout_s", float, "SECONDS",
