@@ -198,3 +198,67 @@ def test_the_fields_without_a_flag_are_the_ones_configs_cpu_yaml_names():
     header = (README.parent / "configs" / "cpu.yaml").read_text().split("\n\n")[0]
     named = set(re.findall(r"\b(?:model|parallel|layout|cache|scheduler|server)\.[a-z_]+", header))
     assert without == named == {"parallel.world_size", "cache.layout_kv_dtypes"}
+
+
+# Names the docs give that are not SPLASH's code, each with why it is named.
+NOT_OURS = {
+    "CUDA_HOME": "flashinfer's nvcc lookup", "CUDA_PATH": "flashinfer's nvcc lookup",
+    "FLASHINFER_CUBIN_DIR": "flashinfer's cubin folder", "repack_fp8_kv_to_bf16": "flashinfer's FP8 dequantiser",
+    "moe_combine": "a CPU kernel named as removed", "in_r": "notation", "used_r": "notation", "total_": "notation",
+}
+_CODE_DIRS = ("splash", "backends", "scripts", "tests", "benchmarks")
+
+
+def _docs_and_helps(capsys) -> dict[str, str]:
+    """Every text whose claims are promises: README, docs/*.md but the historical record (benchmarks.md), the
+    comments of configs/**/*.yaml, and the --help of every command."""
+    from splash.bench.cli import SUBCOMMANDS
+
+    root = README.parent
+    texts = {str(p.relative_to(root)): p.read_text() for p in [README, *sorted((root / "docs").glob("*.md"))]
+             if p.name != "benchmarks.md"}
+    for p in sorted((root / "configs").rglob("*.yaml")):
+        texts[str(p.relative_to(root))] = "\n".join(ln.split("#", 1)[1] for ln in p.read_text().splitlines()
+                                                     if "#" in ln)
+    commands = [["splash-serve"], ["splash-sim"], *(["splash-sim", s] for s in ("paper", "mechanisms", "gap")),
+                *(["splash-bench", s] for s in SUBCOMMANDS)]
+    for cmd in commands:
+        texts[" ".join(cmd) + " --help"] = _help_text(cmd, capsys)
+    return texts
+
+
+def _named(text: str) -> tuple[set[str], set[str], set[str], set[str]]:
+    """(paths, test names, identifiers, dotted names) a text names: repository paths; test_... names (a trailing
+    `*` kept as a prefix); backticked identifiers with an underscore or in CamelCase; backticked dotted names."""
+    paths = {p.rstrip(".,;:)") for p in re.findall(r"(?<![\w/.-])((?:%s|configs)/[\w./-]++)(?!`? at commit)"
+                                                   % "|".join(_CODE_DIRS), text) if "test_X" not in p}
+    tests = {m.group(1) + m.group(2) for m in re.finditer(r"\b(test_\w+)(\*?)", text)
+             if not re.fullmatch(r"test_[A-Z]", m.group(1))}
+    idents = {n for n in re.findall(r"`([A-Za-z_]\w*)(?:\(|`)", text)
+              if ("_" in n.strip("_") or n.startswith("_") or re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", n))
+              and not n.startswith("splash_")}   # metric names: test_the_readme_names_every_metric_...
+    dotted = set(re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(|`)", text))
+    return paths, tests, idents, dotted
+
+
+def test_every_file_and_name_the_docs_give_is_in_the_code(capsys):
+    """A doc that names a file, a test, a function, class or constant promises it is there: each path the README,
+    docs/*.md (not the historical record), the configs' comments and every --help name exists; each test name is a
+    test (or a test file); each backticked identifier (snake_case with an underscore, CamelCase, `_private`) and the
+    last part of each backticked dotted name is a name in splash/, backends/, scripts/, tests/ or benchmarks/ —
+    or one of NOT_OURS (another project's, or notation). (backends.md named `_load_queries` after the Triton
+    kernels' refactor had made it `_start_rows`.)"""
+    root = README.parent
+    code = "\n".join(p.read_text() for d in _CODE_DIRS for ext in ("py", "sh") for p in (root / d).rglob(f"*.{ext}")
+                     if p.name != "test_claims.py")   # this file quotes names the docs got wrong
+    words = set(re.findall(r"\w+", code)) | set(re.findall(r"\w+", (root / ".importlinter").read_text()))
+    tests = set(re.findall(r"def (test_\w+)", code)) | {p.stem for p in (root / "tests").rglob("test_*.py")}
+    missing = []
+    for where, text in _docs_and_helps(capsys).items():
+        paths, named_tests, idents, dotted = _named(text)
+        missing += [(where, p) for p in paths if not (root / p).exists() and not (root / f"{p}.py").exists()]
+        missing += [(where, t) for t in named_tests
+                    if not (any(n.startswith(t[:-1]) for n in tests) if t.endswith("*") else t in tests)]
+        missing += [(where, n) for n in idents if n not in words and n not in NOT_OURS]
+        missing += [(where, d) for d in dotted if d.rsplit(".", 1)[1] not in words and d not in NOT_OURS]
+    assert missing == [], missing
