@@ -262,3 +262,53 @@ def test_every_file_and_name_the_docs_give_is_in_the_code(capsys):
         missing += [(where, n) for n in idents if n not in words and n not in NOT_OURS]
         missing += [(where, d) for d in dotted if d.rsplit(".", 1)[1] not in words and d not in NOT_OURS]
     assert missing == [], missing
+
+
+def _parsers() -> list[tuple[str, object]]:
+    """(command, argparse parser) of splash-sim, its subcommands and every splash-bench subcommand (splash-serve's
+    help prints its defaults from ServeConfig itself)."""
+    import argparse
+
+    from splash.bench.cli import build_parser as bench_parser
+    from splash.sim.cli import build_parser as sim_parser
+    from splash.sim.cli import main as sim_main
+
+    class Built(Exception):
+        pass
+
+    out = [("splash-sim", sim_parser())]
+    parse = argparse.ArgumentParser.parse_args
+
+    def built(self, *args, **kwargs):
+        raise Built(self)
+    argparse.ArgumentParser.parse_args = built   # each subcommand builds its parser in its main
+    try:
+        for sub in ("paper", "mechanisms", "gap"):
+            try:
+                sim_main([sub])
+            except Built as b:
+                out.append((f"splash-sim {sub}", b.args[0]))
+    finally:
+        argparse.ArgumentParser.parse_args = parse
+    bench, _ = bench_parser()
+    subs = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    return out + [(f"splash-bench {name}", p) for name, p in subs.choices.items()]
+
+
+def test_every_default_a_help_text_states_is_the_flags_default():
+    """`--output-len ... (default 1024)`, `--repeats N ... [3]`: where a splash-sim or splash-bench help text
+    states a literal default (a number, a word, a comma list), it is the value the flag takes when not given."""
+    literal = re.compile(r"[\w.]+(,[\w.]+)*")
+    seen = 0
+    for prog, parser in _parsers():
+        for action in parser._actions:
+            text = " ".join((action.help or "").split())
+            for m in re.finditer(r"(?:\(|\[|; )default:? ([^)\];,]+(?:,[^)\];, ]+)*)[)\]]|\[([^\]]+)\]$", text):
+                claim = (m.group(1) or m.group(2)).split(" = ")[0].split(":")[0].strip()
+                if not literal.fullmatch(claim):
+                    continue   # "the preset's", "3.2 GiB", "DeepSeek-V3's 129280": described, not a literal
+                value = action.default
+                shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+                assert claim == shown, f"{prog} {action.option_strings}: help says {claim!r}, default is {shown!r}"
+                seen += 1
+    assert seen >= 10
