@@ -77,7 +77,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str, None,
      "KV cache storage dtype; auto = compute dtype"),
     (("--block-size",), "block_size", int, "N",
-     "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed)"),
+     "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed unless the attention "
+     "backend is torch)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "F",
      "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
      "(splash.layouts.device_budget) unless --kv-cache-memory-bytes or --num-kv-blocks is set; ranks that share "
