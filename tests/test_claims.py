@@ -198,3 +198,117 @@ def test_the_fields_without_a_flag_are_the_ones_configs_cpu_yaml_names():
     header = (README.parent / "configs" / "cpu.yaml").read_text().split("\n\n")[0]
     named = set(re.findall(r"\b(?:model|parallel|layout|cache|scheduler|server)\.[a-z_]+", header))
     assert without == named == {"parallel.world_size", "cache.layout_kv_dtypes"}
+
+
+# Names the docs give that are not SPLASH's code, each with why it is named.
+NOT_OURS = {
+    "CUDA_HOME": "flashinfer's nvcc lookup", "CUDA_PATH": "flashinfer's nvcc lookup",
+    "FLASHINFER_CUBIN_DIR": "flashinfer's cubin folder", "repack_fp8_kv_to_bf16": "flashinfer's FP8 dequantiser",
+    "moe_combine": "a CPU kernel named as removed", "in_r": "notation", "used_r": "notation", "total_": "notation",
+}
+_CODE_DIRS = ("splash", "backends", "scripts", "tests", "benchmarks")
+
+
+def _docs_and_helps(capsys) -> dict[str, str]:
+    """Every text whose claims are promises: README, docs/*.md but the historical record (benchmarks.md), the
+    comments of configs/**/*.yaml, and the --help of every command."""
+    from splash.bench.cli import SUBCOMMANDS
+
+    root = README.parent
+    texts = {str(p.relative_to(root)): p.read_text() for p in [README, *sorted((root / "docs").glob("*.md"))]
+             if p.name != "benchmarks.md"}
+    for p in sorted((root / "configs").rglob("*.yaml")):
+        texts[str(p.relative_to(root))] = "\n".join(ln.split("#", 1)[1] for ln in p.read_text().splitlines()
+                                                     if "#" in ln)
+    commands = [["splash-serve"], ["splash-sim"], *(["splash-sim", s] for s in ("paper", "mechanisms", "gap")),
+                *(["splash-bench", s] for s in SUBCOMMANDS)]
+    for cmd in commands:
+        texts[" ".join(cmd) + " --help"] = _help_text(cmd, capsys)
+    return texts
+
+
+def _named(text: str) -> tuple[set[str], set[str], set[str], set[str]]:
+    """(paths, test names, identifiers, dotted names) a text names: repository paths; test_... names (a trailing
+    `*` kept as a prefix); backticked identifiers with an underscore or in CamelCase; backticked dotted names."""
+    paths = {p.rstrip(".,;:)") for p in re.findall(r"(?<![\w/.-])((?:%s|configs)/[\w./-]++)(?!`? at commit)"
+                                                   % "|".join(_CODE_DIRS), text) if "test_X" not in p}
+    tests = {m.group(1) + m.group(2) for m in re.finditer(r"\b(test_\w+)(\*?)", text)
+             if not re.fullmatch(r"test_[A-Z]", m.group(1))}
+    idents = {n for n in re.findall(r"`([A-Za-z_]\w*)(?:\(|`)", text)
+              if ("_" in n.strip("_") or n.startswith("_") or re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", n))
+              and not n.startswith("splash_")}   # metric names: test_the_readme_names_every_metric_...
+    dotted = set(re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(|`)", text))
+    return paths, tests, idents, dotted
+
+
+def test_every_file_and_name_the_docs_give_is_in_the_code(capsys):
+    """A doc that names a file, a test, a function, class or constant promises it is there: each path the README,
+    docs/*.md (not the historical record), the configs' comments and every --help name exists; each test name is a
+    test (or a test file); each backticked identifier (snake_case with an underscore, CamelCase, `_private`) and the
+    last part of each backticked dotted name is a name in splash/, backends/, scripts/, tests/ or benchmarks/ —
+    or one of NOT_OURS (another project's, or notation). (backends.md named `_load_queries` after the Triton
+    kernels' refactor had made it `_start_rows`.)"""
+    root = README.parent
+    code = "\n".join(p.read_text() for d in _CODE_DIRS for ext in ("py", "sh") for p in (root / d).rglob(f"*.{ext}")
+                     if p.name != "test_claims.py")   # this file quotes names the docs got wrong
+    words = set(re.findall(r"\w+", code)) | set(re.findall(r"\w+", (root / ".importlinter").read_text()))
+    tests = set(re.findall(r"def (test_\w+)", code)) | {p.stem for p in (root / "tests").rglob("test_*.py")}
+    missing = []
+    for where, text in _docs_and_helps(capsys).items():
+        paths, named_tests, idents, dotted = _named(text)
+        missing += [(where, p) for p in paths if not (root / p).exists() and not (root / f"{p}.py").exists()]
+        missing += [(where, t) for t in named_tests
+                    if not (any(n.startswith(t[:-1]) for n in tests) if t.endswith("*") else t in tests)]
+        missing += [(where, n) for n in idents if n not in words and n not in NOT_OURS]
+        missing += [(where, d) for d in dotted if d.rsplit(".", 1)[1] not in words and d not in NOT_OURS]
+    assert missing == [], missing
+
+
+def _parsers() -> list[tuple[str, object]]:
+    """(command, argparse parser) of splash-sim, its subcommands and every splash-bench subcommand (splash-serve's
+    help prints its defaults from ServeConfig itself)."""
+    import argparse
+
+    from splash.bench.cli import build_parser as bench_parser
+    from splash.sim.cli import build_parser as sim_parser
+    from splash.sim.cli import main as sim_main
+
+    class Built(Exception):
+        pass
+
+    out = [("splash-sim", sim_parser())]
+    parse = argparse.ArgumentParser.parse_args
+
+    def built(self, *args, **kwargs):
+        raise Built(self)
+    argparse.ArgumentParser.parse_args = built   # each subcommand builds its parser in its main
+    try:
+        for sub in ("paper", "mechanisms", "gap"):
+            try:
+                sim_main([sub])
+            except Built as b:
+                out.append((f"splash-sim {sub}", b.args[0]))
+    finally:
+        argparse.ArgumentParser.parse_args = parse
+    bench, _ = bench_parser()
+    subs = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    return out + [(f"splash-bench {name}", p) for name, p in subs.choices.items()]
+
+
+def test_every_default_a_help_text_states_is_the_flags_default():
+    """`--output-len ... (default 1024)`, `--repeats N ... [3]`: where a splash-sim or splash-bench help text
+    states a literal default (a number, a word, a comma list), it is the value the flag takes when not given."""
+    literal = re.compile(r"[\w.]+(,[\w.]+)*")
+    seen = 0
+    for prog, parser in _parsers():
+        for action in parser._actions:
+            text = " ".join((action.help or "").split())
+            for m in re.finditer(r"(?:\(|\[|; )default:? ([^)\];,]+(?:,[^)\];, ]+)*)[)\]]|\[([^\]]+)\]$", text):
+                claim = (m.group(1) or m.group(2)).split(" = ")[0].split(":")[0].strip()
+                if not literal.fullmatch(claim):
+                    continue   # "the preset's", "3.2 GiB", "DeepSeek-V3's 129280": described, not a literal
+                value = action.default
+                shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+                assert claim == shown, f"{prog} {action.option_strings}: help says {claim!r}, default is {shown!r}"
+                seen += 1
+    assert seen >= 10

@@ -486,3 +486,8 @@ def test_the_flashinfer_recorder_reads_back_a_tree_with_the_recorded_signatures(
     out = capsys.readouterr().out
     assert "flashinfer 0.8.0 vs recorded 0.7.4: differs in BatchMLAPagedAttentionWrapper.run" in out
     assert flashinfer_api.main([]) == 2
+    # --help is the usage, and a folder without flashinfer/ an error naming it (both were tracebacks: the first
+    # argument was read as the tree)
+    assert flashinfer_api.main(["--help"]) == 0 and "--check" in capsys.readouterr().out
+    assert flashinfer_api.main([str(tmp_path / "missing"), "--check"]) == 2
+    assert "holds no flashinfer/ package" in capsys.readouterr().err

@@ -87,8 +87,15 @@ def load(path: str = RECORD) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if not argv:
         print(__doc__, file=sys.stderr)
+        return 2
+    if not os.path.isdir(os.path.join(argv[0], "flashinfer")):
+        print(f"error: {argv[0]} holds no flashinfer/ package (give an unpacked wheel, a site-packages or a "
+              "git checkout)", file=sys.stderr)
         return 2
     got = extract(argv[0])
     if "--check" in argv:

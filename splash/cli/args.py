@@ -77,7 +77,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("--kv-cache-dtype", "--kv-dtype"), "kv_cache_dtype", str, None,
      "KV cache storage dtype; auto = compute dtype"),
     (("--block-size",), "block_size", int, "N",
-     "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed)"),
+     "tokens per KV cache page (default: 16 on cpu, 64 on GPUs, where only 64 is allowed unless the attention "
+     "backend is torch)"),
     (("--gpu-memory-utilization",), "gpu_memory_utilization", float, "F",
      "GPU backends: fraction of device memory for weights, scratch, switch headroom and the KV pool "
      "(splash.layouts.device_budget) unless --kv-cache-memory-bytes or --num-kv-blocks is set; ranks that share "
@@ -105,7 +106,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "clients must send 'Authorization: Bearer KEY' on every /v1 route, as with vLLM's --api-key (visible in ps: "
      "prefer the SPLASH_API_KEY environment variable or the config file); /health and /metrics stay open"),
     (("--served-model-name",), "served_model_name", str, "NAME", "model name reported by the API"),
-    (("--quiet",), "quiet", _BOOL, None, "no live console dashboard, only the serving/stopped lines"),
+    (("--quiet",), "quiet", _BOOL, None,
+     "no live console dashboard: only a line each for the tensor collectives and (on cpu) the CPU kernels, the "
+     "serving/stopped lines and errors"),
     (("--log-decisions",), "log_decisions", _BOOL, None,
      "write the scheduler's 'layout decision {json}' lines to stderr (default: unless --quiet)"),
     (("--collective-timeout-s",), "collective_timeout_s", float, "SECONDS",

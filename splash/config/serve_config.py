@@ -102,7 +102,7 @@ class LayoutSection:
     allowed_layouts: tuple[Literal[LAYOUTS], ...] = Field(LAYOUTS, strict=False)   # a YAML list
     switch_mode: Literal["live", "blocking"] = "live"
     switch_margin: float = Field(0.10, ge=0.0)   # switch only when predicted >= 10% faster
-    hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → cpu on cpu, else none
+    hardware_profile: str | None = None          # cpu|h200|b200|bw1000|path.yaml; None → cpu on cpu, a GPU's by name
 
     def __post_init__(self) -> None:
         hp = self.hardware_profile

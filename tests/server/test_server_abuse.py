@@ -145,7 +145,7 @@ def test_slow_and_broken_clients_are_timed_out_quietly(server, reference):
     time.sleep(0.5)
     log = server.output()
     assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
-    # --quiet (server.quiet) writes only the serving/stopped lines: no scheduler decision lines
+    # --quiet (server.quiet) writes no scheduler decision lines (--log-decisions would)
     assert "layout decision" not in log, log[-3000:]
 
 
