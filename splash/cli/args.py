@@ -103,8 +103,8 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "SPLASH_ADMIN_TOKEN environment variable)"),
     (("--admin-token-file",), "admin_token_file", str, "PATH", "read the admin token from this file"),
     (("--api-key",), "api_key", str, "KEY",
-     "clients must send 'Authorization: Bearer KEY' on every /v1 route, as with vLLM's --api-key (visible in ps: "
-     "prefer the SPLASH_API_KEY environment variable or the config file); /health and /metrics stay open"),
+     "clients must send 'Authorization: Bearer KEY' on every route but /health, /metrics and /version, as with "
+     "vLLM's --api-key (visible in ps: prefer the SPLASH_API_KEY environment variable or the config file)"),
     (("--served-model-name",), "served_model_name", str, "NAME", "model name reported by the API"),
     (("--quiet",), "quiet", _BOOL, None,
      "no live console dashboard: only a line each for the tensor collectives and (on cpu) the CPU kernels, the "

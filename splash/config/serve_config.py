@@ -144,7 +144,7 @@ class ServerSection:
     port: int = Field(8000, ge=0, le=65535)      # 0 → any free port (tests)
     admin_token: str | None = None               # required by the admin endpoints when set (see below)
     admin_token_file: str | None = None          # read the token from this file (keeps it out of `ps`)
-    api_key: str | None = None                   # when set, every /v1 route needs 'Authorization: Bearer KEY'
+    api_key: str | None = None                   # when set, every route but /health, /metrics, /version needs it
     served_model_name: str | None = None         # None → model dir name or preset
     quiet: bool = False
     log_decisions: bool | None = None            # the scheduler's "layout decision {json}" lines; None: unless quiet

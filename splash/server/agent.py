@@ -45,10 +45,7 @@ class AgentAPI:
         return await self.compiler.compile(structured.from_structured_outputs(req.structured_outputs))
 
     async def chat(self, req: Any) -> Prepared:
-        kwargs = req.chat_template_kwargs or {}
-        for key in ("messages", "tools", "add_generation_prompt", "documents"):
-            if key in kwargs:
-                raise APIError(400, f"'chat_template_kwargs' may not set {key!r}", param="chat_template_kwargs")
+        kwargs = template_kwargs(req.chat_template_kwargs)
         if req.functions or req.function_call not in (None, "none"):
             raise APIError(400, "'functions' / 'function_call' are deprecated by OpenAI: send 'tools' / "
                                 "'tool_choice'", param="functions" if req.functions else "function_call")
@@ -59,8 +56,21 @@ class AgentAPI:
         grammar = await self.compiler.compile(spec)
         mode = OutputMode(self.reasoning_parser, self.tool_parser, tc if req.tools else None, kwargs,
                           constrained=grammar is not None)
-        tools = [{"type": "function", "function": f} for f in tc.tools] or None
-        return Prepared(grammar, mode, tools)
+        return Prepared(grammar, mode, template_tools(tc))
+
+
+def template_kwargs(kwargs: dict | None) -> dict:
+    """A request's ``chat_template_kwargs``; the template's own inputs are not the client's to set."""
+    kwargs = kwargs or {}
+    for key in ("messages", "tools", "add_generation_prompt", "documents"):
+        if key in kwargs:
+            raise APIError(400, f"'chat_template_kwargs' may not set {key!r}", param="chat_template_kwargs")
+    return kwargs
+
+
+def template_tools(tc: Any) -> list[dict] | None:
+    """The checked tools (``read_tools``) as the chat template receives them."""
+    return [{"type": "function", "function": f} for f in tc.tools] or None
 
 
 def with_prompt(prepared: Prepared, tok: Tokenizer, prompt: list[int]) -> Prepared:

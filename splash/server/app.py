@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+from importlib import metadata
 import json
 import logging
 import sys
@@ -24,7 +25,7 @@ from splash.config.serve_config import ServerSection
 from splash.engine.sampling import SamplingParams
 from splash.server import admission_cost, chat_output
 from splash.server import protocol as P
-from splash.server.agent import AgentAPI, Prepared, with_prompt
+from splash.server.agent import AgentAPI, Prepared, template_kwargs, template_tools, with_prompt
 from splash.server.body import ClientGone, read_json, until_disconnected
 from splash.server.engine_loop import EngineLoop, EngineStopped
 from splash.server.generation import Delta, Generation
@@ -32,9 +33,14 @@ from splash.server.json_body import ResponseBuilder
 from splash.server.logprobs import ResponseExtras
 from splash.server.metrics import Metrics
 from splash.server.prompts import PromptReader
+from splash.server.tool_choice import read_tools
 from splash.tokenizer import Tokenizer
 
 _log = logging.getLogger("splash")
+try:
+    SPLASH_VERSION = metadata.version("splash")
+except metadata.PackageNotFoundError:   # run from a source tree that was never installed
+    SPLASH_VERSION = "unknown"
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 SAME_NAMED = ("temperature", "top_p", "ignore_eos", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
@@ -93,13 +99,14 @@ def bearer_matches(authorization: str | None, secret: str) -> bool:
 
 
 ADMIN_ROUTES = frozenset({("POST", "/v1/layout"), ("POST", "/reset_prefix_cache")})
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version"})   # no API key: probes and scrapers
 
 
 class _RequireAPIKey:
-    """vLLM's --api-key rule: with ``server.api_key`` set, a request to a /v1 route or an admin route without
-    ``Authorization: Bearer <key>`` is a 401 before its body is read. An admin route whose admin token is
-    required checks that token instead (one Authorization header cannot carry both); /health and /metrics stay
-    open."""
+    """vLLM's --api-key: with ``server.api_key`` set, a request without ``Authorization: Bearer <key>`` is a 401
+    before its body is read, on every route but /health, /metrics and /version (vLLM guards /v1 only; here
+    /tokenize and /detokenize, which cost work, too). An admin route whose admin token is required checks that
+    token instead (one Authorization header cannot carry both)."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -119,7 +126,7 @@ class _RequireAPIKey:
         path, method = scope.get("path", ""), scope.get("method", "")
         if (method, path) in ADMIN_ROUTES:
             return not admin_token_required(self.state.host, self.state.admin_token)
-        return method != "OPTIONS" and (path == "/v1" or path.startswith("/v1/"))
+        return method != "OPTIONS" and path not in OPEN_ROUTES
 
 
 def _sse(obj: Any) -> str:
@@ -201,15 +208,13 @@ class _Handlers:
     async def body(self, request: Request, model: type) -> Any:
         lim = self.s.limits
         data = await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s)
-        if model is P.ChatCompletionRequest and isinstance(data, dict):
+        if model in (P.ChatCompletionRequest, P.TokenizeRequest) and isinstance(data, dict):
             self.prompts.check_message_count(data.get("messages"))   # before validation, whose cost grows with them
         return P.parse_request(model, data)
 
     def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
         """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
-        if req.model is not None and req.model != self.s.model_name:
-            raise P.APIError(404, f"the model {P.quote(req.model)} does not exist; this server serves "
-                                  f"'{self.s.model_name}'", param="model", code="model_not_found")
+        self.check_model(req.model)
         req.check_neutral()
         P.check_stream_fields(req, chat)
         limit = self.s.limits.max_seqs_per_request
@@ -217,6 +222,11 @@ class _Handlers:
             raise P.APIError(400, f"the request asks for {num_prompts} prompt(s) x n={req.n} = {num_prompts * req.n} "
                                   f"sequences; at most {limit} are allowed (server.max_seqs_per_request)",
                              param="n" if num_prompts == 1 else "prompt", code="too_many_sequences")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.s.model_name:
+            raise P.APIError(404, f"the model {P.quote(model)} does not exist; this server serves "
+                                  f"'{self.s.model_name}'", param="model", code="model_not_found")
 
     def max_tokens(self, requested: int | None, default: int, prompts: list[list[int]], param: str) -> int:
         """``requested`` if every prompt has room for it (else 400, as vLLM and OpenAI answer)."""
@@ -297,6 +307,39 @@ class _Handlers:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
         return await self.answer(request, req, [prompt], mt, req.prompt_logprobs, agent.grammar, agent)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's POST /tokenize: the ids a completion's text ``prompt`` or a chat's ``messages`` (with ``tools``
+        and ``chat_template_kwargs``) become here; bounded as a prompt is (max_model_len)."""
+        req = await self.body(request, P.TokenizeRequest)
+        self.check_model(req.model)
+        req.check()
+        if req.messages is not None:
+            tools = template_tools(read_tools(req.tools, None))
+            kwargs = template_kwargs(req.chat_template_kwargs)
+            messages = await asyncio.to_thread(P.template_messages, req.messages)
+            text = await self.prompts.chat_text(messages, tools, kwargs, req.add_generation_prompt)
+            ids = await self.prompts.tokens(text, "messages", bool(req.add_special_tokens))
+        else:
+            ids = await self.prompts.tokens(req.prompt, "prompt", req.add_special_tokens is not False)
+        strs = [self.s.tokenizer.hf.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.s.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's POST /detokenize: the text of at most max_model_len ``tokens``, special tokens kept."""
+        req = await self.body(request, P.DetokenizeRequest)
+        self.check_model(req.model)
+        if len(req.tokens) > self.s.max_model_len:
+            raise P.APIError(400, f"'tokens' has {len(req.tokens)} tokens, more than the model's context "
+                                  f"(max_model_len {self.s.max_model_len})", param="tokens",
+                             code="context_length_exceeded")
+        bad = next((t for t in req.tokens if not 0 <= t < self.s.vocab_size), None)
+        if bad is not None:
+            raise P.APIError(400, f"'tokens' contains token id {P.quote(bad)}, outside the vocabulary "
+                                  f"[0, {self.s.vocab_size})", param="tokens")
+        text = await asyncio.to_thread(self.s.tokenizer.decode, req.tokens, False)
+        return JSONResponse({"prompt": text})
 
     async def collect(self, request: Request, gen: Generation) -> None:
         run = asyncio.ensure_future(gen.run_to_end())
@@ -431,6 +474,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/chat/completions", h.chat, methods=["POST"])
     app.add_api_route("/v1/layout", h.set_layout, methods=["POST"])
     app.add_api_route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"])
+    app.add_api_route("/tokenize", h.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", h.detokenize, methods=["POST"])
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": SPLASH_VERSION}
 
     @app.get("/v1/layout")
     async def get_layout() -> dict:

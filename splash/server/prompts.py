@@ -36,14 +36,20 @@ class PromptReader:
                              param=where)
         return ids
 
-    async def encode(self, text: str, where: str, special: bool) -> list[int]:
+    async def tokens(self, text: str, where: str, special: bool) -> list[int]:
+        """``text``'s ids if it could be a prompt here (fewer than max_model_len tokens; else 400)."""
         cap = CHARS_PER_TOKEN * self.max_model_len
         if len(text) > cap:
             head = (await asyncio.to_thread(self.tok.encode_batch, [text[:cap]], special))[0]
             if len(head) >= self.max_model_len:
                 raise context_error(where, f"more than {len(head) - 1}", self.max_model_len)
         ids = (await asyncio.to_thread(self.tok.encode_batch, [text], special))[0]
-        return self.check_ids(ids, where)
+        if len(ids) >= self.max_model_len:
+            raise context_error(where, len(ids), self.max_model_len)
+        return ids
+
+    async def encode(self, text: str, where: str, special: bool) -> list[int]:
+        return self.check_ids(await self.tokens(text, where, special), where)
 
     async def completion(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -65,10 +71,14 @@ class PromptReader:
                                   "least one token must be left to generate", param="messages",
                              code="context_length_exceeded")
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                   kwargs: dict | None = None) -> list[int]:
+    async def chat_text(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                        kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
         try:   # in a worker thread: a Jinja template over many messages or tools runs for seconds of Python
-            text = await asyncio.to_thread(self.tok.apply_chat_template, messages, tools=tools, kwargs=kwargs)
+            return await asyncio.to_thread(self.tok.apply_chat_template, messages, add_generation_prompt,
+                                           tools=tools, kwargs=kwargs)
         except ValueError as e:
             raise P.APIError(400, str(e), param="messages") from None
-        return await self.encode(text, "messages", False)
+
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                   kwargs: dict | None = None) -> list[int]:
+        return await self.encode(await self.chat_text(messages, tools, kwargs), "messages", False)

@@ -182,27 +182,64 @@ class ChatCompletionRequest(SamplingRequest):
         super().check_neutral()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        for i, m in enumerate(self.messages):   # content parts: text only (images and other parts: 400)
-            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-                where, param = f"messages[{i}].content[{j}]", f"messages.{i}.content.{j}"
-                if part.get("type") != "text":
-                    raise APIError(400, f"{where}: only text parts (type 'text') are supported, got type "
-                                        f"{str(part.get('type'))[:40]!r}", param=param)
-                if not isinstance(part.get("text"), str):
-                    raise APIError(400, f"{where}.text must be a string, got {type(part.get('text')).__name__}",
-                                   param=param)
+        check_text_parts(self.messages)
 
     def template_messages(self) -> list[dict]:
-        """Messages for the chat template: text parts joined with newlines (as vLLM), ``developer`` as ``system``."""
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if d.get("role") == "developer":
-                d["role"] = "system"
-            if isinstance(m.content, list):
-                d["content"] = "\n".join(part["text"] for part in m.content)
-            out.append(d)
-        return out
+        return template_messages(self.messages)
+
+
+def check_text_parts(messages: list[ChatMessage]) -> None:
+    """Content parts: text only (images and other parts: 400 naming the part)."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            where, param = f"messages[{i}].content[{j}]", f"messages.{i}.content.{j}"
+            if part.get("type") != "text":
+                raise APIError(400, f"{where}: only text parts (type 'text') are supported, got type "
+                                    f"{str(part.get('type'))[:40]!r}", param=param)
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}.text must be a string, got {type(part.get('text')).__name__}",
+                               param=param)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages for the chat template: text parts joined with newlines (as vLLM), ``developer`` as ``system``."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d.get("role") == "developer":
+            d["role"] = "system"
+        if isinstance(m.content, list):
+            d["content"] = "\n".join(part["text"] for part in m.content)
+        out.append(d)
+    return out
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a text ``prompt``, or chat ``messages`` rendered as a chat request's would be."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    tools: Optional[list[Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: Optional[bool] = None    # None: True for a prompt, False for messages (as vLLM)
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'",
+                           param="prompt" if self.prompt is not None else "messages")
+        if self.prompt is not None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise APIError(400, "'tools' and 'chat_template_kwargs' go with 'messages', not 'prompt'",
+                           param="tools" if self.tools is not None else "chat_template_kwargs")
+        if self.messages is not None:
+            check_text_parts(self.messages)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize: the text of ``tokens``, special tokens included."""
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class LayoutRequest(_Strict):

@@ -1,6 +1,8 @@
-"""Start the real ``splash-serve`` under ``mpiexec -n N`` for tests, and always take it down again."""
+"""Start the real ``splash-serve`` under ``mpiexec -n N`` for tests, and always take it down again; or serve the
+app in process on a one-rank engine (``in_process``)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -210,3 +212,34 @@ def save_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     save_file(preset_state_dict(name, seed), str(d / "model.safetensors"))
     save_byte_tokenizer(d)
     return d
+
+
+def in_process(engine, checks, max_outstanding_seqs=None, limits=None, **state_kw):
+    """Run ``checks(client, loop)`` (async) against a fresh app on the one-rank ``engine`` (httpx's ASGI
+    transport, no socket); its result. The app's state takes ``state_kw`` and ``server`` section ``limits``."""
+    from splash.config.serve_config import ServerSection
+    from splash.server.app import ServerState, create_app
+    from splash.server.engine_loop import EngineLoop
+    from splash.server.metrics import Metrics
+    from splash.tokenizer import load_tokenizer
+
+    state_kw = {"tokenizer": load_tokenizer(None, 320), "model_name": "tiny-mla", "max_model_len": 512,
+                "vocab_size": 320, **state_kw}
+
+    async def main():
+        aio = asyncio.get_running_loop()
+        holder = {}
+        metrics = Metrics(lambda: holder["loop"].snapshot)
+        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics,
+                                           max_outstanding=max_outstanding_seqs)
+        state = ServerState(loop=loop, metrics=metrics, limits=ServerSection(**(limits or {})), **state_kw)
+        loop.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+                out = await checks(c, loop)
+        finally:
+            await asyncio.to_thread(loop.stop)
+        assert loop.error is None, loop.error
+        return out
+    return asyncio.run(main())

@@ -1,21 +1,17 @@
-"""vLLM's --api-key: with server.api_key set, every /v1 route (and an admin route no admin token guards) answers
-401 to a request without 'Authorization: Bearer <key>', before its body is read; /health and /metrics stay open."""
+"""vLLM's --api-key, and vLLM's /tokenize, /detokenize and /version, in process on one rank.
+
+With server.api_key set, every route but /health, /metrics and /version answers 401 to a request without
+'Authorization: Bearer <key>', before its body is read; an admin route takes the admin token where one is required.
+"""
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import pytest
 
-from splash.config.serve_config import ServerSection
-from splash.server.app import ServerState, create_app
-from splash.server.engine_loop import EngineLoop
-from splash.server.metrics import Metrics
-from splash.tokenizer import load_tokenizer
+from server_util import in_process
 
-TOK = load_tokenizer(None, 320)
 KEY, ADMIN = "k-123", "adm-456"
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -26,36 +22,23 @@ def engine():
 
 
 def _serve(engine, checks, **state_kw):
-    async def main():
-        aio = asyncio.get_running_loop()
-        holder = {}
-        metrics = Metrics(lambda: holder["loop"].snapshot)
-        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics)
-        state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
-                            vocab_size=320, limits=ServerSection(), **state_kw)
-        loop.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(state))
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-                return await checks(c)
-        finally:
-            await asyncio.to_thread(loop.stop)
-    return asyncio.run(main())
+    return in_process(engine, lambda c, _: checks(c), **state_kw)
 
 
 def _bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _refused(r: httpx.Response, code: str = "invalid_api_key") -> bool:
+def _refused(r, code: str = "invalid_api_key") -> bool:
     return r.status_code == 401 and r.json()["error"]["code"] == code
 
 
-def test_every_v1_route_needs_the_key_and_health_and_metrics_do_not(engine):
+def test_every_route_needs_the_key_but_health_metrics_and_version(engine):
     async def checks(c):
         for method, path, body in (("POST", "/v1/completions", GOOD), ("GET", "/v1/models", None),
                                    ("GET", "/v1/layout", None), ("GET", "/v1/no-such-route", None),
-                                   ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                                   ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                   ("POST", "/v1/chat/completions", {"messages": CHAT})):
             for headers in ({}, _bearer("wrong"), _bearer(""), {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
                 r = await c.request(method, path, json=body, headers=headers)
                 assert _refused(r), (method, path, headers, r.status_code, r.text)
@@ -66,9 +49,10 @@ def test_every_v1_route_needs_the_key_and_health_and_metrics_do_not(engine):
         ok = await c.post("/v1/completions", json=GOOD, headers=_bearer(KEY))
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4, ok.text
         assert (await c.get("/v1/models", headers=_bearer(KEY))).status_code == 200
-        assert (await c.get("/health")).status_code == 200
-        metrics = (await c.get("/metrics")).text
-        return metrics
+        assert (await c.post("/tokenize", json={"prompt": "hi"}, headers=_bearer(KEY))).status_code == 200
+        for path in ("/health", "/version"):
+            assert (await c.get(path)).status_code == 200
+        return (await c.get("/metrics")).text
 
     metrics = _serve(engine, checks, api_key=KEY)
     assert 'splash_requests_total{endpoint="/v1/completions",status="401"} 6.0' in metrics, metrics

@@ -21,6 +21,8 @@ from splash.server.metrics import Metrics
 from splash.server.protocol import APIError
 from splash.tokenizer import load_tokenizer
 
+from server_util import in_process
+
 TOK = load_tokenizer(None, 320)
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
 
@@ -34,24 +36,7 @@ def engine():
 
 def _serve(engine, checks, max_outstanding_seqs=None, **limits):
     """Run ``checks(client, loop)`` (async) against a fresh app on ``engine``; returns its result."""
-    async def main():
-        aio = asyncio.get_running_loop()
-        holder = {}
-        metrics = Metrics(lambda: holder["loop"].snapshot)
-        loop = holder["loop"] = EngineLoop(engine, aio.call_soon_threadsafe, metrics,
-                                           max_outstanding=max_outstanding_seqs)
-        state = ServerState(loop=loop, tokenizer=TOK, metrics=metrics, model_name="tiny-mla", max_model_len=512,
-                            vocab_size=320, limits=ServerSection(**limits))
-        loop.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(state))
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-                out = await checks(c, loop)
-        finally:
-            await asyncio.to_thread(loop.stop)
-        assert loop.error is None, loop.error
-        return out
-    return asyncio.run(main())
+    return in_process(engine, checks, max_outstanding_seqs, limits, tokenizer=TOK)
 
 
 def _ids(r: httpx.Response) -> list[int]:
