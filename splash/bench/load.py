@@ -82,7 +82,7 @@ async def client_task(client, prompts, ref, max_tokens, n_requests, rng, stats: 
 async def switcher(client, every_steps: int, layouts: list[str], token: str | None, stop: asyncio.Event,
                    log: dict) -> None:
     """Pin the next layout of ``layouts`` every ``every_steps`` engine steps (reads steps from /v1/layout)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = bearer(token) if token else {}   # else the client's own (its API key, if any)
     state = (await client.get("/v1/layout")).json()
     last, k = state["steps"], 0
     while not stop.is_set():
@@ -103,6 +103,10 @@ async def switcher(client, every_steps: int, layouts: list[str], token: str | No
         last, k = state["steps"], k + 1
 
 
+def bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randrange(8, 129))] for _ in range(n)]
@@ -117,7 +121,7 @@ async def reference_pass(client, prompts, max_tokens) -> list[list[int]]:
 async def run_load(args, url: str) -> dict:
     limits = httpx.Limits(max_connections=args.clients + 16, max_keepalive_connections=args.clients + 16)
     timeout = httpx.Timeout(args.request_timeout, connect=30)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=bearer(args.api_key)) as client:
         models = (await client.get("/v1/models")).json()["data"][0]
         prompts = make_prompts(args.prompts, args.vocab, args.seed)
         ref = await reference_pass(client, prompts, args.max_tokens) if args.prompts else None
@@ -199,6 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/cpu.yaml", help="server config (with --launch)")
     p.add_argument("--server-args", default="", help="extra splash-serve flags (with --launch)")
     p.add_argument("--admin-token", default="load-test-token", help="bearer token for POST /v1/layout")
+    p.add_argument("--api-key", help="bearer key every request sends (a server with server.api_key); with "
+                                     "--launch the server requires it (given through SPLASH_API_KEY)")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -225,7 +231,8 @@ def run(args) -> int:
         err = Path(tempfile.mkdtemp(prefix="splash-load-")) / "server.err"
         flags = ["--admin-token", args.admin_token] if args.admin_token else []
         try:
-            proc, url = launch(args.np, args.config, flags, args.server_args, err, timeout_s=120)
+            proc, url = launch(args.np, args.config, flags, args.server_args, err, timeout_s=120,
+                               api_key=args.api_key)
         except RuntimeError as e:
             sys.exit(f"error: {e}")
     else:

@@ -43,10 +43,10 @@ def enabled(args) -> bool:
     return bool(args.abandon or args.oversized or args.probe_every)
 
 
-async def abandoner(url: str, args, stop: asyncio.Event, ab: Abuse) -> None:
+async def abandoner(url: str, args, stop: asyncio.Event, ab: Abuse, auth: dict) -> None:
     body = {"prompt": [7, 8, 9], "max_tokens": args.abandon_tokens, "ignore_eos": True}
     while not stop.is_set():
-        async with httpx.AsyncClient(base_url=url, timeout=args.abandon_after) as c:   # closing it hangs up
+        async with httpx.AsyncClient(base_url=url, timeout=args.abandon_after, headers=auth) as c:   # closing: hang up
             try:
                 r = await c.post("/v1/completions", json=body)
                 ab.unexpected.append(f"abandoned request answered {r.status_code}")
@@ -56,9 +56,9 @@ async def abandoner(url: str, args, stop: asyncio.Event, ab: Abuse) -> None:
                 ab.unexpected.append(f"abandoner: {type(e).__name__}: {e}")
 
 
-async def oversizer(url: str, args, stop: asyncio.Event, ab: Abuse) -> None:
+async def oversizer(url: str, args, stop: asyncio.Event, ab: Abuse, auth: dict) -> None:
     blob = b'{"prompt": "' + b"x" * args.oversized_bytes + b'"}'
-    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=auth) as c:
         while not stop.is_set():
             try:
                 r = await c.post("/v1/completions", content=blob, headers={"content-type": "application/json"})
@@ -88,9 +88,11 @@ async def prober(client, every: float, stop: asyncio.Event, ab: Abuse) -> None:
 
 
 def start(url: str, client, args, stop: asyncio.Event, ab: Abuse) -> list[asyncio.Task]:
-    """The abusers' tasks (none when no abuse is asked for); they run until `stop` is set."""
-    tasks = [asyncio.create_task(abandoner(url, args, stop, ab)) for _ in range(args.abandon)]
-    tasks += [asyncio.create_task(oversizer(url, args, stop, ab)) for _ in range(args.oversized)]
+    """The abusers' tasks (none when no abuse is asked for); they run until `stop` is set. They send the API key
+    `client` sends, if any: an abuser is to be refused for what it does, not for a missing key."""
+    auth = {k: v for k, v in client.headers.items() if k == "authorization"}
+    tasks = [asyncio.create_task(abandoner(url, args, stop, ab, auth)) for _ in range(args.abandon)]
+    tasks += [asyncio.create_task(oversizer(url, args, stop, ab, auth)) for _ in range(args.oversized)]
     if args.probe_every:
         tasks.append(asyncio.create_task(prober(client, args.probe_every, stop, ab)))
     return tasks

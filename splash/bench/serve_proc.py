@@ -19,16 +19,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(np_: int, config: str | None, flags: list[str], server_args: str, log_path: Path,
-           timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+           timeout_s: float = 180, api_key: str | None = None) -> tuple[subprocess.Popen, str]:
     """(process, base url) of `splash-serve [--config config] *flags *server_args` on `np_` ranks (the mpiexec next
-    to this Python, else on PATH); its stderr goes to `log_path`. RuntimeError (with the log's tail) when it exits
-    or is not ready within `timeout_s`."""
+    to this Python, else on PATH); its stderr goes to `log_path`; with `api_key` it requires that key. RuntimeError
+    (with the log's tail) when it exits or is not ready within `timeout_s`."""
     import httpx
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
     cmd = [mpiexec, "-n", str(np_), sys.executable, "-m", "splash.cli.serve", *(["--config", config] if config else []),
            "--port", "0", "--host", "127.0.0.1", "--quiet", *flags, *shlex.split(server_args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env.pop("SPLASH_API_KEY", None)   # a loopback benchmark server; its clients send no key
+    env.pop("SPLASH_API_KEY", None)   # the caller's key, not one this shell happens to export
+    if api_key:
+        env["SPLASH_API_KEY"] = api_key
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
                             start_new_session=True)

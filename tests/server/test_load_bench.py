@@ -1,6 +1,7 @@
 """The load-test path end to end (`splash-bench load`, wrapped by scripts/load_test.py): one tiny --launch run
 at mpiexec -n 2 — 2 streaming clients against the unswitched reference, one forced switch request, and every
-abuse client (an abandoner, an oversized body, a probe) — must exit 0 with nothing failed, lost or
+abuse client (an abandoner, an oversized body, a probe), all sending the API key the server is launched with
+(every answer would be a 401 without it) — must exit 0 with nothing failed, lost or
 mismatched, the abusers answered as expected and the KV drained; the report names each of them."""
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_tiny_launch_with_abuse(tmp_path, capsys):
                          "--max-tokens", "6", "--prompts", "2", "--switch-every", "4", "--layouts", "dp_attn,tp",
                          "--abandon", "1", "--abandon-tokens", "400", "--abandon-after", "0.3",
                          "--oversized", "1", "--probe-every", "0.3", "--drain-wait", "60",
-                         "--server-args", "--layout tp", "--update-doc", str(doc),
+                         "--server-args", "--layout tp", "--update-doc", str(doc), "--api-key", "load-key",
                          "--json", str(tmp_path / "load.json")])
     out = capsys.readouterr().out
     assert rc == 0, out
