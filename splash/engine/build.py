@@ -175,5 +175,6 @@ def build_engine(args: EngineArgs, comm: Any, step_comm: Any = None, *,
                         switch_margin=args.switch_margin, enable_prefix_caching=args.enable_prefix_caching,
                         seed=args.seed)
         engine.request_layout(args.layout)   # a pinned layout stays unless request_layout moves it; or auto
+    engine.loader = lambda path: load_model(path, None, DTYPES[args.dtype], args.seed, args.quantization)
     engine.scheduler.chunked_prefill = args.enable_chunked_prefill
     return engine

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 
@@ -19,9 +20,10 @@ from splash.costmodel.step_cost import cached_moves_pay
 from splash.engine.layout_policy.auto import make_auto_layout
 from splash.engine.layout_policy.control import LayoutController
 from splash.engine.ledger import KVLedger
-from splash.engine.messages import (BlockHash, EngineRequest, PerRank, RequestFailure, StepMessage, StopMessage,
-                                   SwitchPlan, TokenEvent)
+from splash.engine.messages import (BlockHash, EngineRequest, PerRank, ReloadWeights, RequestFailure, StepMessage,
+                                    StopMessage, SwitchPlan, TokenEvent)
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from splash.errors import EngineBusy
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 from splash.engine.state_snapshots import StateSnapshots, state_holders
@@ -80,6 +82,8 @@ class Engine:
         self.sampler = Sampler(runner.cfg.vocab_size, shared, device=device)
         self._plp: dict[str, _PromptLogprobs] = {}
         self.failed: list[RequestFailure] = []   # requests whose sampling raised (see take_failures)
+        # (ModelConfig, getter) of a checkpoint directory, read as the served one was (splash.engine.build sets it)
+        self.loader: Callable[[str], tuple[Any, Any]] | None = None
         self.num_steps = 0
         self._ids = itertools.count()
         wbytes = torch.finfo(runner.dtype).bits // 8
@@ -120,6 +124,41 @@ class Engine:
         """Forget every cached block no request uses (POST /reset_prefix_cache); -> how many, over the ranks. The
         ranks free them with the next step."""
         return self.scheduler.reset_prefix_cache()
+
+    def update_weights(self, model_path: str) -> int:
+        """Rank 0, between steps of an idle engine (an RL rollout refreshing its policy): every rank loads
+        `model_path`'s weights — the served architecture, read as at start-up — into its current layout, all ranks
+        or none; the prefix cache, computed with the old weights, is emptied (-> blocks evicted). EngineBusy while
+        requests run or wait; ValueError naming the rank and the cause when a rank cannot load them (then nothing
+        changed)."""
+        if self.loader is None:
+            raise ValueError("this engine was not built by splash.engine.build: it has no checkpoint loader")
+        busy = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if busy:
+            raise EngineBusy(f"{busy} request(s) are running or waiting: weights are updated on an idle engine")
+        msg = ReloadWeights(model_path)
+        self.comm.broadcast_obj(msg)
+        errors = self._reload(msg)
+        bad = next((r for r, e in enumerate(errors) if e), None)
+        if bad is not None:
+            raise ValueError(f"rank {bad}: {errors[bad]}")
+        return self.scheduler.reset_prefix_cache()
+
+    def _reload(self, msg: ReloadWeights) -> list[str | None]:
+        """Every rank: read the new weights, agree that every rank could, then put them in place (or none does)."""
+        tensors, error = None, None
+        try:
+            cfg, get = self.loader(msg.model_path)
+            if cfg.model_type != self.runner.cfg.model_type:
+                raise ValueError(f"{msg.model_path}: model_type {cfg.model_type!r}, the served model is "
+                                 f"{self.runner.cfg.model_type!r}")
+            tensors = self.runner.load_weights(get)
+        except (ValueError, OSError, KeyError, RuntimeError) as e:   # ConfigError / CheckpointError are ValueErrors
+            error = f"{type(e).__name__}: {e}"
+        errors = self.runner.comm.all_gather_obj(error)
+        if not any(errors):
+            self.runner.commit_weights(tensors)
+        return errors
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
@@ -284,6 +323,9 @@ class Engine:
             msg = self.comm.broadcast_obj(None)
             if isinstance(msg, StopMessage):
                 return
+            if isinstance(msg, ReloadWeights):
+                self._reload(msg)   # rank 0 reports the outcome; every rank has the same one
+                continue
             self._execute(msg)
 
     def _execute(self, msg: StepMessage) -> torch.Tensor:

@@ -6,11 +6,11 @@ Only MLA layers own paged KV (NoPE: no rope key; layers with a full indexer also
 from __future__ import annotations
 
 from splash.attention.context import LayoutState
-from splash.engine.rank_model import RankModel
+from splash.engine.rank_model import RankModel, rank_weights
 from splash.kv.paged_cache import PagedLatentCache
 from splash.kv.recurrent import RecurrentStates
 from splash.models.family import ModelFamily
-from splash.models.glm5_next import Glm5NextModel, build_hybrid_weights
+from splash.models.glm5_next import Glm5NextModel
 from splash.models.kda import state_width
 
 
@@ -18,7 +18,7 @@ def build_hybrid(cfg, family: ModelFamily, get, comm, state: LayoutState, num_bl
                  device, rope_fp8: bool = False) -> RankModel:
     """(`rope_fp8` is moot: the hybrid's MLA layers are NoPE, their pool holds no rope key.)"""
     hy = cfg.hybrid
-    weights = build_hybrid_weights(cfg, get, state.heads, state.linear_heads, comm.rank, comm.size)
+    weights = rank_weights(cfg, family, get, comm, state, device)
     mla = [lw.attn for i, lw in enumerate(weights.layers) if not cfg.is_linear_layer(i)]
     weight_quant = getattr(mla[0].q_b, "fmt", None) if mla else None  # "fp8"/"int8": stored quantised
     indexed = [j for layer, j in family.pool_layers.items() if hy.indexer_types[layer] == "full"]

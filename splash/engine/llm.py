@@ -74,6 +74,12 @@ class LLM:
         same error)."""
         return on_rank0(self.comm, self.engine, lambda: self._drive(prompts, params or SamplingParams()))
 
+    def update_weights(self, model_path: str) -> None:
+        """Every rank calls this: load `model_path`'s weights (the served architecture) into every rank's current
+        layout, as vLLM's `collective_rpc("reload_weights")` / SGLang's `update_weights_from_disk` do between
+        rollouts; the prefix cache is emptied. ValueError (nothing changed) when a rank cannot load them."""
+        on_rank0(self.comm, self.engine, lambda: self.engine.update_weights(model_path))
+
     def _drive(self, prompts, params) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):

@@ -111,5 +111,11 @@ class StepMessage:
 
 
 @dataclass(frozen=True)
+class ReloadWeights:
+    """Every rank loads `model_path`'s weights into its current layout's (Engine.update_weights), between steps."""
+    model_path: str
+
+
+@dataclass(frozen=True)
 class StopMessage:
     """Followers leave their step loop."""

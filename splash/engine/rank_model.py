@@ -25,11 +25,19 @@ class RankModel:
     states: Any = None           # splash.kv.recurrent.RecurrentStates (hybrid), else None
 
 
+def rank_weights(cfg: ModelConfig, family: ModelFamily, get, comm, state: LayoutState, device: torch.device):
+    """This rank's weights in `state`'s layout: its attention heads (a hybrid's linear heads too), its FFN slice."""
+    if family.recurrent:
+        from splash.models.glm5_next import build_hybrid_weights
+        return build_hybrid_weights(cfg, get, state.heads, state.linear_heads, comm.rank, comm.size)
+    return build_weights(cfg, on_device(get, device), state.heads, comm.rank, comm.size)
+
+
 def build_dense(cfg: ModelConfig, family: ModelFamily, get, comm, state: LayoutState, num_blocks: int,
                 block_size: int, device: torch.device, rope_fp8: bool = False) -> RankModel:
     """A dense-attention family (every layer MLA, with or without a DSA indexer) on this rank; `rope_fp8`: an fp8 pool
     stores the rope key in e4m3 too (splash.attention.kernels.kv_rope_fp8)."""
-    weights = build_weights(cfg, on_device(get, device), state.heads, comm.rank, comm.size)
+    weights = rank_weights(cfg, family, get, comm, state, device)
     q_b = weights.layers[0].attn.q_b if weights.layers else None
     indexed = [i for i in range(cfg.num_hidden_layers) if cfg.has_indexer(i)]
     cache = PagedLatentCache(family.num_pool_layers, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,

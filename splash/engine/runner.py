@@ -13,13 +13,14 @@ import torch
 from splash.attention.batch import StepBatch
 from splash.attention.context import LayoutState, RankContext, layout_state
 from splash.engine.hybrid_setup import build_hybrid
-from splash.engine.rank_model import build_dense
+from splash.engine.rank_model import build_dense, rank_weights
 from splash.kv import quant
 from splash.kv.block_manager import BlockManager
 from splash.kv.page_table import PageTable
 from splash.layouts.layout import LAYOUT_NAMES as LAYOUTS, parse_layout
 from splash.models.config import ModelConfig
 from splash.models.family import describe
+from splash.models.weights import weight_tensors
 
 
 def resolve_layout_kv_dtypes(default: str, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -76,6 +77,31 @@ class ModelRunner:
         from splash.attention.executors import make_executor
 
         self._state, self._executor = state, make_executor(state, self.ctx)
+
+    def load_weights(self, get) -> list[torch.Tensor]:
+        """This rank's weights for its current layout read through `get`, built as at start-up and checked tensor
+        by tensor (shape, dtype) against the served ones: ValueError naming the first that differs. Nothing served
+        changes; `commit_weights` puts them in place."""
+        fresh = rank_weights(self.cfg, self.family, get, self.comm, self._state, self.device)
+        old, new = list(weight_tensors(self.weights)), list(weight_tensors(fresh))
+        if len(old) != len(new):
+            raise ValueError(f"the checkpoint's weights are {len(new)} tensors on this rank, the served model's "
+                             f"{len(old)}: a different architecture or quantisation")
+        for i, (a, b) in enumerate(zip(old, new)):
+            if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                raise ValueError(f"the checkpoint's weight tensor {i} is {tuple(b.shape)} {b.dtype} on {b.device}, "
+                                 f"the served model's {tuple(a.shape)} {a.dtype} on {a.device}")
+        return new
+
+    @torch.no_grad()
+    def commit_weights(self, tensors: list[torch.Tensor]) -> None:
+        """Copy `load_weights`' tensors into the served ones (every holder of a weight sees the new values); the
+        executors are made again over them, and a hybrid model's KDA snapshots, taken under the old weights, go."""
+        for old, new in zip(weight_tensors(self.weights), tensors):
+            old.copy_(new)
+        self.adopt(self._state)
+        if self.states is not None:
+            self.states.clear_snapshots()
 
     # this rank's layout-independent state, read through the context the executors share
     cfg = property(lambda self: self.ctx.cfg)

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.config.serve_config import ServerSection
+from splash.errors import EngineBusy
 from splash.engine.sampling import SamplingParams
 from splash.server import admission_cost, chat_output
 from splash.server import protocol as P
@@ -98,7 +99,8 @@ def bearer_matches(authorization: str | None, secret: str) -> bool:
                                                                                              secret.encode())
 
 
-ADMIN_ROUTES = frozenset({("POST", "/v1/layout"), ("POST", "/reset_prefix_cache")})
+ADMIN_ROUTES = frozenset({("POST", "/v1/layout"), ("POST", "/reset_prefix_cache"),
+                          ("POST", "/update_weights_from_disk")})
 OPEN_ROUTES = frozenset({"/health", "/metrics", "/version"})   # no API key: probes and scrapers
 
 
@@ -442,6 +444,21 @@ class _Handlers:
         check_admin(self.s, request.headers.get("authorization"))
         return JSONResponse({"evicted_blocks": await self.on_engine(self.s.loop.reset_prefix_cache)})
 
+    async def update_weights(self, request: Request) -> JSONResponse:
+        """SGLang's admin endpoint (token-protected like /v1/layout): every rank loads `model_path`'s weights into
+        its current layout between steps of an idle server; 409 while requests run or wait."""
+        check_admin(self.s, request.headers.get("authorization"))
+        req = await self.body(request, P.UpdateWeightsRequest)
+        try:
+            evicted = await self.on_engine(self.s.loop.update_weights, req.model_path)
+        except EngineBusy as e:
+            raise P.APIError(409, str(e), "conflict_error", code="engine_busy", headers={"Retry-After": "1"}) \
+                from None
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="model_path", code="update_failed") from None
+        return JSONResponse({"success": True, "message": f"weights loaded from {req.model_path}",
+                             "evicted_blocks": evicted})
+
     async def set_layout(self, request: Request) -> JSONResponse:
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.LayoutRequest)
@@ -474,6 +491,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/chat/completions", h.chat, methods=["POST"])
     app.add_api_route("/v1/layout", h.set_layout, methods=["POST"])
     app.add_api_route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"])
+    app.add_api_route("/update_weights_from_disk", h.update_weights, methods=["POST"])
     app.add_api_route("/tokenize", h.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", h.detokenize, methods=["POST"])
 

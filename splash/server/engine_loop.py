@@ -154,6 +154,19 @@ class EngineLoop:
         self._command(lambda: fut.set_result(self.engine.reset_prefix_cache()))
         return fut
 
+    def update_weights(self, model_path: str) -> Future:
+        """Ask the engine to load `model_path`'s weights between steps (Engine.update_weights); the future resolves
+        to the cached blocks evicted, or to its ValueError (EngineBusy while requests run or wait)."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self.engine.update_weights(model_path))
+            except ValueError as e:
+                fut.set_exception(e)
+        self._command(run)
+        return fut
+
     def stop(self, timeout: float | None = None) -> None:
         """Abort what is left, broadcast stop to the followers and join the thread."""
         with self._cond:

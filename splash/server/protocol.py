@@ -236,6 +236,11 @@ class TokenizeRequest(_Strict):
             check_text_parts(self.messages)
 
 
+class UpdateWeightsRequest(_Strict):
+    """SGLang's POST /update_weights_from_disk: a checkpoint directory on the server's machine, same architecture."""
+    model_path: str = Field(min_length=1)
+
+
 class DetokenizeRequest(_Strict):
     """vLLM's POST /detokenize: the text of ``tokens``, special tokens included."""
     model: Optional[str] = None

@@ -9,8 +9,8 @@ from mpi_util import run_jobs
 # the files whose launches share one per rank count, in launch order; each has `launch_jobs(nprocs,
 # tmp_path_factory, tiny_ckpt) -> [(worker script, *args), ...]` (its references built once, by the first call).
 # test_sampling_dist last: its followers finish before rank 0 (rank 0 then checks alone).
-SHARING = ("test_collectives", "test_device_plumbing", "test_quant_dist", "test_prefix_dist", "test_auto_switch",
-           "test_sampling_dist")
+SHARING = ("test_collectives", "test_device_plumbing", "test_quant_dist", "test_prefix_dist", "test_reload_dist",
+           "test_auto_switch", "test_sampling_dist")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,87 @@
+"""SGLang's POST /update_weights_from_disk, in process on one rank: the server then generates the new checkpoint's
+greedy tokens; a bad path or body is a 400 naming `model_path` with the old weights still served; a server with a
+request running answers 409; it is an admin route (the admin token, where one is configured)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server_util import in_process, save_preset
+
+GREEDY = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], "max_tokens": 6,
+          "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.fixture
+def engine():
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    """A tiny-mla checkpoint with other weights, and its greedy tokens for GREEDY's prompt on one rank."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    from splash.engine.sampling import SamplingParams
+    d = save_preset("tiny-mla", tmp_path_factory.mktemp("weights") / "b", seed=7)
+    out = LLM(model=str(d), comm=SingleRankCommunicator(), num_kv_blocks=64).generate(
+        [GREEDY["prompt"]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return str(d), out[0].token_ids
+
+
+def _ids(r) -> list[int]:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_the_server_generates_the_new_weights_tokens(engine, new_weights):
+    path, want = new_weights
+
+    async def checks(c, _):
+        before = _ids(await c.post("/v1/completions", json=GREEDY))
+        again = _ids(await c.post("/v1/completions", json=GREEDY))   # its prompt's blocks are cached now
+        bad = [await c.post("/update_weights_from_disk", json=body)
+               for body in ({"model_path": path + "-missing"}, {"model_path": ""}, {}, {"model_path": 3})]
+        still = _ids(await c.post("/v1/completions", json=GREEDY))
+        ok = await c.post("/update_weights_from_disk", json={"model_path": path})
+        after = _ids(await c.post("/v1/completions", json=GREEDY))
+        return before, again, bad, still, ok, after
+
+    before, again, bad, still, ok, after = in_process(engine, checks)
+    assert before == again == still and before != want
+    assert bad[0].status_code == 400 and bad[0].json()["error"]["code"] == "update_failed", bad[0].text
+    assert all(r.status_code == 400 and r.json()["error"]["param"] == "model_path" for r in bad), [r.text for r in bad]
+    assert ok.status_code == 200 and ok.json()["success"] and ok.json()["evicted_blocks"] >= 1, ok.text
+    assert after == want
+
+
+def test_a_busy_engine_is_a_409(engine, new_weights, monkeypatch):
+    """The engine's own refusal (a request running or waiting: tests/distributed/test_reload_dist.py) answered as
+    409 + Retry-After; httpx's in-process transport finishes a stream before it returns, so a request cannot be
+    held running here."""
+    from splash.errors import EngineBusy
+
+    def busy(path):
+        raise EngineBusy("1 request(s) are running or waiting: weights are updated on an idle engine")
+    monkeypatch.setattr(engine, "update_weights", busy)
+
+    async def checks(c, _):
+        return await c.post("/update_weights_from_disk", json={"model_path": new_weights[0]})
+
+    r = in_process(engine, checks)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "engine_busy", r.text
+    assert r.headers["retry-after"] == "1"
+
+
+def test_it_is_an_admin_route(engine, new_weights):
+    path, _ = new_weights
+
+    async def checks(c, _):
+        body = json.dumps({"model_path": path})
+        return [(await c.post("/update_weights_from_disk", content=body, headers=h)).status_code
+                for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer adm"})]
+
+    assert in_process(engine, checks, admin_token="adm") == [401, 401, 200]
