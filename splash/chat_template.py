@@ -14,7 +14,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(template: str) -> Any:
+def compile_template(template: str) -> Any:
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension
@@ -82,7 +82,7 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
     variables = {**(special_tokens or {}), **(kwargs or {})}
     as_mapping = ".items()" in template and "arguments" in template
     try:
-        return _compile(template).render(messages=_for_template(messages, as_mapping), tools=tools, documents=None,
+        return compile_template(template).render(messages=_for_template(messages, as_mapping), tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from None

@@ -158,3 +158,21 @@ def test_one_kv_capacity_model():
         for lay, n in caps.items():
             assert n == kv_capacity_tokens(cfg, lay, world, rank_bytes, 2, "bfloat16", 16).blocks_per_rank
         assert set(caps) == ({"dp_attn", "cp"} if world == 3 else {"tp", "dp_attn", "cp", "dop"})
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    from splash.server.startup import serving_tokenizer
+
+    inline = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(inline)
+    msgs = [{"role": "user", "content": "hi"}]
+    for value in (str(f), inline):
+        tok = serving_tokenizer(build_config(["--chat-template", value]), 320)
+        assert tok.apply_chat_template(msgs) == "[user] hi\n"
+    assert serving_tokenizer(build_config([]), 320).chat_template is None   # the byte tokenizer has none
+    for value, needle in (("/no/such/file.jinja", "neither a file nor a template"),
+                          ("{% for m in messages %}", "not a valid Jinja template")):
+        with pytest.raises(ConfigError, match=needle) as e:
+            serving_tokenizer(build_config(["--chat-template", value]), 320)
+        assert "model.chat_template" in str(e.value)

@@ -42,6 +42,9 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "compute dtype; auto = float32 on cpu, bfloat16 on GPUs"),
     (("--seed",), "seed", int, "N", "random seed of the preset's weights and of sampling for requests without a seed"),
     (("--tokenizer",), "tokenizer", str, "DIR", "tokenizer directory if not the model directory"),
+    (("--chat-template",), "chat_template", str, "FILE|TEMPLATE",
+     "the chat template: a Jinja file, or the template itself (as vLLM's --chat-template); default: the "
+     "tokenizer's (tokenizer_config.json / chat_template.jinja)"),
     (("--max-model-len",), "max_model_len", int, "N",
      "longest prompt+output in tokens (default: the model's max_position_embeddings); either is capped at the KV "
      "one request can hold in the tightest allowed layout's pool, as GET /v1/models reports"),

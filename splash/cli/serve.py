@@ -107,11 +107,10 @@ def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, secrets:
     from splash.server import startup
     from splash.server.agent import resolve_parsers
     from splash.server.frontend import serve
-    from splash.tokenizer import load_tokenizer
 
     mcfg = engine.runner.cfg
     startup.quiet_decision_log(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
+    tokenizer = startup.serving_tokenizer(cfg, mcfg.vocab_size)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
                                                     mcfg.model_type, tokenizer.chat_template)
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,

@@ -4,6 +4,7 @@ the message and no rank waits in a collective its peers never reach.
 """
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any, Callable
 
@@ -64,10 +65,10 @@ def profile_from_device(cfg: ServeConfig, backend: Any) -> ServeConfig:
 
 
 def validate_model(cfg: ServeConfig) -> None:
-    """Rank 0: the model directory has a readable config.json and safetensors, and a usable tokenizer."""
+    """Rank 0: the model directory has a readable config.json and safetensors, a usable tokenizer and chat
+    template."""
     from splash.models.loader import CheckpointReader, load_model_config
     from splash.models.presets import preset_config
-    from splash.tokenizer import load_tokenizer
 
     if cfg.model.model:
         mcfg = load_model_config(cfg.model.model)
@@ -77,7 +78,33 @@ def validate_model(cfg: ServeConfig) -> None:
             mcfg = preset_config(cfg.model.preset)
         except ValueError as e:
             raise ConfigError(f"field 'model.preset': {e}") from None
-    load_tokenizer(cfg.tokenizer_path, mcfg.vocab_size)
+    serving_tokenizer(cfg, mcfg.vocab_size)
+
+
+def serving_tokenizer(cfg: ServeConfig, vocab_size: int) -> Any:
+    """The tokenizer the server uses: the model's (or ``model.tokenizer``'s), with ``model.chat_template`` in place of
+    its own template when set (a file, or the template itself), compiled here so a bad one fails at startup."""
+    from splash.chat_template import compile_template
+    from splash.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.tokenizer_path, vocab_size)
+    value = cfg.model.chat_template
+    if value is None:
+        return tok
+    if os.path.isfile(value):
+        try:
+            value = open(value, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"field 'model.chat_template': cannot read {cfg.model.chat_template!r} ({e})") from None
+    elif not any(c in value for c in "{}\n"):
+        raise ConfigError(f"field 'model.chat_template': {value!r} is neither a file nor a template")
+    try:
+        compile_template(value)
+    except Exception as e:  # noqa: BLE001 — jinja2's TemplateSyntaxError and whatever else compiling raises
+        raise ConfigError(f"field 'model.chat_template': not a valid Jinja template ({type(e).__name__}: {e})") \
+            from None
+    tok.chat_template = value
+    return tok
 
 
 ADMIN_TOKEN_ENV = "SPLASH_ADMIN_TOKEN"
