@@ -7,6 +7,7 @@ accepted and ignored; what is not implemented is a 400 naming the field.
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -125,8 +126,9 @@ class SamplingRequest(_Strict):
                            param="logit_bias")
         return out
 
-    def sample_logprobs(self) -> int | None:   # top-k logprobs per generated token (None: none)
-        return None
+    @abstractmethod
+    def sample_logprobs(self) -> int | None:
+        """Top-k logprobs per generated token (None: none): each request kind asks for them its own way."""
 
 
 class CompletionRequest(SamplingRequest):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from splash.server.reasoning import partial_tail
@@ -44,12 +45,13 @@ def _json_or_text(v: str):
         return v
 
 
-class _Format:
+class _Format(ABC):
     start: str          # the marker that opens the tool-call section
     early = False       # a call's name and arguments stream before it closes (its arguments are the model's text)
 
+    @abstractmethod
     def calls(self, section: str, tools: list[dict] | None) -> list[Call]:
-        raise NotImplementedError
+        """The calls in a tool-call section; one still being generated comes last, not done."""
 
 
 class _Glm45(_Format):

@@ -178,6 +178,24 @@ def test_health_reports_a_stalled_step_and_drain_refuses_new_requests(engine):
     assert refused.status_code == 503 and refused.headers["retry-after"]
 
 
+def test_a_request_waiting_for_its_grammar_is_refused_once_the_loop_drains(engine, monkeypatch):
+    """The app hands the grammar compiler the loop's drain state: a request whose compile is still running when
+    the stop signal comes is answered 503 within a poll, not after its compile (which would outlive the drain)."""
+    from splash.server.structured import GrammarCompiler
+    monkeypatch.setattr(GrammarCompiler, "compile_sync", lambda self, spec: time.sleep(8.0))
+
+    async def checks(c, loop):
+        asyncio.get_running_loop().call_later(0.3, loop.begin_drain)
+        t0 = time.monotonic()
+        r = await c.post("/v1/completions", json={**GOOD, "structured_outputs": {"regex": "a+"}})
+        return r, time.monotonic() - t0
+
+    refused, waited = _serve(engine, checks)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    assert waited < 4.0, waited
+
+
 def test_empty_bearer_token_never_matches():
     """An empty configured token never matches, not even 'Authorization: Bearer ' (empty)."""
     state = ServerState(loop=EngineLoop.__new__(EngineLoop), tokenizer=TOK, metrics=None, model_name="m",
