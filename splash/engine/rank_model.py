@@ -27,10 +27,11 @@ class RankModel:
 
 def rank_weights(cfg: ModelConfig, family: ModelFamily, get, comm, state: LayoutState, device: torch.device):
     """This rank's weights in `state`'s layout: its attention heads (a hybrid's linear heads too), its FFN slice."""
+    get = on_device(get, device)   # each tensor moves to the device as it is read
     if family.recurrent:
         from splash.models.glm5_next import build_hybrid_weights
         return build_hybrid_weights(cfg, get, state.heads, state.linear_heads, comm.rank, comm.size)
-    return build_weights(cfg, on_device(get, device), state.heads, comm.rank, comm.size)
+    return build_weights(cfg, get, state.heads, comm.rank, comm.size)
 
 
 def build_dense(cfg: ModelConfig, family: ModelFamily, get, comm, state: LayoutState, num_blocks: int,
