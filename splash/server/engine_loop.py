@@ -82,6 +82,7 @@ class EngineLoop:
         self.outstanding = 0            # sequences accepted by add() and not yet finished, failed or aborted
         self.step_started: float | None = None   # monotonic start of the step in flight (None between steps)
         self._sinks: dict[str, Sink] = {}
+        self._times: dict[str, list] = {}   # req_id -> [arrival, first token or None, tokens] (latency metrics)
         self.steps = 0
         self.generated = 0
         self._capacity: dict[str, int] = {}
@@ -115,8 +116,9 @@ class EngineLoop:
                 raise Overloaded(f"the server is busy: {self.outstanding} sequences are queued or running, and "
                                  f"this request adds {len(reqs)} (limit {limit}); retry later")
             self.outstanding += len(reqs)
+        arrival = time.monotonic()
         try:
-            self._command(lambda: self._add(reqs, sink))
+            self._command(lambda: self._add(reqs, sink, arrival))
         except EngineStopped:
             self._done(len(reqs))
             raise
@@ -204,7 +206,7 @@ class EngineLoop:
             if self._on_fatal is not None:
                 self._on_fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
 
-    def _add(self, reqs: list[EngineRequest], sink: Sink) -> None:
+    def _add(self, reqs: list[EngineRequest], sink: Sink, arrival: float) -> None:
         for req in reqs:
             try:
                 self.engine.add(req)
@@ -215,9 +217,11 @@ class EngineLoop:
             self._sinks[req.req_id] = sink
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(req.prompt))
+                self._times[req.req_id] = [arrival, None, 0]
 
     def _abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
+            self._times.pop(req_id, None)
             if self._sinks.pop(req_id, None) is not None:
                 self.engine.abort(req_id)
                 self._done(1)
@@ -244,8 +248,11 @@ class EngineLoop:
             self.metrics.steps.inc()
             if events:
                 self.metrics.generated_tokens.inc(len(events))
+                self._latencies(events)
         failed = [(req_id, _failure(req_id, err), True)
                   for req_id, err in self.engine.take_failures()]   # already aborted by the engine
+        for req_id, _, _ in failed:
+            self._times.pop(req_id, None)
         groups: dict[int, tuple[Sink, list[Any]]] = {}
         finished = 0
         for req_id, item, last in [(ev.req_id, ev, ev.finish_reason is not None) for ev in events] + failed:
@@ -258,6 +265,24 @@ class EngineLoop:
         if groups:
             self._deliver(list(groups.values()))
 
+    def _latencies(self, events: list[Any]) -> None:
+        """A sequence's first token gives its time to first token; its last, its end-to-end latency and its mean
+        time per output token after the first."""
+        now, m = time.monotonic(), self.metrics
+        for ev in events:
+            t = self._times.get(ev.req_id)
+            if t is None:
+                continue
+            t[2] += 1
+            if t[1] is None:
+                t[1] = now
+                m.ttft.observe(now - t[0])
+            if ev.finish_reason is not None:
+                del self._times[ev.req_id]
+                m.e2e.observe(now - t[0])
+                if t[2] > 1:
+                    m.tpot.observe((now - t[1]) / (t[2] - 1))
+
     def _deliver(self, batch: list[tuple[Sink, list[Any]]]) -> None:
         def run() -> None:
             for sink, items in batch:
@@ -265,6 +290,7 @@ class EngineLoop:
         self._post(run)
 
     def _shutdown(self) -> None:
+        self._times.clear()
         live = list(self._sinks.items())
         for req_id, _ in live:
             self.engine.abort(req_id)

@@ -17,6 +17,10 @@ from splash.config.serve_config import LAYOUTS
 from splash.engine.layout_policy.auto import VERDICTS
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# a request's latencies: from milliseconds (a cached prompt) to the minutes of a long prompt behind a queue
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                   1800.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def _family(kind: type, name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float]]) -> Metric:
@@ -105,6 +109,12 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.step_time = Histogram("splash_step_duration_seconds", "Wall time of one engine step (all ranks)",
                                    buckets=STEP_BUCKETS, registry=r)
+        self.ttft = Histogram("splash_time_to_first_token_seconds", "From a sequence's arrival at the engine to "
+                              "its first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("splash_e2e_request_latency_seconds", "From a sequence's arrival to its last token "
+                             "(finished sequences)", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("splash_time_per_output_token_seconds", "A finished sequence's mean time between its "
+                              "tokens after the first", buckets=TOKEN_GAP_BUCKETS, registry=r)
         r.register(_StateCollector(snapshot))
 
     def count_unrouted(self, status: int) -> None:
