@@ -176,3 +176,27 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
         with pytest.raises(ConfigError, match=needle) as e:
             serving_tokenizer(build_config(["--chat-template", value]), 320)
         assert "model.chat_template" in str(e.value)
+
+
+def test_sampling_defaults_from_generation_config(tmp_path):
+    import json
+
+    from splash.server.startup import sampling_defaults
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = build_config(["--model", str(model)])
+    assert sampling_defaults(cfg) == {}   # auto without the file: none
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 64, "do_sample": True, "eos_token_id": 1}))
+    assert sampling_defaults(cfg) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert sampling_defaults(build_config(["--model", str(model), "--generation-config", "vllm"])) == {}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1}))
+    assert sampling_defaults(build_config(["--generation-config", str(other)])) == {"repetition_penalty": 1.1}
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 7}))
+    with pytest.raises(ConfigError, match="generation_config.json.*temperature"):
+        sampling_defaults(build_config(["--generation-config", str(other)]))
+    with pytest.raises(ConfigError, match="model.generation_config.*does not exist"):
+        sampling_defaults(build_config(["--generation-config", str(tmp_path / "none")]))

@@ -42,6 +42,10 @@ FLAGS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "compute dtype; auto = float32 on cpu, bfloat16 on GPUs"),
     (("--seed",), "seed", int, "N", "random seed of the preset's weights and of sampling for requests without a seed"),
     (("--tokenizer",), "tokenizer", str, "DIR", "tokenizer directory if not the model directory"),
+    (("--generation-config",), "generation_config", str, "auto|vllm|DIR",
+     "sampling defaults for fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, "
+     "max_tokens from max_new_tokens): auto = the model's generation_config.json, as vLLM; vllm = none; or a "
+     "directory holding one"),
     (("--chat-template",), "chat_template", str, "FILE|TEMPLATE",
      "the chat template: a Jinja file, or the template itself (as vLLM's --chat-template); default: the "
      "tokenizer's (tokenizer_config.json / chat_template.jinja)"),

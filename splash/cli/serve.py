@@ -113,9 +113,13 @@ def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, secrets:
     tokenizer = startup.serving_tokenizer(cfg, mcfg.vocab_size)
     tool_parser, reasoning_parser = resolve_parsers(cfg.server.tool_call_parser, cfg.server.reasoning_parser,
                                                     mcfg.model_type, tokenizer.chat_template)
+    defaults = startup.sampling_defaults(cfg)
+    if defaults and console:   # as vLLM says it: a request without these fields is not sampled as the API documents
+        console.log("splash-serve: sampling defaults from the model's generation_config.json (--generation-config "
+                    "vllm: none): " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
     state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
                     vocab_size=mcfg.vocab_size, host=cfg.server.host,
-                    world_size=world_size, limits=cfg.server, **secrets,
+                    world_size=world_size, limits=cfg.server, **secrets, sampling_defaults=defaults,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     title = f"splash-serve · {cfg.model_name} · {world_size} rank(s) · {cfg.server.host}:{sock.getsockname()[1]}"
     queue = cfg.scheduler.max_num_seqs + cfg.server.max_waiting_seqs   # sequences beyond it are answered 429

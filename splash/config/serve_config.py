@@ -81,6 +81,9 @@ class ModelSection:
     seed: int = Field(0, ge=0)
     tokenizer: str | None = None                 # None → the model directory (or a byte tokenizer)
     chat_template: str | None = None             # a Jinja template file, or the template itself; None → the tokenizer's
+    # sampling defaults for what a request leaves out: auto → the model's generation_config.json (as vLLM), vllm →
+    # none (the API's own defaults), or a directory holding a generation_config.json
+    generation_config: str = "auto"
     # None → max_position_embeddings; >= 2 (1 prompt + 1 output); the engine caps either at one request's pool room
     max_model_len: int | None = Field(None, ge=2)
     # quantise a BF16/FP32 checkpoint's linear weights at load: fp8 (128×128 blocks) or int8 (per channel);

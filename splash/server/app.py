@@ -64,6 +64,7 @@ class ServerState:
     limits: ServerSection = field(default_factory=ServerSection)   # the request limits (config section server)
     tool_call_parser: str | None = None          # splash.server.agent.resolve_parsers
     reasoning_parser: str | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # splash.server.startup.sampling_defaults
 
 
 def is_loopback(host: str) -> bool:
@@ -212,7 +213,17 @@ class _Handlers:
         data = await read_json(request, lim.max_request_body_bytes, lim.read_timeout_s)
         if model in (P.ChatCompletionRequest, P.TokenizeRequest) and isinstance(data, dict):
             self.prompts.check_message_count(data.get("messages"))   # before validation, whose cost grows with them
-        return P.parse_request(model, data)
+        req = P.parse_request(model, data)
+        if isinstance(req, P.SamplingRequest):   # the model's sampling defaults fill what the request left out
+            unset = {k: v for k, v in self.s.sampling_defaults.items() if k != "max_tokens"
+                     and k not in req.model_fields_set}
+            if unset:
+                req = req.model_copy(update=unset)
+        return req
+
+    def default_max_tokens(self, api_default: int) -> int:
+        """max_tokens for a request without one: the model's max_new_tokens when it gives one, else the API's."""
+        return self.s.sampling_defaults.get("max_tokens", api_default)
 
     def check(self, req: P.SamplingRequest, num_prompts: int, chat: bool) -> None:
         """The checks both endpoints make before any prompt is read, in the order their errors are answered."""
@@ -289,7 +300,8 @@ class _Handlers:
         self.check(req, 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p), chat=False)
         prompts = await self.prompts.completion(p)
         grammar = await self.agent.completion(req)
-        mt = self.max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "max_tokens")
+        mt = self.max_tokens(req.max_tokens, self.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS), prompts,
+                             "max_tokens")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:   # echo + logprobs: the prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)
@@ -307,7 +319,8 @@ class _Handlers:
         prompt = await self.prompts.chat(messages, agent.tools, agent.mode.template_kwargs)
         agent = with_prompt(agent, self.s.tokenizer, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.s.max_model_len, [prompt], param)
+        mt = self.max_tokens(req.max_completion_tokens or req.max_tokens, self.default_max_tokens(self.s.max_model_len),
+                             [prompt], param)
         return await self.answer(request, req, [prompt], mt, req.prompt_logprobs, agent.grammar, agent)
 
     async def tokenize(self, request: Request) -> JSONResponse:

@@ -79,6 +79,7 @@ def validate_model(cfg: ServeConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"field 'model.preset': {e}") from None
     serving_tokenizer(cfg, mcfg.vocab_size)
+    sampling_defaults(cfg)
 
 
 def serving_tokenizer(cfg: ServeConfig, vocab_size: int) -> Any:
@@ -105,6 +106,44 @@ def serving_tokenizer(cfg: ServeConfig, vocab_size: int) -> Any:
             from None
     tok.chat_template = value
     return tok
+
+
+# generation_config.json keys vLLM takes as request defaults -> the request field each one fills
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(cfg: ServeConfig) -> dict[str, Any]:
+    """The request defaults of ``model.generation_config``: from the model directory's (``auto``) or the named
+    directory's generation_config.json, the keys vLLM reads (GENERATION_DEFAULTS), checked as a request's fields
+    are; none for ``vllm``, a preset, or a model without the file. ConfigError naming the file and the key."""
+    import json
+
+    from splash.server import protocol as P
+
+    where = cfg.model.generation_config
+    if where == "vllm":
+        return {}
+    folder = cfg.model.model if where == "auto" else where
+    if folder is None:
+        return {}
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if where == "auto":
+            return {}
+        raise ConfigError(f"field 'model.generation_config': {path} does not exist")
+    try:
+        raw = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"field 'model.generation_config': cannot read {path} ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"field 'model.generation_config': {path} is not a JSON object")
+    out = {field: raw[key] for key, field in GENERATION_DEFAULTS.items() if raw.get(key) is not None}
+    try:
+        P.parse_request(P.CompletionRequest, {"prompt": [0], **out})
+    except P.APIError as e:
+        raise ConfigError(f"{path}: {e.message}") from None
+    return out
 
 
 ADMIN_TOKEN_ENV = "SPLASH_ADMIN_TOKEN"

@@ -1,24 +1,15 @@
-"""vLLM's --api-key, and vLLM's /tokenize, /detokenize and /version, in process on one rank.
+"""vLLM's --api-key, in process on one rank.
 
 With server.api_key set, every route but /health, /metrics and /version answers 401 to a request without
 'Authorization: Bearer <key>', before its body is read; an admin route takes the admin token where one is required.
 """
 from __future__ import annotations
 
-import pytest
-
 from server_util import in_process
 
 KEY, ADMIN = "k-123", "adm-456"
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from splash.distributed import SingleRankCommunicator
-    from splash.engine.llm import LLM
-    return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
 
 
 def _serve(engine, checks, **state_kw):

@@ -9,13 +9,6 @@ import pytest
 from server_util import in_process
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from splash.distributed import SingleRankCommunicator
-    from splash.engine.llm import LLM
-    return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
-
-
 def _value(text: str, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     assert m, name

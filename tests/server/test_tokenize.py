@@ -15,13 +15,6 @@ CHAT = [{"role": "developer", "content": "be brief"}, {"role": "user", "content"
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from splash.distributed import SingleRankCommunicator
-    from splash.engine.llm import LLM
-    return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
-
-
 def _serve(engine, checks, **kw):
     return in_process(engine, lambda c, _: checks(c), **kw)
 
