@@ -31,6 +31,7 @@ class Call:
     arguments: str          # JSON text so far (the whole text once done)
     done: bool
     end: int = 0            # a done call: where it ends in the text read (the next call is read from there)
+    at: int = -1            # an open call of an early format: where its arguments start in the text read
 
 
 Tools = dict[str, dict]      # the request's functions by name
@@ -117,7 +118,7 @@ class _DeepSeek(_Format):
                 at += len(piece)
                 continue
             keep = partial_tail(body, close)
-            out.append(Call(name.strip(), body[:len(body) - keep], False))
+            out.append(Call(name.strip(), body[:len(body) - keep], False, at=at + len(piece) - len(body)))
             break
         return out
 
@@ -179,6 +180,10 @@ class CallDeltas:
         self.ids: list[str] = []
         self.sent: list[str] = []     # arguments sent per call
 
+    def more(self, k: int, arguments: str) -> list[dict]:
+        """The delta of call ``k``'s arguments growing by ``arguments`` (its caller tracks what was sent)."""
+        return [{"index": k, "function": {"arguments": arguments}}] if arguments else []
+
     def __call__(self, calls: list[tuple[str, str]], first: int = 0) -> list[dict]:
         """The deltas that bring the calls sent so far to ``calls`` [(name, arguments so far)], the calls from
         index ``first`` on (those before it were sent whole)."""
@@ -207,6 +212,7 @@ class ToolStream:
         self.read = 0              # the text before it holds only complete calls, already sent
         self.seen = 0              # the text before it was searched for the format's close marker
         self.settled = 0           # complete named calls sent (whole)
+        self.open: tuple[int, int] | None = None   # early formats: the open call's index, where its unsent text starts
         self.deltas = CallDeltas()
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
@@ -229,16 +235,38 @@ class ToolStream:
             look, self.seen = max(self.read, self.seen - len(self.fmt.close) + 1), len(self.text)
             if self.text.find(self.fmt.close, look) < 0:
                 return []
+        out = self._open_arguments() if self.open is not None else []
+        if self.open is not None:
+            return out
         start, named, done = self.read, [], 0
-        for c in self.fmt.calls(self.text[start:], self.tools):
+        calls = self.fmt.calls(self.text[start:], self.tools)
+        for c in calls:
             if c.done:
                 self.read = start + c.end
             if c.name and (c.done or early):
                 named.append((c.name, c.arguments))
                 done += c.done
-        out = self.deltas(named, self.settled)
+        out += self.deltas(named, self.settled)
         self.settled += done   # the complete calls come first, and are now sent whole
+        last = calls[-1] if calls else None
+        if early and last is not None and not last.done and last.name and last.at >= 0:
+            self.open = (self.settled, start + last.at + len(last.arguments))
         return out
+
+    def _open_arguments(self) -> list[dict]:
+        """An early format's open call, read on from where its last read stopped (not from its start: one long
+        call re-read per token cost seconds of the event loop): its new arguments, and whether it closed."""
+        k, sent = self.open
+        close = self.fmt.args_close + self.fmt.call_end
+        end = self.text.find(close, sent)
+        if end < 0:   # a tail that may start the end marker is held back, never sent as arguments
+            tail = max(sent, len(self.text) - len(close) + 1)
+            upto = len(self.text) - partial_tail(self.text[tail:], close)
+            self.open = (k, upto)
+            return self.deltas.more(k, self.text[sent:upto])
+        self.open, self.read = None, end + len(close)
+        self.settled += 1
+        return self.deltas.more(k, self.text[sent:end])
 
     def finish(self) -> tuple[str, list[dict]]:
         """The end: held-back text, or a section with no complete call, is content."""
