@@ -292,3 +292,16 @@ def test_engine_drops_a_broken_grammar_row_and_finishes_the_rest(tok):
     assert type(failed[0]) is RequestFailure and isinstance(failed[0].error, Exception)
     for rid in ("a", "b"):
         assert finish[rid] == "stop" and tok.decode(out[rid]) in ("yes", "no"), out[rid]
+
+
+def test_min_tokens_past_the_grammars_end_ends_at_the_grammars_end(compiler):
+    """The sampler lets a grammar row end (EOS) before min_tokens, but the scheduler held the request open: its
+    matcher, terminated, then failed the next token, and the server answered a 500 internal_error
+    (``{"structured_outputs": {"regex": "ab"}, "min_tokens": 50}``). The grammar says where its output ends."""
+    from splash.distributed import SingleRankCommunicator
+    from splash.engine.llm import LLM
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64)
+    done = compiler.compile_sync(GrammarSpec("regex", "ab", "x"))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=60, min_tokens=50, grammar=done, temperature=0))[0]
+    assert out.outputs[0].token_ids[:2] == [ord("a"), ord("b")] and out.finish_reason == "stop"
+    assert not llm.engine.take_failures()

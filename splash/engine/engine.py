@@ -114,8 +114,11 @@ class Engine:
         if not params.ignore_eos or params.grammar is not None:   # a grammar ends its output with EOS
             stop |= set(self.runner.cfg.eos_ids)
         self.sampler.add(req_id, prompt, params, stop)   # ValueError (bad logit_bias id) before any state
+        # a grammar says where its output ends, min_tokens or not (the sampler lets it end): held open past its
+        # end, its terminated matcher would fail the request
+        min_tokens = 0 if params.grammar is not None else params.min_tokens
         self.scheduler.add(Request(req_id, list(prompt), params.max_tokens, frozenset(stop), self.max_model_len,
-                                   params.min_tokens, cacheable=params.prompt_logprobs is None))
+                                   min_tokens, cacheable=params.prompt_logprobs is None))
         if params.prompt_logprobs is not None:
             self._plp[req_id] = _PromptLogprobs(params.prompt_logprobs)
         return req_id

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from splash.server import reasoning, tool_parsers
-from splash.server.tool_choice import ToolChoice, forced_calls, scan_calls
+from splash.server.tool_choice import CallScanner, ToolChoice, forced_calls
 
 _log = logging.getLogger("splash.server")
 
@@ -80,7 +80,8 @@ class ChatStream:
                        if mode.reasoner else None)
         self.tools = tool_parsers.ToolStream(mode.tool_parser, list(mode.tools.tools)) if mode.auto_tools else None
         self.forced = tool_parsers.CallDeltas() if mode.forced else None
-        self.forced_text = ""      # a forced output: a named function's arguments, or "required"'s JSON array
+        self.forced_text = ""      # a named function's forced output: its arguments
+        self.scanner = CallScanner()   # "required"'s forced output: a JSON array of calls
         self.called = False
         self.broken = False     # a parser failed: the rest of the text goes out as content
 
@@ -88,9 +89,13 @@ class ChatStream:
         out: dict = {}
         calls: list[dict] = []
         if self.forced is not None:
-            self.forced_text += text
             tc = self.mode.tools
-            calls = self.forced([(tc.name, self.forced_text)] if tc.mode == "named" else scan_calls(self.forced_text))
+            if tc.mode == "named":
+                self.forced_text += text
+                calls = self.forced([(tc.name, self.forced_text)])
+            else:
+                first, found = self.scanner.feed(text)
+                calls = self.forced(found, first)
         elif self.tools is not None:
             content, calls = self.tools.feed(text)
             if last:

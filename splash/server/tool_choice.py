@@ -115,8 +115,13 @@ _PARAMS = re.compile(r'\s*,\s*"parameters"\s*:\s*')
 def scan_calls(s: str) -> list[tuple[str, str]]:
     """(name, arguments so far) of each call in a growing ``[{"name": …, "parameters": …}, …]`` (the keys in
     the schema's order)."""
+    return _scan(s, s.find("[") + 1 if "[" in s else len(s))[0]
+
+
+def _scan(s: str, i: int) -> tuple[list[tuple[str, str]], int, int]:
+    """The calls from ``s[i]`` on, how many of them are complete, and where the text after those starts."""
     out: list[tuple[str, str]] = []
-    i = s.find("[") + 1 if "[" in s else len(s)
+    complete, after = 0, i
     while i < len(s):
         m = _NAME.match(s, i)
         if m is None:
@@ -134,7 +139,28 @@ def scan_calls(s: str) -> list[tuple[str, str]]:
         close = s.find("}", e)
         if close < 0:
             break
-        i = close + 1
-    return out
+        i = after = close + 1
+        complete += 1
+    return out, complete, after
 
 
+class CallScanner:
+    """``scan_calls`` of a streamed output, reading each complete call once (re-reading them all per token cost a
+    request of many calls seconds of the event loop): ``feed(delta)`` → (the index of the first call returned,
+    the calls from it on)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.at: int | None = None   # where the calls not yet complete start (None: before the "[")
+        self.complete = 0
+
+    def feed(self, delta: str) -> tuple[int, list[tuple[str, str]]]:
+        self.text += delta
+        if self.at is None:
+            if "[" not in self.text:
+                return 0, []
+            self.at = self.text.find("[") + 1
+        first = self.complete
+        calls, complete, self.at = _scan(self.text, self.at)
+        self.complete += complete
+        return first, calls
