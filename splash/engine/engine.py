@@ -30,7 +30,7 @@ from splash.engine.state_snapshots import StateSnapshots, state_holders
 from splash.kv.recurrent import SnapshotPoint
 from splash.layouts.memory import state_snapshot_slots
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
-from splash.models.weights import resident_bytes
+from splash.models.weights import expected_shapes, resident_bytes
 
 _log = logging.getLogger("splash.engine")
 
@@ -42,6 +42,18 @@ def step_seconds(t0: float, out: torch.Tensor) -> float:
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
     return time.perf_counter() - t0
+
+
+def _same_architecture(path: str, new, served) -> None:
+    """ValueError naming the first difference when checkpoint `path`'s config (`new`) does not describe the
+    served model's architecture: its model_type, or a tensor the loader reads, missing or of another shape."""
+    if new.model_type != served.model_type:
+        raise ValueError(f"{path}: model_type {new.model_type!r}, the served model is {served.model_type!r}")
+    a, b = expected_shapes(new), expected_shapes(served)
+    for name in sorted(a.keys() | b.keys()):
+        if a.get(name) != b.get(name):
+            raise ValueError(f"{path}: tensor {name} is {a.get(name)} there, {b.get(name)} in the served model "
+                             "(another architecture)")
 
 
 @dataclass
@@ -152,9 +164,7 @@ class Engine:
         tensors, error = None, None
         try:
             cfg, get = self.loader(msg.model_path)
-            if cfg.model_type != self.runner.cfg.model_type:
-                raise ValueError(f"{msg.model_path}: model_type {cfg.model_type!r}, the served model is "
-                                 f"{self.runner.cfg.model_type!r}")
+            _same_architecture(msg.model_path, cfg, self.runner.cfg)
             tensors = self.runner.load_weights(get)
         except (ValueError, OSError, KeyError, RuntimeError) as e:   # ConfigError / CheckpointError are ValueErrors
             error = f"{type(e).__name__}: {e}"

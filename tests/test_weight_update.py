@@ -1,0 +1,41 @@
+"""Weight updates on one rank (`LLM.update_weights`; the multi-rank case: tests/distributed/test_reload_dist.py):
+quantised at load as the served weights were, and a checkpoint of another shape refused with nothing changed."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "server"))
+from server_util import save_preset  # noqa: E402
+
+from splash.distributed import SingleRankCommunicator  # noqa: E402
+from splash.engine.llm import LLM  # noqa: E402
+from splash.engine.sampling import SamplingParams  # noqa: E402
+
+PROMPT = [[(7 * j + 3) % 200 + 1 for j in range(21)]]
+SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[int]:
+    return llm.generate(PROMPT, SP)[0].token_ids
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "int8"])
+def test_new_weights_are_read_as_the_served_ones_were(tmp_path, quantization):
+    new = str(save_preset("tiny-mla", tmp_path / "b", seed=7))
+    want = _tokens(LLM(model=new, comm=SingleRankCommunicator(), quantization=quantization))
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator(), quantization=quantization)
+    assert _tokens(llm) != want
+    llm.update_weights(new)
+    assert _tokens(llm) == want
+
+
+def test_a_checkpoint_of_another_shape_is_refused_and_nothing_changes(tmp_path):
+    other = str(save_preset("small-mla", tmp_path / "other", seed=1))
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator())
+    before = _tokens(llm)
+    with pytest.raises(ValueError, match="rank 0: ValueError: .*tensor .* in the served model"):
+        llm.update_weights(other)
+    assert _tokens(llm) == before
