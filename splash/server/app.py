@@ -459,7 +459,7 @@ class _Handlers:
 
     async def update_weights(self, request: Request) -> JSONResponse:
         """SGLang's admin endpoint (token-protected like /v1/layout): every rank loads `model_path`'s weights into
-        its current layout between steps of an idle server; 409 while requests run or wait."""
+        its current layout once the admitted requests are done (later ones wait for it); 409 while another waits."""
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.UpdateWeightsRequest)
         try:

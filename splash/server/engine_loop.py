@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from splash.engine.messages import EngineRequest
+from splash.errors import EngineBusy
 from splash.layouts.layout import LAYOUT_NAMES
 
 Sink = Callable[[list[Any]], None]   # receives TokenEvents (or one Exception) in the asyncio thread
@@ -83,6 +84,8 @@ class EngineLoop:
         self.step_started: float | None = None   # monotonic start of the step in flight (None between steps)
         self._sinks: dict[str, Sink] = {}
         self._times: dict[str, list] = {}   # req_id -> [arrival, first token or None, tokens] (latency metrics)
+        self._update: tuple[str, Future] | None = None   # a weight update waiting for the admitted requests
+        self._held: list[tuple[list[EngineRequest], Sink, float]] = []   # adds that arrived meanwhile
         self.steps = 0
         self.generated = 0
         self._capacity: dict[str, int] = {}
@@ -157,16 +160,12 @@ class EngineLoop:
         return fut
 
     def update_weights(self, model_path: str) -> Future:
-        """Ask the engine to load `model_path`'s weights between steps (Engine.update_weights); the future resolves
-        to the cached blocks evicted, or to its ValueError (EngineBusy while requests run or wait)."""
+        """Ask the engine to load `model_path`'s weights (Engine.update_weights) as SGLang does: the requests
+        already admitted finish on the old weights, requests that arrive meanwhile wait and run on the new ones.
+        The future resolves to the cached blocks evicted, or to a ValueError (EngineBusy: another update is
+        pending; EngineStopped: the server stopped first)."""
         fut: Future = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self.engine.update_weights(model_path))
-            except ValueError as e:
-                fut.set_exception(e)
-        self._command(run)
+        self._command(lambda: self._begin_update(model_path, fut))
         return fut
 
     def stop(self, timeout: float | None = None) -> None:
@@ -199,6 +198,8 @@ class EngineLoop:
                     break
                 if self.engine.has_work():
                     self._step()
+                if self._update is not None:
+                    self._try_update()
                 self._publish()
             self._shutdown()
         except BaseException:  # noqa: BLE001 — anything here leaves the followers inside a step
@@ -207,6 +208,9 @@ class EngineLoop:
                 self._on_fatal(f"splash-serve: rank 0: the engine thread failed:\n{self.error}")
 
     def _add(self, reqs: list[EngineRequest], sink: Sink, arrival: float) -> None:
+        if self._update is not None:   # they run on the new weights, once the update is done
+            self._held.append((reqs, sink, arrival))
+            return
         for req in reqs:
             try:
                 self.engine.add(req)
@@ -219,7 +223,33 @@ class EngineLoop:
                 self.metrics.prompt_tokens.inc(len(req.prompt))
                 self._times[req.req_id] = [arrival, None, 0]
 
+    def _begin_update(self, model_path: str, fut: Future) -> None:
+        if self._update is not None:
+            fut.set_exception(EngineBusy(f"a weight update ({self._update[0]}) is waiting for the running requests"))
+            return
+        self._update = (model_path, fut)
+        self._try_update()
+
+    def _try_update(self) -> None:
+        """Once no admitted request runs or waits: the update, then the requests held for it."""
+        sch = self.engine.scheduler
+        if sch.running or sch.waiting:
+            return
+        (path, fut), self._update = self._update, None
+        try:
+            fut.set_result(self.engine.update_weights(path))
+        except ValueError as e:
+            fut.set_exception(e)
+        held, self._held = self._held, []
+        for reqs, sink, arrival in held:
+            self._add(reqs, sink, arrival)
+
     def _abort(self, req_ids: list[str]) -> None:
+        gone = set(req_ids)
+        for i, (reqs, sink, arrival) in enumerate(self._held):   # not admitted yet: nothing to abort in the engine
+            kept = [r for r in reqs if r.req_id not in gone]
+            self._done(len(reqs) - len(kept))
+            self._held[i] = (kept, sink, arrival)
         for req_id in req_ids:
             self._times.pop(req_id, None)
             if self._sinks.pop(req_id, None) is not None:
@@ -291,6 +321,14 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         self._times.clear()
+        if self._update is not None:
+            self._update[1].set_exception(EngineStopped("the server shut down before the weight update ran"))
+            self._update = None
+        held, self._held = [(r, s) for r, s, _ in self._held if r], []
+        self._done(sum(len(r) for r, _ in held))
+        if held:
+            err = EngineStopped("the server shut down before the request started")
+            self._deliver([(sink, [err]) for _, sink in held])
         live = list(self._sinks.items())
         for req_id, _ in live:
             self.engine.abort(req_id)

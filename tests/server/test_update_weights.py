@@ -1,6 +1,7 @@
 """SGLang's POST /update_weights_from_disk, in process on one rank: the server then generates the new checkpoint's
-greedy tokens; a bad path or body is a 400 naming `model_path` with the old weights still served; a server with a
-request running answers 409; it is an admin route (the admin token, where one is configured)."""
+greedy tokens; a bad path or body is a 400 naming `model_path` with the old weights still served; requests admitted
+before it finish on the old weights and later ones run on the new; a second update meanwhile is a 409; it is an
+admin route (the admin token, where one is configured)."""
 from __future__ import annotations
 
 import json
@@ -59,9 +60,8 @@ def test_the_server_generates_the_new_weights_tokens(engine, new_weights):
 
 
 def test_a_busy_engine_is_a_409(engine, new_weights, monkeypatch):
-    """The engine's own refusal (a request running or waiting: tests/distributed/test_reload_dist.py) answered as
-    409 + Retry-After; httpx's in-process transport finishes a stream before it returns, so a request cannot be
-    held running here."""
+    """A refusal (EngineBusy: another update is already waiting for the running requests, as the test below makes
+    one) is answered 409 + Retry-After."""
     from splash.errors import EngineBusy
 
     def busy(path):
@@ -85,3 +85,65 @@ def test_it_is_an_admin_route(engine, new_weights):
                 for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer adm"})]
 
     assert in_process(engine, checks, admin_token="adm") == [401, 401, 200]
+
+
+def test_admitted_requests_finish_on_the_old_weights_and_later_ones_run_on_the_new(engine, new_weights, tmp_path):
+    """SGLang's order: an update asked for while a request runs waits for it (its tokens are the old weights'); a
+    request that arrives meanwhile waits for the update (its tokens are the new weights'); a second update asked
+    for meanwhile is refused."""
+    import threading
+
+    from splash.engine.messages import EngineRequest
+    from splash.engine.sampling import SamplingParams
+    from splash.errors import EngineBusy
+    from splash.server.engine_loop import EngineLoop
+
+    path, want = new_weights
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got: dict[str, list[int]] = {"old": [], "new": []}
+    done = {k: threading.Event() for k in got}
+
+    def sink(name):
+        def take(events):
+            for ev in events:
+                got[name].append(ev.token)
+                if ev.finish_reason is not None:
+                    done[name].set()
+        return take
+
+    loop = EngineLoop(engine, lambda fn: fn()).start()
+    try:
+        loop.add([EngineRequest("old", tuple(GREEDY["prompt"]), params)], sink("old"))
+        update = loop.update_weights(path)
+        second = loop.update_weights(path)
+        loop.add([EngineRequest("new", tuple(GREEDY["prompt"]), params)], sink("new"))
+        assert update.result(timeout=60) >= 1 and done["old"].wait(60) and done["new"].wait(60)
+        with pytest.raises(EngineBusy):
+            second.result(timeout=10)
+    finally:
+        loop.stop()
+    assert got["new"] == want and got["old"] != want and len(got["old"]) == 6
+
+
+def test_requests_held_for_an_update_can_be_aborted_and_are_failed_at_shutdown(engine, new_weights):
+    """A held request its client gave up on never runs and stops counting; at shutdown a waiting update and the
+    requests held for it get EngineStopped, and nothing stays counted."""
+    from splash.engine.messages import EngineRequest
+    from splash.engine.sampling import SamplingParams
+    from splash.server.engine_loop import EngineLoop, EngineStopped
+
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    seen: dict[str, list] = {"gone": [], "held": []}
+    loop = EngineLoop(engine, lambda fn: fn())
+    loop.add([EngineRequest("long", (1, 2, 3), long)], lambda ev: None)   # queued before the thread starts
+    update = loop.update_weights(new_weights[0])
+    loop.add([EngineRequest("gone", (4, 5), short)], seen["gone"].extend)
+    loop.add([EngineRequest("held", (6, 7), short)], seen["held"].extend)
+    loop.abort(["gone"])
+    loop.start()
+    loop.stop(timeout=60)
+    with pytest.raises(EngineStopped):
+        update.result(timeout=10)
+    assert seen["gone"] == [] and len(seen["held"]) == 1 and isinstance(seen["held"][0], EngineStopped)
+    assert loop.outstanding == 0
