@@ -101,7 +101,7 @@ def bearer_matches(authorization: str | None, secret: str) -> bool:
 
 
 ADMIN_ROUTES = frozenset({("POST", "/v1/layout"), ("POST", "/reset_prefix_cache"),
-                          ("POST", "/update_weights_from_disk")})
+                          ("POST", "/update_weights_from_disk"), ("POST", "/abort_request")})
 OPEN_ROUTES = frozenset({"/health", "/metrics", "/version"})   # no API key: probes and scrapers
 
 
@@ -457,6 +457,16 @@ class _Handlers:
         check_admin(self.s, request.headers.get("authorization"))
         return JSONResponse({"evicted_blocks": await self.on_engine(self.s.loop.reset_prefix_cache)})
 
+    async def abort_request(self, request: Request) -> JSONResponse:
+        """SGLang's admin endpoint (token-protected like /v1/layout), e.g. an RL rollout cutting its long tail: the
+        sequences of response `rid`, or every one, end now with what they have (finish_reason "abort")."""
+        check_admin(self.s, request.headers.get("authorization"))
+        req = await self.body(request, P.AbortRequest)
+        req.check()
+        prefix = f"{req.rid}-"
+        match = (lambda rid: True) if req.abort_all else (lambda rid: rid.startswith(prefix))
+        return JSONResponse({"aborted": await self.on_engine(self.s.loop.abort_matching, match)})
+
     async def update_weights(self, request: Request) -> JSONResponse:
         """SGLang's admin endpoint (token-protected like /v1/layout): every rank loads `model_path`'s weights into
         its current layout once the admitted requests are done (later ones wait for it); 409 while another waits."""
@@ -505,6 +515,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/layout", h.set_layout, methods=["POST"])
     app.add_api_route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"])
     app.add_api_route("/update_weights_from_disk", h.update_weights, methods=["POST"])
+    app.add_api_route("/abort_request", h.abort_request, methods=["POST"])
     app.add_api_route("/tokenize", h.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", h.detokenize, methods=["POST"])
 

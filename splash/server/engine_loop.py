@@ -34,6 +34,12 @@ class Overloaded(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Aborted:
+    """Delivered to a sequence's sink when an admin aborted it (POST /abort_request): it ends with what it has."""
+    req_id: str
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     layout: str
     mode: str
@@ -159,6 +165,13 @@ class EngineLoop:
         self._command(lambda: fut.set_result(self.engine.reset_prefix_cache()))
         return fut
 
+    def abort_matching(self, match: Callable[[str], bool]) -> Future:
+        """Abort every unfinished sequence whose id `match`es (SGLang's /abort_request): each one's sink gets
+        `Aborted`, the held ones' too; the future resolves to how many."""
+        fut: Future = Future()
+        self._command(lambda: fut.set_result(self._abort_matching(match)))
+        return fut
+
     def update_weights(self, model_path: str) -> Future:
         """Ask the engine to load `model_path`'s weights (Engine.update_weights) as SGLang does: the requests
         already admitted finish on the old weights, requests that arrive meanwhile wait and run on the new ones.
@@ -222,6 +235,18 @@ class EngineLoop:
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(req.prompt))
                 self._times[req.req_id] = [arrival, None, 0]
+
+    def _abort_matching(self, match: Callable[[str], bool]) -> int:
+        hit = [(rid, sink) for rid, sink in self._sinks.items() if match(rid)]
+        hit += [(r.req_id, sink) for reqs, sink, _ in self._held for r in reqs if match(r.req_id)]
+        ids = [rid for rid, _ in hit]
+        self._abort(ids)
+        groups: dict[int, tuple[Sink, list[Any]]] = {}
+        for rid, sink in hit:
+            groups.setdefault(id(sink), (sink, []))[1].append(Aborted(rid))
+        if groups:
+            self._deliver(list(groups.values()))
+        return len(ids)
 
     def _begin_update(self, model_path: str, fut: Future) -> None:
         if self._update is not None:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from splash.engine.messages import EngineRequest
 from splash.engine.sampling import SamplingParams
-from splash.server.engine_loop import EngineLoop, EngineStopped, Overloaded
+from splash.server.engine_loop import Aborted, EngineLoop, EngineStopped, Overloaded
 from splash.server import protocol as P
 from splash.server.protocol import APIError
 from splash.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -109,6 +109,11 @@ class Generation:
                     raise _as_api_error(ev)
                 c = self._by_id.get(ev.req_id)
                 if c is None or c.finish is not None:
+                    continue
+                if isinstance(ev, Aborted):   # an admin ended it: it keeps what it has
+                    c.text += c.detok.flush()
+                    c.finish, c.awaits_prompt_logprobs = "abort", False
+                    touched[c.index] = c
                     continue
                 c.cached_tokens = max(c.cached_tokens, ev.cached_tokens)
                 if ev.logprobs is not None:

@@ -238,6 +238,17 @@ class TokenizeRequest(_Strict):
             check_text_parts(self.messages)
 
 
+class AbortRequest(_Strict):
+    """SGLang's POST /abort_request: one request's sequences (`rid`: its response id) or all (`abort_all`)."""
+    rid: Optional[str] = Field(None, min_length=1)
+    abort_all: bool = False
+
+    def check(self) -> None:
+        if (self.rid is None) != self.abort_all:
+            raise APIError(400, "give 'rid' (a response id) or 'abort_all': true, not both",
+                           param="rid" if self.rid is not None else "abort_all")
+
+
 class UpdateWeightsRequest(_Strict):
     """SGLang's POST /update_weights_from_disk: a checkpoint directory on the server's machine, same architecture."""
     model_path: str = Field(min_length=1)
