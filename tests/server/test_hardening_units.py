@@ -27,13 +27,6 @@ TOK = load_tokenizer(None, 320)
 GOOD = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from splash.distributed import SingleRankCommunicator
-    from splash.engine.llm import LLM
-    return LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=64).engine
-
-
 def _serve(engine, checks, max_outstanding_seqs=None, **limits):
     """Run ``checks(client, loop)`` (async) against a fresh app on ``engine``; returns its result."""
     return in_process(engine, checks, max_outstanding_seqs, limits, tokenizer=TOK)
