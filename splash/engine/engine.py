@@ -23,10 +23,10 @@ from splash.engine.ledger import KVLedger
 from splash.engine.messages import (BlockHash, EngineRequest, PerRank, ReloadWeights, RequestFailure, StepMessage,
                                     StopMessage, SwitchPlan, TokenEvent)
 from splash.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
-from splash.errors import EngineBusy
 from splash.engine.sampling import SamplingParams
 from splash.engine.scheduler import Request, Scheduler
 from splash.engine.state_snapshots import StateSnapshots, state_holders
+from splash.errors import EngineBusy
 from splash.kv.recurrent import SnapshotPoint
 from splash.layouts.memory import state_snapshot_slots
 from splash.layouts.ownership import block_holders, distinct_kv_tokens
