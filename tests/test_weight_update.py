@@ -39,3 +39,17 @@ def test_a_checkpoint_of_another_shape_is_refused_and_nothing_changes(tmp_path):
     with pytest.raises(ValueError, match="rank 0: ValueError: .*tensor .* in the served model"):
         llm.update_weights(other)
     assert _tokens(llm) == before
+
+
+@pytest.mark.parametrize("weight_map", [[1], {"lm_head.weight": 5}, "model.safetensors"])
+def test_a_malformed_index_is_an_error_naming_it_and_nothing_changes(tmp_path, weight_map):
+    """A sharded checkpoint's index whose weight_map is not names -> file names (it raised AttributeError /
+    TypeError out of the load: on a server, the engine thread's death and the job's)."""
+    import json
+    new = save_preset("tiny-mla", tmp_path / "b", seed=7)
+    (new / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator())
+    before = _tokens(llm)
+    with pytest.raises(ValueError, match=r"rank 0: CheckpointError: .*index\.json: not a valid safetensors index"):
+        llm.update_weights(str(new))
+    assert _tokens(llm) == before
