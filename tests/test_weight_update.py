@@ -53,3 +53,18 @@ def test_a_malformed_index_is_an_error_naming_it_and_nothing_changes(tmp_path, w
     with pytest.raises(ValueError, match=r"rank 0: CheckpointError: .*index\.json: not a valid safetensors index"):
         llm.update_weights(str(new))
     assert _tokens(llm) == before
+
+
+def test_any_failure_while_reading_is_an_error_and_nothing_changes(tmp_path, monkeypatch):
+    """Whatever a rank's read raises (here an IndexError, as a reader's bug would) is its answer to the others:
+    raised instead, it ended rank 0's engine thread (or a follower) with the other ranks inside the all-gather."""
+    new = str(save_preset("tiny-mla", tmp_path / "b", seed=7))
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator())
+    before = _tokens(llm)
+
+    def broken(get):
+        raise IndexError("list index out of range")
+    monkeypatch.setattr(llm.engine.runner, "load_weights", broken)
+    with pytest.raises(ValueError, match="rank 0: IndexError: list index out of range"):
+        llm.update_weights(new)
+    assert _tokens(llm) == before
