@@ -68,3 +68,21 @@ def test_any_failure_while_reading_is_an_error_and_nothing_changes(tmp_path, mon
     with pytest.raises(ValueError, match="rank 0: IndexError: list index out of range"):
         llm.update_weights(new)
     assert _tokens(llm) == before
+
+
+def test_a_good_checkpoint_after_a_nan_one_serves_its_own_tokens(tmp_path, torch_kernels):
+    """An RL policy that diverged to NaN, then a good one: the good one's tokens (the NaN run's KV stayed in the
+    pool's blocks; torch's kernel, which runs with more than one thread, weighs the slots past a later request's
+    tokens 0, and 0 × NaN made its output NaN)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    good = save_preset("tiny-mla", tmp_path / "good", seed=7)
+    nan = save_preset("tiny-mla", tmp_path / "nan", seed=7)
+    sd = load_file(str(nan / "model.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in sd.items()}, str(nan / "model.safetensors"))
+    want = _tokens(LLM(model=str(good), comm=SingleRankCommunicator()))
+    llm = LLM(preset="tiny-mla", comm=SingleRankCommunicator(), num_kv_blocks=2)   # both runs use both blocks
+    llm.update_weights(str(nan))
+    _tokens(llm)
+    llm.update_weights(str(good))
+    assert _tokens(llm) == want

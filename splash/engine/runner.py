@@ -96,9 +96,11 @@ class ModelRunner:
     @torch.no_grad()
     def commit_weights(self, tensors: list[torch.Tensor]) -> None:
         """Copy `load_weights`' tensors into the served ones (every holder of a weight sees the new values); the
-        executors are made again over them, and a hybrid model's KDA snapshots, taken under the old weights, go."""
+        executors are made again over them, and what the old weights wrote goes: the KV pool is zeroed (an update
+        runs on an idle engine), a hybrid model's KDA snapshots are dropped."""
         for old, new in zip(weight_tensors(self.weights), tensors):
             old.copy_(new)
+        self.ctx.cache.clear()
         self.adopt(self._state)
         if self.states is not None:
             self.states.clear_snapshots()
