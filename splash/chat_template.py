@@ -86,5 +86,6 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
                                          add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from None
-    except (TypeError, AttributeError, KeyError, IndexError) as e:   # a template reading a message it cannot use
+    except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError) as e:   # a template reading a message
+        # it cannot use, or computing with it what it cannot (a division by its count; the sandbox's range limit)
         raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None

@@ -90,6 +90,15 @@ def test_a_template_error_is_a_value_error():
         tok.apply_chat_template(CONVERSATIONS["plain"])
 
 
+@pytest.mark.parametrize("template", ["{{ 1 / (messages | length - 1) }}",
+                                      "{% for i in range(messages | length * 200000) %}{% endfor %}"])
+def test_a_template_computing_what_it_cannot_from_the_messages_is_a_value_error(template):
+    """ZeroDivisionError, and the sandbox's OverflowError for a range over 100,000: the request's 400, not a 500."""
+    tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
+    with pytest.raises(ValueError, match="chat template failed on these messages: (ZeroDivision|Overflow)Error"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_the_generation_tag_renders_its_body_as_transformers_does(hf_tok):
     """``{% generation %}`` (the assistant-mask tag of some templates) renders its body unchanged."""
     template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"

@@ -198,5 +198,8 @@ def test_sampling_defaults_from_generation_config(tmp_path):
     (other / "generation_config.json").write_text(json.dumps({"temperature": 7}))
     with pytest.raises(ConfigError, match="generation_config.json.*temperature"):
         sampling_defaults(build_config(["--generation-config", str(other)]))
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with pytest.raises(ConfigError, match="generation_config.json: invalid value for 'max_new_tokens'"):
+        sampling_defaults(build_config(["--generation-config", str(other)]))   # the file's key, not the field's
     with pytest.raises(ConfigError, match="model.generation_config.*does not exist"):
         sampling_defaults(build_config(["--generation-config", str(tmp_path / "none")]))

@@ -166,8 +166,8 @@ class Engine:
             cfg, get = self.loader(msg.model_path)
             _same_architecture(msg.model_path, cfg, self.runner.cfg)
             tensors = self.runner.load_weights(get)
-        except (ValueError, OSError, KeyError, RuntimeError) as e:   # ConfigError / CheckpointError are ValueErrors
-            error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 — nothing served changed yet: any failure to read is this rank's
+            error = f"{type(e).__name__}: {e}"   # answer (raised, it would leave the others in the all-gather)
         errors = self.runner.comm.all_gather_obj(error)
         if not any(errors):
             self.runner.commit_weights(tensors)

@@ -93,12 +93,15 @@ class ModelRunner:
                                  f"the served model's {tuple(a.shape)} {a.dtype} on {a.device}")
         return new
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def commit_weights(self, tensors: list[torch.Tensor]) -> None:
         """Copy `load_weights`' tensors into the served ones (every holder of a weight sees the new values); the
-        executors are made again over them, and a hybrid model's KDA snapshots, taken under the old weights, go."""
+        executors are made again over them, and what the old weights wrote goes: the KV pool is zeroed (an update
+        runs on an idle engine), a hybrid model's KDA snapshots are dropped. In inference mode: the tensors a switch
+        made (in a step) are inference tensors, which only it may change in place."""
         for old, new in zip(weight_tensors(self.weights), tensors):
             old.copy_(new)
+        self.ctx.cache.clear()
         self.adopt(self._state)
         if self.states is not None:
             self.states.clear_snapshots()

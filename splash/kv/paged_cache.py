@@ -77,6 +77,13 @@ class PagedLatentCache:
         kinds = set(self.layer_dtypes)
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
+    def clear(self) -> None:
+        """Zero every block: after a weight update nothing the old weights wrote may reach a later request, not
+        even through a block's slots past its tokens, which attention weighs 0 (and 0 × NaN is NaN)."""
+        for layer in range(self.num_layers):
+            for part in self._parts(layer):
+                part.zero_()
+
     # ---- sizes -------------------------------------------------------------------------------------------
     def _latent(self, layer: int) -> list[torch.Tensor]:
         parts = [self.ckv[layer], self.kpe[layer]]

@@ -34,6 +34,9 @@ def _weight_map(model_dir: Path) -> dict[str, Path]:
             wm = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+            raise CheckpointError(f"{index}: not a valid safetensors index ('weight_map' must map tensor names to "
+                                  "file names)")
         return {name: model_dir / fname for name, fname in wm.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -463,8 +463,8 @@ class _Handlers:
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.AbortRequest)
         req.check()
-        prefix = f"{req.rid}-"
-        match = (lambda rid: True) if req.abort_all else (lambda rid: rid.startswith(prefix))
+        # a sequence's id is its response's id, "-", its choice index: only the whole response id names it
+        match = (lambda rid: True) if req.abort_all else (lambda rid: rid.rpartition("-")[0] == req.rid)
         return JSONResponse({"aborted": await self.on_engine(self.s.loop.abort_matching, match)})
 
     async def update_weights(self, request: Request) -> JSONResponse:

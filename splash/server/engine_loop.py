@@ -378,7 +378,8 @@ class EngineLoop:
             layout=eng.layout, mode=eng.layout_mode, target=eng.layout_target, allowed_layouts=self.allowed_layouts,
             switch_counts=dict(eng.switch_counts), kv_capacity=self._capacity, kv_used_tokens=eng.kv_used_tokens(),
             kv_used_blocks=list(eng.kv_used_blocks_per_rank()), kv_blocks_per_rank=eng.ledger.blocks_per_rank,
-            running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting), steps=self.steps,
+            running=len(eng.scheduler.running), steps=self.steps,
+            waiting=len(eng.scheduler.waiting) + sum(len(reqs) for reqs, _, _ in self._held),   # held ones wait too
             generated_tokens=self.generated, weight_bytes=dict(eng.weight_bytes_per_rank),
             scheduler=eng.auto.summary() if eng.auto is not None else None,
             prefix_queries=queries, prefix_hits=hits, prefix_cached_blocks=list(cached))

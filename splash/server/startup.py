@@ -141,8 +141,9 @@ def sampling_defaults(cfg: ServeConfig) -> dict[str, Any]:
     out = {field: raw[key] for key, field in GENERATION_DEFAULTS.items() if raw.get(key) is not None}
     try:
         P.parse_request(P.CompletionRequest, {"prompt": [0], **out})
-    except P.APIError as e:
-        raise ConfigError(f"{path}: {e.message}") from None
+    except P.APIError as e:   # named by the file's key (max_new_tokens fills the field max_tokens)
+        key = next((k for k, f in GENERATION_DEFAULTS.items() if f == e.param), e.param)
+        raise ConfigError(f"{path}: {e.message.replace(repr(e.param), repr(key))}") from None
     return out
 
 

@@ -3,7 +3,8 @@
 argv: job [job ...], each "label dir_a dir_b dir_c" (three checkpoints of one architecture, different seeds), run in
   turn in one launch; rank 0 prints "rank 0: label: <step> OK" per passed step. An engine serving A in TP (its
   prefix cache warm) takes B's weights and must give a one-rank engine's tokens for B (not hits on A's cached KV);
-  then switched to DOP it must still; it takes C's weights in DOP, then DP-attn and CP must give C's tokens. A
+  then switched to DOP it must still; it takes C's weights in DOP, then DP-attn and CP must give C's tokens; it
+  takes B's in CP and C's in DP-attn (layouts a switch entered: some tensors were made in inference mode). A
   missing checkpoint, and a load that fails on rank 1 only, are a ValueError on every rank with nothing changed;
   an update while a request waits is refused (EngineBusy).
 """
@@ -55,6 +56,11 @@ def job(dirs: list[str], say) -> None:
         llm.engine.request_layout(lay)
         assert tokens(llm) == ref[c] and llm.engine.layout == lay, lay
     say("dop b->c, then dp_attn, cp OK")
+    for lay, d in (("cp", b), ("dp_attn", c)):   # layouts a switch entered (their tensors made in inference mode)
+        llm.engine.request_layout(lay)
+        llm.update_weights(d)
+        assert tokens(llm) == ref[d] and llm.engine.layout == lay, lay
+    say("cp c->b, dp_attn b->c OK")
     assert refuses(llm, a + "-missing", "rank 0")
     if rank == 1:
         def broken(get):

@@ -17,7 +17,7 @@ from hf_models import DSA_VARIANTS, VARIANTS, make_tiny_deepseek  # noqa: E402
 
 WORKER = "tests/distributed/reload_worker.py"
 VARIANT_NAMES = ("moe_yarn", "v32_sparse", "glm5_next")
-STEPS = 5   # the OK lines of one job
+STEPS = 6   # the OK lines of one job
 _DIRS: dict[str, list[Path]] = {}
 
 

@@ -64,6 +64,23 @@ def test_a_response_id_aborts_its_sequences_only(engine):
     assert loop.outstanding == 0
 
 
+def test_a_rid_is_a_whole_response_id(engine):
+    """'cmpl' (a prefix of every completion's id, not an id) aborts nothing (it aborted every completion); the
+    response's own id aborts it."""
+    async def checks(c, loop):
+        running = asyncio.create_task(c.post("/v1/completions", json=LONG))
+        while loop.snapshot.running < 1:
+            await asyncio.sleep(0.01)
+        rid = next(iter(loop._sinks)).rpartition("-")[0]
+        wrong = [(await c.post("/abort_request", json={"rid": r})).json() for r in ("cmpl", rid[:-1], f"{rid}-0")]
+        right = (await c.post("/abort_request", json={"rid": rid})).json()
+        return wrong, right, (await running).json()["choices"][0]
+
+    wrong, right, choice = in_process(engine, checks)
+    assert wrong == [{"aborted": 0}] * 3 and right == {"aborted": 1}
+    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 400
+
+
 def test_it_is_an_admin_route(engine):
     async def checks(c, _):
         return [(await c.post("/abort_request", json={"abort_all": True}, headers=h)).status_code

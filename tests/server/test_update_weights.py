@@ -147,3 +147,30 @@ def test_requests_held_for_an_update_can_be_aborted_and_are_failed_at_shutdown(e
         update.result(timeout=10)
     assert seen["gone"] == [] and len(seen["held"]) == 1 and isinstance(seen["held"][0], EngineStopped)
     assert loop.outstanding == 0
+
+
+def test_requests_held_for_an_update_count_as_waiting(engine, new_weights):
+    """splash_requests_waiting (and the console) count the sequences held for a pending update (they counted 0
+    while a queue built up behind it)."""
+    import time
+
+    from splash.engine.messages import EngineRequest
+    from splash.engine.sampling import SamplingParams
+    from splash.server.engine_loop import EngineLoop
+
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    loop = EngineLoop(engine, lambda fn: fn())
+    loop.add([EngineRequest("long", (1, 2, 3), long)], lambda ev: None)
+    update = loop.update_weights(new_weights[0])
+    loop.add([EngineRequest(f"held-{i}", (4, 5), short) for i in range(2)], lambda ev: None)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while loop.snapshot.steps < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snap = loop.snapshot
+        assert not update.done() and snap.running == 1 and snap.waiting == 2, snap
+        assert update.result(timeout=60) >= 0
+    finally:
+        loop.stop(timeout=60)
