@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-from importlib import metadata
 import json
 import logging
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from importlib import metadata
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -65,6 +66,7 @@ class ServerState:
     tool_call_parser: str | None = None          # splash.server.agent.resolve_parsers
     reasoning_parser: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # splash.server.startup.sampling_defaults
+    say: Callable[[str], None] = lambda message: None   # rank 0's console line for admin actions (frontend.serve)
 
 
 def is_loopback(host: str) -> bool:
@@ -472,13 +474,17 @@ class _Handlers:
         its current layout once the admitted requests are done (later ones wait for it); 409 while another waits."""
         check_admin(self.s, request.headers.get("authorization"))
         req = await self.body(request, P.UpdateWeightsRequest)
+        self.s.say(f"splash-serve: updating the weights from {req.model_path} once the admitted requests are done")
+        t0 = time.perf_counter()
         try:
             evicted = await self.on_engine(self.s.loop.update_weights, req.model_path)
         except EngineBusy as e:
             raise P.APIError(409, str(e), "conflict_error", code="engine_busy", headers={"Retry-After": "1"}) \
                 from None
         except ValueError as e:
+            self.s.say(f"splash-serve: weight update from {req.model_path} failed, nothing changed: {e}")
             raise P.APIError(400, str(e), param="model_path", code="update_failed") from None
+        self.s.say(f"splash-serve: weights updated from {req.model_path} in {time.perf_counter() - t0:.2f} s")
         return JSONResponse({"success": True, "message": f"weights loaded from {req.model_path}",
                              "evicted_blocks": evicted})
 

@@ -66,7 +66,7 @@ async def serve(state_kw: dict, engine: Any, sock: socket.socket, console: Conso
     metrics = Metrics(lambda: loop.snapshot)   # scraped only once the app below serves, when `loop` is bound
     # engine.control.allowed: the allowed layouts feasible on this model and world size
     loop = EngineLoop(engine, post, metrics, watchdog, engine.control.allowed, abort_job, max_outstanding)
-    state = ServerState(loop=loop, metrics=metrics, **state_kw)
+    state = ServerState(loop=loop, metrics=metrics, say=console.log, **state_kw)
     app = create_app(state)
     quiet = console.quiet or console.live_ok
     read_s, drain_s = state.limits.read_timeout_s, state.limits.drain_timeout_s

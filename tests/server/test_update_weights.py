@@ -51,12 +51,16 @@ def test_the_server_generates_the_new_weights_tokens(engine, new_weights):
         after = _ids(await c.post("/v1/completions", json=GREEDY))
         return before, again, bad, still, ok, after
 
-    before, again, bad, still, ok, after = in_process(engine, checks)
+    said: list[str] = []
+    before, again, bad, still, ok, after = in_process(engine, checks, say=said.append)
     assert before == again == still and before != want
     assert bad[0].status_code == 400 and bad[0].json()["error"]["code"] == "update_failed", bad[0].text
     assert all(r.status_code == 400 and r.json()["error"]["param"] == "model_path" for r in bad), [r.text for r in bad]
     assert ok.status_code == 200 and ok.json()["success"] and ok.json()["evicted_blocks"] >= 1, ok.text
     assert after == want
+    # the console's lines: each update a body named announced, the failed one with why, the good one with its time
+    assert sum("updating the weights from" in m for m in said) == 2 and "failed, nothing changed" in said[1]
+    assert said[-1].startswith(f"splash-serve: weights updated from {path} in ")
 
 
 def test_a_busy_engine_is_a_409(engine, new_weights, monkeypatch):
