@@ -97,7 +97,10 @@ class Console:
         self._thread: threading.Thread | None = None
 
     def log(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        if self.live_ok:   # through rich: a line printed while the live panel runs goes above it, not into it
+            self.rich.print(message, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     @contextmanager
     def loading(self, what: str, total: int) -> Iterator[Callable[[], None]]:

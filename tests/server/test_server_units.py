@@ -242,6 +242,28 @@ def test_live_console_panel_redraws_the_snapshot_with_the_cost_model_line(monkey
     assert "last decision: switch → dop (dop is faster)" in err and "Ctrl-C to stop" in err
 
 
+def test_a_line_logged_while_the_live_panel_runs_goes_through_the_panels_console(monkeypatch):
+    """rank 0's lines while the panel is live (an admin's weight update, ...) are written by the console that draws
+    the panel, which puts them above it; a bare write to the terminal would land inside the panel's redraw."""
+    import io
+    import time
+
+    from rich.console import Console as RichConsole
+
+    from splash.server.console import Console
+
+    monkeypatch.setenv("SPLASH_CONSOLE", "live")
+    con = Console()
+    con.rich = RichConsole(file=io.StringIO(), force_terminal=True, width=100, record=True)
+    con.start_panel(lambda: None, "splash-serve test")
+    time.sleep(0.3)
+    con.log("splash-serve: weights updated from /ckpt in 0.12 s")
+    time.sleep(0.6)
+    con.stop_panel()
+    text = con.rich.export_text()
+    assert text.count("splash-serve: weights updated from /ckpt in 0.12 s") == 1 and "starting…" in text
+
+
 def test_plain_console_logs_a_status_line_and_quiet_logs_nothing(monkeypatch, capsys):
     import time
 
