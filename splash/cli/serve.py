@@ -117,7 +117,8 @@ def _serve_rank0(cfg, engine, sock, console, watchdog, world_size: int, secrets:
     if defaults and console:   # as vLLM says it: a request without these fields is not sampled as the API documents
         console.log("splash-serve: sampling defaults from the model's generation_config.json (--generation-config "
                     "vllm: none): " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
-    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, max_model_len=engine.max_model_len,
+    state_kw = dict(tokenizer=tokenizer, model_name=cfg.model_name, model_root=cfg.model.model or cfg.model.preset,
+                    max_model_len=engine.max_model_len,
                     vocab_size=mcfg.vocab_size, host=cfg.server.host,
                     world_size=world_size, limits=cfg.server, **secrets, sampling_defaults=defaults,
                     tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)

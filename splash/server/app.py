@@ -67,6 +67,7 @@ class ServerState:
     reasoning_parser: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # splash.server.startup.sampling_defaults
     say: Callable[[str], None] = lambda message: None   # rank 0's console line for admin actions (frontend.serve)
+    model_root: str | None = None                 # the model directory (or preset) served, as vLLM's card's root
 
 
 def is_loopback(host: str) -> bool:
@@ -536,7 +537,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "splash",
-                "max_model_len": state.max_model_len}
+                "root": state.model_root or state.model_name, "parent": None, "max_model_len": state.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -45,13 +45,15 @@ def test_tokenize_gives_the_ids_the_generating_endpoints_read(engine):
     assert no_gen.json()["tokens"] == TOK.encode(TOK.apply_chat_template(msgs, add_generation_prompt=False), False)
 
 
-def test_detokenize_and_version(engine):
+def test_detokenize_version_and_the_model_card(engine):
     ids = TOK.encode("round trip", False)
 
     async def checks(c):
-        return (await c.post("/detokenize", json={"tokens": ids})).json(), (await c.get("/version")).json()
-    text, version = _serve(engine, checks)
+        return ((await c.post("/detokenize", json={"tokens": ids})).json(), (await c.get("/version")).json(),
+                (await c.get("/v1/models")).json()["data"][0])
+    text, version, card = _serve(engine, checks, model_root="/models/tiny")
     assert text == {"prompt": "round trip"} and version == {"version": metadata.version("splash")}
+    assert card["id"] == "tiny-mla" and card["root"] == "/models/tiny" and card["parent"] is None
 
 
 @pytest.mark.parametrize("path, body, status, param", [
