@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splash.config.serve_config import ServerSection
-from splash.errors import EngineBusy
 from splash.engine.sampling import SamplingParams
+from splash.errors import EngineBusy
 from splash.server import admission_cost, chat_output
 from splash.server import protocol as P
 from splash.server.agent import AgentAPI, Prepared, template_kwargs, template_tools, with_prompt
@@ -59,7 +59,7 @@ class ServerState:
     vocab_size: int
     host: str = "127.0.0.1"
     admin_token: str | None = None
-    api_key: str | None = None                   # every /v1 route needs it as a bearer token when set
+    api_key: str | None = None                   # when set, every route but OPEN_ROUTES needs it as a bearer token
     world_size: int = 1
     created: int = field(default_factory=P.now)
     limits: ServerSection = field(default_factory=ServerSection)   # the request limits (config section server)
@@ -352,10 +352,7 @@ class _Handlers:
             raise P.APIError(400, f"'tokens' has {len(req.tokens)} tokens, more than the model's context "
                                   f"(max_model_len {self.s.max_model_len})", param="tokens",
                              code="context_length_exceeded")
-        bad = next((t for t in req.tokens if not 0 <= t < self.s.vocab_size), None)
-        if bad is not None:
-            raise P.APIError(400, f"'tokens' contains token id {P.quote(bad)}, outside the vocabulary "
-                                  f"[0, {self.s.vocab_size})", param="tokens")
+        self.prompts.check_vocab(req.tokens, "tokens")
         text = await asyncio.to_thread(self.s.tokenizer.decode, req.tokens, False)
         return JSONResponse({"prompt": text})
 

@@ -30,10 +30,13 @@ class PromptReader:
             raise P.APIError(400, f"{where} is empty (it must contain at least one token)", param=where)
         if len(ids) >= self.max_model_len:
             raise context_error(where, len(ids), self.max_model_len)
+        return self.check_vocab(ids, where)
+
+    def check_vocab(self, ids: list[int], where: str) -> list[int]:
         bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"{where} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})",
-                             param=where)
+            raise P.APIError(400, f"{where} contains token id {P.quote(bad)}, outside the vocabulary "
+                                  f"[0, {self.vocab_size})", param=where)
         return ids
 
     async def tokens(self, text: str, where: str, special: bool) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any, Callable
 
 from splash.config.serve_config import ServeConfig
@@ -94,7 +95,7 @@ def serving_tokenizer(cfg: ServeConfig, vocab_size: int) -> Any:
         return tok
     if os.path.isfile(value):
         try:
-            value = open(value, encoding="utf-8").read()
+            value = Path(value).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"field 'model.chat_template': cannot read {cfg.model.chat_template!r} ({e})") from None
     elif not any(c in value for c in "{}\n"):
@@ -133,7 +134,7 @@ def sampling_defaults(cfg: ServeConfig) -> dict[str, Any]:
             return {}
         raise ConfigError(f"field 'model.generation_config': {path} does not exist")
     try:
-        raw = json.loads(open(path, encoding="utf-8").read())
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"field 'model.generation_config': cannot read {path} ({e})") from None
     if not isinstance(raw, dict):
